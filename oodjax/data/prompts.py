@@ -1,0 +1,194 @@
+"""Prompts: the template, the answer tokens, and tokenisation with premise-only truncation.
+
+A prompt is tokenised whole, exactly as the model's tokenizer tokenises it with
+its own special tokens (`add_special_tokens=True`): GPT-2 adds nothing, OPT's
+tokenizer prepends its `</s>` BOS, Llama-style tokenizers their `<s>`. Prompts
+longer than `max_length` lose tokens from the end of the premise only, so the
+hypothesis and the question (whose last token is where the answer is scored)
+are never cut. Truncation works on the tokens of the whole prompt (located by
+character offsets), so the kept tokens are the untruncated prompt's own. A
+tokenizer that appends a special token (an EOS) is refused: the answer is
+scored at the last prompt token.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+import string
+
+import datasets
+import numpy as np
+from transformers import PreTrainedTokenizerBase
+
+from oodjax.data.cache import cached_arrays, content_key, default_cache_dir
+
+DEFAULT_TEMPLATE = "{premise} Question: {hypothesis} Yes or No?"
+DEFAULT_MAX_LENGTH = 512
+# Part of every cache key: bump it whenever tokenisation changes what it produces.
+TOKENIZATION_VERSION = "1"
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenizedSet:
+    """A tokenised testset: ragged prompts stored flat, so it caches as one npz.
+
+    Prompt i is `token_ids[starts[i]:starts[i + 1]]`; `labels[i]` is its binary
+    label and `truncated[i]` whether its premise was cut to fit `max_length`.
+    """
+
+    token_ids: np.ndarray  # [total tokens] int32
+    starts: np.ndarray  # [N + 1] int64
+    labels: np.ndarray  # [N] int32
+    truncated: np.ndarray  # [N] bool
+    max_length: int
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return np.diff(self.starts)
+
+    @property
+    def num_truncated(self) -> int:
+        return int(self.truncated.sum())
+
+    def prompt(self, i: int) -> np.ndarray:
+        return self.token_ids[self.starts[i] : self.starts[i + 1]]
+
+
+def check_template(template: str) -> None:
+    """A template must name {premise} and {hypothesis} exactly once each, and nothing else."""
+    fields = [name for _, name, _, _ in string.Formatter().parse(template) if name is not None]
+    if sorted(fields) != ["hypothesis", "premise"]:
+        raise ValueError(
+            f"prompt template must contain {{premise}} and {{hypothesis}} once each and no other "
+            f"fields; {template!r} has fields {fields}"
+        )
+
+
+def format_prompt(premise: str, hypothesis: str, template: str = DEFAULT_TEMPLATE) -> str:
+    check_template(template)
+    return template.format(premise=premise, hypothesis=hypothesis)
+
+
+def answer_token_ids(
+    tokenizer: PreTrainedTokenizerBase, yes: str = " Yes", no: str = " No"
+) -> tuple[int, int]:
+    """The single token ids the model's next-token logits are read at for yes and no."""
+    ids = []
+    for answer in (yes, no):
+        tokens = tokenizer.encode(answer, add_special_tokens=False)
+        if len(tokens) != 1:
+            raise ValueError(
+                f"answer {answer!r} is {len(tokens)} tokens {tokens} for tokenizer "
+                f"{tokenizer.name_or_path!r}; it must be exactly one token"
+            )
+        ids.append(tokens[0])
+    return ids[0], ids[1]
+
+
+def tokenize_testset(
+    ds: datasets.Dataset,
+    tokenizer: PreTrainedTokenizerBase,
+    *,
+    template: str = DEFAULT_TEMPLATE,
+    max_length: int = DEFAULT_MAX_LENGTH,
+    cache_dir: str | os.PathLike | None = None,
+    use_cache: bool = True,
+) -> TokenizedSet:
+    """Tokenise every example of a binary NLI dataset, truncating inside premises only.
+
+    The result is cached under `cache_dir` (default: $OODJAX_CACHE_DIR or
+    ~/.cache/oodjax) keyed by the tokenizer's full definition (vocabulary,
+    merges, special-token handling), the template, max_length and the rows
+    themselves, so any change to one of them is a new entry, never a stale hit.
+    """
+    check_template(template)
+    if not getattr(tokenizer, "is_fast", False):
+        raise TypeError(f"tokenizer {tokenizer.name_or_path!r} must be a fast tokenizer (premise offsets)")
+    if max_length < 1:
+        raise ValueError(f"max_length must be positive, got {max_length}")
+    columns = ds.select_columns(["premise", "hypothesis", "label"]).to_dict()
+    premises, hypotheses, labels = columns["premise"], columns["hypothesis"], columns["label"]
+
+    def compute() -> dict[str, np.ndarray]:
+        return _tokenize(premises, hypotheses, labels, tokenizer, template, max_length)
+
+    if not use_cache:
+        arrays = compute()
+    else:
+        key = content_key(
+            [
+                TOKENIZATION_VERSION,
+                tokenizer.backend_tokenizer.to_str(),
+                template,
+                str(max_length),
+                json.dumps([premises, hypotheses, labels]),
+            ]
+        )
+        root = pathlib.Path(cache_dir) if cache_dir is not None else default_cache_dir()
+        arrays = cached_arrays(root / "tokenized" / f"{key}.npz", compute)
+    return TokenizedSet(max_length=max_length, **arrays)
+
+
+def _tokenize(
+    premises: list[str],
+    hypotheses: list[str],
+    labels: list[int],
+    tokenizer: PreTrainedTokenizerBase,
+    template: str,
+    max_length: int,
+) -> dict[str, np.ndarray]:
+    before_premise = template.split("{premise}")[0]
+    prompts = [template.format(premise=p, hypothesis=h) for p, h in zip(premises, hypotheses)]
+    encoded = tokenizer(
+        prompts, add_special_tokens=True, return_offsets_mapping=True, return_special_tokens_mask=True
+    )
+    rows, truncated = [], []
+    for i, (ids, offsets, special) in enumerate(
+        zip(encoded["input_ids"], encoded["offset_mapping"], encoded["special_tokens_mask"])
+    ):
+        if special[-1]:
+            raise ValueError(
+                f"tokenizer {tokenizer.name_or_path!r} appends special token {ids[-1]} to prompts; the last "
+                "token must be the prompt's own, since the answer is scored at its position"
+            )
+        start = len(before_premise.format(hypothesis=hypotheses[i]))
+        premise_span = (start, start + len(premises[i]))
+        row = _truncate_premise(ids, offsets, special, premise_span, max_length, where=f"example {i}")
+        rows.append(row)
+        truncated.append(len(row) < len(ids))
+    lengths = np.array([len(r) for r in rows], dtype=np.int64)
+    return {
+        "token_ids": np.array([t for row in rows for t in row], dtype=np.int32),
+        "starts": np.concatenate([[0], np.cumsum(lengths)]),
+        "labels": np.asarray(labels, dtype=np.int32),
+        "truncated": np.array(truncated, dtype=bool),
+    }
+
+
+def _truncate_premise(
+    ids: list[int],
+    offsets: list[tuple[int, int]],
+    special: list[int],
+    premise_span: tuple[int, int],
+    max_length: int,
+    where: str,
+) -> list[int]:
+    """Drop the last premise tokens until the prompt fits; error if the premise is not enough."""
+    excess = len(ids) - max_length
+    if excess <= 0:
+        return ids
+    lo, hi = premise_span
+    in_premise = [i for i, ((a, b), s) in enumerate(zip(offsets, special)) if not s and lo <= a and b <= hi]
+    if len(in_premise) < excess:
+        raise ValueError(
+            f"{where}: prompt is {len(ids)} tokens and its premise only {len(in_premise)}; "
+            f"max_length={max_length} cannot be met by cutting the premise"
+        )
+    dropped = set(in_premise[len(in_premise) - excess :])
+    return [t for i, t in enumerate(ids) if i not in dropped]

@@ -1,0 +1,251 @@
+"""Few-shot sampling, stratified subsets, and the grain evaluation and training pipelines."""
+
+import collections
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import datasets
+import numpy as np
+import pytest
+
+from oodjax.data import (
+    TokenizedSet,
+    bucket_lengths,
+    eval_batches,
+    few_shot,
+    load_testset,
+    stratified_subset,
+    train_batches,
+    training_pool,
+)
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+@pytest.fixture(scope="module")
+def mnli_pool(hf_data_dir):
+    return training_pool("mnli", data_dir=hf_data_dir)
+
+
+def toy_tokenized(lengths, max_length=300, labels=None):
+    """A TokenizedSet whose prompt i is the tokens 1000*i + 1, ..., 1000*i + lengths[i]."""
+    rows = [1000 * i + 1 + np.arange(n) for i, n in enumerate(lengths)]
+    n = len(lengths)
+    return TokenizedSet(
+        token_ids=np.concatenate(rows).astype(np.int32),
+        starts=np.concatenate([[0], np.cumsum(lengths)]),
+        labels=np.asarray(labels if labels is not None else np.arange(n) % 2, dtype=np.int32),
+        truncated=np.zeros(n, dtype=bool),
+        max_length=max_length,
+    )
+
+
+def binary(labels):
+    return datasets.Dataset.from_dict({"premise": ["p"] * len(labels), "hypothesis": ["h"] * len(labels), "label": labels})
+
+
+# ---- few-shot ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n, per_label", [(32, [16, 16]), (64, [32, 32]), (128, [64, 64]), (33, [17, 16]), (1, [1, 0])])
+def test_few_shot_is_balanced_and_drawn_from_the_pool(mnli_pool, n, per_label):
+    sample = few_shot(mnli_pool, n, seed=0)
+    assert np.bincount(sample["label"][:], minlength=2).tolist() == per_label
+    pool_rows = set(zip(mnli_pool["premise"][:], mnli_pool["hypothesis"][:], mnli_pool["label"][:]))
+    rows = list(zip(sample["premise"][:], sample["hypothesis"][:], sample["label"][:]))
+    assert len(set(rows)) == n and set(rows) <= pool_rows
+
+
+def test_few_shot_is_reproducible_and_seed_dependent(mnli_pool):
+    assert few_shot(mnli_pool, 64, seed=42)["hypothesis"][:] == few_shot(mnli_pool, 64, seed=42)["hypothesis"][:]
+    assert set(few_shot(mnli_pool, 64, seed=42)["hypothesis"][:]) != set(few_shot(mnli_pool, 64, seed=99)["hypothesis"][:])
+
+
+def test_few_shot_is_the_same_in_another_process(mnli_pool, hf_data_dir):
+    """A fresh interpreter with another hash seed draws the same examples in the same order."""
+    script = (
+        "import json, sys; from oodjax.data import few_shot, training_pool;"
+        f"pool = training_pool('mnli', data_dir={str(hf_data_dir)!r});"
+        "print(json.dumps(few_shot(pool, 32, seed=99)['hypothesis'][:]))"
+    )
+    env = dict(os.environ, PYTHONHASHSEED="12345", PYTHONPATH=str(ROOT))
+    out = subprocess.run([sys.executable, "-c", script], env=env, cwd=ROOT, capture_output=True, text=True, check=True)
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == few_shot(mnli_pool, 32, seed=99)["hypothesis"][:]
+
+
+def test_few_shot_larger_than_the_pool_is_an_error():
+    pool = binary([0] * 10 + [1] * 3)
+    with pytest.raises(ValueError, match=r"few-shot n=8 needs 4 examples of label 1 but the pool \(13 rows\) has only 3"):
+        few_shot(pool, 8, seed=0)
+    with pytest.raises(ValueError, match="few-shot size n must be positive, got 0"):
+        few_shot(pool, 0, seed=0)
+
+
+def test_few_shot_rejects_unmapped_labels():
+    with pytest.raises(ValueError, match=r"few-shot pool has labels \[2\]; expected binary labels \(0, 1\)"):
+        few_shot(binary([0, 1, 2, 1]), 2, seed=0)
+
+
+# ---- stratified subsets --------------------------------------------------------
+
+
+def test_stratified_subset_keeps_label_proportions(hf_data_dir):
+    ds = load_testset("scitail", data_dir=hf_data_dir)  # 842 entailment, 1284 not
+    subset = stratified_subset(ds, 500, seed=0)
+    # 500 * 842 / 2126 = 198.02..., 500 * 1284 / 2126 = 301.97...: largest remainder gives 198 / 302.
+    assert np.bincount(subset["label"][:]).tolist() == [198, 302]
+    rows = list(zip(ds["premise"][:], ds["hypothesis"][:]))
+    positions = [rows.index(r) for r in zip(subset["premise"][:], subset["hypothesis"][:])]
+    assert positions == sorted(set(positions))  # distinct rows, in the testset's order
+    assert subset["hypothesis"][:] == stratified_subset(ds, 500, seed=0)["hypothesis"][:]
+    assert subset["hypothesis"][:] != stratified_subset(ds, 500, seed=1)["hypothesis"][:]
+
+
+def test_stratified_subset_of_a_small_set_is_the_whole_set():
+    ds = binary([0, 1, 1])
+    assert stratified_subset(ds, 3, seed=0) is ds
+    with pytest.raises(ValueError, match="subset size n must be positive, got 0"):
+        stratified_subset(ds, 0, seed=0)
+
+
+# ---- evaluation batches ----------------------------------------------------------
+
+
+def test_bucket_lengths():
+    assert bucket_lengths(512) == (64, 128, 256, 512)
+    assert bucket_lengths(300) == (64, 128, 256, 300)
+    assert bucket_lengths(50) == (50,)
+    assert bucket_lengths(300, [100, 32, 1000]) == (32, 100, 300)
+    with pytest.raises(ValueError, match=r"bucket lengths must be positive, got \[0, 64\]"):
+        bucket_lengths(128, [0, 64])
+
+
+def check_batch_rows(batch, tokenized):
+    """Every valid row holds its prompt, right-padded, with the answer at its last token."""
+    for r in range(len(batch["index"])):
+        i = batch["index"][r]
+        if not batch["valid"][r]:
+            assert i == -1 and batch["attention_mask"][r].tolist() == [1] + [0] * (batch["input_ids"].shape[1] - 1)
+            continue
+        prompt = tokenized.prompt(i)
+        n = len(prompt)
+        assert batch["input_ids"][r, :n].tolist() == prompt.tolist()
+        assert not batch["input_ids"][r, n:].any()
+        assert batch["attention_mask"][r].tolist() == [1] * n + [0] * (batch["input_ids"].shape[1] - n)
+        assert batch["answer_pos"][r] == n - 1
+        assert batch["label"][r] == tokenized.labels[i]
+
+
+def test_eval_batches_cover_every_example_once_in_its_smallest_bucket():
+    lengths = [3, 64, 65, 300, 128, 10, 129, 200, 7, 64, 1]
+    tokenized = toy_tokenized(lengths)
+    batches = list(eval_batches(tokenized, batch_size=3))
+    seen = np.concatenate([b["index"][b["valid"]] for b in batches])
+    assert sorted(seen.tolist()) == list(range(len(lengths)))
+    assert {b["input_ids"].shape for b in batches} == {(3, 64), (3, 128), (3, 256), (3, 300)}
+    for b in batches:
+        seq_len = b["input_ids"].shape[1]
+        smallest = min(x for x in (64, 128, 256, 300) if x >= max(lengths[i] for i in b["index"][b["valid"]]))
+        assert seq_len == smallest
+        assert {b[k].dtype for k in ("input_ids", "attention_mask", "answer_pos", "label", "index")} == {np.dtype(np.int32)}
+        assert b["valid"].dtype == bool
+        check_batch_rows(b, tokenized)
+    # 64-bucket: examples 0, 1, 5, 8, 9, 10 -> two full batches; 128: 2, 4 -> one padded batch.
+    assert [b["index"].tolist() for b in batches[:3]] == [[0, 1, 5], [8, 9, 10], [2, 4, -1]]
+
+
+def test_eval_batches_on_a_real_testset(gpt2_tokenizer_dir, hf_data_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    from oodjax.data import tokenize_testset
+
+    tokenizer = AutoTokenizer.from_pretrained(gpt2_tokenizer_dir)
+    tokenized = tokenize_testset(load_testset("anli", data_dir=hf_data_dir), tokenizer, max_length=128, cache_dir=tmp_path)
+    batches = list(eval_batches(tokenized, batch_tokens=2048, row_multiple=8))
+    seen = np.concatenate([b["index"][b["valid"]] for b in batches])
+    assert sorted(seen.tolist()) == list(range(len(tokenized)))
+    assert {b["input_ids"].shape for b in batches} == {(32, 64), (16, 128)}
+    for b in batches:
+        check_batch_rows(b, tokenized)
+
+
+def test_batch_size_in_tokens():
+    tokenized = toy_tokenized([10] * 5 + [100] * 5 + [250] * 5)
+    shapes = collections.Counter(b["input_ids"].shape for b in eval_batches(tokenized, batch_tokens=512, row_multiple=2))
+    # 512 // 64 = 8 rows; 512 // 128 = 4 rows; 512 // 256 = 2 rows (all multiples of 2).
+    assert shapes == {(8, 64): 1, (4, 128): 2, (2, 256): 3}
+    shapes = collections.Counter(b["input_ids"].shape for b in eval_batches(tokenized, batch_tokens=300, row_multiple=4))
+    # 300 // 64 = 4 rows; 300 // 128 = 2 -> at least row_multiple = 4; likewise for 256.
+    assert shapes == {(4, 64): 2, (4, 128): 2, (4, 256): 2}
+
+
+def test_eval_batch_size_errors():
+    tokenized = toy_tokenized([5, 6])
+    with pytest.raises(ValueError, match="give exactly one of batch_size"):
+        eval_batches(tokenized)
+    with pytest.raises(ValueError, match="give exactly one of batch_size"):
+        eval_batches(tokenized, batch_size=2, batch_tokens=64)
+    with pytest.raises(ValueError, match="must be positive, got 0, None and 1"):
+        eval_batches(tokenized, batch_size=0)
+
+
+# ---- training stream -------------------------------------------------------------
+
+
+def as_lists(batch):
+    return {k: v.tolist() for k, v in batch.items()}
+
+
+def test_training_stream_epochs_are_shuffled_permutations():
+    tokenized = toy_tokenized([5, 70, 9, 12, 33, 8, 20, 41], max_length=128)
+    stream = train_batches(tokenized, batch_size=4, seed=0, process_index=0, process_count=1)
+    batches = [next(stream) for _ in range(6)]
+    assert {b["input_ids"].shape for b in batches} == {(4, 128)}  # 70 tokens -> bucket 128
+    epochs = [np.concatenate([b["index"] for b in batches[e : e + 2]]) for e in (0, 2, 4)]
+    assert all(sorted(e.tolist()) == list(range(8)) for e in epochs)
+    assert len({tuple(e) for e in epochs}) == 3 and tuple(epochs[0]) != tuple(range(8))
+    for b in batches:
+        assert b["valid"].all()
+        check_batch_rows(b, tokenized)
+
+
+def test_training_stream_is_seeded():
+    tokenized = toy_tokenized([5] * 32, max_length=64)
+    first = [next(train_batches(tokenized, batch_size=8, seed=s, process_index=0, process_count=1))["index"].tolist() for s in (0, 0, 1)]
+    assert first[0] == first[1] and first[0] != first[2]
+
+
+def test_training_stream_state_round_trips():
+    tokenized = toy_tokenized([5, 70, 9, 12, 33, 8, 20, 41, 3, 2], max_length=128)
+    stream = train_batches(tokenized, batch_size=4, seed=42, process_index=0, process_count=1)
+    for _ in range(7):
+        next(stream)
+    state = json.loads(json.dumps(stream.get_state()))  # survives a JSON checkpoint
+    expected = [as_lists(next(stream)) for _ in range(5)]
+    resumed = train_batches(tokenized, batch_size=4, seed=42, process_index=0, process_count=1)
+    resumed.set_state(state)
+    assert [as_lists(next(resumed)) for _ in range(5)] == expected
+
+
+def test_processes_share_out_the_global_batches():
+    tokenized = toy_tokenized([5] * 12, max_length=64)
+    single = train_batches(tokenized, batch_size=8, seed=7, process_index=0, process_count=1)
+    shards = [train_batches(tokenized, batch_size=8, seed=7, process_index=p, process_count=2) for p in (0, 1)]
+    for _ in range(5):
+        whole = next(single)["index"]
+        parts = [next(s)["index"] for s in shards]
+        assert [len(p) for p in parts] == [4, 4]
+        assert sorted(np.concatenate(parts).tolist()) == sorted(whole.tolist())
+        assert parts[0].tolist() == whole[0::2].tolist() and parts[1].tolist() == whole[1::2].tolist()
+
+
+def test_training_stream_errors():
+    tokenized = toy_tokenized([5, 70, 9], max_length=128)
+    with pytest.raises(ValueError, match="batch_size 6 must be a positive multiple of process_count 4"):
+        train_batches(tokenized, batch_size=6, seed=0, process_index=0, process_count=4)
+    with pytest.raises(ValueError, match=r"process_index 2 is outside \[0, 2\)"):
+        train_batches(tokenized, batch_size=4, seed=0, process_index=2, process_count=2)
+    with pytest.raises(ValueError, match=r"seq_len 64 is shorter than the longest training prompt \(70 tokens\)"):
+        train_batches(tokenized, batch_size=4, seed=0, seq_len=64, process_index=0, process_count=1)

@@ -1,0 +1,163 @@
+"""Prompts and tokenisation: exact token ids, premise-only truncation, BOS handling, the disk cache."""
+
+import datasets
+import numpy as np
+import pytest
+from transformers import AutoTokenizer
+
+from oodjax.data import DEFAULT_TEMPLATE, answer_token_ids, format_prompt, load_testset, tokenize_testset
+from oodjax.data import prompts
+
+LONG_PREMISE = "word" + " word" * 299  # 300 GPT-2 tokens
+HYPOTHESIS = "The cat sat."
+
+
+@pytest.fixture(scope="module")
+def gpt2(gpt2_tokenizer_dir):
+    return AutoTokenizer.from_pretrained(gpt2_tokenizer_dir)
+
+
+@pytest.fixture(scope="module")
+def gpt2_with_bos(gpt2_tokenizer_dir):
+    """GPT-2's BPE set up the way OPT's tokenizer is: a BOS before every prompt."""
+    return AutoTokenizer.from_pretrained(gpt2_tokenizer_dir, add_bos_token=True)
+
+
+def nli(rows):
+    return datasets.Dataset.from_dict(
+        {"premise": [r[0] for r in rows], "hypothesis": [r[1] for r in rows], "label": [r[2] for r in rows]}
+    )
+
+
+def ids(tokenizer, text, special=False):
+    return tokenizer(text, add_special_tokens=special)["input_ids"]
+
+
+def test_default_prompt():
+    assert format_prompt("A man sleeps.", "A person rests.") == "A man sleeps. Question: A person rests. Yes or No?"
+    assert DEFAULT_TEMPLATE == "{premise} Question: {hypothesis} Yes or No?"
+
+
+def test_answer_tokens_of_gpt2(gpt2):
+    assert answer_token_ids(gpt2) == (3363, 1400)
+    assert answer_token_ids(gpt2, yes=" yes", no=" no") == (ids(gpt2, " yes")[0], ids(gpt2, " no")[0])
+
+
+def test_multi_token_answer_is_an_error(gpt2):
+    with pytest.raises(ValueError, match=r"answer ' Yes please' is 2 tokens \[3363, 3387\].*exactly one token"):
+        answer_token_ids(gpt2, yes=" Yes please")
+
+
+def test_untruncated_prompts_are_the_tokenizers_own_ids(gpt2, hf_data_dir, tmp_path):
+    ds = load_testset("wnli", data_dir=hf_data_dir)
+    tokenized = tokenize_testset(ds, gpt2, cache_dir=tmp_path)
+    assert tokenized.num_truncated == 0 and len(tokenized) == len(ds)
+    expected = ids(gpt2, [format_prompt(p, h) for p, h in zip(ds["premise"][:], ds["hypothesis"][:])], special=True)
+    assert [tokenized.prompt(i).tolist() for i in range(len(ds))] == expected
+    np.testing.assert_array_equal(tokenized.labels, ds["label"][:])
+    assert tokenized.token_ids.dtype == np.int32
+
+
+def test_truncation_cuts_the_end_of_the_premise_and_keeps_the_question(gpt2, tmp_path):
+    ds = nli([(LONG_PREMISE, HYPOTHESIS, 0), ("A short one.", HYPOTHESIS, 1), (LONG_PREMISE, "Birds fly.", 1)])
+    tokenized = tokenize_testset(ds, gpt2, max_length=64, cache_dir=tmp_path)
+    premise = ids(gpt2, LONG_PREMISE)
+    assert len(premise) == 300
+    for i, hypothesis in ((0, HYPOTHESIS), (2, "Birds fly.")):
+        suffix = ids(gpt2, f" Question: {hypothesis} Yes or No?")
+        assert tokenized.prompt(i).tolist() == premise[: 64 - len(suffix)] + suffix
+    assert tokenized.prompt(1).tolist() == ids(gpt2, format_prompt("A short one.", HYPOTHESIS))
+    assert tokenized.truncated.tolist() == [True, False, True]
+    assert tokenized.num_truncated == 2
+    assert tokenized.lengths.tolist() == [64, len(tokenized.prompt(1)), 64]
+
+
+def test_truncation_keeps_the_bos_token(gpt2_with_bos, tmp_path):
+    bos = gpt2_with_bos.bos_token_id
+    ds = nli([(LONG_PREMISE, HYPOTHESIS, 0), ("A short one.", HYPOTHESIS, 1)])
+    tokenized = tokenize_testset(ds, gpt2_with_bos, max_length=64, cache_dir=tmp_path)
+    suffix = ids(gpt2_with_bos, f" Question: {HYPOTHESIS} Yes or No?")
+    premise = ids(gpt2_with_bos, LONG_PREMISE)
+    assert tokenized.prompt(0).tolist() == [bos] + premise[: 63 - len(suffix)] + suffix
+    short = format_prompt("A short one.", HYPOTHESIS)
+    assert tokenized.prompt(1).tolist() == [bos] + ids(gpt2_with_bos, short)
+
+
+def test_truncation_with_the_premise_in_the_middle_of_the_template(gpt2, tmp_path):
+    template = "Hypothesis: {hypothesis} Premise: {premise}. True?"
+    tokenized = tokenize_testset(nli([(LONG_PREMISE, HYPOTHESIS, 0)]), gpt2, template=template, max_length=40, cache_dir=tmp_path)
+    prefix, body, suffix = ids(gpt2, f"Hypothesis: {HYPOTHESIS} Premise:"), ids(gpt2, " " + LONG_PREMISE), ids(gpt2, ". True?")
+    assert ids(gpt2, template.format(premise=LONG_PREMISE, hypothesis=HYPOTHESIS)) == prefix + body + suffix
+    assert tokenized.prompt(0).tolist() == prefix + body[: 40 - len(prefix) - len(suffix)] + suffix
+
+
+def test_a_prompt_that_cannot_fit_by_cutting_the_premise_is_an_error(gpt2, tmp_path):
+    ds = nli([("Hi.", HYPOTHESIS, 0), ("Some premise.", "A hypothesis far too long to fit " * 3, 1)])
+    with pytest.raises(ValueError, match=r"example 1: prompt is \d+ tokens and its premise only 3; max_length=20"):
+        tokenize_testset(ds, gpt2, max_length=20, cache_dir=tmp_path)
+
+
+def test_a_tokenizer_appending_eos_is_refused(gpt2_tokenizer_dir, tmp_path):
+    with_eos = AutoTokenizer.from_pretrained(gpt2_tokenizer_dir, add_eos_token=True)
+    with pytest.raises(ValueError, match="appends special token 50256 to prompts"):
+        tokenize_testset(nli([("p", "h", 0)]), with_eos, cache_dir=tmp_path)
+
+
+@pytest.mark.parametrize(
+    "template, fields",
+    [
+        ("{premise} Question: Yes or No?", "['premise']"),
+        ("{premise} {hypothesis} {premise}", "['premise', 'hypothesis', 'premise']"),
+        ("{premise} {hypothesis} {answer}", "['premise', 'hypothesis', 'answer']"),
+    ],
+)
+def test_bad_templates_are_errors(template, fields, gpt2, tmp_path):
+    with pytest.raises(ValueError, match=r"must contain \{premise\} and \{hypothesis\} once each.*has fields " + fields.replace("[", r"\[").replace("]", r"\]")):
+        tokenize_testset(nli([("p", "h", 0)]), gpt2, template=template, cache_dir=tmp_path)
+    with pytest.raises(ValueError, match="must contain"):
+        format_prompt("p", "h", template)
+
+
+def test_bad_max_length(gpt2, tmp_path):
+    with pytest.raises(ValueError, match="max_length must be positive, got 0"):
+        tokenize_testset(nli([("p", "h", 0)]), gpt2, max_length=0, cache_dir=tmp_path)
+
+
+def cache_files(root):
+    return sorted(p.name for p in (root / "tokenized").iterdir())
+
+
+def test_the_cache_is_hit_for_the_same_inputs_and_missed_for_any_change(gpt2, gpt2_with_bos, tmp_path, monkeypatch):
+    ds = nli([(LONG_PREMISE, HYPOTHESIS, 0), ("A short one.", HYPOTHESIS, 1), ("Another.", "Birds fly.", 1)])
+    first = tokenize_testset(ds, gpt2, max_length=64, cache_dir=tmp_path)
+    assert len(cache_files(tmp_path)) == 1 and cache_files(tmp_path)[0].endswith(".npz")
+
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("tokenised again despite a cache entry")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(prompts, "_tokenize", must_not_run)
+        again = tokenize_testset(ds, gpt2, max_length=64, cache_dir=tmp_path)
+    for field in ("token_ids", "starts", "labels", "truncated"):
+        np.testing.assert_array_equal(getattr(again, field), getattr(first, field))
+    assert again.max_length == 64 and again.num_truncated == 1
+
+    tokenize_testset(ds, gpt2, max_length=65, cache_dir=tmp_path)
+    tokenize_testset(ds, gpt2, max_length=64, template="{premise}? {hypothesis}", cache_dir=tmp_path)
+    tokenize_testset(ds, gpt2_with_bos, max_length=64, cache_dir=tmp_path)
+    tokenize_testset(ds.select([0, 1]), gpt2, max_length=64, cache_dir=tmp_path)
+    relabelled = nli([(LONG_PREMISE, HYPOTHESIS, 1), ("A short one.", HYPOTHESIS, 1), ("Another.", "Birds fly.", 1)])
+    assert tokenize_testset(relabelled, gpt2, max_length=64, cache_dir=tmp_path).labels.tolist() == [1, 1, 1]
+    files = cache_files(tmp_path)
+    assert len(files) == 6 and all(f.endswith(".npz") and not f.startswith(".") for f in files)
+
+
+def test_the_default_cache_dir_comes_from_the_environment(gpt2, tmp_path, monkeypatch):
+    monkeypatch.setenv("OODJAX_CACHE_DIR", str(tmp_path))
+    tokenize_testset(nli([("p", "h", 0)]), gpt2)
+    assert len(cache_files(tmp_path)) == 1
+
+
+def test_use_cache_false_writes_nothing(gpt2, tmp_path):
+    tokenize_testset(nli([("p", "h", 0)]), gpt2, cache_dir=tmp_path, use_cache=False)
+    assert not (tmp_path / "tokenized").exists()
