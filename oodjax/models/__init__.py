@@ -1,0 +1,29 @@
+"""Flax NNX ports of OPT, OLMo2 and Llama/SmolLM that load Hugging Face checkpoints exactly."""
+
+from oodjax.models.config import DecoderConfig
+from oodjax.models.layers import CausalLM, Linear
+from oodjax.models.llama import LlamaConfig, LlamaForCausalLM
+from oodjax.models.loading import ARCHITECTURES, config_from_dict, from_config, load_pretrained
+from oodjax.models.olmo2 import Olmo2Config, Olmo2ForCausalLM
+from oodjax.models.opt import OPTConfig, OPTForCausalLM
+from oodjax.models.partitioning import LOGICAL_AXIS_RULES, logical_to_spec, param_sharding, param_shardings
+
+__all__ = [
+    "ARCHITECTURES",
+    "LOGICAL_AXIS_RULES",
+    "CausalLM",
+    "DecoderConfig",
+    "Linear",
+    "LlamaConfig",
+    "LlamaForCausalLM",
+    "OPTConfig",
+    "OPTForCausalLM",
+    "Olmo2Config",
+    "Olmo2ForCausalLM",
+    "config_from_dict",
+    "from_config",
+    "load_pretrained",
+    "logical_to_spec",
+    "param_sharding",
+    "param_shardings",
+]

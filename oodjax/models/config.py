@@ -1,0 +1,42 @@
+"""The configuration every model family shares, read from a Hugging Face ``config.json``.
+
+Configs are frozen (hashable) so a model's config is static under ``jax.jit``.
+Each family subclasses ``DecoderConfig`` and reads its own keys with
+``hf_value``, falling back to the defaults of transformers' config classes, so a
+config.json means here exactly what it means to transformers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+
+def hf_value(raw: Mapping[str, Any], key: str, default: Any) -> Any:
+    """``raw[key]``, or transformers' ``default`` when the key is absent or null (as its configs treat null)."""
+    value = raw.get(key)
+    return default if value is None else value
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DecoderConfig:
+    """Fields the engine relies on for any family."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    pad_token_id: int | None
+    tie_word_embeddings: bool
+    remat: bool = False
+
+    def __post_init__(self):
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )

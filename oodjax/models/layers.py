@@ -1,0 +1,352 @@
+"""Building blocks shared by every model family: projections, norms, RoPE, attention.
+
+Each block reproduces what transformers' PyTorch code computes, including where
+it upcasts to float32, so that the ports match Hugging Face logits exactly.
+Every parameter carries logical axis names (``out_sharding`` metadata, resolved
+by ``partitioning.LOGICAL_AXIS_RULES``); ``eager_sharding=False`` keeps models
+constructible without a mesh, since the loader places parameters itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+Axes = tuple[str | None, ...]
+
+# Hugging Face initialises weights with normal(0, initializer_range=0.02).
+_INIT_STD = 0.02
+
+ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
+    "relu": jax.nn.relu,
+    "silu": jax.nn.silu,
+}
+
+
+def activation(name: str) -> Callable[[jax.Array], jax.Array]:
+    """The activation transformers' ACT2FN maps ``name`` to (only those our checkpoints use)."""
+    if name not in ACTIVATIONS:
+        raise ValueError(f"activation {name!r} is not supported; supported: {sorted(ACTIVATIONS)}")
+    return ACTIVATIONS[name]
+
+
+def _param(value: jax.Array, axes: Axes) -> nnx.Param:
+    return nnx.Param(value, out_sharding=axes, eager_sharding=False)
+
+
+class Linear(nnx.Module):
+    """``y = x @ kernel + bias`` with kernel stored [in, out] (the transpose of torch's weight).
+
+    ``lora`` is an empty slot an adapter module (x -> delta of y's shape) can be
+    assigned to; its delta is cast to y's dtype, as PEFT does, so fp32 adapters
+    on a bf16 base keep the base's dtype flow.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        use_bias: bool,
+        axes: tuple[str | None, str | None],
+        dtype: jnp.dtype,
+        rngs: nnx.Rngs,
+    ):
+        kernel = _INIT_STD * jax.random.normal(rngs.params(), (in_features, out_features), jnp.float32)
+        self.kernel = _param(kernel.astype(dtype), axes)
+        self.bias = nnx.data(_param(jnp.zeros((out_features,), dtype), (axes[1],)) if use_bias else None)
+        self.lora = nnx.data(None)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        y = x @ self.kernel[...]
+        if self.bias is not None:
+            y = y + self.bias[...]
+        if self.lora is not None:
+            y = y + self.lora(x).astype(y.dtype)
+        return y
+
+
+class Embed(nnx.Module):
+    """A lookup table [num_embeddings, features]; HF's ``nn.Embedding`` weight as is."""
+
+    def __init__(self, num_embeddings: int, features: int, *, axes: Axes, dtype: jnp.dtype, rngs: nnx.Rngs):
+        table = _INIT_STD * jax.random.normal(rngs.params(), (num_embeddings, features), jnp.float32)
+        self.embedding = _param(table.astype(dtype), axes)
+
+    def __call__(self, ids: jax.Array) -> jax.Array:
+        return jnp.take(self.embedding[...], ids, axis=0)
+
+
+class LayerNorm(nnx.Module):
+    """torch ``nn.LayerNorm``: statistics and affine in float32, result in the input dtype."""
+
+    def __init__(self, features: int, *, eps: float, elementwise_affine: bool, dtype: jnp.dtype):
+        self.eps = eps
+        self.scale = nnx.data(_param(jnp.ones((features,), dtype), ("norm",)) if elementwise_affine else None)
+        self.bias = nnx.data(_param(jnp.zeros((features,), dtype), ("norm",)) if elementwise_affine else None)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        h = x.astype(jnp.float32)
+        mean = h.mean(-1, keepdims=True)
+        var = jnp.square(h - mean).mean(-1, keepdims=True)
+        h = (h - mean) * jax.lax.rsqrt(var + self.eps)
+        if self.scale is not None:
+            h = h * self.scale[...].astype(jnp.float32) + self.bias[...].astype(jnp.float32)
+        return h.astype(x.dtype)
+
+
+class RMSNorm(nnx.Module):
+    """HF's RMSNorm: normalise in float32, then apply the weight.
+
+    Llama-style models cast back to the input dtype *before* multiplying by the
+    weight; OLMo2 multiplies in float32 and casts after (``scale_in_float32``).
+    """
+
+    def __init__(self, features: int, *, eps: float, dtype: jnp.dtype, scale_in_float32: bool = False):
+        self.eps = eps
+        self.scale_in_float32 = scale_in_float32
+        self.scale = _param(jnp.ones((features,), dtype), ("norm",))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        h = x.astype(jnp.float32)
+        h = h * jax.lax.rsqrt(jnp.square(h).mean(-1, keepdims=True) + self.eps)
+        if self.scale_in_float32:
+            return (self.scale[...] * h).astype(x.dtype)
+        return self.scale[...] * h.astype(x.dtype)
+
+
+class GatedMLP(nnx.Module):
+    """SwiGLU feed-forward of Llama and OLMo2: ``down(act(gate(x)) * up(x))``."""
+
+    def __init__(
+        self, hidden_size: int, intermediate_size: int, *, act: str, use_bias: bool, dtype: jnp.dtype, rngs: nnx.Rngs
+    ):
+        self.act_fn = activation(act)
+        linear = dict(use_bias=use_bias, dtype=dtype, rngs=rngs)
+        self.gate_proj = Linear(hidden_size, intermediate_size, axes=("embed", "mlp"), **linear)
+        self.up_proj = Linear(hidden_size, intermediate_size, axes=("embed", "mlp"), **linear)
+        self.down_proj = Linear(intermediate_size, hidden_size, axes=("mlp", "embed"), **linear)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+# --------------------------------------------------------------------------- RoPE
+
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeConfig:
+    """RoPE parameters as transformers standardises them (``config.rope_parameters``)."""
+
+    rope_type: str = "default"
+    theta: float = 10_000.0
+    factor: float | None = None
+    low_freq_factor: float | None = None
+    high_freq_factor: float | None = None
+    original_max_position_embeddings: int | None = None
+    beta_fast: float | None = None
+    beta_slow: float | None = None
+    attention_factor: float | None = None
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    truncate: bool = True
+
+    @classmethod
+    def from_hf(cls, raw: Mapping[str, Any], *, default_theta: float) -> RopeConfig:
+        """Read both the transformers-5 ``rope_parameters`` and the older ``rope_theta`` + ``rope_scaling``."""
+        params = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+        rope_type = params.get("rope_type", params.get("type", "default"))
+        if rope_type not in ROPE_TYPES:
+            raise ValueError(f"config.json: rope_type {rope_type!r} is not supported; supported: {list(ROPE_TYPES)}")
+        if params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0)) != 1.0:
+            raise ValueError("config.json: partial_rotary_factor != 1 is not supported")
+        required = {"linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor")}
+        for key in required.get(rope_type, ()):
+            if params.get(key) is None:
+                raise ValueError(f"config.json: rope_type {rope_type!r} needs {key!r} in its rope parameters")
+        original = None
+        factor = params.get("factor")
+        if rope_type in ("llama3", "yarn"):
+            # As transformers: a top-level original_max_position_embeddings wins, then the
+            # rope parameters', then max_position_embeddings.
+            original = raw.get("original_max_position_embeddings") or params.get(
+                "original_max_position_embeddings", raw.get("max_position_embeddings")
+            )
+            if original is None:
+                raise ValueError(f"config.json: rope_type {rope_type!r} needs original_max_position_embeddings")
+            if rope_type == "yarn" and factor is None:
+                factor = raw["max_position_embeddings"] / original
+        return cls(
+            rope_type=rope_type,
+            theta=float(params.get("rope_theta", raw.get("rope_theta", default_theta))),
+            factor=factor,
+            low_freq_factor=params.get("low_freq_factor"),
+            high_freq_factor=params.get("high_freq_factor"),
+            original_max_position_embeddings=original,
+            beta_fast=params.get("beta_fast"),
+            beta_slow=params.get("beta_slow"),
+            attention_factor=params.get("attention_factor"),
+            mscale=params.get("mscale"),
+            mscale_all_dim=params.get("mscale_all_dim"),
+            truncate=params.get("truncate", True),
+        )
+
+
+def rope_frequencies(rope: RopeConfig, head_dim: int) -> tuple[np.ndarray, float]:
+    """Inverse frequencies [head_dim/2] and the cos/sin scale, computed in float32 as transformers does.
+
+    Mirrors ``modeling_rope_utils`` (default, linear, llama3, yarn) step by step,
+    so the tables agree with PyTorch's to the last bit where numpy allows.
+    """
+    exponents = np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim)
+    pos_freqs = np.float32(rope.theta) ** exponents
+    inv_freq = np.float32(1.0) / pos_freqs
+    if rope.rope_type == "default":
+        return inv_freq, 1.0
+    if rope.rope_type == "linear":
+        return inv_freq / np.float32(rope.factor), 1.0
+    if rope.rope_type == "llama3":
+        return _llama3_inv_freq(rope, inv_freq), 1.0
+    return _yarn_inv_freq(rope, head_dim, pos_freqs)
+
+
+def _llama3_inv_freq(rope: RopeConfig, inv_freq: np.ndarray) -> np.ndarray:
+    factor, low, high = rope.factor, rope.low_freq_factor, rope.high_freq_factor
+    old_context = rope.original_max_position_embeddings
+    low_freq_wavelen, high_freq_wavelen = old_context / low, old_context / high
+    wavelen = np.float32(2 * math.pi) / inv_freq
+    scaled = np.where(wavelen > low_freq_wavelen, inv_freq / np.float32(factor), inv_freq)
+    smooth = (np.float32(old_context) / wavelen - np.float32(low)) / np.float32(high - low)
+    smoothed = (1 - smooth) * scaled / np.float32(factor) + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
+    return np.where(is_medium, smoothed, scaled).astype(np.float32)
+
+
+def _yarn_inv_freq(rope: RopeConfig, head_dim: int, pos_freqs: np.ndarray) -> tuple[np.ndarray, float]:
+    factor, base, original = rope.factor, rope.theta, rope.original_max_position_embeddings
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention_factor = rope.attention_factor
+    if attention_factor is None:
+        if rope.mscale and rope.mscale_all_dim:
+            attention_factor = float(mscale(factor, rope.mscale) / mscale(factor, rope.mscale_all_dim))
+        else:
+            attention_factor = mscale(factor)
+
+    def correction_dim(num_rotations: float) -> float:
+        return (head_dim * math.log(original / (num_rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(rope.beta_fast or 32), correction_dim(rope.beta_slow or 1)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # transformers' guard against a zero-width ramp
+    ramp = np.clip((np.arange(head_dim // 2, dtype=np.float32) - np.float32(low)) / np.float32(high - low), 0, 1)
+    extrapolation_weight = 1 - ramp
+    inv_extrapolation = np.float32(1.0) / pos_freqs
+    inv_interpolation = np.float32(1.0) / (np.float32(factor) * pos_freqs)
+    inv_freq = inv_interpolation * (1 - extrapolation_weight) + inv_extrapolation * extrapolation_weight
+    return inv_freq.astype(np.float32), attention_factor
+
+
+def rope_cos_sin(positions: jax.Array, rope: RopeConfig, head_dim: int) -> tuple[jax.Array, jax.Array]:
+    """cos and sin [B, S, head_dim] in float32 for integer ``positions`` [B, S]."""
+    inv_freq, scale = rope_frequencies(rope, head_dim)
+    freqs = positions[..., None].astype(jnp.float32) * jnp.asarray(inv_freq)
+    angles = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(angles) * scale, jnp.sin(angles) * scale
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotate-half RoPE on x [B, S, heads, head_dim], computed in cos's dtype and cast back to x's."""
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    cos, sin = cos[:, :, None, :], sin[:, :, None, :]
+    return (x * cos + rotated * sin).astype(x.dtype)
+
+
+# --------------------------------------------------------------------------- attention
+
+
+def attention(
+    query: jax.Array, key: jax.Array, value: jax.Array, attention_mask: jax.Array, *, scale: float
+) -> jax.Array:
+    """Causal attention that ignores padded keys; query [B,T,N,D], key/value [B,T,K,D] with N % K == 0 (GQA).
+
+    Rows of padded queries see no key at all; ``jax.nn.dot_product_attention``
+    then spreads them uniformly instead of producing NaNs, so padding never
+    poisons real positions.
+    """
+    padding = attention_mask.astype(bool)[:, None, None, :]
+    return jax.nn.dot_product_attention(query, key, value, mask=padding, scale=scale, is_causal=True)
+
+
+# --------------------------------------------------------------------------- the decoder stack
+
+
+def check_inputs(input_ids: jax.Array, attention_mask: jax.Array) -> None:
+    """Shapes are static under jit, so a mismatch is caught once, at trace time, with a readable message."""
+    if input_ids.ndim != 2 or attention_mask.shape != input_ids.shape:
+        raise ValueError(
+            f"input_ids and attention_mask must both be [batch, seq]; got {input_ids.shape} and {attention_mask.shape}"
+        )
+
+
+def run_layers(
+    layers: Sequence[nnx.Module], hidden: jax.Array, *args: Any, remat: bool
+) -> tuple[jax.Array, list[jax.Array]]:
+    """Apply the decoder layers in order; return the output and every layer's input.
+
+    With ``remat`` each layer is rematerialised (activations recomputed in the
+    backward pass), trading compute for memory on large models.
+    """
+
+    def call(layer: nnx.Module, h: jax.Array, *rest: Any) -> jax.Array:
+        return layer(h, *rest)
+
+    step = nnx.remat(call) if remat else call
+    inputs = []
+    for layer in layers:
+        inputs.append(hidden)
+        hidden = step(layer, hidden, *args)
+    return hidden, inputs
+
+
+def untied_head(width: int, config: Any, *, dtype: jnp.dtype, rngs: nnx.Rngs) -> Linear | None:
+    """``lm_head`` [width, vocab] for untied configs; None when the head reuses the input embedding."""
+    if config.tie_word_embeddings:
+        return None
+    return Linear(width, config.vocab_size, use_bias=False, axes=("embed", "vocab"), dtype=dtype, rngs=rngs)
+
+
+class CausalLM(nnx.Module):
+    """What every family shares on top of its ``hidden_states``: the output head.
+
+    Subclasses define ``config``, ``hidden_states(input_ids, attention_mask,
+    *, all_layers)``, ``input_embeddings()`` and, when untied, ``lm_head``.
+    """
+
+    config: Any
+
+    def head_kernel(self) -> jax.Array:
+        """[H', vocab]: logits are ``hidden_states @ head_kernel()`` (the embedding's transpose when tied)."""
+        if self.config.tie_word_embeddings:
+            return self.input_embeddings().embedding[...].T
+        return self.lm_head.kernel[...]
+
+    def __call__(self, input_ids: jax.Array, attention_mask: jax.Array) -> jax.Array:
+        """Logits [batch, seq, vocab] in float32 (accumulated in float32 even for bf16 parameters)."""
+        hidden = self.hidden_states(input_ids, attention_mask)
+        return jnp.matmul(hidden, self.head_kernel(), preferred_element_type=jnp.float32)

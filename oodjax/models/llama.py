@@ -1,0 +1,181 @@
+"""The Llama family: Llama, SmolLM2 (model_type "llama") and SmolLM3 (model_type "smollm3").
+
+As transformers' ``modeling_llama.py`` / ``modeling_smollm3.py`` compute them:
+pre-RMSNorm blocks, SwiGLU, grouped-query attention, RoPE with its scaling
+variants. SmolLM3 is Llama except that the layers its ``no_rope_layers`` marks
+with 0 use no position encoding at all (NoPE); 1 means the layer uses RoPE.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from oodjax.models.config import DecoderConfig, hf_value
+from oodjax.models.layers import (
+    CausalLM,
+    Embed,
+    GatedMLP,
+    Linear,
+    RMSNorm,
+    RopeConfig,
+    apply_rope,
+    attention,
+    check_inputs,
+    rope_cos_sin,
+    run_layers,
+    untied_head,
+)
+
+# transformers' LlamaConfig / SmolLM3Config defaults for keys a config.json may omit.
+_DEFAULTS = {
+    "llama": dict(
+        vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=None, pad_token_id=None, tie_word_embeddings=False, rope_theta=10_000.0,
+    ),
+    "smollm3": dict(
+        vocab_size=128256, hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16,
+        num_key_value_heads=4, pad_token_id=128004, tie_word_embeddings=True, rope_theta=2_000_000.0,
+    ),
+}  # fmt: skip
+
+
+def _smollm3_rope_layers(raw: Mapping[str, Any], num_layers: int) -> tuple[bool, ...]:
+    """Which layers use RoPE: ``no_rope_layers[i] == 1``; by default every ``no_rope_layer_interval``-th has none."""
+    interval = hf_value(raw, "no_rope_layer_interval", 4)
+    flags = hf_value(raw, "no_rope_layers", [int((i + 1) % interval != 0) for i in range(num_layers)])
+    if len(flags) != num_layers:
+        raise ValueError(f"config.json: no_rope_layers has {len(flags)} entries for {num_layers} layers")
+    if hf_value(raw, "use_sliding_window", False) and raw.get("sliding_window") is not None:
+        layer_types = hf_value(raw, "layer_types", ["full_attention" if f else "sliding_attention" for f in flags])
+        if "sliding_attention" in layer_types:
+            raise ValueError("config.json: sliding-window attention (use_sliding_window) is not supported")
+    return tuple(bool(flag) for flag in flags)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LlamaConfig(DecoderConfig):
+    intermediate_size: int
+    hidden_act: str
+    rms_norm_eps: float
+    attention_bias: bool
+    mlp_bias: bool
+    rope: RopeConfig
+    rope_layers: tuple[bool, ...]
+
+    @classmethod
+    def from_hf(cls, raw: Mapping[str, Any], *, remat: bool = False) -> LlamaConfig:
+        """Read a llama or smollm3 config.json with the matching transformers defaults."""
+        model_type = raw["model_type"]
+        defaults = _DEFAULTS[model_type]
+
+        def value(key: str) -> Any:
+            return hf_value(raw, key, defaults[key])
+
+        hidden, heads, layers = value("hidden_size"), value("num_attention_heads"), value("num_hidden_layers")
+        return cls(
+            model_type=model_type,
+            vocab_size=value("vocab_size"),
+            hidden_size=hidden,
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            num_key_value_heads=hf_value(raw, "num_key_value_heads", defaults["num_key_value_heads"] or heads),
+            head_dim=hf_value(raw, "head_dim", hidden // heads),
+            pad_token_id=raw.get("pad_token_id", defaults["pad_token_id"]),
+            tie_word_embeddings=value("tie_word_embeddings"),
+            remat=remat,
+            intermediate_size=value("intermediate_size"),
+            hidden_act=hf_value(raw, "hidden_act", "silu"),
+            rms_norm_eps=hf_value(raw, "rms_norm_eps", 1e-6),
+            attention_bias=hf_value(raw, "attention_bias", False),
+            mlp_bias=hf_value(raw, "mlp_bias", False),
+            rope=RopeConfig.from_hf(raw, default_theta=defaults["rope_theta"]),
+            rope_layers=_smollm3_rope_layers(raw, layers) if model_type == "smollm3" else (True,) * layers,
+        )
+
+
+class LlamaAttention(nnx.Module):
+    def __init__(self, config: LlamaConfig, *, use_rope: bool, dtype: jnp.dtype, rngs: nnx.Rngs):
+        width = config.hidden_size
+        q_width = config.num_attention_heads * config.head_dim
+        kv_width = config.num_key_value_heads * config.head_dim
+        self.head_dim, self.use_rope = config.head_dim, use_rope
+        linear = dict(use_bias=config.attention_bias, dtype=dtype, rngs=rngs)
+        self.q_proj = Linear(width, q_width, axes=("embed", "heads"), **linear)
+        self.k_proj = Linear(width, kv_width, axes=("embed", "kv_heads"), **linear)
+        self.v_proj = Linear(width, kv_width, axes=("embed", "kv_heads"), **linear)
+        self.o_proj = Linear(q_width, width, axes=("heads", "embed"), **linear)
+
+    def __call__(self, x: jax.Array, attention_mask: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+        batch, seq, _ = x.shape
+        heads = (batch, seq, -1, self.head_dim)
+        query, key = self.q_proj(x).reshape(heads), self.k_proj(x).reshape(heads)
+        if self.use_rope:
+            query, key = apply_rope(query, cos, sin), apply_rope(key, cos, sin)
+        value = self.v_proj(x).reshape(heads)
+        out = attention(query, key, value, attention_mask, scale=self.head_dim**-0.5)
+        return self.o_proj(out.reshape(batch, seq, -1))
+
+
+class LlamaDecoderLayer(nnx.Module):
+    def __init__(self, config: LlamaConfig, *, use_rope: bool, dtype: jnp.dtype, rngs: nnx.Rngs):
+        self.self_attn = LlamaAttention(config, use_rope=use_rope, dtype=dtype, rngs=rngs)
+        self.mlp = GatedMLP(
+            config.hidden_size,
+            config.intermediate_size,
+            act=config.hidden_act,
+            use_bias=config.mlp_bias,
+            dtype=dtype,
+            rngs=rngs,
+        )
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype)
+
+    def __call__(self, hidden: jax.Array, attention_mask: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), attention_mask, cos, sin)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaModel(nnx.Module):
+    def __init__(self, config: LlamaConfig, *, dtype: jnp.dtype, rngs: nnx.Rngs):
+        self.config = config
+        self.embed_tokens = Embed(
+            config.vocab_size, config.hidden_size, axes=("vocab", "embed"), dtype=dtype, rngs=rngs
+        )
+        self.layers = nnx.List(
+            [LlamaDecoderLayer(config, use_rope=flag, dtype=dtype, rngs=rngs) for flag in config.rope_layers]
+        )
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype)
+
+    def __call__(self, input_ids: jax.Array, attention_mask: jax.Array, *, all_layers: bool):
+        # transformers numbers positions 0..S-1 whatever the padding; RoPE only sees
+        # differences of positions, so left padding still gives the unpadded result.
+        positions = jnp.arange(input_ids.shape[1])[None, :]
+        hidden = self.embed_tokens(input_ids)
+        # Llama casts the float32 cos/sin tables to the activations' dtype before rotating.
+        cos, sin = (t.astype(hidden.dtype) for t in rope_cos_sin(positions, self.config.rope, self.config.head_dim))
+        hidden, layer_inputs = run_layers(self.layers, hidden, attention_mask, cos, sin, remat=self.config.remat)
+        hidden = self.norm(hidden)
+        return (*layer_inputs, hidden) if all_layers else hidden
+
+
+class LlamaForCausalLM(CausalLM):
+    config_class = LlamaConfig
+
+    def __init__(self, config: LlamaConfig, *, dtype: jnp.dtype, rngs: nnx.Rngs):
+        self.config = config
+        self.model = LlamaModel(config, dtype=dtype, rngs=rngs)
+        self.lm_head = nnx.data(untied_head(config.hidden_size, config, dtype=dtype, rngs=rngs))
+
+    def input_embeddings(self) -> Embed:
+        return self.model.embed_tokens
+
+    def hidden_states(self, input_ids: jax.Array, attention_mask: jax.Array, *, all_layers: bool = False):
+        """Final (normed) hidden states [B, S, H], or with ``all_layers`` HF's ``output_hidden_states`` tuple."""
+        check_inputs(input_ids, attention_mask)
+        return self.model(input_ids, attention_mask, all_layers=all_layers)

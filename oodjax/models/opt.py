@@ -1,0 +1,184 @@
+"""OPT (facebook/opt-*), as transformers' ``modeling_opt.py`` computes it.
+
+Two layouts: pre-LayerNorm blocks (125m, 1.3b and up) and the opt-350m one
+(``do_layer_norm_before=False``: norms after each residual add, no final norm,
+and ``project_in``/``project_out`` because ``word_embed_proj_dim`` differs from
+the hidden size). Positions are learned, offset by 2, and count only real
+tokens (from the attention mask), so left padding does not shift them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from oodjax.models.config import DecoderConfig, hf_value
+from oodjax.models.layers import (
+    CausalLM,
+    Embed,
+    LayerNorm,
+    Linear,
+    activation,
+    attention,
+    check_inputs,
+    run_layers,
+    untied_head,
+)
+
+# OPT's learned position table has two extra rows (a fairseq legacy).
+POSITION_OFFSET = 2
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OPTConfig(DecoderConfig):
+    ffn_dim: int
+    max_position_embeddings: int
+    word_embed_proj_dim: int
+    do_layer_norm_before: bool
+    remove_final_layer_norm: bool
+    enable_bias: bool
+    layer_norm_elementwise_affine: bool
+    activation_function: str
+
+    @classmethod
+    def from_hf(cls, raw: Mapping[str, Any], *, remat: bool = False) -> OPTConfig:
+        """Read an OPT config.json with transformers' OPTConfig defaults."""
+        hidden = hf_value(raw, "hidden_size", 768)
+        heads = hf_value(raw, "num_attention_heads", 12)
+        if hidden % heads:
+            raise ValueError(f"config.json: hidden_size ({hidden}) must be divisible by num_attention_heads ({heads})")
+        return cls(
+            model_type="opt",
+            vocab_size=hf_value(raw, "vocab_size", 50272),
+            hidden_size=hidden,
+            num_hidden_layers=hf_value(raw, "num_hidden_layers", 12),
+            num_attention_heads=heads,
+            num_key_value_heads=heads,
+            head_dim=hidden // heads,
+            pad_token_id=raw.get("pad_token_id", 1),
+            tie_word_embeddings=hf_value(raw, "tie_word_embeddings", True),
+            remat=remat,
+            ffn_dim=hf_value(raw, "ffn_dim", 3072),
+            max_position_embeddings=hf_value(raw, "max_position_embeddings", 2048),
+            word_embed_proj_dim=hf_value(raw, "word_embed_proj_dim", hidden),
+            do_layer_norm_before=hf_value(raw, "do_layer_norm_before", True),
+            remove_final_layer_norm=hf_value(raw, "_remove_final_layer_norm", False),
+            enable_bias=hf_value(raw, "enable_bias", True),
+            layer_norm_elementwise_affine=hf_value(raw, "layer_norm_elementwise_affine", True),
+            activation_function=hf_value(raw, "activation_function", "relu"),
+        )
+
+
+class OPTAttention(nnx.Module):
+    def __init__(self, config: OPTConfig, *, dtype: jnp.dtype, rngs: nnx.Rngs):
+        width, bias = config.hidden_size, config.enable_bias
+        self.num_heads, self.head_dim = config.num_attention_heads, config.head_dim
+        self.q_proj = Linear(width, width, use_bias=bias, axes=("embed", "heads"), dtype=dtype, rngs=rngs)
+        self.k_proj = Linear(width, width, use_bias=bias, axes=("embed", "heads"), dtype=dtype, rngs=rngs)
+        self.v_proj = Linear(width, width, use_bias=bias, axes=("embed", "heads"), dtype=dtype, rngs=rngs)
+        self.out_proj = Linear(width, width, use_bias=bias, axes=("heads", "embed"), dtype=dtype, rngs=rngs)
+
+    def __call__(self, x: jax.Array, attention_mask: jax.Array) -> jax.Array:
+        batch, seq, _ = x.shape
+        heads = (batch, seq, self.num_heads, self.head_dim)
+        # OPT scales the query before the dot product, not the logits; keep its rounding.
+        query = (self.q_proj(x) * self.head_dim**-0.5).reshape(heads)
+        key = self.k_proj(x).reshape(heads)
+        value = self.v_proj(x).reshape(heads)
+        out = attention(query, key, value, attention_mask, scale=1.0)
+        return self.out_proj(out.reshape(batch, seq, -1))
+
+
+class OPTDecoderLayer(nnx.Module):
+    def __init__(self, config: OPTConfig, *, dtype: jnp.dtype, rngs: nnx.Rngs):
+        width, bias = config.hidden_size, config.enable_bias
+        norm = dict(eps=1e-5, elementwise_affine=config.layer_norm_elementwise_affine, dtype=dtype)
+        self.norm_before = config.do_layer_norm_before
+        self.act_fn = activation(config.activation_function)
+        self.self_attn = OPTAttention(config, dtype=dtype, rngs=rngs)
+        self.self_attn_layer_norm = LayerNorm(width, **norm)
+        self.fc1 = Linear(width, config.ffn_dim, use_bias=bias, axes=("embed", "mlp"), dtype=dtype, rngs=rngs)
+        self.fc2 = Linear(config.ffn_dim, width, use_bias=bias, axes=("mlp", "embed"), dtype=dtype, rngs=rngs)
+        self.final_layer_norm = LayerNorm(width, **norm)
+
+    def __call__(self, hidden: jax.Array, attention_mask: jax.Array) -> jax.Array:
+        residual = hidden
+        if self.norm_before:
+            hidden = self.self_attn_layer_norm(hidden)
+        hidden = residual + self.self_attn(hidden, attention_mask)
+        if not self.norm_before:
+            hidden = self.self_attn_layer_norm(hidden)
+
+        residual = hidden
+        if self.norm_before:
+            hidden = self.final_layer_norm(hidden)
+        hidden = residual + self.fc2(self.act_fn(self.fc1(hidden)))
+        if not self.norm_before:
+            hidden = self.final_layer_norm(hidden)
+        return hidden
+
+
+class OPTDecoder(nnx.Module):
+    def __init__(self, config: OPTConfig, *, dtype: jnp.dtype, rngs: nnx.Rngs):
+        width, proj = config.hidden_size, config.word_embed_proj_dim
+        self.remat = config.remat
+        self.embed_tokens = Embed(config.vocab_size, proj, axes=("vocab", "embed"), dtype=dtype, rngs=rngs)
+        self.embed_positions = Embed(
+            config.max_position_embeddings + POSITION_OFFSET, width, axes=("positions", "embed"), dtype=dtype, rngs=rngs
+        )
+        projected = proj != width
+        linear = dict(use_bias=False, dtype=dtype, rngs=rngs)
+        self.project_in = nnx.data(Linear(proj, width, axes=("word_embed", "embed"), **linear) if projected else None)
+        self.project_out = nnx.data(Linear(width, proj, axes=("embed", "word_embed"), **linear) if projected else None)
+        has_final_norm = config.do_layer_norm_before and not config.remove_final_layer_norm
+        self.final_layer_norm = nnx.data(
+            LayerNorm(width, eps=1e-5, elementwise_affine=config.layer_norm_elementwise_affine, dtype=dtype)
+            if has_final_norm
+            else None
+        )
+        self.layers = nnx.List(
+            [OPTDecoderLayer(config, dtype=dtype, rngs=rngs) for _ in range(config.num_hidden_layers)]
+        )
+
+    def __call__(self, input_ids: jax.Array, attention_mask: jax.Array, *, all_layers: bool):
+        mask = attention_mask.astype(jnp.int32)
+        positions = jnp.cumsum(mask, axis=1) * mask - 1 + POSITION_OFFSET
+        hidden = self.embed_tokens(input_ids)
+        if self.project_in is not None:
+            hidden = self.project_in(hidden)
+        hidden = hidden + self.embed_positions(positions)
+        hidden, layer_inputs = run_layers(self.layers, hidden, mask, remat=self.remat)
+        if self.final_layer_norm is not None:
+            hidden = self.final_layer_norm(hidden)
+        if self.project_out is not None:
+            hidden = self.project_out(hidden)
+        return (*layer_inputs, hidden) if all_layers else hidden
+
+
+class OPTModel(nnx.Module):
+    """Holds the decoder, so parameter paths read ``model.decoder.…`` as in transformers."""
+
+    def __init__(self, config: OPTConfig, *, dtype: jnp.dtype, rngs: nnx.Rngs):
+        self.decoder = OPTDecoder(config, dtype=dtype, rngs=rngs)
+
+
+class OPTForCausalLM(CausalLM):
+    config_class = OPTConfig
+
+    def __init__(self, config: OPTConfig, *, dtype: jnp.dtype, rngs: nnx.Rngs):
+        self.config = config
+        self.model = OPTModel(config, dtype=dtype, rngs=rngs)
+        self.lm_head = nnx.data(untied_head(config.word_embed_proj_dim, config, dtype=dtype, rngs=rngs))
+
+    def input_embeddings(self) -> Embed:
+        return self.model.decoder.embed_tokens
+
+    def hidden_states(self, input_ids: jax.Array, attention_mask: jax.Array, *, all_layers: bool = False):
+        """Final hidden states [B, S, word_embed_proj_dim], or with ``all_layers`` HF's output_hidden_states tuple."""
+        check_inputs(input_ids, attention_mask)
+        return self.model.decoder(input_ids, attention_mask, all_layers=all_layers)

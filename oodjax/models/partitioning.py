@@ -1,0 +1,89 @@
+"""Logical axis names -> mesh axes, in one table (MaxText style).
+
+Every parameter is annotated with logical axis names (flax ``out_sharding``
+metadata, e.g. ``("embed", "mlp")``). The mesh has axes ``("data", "fsdp",
+"tensor")``: weights are split along their model dimension over ``fsdp`` and
+along heads / MLP / vocabulary over ``tensor``; ``data`` only splits batches.
+Changing the parallelism layout means changing this table, nothing else.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+from flax import nnx
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+MeshAxes = str | tuple[str, ...] | None
+
+LOGICAL_AXIS_RULES: tuple[tuple[str, MeshAxes], ...] = (
+    ("batch", ("data", "fsdp")),
+    ("vocab", "tensor"),
+    ("embed", "fsdp"),
+    ("mlp", "tensor"),
+    ("heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("norm", None),
+    ("positions", None),
+    ("word_embed", None),
+)
+
+
+def logical_to_spec(logical_axes: tuple[str | None, ...], shape: tuple[int, ...], mesh: Mesh) -> PartitionSpec:
+    """The PartitionSpec for an array of ``shape`` whose dimensions carry ``logical_axes``.
+
+    A dimension is replicated instead of split when the mesh axes do not divide
+    it (e.g. a 50257-token vocabulary) or when an earlier dimension already uses
+    the same mesh axis, so any checkpoint loads on any mesh.
+    """
+    rules = dict(LOGICAL_AXIS_RULES)
+    used: set[str] = set()
+    spec = []
+    for name, size in zip(logical_axes, shape, strict=True):
+        if name is not None and name not in rules:
+            raise ValueError(f"logical axis {name!r} has no rule in LOGICAL_AXIS_RULES ({sorted(rules)})")
+        targets = rules.get(name) if name is not None else None
+        targets = (targets,) if isinstance(targets, str) else tuple(targets or ())
+        targets = tuple(axis for axis in targets if axis in mesh.shape and axis not in used)
+        if not targets or size % math.prod(mesh.shape[axis] for axis in targets):
+            spec.append(None)
+            continue
+        used.update(targets)
+        spec.append(targets[0] if len(targets) == 1 else targets)
+    return PartitionSpec(*spec)
+
+
+def check_mesh(mesh: Mesh) -> None:
+    """The models rely on the compiler (GSPMD) to propagate shardings, which needs Auto mesh axes.
+
+    ``jax.make_mesh`` defaults to Explicit axes, under which every op would have
+    to state its output sharding; refuse those with the fix in the message.
+    """
+    explicit = [name for name, kind in zip(mesh.axis_names, mesh.axis_types) if kind != AxisType.Auto]
+    if explicit:
+        raise ValueError(
+            f"mesh axes {explicit} are not AxisType.Auto; build the mesh with "
+            f"jax.make_mesh(shape, names, axis_types=(jax.sharding.AxisType.Auto,) * {len(mesh.axis_names)})"
+        )
+
+
+def param_sharding(variable: nnx.Variable, mesh: Mesh) -> NamedSharding:
+    """Where one (possibly abstract) parameter lives on ``mesh``; unannotated ones are replicated."""
+    check_mesh(mesh)
+    logical_axes = variable.get_metadata().get("out_sharding")
+    if not logical_axes:
+        return NamedSharding(mesh, PartitionSpec())
+    return NamedSharding(mesh, logical_to_spec(tuple(logical_axes), tuple(variable.shape), mesh))
+
+
+def param_shardings(abstract_state: Any, mesh: Mesh) -> Any:
+    """``abstract_state`` (from ``nnx.split``/``nnx.state``, abstract or concrete) with each value replaced
+    by its NamedSharding, so the tree can serve as ``jax.jit``'s in/out shardings or ``jax.device_put``'s target.
+    """
+    return jax.tree.map(
+        lambda v: v.replace(param_sharding(v, mesh)),
+        abstract_state,
+        is_leaf=lambda x: isinstance(x, nnx.Variable),
+    )

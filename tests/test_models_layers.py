@@ -1,0 +1,105 @@
+"""The shared blocks against their transformers counterparts, beyond what short parity batches can see."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+from flax import nnx
+from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding
+from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm
+
+from oodjax.models.layers import LayerNorm, Linear, RMSNorm, RopeConfig, rope_cos_sin, rope_frequencies
+
+# Real-size head dims and contexts, so every band of the scaled RoPE variants is populated.
+ROPE_CASES = {
+    "default": {"rope_type": "default", "rope_theta": 500000.0},
+    "linear": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0},
+    "llama3": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+    "yarn": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 4096},
+    "yarn_untruncated_mscale": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "truncate": False,
+                                "original_max_position_embeddings": 4096, "mscale": 1.0, "mscale_all_dim": 0.5},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", sorted(ROPE_CASES))
+def test_rope_tables_match_transformers(case):
+    hf_config = transformers.LlamaConfig(
+        hidden_size=512, num_attention_heads=4, max_position_embeddings=32768, rope_parameters=dict(ROPE_CASES[case])
+    )
+    reference = LlamaRotaryEmbedding(hf_config)
+    rope = RopeConfig.from_hf(hf_config.to_dict(), default_theta=10000.0)
+    inv_freq, scale = rope_frequencies(rope, head_dim=128)
+    np.testing.assert_allclose(inv_freq, reference.inv_freq.numpy(), rtol=1e-6)
+    assert scale == pytest.approx(reference.attention_scaling, rel=1e-7)
+
+    positions = np.array([[0, 1, 7, 100, 4095, 20000]])
+    cos, sin = rope_cos_sin(jnp.asarray(positions), rope, head_dim=128)
+    ref_cos, ref_sin = reference(torch.zeros(1, dtype=torch.float32), torch.tensor(positions))
+    # Angles reach 2e4 rad, where one float32 ulp of the angle is ~2e-3; both sides round the same product.
+    np.testing.assert_allclose(cos, ref_cos.numpy(), atol=1e-5)
+    np.testing.assert_allclose(sin, ref_sin.numpy(), atol=1e-5)
+
+
+def test_legacy_rope_scaling_keys_read_like_rope_parameters():
+    legacy = {"rope_theta": 500000.0, "max_position_embeddings": 131072,
+              "rope_scaling": {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                               "original_max_position_embeddings": 8192}}  # fmt: skip
+    current = {"max_position_embeddings": 131072, "rope_parameters": {**ROPE_CASES["llama3"]}}
+    assert RopeConfig.from_hf(legacy, default_theta=1.0) == RopeConfig.from_hf(current, default_theta=1.0)
+
+
+@pytest.mark.parametrize("ours_in_float32, reference", [(False, LlamaRMSNorm), (True, Olmo2RMSNorm)])
+def test_rms_norms_round_like_transformers_in_bf16(ours_in_float32, reference):
+    """Llama casts before applying the weight, OLMo2 after: in bf16 the two differ, and each must match."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(4, 64)).astype(np.float32)
+    weight = (1 + 0.3 * rng.normal(size=64)).astype(np.float32)
+    torch_norm = reference(64, eps=1e-6).to(torch.bfloat16)
+    with torch.no_grad():
+        torch_norm.weight.copy_(torch.tensor(weight))
+        expected = torch_norm(torch.tensor(x).bfloat16()).float().numpy()
+    norm = RMSNorm(64, eps=1e-6, dtype=jnp.bfloat16, scale_in_float32=ours_in_float32)
+    norm.scale[...] = jnp.asarray(weight, jnp.bfloat16)
+    out = norm(jnp.asarray(x, jnp.bfloat16))
+    assert out.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(out.astype(jnp.float32)), expected)
+
+
+def test_layer_norm_matches_torch_in_bf16():
+    rng = np.random.default_rng(1)
+    x = rng.normal(loc=0.5, size=(4, 64)).astype(np.float32)
+    torch_norm = torch.nn.LayerNorm(64).to(torch.bfloat16)
+    with torch.no_grad():
+        torch_norm.weight.normal_(1.0, 0.3)
+        torch_norm.bias.normal_(0.0, 0.3)
+        expected = torch_norm(torch.tensor(x).bfloat16()).float().numpy()
+    norm = LayerNorm(64, eps=1e-5, elementwise_affine=True, dtype=jnp.bfloat16)
+    norm.scale[...] = jnp.asarray(torch_norm.weight.detach().float().numpy(), jnp.bfloat16)
+    norm.bias[...] = jnp.asarray(torch_norm.bias.detach().float().numpy(), jnp.bfloat16)
+    out = np.asarray(norm(jnp.asarray(x, jnp.bfloat16)).astype(jnp.float32))
+    # torch's bf16 kernel applies the affine in float32 too; at most one bf16 rounding step apart.
+    np.testing.assert_allclose(out, expected, rtol=2**-8, atol=2**-8)
+
+
+class Delta(nnx.Module):
+    """A stand-in adapter: a fixed float32 delta, as an fp32 LoRA on a bf16 base would produce."""
+
+    def __init__(self, delta):
+        self.delta = nnx.Param(delta)
+
+    def __call__(self, x):
+        return jnp.broadcast_to(self.delta[...], (*x.shape[:-1], self.delta.shape[-1]))
+
+
+def test_linear_adds_its_adapter_in_the_base_dtype():
+    layer = Linear(8, 4, use_bias=True, axes=("embed", "heads"), dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    x = jnp.ones((2, 8), jnp.bfloat16)
+    base = layer(x)
+    delta = jnp.asarray([0.5, -1.0, 2.0, 0.25], jnp.float32)
+    layer.lora = Delta(delta)
+    out = layer(x)
+    assert out.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(out, base + delta.astype(jnp.bfloat16))
+    assert "lora" in nnx.state(layer, nnx.Param)
