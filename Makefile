@@ -6,9 +6,17 @@ PY := $(VENV)/bin/python
 OFFLINE := HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
 PYTEST_ARGS ?=
 
-.PHONY: test demo install clean
+.PHONY: test demo install system-tools clean
 
 install: $(VENV)/.installed
+
+# Tests compile LaTeX tables (pdflatex + booktabs) and lint the launch scripts (shellcheck).
+# Installed from Debian's packages when missing; needs root or sudo.
+APT := $(shell [ "$$(id -u)" = 0 ] || echo sudo) env DEBIAN_FRONTEND=noninteractive apt-get
+system-tools:
+	@if ! command -v pdflatex >/dev/null || ! kpsewhich booktabs.sty >/dev/null || ! command -v shellcheck >/dev/null; then \
+		$(APT) update -q && $(APT) install -y -q --no-install-recommends texlive-latex-recommended shellcheck; \
+	fi
 
 $(VENV)/.installed: requirements.txt requirements-dev.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -16,7 +24,7 @@ $(VENV)/.installed: requirements.txt requirements-dev.txt
 	$(PY) -m pip install -q -r requirements.txt -r requirements-dev.txt
 	touch $@
 
-test: install
+test: install system-tools
 	$(OFFLINE) $(PY) -m pytest -q $(PYTEST_ARGS) tests
 
 demo: install

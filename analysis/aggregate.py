@@ -1,0 +1,168 @@
+"""From runs to results: each run's pairwise partial correlations, then their combination.
+
+Runs of one model and training set (seeds x shot counts) are replicates, so
+their correlations are averaged on the Fisher z scale: r = tanh(mean z), a
+95% t interval across runs, tanh(mean z +- t_{0.975, m-1} sd(z) / sqrt(m)),
+and p from the one-sample t test of mean z = 0 over the m runs. Runs agree
+in sign when their r have the same sign; n_positive and n_negative count
+them. Adjusted p-values treat the pairs of one (model, training set) as one
+family.
+"""
+
+import numpy as np
+import pandas as pd
+import scipy.stats
+
+from analysis.naming import model_family, model_size_billions, model_size_label
+from analysis.padjust import adjust_pvalues
+from analysis.runs import Run
+from analysis.stats import CONFIDENCE, PAIR_COLUMNS, pairwise_partial_corr
+
+RUN_ID_COLUMNS = ("model", "train_set", "seed", "shots", "run")
+GROUP_COLUMNS = ("model", "train_set")
+GROUP_STAT_COLUMNS = (
+    "n_runs",
+    "r",
+    "ci_low",
+    "ci_high",
+    "p",
+    "p_adj",
+    "n_positive",
+    "n_negative",
+    "reason",
+)
+SIGNIFICANCE = 0.05
+
+# Correlations of exactly +-1 have an infinite Fisher z; they enter the mean as
+# +-atanh(1 - 1e-12) (about +-14.2) so that one saturated run does not make
+# the average infinite.
+_MAX_ABS_R = 1.0 - 1e-12
+
+
+def run_pairs(run: Run, **options) -> pd.DataFrame:
+    """The run's pairwise partial correlations of OOD testsets given in-domain accuracy.
+
+    `options` are those of `pairwise_partial_corr` (method, residualiser,
+    padjust, probit, differences); each run's pairs form one family.
+    """
+    table = pairwise_partial_corr(run.accuracy, run.ood_testsets, run.in_domain, **options)
+    identity = {
+        "model": run.model,
+        "train_set": run.train_set,
+        "seed": run.seed,
+        "shots": run.shots,
+        "run": run.name,
+    }
+    return table.assign(**identity)[list(RUN_ID_COLUMNS) + list(PAIR_COLUMNS)]
+
+
+def all_run_pairs(runs: list[Run], **options) -> pd.DataFrame:
+    return pd.concat([run_pairs(run, **options) for run in runs], ignore_index=True)
+
+
+def combine_runs(pairs: pd.DataFrame, padjust: str = "holm") -> pd.DataFrame:
+    """One row per (model, training set, pair) combining its runs' r (see module docstring)."""
+    rows = []
+    for (model, train_set), group in pairs.groupby(list(GROUP_COLUMNS), sort=False):
+        order = _first_seen_order(group)
+        x_first = group["x"].map(order) < group["y"].map(order)
+        group = group.assign(
+            x=group["x"].where(x_first, group["y"]), y=group["y"].where(x_first, group["x"])
+        )
+        family = []
+        for (x, y), runs in group.groupby(["x", "y"], sort=False):
+            family.append(
+                {"model": model, "train_set": train_set, "x": x, "y": y}
+                | _combine(runs["r"].to_numpy())
+            )
+        family = pd.DataFrame(family)
+        family["p_adj"] = adjust_pvalues(family["p"].to_numpy(), padjust)
+        rows.append(family)
+    combined = pd.concat(rows, ignore_index=True)
+    return combined[list(GROUP_COLUMNS) + ["x", "y"] + list(GROUP_STAT_COLUMNS)]
+
+
+def summarise_by_model(groups: pd.DataFrame) -> pd.DataFrame:
+    """Per model family, size and training set: the mean over pairs of the combined r.
+
+    The mean over pairs is again taken on the Fisher z scale; mean |r| shows
+    the strength when signs cancel; n_sig_positive / n_sig_negative count
+    pairs whose adjusted p is below SIGNIFICANCE.
+    """
+    rows = []
+    for (model, train_set), group in groups.groupby(list(GROUP_COLUMNS), sort=False):
+        r = group["r"].to_numpy()
+        defined = ~np.isnan(r)
+        significant = group["p_adj"].to_numpy() < SIGNIFICANCE
+        rows.append(
+            {
+                "family": model_family(model),
+                "size": model_size_label(model),
+                "size_billions": model_size_billions(model),
+                "model": model,
+                "train_set": train_set,
+                "n_pairs": int(defined.sum()),
+                "n_runs": int(group["n_runs"].max()),
+                "mean_r": _mean_on_z_scale(r[defined]),
+                "mean_abs_r": float(np.abs(r[defined]).mean()) if defined.any() else np.nan,
+                "n_sig_positive": int((significant & (r > 0)).sum()),
+                "n_sig_negative": int((significant & (r < 0)).sum()),
+            }
+        )
+    summary = pd.DataFrame(rows)
+    return summary.sort_values(["family", "size_billions", "model", "train_set"]).reset_index(
+        drop=True
+    )
+
+
+def lower_triangle(pairs: pd.DataFrame, testsets: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """r and p_adj of one group's pairs as matrices: row i is testsets[i + 1], column j is
+    testsets[j], filled for j <= i (either order of x and y); NaN elsewhere and where missing."""
+    size = len(testsets) - 1
+    r, p_adj = np.full((size, size), np.nan), np.full((size, size), np.nan)
+    position = {name: i for i, name in enumerate(testsets)}
+    for row in pairs.itertuples():
+        i, j = sorted((position[row.x], position[row.y]), reverse=True)
+        r[i - 1, j], p_adj[i - 1, j] = row.r, row.p_adj
+    return r, p_adj
+
+
+def _combine(r: np.ndarray) -> dict:
+    r = r[~np.isnan(r)]
+    m = r.size
+    result = {
+        "n_runs": m,
+        "r": np.nan,
+        "ci_low": np.nan,
+        "ci_high": np.nan,
+        "p": np.nan,
+        "n_positive": int((r > 0).sum()),
+        "n_negative": int((r < 0).sum()),
+        "reason": "",
+    }
+    if m == 0:
+        return result | {"reason": "undefined in every run"}
+    z = np.arctanh(np.clip(r, -_MAX_ABS_R, _MAX_ABS_R))
+    result["r"] = float(np.tanh(z.mean()))
+    if m < 2:
+        return result | {"reason": "one run: no interval across runs"}
+    sd = z.std(ddof=1)
+    if sd == 0:
+        return result | {"reason": "identical r in every run: no interval across runs"}
+    half_width = scipy.stats.t.ppf(0.5 + CONFIDENCE / 2, m - 1) * sd / np.sqrt(m)
+    result["ci_low"] = float(np.tanh(z.mean() - half_width))
+    result["ci_high"] = float(np.tanh(z.mean() + half_width))
+    result["p"] = float(scipy.stats.ttest_1samp(z, 0.0).pvalue)
+    return result
+
+
+def _mean_on_z_scale(r: np.ndarray) -> float:
+    if r.size == 0:
+        return np.nan
+    return float(np.tanh(np.arctanh(np.clip(r, -_MAX_ABS_R, _MAX_ABS_R)).mean()))
+
+
+def _first_seen_order(pairs: pd.DataFrame) -> dict[str, int]:
+    """Testset order as the group's runs list them (x before y, first run first)."""
+    names = pd.unique(pairs[["x", "y"]].to_numpy().ravel())
+    return {name: i for i, name in enumerate(names)}

@@ -1,0 +1,250 @@
+"""`python -m analysis` end to end on synthetic results roots in the engine's schema."""
+
+import json
+import re
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import matplotlib.image
+import numpy as np
+import pandas as pd
+import pingouin
+import pytest
+import scipy.stats
+
+from analysis import pairwise_partial_corr, schema
+from analysis.cli import CSV_NAME, main
+from analysis.naming import model_family, model_size_billions, model_size_label
+from fixtures_results import write_results_root, write_run
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+MODELS = ("opt-125m", "SmolLM2-135M")
+TRAIN_SETS = ("mnli", "snli")
+SEEDS = (0, 42, 99)
+SHOTS = (32, 64)
+GROUPS = [(m, t) for m in MODELS for t in TRAIN_SETS]
+
+
+@pytest.fixture(scope="module")
+def analysed(tmp_path_factory):
+    """One run of the CLI as a user would start it, on 2 models x 2 training sets x 6 runs."""
+    results = tmp_path_factory.mktemp("results")
+    write_results_root(results, models=MODELS, train_sets=TRAIN_SETS, seeds=SEEDS, shots=SHOTS)
+    out = tmp_path_factory.mktemp("analysis")
+    completed = subprocess.run(
+        [sys.executable, "-m", "analysis", str(results), "--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert completed.returncode == 0, completed.stderr
+    return results, out, completed.stdout
+
+
+def read_accuracy(path: pathlib.Path) -> tuple[pd.DataFrame, str]:
+    """A run's accuracies read straight from its npz, independently of analysis.runs."""
+    with np.load(path) as npz:
+        frame = pd.DataFrame(npz[schema.ACCURACY], columns=list(npz[schema.TESTSETS]))
+        return frame, str(npz[schema.IN_DOMAIN])
+
+
+def test_cli_writes_tables_figures_and_csv_and_lists_them(analysed):
+    _, out, stdout = analysed
+    written = {pathlib.Path(line.strip()) for line in stdout.splitlines()[1:]}
+    assert stdout.startswith(f"analysed {len(GROUPS) * len(SEEDS) * len(SHOTS)} runs")
+    figures = {p for p in written if p.parent.name == "figures"}
+    tables = {p for p in written if p.parent.name == "tables"}
+    assert len(figures) == len(GROUPS) * 3 * 2  # heatmap, curves, OOD vs in-domain; pdf + png
+    assert {p.name for p in tables} == {
+        *(f"matrix_{m}_{t}.tex" for m, t in GROUPS), "summary.tex", "tables.tex"
+    }
+    assert out / CSV_NAME in written
+    assert all(path.is_file() for path in written)
+
+
+def test_tables_compile_with_pdflatex(analysed, tmp_path):
+    pdflatex = shutil.which("pdflatex")
+    assert pdflatex, "pdflatex is missing: apt-get install texlive-latex-recommended"
+    _, out, _ = analysed
+    compiled = subprocess.run(
+        [pdflatex, "-interaction=nonstopmode", "-halt-on-error",
+         f"-output-directory={tmp_path}", "tables.tex"],
+        cwd=out / "tables",
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert compiled.returncode == 0, compiled.stdout[-3000:]
+    assert (tmp_path / "tables.pdf").read_bytes().startswith(b"%PDF")
+    matrix = (out / "tables" / "matrix_opt-125m_mnli.tex").read_text()
+    assert r"\toprule" in matrix and r"\bottomrule" in matrix
+    assert r"anli\_r3" in matrix and "anli_r3" not in matrix  # escaped
+    assert "train" not in matrix.split(r"\midrule")[1]  # training-set accuracy is not OOD
+
+
+def test_figures_open(analysed):
+    _, out, _ = analysed
+    for png in sorted((out / "figures").glob("*.png")):
+        image = matplotlib.image.imread(png)
+        assert image.ndim == 3 and image.shape[0] > 300 and image.shape[1] > 300, png
+        assert image[..., :3].std() > 0.05, f"{png} is blank"
+        assert png.with_suffix(".pdf").read_bytes().startswith(b"%PDF-")
+
+
+def test_csv_holds_each_run_and_the_combination_of_runs(analysed):
+    results, out, _ = analysed
+    table = pd.read_csv(out / CSV_NAME, keep_default_na=False, na_values=[""])
+    runs = table[table["level"] == "run"]
+    groups = table[table["level"] == "group"]
+    assert len(runs) == len(GROUPS) * len(SEEDS) * len(SHOTS) * 21  # 7 OOD testsets
+    assert len(groups) == len(GROUPS) * 21
+    assert not ({"train"} & set(table["x"]) | {"train"} & set(table["y"]))
+
+    # Run level: the pairwise partial correlations of that run's steps.
+    run = runs[runs["run"] == "SmolLM2-135M_snli_seed42_shots64"]
+    accuracy, in_domain = read_accuracy(results / run["run"].iloc[0] / schema.METRICS_FILENAME)
+    assert in_domain == "snli"
+    ood = [t for t in accuracy.columns if t not in ("snli", "train")]
+    expected = pairwise_partial_corr(accuracy, ood, "snli")
+    np.testing.assert_allclose(run["r"], expected["r"], atol=1e-12, rtol=0)
+    np.testing.assert_allclose(run["p_adj"], expected["p_adj"], atol=1e-12, rtol=0)
+
+    # Group level: Fisher-z mean, t interval and t test across runs, holm over pairs.
+    for (model, train_set), group in groups.groupby(["model", "train_set"]):
+        members = runs[(runs["model"] == model) & (runs["train_set"] == train_set)]
+        for pair in group.itertuples():
+            r = members[(members["x"] == pair.x) & (members["y"] == pair.y)]["r"].to_numpy()
+            assert r.size == len(SEEDS) * len(SHOTS) == pair.n_runs
+            z = np.arctanh(r)
+            test = scipy.stats.ttest_1samp(z, 0.0)
+            interval = np.tanh(test.confidence_interval(0.95))
+            assert pair.r == pytest.approx(np.tanh(z.mean()), abs=1e-12)
+            assert (pair.ci_low, pair.ci_high) == pytest.approx(tuple(interval), abs=1e-12)
+            assert pair.p == pytest.approx(test.pvalue, abs=1e-12)
+            assert (pair.n_positive, pair.n_negative) == ((r > 0).sum(), (r < 0).sum())
+        np.testing.assert_allclose(
+            group["p_adj"], pingouin.multicomp(group["p"].to_numpy(), method="holm")[1],
+            atol=1e-12,
+        )
+
+
+def test_options_reach_every_run(tmp_path, capsys):
+    results = tmp_path / "results"
+    write_results_root(results, models=("opt-350m",), train_sets=("mnli",), seeds=(0, 42),
+                       shots=(32,), steps=np.arange(0, 501, 25))
+    options = ["--residualiser", "spline", "--method", "spearman", "--padjust", "fdr_bh",
+               "--probit", "--differences"]
+    assert main([str(results), "--out", str(tmp_path / "out"), *options]) == 0
+    assert "wrote" in capsys.readouterr().out
+    table = pd.read_csv(tmp_path / "out" / CSV_NAME, keep_default_na=False, na_values=[""])
+    run = table[(table["level"] == "run") & (table["seed"] == 42)]
+    accuracy, _ = read_accuracy(results / run["run"].iloc[0] / schema.METRICS_FILENAME)
+    ood = [t for t in accuracy.columns if t not in ("mnli", "train")]
+    expected = pairwise_partial_corr(accuracy, ood, "mnli", residualiser="spline",
+                                     method="spearman", padjust="fdr_bh", probit=True,
+                                     differences=True)
+    assert (run["n"] == 20).all()  # 21 steps, 20 differences
+    np.testing.assert_allclose(run["r"], expected["r"], atol=1e-12, rtol=0)
+    np.testing.assert_allclose(run["dof"], expected["dof"], atol=1e-12, rtol=0)
+    np.testing.assert_allclose(run["p_adj"], expected["p_adj"], atol=1e-12, rtol=0)
+    caption = (tmp_path / "out" / "tables" / "matrix_opt-350m_mnli.tex").read_text()
+    assert "spearman correlation, spline residualiser, probit-transformed" in caption
+    assert r"(fdr\_bh)" in caption
+
+
+def test_runs_too_short_for_correlations_give_reasons_not_numbers(tmp_path, capsys):
+    """Three evaluation steps (like the demo's) are fewer than k + 4 = 5 points."""
+    results = tmp_path / "results"
+    write_results_root(results, models=("opt-tiny",), train_sets=("mnli",), seeds=(0, 42),
+                       shots=(32,), steps=np.arange(0, 51, 25))
+    assert main([str(results), "--out", str(tmp_path / "out")]) == 0
+    capsys.readouterr()
+    table = pd.read_csv(tmp_path / "out" / CSV_NAME, keep_default_na=False, na_values=[""])
+    assert table["r"].isna().all() and table["p_adj"].isna().all()
+    runs, groups = table[table["level"] == "run"], table[table["level"] == "group"]
+    assert set(runs["reason"]) == {"too few points: n=3, needs at least k + 4 = 5"}
+    assert set(groups["reason"]) == {"undefined in every run"}
+    assert (groups["n_runs"] == 0).all()
+    matrix = (tmp_path / "out" / "tables" / "matrix_opt-tiny_mnli.tex").read_text()
+    assert matrix.split(r"\midrule")[1].count("--") == 21
+    assert (tmp_path / "out" / "figures" / "heatmap_opt-tiny_mnli.png").is_file()
+
+
+def good_run(directory: pathlib.Path, **changes) -> pathlib.Path:
+    arguments = dict(steps=np.arange(6), testsets=["mnli", "hans", "rte"],
+                     accuracy=np.random.default_rng(0).uniform(size=(6, 3)), in_domain="mnli",
+                     model="opt-125m", seed=0, shots=32)
+    return write_run(directory, **(arguments | changes))
+
+
+def replace_npz_key(path: pathlib.Path, key: str, value) -> None:
+    with np.load(path) as npz:
+        arrays = dict(npz)
+    arrays[key] = value
+    np.savez(path, **arrays)
+
+
+@pytest.mark.parametrize(
+    "make_root, message",
+    [
+        (lambda root: root.mkdir(), r"no metrics\.npz under .*: is it a results root\?"),
+        (lambda root: None, "is not a directory"),
+        (
+            lambda root: np.savez(good_run(root / "run"), weights=np.zeros(3)),
+            r"not a run's metrics .*: missing keys \['step', 'testsets', 'accuracy'",
+        ),
+        (
+            lambda root: (root / "run").mkdir(parents=True)
+            or (root / "run" / "metrics.npz").write_text("step,accuracy\n0,0.5\n"),
+            "not a readable npz file",
+        ),
+        (
+            lambda root: good_run(root / "run", in_domain="snli"),
+            r"the in-domain testset 'snli' is not among its testsets \['mnli', 'hans', 'rte'\]",
+        ),
+        (
+            lambda root: replace_npz_key(good_run(root / "run"), schema.CONFIG,
+                                         np.asarray(json.dumps({"model": {}}))),
+            r"its config must be JSON with an object 'run' holding 'model', 'seed' and 'shots'",
+        ),
+        (
+            lambda root: replace_npz_key(good_run(root / "run"), schema.ACCURACY, np.zeros((6, 2))),
+            r"accuracy has shape \(6, 2\), expected \[steps, testsets\] = \[6, 3\]",
+        ),
+        (
+            lambda root: good_run(root / "run", testsets=["mnli", "hans", "train"]),
+            r"OOD testsets \['hans'\]: pairs of OOD testsets need at least two",
+        ),
+    ],
+    ids=["empty", "missing", "other-schema", "not-npz", "no-in-domain", "no-run-identity",
+         "bad-shape", "one-ood-testset"],
+)
+def test_bad_results_roots_get_a_clear_error(tmp_path, capsys, make_root, message):
+    root = tmp_path / "results"
+    make_root(root)
+    assert main([str(root), "--out", str(tmp_path / "out")]) == 2
+    error = capsys.readouterr().err
+    assert error.startswith("error: ")
+    assert re.search(message, error), error
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    "name, family, size, billions",
+    [
+        ("opt-2.7b", "opt", "2.7B", 2.7),
+        ("facebook/opt-125m", "opt", "125M", 0.125),
+        ("OLMo-2-1124-7B", "OLMo-2", "7B", 7.0),
+        ("allenai/OLMo-2-0325-32B", "OLMo-2", "32B", 32.0),
+        ("SmolLM3-3B", "SmolLM3", "3B", 3.0),
+        ("SmolLM2-135M", "SmolLM2", "135M", 0.135),
+        ("opt-tiny", "opt-tiny", "", np.nan),
+    ],
+)
+def test_model_family_and_size_for_the_summary_table(name, family, size, billions):
+    assert model_family(name) == family
+    assert model_size_label(name) == size
+    np.testing.assert_allclose(model_size_billions(name), billions)
