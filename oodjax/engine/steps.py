@@ -1,0 +1,276 @@
+"""The jitted train and eval steps for R runs that share one frozen base.
+
+A "run" is one (seed, shots) fine-tuning job. All runs of a process share the
+base model's state; each has its own adapters, optimizer state and dropout
+key, stacked on a leading run axis (``RunsState``). Both steps ``vmap`` one
+run's computation over that axis, so R runs cost one pass over the base
+weights per layer and give exactly what each run would give alone.
+
+Only the answer position matters: the loss and the margins come from the
+final hidden state at ``answer_pos`` (the last prompt token), so the output
+head runs on one position per example, and evaluation multiplies it by just
+the two answer-token columns.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from oodjax.engine import sharding
+from oodjax.models.lora import LoRAConfig, apply_lora
+from oodjax.models.partitioning import param_shardings
+
+Batch = Mapping[str, Any]
+
+SCHEDULES = ("linear", "cosine", "constant")
+
+
+@flax.struct.dataclass
+class RunsState:
+    """Everything that differs between runs, each leaf with a leading run axis [R, ...].
+
+    ``rng`` holds raw uint32 key data [R, 2] (not typed keys) so checkpoints can
+    store it as a plain array; ``step`` counts optimizer steps taken (shared).
+    """
+
+    lora: nnx.State
+    opt_state: optax.OptState
+    rng: jax.Array
+    step: jax.Array
+
+    @property
+    def num_runs(self) -> int:
+        return self.rng.shape[0]
+
+
+def select_run(tree: Any, index: int) -> Any:
+    """Run ``index``'s slice of a run-stacked pytree (e.g. ``runs.lora`` for ``export_peft``)."""
+    return jax.tree.map(lambda x: x[index], tree)
+
+
+def make_schedule(
+    learning_rate: float, total_steps: int, warmup_steps: int, schedule: str = "linear"
+) -> optax.Schedule:
+    """The learning rate per optimizer step, as transformers' schedules give it.
+
+    It rises linearly from 0 over ``warmup_steps`` (so, as in a Trainer, the
+    first update uses rate 0 when there is warm-up), then ``linear`` decays to
+    0 at ``total_steps``, ``cosine`` follows a half cosine to 0 and
+    ``constant`` stays at the peak (get_{linear,cosine,constant}_schedule_with_warmup).
+    """
+    if schedule not in SCHEDULES:
+        raise ValueError(f"unknown learning-rate schedule {schedule!r}; choose one of {SCHEDULES}")
+    if total_steps <= 0 or not 0 <= warmup_steps <= total_steps:
+        raise ValueError(
+            f"need total_steps > 0 and 0 <= warmup_steps <= total_steps; got total_steps={total_steps}, "
+            f"warmup_steps={warmup_steps}"
+        )
+    decay_steps = max(total_steps - warmup_steps, 1)
+    if schedule == "linear":
+        decay = optax.linear_schedule(learning_rate, 0.0, decay_steps)
+    elif schedule == "cosine":
+        decay = optax.cosine_decay_schedule(learning_rate, decay_steps)
+    else:
+        decay = optax.constant_schedule(learning_rate)
+    if not warmup_steps:
+        return decay
+    return optax.join_schedules([optax.linear_schedule(0.0, learning_rate, warmup_steps), decay], [warmup_steps])
+
+
+def make_optimizer(
+    learning_rate: float,
+    total_steps: int,
+    warmup_steps: int,
+    weight_decay: float,
+    max_grad_norm: float | None,
+    schedule: str = "linear",
+) -> optax.GradientTransformation:
+    """torch's AdamW (b1 0.9, b2 0.999, eps 1e-8, decoupled weight decay) after global-norm
+    clipping (none when ``max_grad_norm`` is None or 0), on ``make_schedule``'s learning rate."""
+    lr = make_schedule(learning_rate, total_steps, warmup_steps, schedule)
+    adamw = optax.adamw(lr, b1=0.9, b2=0.999, eps=1e-8, weight_decay=weight_decay)
+    if not max_grad_norm:
+        return adamw
+    return optax.chain(optax.clip_by_global_norm(max_grad_norm), adamw)
+
+
+def init_runs(
+    model: nnx.Module,
+    seeds: Sequence[int],
+    lora_cfg: LoRAConfig,
+    optimizer: optax.GradientTransformation,
+    *,
+    mesh: jax.sharding.Mesh | None = None,
+) -> tuple[nnx.GraphDef, nnx.State, RunsState]:
+    """Attaches adapters to ``model`` and returns (graphdef, frozen base state, stacked runs).
+
+    Run r's adapters and dropout key come from ``nnx.Rngs(seeds[r])`` alone, so
+    they are identical to those of a single run with that seed. The base
+    state also holds the adapters' shared dropout stream, which the train step
+    reseeds per run, step and micro-batch. With ``mesh``, base and runs are
+    placed on their shardings.
+    """
+    if not seeds:
+        raise ValueError("init_runs needs at least one seed")
+    loras, keys = [], []
+    for seed in seeds:
+        rngs = nnx.Rngs(seed)
+        apply_lora(model, lora_cfg, rngs=rngs)
+        loras.append(nnx.state(model, nnx.LoRAParam))
+        keys.append(jax.random.key_data(rngs.dropout()))
+    graphdef, _, base_state = nnx.split(model, nnx.LoRAParam, ...)
+    lora = jax.tree.map(lambda *xs: jnp.stack(xs), *loras)
+    runs = RunsState(
+        lora=lora,
+        opt_state=jax.vmap(optimizer.init)(lora),
+        rng=jnp.stack(keys),
+        step=jnp.zeros((), jnp.int32),
+    )
+    if mesh is not None:
+        base_state = jax.device_put(base_state, param_shardings(base_state, mesh))
+        runs = jax.device_put(runs, sharding.runs_shardings(runs, mesh))
+    return graphdef, base_state, runs
+
+
+def _cast_floats(tree: Any, dtype: jnp.dtype | None) -> Any:
+    """Casts the floating-point leaves of ``tree`` (not keys or integers) to ``dtype``; None keeps them."""
+    if dtype is None:
+        return tree
+    return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
+
+
+def _answer_hidden(model: nnx.Module, batch: Batch) -> jax.Array:
+    """The final hidden state [B, H'] at each example's answer position (its last prompt token)."""
+    hidden = model.hidden_states(batch["input_ids"], batch["attention_mask"])
+    rows = jnp.arange(hidden.shape[0])
+    return hidden[rows, batch["answer_pos"]]
+
+
+def _check_batch(batch: Batch, layout: str, leading: tuple[int, ...]) -> None:
+    """Trace-time shape check (shapes are static), so a malformed batch fails once and clearly."""
+    for key in ("input_ids", "attention_mask", "answer_pos", "label"):
+        if key not in batch:
+            raise ValueError(f"batch is missing {key!r}; it has {sorted(batch)}")
+    ids = batch["input_ids"]
+    if ids.ndim != len(leading) + 2 or tuple(ids.shape[: len(leading)]) != leading:
+        raise ValueError(f"batch['input_ids'] has shape {tuple(ids.shape)}; expected {layout}")
+    for key in ("answer_pos", "label") + (("valid",) if "valid" in batch else ()):
+        if tuple(batch[key].shape) != tuple(ids.shape[:-1]):
+            raise ValueError(f"batch[{key!r}] has shape {tuple(batch[key].shape)}; expected {tuple(ids.shape[:-1])}")
+
+
+def make_train_step(
+    graphdef: nnx.GraphDef,
+    optimizer: optax.GradientTransformation,
+    yes_id: int,
+    no_id: int,
+    *,
+    grad_accum: int,
+    mesh: jax.sharding.Mesh | None = None,
+    runs: RunsState | None = None,
+    compute_dtype: jnp.dtype | None = None,
+) -> Callable[[nnx.State, RunsState, Batch], tuple[RunsState, jax.Array]]:
+    """One jitted optimizer step for all runs: ``train_step(base_state, runs, batch) -> (runs, loss [R])``.
+
+    ``batch`` leaves are [R, grad_accum, micro_batch, seq] ([R, grad_accum,
+    micro_batch] for answer_pos, label, valid): each run its own examples. The
+    loss is the mean cross-entropy over the full vocabulary at the answer
+    position (target " Yes" for label 0, " No" otherwise) over the valid
+    examples of all micro-batches; gradients are summed over micro-batches and
+    divided by the valid count, so accumulation is exact, not an average of
+    averages. ``runs`` is donated. ``compute_dtype`` (e.g. bfloat16) casts the
+    base and the adapters for the forward/backward pass only; the adapters and
+    optimizer state stay float32.
+
+    With a ``mesh``, pass the ``runs`` from ``init_runs`` too: the step pins
+    its outputs to their shardings, so each call's output is exactly the next
+    call's input layout (XLA may otherwise spell an equivalent sharding
+    differently, which would recompile every step).
+    """
+    if grad_accum < 1:
+        raise ValueError(f"grad_accum must be >= 1, got {grad_accum}")
+    if mesh is not None and runs is None:
+        raise ValueError("make_train_step with a mesh needs runs= (the RunsState from init_runs) to fix its shardings")
+
+    def micro_loss(lora, base_state, micro, key):
+        # copy: fresh Variables at this trace level, so reseeding may mutate them.
+        model = nnx.merge(graphdef, base_state, _cast_floats(lora, compute_dtype), copy=True)
+        nnx.reseed(model, dropout=key)
+        hidden = _answer_hidden(model, micro)
+        logits = jnp.matmul(hidden, model.head_kernel(), preferred_element_type=jnp.float32)
+        targets = jnp.where(micro["label"] == 0, yes_id, no_id)
+        losses = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+        valid = micro["valid"].astype(jnp.float32) if "valid" in micro else jnp.ones_like(losses)
+        return jnp.sum(losses * valid), jnp.sum(valid)
+
+    grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
+
+    def one_run(lora, opt_state, rng, batch, base_state, step):
+        run_key = jax.random.fold_in(jax.random.wrap_key_data(rng), step)
+
+        def accumulate(carry, micro_and_index):
+            grads, loss_sum, count = carry
+            micro, index = micro_and_index
+            (loss, n), g = grad_fn(lora, base_state, micro, jax.random.fold_in(run_key, index))
+            return (jax.tree.map(jnp.add, grads, g), loss_sum + loss, count + n), None
+
+        zeros = jax.tree.map(jnp.zeros_like, lora)
+        init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
+        (grads, loss_sum, count), _ = jax.lax.scan(accumulate, init, (batch, jnp.arange(grad_accum)))
+        count = jnp.maximum(count, 1.0)
+        grads = jax.tree.map(lambda g: g / count, grads)
+        updates, opt_state = optimizer.update(grads, opt_state, lora)
+        return optax.apply_updates(lora, updates), opt_state, loss_sum / count
+
+    def train_step(base_state: nnx.State, runs: RunsState, batch: Batch) -> tuple[RunsState, jax.Array]:
+        _check_batch(batch, f"[runs={runs.num_runs}, grad_accum={grad_accum}, batch, seq]", (runs.num_runs, grad_accum))
+        base = _cast_floats(base_state, compute_dtype)
+        lora, opt_state, loss = jax.vmap(one_run, in_axes=(0, 0, 0, 0, None, None))(
+            runs.lora, runs.opt_state, runs.rng, dict(batch), base, runs.step
+        )
+        return runs.replace(lora=lora, opt_state=opt_state, step=runs.step + 1), loss
+
+    if mesh is None:
+        return jax.jit(train_step, donate_argnums=1)
+    out_shardings = (sharding.runs_shardings(runs, mesh), sharding.replicated(mesh))
+    return jax.jit(train_step, donate_argnums=1, out_shardings=out_shardings)
+
+
+def make_eval_step(
+    graphdef: nnx.GraphDef,
+    yes_id: int,
+    no_id: int,
+    *,
+    mesh: jax.sharding.Mesh | None = None,
+    compute_dtype: jnp.dtype | None = None,
+) -> Callable[[nnx.State, nnx.State, Batch], jax.Array]:
+    """Jitted ``eval_step(base_state, lora, batch) -> margins [R, B]`` (float32), dropout off.
+
+    ``lora`` is ``runs.lora`` (stacked); ``batch`` leaves are [B, S] ([B] for
+    answer_pos etc.), shared by all runs. The margin is logit(Yes) - logit(No)
+    at the answer position, computed from the two head columns only. It
+    compiles once per bucket shape; ``eval_step._cache_size()`` counts them.
+    """
+    columns = np.asarray([yes_id, no_id], np.int32)
+
+    def one_run(lora, base_state, batch):
+        model = nnx.merge(graphdef, base_state, _cast_floats(lora, compute_dtype))
+        model = nnx.view(model, only=nnx.Dropout, deterministic=True)
+        hidden = _answer_hidden(model, batch)
+        head = jnp.take(model.head_kernel(), columns, axis=1)
+        logits = jnp.matmul(hidden, head, preferred_element_type=jnp.float32)
+        return logits[:, 0] - logits[:, 1]
+
+    def eval_step(base_state: nnx.State, lora: nnx.State, batch: Batch) -> jax.Array:
+        _check_batch(batch, "[batch, seq]", ())
+        return jax.vmap(one_run, in_axes=(0, None, None))(lora, _cast_floats(base_state, compute_dtype), dict(batch))
+
+    return jax.jit(eval_step, out_shardings=None if mesh is None else sharding.replicated(mesh))

@@ -1,0 +1,227 @@
+"""LoRA adapters on a frozen base, and export in Hugging Face PEFT's format.
+
+An adapter adds ``dropout(x) @ A @ B * alpha / rank`` to a projection's output,
+exactly as peft's ``lora.Linear`` does, so an adapter trained here can be
+loaded onto the PyTorch model with ``peft.PeftModel.from_pretrained``. A is
+drawn like peft's default (kaiming-uniform with a = sqrt(5)), B starts at zero,
+so a fresh adapter leaves the model's outputs unchanged.
+
+The adapter parameters are ``nnx.LoRAParam`` (a subclass of ``nnx.Param``), so
+``nnx.split(model, nnx.LoRAParam, ...)`` separates them from the frozen base;
+they are kept in float32 whatever the base's dtype, as peft does.
+
+Dropout keys come from ONE stream shared by every adapter of a model: each
+call draws the next key from it, so the adapters of q, k and v (which see the
+same input) get independent masks, and a training step only has to reseed
+that one stream (``nnx.reseed(model, dropout=key)``) to make dropout a pure
+function of (run, step, micro-batch).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import safetensors.numpy
+from flax import nnx
+
+from oodjax.models.layers import Linear
+
+# peft's default A init is kaiming_uniform_(a=sqrt(5)) on its [rank, in] weight:
+# bound = sqrt(6 / ((1 + a^2) * fan_in)) = 1 / sqrt(fan_in), i.e. variance scale 1/3.
+_PEFT_A_INIT = nnx.initializers.variance_scaling(1.0 / 3.0, "fan_in", "uniform")
+
+# Attention projections adapted by default: q/k/v and the output projection,
+# which OPT calls out_proj and OLMo2/Llama call o_proj.
+ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "out_proj")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoRAConfig:
+    """What an adapter looks like; the study's defaults (r=8, alpha=32, dropout 0.1, q/k/v/o).
+
+    ``targets`` are names of ``Linear`` attributes (e.g. ``("q_proj", "v_proj")``);
+    None means the model's attention projections (``ATTENTION_PROJECTIONS`` it has).
+    """
+
+    rank: int = 8
+    alpha: float = 32.0
+    dropout: float = 0.1
+    targets: tuple[str, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.rank, int) and self.rank > 0):
+            raise ValueError(f"LoRAConfig.rank must be a positive integer, got {self.rank!r}")
+        if not self.alpha > 0:
+            raise ValueError(f"LoRAConfig.alpha must be positive, got {self.alpha!r}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"LoRAConfig.dropout must be in [0, 1), got {self.dropout!r}")
+        if self.targets is not None:
+            if isinstance(self.targets, str) or not self.targets:
+                raise ValueError(
+                    f"LoRAConfig.targets must be a non-empty sequence of layer names, got {self.targets!r}"
+                )
+            object.__setattr__(self, "targets", tuple(self.targets))
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+
+class LoRA(nnx.Module):
+    """The low-rank update of one projection: ``dropout(x) @ A @ B * scale``.
+
+    Computes in the adapter's dtype (float32) and returns the input's dtype, as
+    peft does for a bf16 base. ``kernel_axes`` are the logical axis names of the
+    adapted kernel ``[in, out]``; A inherits the input axis, B the output axis,
+    so adapters are sharded like the projection they adapt (placed by the
+    engine, hence ``eager_sharding=False``).
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        rank: int,
+        scale: float,
+        dropout: float,
+        dropout_stream: nnx.Rngs,
+        kernel_axes: tuple | None,
+        rngs: nnx.Rngs,
+    ):
+        in_axis, out_axis = kernel_axes if kernel_axes else (None, None)
+        self.lora_a = nnx.LoRAParam(
+            _PEFT_A_INIT(rngs.params(), (in_features, rank), jnp.float32),
+            out_sharding=(in_axis, None),
+            eager_sharding=False,
+        )
+        self.lora_b = nnx.LoRAParam(
+            jnp.zeros((rank, out_features), jnp.float32), out_sharding=(None, out_axis), eager_sharding=False
+        )
+        self.scale = scale
+        self.dropout = nnx.Dropout(dropout)
+        self.dropout_stream = dropout_stream
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        a, b = self.lora_a[...], self.lora_b[...]
+        h = self.dropout(x.astype(a.dtype), rngs=self.dropout_stream)
+        return ((h @ a) @ b * self.scale).astype(x.dtype)
+
+
+def find_targets(model: nnx.Module, targets: Sequence[str] | None) -> list[tuple[tuple, Linear]]:
+    """The (path, Linear) pairs an adapter goes on, in the model's module order.
+
+    Each named target must match at least one layer, so a typo (or OPT's
+    ``out_proj`` vs Llama's ``o_proj``) fails loudly instead of silently
+    training fewer adapters than asked for.
+    """
+    linears = [(path, m) for path, m in nnx.iter_modules(model) if isinstance(m, Linear)]
+    available = sorted({str(path[-1]) for path, _ in linears})
+    if targets is None:
+        names = [n for n in ATTENTION_PROJECTIONS if n in available]
+        if not names:
+            raise ValueError(
+                f"model has none of the default LoRA targets {ATTENTION_PROJECTIONS}; "
+                f"its linear layers are {available}"
+            )
+    else:
+        names = list(targets)
+        missing = [n for n in names if n not in available]
+        if missing:
+            raise ValueError(
+                f"LoRA targets {missing} match no linear layer of the model; its linear layers are {available}"
+            )
+    return [(path, m) for path, m in linears if path[-1] in names]
+
+
+def _kernel_axes(linear: Linear) -> tuple | None:
+    axes = linear.kernel.get_metadata().get("out_sharding")
+    return tuple(axes) if axes else None
+
+
+def apply_lora(model: nnx.Module, cfg: LoRAConfig, *, rngs: nnx.Rngs) -> nnx.Module:
+    """Attaches fresh adapters (replacing any) to the target layers, in place; returns the model.
+
+    A's are drawn from ``rngs.params()`` in module order and the dropout stream
+    is seeded from ``rngs.dropout()``, so the same seed gives the same adapters
+    whether a run is trained alone or with others.
+    """
+    dropout_stream = nnx.Rngs(dropout=rngs.dropout())
+    for _, linear in find_targets(model, cfg.targets):
+        in_features, out_features = linear.kernel.shape
+        linear.lora = nnx.data(
+            LoRA(
+                in_features,
+                out_features,
+                rank=cfg.rank,
+                scale=cfg.scale,
+                dropout=cfg.dropout,
+                dropout_stream=dropout_stream,
+                kernel_axes=_kernel_axes(linear),
+                rngs=rngs,
+            )
+        )
+    return model
+
+
+# peft names the two factors lora_A / lora_B and stores torch Linear weights [out, in].
+_PEFT_NAMES = {"lora_a": "lora_A", "lora_b": "lora_B"}
+
+
+def peft_tensors(lora: nnx.State) -> dict[str, np.ndarray]:
+    """One run's adapters as peft's safetensors dict (``base_model.model.<hf path>.lora_A.weight``).
+
+    Relies on the models mirroring Hugging Face module paths, so our path
+    ``model.decoder.layers.0.self_attn.q_proj`` is the PyTorch module's name.
+    """
+    tensors = {}
+    for path, value in nnx.to_flat_state(lora):
+        *module_path, lora_module, factor = path
+        if lora_module != "lora" or factor not in _PEFT_NAMES:
+            raise ValueError(f"not a LoRA adapter parameter: {'.'.join(map(str, path))}")
+        array = np.asarray(jax.device_get(value[...]), dtype=np.float32)
+        if array.ndim != 2:
+            raise ValueError(
+                f"{'.'.join(map(str, path))} has shape {array.shape}; export one run at a time (select_run)"
+            )
+        name = ".".join(map(str, module_path))
+        tensors[f"base_model.model.{name}.{_PEFT_NAMES[factor]}.weight"] = np.ascontiguousarray(array.T)
+    return tensors
+
+
+def export_peft(
+    lora: nnx.State,
+    cfg: LoRAConfig,
+    path: str | pathlib.Path,
+    *,
+    base_model_name_or_path: str,
+) -> pathlib.Path:
+    """Writes adapter_config.json + adapter_model.safetensors that ``PeftModel.from_pretrained`` loads."""
+    tensors = peft_tensors(lora)
+    target_modules = sorted({key.split(".")[-3] for key in tensors})
+    out = pathlib.Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    adapter_config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model_name_or_path,
+        "r": cfg.rank,
+        "lora_alpha": cfg.alpha,
+        "lora_dropout": cfg.dropout,
+        "target_modules": target_modules,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "init_lora_weights": True,
+        "inference_mode": True,
+        "modules_to_save": None,
+    }
+    (out / "adapter_config.json").write_text(json.dumps(adapter_config, indent=2) + "\n")
+    safetensors.numpy.save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+    return out

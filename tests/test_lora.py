@@ -1,0 +1,161 @@
+"""LoRA adapters: a fresh adapter changes nothing, the init is peft's, targets are checked,
+and an exported adapter loaded by peft onto the PyTorch model reproduces our logits."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import peft
+import pytest
+import torch
+import transformers
+from flax import nnx
+from test_models_parity import padded_batches, save, tiny_hf_model
+
+from oodjax.models import from_config, load_pretrained
+from oodjax.models.lora import LoRA, LoRAConfig, apply_lora, export_peft, find_targets
+
+TINY = dict(vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, pad_token_id=1)
+HF_CONFIGS = {
+    "opt": dict(model_type="opt", ffn_dim=64, max_position_embeddings=32, **TINY),
+    "olmo2": dict(model_type="olmo2", intermediate_size=48, num_key_value_heads=2, **TINY),
+    "llama": dict(model_type="llama", intermediate_size=48, num_key_value_heads=2, tie_word_embeddings=True, **TINY),
+}
+ATTENTION = {
+    "opt": "q_proj k_proj v_proj out_proj",
+    "olmo2": "q_proj k_proj v_proj o_proj",
+    "llama": "q_proj k_proj v_proj o_proj",
+}
+LOGITS_TOL = 1e-4
+
+
+def logits(model, ids, mask) -> np.ndarray:
+    """The forward pass jitted over the split state (one compile beats op-by-op eager dispatch)."""
+    graphdef, state = nnx.split(model)
+    return np.asarray(jax.jit(lambda state: nnx.merge(graphdef, state)(ids, mask))(state))
+
+
+def adapted_layer_names(model) -> set[str]:
+    return {".".join(map(str, path)) for path, m in nnx.iter_modules(model) if isinstance(m, LoRA)}
+
+
+@pytest.mark.parametrize("family", sorted(HF_CONFIGS))
+def test_fresh_adapter_leaves_logits_unchanged(family):
+    """B = 0, so the default q/k/v/o adapters add exactly zero (bitwise equal logits)."""
+    model = from_config(HF_CONFIGS[family], seed=3)
+    ids, mask = padded_batches(96)["right"]
+    before = logits(model, ids, mask)
+    apply_lora(model, LoRAConfig(rank=4, alpha=8.0, dropout=0.0), rngs=nnx.Rngs(0))
+    after = logits(model, ids, mask)
+    adapted = adapted_layer_names(model)
+    expected = {
+        f"{prefix}.{layer}.self_attn.{name}"
+        for layer in range(2)
+        for name in ATTENTION[family].split()
+        for prefix in (["model.decoder.layers"] if family == "opt" else ["model.layers"])
+    }
+    assert adapted == {f"{name}.lora" for name in expected}
+    np.testing.assert_array_equal(after, before)
+
+
+def test_init_is_peft_kaiming_uniform_and_zero_b_in_float32_on_bf16_base():
+    model = from_config(HF_CONFIGS["llama"], dtype="bfloat16")
+    apply_lora(model, LoRAConfig(rank=8, alpha=32.0, dropout=0.1, targets=("q_proj", "down_proj")), rngs=nnx.Rngs(1))
+    for path, linear in find_targets(model, ("q_proj", "down_proj")):
+        a, b = linear.lora.lora_a[...], linear.lora.lora_b[...]
+        fan_in = linear.kernel.shape[0]
+        assert linear.kernel.dtype == jnp.bfloat16 and a.dtype == b.dtype == jnp.float32, path
+        assert a.shape == (fan_in, 8) and b.shape == (8, linear.kernel.shape[1])
+        assert isinstance(linear.lora.lora_a, nnx.LoRAParam) and isinstance(linear.lora.lora_a, nnx.Param)
+        # kaiming_uniform_(a=sqrt(5)) on torch's [r, in] weight: U(-1/sqrt(in), 1/sqrt(in))
+        bound = 1 / np.sqrt(fan_in)
+        assert np.abs(a).max() <= bound and np.abs(a).max() > 0.8 * bound
+        assert abs(float(np.std(a)) - bound / np.sqrt(3)) < 0.25 * bound / np.sqrt(3)
+        np.testing.assert_array_equal(b, 0)
+    assert linear.lora.scale == 4.0
+    # the same seed gives the same adapters
+    again = from_config(HF_CONFIGS["llama"], dtype="bfloat16")
+    apply_lora(again, LoRAConfig(targets=("q_proj", "down_proj")), rngs=nnx.Rngs(1))
+    for (_, x), (_, y) in zip(nnx.to_flat_state(nnx.state(model, nnx.LoRAParam)),
+                              nnx.to_flat_state(nnx.state(again, nnx.LoRAParam)), strict=True):  # fmt: skip
+        np.testing.assert_array_equal(x[...], y[...])
+
+
+def test_adapters_inherit_the_kernels_logical_axes():
+    model = from_config(HF_CONFIGS["olmo2"])
+    apply_lora(model, LoRAConfig(), rngs=nnx.Rngs(0))
+    attn = model.model.layers[0].self_attn
+    q_axes = attn.q_proj.kernel.get_metadata()["out_sharding"]
+    o_axes = attn.o_proj.kernel.get_metadata()["out_sharding"]
+    assert attn.q_proj.lora.lora_a.get_metadata()["out_sharding"] == (q_axes[0], None)
+    assert attn.q_proj.lora.lora_b.get_metadata()["out_sharding"] == (None, q_axes[1])
+    assert attn.o_proj.lora.lora_b.get_metadata()["out_sharding"] == (None, o_axes[1])
+
+
+def test_bad_targets_and_configs_are_clear_errors():
+    model = from_config(HF_CONFIGS["opt"])
+    with pytest.raises(ValueError, match=r"\['o_proj'\] match no linear layer.*out_proj"):
+        apply_lora(model, LoRAConfig(targets=("q_proj", "o_proj")), rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="rank must be a positive integer"):
+        LoRAConfig(rank=0)
+    with pytest.raises(ValueError, match="dropout must be in"):
+        LoRAConfig(dropout=1.0)
+    with pytest.raises(ValueError, match="targets must be a non-empty sequence"):
+        LoRAConfig(targets="q_proj")
+
+
+def test_dropout_masks_differ_between_projections_and_calls():
+    """One shared stream: q, k and v (same input) get different masks, and each call a new one."""
+    model = from_config(HF_CONFIGS["opt"])
+    apply_lora(model, LoRAConfig(rank=4, alpha=4.0, dropout=0.5, targets=("q_proj", "k_proj")), rngs=nnx.Rngs(0))
+    attn = model.model.decoder.layers[0].self_attn
+    for proj in (attn.q_proj, attn.k_proj):  # make A the identity on the first 4 features, B = I
+        proj.lora.lora_a[...] = jnp.eye(32, 4)
+        proj.lora.lora_b[...] = jnp.eye(4, 32)
+    x = jnp.ones((1, 1, 32))
+    q1, k1, q2 = attn.q_proj.lora(x), attn.k_proj.lora(x), attn.q_proj.lora(x)
+    kept = lambda y: tuple(np.asarray(y[0, 0, :4] != 0))  # noqa: E731
+    assert {float(v) for v in np.asarray(q1[0, 0, :4])} <= {0.0, 2.0}  # kept inputs scaled by 1/(1-0.5)
+    assert len({kept(q1), kept(k1), kept(q2)}) > 1
+
+
+def test_peft_loads_our_export_and_reproduces_our_logits(tmp_path):
+    """Non-zero B (perturbed) on every adapter; peft on the PyTorch model must give our logits."""
+    hf_model = tiny_hf_model(
+        transformers.OPTConfig(vocab_size=96, hidden_size=32, num_hidden_layers=2, ffn_dim=64, num_attention_heads=4,
+                               max_position_embeddings=32, pad_token_id=1)
+    )  # fmt: skip
+    model = load_pretrained(save(hf_model, tmp_path / "base"))
+    cfg = LoRAConfig(rank=4, alpha=16.0, dropout=0.1, targets=("q_proj", "v_proj", "out_proj", "fc1"))
+    apply_lora(model, cfg, rngs=nnx.Rngs(7))
+    lora = nnx.state(model, nnx.LoRAParam)
+    keys = iter(jax.random.split(jax.random.key(1), 100))
+    lora = jax.tree.map(lambda x: x + 0.05 * jax.random.normal(next(keys), x.shape), lora)
+    nnx.update(model, lora)
+    ours = {side: logits(nnx.view(model, deterministic=True), ids, mask)
+            for side, (ids, mask) in padded_batches(96).items()}  # fmt: skip
+    base_logits = logits(load_pretrained(tmp_path / "base"), *padded_batches(96)["right"])
+    assert np.abs(ours["right"] - base_logits).max() > 1e-2  # the adapters matter
+
+    out = export_peft(lora, cfg, tmp_path / "adapter", base_model_name_or_path="tiny-opt")
+    written = json.loads((out / "adapter_config.json").read_text())
+    assert written["r"] == 4 and written["lora_alpha"] == 16.0 and written["peft_type"] == "LORA"
+    assert sorted(written["target_modules"]) == ["fc1", "out_proj", "q_proj", "v_proj"]
+    peft_model = peft.PeftModel.from_pretrained(hf_model, out).eval()
+    assert len([n for n, _ in peft_model.named_parameters() if "lora_A" in n]) == 8
+    diffs = {}
+    for side, (ids, mask) in padded_batches(96).items():
+        with torch.no_grad():
+            theirs = peft_model(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask)).logits.numpy()
+        diffs[side] = float(np.abs(ours[side] - theirs)[mask.astype(bool)].max())
+    print("peft export max |logits diff|", diffs)
+    assert max(diffs.values()) < LOGITS_TOL, diffs
+
+
+def test_export_refuses_run_stacked_adapters(tmp_path):
+    model = from_config(HF_CONFIGS["opt"])
+    apply_lora(model, LoRAConfig(), rngs=nnx.Rngs(0))
+    stacked = jax.tree.map(lambda x: jnp.stack([x, x]), nnx.state(model, nnx.LoRAParam))
+    with pytest.raises(ValueError, match="export one run at a time"):
+        export_peft(stacked, LoRAConfig(), tmp_path, base_model_name_or_path="x")

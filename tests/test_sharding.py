@@ -1,0 +1,110 @@
+"""Sharded training on 8 host CPU devices gives the single-device results.
+
+Meshes (data, fsdp, tensor) = (8,1,1), (2,4,1) and (2,2,2): the base is
+placed by the logical axis rules, adapters and optimizer moments like the
+projection they adapt, batches split over data x fsdp. Losses (and margins)
+must equal one device's to float32 reduction-order noise.
+"""
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+from test_steps import LORA, NO, OPT, YES, make_batches, make_optimizer
+
+from oodjax.engine import sharding, steps
+from oodjax.models import from_config
+
+SEEDS = (0, 1)
+MICRO = 8  # divisible by data x fsdp on every mesh
+NUM_STEPS = 2
+MESHES = [(8, 1, 1), (2, 4, 1), (2, 2, 2)]
+# Sharded matmuls sum in a different order; fp32 losses of ~4 then differ by a few ulps.
+LOSS_TOL = 1e-5
+
+
+def train(batches, mesh=None):
+    model = from_config(OPT, seed=0)
+    optimizer = make_optimizer()
+    graphdef, base, runs = steps.init_runs(model, SEEDS, LORA, optimizer, mesh=mesh)
+    train_step = steps.make_train_step(graphdef, optimizer, YES, NO, grad_accum=2, mesh=mesh, runs=runs)
+    losses = []
+    for batch in batches:
+        if mesh is not None:
+            batch = sharding.shard_batch(batch, mesh, batch_axis=2)
+        runs, loss = train_step(base, runs, batch)
+        losses.append(np.asarray(loss))
+    assert train_step._cache_size() == 1  # outputs keep the input shardings: no recompilation
+    return np.stack(losses), graphdef, base, runs
+
+
+@pytest.fixture(scope="module")
+def batches():
+    return make_batches(NUM_STEPS, len(SEEDS), micro=MICRO)
+
+
+@pytest.fixture(scope="module")
+def single_device(batches):
+    return train(batches)
+
+
+@pytest.mark.parametrize("shape", MESHES, ids=lambda s: "x".join(map(str, s)))
+def test_sharded_training_equals_one_device(shape, batches, single_device):
+    mesh = sharding.make_mesh(*shape)
+    losses, graphdef, base, runs = train(batches, mesh)
+    print(shape, "max |loss diff| vs one device", np.abs(losses - single_device[0]).max())
+    np.testing.assert_allclose(losses, single_device[0], rtol=0, atol=LOSS_TOL)
+
+    # q_proj is (embed, heads) -> (fsdp, tensor); adapters follow it behind a replicated run axis
+    attn = lambda tree: tree["model"]["decoder"]["layers"][0]["self_attn"]  # noqa: E731
+    assert attn(base)["q_proj"]["kernel"].sharding.spec == P("fsdp", "tensor")
+    assert attn(runs.lora)["q_proj"]["lora"]["lora_a"].sharding.spec == P(None, "fsdp", None)
+    assert attn(runs.lora)["out_proj"]["lora"]["lora_b"].sharding.spec == P(None, None, "fsdp")
+    mu = runs.opt_state[1][0].mu  # chain(clip, adamw): adamw's ScaleByAdamState
+    assert attn(mu)["q_proj"]["lora"]["lora_b"].sharding.spec == P(None, None, "tensor")
+
+    if shape == (2, 2, 2):  # eval on a mesh gives the one-device margins
+        batch = {k: v[0, 0] for k, v in batches[0].items()}
+        _, one_graphdef, one_base, one_runs = single_device
+        expected = steps.make_eval_step(one_graphdef, YES, NO)(one_base, one_runs.lora, batch)
+        eval_step = steps.make_eval_step(graphdef, YES, NO, mesh=mesh)
+        margins = eval_step(base, runs.lora, sharding.shard_batch(batch, mesh))
+        np.testing.assert_allclose(margins, expected, rtol=0, atol=LOSS_TOL)
+
+
+def test_make_mesh_sizes():
+    assert sharding.make_mesh(2, -1, 2).shape == {"data": 2, "fsdp": 2, "tensor": 2}
+    assert sharding.make_mesh(-1).shape == {"data": 8, "fsdp": 1, "tensor": 1}
+    assert sharding.make_mesh(devices=jax.devices()[:1]).shape == {"data": 1, "fsdp": 1, "tensor": 1}
+    with pytest.raises(ValueError, match=r"\(2, 2, 1\) need 4 devices; there are 8"):
+        sharding.make_mesh(2, 2, 1)
+    with pytest.raises(ValueError, match="at most one -1"):
+        sharding.make_mesh(-1, -1, 1)
+    with pytest.raises(ValueError, match="not divisible by 3"):
+        sharding.make_mesh(3, -1, 1)
+
+
+def test_shard_batch_splits_examples_and_rejects_uneven_batches():
+    mesh = sharding.make_mesh(2, 2, 2)
+    batch = {k: v[0, 0] for k, v in make_batches(1, 1, micro=8)[0].items()}
+    placed = sharding.shard_batch(batch, mesh)
+    assert placed["input_ids"].sharding.spec == P(("data", "fsdp"))
+    assert placed["input_ids"].addressable_shards[0].data.shape == (2, batch["input_ids"].shape[1])
+    np.testing.assert_array_equal(placed["input_ids"], batch["input_ids"])
+    with pytest.raises(ValueError, match=r"batch\['input_ids'\] has shape \(6, 12\).*divisible by 4"):
+        sharding.shard_batch({"input_ids": batch["input_ids"][:6]}, mesh)
+
+
+def test_lora_state_carries_no_stale_run_axis_metadata():
+    """Stacked adapters keep their unstacked logical names; runs_shardings adds the run axis."""
+    model = from_config(OPT, seed=0)
+    _, _, runs = steps.init_runs(model, SEEDS, LORA, make_optimizer())
+    mesh = sharding.make_mesh(1, 4, 2)
+    shardings = sharding.runs_shardings(runs, mesh)
+    v_proj = lambda tree: tree["model"]["decoder"]["layers"][1]["self_attn"]["v_proj"]["lora"]  # noqa: E731
+    assert isinstance(v_proj(runs.lora)["lora_a"], nnx.LoRAParam)
+    assert v_proj(runs.lora)["lora_a"].get_metadata()["out_sharding"] == ("embed", None)  # no run axis
+    assert v_proj(shardings.lora)["lora_a"].get_value().spec == P(None, "fsdp", None)
+    assert v_proj(shardings.lora)["lora_b"].get_value().spec == P(None, None, "tensor")
+    assert shardings.rng.spec == P() and shardings.step.spec == P()

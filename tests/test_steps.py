@@ -1,0 +1,263 @@
+"""The jitted train and eval steps on a tiny random OPT.
+
+What is checked: the loss is the answer-position cross-entropy of the full
+model; gradients reach only the adapters; dtypes (bf16 base, fp32 adapters and
+optimizer state); R runs trained together equal each run trained alone; remat
+and mixed precision leave training (nearly) unchanged; the eval margins are the
+full model's logit(Yes) - logit(No); the eval step compiles once per shape; the
+schedule is transformers'.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+import scipy.special
+import torch
+import transformers
+from flax import nnx
+
+from oodjax.engine import steps
+from oodjax.models import from_config
+from oodjax.models.lora import LoRAConfig
+
+OPT = dict(
+    model_type="opt", vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, ffn_dim=64,
+    max_position_embeddings=32, pad_token_id=1,
+)  # fmt: skip
+YES, NO = 5, 6
+SEEDS = (0, 42, 99)
+ACCUM, MICRO, SEQ = 2, 4, 12
+STEPS = 3
+LORA = LoRAConfig(rank=4, alpha=8.0, dropout=0.1)
+# R runs together vs alone differ only in how XLA batches the same float32 arithmetic:
+# losses agree to float32 rounding; adapters to that rounding amplified by Adam's
+# g / sqrt(v) on near-zero gradients (at most ~1e-4 of the learning rate, 5e-2, per step).
+TOGETHER_LOSS_TOL = 1e-6
+TOGETHER_ADAPTER_TOL = 2e-5
+# bf16 keeps 8 significant bits; over two layers the loss (about ln 64 = 4.2) moves by ~1e-3.
+BF16_LOSS_TOL = 2e-2
+
+
+def make_optimizer():
+    return steps.make_optimizer(5e-2, total_steps=10, warmup_steps=1, weight_decay=0.01, max_grad_norm=1.0)
+
+
+def make_batches(
+    num_steps: int, runs: int, seed: int = 0, accum: int = ACCUM, micro: int = MICRO, seq: int = SEQ
+) -> list[dict]:
+    """Right-padded prompts of random lengths, [runs, accum, micro, seq], a few rows invalid."""
+    rng = np.random.default_rng(seed)
+    batches = []
+    for _ in range(num_steps):
+        shape = (runs, accum, micro)
+        lengths = rng.integers(3, seq + 1, size=shape)
+        ids = rng.integers(2, OPT["vocab_size"], size=(*shape, seq)).astype(np.int32)
+        mask = (np.arange(seq) < lengths[..., None]).astype(np.int32)
+        ids = np.where(mask == 1, ids, OPT["pad_token_id"]).astype(np.int32)
+        valid = np.ones(shape, bool)
+        valid[..., -1, -1] = False  # a padding row: must not count
+        batches.append(dict(input_ids=ids, attention_mask=mask, answer_pos=(lengths - 1).astype(np.int32),
+                            label=rng.integers(0, 2, size=shape).astype(np.int32), valid=valid))  # fmt: skip
+    return batches
+
+
+def run_slice(batch: dict, runs: slice) -> dict:
+    return {k: v[runs] for k, v in batch.items()}
+
+
+def train(seeds, batches, *, dtype="float32", remat=False, compute_dtype=None, optimizer=None, train_step=None):
+    """Trains ``seeds`` together on ``batches``; returns (losses [steps, R], graphdef, base, runs, train_step).
+
+    Pass the ``train_step`` of an earlier call with the same shapes to reuse its compilation.
+    """
+    model = from_config(OPT, dtype=dtype, seed=0, remat=remat)
+    optimizer = optimizer or make_optimizer()
+    graphdef, base, runs = steps.init_runs(model, seeds, LORA, optimizer)
+    train_step = train_step or steps.make_train_step(
+        graphdef, optimizer, YES, NO, grad_accum=ACCUM, compute_dtype=compute_dtype
+    )
+    losses = []
+    for batch in batches:
+        runs, loss = train_step(base, runs, batch)
+        losses.append(np.asarray(loss))
+    return np.stack(losses), graphdef, base, runs, train_step
+
+
+@pytest.fixture(scope="module")
+def batches():
+    return make_batches(STEPS, len(SEEDS))
+
+
+@pytest.fixture(scope="module")
+def together(batches):
+    return train(SEEDS, batches)
+
+
+@pytest.fixture(scope="module")
+def alone(batches):
+    """Each run trained by itself (one compilation shared: every single run has the same shapes)."""
+    results, train_step = [], None
+    for r, seed in enumerate(SEEDS):
+        results.append(train([seed], [run_slice(b, slice(r, r + 1)) for b in batches], train_step=train_step))
+        train_step = results[-1][-1]
+    return results
+
+
+def flat(tree):
+    return {path: np.asarray(v[...]) for path, v in nnx.to_flat_state(tree)}
+
+
+def test_first_loss_is_answer_position_cross_entropy_of_full_model(together, batches):
+    """Fresh adapters change nothing, so step 0's loss is the base model's CE at answer_pos over valid rows."""
+    losses, *_ = together
+    model = from_config(OPT, seed=0)
+    batch = batches[0]
+    for r in range(len(SEEDS)):
+        ids = batch["input_ids"][r].reshape(-1, SEQ)
+        logits = np.asarray(model(ids, batch["attention_mask"][r].reshape(-1, SEQ)), np.float64)
+        at_answer = logits[np.arange(len(ids)), batch["answer_pos"][r].reshape(-1)]
+        targets = np.where(batch["label"][r].reshape(-1) == 0, YES, NO)
+        ce = scipy.special.logsumexp(at_answer, axis=-1) - at_answer[np.arange(len(ids)), targets]
+        valid = batch["valid"][r].reshape(-1)
+        np.testing.assert_allclose(losses[0, r], ce[valid].mean(), rtol=1e-5)
+
+
+def test_runs_trained_together_equal_runs_trained_alone(together, alone):
+    losses, _, _, runs, _ = together
+    assert len(set(np.round(losses[-1], 6))) == len(SEEDS)  # the runs really differ
+    assert losses[-1].mean() < losses[0].mean()
+    for r, (alone_losses, _, _, alone_runs, _) in enumerate(alone):
+        np.testing.assert_allclose(losses[:, r], alone_losses[:, 0], rtol=0, atol=TOGETHER_LOSS_TOL)
+        ours, theirs = flat(steps.select_run(runs.lora, r)), flat(steps.select_run(alone_runs.lora, 0))
+        assert ours.keys() == theirs.keys()
+        diffs = {path: np.abs(ours[path] - theirs[path]).max() for path in ours}
+        print(f"run {r}: max |loss diff| {np.abs(losses[:, r] - alone_losses[:, 0]).max():.1e}, "
+              f"max |adapter diff| {max(diffs.values()):.1e}")  # fmt: skip
+        assert max(diffs.values()) < TOGETHER_ADAPTER_TOL, diffs
+    assert int(runs.step) == STEPS
+
+
+def test_dropout_is_on_in_training_and_a_function_of_the_run_key(together, batches):
+    """Same state and key: the same loss; another key: other masks, so another loss (B != 0 by now)."""
+    _, _, base, runs, train_step = together
+    fresh = lambda r: jax.tree.map(jnp.array, r)  # noqa: E731  (copies: the step donates its input)
+    _, first = train_step(base, fresh(runs), batches[0])
+    _, again = train_step(base, fresh(runs), batches[0])
+    _, other = train_step(base, fresh(runs).replace(rng=runs.rng + 1), batches[0])
+    np.testing.assert_array_equal(first, again)
+    assert np.all(np.asarray(first) != np.asarray(other))
+
+
+def uses_remat(train_step, base, runs, batch) -> bool:
+    return "remat" in str(jax.make_jaxpr(train_step)(base, runs, batch))  # jax.checkpoint's primitive
+
+
+def test_remat_trains_identically(alone, batches):
+    """Rematerialised layers recompute the same activations and draw the same dropout masks."""
+    single = [run_slice(b, slice(0, 1)) for b in batches]
+    remat_losses, _, base, runs, remat_step = train([SEEDS[0]], single, remat=True)
+    _, _, plain_base, plain_runs, plain_step = alone[0]
+    assert uses_remat(remat_step, base, runs, single[0])
+    assert not uses_remat(plain_step, plain_base, plain_runs, single[0])
+    np.testing.assert_allclose(remat_losses, alone[0][0], rtol=0, atol=1e-6)
+
+
+def test_grads_only_for_adapters_in_float32_on_a_bf16_base(alone, batches):
+    """A spy optimizer sees exactly the gradients the step computes: LoRAParam leaves, float32."""
+    seen = {}
+    inner = make_optimizer()
+
+    def update(grads, state, params=None):
+        seen["grads"] = grads
+        return inner.update(grads, state, params)
+
+    spy = optax.GradientTransformation(inner.init, update)
+    single = [run_slice(b, slice(0, 1)) for b in batches]
+    model = from_config(OPT, dtype="bfloat16", seed=0)
+    graphdef, base, runs = steps.init_runs(model, [SEEDS[0]], LORA, spy)
+    base_before = jax.tree.map(np.array, base.filter(nnx.Param))
+    lora_before = flat(runs.lora)
+    train_step = steps.make_train_step(graphdef, spy, YES, NO, grad_accum=ACCUM)
+    losses = []
+    for batch in single:
+        runs, loss = train_step(base, runs, batch)
+        losses.append(np.asarray(loss))
+
+    grad_leaves = jax.tree.leaves(seen["grads"], is_leaf=lambda x: isinstance(x, nnx.Variable))
+    assert grad_leaves and all(type(v) is nnx.LoRAParam and v.dtype == jnp.float32 for v in grad_leaves)
+    assert {p for p, _ in nnx.to_flat_state(seen["grads"])} == set(lora_before)
+    assert {x.dtype for x in jax.tree.leaves(base.filter(nnx.Param))} == {jnp.dtype(jnp.bfloat16)}
+    for tree in (runs.lora, runs.opt_state):
+        floats = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.floating)]
+        assert floats and {x.dtype for x in floats} == {jnp.dtype(jnp.float32)}
+    jax.tree.map(np.testing.assert_array_equal, base_before, jax.tree.map(np.array, base.filter(nnx.Param)))
+    assert any(np.abs(v - lora_before[p]).max() > 0 for p, v in flat(runs.lora).items())
+    # mixed precision: a bf16 base trains like the fp32 one, to bf16 accuracy
+    np.testing.assert_allclose(np.stack(losses), alone[0][0], rtol=0, atol=BF16_LOSS_TOL)
+
+
+def test_bf16_compute_dtype_on_fp32_base(alone, batches):
+    """compute_dtype=bfloat16 computes in bf16 but keeps fp32 adapters and optimizer state."""
+    losses, _, base, runs, _ = train(
+        [SEEDS[0]], [run_slice(b, slice(0, 1)) for b in batches], compute_dtype=jnp.bfloat16
+    )
+    assert {x.dtype for x in jax.tree.leaves(runs.lora)} == {jnp.dtype(jnp.float32)}
+    assert {x.dtype for x in jax.tree.leaves(base.filter(nnx.Param))} == {jnp.dtype(jnp.float32)}
+    diff = np.abs(losses - alone[0][0]).max()
+    assert 0 < diff < BF16_LOSS_TOL, diff  # different (bf16 really used) yet close
+
+
+def test_eval_margins_are_full_model_logit_differences_and_compile_once(together):
+    _, graphdef, base, runs, _ = together
+    eval_step = steps.make_eval_step(graphdef, YES, NO)
+    first, second = (make_batches(1, 1, seed=s, accum=1)[0] for s in (5, 6))
+    first, second = ({k: v[0, 0] for k, v in b.items()} for b in (first, second))
+    for batch in (first, second):
+        margins = np.asarray(eval_step(base, runs.lora, batch))
+        assert margins.shape == (len(SEEDS), MICRO) and margins.dtype == np.float32
+        for r in range(len(SEEDS)):
+            model = nnx.view(nnx.merge(graphdef, base, steps.select_run(runs.lora, r)), deterministic=True)
+            logits = np.asarray(model(batch["input_ids"], batch["attention_mask"]))
+            at = logits[np.arange(MICRO), batch["answer_pos"]]
+            np.testing.assert_allclose(margins[r], at[:, YES] - at[:, NO], rtol=0, atol=1e-5)
+    assert eval_step._cache_size() == 1  # same bucket shape: no recompilation
+    longer = {k: v[0, 0] for k, v in make_batches(1, 1, seed=7, accum=1, seq=2 * SEQ)[0].items()}
+    eval_step(base, runs.lora, longer)
+    eval_step(base, runs.lora, longer)
+    assert eval_step._cache_size() == 2  # one compile per bucket shape
+
+
+def test_malformed_batches_are_clear_errors(together, batches):
+    _, graphdef, base, runs, train_step = together
+    with pytest.raises(ValueError, match=r"expected \[runs=3, grad_accum=2, batch, seq\]"):
+        train_step(base, runs, run_slice(batches[0], slice(0, 2)))
+    with pytest.raises(ValueError, match="batch is missing 'answer_pos'"):
+        train_step(base, runs, {k: v for k, v in batches[0].items() if k != "answer_pos"})
+    eval_step = steps.make_eval_step(graphdef, YES, NO)
+    with pytest.raises(ValueError, match=r"expected \[batch, seq\]"):
+        eval_step(base, runs.lora, batches[0])
+    with pytest.raises(ValueError, match="grad_accum must be >= 1"):
+        steps.make_train_step(graphdef, make_optimizer(), YES, NO, grad_accum=0)
+
+
+@pytest.mark.parametrize("schedule", steps.SCHEDULES)
+def test_schedule_is_transformers(schedule):
+    total, warmup, peak = 12, 3, 1e-3
+    torch_opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=peak)
+    make = {"linear": transformers.get_linear_schedule_with_warmup,
+            "cosine": transformers.get_cosine_schedule_with_warmup,
+            "constant": lambda o, w, _: transformers.get_constant_schedule_with_warmup(o, w)}[schedule]  # fmt: skip
+    scheduler = make(torch_opt, warmup, total)
+    theirs = []
+    for _ in range(total):
+        theirs.append(scheduler.get_last_lr()[0])
+        torch_opt.step()
+        scheduler.step()
+    ours = [float(steps.make_schedule(peak, total, warmup, schedule)(i)) for i in range(total)]
+    np.testing.assert_allclose(ours, theirs, rtol=1e-6, atol=1e-12)
+    with pytest.raises(ValueError, match="unknown learning-rate schedule"):
+        steps.make_schedule(peak, total, warmup, "step")
+    with pytest.raises(ValueError, match="warmup_steps <= total_steps"):
+        steps.make_schedule(peak, total, total + 1, schedule)
