@@ -1,0 +1,1 @@
+"""Experiment configs (ml_collections): base.py holds every default, the others change a few."""

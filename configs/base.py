@@ -1,0 +1,126 @@
+"""Defaults for every field the engine reads: the one place they live.
+
+Configs for a model or a demo start from `get_config()` and change fields;
+the returned ConfigDict is locked, so a misspelt key (in a config file or on
+the command line as `--config.train.stepz=10`) is an error, not a silently
+ignored setting.
+"""
+
+from ml_collections import config_dict
+
+from oodjax.data import DEFAULT_MAX_LENGTH, DEFAULT_TEMPLATE
+
+EIGHT_TESTSETS = ("snli", "mnli", "scitail", "rte", "wnli", "paws", "hans", "anli")
+
+
+def get_config() -> config_dict.ConfigDict:
+    config = config_dict.ConfigDict()
+
+    config.model = config_dict.ConfigDict()
+    # Local checkpoint directory (config.json + safetensors) or a hub id.
+    # Leave empty to build a randomly initialised model from `hf_config`.
+    config.model.path = ""
+    # A transformers-style config (model_type, hidden_size, ...) for a random
+    # model; used only when `path` is empty (demo, tests, benchmarks).
+    config.model.hf_config = config_dict.ConfigDict()
+    # Seed of the random initialisation from `hf_config`.
+    config.model.init_seed = 0
+    # Short model name used in run directory names; empty = derived from
+    # `path` (its last component) or from `hf_config.model_type`.
+    config.model.name = ""
+    # dtype of the frozen base weights: "bfloat16" for real runs, "float32"
+    # for exact tests. LoRA adapters and optimizer state are always float32.
+    config.model.dtype = "bfloat16"
+    # dtype the forward and backward passes compute in (base and adapters cast
+    # to it inside the step); empty = the base's dtype. "bfloat16" with a
+    # float32 base is mixed precision.
+    config.model.compute_dtype = ""
+    # Recompute each decoder layer's activations in the backward pass
+    # (jax.checkpoint) to trade compute for memory on large models.
+    config.model.remat = False
+
+    # Tokenizer directory or hub id; empty = the same as `model.path`.
+    config.tokenizer = ""
+
+    config.lora = config_dict.ConfigDict()
+    config.lora.rank = 8
+    config.lora.alpha = 32.0  # the adapter output is scaled by alpha / rank
+    config.lora.dropout = 0.1  # dropout on the adapter input, training only
+    # Names of the linear layers that get adapters (e.g. ("q_proj", "v_proj"));
+    # empty = the model's attention projections q/k/v and the output
+    # projection (OPT's out_proj, OLMo2/Llama's o_proj).
+    config.lora.targets = ()
+
+    config.data = config_dict.ConfigDict()
+    # Testset whose examples the few-shot training sets are drawn from, and
+    # which counts as in-domain in the results ("mnli" or "snli").
+    config.data.train_set = "mnli"
+    # Split of `train_set` the few-shot sets are drawn from; empty = the data
+    # layer's default pool (MNLI validation_mismatched, SNLI validation: both
+    # available offline and disjoint from the evaluation splits).
+    config.data.pool_split = ""
+    # Local mirror laid out as <hub_id>/<config>/<split>.jsonl; empty =
+    # $OODJAX_DATA_DIR, or the Hugging Face hub when that is unset.
+    config.data.data_dir = ""
+    # Testsets evaluated at step 0 and every `eval.every` steps (the training
+    # set is evaluated too, always).
+    config.data.testsets = EIGHT_TESTSETS
+    # Cap each testset to this many examples (stratified by label, seeded by
+    # `eval_seed`) so dense evaluation stays affordable; 0 = the full split.
+    config.data.eval_cap = 0
+    config.data.eval_seed = 0
+    # Prompt template; the model scores the next token (" Yes" / " No").
+    config.data.template = DEFAULT_TEMPLATE
+    # Prompts longer than this are truncated inside the premise.
+    config.data.max_length = DEFAULT_MAX_LENGTH
+    # Static sequence lengths batches are padded to (one compilation each);
+    # empty = powers of two from 64 up to max_length.
+    config.data.buckets = ()
+    # Neutral examples of three-way testsets: "drop" them, or count them as
+    # "not_entailment".
+    config.data.neutral = "drop"
+    # Where tokenised testsets are cached; empty = $OODJAX_CACHE_DIR, else
+    # ~/.cache/oodjax.
+    config.data.cache_dir = ""
+
+    config.runs = config_dict.ConfigDict()
+    # Every (seed, shots) pair is one run; all of them train together on one
+    # copy of the frozen base. A run's seed draws its few-shot set, its data
+    # order, its adapter initialisation and its dropout.
+    config.runs.seeds = (0, 42, 99)
+    config.runs.shots = (32, 64, 128)
+
+    config.train = config_dict.ConfigDict()
+    config.train.steps = 500  # optimizer steps per run
+    config.train.batch_size = 16  # examples per optimizer step, per run
+    # Micro-batches per optimizer step (gradients accumulated inside the
+    # jitted step); must divide batch_size.
+    config.train.grad_accum = 1
+    config.train.learning_rate = 1e-4  # peak, after warm-up
+    config.train.warmup_steps = 50  # linear warm-up, then linear decay to 0
+    config.train.weight_decay = 0.0  # AdamW decoupled weight decay
+    config.train.max_grad_norm = 1.0  # global-norm clipping; 0 = off
+
+    config.eval = config_dict.ConfigDict()
+    config.eval.every = 25  # steps between evaluations (step 0 always)
+    config.eval.batch_size = 32  # examples per evaluation batch
+
+    # Device mesh axis sizes; -1 = all remaining devices. The batch is split
+    # over data x fsdp; parameters over fsdp and tensor by the logical rules.
+    config.mesh = config_dict.ConfigDict()
+    config.mesh.data = -1
+    config.mesh.fsdp = 1
+    config.mesh.tensor = 1
+
+    # Root of the results: one sub-directory per run (metrics.npz,
+    # events.jsonl) and the shared checkpoints/ of the runs trained together.
+    config.output_dir = "results"
+    config.checkpoint_every = 100  # steps between checkpoints (and at the end)
+    config.log_every = 10  # steps between loss lines in the log and event log
+
+    config.wandb = config_dict.ConfigDict()
+    config.wandb.enabled = False  # also stream metrics to Weights & Biases
+    config.wandb.project = "oodjax"
+
+    config.lock()
+    return config

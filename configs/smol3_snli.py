@@ -1,0 +1,9 @@
+"""SmolLM3-3B trained on few-shot SNLI; sizes and resources come from configs/models.py."""
+
+from ml_collections import config_dict
+
+from configs.models import model_config
+
+
+def get_config() -> config_dict.ConfigDict:
+    return model_config("smol3", "snli")

@@ -1,0 +1,1 @@
+"""Cluster tooling: SLURM and TPU-pod launchers, the sweep generator and the cost estimator."""

@@ -1,0 +1,202 @@
+"""`python -m launch.estimate CONFIG [CONFIG ...]`: what a config's job costs before it is submitted.
+
+For each config: parameter count, training memory per device (frozen
+weights, adapters, gradients, optimizer state, activations) for its mesh and
+batch, FLOPs per train step and per full evaluation, and the
+accelerator-hours of all its runs on a stated device at a stated
+utilisation. With several configs a closing line sums the hours.
+
+Sequences are costed at their padded length `data.max_length` unless
+--seq_len says otherwise: bucketing pads most NLI prompts to shorter
+lengths, so the default is an upper bound. The evaluation size is counted
+from the testsets themselves (`oodjax.data.load_testset`, with the config's
+neutral handling and cap) unless --eval_examples gives it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import sys
+from collections.abc import Mapping, Sequence
+
+from ml_collections import config_dict
+
+from launch import architectures, costs
+from launch.config_files import expand_config_paths, load_config
+
+GB = 1e9
+
+
+@dataclasses.dataclass(frozen=True)
+class Device:
+    name: str
+    peak_flops: float  # dense bf16 FLOP/s per device, from the vendor's data sheet
+    memory_gb: float
+
+
+DEVICES: Mapping[str, Device] = {
+    "a100": Device("A100 80GB", 312e12, 80),
+    "h100": Device("H100 SXM", 989e12, 80),
+    "v4": Device("TPU v4 chip", 275e12, 32),
+    "v5e": Device("TPU v5e chip", 197e12, 16),
+    "v5p": Device("TPU v5p chip", 459e12, 95),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Estimate:
+    config_path: str
+    model: str
+    parameters: int
+    mesh: Mapping[str, int]
+    memory: costs.Memory
+    train_step_flops: float
+    eval_flops: float
+    evaluations: int
+    total_flops: float
+    accelerator_hours: float
+
+
+def resolve_mesh(mesh: Mapping[str, int], devices: int) -> dict[str, int]:
+    """Mesh axis sizes with the one -1 axis filled so that their product is `devices`."""
+    sizes = {axis: int(mesh[axis]) for axis in ("data", "fsdp", "tensor")}
+    fill = [axis for axis, size in sizes.items() if size == -1]
+    if len(fill) > 1:
+        raise ValueError(f"at most one mesh axis may be -1, got {sizes}")
+    fixed = 1
+    for axis, size in sizes.items():
+        if axis not in fill:
+            fixed *= size
+    if devices % fixed:
+        raise ValueError(f"mesh {sizes} does not fit {devices} devices")
+    if fill:
+        sizes[fill[0]] = devices // fixed
+    elif fixed != devices:
+        raise ValueError(f"mesh {sizes} uses {fixed} devices, not the {devices} given")
+    return sizes
+
+
+def architecture_of(config: config_dict.ConfigDict) -> dict:
+    """config.json numbers: the table's for a listed checkpoint, else the config's own random-model fields."""
+    if config.model.path:
+        return dict(architectures.architecture(config.model.path))
+    if config.model.hf_config:
+        return config.model.hf_config.to_dict()
+    raise ValueError("config names neither model.path nor model.hf_config")
+
+
+@functools.cache
+def count_eval_examples(testsets: tuple[str, ...], data_dir: str, neutral: str, cap: int) -> int:
+    """Examples in one full evaluation: every testset after label mapping, each capped at `cap` (0 = none)."""
+    from oodjax.data import testsets as testset_table
+
+    total = 0
+    for name in testsets:
+        size = len(testset_table.load_testset(name, data_dir=data_dir or None, neutral=neutral))
+        total += min(size, cap) if cap else size
+    return total
+
+
+def evaluation_steps(steps: int, every: int) -> int:
+    """How many evaluations a run makes: at step 0, every `every` steps, and at the last step."""
+    return len(set(range(0, steps + 1, every)) | {steps})
+
+
+def estimate(
+    config_path: str,
+    config: config_dict.ConfigDict,
+    *,
+    devices: int,
+    device: Device,
+    utilisation: float,
+    seq_len: int | None = None,
+    eval_examples: int | None = None,
+) -> Estimate:
+    arch = architecture_of(config)
+    dims = costs.dimensions(arch)
+    parameters = costs.parameter_count(arch)
+    lora = costs.lora_parameter_count(dims, config.lora.rank, tuple(config.lora.targets))
+    runs = len(config.runs.seeds) * len(config.runs.shots)
+    seq_len = seq_len or config.data.max_length
+    if config.train.batch_size % config.train.grad_accum:
+        raise ValueError(
+            f"train.grad_accum={config.train.grad_accum} does not divide train.batch_size={config.train.batch_size}"
+        )
+    mesh = resolve_mesh(config.mesh, devices)
+    memory = costs.train_memory_per_device(
+        dims, parameters=parameters, dtype=config.model.dtype, mesh=mesh, runs=runs,
+        micro_batch=config.train.batch_size // config.train.grad_accum, seq_len=seq_len,
+        lora_parameters=lora, remat=config.model.remat,
+    )
+    step = costs.train_step_flops(
+        dims, runs=runs, batch_size=config.train.batch_size, seq_len=seq_len, lora_parameters=lora,
+        remat=config.model.remat,
+    )
+    if eval_examples is None:
+        eval_examples = count_eval_examples(
+            tuple(config.data.testsets), config.data.data_dir, config.data.neutral, config.data.eval_cap
+        )
+    # Each run is also evaluated on its own few-shot training set.
+    training_sets = len(config.runs.seeds) * sum(config.runs.shots)
+    evaluation = costs.eval_flops(dims, runs=runs, examples=eval_examples, seq_len=seq_len, lora_parameters=lora)
+    evaluation += costs.eval_flops(dims, runs=1, examples=training_sets, seq_len=seq_len, lora_parameters=lora)
+    evaluations = evaluation_steps(config.train.steps, config.eval.every)
+    total = config.train.steps * step + evaluations * evaluation
+    hours = total / (device.peak_flops * utilisation) / 3600
+    name = config.model.path or config.model.name
+    return Estimate(config_path, name, parameters, mesh, memory, step, evaluation, evaluations, total, hours)
+
+
+def describe(result: Estimate, config: config_dict.ConfigDict, device: Device, utilisation: float) -> str:
+    m, mesh = result.memory, result.mesh
+    runs = len(config.runs.seeds) * len(config.runs.shots)
+    fits = "fits" if m.total <= device.memory_gb * GB else "DOES NOT FIT"
+    return "\n".join([
+        f"{result.config_path}: {result.model}, {result.parameters:,} parameters",
+        f"  mesh data={mesh['data']} fsdp={mesh['fsdp']} tensor={mesh['tensor']}; {runs} runs x batch "
+        f"{config.train.batch_size} (grad_accum {config.train.grad_accum}); {config.model.dtype}, "
+        f"remat {'on' if config.model.remat else 'off'}",
+        f"  memory per device (GB): frozen weights {m.frozen_weights / GB:.2f}, adapters {m.adapters / GB:.3f}, "
+        f"gradients {m.gradients / GB:.3f}, optimizer state {m.optimizer_state / GB:.3f}, "
+        f"activations {m.activations / GB:.2f}; total {m.total / GB:.2f} ({fits} in {device.name}'s "
+        f"{device.memory_gb:.0f} GB)",
+        f"  FLOPs: {result.train_step_flops:.3e} per train step, {result.eval_flops:.3e} per full evaluation",
+        f"  whole sweep ({runs} runs, {config.train.steps} steps, {result.evaluations} evaluations): "
+        f"{result.total_flops:.3e} FLOPs = {result.accelerator_hours:,.1f} {device.name}-hours at "
+        f"{utilisation:.0%} utilisation",
+    ])
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m launch.estimate", description=__doc__.split("\n")[0])
+    parser.add_argument("configs", nargs="+", help="config files or shell patterns, e.g. 'configs/*_mnli.py'")
+    parser.add_argument("--devices", type=int, default=8, help="devices of one job (default 8)")
+    parser.add_argument("--device", choices=sorted(DEVICES), default="a100")
+    parser.add_argument("--utilisation", type=float, default=0.4, help="fraction of peak FLOP/s achieved")
+    parser.add_argument("--seq_len", type=int, help="padded sequence length (default: data.max_length)")
+    parser.add_argument("--eval_examples", type=int, help="examples per full evaluation (default: counted)")
+    args = parser.parse_args(argv)
+    if not 0 < args.utilisation <= 1:
+        parser.error(f"--utilisation must be in (0, 1], got {args.utilisation}")
+    device = DEVICES[args.device]
+    total_hours, total_runs = 0.0, 0
+    paths = expand_config_paths(args.configs)
+    for path in paths:
+        config = load_config(path)
+        result = estimate(
+            path, config, devices=args.devices, device=device, utilisation=args.utilisation,
+            seq_len=args.seq_len, eval_examples=args.eval_examples,
+        )
+        print(describe(result, config, device, args.utilisation))
+        total_hours += result.accelerator_hours
+        total_runs += len(config.runs.seeds) * len(config.runs.shots)
+    if len(paths) > 1:
+        print(f"total: {total_runs} runs in {len(paths)} configs, {total_hours:,.0f} {device.name}-hours "
+              f"at {args.utilisation:.0%} utilisation")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

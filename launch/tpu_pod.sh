@@ -1,0 +1,56 @@
+#!/bin/bash
+# One job of the study on a Cloud TPU VM pod: the same command on every worker, one process per host.
+#
+# Usage (launch/sweep.py writes these lines; see `python -m launch.sweep --backend tpu --dry_run`):
+#   launch/tpu_pod.sh CONFIG [--config.FIELD=VALUE ...]
+#
+# Variables (defaults in brackets):
+#   TPU_NAME         name of the TPU VM pod slice (required)
+#   TPU_ZONE         its zone, e.g. us-central2-b (required)
+#   TPU_PROJECT      Google Cloud project [gcloud's configured project]
+#   OODJAX_REPO      repository path on every worker, same on all [~/oodjax]
+#   OODJAX_VENV      virtualenv with jax[tpu] on every worker [$OODJAX_REPO/.venv]
+#   OODJAX_DATA_DIR  testset mirror on every worker [unset: the hub]
+#   HF_HOME          Hugging Face cache on every worker [unset: ~/.cache/huggingface]
+# Each worker learns its index and the pod's host names from the VM metadata server
+# (agent-worker-number, worker-network-endpoints) and exports them as TPU_WORKER_ID and
+# TPU_WORKER_HOSTNAMES for oodjax.engine.distributed; worker 0 coordinates.
+# --config.output_dir must be on storage every worker reaches (a gs:// bucket or a shared
+# file system): checkpoints are written by all workers, results by worker 0 only.
+
+set -euo pipefail
+
+if [[ $# -lt 1 ]]; then
+    echo "usage: launch/tpu_pod.sh CONFIG [--config.FIELD=VALUE ...]" >&2
+    exit 2
+fi
+: "${TPU_NAME:?set TPU_NAME to the TPU VM pod slice}"
+: "${TPU_ZONE:?set TPU_ZONE to its zone}"
+OODJAX_REPO=${OODJAX_REPO:-'~/oodjax'}
+OODJAX_VENV=${OODJAX_VENV:-$OODJAX_REPO/.venv}
+
+project_flag=()
+if [[ -n ${TPU_PROJECT:-} ]]; then
+    project_flag=(--project="$TPU_PROJECT")
+fi
+
+# Quote every argument once here; the worker's shell sees them verbatim.
+arguments=$(printf ' %q' "$@")
+forwarded=""
+for name in OODJAX_DATA_DIR HF_HOME; do
+    if [[ -n ${!name:-} ]]; then
+        forwarded+=$(printf ' %s=%q' "$name" "${!name}")
+    fi
+done
+
+read -r -d '' remote <<REMOTE || true
+set -euo pipefail
+metadata() { curl -sf -H Metadata-Flavor:Google "http://metadata.google.internal/computeMetadata/v1/instance/attributes/\$1"; }
+export TPU_WORKER_ID=\$(metadata agent-worker-number)
+export TPU_WORKER_HOSTNAMES=\$(metadata worker-network-endpoints | tr ',' '\n' | awk -F: '{print (NF == 3 ? \$3 : \$1)}' | paste -sd, -)
+export OODJAX_PROCESSES_PER=per_node HF_HUB_OFFLINE=\${HF_HUB_OFFLINE:-1}${forwarded}
+cd ${OODJAX_REPO}
+${OODJAX_VENV}/bin/python -m oodjax.main --config=${arguments# }
+REMOTE
+
+gcloud compute tpus tpu-vm ssh "$TPU_NAME" --zone="$TPU_ZONE" "${project_flag[@]}" --worker=all --command="$remote"

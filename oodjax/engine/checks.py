@@ -1,0 +1,129 @@
+"""Checks of a config that must fail fast: before data is tokenised or anything is compiled.
+
+A sweep job that dies after twenty minutes of loading on a misspelt path
+wastes a cluster slot; these checks look only at the config and the file
+system (and the local Hugging Face cache for hub ids when offline).
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import re
+
+import huggingface_hub
+from ml_collections import config_dict
+
+from oodjax.data import testset_spec
+from oodjax.engine.events import wandb_available
+
+DTYPES = ("float32", "bfloat16", "float16")
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
+
+
+def check_config(config: config_dict.ConfigDict) -> None:
+    """Raises a ValueError or FileNotFoundError naming the first wrong field."""
+    _check_model(config.model)
+    _check_source("tokenizer", config.tokenizer or config.model.path, "tokenizer_config.json")
+    _check_data(config.data)
+    _check_runs_and_training(config)
+    if config.wandb.enabled and not wandb_available():
+        raise ValueError("wandb.enabled is True but wandb is not installed (pip install wandb)")
+
+
+def check_parallel_batches(config: config_dict.ConfigDict, batch_shards: int) -> None:
+    """Batches are split over `batch_shards` devices (data x fsdp), so their sizes must divide."""
+    micro_batch = config.train.batch_size // config.train.grad_accum
+    if micro_batch % batch_shards:
+        raise ValueError(
+            f"train micro-batch {micro_batch} (train.batch_size / train.grad_accum) must be a multiple of "
+            f"the {batch_shards} batch shards (mesh.data x mesh.fsdp)"
+        )
+    if config.eval.batch_size % batch_shards:
+        raise ValueError(
+            f"eval.batch_size {config.eval.batch_size} must be a multiple of the {batch_shards} batch shards "
+            "(mesh.data x mesh.fsdp)"
+        )
+
+
+def _check_model(model: config_dict.ConfigDict) -> None:
+    has_path, has_hf_config = bool(model.path), bool(model.hf_config.to_dict())
+    if has_path == has_hf_config:
+        raise ValueError(
+            "set exactly one of model.path (a checkpoint) and model.hf_config (a random model); "
+            f"got path={model.path!r} and {'a' if has_hf_config else 'no'} hf_config"
+        )
+    if has_hf_config and "model_type" not in model.hf_config:
+        raise ValueError("model.hf_config needs a model_type (e.g. 'opt')")
+    if has_path:
+        _check_source("model.path", model.path, "config.json")
+    for field in ("dtype", "compute_dtype"):
+        value = model[field]
+        if value and value not in DTYPES:
+            raise ValueError(f"model.{field} must be one of {DTYPES}, got {value!r}")
+
+
+def _check_source(field: str, source: str, marker_file: str) -> None:
+    """A local directory holding `marker_file`, or a hub id (cached locally when offline)."""
+    if not source:
+        raise ValueError(f"{field} is empty: name a local directory or a hub id")
+    path = pathlib.Path(source).expanduser()
+    if path.is_dir():
+        if not (path / marker_file).is_file():
+            raise FileNotFoundError(f"{field}: directory {path} has no {marker_file}")
+        return
+    if not _HUB_ID.fullmatch(source):
+        raise FileNotFoundError(f"{field}: {source!r} does not exist (and is not a hub id)")
+    offline = huggingface_hub.constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE") == "1"
+    if offline and not isinstance(huggingface_hub.try_to_load_from_cache(source, marker_file), str):
+        raise FileNotFoundError(
+            f"{field}: {source!r} is not a local directory, and with HF_HUB_OFFLINE set the hub id "
+            "is not in the local cache either"
+        )
+
+
+def _check_data(data: config_dict.ConfigDict) -> None:
+    if data.data_dir and not pathlib.Path(data.data_dir).expanduser().is_dir():
+        raise FileNotFoundError(f"data.data_dir {data.data_dir!r} is not a directory")
+    for name in (*data.testsets, data.train_set):
+        testset_spec(name)  # unknown names: an error listing the known ones
+    if len(set(data.testsets)) != len(data.testsets):
+        raise ValueError(f"data.testsets lists a testset twice: {list(data.testsets)}")
+    if data.train_set not in data.testsets:
+        raise ValueError(
+            f"data.train_set {data.train_set!r} must also be in data.testsets: it is the in-domain testset"
+        )
+    if data.eval_cap < 0:
+        raise ValueError(f"data.eval_cap must be >= 0 (0 = no cap), got {data.eval_cap}")
+    if data.neutral not in ("drop", "not_entailment"):
+        raise ValueError(f"data.neutral must be 'drop' or 'not_entailment', got {data.neutral!r}")
+
+
+def _check_runs_and_training(config: config_dict.ConfigDict) -> None:
+    runs, train = config.runs, config.train
+    for field in ("seeds", "shots"):
+        values = list(runs[field])
+        if not values or len(set(values)) != len(values):
+            raise ValueError(f"runs.{field} must be a non-empty list without repeats, got {values}")
+    if min(runs.shots) < 1:
+        raise ValueError(f"runs.shots must be positive, got {list(runs.shots)}")
+    positive = {
+        "train.steps": train.steps,
+        "train.batch_size": train.batch_size,
+        "train.grad_accum": train.grad_accum,
+        "eval.every": config.eval.every,
+        "eval.batch_size": config.eval.batch_size,
+        "checkpoint_every": config.checkpoint_every,
+        "log_every": config.log_every,
+    }
+    for field, value in positive.items():
+        if value < 1:
+            raise ValueError(f"{field} must be >= 1, got {value}")
+    if train.batch_size % train.grad_accum:
+        raise ValueError(
+            f"train.batch_size {train.batch_size} must be a multiple of train.grad_accum {train.grad_accum}"
+        )
+    if not 0 <= train.warmup_steps <= train.steps:
+        raise ValueError(f"train.warmup_steps must be in [0, train.steps={train.steps}], got {train.warmup_steps}")
+    if not config.output_dir:
+        raise ValueError("output_dir is empty")

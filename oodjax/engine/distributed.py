@@ -1,0 +1,248 @@
+"""Multi-host start: one JAX process per node or per GPU, found from SLURM, a TPU pod or explicit values.
+
+JAX's own auto-detection (`jax.distributed.initialize()` with no arguments)
+binds each SLURM task to the GPU numbered by its local task id. Launched with
+one task per node, that silently trains on one GPU of every node. Here the
+layout is a stated choice, `per_node` (one process drives all of a node's
+devices) or `per_device` (one process per GPU), and a layout that contradicts
+the allocation is an error before any device is touched.
+
+The choice is OODJAX_PROCESSES_PER (or the `processes_per` argument); it is
+required under SLURM and must be `per_node` on TPU pods (one process per host).
+
+Sources, first match wins:
+  explicit  OODJAX_COORDINATOR_ADDRESS, OODJAX_NUM_PROCESSES, OODJAX_PROCESS_ID
+            (or the same values passed as arguments);
+  slurm     SLURM_JOB_ID, SLURM_STEP_NODELIST (or SLURM_JOB_NODELIST),
+            SLURM_NTASKS, SLURM_PROCID, SLURM_LOCALID, SLURM_NODEID,
+            SLURM_STEP_TASKS_PER_NODE (or SLURM_TASKS_PER_NODE);
+  tpu       TPU_WORKER_HOSTNAMES and TPU_WORKER_ID (GKE, or exported by
+            launch/tpu_pod.sh from the VM's metadata);
+otherwise a single process, and nothing is initialised.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from collections.abc import Mapping
+from typing import Literal
+
+import jax
+
+ProcessesPer = Literal["per_node", "per_device"]
+PROCESSES_PER = ("per_node", "per_device")
+# Coordinator ports: SLURM jobs pick one from the job id so that two jobs
+# sharing a first node do not collide; TPU pods use JAX's usual 8476.
+SLURM_PORT_BASE, SLURM_PORT_RANGE = 61440, 4096
+TPU_COORDINATOR_PORT = 8476
+
+
+class LayoutError(ValueError):
+    """The process layout cannot be determined, or contradicts the allocation."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ProcessLayout:
+    """Everything `jax.distributed.initialize` needs, and where it came from.
+
+    `local_device_ids` None means the process uses every device it can see.
+    """
+
+    coordinator_address: str
+    num_processes: int
+    process_id: int
+    local_device_ids: tuple[int, ...] | None
+    source: str
+
+
+def detect_layout(
+    env: Mapping[str, str] | None = None,
+    *,
+    processes_per: ProcessesPer | None = None,
+    coordinator_address: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+) -> ProcessLayout | None:
+    """The layout of this process, or None when it is the only one.
+
+    Explicit arguments take precedence over OODJAX_* variables, which take
+    precedence over SLURM and TPU variables. `processes_per` (or
+    OODJAX_PROCESSES_PER) must be given under SLURM: nothing is assumed.
+    """
+    env = os.environ if env is None else env
+    processes_per = processes_per or env.get("OODJAX_PROCESSES_PER") or None
+    if processes_per is not None and processes_per not in PROCESSES_PER:
+        raise LayoutError(f"processes_per (OODJAX_PROCESSES_PER) must be one of {PROCESSES_PER}, got {processes_per!r}")
+    explicit = _explicit_layout(env, coordinator_address, num_processes, process_id)
+    if explicit is not None:
+        layout = explicit
+    elif "SLURM_JOB_ID" in env and "SLURM_PROCID" in env:
+        layout = _slurm_layout(env, processes_per)
+    elif "TPU_WORKER_HOSTNAMES" in env:
+        layout = _tpu_layout(env, processes_per)
+    else:
+        return None
+    return layout if layout.num_processes > 1 else None
+
+
+def initialize(env: Mapping[str, str] | None = None, **explicit: str | int | None) -> ProcessLayout | None:
+    """Start JAX's multi-controller runtime for this process (before any device use).
+
+    Takes the arguments of `detect_layout`. Returns the layout, or None for a
+    single process (nothing to start). JAX's own auto-detection is switched
+    off: every value passed is one this module decided and validated.
+    """
+    layout = detect_layout(env, **explicit)  # type: ignore[arg-type]
+    if layout is None:
+        return None
+    jax.distributed.initialize(
+        coordinator_address=layout.coordinator_address,
+        num_processes=layout.num_processes,
+        process_id=layout.process_id,
+        local_device_ids=list(layout.local_device_ids) if layout.local_device_ids is not None else None,
+        cluster_detection_method="deactivate",
+    )
+    return layout
+
+
+def is_primary() -> bool:
+    """True in process 0, the only process that writes results, logs and tables."""
+    return jax.process_index() == 0
+
+
+def _explicit_layout(
+    env: Mapping[str, str],
+    coordinator_address: str | None,
+    num_processes: int | None,
+    process_id: int | None,
+) -> ProcessLayout | None:
+    values = {
+        "OODJAX_COORDINATOR_ADDRESS": coordinator_address or env.get("OODJAX_COORDINATOR_ADDRESS"),
+        "OODJAX_NUM_PROCESSES": num_processes if num_processes is not None else env.get("OODJAX_NUM_PROCESSES"),
+        "OODJAX_PROCESS_ID": process_id if process_id is not None else env.get("OODJAX_PROCESS_ID"),
+    }
+    given = {name for name, value in values.items() if value not in (None, "")}
+    if not given:
+        return None
+    if len(given) < len(values):
+        missing = sorted(set(values) - given)
+        raise LayoutError(f"explicit multi-process start needs all of {sorted(values)}; missing {missing}")
+    address = str(values["OODJAX_COORDINATOR_ADDRESS"])
+    if not re.fullmatch(r"[^:\s]+:\d+", address):
+        raise LayoutError(f"OODJAX_COORDINATOR_ADDRESS must be host:port, got {address!r}")
+    count = _positive_int("OODJAX_NUM_PROCESSES", values["OODJAX_NUM_PROCESSES"])
+    index = _process_index("OODJAX_PROCESS_ID", values["OODJAX_PROCESS_ID"], count)
+    return ProcessLayout(address, count, index, None, "explicit")
+
+
+def _slurm_layout(env: Mapping[str, str], processes_per: ProcessesPer | None) -> ProcessLayout:
+    count = _positive_int("SLURM_NTASKS", _require(env, "SLURM_NTASKS"))
+    index = _process_index("SLURM_PROCID", _require(env, "SLURM_PROCID"), count)
+    if count == 1:
+        return ProcessLayout("", 1, 0, None, "slurm")
+    if processes_per is None:
+        raise LayoutError(
+            f"SLURM started {count} tasks: set OODJAX_PROCESSES_PER to 'per_node' (one process drives "
+            "all GPUs of its node) or 'per_device' (one process per GPU)"
+        )
+    nodelist = env.get("SLURM_STEP_NODELIST") or _require(env, "SLURM_JOB_NODELIST")
+    port = SLURM_PORT_BASE + int(_require(env, "SLURM_JOB_ID")) % SLURM_PORT_RANGE
+    address = f"{expand_nodelist(nodelist)[0]}:{port}"
+    tasks_here = _tasks_on_this_node(env)
+    if processes_per == "per_node":
+        if tasks_here != 1:
+            raise LayoutError(
+                f"processes_per='per_node' but SLURM started {tasks_here} tasks on this node; "
+                "launch with --ntasks-per-node=1, or choose 'per_device'"
+            )
+        return ProcessLayout(address, count, index, None, "slurm")
+    local_id = _process_index("SLURM_LOCALID", _require(env, "SLURM_LOCALID"), tasks_here)
+    visible = _visible_gpus(env)
+    if visible == 1:
+        device_ids = None  # SLURM already bound one GPU to this task
+    elif visible is None or visible == tasks_here:
+        device_ids = (local_id,)
+    else:
+        raise LayoutError(
+            f"processes_per='per_device' but this node has {tasks_here} task(s) for {visible} visible GPUs; "
+            f"launch with --ntasks-per-node={visible}, or choose 'per_node'"
+        )
+    return ProcessLayout(address, count, index, device_ids, "slurm")
+
+
+def _tpu_layout(env: Mapping[str, str], processes_per: ProcessesPer | None) -> ProcessLayout:
+    if processes_per == "per_device":
+        raise LayoutError("TPU pods run one process per host: choose processes_per='per_node'")
+    hosts = [host.strip() for host in env["TPU_WORKER_HOSTNAMES"].split(",") if host.strip()]
+    if not hosts:
+        raise LayoutError("TPU_WORKER_HOSTNAMES is empty")
+    index = _process_index("TPU_WORKER_ID", _require(env, "TPU_WORKER_ID"), len(hosts))
+    return ProcessLayout(f"{hosts[0]}:{TPU_COORDINATOR_PORT}", len(hosts), index, None, "tpu")
+
+
+def expand_nodelist(nodelist: str) -> list[str]:
+    """SLURM's compressed host list ("gpu[01-03,07],login2") as host names, in order."""
+    hosts = []
+    for prefix, ranges, plain in re.findall(r"([^,\[]+)\[([^\]]+)\]|([^,\[\]]+)", nodelist):
+        if plain:
+            hosts.append(plain)
+            continue
+        for part in ranges.split(","):
+            first, _, last = part.partition("-")
+            if not first.isdigit() or (last and not last.isdigit()):
+                raise LayoutError(f"cannot parse SLURM node list {nodelist!r} at {part!r}")
+            width = len(first)
+            hosts += [f"{prefix}{number:0{width}d}" for number in range(int(first), int(last or first) + 1)]
+    if not hosts:
+        raise LayoutError(f"empty SLURM node list {nodelist!r}")
+    return hosts
+
+
+def _tasks_on_this_node(env: Mapping[str, str]) -> int:
+    """Tasks SLURM placed on this node, from "2(x3),1"-style counts indexed by SLURM_NODEID."""
+    name = "SLURM_STEP_TASKS_PER_NODE" if "SLURM_STEP_TASKS_PER_NODE" in env else "SLURM_TASKS_PER_NODE"
+    counts: list[int] = []
+    for item in _require(env, name).split(","):
+        match = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", item.strip())
+        if match is None:
+            raise LayoutError(f"cannot parse {name}={env[name]!r} at {item!r}")
+        counts += [int(match[1])] * int(match[2] or 1)
+    node = _process_index("SLURM_NODEID", env.get("SLURM_NODEID", "0"), len(counts))
+    return counts[node]
+
+
+def _visible_gpus(env: Mapping[str, str]) -> int | None:
+    if env.get("CUDA_VISIBLE_DEVICES"):
+        return len(env["CUDA_VISIBLE_DEVICES"].split(","))
+    if env.get("SLURM_GPUS_ON_NODE"):
+        return _positive_int("SLURM_GPUS_ON_NODE", env["SLURM_GPUS_ON_NODE"])
+    return None
+
+
+def _require(env: Mapping[str, str], name: str) -> str:
+    if not env.get(name):
+        raise LayoutError(f"{name} is not set; it is needed to place this process")
+    return env[name]
+
+
+def _positive_int(name: str, value: object) -> int:
+    try:
+        number = int(value)  # type: ignore[call-overload]
+    except (TypeError, ValueError):
+        raise LayoutError(f"{name} must be an integer, got {value!r}") from None
+    if number < 1:
+        raise LayoutError(f"{name} must be at least 1, got {number}")
+    return number
+
+
+def _process_index(name: str, value: object, count: int) -> int:
+    try:
+        index = int(value)  # type: ignore[call-overload]
+    except (TypeError, ValueError):
+        raise LayoutError(f"{name} must be an integer, got {value!r}") from None
+    if not 0 <= index < count:
+        raise LayoutError(f"{name}={index} is outside 0..{count - 1}")
+    return index
+

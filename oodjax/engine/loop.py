@@ -1,0 +1,293 @@
+"""The run loop: train a config's runs together, evaluate them as they go, keep everything.
+
+`train(config)` loads the model once, attaches one set of adapters per run
+(seeds x shots), and alternates jitted train steps with evaluations of every
+testset (and each run's own training set) at step 0 and every `eval.every`
+steps. After each evaluation every run's metrics.npz is rewritten; every
+`checkpoint_every` steps the runs' adapters, optimizer states, data-iterator
+states and RNGs are checkpointed, and a rerun with the same output directory
+resumes from the latest checkpoint to the same results an uninterrupted run
+would have written.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import pathlib
+import time
+from typing import Any
+
+import jax
+import numpy as np
+from absl import logging
+from ml_collections import config_dict
+from tqdm import tqdm
+from transformers import AutoTokenizer
+
+from analysis import schema
+from oodjax import models
+from oodjax.data import answer_token_ids
+from oodjax.engine import checks, sharding, steps
+from oodjax.engine.checkpoints import Checkpointer
+from oodjax.engine.distributed import is_primary
+from oodjax.engine.evaluation import evaluate
+from oodjax.engine.events import EventLog
+from oodjax.engine.results import RunResults, run_name
+from oodjax.engine.run_data import RunsData, load_runs_data
+from oodjax.models.lora import LoRAConfig
+
+# Config fields a resumed run may change: they do not affect its results.
+_RESUMABLE_CHANGES = ("output_dir", "log_every", "wandb")
+_BATCH_KEYS = ("input_ids", "attention_mask", "answer_pos", "label", "valid")
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """One (seed, shots) fine-tuning job of the config."""
+
+    seed: int
+    shots: int
+    name: str
+    directory: pathlib.Path
+
+
+class NonFiniteLossError(FloatingPointError):
+    """A training loss became NaN or infinite; the runs stop, their last good checkpoint kept."""
+
+
+def plan_runs(config: config_dict.ConfigDict) -> list[Run]:
+    """The config's runs: every (seed, shots) pair, seeds outermost."""
+    model = model_name(config)
+    runs = []
+    for seed, shots in itertools.product(config.runs.seeds, config.runs.shots):
+        name = run_name(model, config.data.train_set, seed, shots)
+        runs.append(Run(seed=seed, shots=shots, name=name, directory=pathlib.Path(config.output_dir) / name))
+    return runs
+
+
+def model_name(config: config_dict.ConfigDict) -> str:
+    """model.name, else the checkpoint's last path component, else "<model_type>-random"."""
+    if config.model.name:
+        return config.model.name
+    if config.model.path:
+        return pathlib.Path(config.model.path.rstrip("/")).name
+    return f"{config.model.hf_config.model_type}-random"
+
+
+def train(config: config_dict.ConfigDict) -> list[Run]:
+    """Trains and evaluates the config's runs (resuming if their checkpoints exist); returns them."""
+    checks.check_config(config)
+    mesh = sharding.make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
+    checks.check_parallel_batches(config, mesh.shape["data"] * mesh.shape["fsdp"])
+    runs = plan_runs(config)
+    logging.info("runs: %s", ", ".join(run.name for run in runs))
+
+    tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model.path)
+    yes_id, no_id = answer_token_ids(tokenizer)
+    data = load_runs_data(config, tokenizer, [(run.seed, run.shots) for run in runs])
+    model = _load_model(config, mesh)
+    optimizer = steps.make_optimizer(
+        config.train.learning_rate,
+        config.train.steps,
+        config.train.warmup_steps,
+        config.train.weight_decay,
+        config.train.max_grad_norm,
+    )
+    lora_config = LoRAConfig(
+        rank=config.lora.rank,
+        alpha=config.lora.alpha,
+        dropout=config.lora.dropout,
+        targets=tuple(config.lora.targets) or None,
+    )
+    graphdef, base_state, state = steps.init_runs(model, [run.seed for run in runs], lora_config, optimizer, mesh=mesh)
+    compute_dtype = config.model.compute_dtype or None
+    train_step = steps.make_train_step(
+        graphdef, optimizer, yes_id, no_id, grad_accum=config.train.grad_accum, mesh=mesh, runs=state,
+        compute_dtype=compute_dtype,
+    )
+    eval_step = steps.make_eval_step(graphdef, yes_id, no_id, mesh=mesh, compute_dtype=compute_dtype)
+    _Loop(config, runs, mesh, train_step, eval_step, base_state, state, data).run()
+    return runs
+
+
+def _load_model(config: config_dict.ConfigDict, mesh: jax.sharding.Mesh) -> models.CausalLM:
+    if config.model.path:
+        return models.load_pretrained(config.model.path, dtype=config.model.dtype, mesh=mesh, remat=config.model.remat)
+    return models.from_config(
+        config.model.hf_config.to_dict(), dtype=config.model.dtype, seed=config.model.init_seed,
+        remat=config.model.remat,
+    )
+
+
+def _comparable_config(config: config_dict.ConfigDict) -> dict[str, Any]:
+    """The config as JSON data, without the fields a resumption may change."""
+    data = json.loads(config.to_json())
+    for field in _RESUMABLE_CHANGES:
+        data.pop(field, None)
+    return data
+
+
+class _Loop:
+    """The loop over steps for one `train` call, and what it keeps between steps."""
+
+    def __init__(self, config, runs, mesh, train_step, eval_step, base_state, state, data: RunsData):
+        self.config, self.runs, self.mesh, self.data = config, runs, mesh, data
+        self.train_step, self.eval_step = train_step, eval_step
+        self.base_state, self.state = base_state, state
+        self.total_steps = config.train.steps
+        self.checkpointer = Checkpointer(config.output_dir)
+        self.primary = is_primary()  # only process 0 writes results and event logs
+        config_json = json.loads(config.to_json())
+        self.results = [self._run_results(run, rows, config_json) for run, rows in zip(runs, data.train_rows)]
+        wandb_project = config.wandb.project if config.wandb.enabled else None
+        self.events = [
+            EventLog(run.directory, run_name=run.name, config=config_json, wandb_project=wandb_project)
+            for run in runs
+        ] if self.primary else []
+        # Per-run loss sums since the last evaluation (its train_loss); the
+        # losses since the last log line; device losses not yet checked.
+        self.loss_sum, self.loss_steps = np.zeros(len(runs)), 0
+        self.window: list[np.ndarray] = []
+        self.window_start = time.perf_counter()
+        self.pending: list[tuple[int, jax.Array]] = []
+
+    def _run_results(self, run: Run, train_rows: slice, config_json: dict[str, Any]) -> RunResults:
+        labels = {s.name: s.labels for s in self.data.testsets}
+        labels[schema.TRAIN_TESTSET] = self.data.train_eval.labels[train_rows]
+        identity = {schema.RUN_MODEL: model_name(self.config), schema.RUN_SEED: run.seed, schema.RUN_SHOTS: run.shots}
+        return RunResults(
+            run.directory,
+            labels=labels,
+            in_domain=self.config.data.train_set,
+            config=dict(config_json, **{schema.RUN_SECTION: identity}),
+        )
+
+    def run(self) -> None:
+        try:
+            start = self._resume_or_start()
+            if start >= self.total_steps:
+                logging.info("the runs finished already (step %d of %d)", start, self.total_steps)
+                return
+            self._train(start)
+        finally:
+            self.checkpointer.close()
+            for log in self.events:
+                log.close()
+
+    def _resume_or_start(self) -> int:
+        """Restores the latest checkpoint and returns its step; without one, evaluates step 0."""
+        latest = self.checkpointer.latest_step()
+        if latest is None:
+            self._evaluate(0)
+            return 0
+        self.state, loop_state = self.checkpointer.restore(latest, self.state, self.data.streams)
+        current = _comparable_config(self.config)
+        if loop_state["config"] != current:
+            stored = loop_state["config"]
+            changed = sorted(key for key in {*current, *stored} if current.get(key) != stored.get(key))
+            raise ValueError(
+                f"{self.config.output_dir} holds runs started with another config (sections {changed} differ); "
+                "resume with the same config or use a new output_dir"
+            )
+        self.loss_sum, self.loss_steps = np.array(loop_state["loss_sum"]), loop_state["loss_steps"]
+        evaluated = [0] + [step for step in range(1, latest + 1) if self._evaluation_due(step)]
+        for results in self.results:
+            results.resume(latest, evaluated)
+        logging.info("resumed from the checkpoint at step %d", latest)
+        return latest
+
+    def _train(self, start: int) -> None:
+        examples_per_step = len(self.runs) * self.config.train.batch_size
+        with tqdm(total=self.total_steps, initial=start, desc="train", unit="step", disable=not self.primary) as bar:
+            for step in range(start + 1, self.total_steps + 1):
+                self.state, loss = self.train_step(self.base_state, self.state, self._next_batch())
+                self.pending.append((step, loss))
+                evaluation_due = self._evaluation_due(step)
+                checkpoint_due = step % self.config.checkpoint_every == 0 or step == self.total_steps
+                if evaluation_due or checkpoint_due or step % self.config.log_every == 0:
+                    self._check_losses()  # before anything is evaluated or saved
+                    self._log_window(step, examples_per_step, bar)
+                bar.update(1)
+                if evaluation_due:
+                    self._evaluate(step)
+                if checkpoint_due:
+                    self._checkpoint(step)
+                if evaluation_due or checkpoint_due:
+                    self.window_start = time.perf_counter()  # examples/s counts training only
+
+    def _evaluation_due(self, step: int) -> bool:
+        return step % self.config.eval.every == 0 or step == self.total_steps
+
+    def _next_batch(self) -> dict[str, jax.Array]:
+        """Each run's next batch, as [R, grad_accum, micro_batch, ...] arrays sharded over the micro-batch."""
+        accum = self.config.train.grad_accum
+        per_run = [next(stream) for stream in self.data.streams]
+        stacked = {
+            key: np.stack([batch[key].reshape(accum, -1, *batch[key].shape[1:]) for batch in per_run])
+            for key in _BATCH_KEYS
+        }
+        return sharding.shard_batch(stacked, self.mesh, batch_axis=2)
+
+    def _check_losses(self) -> None:
+        """Fetches the pending losses; stops at the first non-finite one, naming its step."""
+        for step, loss in self.pending:
+            values = np.asarray(jax.device_get(loss), dtype=np.float64)
+            if not np.isfinite(values).all():
+                bad = ", ".join(
+                    f"{run.name}={value}" for run, value in zip(self.runs, values) if not np.isfinite(value)
+                )
+                self.checkpointer.wait()
+                raise NonFiniteLossError(
+                    f"non-finite training loss at step {step} ({bad}); stopped. The last good checkpoint is step "
+                    f"{self.checkpointer.latest_step()} under {self.config.output_dir}; metrics.npz holds every "
+                    "evaluation up to it"
+                )
+            self.loss_sum += values
+            self.loss_steps += 1
+            self.window.append(values)
+        self.pending = []
+
+    def _log_window(self, step: int, examples_per_step: int, bar: tqdm) -> None:
+        """Logs the mean loss per run since the last log line, and the training throughput."""
+        now = time.perf_counter()
+        mean = np.mean(self.window, axis=0)
+        rate = examples_per_step * len(self.window) / max(now - self.window_start, 1e-9)
+        bar.set_postfix(loss=f"{mean.mean():.4f}", examples_per_s=f"{rate:.1f}")
+        logging.info("step %d: loss %s, %.1f examples/s", step, np.array2string(mean, precision=4), rate)
+        for log, loss in zip(self.events, mean):
+            log.log(step, {"train/loss": loss, "train/examples_per_s": rate})
+        self.window, self.window_start = [], now
+
+    def _evaluate(self, step: int) -> None:
+        """Evaluates every run on every testset and its training set; rewrites each metrics.npz."""
+        num_runs = len(self.runs)
+
+        def margins_of(eval_set):
+            return evaluate(
+                self.eval_step, self.base_state, self.state.lora, eval_set, num_runs=num_runs,
+                place=lambda batch: sharding.shard_batch(batch, self.mesh),
+            )
+
+        margins = {eval_set.name: margins_of(eval_set) for eval_set in self.data.testsets}
+        train_margins = margins_of(self.data.train_eval)
+        train_loss = self.loss_sum / self.loss_steps if self.loss_steps else np.full(num_runs, np.nan)
+        for r, (run, results) in enumerate(zip(self.runs, self.results)):
+            run_margins = {name: values[r] for name, values in margins.items()}
+            run_margins[schema.TRAIN_TESTSET] = train_margins[r, self.data.train_rows[r]]
+            accuracies = results.add(step, run_margins, train_loss[r])
+            if self.primary:
+                results.write()
+                self.events[r].log(step, {f"accuracy/{name}": value for name, value in accuracies.items()})
+            summary = ", ".join(f"{name} {value:.3f}" for name, value in accuracies.items())
+            logging.info("step %d, %s: %s", step, run.name, summary)
+        self.loss_sum, self.loss_steps = np.zeros(num_runs), 0
+
+    def _checkpoint(self, step: int) -> None:
+        loop_state = {
+            "config": _comparable_config(self.config),
+            "loss_sum": self.loss_sum.tolist(),
+            "loss_steps": self.loss_steps,
+        }
+        self.checkpointer.save(step, self.state, self.data.streams, loop_state)

@@ -1,0 +1,145 @@
+"""The results of one run: metrics.npz in the schema of analysis/schema.py.
+
+The file is rewritten after every evaluation through a temporary file and
+`os.replace`, so a reader (or a crash) only ever sees a complete file that
+holds every evaluation finished so far.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import re
+import tempfile
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from analysis import schema
+
+# Accuracy and margins are computed from float32 margins; only the stored
+# per-example margins are rounded to float16 (they are many and small).
+MARGIN_DTYPE = np.float16
+
+
+def run_name(model: str, train_set: str, seed: int, shots: int) -> str:
+    """`<model>_<train_set>_seed<seed>_shots<shots>`, with path separators in the model name replaced."""
+    safe_model = re.sub(r"[^A-Za-z0-9._-]+", "-", model).strip("-")
+    return f"{safe_model}_{train_set}_seed{seed}_shots{shots}"
+
+
+def accuracy(margins: np.ndarray, labels: np.ndarray) -> float:
+    """Fraction of examples whose larger answer logit is the gold one (a tie counts as " No")."""
+    predicted_entailment = np.asarray(margins) > 0
+    return float(np.mean(predicted_entailment == (np.asarray(labels) == 0)))
+
+
+class RunResults:
+    """One run's evaluations so far, and the metrics.npz that holds them."""
+
+    def __init__(
+        self,
+        run_dir: str | pathlib.Path,
+        *,
+        labels: Mapping[str, np.ndarray],
+        in_domain: str,
+        config: Mapping[str, Any],
+    ):
+        """`labels` maps each evaluated testset (in column order) to its gold labels."""
+        if in_domain not in labels:
+            raise ValueError(f"in-domain testset {in_domain!r} is not among the evaluated {list(labels)}")
+        self.path = pathlib.Path(run_dir) / schema.METRICS_FILENAME
+        self.testsets = tuple(labels)
+        self.labels = {name: np.asarray(value, dtype=np.int32) for name, value in labels.items()}
+        self.in_domain = in_domain
+        self.config_json = json.dumps(config, sort_keys=True)
+        self.steps: list[int] = []
+        self.accuracy: list[np.ndarray] = []
+        self.train_loss: list[float] = []
+        self.margins: dict[str, list[np.ndarray]] = {name: [] for name in self.testsets}
+
+    def add(self, step: int, margins: Mapping[str, np.ndarray], train_loss: float) -> dict[str, float]:
+        """Records the evaluation at `step` and returns its accuracy per testset."""
+        if self.steps and step <= self.steps[-1]:
+            raise ValueError(f"evaluation at step {step} after one at step {self.steps[-1]}")
+        if set(margins) != set(self.testsets):
+            raise ValueError(f"margins for {sorted(margins)}, expected {sorted(self.testsets)}")
+        accuracies = {}
+        for name in self.testsets:
+            values = np.asarray(margins[name], dtype=np.float32)
+            if values.shape != self.labels[name].shape:
+                raise ValueError(
+                    f"{name}: {values.shape[0]} margins for {self.labels[name].shape[0]} labelled examples"
+                )
+            accuracies[name] = accuracy(values, self.labels[name])
+            self.margins[name].append(values.astype(MARGIN_DTYPE))
+        self.steps.append(int(step))
+        self.accuracy.append(np.array([accuracies[name] for name in self.testsets]))
+        self.train_loss.append(float(train_loss))
+        return accuracies
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        """The metrics.npz content: every key of the schema."""
+        arrays = {
+            schema.STEP: np.array(self.steps, dtype=np.int64),
+            schema.TESTSETS: np.array(self.testsets, dtype=np.str_),
+            schema.ACCURACY: np.array(self.accuracy, dtype=np.float64).reshape(len(self.steps), len(self.testsets)),
+            schema.TRAIN_LOSS: np.array(self.train_loss, dtype=np.float64),
+            schema.IN_DOMAIN: np.array(self.in_domain, dtype=np.str_),
+            schema.CONFIG: np.array(self.config_json, dtype=np.str_),
+        }
+        for name in self.testsets:
+            n = len(self.labels[name])
+            arrays[schema.margin_key(name)] = np.array(self.margins[name], dtype=MARGIN_DTYPE).reshape(-1, n)
+            arrays[schema.label_key(name)] = self.labels[name]
+        return arrays
+
+    def write(self) -> None:
+        write_npz_atomic(self.path, self.arrays())
+
+    def resume(self, up_to_step: int, expected_steps: Sequence[int]) -> None:
+        """Reloads the evaluations up to a checkpoint's step from the metrics.npz on disk.
+
+        Evaluations after `up_to_step` are dropped: the resumed run redoes them.
+        `expected_steps` are the evaluation steps that must be there.
+        """
+        if not self.path.is_file():
+            raise FileNotFoundError(
+                f"{self.path} is missing, but the checkpoint at step {up_to_step} needs the "
+                f"evaluations up to it (steps {list(expected_steps)})"
+            )
+        with np.load(self.path, allow_pickle=False) as stored:
+            stored_testsets = tuple(stored[schema.TESTSETS].tolist())
+            if stored_testsets != self.testsets:
+                raise ValueError(f"{self.path} holds testsets {stored_testsets}, this run evaluates {self.testsets}")
+            for name in self.testsets:
+                if not np.array_equal(stored[schema.label_key(name)], self.labels[name]):
+                    raise ValueError(f"{self.path}: the labels of {name} differ from this run's")
+            keep = stored[schema.STEP] <= up_to_step
+            steps = stored[schema.STEP][keep].tolist()
+            if steps != list(expected_steps):
+                raise ValueError(
+                    f"{self.path} has evaluations at steps {steps} up to the checkpoint at step "
+                    f"{up_to_step}; expected {list(expected_steps)}"
+                )
+            self.steps = steps
+            self.accuracy = list(stored[schema.ACCURACY][keep])
+            self.train_loss = stored[schema.TRAIN_LOSS][keep].tolist()
+            self.margins = {name: list(stored[schema.margin_key(name)][keep]) for name in self.testsets}
+
+
+def write_npz_atomic(path: str | pathlib.Path, arrays: Mapping[str, np.ndarray]) -> None:
+    """Writes an npz so that `path` is always either the old file or the complete new one."""
+    path = pathlib.Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp", delete=False) as tmp:
+        try:
+            np.savez(tmp, **arrays)
+            tmp.flush()
+            os.fsync(tmp.fileno())
+        except BaseException:
+            os.unlink(tmp.name)
+            raise
+    os.replace(tmp.name, path)

@@ -1,0 +1,35 @@
+"""`python -m oodjax.main --config configs/X.py [--config.train.steps=100 ...]`.
+
+Trains the config's runs (its seeds x shot counts) and writes their results
+under `config.output_dir`; rerunning with the same output directory resumes
+from the latest checkpoint. The config is locked: a key that does not exist,
+in the file or on the command line, is an error.
+"""
+
+import logging as python_logging
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+from oodjax.engine import loop
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file (e.g. configs/demo.py).")
+flags.mark_flags_as_required(["config"])
+
+
+class _QuietCheckpointing(python_logging.Filter):
+    """Drops orbax's INFO chatter (dozens of lines per checkpoint), so the run's own log stays readable."""
+
+    def filter(self, record: python_logging.LogRecord) -> bool:
+        return record.levelno >= python_logging.WARNING or "/orbax/" not in record.pathname
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments {argv[1:]}; settings go in --config.<field>=<value>")
+    logging.get_absl_handler().addFilter(_QuietCheckpointing())
+    loop.train(_CONFIG.value)
+
+
+if __name__ == "__main__":
+    app.run(main)

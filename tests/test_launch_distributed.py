@@ -1,0 +1,139 @@
+"""Process layout detection for multi-host runs: SLURM, TPU pods and explicit values, set here in the environment."""
+
+import pytest
+
+from oodjax.engine.distributed import LayoutError, ProcessLayout, detect_layout, expand_nodelist
+
+
+def slurm_env(**changes):
+    """Task 11 of a 2-node job with 8 tasks per node (node 1, local task 3)."""
+    env = dict(
+        SLURM_JOB_ID="4242", SLURM_STEP_NODELIST="gpu[07-08]", SLURM_JOB_NODELIST="gpu[07-08]",
+        SLURM_NTASKS="16", SLURM_PROCID="11", SLURM_LOCALID="3", SLURM_NODEID="1",
+        SLURM_STEP_TASKS_PER_NODE="8(x2)", SLURM_GPUS_ON_NODE="8",
+    )
+    env.update(changes)
+    return {key: value for key, value in env.items() if value is not None}
+
+
+def test_slurm_one_process_per_gpu():
+    layout = detect_layout(slurm_env(), processes_per="per_device")
+    # Port: 61440 + 4242 % 4096 = 61586; coordinator is the first host of the step.
+    assert layout == ProcessLayout("gpu07:61586", 16, 11, (3,), "slurm")
+
+
+def test_slurm_per_device_when_slurm_binds_one_gpu_per_task():
+    layout = detect_layout(slurm_env(CUDA_VISIBLE_DEVICES="3"), processes_per="per_device")
+    assert layout.local_device_ids is None  # the single visible GPU is this task's
+
+
+def test_slurm_one_process_per_node_sees_all_gpus():
+    env = slurm_env(SLURM_NTASKS="2", SLURM_PROCID="1", SLURM_LOCALID="0", SLURM_STEP_TASKS_PER_NODE="1(x2)")
+    layout = detect_layout(env, processes_per="per_node")
+    assert layout == ProcessLayout("gpu07:61586", 2, 1, None, "slurm")
+
+
+def test_slurm_choice_read_from_environment_variable():
+    layout = detect_layout(slurm_env(OODJAX_PROCESSES_PER="per_device"))
+    assert layout.local_device_ids == (3,)
+
+
+def test_slurm_without_a_stated_choice_is_an_error():
+    with pytest.raises(LayoutError, match="set OODJAX_PROCESSES_PER"):
+        detect_layout(slurm_env())
+
+
+def test_slurm_per_node_with_several_tasks_on_the_node_is_an_error():
+    with pytest.raises(LayoutError, match="started 8 tasks on this node"):
+        detect_layout(slurm_env(), processes_per="per_node")
+
+
+def test_slurm_per_device_with_one_task_per_node_of_8_gpus_is_an_error():
+    # The silent trap of JAX's own detection: one task per node would use GPU 0 only.
+    env = slurm_env(SLURM_NTASKS="2", SLURM_PROCID="1", SLURM_LOCALID="0", SLURM_STEP_TASKS_PER_NODE="1(x2)")
+    with pytest.raises(LayoutError, match="1 task\\(s\\) for 8 visible GPUs"):
+        detect_layout(env, processes_per="per_device")
+
+
+def test_slurm_single_task_starts_nothing():
+    env = slurm_env(SLURM_NTASKS="1", SLURM_PROCID="0", SLURM_LOCALID="0", SLURM_STEP_TASKS_PER_NODE="1")
+    assert detect_layout(env) is None
+
+
+def test_slurm_uneven_task_counts_are_read_per_node():
+    env = slurm_env(SLURM_NTASKS="5", SLURM_PROCID="4", SLURM_NODEID="2", SLURM_STEP_TASKS_PER_NODE="2(x2),1",
+                    SLURM_STEP_NODELIST="a[1-3]", SLURM_GPUS_ON_NODE=None)
+    assert detect_layout(env, processes_per="per_node").coordinator_address == "a1:61586"
+
+
+def test_slurm_falls_back_to_job_nodelist_and_job_tasks_per_node():
+    env = slurm_env(SLURM_STEP_NODELIST=None, SLURM_STEP_TASKS_PER_NODE=None, SLURM_TASKS_PER_NODE="8(x2)")
+    assert detect_layout(env, processes_per="per_device").coordinator_address == "gpu07:61586"
+
+
+def test_slurm_procid_outside_the_job_is_an_error():
+    with pytest.raises(LayoutError, match="SLURM_PROCID=16 is outside 0..15"):
+        detect_layout(slurm_env(SLURM_PROCID="16"), processes_per="per_device")
+
+
+def test_tpu_pod_from_worker_variables():
+    env = {"TPU_WORKER_HOSTNAMES": "t1v-n-0,t1v-n-1,t1v-n-2,t1v-n-3", "TPU_WORKER_ID": "2"}
+    assert detect_layout(env) == ProcessLayout("t1v-n-0:8476", 4, 2, None, "tpu")
+    assert detect_layout(env, processes_per="per_node").process_id == 2
+
+
+def test_tpu_pod_per_device_is_an_error():
+    env = {"TPU_WORKER_HOSTNAMES": "h0,h1", "TPU_WORKER_ID": "0"}
+    with pytest.raises(LayoutError, match="one process per host"):
+        detect_layout(env, processes_per="per_device")
+
+
+def test_tpu_worker_id_missing_is_an_error():
+    with pytest.raises(LayoutError, match="TPU_WORKER_ID is not set"):
+        detect_layout({"TPU_WORKER_HOSTNAMES": "h0,h1"})
+
+
+def test_explicit_values_win_over_slurm():
+    env = slurm_env(OODJAX_COORDINATOR_ADDRESS="10.0.0.1:1234", OODJAX_NUM_PROCESSES="2", OODJAX_PROCESS_ID="1")
+    assert detect_layout(env) == ProcessLayout("10.0.0.1:1234", 2, 1, None, "explicit")
+    layout = detect_layout({}, coordinator_address="127.0.0.1:5000", num_processes=3, process_id=0)
+    assert layout == ProcessLayout("127.0.0.1:5000", 3, 0, None, "explicit")
+
+
+@pytest.mark.parametrize(
+    "env, message",
+    [
+        ({"OODJAX_COORDINATOR_ADDRESS": "h:1", "OODJAX_NUM_PROCESSES": "2"}, "missing \\['OODJAX_PROCESS_ID'\\]"),
+        ({"OODJAX_COORDINATOR_ADDRESS": "h", "OODJAX_NUM_PROCESSES": "2", "OODJAX_PROCESS_ID": "0"}, "host:port"),
+        ({"OODJAX_COORDINATOR_ADDRESS": "h:1", "OODJAX_NUM_PROCESSES": "two", "OODJAX_PROCESS_ID": "0"},
+         "OODJAX_NUM_PROCESSES must be an integer"),
+        ({"OODJAX_COORDINATOR_ADDRESS": "h:1", "OODJAX_NUM_PROCESSES": "2", "OODJAX_PROCESS_ID": "2"},
+         "OODJAX_PROCESS_ID=2 is outside 0..1"),
+        ({"OODJAX_PROCESSES_PER": "per_gpu"}, "must be one of"),
+    ],
+)
+def test_bad_explicit_values_are_errors(env, message):
+    with pytest.raises(LayoutError, match=message):
+        detect_layout(env)
+
+
+def test_no_cluster_means_a_single_process():
+    assert detect_layout({}) is None
+
+
+@pytest.mark.parametrize(
+    "nodelist, hosts",
+    [
+        ("node001", ["node001"]),
+        ("node001,host2", ["node001", "host2"]),
+        ("gpu[01-03,07],login2", ["gpu01", "gpu02", "gpu03", "gpu07", "login2"]),
+        ("n[8-10]", ["n8", "n9", "n10"]),
+    ],
+)
+def test_nodelist_expansion(nodelist, hosts):
+    assert expand_nodelist(nodelist) == hosts
+
+
+def test_unparseable_nodelist_is_an_error():
+    with pytest.raises(LayoutError, match="cannot parse SLURM node list"):
+        expand_nodelist("gpu[a-c]")

@@ -1,0 +1,119 @@
+"""The sweep generator: the study's grid as jobs, the commands it prints, and resuming past finished runs."""
+
+import json
+import shlex
+
+import numpy as np
+import pytest
+from absl import flags
+from ml_collections import config_flags
+
+from analysis import schema
+from launch import sweep
+from oodjax.engine.loop import plan_runs
+
+STUDY = ["--configs", "configs/*_mnli.py", "configs/*_snli.py"]
+
+
+def run_sweep(capsys, *args):
+    assert sweep.main(list(args)) == 0
+    return capsys.readouterr().out.strip().splitlines()
+
+
+def test_dry_run_of_the_whole_study_is_144_runs_in_16_jobs(capsys, tmp_path):
+    lines = run_sweep(capsys, *STUDY, "--backend", "slurm", "--dry_run", "--output_dir", str(tmp_path))
+    assert lines[-1] == "144 runs in 16 jobs"
+    commands = [shlex.split(line) for line in lines[:-1]]
+    assert len(commands) == 16 and all(command[0] == "sbatch" for command in commands)
+    configs = sorted(command[5] for command in commands)
+    models = ("olmo13", "olmo32", "olmo7", "opt13", "opt2.7", "opt30", "opt6.7", "smol3")
+    assert configs == sorted(f"configs/{m}_{t}.py" for m in models for t in ("mnli", "snli"))
+    opt30 = next(command for command in commands if command[5] == "configs/opt30_mnli.py")
+    assert opt30[:4] == ["sbatch", "--job-name=oodjax-opt30_mnli", "--nodes=1", f"--output={tmp_path}/opt30_mnli/slurm-%j.out"]
+    assert opt30[4].endswith("launch/slurm.sbatch")
+    assert opt30[6:] == ["--config.runs.seeds=(0,42,99,)", "--config.runs.shots=(32,64,128,)",
+                         f"--config.output_dir={tmp_path}/opt30_mnli"]
+    assert not list(tmp_path.iterdir())  # a dry run creates nothing
+
+
+def test_per_run_dry_run_is_one_job_per_run(capsys, tmp_path):
+    lines = run_sweep(capsys, *STUDY, "--backend", "tpu", "--per_run", "--dry_run", "--output_dir", str(tmp_path))
+    assert lines[-1] == "144 runs in 144 jobs"
+    first = shlex.split(lines[0])
+    assert first[0] == "bash" and first[1].endswith("launch/tpu_pod.sh")
+    assert first[2:] == ["configs/olmo13_mnli.py", "--config.runs.seeds=(0,)", "--config.runs.shots=(32,)",
+                         f"--config.output_dir={tmp_path}/olmo13_mnli_seed0_shots32"]
+
+
+def test_local_command_line_sets_exactly_the_jobs_runs(capsys, tmp_path):
+    lines = run_sweep(capsys, "--configs", "configs/smol3_snli.py", "--seeds", "7,8", "--shots", "16",
+                      "--backend", "local", "--dry_run", "--output_dir", str(tmp_path))
+    assert lines[-1] == "2 runs in 1 jobs"
+    command = shlex.split(lines[0])
+    assert command[1:3] == ["-m", "oodjax.main"]
+    # Parse the arguments exactly as oodjax.main does.
+    argv = ["main", *command[3:]]
+    flag_values = flags.FlagValues()
+    config_flag = config_flags.DEFINE_config_file("config", None, "", flag_values=flag_values, sys_argv=argv)
+    flag_values(argv)
+    config = config_flag.value
+    assert config.model.path == "HuggingFaceTB/SmolLM3-3B" and config.data.train_set == "snli"
+    assert tuple(config.runs.seeds) == (7, 8) and tuple(config.runs.shots) == (16,)
+    assert config.output_dir == f"{tmp_path}/smol3_snli"
+
+
+def write_metrics(run_directory, steps):
+    run_directory.mkdir(parents=True)
+    np.savez(run_directory / schema.METRICS_FILENAME, **{
+        schema.STEP: np.array(steps), schema.TESTSETS: np.array(["mnli"]),
+        schema.ACCURACY: np.full((len(steps), 1), 0.5), schema.TRAIN_LOSS: np.ones(len(steps)),
+        schema.IN_DOMAIN: np.array("mnli"), schema.CONFIG: np.array(json.dumps({})),
+    })
+
+
+def finish_job(root, name, *, final_step=500, skip=()):
+    """Writes metrics.npz for the runs of a default-mode job, ending at `final_step`."""
+    job = next(job for job in sweep.plan_jobs([f"configs/{name}.py"], (0, 42, 99), (32, 64, 128), str(root),
+                                             per_run=False))
+    for run in plan_runs(sweep.job_config(job)):
+        if (run.seed, run.shots) not in skip:
+            write_metrics(run.directory, list(range(0, final_step + 1, 25)))
+
+
+def test_resume_skips_finished_runs(capsys, tmp_path):
+    finish_job(tmp_path, "opt30_mnli")  # all 9 runs finished
+    finish_job(tmp_path, "olmo7_snli", skip={(42, 64)})  # 8 finished: the job must run again
+    finish_job(tmp_path, "smol3_mnli", final_step=250)  # stopped half way: not finished
+    lines = run_sweep(capsys, *STUDY, "--backend", "local", "--dry_run", "--output_dir", str(tmp_path))
+    assert lines[-1] == "135 runs in 15 jobs (9 finished runs skipped)"
+    assert "# skip opt30_mnli: its 9 runs are finished" in lines
+    assert "# olmo7_snli: 8 of 9 runs finished; the job runs again and resumes" in lines
+    assert not any("configs/opt30_mnli.py" in line for line in lines if not line.startswith("#"))
+
+    # Per-run mode finds the same finished runs in the per-config job directories.
+    lines = run_sweep(capsys, *STUDY, "--backend", "local", "--per_run", "--dry_run", "--output_dir", str(tmp_path))
+    assert lines[-1] == "127 runs in 127 jobs (17 finished runs skipped)"
+    assert "# skip olmo7_snli_seed0_shots32: its 1 runs are finished" in lines
+    assert not any("olmo7_snli_seed42_shots64" in line for line in lines if line.startswith("# skip"))
+
+
+def test_everything_finished_runs_nothing(capsys, tmp_path):
+    finish_job(tmp_path, "opt13_snli")
+    lines = run_sweep(capsys, "--configs", "configs/opt13_snli.py", "--backend", "slurm", "--output_dir",
+                      str(tmp_path))
+    assert lines[-1] == "0 runs in 0 jobs (9 finished runs skipped)"
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--configs", "configs/nothing_*.py", "--backend", "local"], "no config file matches"),
+        (["--configs", "configs/opt13_snli.py", "--backend", "gcp"], "invalid choice"),
+        (["--configs", "configs/opt13_snli.py", "--backend", "local", "--seeds", "0,x"], "comma-separated integers"),
+        (["--configs", "configs/opt13_snli.py", "--backend", "local", "--shots", "32,32"], "repeated value"),
+    ],
+)
+def test_bad_arguments_are_errors(capsys, args, message):
+    with pytest.raises((SystemExit, FileNotFoundError)) as error:
+        sweep.main(args)
+    assert message in str(error.value) + capsys.readouterr().err

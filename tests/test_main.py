@@ -1,0 +1,127 @@
+"""`python -m oodjax.main`: locked configs, paths checked before any work, and an end-to-end smoke run."""
+
+import pathlib
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+from absl import flags
+
+from analysis import schema
+from configs import base, demo
+import oodjax.main  # noqa: F401  (defines --config on absl's FLAGS)
+from oodjax.engine import checks, loop
+from tests.engine_configs import tiny_config
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def test_configs_are_locked():
+    for config in (base.get_config(), demo.get_config()):
+        with pytest.raises(AttributeError, match='"stepz" does not exist'):
+            config.train.stepz = 10
+        with pytest.raises(AttributeError, match='"hidden" does not exist'):
+            config.model.hf_config.hidden = 10
+
+
+def _run_main(*args, timeout=600):
+    return subprocess.run(
+        [sys.executable, "-m", "oodjax.main", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def test_unknown_command_line_key_is_an_error():
+    try:
+        with pytest.raises(flags.UnrecognizedFlagError, match="config.train.stepz"):
+            flags.FLAGS(["oodjax.main", f"--config={ROOT / 'configs' / 'demo.py'}", "--config.train.stepz=3"])
+    finally:
+        flags.FLAGS.unparse_flags()
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("data.data_dir", "/no/such/data", "data.data_dir '/no/such/data' is not a directory"),
+        ("tokenizer", "/no/such/tokenizer", "tokenizer: '/no/such/tokenizer' does not exist"),
+        ("model.path", "/no/such/model", "model.path: '/no/such/model' does not exist"),
+        ("model.path", "no-such-org/no-such-model", "is not in the local cache"),
+    ],
+)
+def test_missing_paths_fail_before_any_compilation(tmp_path, gpt2_tokenizer_dir, hf_data_dir, field, value, message):
+    config = tiny_config(tmp_path / "out", gpt2_tokenizer_dir, hf_data_dir, tmp_path / "cache")
+    if field == "model.path":
+        config.model.hf_config = {}
+    section, _, key = field.rpartition(".")
+    (config[section] if section else config)[key] = value
+    compilations = []
+
+    def listener(event, duration, **kwargs):
+        compilations.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        with pytest.raises(FileNotFoundError, match=message.replace("(", r"\(")):
+            loop.train(config)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert compilations == []
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("train.grad_accum", 3, "train.batch_size 8 must be a multiple of train.grad_accum 3"),
+        ("train.warmup_steps", 5, r"train.warmup_steps must be in \[0, train.steps=4\], got 5"),
+        ("data.train_set", "snli", "data.train_set 'snli' must also be in data.testsets"),
+        ("data.testsets", ("mnli", "hanz"), "unknown testset 'hanz'; known testsets: snli, mnli"),
+        ("runs.seeds", (0, 0), r"runs.seeds must be a non-empty list without repeats, got \[0, 0\]"),
+        ("model.dtype", "float64", "model.dtype must be one of"),
+        ("eval.batch_size", 12, "eval.batch_size 12 must be a multiple of the 8 batch shards"),
+    ],
+)
+def test_bad_config_values_are_named(tmp_path, gpt2_tokenizer_dir, hf_data_dir, field, value, message):
+    config = tiny_config(tmp_path / "out", gpt2_tokenizer_dir, hf_data_dir, tmp_path / "cache")
+    section, _, key = field.rpartition(".")
+    config[section][key] = value
+    with pytest.raises((ValueError, KeyError), match=message):
+        loop.train(config)
+    assert not (tmp_path / "out").exists()
+
+
+def test_wandb_enabled_without_wandb_is_an_error(tmp_path, gpt2_tokenizer_dir, hf_data_dir, monkeypatch):
+    monkeypatch.setattr(checks, "wandb_available", lambda: False)
+    config = tiny_config(tmp_path / "out", gpt2_tokenizer_dir, hf_data_dir, tmp_path / "cache")
+    config.wandb.enabled = True
+    with pytest.raises(ValueError, match="wandb.enabled is True but wandb is not installed"):
+        loop.train(config)
+
+
+def test_main_runs_the_demo_end_to_end(tmp_path):
+    """The demo config, shrunk on the command line (to the shapes of the other engine tests): two runs."""
+    out = tmp_path / "demo"
+    result = _run_main(
+        "--config", "configs/demo.py",
+        f"--config.output_dir={out}",
+        f"--config.data.cache_dir={tmp_path / 'cache'}",
+        "--config.data.testsets=('mnli', 'hans', 'rte')",
+        "--config.data.eval_cap=16",
+        "--config.data.max_length=64",
+        "--config.data.buckets=(64,)",
+        "--config.train.steps=4",
+        "--config.train.warmup_steps=1",
+        "--config.eval.every=2",
+        "--config.eval.batch_size=8",
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    runs = sorted(p.name for p in out.iterdir() if p.name != "checkpoints")
+    assert runs == ["opt-tiny-random_mnli_seed0_shots32", "opt-tiny-random_mnli_seed42_shots32"]
+    for run in runs:
+        with np.load(out / run / schema.METRICS_FILENAME, allow_pickle=False) as npz:
+            assert npz[schema.STEP].tolist() == [0, 2, 4]
+            assert npz[schema.TESTSETS].tolist() == ["mnli", "hans", "rte", schema.TRAIN_TESTSET]
+            assert npz[schema.margin_key("hans")].shape == (3, 16)
+            assert npz[schema.label_key(schema.TRAIN_TESTSET)].shape == (32,)
+            assert np.isfinite(npz[schema.TRAIN_LOSS][1:]).all()
