@@ -1,0 +1,107 @@
+"""`python -m benchmarks [--quick] [--smoke] [--out FILE] [--cases eval,train,...]`.
+
+Runs the cases side by side with PyTorch + PEFT and writes FILE (default
+benchmarks/results.json in full mode, results-quick.json / results-smoke.json
+otherwise) and the same report as markdown beside it (FILE with .md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import pathlib
+import shlex
+import sys
+import tempfile
+import time
+
+from benchmarks import environment, report, settings
+
+HERE = pathlib.Path(__file__).resolve().parent
+CASES = ("eval", "train", "loading", "grid")  # the matmul peak always runs: the others are fractions of it
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks", description="oodjax against transformers + peft")
+    parser.add_argument("--quick", action="store_true", help="a smaller model and fewer examples (~2 minutes)")
+    parser.add_argument("--smoke", action="store_true", help="tiny everything, to show it runs (CI)")
+    parser.add_argument("--out", type=pathlib.Path, default=None, help="results JSON (markdown goes beside it)")
+    parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated subset of {','.join(CASES)}")
+    args = parser.parse_args(argv)
+    args.cases = [c for c in args.cases.split(",") if c]
+    unknown = sorted(set(args.cases) - set(CASES))
+    if unknown:
+        parser.error(f"unknown cases {unknown}; choose from {list(CASES)}")
+    return args
+
+
+def main(argv: list[str]) -> None:
+    args = parse(argv)
+    mode = settings.mode(args.quick, args.smoke)
+    out = args.out or HERE / ("results.json" if mode.name == "full" else f"results-{mode.name}.json")
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="oodjax-bench-") as tmp:
+        workdir = pathlib.Path(tmp)
+        environment.configure(workdir / "tokenized-cache")
+        results = run(mode, args.cases, workdir)
+    results["command"] = shlex.join(["python", "-m", "benchmarks", *argv])
+    results["finished"] = datetime.datetime.now().isoformat(timespec="seconds")
+    results["wall_s"] = time.perf_counter() - started
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=1) + "\n")
+    out.with_suffix(".md").write_text(report.markdown(results))
+    print(report.markdown(results))
+    print(f"wrote {out} and {out.with_suffix('.md')}")
+
+
+def run(mode: settings.Mode, cases: list[str], workdir: pathlib.Path) -> dict:
+    """Every requested case, in an order that builds each shared object once."""
+    import torch
+
+    from benchmarks import case_eval, case_grid, case_loading, case_matmul, case_train, machine, torch_contenders
+    from benchmarks.oodjax_contenders import build_engine
+    from benchmarks.workload import load_workload
+
+    clock = time.perf_counter()
+
+    def record(case: dict) -> None:
+        nonlocal clock
+        case["case_wall_s"] = time.perf_counter() - clock
+        clock = time.perf_counter()
+        results["cases"].append(case)
+        print(f"[benchmarks] {case['case']} done in {case['case_wall_s']:.0f} s", file=sys.stderr, flush=True)
+
+    threads = machine.usable_cores()
+    torch.set_num_threads(threads)
+    results = {"mode": mode.name, "machine": machine.describe(torch_threads=torch.get_num_threads()), "cases": []}
+    peak = case_matmul.run(mode)
+    record(peak)
+    peak_flops = peak["peak_gflops"] * 1e9
+
+    checkpoint = workdir / "checkpoint"
+    if {"eval", "train", "loading"} & set(cases):
+        model = torch_contenders.build_model(mode.model, seed=0)
+        model.save_pretrained(checkpoint)  # float32 safetensors: loaded by oodjax below and by the loading case
+    if {"eval", "train"} & set(cases):
+        workload = load_workload(per_testset=mode.eval_per_testset, train_shots=mode.train_shots,
+                                 max_length=settings.MAX_LENGTH, vocab_size=mode.model["vocab_size"])
+        results["workload"] = workload.describe()
+        torch_model = torch_contenders.attach_lora(model, seed=0)
+        steps = (mode.warmup + mode.repeats) * mode.train_steps_per_repeat
+        engine = build_engine(checkpoint, seeds=[0], total_steps=steps, yes_id=workload.yes_id, no_id=workload.no_id)
+        if "eval" in cases:
+            record(case_eval.run(mode, workload, engine, torch_model, peak_flops))
+        if "train" in cases:
+            record(case_train.run(mode, workload, engine, torch_model, peak_flops))
+        del engine, torch_model, model
+    if "loading" in cases:
+        record(case_loading.run(mode, checkpoint))
+    if "grid" in cases:
+        record(case_grid.run(mode, workdir / "grid"))
+    return results
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

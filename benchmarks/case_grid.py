@@ -1,0 +1,91 @@
+"""Case 3, the grid: seeds x shot counts, each run trained N steps and evaluated twice, end to end.
+
+Contenders, each timed from process start to the last result written:
+oodjax with every run in one process (`python -m oodjax.main`), oodjax with
+one process per run, one after another, and PyTorch running the same runs
+one after another (benchmarks.torch_grid). Tokenisation is cached and the
+cache is filled before timing, for all three alike.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any
+
+from benchmarks import grid_config, harness, torch_grid
+from benchmarks.settings import Mode
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+CONFIG_FILE = "benchmarks/grid_config.py"
+
+
+def _run(command: list[str]) -> None:
+    done = subprocess.run(command, cwd=ROOT, env=os.environ, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(command)} failed ({done.returncode}):\n{done.stderr[-3000:]}")
+
+
+def _oodjax(spec: str, output: pathlib.Path) -> list[str]:
+    return [sys.executable, "-m", "oodjax.main", f"--config={CONFIG_FILE}:{spec}", f"--config.output_dir={output}"]
+
+
+def commands(mode: Mode, output: pathlib.Path) -> dict[str, list[list[str]]]:
+    """The command lines of each contender (several for the one-process-per-run contender)."""
+    runs = [(seed, shots) for seed in mode.grid_seeds for shots in mode.grid_shots]
+    return {
+        "oodjax-one-process": [_oodjax(mode.name, output / "oodjax-one-process")],
+        "oodjax-process-per-run": [
+            _oodjax(f"{mode.name},{seed},{shots}", output / "oodjax-process-per-run" / f"seed{seed}_shots{shots}")
+            for seed, shots in runs
+        ],
+        "pytorch-sequential": [[sys.executable, "-m", "benchmarks.torch_grid", mode.name,
+                                str(output / "pytorch-sequential")]],
+    }
+
+
+def run(mode: Mode, workdir: pathlib.Path) -> dict[str, Any]:
+    torch_grid.grid_data(grid_config.get_config(mode.name))  # fills the tokenisation cache
+    num_runs = len(mode.grid_seeds) * len(mode.grid_shots)
+    seconds: dict[str, list[float]] = {}
+    completed: dict[str, list[int]] = {}
+    for repeat, name in harness.alternating(["oodjax-one-process", "oodjax-process-per-run", "pytorch-sequential"],
+                                            mode.grid_repeats):
+        output = workdir / f"repeat{repeat}"
+        start = time.perf_counter()
+        for command in commands(mode, output)[name]:
+            _run(command)
+        seconds.setdefault(name, []).append(time.perf_counter() - start)
+        completed.setdefault(name, []).append(len(list((output / name).glob("**/metrics.npz"))))
+    results = {}
+    for name, times in seconds.items():
+        if any(n != num_runs for n in completed[name]):
+            raise RuntimeError(f"{name} wrote results for {completed[name]} runs per repetition, not {num_runs}")
+        results[name] = {
+            "repeats": len(times),
+            "seconds": times,
+            "median_s": statistics.median(times),
+            "min_s": min(times),
+            "max_s": max(times),
+            "rate_median": num_runs / statistics.median(times),
+            "runs_completed": completed[name],
+        }
+    model = mode.grid_model
+    return {
+        "case": "grid",
+        "title": f"{len(mode.grid_seeds)}x{len(mode.grid_shots)} run grid, end to end",
+        "unit": "s",
+        "description": (
+            f"seeds {list(mode.grid_seeds)} x shots {list(mode.grid_shots)}, {mode.grid_steps} steps of batch 16 "
+            f"each, evaluated at step 0 and {mode.grid_steps} on the eight testsets ({mode.grid_eval_cap} examples "
+            f"each) and the training sets; model: SmolLM2 widths, {model['num_hidden_layers']} layers, hidden "
+            f"{model['hidden_size']}, vocabulary {model['vocab_size']}; wall time from process start to the last "
+            "result written. pytorch-sequential runs the tuned PyTorch loops in one process."
+        ),
+        "contenders": results,
+        "ratios": harness.ratios(results, "oodjax-one-process"),
+    }

@@ -1,0 +1,100 @@
+"""`python -m benchmarks.torch_grid MODE OUTPUT_DIR`: the grid's runs in PyTorch, one after another.
+
+The PyTorch counterpart of `python -m oodjax.main --config
+benchmarks/grid_config.py:MODE`: the same runs (seeds x shots), few-shot sets,
+testsets, steps and evaluations (step 0 and the last step, on the eight
+capped testsets and the run's own training set), with the tuned PyTorch
+loops (dynamic padding, head at the answer position). It is the kindest
+setting for PyTorch: one process, the model built once, a fresh peft
+adapter per run; the original study started a job per run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+import sys
+
+import numpy as np
+import torch
+from ml_collections import config_dict
+from transformers import AutoTokenizer
+
+from benchmarks import grid_config, machine, torch_contenders
+from benchmarks.workload import training_order
+from oodjax.data import (
+    TokenizedSet,
+    answer_token_ids,
+    few_shot,
+    load_testset,
+    stratified_subset,
+    tokenize_testset,
+    training_pool,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class GridData:
+    """Everything the grid's runs read, tokenised as the oodjax loop tokenises it (same cache entries)."""
+
+    testsets: dict[str, TokenizedSet]
+    train_sets: dict[tuple[int, int], TokenizedSet]  # (seed, shots) -> few-shot set
+    yes_id: int
+    no_id: int
+
+
+def grid_data(config: config_dict.ConfigDict) -> GridData:
+    data = config.data
+    tokenizer = AutoTokenizer.from_pretrained(config.tokenizer)
+
+    def tokenize(dataset):
+        return tokenize_testset(dataset, tokenizer, template=data.template, max_length=data.max_length,
+                                cache_dir=data.cache_dir or None)
+
+    testsets = {
+        name: tokenize(stratified_subset(load_testset(name, data_dir=data.data_dir, neutral=data.neutral),
+                                         data.eval_cap, seed=data.eval_seed))
+        for name in data.testsets
+    }
+    pool = training_pool(data.train_set, data_dir=data.data_dir)
+    train_sets = {
+        (seed, shots): tokenize(few_shot(pool, shots, seed)) for seed in config.runs.seeds for shots in config.runs.shots
+    }
+    return GridData(testsets, train_sets, *answer_token_ids(tokenizer))
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) != 2:
+        raise SystemExit(f"usage: python -m benchmarks.torch_grid MODE OUTPUT_DIR; got {argv}")
+    torch.set_num_threads(machine.usable_cores())
+    config = grid_config.get_config(argv[0])
+    output = pathlib.Path(argv[1])
+    grid = grid_data(config)
+    yes_id, no_id = grid.yes_id, grid.no_id
+    model = torch_contenders.build_model(config.model.hf_config.to_dict(), seed=config.model.init_seed)
+    steps = config.train.steps
+    for (seed, shots), train_set in grid.train_sets.items():
+        peft_model = torch_contenders.attach_lora(model, seed=seed)
+        trainer = torch_contenders.Trainer(peft_model, tuned=True, yes_id=yes_id, no_id=no_id, total_steps=steps)
+
+        def evaluate() -> dict[str, np.ndarray]:
+            sets = {**grid.testsets, "train": train_set}
+            return {
+                name: torch_contenders.margins_tuned(peft_model, t, np.arange(len(t)), yes_id=yes_id,
+                                                     no_id=no_id, batch_size=config.eval.batch_size)
+                for name, t in sets.items()
+            }
+
+        margins = {0: evaluate()}
+        losses = [trainer.step(train_set, rows)
+                  for rows in training_order(len(train_set), steps, config.train.batch_size, seed)]
+        margins[steps] = evaluate()
+        run_dir = output / f"torch_seed{seed}_shots{shots}"
+        peft_model.save_pretrained(run_dir)
+        np.savez(run_dir / "metrics.npz", train_loss=np.asarray(losses),
+                 **{f"margin/{step}/{name}": m for step, per_set in margins.items() for name, m in per_set.items()})
+        model = peft_model.unload()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

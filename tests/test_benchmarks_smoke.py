@@ -1,0 +1,135 @@
+"""`python -m benchmarks --quick --smoke` runs end to end and writes well-formed results.
+
+No speed is asserted: CI machines are shared and tiny models say nothing
+about speed. What is asserted is what makes the figures trustworthy: every
+case and contender is there with at least five timed repetitions (loading
+and grid excepted, as configured), the contenders computed the same margins
+and first-step losses, nothing recompiled while being timed, and the
+markdown and README section are generated from the JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from benchmarks import report, settings
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+CONTENDERS = {
+    "peak": {"jax", "pytorch"},
+    "eval": {"oodjax", "pytorch-original", "pytorch-tuned"},
+    "train": {"oodjax", "pytorch-original", "pytorch-tuned"},
+    "loading": {"oodjax", "transformers"},
+    "grid": {"oodjax-one-process", "oodjax-process-per-run", "pytorch-sequential"},
+}
+
+
+@pytest.fixture(scope="module")
+def smoke_run(tmp_path_factory) -> tuple[dict, str]:
+    out = tmp_path_factory.mktemp("bench") / "results.json"
+    env = {k: v for k, v in os.environ.items() if k != "OODJAX_CACHE_DIR"}
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "--quick", "--smoke", "--out", str(out)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(out.read_text()), out.with_suffix(".md").read_text()
+
+
+def _finite_positive(value) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value) and value > 0
+
+
+def test_every_case_and_contender_is_measured(smoke_run):
+    results, _ = smoke_run
+    assert results["mode"] == "smoke"
+    assert {case["case"]: set(case["contenders"]) for case in results["cases"]} == CONTENDERS
+    smoke = settings.MODES["smoke"]
+    expected_repeats = {"peak": 10, "eval": smoke.repeats, "train": smoke.repeats,
+                        "loading": smoke.loading_repeats, "grid": smoke.grid_repeats}
+    for case in results["cases"]:
+        for name, c in case["contenders"].items():
+            where = f"{case['case']}/{name}"
+            assert c["repeats"] == expected_repeats[case["case"]] == len(c["seconds"]), where
+            assert all(_finite_positive(s) for s in c["seconds"]), where
+            assert c["min_s"] <= c["median_s"] <= c["max_s"], where
+
+
+def test_rates_and_flops_are_consistent(smoke_run):
+    results, _ = smoke_run
+    cases = {case["case"]: case for case in results["cases"]}
+    assert _finite_positive(cases["peak"]["peak_gflops"])
+    for name in ("eval", "train"):
+        for contender, c in cases[name]["contenders"].items():
+            assert c["rate_median"] == pytest.approx(c["work_per_repeat"] / c["median_s"])
+            assert c["rate_min"] <= c["rate_median"] <= c["rate_max"]
+            assert _finite_positive(c["model_gflops_median"]), contender
+            assert c["peak_fraction"] == pytest.approx(c["model_gflops_median"] / cases["peak"]["peak_gflops"])
+            assert c["compile_during_timing_s"] == 0.0, f"{name}/{contender} compiled while being timed"
+        assert cases[name]["contenders"]["oodjax"]["compile_s"] > 0  # the first call's compilation is counted apart
+        ratios = cases[name]["ratios"]
+        ours = cases[name]["contenders"]["oodjax"]["rate_median"]
+        for other in ("pytorch-original", "pytorch-tuned"):
+            assert ratios[f"oodjax/{other}"] == pytest.approx(ours / cases[name]["contenders"][other]["rate_median"])
+
+
+def test_contenders_compute_the_same_thing(smoke_run):
+    results, _ = smoke_run
+    cases = {case["case"]: case for case in results["cases"]}
+    eval_agreement = cases["eval"]["agreement"]
+    assert eval_agreement["max_abs_margin"] > 0
+    assert eval_agreement["oodjax_vs_pytorch_tuned"] < 1e-4
+    assert eval_agreement["pytorch_original_vs_tuned"] < 1e-4
+    train_agreement = cases["train"]["agreement"]
+    assert train_agreement["oodjax_vs_pytorch_tuned"] < 1e-4
+    assert train_agreement["pytorch_original_vs_tuned"] < 1e-4
+
+
+def test_loading_and_grid_are_recorded(smoke_run):
+    results, _ = smoke_run
+    cases = {case["case"]: case for case in results["cases"]}
+    loading = cases["loading"]
+    assert loading["checkpoint_bytes"] > 1_000_000
+    for c in loading["contenders"].values():
+        assert _finite_positive(c["peak_rss_mib_median"]) and _finite_positive(c["load_rss_growth_mib_median"])
+    grid = cases["grid"]
+    runs = len(settings.MODES["smoke"].grid_seeds) * len(settings.MODES["smoke"].grid_shots)
+    for c in grid["contenders"].values():
+        assert c["runs_completed"] == [runs] * c["repeats"]
+
+
+def test_markdown_and_readme_section_come_from_the_json(smoke_run, tmp_path):
+    results, markdown = smoke_run
+    assert markdown == report.markdown(results)
+    assert results["machine"]["cpu"] in markdown
+    for case in results["cases"]:
+        assert case["title"] in markdown
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# x\n\n## Performance\n\n{report.BEGIN}\nold figures\n{report.END}\n\n## After\n")
+    report.update_readme(readme, results)
+    text = readme.read_text()
+    assert "old figures" not in text and text.endswith("\n## After\n")
+    assert report.markdown(results).rstrip() in text
+    report.update_readme(readme, results)  # idempotent: regenerating changes nothing
+    assert readme.read_text() == text
+
+
+def test_readme_without_markers_is_refused(tmp_path):
+    readme = tmp_path / "README.md"
+    readme.write_text("# no markers here\n")
+    with pytest.raises(ValueError, match="must hold the lines"):
+        report.update_readme(readme, {})
+
+
+def test_bad_arguments_are_refused():
+    done = subprocess.run([sys.executable, "-m", "benchmarks", "--cases", "eval,speed"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 2 and "unknown cases ['speed']" in done.stderr
