@@ -29,6 +29,7 @@ test: install system-tools
 
 demo: install
 	$(OFFLINE) $(PY) -m oodjax.main --config configs/demo.py
+	$(PY) -m analysis results/demo --out results/demo-analysis
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -16,6 +16,11 @@ os.environ["TOKENIZERS_PARALLELISM"] = "false"
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("OODJAX_DATA_DIR", str(SHARED_DATA / "hf"))
+# A persistent compilation cache: tests (and the subprocesses they start) compile
+# many identical tiny programs, and CPU compilation dominates the suite's time.
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(ROOT / ".cache" / "jax"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
