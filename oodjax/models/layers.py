@@ -332,13 +332,25 @@ def untied_head(width: int, config: Any, *, dtype: jnp.dtype, rngs: nnx.Rngs) ->
 
 
 class CausalLM(nnx.Module):
-    """What every family shares on top of its ``hidden_states``: the output head.
+    """What every family shares on top of its decoder: the entry points and the output head.
 
-    Subclasses define ``config``, ``hidden_states(input_ids, attention_mask,
-    *, all_layers)``, ``input_embeddings()`` and, when untied, ``lm_head``.
+    Subclasses define ``config``, ``decoder()`` (the module holding
+    ``embed_tokens`` and computing the final hidden states) and, when untied,
+    ``lm_head``.
     """
 
     config: Any
+
+    def decoder(self) -> nnx.Module:
+        raise NotImplementedError
+
+    def input_embeddings(self) -> Embed:
+        return self.decoder().embed_tokens
+
+    def hidden_states(self, input_ids: jax.Array, attention_mask: jax.Array, *, all_layers: bool = False):
+        """Final hidden states [B, S, H'] (what the head multiplies), or with ``all_layers`` HF's ``output_hidden_states`` tuple."""
+        check_inputs(input_ids, attention_mask)
+        return self.decoder()(input_ids, attention_mask, all_layers=all_layers)
 
     def head_kernel(self) -> jax.Array:
         """[H', vocab]: logits are ``hidden_states @ head_kernel()`` (the embedding's transpose when tied)."""

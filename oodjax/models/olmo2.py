@@ -26,7 +26,6 @@ from oodjax.models.layers import (
     RopeConfig,
     apply_rope,
     attention,
-    check_inputs,
     rope_cos_sin,
     run_layers,
     untied_head,
@@ -134,10 +133,5 @@ class Olmo2ForCausalLM(CausalLM):
         self.model = Olmo2Model(config, dtype=dtype, rngs=rngs)
         self.lm_head = nnx.data(untied_head(config.hidden_size, config, dtype=dtype, rngs=rngs))
 
-    def input_embeddings(self) -> Embed:
-        return self.model.embed_tokens
-
-    def hidden_states(self, input_ids: jax.Array, attention_mask: jax.Array, *, all_layers: bool = False):
-        """Final (normed) hidden states [B, S, H], or with ``all_layers`` HF's ``output_hidden_states`` tuple."""
-        check_inputs(input_ids, attention_mask)
-        return self.model(input_ids, attention_mask, all_layers=all_layers)
+    def decoder(self) -> nnx.Module:
+        return self.model

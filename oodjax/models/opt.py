@@ -25,7 +25,6 @@ from oodjax.models.layers import (
     Linear,
     activation,
     attention,
-    check_inputs,
     run_layers,
     untied_head,
 )
@@ -175,10 +174,5 @@ class OPTForCausalLM(CausalLM):
         self.model = OPTModel(config, dtype=dtype, rngs=rngs)
         self.lm_head = nnx.data(untied_head(config.word_embed_proj_dim, config, dtype=dtype, rngs=rngs))
 
-    def input_embeddings(self) -> Embed:
-        return self.model.decoder.embed_tokens
-
-    def hidden_states(self, input_ids: jax.Array, attention_mask: jax.Array, *, all_layers: bool = False):
-        """Final hidden states [B, S, word_embed_proj_dim], or with ``all_layers`` HF's output_hidden_states tuple."""
-        check_inputs(input_ids, attention_mask)
-        return self.model.decoder(input_ids, attention_mask, all_layers=all_layers)
+    def decoder(self) -> nnx.Module:
+        return self.model.decoder
