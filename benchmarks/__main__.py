@@ -90,7 +90,8 @@ def run(mode: settings.Mode, cases: list[str], workdir: pathlib.Path) -> dict:
         results["workload"] = workload.describe()
         torch_model = torch_contenders.attach_lora(model, seed=0)
         steps = (mode.warmup + mode.repeats) * mode.train_steps_per_repeat
-        engine = build_engine(checkpoint, seeds=[0], total_steps=steps, yes_id=workload.yes_id, no_id=workload.no_id)
+        engine = build_engine(checkpoint, seeds=[0], total_steps=steps, yes_id=workload.yes_id, no_id=workload.no_id,
+                              buckets=mode.buckets)
         if "eval" in cases:
             record(case_eval.run(mode, workload, engine, torch_model, peak_flops))
         if "train" in cases:

@@ -23,11 +23,12 @@ def run(mode: Mode, workload: Workload, engine: Engine, torch_model: peft.PeftMo
     tokenized = workload.eval_set
     rows = np.arange(len(tokenized))
     original_rows = rows[: mode.original_eval_examples]
-    batches = oodjax_contenders.eval_set(tokenized, batch_size=mode.eval_batch_size)
+    batch_tokens = mode.eval_batch_size * settings.MAX_LENGTH  # the loop's budget: eval.batch_size x max_length
+    pool = engine.eval_pool(tokenized, batch_tokens=batch_tokens)
     answers = dict(yes_id=workload.yes_id, no_id=workload.no_id, batch_size=mode.eval_batch_size)
 
     compute = {
-        "oodjax": lambda: engine.margins(batches)[0],
+        "oodjax": lambda: engine.margins(pool)[0][oodjax_contenders.EVAL_SET],
         "pytorch-original": lambda: torch_contenders.margins_original(torch_model, tokenized, original_rows, **answers),
         "pytorch-tuned": lambda: torch_contenders.margins_tuned(torch_model, tokenized, rows, **answers),
     }
@@ -55,7 +56,7 @@ def run(mode: Mode, workload: Workload, engine: Engine, torch_model: peft.PeftMo
         results[name] = timing.summary(
             len(lengths), flops=[model_flops] * len(timing.seconds), peak_flops=peak_flops
         )
-    padded_tokens = sum(b["input_ids"].size for b in batches.batches)
+    padded_tokens = sum(b["input_ids"].size for b in pool.batches)
     return {
         "case": "eval",
         "title": "Evaluation throughput",
@@ -63,8 +64,9 @@ def run(mode: Mode, workload: Workload, engine: Engine, torch_model: peft.PeftMo
         "description": (
             f"{len(rows)} real prompts ({mode.eval_per_testset} per testset, mean "
             f"{tokenized.lengths.mean():.0f} GPT-2 tokens, max {tokenized.lengths.max()}), batch "
-            f"{mode.eval_batch_size}, one LoRA adapter. oodjax: engine eval step over buckets "
-            f"{settings.BUCKETS}; pytorch-original: padded to {settings.MAX_LENGTH}, full logits "
+            f"{mode.eval_batch_size}, one LoRA adapter. oodjax: the run loop's evaluation, one pool bucketed by "
+            f"length into {mode.buckets} with batches of at most {batch_tokens} tokens; pytorch-original: "
+            f"padded to {settings.MAX_LENGTH}, full logits "
             f"(timed on the first {len(original_rows)} prompts: its cost per prompt does not depend on the "
             "prompt); pytorch-tuned: length-sorted dynamic padding, two head columns at the answer position."
         ),

@@ -18,8 +18,11 @@ from benchmarks import settings
 from oodjax import models
 from oodjax.data import TokenizedSet, make_batch
 from oodjax.engine import sharding, steps
-from oodjax.engine.evaluation import EvalSet, evaluate, make_eval_set
+from oodjax.engine.evaluation import EvalPool, evaluate, make_eval_pool
+from oodjax.engine.run_data import step_batch
 from oodjax.models.lora import LoRAConfig
+
+EVAL_SET = "testsets"  # the name of the one set the evaluation case's pool holds
 
 
 @dataclasses.dataclass
@@ -27,26 +30,43 @@ class Engine:
     """One frozen base with R runs' adapters, and the compiled steps over them."""
 
     mesh: jax.sharding.Mesh
+    buckets: tuple[int, ...]  # sequence lengths batches are padded to, as config.data.buckets
     base_state: Any
     runs: steps.RunsState
     eval_step: Callable[..., jax.Array]
     train_step: Callable[..., tuple[steps.RunsState, jax.Array]]
 
-    def margins(self, eval_set: EvalSet) -> np.ndarray:
-        """[R, N] margins, through the engine's ``evaluate`` (all batches dispatched, then fetched)."""
-        return evaluate(self.eval_step, self.base_state, self.runs.lora, eval_set, num_runs=self.runs.num_runs,
-                        place=lambda batch: sharding.shard_batch(batch, self.mesh))
+    def margins(self, pool: EvalPool) -> list[dict[str, np.ndarray]]:
+        """Each run's margins per set, through the engine's ``evaluate`` (all batches dispatched, then fetched)."""
+        return evaluate(self.eval_step, self.base_state, self.runs.lora, pool,
+                        place=lambda batch: sharding.shard_batch(batch, self.mesh, batch_axis=1))
 
-    def train(self, tokenized: TokenizedSet, rows: Sequence[np.ndarray], seq_len: int) -> np.ndarray:
-        """One optimizer step; ``rows[r]`` are run r's examples, padded to ``seq_len`` as the loop pads them."""
-        per_run = [make_batch(tokenized, np.asarray(r), seq_len) for r in rows]
-        batch = {
-            key: np.stack([b[key][None] for b in per_run])  # [R, grad_accum=1, B, ...]
-            for key in ("input_ids", "attention_mask", "answer_pos", "label", "valid")
-        }
-        placed = sharding.shard_batch(batch, self.mesh, batch_axis=2)
-        self.runs, loss = self.train_step(self.base_state, self.runs, placed)
+    def train(self, tokenized: TokenizedSet, rows: Sequence[np.ndarray]) -> np.ndarray:
+        """One optimizer step; ``rows[r]`` are run r's examples, cut to a bucket as the loop cuts them."""
+        self.runs, loss = self.train_step(self.base_state, self.runs, self._train_batch(tokenized, rows))
         return np.asarray(jax.device_get(loss))
+
+    def eval_pool(self, tokenized: TokenizedSet, *, batch_tokens: int) -> EvalPool:
+        """The loop's evaluation pool of ``tokenized`` as one set (``EVAL_SET``) of one run, built once."""
+        return make_eval_pool({EVAL_SET: tokenized}, [{}], batch_tokens=batch_tokens, buckets=self.buckets)
+
+    def compile_train(self, tokenized: TokenizedSet, steps_rows: Sequence[Sequence[np.ndarray]]) -> None:
+        """Compiles the train step for every bucket the given steps will use, without taking a step.
+
+        The loop compiles a bucket when a step first needs it; a timed step
+        must not, so the warm-up compiles them all ahead (and is charged).
+        """
+        batches = {}
+        for rows in steps_rows:
+            batch = self._train_batch(tokenized, rows)
+            batches.setdefault(batch["input_ids"].shape, batch)
+        for batch in batches.values():
+            self.train_step.lower(self.base_state, self.runs, batch).compile()
+
+    def _train_batch(self, tokenized: TokenizedSet, rows: Sequence[np.ndarray]) -> dict[str, jax.Array]:
+        per_run = [make_batch(tokenized, np.asarray(r), settings.MAX_LENGTH) for r in rows]
+        batch = step_batch(per_run, grad_accum=1, buckets=self.buckets)
+        return sharding.shard_batch(batch, self.mesh, batch_axis=2)
 
 
 def lora_config() -> LoRAConfig:
@@ -55,7 +75,8 @@ def lora_config() -> LoRAConfig:
 
 
 def build_engine(
-    checkpoint: pathlib.Path, *, seeds: Sequence[int], total_steps: int, yes_id: int, no_id: int
+    checkpoint: pathlib.Path, *, seeds: Sequence[int], total_steps: int, yes_id: int, no_id: int,
+    buckets: Sequence[int],
 ) -> Engine:
     """The float32 checkpoint loaded by ``load_pretrained``, one adapter per seed, the steps made by steps.py."""
     mesh = sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1])
@@ -65,19 +86,9 @@ def build_engine(
     graphdef, base_state, runs = steps.init_runs(model, list(seeds), lora_config(), optimizer, mesh=mesh)
     return Engine(
         mesh=mesh,
+        buckets=tuple(buckets),
         base_state=base_state,
         runs=runs,
         eval_step=steps.make_eval_step(graphdef, yes_id, no_id, mesh=mesh),
         train_step=steps.make_train_step(graphdef, optimizer, yes_id, no_id, grad_accum=1, mesh=mesh, runs=runs),
     )
-
-
-def eval_set(tokenized: TokenizedSet, *, batch_size: int) -> EvalSet:
-    """The engine's bucketed, padded evaluation batches (built once, replayed every evaluation)."""
-    return make_eval_set("benchmark", tokenized, batch_size=batch_size, buckets=settings.BUCKETS, pad_id=0)
-
-
-def train_seq_len(tokenized: TokenizedSet) -> int:
-    """The loop's one training length: the smallest bucket that holds the longest training prompt."""
-    longest = int(tokenized.lengths.max())
-    return next(b for b in settings.BUCKETS if b >= longest)

@@ -4,6 +4,10 @@ Trains the config's runs (its seeds x shot counts) and writes their results
 under `config.output_dir`; rerunning with the same output directory resumes
 from the latest checkpoint. The config is locked: a key that does not exist,
 in the file or on the command line, is an error.
+
+On a cluster, start one such process per node (or per GPU) as launch/ does:
+the processes find each other from SLURM, TPU-pod or OODJAX_* variables
+(`oodjax.engine.distributed`) and train the same runs together on one mesh.
 """
 
 import logging as python_logging
@@ -11,7 +15,7 @@ import logging as python_logging
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from oodjax.engine import loop
+from oodjax.engine import distributed, loop
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file (e.g. configs/demo.py).")
 flags.mark_flags_as_required(["config"])
@@ -28,6 +32,11 @@ def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments {argv[1:]}; settings go in --config.<field>=<value>")
     logging.get_absl_handler().addFilter(_QuietCheckpointing())
+    layout = distributed.initialize()  # before anything touches a device
+    if layout is not None:
+        logging.info("process %d of %d (layout from %s)", layout.process_id, layout.num_processes, layout.source)
+        if not distributed.is_primary():
+            logging.set_verbosity(logging.WARNING)  # process 0 logs progress; the others only problems
     loop.train(_CONFIG.value)
 
 

@@ -2,10 +2,11 @@
 
 No speed is asserted: CI machines are shared and tiny models say nothing
 about speed. What is asserted is what makes the figures trustworthy: every
-case and contender is there with at least five timed repetitions (loading
-and grid excepted, as configured), the contenders computed the same margins
-and first-step losses, nothing recompiled while being timed, and the
-markdown and README section are generated from the JSON.
+case and contender is there with the repetitions its mode configures (smoke
+mode times each once, and runs a one-run grid, to stay quick), the
+contenders computed the same margins and first-step losses, nothing
+recompiled while being timed, and the markdown and README section are
+generated from the JSON.
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from test_steps import LORA, NO, OPT, YES, make_batches, make_optimizer
 
@@ -94,6 +95,40 @@ def test_shard_batch_splits_examples_and_rejects_uneven_batches():
     np.testing.assert_array_equal(placed["input_ids"], batch["input_ids"])
     with pytest.raises(ValueError, match=r"batch\['input_ids'\] has shape \(6, 12\).*divisible by 4"):
         sharding.shard_batch({"input_ids": batch["input_ids"][:6]}, mesh)
+
+
+def test_one_process_holds_every_row_and_its_process_batch_is_the_batch():
+    """In one process `process_batch_rows` is every row; the 2-process case runs in test_launch_multiprocess."""
+    mesh = sharding.make_mesh(2, 2, 2)
+    np.testing.assert_array_equal(sharding.process_batch_rows(mesh, 8), np.arange(8))
+    batch = {k: v[:, :, :4] for k, v in make_batches(1, 2, micro=4)[0].items()}  # [R, A, 4, ...]: 1 row per shard
+    placed = sharding.shard_process_batch(batch, mesh, batch_axis=2, num_rows=4)
+    expected = sharding.shard_batch(batch, mesh, batch_axis=2)
+    for key, value in placed.items():
+        assert value.sharding == expected[key].sharding
+        np.testing.assert_array_equal(value, batch[key])
+    with pytest.raises(ValueError, match="a batch of 6 rows cannot be split evenly over 4 devices"):
+        sharding.process_batch_rows(mesh, 6)
+    with pytest.raises(ValueError, match=r"local batch\['label'\] has shape \(2, 2, 4\): axis 2 must hold this "
+                                         r"process's 8 of 8 rows \(process 0 of 1\)"):
+        sharding.shard_process_batch({"label": batch["label"]}, mesh, batch_axis=2, num_rows=8)
+
+
+def test_place_moves_values_keeps_placed_arrays_and_carries_typed_keys():
+    mesh = sharding.make_mesh(2, 2, 2)
+    split = NamedSharding(mesh, P("fsdp", "tensor"))
+    on_mesh = jax.device_put(np.ones((4, 4), np.float32), split)
+    host = np.arange(16, dtype=np.float32).reshape(4, 4)
+    key = jax.random.key(3)
+    placed = sharding.place(
+        {"host": host, "on_mesh": on_mesh, "key": key},
+        {"host": split, "on_mesh": split, "key": sharding.replicated(mesh)},
+    )
+    assert placed["on_mesh"] is on_mesh  # already where it belongs: not copied
+    assert placed["host"].sharding == split
+    np.testing.assert_array_equal(placed["host"], host)
+    assert placed["key"].dtype == key.dtype and placed["key"].sharding == sharding.replicated(mesh)
+    np.testing.assert_array_equal(jax.random.key_data(placed["key"]), jax.random.key_data(key))
 
 
 def test_lora_state_carries_no_stale_run_axis_metadata():

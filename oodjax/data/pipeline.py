@@ -96,6 +96,14 @@ def bucket_lengths(max_length: int, buckets: Sequence[int] | None = None) -> tup
     return tuple(sorted({b for b in buckets if b < max_length} | {max_length}))
 
 
+def fitting_bucket(buckets: Sequence[int], length: int) -> int:
+    """The smallest of the sorted `buckets` that holds `length` tokens."""
+    index = int(np.searchsorted(buckets, length))
+    if index == len(buckets):
+        raise ValueError(f"{length} tokens do not fit the largest bucket, {buckets[-1]} (buckets {list(buckets)})")
+    return int(buckets[index])
+
+
 def eval_batches(
     tokenized: TokenizedSet,
     *,
@@ -104,6 +112,8 @@ def eval_batches(
     buckets: Sequence[int] | None = None,
     row_multiple: int = 1,
     pad_id: int = 0,
+    lanes: Sequence[Sequence[int]] | None = None,
+    even: bool = False,
 ) -> grain.MapDataset:
     """One pass over every example exactly once, in length-bucketed, padded batches.
 
@@ -112,10 +122,21 @@ def eval_batches(
     Give either `batch_size` (rows per batch, all buckets) or `batch_tokens`
     (rows per batch = batch_tokens // bucket length, rounded down to a multiple
     of `row_multiple`, e.g. the number of data-parallel devices, and at least
-    row_multiple; `row_multiple` applies to batch_tokens only). There is one batch shape per bucket, so a jitted step
+    row_multiple). There is one batch shape per bucket, so a jitted step
     compiles at most len(buckets) times. The grain MapDataset has a length and
     random access; iterate it directly, or through `.to_iter_dataset()` to
     prefetch batches in a background thread.
+
+    `even` spreads each bucket's examples evenly over the fewest batches that
+    size allows (rows rounded up to `row_multiple`), so a bucket holding few
+    examples gets a small batch rather than one made mostly of padding.
+
+    `lanes` batches several lists of rows in lockstep (e.g. one per run, each
+    run scoring its own examples), each lane's rows once: every leaf gains a
+    leading lane axis [L, B, ...], lane l of a bucket's k-th batch holds the
+    k-th chunk of lane l's rows in that bucket, padded where lane l has fewer
+    rows there than the fullest lane. A row may be in several lanes. Without
+    `lanes`: one lane of every row, and no lane axis.
     """
     lengths = bucket_lengths(tokenized.max_length, buckets)
     if (batch_size is None) == (batch_tokens is None):
@@ -125,6 +146,12 @@ def eval_batches(
             f"batch_size, batch_tokens and row_multiple must be positive, got "
             f"{batch_size}, {batch_tokens} and {row_multiple}"
         )
+    if lanes is None:
+        lane_rows = [np.arange(len(tokenized))]
+    elif not lanes:
+        raise ValueError("lanes is empty: give at least one lane of rows (or None for every row)")
+    else:
+        lane_rows = [_lane_rows(tokenized, rows, lane) for lane, rows in enumerate(lanes)]
     bucket_of = np.searchsorted(lengths, tokenized.lengths)  # the smallest bucket >= length
     plan = []
     for b, seq_len in enumerate(lengths):
@@ -132,11 +159,36 @@ def eval_batches(
             rows = batch_size
         else:
             rows = max(row_multiple, batch_tokens // seq_len // row_multiple * row_multiple)
-        members = np.flatnonzero(bucket_of == b)
-        for first in range(0, len(members), rows):
-            chunk = members[first : first + rows]
-            plan.append((np.pad(chunk, (0, rows - len(chunk)), constant_values=-1), seq_len))
-    return grain.MapDataset.source(plan).map(lambda item: make_batch(tokenized, *item, pad_id=pad_id))
+        members = [lane[bucket_of[lane] == b] for lane in lane_rows]
+        count = max(len(m) for m in members)
+        if even and count:
+            per_batch = _ceil_div(count, _ceil_div(count, rows))  # the fewest batches of at most `rows`, evened
+            rows = min(rows, _ceil_div(per_batch, row_multiple) * row_multiple)
+        for first in range(0, count, rows):
+            chunks = [m[first : first + rows] for m in members]
+            chunks = np.stack([np.pad(chunk, (0, rows - len(chunk)), constant_values=-1) for chunk in chunks])
+            plan.append((chunks if lanes is not None else chunks[0], seq_len))
+    return grain.MapDataset.source(plan).map(lambda item: _lane_batch(tokenized, *item, pad_id=pad_id))
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _lane_rows(tokenized: TokenizedSet, rows: Sequence[int], lane: int) -> np.ndarray:
+    rows = np.asarray(rows, dtype=np.int64).reshape(-1)
+    outside = rows[(rows < 0) | (rows >= len(tokenized))]
+    if outside.size:
+        raise ValueError(f"lane {lane} names rows outside [0, {len(tokenized)}): {outside[:5].tolist()}")
+    return rows
+
+
+def _lane_batch(tokenized: TokenizedSet, rows: np.ndarray, seq_len: int, *, pad_id: int) -> Batch:
+    """make_batch of a [B] row array, or of each lane of a [L, B] one, stacked on a lane axis."""
+    if rows.ndim == 1:
+        return make_batch(tokenized, rows, seq_len, pad_id=pad_id)
+    per_lane = [make_batch(tokenized, lane, seq_len, pad_id=pad_id) for lane in rows]
+    return {key: np.stack([batch[key] for batch in per_lane]) for key in per_lane[0]}
 
 
 def train_batches(
@@ -171,8 +223,7 @@ def train_batches(
         raise ValueError("cannot train on an empty set")
     longest = int(tokenized.lengths.max())
     if seq_len is None:
-        buckets = bucket_lengths(tokenized.max_length)
-        seq_len = buckets[int(np.searchsorted(buckets, longest))]
+        seq_len = fitting_bucket(bucket_lengths(tokenized.max_length), longest)
     if seq_len < longest:
         raise ValueError(f"seq_len {seq_len} is shorter than the longest training prompt ({longest} tokens)")
     # Mix the run seed so that runs seeded s and s+1 do not share epoch orders

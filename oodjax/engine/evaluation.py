@@ -1,14 +1,20 @@
-"""Batched evaluation of all runs on a testset: the margin logit(Yes) - logit(No) of every example.
+"""Batched evaluation of all runs: the margin logit(Yes) - logit(No) of every example each run scores.
 
-A testset's batches are built once (static, bucketed shapes) and kept, so
-every evaluation replays the same arrays through the same compiled step:
-after the first evaluation nothing compiles again.
+An evaluation is one pool of examples: the testsets, which every run
+scores, and each run's own sets (its few-shot training set), which only
+that run scores. The pool is bucketed by length as a whole and cut into
+batches by a token budget, so a bucket's last, partly padded batch happens
+once per evaluation rather than once per testset. Batches carry a run axis
+[R, B, ...]: run r's lane holds the examples run r scores, so no run
+computes another run's training set. The batches are built once and
+replayed by every evaluation through the same compiled step (one shape per
+bucket): after the first evaluation nothing compiles again.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import jax
 import numpy as np
@@ -20,49 +26,103 @@ _STEP_KEYS = ("input_ids", "attention_mask", "answer_pos", "label", "valid")
 
 
 @dataclasses.dataclass(frozen=True)
-class EvalSet:
-    """A tokenised testset as the padded batches every evaluation replays."""
+class EvalPool:
+    """The examples of one evaluation, as the padded [R, B, ...] batches every evaluation replays."""
 
-    name: str
-    labels: np.ndarray  # [N] 0 = entailment
-    batches: tuple[Batch, ...]
+    sets: tuple[dict[str, slice], ...]  # run r: each set it scores -> that set's rows of the pool
+    labels: np.ndarray  # [pool rows] 0 = entailment
+    batches: tuple[Batch, ...]  # `index` [R, B] is the pool row, -1 on padding
 
-    def __len__(self) -> int:
-        return len(self.labels)
+    @property
+    def num_runs(self) -> int:
+        return len(self.sets)
+
+    def labels_of(self, run: int) -> dict[str, np.ndarray]:
+        """Run ``run``'s sets and their labels, shared sets first."""
+        return {name: self.labels[rows] for name, rows in self.sets[run].items()}
 
 
-def make_eval_set(
-    name: str, tokenized: TokenizedSet, *, batch_size: int, buckets: Sequence[int], pad_id: int
-) -> EvalSet:
-    batches = tuple(eval_batches(tokenized, batch_size=batch_size, buckets=buckets, pad_id=pad_id))
-    return EvalSet(name=name, labels=np.asarray(tokenized.labels, dtype=np.int32), batches=batches)
+def make_eval_pool(
+    shared: Mapping[str, TokenizedSet],
+    own: Sequence[Mapping[str, TokenizedSet]],
+    *,
+    batch_tokens: int,
+    buckets: Sequence[int],
+    row_multiple: int = 1,
+    pad_id: int = 0,
+) -> EvalPool:
+    """The pool of the ``shared`` sets (scored by every run) and run r's ``own[r]`` (by run r alone).
+
+    ``own`` has one mapping per run (empty when a run has no sets of its
+    own). Each bucket's batches hold about ``batch_tokens`` tokens at most,
+    a multiple of ``row_multiple`` rows (the devices the batch is split
+    over), spread evenly over the fewest batches that allows.
+    """
+    if not own:
+        raise ValueError("make_eval_pool needs one mapping in `own` per run (an empty one for a run without sets)")
+    for run, run_sets in enumerate(own):
+        if not shared and not run_sets:
+            raise ValueError(f"run {run} scores no set: `shared` and own[{run}] are both empty")
+        clash = sorted(set(run_sets) & set(shared))
+        if clash:
+            raise ValueError(f"run {run}'s own sets {clash} have the names of shared sets")
+    parts = [*shared.values(), *(t for run_sets in own for t in run_sets.values())]
+    pooled = _concatenate(parts)
+    offsets = np.cumsum([0] + [len(t) for t in parts]).tolist()
+    spans = iter([slice(start, stop) for start, stop in zip(offsets[:-1], offsets[1:])])
+    shared_rows = {name: next(spans) for name in shared}
+    sets = tuple({**shared_rows, **{name: next(spans) for name in run_sets}} for run_sets in own)
+    rows = np.arange(len(pooled))
+    lanes = [np.concatenate([rows[span] for span in run_sets.values()]) for run_sets in sets]
+    batches = eval_batches(
+        pooled, batch_tokens=batch_tokens, buckets=buckets, row_multiple=row_multiple, pad_id=pad_id, lanes=lanes,
+        even=True,
+    )
+    return EvalPool(sets=sets, labels=np.asarray(pooled.labels, dtype=np.int32), batches=tuple(batches))
+
+
+def _concatenate(parts: Sequence[TokenizedSet]) -> TokenizedSet:
+    """One TokenizedSet of ``parts``' prompts, in order (they must share a max_length, hence buckets)."""
+    max_lengths = sorted({t.max_length for t in parts})
+    if len(max_lengths) != 1:
+        raise ValueError(f"the sets of one evaluation must share a max_length; got {max_lengths}")
+    lengths = np.concatenate([t.lengths for t in parts])
+    return TokenizedSet(
+        token_ids=np.concatenate([t.token_ids for t in parts]),
+        starts=np.concatenate([[0], np.cumsum(lengths)]),
+        labels=np.concatenate([t.labels for t in parts]),
+        truncated=np.concatenate([t.truncated for t in parts]),
+        max_length=max_lengths[0],
+    )
 
 
 def evaluate(
     eval_step: Callable[..., jax.Array],
     base_state,
     lora,
-    eval_set: EvalSet,
+    pool: EvalPool,
     *,
-    num_runs: int,
     place: Callable[[Batch], Batch],
-) -> np.ndarray:
-    """Margins [R, N] float32 of every run on every example, in the testset's row order.
+) -> list[dict[str, np.ndarray]]:
+    """Run r's margins (float32) on each set it scores, in the set's row order: ``[{name: [N]}] * R``.
 
     All batches are dispatched before any result is fetched, so the host
-    never waits on the device between batches. `place` puts a batch on the
-    devices (sharded over the batch axes).
+    never waits on the device between batches. `place` puts a batch
+    [R, B, ...] on the devices (sharded over the example axis B).
     """
-    outputs = [
-        eval_step(base_state, lora, place({key: batch[key] for key in _STEP_KEYS})) for batch in eval_set.batches
-    ]
-    margins = np.zeros((num_runs, len(eval_set)), dtype=np.float32)
-    covered = np.zeros(len(eval_set), dtype=bool)
-    for batch, output in zip(eval_set.batches, outputs):
-        rows = batch["index"][batch["valid"]]
-        margins[:, rows] = np.asarray(jax.device_get(output))[:, batch["valid"]]
-        covered[rows] = True
-    if not covered.all():
-        missing = np.flatnonzero(~covered)
-        raise RuntimeError(f"{eval_set.name}: no batch holds examples {missing[:10].tolist()} ({len(missing)} in all)")
-    return margins
+    outputs = [eval_step(base_state, lora, place({key: batch[key] for key in _STEP_KEYS})) for batch in pool.batches]
+    margins = np.zeros((pool.num_runs, len(pool.labels)), dtype=np.float32)
+    covered = np.zeros(margins.shape, dtype=bool)
+    for batch, output in zip(pool.batches, outputs):
+        runs, slots = np.nonzero(batch["valid"])
+        rows = batch["index"][runs, slots]
+        margins[runs, rows] = np.asarray(jax.device_get(output))[runs, slots]
+        covered[runs, rows] = True
+    for run, run_sets in enumerate(pool.sets):
+        for name, span in run_sets.items():
+            missing = np.flatnonzero(~covered[run, span])
+            if missing.size:
+                raise RuntimeError(
+                    f"run {run}, {name}: no batch holds examples {missing[:10].tolist()} ({missing.size} in all)"
+                )
+    return [{name: margins[run, span] for name, span in run_sets.items()} for run, run_sets in enumerate(pool.sets)]

@@ -35,12 +35,11 @@ from oodjax.engine.distributed import is_primary
 from oodjax.engine.evaluation import evaluate
 from oodjax.engine.events import EventLog
 from oodjax.engine.results import RunResults, run_name
-from oodjax.engine.run_data import RunsData, load_runs_data
+from oodjax.engine.run_data import RunsData, load_runs_data, step_batch
 from oodjax.models.lora import LoRAConfig
 
 # Config fields a resumed run may change: they do not affect its results.
 _RESUMABLE_CHANGES = ("output_dir", "log_every", "wandb")
-_BATCH_KEYS = ("input_ids", "attention_mask", "answer_pos", "label", "valid")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,13 +79,14 @@ def train(config: config_dict.ConfigDict) -> list[Run]:
     """Trains and evaluates the config's runs (resuming if their checkpoints exist); returns them."""
     checks.check_config(config)
     mesh = sharding.make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
-    checks.check_parallel_batches(config, mesh.shape["data"] * mesh.shape["fsdp"])
+    batch_shards = mesh.shape["data"] * mesh.shape["fsdp"]
+    checks.check_parallel_batches(config, batch_shards)
     runs = plan_runs(config)
     logging.info("runs: %s", ", ".join(run.name for run in runs))
 
     tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model.path)
     yes_id, no_id = answer_token_ids(tokenizer)
-    data = load_runs_data(config, tokenizer, [(run.seed, run.shots) for run in runs])
+    data = load_runs_data(config, tokenizer, [(run.seed, run.shots) for run in runs], batch_shards=batch_shards)
     model = _load_model(config, mesh)
     optimizer = steps.make_optimizer(
         config.train.learning_rate,
@@ -140,7 +140,7 @@ class _Loop:
         self.checkpointer = Checkpointer(config.output_dir)
         self.primary = is_primary()  # only process 0 writes results and event logs
         config_json = json.loads(config.to_json())
-        self.results = [self._run_results(run, rows, config_json) for run, rows in zip(runs, data.train_rows)]
+        self.results = [self._run_results(r, run, config_json) for r, run in enumerate(runs)]
         wandb_project = config.wandb.project if config.wandb.enabled else None
         self.events = [
             EventLog(run.directory, run_name=run.name, config=config_json, wandb_project=wandb_project)
@@ -153,9 +153,8 @@ class _Loop:
         self.window_start = time.perf_counter()
         self.pending: list[tuple[int, jax.Array]] = []
 
-    def _run_results(self, run: Run, train_rows: slice, config_json: dict[str, Any]) -> RunResults:
-        labels = {s.name: s.labels for s in self.data.testsets}
-        labels[schema.TRAIN_TESTSET] = self.data.train_eval.labels[train_rows]
+    def _run_results(self, index: int, run: Run, config_json: dict[str, Any]) -> RunResults:
+        labels = self.data.eval_pool.labels_of(index)
         identity = {schema.RUN_MODEL: model_name(self.config), schema.RUN_SEED: run.seed, schema.RUN_SHOTS: run.shots}
         return RunResults(
             run.directory,
@@ -224,11 +223,9 @@ class _Loop:
         """Each run's next batch, as [R, grad_accum, micro_batch, ...] arrays sharded over the micro-batch."""
         accum = self.config.train.grad_accum
         per_run = [next(stream) for stream in self.data.streams]
-        stacked = {
-            key: np.stack([batch[key].reshape(accum, -1, *batch[key].shape[1:]) for batch in per_run])
-            for key in _BATCH_KEYS
-        }
-        return sharding.shard_batch(stacked, self.mesh, batch_axis=2)
+        stacked = step_batch(per_run, grad_accum=accum, buckets=self.data.buckets)
+        micro_batch = self.config.train.batch_size // accum  # global; the streams yield this process's rows
+        return sharding.shard_process_batch(stacked, self.mesh, batch_axis=2, num_rows=micro_batch)
 
     def _check_losses(self) -> None:
         """Fetches the pending losses; stops at the first non-finite one, naming its step."""
@@ -261,21 +258,14 @@ class _Loop:
         self.window, self.window_start = [], now
 
     def _evaluate(self, step: int) -> None:
-        """Evaluates every run on every testset and its training set; rewrites each metrics.npz."""
+        """Evaluates every run on every testset and its own training set; rewrites each metrics.npz."""
         num_runs = len(self.runs)
-
-        def margins_of(eval_set):
-            return evaluate(
-                self.eval_step, self.base_state, self.state.lora, eval_set, num_runs=num_runs,
-                place=lambda batch: sharding.shard_batch(batch, self.mesh),
-            )
-
-        margins = {eval_set.name: margins_of(eval_set) for eval_set in self.data.testsets}
-        train_margins = margins_of(self.data.train_eval)
+        margins = evaluate(
+            self.eval_step, self.base_state, self.state.lora, self.data.eval_pool,
+            place=lambda batch: sharding.shard_batch(batch, self.mesh, batch_axis=1),
+        )
         train_loss = self.loss_sum / self.loss_steps if self.loss_steps else np.full(num_runs, np.nan)
-        for r, (run, results) in enumerate(zip(self.runs, self.results)):
-            run_margins = {name: values[r] for name, values in margins.items()}
-            run_margins[schema.TRAIN_TESTSET] = train_margins[r, self.data.train_rows[r]]
+        for r, (run, results, run_margins) in enumerate(zip(self.runs, self.results, margins)):
             accuracies = results.add(step, run_margins, train_loss[r])
             if self.primary:
                 results.write()

@@ -1,11 +1,13 @@
-"""The data of the runs trained together: evaluation sets, few-shot training sets, training streams.
+"""The data of the runs trained together: the evaluation pool, training streams, and each step's batch.
 
 Testsets are loaded, capped and tokenised once (the data layer caches the
 tokenisation on disk) and shared by all runs. Each run draws its own few-shot
-set and data order from its seed. The runs' few-shot sets are also evaluated,
-as one concatenated set: the eval step shares its batch across runs, so one
-pass with one set of compiled shapes serves every run, and each run keeps the
-margins of its own rows.
+set and data order from its seed. The testsets and the runs' few-shot sets
+are evaluated as one pool (``oodjax.engine.evaluation``), each run scoring
+the testsets and its own few-shot set only. A training step's batch is cut
+to the smallest bucket that holds its longest prompt (the same for all runs,
+whose batches are stacked), so a step computes little padding and the train
+step compiles once per bucket.
 """
 
 from __future__ import annotations
@@ -15,69 +17,104 @@ from collections.abc import Sequence
 
 import datasets
 import grain
+import jax
 import numpy as np
 from absl import logging
+from jax.experimental import multihost_utils
 from ml_collections import config_dict
 from transformers import PreTrainedTokenizerBase
 
 from analysis import schema
 from oodjax.data import (
+    Batch,
     TokenizedSet,
     bucket_lengths,
     few_shot,
+    fitting_bucket,
     load_testset,
     stratified_subset,
     tokenize_testset,
     train_batches,
     training_pool,
 )
-from oodjax.engine.evaluation import EvalSet, make_eval_set
+from oodjax.engine.evaluation import EvalPool, make_eval_pool
+
+# What the train step reads of a batch.
+TRAIN_KEYS = ("input_ids", "attention_mask", "answer_pos", "label", "valid")
+_SEQUENCE_KEYS = ("input_ids", "attention_mask")  # [B, S]; the others are [B]
 
 
 @dataclasses.dataclass(frozen=True)
 class RunsData:
-    testsets: list[EvalSet]  # config.data.testsets, in order
-    train_eval: EvalSet  # every run's few-shot set, concatenated in run order
-    train_rows: list[slice]  # run r's rows of train_eval
-    streams: list[grain.DatasetIterator]  # run r's training batches, [batch_size, seq_len] each
+    eval_pool: EvalPool  # config.data.testsets in order, then run r's few-shot set as schema.TRAIN_TESTSET
+    streams: list[grain.DatasetIterator]  # run r's training batches, padded to the longest bucket any needs
+    buckets: tuple[int, ...]  # the sequence lengths batches are cut to
 
 
 def load_runs_data(
-    config: config_dict.ConfigDict, tokenizer: PreTrainedTokenizerBase, runs: Sequence[tuple[int, int]]
+    config: config_dict.ConfigDict,
+    tokenizer: PreTrainedTokenizerBase,
+    runs: Sequence[tuple[int, int]],
+    *,
+    batch_shards: int = 1,
 ) -> RunsData:
-    """`runs` are (seed, shots) pairs."""
+    """`runs` are (seed, shots) pairs; `batch_shards` is the number of devices a batch is split over.
+
+    An evaluation batch holds at most eval.batch_size examples of the longest
+    bucket's length, in tokens: shorter buckets take proportionally more rows.
+    """
     data = config.data
-    testsets = []
+    testsets = {}
     for name in data.testsets:
         dataset = load_testset(name, data_dir=data.data_dir or None, neutral=data.neutral)
         if data.eval_cap:
             dataset = stratified_subset(dataset, data.eval_cap, seed=data.eval_seed)
-        tokenized = _tokenize(config, dataset, tokenizer)
+        tokenized = testsets[name] = _tokenize(config, dataset, tokenizer)
         if tokenized.num_truncated:
             logging.info(
                 "%s: %d of %d prompts truncated to %d tokens", name, tokenized.num_truncated, len(tokenized),
                 data.max_length,
             )
-        testsets.append(_eval_set(config, name, tokenized, tokenizer))
 
     pool = training_pool(data.train_set, split=data.pool_split or None, data_dir=data.data_dir or None)
-    few_shot_sets = [few_shot(pool, shots, seed) for seed, shots in runs]
-    train_sets = [_tokenize(config, dataset, tokenizer) for dataset in few_shot_sets]
-    seq_len = _train_seq_len(config, train_sets)
+    train_sets = [_tokenize(config, few_shot(pool, shots, seed), tokenizer) for seed, shots in runs]
+    buckets = _buckets(config)
+    seq_len = fitting_bucket(buckets, max(int(t.lengths.max()) for t in train_sets))
     streams = [
         train_batches(
             tokenized, batch_size=config.train.batch_size, seed=seed, seq_len=seq_len, pad_id=_pad_id(tokenizer)
         )
         for (seed, _), tokenized in zip(runs, train_sets)
     ]
-    all_train = _tokenize(config, datasets.concatenate_datasets(few_shot_sets), tokenizer)
-    offsets = np.cumsum([0] + [len(dataset) for dataset in few_shot_sets]).tolist()
-    return RunsData(
-        testsets=testsets,
-        train_eval=_eval_set(config, schema.TRAIN_TESTSET, all_train, tokenizer),
-        train_rows=[slice(start, stop) for start, stop in zip(offsets[:-1], offsets[1:])],
-        streams=streams,
+    eval_pool = make_eval_pool(
+        testsets,
+        [{schema.TRAIN_TESTSET: tokenized} for tokenized in train_sets],
+        batch_tokens=config.eval.batch_size * buckets[-1],
+        buckets=buckets,
+        row_multiple=batch_shards,
+        pad_id=_pad_id(tokenizer),
     )
+    return RunsData(eval_pool=eval_pool, streams=streams, buckets=buckets)
+
+
+def step_batch(per_run: Sequence[Batch], *, grad_accum: int, buckets: Sequence[int]) -> Batch:
+    """The runs' batches of one step as the train step takes them: [R, grad_accum, micro_batch, S].
+
+    S is the smallest bucket that holds the step's longest prompt over all
+    runs (and, with several processes, over all processes' rows), so every
+    run's part has the same shape. Prompts are right-padded, so cutting the
+    padding off the end changes nothing else.
+    """
+    longest = max(int(batch["attention_mask"].sum(axis=-1).max()) for batch in per_run)
+    if jax.process_count() > 1:  # each process holds only its rows: agree on the global batch's length
+        longest = int(np.max(multihost_utils.process_allgather(np.int32(longest))))
+    seq_len = fitting_bucket(buckets, longest)
+
+    def stacked(key: str) -> np.ndarray:
+        parts = [batch[key][:, :seq_len] if key in _SEQUENCE_KEYS else batch[key] for batch in per_run]
+        return np.stack([part.reshape(grad_accum, -1, *part.shape[1:]) for part in parts])
+
+    return {key: stacked(key) for key in TRAIN_KEYS}
 
 
 def _tokenize(
@@ -87,21 +124,6 @@ def _tokenize(
     return tokenize_testset(
         dataset, tokenizer, template=data.template, max_length=data.max_length, cache_dir=data.cache_dir or None
     )
-
-
-def _eval_set(
-    config: config_dict.ConfigDict, name: str, tokenized: TokenizedSet, tokenizer: PreTrainedTokenizerBase
-) -> EvalSet:
-    return make_eval_set(
-        name, tokenized, batch_size=config.eval.batch_size, buckets=_buckets(config), pad_id=_pad_id(tokenizer)
-    )
-
-
-def _train_seq_len(config: config_dict.ConfigDict, train_sets: Sequence[TokenizedSet]) -> int:
-    """One training length for all runs (their batches are stacked): the smallest bucket holding every prompt."""
-    buckets = _buckets(config)
-    longest = max(int(t.lengths.max()) for t in train_sets)
-    return buckets[int(np.searchsorted(buckets, longest))]
 
 
 def _buckets(config: config_dict.ConfigDict) -> tuple[int, ...]:

@@ -6,10 +6,17 @@ their logical axis names through the one rules table in
 names of the projection they adapt, behind a replicated run axis. Batches are
 split along their example axis over the axes the table gives "batch".
 
-``shard_batch`` takes the whole global batch in one process. With several
-processes (``oodjax.engine.distributed``) each would hold only its share and
-build the global array with ``jax.make_array_from_process_local_data``; that
-is issue 5's part, not built here.
+Everything here works the same in one process and in many
+(``oodjax.engine.distributed``), where a mesh spans devices no single process
+can address: arrays are built with ``jax.make_array_from_callback`` or
+``jax.make_array_from_process_local_data``, each process supplying only the
+blocks its own devices hold. Three cases, one function each:
+
+- ``place``: state every process computed identically (the frozen base from
+  a seed, the runs' initial adapters and optimizer state);
+- ``shard_batch``: a batch every process holds whole (evaluation batches);
+- ``shard_process_batch``: a batch of which each process holds only its own
+  rows, ``process_batch_rows`` of the global batch (training batches).
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
@@ -56,8 +64,33 @@ def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
 
 
+def place(tree: Any, shardings: Any) -> Any:
+    """Puts every leaf of ``tree`` on its sharding in ``shardings`` (same structure), across processes.
+
+    The leaves must hold the same values in every process (they are built
+    from the same seeds and files), so each process fills its own devices'
+    blocks from its copy. Leaves already on their sharding (``load_pretrained``
+    with the mesh) are kept as they are; typed PRNG keys travel as key data.
+    """
+
+    def put(leaf: Any, target: NamedSharding) -> jax.Array:
+        if isinstance(leaf, jax.Array) and leaf.sharding.is_equivalent_to(target, leaf.ndim):
+            return leaf
+        if jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+            return jax.random.wrap_key_data(put(jax.random.key_data(leaf), target), impl=jax.random.key_impl(leaf))
+        host = np.asarray(leaf)
+        return jax.make_array_from_callback(host.shape, target, lambda index: host[index])
+
+    return jax.tree.map(put, tree, shardings)
+
+
+def _batch_sharding(mesh: Mesh, batch_axis: int) -> NamedSharding:
+    return NamedSharding(mesh, PartitionSpec(*([None] * batch_axis), BATCH_AXES))
+
+
 def shard_batch(batch: Mapping[str, Any], mesh: Mesh, *, batch_axis: int = 0) -> dict[str, jax.Array]:
-    """Puts each array of ``batch`` on ``mesh``, split along ``batch_axis`` over the batch axes.
+    """Puts each array of ``batch``, held whole and identical by every process, on ``mesh``,
+    split along ``batch_axis`` over the batch axes; each process transfers only its devices' rows.
 
     ``batch_axis`` is 0 for eval batches [B, S] and 2 for train batches
     [R, grad_accum, B, S]. The example count must divide evenly.
@@ -71,8 +104,47 @@ def shard_batch(batch: Mapping[str, Any], mesh: Mesh, *, batch_axis: int = 0) ->
                 f"batch[{key!r}] has shape {value.shape}: axis {batch_axis} must exist and be divisible by "
                 f"{ways} (mesh axes {BATCH_AXES})"
             )
-        spec = PartitionSpec(*([None] * batch_axis), BATCH_AXES)
-        out[key] = jax.device_put(value, NamedSharding(mesh, spec))
+        out[key] = jax.make_array_from_callback(value.shape, _batch_sharding(mesh, batch_axis), value.__getitem__)
+    return out
+
+
+def process_batch_rows(mesh: Mesh, num_rows: int) -> np.ndarray:
+    """The rows (sorted indices) of a batch axis of ``num_rows`` that this process's devices hold.
+
+    A process feeds exactly these rows to ``shard_process_batch``, so the
+    global batch is the one a single process would have built: the same
+    examples on the same devices, hence the same dropout masks and results.
+    In one process: all rows.
+    """
+    ways = math.prod(mesh.shape[axis] for axis in BATCH_AXES)
+    if num_rows < 1 or num_rows % ways:
+        raise ValueError(
+            f"a batch of {num_rows} rows cannot be split evenly over {ways} devices (mesh axes {BATCH_AXES})"
+        )
+    indices = _batch_sharding(mesh, 0).addressable_devices_indices_map((num_rows,)).values()
+    return np.unique(np.concatenate([np.arange(num_rows)[index] for index in indices]))
+
+
+def shard_process_batch(
+    local_batch: Mapping[str, Any], mesh: Mesh, *, batch_axis: int, num_rows: int
+) -> dict[str, jax.Array]:
+    """The global batch (``num_rows`` examples along ``batch_axis``) from this process's rows of it.
+
+    ``local_batch`` holds, along ``batch_axis``, the rows
+    ``process_batch_rows(mesh, num_rows)`` in that order; the other axes are
+    whole. Every process calls this with its own rows at the same step.
+    """
+    rows = len(process_batch_rows(mesh, num_rows))
+    out = {}
+    for key, value in local_batch.items():
+        value = np.asarray(value)
+        if value.ndim <= batch_axis or value.shape[batch_axis] != rows:
+            raise ValueError(
+                f"local batch[{key!r}] has shape {value.shape}: axis {batch_axis} must hold this process's "
+                f"{rows} of {num_rows} rows (process {jax.process_index()} of {jax.process_count()})"
+            )
+        global_shape = (*value.shape[:batch_axis], num_rows, *value.shape[batch_axis + 1 :])
+        out[key] = jax.make_array_from_process_local_data(_batch_sharding(mesh, batch_axis), value, global_shape)
     return out
 
 

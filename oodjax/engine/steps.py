@@ -116,7 +116,8 @@ def init_runs(
     they are identical to those of a single run with that seed. The base
     state also holds the adapters' shared dropout stream, which the train step
     reseeds per run, step and micro-batch. With ``mesh``, base and runs are
-    placed on their shardings.
+    placed on their shardings (in every process of a multi-process mesh:
+    each builds the same values from the same seeds and places its blocks).
     """
     if not seeds:
         raise ValueError("init_runs needs at least one seed")
@@ -135,8 +136,12 @@ def init_runs(
         step=jnp.zeros((), jnp.int32),
     )
     if mesh is not None:
-        base_state = jax.device_put(base_state, param_shardings(base_state, mesh))
-        runs = jax.device_put(runs, sharding.runs_shardings(runs, mesh))
+        base_state = sharding.place(base_state, param_shardings(base_state, mesh))
+        runs = sharding.place(runs, sharding.runs_shardings(runs, mesh))
+    else:
+        # Committed, as the train step's outputs are: an uncommitted first input
+        # would give the first call a compilation of its own.
+        runs = jax.device_put(runs, jax.local_devices()[0])
     return graphdef, base_state, runs
 
 
@@ -255,7 +260,8 @@ def make_eval_step(
     """Jitted ``eval_step(base_state, lora, batch) -> margins [R, B]`` (float32), dropout off.
 
     ``lora`` is ``runs.lora`` (stacked); ``batch`` leaves are [B, S] ([B] for
-    answer_pos etc.), shared by all runs. The margin is logit(Yes) - logit(No)
+    answer_pos etc.), shared by all runs, or [R, B, S] ([R, B]): run r scores
+    its own examples ``batch[...][r]``. The margin is logit(Yes) - logit(No)
     at the answer position, computed from the two head columns only. It
     compiles once per bucket shape; ``eval_step._cache_size()`` counts them.
     """
@@ -270,7 +276,12 @@ def make_eval_step(
         return logits[:, 0] - logits[:, 1]
 
     def eval_step(base_state: nnx.State, lora: nnx.State, batch: Batch) -> jax.Array:
-        _check_batch(batch, "[batch, seq]", ())
-        return jax.vmap(one_run, in_axes=(0, None, None))(lora, _cast_floats(base_state, compute_dtype), dict(batch))
+        num_runs = jax.tree.leaves(lora)[0].shape[0]
+        per_run = "input_ids" in batch and batch["input_ids"].ndim == 3
+        _check_batch(batch, f"[batch, seq] or [runs={num_runs}, batch, seq]", (num_runs,) if per_run else ())
+        batch_axis = 0 if per_run else None
+        return jax.vmap(one_run, in_axes=(0, None, batch_axis))(
+            lora, _cast_floats(base_state, compute_dtype), dict(batch)
+        )
 
     return jax.jit(eval_step, out_shardings=None if mesh is None else sharding.replicated(mesh))

@@ -1,0 +1,188 @@
+"""The pooled evaluation and the per-step training length.
+
+What is checked: lane batches hold each lane's rows once, in lockstep, with
+even batch sizes; the pool gives every run the testsets and its own training
+set only, and `evaluate` puts each margin back where it belongs (checked with
+a fake step whose margin is known from the row alone, and with the real eval
+step against the full model's logits); a training step is cut to the smallest
+bucket holding its longest prompt; a committed (loaded) base and the runs
+compile the train step once.
+"""
+
+import collections
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from oodjax.data import TokenizedSet, eval_batches, fitting_bucket, make_batch
+from oodjax.engine import steps
+from oodjax.engine.evaluation import evaluate, make_eval_pool
+from oodjax.engine.run_data import step_batch
+from oodjax.models import from_config, load_pretrained
+from oodjax.models.lora import LoRAConfig
+
+OPT = dict(
+    model_type="opt", vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, ffn_dim=64,
+    max_position_embeddings=64, pad_token_id=1,
+)  # fmt: skip
+YES, NO = 5, 6
+LORA = LoRAConfig(rank=4, alpha=8.0, dropout=0.1)
+
+
+def tokenized(lengths, *, first_token=0, max_length=64, seed=0):
+    """Prompts of the given lengths; prompt i starts with token first_token + i (a marker), then random ids."""
+    rng = np.random.default_rng(seed)
+    vocab = OPT["vocab_size"]
+    rows = [np.concatenate([[first_token + i], rng.integers(2, vocab, n - 1)]) for i, n in enumerate(lengths)]
+    n = len(lengths)
+    return TokenizedSet(
+        token_ids=np.concatenate(rows).astype(np.int32),
+        starts=np.concatenate([[0], np.cumsum(lengths)]),
+        labels=(np.arange(n) % 2).astype(np.int32),
+        truncated=np.zeros(n, dtype=bool),
+        max_length=max_length,
+    )
+
+
+def test_lanes_are_batched_in_lockstep_each_row_once():
+    tok = tokenized([5, 40, 7, 60, 12, 33, 3, 20, 50, 9])
+    lanes = [[0, 1, 2, 3, 4, 5], [0, 1, 2, 3, 4, 5, 6, 7, 8, 9], [9]]
+    batches = list(eval_batches(tok, batch_size=2, buckets=(16, 64), lanes=lanes))
+    # bucket 16 holds 0, 2, 4, 6, 9; bucket 64 holds 1, 3, 5, 7, 8. The fullest lane decides the batch count.
+    assert [b["input_ids"].shape for b in batches] == [(3, 2, 16)] * 3 + [(3, 2, 64)] * 3
+    assert batches[0]["index"].tolist() == [[0, 2], [0, 2], [9, -1]]
+    assert batches[2]["index"].tolist() == [[-1, -1], [9, -1], [-1, -1]]
+    for lane, rows in enumerate(lanes):
+        seen = np.concatenate([b["index"][lane][b["valid"][lane]] for b in batches])
+        assert sorted(seen.tolist()) == rows
+    for b in batches:
+        for lane in range(3):
+            for slot, row in enumerate(b["index"][lane]):
+                expected = make_batch(tok, np.array([row]), b["input_ids"].shape[-1])
+                assert all(np.array_equal(b[key][lane, slot], expected[key][0]) for key in expected), (lane, row)
+
+
+def test_even_batches_spread_a_bucket_over_the_fewest_batches():
+    tok = tokenized([10] * 9 + [40] * 3)
+    shapes = collections.Counter(b["input_ids"].shape for b in eval_batches(tok, batch_tokens=128, buckets=(16, 64)))
+    assert shapes == {(8, 16): 2, (2, 64): 2}  # 9 rows of at most 8: 8 + 1; 3 rows of at most 2: 2 + 1
+    even = list(eval_batches(tok, batch_tokens=128, buckets=(16, 64), row_multiple=2, even=True))
+    # 9 rows -> 2 batches of 5 (rounded up to 6 for row_multiple 2); 3 rows of at most 2 -> 2 batches of 2.
+    assert collections.Counter(b["input_ids"].shape for b in even) == {(6, 16): 2, (2, 64): 2}
+    assert sorted(np.concatenate([b["index"][b["valid"]] for b in even]).tolist()) == list(range(12))
+    few = list(eval_batches(tok, batch_tokens=1024, buckets=(16, 64), even=True))
+    assert [b["input_ids"].shape for b in few] == [(9, 16), (3, 64)]  # one batch each, no padding row
+
+
+def test_bad_lanes_and_buckets_are_named():
+    tok = tokenized([5, 6])
+    with pytest.raises(ValueError, match=r"lane 1 names rows outside \[0, 2\): \[2\]"):
+        eval_batches(tok, batch_size=2, lanes=[[0], [1, 2]])
+    with pytest.raises(ValueError, match="lanes is empty"):
+        eval_batches(tok, batch_size=2, lanes=[])
+    assert fitting_bucket((32, 64), 32) == 32 and fitting_bucket((32, 64), 33) == 64
+    with pytest.raises(ValueError, match=r"65 tokens do not fit the largest bucket, 64"):
+        fitting_bucket((32, 64), 65)
+
+
+def pool_sets():
+    shared = {"a": tokenized([5, 30, 9, 40, 12], first_token=10), "b": tokenized([8, 50, 3], first_token=20)}
+    own = [{"train": tokenized([6, 7, 45], first_token=30)}, {"train": tokenized([33], first_token=40)}]
+    return shared, own
+
+
+def test_pool_gives_each_run_the_shared_sets_and_its_own_and_evaluate_places_every_margin():
+    shared, own = pool_sets()
+    pool = make_eval_pool(shared, own, batch_tokens=128, buckets=(16, 64), row_multiple=2)
+    assert pool.num_runs == 2
+    computed = np.zeros(2, int)
+    for batch in pool.batches:
+        assert batch["input_ids"].shape[0] == 2 and batch["input_ids"].shape[1] % 2 == 0
+        computed += batch["valid"].sum(axis=1)
+    assert computed.tolist() == [5 + 3 + 3, 5 + 3 + 1]  # no run scores the other's training set
+
+    def fake_step(base_state, lora, batch):
+        """Margin = the row's marker token + 1000 * run: known without the pool's bookkeeping."""
+        return batch["input_ids"][:, :, 0] + 1000.0 * np.arange(2)[:, None]
+
+    margins = evaluate(fake_step, None, None, pool, place=lambda batch: batch)
+    for run in range(2):
+        sets = {**shared, **own[run]}
+        assert list(margins[run]) == ["a", "b", "train"] and list(pool.labels_of(run)) == ["a", "b", "train"]
+        for name, tok in sets.items():
+            first = {"a": 10, "b": 20, "train": 30 + 10 * run}[name]
+            np.testing.assert_array_equal(margins[run][name], first + np.arange(len(tok)) + 1000 * run)
+            np.testing.assert_array_equal(pool.labels_of(run)[name], tok.labels)
+    with pytest.raises(RuntimeError, match=r"run 0, a: no batch holds examples"):
+        evaluate(fake_step, None, None, dataclasses.replace(pool, batches=pool.batches[1:]), place=lambda b: b)
+
+
+def test_pool_errors():
+    shared, own = pool_sets()
+    with pytest.raises(ValueError, match="one mapping in `own` per run"):
+        make_eval_pool(shared, [], batch_tokens=64, buckets=(64,))
+    with pytest.raises(ValueError, match=r"run 1's own sets \['a'\] have the names of shared sets"):
+        make_eval_pool(shared, [{}, {"a": own[0]["train"]}], batch_tokens=64, buckets=(64,))
+    with pytest.raises(ValueError, match="run 0 scores no set"):
+        make_eval_pool({}, [{}], batch_tokens=64, buckets=(64,))
+    with pytest.raises(ValueError, match=r"must share a max_length; got \[64, 128\]"):
+        make_eval_pool({"a": tokenized([5]), "b": tokenized([5], max_length=128)}, [{}], batch_tokens=64, buckets=(64,))
+
+
+def test_pooled_margins_are_the_full_models_logit_differences():
+    model = from_config(OPT, dtype="float32", seed=0)
+    graphdef, base, runs = steps.init_runs(model, [0, 1], LORA, steps.make_optimizer(1e-3, 10, 1, 0.0, 1.0))
+    # Non-zero B, so the two runs' adapters (and margins) differ.
+    runs = runs.replace(lora=jax.tree.map(lambda x: x + 0.05 * np.cos(np.arange(x.size).reshape(x.shape)), runs.lora))
+    shared, own = pool_sets()
+    pool = make_eval_pool(shared, own, batch_tokens=128, buckets=(16, 64))
+    eval_step = steps.make_eval_step(graphdef, YES, NO)
+    margins = evaluate(eval_step, base, runs.lora, pool, place=lambda batch: batch)
+    assert eval_step._cache_size() == 2  # one compilation per bucket, for the whole pool
+    for run in range(2):
+        lora_model = nnx.view(nnx.merge(graphdef, base, steps.select_run(runs.lora, run)), deterministic=True)
+        for name, tok in {**shared, **own[run]}.items():
+            whole = make_batch(tok, np.arange(len(tok)), 64)  # the set right-padded, apart from the pool
+            logits = np.asarray(lora_model(whole["input_ids"], whole["attention_mask"]))
+            at = logits[np.arange(len(tok)), whole["answer_pos"]]
+            np.testing.assert_allclose(margins[run][name], at[:, YES] - at[:, NO], rtol=0, atol=1e-5)
+    assert not np.allclose(margins[0]["a"], margins[1]["a"])
+
+
+def test_step_batch_cuts_every_run_to_the_bucket_of_the_longest_prompt():
+    tok = tokenized([5, 20, 9, 33, 12, 3, 7, 8])
+    per_run = [make_batch(tok, np.array(rows), 64) for rows in ([0, 1, 2, 5], [4, 6, 7, -1])]
+    batch = step_batch(per_run, grad_accum=2, buckets=(16, 32, 48, 64))
+    assert batch["input_ids"].shape == (2, 2, 2, 32) and batch["valid"].shape == (2, 2, 2)  # longest: 20 tokens
+    for r, full in enumerate(per_run):
+        assert not full["attention_mask"][:, 32:].any()  # only padding is cut off
+        for key in ("input_ids", "attention_mask"):
+            np.testing.assert_array_equal(batch[key][r].reshape(4, 32), full[key][:, :32])
+        for key in ("answer_pos", "label", "valid"):
+            np.testing.assert_array_equal(batch[key][r].reshape(4), full[key])
+    short = step_batch([make_batch(tok, np.array([0, 2]), 64)], grad_accum=1, buckets=(16, 32, 48, 64))
+    assert short["input_ids"].shape == (1, 1, 2, 16)
+    with pytest.raises(ValueError, match="33 tokens do not fit the largest bucket, 32"):
+        step_batch([make_batch(tok, np.array([3]), 64)], grad_accum=1, buckets=(16, 32))
+
+
+def test_a_loaded_base_and_its_runs_compile_the_train_step_once(tmp_path):
+    """load_pretrained places the base on a device (committed); the runs must be too, or step 2 recompiles."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    hf_config = transformers.OPTConfig(**{k: v for k, v in OPT.items() if k != "model_type"})
+    transformers.OPTForCausalLM(hf_config).save_pretrained(tmp_path)
+    model = load_pretrained(tmp_path, dtype="float32")
+    optimizer = steps.make_optimizer(1e-3, 10, 1, 0.0, 1.0)
+    graphdef, base, runs = steps.init_runs(model, [0], LORA, optimizer)
+    train_step = steps.make_train_step(graphdef, optimizer, YES, NO, grad_accum=1)
+    tok = tokenized([5, 9, 12, 7])
+    batch = step_batch([make_batch(tok, np.arange(4), 16)], grad_accum=1, buckets=(16,))
+    for _ in range(3):
+        runs, _ = train_step(base, runs, batch)
+    assert train_step._cache_size() == 1
