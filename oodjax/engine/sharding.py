@@ -69,12 +69,12 @@ def place(tree: Any, shardings: Any) -> Any:
 
     The leaves must hold the same values in every process (they are built
     from the same seeds and files), so each process fills its own devices'
-    blocks from its copy. Leaves already on their sharding (``load_pretrained``
+    blocks from its copy. Leaves already committed to their sharding (``load_pretrained``
     with the mesh) are kept as they are; typed PRNG keys travel as key data.
     """
 
     def put(leaf: Any, target: NamedSharding) -> jax.Array:
-        if isinstance(leaf, jax.Array) and leaf.sharding.is_equivalent_to(target, leaf.ndim):
+        if isinstance(leaf, jax.Array) and leaf.committed and leaf.sharding.is_equivalent_to(target, leaf.ndim):
             return leaf
         if jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key):
             return jax.random.wrap_key_data(put(jax.random.key_data(leaf), target), impl=jax.random.key_impl(leaf))
