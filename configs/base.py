@@ -103,7 +103,9 @@ def get_config() -> config_dict.ConfigDict:
 
     config.eval = config_dict.ConfigDict()
     config.eval.every = 25  # steps between evaluations (step 0 always)
-    config.eval.batch_size = 32  # examples per evaluation batch
+    # Evaluation batches hold at most batch_size x (longest bucket) tokens:
+    # batch_size examples of the longest bucket, more of the shorter ones.
+    config.eval.batch_size = 32
 
     # Device mesh axis sizes; -1 = all remaining devices. The batch is split
     # over data x fsdp; parameters over fsdp and tensor by the logical rules.
