@@ -10,6 +10,19 @@ from configs import base, demo
 # final LayerNorm caps the answer logits), see test_learning.py.
 TINY_OPT = demo.get_config().model.hf_config.to_dict()
 
+# The demo config shrunk on the command line to the shapes of `tiny_config`.
+SHRUNK_DEMO_ARGS = (
+    "--config=configs/demo.py",
+    "--config.data.testsets=('mnli', 'hans', 'rte')",
+    "--config.data.eval_cap=16",
+    "--config.data.max_length=64",
+    "--config.data.buckets=(64,)",
+    "--config.train.steps=4",
+    "--config.train.warmup_steps=1",
+    "--config.eval.every=2",
+    "--config.eval.batch_size=8",
+)
+
 
 def tiny_config(output_dir, tokenizer_dir, data_dir, cache_dir):
     """Two runs (seeds 0 and 1, 8 shots), two testsets of 16 examples, 4 steps, fp32, data parallel on all devices."""

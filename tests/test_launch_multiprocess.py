@@ -19,6 +19,7 @@ import textwrap
 import numpy as np
 
 from analysis import schema
+from tests.engine_configs import SHRUNK_DEMO_ARGS
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TIMEOUT_S = 300
@@ -40,15 +41,7 @@ WORKER = textwrap.dedent("""
 
 # The demo shrunk to the shapes of test_main's end-to-end run (same compiled programs for one process).
 DEMO_ARGS = (
-    "--config=configs/demo.py",
-    "--config.data.testsets=('mnli', 'hans', 'rte')",
-    "--config.data.eval_cap=16",
-    "--config.data.max_length=64",
-    "--config.data.buckets=(64,)",
-    "--config.train.steps=4",
-    "--config.train.warmup_steps=1",
-    "--config.eval.every=2",
-    "--config.eval.batch_size=8",
+    *SHRUNK_DEMO_ARGS,
     # Until train_batches gives each process the rows its devices hold (not a stride of the
     # global batch), two processes put the same examples at other rows than one process does,
     # and LoRA dropout masks follow rows. Without dropout the comparison is exact.

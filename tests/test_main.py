@@ -13,7 +13,7 @@ from analysis import schema
 from configs import base, demo
 import oodjax.main  # noqa: F401  (defines --config on absl's FLAGS)
 from oodjax.engine import checks, loop
-from tests.engine_configs import tiny_config
+from tests.engine_configs import SHRUNK_DEMO_ARGS, tiny_config
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -102,19 +102,7 @@ def test_wandb_enabled_without_wandb_is_an_error(tmp_path, gpt2_tokenizer_dir, h
 def test_main_runs_the_demo_end_to_end(tmp_path):
     """The demo config, shrunk on the command line (to the shapes of the other engine tests): two runs."""
     out = tmp_path / "demo"
-    result = _run_main(
-        "--config", "configs/demo.py",
-        f"--config.output_dir={out}",
-        f"--config.data.cache_dir={tmp_path / 'cache'}",
-        "--config.data.testsets=('mnli', 'hans', 'rte')",
-        "--config.data.eval_cap=16",
-        "--config.data.max_length=64",
-        "--config.data.buckets=(64,)",
-        "--config.train.steps=4",
-        "--config.train.warmup_steps=1",
-        "--config.eval.every=2",
-        "--config.eval.batch_size=8",
-    )
+    result = _run_main(*SHRUNK_DEMO_ARGS, f"--config.output_dir={out}", f"--config.data.cache_dir={tmp_path / 'cache'}")
     assert result.returncode == 0, result.stderr[-3000:]
     runs = sorted(p.name for p in out.iterdir() if p.name != "checkpoints")
     assert runs == ["opt-tiny-random_mnli_seed0_shots32", "opt-tiny-random_mnli_seed42_shots32"]
