@@ -200,7 +200,7 @@ def as_lists(batch):
 
 def test_training_stream_epochs_are_shuffled_permutations():
     tokenized = toy_tokenized([5, 70, 9, 12, 33, 8, 20, 41], max_length=128)
-    stream = train_batches(tokenized, batch_size=4, seed=0, process_index=0, process_count=1)
+    stream = train_batches(tokenized, batch_size=4, seed=0)
     batches = [next(stream) for _ in range(6)]
     assert {b["input_ids"].shape for b in batches} == {(4, 128)}  # 70 tokens -> bucket 128
     epochs = [np.concatenate([b["index"] for b in batches[e : e + 2]]) for e in (0, 2, 4)]
@@ -213,39 +213,44 @@ def test_training_stream_epochs_are_shuffled_permutations():
 
 def test_training_stream_is_seeded():
     tokenized = toy_tokenized([5] * 32, max_length=64)
-    first = [next(train_batches(tokenized, batch_size=8, seed=s, process_index=0, process_count=1))["index"].tolist() for s in (0, 0, 1)]
+    first = [next(train_batches(tokenized, batch_size=8, seed=s))["index"].tolist() for s in (0, 0, 1)]
     assert first[0] == first[1] and first[0] != first[2]
 
 
 def test_training_stream_state_round_trips():
     tokenized = toy_tokenized([5, 70, 9, 12, 33, 8, 20, 41, 3, 2], max_length=128)
-    stream = train_batches(tokenized, batch_size=4, seed=42, process_index=0, process_count=1)
+    stream = train_batches(tokenized, batch_size=4, seed=42)
     for _ in range(7):
         next(stream)
     state = json.loads(json.dumps(stream.get_state()))  # survives a JSON checkpoint
     expected = [as_lists(next(stream)) for _ in range(5)]
-    resumed = train_batches(tokenized, batch_size=4, seed=42, process_index=0, process_count=1)
+    resumed = train_batches(tokenized, batch_size=4, seed=42)
     resumed.set_state(state)
     assert [as_lists(next(resumed)) for _ in range(5)] == expected
 
 
-def test_processes_share_out_the_global_batches():
+def test_rows_take_positions_of_each_global_batch():
+    """Processes that hold complementary positions together see exactly the single-process batches."""
     tokenized = toy_tokenized([5] * 12, max_length=64)
-    single = train_batches(tokenized, batch_size=8, seed=7, process_index=0, process_count=1)
-    shards = [train_batches(tokenized, batch_size=8, seed=7, process_index=p, process_count=2) for p in (0, 1)]
-    for _ in range(5):
-        whole = next(single)["index"]
-        parts = [next(s)["index"] for s in shards]
-        assert [len(p) for p in parts] == [4, 4]
-        assert sorted(np.concatenate(parts).tolist()) == sorted(whole.tolist())
-        assert parts[0].tolist() == whole[0::2].tolist() and parts[1].tolist() == whole[1::2].tolist()
+    single = train_batches(tokenized, batch_size=8, seed=7)
+    positions = ([0, 1, 4, 5], [2, 3, 6, 7])  # e.g. grad_accum 2, each process half of each micro-batch
+    shards = [train_batches(tokenized, batch_size=8, seed=7, rows=rows) for rows in positions]
+    for _ in range(5):  # 12 examples in batches of 8: crosses epochs
+        whole = next(single)
+        parts = [next(s) for s in shards]
+        for rows, part in zip(positions, parts):
+            for key, value in part.items():
+                np.testing.assert_array_equal(value, whole[key][rows])
 
 
 def test_training_stream_errors():
     tokenized = toy_tokenized([5, 70, 9], max_length=128)
-    with pytest.raises(ValueError, match="batch_size 6 must be a positive multiple of process_count 4"):
-        train_batches(tokenized, batch_size=6, seed=0, process_index=0, process_count=4)
-    with pytest.raises(ValueError, match=r"process_index 2 is outside \[0, 2\)"):
-        train_batches(tokenized, batch_size=4, seed=0, process_index=2, process_count=2)
+    with pytest.raises(ValueError, match="batch_size must be positive, got 0"):
+        train_batches(tokenized, batch_size=0, seed=0)
+    with pytest.raises(ValueError, match=r"rows must be distinct positions in a batch of 4; got \[1, 4\] "
+                                         r"\(outside \[0, 4\): \[4\]\)"):
+        train_batches(tokenized, batch_size=4, seed=0, rows=[1, 4])
+    with pytest.raises(ValueError, match=r"rows must be distinct positions in a batch of 4; got \[1, 1\]$"):
+        train_batches(tokenized, batch_size=4, seed=0, rows=[1, 1])
     with pytest.raises(ValueError, match=r"seq_len 64 is shorter than the longest training prompt \(70 tokens\)"):
-        train_batches(tokenized, batch_size=4, seed=0, seq_len=64, process_index=0, process_count=1)
+        train_batches(tokenized, batch_size=4, seed=0, seq_len=64)

@@ -27,7 +27,7 @@ TIMEOUT_S = 300
 WORKER = textwrap.dedent("""
     import jax, numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
-    from oodjax.engine import distributed
+    from oodjax.engine import distributed, sharding
     layout = distributed.initialize()
     mesh = Mesh(np.array(jax.devices()), ("data",))
     rank = jax.process_index()
@@ -36,17 +36,15 @@ WORKER = textwrap.dedent("""
     total = jax.jit(lambda x: (x.sum(), (x * x).sum()), out_shardings=NamedSharding(mesh, PartitionSpec()))(rows)
     print(layout.source, layout.num_processes, layout.process_id, jax.device_count(), jax.local_device_count(),
           rows.shape[0], float(total[0]), float(total[1]), distributed.is_primary(), flush=True)
+    # A training batch of 16 in 2 micro-batches of 8: this process's positions in it.
+    print(*sharding.process_step_rows(sharding.make_mesh(8, 1, 1), 16, 2), flush=True)
     jax.distributed.shutdown()
 """)
 
-# The demo shrunk to the shapes of test_main's end-to-end run (same compiled programs for one process).
-DEMO_ARGS = (
-    *SHRUNK_DEMO_ARGS,
-    # Until train_batches gives each process the rows its devices hold (not a stride of the
-    # global batch), two processes put the same examples at other rows than one process does,
-    # and LoRA dropout masks follow rows. Without dropout the comparison is exact.
-    "--config.lora.dropout=0.0",
-)
+# The demo shrunk to the shapes of test_main's end-to-end run, with a second bucket: at step 3
+# one process's rows all fit 56 tokens and the other's need 64, so the processes must agree
+# on the global batch's bucket.
+DEMO_ARGS = (*SHRUNK_DEMO_ARGS, "--config.data.buckets=(56, 64)")
 RUNS = ("opt-tiny-random_mnli_seed0_shots32", "opt-tiny-random_mnli_seed42_shots32")
 # Gloo's all-reduce sums the 8 devices' partial results in another order than
 # XLA's in-process reduction: float32 losses of ~10.7 then differ by a few ulps.
@@ -96,10 +94,13 @@ def finish(process: subprocess.Popen) -> tuple[str, str]:
 
 def test_two_processes_share_one_eight_device_mesh():
     outputs = [finish(process)[0] for process in [start(["-c", WORKER], env) for env in two_process_env()]]
-    outputs = [stdout.strip().splitlines()[-1].split() for stdout in outputs]  # gloo prints its own lines first
+    outputs = [stdout.strip().splitlines()[-2:] for stdout in outputs]  # gloo prints its own lines first
     # sum(0..7) = 28, sum of squares = 140: every process sees both processes' rows.
-    assert outputs[0] == ["explicit", "2", "0", "8", "4", "8", "28.0", "140.0", "True"]
-    assert outputs[1] == ["explicit", "2", "1", "8", "4", "8", "28.0", "140.0", "False"]
+    assert outputs[0][0].split() == ["explicit", "2", "0", "8", "4", "8", "28.0", "140.0", "True"]
+    assert outputs[1][0].split() == ["explicit", "2", "1", "8", "4", "8", "28.0", "140.0", "False"]
+    # Each process feeds its 4 devices' rows of each micro-batch, not every other example.
+    assert outputs[0][1].split() == ["0", "1", "2", "3", "8", "9", "10", "11"]
+    assert outputs[1][1].split() == ["4", "5", "6", "7", "12", "13", "14", "15"]
 
 
 def test_two_processes_train_the_demo_like_one(tmp_path):

@@ -101,6 +101,7 @@ def test_one_process_holds_every_row_and_its_process_batch_is_the_batch():
     """In one process `process_batch_rows` is every row; the 2-process case runs in test_launch_multiprocess."""
     mesh = sharding.make_mesh(2, 2, 2)
     np.testing.assert_array_equal(sharding.process_batch_rows(mesh, 8), np.arange(8))
+    np.testing.assert_array_equal(sharding.process_step_rows(mesh, 16, 2), np.arange(16))
     batch = {k: v[:, :, :4] for k, v in make_batches(1, 2, micro=4)[0].items()}  # [R, A, 4, ...]: 1 row per shard
     placed = sharding.shard_process_batch(batch, mesh, batch_axis=2, num_rows=4)
     expected = sharding.shard_batch(batch, mesh, batch_axis=2)
@@ -109,6 +110,8 @@ def test_one_process_holds_every_row_and_its_process_batch_is_the_batch():
         np.testing.assert_array_equal(value, batch[key])
     with pytest.raises(ValueError, match="a batch of 6 rows cannot be split evenly over 4 devices"):
         sharding.process_batch_rows(mesh, 6)
+    with pytest.raises(ValueError, match="a batch of 6 rows cannot be split evenly over 4 devices"):
+        sharding.process_step_rows(mesh, 12, 2)  # micro-batches of 6
     with pytest.raises(ValueError, match=r"local batch\['label'\] has shape \(2, 2, 4\): axis 2 must hold this "
                                          r"process's 8 of 8 rows \(process 0 of 1\)"):
         sharding.shard_process_batch({"label": batch["label"]}, mesh, batch_axis=2, num_rows=8)

@@ -23,7 +23,6 @@ from collections.abc import Sequence
 
 import datasets
 import grain
-import jax
 import numpy as np
 
 from oodjax.data.prompts import TokenizedSet
@@ -197,28 +196,31 @@ def train_batches(
     batch_size: int,
     seed: int,
     seq_len: int | None = None,
-    process_index: int | None = None,
-    process_count: int | None = None,
+    rows: Sequence[int] | None = None,
     pad_id: int = 0,
 ) -> grain.DatasetIterator:
-    """An endless, shuffled stream of training batches; this process's share of each global batch.
+    """An endless, shuffled stream of training batches; this process's rows of each global batch.
 
     The global stream is grain's index shuffle of the set, reshuffled every
-    epoch; global batch t is elements [t*B, (t+1)*B) of it. Process p of P takes
-    the elements p, p+P, p+2P, ... (grain slicing), so the P processes together
-    see exactly the global batches of a single-process run, and each yields
-    B / P rows per step. The returned grain iterator's get_state()/set_state()
-    (a small JSON-able dict) resume the stream exactly. `seq_len` defaults to
-    the smallest default bucket holding the longest example.
+    epoch; global batch t is elements [t*B, (t+1)*B) of it. `rows` are the
+    positions within a global batch that this process feeds to its devices
+    (None: all B). Taking positions, not a stride of the stream, keeps every
+    example on the device and row where a single-process run puts it, so
+    per-row randomness such as dropout masks is the same however many
+    processes share the batch. The returned grain iterator's
+    get_state()/set_state() (a small JSON-able dict) resume the stream
+    exactly. `seq_len` defaults to the smallest default bucket holding the
+    longest example.
     """
-    if process_index is None:
-        process_index = jax.process_index()
-    if process_count is None:
-        process_count = jax.process_count()
-    if batch_size < 1 or batch_size % process_count:
-        raise ValueError(f"batch_size {batch_size} must be a positive multiple of process_count {process_count}")
-    if not 0 <= process_index < process_count:
-        raise ValueError(f"process_index {process_index} is outside [0, {process_count})")
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be positive, got {batch_size}")
+    keep = np.arange(batch_size) if rows is None else np.asarray(rows, dtype=np.int64).reshape(-1)
+    outside = keep[(keep < 0) | (keep >= batch_size)]
+    if outside.size or len(np.unique(keep)) != len(keep) or not len(keep):
+        raise ValueError(
+            f"rows must be distinct positions in a batch of {batch_size}; got {keep[:8].tolist()}"
+            + (f" (outside [0, {batch_size}): {outside[:5].tolist()})" if outside.size else "")
+        )
     if len(tokenized) == 0:
         raise ValueError("cannot train on an empty set")
     longest = int(tokenized.lengths.max())
@@ -229,9 +231,8 @@ def train_batches(
     # Mix the run seed so that runs seeded s and s+1 do not share epoch orders
     # (grain seeds epoch e with seed + e).
     shuffle_seed = int(np.random.SeedSequence(seed).generate_state(1)[0])
-    stream = grain.MapDataset.range(len(tokenized)).shuffle(seed=shuffle_seed).repeat()
-    local = stream[process_index::process_count].batch(batch_size // process_count)
-    batches = local.map(lambda rows: make_batch(tokenized, rows, seq_len, pad_id=pad_id))
+    stream = grain.MapDataset.range(len(tokenized)).shuffle(seed=shuffle_seed).repeat().batch(batch_size)
+    batches = stream.map(lambda global_rows: make_batch(tokenized, global_rows[keep], seq_len, pad_id=pad_id))
     # The set is in memory and a batch costs microseconds: read in this thread,
     # rather than grain's default of 16 threads prefetching 500 batches.
     return iter(batches.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)))

@@ -86,7 +86,13 @@ def train(config: config_dict.ConfigDict) -> list[Run]:
 
     tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model.path)
     yes_id, no_id = answer_token_ids(tokenizer)
-    data = load_runs_data(config, tokenizer, [(run.seed, run.shots) for run in runs], batch_shards=batch_shards)
+    data = load_runs_data(
+        config,
+        tokenizer,
+        [(run.seed, run.shots) for run in runs],
+        batch_shards=batch_shards,
+        train_rows=sharding.process_step_rows(mesh, config.train.batch_size, config.train.grad_accum),
+    )
     model = _load_model(config, mesh)
     optimizer = steps.make_optimizer(
         config.train.learning_rate,

@@ -57,8 +57,12 @@ def load_runs_data(
     runs: Sequence[tuple[int, int]],
     *,
     batch_shards: int = 1,
+    train_rows: Sequence[int] | None = None,
 ) -> RunsData:
     """`runs` are (seed, shots) pairs; `batch_shards` is the number of devices a batch is split over.
+
+    `train_rows` are the positions in each global training batch that this
+    process feeds (``sharding.process_step_rows``; None: all of them).
 
     An evaluation batch holds at most eval.batch_size examples of the longest
     bucket's length, in tokens: shorter buckets take proportionally more rows.
@@ -82,7 +86,12 @@ def load_runs_data(
     seq_len = fitting_bucket(buckets, max(int(t.lengths.max()) for t in train_sets))
     streams = [
         train_batches(
-            tokenized, batch_size=config.train.batch_size, seed=seed, seq_len=seq_len, pad_id=_pad_id(tokenizer)
+            tokenized,
+            batch_size=config.train.batch_size,
+            seed=seed,
+            seq_len=seq_len,
+            rows=train_rows,
+            pad_id=_pad_id(tokenizer),
         )
         for (seed, _), tokenized in zip(runs, train_sets)
     ]

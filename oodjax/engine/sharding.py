@@ -125,6 +125,17 @@ def process_batch_rows(mesh: Mesh, num_rows: int) -> np.ndarray:
     return np.unique(np.concatenate([np.arange(num_rows)[index] for index in indices]))
 
 
+def process_step_rows(mesh: Mesh, batch_size: int, grad_accum: int) -> np.ndarray:
+    """The positions in a global training batch that this process holds, in its order.
+
+    The train step splits a batch of ``batch_size`` into ``grad_accum``
+    consecutive micro-batches, each sharded like any batch: this process
+    holds ``process_batch_rows`` of every micro-batch.
+    """
+    micro_batch = batch_size // grad_accum
+    return (np.arange(grad_accum)[:, None] * micro_batch + process_batch_rows(mesh, micro_batch)).ravel()
+
+
 def shard_process_batch(
     local_batch: Mapping[str, Any], mesh: Mesh, *, batch_axis: int, num_rows: int
 ) -> dict[str, jax.Array]:
