@@ -2,8 +2,19 @@
 
 Imports only numpy, scipy, pandas and matplotlib, so it runs without JAX.
 `python -m analysis RESULTS_DIR --out OUT_DIR` writes tables, figures and a CSV.
+
+The statistics are imported on first use: the engine imports
+``analysis.schema`` (the results' key names) and should not pay for scipy.
 """
 
-from analysis.stats import pairwise_partial_corr, partial_corr
+from typing import Any
 
 __all__ = ["pairwise_partial_corr", "partial_corr"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in __all__:
+        from analysis import stats
+
+        return getattr(stats, name)
+    raise AttributeError(f"module 'analysis' has no attribute {name!r}")
