@@ -2,10 +2,11 @@
 
 Every size measures the same cases with the same contenders; only the model
 shape, the number of examples, the repetitions and the buckets change. Full
-mode aims at 15 minutes on the 2-core machine the figures are taken on
-(it measured 16: the training case's compilations and the grid dominate). Smoke mode only shows that every case's code runs (CI): one
-timed repetition, a one-run grid, one bucket, so it takes well under a minute
-of work besides starting its processes.
+mode aims at 15 minutes on the 2-core machine the figures are taken on (it
+measured 16: the training case's compilations and the grid dominate). Smoke
+mode only shows that every case's code runs (CI): one timed repetition, a
+one-run grid, one bucket, so it takes well under a minute of work besides
+starting its processes.
 """
 
 from __future__ import annotations

@@ -174,9 +174,14 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _lane_rows(tokenized: TokenizedSet, rows: Sequence[int], lane: int) -> np.ndarray:
+def _indices(rows: Sequence[int], size: int) -> tuple[np.ndarray, np.ndarray]:
+    """``rows`` as a flat int array, and those of them outside [0, size)."""
     rows = np.asarray(rows, dtype=np.int64).reshape(-1)
-    outside = rows[(rows < 0) | (rows >= len(tokenized))]
+    return rows, rows[(rows < 0) | (rows >= size)]
+
+
+def _lane_rows(tokenized: TokenizedSet, rows: Sequence[int], lane: int) -> np.ndarray:
+    rows, outside = _indices(rows, len(tokenized))
     if outside.size:
         raise ValueError(f"lane {lane} names rows outside [0, {len(tokenized)}): {outside[:5].tolist()}")
     return rows
@@ -214,8 +219,7 @@ def train_batches(
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be positive, got {batch_size}")
-    keep = np.arange(batch_size) if rows is None else np.asarray(rows, dtype=np.int64).reshape(-1)
-    outside = keep[(keep < 0) | (keep >= batch_size)]
+    keep, outside = _indices(range(batch_size) if rows is None else rows, batch_size)
     if outside.size or len(np.unique(keep)) != len(keep) or not len(keep):
         raise ValueError(
             f"rows must be distinct positions in a batch of {batch_size}; got {keep[:8].tolist()}"

@@ -79,7 +79,7 @@ def train(config: config_dict.ConfigDict) -> list[Run]:
     """Trains and evaluates the config's runs (resuming if their checkpoints exist); returns them."""
     checks.check_config(config)
     mesh = sharding.make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
-    batch_shards = mesh.shape["data"] * mesh.shape["fsdp"]
+    batch_shards = sharding.batch_shards(mesh)
     checks.check_parallel_batches(config, batch_shards)
     runs = plan_runs(config)
     logging.info("runs: %s", ", ".join(run.name for run in runs))

@@ -84,6 +84,11 @@ def place(tree: Any, shardings: Any) -> Any:
     return jax.tree.map(put, tree, shardings)
 
 
+def batch_shards(mesh: Mesh) -> int:
+    """The number of devices a batch's example axis is split over (the mesh axes the rules give "batch")."""
+    return math.prod(mesh.shape[axis] for axis in BATCH_AXES)
+
+
 def _batch_sharding(mesh: Mesh, batch_axis: int) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec(*([None] * batch_axis), BATCH_AXES))
 
@@ -95,7 +100,7 @@ def shard_batch(batch: Mapping[str, Any], mesh: Mesh, *, batch_axis: int = 0) ->
     ``batch_axis`` is 0 for eval batches [B, S] and 2 for train batches
     [R, grad_accum, B, S]. The example count must divide evenly.
     """
-    ways = math.prod(mesh.shape[axis] for axis in BATCH_AXES)
+    ways = batch_shards(mesh)
     out = {}
     for key, value in batch.items():
         value = np.asarray(value)
@@ -116,7 +121,7 @@ def process_batch_rows(mesh: Mesh, num_rows: int) -> np.ndarray:
     examples on the same devices, hence the same dropout masks and results.
     In one process: all rows.
     """
-    ways = math.prod(mesh.shape[axis] for axis in BATCH_AXES)
+    ways = batch_shards(mesh)
     if num_rows < 1 or num_rows % ways:
         raise ValueError(
             f"a batch of {num_rows} rows cannot be split evenly over {ways} devices (mesh axes {BATCH_AXES})"
