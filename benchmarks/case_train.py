@@ -1,8 +1,9 @@
 """Case 2, training throughput: LoRA r=8 on q/k/v/o, batch 16, AdamW, on an MNLI few-shot set.
 
 Every contender takes the same sequence of batches (one fixed shuffled
-order). oodjax pads each batch as the run loop does, to the smallest bucket
-that holds the batch's longest prompt. The first step
+order). oodjax runs each batch as the run loop does: sorted by length and
+split into micro-batches, each run at the smallest bucket that holds it
+(the gradient is the whole batch's either way). The first step
 of each contender (a warm-up step, on the same batch, with the adapters'
 B still zero) must give the same loss: that checks all three compute the
 same objective.
@@ -13,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import peft
 
 from benchmarks import flops, harness, settings, torch_contenders
@@ -41,8 +43,8 @@ def run(mode: Mode, workload: Workload, engine: Engine, torch_model: peft.PeftMo
     def contender(name: str) -> Callable[[], None]:
         def call() -> None:
             first = len(losses[name]) * per_repeat
-            if name == "oodjax" and not first:  # the warm-up: every bucket the timed steps use compiles here
-                engine.compile_train(tokenized, [[rows] for rows in order])
+            if name == "oodjax" and not first:  # the warm-up compiles the step (a branch per bucket)
+                engine.compile_train(tokenized, [order[0]])
             for rows in order[first : first + per_repeat]:
                 losses[name].append(steps[name](rows))
 
@@ -63,7 +65,11 @@ def run(mode: Mode, workload: Workload, engine: Engine, torch_model: peft.PeftMo
     }
     first = {name: values[0] for name, values in losses.items()}
     real_tokens = sum(int(tokenized.lengths[rows].sum()) for rows in order)
-    computed_tokens = sum(len(rows) * fitting_bucket(mode.buckets, int(tokenized.lengths[rows].max())) for rows in order)
+    computed_tokens = sum(
+        len(micro) * fitting_bucket(mode.buckets, int(micro.max()))
+        for rows in order
+        for micro in np.split(np.sort(tokenized.lengths[rows]), settings.TRAIN_GRAD_ACCUM)
+    )
     return {
         "case": "train",
         "title": "Training throughput",
@@ -72,8 +78,9 @@ def run(mode: Mode, workload: Workload, engine: Engine, torch_model: peft.PeftMo
             f"LoRA r={settings.LORA['rank']} on q/k/v/o, batch {settings.TRAIN_BATCH}, AdamW with clipping, "
             f"{per_repeat} step(s) per repetition, MNLI few-shot set of {len(tokenized)} (mean "
             f"{tokenized.lengths.mean():.0f} tokens, max {tokenized.lengths.max()}). oodjax: engine train step, "
-            f"each batch padded to the smallest of the buckets {mode.buckets} holding its longest prompt (every "
-            f"bucket compiled in the warm-up); pytorch-original: peft, padded to {settings.MAX_LENGTH}, full logits; "
+            f"each batch sorted by length into {settings.TRAIN_GRAD_ACCUM} micro-batches (gradients accumulated), "
+            f"each padded to the smallest of the buckets {mode.buckets} holding its longest prompt (compiled in "
+            f"the warm-up); pytorch-original: peft, padded to {settings.MAX_LENGTH}, full logits; "
             "pytorch-tuned: peft, padded to each batch's longest prompt, head at the answer position only."
         ),
         "contenders": results,

@@ -16,7 +16,7 @@ import numpy as np
 
 from benchmarks import settings
 from oodjax import models
-from oodjax.data import TokenizedSet, make_batch
+from oodjax.data import TokenizedSet, by_length, make_batch
 from oodjax.engine import sharding, steps
 from oodjax.engine.evaluation import EvalPool, evaluate, make_eval_pool
 from oodjax.engine.run_data import step_batch
@@ -50,22 +50,18 @@ class Engine:
         """The loop's evaluation pool of ``tokenized`` as one set (``EVAL_SET``) of one run, built once."""
         return make_eval_pool({EVAL_SET: tokenized}, [{}], batch_tokens=batch_tokens, buckets=self.buckets)
 
-    def compile_train(self, tokenized: TokenizedSet, steps_rows: Sequence[Sequence[np.ndarray]]) -> None:
-        """Compiles the train step for every bucket the given steps will use, without taking a step.
+    def compile_train(self, tokenized: TokenizedSet, rows: Sequence[np.ndarray]) -> None:
+        """Compiles the train step (one program, a branch per bucket) without taking a step.
 
-        The loop compiles a bucket when a step first needs it; a timed step
-        must not, so the warm-up compiles them all ahead (and is charged).
+        The loop compiles it at its first step; a timed step must not, so the
+        warm-up compiles it ahead (and is charged).
         """
-        batches = {}
-        for rows in steps_rows:
-            batch = self._train_batch(tokenized, rows)
-            batches.setdefault(batch["input_ids"].shape, batch)
-        for batch in batches.values():
-            self.train_step.lower(self.base_state, self.runs, batch).compile()
+        self.train_step.lower(self.base_state, self.runs, self._train_batch(tokenized, rows)).compile()
 
     def _train_batch(self, tokenized: TokenizedSet, rows: Sequence[np.ndarray]) -> dict[str, jax.Array]:
-        per_run = [make_batch(tokenized, np.asarray(r), settings.MAX_LENGTH) for r in rows]
-        batch = step_batch(per_run, grad_accum=1, buckets=self.buckets)
+        """As the loop's stream gives it: each batch sorted by length, padded to the longest bucket."""
+        per_run = [make_batch(tokenized, by_length(tokenized, r), settings.MAX_LENGTH) for r in rows]
+        batch = step_batch(per_run, grad_accum=settings.TRAIN_GRAD_ACCUM)
         return sharding.shard_batch(batch, self.mesh, batch_axis=2)
 
 
@@ -90,5 +86,6 @@ def build_engine(
         base_state=base_state,
         runs=runs,
         eval_step=steps.make_eval_step(graphdef, yes_id, no_id, mesh=mesh),
-        train_step=steps.make_train_step(graphdef, optimizer, yes_id, no_id, grad_accum=1, mesh=mesh, runs=runs),
+        train_step=steps.make_train_step(graphdef, optimizer, yes_id, no_id, grad_accum=settings.TRAIN_GRAD_ACCUM,
+                                         buckets=buckets, mesh=mesh, runs=runs),
     )

@@ -12,11 +12,14 @@
 #   OODJAX_VENV      virtualenv with jax[tpu] on every worker [$OODJAX_REPO/.venv]
 #   OODJAX_DATA_DIR  testset mirror on every worker [unset: the hub]
 #   HF_HOME          Hugging Face cache on every worker [unset: ~/.cache/huggingface]
+#   JAX_COMPILATION_CACHE_DIR  compiled programs, reused by later jobs on the same workers
+#                    [$OODJAX_REPO/.cache/jax]
 # Each worker learns its index and the pod's host names from the VM metadata server
 # (agent-worker-number, worker-network-endpoints) and exports them as TPU_WORKER_ID and
 # TPU_WORKER_HOSTNAMES for oodjax.engine.distributed; worker 0 coordinates.
-# --config.output_dir must be on storage every worker reaches (a gs:// bucket or a shared
-# file system): checkpoints are written by all workers, results by worker 0 only.
+# --config.output_dir must be on storage every worker reaches (a shared file system, or a
+# bucket mounted as one, e.g. with gcsfuse; gs:// paths are not supported directly):
+# checkpoints are written by all workers, results by worker 0 only.
 
 set -euo pipefail
 
@@ -37,7 +40,7 @@ fi
 # Quote every argument once here; the worker's shell sees them verbatim.
 arguments=$(printf ' %q' "$@")
 forwarded=""
-for name in OODJAX_DATA_DIR HF_HOME; do
+for name in OODJAX_DATA_DIR HF_HOME JAX_COMPILATION_CACHE_DIR; do
     if [[ -n ${!name:-} ]]; then
         forwarded+=$(printf ' %s=%q' "$name" "${!name}")
     fi
@@ -50,6 +53,7 @@ export TPU_WORKER_ID=\$(metadata agent-worker-number)
 export TPU_WORKER_HOSTNAMES=\$(metadata worker-network-endpoints | tr ',' '\n' | awk -F: '{print (NF == 3 ? \$3 : \$1)}' | paste -sd, -)
 export OODJAX_PROCESSES_PER=per_node HF_HUB_OFFLINE=\${HF_HUB_OFFLINE:-1}${forwarded}
 cd ${OODJAX_REPO}
+export JAX_COMPILATION_CACHE_DIR=\${JAX_COMPILATION_CACHE_DIR:-\$PWD/.cache/jax}
 ${OODJAX_VENV}/bin/python -m oodjax.main --config=${arguments# }
 REMOTE
 

@@ -208,6 +208,7 @@ def test_training_stream_epochs_are_shuffled_permutations():
     assert len({tuple(e) for e in epochs}) == 3 and tuple(epochs[0]) != tuple(range(8))
     for b in batches:
         assert b["valid"].all()
+        assert (np.diff(b["attention_mask"].sum(-1)) >= 0).all()  # shortest first, for length-grouped micro-batches
         check_batch_rows(b, tokenized)
 
 

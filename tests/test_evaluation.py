@@ -152,21 +152,16 @@ def test_pooled_margins_are_the_full_models_logit_differences():
     assert not np.allclose(margins[0]["a"], margins[1]["a"])
 
 
-def test_step_batch_cuts_every_run_to_the_bucket_of_the_longest_prompt():
+def test_step_batch_stacks_runs_and_splits_micro_batches():
     tok = tokenized([5, 20, 9, 33, 12, 3, 7, 8])
     per_run = [make_batch(tok, np.array(rows), 64) for rows in ([0, 1, 2, 5], [4, 6, 7, -1])]
-    batch = step_batch(per_run, grad_accum=2, buckets=(16, 32, 48, 64))
-    assert batch["input_ids"].shape == (2, 2, 2, 32) and batch["valid"].shape == (2, 2, 2)  # longest: 20 tokens
+    batch = step_batch(per_run, grad_accum=2)
+    assert batch["input_ids"].shape == (2, 2, 2, 64) and batch["valid"].shape == (2, 2, 2)
     for r, full in enumerate(per_run):
-        assert not full["attention_mask"][:, 32:].any()  # only padding is cut off
         for key in ("input_ids", "attention_mask"):
-            np.testing.assert_array_equal(batch[key][r].reshape(4, 32), full[key][:, :32])
+            np.testing.assert_array_equal(batch[key][r].reshape(4, 64), full[key])
         for key in ("answer_pos", "label", "valid"):
             np.testing.assert_array_equal(batch[key][r].reshape(4), full[key])
-    short = step_batch([make_batch(tok, np.array([0, 2]), 64)], grad_accum=1, buckets=(16, 32, 48, 64))
-    assert short["input_ids"].shape == (1, 1, 2, 16)
-    with pytest.raises(ValueError, match="33 tokens do not fit the largest bucket, 32"):
-        step_batch([make_batch(tok, np.array([3]), 64)], grad_accum=1, buckets=(16, 32))
 
 
 def test_a_loaded_base_and_its_runs_compile_the_train_step_once(tmp_path):
@@ -182,7 +177,7 @@ def test_a_loaded_base_and_its_runs_compile_the_train_step_once(tmp_path):
     graphdef, base, runs = steps.init_runs(model, [0], LORA, optimizer)
     train_step = steps.make_train_step(graphdef, optimizer, YES, NO, grad_accum=1)
     tok = tokenized([5, 9, 12, 7])
-    batch = step_batch([make_batch(tok, np.arange(4), 16)], grad_accum=1, buckets=(16,))
+    batch = step_batch([make_batch(tok, np.arange(4), 16)], grad_accum=1)
     for _ in range(3):
         runs, _ = train_step(base, runs, batch)
     assert train_step._cache_size() == 1

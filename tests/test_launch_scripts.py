@@ -39,16 +39,18 @@ def fake_command(directory: pathlib.Path, name: str, body: str) -> None:
 def test_slurm_script_runs_main_once_per_task_with_the_stated_layout(tmp_path):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    fake_command(bin_dir, "srun", 'printf "%s\\n" "$@" > "$RECORD"; echo "$OODJAX_PROCESSES_PER" >> "$RECORD"\n')
+    fake_command(bin_dir, "srun", 'printf "%s\\n" "$@" > "$RECORD"; echo "$OODJAX_PROCESSES_PER" >> "$RECORD"\n'
+                 'echo "$JAX_COMPILATION_CACHE_DIR" >> "$RECORD"\n')
     env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", RECORD=str(tmp_path / "srun.txt"),
                OODJAX_REPO=str(ROOT), OODJAX_VENV="/opt/venv", SLURM_JOB_ID="7")
     env.pop("OODJAX_PROCESSES_PER", None)
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)
     result = subprocess.run(["bash", str(SCRIPTS[0]), "configs/opt30_mnli.py", "--config.runs.seeds=(0,42,)"],
                             env=env, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     assert (tmp_path / "srun.txt").read_text().splitlines() == [
         "--kill-on-bad-exit=1", "/opt/venv/bin/python", "-m", "oodjax.main", "--config=configs/opt30_mnli.py",
-        "--config.runs.seeds=(0,42,)", "per_node",
+        "--config.runs.seeds=(0,42,)", "per_node", f"{ROOT}/.cache/jax",
     ]
 
 
@@ -70,10 +72,12 @@ def test_tpu_script_sends_one_command_that_every_worker_runs(tmp_path):
     (venv / "bin").mkdir(parents=True)
     fake_command(venv / "bin", "python",
                  'echo "$TPU_WORKER_ID|$TPU_WORKER_HOSTNAMES|$OODJAX_PROCESSES_PER|$OODJAX_DATA_DIR|$PWD"\n'
+                 'echo "$JAX_COMPILATION_CACHE_DIR"\n'
                  'printf "%s\\n" "$@"\n')
     env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", RECORD=str(tmp_path / "gcloud.txt"),
                TPU_NAME="pod", TPU_ZONE="us-central2-b", OODJAX_REPO=str(tmp_path), OODJAX_VENV=str(venv),
                OODJAX_DATA_DIR="/data/with space")
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)
     arguments = ["configs/olmo32_snli.py", "--config.runs.shots=(32,)", "--config.output_dir=gs://b/r s"]
     result = subprocess.run(["bash", str(SCRIPTS[1]), *arguments], env=env, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
@@ -81,13 +85,15 @@ def test_tpu_script_sends_one_command_that_every_worker_runs(tmp_path):
     recorded = (tmp_path / "gcloud.txt").read_text()
     head, command = recorded.split("--command=", 1)
     assert head.splitlines() == ["compute", "tpus", "tpu-vm", "ssh", "pod", "--zone=us-central2-b", "--worker=all"]
-    worker_env = {key: value for key, value in os.environ.items() if not key.startswith(("TPU_", "OODJAX_"))}
+    worker_env = {key: value for key, value in os.environ.items()
+                  if not key.startswith(("TPU_", "OODJAX_", "JAX_COMPILATION_CACHE_DIR"))}
     worker_env["PATH"] = f"{bin_dir}:{os.environ['PATH']}"
     worker = subprocess.run(["bash", "-c", command], env=worker_env, capture_output=True, text=True)
     assert worker.returncode == 0, worker.stderr
     lines = worker.stdout.splitlines()
     assert lines[0] == f"1|10.0.0.2,10.0.0.3|per_node|/data/with space|{tmp_path}"
-    assert lines[1:] == ["-m", "oodjax.main", "--config=configs/olmo32_snli.py", *arguments[1:]]
+    assert lines[1] == f"{tmp_path}/.cache/jax"
+    assert lines[2:] == ["-m", "oodjax.main", "--config=configs/olmo32_snli.py", *arguments[1:]]
 
 
 def test_tpu_script_needs_the_pod_name(tmp_path):

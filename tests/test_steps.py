@@ -229,6 +229,35 @@ def test_eval_margins_are_full_model_logit_differences_and_compile_once(together
     assert eval_step._cache_size() == 2  # one compile per bucket shape
 
 
+def test_buckets_run_each_micro_batch_at_its_own_length():
+    """With buckets (8, 16), micro-batch 0 (prompts of at most 8 tokens, over both runs) runs at 8 tokens,
+    micro-batch 1 (at most 9) at 16, and the result is the uncut step's. Micro-batch 0's padding beyond 8 holds token ids outside
+    the vocabulary (NaN embeddings): cut off, they change nothing; computed, they poison the loss."""
+    lengths = np.array([[[3, 5, 4, 2], [9, 6, 7, 3]], [[8, 2, 7, 8], [4, 9, 2, 3]]])  # [runs, accum, micro]
+    batch = make_batches(1, 2, seed=3, accum=2, micro=4, seq=16)[0]
+    batch["attention_mask"] = (np.arange(16) < lengths[..., None]).astype(np.int32)
+    batch["answer_pos"] = (lengths - 1).astype(np.int32)
+    poisoned = dict(batch, input_ids=batch["input_ids"].copy())
+    poisoned["input_ids"][:, 0, :, 8:] = 10 * OPT["vocab_size"]
+    no_dropout = LoRAConfig(rank=4, alpha=8.0, dropout=0.0)
+
+    def step(data, buckets):
+        optimizer = make_optimizer()
+        graphdef, base, runs = steps.init_runs(from_config(OPT, seed=0), [0, 42], no_dropout, optimizer)
+        train_step = steps.make_train_step(graphdef, optimizer, YES, NO, grad_accum=2, buckets=buckets)
+        runs, loss = train_step(base, runs, data)
+        return np.asarray(loss), flat(runs.lora)
+
+    loss, lora = step(batch, None)
+    cut_loss, cut_lora = step(poisoned, (8, 16))
+    np.testing.assert_allclose(cut_loss, loss, rtol=0, atol=TOGETHER_LOSS_TOL)
+    for path, value in lora.items():
+        np.testing.assert_allclose(cut_lora[path], value, rtol=0, atol=TOGETHER_ADAPTER_TOL, err_msg=str(path))
+    assert np.isnan(step(poisoned, None)[0]).all()
+    assert steps.micro_batch_lengths((64, 16, 32), 32) == (16, 32)
+    assert steps.micro_batch_lengths(None, 24) == (24,)
+
+
 def test_malformed_batches_are_clear_errors(together, batches):
     _, graphdef, base, runs, train_step = together
     with pytest.raises(ValueError, match=r"expected \[runs=3, grad_accum=2, batch, seq\]"):

@@ -3,6 +3,7 @@
 from oodjax.data.pipeline import (
     Batch,
     bucket_lengths,
+    by_length,
     eval_batches,
     few_shot,
     fitting_bucket,
@@ -29,6 +30,7 @@ __all__ = [
     "TokenizedSet",
     "answer_token_ids",
     "bucket_lengths",
+    "by_length",
     "eval_batches",
     "few_shot",
     "fitting_bucket",

@@ -207,8 +207,10 @@ def train_batches(
     """An endless, shuffled stream of training batches; this process's rows of each global batch.
 
     The global stream is grain's index shuffle of the set, reshuffled every
-    epoch; global batch t is elements [t*B, (t+1)*B) of it. `rows` are the
-    positions within a global batch that this process feeds to its devices
+    epoch; global batch t is elements [t*B, (t+1)*B) of it, ordered by
+    prompt length (``by_length``) so that consecutive micro-batches hold
+    prompts of similar length and the train step pads each little. `rows`
+    are the positions within that ordered batch that this process feeds to its devices
     (None: all B). Taking positions, not a stride of the stream, keeps every
     example on the device and row where a single-process run puts it, so
     per-row randomness such as dropout masks is the same however many
@@ -236,10 +238,16 @@ def train_batches(
     # (grain seeds epoch e with seed + e).
     shuffle_seed = int(np.random.SeedSequence(seed).generate_state(1)[0])
     stream = grain.MapDataset.range(len(tokenized)).shuffle(seed=shuffle_seed).repeat().batch(batch_size)
-    batches = stream.map(lambda global_rows: make_batch(tokenized, global_rows[keep], seq_len, pad_id=pad_id))
+    batches = stream.map(lambda batch: make_batch(tokenized, by_length(tokenized, batch)[keep], seq_len, pad_id=pad_id))
     # The set is in memory and a batch costs microseconds: read in this thread,
     # rather than grain's default of 16 threads prefetching 500 batches.
     return iter(batches.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)))
+
+
+def by_length(tokenized: TokenizedSet, rows: np.ndarray) -> np.ndarray:
+    """``rows`` ordered by prompt length, shortest first (ties keep their order)."""
+    rows = np.asarray(rows)
+    return rows[np.argsort(tokenized.lengths[rows], kind="stable")]
 
 
 def make_batch(tokenized: TokenizedSet, rows: np.ndarray, seq_len: int, *, pad_id: int = 0) -> Batch:

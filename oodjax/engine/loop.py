@@ -110,8 +110,8 @@ def train(config: config_dict.ConfigDict) -> list[Run]:
     graphdef, base_state, state = steps.init_runs(model, [run.seed for run in runs], lora_config, optimizer, mesh=mesh)
     compute_dtype = config.model.compute_dtype or None
     train_step = steps.make_train_step(
-        graphdef, optimizer, yes_id, no_id, grad_accum=config.train.grad_accum, mesh=mesh, runs=state,
-        compute_dtype=compute_dtype,
+        graphdef, optimizer, yes_id, no_id, grad_accum=config.train.grad_accum, buckets=data.buckets, mesh=mesh,
+        runs=state, compute_dtype=compute_dtype,
     )
     eval_step = steps.make_eval_step(graphdef, yes_id, no_id, mesh=mesh, compute_dtype=compute_dtype)
     _Loop(config, runs, mesh, train_step, eval_step, base_state, state, data).run()
@@ -229,7 +229,7 @@ class _Loop:
         """Each run's next batch, as [R, grad_accum, micro_batch, ...] arrays sharded over the micro-batch."""
         accum = self.config.train.grad_accum
         per_run = [next(stream) for stream in self.data.streams]
-        stacked = step_batch(per_run, grad_accum=accum, buckets=self.data.buckets)
+        stacked = step_batch(per_run, grad_accum=accum)
         micro_batch = self.config.train.batch_size // accum  # global; the streams yield this process's rows
         return sharding.shard_process_batch(stacked, self.mesh, batch_axis=2, num_rows=micro_batch)
 

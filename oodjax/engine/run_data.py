@@ -4,10 +4,9 @@ Testsets are loaded, capped and tokenised once (the data layer caches the
 tokenisation on disk) and shared by all runs. Each run draws its own few-shot
 set and data order from its seed. The testsets and the runs' few-shot sets
 are evaluated as one pool (``oodjax.engine.evaluation``), each run scoring
-the testsets and its own few-shot set only. A training step's batch is cut
-to the smallest bucket that holds its longest prompt (the same for all runs,
-whose batches are stacked), so a step computes little padding and the train
-step compiles once per bucket.
+the testsets and its own few-shot set only. Training batches are sorted by
+prompt length and padded to one length for the whole job; the train step
+runs each micro-batch at the smallest bucket that holds it.
 """
 
 from __future__ import annotations
@@ -17,10 +16,8 @@ from collections.abc import Sequence
 
 import datasets
 import grain
-import jax
 import numpy as np
 from absl import logging
-from jax.experimental import multihost_utils
 from ml_collections import config_dict
 from transformers import PreTrainedTokenizerBase
 
@@ -41,7 +38,6 @@ from oodjax.engine.evaluation import EvalPool, make_eval_pool
 
 # What the train step reads of a batch.
 TRAIN_KEYS = ("input_ids", "attention_mask", "answer_pos", "label", "valid")
-_SEQUENCE_KEYS = ("input_ids", "attention_mask")  # [B, S]; the others are [B]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,22 +102,16 @@ def load_runs_data(
     return RunsData(eval_pool=eval_pool, streams=streams, buckets=buckets)
 
 
-def step_batch(per_run: Sequence[Batch], *, grad_accum: int, buckets: Sequence[int]) -> Batch:
+def step_batch(per_run: Sequence[Batch], *, grad_accum: int) -> Batch:
     """The runs' batches of one step as the train step takes them: [R, grad_accum, micro_batch, S].
 
-    S is the smallest bucket that holds the step's longest prompt over all
-    runs (and, with several processes, over all processes' rows), so every
-    run's part has the same shape. Prompts are right-padded, so cutting the
-    padding off the end changes nothing else.
+    Every run's stream pads to the same length S (the bucket of the longest
+    prompt of any run's set), so the step compiles once; the train step cuts
+    each micro-batch to its own bucket.
     """
-    longest = max(int(batch["attention_mask"].sum(axis=-1).max()) for batch in per_run)
-    if jax.process_count() > 1:  # each process holds only its rows: agree on the global batch's length
-        longest = int(np.max(multihost_utils.process_allgather(np.int32(longest))))
-    seq_len = fitting_bucket(buckets, longest)
 
     def stacked(key: str) -> np.ndarray:
-        parts = [batch[key][:, :seq_len] if key in _SEQUENCE_KEYS else batch[key] for batch in per_run]
-        return np.stack([part.reshape(grad_accum, -1, *part.shape[1:]) for part in parts])
+        return np.stack([batch[key].reshape(grad_accum, -1, *batch[key].shape[1:]) for batch in per_run])
 
     return {key: stacked(key) for key in TRAIN_KEYS}
 

@@ -14,6 +14,7 @@ the two answer-token columns.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -31,6 +32,8 @@ from oodjax.models.partitioning import param_shardings
 Batch = Mapping[str, Any]
 
 SCHEDULES = ("linear", "cosine", "constant")
+
+_SEQUENCE_KEYS = ("input_ids", "attention_mask")  # [..., S]; a batch's other leaves have no sequence axis
 
 
 @flax.struct.dataclass
@@ -159,6 +162,11 @@ def _answer_hidden(model: nnx.Module, batch: Batch) -> jax.Array:
     return hidden[rows, batch["answer_pos"]]
 
 
+def micro_batch_lengths(buckets: Sequence[int] | None, seq_len: int) -> tuple[int, ...]:
+    """The lengths a micro-batch of a ``seq_len`` batch may run at: the buckets below it, then ``seq_len``."""
+    return tuple(int(b) for b in sorted(buckets or ()) if b < seq_len) + (seq_len,)
+
+
 def _check_batch(batch: Batch, layout: str, leading: tuple[int, ...]) -> None:
     """Trace-time shape check (shapes are static), so a malformed batch fails once and clearly."""
     for key in ("input_ids", "attention_mask", "answer_pos", "label"):
@@ -179,6 +187,7 @@ def make_train_step(
     no_id: int,
     *,
     grad_accum: int,
+    buckets: Sequence[int] | None = None,
     mesh: jax.sharding.Mesh | None = None,
     runs: RunsState | None = None,
     compute_dtype: jnp.dtype | None = None,
@@ -191,7 +200,15 @@ def make_train_step(
     position (target " Yes" for label 0, " No" otherwise) over the valid
     examples of all micro-batches; gradients are summed over micro-batches and
     divided by the valid count, so accumulation is exact, not an average of
-    averages. ``runs`` is donated. ``compute_dtype`` (e.g. bfloat16) casts the
+    averages. ``runs`` is donated.
+
+    ``buckets`` are sequence lengths a micro-batch may be cut to: each runs at
+    the smallest that holds its longest prompt over all runs (prompts are
+    right-padded, so the cut drops only padding). The choice is made inside
+    the step (``lax.switch``), so the step compiles once for the batch's full
+    length, every device of every process takes the same branch, and
+    length-sorted micro-batches (``train_batches`` sorts each batch) compute
+    little padding. None runs every micro-batch at the batch's length. ``compute_dtype`` (e.g. bfloat16) casts the
     base and the adapters for the forward/backward pass only; the adapters and
     optimizer state stay float32.
 
@@ -218,18 +235,27 @@ def make_train_step(
 
     grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
 
-    def one_run(lora, opt_state, rng, batch, base_state, step):
-        run_key = jax.random.fold_in(jax.random.wrap_key_data(rng), step)
+    def grad_at(length):
+        def cut_grad(lora, base_state, micro, key):
+            cut = {k: v[..., :length] if k in _SEQUENCE_KEYS else v for k, v in micro.items()}
+            return grad_fn(lora, base_state, cut, key)
 
-        def accumulate(carry, micro_and_index):
+        return cut_grad
+
+    def one_run(lora, opt_state, rng, batch, branch, base_state, step, lengths):
+        run_key = jax.random.fold_in(jax.random.wrap_key_data(rng), step)
+        branches = [grad_at(length) for length in lengths]
+
+        def accumulate(carry, xs):
             grads, loss_sum, count = carry
-            micro, index = micro_and_index
-            (loss, n), g = grad_fn(lora, base_state, micro, jax.random.fold_in(run_key, index))
+            micro, index, micro_branch = xs
+            key = jax.random.fold_in(run_key, index)
+            (loss, n), g = jax.lax.switch(micro_branch, branches, lora, base_state, micro, key)
             return (jax.tree.map(jnp.add, grads, g), loss_sum + loss, count + n), None
 
         zeros = jax.tree.map(jnp.zeros_like, lora)
         init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
-        (grads, loss_sum, count), _ = jax.lax.scan(accumulate, init, (batch, jnp.arange(grad_accum)))
+        (grads, loss_sum, count), _ = jax.lax.scan(accumulate, init, (batch, jnp.arange(grad_accum), branch))
         count = jnp.maximum(count, 1.0)
         grads = jax.tree.map(lambda g: g / count, grads)
         updates, opt_state = optimizer.update(grads, opt_state, lora)
@@ -237,10 +263,14 @@ def make_train_step(
 
     def train_step(base_state: nnx.State, runs: RunsState, batch: Batch) -> tuple[RunsState, jax.Array]:
         _check_batch(batch, f"[runs={runs.num_runs}, grad_accum={grad_accum}, batch, seq]", (runs.num_runs, grad_accum))
+        lengths = micro_batch_lengths(buckets, batch["input_ids"].shape[-1])
+        # Each micro-batch's longest prompt over all runs (and devices) picks its branch.
+        longest = jnp.max(jnp.sum(batch["attention_mask"], axis=-1), axis=(0, 2))
+        branch = jnp.searchsorted(jnp.asarray(lengths), longest)
         base = _cast_floats(base_state, compute_dtype)
-        lora, opt_state, loss = jax.vmap(one_run, in_axes=(0, 0, 0, 0, None, None))(
-            runs.lora, runs.opt_state, runs.rng, dict(batch), base, runs.step
-        )
+        lora, opt_state, loss = jax.vmap(
+            functools.partial(one_run, lengths=lengths), in_axes=(0, 0, 0, 0, None, None, None)
+        )(runs.lora, runs.opt_state, runs.rng, dict(batch), branch, base, runs.step)
         return runs.replace(lora=lora, opt_state=opt_state, step=runs.step + 1), loss
 
     if mesh is None:

@@ -208,7 +208,9 @@ def rope_frequencies(rope: RopeConfig, head_dim: int) -> tuple[np.ndarray, float
     so the tables agree with PyTorch's to the last bit where numpy allows.
     """
     exponents = np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim)
-    pos_freqs = np.float32(rope.theta) ** exponents
+    # The float32 power rounded once from float64, as torch's is: numpy's SIMD float32
+    # power is off by an ulp on some CPUs (AVX-512), which angles of 1e4 rad magnify.
+    pos_freqs = (np.float64(np.float32(rope.theta)) ** exponents.astype(np.float64)).astype(np.float32)
     inv_freq = np.float32(1.0) / pos_freqs
     if rope.rope_type == "default":
         return inv_freq, 1.0
