@@ -231,8 +231,9 @@ def test_eval_margins_are_full_model_logit_differences_and_compile_once(together
 
 def test_buckets_run_each_micro_batch_at_its_own_length():
     """With buckets (8, 16), micro-batch 0 (prompts of at most 8 tokens, over both runs) runs at 8 tokens,
-    micro-batch 1 (at most 9) at 16, and the result is the uncut step's. Micro-batch 0's padding beyond 8 holds token ids outside
-    the vocabulary (NaN embeddings): cut off, they change nothing; computed, they poison the loss."""
+    micro-batch 1 (at most 9) at 16, and the result is the uncut step's. Micro-batch 0's padding beyond 8
+    holds token ids outside the vocabulary (NaN embeddings): cut off, they change nothing; computed, they
+    poison the loss."""
     lengths = np.array([[[3, 5, 4, 2], [9, 6, 7, 3]], [[8, 2, 7, 8], [4, 9, 2, 3]]])  # [runs, accum, micro]
     batch = make_batches(1, 2, seed=3, accum=2, micro=4, seq=16)[0]
     batch["attention_mask"] = (np.arange(16) < lengths[..., None]).astype(np.int32)

@@ -210,8 +210,8 @@ def train_batches(
     epoch; global batch t is elements [t*B, (t+1)*B) of it, ordered by
     prompt length (``by_length``) so that consecutive micro-batches hold
     prompts of similar length and the train step pads each little. `rows`
-    are the positions within that ordered batch that this process feeds to its devices
-    (None: all B). Taking positions, not a stride of the stream, keeps every
+    are the positions within that ordered batch that this process feeds to
+    its devices (None: all B). Taking positions, not a stride of the stream, keeps every
     example on the device and row where a single-process run puts it, so
     per-row randomness such as dropout masks is the same however many
     processes share the batch. The returned grain iterator's
@@ -238,7 +238,9 @@ def train_batches(
     # (grain seeds epoch e with seed + e).
     shuffle_seed = int(np.random.SeedSequence(seed).generate_state(1)[0])
     stream = grain.MapDataset.range(len(tokenized)).shuffle(seed=shuffle_seed).repeat().batch(batch_size)
-    batches = stream.map(lambda batch: make_batch(tokenized, by_length(tokenized, batch)[keep], seq_len, pad_id=pad_id))
+    batches = stream.map(
+        lambda global_rows: make_batch(tokenized, by_length(tokenized, global_rows)[keep], seq_len, pad_id=pad_id)
+    )
     # The set is in memory and a batch costs microseconds: read in this thread,
     # rather than grain's default of 16 threads prefetching 500 batches.
     return iter(batches.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)))

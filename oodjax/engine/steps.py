@@ -208,9 +208,10 @@ def make_train_step(
     the step (``lax.switch``), so the step compiles once for the batch's full
     length, every device of every process takes the same branch, and
     length-sorted micro-batches (``train_batches`` sorts each batch) compute
-    little padding. None runs every micro-batch at the batch's length. ``compute_dtype`` (e.g. bfloat16) casts the
-    base and the adapters for the forward/backward pass only; the adapters and
-    optimizer state stay float32.
+    little padding. None runs every micro-batch at the batch's length.
+
+    ``compute_dtype`` (e.g. bfloat16) casts the base and the adapters for the
+    forward/backward pass only; the adapters and optimizer state stay float32.
 
     With a ``mesh``, pass the ``runs`` from ``init_runs`` too: the step pins
     its outputs to their shardings, so each call's output is exactly the next
@@ -242,9 +243,8 @@ def make_train_step(
 
         return cut_grad
 
-    def one_run(lora, opt_state, rng, batch, branch, base_state, step, lengths):
+    def one_run(lora, opt_state, rng, batch, branch, base_state, step, branches):
         run_key = jax.random.fold_in(jax.random.wrap_key_data(rng), step)
-        branches = [grad_at(length) for length in lengths]
 
         def accumulate(carry, xs):
             grads, loss_sum, count = carry
@@ -269,7 +269,8 @@ def make_train_step(
         branch = jnp.searchsorted(jnp.asarray(lengths), longest)
         base = _cast_floats(base_state, compute_dtype)
         lora, opt_state, loss = jax.vmap(
-            functools.partial(one_run, lengths=lengths), in_axes=(0, 0, 0, 0, None, None, None)
+            functools.partial(one_run, branches=[grad_at(length) for length in lengths]),
+            in_axes=(0, 0, 0, 0, None, None, None),
         )(runs.lora, runs.opt_state, runs.rng, dict(batch), branch, base, runs.step)
         return runs.replace(lora=lora, opt_state=opt_state, step=runs.step + 1), loss
 
