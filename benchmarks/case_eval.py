@@ -64,8 +64,9 @@ def run(mode: Mode, workload: Workload, engine: Engine, torch_model: peft.PeftMo
         "description": (
             f"{len(rows)} real prompts ({mode.eval_per_testset} per testset, mean "
             f"{tokenized.lengths.mean():.0f} GPT-2 tokens, max {tokenized.lengths.max()}), batch "
-            f"{mode.eval_batch_size}, one LoRA adapter. oodjax: the run loop's evaluation, one pool bucketed by "
-            f"length into {mode.buckets} with batches of at most {batch_tokens} tokens; pytorch-original: "
+            f"{mode.eval_batch_size}, one LoRA adapter. oodjax: the run loop's evaluation, one pool packed "
+            f"several prompts to a row of {settings.MAX_LENGTH} tokens, batches of at most {batch_tokens} tokens; "
+            "pytorch-original: "
             f"padded to {settings.MAX_LENGTH}, full logits "
             f"(timed on the first {len(original_rows)} prompts: its cost per prompt does not depend on the "
             "prompt); pytorch-tuned: length-sorted dynamic padding, two head columns at the answer position."

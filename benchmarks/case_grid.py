@@ -3,11 +3,15 @@
 Contenders, each timed from process start to the last result written:
 oodjax with every run in one process (`python -m oodjax.main`), oodjax with
 one process per run, one after another, and PyTorch running the same runs
-one after another (benchmarks.torch_grid). Tokenisation is cached and the
-cache is filled before timing, for all three alike. Each oodjax repetition
-starts with an empty JAX compilation cache of its own, as the README
-advises for sweeps: the first process of the one-process-per-run contender
-compiles, and the eight after it load the same programs from the cache.
+one after another in one process (benchmarks.torch_grid), once with the
+original study's approach (padded to MAX_LENGTH, full logits: the grid's 3x
+goal is against it, as for evaluation and training) and once with the tuned
+loops. Tokenisation is cached and the cache is filled before timing, for all
+four alike. Each oodjax repetition starts with an empty JAX compilation
+cache of its own, as the README advises for sweeps: the first process of the
+one-process-per-run contender compiles, and the eight after it load the same
+programs from the cache. Every contender must have written every run's
+metrics.npz.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import sys
 import time
 from typing import Any
 
-from benchmarks import grid_config, harness, torch_grid
+from benchmarks import grid_config, harness, settings, torch_grid
 from benchmarks.settings import Mode
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -38,33 +42,45 @@ def _oodjax(spec: str, output: pathlib.Path) -> list[str]:
     return [sys.executable, "-m", "oodjax.main", f"--config={CONFIG_FILE}:{spec}", f"--config.output_dir={output}"]
 
 
+def grid_runs(mode: Mode) -> list[tuple[int, int]]:
+    """The grid's runs, (seed, shots), seeds outermost."""
+    return [(seed, shots) for seed in mode.grid_seeds for shots in mode.grid_shots]
+
+
 def commands(mode: Mode, output: pathlib.Path) -> dict[str, list[list[str]]]:
     """The command lines of each contender (several for the one-process-per-run contender)."""
-    runs = [(seed, shots) for seed in mode.grid_seeds for shots in mode.grid_shots]
     return {
         "oodjax-one-process": [_oodjax(mode.name, output / "oodjax-one-process")],
         "oodjax-process-per-run": [
             _oodjax(f"{mode.name},{seed},{shots}", output / "oodjax-process-per-run" / f"seed{seed}_shots{shots}")
-            for seed, shots in runs
+            for seed, shots in grid_runs(mode)
         ],
-        "pytorch-sequential": [[sys.executable, "-m", "benchmarks.torch_grid", mode.name,
-                                str(output / "pytorch-sequential")]],
+        **{
+            f"pytorch-{approach}-sequential": [[sys.executable, "-m", "benchmarks.torch_grid", mode.name, approach,
+                                                str(output / f"pytorch-{approach}-sequential")]]
+            for approach in ("original", "tuned")
+        },
     }
+
+
+def runs_written(directory: pathlib.Path, runs: list[tuple[int, int]]) -> int:
+    """How many of ``runs`` have a metrics.npz under ``directory``, in a directory named ..._seed<S>_shots<N>."""
+    return sum(any(directory.glob(f"**/*_seed{seed}_shots{shots}/metrics.npz")) for seed, shots in runs)
 
 
 def run(mode: Mode, workdir: pathlib.Path) -> dict[str, Any]:
     torch_grid.grid_data(grid_config.get_config(mode.name))  # fills the tokenisation cache
-    num_runs = len(mode.grid_seeds) * len(mode.grid_shots)
+    runs = grid_runs(mode)
+    num_runs = len(runs)
     seconds: dict[str, list[float]] = {}
     completed: dict[str, list[int]] = {}
-    for repeat, name in harness.alternating(["oodjax-one-process", "oodjax-process-per-run", "pytorch-sequential"],
-                                            mode.grid_repeats):
+    for repeat, name in harness.alternating(list(commands(mode, workdir)), mode.grid_repeats):
         output = workdir / f"repeat{repeat}"
         start = time.perf_counter()
         for command in commands(mode, output)[name]:
             _run(command, compilation_cache=output / name / "jax-compilation-cache")
         seconds.setdefault(name, []).append(time.perf_counter() - start)
-        completed.setdefault(name, []).append(len(list((output / name).glob("**/metrics.npz"))))
+        completed.setdefault(name, []).append(runs_written(output / name, runs))
     results = {}
     for name, times in seconds.items():
         if any(n != num_runs for n in completed[name]):
@@ -88,7 +104,9 @@ def run(mode: Mode, workdir: pathlib.Path) -> dict[str, Any]:
             f"each, evaluated at step 0 and {mode.grid_steps} on the eight testsets ({mode.grid_eval_cap} examples "
             f"each) and the training sets; model: SmolLM2 widths, {model['num_hidden_layers']} layers, hidden "
             f"{model['hidden_size']}, vocabulary {model['vocab_size']}; wall time from process start to the last "
-            "result written. pytorch-sequential runs the tuned PyTorch loops in one process; each oodjax "
+            "result written. pytorch-original-sequential and pytorch-tuned-sequential run the original "
+            f"study's approach (padded to {settings.MAX_LENGTH}, full logits) and the tuned PyTorch loops, each "
+            "in one process with the model built once (the study started a job per run); each oodjax "
             "contender starts from an empty JAX compilation cache of its own, which later processes reuse."
         ),
         "contenders": results,

@@ -1,9 +1,10 @@
 """Case 2, training throughput: LoRA r=8 on q/k/v/o, batch 16, AdamW, on an MNLI few-shot set.
 
 Every contender takes the same sequence of batches (one fixed shuffled
-order). oodjax runs each batch as the run loop does: sorted by length and
-split into micro-batches, each run at the smallest bucket that holds it
-(the gradient is the whole batch's either way). The first step
+order). oodjax runs each batch as the run loop does: packed several prompts
+to a row, fullest rows first, and split into micro-batches, each run at the
+smallest bucket that holds it and skipped when empty (the gradient is the
+whole batch's either way). The first step
 of each contender (a warm-up step, on the same batch, with the adapters'
 B still zero) must give the same loss: that checks all three compute the
 same objective.
@@ -65,11 +66,7 @@ def run(mode: Mode, workload: Workload, engine: Engine, torch_model: peft.PeftMo
     }
     first = {name: values[0] for name, values in losses.items()}
     real_tokens = sum(int(tokenized.lengths[rows].sum()) for rows in order)
-    computed_tokens = sum(
-        len(micro) * fitting_bucket(mode.buckets, int(micro.max()))
-        for rows in order
-        for micro in np.split(np.sort(tokenized.lengths[rows]), settings.TRAIN_GRAD_ACCUM)
-    )
+    computed_tokens = sum(_computed_tokens(Engine.train_batch(tokenized, [rows]), mode.buckets) for rows in order)
     return {
         "case": "train",
         "title": "Training throughput",
@@ -78,9 +75,10 @@ def run(mode: Mode, workload: Workload, engine: Engine, torch_model: peft.PeftMo
             f"LoRA r={settings.LORA['rank']} on q/k/v/o, batch {settings.TRAIN_BATCH}, AdamW with clipping, "
             f"{per_repeat} step(s) per repetition, MNLI few-shot set of {len(tokenized)} (mean "
             f"{tokenized.lengths.mean():.0f} tokens, max {tokenized.lengths.max()}). oodjax: engine train step, "
-            f"each batch sorted by length into {settings.TRAIN_GRAD_ACCUM} micro-batches (gradients accumulated), "
-            f"each padded to the smallest of the buckets {mode.buckets} holding its longest prompt (compiled in "
-            f"the warm-up); pytorch-original: peft, padded to {settings.MAX_LENGTH}, full logits; "
+            f"each batch packed into rows of {settings.MAX_LENGTH} tokens, fullest first, split into "
+            f"{settings.TRAIN_GRAD_ACCUM} micro-batches (gradients accumulated), each cut to the smallest of the "
+            f"buckets {mode.buckets} holding its longest row, empty ones skipped (compiled in the warm-up); "
+            f"pytorch-original: peft, padded to {settings.MAX_LENGTH}, full logits; "
             "pytorch-tuned: peft, padded to each batch's longest prompt, head at the answer position only."
         ),
         "contenders": results,
@@ -92,3 +90,12 @@ def run(mode: Mode, workload: Workload, engine: Engine, torch_model: peft.PeftMo
         "oodjax_padding_efficiency": real_tokens / computed_tokens,
         "ratios": harness.ratios(results, "oodjax"),
     }
+
+
+def _computed_tokens(batch: dict[str, np.ndarray], buckets: tuple[int, ...]) -> int:
+    """Tokens the train step computes for a host batch [1, grad_accum, rows, S]: rows x bucket per non-empty micro-batch."""
+    total = 0
+    for mask, valid in zip(batch["attention_mask"][0], batch["valid"][0]):
+        if valid.any():
+            total += len(mask) * fitting_bucket(buckets, int((mask != 0).sum(axis=-1).max()))
+    return total

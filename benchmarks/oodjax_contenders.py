@@ -16,7 +16,7 @@ import numpy as np
 
 from benchmarks import settings
 from oodjax import models
-from oodjax.data import TokenizedSet, by_length, make_batch
+from oodjax.data import TokenizedSet, packed_batch, train_prompts_per_row
 from oodjax.engine import sharding, steps
 from oodjax.engine.evaluation import EvalPool, evaluate, make_eval_pool
 from oodjax.engine.run_data import step_batch
@@ -30,7 +30,6 @@ class Engine:
     """One frozen base with R runs' adapters, and the compiled steps over them."""
 
     mesh: jax.sharding.Mesh
-    buckets: tuple[int, ...]  # sequence lengths batches are padded to, as config.data.buckets
     base_state: Any
     runs: steps.RunsState
     eval_step: Callable[..., jax.Array]
@@ -42,13 +41,13 @@ class Engine:
                         place=lambda batch: sharding.shard_batch(batch, self.mesh, batch_axis=1))
 
     def train(self, tokenized: TokenizedSet, rows: Sequence[np.ndarray]) -> np.ndarray:
-        """One optimizer step; ``rows[r]`` are run r's examples, cut to a bucket as the loop cuts them."""
-        self.runs, loss = self.train_step(self.base_state, self.runs, self._train_batch(tokenized, rows))
+        """One optimizer step; ``rows[r]`` are run r's examples, packed and cut to buckets as the loop does."""
+        self.runs, loss = self.train_step(self.base_state, self.runs, self._placed(self.train_batch(tokenized, rows)))
         return np.asarray(jax.device_get(loss))
 
     def eval_pool(self, tokenized: TokenizedSet, *, batch_tokens: int) -> EvalPool:
         """The loop's evaluation pool of ``tokenized`` as one set (``EVAL_SET``) of one run, built once."""
-        return make_eval_pool({EVAL_SET: tokenized}, [{}], batch_tokens=batch_tokens, buckets=self.buckets)
+        return make_eval_pool({EVAL_SET: tokenized}, [{}], batch_tokens=batch_tokens)
 
     def compile_train(self, tokenized: TokenizedSet, rows: Sequence[np.ndarray]) -> None:
         """Compiles the train step (one program, a branch per bucket) without taking a step.
@@ -56,12 +55,16 @@ class Engine:
         The loop compiles it at its first step; a timed step must not, so the
         warm-up compiles it ahead (and is charged).
         """
-        self.train_step.lower(self.base_state, self.runs, self._train_batch(tokenized, rows)).compile()
+        self.train_step.lower(self.base_state, self.runs, self._placed(self.train_batch(tokenized, rows))).compile()
 
-    def _train_batch(self, tokenized: TokenizedSet, rows: Sequence[np.ndarray]) -> dict[str, jax.Array]:
-        """As the loop's stream gives it: each batch sorted by length, padded to the longest bucket."""
-        per_run = [make_batch(tokenized, by_length(tokenized, r), settings.MAX_LENGTH) for r in rows]
-        batch = step_batch(per_run, grad_accum=settings.TRAIN_GRAD_ACCUM)
+    @staticmethod
+    def train_batch(tokenized: TokenizedSet, rows: Sequence[np.ndarray]) -> dict[str, np.ndarray]:
+        """The host batch [R, grad_accum, micro_batch, ...] as the loop's stream gives it: packed rows of MAX_LENGTH."""
+        slots = train_prompts_per_row([tokenized], batch_size=settings.TRAIN_BATCH, seq_len=settings.MAX_LENGTH)
+        per_run = [packed_batch(tokenized, r, settings.TRAIN_BATCH, settings.MAX_LENGTH, slots) for r in rows]
+        return step_batch(per_run, grad_accum=settings.TRAIN_GRAD_ACCUM)
+
+    def _placed(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
         return sharding.shard_batch(batch, self.mesh, batch_axis=2)
 
 
@@ -82,7 +85,6 @@ def build_engine(
     graphdef, base_state, runs = steps.init_runs(model, list(seeds), lora_config(), optimizer, mesh=mesh)
     return Engine(
         mesh=mesh,
-        buckets=tuple(buckets),
         base_state=base_state,
         runs=runs,
         eval_step=steps.make_eval_step(graphdef, yes_id, no_id, mesh=mesh),

@@ -1,16 +1,21 @@
-"""`python -m benchmarks.torch_grid MODE OUTPUT_DIR`: the grid's runs in PyTorch, one after another.
+"""`python -m benchmarks.torch_grid MODE {original,tuned} OUTPUT_DIR`: the grid's runs in PyTorch, one by one.
 
 The PyTorch counterpart of `python -m oodjax.main --config
 benchmarks/grid_config.py:MODE`: the same runs (seeds x shots), few-shot sets,
 testsets, steps and evaluations (step 0 and the last step, on the eight
-capped testsets and the run's own training set), with the tuned PyTorch
-loops (dynamic padding, head at the answer position). It is the kindest
-setting for PyTorch: one process, the model built once, a fresh peft
-adapter per run; the original study started a job per run.
+capped testsets and the run's own training set), with either approach of
+benchmarks.torch_contenders. "original" is the original study's: peft
+training and evaluation with every example padded to MAX_LENGTH and the
+model's full logits (then the answer position's two columns, to evaluate).
+"tuned" is the careful PyTorch user's: dynamic padding, the head at the
+answer position only. Either way this is kinder to PyTorch than the study
+was: one process, the model built once, a fresh peft adapter per run,
+where the original study started a job per run.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import pathlib
 import sys
@@ -20,7 +25,7 @@ import torch
 from ml_collections import config_dict
 from transformers import AutoTokenizer
 
-from benchmarks import grid_config, machine, torch_contenders
+from benchmarks import grid_config, machine, settings, torch_contenders
 from benchmarks.workload import training_order
 from oodjax.data import (
     TokenizedSet,
@@ -64,24 +69,30 @@ def grid_data(config: config_dict.ConfigDict) -> GridData:
 
 
 def main(argv: list[str]) -> None:
-    if len(argv) != 2:
-        raise SystemExit(f"usage: python -m benchmarks.torch_grid MODE OUTPUT_DIR; got {argv}")
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.torch_grid",
+                                     description="the grid's runs in PyTorch, one after another")
+    parser.add_argument("mode", choices=list(settings.MODES), help="the benchmark size (grid_config.py's MODE)")
+    parser.add_argument("approach", choices=["original", "tuned"],
+                        help="original: padded to MAX_LENGTH, full logits; tuned: dynamic padding, head at the answer")
+    parser.add_argument("output", type=pathlib.Path, help="where each run's adapter and metrics.npz go")
+    args = parser.parse_args(argv)
     torch.set_num_threads(machine.usable_cores())
-    config = grid_config.get_config(argv[0])
-    output = pathlib.Path(argv[1])
+    config = grid_config.get_config(args.mode)
+    tuned = args.approach == "tuned"
+    margins_of = torch_contenders.margins_tuned if tuned else torch_contenders.margins_original
     grid = grid_data(config)
     yes_id, no_id = grid.yes_id, grid.no_id
     model = torch_contenders.build_model(config.model.hf_config.to_dict(), seed=config.model.init_seed)
     steps = config.train.steps
     for (seed, shots), train_set in grid.train_sets.items():
         peft_model = torch_contenders.attach_lora(model, seed=seed)
-        trainer = torch_contenders.Trainer(peft_model, tuned=True, yes_id=yes_id, no_id=no_id, total_steps=steps)
+        trainer = torch_contenders.Trainer(peft_model, tuned=tuned, yes_id=yes_id, no_id=no_id, total_steps=steps)
 
         def evaluate() -> dict[str, np.ndarray]:
             sets = {**grid.testsets, "train": train_set}
             return {
-                name: torch_contenders.margins_tuned(peft_model, t, np.arange(len(t)), yes_id=yes_id,
-                                                     no_id=no_id, batch_size=config.eval.batch_size)
+                name: margins_of(peft_model, t, np.arange(len(t)), yes_id=yes_id, no_id=no_id,
+                                 batch_size=config.eval.batch_size)
                 for name, t in sets.items()
             }
 
@@ -89,7 +100,7 @@ def main(argv: list[str]) -> None:
         losses = [trainer.step(train_set, rows)
                   for rows in training_order(len(train_set), steps, config.train.batch_size, seed)]
         margins[steps] = evaluate()
-        run_dir = output / f"torch_seed{seed}_shots{shots}"
+        run_dir = args.output / f"torch_seed{seed}_shots{shots}"
         peft_model.save_pretrained(run_dir)
         np.savez(run_dir / "metrics.npz", train_loss=np.asarray(losses),
                  **{f"margin/{step}/{name}": m for step, per_set in margins.items() for name, m in per_set.items()})

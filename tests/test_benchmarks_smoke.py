@@ -29,7 +29,7 @@ CONTENDERS = {
     "eval": {"oodjax", "pytorch-original", "pytorch-tuned"},
     "train": {"oodjax", "pytorch-original", "pytorch-tuned"},
     "loading": {"oodjax", "transformers"},
-    "grid": {"oodjax-one-process", "oodjax-process-per-run", "pytorch-sequential"},
+    "grid": {"oodjax-one-process", "oodjax-process-per-run", "pytorch-original-sequential", "pytorch-tuned-sequential"},
 }
 
 
@@ -105,6 +105,10 @@ def test_loading_and_grid_are_recorded(smoke_run):
     runs = len(settings.MODES["smoke"].grid_seeds) * len(settings.MODES["smoke"].grid_shots)
     for c in grid["contenders"].values():
         assert c["runs_completed"] == [runs] * c["repeats"]
+    ours = grid["contenders"]["oodjax-one-process"]["rate_median"]
+    for other in CONTENDERS["grid"] - {"oodjax-one-process"}:
+        assert grid["ratios"][f"oodjax-one-process/{other}"] == pytest.approx(
+            ours / grid["contenders"][other]["rate_median"])
 
 
 def test_markdown_and_readme_section_come_from_the_json(smoke_run, tmp_path):
@@ -113,6 +117,7 @@ def test_markdown_and_readme_section_come_from_the_json(smoke_run, tmp_path):
     assert results["machine"]["cpu"] in markdown
     for case in results["cases"]:
         assert case["title"] in markdown
+    assert "not measured" not in report.targets_table(results)  # every target names a measured quantity
     readme = tmp_path / "README.md"
     readme.write_text(f"# x\n\n## Performance\n\n{report.BEGIN}\nold figures\n{report.END}\n\n## After\n")
     report.update_readme(readme, results)

@@ -17,6 +17,8 @@ from oodjax.data import (
     eval_batches,
     few_shot,
     load_testset,
+    pack_rows,
+    packed_batch,
     stratified_subset,
     train_batches,
     training_pool,
@@ -138,22 +140,50 @@ def check_batch_rows(batch, tokenized):
         assert batch["label"][r] == tokenized.labels[i]
 
 
-def test_eval_batches_cover_every_example_once_in_its_smallest_bucket():
-    lengths = [3, 64, 65, 300, 128, 10, 129, 200, 7, 64, 1]
+def check_packed_rows(batch, tokenized):
+    """Each row holds its prompts one after another, each under its own id, answer at its last token."""
+    rows, width = batch["input_ids"].shape
+    for r in range(rows):
+        slots = np.flatnonzero(batch["valid"][r])
+        assert slots.tolist() == list(range(len(slots)))  # prompts fill the first slots
+        assert (batch["index"][r, len(slots):] == -1).all()
+        if not len(slots):
+            assert batch["attention_mask"][r].tolist() == [1] + [0] * (width - 1)
+            continue
+        start = 0
+        for slot in slots:
+            prompt = tokenized.prompt(batch["index"][r, slot])
+            stop = start + len(prompt)
+            assert batch["input_ids"][r, start:stop].tolist() == prompt.tolist()
+            assert (batch["attention_mask"][r, start:stop] == slot + 1).all()
+            assert batch["answer_pos"][r, slot] == stop - 1
+            assert batch["label"][r, slot] == tokenized.labels[batch["index"][r, slot]]
+            start = stop
+        assert not batch["input_ids"][r, start:].any() and not batch["attention_mask"][r, start:].any()
+
+
+def test_eval_batches_pack_every_example_once_into_the_fewest_rows():
+    lengths = [3, 64, 65, 300, 128, 10, 129, 200, 7, 64, 1]  # 971 tokens: at least 4 rows of 300
     tokenized = toy_tokenized(lengths)
-    batches = list(eval_batches(tokenized, batch_size=3))
+    batches = list(eval_batches(tokenized, batch_tokens=600))
     seen = np.concatenate([b["index"][b["valid"]] for b in batches])
     assert sorted(seen.tolist()) == list(range(len(lengths)))
-    assert {b["input_ids"].shape for b in batches} == {(3, 64), (3, 128), (3, 256), (3, 300)}
+    # 600 tokens = 2 rows a batch; best fit packs 4 rows, the most full holding 6 prompts.
+    assert [b["input_ids"].shape for b in batches] == [(2, 300)] * 2
+    assert {b["answer_pos"].shape for b in batches} == {(2, 6)}
     for b in batches:
-        seq_len = b["input_ids"].shape[1]
-        smallest = min(x for x in (64, 128, 256, 300) if x >= max(lengths[i] for i in b["index"][b["valid"]]))
-        assert seq_len == smallest
         assert {b[k].dtype for k in ("input_ids", "attention_mask", "answer_pos", "label", "index")} == {np.dtype(np.int32)}
         assert b["valid"].dtype == bool
-        check_batch_rows(b, tokenized)
-    # 64-bucket: examples 0, 1, 5, 8, 9, 10 -> two full batches; 128: 2, 4 -> one padded batch.
-    assert [b["index"].tolist() for b in batches[:3]] == [[0, 1, 5], [8, 9, 10], [2, 4, -1]]
+        check_packed_rows(b, tokenized)
+
+
+def test_pack_rows_best_fit_decreasing():
+    # Longest first, each into the fullest row it fits: 300 | 200 65 10 7 3 1 | 129 128 | 64 64.
+    rows = pack_rows(np.array([3, 64, 65, 300, 128, 10, 129, 200, 7, 64, 1]), 300)
+    assert rows == [[3], [7, 2, 5, 8, 0, 10], [6, 4], [1, 9]]
+    assert pack_rows(np.array([], dtype=int), 8) == []
+    with pytest.raises(ValueError, match=r"prompts \[1\] are longer than the row length 8"):
+        pack_rows(np.array([8, 9]), 8)
 
 
 def test_eval_batches_on_a_real_testset(gpt2_tokenizer_dir, hf_data_dir, tmp_path):
@@ -166,29 +196,35 @@ def test_eval_batches_on_a_real_testset(gpt2_tokenizer_dir, hf_data_dir, tmp_pat
     batches = list(eval_batches(tokenized, batch_tokens=2048, row_multiple=8))
     seen = np.concatenate([b["index"][b["valid"]] for b in batches])
     assert sorted(seen.tolist()) == list(range(len(tokenized)))
-    assert {b["input_ids"].shape for b in batches} == {(32, 64), (16, 128)}
+    assert len({b["input_ids"].shape for b in batches}) == 1
+    rows = sum(int((b["valid"].any(axis=1)).sum()) for b in batches)
+    # No packing needs fewer rows than the tokens fill, nor than the prompts longer than half a row.
+    fewest = max(-(-tokenized.lengths.sum() // 128), int((tokenized.lengths > 64).sum()))
+    print(f"anli r3, {len(tokenized)} prompts: {rows} rows, at least {fewest} needed; "
+          f"{len(batches)} batches of {batches[0]['input_ids'].shape}")
+    assert rows <= 1.03 * fewest
     for b in batches:
-        check_batch_rows(b, tokenized)
+        check_packed_rows(b, tokenized)
 
 
 def test_batch_size_in_tokens():
-    tokenized = toy_tokenized([10] * 5 + [100] * 5 + [250] * 5)
-    shapes = collections.Counter(b["input_ids"].shape for b in eval_batches(tokenized, batch_tokens=512, row_multiple=2))
-    # 512 // 64 = 8 rows; 512 // 128 = 4 rows; 512 // 256 = 2 rows (all multiples of 2).
-    assert shapes == {(8, 64): 1, (4, 128): 2, (2, 256): 3}
+    tokenized = toy_tokenized([100] * 15 + [250] * 5)  # 5 + 5 rows of 300 (100+100+100, 250)
+    shapes = collections.Counter(b["input_ids"].shape for b in eval_batches(tokenized, batch_tokens=1200, row_multiple=2))
+    # 1200 // 300 = 4 rows at most: 10 rows -> 3 batches, evened to 4 rows (a multiple of 2).
+    assert shapes == {(4, 300): 3}
     shapes = collections.Counter(b["input_ids"].shape for b in eval_batches(tokenized, batch_tokens=300, row_multiple=4))
-    # 300 // 64 = 4 rows; 300 // 128 = 2 -> at least row_multiple = 4; likewise for 256.
-    assert shapes == {(4, 64): 2, (4, 128): 2, (4, 256): 2}
+    # 300 // 300 = 1 row -> at least row_multiple = 4.
+    assert shapes == {(4, 300): 3}
+    shapes = collections.Counter(b["input_ids"].shape for b in eval_batches(tokenized, batch_tokens=30_000))
+    assert shapes == {(10, 300): 1}  # one batch, no empty row
 
 
 def test_eval_batch_size_errors():
     tokenized = toy_tokenized([5, 6])
-    with pytest.raises(ValueError, match="give exactly one of batch_size"):
-        eval_batches(tokenized)
-    with pytest.raises(ValueError, match="give exactly one of batch_size"):
-        eval_batches(tokenized, batch_size=2, batch_tokens=64)
-    with pytest.raises(ValueError, match="must be positive, got 0, None and 1"):
-        eval_batches(tokenized, batch_size=0)
+    with pytest.raises(ValueError, match="must be positive, got 0 and 1"):
+        eval_batches(tokenized, batch_tokens=0)
+    with pytest.raises(ValueError, match="lanes is empty"):
+        eval_batches(tokenized, batch_tokens=64, lanes=[])
 
 
 # ---- training stream -------------------------------------------------------------
@@ -212,6 +248,29 @@ def test_training_stream_epochs_are_shuffled_permutations():
         check_batch_rows(b, tokenized)
 
 
+def test_packed_training_stream_holds_the_same_batches_packed():
+    tokenized = toy_tokenized([5, 70, 9, 12, 33, 8, 20, 41], max_length=128)
+    plain, packed = (train_batches(tokenized, batch_size=4, seed=0, pack=pack) for pack in (False, True))
+    for _ in range(6):
+        one_a_row, b = next(plain), next(packed)
+        assert b["input_ids"].shape == (4, 128) and b["answer_pos"].shape == (4, 4)  # 128 // 5 slots, at most 4
+        assert sorted(b["index"][b["valid"]].tolist()) == sorted(one_a_row["index"].tolist())  # same examples
+        used = (b["attention_mask"] != 0).sum(-1) * b["valid"].any(-1)
+        assert (np.diff(used) <= 0).all()  # fullest rows first, empty rows last: trailing micro-batches skip
+        check_packed_rows(b, tokenized)
+
+
+def test_packed_batch_needs_room():
+    tokenized = toy_tokenized([60, 60, 60, 10, 10], max_length=64)
+    batch = packed_batch(tokenized, np.arange(5), 4, 64, 2)
+    assert batch["index"].tolist() == [[0, -1], [1, -1], [2, -1], [3, 4]]
+    with pytest.raises(ValueError, match=r"5 prompts need 4 rows of 64 tokens with up to 2 prompts each; the batch "
+                                         r"has 3 rows of 2 prompt slots"):
+        packed_batch(tokenized, np.arange(5), 3, 64, 2)
+    with pytest.raises(ValueError, match=r"the batch has 4 rows of 1 prompt slots"):
+        packed_batch(tokenized, np.arange(5), 4, 64, 1)
+
+
 def test_training_stream_is_seeded():
     tokenized = toy_tokenized([5] * 32, max_length=64)
     first = [next(train_batches(tokenized, batch_size=8, seed=s))["index"].tolist() for s in (0, 0, 1)]
@@ -230,12 +289,13 @@ def test_training_stream_state_round_trips():
     assert [as_lists(next(resumed)) for _ in range(5)] == expected
 
 
-def test_rows_take_positions_of_each_global_batch():
+@pytest.mark.parametrize("pack", [False, True])
+def test_rows_take_positions_of_each_global_batch(pack):
     """Processes that hold complementary positions together see exactly the single-process batches."""
-    tokenized = toy_tokenized([5] * 12, max_length=64)
-    single = train_batches(tokenized, batch_size=8, seed=7)
+    tokenized = toy_tokenized([40, 5, 30, 20, 12, 50, 7, 33, 25, 9, 60, 14], max_length=64)
+    single = train_batches(tokenized, batch_size=8, seed=7, pack=pack)
     positions = ([0, 1, 4, 5], [2, 3, 6, 7])  # e.g. grad_accum 2, each process half of each micro-batch
-    shards = [train_batches(tokenized, batch_size=8, seed=7, rows=rows) for rows in positions]
+    shards = [train_batches(tokenized, batch_size=8, seed=7, pack=pack, rows=rows) for rows in positions]
     for _ in range(5):  # 12 examples in batches of 8: crosses epochs
         whole = next(single)
         parts = [next(s) for s in shards]

@@ -1,7 +1,7 @@
 """The pooled evaluation and the per-step training length.
 
-What is checked: lane batches hold each lane's rows once, in lockstep, with
-even batch sizes; the pool gives every run the testsets and its own training
+What is checked: lane batches hold each lane's rows once, packed, in
+lockstep, in one shape; the pool gives every run the testsets and its own training
 set only, and `evaluate` puts each margin back where it belongs (checked with
 a fake step whose margin is known from the row alone, and with the real eval
 step against the full model's logits); a training step is cut to the smallest
@@ -50,39 +50,31 @@ def tokenized(lengths, *, first_token=0, max_length=64, seed=0):
 def test_lanes_are_batched_in_lockstep_each_row_once():
     tok = tokenized([5, 40, 7, 60, 12, 33, 3, 20, 50, 9])
     lanes = [[0, 1, 2, 3, 4, 5], [0, 1, 2, 3, 4, 5, 6, 7, 8, 9], [9]]
-    batches = list(eval_batches(tok, batch_size=2, buckets=(16, 64), lanes=lanes))
-    # bucket 16 holds 0, 2, 4, 6, 9; bucket 64 holds 1, 3, 5, 7, 8. The fullest lane decides the batch count.
-    assert [b["input_ids"].shape for b in batches] == [(3, 2, 16)] * 3 + [(3, 2, 64)] * 3
-    assert batches[0]["index"].tolist() == [[0, 2], [0, 2], [9, -1]]
-    assert batches[2]["index"].tolist() == [[-1, -1], [9, -1], [-1, -1]]
+    batches = list(eval_batches(tok, batch_tokens=128, lanes=lanes))
+    # Rows of 64, 2 a batch: lane 1, the fullest, packs 4 rows (60 | 50 12 | 40 20 3 | 33 9 7 5), so 2 batches
+    # of one shape, with up to 4 prompts a row.
+    assert [b["input_ids"].shape for b in batches] == [(3, 2, 64)] * 2
+    assert batches[0]["index"][1].tolist() == [[3, -1, -1, -1], [8, 4, -1, -1]]
+    assert batches[1]["index"][1].tolist() == [[1, 7, 6, -1], [5, 9, 2, 0]]
+    assert batches[1]["index"][2].tolist() == [[-1] * 4] * 2  # lane 2's one row went in the first batch
     for lane, rows in enumerate(lanes):
         seen = np.concatenate([b["index"][lane][b["valid"][lane]] for b in batches])
         assert sorted(seen.tolist()) == rows
     for b in batches:
-        for lane in range(3):
-            for slot, row in enumerate(b["index"][lane]):
-                expected = make_batch(tok, np.array([row]), b["input_ids"].shape[-1])
-                assert all(np.array_equal(b[key][lane, slot], expected[key][0]) for key in expected), (lane, row)
-
-
-def test_even_batches_spread_a_bucket_over_the_fewest_batches():
-    tok = tokenized([10] * 9 + [40] * 3)
-    shapes = collections.Counter(b["input_ids"].shape for b in eval_batches(tok, batch_tokens=128, buckets=(16, 64)))
-    assert shapes == {(8, 16): 2, (2, 64): 2}  # 9 rows of at most 8: 8 + 1; 3 rows of at most 2: 2 + 1
-    even = list(eval_batches(tok, batch_tokens=128, buckets=(16, 64), row_multiple=2, even=True))
-    # 9 rows -> 2 batches of 5 (rounded up to 6 for row_multiple 2); 3 rows of at most 2 -> 2 batches of 2.
-    assert collections.Counter(b["input_ids"].shape for b in even) == {(6, 16): 2, (2, 64): 2}
-    assert sorted(np.concatenate([b["index"][b["valid"]] for b in even]).tolist()) == list(range(12))
-    few = list(eval_batches(tok, batch_tokens=1024, buckets=(16, 64), even=True))
-    assert [b["input_ids"].shape for b in few] == [(9, 16), (3, 64)]  # one batch each, no padding row
+        for lane, row, slot in zip(*np.nonzero(b["valid"])):
+            prompt = tok.prompt(b["index"][lane, row, slot])
+            stop = b["answer_pos"][lane, row, slot] + 1
+            assert b["input_ids"][lane, row, stop - len(prompt) : stop].tolist() == prompt.tolist()
+            assert (b["attention_mask"][lane, row, stop - len(prompt) : stop] == slot + 1).all()
+            assert b["label"][lane, row, slot] == tok.labels[b["index"][lane, row, slot]]
 
 
 def test_bad_lanes_and_buckets_are_named():
     tok = tokenized([5, 6])
     with pytest.raises(ValueError, match=r"lane 1 names rows outside \[0, 2\): \[2\]"):
-        eval_batches(tok, batch_size=2, lanes=[[0], [1, 2]])
+        eval_batches(tok, batch_tokens=64, lanes=[[0], [1, 2]])
     with pytest.raises(ValueError, match="lanes is empty"):
-        eval_batches(tok, batch_size=2, lanes=[])
+        eval_batches(tok, batch_tokens=64, lanes=[])
     assert fitting_bucket((32, 64), 32) == 32 and fitting_bucket((32, 64), 33) == 64
     with pytest.raises(ValueError, match=r"65 tokens do not fit the largest bucket, 64"):
         fitting_bucket((32, 64), 65)
@@ -96,17 +88,20 @@ def pool_sets():
 
 def test_pool_gives_each_run_the_shared_sets_and_its_own_and_evaluate_places_every_margin():
     shared, own = pool_sets()
-    pool = make_eval_pool(shared, own, batch_tokens=128, buckets=(16, 64), row_multiple=2)
+    pool = make_eval_pool(shared, own, batch_tokens=128, row_multiple=2)
     assert pool.num_runs == 2
     computed = np.zeros(2, int)
     for batch in pool.batches:
         assert batch["input_ids"].shape[0] == 2 and batch["input_ids"].shape[1] % 2 == 0
-        computed += batch["valid"].sum(axis=1)
+        computed += batch["valid"].sum(axis=(1, 2))
     assert computed.tolist() == [5 + 3 + 3, 5 + 3 + 1]  # no run scores the other's training set
 
     def fake_step(base_state, lora, batch):
-        """Margin = the row's marker token + 1000 * run: known without the pool's bookkeeping."""
-        return batch["input_ids"][:, :, 0] + 1000.0 * np.arange(2)[:, None]
+        """Margin = the prompt's marker (first) token + 1000 * run: known without the pool's bookkeeping."""
+        positions = batch["answer_pos"]
+        starts = np.concatenate([np.zeros_like(positions[..., :1]), positions[..., :-1] + 1], axis=-1)
+        markers = np.take_along_axis(batch["input_ids"], starts, axis=-1)
+        return markers + 1000.0 * np.arange(2)[:, None, None]
 
     margins = evaluate(fake_step, None, None, pool, place=lambda batch: batch)
     for run in range(2):
@@ -123,13 +118,13 @@ def test_pool_gives_each_run_the_shared_sets_and_its_own_and_evaluate_places_eve
 def test_pool_errors():
     shared, own = pool_sets()
     with pytest.raises(ValueError, match="one mapping in `own` per run"):
-        make_eval_pool(shared, [], batch_tokens=64, buckets=(64,))
+        make_eval_pool(shared, [], batch_tokens=64)
     with pytest.raises(ValueError, match=r"run 1's own sets \['a'\] have the names of shared sets"):
-        make_eval_pool(shared, [{}, {"a": own[0]["train"]}], batch_tokens=64, buckets=(64,))
+        make_eval_pool(shared, [{}, {"a": own[0]["train"]}], batch_tokens=64)
     with pytest.raises(ValueError, match="run 0 scores no set"):
-        make_eval_pool({}, [{}], batch_tokens=64, buckets=(64,))
+        make_eval_pool({}, [{}], batch_tokens=64)
     with pytest.raises(ValueError, match=r"must share a max_length; got \[64, 128\]"):
-        make_eval_pool({"a": tokenized([5]), "b": tokenized([5], max_length=128)}, [{}], batch_tokens=64, buckets=(64,))
+        make_eval_pool({"a": tokenized([5]), "b": tokenized([5], max_length=128)}, [{}], batch_tokens=64)
 
 
 def test_pooled_margins_are_the_full_models_logit_differences():
@@ -138,10 +133,11 @@ def test_pooled_margins_are_the_full_models_logit_differences():
     # Non-zero B, so the two runs' adapters (and margins) differ.
     runs = runs.replace(lora=jax.tree.map(lambda x: x + 0.05 * np.cos(np.arange(x.size).reshape(x.shape)), runs.lora))
     shared, own = pool_sets()
-    pool = make_eval_pool(shared, own, batch_tokens=128, buckets=(16, 64))
+    pool = make_eval_pool(shared, own, batch_tokens=128)
+    assert any(b["valid"].sum(axis=-1).max() > 1 for b in pool.batches)  # rows hold several prompts
     eval_step = steps.make_eval_step(graphdef, YES, NO)
     margins = evaluate(eval_step, base, runs.lora, pool, place=lambda batch: batch)
-    assert eval_step._cache_size() == 2  # one compilation per bucket, for the whole pool
+    assert eval_step._cache_size() == 1  # one batch shape, one compilation, for the whole pool
     for run in range(2):
         lora_model = nnx.view(nnx.merge(graphdef, base, steps.select_run(runs.lora, run)), deterministic=True)
         for name, tok in {**shared, **own[run]}.items():

@@ -17,6 +17,7 @@ import sys
 import textwrap
 
 import numpy as np
+import pytest
 
 from analysis import schema
 from tests.engine_configs import SHRUNK_DEMO_ARGS
@@ -103,9 +104,10 @@ def test_two_processes_share_one_eight_device_mesh():
     assert outputs[1][1].split() == ["4", "5", "6", "7", "12", "13", "14", "15"]
 
 
-def test_two_processes_train_the_demo_like_one(tmp_path):
+@pytest.mark.parametrize("pack", [False, True], ids=["one_prompt_a_row", "packed"])
+def test_two_processes_train_the_demo_like_one(tmp_path, pack):
     def main_args(name: str) -> list[str]:
-        return ["-m", "oodjax.main", *DEMO_ARGS, f"--config.output_dir={tmp_path / name}",
+        return ["-m", "oodjax.main", *DEMO_ARGS, f"--config.train.pack={pack}", f"--config.output_dir={tmp_path / name}",
                 f"--config.data.cache_dir={tmp_path / 'cache'}"]
 
     one_env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8")

@@ -1,17 +1,22 @@
 """load_pretrained's checks and conventions, from_config, and placement on a device mesh."""
 
+import contextlib
 import json
+import re
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
 from flax import nnx
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from oodjax.models import from_config, load_pretrained, logical_to_spec
+from oodjax.models.checkpoint import SafetensorsFile, open_checkpoint
 from oodjax.models.loading import hf_parameter_name
 from test_models_parity import LAYOUTS, assert_matches_hf, jitted, padded_batches, save, tiny_hf_model
 
@@ -91,6 +96,51 @@ def test_pickled_weights_need_allow_pickle(opt_checkpoint, tmp_path):
     with pytest.raises(ValueError, match=r"pytorch_model.bin holds pickled PyTorch weights.*allow_pickle=True"):
         load_pretrained(tmp_path)
     assert_matches_hf(load_pretrained(tmp_path, allow_pickle=True), hf_model, 96)
+
+
+def _cut_data(path):
+    """Drop the file's last 100 bytes: the tensor stored last (by offset) is cut short."""
+    with safe_open(path, framework="numpy") as handle:
+        last = handle.offset_keys()[-1]
+    path.write_bytes(path.read_bytes()[:-100])
+    where = rf"'{re.escape(last)}' in {re.escape(str(path))}"
+    return rf"{where} ends at byte \d+, but the file has \d+ bytes: the file is truncated"
+
+
+def _cut_header(path):
+    path.write_bytes(path.read_bytes()[:20])
+    return rf"{re.escape(str(path))} is truncated or not a safetensors file: its header would end at byte"
+
+
+def _scramble_header(path):
+    data = bytearray(path.read_bytes())
+    data[8:40] = b"\xff" * 32
+    path.write_bytes(bytes(data))
+    return rf"{re.escape(str(path))} has a corrupt safetensors header"
+
+
+def _empty(path):
+    path.write_bytes(b"")
+    return rf"{re.escape(str(path))} ends inside its header length: the file is truncated"
+
+
+@pytest.mark.parametrize("damage", [_cut_data, _cut_header, _scramble_header, _empty])
+def test_truncated_or_corrupt_safetensors_is_an_error_naming_the_file(opt_checkpoint, tmp_path, damage):
+    folder = copy_checkpoint(opt_checkpoint[0], tmp_path)
+    message = damage(folder / "model.safetensors")
+    with pytest.raises(ValueError, match=message):
+        load_pretrained(folder)
+
+
+def test_index_naming_a_tensor_its_shard_lacks_is_an_error(tmp_path):
+    save(tiny_hf_model(LAYOUTS["olmo2_gqa"]()), tmp_path, sharded=True)
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    first_shard = min(index["weight_map"].values())
+    name = next(name for name, shard in index["weight_map"].items() if shard != first_shard)
+    index["weight_map"][name] = first_shard
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match=rf"puts '{re.escape(name)}' in {re.escape(first_shard)}, which does not hold it"):
+        load_pretrained(tmp_path)
 
 
 def test_hub_id_offline_fails_clearly():
@@ -241,3 +291,63 @@ def test_jitted_forward_runs_on_the_mesh_shardings(tmp_path):
     ids, mask = padded_batches(96)["right"]
     logits = jax.jit(lambda s: nnx.merge(graphdef, s)(ids, mask))(sharded_state)
     np.testing.assert_allclose(logits, jitted(model)(ids, mask)[0], atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- reading slices
+
+
+@pytest.mark.parametrize(
+    "dtype, numpy_dtype", [(torch.float32, np.float32), (torch.float16, np.float16), (torch.bfloat16, jnp.bfloat16)]
+)
+def test_slices_read_only_their_rows_and_equal_the_full_tensor(tmp_path, dtype, numpy_dtype, monkeypatch):
+    """Each slice equals numpy's slice of the whole tensor, in the stored dtype, from reading only its rows."""
+    torch.manual_seed(0)
+    tensors = {"a.first": torch.randn(5, dtype=dtype), "b.matrix": torch.randn(13, 6, dtype=dtype)}
+    save_file(tensors, tmp_path / "model.safetensors")
+    full = tensors["b.matrix"].float().numpy()  # exact: float32 holds every float16 and bfloat16
+    row_bytes = 6 * tensors["b.matrix"].element_size()
+    read_sizes, read_into = [], SafetensorsFile._read_into
+
+    def counted_read_into(self, buffer, offset, what):
+        read_sizes.append(len(memoryview(buffer)))
+        read_into(self, buffer, offset, what)
+
+    monkeypatch.setattr(SafetensorsFile, "_read_into", counted_read_into)
+    with contextlib.ExitStack() as stack:
+        checkpoint = open_checkpoint(tmp_path, allow_pickle=False, stack=stack)
+        for index, rows_read in [
+            ((slice(3, 7), slice(None)), 4),
+            ((slice(None), slice(2, 5)), 13),
+            ((slice(12, 13), slice(1, 6)), 1),
+            ((slice(None, None, -2), slice(None)), 13),
+            ((slice(4, 4), slice(None)), 0),
+        ]:
+            read_sizes.clear()
+            block = checkpoint.read("b.matrix", index)
+            assert block.dtype == numpy_dtype
+            np.testing.assert_array_equal(block.astype(np.float32), full[index])
+            assert read_sizes == [rows_read * row_bytes], index
+        np.testing.assert_array_equal(
+            checkpoint.read("a.first", (slice(1, 4),)).astype(np.float32), tensors["a.first"].float().numpy()[1:4]
+        )
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_sharded_half_precision_checkpoint_fills_every_device_block_exactly(tmp_path, dtype):
+    """On a mesh each device's block is read from its rows alone; all blocks equal the stored tensor's."""
+    hf_model = tiny_hf_model(LAYOUTS["olmo2_gqa"]()).to(dtype)
+    save(hf_model, tmp_path, sharded=True)
+    stored = hf_model.state_dict()
+    model = load_pretrained(tmp_path, mesh=auto_mesh(), dtype="float32")
+    sharded = 0
+    for path, variable in nnx.iter_graph(model):
+        if not isinstance(variable, nnx.Param):
+            continue
+        name, transposed = hf_parameter_name(path)
+        expected = stored[name].float().numpy()
+        expected = expected.T if transposed else expected
+        array = variable[...]
+        sharded += not array.sharding.is_fully_replicated
+        for shard in array.addressable_shards:
+            np.testing.assert_array_equal(np.asarray(shard.data), expected[shard.index], err_msg=name)
+    assert sharded > 0

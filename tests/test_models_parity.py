@@ -141,6 +141,42 @@ def test_logits_and_hidden_states_match_transformers(layout, tmp_path):
     print(f"{layout}: max |diff| logits {logits:.2e}, hidden states {hidden:.2e}")
 
 
+@pytest.mark.parametrize("layout", ["opt_350m_layout", "olmo2_gqa", "smollm3_nope", "llama_yarn_rope"])
+def test_packed_prompts_match_each_prompt_alone(layout, tmp_path):
+    """Prompts packed into one row (attention mask = prompt ids) give, at every layer, what each gives alone.
+
+    The reference is transformers run on each prompt by itself, so a prompt
+    attending across its neighbour or a position counted from the row's
+    start (OPT's learned positions) fails at once.
+    """
+    hf_model = tiny_hf_model(LAYOUTS[layout]())
+    model = load_pretrained(save(hf_model, tmp_path))
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(2, 96, size=n) for n in (9, 3, 6, 2)]
+    rows = [[0, 1], [2, 3]]  # prompt indices packed into each row, in order
+    width = 16
+    ids = np.full((len(rows), width), PAD_ID, np.int64)
+    segments = np.zeros((len(rows), width), np.int64)
+    spans = {}
+    for row, members in enumerate(rows):
+        start = 0
+        for segment, prompt in enumerate(members, start=1):
+            stop = start + len(prompts[prompt])
+            ids[row, start:stop], segments[row, start:stop] = prompts[prompt], segment
+            spans[prompt] = (row, slice(start, stop))
+            start = stop
+    logits, hidden = jitted(model)(ids, segments)
+    worst = {"logits": 0.0, "hidden": 0.0}
+    for prompt, (row, span) in spans.items():
+        with torch.no_grad():
+            alone = hf_model(torch.tensor(prompts[prompt][None]), output_hidden_states=True)
+        worst["logits"] = max(worst["logits"], float(np.abs(np.asarray(logits[row, span]) - alone.logits[0].numpy()).max()))
+        for ours, theirs in zip(hidden, alone.hidden_states, strict=True):
+            worst["hidden"] = max(worst["hidden"], float(np.abs(np.asarray(ours[row, span]) - theirs[0].numpy()).max()))
+    print(f"{layout} packed: max |diff| logits {worst['logits']:.2e}, hidden states {worst['hidden']:.2e}")
+    assert worst["logits"] <= LOGITS_TOL and worst["hidden"] <= HIDDEN_TOL, worst
+
+
 def test_head_kernel_is_the_final_projection(tmp_path):
     """hidden_states @ head_kernel() is the logits (what the engine computes at the answer position)."""
     hf_model = tiny_hf_model(LAYOUTS["opt_350m_layout"]())

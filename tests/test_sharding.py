@@ -14,6 +14,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from test_steps import LORA, NO, OPT, YES, make_batches, make_optimizer
 
+from oodjax.data import TokenizedSet, eval_batches
 from oodjax.engine import sharding, steps
 from oodjax.models import from_config
 
@@ -72,6 +73,24 @@ def test_sharded_training_equals_one_device(shape, batches, single_device):
         eval_step = steps.make_eval_step(graphdef, YES, NO, mesh=mesh)
         margins = eval_step(base, runs.lora, sharding.shard_batch(batch, mesh))
         np.testing.assert_allclose(margins, expected, rtol=0, atol=LOSS_TOL)
+        # Packed rows (several prompts a row, answers gathered per row) split over the devices too.
+        (packed,) = eval_batches(prompts([3, 7, 2, 9, 4, 5, 6, 8, 3, 2, 7, 5]), batch_tokens=96, row_multiple=4)
+        assert packed["input_ids"].shape == (8, 12) and packed["valid"].sum() == 12
+        expected = steps.make_eval_step(one_graphdef, YES, NO)(one_base, one_runs.lora, packed)
+        margins = eval_step(base, runs.lora, sharding.shard_batch(packed, mesh))
+        np.testing.assert_allclose(margins, expected, rtol=0, atol=LOSS_TOL)
+
+
+def prompts(lengths, max_length=12):
+    """A TokenizedSet of random prompts of the given lengths."""
+    rng = np.random.default_rng(0)
+    return TokenizedSet(
+        token_ids=rng.integers(2, OPT["vocab_size"], sum(lengths)).astype(np.int32),
+        starts=np.concatenate([[0], np.cumsum(lengths)]),
+        labels=(np.arange(len(lengths)) % 2).astype(np.int32),
+        truncated=np.zeros(len(lengths), dtype=bool),
+        max_length=max_length,
+    )
 
 
 def test_make_mesh_sizes():

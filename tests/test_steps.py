@@ -18,7 +18,9 @@ import torch
 import transformers
 from flax import nnx
 
+from oodjax.data import TokenizedSet, make_batch, packed_batch
 from oodjax.engine import steps
+from oodjax.engine.run_data import step_batch
 from oodjax.models import from_config
 from oodjax.models.lora import LoRAConfig
 
@@ -257,6 +259,42 @@ def test_buckets_run_each_micro_batch_at_its_own_length():
     assert np.isnan(step(poisoned, None)[0]).all()
     assert steps.micro_batch_lengths((64, 16, 32), 32) == (16, 32)
     assert steps.micro_batch_lengths(None, 24) == (24,)
+
+
+def test_packed_rows_train_like_one_prompt_per_row():
+    """A batch packed several prompts a row (as train_batches makes it) gives the loss and update of the same
+    prompts one per row. Its second micro-batch is empty and holds token ids outside the vocabulary (NaN
+    embeddings): the step must skip it, or the loss would be NaN."""
+    lengths = [3, 5, 4, 2, 9, 6, 7, 3]
+    rng = np.random.default_rng(4)
+    tokenized = TokenizedSet(
+        token_ids=rng.integers(2, OPT["vocab_size"], sum(lengths)).astype(np.int32),
+        starts=np.concatenate([[0], np.cumsum(lengths)]),
+        labels=np.array([0, 1, 1, 0, 1, 0, 0, 1], np.int32),
+        truncated=np.zeros(len(lengths), bool),
+        max_length=16,
+    )
+    one_per_row = step_batch([make_batch(tokenized, np.arange(8), 16)], grad_accum=1)
+    packed = step_batch([packed_batch(tokenized, np.arange(8), 8, 16, 8)], grad_accum=2)
+    assert packed["valid"][0, 0].sum() == 8 and not packed["valid"][0, 1].any()  # 39 tokens: 3 rows of 16
+    packed["input_ids"][:, 1] = 10 * OPT["vocab_size"]
+    no_dropout = LoRAConfig(rank=4, alpha=8.0, dropout=0.0)
+
+    def step(data, grad_accum):
+        optimizer = make_optimizer()
+        graphdef, base, runs = steps.init_runs(from_config(OPT, seed=0), [0], no_dropout, optimizer)
+        train_step = steps.make_train_step(graphdef, optimizer, YES, NO, grad_accum=grad_accum, buckets=(8, 16))
+        runs, loss = train_step(base, runs, data)
+        runs, second = train_step(base, runs, data)  # B is no longer zero: the adapters act on both layouts
+        return np.asarray([loss, second]), flat(runs.lora)
+
+    loss, lora = step(one_per_row, 1)
+    packed_loss, packed_lora = step(packed, 2)
+    print("packed vs one per row: max |loss diff|", np.abs(packed_loss - loss).max())
+    assert np.isfinite(packed_loss).all()
+    np.testing.assert_allclose(packed_loss, loss, rtol=0, atol=TOGETHER_LOSS_TOL)
+    for path, value in lora.items():
+        np.testing.assert_allclose(packed_lora[path], value, rtol=0, atol=TOGETHER_ADAPTER_TOL, err_msg=str(path))
 
 
 def test_malformed_batches_are_clear_errors(together, batches):

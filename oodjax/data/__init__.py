@@ -8,8 +8,11 @@ from oodjax.data.pipeline import (
     few_shot,
     fitting_bucket,
     make_batch,
+    pack_rows,
+    packed_batch,
     stratified_subset,
     train_batches,
+    train_prompts_per_row,
 )
 from oodjax.data.prompts import (
     DEFAULT_MAX_LENGTH,
@@ -37,9 +40,12 @@ __all__ = [
     "format_prompt",
     "load_testset",
     "make_batch",
+    "pack_rows",
+    "packed_batch",
     "stratified_subset",
     "testset_spec",
     "tokenize_testset",
     "train_batches",
+    "train_prompts_per_row",
     "training_pool",
 ]

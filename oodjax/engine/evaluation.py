@@ -2,13 +2,13 @@
 
 An evaluation is one pool of examples: the testsets, which every run
 scores, and each run's own sets (its few-shot training set), which only
-that run scores. The pool is bucketed by length as a whole and cut into
-batches by a token budget, so a bucket's last, partly padded batch happens
-once per evaluation rather than once per testset. Batches carry a run axis
-[R, B, ...]: run r's lane holds the examples run r scores, so no run
-computes another run's training set. The batches are built once and
-replayed by every evaluation through the same compiled step (one shape per
-bucket): after the first evaluation nothing compiles again.
+that run scores. The pool's prompts are packed several to a row as a whole
+and cut into batches by a token budget, so little is padding and the last,
+partly filled batch happens once per evaluation rather than once per
+testset. Batches carry a run axis [R, B, ...]: run r's lane holds the
+examples run r scores, so no run computes another run's training set. The
+batches are built once and replayed by every evaluation through the same
+compiled step (one shape): after the first evaluation nothing compiles again.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ class EvalPool:
 
     sets: tuple[dict[str, slice], ...]  # run r: each set it scores -> that set's rows of the pool
     labels: np.ndarray  # [pool rows] 0 = entailment
-    batches: tuple[Batch, ...]  # `index` [R, B] is the pool row, -1 on padding
+    batches: tuple[Batch, ...]  # `index` [R, B, P] is the pool row, -1 on empty prompt slots
 
     @property
     def num_runs(self) -> int:
@@ -47,16 +47,15 @@ def make_eval_pool(
     own: Sequence[Mapping[str, TokenizedSet]],
     *,
     batch_tokens: int,
-    buckets: Sequence[int],
     row_multiple: int = 1,
     pad_id: int = 0,
 ) -> EvalPool:
     """The pool of the ``shared`` sets (scored by every run) and run r's ``own[r]`` (by run r alone).
 
     ``own`` has one mapping per run (empty when a run has no sets of its
-    own). Each bucket's batches hold about ``batch_tokens`` tokens at most,
-    a multiple of ``row_multiple`` rows (the devices the batch is split
-    over), spread evenly over the fewest batches that allows.
+    own). Batches hold about ``batch_tokens`` tokens at most, in rows of the
+    sets' max_length, a multiple of ``row_multiple`` rows (the devices the
+    batch is split over), spread evenly over the fewest batches that allows.
     """
     if not own:
         raise ValueError("make_eval_pool needs one mapping in `own` per run (an empty one for a run without sets)")
@@ -74,15 +73,12 @@ def make_eval_pool(
     sets = tuple({**shared_rows, **{name: next(spans) for name in run_sets}} for run_sets in own)
     rows = np.arange(len(pooled))
     lanes = [np.concatenate([rows[span] for span in run_sets.values()]) for run_sets in sets]
-    batches = eval_batches(
-        pooled, batch_tokens=batch_tokens, buckets=buckets, row_multiple=row_multiple, pad_id=pad_id, lanes=lanes,
-        even=True,
-    )
+    batches = eval_batches(pooled, batch_tokens=batch_tokens, row_multiple=row_multiple, pad_id=pad_id, lanes=lanes)
     return EvalPool(sets=sets, labels=np.asarray(pooled.labels, dtype=np.int32), batches=tuple(batches))
 
 
 def _concatenate(parts: Sequence[TokenizedSet]) -> TokenizedSet:
-    """One TokenizedSet of ``parts``' prompts, in order (they must share a max_length, hence buckets)."""
+    """One TokenizedSet of ``parts``' prompts, in order (they must share a max_length, the row length)."""
     max_lengths = sorted({t.max_length for t in parts})
     if len(max_lengths) != 1:
         raise ValueError(f"the sets of one evaluation must share a max_length; got {max_lengths}")
@@ -108,15 +104,15 @@ def evaluate(
 
     All batches are dispatched before any result is fetched, so the host
     never waits on the device between batches. `place` puts a batch
-    [R, B, ...] on the devices (sharded over the example axis B).
+    [R, B, ...] on the devices (sharded over the row axis B).
     """
     outputs = [eval_step(base_state, lora, place({key: batch[key] for key in _STEP_KEYS})) for batch in pool.batches]
     margins = np.zeros((pool.num_runs, len(pool.labels)), dtype=np.float32)
     covered = np.zeros(margins.shape, dtype=bool)
     for batch, output in zip(pool.batches, outputs):
-        runs, slots = np.nonzero(batch["valid"])
-        rows = batch["index"][runs, slots]
-        margins[runs, rows] = np.asarray(jax.device_get(output))[runs, slots]
+        valid = batch["valid"]
+        runs, rows = np.nonzero(valid)[0], batch["index"][valid]
+        margins[runs, rows] = np.asarray(jax.device_get(output))[valid]
         covered[runs, rows] = True
     for run, run_sets in enumerate(pool.sets):
         for name, span in run_sets.items():

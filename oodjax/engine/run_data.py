@@ -4,9 +4,11 @@ Testsets are loaded, capped and tokenised once (the data layer caches the
 tokenisation on disk) and shared by all runs. Each run draws its own few-shot
 set and data order from its seed. The testsets and the runs' few-shot sets
 are evaluated as one pool (``oodjax.engine.evaluation``), each run scoring
-the testsets and its own few-shot set only. Training batches are sorted by
-prompt length and padded to one length for the whole job; the train step
-runs each micro-batch at the smallest bucket that holds it.
+the testsets and its own few-shot set only. Training batches have rows of
+one length for the whole job, one prompt a row sorted by length or, with
+train.pack, several prompts a row, fullest rows first; the train step runs
+each micro-batch at the smallest bucket that holds it and skips those that
+hold no prompt.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from oodjax.data import (
     stratified_subset,
     tokenize_testset,
     train_batches,
+    train_prompts_per_row,
     training_pool,
 )
 from oodjax.engine.evaluation import EvalPool, make_eval_pool
@@ -43,7 +46,7 @@ TRAIN_KEYS = ("input_ids", "attention_mask", "answer_pos", "label", "valid")
 @dataclasses.dataclass(frozen=True)
 class RunsData:
     eval_pool: EvalPool  # config.data.testsets in order, then run r's few-shot set as schema.TRAIN_TESTSET
-    streams: list[grain.DatasetIterator]  # run r's training batches, padded to the longest bucket any needs
+    streams: list[grain.DatasetIterator]  # run r's training batches, rows of the longest bucket any needs
     buckets: tuple[int, ...]  # the sequence lengths batches are cut to
 
 
@@ -60,8 +63,8 @@ def load_runs_data(
     `train_rows` are the positions in each global training batch that this
     process feeds (``sharding.process_step_rows``; None: all of them).
 
-    An evaluation batch holds at most eval.batch_size examples of the longest
-    bucket's length, in tokens: shorter buckets take proportionally more rows.
+    An evaluation batch holds eval.batch_size rows of data.max_length tokens at
+    most, each packed with as many prompts as fit.
     """
     data = config.data
     testsets = {}
@@ -80,12 +83,16 @@ def load_runs_data(
     train_sets = [_tokenize(config, few_shot(pool, shots, seed), tokenizer) for seed, shots in runs]
     buckets = _buckets(config)
     seq_len = fitting_bucket(buckets, max(int(t.lengths.max()) for t in train_sets))
+    batch_size, pack = config.train.batch_size, config.train.pack
+    prompts_per_row = train_prompts_per_row(train_sets, batch_size=batch_size, seq_len=seq_len) if pack else None
     streams = [
         train_batches(
             tokenized,
-            batch_size=config.train.batch_size,
+            batch_size=batch_size,
             seed=seed,
             seq_len=seq_len,
+            pack=pack,
+            prompts_per_row=prompts_per_row,
             rows=train_rows,
             pad_id=_pad_id(tokenizer),
         )
@@ -94,8 +101,7 @@ def load_runs_data(
     eval_pool = make_eval_pool(
         testsets,
         [{schema.TRAIN_TESTSET: tokenized} for tokenized in train_sets],
-        batch_tokens=config.eval.batch_size * buckets[-1],
-        buckets=buckets,
+        batch_tokens=config.eval.batch_size * data.max_length,
         row_multiple=batch_shards,
         pad_id=_pad_id(tokenizer),
     )
@@ -105,9 +111,9 @@ def load_runs_data(
 def step_batch(per_run: Sequence[Batch], *, grad_accum: int) -> Batch:
     """The runs' batches of one step as the train step takes them: [R, grad_accum, micro_batch, S].
 
-    Every run's stream pads to the same length S (the bucket of the longest
-    prompt of any run's set), so the step compiles once; the train step cuts
-    each micro-batch to its own bucket.
+    Every run's stream has rows of the same length S (the bucket of the
+    longest prompt of any run's set), and packed rows the same prompt slots,
+    so the step compiles once; it cuts each micro-batch to its own bucket.
     """
 
     def stacked(key: str) -> np.ndarray:

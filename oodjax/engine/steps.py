@@ -156,10 +156,17 @@ def _cast_floats(tree: Any, dtype: jnp.dtype | None) -> Any:
 
 
 def _answer_hidden(model: nnx.Module, batch: Batch) -> jax.Array:
-    """The final hidden state [B, H'] at each example's answer position (its last prompt token)."""
+    """The final hidden state at each prompt's answer position (its last token): [B, H'] or [B, P, H'].
+
+    ``answer_pos`` is [B] (one prompt per row) or [B, P] (P prompt slots of a
+    packed row); the gather stays within each row, so a batch split over
+    devices by rows gathers on each device alone.
+    """
     hidden = model.hidden_states(batch["input_ids"], batch["attention_mask"])
-    rows = jnp.arange(hidden.shape[0])
-    return hidden[rows, batch["answer_pos"]]
+    positions = batch["answer_pos"]
+    per_row = positions.reshape(positions.shape[0], -1, 1)
+    picked = jnp.take_along_axis(hidden, per_row, axis=1)
+    return picked.reshape(*positions.shape, hidden.shape[-1])
 
 
 def micro_batch_lengths(buckets: Sequence[int] | None, seq_len: int) -> tuple[int, ...]:
@@ -168,16 +175,27 @@ def micro_batch_lengths(buckets: Sequence[int] | None, seq_len: int) -> tuple[in
 
 
 def _check_batch(batch: Batch, layout: str, leading: tuple[int, ...]) -> None:
-    """Trace-time shape check (shapes are static), so a malformed batch fails once and clearly."""
+    """Trace-time shape check (shapes are static), so a malformed batch fails once and clearly.
+
+    Per-prompt leaves (answer_pos, label, valid) have the rows' shape, with
+    a trailing prompt-slot axis when rows are packed.
+    """
     for key in ("input_ids", "attention_mask", "answer_pos", "label"):
         if key not in batch:
             raise ValueError(f"batch is missing {key!r}; it has {sorted(batch)}")
     ids = batch["input_ids"]
     if ids.ndim != len(leading) + 2 or tuple(ids.shape[: len(leading)]) != leading:
         raise ValueError(f"batch['input_ids'] has shape {tuple(ids.shape)}; expected {layout}")
-    for key in ("answer_pos", "label") + (("valid",) if "valid" in batch else ()):
-        if tuple(batch[key].shape) != tuple(ids.shape[:-1]):
-            raise ValueError(f"batch[{key!r}] has shape {tuple(batch[key].shape)}; expected {tuple(ids.shape[:-1])}")
+    if tuple(batch["attention_mask"].shape) != tuple(ids.shape):
+        raise ValueError(f"batch['attention_mask'] has shape {tuple(batch['attention_mask'].shape)}; expected {tuple(ids.shape)}")
+    answers = tuple(batch["answer_pos"].shape)
+    if answers[: ids.ndim - 1] != tuple(ids.shape[:-1]) or len(answers) > ids.ndim:
+        raise ValueError(
+            f"batch['answer_pos'] has shape {answers}; expected {tuple(ids.shape[:-1])} (+ a prompt-slot axis if packed)"
+        )
+    for key in ("label",) + (("valid",) if "valid" in batch else ()):
+        if tuple(batch[key].shape) != answers:
+            raise ValueError(f"batch[{key!r}] has shape {tuple(batch[key].shape)}; expected {answers} (answer_pos's)")
 
 
 def make_train_step(
@@ -202,13 +220,16 @@ def make_train_step(
     divided by the valid count, so accumulation is exact, not an average of
     averages. ``runs`` is donated.
 
+    Rows may hold one prompt each (``make_batch``) or several (packed by
+    ``train_batches``; per-prompt leaves then have a prompt-slot axis).
     ``buckets`` are sequence lengths a micro-batch may be cut to: each runs at
-    the smallest that holds its longest prompt over all runs (prompts are
-    right-padded, so the cut drops only padding). The choice is made inside
-    the step (``lax.switch``), so the step compiles once for the batch's full
-    length, every device of every process takes the same branch, and
-    length-sorted micro-batches (``train_batches`` sorts each batch) compute
-    little padding. None runs every micro-batch at the batch's length.
+    the smallest that holds its longest row over all runs (rows are filled
+    from the left, so the cut drops only padding), and a micro-batch with no
+    valid prompt in any run is skipped. The choice is made inside the step
+    (``lax.switch``), so the step compiles once for the batch's full length,
+    every device of every process takes the same branch, and packed batches
+    (fullest rows first, empty rows last) compute little padding. None runs
+    every non-empty micro-batch at the batch's length.
 
     ``compute_dtype`` (e.g. bfloat16) casts the base and the adapters for the
     forward/backward pass only; the adapters and optimizer state stay float32.
@@ -261,15 +282,22 @@ def make_train_step(
         updates, opt_state = optimizer.update(grads, opt_state, lora)
         return optax.apply_updates(lora, updates), opt_state, loss_sum / count
 
+    def skip(lora, base_state, micro, key):
+        return (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32)), jax.tree.map(jnp.zeros_like, lora)
+
     def train_step(base_state: nnx.State, runs: RunsState, batch: Batch) -> tuple[RunsState, jax.Array]:
         _check_batch(batch, f"[runs={runs.num_runs}, grad_accum={grad_accum}, batch, seq]", (runs.num_runs, grad_accum))
         lengths = micro_batch_lengths(buckets, batch["input_ids"].shape[-1])
-        # Each micro-batch's longest prompt over all runs (and devices) picks its branch.
-        longest = jnp.max(jnp.sum(batch["attention_mask"], axis=-1), axis=(0, 2))
-        branch = jnp.searchsorted(jnp.asarray(lengths), longest)
+        # Each micro-batch's longest row over all runs (and devices) picks its branch; rows are
+        # filled from the left, so a row's used length is its count of non-padding tokens.
+        longest = jnp.max(jnp.sum(batch["attention_mask"] != 0, axis=-1), axis=(0, 2))
+        branch = 1 + jnp.searchsorted(jnp.asarray(lengths), longest)
+        if "valid" in batch:  # branch 0 skips micro-batches that hold no prompt in any run
+            per_micro = jnp.moveaxis(batch["valid"], 1, 0).reshape(grad_accum, -1)
+            branch = jnp.where(jnp.any(per_micro, axis=1), branch, 0)
         base = _cast_floats(base_state, compute_dtype)
         lora, opt_state, loss = jax.vmap(
-            functools.partial(one_run, branches=[grad_at(length) for length in lengths]),
+            functools.partial(one_run, branches=[skip] + [grad_at(length) for length in lengths]),
             in_axes=(0, 0, 0, 0, None, None, None),
         )(runs.lora, runs.opt_state, runs.rng, dict(batch), branch, base, runs.step)
         return runs.replace(lora=lora, opt_state=opt_state, step=runs.step + 1), loss
@@ -288,13 +316,15 @@ def make_eval_step(
     mesh: jax.sharding.Mesh | None = None,
     compute_dtype: jnp.dtype | None = None,
 ) -> Callable[[nnx.State, nnx.State, Batch], jax.Array]:
-    """Jitted ``eval_step(base_state, lora, batch) -> margins [R, B]`` (float32), dropout off.
+    """Jitted ``eval_step(base_state, lora, batch) -> margins [R, B(, P)]`` (float32), dropout off.
 
     ``lora`` is ``runs.lora`` (stacked); ``batch`` leaves are [B, S] ([B] for
-    answer_pos etc.), shared by all runs, or [R, B, S] ([R, B]): run r scores
-    its own examples ``batch[...][r]``. The margin is logit(Yes) - logit(No)
-    at the answer position, computed from the two head columns only. It
-    compiles once per bucket shape; ``eval_step._cache_size()`` counts them.
+    answer_pos etc., or [B, P] for rows packed with P prompt slots, as
+    ``eval_batches`` makes them), shared by all runs, or [R, B, ...]: run r
+    scores its own examples ``batch[...][r]``. Margins have answer_pos's
+    shape behind the run axis. The margin is logit(Yes) - logit(No) at the
+    answer position, computed from the two head columns only. It compiles
+    once per batch shape; ``eval_step._cache_size()`` counts them.
     """
     columns = np.asarray([yes_id, no_id], np.int32)
 
@@ -304,7 +334,7 @@ def make_eval_step(
         hidden = _answer_hidden(model, batch)
         head = jnp.take(model.head_kernel(), columns, axis=1)
         logits = jnp.matmul(hidden, head, preferred_element_type=jnp.float32)
-        return logits[:, 0] - logits[:, 1]
+        return logits[..., 0] - logits[..., 1]
 
     def eval_step(base_state: nnx.State, lora: nnx.State, batch: Batch) -> jax.Array:
         num_runs = jax.tree.leaves(lora)[0].shape[0]

@@ -282,17 +282,35 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 # --------------------------------------------------------------------------- attention
 
 
-def attention(
-    query: jax.Array, key: jax.Array, value: jax.Array, attention_mask: jax.Array, *, scale: float
-) -> jax.Array:
-    """Causal attention that ignores padded keys; query [B,T,N,D], key/value [B,T,K,D] with N % K == 0 (GQA).
+def segment_positions(segments: jax.Array) -> jax.Array:
+    """Each token's position within its prompt [B, S]: 0 at the prompt's first token.
 
+    ``segments`` is the attention mask read as prompt ids (0 = padding; each
+    prompt a contiguous run of one positive id, neighbours distinct), so a
+    prompt packed after others, or after left padding, gets the positions it
+    would have alone at the start of a row.
+    """
+    index = jnp.arange(segments.shape[1])[None, :]
+    previous = jnp.pad(segments, ((0, 0), (1, 0)))[:, :-1]
+    starts = (segments != previous) & (segments != 0)
+    return index - jax.lax.cummax(jnp.where(starts, index, 0), axis=1)
+
+
+def attention(
+    query: jax.Array, key: jax.Array, value: jax.Array, segments: jax.Array, *, scale: float
+) -> jax.Array:
+    """Causal attention within each prompt; query [B,T,N,D], key/value [B,T,K,D] with N % K == 0 (GQA).
+
+    ``segments`` [B, T] is the attention mask read as prompt ids: a 0/1 mask
+    is one prompt per row; larger ids pack several prompts into one row, each
+    seeing only its own earlier tokens, so packing changes no prompt's result.
     Rows of padded queries see no key at all; ``jax.nn.dot_product_attention``
     then spreads them uniformly instead of producing NaNs, so padding never
     poisons real positions.
     """
-    padding = attention_mask.astype(bool)[:, None, None, :]
-    return jax.nn.dot_product_attention(query, key, value, mask=padding, scale=scale, is_causal=True)
+    segments = segments.astype(jnp.int32)
+    same_prompt = (segments[:, :, None] == segments[:, None, :]) & (segments[:, None, :] != 0)
+    return jax.nn.dot_product_attention(query, key, value, mask=same_prompt[:, None], scale=scale, is_causal=True)
 
 
 # --------------------------------------------------------------------------- the decoder stack

@@ -28,6 +28,7 @@ from oodjax.models.layers import (
     attention,
     rope_cos_sin,
     run_layers,
+    segment_positions,
     untied_head,
 )
 
@@ -152,9 +153,10 @@ class LlamaModel(nnx.Module):
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype)
 
     def __call__(self, input_ids: jax.Array, attention_mask: jax.Array, *, all_layers: bool):
-        # transformers numbers positions 0..S-1 whatever the padding; RoPE only sees
-        # differences of positions, so left padding still gives the unpadded result.
-        positions = jnp.arange(input_ids.shape[1])[None, :]
+        # Positions count from each prompt's first token: a right-padded row gets
+        # transformers' 0..S-1; left padding or packing shifts a prompt's positions,
+        # which RoPE, seeing only their differences, does not notice.
+        positions = segment_positions(attention_mask)
         hidden = self.embed_tokens(input_ids)
         # Llama casts the float32 cos/sin tables to the activations' dtype before rotating.
         cos, sin = (t.astype(hidden.dtype) for t in rope_cos_sin(positions, self.config.rope, self.config.head_dim))

@@ -2,9 +2,10 @@
 
 The model is first built abstractly (``nnx.eval_shape``: shapes, no memory);
 each parameter is then filled from its tensor with ``jax.make_array_from_callback``,
-which asks only for the slices each device holds, read from the memory-mapped
-file, converted to the target dtype and transposed for linear layers. So no
-full-precision copy of the model, nor of any sharded tensor, exists on the host.
+which asks only for the slices each device holds, read from the file (only the
+rows a slice covers), converted to the target dtype and transposed for linear
+layers. So no full-precision copy of the model, nor of any sharded tensor,
+exists on the host.
 """
 
 from __future__ import annotations

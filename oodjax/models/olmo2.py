@@ -28,6 +28,7 @@ from oodjax.models.layers import (
     attention,
     rope_cos_sin,
     run_layers,
+    segment_positions,
     untied_head,
 )
 
@@ -115,9 +116,10 @@ class Olmo2Model(nnx.Module):
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype, scale_in_float32=True)
 
     def __call__(self, input_ids: jax.Array, attention_mask: jax.Array, *, all_layers: bool):
-        # transformers numbers positions 0..S-1 whatever the padding; RoPE only sees
-        # differences of positions, so left padding still gives the unpadded result.
-        positions = jnp.arange(input_ids.shape[1])[None, :]
+        # Positions count from each prompt's first token: a right-padded row gets
+        # transformers' 0..S-1; left padding or packing shifts a prompt's positions,
+        # which RoPE, seeing only their differences, does not notice.
+        positions = segment_positions(attention_mask)
         cos, sin = rope_cos_sin(positions, self.config.rope, self.config.head_dim)
         hidden = self.embed_tokens(input_ids)
         hidden, layer_inputs = run_layers(self.layers, hidden, attention_mask, cos, sin, remat=self.config.remat)

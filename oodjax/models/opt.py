@@ -3,8 +3,9 @@
 Two layouts: pre-LayerNorm blocks (125m, 1.3b and up) and the opt-350m one
 (``do_layer_norm_before=False``: norms after each residual add, no final norm,
 and ``project_in``/``project_out`` because ``word_embed_proj_dim`` differs from
-the hidden size). Positions are learned, offset by 2, and count only real
-tokens (from the attention mask), so left padding does not shift them.
+the hidden size). Positions are learned, offset by 2, and count from each
+prompt's first token (``segment_positions``), so left padding or packing
+several prompts into a row does not shift them.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from oodjax.models.layers import (
     activation,
     attention,
     run_layers,
+    segment_positions,
     untied_head,
 )
 
@@ -146,7 +148,7 @@ class OPTDecoder(nnx.Module):
 
     def __call__(self, input_ids: jax.Array, attention_mask: jax.Array, *, all_layers: bool):
         mask = attention_mask.astype(jnp.int32)
-        positions = jnp.cumsum(mask, axis=1) * mask - 1 + POSITION_OFFSET
+        positions = segment_positions(mask) + POSITION_OFFSET
         hidden = self.embed_tokens(input_ids)
         if self.project_in is not None:
             hidden = self.project_in(hidden)
