@@ -62,7 +62,8 @@ def targets_table(results: Mapping[str, Any]) -> str:
         met = ""
         if bound is not None:
             met = "yes" if (value >= bound if direction == "at least" else value <= bound) else "no"
-        rows.append(f"| {case} | {quantity} | {goal} | {_num(value)} | {met} |")
+        # One digit more than elsewhere, so a value just short of its bound does not print as the bound.
+        rows.append(f"| {case} | {quantity} | {goal} | {_num(value, digits=4)} | {met} |")
     return "\n".join(rows)
 
 

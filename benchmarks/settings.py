@@ -1,11 +1,11 @@
 """The three sizes a benchmark run comes in: full (the published figures), quick, and smoke (CI).
 
 Every size measures the same cases with the same contenders; only the model
-shape, the number of examples, the repetitions and the buckets change. Full
-mode aims at 15 minutes on the 2-core machine the figures are taken on (it
-measured 12.6: the training case's compilation and the grid dominate). Smoke
-mode only shows that every case's code runs (CI): one timed repetition, a
-one-run grid, one bucket, so it takes well under a minute of work besides
+shape, the number of examples and the repetitions change. Full mode aims at
+15 minutes on the 2-core machine the figures are taken on (it measured 13.6:
+the grid dominates, its original-approach PyTorch runs alone about 4
+minutes). Smoke mode only shows that every case's code runs (CI): one timed
+repetition, a one-run grid, so it takes well under a minute of work besides
 starting its processes.
 """
 

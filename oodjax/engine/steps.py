@@ -186,12 +186,14 @@ def _check_batch(batch: Batch, layout: str, leading: tuple[int, ...]) -> None:
     ids = batch["input_ids"]
     if ids.ndim != len(leading) + 2 or tuple(ids.shape[: len(leading)]) != leading:
         raise ValueError(f"batch['input_ids'] has shape {tuple(ids.shape)}; expected {layout}")
-    if tuple(batch["attention_mask"].shape) != tuple(ids.shape):
-        raise ValueError(f"batch['attention_mask'] has shape {tuple(batch['attention_mask'].shape)}; expected {tuple(ids.shape)}")
+    mask = tuple(batch["attention_mask"].shape)
+    if mask != tuple(ids.shape):
+        raise ValueError(f"batch['attention_mask'] has shape {mask}; expected {tuple(ids.shape)}")
     answers = tuple(batch["answer_pos"].shape)
     if answers[: ids.ndim - 1] != tuple(ids.shape[:-1]) or len(answers) > ids.ndim:
         raise ValueError(
-            f"batch['answer_pos'] has shape {answers}; expected {tuple(ids.shape[:-1])} (+ a prompt-slot axis if packed)"
+            f"batch['answer_pos'] has shape {answers}; expected {tuple(ids.shape[:-1])} "
+            "(+ a prompt-slot axis if packed)"
         )
     for key in ("label",) + (("valid",) if "valid" in batch else ()):
         if tuple(batch[key].shape) != answers:
