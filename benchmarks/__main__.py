@@ -24,7 +24,8 @@ CASES = ("eval", "train", "loading", "grid")  # the matmul peak always runs: the
 
 def parse(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m benchmarks", description="oodjax against transformers + peft")
-    parser.add_argument("--quick", action="store_true", help="a smaller model and fewer examples (~2 minutes)")
+    parser.add_argument("--quick", action="store_true",
+                        help="a smaller model and fewer examples (~3.5 minutes, most of it the grid's processes)")
     parser.add_argument("--smoke", action="store_true", help="tiny everything, to show it runs (CI)")
     parser.add_argument("--out", type=pathlib.Path, default=None, help="results JSON (markdown goes beside it)")
     parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated subset of {','.join(CASES)}")
