@@ -23,6 +23,7 @@ from benchmarks.oodjax_contenders import Engine
 from benchmarks.settings import Mode
 from benchmarks.workload import Workload, training_order
 from oodjax.data import fitting_bucket
+from oodjax.engine.steps import micro_batch_lengths
 
 
 def run(mode: Mode, workload: Workload, engine: Engine, torch_model: peft.PeftModel, peak_flops: float) -> dict[str, Any]:
@@ -93,9 +94,11 @@ def run(mode: Mode, workload: Workload, engine: Engine, torch_model: peft.PeftMo
 
 
 def _computed_tokens(batch: dict[str, np.ndarray], buckets: tuple[int, ...]) -> int:
-    """Tokens the train step computes for a host batch [1, grad_accum, rows, S]: rows x bucket per non-empty micro-batch."""
+    """Tokens the train step computes for a host batch [1, grad_accum, rows, S]: rows x the length
+    (of the step's own ``micro_batch_lengths``) of each non-empty micro-batch."""
+    lengths = micro_batch_lengths(buckets, batch["input_ids"].shape[-1])
     total = 0
     for mask, valid in zip(batch["attention_mask"][0], batch["valid"][0]):
         if valid.any():
-            total += len(mask) * fitting_bucket(buckets, int((mask != 0).sum(axis=-1).max()))
+            total += len(mask) * fitting_bucket(lengths, int((mask != 0).sum(axis=-1).max()))
     return total
