@@ -23,7 +23,7 @@ from benchmarks.oodjax_contenders import Engine
 from benchmarks.settings import Mode
 from benchmarks.workload import Workload, training_order
 from oodjax.data import fitting_bucket
-from oodjax.engine.steps import micro_batch_lengths
+from oodjax.engine.geometry import micro_batch_lengths
 
 
 def run(mode: Mode, workload: Workload, engine: Engine, torch_model: peft.PeftModel, peak_flops: float) -> dict[str, Any]:

@@ -19,6 +19,7 @@ from oodjax import models
 from oodjax.data import TokenizedSet, packed_batch, train_prompts_per_row
 from oodjax.engine import sharding, steps
 from oodjax.engine.evaluation import EvalPool, evaluate, make_eval_pool
+from oodjax.engine.geometry import BatchGeometry
 from oodjax.engine.run_data import step_batch
 from oodjax.models.lora import LoRAConfig
 
@@ -83,11 +84,15 @@ def build_engine(
     optimizer = steps.make_optimizer(settings.LEARNING_RATE, total_steps, settings.warmup_steps(total_steps),
                                      weight_decay=0.0, max_grad_norm=settings.MAX_GRAD_NORM)
     graphdef, base_state, runs = steps.init_runs(model, list(seeds), lora_config(), optimizer, mesh=mesh)
+    geometry = BatchGeometry(
+        runs=len(seeds), batch_size=settings.TRAIN_BATCH, grad_accum=settings.TRAIN_GRAD_ACCUM,
+        seq_len=settings.MAX_LENGTH, eval_rows=1, eval_seq_len=settings.MAX_LENGTH, buckets=tuple(buckets),
+    )  # eval_rows: the train step reads none of the evaluation fields
     return Engine(
         mesh=mesh,
         base_state=base_state,
         runs=runs,
         eval_step=steps.make_eval_step(graphdef, yes_id, no_id, mesh=mesh),
-        train_step=steps.make_train_step(graphdef, optimizer, yes_id, no_id, grad_accum=settings.TRAIN_GRAD_ACCUM,
-                                         buckets=buckets, mesh=mesh, runs=runs),
+        train_step=steps.make_train_step(graphdef, optimizer, yes_id, no_id, geometry, mesh=mesh,
+                                         base_state=base_state, runs=runs),
     )

@@ -35,9 +35,12 @@ def get_config() -> config_dict.ConfigDict:
     # to it inside the step); empty = the base's dtype. "bfloat16" with a
     # float32 base is mixed precision.
     config.model.compute_dtype = ""
-    # Recompute each decoder layer's activations in the backward pass
-    # (jax.checkpoint) to trade compute for memory on large models.
-    config.model.remat = False
+    # Rematerialisation policy of each (scanned) decoder layer: what it keeps
+    # for the backward pass, the rest recomputed (oodjax.models.REMAT_POLICIES).
+    # "none" keeps everything (fastest, most memory); "full" keeps only the
+    # layer's input; "save_dots" keeps the matmul outputs; "save_dots_except_mlp"
+    # keeps them but for the MLP's, the largest.
+    config.model.remat = "none"
 
     # Tokenizer directory or hub id; empty = the same as `model.path`.
     config.tokenizer = ""
@@ -90,6 +93,11 @@ def get_config() -> config_dict.ConfigDict:
     # order, its adapter initialisation and its dropout.
     config.runs.seeds = (0, 42, 99)
     config.runs.shots = (32, 64, 128)
+    # Runs whose forward and backward passes the train step computes at once
+    # (a loop over chunks of this many, sharing the one frozen base): peak
+    # activation memory is that of `chunk` runs. 0 = all runs at once (fastest).
+    # Same results either way.
+    config.runs.chunk = 0
 
     config.train = config_dict.ConfigDict()
     config.train.steps = 500  # optimizer steps per run

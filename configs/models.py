@@ -1,15 +1,21 @@
 """The study's eight models and what each needs at its size: the one table the model configs read.
 
 Sized so that the 9 runs of one model and training set, trained together on
-one node of 8 devices, fit 80 GB GPUs (A100-80GB, H100): `python -m
-launch.estimate configs/X.py` puts them at 44-51 GB per device with every
-sequence padded to data.max_length (512), and under 30 GB at 256 tokens.
-The axis marked -1 takes every device of the job, so a config runs
-unchanged on 4, 8 or 16 devices (the micro-batch, 16 / grad_accum, must
-divide by the devices). Models up to 7B keep a full copy of the bf16 base on
-every device and split the batch (data parallel); from 13B the base is
-sharded over the devices (fsdp), and the 30B models recompute activations
-(remat).
+one node of 8 devices, fit 80 GB GPUs (A100-80GB, H100), as `python -m
+launch.preflight --config configs/X.py` compiles them (README, "Preflight":
+every config's train step at most 61 GB per device even on CPU, whose XLA
+backend keeps float32 copies of bf16 weights and activations; `python -m
+launch.estimate` puts them at 16-44 GB on a GPU at their real 128-256-token
+training rows). The axis marked -1 takes every device of the job, so a
+config runs unchanged on 4, 8 or 16 devices (the micro-batch, 16 /
+grad_accum, must divide by the devices). Models up to 7B keep a full copy of
+the bf16 base on every device and split the batch (data parallel); from 13B
+the base is sharded over the devices (fsdp). Models whose activations would
+crowd a device keep only the projections' outputs for the backward pass
+(remat "save_dots": norms, RoPE, attention and activations are recomputed,
+the matmuls are not); the 30B models also split each step into two
+micro-batches, and OLMo2-32B computes its 9 runs three at a time
+(runs_chunk), each chunk gathering the sharded weights anew.
 The protocol fields (batch size 16, steps, learning rate) stay at base.py's
 values for every model: only resources change with size.
 """
@@ -31,19 +37,20 @@ class ModelResources:
     mesh: tuple[int, int, int]  # data, fsdp, tensor; -1 = the remaining devices
     grad_accum: int  # micro-batches per optimizer step (divides base's batch of 16)
     eval_batch_size: int
-    remat: bool
+    remat: str  # config.model.remat: a policy name of oodjax.models.REMAT_POLICIES
     dtype: str = "bfloat16"
+    runs_chunk: int = 0  # config.runs.chunk: runs computed at once in the train step; 0 = all
 
 
 MODELS: dict[str, ModelResources] = {
-    "smol3": ModelResources("HuggingFaceTB/SmolLM3-3B", (-1, 1, 1), 1, 128, remat=False),
-    "opt2.7": ModelResources("facebook/opt-2.7b", (-1, 1, 1), 1, 128, remat=False),
-    "opt6.7": ModelResources("facebook/opt-6.7b", (-1, 1, 1), 2, 64, remat=False),
-    "olmo7": ModelResources("allenai/OLMo-2-1124-7B", (-1, 1, 1), 2, 64, remat=False),
-    "opt13": ModelResources("facebook/opt-13b", (1, -1, 1), 2, 64, remat=False),
-    "olmo13": ModelResources("allenai/OLMo-2-1124-13B", (1, -1, 1), 2, 64, remat=False),
-    "opt30": ModelResources("facebook/opt-30b", (1, -1, 1), 1, 32, remat=True),
-    "olmo32": ModelResources("allenai/OLMo-2-0325-32B", (1, -1, 1), 1, 32, remat=True),
+    "smol3": ModelResources("HuggingFaceTB/SmolLM3-3B", (-1, 1, 1), 1, 128, remat="save_dots"),
+    "opt2.7": ModelResources("facebook/opt-2.7b", (-1, 1, 1), 1, 128, remat="none"),
+    "opt6.7": ModelResources("facebook/opt-6.7b", (-1, 1, 1), 2, 64, remat="none"),
+    "olmo7": ModelResources("allenai/OLMo-2-1124-7B", (-1, 1, 1), 2, 64, remat="save_dots"),
+    "opt13": ModelResources("facebook/opt-13b", (1, -1, 1), 2, 64, remat="none"),
+    "olmo13": ModelResources("allenai/OLMo-2-1124-13B", (1, -1, 1), 2, 64, remat="save_dots"),
+    "opt30": ModelResources("facebook/opt-30b", (1, -1, 1), 2, 32, remat="save_dots"),
+    "olmo32": ModelResources("allenai/OLMo-2-0325-32B", (1, -1, 1), 2, 32, remat="save_dots", runs_chunk=3),
 }
 
 
@@ -59,6 +66,7 @@ def model_config(model: str, train_set: str) -> config_dict.ConfigDict:
     config.model.name = model
     config.model.dtype = resources.dtype
     config.model.remat = resources.remat
+    config.runs.chunk = resources.runs_chunk
     config.data.train_set = train_set
     config.train.grad_accum = resources.grad_accum
     config.eval.batch_size = resources.eval_batch_size

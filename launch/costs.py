@@ -1,28 +1,60 @@
-"""Parameter counts, memory and FLOPs of a decoder LM from its config.json numbers, without building it.
+"""Parameter counts, memory and FLOPs of a decoder LM from its config.json numbers, without allocating it.
 
-Parameter counts are exact: they follow, tensor by tensor, what transformers
-builds for the family (OPT, OLMo2, Llama/SmolLM3), with missing fields taken
-from transformers' own config defaults. Memory and FLOPs are estimates; the
-assumptions are stated where they are made.
+Counts come from the model itself: `abstract_model` builds our NNX port
+abstractly (shapes and dtypes, no memory), and the counts are sums over
+its `nnx.Param` leaves, or its `nnx.LoRAParam` leaves once adapters are
+attached, so they cannot drift from what the engine trains.
+
+Training memory per device follows what the compiled train step holds: the
+frozen base, the runs' adapters, gradients and AdamW moments, each split the
+way the logical axis rules shard it; the activations the backward pass saves,
+measured with JAX's own saved-residuals analysis of one micro-batch's loss
+(runs vmapped, the remat policy, LoRA dropout and the dtypes applied) through
+an abstract 1- and 2-layer model; and the working set of the backward pass.
+With platform "cpu" it is what XLA's CPU backend allocates (the preflight's
+compile on a machine without an accelerator), which `python -m
+launch.estimate --platform cpu --layers N` sets beside it. FLOPs are
+closed-form estimates; the assumptions are stated where they are made.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import json
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import transformers
+from flax import nnx
+from jax._src.ad_checkpoint import saved_residuals  # the data print_saved_residuals prints; private in JAX 0.10
+from jax.sharding import AbstractMesh, AxisType
 
-BYTES_PER_ELEMENT = {"float32": 4, "bfloat16": 2, "float16": 2}
-ADAPTER_BYTES = 4  # LoRA adapters, their gradients and AdamW moments are float32
+from oodjax import models
+from oodjax.engine import steps
+from oodjax.engine.sharding import MESH_AXES
+from oodjax.models.lora import LoRAConfig, apply_lora
+
 # Decoder families whose layers are attention + gated MLP with RMSNorms.
 LLAMA_LIKE = ("llama", "smollm3", "olmo2")
+# What the step is compiled for: only "cpu" changes the memory model (see `stored_itemsize`).
+PLATFORMS = ("gpu", "tpu", "cpu")
+# The backward pass through one decoder layer holds the gradients of its widest activations
+# (attention scores, the MLP's inner width) beside what the layer kept: about this fraction of the
+# layer's activations without remat. Fitted to XLA's compiled train steps (the 8 study models at 2
+# and 4 layers, 128 to 512 tokens, on 8 host devices: 0.3 to 0.85 per config).
+BACKWARD_TEMPORARIES = 0.5
+# Residuals that are not new memory: the differentiated adapters themselves, and the frozen
+# weights and batch the loss closes over (already counted as the step's arguments).
+_NOT_ACTIVATIONS = ("from the argument", "from a constant", "from a literal")
 
 
 @dataclasses.dataclass(frozen=True)
 class Dimensions:
-    """The sizes that decide cost, normalised across families."""
+    """The sizes that decide FLOPs, normalised across families."""
 
     model_type: str
     vocab_size: int
@@ -53,6 +85,7 @@ def full_config(architecture: Mapping[str, Any]) -> transformers.PretrainedConfi
 
 
 def dimensions(architecture: Mapping[str, Any]) -> Dimensions:
+    """The matmul sizes the FLOP formulas need."""
     config = full_config(architecture)
     hidden, heads = config.hidden_size, config.num_attention_heads
     if config.model_type == "opt":
@@ -70,48 +103,44 @@ def dimensions(architecture: Mapping[str, Any]) -> Dimensions:
     raise ValueError(f"no cost model for model_type {config.model_type!r}; known: opt, {', '.join(LLAMA_LIKE)}")
 
 
+def abstract_model(
+    architecture: Mapping[str, Any], *, dtype: str = "float32", remat: str = "none", layers: int | None = None
+) -> nnx.Module:
+    """Our port of these numbers, abstract (`models.abstract_model`: every parameter a ShapeDtypeStruct).
+
+    Missing fields take transformers' defaults (`full_config`), so the model
+    is the one a checkpoint with this config.json loads into. `layers`
+    overrides the depth (the memory model measures 1 and 2).
+    """
+    if layers is not None:
+        architecture = dict(architecture, num_hidden_layers=layers)
+    fields = full_config(architecture).to_dict()
+    return models.abstract_model(fields, dtype=dtype, remat=remat)
+
+
+def with_adapters(model: nnx.Module, lora: LoRAConfig) -> nnx.Module:
+    """`model` (abstract) with one run's adapters attached as `apply_lora` attaches them, abstractly too."""
+    return nnx.eval_shape(lambda m: apply_lora(m, lora, rngs=nnx.Rngs(0)), model)
+
+
+def _count(model: nnx.Module, kind: type[nnx.Variable]) -> int:
+    """Elements of `model`'s variables of `kind` (LoRAParam is a Param: count a base before adapting it)."""
+    return sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(nnx.state(model, kind)))
+
+
 def parameter_count(architecture: Mapping[str, Any]) -> int:
-    """Exact number of parameters transformers' CausalLM of these numbers holds (tied weights once)."""
-    config = full_config(architecture)
-    d = dimensions(architecture)
-    h, layers = d.hidden_size, d.num_layers
-    head = 0 if d.tied_head else d.vocab_size * d.embed_dim
-    if d.model_type == "opt":
-        bias = bool(config.enable_bias)
-        embeddings = d.vocab_size * d.embed_dim + (config.max_position_embeddings + 2) * h
-        projections = 2 * d.embed_dim * h if d.embed_dim != h else 0
-        norm_size = 2 * h if config.layer_norm_elementwise_affine else 0
-        final_norm = norm_size if config.do_layer_norm_before and not config._remove_final_layer_norm else 0
-        per_layer = d.layer_matmul_parameters + bias * (4 * h + d.ffn_dim + h) + 2 * norm_size
-        return embeddings + projections + layers * per_layer + final_norm + head
-    attention_bias = d.q_dim + 2 * d.kv_dim + h if config.attention_bias else 0
-    mlp_bias = 2 * d.ffn_dim + h if getattr(config, "mlp_bias", False) else 0
-    if d.model_type == "olmo2":
-        norms = d.q_dim + d.kv_dim + 2 * h  # q_norm, k_norm, post-attention and post-feedforward norms
-    else:
-        norms = 2 * h  # input and post-attention norms
-    per_layer = d.layer_matmul_parameters + attention_bias + mlp_bias + norms
-    return d.vocab_size * h + layers * per_layer + h + head
+    """Parameters of the model of these numbers (tied weights once), as transformers counts them."""
+    return _count(abstract_model(architecture), nnx.Param)
 
 
-def lora_parameter_count(d: Dimensions, rank: int, targets: Sequence[str] = ()) -> int:
-    """Adapter parameters of one run: A [in, r] and B [r, out] on each targeted linear layer of every layer.
+def lora_parameter_count(architecture: Mapping[str, Any], rank: int, targets: Sequence[str] = ()) -> int:
+    """Adapter parameters of one run on the model of these numbers.
 
     `targets` are layer names as in config.lora.targets; empty means the
-    attention projections q, k, v and the output projection.
+    attention projections (q, k, v and the output projection).
     """
-    h, f = d.hidden_size, d.ffn_dim
-    shapes = {
-        "q_proj": (h, d.q_dim), "k_proj": (h, d.kv_dim), "v_proj": (h, d.kv_dim),
-        "o_proj": (d.q_dim, h), "out_proj": (d.q_dim, h),
-        "fc1": (h, f), "fc2": (f, h), "gate_proj": (h, f), "up_proj": (h, f), "down_proj": (f, h),
-    }
-    output_projection = "out_proj" if d.model_type == "opt" else "o_proj"
-    names = tuple(targets) or ("q_proj", "k_proj", "v_proj", output_projection)
-    unknown = sorted(set(names) - set(shapes))
-    if unknown:
-        raise ValueError(f"unknown LoRA targets {unknown}; known: {sorted(shapes)}")
-    return d.num_layers * sum(rank * (shapes[name][0] + shapes[name][1]) for name in names)
+    lora = LoRAConfig(rank=rank, targets=tuple(targets) or None)
+    return _count(with_adapters(abstract_model(architecture), lora), nnx.LoRAParam)
 
 
 def forward_flops_per_token(d: Dimensions, seq_len: int, lora_parameters: int = 0) -> float:
@@ -126,23 +155,31 @@ def forward_flops_per_token(d: Dimensions, seq_len: int, lora_parameters: int = 
 
 
 def train_step_flops(
-    d: Dimensions, *, runs: int, batch_size: int, seq_len: int, lora_parameters: int, remat: bool
+    d: Dimensions, *, runs: int, batch_size: int, seq_len: int, lora_parameters: int, remat: str
 ) -> float:
     """FLOPs of one optimizer step of all runs trained together.
 
     Forward F; backward takes gradients only with respect to activations
     through the frozen weights (one more F for the matmuls, twice the
-    attention cost) and with respect to the adapters (twice their forward);
-    remat recomputes the forward once more. The head (full vocabulary, one
-    position per example) is a forward and an input-gradient matmul.
+    attention cost) and with respect to the adapters (twice their forward).
+    The remat policy recomputes what it does not keep
+    (``oodjax.models.REMAT_POLICIES``): "full" the whole forward; "save_dots"
+    only the attention scores and their product with the values (the
+    projections' outputs are kept); "save_dots_except_mlp" those and the MLP's
+    matmuls. The head (full vocabulary, one position per example) is a
+    forward and an input-gradient matmul.
     """
     tokens = runs * batch_size * seq_len
     matmuls = 2.0 * d.num_layers * d.layer_matmul_parameters
+    mlp = 2.0 * d.num_layers * d.mlp_matrices * d.hidden_size * d.ffn_dim
     attention = 4.0 * d.num_layers * seq_len * d.q_dim
     adapters = 2.0 * lora_parameters
     forward = matmuls + attention + adapters
     backward = matmuls + 2 * attention + 2 * adapters
-    per_token = forward + backward + (forward if remat else 0.0)
+    recomputed = {"none": 0.0, "full": forward, "save_dots": attention, "save_dots_except_mlp": attention + mlp}
+    if remat not in recomputed:
+        raise ValueError(f"unknown remat policy {remat!r}; known: {sorted(recomputed)}")
+    per_token = forward + backward + recomputed[remat]
     head = 2 * (2.0 * d.hidden_size * d.vocab_size) * runs * batch_size
     return tokens * per_token + head
 
@@ -152,58 +189,236 @@ def eval_flops(d: Dimensions, *, runs: int, examples: int, seq_len: int, lora_pa
     return runs * examples * seq_len * forward_flops_per_token(d, seq_len, lora_parameters)
 
 
+# --------------------------------------------------------------------------- memory
+
+
+def abstract_mesh(mesh: Mapping[str, int]) -> AbstractMesh:
+    """A device-free mesh of these axis sizes, for asking how the rules split an array."""
+    sizes = tuple(int(mesh[axis]) for axis in MESH_AXES)
+    return AbstractMesh(sizes, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+
+
+def stored_itemsize(dtype: Any, platform: str) -> int:
+    """Bytes an element of `dtype` takes in the compiled step on `platform`.
+
+    XLA's CPU backend has no half-precision arithmetic: its float
+    normalisation computes bfloat16 and float16 in float32, so the residuals
+    it keeps are float32 there, as the preflight's CPU compile reports.
+    GPUs and TPUs keep them as they are.
+    """
+    if platform not in PLATFORMS:
+        raise ValueError(f"unknown platform {platform!r}; known: {PLATFORMS}")
+    dtype = jnp.dtype(dtype) if isinstance(dtype, str) else dtype  # not PRNG key dtypes: jnp.dtype refuses them
+    if platform == "cpu" and jnp.issubdtype(dtype, jnp.floating):
+        return max(dtype.itemsize, 4)
+    return dtype.itemsize
+
+
+def bytes_per_device(state: nnx.State, mesh: AbstractMesh, *, leading: int = 1) -> int:
+    """Bytes one device holds of `state` placed by the logical axis rules (`models.param_sharding`).
+
+    A dimension the mesh does not divide stays whole, as the loader keeps it.
+    `leading` multiplies every leaf by a replicated leading axis (the runs'
+    stack of adapters and moments, which `engine.sharding` does not split).
+    """
+    total = 0
+    for variable in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, nnx.Variable)):
+        shard = models.param_sharding(variable, mesh).shard_shape(tuple(variable.shape))
+        total += leading * math.prod(shard) * jnp.dtype(variable.dtype).itemsize
+    return total
+
+
+def saved_activation_bytes(
+    model: nnx.Module,
+    *,
+    runs: int,
+    batch: int,
+    seq_len: int,
+    compute_dtype: str | None = None,
+    platform: str = "gpu",
+) -> int:
+    """Bytes the backward pass keeps from the forward of one micro-batch: `runs` vmapped runs of
+    `batch` examples of `seq_len` tokens each, through `model` (abstract, adapters attached).
+
+    JAX's saved-residuals analysis lists every array the VJP of the train
+    step's own loss (`steps.micro_batch_loss`) with respect to the adapters
+    keeps, after the model's remat policy decides what to recompute; dropout
+    masks, float32 softmax statistics and the head's logits are among them.
+    The adapters, frozen weights and batch are left out: they are the step's
+    arguments, counted apart. Only traced, never computed, so a full-size
+    batch costs nothing to measure. Sizes are as `platform` stores them.
+    """
+    graphdef, lora, base = nnx.split(model, nnx.LoRAParam, ...)
+    dtype = jnp.dtype(compute_dtype) if compute_dtype else None
+    loss = functools.partial(steps.micro_batch_loss, graphdef=graphdef, yes_id=0, no_id=1, compute_dtype=dtype)
+    stacked = jax.tree.map(lambda x: jax.ShapeDtypeStruct((runs, *x.shape), x.dtype), lora)
+    tokens = jax.ShapeDtypeStruct((runs, batch, seq_len), jnp.int32)
+    examples = jax.ShapeDtypeStruct((runs, batch), jnp.int32)
+    micro = dict(input_ids=tokens, attention_mask=tokens, answer_pos=examples, label=examples)
+    residuals = []
+
+    def measure(base: nnx.State, micro: Mapping[str, jax.Array], lora: nnx.State) -> jax.Array:
+        if dtype is not None:  # the step casts the base once, outside the differentiated loss
+            base = jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, base)
+        keys = jax.random.split(jax.random.key(0), runs)
+
+        def all_runs(lora: nnx.State) -> jax.Array:
+            per_run = jax.vmap(lambda lora, micro, key: loss(lora, base, micro, key)[0])
+            return per_run(lora, micro, keys).sum()
+
+        residuals.extend(saved_residuals(all_runs, lora))
+        return jnp.zeros(())
+
+    jax.eval_shape(measure, base, micro, stacked)
+    return sum(
+        aval.size * stored_itemsize(aval.dtype, platform)
+        for aval, source in residuals
+        if not source.startswith(_NOT_ACTIVATIONS)
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class Memory:
-    """Bytes per device during training."""
+    """Bytes per device during training, by what holds them.
 
-    frozen_weights: float
-    adapters: float
-    gradients: float
-    optimizer_state: float
-    activations: float
+    The first six are live through the whole step; the two transients are
+    those of its two peaks, of which only the larger counts: the backward
+    pass through one decoder layer, and the head (full-vocabulary logits).
+    """
+
+    frozen_weights: float  # this device's shard of the base
+    upcast_weights: float  # CPU only: the float32 copy of the layers' weights XLA multiplies by
+    adapters: float  # every run's adapters (float32)
+    gradients: float  # their gradients (float32)
+    optimizer_state: float  # AdamW's two moments (float32)
+    activations: float  # what the backward pass saves from the forward of one micro-batch
+    layer_transients: float  # one layer's backward: gradient temporaries, its recomputation, its gathered weights
+    head_transients: float  # the head's weights gathered from fsdp shards (and their float32 copy on CPU)
 
     @property
     def total(self) -> float:
-        return self.frozen_weights + self.adapters + self.gradients + self.optimizer_state + self.activations
+        """The peak: everything live throughout, plus the larger of the two transients."""
+        steady = (self.frozen_weights, self.upcast_weights, self.adapters, self.gradients, self.optimizer_state)
+        return sum(steady) + self.activations + max(self.layer_transients, self.head_transients)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Measured:
+    """What one micro-batch's backward pass keeps, split by what it scales with (bytes)."""
+
+    per_row_layer: int  # activations per row of each run, per decoder layer
+    per_row_outside: int  # activations per row of each run, outside the layers
+    fixed_layer: int  # per decoder layer, what does not grow with the batch (derived from the adapters)
+    fixed_outside: int  # the same outside the layers (a tied head's transposed embedding)
+    layer_weights: int  # one decoder layer's parameters, unsharded
+
+
+@functools.cache
+def _measure(
+    architecture: str,
+    lora: LoRAConfig,
+    *,
+    dtype: str,
+    compute_dtype: str | None,
+    remat: str,
+    runs: int,
+    seq_len: int,
+    platform: str,
+) -> _Measured:
+    """`saved_activation_bytes` of the model of these numbers, taken apart.
+
+    `architecture` is the config.json numbers as JSON (hashable, for the
+    cache: the estimator asks for the same model under several meshes).
+    A 2-layer model minus a 1-layer one isolates a layer, scan and remat
+    structure included; the rest (embeddings, final norm, head) is what the
+    1-layer model keeps beyond its layer. Two rows minus one isolates what
+    grows with the batch; what is left is derived from the weights alone.
+    """
+    whole = abstract_mesh(dict(data=1, fsdp=1, tensor=1))
+    saved, weights = {}, {}
+    for layers in (1, 2):
+        model = abstract_model(json.loads(architecture), dtype=dtype, remat=remat, layers=layers)
+        adapted = with_adapters(model, lora)
+        for rows in (1, 2):
+            saved[layers, rows] = saved_activation_bytes(
+                adapted, runs=runs, batch=rows, seq_len=seq_len, compute_dtype=compute_dtype, platform=platform
+            )
+        weights[layers] = bytes_per_device(nnx.state(model, nnx.Param), whole)
+    per_row = {layers: saved[layers, 2] - saved[layers, 1] for layers in (1, 2)}
+    fixed = {layers: saved[layers, 1] - per_row[layers] for layers in (1, 2)}
+    return _Measured(
+        per_row_layer=per_row[2] - per_row[1],
+        per_row_outside=2 * per_row[1] - per_row[2],
+        fixed_layer=fixed[2] - fixed[1],
+        fixed_outside=2 * fixed[1] - fixed[2],
+        layer_weights=weights[2] - weights[1],
+    )
 
 
 def train_memory_per_device(
-    d: Dimensions,
+    architecture: Mapping[str, Any],
+    lora: LoRAConfig,
     *,
-    parameters: int,
     dtype: str,
+    compute_dtype: str | None = None,
+    remat: str,
     mesh: Mapping[str, int],
     runs: int,
     micro_batch: int,
     seq_len: int,
-    lora_parameters: int,
-    remat: bool,
+    platform: str = "gpu",
 ) -> Memory:
     """Training memory of one device for a mesh {"data", "fsdp", "tensor"} (sizes already resolved).
 
-    Frozen weights are split over fsdp x tensor and replicated over data.
-    Adapters, their gradients and AdamW's two moments are float32 and, being
-    small, assumed replicated. Activations are those kept for the backward
-    pass of one micro-batch (runs x micro_batch examples split over data x
-    fsdp) in the base dtype, with float32 attention probabilities:
-    without remat every layer keeps its inputs, q/k/v, attention output, MLP
-    intermediates and probabilities; with remat every layer keeps only its
-    input and one layer's set is live at a time. XLA's fusion and buffer
-    reuse make the real figure lower; treat this one as a planning bound.
+    `runs` are the runs computed at once, each with `micro_batch` examples
+    per micro-batch split over data x fsdp. Weights and adapters are split
+    as the logical axis rules split them; with fsdp, the layer being
+    computed is gathered whole. Activations are measured for the examples
+    each device holds, traced at `seq_len`; tensor parallelism is taken to
+    split them evenly (an upper bound on its saving: the residual stream is
+    replicated). The backward pass through a layer holds the gradients of
+    its widest activations (BACKWARD_TEMPORARIES of its activations without
+    remat), plus, under remat, the layer recomputed whole, and with fsdp its
+    weights gathered whole. The head's peak holds its weights gathered whole
+    with fsdp (the batch and the hidden dimension are both split over fsdp).
+    On `platform` "cpu" half-precision residuals count as float32, and the
+    weights being multiplied (the layers', the head's) get a float32 copy,
+    as XLA's CPU backend allocates them (`stored_itemsize`).
     """
-    if dtype not in BYTES_PER_ELEMENT:
-        raise ValueError(f"unknown dtype {dtype!r}; known: {sorted(BYTES_PER_ELEMENT)}")
-    width = BYTES_PER_ELEMENT[dtype]
-    weight_shards = mesh["fsdp"] * mesh["tensor"]
-    examples = runs * micro_batch / (mesh["data"] * mesh["fsdp"])
-    tokens = examples * seq_len
-    per_token_layer = width * (
-        4 * d.hidden_size + 2 * d.q_dim + 2 * d.kv_dim + d.mlp_matrices * d.ffn_dim
-    ) / mesh["tensor"] + 4 * d.num_heads * seq_len / mesh["tensor"]
-    if remat:
-        activations = tokens * (d.num_layers * width * d.hidden_size + per_token_layer)
-    else:
-        activations = tokens * d.num_layers * per_token_layer
-    activations += examples * d.vocab_size * 4  # float32 logits of the head at the answer position
-    adapters = runs * lora_parameters * ADAPTER_BYTES
-    return Memory(parameters * width / weight_shards, adapters, adapters, 2 * adapters, activations)
+    shards = mesh["data"] * mesh["fsdp"]
+    if micro_batch % shards:
+        raise ValueError(f"a micro-batch of {micro_batch} examples does not split over data x fsdp = {shards} devices")
+    devices = abstract_mesh(mesh)
+    base = abstract_model(architecture, dtype=dtype, remat=remat)
+    adapters = bytes_per_device(nnx.state(with_adapters(base, lora), nnx.LoRAParam), devices, leading=runs)
+    layers = full_config(architecture).num_hidden_layers
+    measure = dict(dtype=dtype, compute_dtype=compute_dtype, runs=runs, seq_len=seq_len, platform=platform)
+    key = json.dumps(dict(architecture), sort_keys=True)
+    kept = _measure(key, lora, remat=remat, **measure)
+    full_layer = _measure(key, lora, remat="none", **measure).per_row_layer
+    rows = micro_batch // shards  # of each run, on each device
+    head = nnx.eval_shape(lambda model: model.head_kernel(), base)
+    head_weights = math.prod(head.shape) * jnp.dtype(dtype).itemsize / mesh["tensor"]
+    # Weights are multiplied as stored on GPU and TPU; on CPU, from a float32 copy.
+    widening = stored_itemsize(dtype, platform) / jnp.dtype(dtype).itemsize
+    upcast = widening if widening > 1 else 0.0
+    gathered = 1 - 1 / mesh["fsdp"]
+    # A tied head's transposed embedding fuses into its matmul, but from fsdp shards it is gathered
+    # first, and the gathered copy is kept for the backward pass.
+    sharded = mesh["fsdp"] > 1
+    recomputed = remat != "none"
+    return Memory(
+        frozen_weights=bytes_per_device(nnx.state(base, nnx.Param), devices),
+        upcast_weights=layers * kept.layer_weights / (mesh["fsdp"] * mesh["tensor"]) * upcast,
+        adapters=adapters,
+        gradients=adapters,
+        optimizer_state=2 * adapters,
+        activations=(
+            layers * (rows * kept.per_row_layer + kept.fixed_layer)
+            + rows * kept.per_row_outside
+            + sharded * kept.fixed_outside
+        ) / mesh["tensor"],
+        layer_transients=(rows * full_layer * (BACKWARD_TEMPORARIES + recomputed) + kept.layer_weights * gathered)
+        / mesh["tensor"],
+        head_transients=head_weights * (gathered + upcast),
+    )

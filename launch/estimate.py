@@ -1,10 +1,15 @@
 """`python -m launch.estimate CONFIG [CONFIG ...]`: what a config's job costs before it is submitted.
 
 For each config: parameter count, training memory per device (frozen
-weights, adapters, gradients, optimizer state, activations) for its mesh and
-batch, FLOPs per train step and per full evaluation, and the
-accelerator-hours of all its runs on a stated device at a stated
-utilisation. With several configs a closing line sums the hours.
+weights, adapters, gradients, optimizer state, saved activations, the
+backward pass's working set; `launch.costs` says how each is measured) for
+its mesh, batch, remat policy and runs.chunk, FLOPs per train step and per
+full evaluation, and the accelerator-hours of all its runs on a stated
+device at a stated utilisation. With several configs a closing line sums
+the hours. --layers cuts the model to that depth and --platform cpu costs
+memory as XLA's CPU backend allocates it, so that the estimate can be set
+beside `python -m launch.preflight --layers N` on a machine without an
+accelerator.
 
 Sequences are costed at their padded length `data.max_length` unless
 --seq_len says otherwise: bucketing pads most NLI prompts to shorter
@@ -25,6 +30,7 @@ from ml_collections import config_dict
 
 from launch import architectures, costs
 from launch.config_files import expand_config_paths, load_config
+from oodjax.engine import loop
 
 GB = 1e9
 
@@ -34,14 +40,15 @@ class Device:
     name: str
     peak_flops: float  # dense bf16 FLOP/s per device, from the vendor's data sheet
     memory_gb: float
+    platform: str  # JAX's name for its backend: what decides how the compiled step stores bf16
 
 
 DEVICES: Mapping[str, Device] = {
-    "a100": Device("A100 80GB", 312e12, 80),
-    "h100": Device("H100 SXM", 989e12, 80),
-    "v4": Device("TPU v4 chip", 275e12, 32),
-    "v5e": Device("TPU v5e chip", 197e12, 16),
-    "v5p": Device("TPU v5p chip", 459e12, 95),
+    "a100": Device("A100 80GB", 312e12, 80, "gpu"),
+    "h100": Device("H100 SXM", 989e12, 80, "gpu"),
+    "v4": Device("TPU v4 chip", 275e12, 32, "tpu"),
+    "v5e": Device("TPU v5e chip", 197e12, 16, "tpu"),
+    "v5p": Device("TPU v5p chip", 459e12, 95, "tpu"),
 }
 
 
@@ -99,6 +106,12 @@ def count_eval_examples(testsets: tuple[str, ...], data_dir: str, neutral: str, 
     return total
 
 
+def runs_at_once(config: config_dict.ConfigDict) -> int:
+    """How many runs the train step computes together: all of them, or `runs.chunk` (0 = all)."""
+    runs = len(config.runs.seeds) * len(config.runs.shots)
+    return min(config.runs.chunk, runs) if config.runs.chunk else runs
+
+
 def evaluation_steps(steps: int, every: int) -> int:
     """How many evaluations a run makes: at step 0, every `every` steps, and at the last step."""
     return len(set(range(0, steps + 1, every)) | {steps})
@@ -113,11 +126,20 @@ def estimate(
     utilisation: float,
     seq_len: int | None = None,
     eval_examples: int | None = None,
+    layers: int | None = None,
+    platform: str | None = None,
 ) -> Estimate:
+    """The costs of `config`'s job on `devices` devices of `device`'s kind. `layers` cuts the model to
+    that depth and `platform` (default: the device's) decides how memory is costed, so that the
+    estimate can be compared with the preflight's compile on a CPU."""
     arch = architecture_of(config)
+    if layers is not None:
+        if layers < 1:
+            raise ValueError(f"layers must be >= 1, got {layers}")
+        arch["num_hidden_layers"] = layers
     dims = costs.dimensions(arch)
     parameters = costs.parameter_count(arch)
-    lora = costs.lora_parameter_count(dims, config.lora.rank, tuple(config.lora.targets))
+    lora = costs.lora_parameter_count(arch, config.lora.rank, tuple(config.lora.targets))
     runs = len(config.runs.seeds) * len(config.runs.shots)
     seq_len = seq_len or config.data.max_length
     if config.train.batch_size % config.train.grad_accum:
@@ -126,9 +148,10 @@ def estimate(
         )
     mesh = resolve_mesh(config.mesh, devices)
     memory = costs.train_memory_per_device(
-        dims, parameters=parameters, dtype=config.model.dtype, mesh=mesh, runs=runs,
+        arch, loop.lora_config(config), dtype=config.model.dtype, compute_dtype=config.model.compute_dtype or None,
+        remat=config.model.remat, mesh=mesh, runs=runs_at_once(config),
         micro_batch=config.train.batch_size // config.train.grad_accum, seq_len=seq_len,
-        lora_parameters=lora, remat=config.model.remat,
+        platform=platform or device.platform,
     )
     step = costs.train_step_flops(
         dims, runs=runs, batch_size=config.train.batch_size, seq_len=seq_len, lora_parameters=lora,
@@ -150,17 +173,20 @@ def estimate(
 
 
 def describe(result: Estimate, config: config_dict.ConfigDict, device: Device, utilisation: float) -> str:
+    """The estimate as lines for a terminal: the job's shape, memory per device by holder, FLOPs, hours."""
     m, mesh = result.memory, result.mesh
     runs = len(config.runs.seeds) * len(config.runs.shots)
     fits = "fits" if m.total <= device.memory_gb * GB else "DOES NOT FIT"
+    upcast = f", float32 copies of the layers (CPU) {m.upcast_weights / GB:.2f}" if m.upcast_weights else ""
     return "\n".join([
         f"{result.config_path}: {result.model}, {result.parameters:,} parameters",
-        f"  mesh data={mesh['data']} fsdp={mesh['fsdp']} tensor={mesh['tensor']}; {runs} runs x batch "
-        f"{config.train.batch_size} (grad_accum {config.train.grad_accum}); {config.model.dtype}, "
-        f"remat {'on' if config.model.remat else 'off'}",
-        f"  memory per device (GB): frozen weights {m.frozen_weights / GB:.2f}, adapters {m.adapters / GB:.3f}, "
-        f"gradients {m.gradients / GB:.3f}, optimizer state {m.optimizer_state / GB:.3f}, "
-        f"activations {m.activations / GB:.2f}; total {m.total / GB:.2f} ({fits} in {device.name}'s "
+        f"  mesh data={mesh['data']} fsdp={mesh['fsdp']} tensor={mesh['tensor']}; {runs} runs "
+        f"({runs_at_once(config)} at once) x batch {config.train.batch_size} (grad_accum "
+        f"{config.train.grad_accum}); {config.model.dtype}, remat {config.model.remat}",
+        f"  memory per device (GB): frozen weights {m.frozen_weights / GB:.2f}{upcast}, adapters "
+        f"{m.adapters / GB:.3f}, gradients {m.gradients / GB:.3f}, optimizer state {m.optimizer_state / GB:.3f}, "
+        f"activations {m.activations / GB:.2f}, the larger of a layer's backward {m.layer_transients / GB:.2f} "
+        f"and the head's {m.head_transients / GB:.2f}; total {m.total / GB:.2f} ({fits} in {device.name}'s "
         f"{device.memory_gb:.0f} GB)",
         f"  FLOPs: {result.train_step_flops:.3e} per train step, {result.eval_flops:.3e} per full evaluation",
         f"  whole sweep ({runs} runs, {config.train.steps} steps, {result.evaluations} evaluations): "
@@ -177,6 +203,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--utilisation", type=float, default=0.4, help="fraction of peak FLOP/s achieved")
     parser.add_argument("--seq_len", type=int, help="padded sequence length (default: data.max_length)")
     parser.add_argument("--eval_examples", type=int, help="examples per full evaluation (default: counted)")
+    parser.add_argument("--layers", type=int, help="cut the model to this many decoder layers (as the preflight's)")
+    parser.add_argument(
+        "--platform", choices=costs.PLATFORMS, help="cost memory as this backend allocates it (default: --device's)"
+    )
     args = parser.parse_args(argv)
     if not 0 < args.utilisation <= 1:
         parser.error(f"--utilisation must be in (0, 1], got {args.utilisation}")
@@ -187,7 +217,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = load_config(path)
         result = estimate(
             path, config, devices=args.devices, device=device, utilisation=args.utilisation,
-            seq_len=args.seq_len, eval_examples=args.eval_examples,
+            seq_len=args.seq_len, eval_examples=args.eval_examples, layers=args.layers, platform=args.platform,
         )
         print(describe(result, config, device, args.utilisation))
         total_hours += result.accelerator_hours

@@ -40,5 +40,10 @@ def main(argv: list[str]) -> None:
     loop.train(_CONFIG.value)
 
 
-if __name__ == "__main__":
+def run() -> None:
+    """Entry point of the `oodjax-train` command; absl parses sys.argv."""
     app.run(main)
+
+
+if __name__ == "__main__":
+    run()

@@ -19,6 +19,7 @@ from flax import nnx
 
 from oodjax.data import TokenizedSet, eval_batches, fitting_bucket, make_batch
 from oodjax.engine import steps
+from oodjax.engine.geometry import BatchGeometry
 from oodjax.engine.evaluation import evaluate, make_eval_pool
 from oodjax.engine.run_data import step_batch
 from oodjax.models import from_config, load_pretrained
@@ -171,7 +172,8 @@ def test_a_loaded_base_and_its_runs_compile_the_train_step_once(tmp_path):
     model = load_pretrained(tmp_path, dtype="float32")
     optimizer = steps.make_optimizer(1e-3, 10, 1, 0.0, 1.0)
     graphdef, base, runs = steps.init_runs(model, [0], LORA, optimizer)
-    train_step = steps.make_train_step(graphdef, optimizer, YES, NO, grad_accum=1)
+    geometry = BatchGeometry(runs=1, batch_size=4, grad_accum=1, seq_len=16, eval_rows=4, eval_seq_len=16)
+    train_step = steps.make_train_step(graphdef, optimizer, YES, NO, geometry)
     tok = tokenized([5, 9, 12, 7])
     batch = step_batch([make_batch(tok, np.arange(4), 16)], grad_accum=1)
     for _ in range(3):

@@ -51,16 +51,12 @@ def test_fresh_adapter_leaves_logits_unchanged(family):
     apply_lora(model, LoRAConfig(rank=4, alpha=8.0, dropout=0.0), rngs=nnx.Rngs(0))
     after = logits(model, ids, mask)
     adapted = adapted_layer_names(model)
-    expected = {
-        f"{prefix}.{layer}.self_attn.{name}"
-        for layer in range(2)
-        for name in ATTENTION[family].split()
-        for prefix in (["model.decoder.layers"] if family == "opt" else ["model.layers"])
-    }
-    assert adapted == {f"{name}.lora" for name in expected}
+    prefix = "model.decoder.layers" if family == "opt" else "model.layers"  # stacked: one adapter per projection
+    assert adapted == {f"{prefix}.self_attn.{name}.lora" for name in ATTENTION[family].split()}
     for _, linear in find_targets(model, None):
-        x = jax.random.normal(jax.random.key(1), (2, 3, linear.kernel.shape[0]))
-        np.testing.assert_array_equal(linear.lora(x), np.zeros((2, 3, linear.kernel.shape[1]), np.float32))
+        layers, fan_in, fan_out = linear.kernel.shape
+        x = jax.random.normal(jax.random.key(1), (layers, 3, fan_in))  # layer i's input meets layer i's adapter
+        np.testing.assert_array_equal(linear.lora(x), np.zeros((layers, 3, fan_out), np.float32))
     np.testing.assert_allclose(after, before, rtol=0, atol=1e-6)
 
 
@@ -69,9 +65,10 @@ def test_init_is_peft_kaiming_uniform_and_zero_b_in_float32_on_bf16_base():
     apply_lora(model, LoRAConfig(rank=8, alpha=32.0, dropout=0.1, targets=("q_proj", "down_proj")), rngs=nnx.Rngs(1))
     for path, linear in find_targets(model, ("q_proj", "down_proj")):
         a, b = linear.lora.lora_a[...], linear.lora.lora_b[...]
-        fan_in = linear.kernel.shape[0]
+        layers, fan_in, fan_out = linear.kernel.shape  # stacked layers: every layer's adapter drawn alike
         assert linear.kernel.dtype == jnp.bfloat16 and a.dtype == b.dtype == jnp.float32, path
-        assert a.shape == (fan_in, 8) and b.shape == (8, linear.kernel.shape[1])
+        assert a.shape == (layers, fan_in, 8) and b.shape == (layers, 8, fan_out)
+        assert not np.array_equal(a[0], a[1])  # each layer its own draw
         assert isinstance(linear.lora.lora_a, nnx.LoRAParam) and isinstance(linear.lora.lora_a, nnx.Param)
         # kaiming_uniform_(a=sqrt(5)) on torch's [r, in] weight: U(-1/sqrt(in), 1/sqrt(in))
         bound = 1 / np.sqrt(fan_in)
@@ -90,12 +87,14 @@ def test_init_is_peft_kaiming_uniform_and_zero_b_in_float32_on_bf16_base():
 def test_adapters_inherit_the_kernels_logical_axes():
     model = from_config(HF_CONFIGS["olmo2"])
     apply_lora(model, LoRAConfig(), rngs=nnx.Rngs(0))
-    attn = model.model.layers[0].self_attn
+    attn = model.model.layers.self_attn  # stacked: [layers, in, out]
     q_axes = attn.q_proj.kernel.get_metadata()["out_sharding"]
     o_axes = attn.o_proj.kernel.get_metadata()["out_sharding"]
-    assert attn.q_proj.lora.lora_a.get_metadata()["out_sharding"] == (q_axes[0], None)
-    assert attn.q_proj.lora.lora_b.get_metadata()["out_sharding"] == (None, q_axes[1])
-    assert attn.o_proj.lora.lora_b.get_metadata()["out_sharding"] == (None, o_axes[1])
+    assert q_axes == ("layers", "embed", "heads")
+    assert attn.q_proj.lora.lora_a.get_metadata()["out_sharding"] == ("layers", q_axes[1], None)
+    assert attn.q_proj.lora.lora_b.get_metadata()["out_sharding"] == ("layers", None, q_axes[2])
+    assert attn.o_proj.lora.lora_b.get_metadata()["out_sharding"] == ("layers", None, o_axes[2])
+    assert attn.q_proj.lora.lora_a.shape == (HF_CONFIGS["olmo2"]["num_hidden_layers"], 32, 8)
 
 
 def test_bad_targets_and_configs_are_clear_errors():
@@ -111,18 +110,21 @@ def test_bad_targets_and_configs_are_clear_errors():
 
 
 def test_dropout_masks_differ_between_projections_and_calls():
-    """One shared stream: q, k and v (same input) get different masks, and each call a new one."""
+    """One shared stream: q and k (same input) get different masks, and each call a new one
+    (test_models_layers checks that each scanned layer draws its own)."""
     model = from_config(HF_CONFIGS["opt"])
     apply_lora(model, LoRAConfig(rank=4, alpha=4.0, dropout=0.5, targets=("q_proj", "k_proj")), rngs=nnx.Rngs(0))
-    attn = model.model.decoder.layers[0].self_attn
-    for proj in (attn.q_proj, attn.k_proj):  # make A the identity on the first 4 features, B = I
-        proj.lora.lora_a[...] = jnp.eye(32, 4)
-        proj.lora.lora_b[...] = jnp.eye(4, 32)
-    x = jnp.ones((1, 1, 32))
+    layers = model.model.decoder.layers
+    for proj in (layers.self_attn.q_proj, layers.self_attn.k_proj):  # A the identity on the first 4 features, B = I
+        proj.lora.lora_a[...] = jnp.broadcast_to(jnp.eye(32, 4), (2, 32, 4))
+        proj.lora.lora_b[...] = jnp.broadcast_to(jnp.eye(4, 32), (2, 4, 32))
+    x = jnp.ones((2, 1, 32))
+    attn = layers.self_attn
     q1, k1, q2 = attn.q_proj.lora(x), attn.k_proj.lora(x), attn.q_proj.lora(x)
     kept = lambda y: tuple(np.asarray(y[0, 0, :4] != 0))  # noqa: E731
     assert {float(v) for v in np.asarray(q1[0, 0, :4])} <= {0.0, 2.0}  # kept inputs scaled by 1/(1-0.5)
     assert len({kept(q1), kept(k1), kept(q2)}) > 1
+
 
 
 def test_peft_loads_our_export_and_reproduces_our_logits(tmp_path):

@@ -9,7 +9,16 @@ from flax import nnx
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding
 from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm
 
-from oodjax.models.layers import LayerNorm, Linear, RMSNorm, RopeConfig, rope_cos_sin, rope_frequencies
+from oodjax.models.layers import (
+    LayerNorm,
+    Linear,
+    RMSNorm,
+    RopeConfig,
+    rope_cos_sin,
+    rope_frequencies,
+    run_layers,
+    stacked_layers,
+)
 
 # Real-size head dims and contexts, so every band of the scaled RoPE variants is populated.
 ROPE_CASES = {
@@ -103,3 +112,33 @@ def test_linear_adds_its_adapter_in_the_base_dtype():
     assert out.dtype == jnp.bfloat16
     np.testing.assert_array_equal(out, base + delta.astype(jnp.bfloat16))
     assert "lora" in nnx.state(layer, nnx.Param)
+
+
+class _MaskLayer(nnx.Module):
+    """Outputs its dropout mask (scaled), whatever its input: what run_layers feeds each layer's dropout."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.scale = nnx.Param(jnp.ones(()))
+        self.dropout = nnx.Dropout(0.5)
+        self.stream = nnx.data(None)
+
+    def __call__(self, hidden):
+        return self.dropout(jnp.ones_like(hidden), rngs=self.stream) * self.scale[...]
+
+
+def test_scanned_layers_draw_their_own_dropout_masks_from_one_stream():
+    layers = stacked_layers(_MaskLayer, 3, nnx.Rngs(0))
+    layers.stream = nnx.data(nnx.Rngs(dropout=7))  # shared, like the LoRA adapters' stream
+    hidden = jnp.zeros((4, 64))
+
+    def masks(remat):
+        out, inputs = run_layers(layers, hidden, remat=remat, all_layers=True)
+        return [np.asarray(h) != 0 for h in (*inputs[1:], out)]
+
+    first = masks("none")
+    assert len(first) == 3 and all(0.3 < m.mean() < 0.7 for m in first)
+    assert not np.array_equal(first[0], first[1]) and not np.array_equal(first[1], first[2])
+    for again, mask in zip(masks("full"), first, strict=True):  # a function of the stream's key alone
+        np.testing.assert_array_equal(again, mask)
+    nnx.reseed(layers, dropout=8)
+    assert not np.array_equal(masks("none")[0], first[0])

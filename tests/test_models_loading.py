@@ -2,6 +2,7 @@
 
 import contextlib
 import json
+import pathlib
 import re
 
 import jax
@@ -17,7 +18,7 @@ from safetensors.torch import load_file, save_file
 
 from oodjax.models import from_config, load_pretrained, logical_to_spec
 from oodjax.models.checkpoint import SafetensorsFile, open_checkpoint
-from oodjax.models.loading import hf_parameter_name
+from oodjax.models.loading import hf_parameter_names
 from test_models_parity import LAYOUTS, assert_matches_hf, jitted, padded_batches, save, tiny_hf_model
 
 
@@ -201,15 +202,17 @@ def test_from_config_has_exactly_transformers_parameters():
     for path, variable in nnx.iter_graph(model):
         if isinstance(variable, nnx.Param):
             assert variable.dtype == jax.numpy.bfloat16
-            name, transposed = hf_parameter_name(path)
-            ours[name] = tuple(variable.shape[::-1] if transposed else variable.shape)
+            names, transposed = hf_parameter_names(path, hf_model.config.num_hidden_layers)
+            shape = tuple(variable.shape[1:] if len(names) > 1 else variable.shape)  # stacked: [layers, ...]
+            ours.update(dict.fromkeys(names, shape[::-1] if transposed else shape))
     assert ours == expected
 
 
-def test_remat_changes_neither_logits_nor_gradients():
+@pytest.mark.parametrize("policy", ["full", "save_dots", "save_dots_except_mlp"])
+def test_remat_policies_change_neither_logits_nor_gradients(policy):
     config = LAYOUTS["opt_350m_layout"]().to_dict()
-    plain, remat = from_config(config, seed=1), from_config(config, seed=1, remat=True)
-    assert remat.config.remat and not plain.config.remat
+    plain, remat = from_config(config, seed=1), from_config(config, seed=1, remat=policy)
+    assert remat.config.remat == policy and plain.config.remat == "none"
     ids, mask = padded_batches(96)["left"]
 
     def jaxpr(model):
@@ -234,6 +237,25 @@ def test_remat_changes_neither_logits_nor_gradients():
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), grad_remat, grad_plain)
 
 
+def test_remat_policies_keep_what_they_name():
+    """What one layer keeps for the backward pass: everything, nothing but its input, or the projections' outputs."""
+    config = LAYOUTS["olmo2_gqa"]().to_dict()
+    ids, mask = padded_batches(96)["right"]
+
+    def saved(policy):
+        model = from_config(config, seed=1, remat=policy)
+        graphdef, state = nnx.split(model)
+        # The residuals a backward pass needs are the leaves of the VJP's closure; the scan stacks a
+        # layer's saved activations to [layers, batch, seq, ...] (weights have at most 3 axes).
+        _, backward = jax.vjp(lambda s: nnx.merge(graphdef, s).hidden_states(ids, mask).sum(), state)
+        return sum(np.prod(r.shape) for r in jax.tree.leaves(backward) if np.ndim(r) >= 4)
+
+    sizes = {policy: saved(policy) for policy in ("none", "save_dots", "save_dots_except_mlp", "full")}
+    assert sizes["none"] > sizes["save_dots"] > sizes["save_dots_except_mlp"] > sizes["full"] > 0, sizes
+    with pytest.raises(ValueError, match=r"remat policy 'minimal' is not one of"):
+        from_config(config, remat="minimal")
+
+
 # ----------------------------------------------------------------------------- sharding
 
 
@@ -252,14 +274,14 @@ def test_load_onto_a_mesh_shards_parameters_and_keeps_logits(tmp_path):
     save(hf_model, tmp_path)
     mesh = auto_mesh()
     model = load_pretrained(tmp_path, mesh=mesh)
-    layer = model.model.layers[1]
+    layers = model.model.layers  # stacked: a leading, replicated layer axis
     expected = {
         "embed [vocab, embed]": (model.model.embed_tokens.embedding, P("tensor", "fsdp")),
-        "q_proj [embed, heads]": (layer.self_attn.q_proj.kernel, P("fsdp", "tensor")),
-        "k_proj [embed, kv_heads]": (layer.self_attn.k_proj.kernel, P("fsdp", "tensor")),
-        "o_proj [heads, embed]": (layer.self_attn.o_proj.kernel, P("tensor", "fsdp")),
-        "down_proj [mlp, embed]": (layer.mlp.down_proj.kernel, P("tensor", "fsdp")),
-        "norm": (layer.input_layernorm.scale, P(None)),
+        "q_proj [layers, embed, heads]": (layers.self_attn.q_proj.kernel, P(None, "fsdp", "tensor")),
+        "k_proj [layers, embed, kv_heads]": (layers.self_attn.k_proj.kernel, P(None, "fsdp", "tensor")),
+        "o_proj [layers, heads, embed]": (layers.self_attn.o_proj.kernel, P(None, "tensor", "fsdp")),
+        "down_proj [layers, mlp, embed]": (layers.mlp.down_proj.kernel, P(None, "tensor", "fsdp")),
+        "norm [layers, norm]": (layers.input_layernorm.scale, P(None, None)),
     }
     for what, (variable, spec) in expected.items():
         sharding = variable[...].sharding
@@ -287,7 +309,7 @@ def test_jitted_forward_runs_on_the_mesh_shardings(tmp_path):
     graphdef, state = nnx.split(model)
     shardings = param_shardings(state, mesh)
     sharded_state = jax.device_put(state, shardings)
-    assert sharded_state["model"]["decoder"]["layers"][0]["fc1"]["kernel"][...].sharding.spec == P("fsdp", "tensor")
+    assert sharded_state["model"]["decoder"]["layers"]["fc1"]["kernel"][...].sharding.spec == P(None, "fsdp", "tensor")
     ids, mask = padded_batches(96)["right"]
     logits = jax.jit(lambda s: nnx.merge(graphdef, s)(ids, mask))(sharded_state)
     np.testing.assert_allclose(logits, jitted(model)(ids, mask)[0], atol=1e-5)
@@ -343,11 +365,35 @@ def test_sharded_half_precision_checkpoint_fills_every_device_block_exactly(tmp_
     for path, variable in nnx.iter_graph(model):
         if not isinstance(variable, nnx.Param):
             continue
-        name, transposed = hf_parameter_name(path)
-        expected = stored[name].float().numpy()
-        expected = expected.T if transposed else expected
+        names, transposed = hf_parameter_names(path, hf_model.config.num_hidden_layers)
+        expected = np.stack([stored[name].float().numpy() for name in names])
+        expected = np.swapaxes(expected, -1, -2) if transposed else expected
+        expected = expected if len(names) > 1 else expected[0]  # stacked layers: [layers, ...]
+        name = names[0]
         array = variable[...]
         sharded += not array.sharding.is_fully_replicated
         for shard in array.addressable_shards:
             np.testing.assert_array_equal(np.asarray(shard.data), expected[shard.index], err_msg=name)
     assert sharded > 0
+
+
+@pytest.mark.parametrize("mesh_shape", [(1, 8, 1), (1, 1, 8), (2, 2, 2)])
+def test_each_tensor_is_read_once_whatever_the_mesh(tmp_path, mesh_shape):
+    """Bytes this process reads while loading (the kernel's count, /proc/self/io) are at most the checkpoint's.
+
+    Reading per device block would read an fsdp-sharded tensor once per device (8x here).
+    """
+    hf_model = tiny_hf_model(LAYOUTS["olmo2_gqa"]())
+    save(hf_model, tmp_path, sharded=True)
+    checkpoint_bytes = sum(f.stat().st_size for f in tmp_path.glob("*.safetensors"))
+    mesh = jax.make_mesh(mesh_shape, ("data", "fsdp", "tensor"), axis_types=(AxisType.Auto,) * 3)
+
+    def bytes_read():
+        return int(re.search(r"rchar: (\d+)", pathlib.Path("/proc/self/io").read_text()).group(1))
+
+    load_pretrained(tmp_path, mesh=mesh)  # warm-up: imports and compilations read files too
+    before = bytes_read()
+    model = load_pretrained(tmp_path, mesh=mesh)
+    read = bytes_read() - before
+    assert read <= 1.05 * checkpoint_bytes, (read, checkpoint_bytes)
+    assert_matches_hf(model, hf_model, 96)

@@ -12,7 +12,7 @@ import pytest
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from test_steps import LORA, NO, OPT, YES, make_batches, make_optimizer
+from test_steps import LORA, NO, OPT, YES, geometry, make_batches, make_optimizer
 
 from oodjax.data import TokenizedSet, eval_batches
 from oodjax.engine import sharding, steps
@@ -30,7 +30,9 @@ def train(batches, mesh=None):
     model = from_config(OPT, seed=0)
     optimizer = make_optimizer()
     graphdef, base, runs = steps.init_runs(model, SEEDS, LORA, optimizer, mesh=mesh)
-    train_step = steps.make_train_step(graphdef, optimizer, YES, NO, grad_accum=2, mesh=mesh, runs=runs)
+    train_step = steps.make_train_step(
+        graphdef, optimizer, YES, NO, geometry(len(SEEDS), accum=2, micro=MICRO), mesh=mesh, base_state=base, runs=runs
+    )
     losses = []
     for batch in batches:
         if mesh is not None:
@@ -58,13 +60,13 @@ def test_sharded_training_equals_one_device(shape, batches, single_device):
     print(shape, "max |loss diff| vs one device", np.abs(losses - single_device[0]).max())
     np.testing.assert_allclose(losses, single_device[0], rtol=0, atol=LOSS_TOL)
 
-    # q_proj is (embed, heads) -> (fsdp, tensor); adapters follow it behind a replicated run axis
-    attn = lambda tree: tree["model"]["decoder"]["layers"][0]["self_attn"]  # noqa: E731
-    assert attn(base)["q_proj"]["kernel"].sharding.spec == P("fsdp", "tensor")
-    assert attn(runs.lora)["q_proj"]["lora"]["lora_a"].sharding.spec == P(None, "fsdp", None)
-    assert attn(runs.lora)["out_proj"]["lora"]["lora_b"].sharding.spec == P(None, None, "fsdp")
+    # q_proj is (layers, embed, heads) -> (-, fsdp, tensor); adapters follow it behind a replicated run axis
+    attn = lambda tree: tree["model"]["decoder"]["layers"]["self_attn"]  # noqa: E731
+    assert attn(base)["q_proj"]["kernel"].sharding.spec == P(None, "fsdp", "tensor")
+    assert attn(runs.lora)["q_proj"]["lora"]["lora_a"].sharding.spec == P(None, None, "fsdp", None)
+    assert attn(runs.lora)["out_proj"]["lora"]["lora_b"].sharding.spec == P(None, None, None, "fsdp")
     mu = runs.opt_state[1][0].mu  # chain(clip, adamw): adamw's ScaleByAdamState
-    assert attn(mu)["q_proj"]["lora"]["lora_b"].sharding.spec == P(None, None, "tensor")
+    assert attn(mu)["q_proj"]["lora"]["lora_b"].sharding.spec == P(None, None, None, "tensor")
 
     if shape == (2, 2, 2):  # eval on a mesh gives the one-device margins
         batch = {k: v[0, 0] for k, v in batches[0].items()}
@@ -159,9 +161,9 @@ def test_lora_state_carries_no_stale_run_axis_metadata():
     _, _, runs = steps.init_runs(model, SEEDS, LORA, make_optimizer())
     mesh = sharding.make_mesh(1, 4, 2)
     shardings = sharding.runs_shardings(runs, mesh)
-    v_proj = lambda tree: tree["model"]["decoder"]["layers"][1]["self_attn"]["v_proj"]["lora"]  # noqa: E731
+    v_proj = lambda tree: tree["model"]["decoder"]["layers"]["self_attn"]["v_proj"]["lora"]  # noqa: E731
     assert isinstance(v_proj(runs.lora)["lora_a"], nnx.LoRAParam)
-    assert v_proj(runs.lora)["lora_a"].get_metadata()["out_sharding"] == ("embed", None)  # no run axis
-    assert v_proj(shardings.lora)["lora_a"].get_value().spec == P(None, "fsdp", None)
-    assert v_proj(shardings.lora)["lora_b"].get_value().spec == P(None, None, "tensor")
+    assert v_proj(runs.lora)["lora_a"].get_metadata()["out_sharding"] == ("layers", "embed", None)  # no run axis
+    assert v_proj(shardings.lora)["lora_a"].get_value().spec == P(None, None, "fsdp", None)
+    assert v_proj(shardings.lora)["lora_b"].get_value().spec == P(None, None, None, "tensor")
     assert shardings.rng.spec == P() and shardings.step.spec == P()

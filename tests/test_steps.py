@@ -20,6 +20,7 @@ from flax import nnx
 
 from oodjax.data import TokenizedSet, make_batch, packed_batch
 from oodjax.engine import steps
+from oodjax.engine.geometry import BatchGeometry, micro_batch_lengths
 from oodjax.engine.run_data import step_batch
 from oodjax.models import from_config
 from oodjax.models.lora import LoRAConfig
@@ -65,11 +66,18 @@ def make_batches(
     return batches
 
 
+def geometry(runs: int, *, accum: int = ACCUM, micro: int = MICRO, seq: int = SEQ, **fields) -> BatchGeometry:
+    """The geometry of ``make_batches``' batches (evaluation rows alike); ``fields`` set the rest."""
+    return BatchGeometry(
+        runs=runs, batch_size=accum * micro, grad_accum=accum, seq_len=seq, eval_rows=micro, eval_seq_len=seq, **fields
+    )
+
+
 def run_slice(batch: dict, runs: slice) -> dict:
     return {k: v[runs] for k, v in batch.items()}
 
 
-def train(seeds, batches, *, dtype="float32", remat=False, compute_dtype=None, optimizer=None, train_step=None):
+def train(seeds, batches, *, dtype="float32", remat="none", compute_dtype=None, optimizer=None, train_step=None):
     """Trains ``seeds`` together on ``batches``; returns (losses [steps, R], graphdef, base, runs, train_step).
 
     Pass the ``train_step`` of an earlier call with the same shapes to reuse its compilation.
@@ -78,7 +86,7 @@ def train(seeds, batches, *, dtype="float32", remat=False, compute_dtype=None, o
     optimizer = optimizer or make_optimizer()
     graphdef, base, runs = steps.init_runs(model, seeds, LORA, optimizer)
     train_step = train_step or steps.make_train_step(
-        graphdef, optimizer, YES, NO, grad_accum=ACCUM, compute_dtype=compute_dtype
+        graphdef, optimizer, YES, NO, geometry(len(seeds)), compute_dtype=compute_dtype
     )
     losses = []
     for batch in batches:
@@ -159,7 +167,7 @@ def uses_remat(train_step, base, runs, batch) -> bool:
 def test_remat_trains_identically(alone, batches):
     """Rematerialised layers recompute the same activations and draw the same dropout masks."""
     single = [run_slice(b, slice(0, 1)) for b in batches]
-    remat_losses, _, base, runs, remat_step = train([SEEDS[0]], single, remat=True)
+    remat_losses, _, base, runs, remat_step = train([SEEDS[0]], single, remat="full")
     _, _, plain_base, plain_runs, plain_step = alone[0]
     assert uses_remat(remat_step, base, runs, single[0])
     assert not uses_remat(plain_step, plain_base, plain_runs, single[0])
@@ -181,7 +189,7 @@ def test_grads_only_for_adapters_in_float32_on_a_bf16_base(alone, batches):
     graphdef, base, runs = steps.init_runs(model, [SEEDS[0]], LORA, spy)
     base_before = jax.tree.map(np.array, base.filter(nnx.Param))
     lora_before = flat(runs.lora)
-    train_step = steps.make_train_step(graphdef, spy, YES, NO, grad_accum=ACCUM)
+    train_step = steps.make_train_step(graphdef, spy, YES, NO, geometry(1))
     losses = []
     for batch in single:
         runs, loss = train_step(base, runs, batch)
@@ -247,7 +255,9 @@ def test_buckets_run_each_micro_batch_at_its_own_length():
     def step(data, buckets):
         optimizer = make_optimizer()
         graphdef, base, runs = steps.init_runs(from_config(OPT, seed=0), [0, 42], no_dropout, optimizer)
-        train_step = steps.make_train_step(graphdef, optimizer, YES, NO, grad_accum=2, buckets=buckets)
+        train_step = steps.make_train_step(
+            graphdef, optimizer, YES, NO, geometry(2, accum=2, micro=4, seq=16, buckets=buckets or ())
+        )
         runs, loss = train_step(base, runs, data)
         return np.asarray(loss), flat(runs.lora)
 
@@ -257,8 +267,8 @@ def test_buckets_run_each_micro_batch_at_its_own_length():
     for path, value in lora.items():
         np.testing.assert_allclose(cut_lora[path], value, rtol=0, atol=TOGETHER_ADAPTER_TOL, err_msg=str(path))
     assert np.isnan(step(poisoned, None)[0]).all()
-    assert steps.micro_batch_lengths((64, 16, 32), 32) == (16, 32)
-    assert steps.micro_batch_lengths(None, 24) == (24,)
+    assert micro_batch_lengths((64, 16, 32), 32) == (16, 32)
+    assert micro_batch_lengths(None, 24) == (24,)
 
 
 def test_packed_rows_train_like_one_prompt_per_row():
@@ -283,7 +293,8 @@ def test_packed_rows_train_like_one_prompt_per_row():
     def step(data, grad_accum):
         optimizer = make_optimizer()
         graphdef, base, runs = steps.init_runs(from_config(OPT, seed=0), [0], no_dropout, optimizer)
-        train_step = steps.make_train_step(graphdef, optimizer, YES, NO, grad_accum=grad_accum, buckets=(8, 16))
+        shape = geometry(1, accum=grad_accum, micro=8 // grad_accum, seq=16, buckets=(8, 16))
+        train_step = steps.make_train_step(graphdef, optimizer, YES, NO, shape)
         runs, loss = train_step(base, runs, data)
         runs, second = train_step(base, runs, data)  # B is no longer zero: the adapters act on both layouts
         return np.asarray([loss, second]), flat(runs.lora)
@@ -299,15 +310,31 @@ def test_packed_rows_train_like_one_prompt_per_row():
 
 def test_malformed_batches_are_clear_errors(together, batches):
     _, graphdef, base, runs, train_step = together
-    with pytest.raises(ValueError, match=r"expected \[runs=3, grad_accum=2, batch, seq\]"):
+    with pytest.raises(ValueError, match=r"expected \[runs=3, grad_accum=2, micro_batch=4, seq=12\]"):
         train_step(base, runs, run_slice(batches[0], slice(0, 2)))
     with pytest.raises(ValueError, match="batch is missing 'answer_pos'"):
         train_step(base, runs, {k: v for k, v in batches[0].items() if k != "answer_pos"})
     eval_step = steps.make_eval_step(graphdef, YES, NO)
     with pytest.raises(ValueError, match=r"expected \[batch, seq\]"):
         eval_step(base, runs.lora, batches[0])
-    with pytest.raises(ValueError, match="grad_accum must be >= 1"):
-        steps.make_train_step(graphdef, make_optimizer(), YES, NO, grad_accum=0)
+
+
+def test_geometry_errors_name_the_config_field():
+    fields = dict(runs=3, batch_size=8, seq_len=12, eval_rows=8, eval_seq_len=12)
+    with pytest.raises(ValueError, match="train.grad_accum must be >= 1, got 0"):
+        BatchGeometry(grad_accum=0, **fields)
+    with pytest.raises(ValueError, match="train.batch_size 8 must be a multiple of train.grad_accum 3"):
+        BatchGeometry(grad_accum=3, **fields)
+    with pytest.raises(ValueError, match=r"train micro-batch 2 \(train.batch_size / train.grad_accum\) must be a "
+                                         r"multiple of the 4 batch shards \(mesh.data x mesh.fsdp\)"):
+        BatchGeometry(grad_accum=4, batch_shards=4, **fields)
+    with pytest.raises(ValueError, match="eval.batch_size 6 must be a multiple of the 4 batch shards"):
+        BatchGeometry(grad_accum=2, batch_shards=4, **dict(fields, eval_rows=6))
+    with pytest.raises(ValueError, match=r"runs.chunk must be >= 0 \(0 = all runs at once\), got -1"):
+        BatchGeometry(grad_accum=1, run_chunk=-1, **fields)
+    shape = BatchGeometry(grad_accum=2, batch_shards=2, buckets=(4, 8, 16), **fields)
+    assert (shape.micro_batch, shape.rows_per_device, shape.micro_batch_lengths) == (4, 2, (4, 8, 12))
+    assert shape.train_rows_shape == (3, 2, 4) and shape.eval_batch_tokens == 96
 
 
 @pytest.mark.parametrize("schedule", steps.SCHEDULES)

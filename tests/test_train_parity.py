@@ -14,6 +14,7 @@ import transformers
 from test_models_parity import save, tiny_hf_model
 
 from oodjax.engine import steps
+from oodjax.engine.geometry import BatchGeometry
 from oodjax.models import load_pretrained
 from oodjax.models.lora import LoRAConfig, peft_tensors
 
@@ -82,7 +83,10 @@ def test_ten_adamw_steps_match_transformers_and_peft(tmp_path):
     assert not [k for k in result.missing_keys if "lora_" in k]
 
     batches = parity_batches()
-    train_step = steps.make_train_step(graphdef, optimizer, YES, NO, grad_accum=ACCUM)
+    geometry = BatchGeometry(
+        runs=1, batch_size=ACCUM * MICRO, grad_accum=ACCUM, seq_len=SEQ, eval_rows=MICRO, eval_seq_len=SEQ
+    )
+    train_step = steps.make_train_step(graphdef, optimizer, YES, NO, geometry)
     ours = []
     for batch in batches:
         runs, loss = train_step(base, runs, batch)

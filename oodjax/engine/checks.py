@@ -31,21 +31,6 @@ def check_config(config: config_dict.ConfigDict) -> None:
         raise ValueError("wandb.enabled is True but wandb is not installed (pip install wandb)")
 
 
-def check_parallel_batches(config: config_dict.ConfigDict, batch_shards: int) -> None:
-    """Batches are split over `batch_shards` devices (data x fsdp), so their sizes must divide."""
-    micro_batch = config.train.batch_size // config.train.grad_accum
-    if micro_batch % batch_shards:
-        raise ValueError(
-            f"train micro-batch {micro_batch} (train.batch_size / train.grad_accum) must be a multiple of "
-            f"the {batch_shards} batch shards (mesh.data x mesh.fsdp)"
-        )
-    if config.eval.batch_size % batch_shards:
-        raise ValueError(
-            f"eval.batch_size {config.eval.batch_size} must be a multiple of the {batch_shards} batch shards "
-            "(mesh.data x mesh.fsdp)"
-        )
-
-
 def _check_model(model: config_dict.ConfigDict) -> None:
     has_path, has_hf_config = bool(model.path), bool(model.hf_config.to_dict())
     if has_path == has_hf_config:
@@ -107,22 +92,16 @@ def _check_runs_and_training(config: config_dict.ConfigDict) -> None:
             raise ValueError(f"runs.{field} must be a non-empty list without repeats, got {values}")
     if min(runs.shots) < 1:
         raise ValueError(f"runs.shots must be positive, got {list(runs.shots)}")
+    # The batch sizes are checked where the batch geometry is worked out (oodjax.engine.geometry).
     positive = {
         "train.steps": train.steps,
-        "train.batch_size": train.batch_size,
-        "train.grad_accum": train.grad_accum,
         "eval.every": config.eval.every,
-        "eval.batch_size": config.eval.batch_size,
         "checkpoint_every": config.checkpoint_every,
         "log_every": config.log_every,
     }
     for field, value in positive.items():
         if value < 1:
             raise ValueError(f"{field} must be >= 1, got {value}")
-    if train.batch_size % train.grad_accum:
-        raise ValueError(
-            f"train.batch_size {train.batch_size} must be a multiple of train.grad_accum {train.grad_accum}"
-        )
     if not 0 <= train.warmup_steps <= train.steps:
         raise ValueError(f"train.warmup_steps must be in [0, train.steps={train.steps}], got {train.warmup_steps}")
     if not config.output_dir:

@@ -17,11 +17,14 @@ import itertools
 import json
 import pathlib
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import numpy as np
+import optax
 from absl import logging
+from flax import nnx
 from ml_collections import config_dict
 from tqdm import tqdm
 from transformers import AutoTokenizer
@@ -35,7 +38,8 @@ from oodjax.engine.distributed import is_primary
 from oodjax.engine.evaluation import evaluate
 from oodjax.engine.events import EventLog
 from oodjax.engine.results import RunResults, run_name
-from oodjax.engine.run_data import RunsData, load_runs_data, step_batch
+from oodjax.engine.geometry import BatchGeometry, batch_geometry
+from oodjax.engine.run_data import RunsData, few_shot_sets, load_runs_data, step_batch
 from oodjax.models.lora import LoRAConfig
 
 # Config fields a resumed run may change: they do not affect its results.
@@ -79,43 +83,58 @@ def train(config: config_dict.ConfigDict) -> list[Run]:
     """Trains and evaluates the config's runs (resuming if their checkpoints exist); returns them."""
     checks.check_config(config)
     mesh = sharding.make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
-    batch_shards = sharding.batch_shards(mesh)
-    checks.check_parallel_batches(config, batch_shards)
     runs = plan_runs(config)
     logging.info("runs: %s", ", ".join(run.name for run in runs))
 
     tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model.path)
     yes_id, no_id = answer_token_ids(tokenizer)
-    data = load_runs_data(
-        config,
-        tokenizer,
-        [(run.seed, run.shots) for run in runs],
-        batch_shards=batch_shards,
-        train_rows=sharding.process_step_rows(mesh, config.train.batch_size, config.train.grad_accum),
-    )
+    seeds = [run.seed for run in runs]
+    train_sets = few_shot_sets(config, tokenizer, [(run.seed, run.shots) for run in runs])
+    geometry = batch_geometry(config, mesh, train_sets)
+    data = load_runs_data(config, tokenizer, seeds, train_sets, geometry)
     model = _load_model(config, mesh)
-    optimizer = steps.make_optimizer(
-        config.train.learning_rate,
-        config.train.steps,
-        config.train.warmup_steps,
-        config.train.weight_decay,
-        config.train.max_grad_norm,
+    graphdef, base_state, state = steps.init_runs(model, seeds, lora_config(config), optimizer(config), mesh=mesh)
+    train_step, eval_step = make_steps(config, geometry, graphdef, base_state, state, yes_id, no_id, mesh)
+    _Loop(config, runs, mesh, geometry, train_step, eval_step, base_state, state, data).run()
+    return runs
+
+
+def optimizer(config: config_dict.ConfigDict) -> optax.GradientTransformation:
+    """The config's optimizer (``steps.make_optimizer`` of its train section)."""
+    train = config.train
+    return steps.make_optimizer(
+        train.learning_rate, train.steps, train.warmup_steps, train.weight_decay, train.max_grad_norm
     )
-    lora_config = LoRAConfig(
-        rank=config.lora.rank,
-        alpha=config.lora.alpha,
-        dropout=config.lora.dropout,
-        targets=tuple(config.lora.targets) or None,
-    )
-    graphdef, base_state, state = steps.init_runs(model, [run.seed for run in runs], lora_config, optimizer, mesh=mesh)
+
+
+def lora_config(config: config_dict.ConfigDict) -> LoRAConfig:
+    """The config's adapters (its lora section)."""
+    lora = config.lora
+    return LoRAConfig(rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout, targets=tuple(lora.targets) or None)
+
+
+def make_steps(
+    config: config_dict.ConfigDict,
+    geometry: BatchGeometry,
+    graphdef: nnx.GraphDef,
+    base_state: nnx.State,
+    runs: steps.RunsState,
+    yes_id: int,
+    no_id: int,
+    mesh: jax.sharding.Mesh,
+) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """The config's (train_step, eval_step): what ``train`` runs and ``launch.preflight`` compiles.
+
+    ``base_state`` and ``runs`` may be concrete or abstract (shapes and
+    dtypes); they fix the steps' shardings on ``mesh``.
+    """
     compute_dtype = config.model.compute_dtype or None
     train_step = steps.make_train_step(
-        graphdef, optimizer, yes_id, no_id, grad_accum=config.train.grad_accum, buckets=data.buckets, mesh=mesh,
-        runs=state, compute_dtype=compute_dtype,
-    )
+        graphdef, optimizer(config), yes_id, no_id, geometry, mesh=mesh, base_state=base_state, runs=runs,
+        compute_dtype=compute_dtype,
+    )  # fmt: skip
     eval_step = steps.make_eval_step(graphdef, yes_id, no_id, mesh=mesh, compute_dtype=compute_dtype)
-    _Loop(config, runs, mesh, train_step, eval_step, base_state, state, data).run()
-    return runs
+    return train_step, eval_step
 
 
 def _load_model(config: config_dict.ConfigDict, mesh: jax.sharding.Mesh) -> models.CausalLM:
@@ -138,8 +157,8 @@ def _comparable_config(config: config_dict.ConfigDict) -> dict[str, Any]:
 class _Loop:
     """The loop over steps for one `train` call, and what it keeps between steps."""
 
-    def __init__(self, config, runs, mesh, train_step, eval_step, base_state, state, data: RunsData):
-        self.config, self.runs, self.mesh, self.data = config, runs, mesh, data
+    def __init__(self, config, runs, mesh, geometry, train_step, eval_step, base_state, state, data: RunsData):
+        self.config, self.runs, self.mesh, self.geometry, self.data = config, runs, mesh, geometry, data
         self.train_step, self.eval_step = train_step, eval_step
         self.base_state, self.state = base_state, state
         self.total_steps = config.train.steps
@@ -204,7 +223,7 @@ class _Loop:
         return latest
 
     def _train(self, start: int) -> None:
-        examples_per_step = len(self.runs) * self.config.train.batch_size
+        examples_per_step = self.geometry.runs * self.geometry.batch_size
         with tqdm(total=self.total_steps, initial=start, desc="train", unit="step", disable=not self.primary) as bar:
             for step in range(start + 1, self.total_steps + 1):
                 self.state, loss = self.train_step(self.base_state, self.state, self._next_batch())
@@ -227,11 +246,10 @@ class _Loop:
 
     def _next_batch(self) -> dict[str, jax.Array]:
         """Each run's next batch, as [R, grad_accum, micro_batch, ...] arrays sharded over the micro-batch."""
-        accum = self.config.train.grad_accum
         per_run = [next(stream) for stream in self.data.streams]
-        stacked = step_batch(per_run, grad_accum=accum)
-        micro_batch = self.config.train.batch_size // accum  # global; the streams yield this process's rows
-        return sharding.shard_process_batch(stacked, self.mesh, batch_axis=2, num_rows=micro_batch)
+        stacked = step_batch(per_run, grad_accum=self.geometry.grad_accum)
+        # The streams yield this process's rows of the global micro-batches.
+        return sharding.shard_process_batch(stacked, self.mesh, batch_axis=2, num_rows=self.geometry.micro_batch)
 
     def _check_losses(self) -> None:
         """Fetches the pending losses; stops at the first non-finite one, naming its step."""

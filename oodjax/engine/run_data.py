@@ -27,17 +27,15 @@ from analysis import schema
 from oodjax.data import (
     Batch,
     TokenizedSet,
-    bucket_lengths,
     few_shot,
-    fitting_bucket,
     load_testset,
     stratified_subset,
     tokenize_testset,
     train_batches,
-    train_prompts_per_row,
     training_pool,
 )
 from oodjax.engine.evaluation import EvalPool, make_eval_pool
+from oodjax.engine.geometry import BatchGeometry
 
 # What the train step reads of a batch.
 TRAIN_KEYS = ("input_ids", "attention_mask", "answer_pos", "label", "valid")
@@ -46,25 +44,35 @@ TRAIN_KEYS = ("input_ids", "attention_mask", "answer_pos", "label", "valid")
 @dataclasses.dataclass(frozen=True)
 class RunsData:
     eval_pool: EvalPool  # config.data.testsets in order, then run r's few-shot set as schema.TRAIN_TESTSET
-    streams: list[grain.DatasetIterator]  # run r's training batches, rows of the longest bucket any needs
-    buckets: tuple[int, ...]  # the sequence lengths batches are cut to
+    streams: list[grain.DatasetIterator]  # run r's training batches, rows of geometry.seq_len tokens
+
+
+def few_shot_sets(
+    config: config_dict.ConfigDict, tokenizer: PreTrainedTokenizerBase, runs: Sequence[tuple[int, int]]
+) -> list[TokenizedSet]:
+    """Each run's tokenised few-shot training set; ``runs`` are (seed, shots) pairs.
+
+    Cheap (a few hundred prompts), so the job's ``BatchGeometry``, which
+    needs their lengths, is known before the testsets are tokenised.
+    """
+    data = config.data
+    pool = training_pool(data.train_set, split=data.pool_split or None, data_dir=data.data_dir or None)
+    return [_tokenize(config, few_shot(pool, shots, seed), tokenizer) for seed, shots in runs]
 
 
 def load_runs_data(
     config: config_dict.ConfigDict,
     tokenizer: PreTrainedTokenizerBase,
-    runs: Sequence[tuple[int, int]],
-    *,
-    batch_shards: int = 1,
-    train_rows: Sequence[int] | None = None,
+    seeds: Sequence[int],
+    train_sets: Sequence[TokenizedSet],
+    geometry: BatchGeometry,
 ) -> RunsData:
-    """`runs` are (seed, shots) pairs; `batch_shards` is the number of devices a batch is split over.
+    """The evaluation pool and run r's training stream, seeded by ``seeds[r]``, over ``train_sets[r]``.
 
-    `train_rows` are the positions in each global training batch that this
-    process feeds (``sharding.process_step_rows``; None: all of them).
-
-    An evaluation batch holds eval.batch_size rows of data.max_length tokens at
-    most, each packed with as many prompts as fit.
+    Training batches have ``geometry``'s shape, of which this process feeds
+    its ``process_rows``; an evaluation batch holds ``geometry.eval_rows``
+    rows of data.max_length tokens at most, each packed with as many prompts
+    as fit.
     """
     data = config.data
     testsets = {}
@@ -78,42 +86,35 @@ def load_runs_data(
                 "%s: %d of %d prompts truncated to %d tokens", name, tokenized.num_truncated, len(tokenized),
                 data.max_length,
             )
-
-    pool = training_pool(data.train_set, split=data.pool_split or None, data_dir=data.data_dir or None)
-    train_sets = [_tokenize(config, few_shot(pool, shots, seed), tokenizer) for seed, shots in runs]
-    buckets = _buckets(config)
-    seq_len = fitting_bucket(buckets, max(int(t.lengths.max()) for t in train_sets))
-    batch_size, pack = config.train.batch_size, config.train.pack
-    prompts_per_row = train_prompts_per_row(train_sets, batch_size=batch_size, seq_len=seq_len) if pack else None
     streams = [
         train_batches(
             tokenized,
-            batch_size=batch_size,
+            batch_size=geometry.batch_size,
             seed=seed,
-            seq_len=seq_len,
-            pack=pack,
-            prompts_per_row=prompts_per_row,
-            rows=train_rows,
+            seq_len=geometry.seq_len,
+            pack=geometry.prompts_per_row is not None,
+            prompts_per_row=geometry.prompts_per_row,
+            rows=geometry.process_rows,
             pad_id=_pad_id(tokenizer),
         )
-        for (seed, _), tokenized in zip(runs, train_sets)
+        for seed, tokenized in zip(seeds, train_sets, strict=True)
     ]
     eval_pool = make_eval_pool(
         testsets,
         [{schema.TRAIN_TESTSET: tokenized} for tokenized in train_sets],
-        batch_tokens=config.eval.batch_size * data.max_length,
-        row_multiple=batch_shards,
+        batch_tokens=geometry.eval_batch_tokens,
+        row_multiple=geometry.batch_shards,
         pad_id=_pad_id(tokenizer),
     )
-    return RunsData(eval_pool=eval_pool, streams=streams, buckets=buckets)
+    return RunsData(eval_pool=eval_pool, streams=streams)
 
 
 def step_batch(per_run: Sequence[Batch], *, grad_accum: int) -> Batch:
     """The runs' batches of one step as the train step takes them: [R, grad_accum, micro_batch, S].
 
-    Every run's stream has rows of the same length S (the bucket of the
-    longest prompt of any run's set), and packed rows the same prompt slots,
-    so the step compiles once; it cuts each micro-batch to its own bucket.
+    Every run's stream has rows of the same length S (``BatchGeometry.seq_len``),
+    and packed rows the same prompt slots, so the step compiles once; it cuts
+    each micro-batch to its own bucket.
     """
 
     def stacked(key: str) -> np.ndarray:
@@ -129,10 +130,6 @@ def _tokenize(
     return tokenize_testset(
         dataset, tokenizer, template=data.template, max_length=data.max_length, cache_dir=data.cache_dir or None
     )
-
-
-def _buckets(config: config_dict.ConfigDict) -> tuple[int, ...]:
-    return bucket_lengths(config.data.max_length, tuple(config.data.buckets) or None)
 
 
 def _pad_id(tokenizer: PreTrainedTokenizerBase) -> int:

@@ -89,7 +89,8 @@ def batch_shards(mesh: Mesh) -> int:
     return math.prod(mesh.shape[axis] for axis in BATCH_AXES)
 
 
-def _batch_sharding(mesh: Mesh, batch_axis: int) -> NamedSharding:
+def batch_sharding(mesh: Mesh, batch_axis: int) -> NamedSharding:
+    """Where a batch lives: split along ``batch_axis`` over the batch axes, whole along the others."""
     return NamedSharding(mesh, PartitionSpec(*([None] * batch_axis), BATCH_AXES))
 
 
@@ -109,7 +110,7 @@ def shard_batch(batch: Mapping[str, Any], mesh: Mesh, *, batch_axis: int = 0) ->
                 f"batch[{key!r}] has shape {value.shape}: axis {batch_axis} must exist and be divisible by "
                 f"{ways} (mesh axes {BATCH_AXES})"
             )
-        out[key] = jax.make_array_from_callback(value.shape, _batch_sharding(mesh, batch_axis), value.__getitem__)
+        out[key] = jax.make_array_from_callback(value.shape, batch_sharding(mesh, batch_axis), value.__getitem__)
     return out
 
 
@@ -126,7 +127,7 @@ def process_batch_rows(mesh: Mesh, num_rows: int) -> np.ndarray:
         raise ValueError(
             f"a batch of {num_rows} rows cannot be split evenly over {ways} devices (mesh axes {BATCH_AXES})"
         )
-    indices = _batch_sharding(mesh, 0).addressable_devices_indices_map((num_rows,)).values()
+    indices = batch_sharding(mesh, 0).addressable_devices_indices_map((num_rows,)).values()
     return np.unique(np.concatenate([np.arange(num_rows)[index] for index in indices]))
 
 
@@ -160,7 +161,7 @@ def shard_process_batch(
                 f"{rows} of {num_rows} rows (process {jax.process_index()} of {jax.process_count()})"
             )
         global_shape = (*value.shape[:batch_axis], num_rows, *value.shape[batch_axis + 1 :])
-        out[key] = jax.make_array_from_process_local_data(_batch_sharding(mesh, batch_axis), value, global_shape)
+        out[key] = jax.make_array_from_process_local_data(batch_sharding(mesh, batch_axis), value, global_shape)
     return out
 
 

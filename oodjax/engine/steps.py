@@ -2,9 +2,13 @@
 
 A "run" is one (seed, shots) fine-tuning job. All runs of a process share the
 base model's state; each has its own adapters, optimizer state and dropout
-key, stacked on a leading run axis (``RunsState``). Both steps ``vmap`` one
-run's computation over that axis, so R runs cost one pass over the base
-weights per layer and give exactly what each run would give alone.
+key, stacked on a leading run axis (``RunsState``). Both steps map one run's
+computation over that axis (``vmap``; the train step may take the runs a
+chunk at a time to bound memory, ``map_runs``), so R runs share one copy of
+the base weights and give exactly what each run would give alone. The
+batch's shape comes from the job's ``BatchGeometry``; with a mesh, the
+steps are traced and called under it (``MeshStep``), so the models'
+activation sharding constraints apply.
 
 Only the answer position matters: the loss and the margins come from the
 final hidden state at ``answer_pos`` (the last prompt token), so the output
@@ -14,6 +18,7 @@ the two answer-token columns.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -26,6 +31,7 @@ import optax
 from flax import nnx
 
 from oodjax.engine import sharding
+from oodjax.engine.geometry import BatchGeometry
 from oodjax.models.lora import LoRAConfig, apply_lora
 from oodjax.models.partitioning import param_shardings
 
@@ -148,6 +154,26 @@ def init_runs(
     return graphdef, base_state, runs
 
 
+def abstract_init_runs(
+    make_model: Callable[[], nnx.Module],
+    seeds: Sequence[int],
+    lora_cfg: LoRAConfig,
+    optimizer: optax.GradientTransformation,
+) -> tuple[nnx.GraphDef, nnx.State, RunsState]:
+    """``init_runs`` on ``make_model()`` as shapes only (``jax.eval_shape``): the graphdef, and base and runs
+    whose leaves are ShapeDtypeStructs. Nothing is read, initialised or allocated, so a 32B model's steps can
+    be lowered and compiled ahead of time on any machine (the preflight)."""
+    graphdefs = []
+
+    def shapes() -> tuple[nnx.State, RunsState]:
+        graphdef, base_state, runs = init_runs(make_model(), seeds, lora_cfg, optimizer)
+        graphdefs.append(graphdef)  # static: it leaves the trace as it is
+        return base_state, runs
+
+    base_state, runs = jax.eval_shape(shapes)
+    return graphdefs[0], base_state, runs
+
+
 def _cast_floats(tree: Any, dtype: jnp.dtype | None) -> Any:
     """Casts the floating-point leaves of ``tree`` (not keys or integers) to ``dtype``; None keeps them."""
     if dtype is None:
@@ -155,7 +181,7 @@ def _cast_floats(tree: Any, dtype: jnp.dtype | None) -> Any:
     return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
 
 
-def _answer_hidden(model: nnx.Module, batch: Batch) -> jax.Array:
+def answer_hidden(model: nnx.Module, batch: Batch) -> jax.Array:
     """The final hidden state at each prompt's answer position (its last token): [B, H'] or [B, P, H'].
 
     ``answer_pos`` is [B] (one prompt per row) or [B, P] (P prompt slots of a
@@ -169,22 +195,203 @@ def _answer_hidden(model: nnx.Module, batch: Batch) -> jax.Array:
     return picked.reshape(*positions.shape, hidden.shape[-1])
 
 
-def micro_batch_lengths(buckets: Sequence[int] | None, seq_len: int) -> tuple[int, ...]:
-    """The lengths a micro-batch of a ``seq_len`` batch may run at: the buckets below it, then ``seq_len``."""
-    return tuple(int(b) for b in sorted(buckets or ()) if b < seq_len) + (seq_len,)
+def answer_loss(model: nnx.Module, batch: Batch, yes_id: int, no_id: int) -> tuple[jax.Array, jax.Array]:
+    """(sum of the cross-entropies over the full vocabulary at the answer positions, count), valid prompts only.
+
+    Sums rather than a mean, so micro-batches accumulate exactly: the step
+    divides the summed gradients by the summed count once.
+    """
+    logits = jnp.matmul(answer_hidden(model, batch), model.head_kernel(), preferred_element_type=jnp.float32)
+    targets = jnp.where(batch["label"] == 0, yes_id, no_id)
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+    valid = batch["valid"].astype(jnp.float32) if "valid" in batch else jnp.ones_like(losses)
+    return jnp.sum(losses * valid), jnp.sum(valid)
 
 
-def _check_batch(batch: Batch, layout: str, leading: tuple[int, ...]) -> None:
+def eval_margins(model: nnx.Module, batch: Batch, yes_id: int, no_id: int) -> jax.Array:
+    """logit(Yes) - logit(No) at the answer positions (answer_pos's shape), from the two head columns only."""
+    head = jnp.take(model.head_kernel(), np.asarray([yes_id, no_id], np.int32), axis=1)
+    logits = jnp.matmul(answer_hidden(model, batch), head, preferred_element_type=jnp.float32)
+    return logits[..., 0] - logits[..., 1]
+
+
+def micro_batch_loss(
+    lora: nnx.State,
+    base_state: nnx.State,
+    micro: Batch,
+    key: jax.Array,
+    *,
+    graphdef: nnx.GraphDef,
+    yes_id: int,
+    no_id: int,
+    compute_dtype: jnp.dtype | None,
+) -> tuple[jax.Array, jax.Array]:
+    """One run's ``answer_loss`` on one micro-batch, dropout drawn from ``key``: the function differentiated."""
+    # copy: fresh Variables at this trace level, so reseeding may mutate them.
+    model = nnx.merge(graphdef, base_state, _cast_floats(lora, compute_dtype), copy=True)
+    nnx.reseed(model, dropout=key)
+    return answer_loss(model, micro, yes_id, no_id)
+
+
+def micro_batch_grads(
+    lora: nnx.State, base_state: nnx.State, micro: Batch, key: jax.Array, *, length: int, loss: Callable[..., Any]
+) -> tuple[tuple[jax.Array, jax.Array], nnx.State]:
+    """((loss sum, count), gradients w.r.t. ``lora``) of ``loss`` on ``micro`` cut to its first ``length`` tokens.
+
+    Rows are filled from the left, so the cut drops only padding when
+    ``length`` holds the micro-batch's longest row.
+    """
+    cut = {k: v[..., :length] if k in _SEQUENCE_KEYS else v for k, v in micro.items()}
+    return jax.value_and_grad(loss, has_aux=True)(lora, base_state, cut, key)
+
+
+def skip_micro_batch(
+    lora: nnx.State, base_state: nnx.State, micro: Batch, key: jax.Array
+) -> tuple[tuple[jax.Array, jax.Array], nnx.State]:
+    """``micro_batch_grads``'s result for a micro-batch without a prompt: zeros, at no cost."""
+    zero = jnp.zeros((), jnp.float32)
+    return (zero, zero), jax.tree.map(jnp.zeros_like, lora)
+
+
+def micro_batch_branches(batch: Batch, geometry: BatchGeometry) -> jax.Array:
+    """Per micro-batch, the ``lax.switch`` branch of the train step: 0 skips it (no valid prompt in any run),
+    b >= 1 runs it at ``geometry.micro_batch_lengths[b - 1]``, the smallest that holds its longest row.
+
+    Taken over all runs (and devices), so every device of every process
+    takes the same branch; rows are filled from the left, so a row's used
+    length is its count of non-padding tokens.
+    """
+    longest = jnp.max(jnp.sum(batch["attention_mask"] != 0, axis=-1), axis=(0, 2))
+    branch = 1 + jnp.searchsorted(jnp.asarray(geometry.micro_batch_lengths), longest)
+    if "valid" not in batch:
+        return branch
+    per_micro = jnp.moveaxis(batch["valid"], 1, 0).reshape(geometry.grad_accum, -1)
+    return jnp.where(jnp.any(per_micro, axis=1), branch, 0)
+
+
+def run_update(
+    lora: nnx.State,
+    opt_state: optax.OptState,
+    rng: jax.Array,
+    batch: Batch,
+    *,
+    base_state: nnx.State,
+    step: jax.Array,
+    branch: jax.Array,
+    branches: Sequence[Callable[..., Any]],
+    optimizer: optax.GradientTransformation,
+) -> tuple[nnx.State, optax.OptState, jax.Array]:
+    """One run's optimizer step: gradients summed over its micro-batches [grad_accum, ...] (each through
+    its ``branch``), divided by the valid count, then the update. Returns (lora, opt_state, mean loss).
+
+    Micro-batch i's dropout key is fold_in(fold_in(run key, step), i): a
+    function of the run alone, whatever else trains beside it.
+    """
+    run_key = jax.random.fold_in(jax.random.wrap_key_data(rng), step)
+
+    def accumulate(carry, xs):
+        grads, loss_sum, count = carry
+        micro, index, micro_branch = xs
+        key = jax.random.fold_in(run_key, index)
+        (loss, n), g = jax.lax.switch(micro_branch, branches, lora, base_state, micro, key)
+        return (jax.tree.map(jnp.add, grads, g), loss_sum + loss, count + n), None
+
+    zero = jnp.zeros((), jnp.float32)
+    init = (jax.tree.map(jnp.zeros_like, lora), zero, zero)
+    micro_batches = len(branch)
+    (grads, loss_sum, count), _ = jax.lax.scan(accumulate, init, (batch, jnp.arange(micro_batches), branch))
+    count = jnp.maximum(count, 1.0)
+    grads = jax.tree.map(lambda g: g / count, grads)
+    updates, opt_state = optimizer.update(grads, opt_state, lora)
+    return optax.apply_updates(lora, updates), opt_state, loss_sum / count
+
+
+def map_runs(fn: Callable[..., Any], per_run: tuple[Any, ...], chunk: int) -> Any:
+    """``fn`` over the leading run axis of every leaf of ``per_run``: all runs at once (``vmap``), or ``chunk``
+    at a time (``lax.map``: a loop whose body is a vmap over ``chunk`` runs), which bounds the activations
+    alive at once to those of ``chunk`` runs while every run reads the one frozen base. 0: all at once."""
+    runs = jax.tree.leaves(per_run)[0].shape[0]
+    if not 0 < chunk < runs:
+        return jax.vmap(fn)(*per_run)
+    return jax.lax.map(lambda xs: fn(*xs), per_run, batch_size=chunk)
+
+
+def train_step(
+    base_state: nnx.State,
+    runs: RunsState,
+    batch: Batch,
+    *,
+    graphdef: nnx.GraphDef,
+    optimizer: optax.GradientTransformation,
+    yes_id: int,
+    no_id: int,
+    geometry: BatchGeometry,
+    compute_dtype: jnp.dtype | None,
+) -> tuple[RunsState, jax.Array]:
+    """One optimizer step of every run (``make_train_step`` documents it; this is the function it jits)."""
+    num_runs, accum, micro = geometry.train_rows_shape
+    layout = f"[runs={num_runs}, grad_accum={accum}, micro_batch={micro}, seq={geometry.seq_len}]"
+    _check_batch(batch, layout, (num_runs, accum, micro, geometry.seq_len))
+    loss = functools.partial(
+        micro_batch_loss, graphdef=graphdef, yes_id=yes_id, no_id=no_id, compute_dtype=compute_dtype
+    )
+    branches = [skip_micro_batch] + [
+        functools.partial(micro_batch_grads, length=length, loss=loss) for length in geometry.micro_batch_lengths
+    ]
+    update = functools.partial(
+        run_update,
+        base_state=_cast_floats(base_state, compute_dtype),
+        step=runs.step,
+        branch=micro_batch_branches(batch, geometry),
+        branches=branches,
+        optimizer=optimizer,
+    )
+    lora, opt_state, losses = map_runs(update, (runs.lora, runs.opt_state, runs.rng, dict(batch)), geometry.run_chunk)
+    return runs.replace(lora=lora, opt_state=opt_state, step=runs.step + 1), losses
+
+
+def eval_step(
+    base_state: nnx.State,
+    lora: nnx.State,
+    batch: Batch,
+    *,
+    graphdef: nnx.GraphDef,
+    yes_id: int,
+    no_id: int,
+    compute_dtype: jnp.dtype | None,
+) -> jax.Array:
+    """Every run's margins on ``batch`` (``make_eval_step`` documents it; this is the function it jits).
+
+    The runs stay vmapped, not chunked like training (``runs.chunk``): an
+    evaluation keeps no activations for a backward pass, and its memory is
+    set by its batch, eval.batch_size rows of data.max_length tokens per run.
+    """
+    num_runs = jax.tree.leaves(lora)[0].shape[0]
+    per_run = "input_ids" in batch and batch["input_ids"].ndim == 3
+    expected = (num_runs, None, None) if per_run else (None, None)
+    _check_batch(batch, f"[batch, seq] or [runs={num_runs}, batch, seq]", expected)
+
+    def one_run(run_lora, shared_base, run_batch):
+        model = nnx.merge(graphdef, shared_base, _cast_floats(run_lora, compute_dtype))
+        return eval_margins(nnx.view(model, only=nnx.Dropout, deterministic=True), run_batch, yes_id, no_id)
+
+    return jax.vmap(one_run, in_axes=(0, None, 0 if per_run else None))(
+        lora, _cast_floats(base_state, compute_dtype), dict(batch)
+    )
+
+
+def _check_batch(batch: Batch, layout: str, expected: tuple[int | None, ...]) -> None:
     """Trace-time shape check (shapes are static), so a malformed batch fails once and clearly.
 
-    Per-prompt leaves (answer_pos, label, valid) have the rows' shape, with
-    a trailing prompt-slot axis when rows are packed.
+    ``expected`` is input_ids' shape, None where any size goes. Per-prompt
+    leaves (answer_pos, label, valid) have the rows' shape, with a trailing
+    prompt-slot axis when rows are packed.
     """
     for key in ("input_ids", "attention_mask", "answer_pos", "label"):
         if key not in batch:
             raise ValueError(f"batch is missing {key!r}; it has {sorted(batch)}")
     ids = batch["input_ids"]
-    if ids.ndim != len(leading) + 2 or tuple(ids.shape[: len(leading)]) != leading:
+    if ids.ndim != len(expected) or any(e is not None and e != n for e, n in zip(expected, ids.shape)):
         raise ValueError(f"batch['input_ids'] has shape {tuple(ids.shape)}; expected {layout}")
     mask = tuple(batch["attention_mask"].shape)
     if mask != tuple(ids.shape):
@@ -200,114 +407,89 @@ def _check_batch(batch: Batch, layout: str, leading: tuple[int, ...]) -> None:
             raise ValueError(f"batch[{key!r}] has shape {tuple(batch[key].shape)}; expected {answers} (answer_pos's)")
 
 
+@dataclasses.dataclass(frozen=True)
+class MeshStep:
+    """A jitted step traced, lowered and called under ``jax.set_mesh(mesh)``.
+
+    The models constrain their activations' shardings only when traced
+    under a mesh (``oodjax.models.partitioning.constrain``), and a jitted
+    function's cache key includes the mesh in context: entering it on every
+    call, not only on the first, keeps the one compiled program hitting.
+    """
+
+    jitted: Any  # the jax.jit-wrapped step
+    mesh: jax.sharding.Mesh
+
+    def __call__(self, *args: Any) -> Any:
+        with jax.set_mesh(self.mesh):
+            return self.jitted(*args)
+
+    def lower(self, *args: Any) -> jax.stages.Lowered:
+        """``jitted.lower`` under the mesh, for ahead-of-time compilation (the preflight)."""
+        with jax.set_mesh(self.mesh):
+            return self.jitted.lower(*args)
+
+    def _cache_size(self) -> int:
+        """Compiled programs held by the jitted step (what tests count to see nothing recompiles)."""
+        return self.jitted._cache_size()
+
+
 def make_train_step(
     graphdef: nnx.GraphDef,
     optimizer: optax.GradientTransformation,
     yes_id: int,
     no_id: int,
+    geometry: BatchGeometry,
     *,
-    grad_accum: int,
-    buckets: Sequence[int] | None = None,
     mesh: jax.sharding.Mesh | None = None,
+    base_state: nnx.State | None = None,
     runs: RunsState | None = None,
     compute_dtype: jnp.dtype | None = None,
 ) -> Callable[[nnx.State, RunsState, Batch], tuple[RunsState, jax.Array]]:
     """One jitted optimizer step for all runs: ``train_step(base_state, runs, batch) -> (runs, loss [R])``.
 
-    ``batch`` leaves are [R, grad_accum, micro_batch, seq] ([R, grad_accum,
-    micro_batch] for answer_pos, label, valid): each run its own examples. The
-    loss is the mean cross-entropy over the full vocabulary at the answer
-    position (target " Yes" for label 0, " No" otherwise) over the valid
-    examples of all micro-batches; gradients are summed over micro-batches and
-    divided by the valid count, so accumulation is exact, not an average of
-    averages. ``runs`` is donated.
+    ``batch`` leaves are [R, grad_accum, micro_batch, seq_len] ([R, grad_accum,
+    micro_batch] for answer_pos, label, valid) as ``geometry`` gives them: each
+    run its own examples. The loss is the mean cross-entropy over the full
+    vocabulary at the answer position (target " Yes" for label 0, " No"
+    otherwise) over the valid examples of all micro-batches; gradients are
+    summed over micro-batches and divided by the valid count, so accumulation
+    is exact, not an average of averages. ``runs`` is donated.
 
     Rows may hold one prompt each (``make_batch``) or several (packed by
-    ``train_batches``; per-prompt leaves then have a prompt-slot axis).
-    ``buckets`` are sequence lengths a micro-batch may be cut to: each runs at
-    the smallest that holds its longest row over all runs (rows are filled
-    from the left, so the cut drops only padding), and a micro-batch with no
-    valid prompt in any run is skipped. The choice is made inside the step
-    (``lax.switch``), so the step compiles once for the batch's full length,
-    every device of every process takes the same branch, and packed batches
-    (fullest rows first, empty rows last) compute little padding. None runs
-    every non-empty micro-batch at the batch's length.
+    ``train_batches``; per-prompt leaves then have a prompt-slot axis). Each
+    micro-batch runs at the smallest of ``geometry.micro_batch_lengths`` that
+    holds its longest row over all runs (``micro_batch_branches``), and one
+    with no valid prompt in any run is skipped; the choice is made inside the
+    step (``lax.switch``), so the step compiles once. With
+    ``geometry.run_chunk`` the runs are computed that many at a time
+    (``map_runs``), bounding activation memory; the results are the same.
 
     ``compute_dtype`` (e.g. bfloat16) casts the base and the adapters for the
     forward/backward pass only; the adapters and optimizer state stay float32.
 
-    With a ``mesh``, pass the ``runs`` from ``init_runs`` too: the step pins
-    its outputs to their shardings, so each call's output is exactly the next
-    call's input layout (XLA may otherwise spell an equivalent sharding
-    differently, which would recompile every step).
+    With a ``mesh``, pass ``base_state`` and ``runs`` (from ``init_runs``, or
+    their abstract shapes) too: the step is jitted with their shardings in
+    and out, so each call's output is exactly the next call's input layout
+    (XLA might otherwise spell an equivalent sharding differently and
+    recompile every step), and it runs under the mesh (``MeshStep``).
     """
-    if grad_accum < 1:
-        raise ValueError(f"grad_accum must be >= 1, got {grad_accum}")
-    if mesh is not None and runs is None:
-        raise ValueError("make_train_step with a mesh needs runs= (the RunsState from init_runs) to fix its shardings")
-
-    def micro_loss(lora, base_state, micro, key):
-        # copy: fresh Variables at this trace level, so reseeding may mutate them.
-        model = nnx.merge(graphdef, base_state, _cast_floats(lora, compute_dtype), copy=True)
-        nnx.reseed(model, dropout=key)
-        hidden = _answer_hidden(model, micro)
-        logits = jnp.matmul(hidden, model.head_kernel(), preferred_element_type=jnp.float32)
-        targets = jnp.where(micro["label"] == 0, yes_id, no_id)
-        losses = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
-        valid = micro["valid"].astype(jnp.float32) if "valid" in micro else jnp.ones_like(losses)
-        return jnp.sum(losses * valid), jnp.sum(valid)
-
-    grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
-
-    def grad_at(length):
-        def cut_grad(lora, base_state, micro, key):
-            cut = {k: v[..., :length] if k in _SEQUENCE_KEYS else v for k, v in micro.items()}
-            return grad_fn(lora, base_state, cut, key)
-
-        return cut_grad
-
-    def one_run(lora, opt_state, rng, batch, branch, base_state, step, branches):
-        run_key = jax.random.fold_in(jax.random.wrap_key_data(rng), step)
-
-        def accumulate(carry, xs):
-            grads, loss_sum, count = carry
-            micro, index, micro_branch = xs
-            key = jax.random.fold_in(run_key, index)
-            (loss, n), g = jax.lax.switch(micro_branch, branches, lora, base_state, micro, key)
-            return (jax.tree.map(jnp.add, grads, g), loss_sum + loss, count + n), None
-
-        zeros = jax.tree.map(jnp.zeros_like, lora)
-        init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
-        (grads, loss_sum, count), _ = jax.lax.scan(accumulate, init, (batch, jnp.arange(grad_accum), branch))
-        count = jnp.maximum(count, 1.0)
-        grads = jax.tree.map(lambda g: g / count, grads)
-        updates, opt_state = optimizer.update(grads, opt_state, lora)
-        return optax.apply_updates(lora, updates), opt_state, loss_sum / count
-
-    def skip(lora, base_state, micro, key):
-        return (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32)), jax.tree.map(jnp.zeros_like, lora)
-
-    def train_step(base_state: nnx.State, runs: RunsState, batch: Batch) -> tuple[RunsState, jax.Array]:
-        _check_batch(batch, f"[runs={runs.num_runs}, grad_accum={grad_accum}, batch, seq]", (runs.num_runs, grad_accum))
-        lengths = micro_batch_lengths(buckets, batch["input_ids"].shape[-1])
-        # Each micro-batch's longest row over all runs (and devices) picks its branch; rows are
-        # filled from the left, so a row's used length is its count of non-padding tokens.
-        longest = jnp.max(jnp.sum(batch["attention_mask"] != 0, axis=-1), axis=(0, 2))
-        branch = 1 + jnp.searchsorted(jnp.asarray(lengths), longest)
-        if "valid" in batch:  # branch 0 skips micro-batches that hold no prompt in any run
-            per_micro = jnp.moveaxis(batch["valid"], 1, 0).reshape(grad_accum, -1)
-            branch = jnp.where(jnp.any(per_micro, axis=1), branch, 0)
-        base = _cast_floats(base_state, compute_dtype)
-        lora, opt_state, loss = jax.vmap(
-            functools.partial(one_run, branches=[skip] + [grad_at(length) for length in lengths]),
-            in_axes=(0, 0, 0, 0, None, None, None),
-        )(runs.lora, runs.opt_state, runs.rng, dict(batch), branch, base, runs.step)
-        return runs.replace(lora=lora, opt_state=opt_state, step=runs.step + 1), loss
-
+    step = functools.partial(
+        train_step, graphdef=graphdef, optimizer=optimizer, yes_id=yes_id, no_id=no_id, geometry=geometry,
+        compute_dtype=compute_dtype,
+    )  # fmt: skip
     if mesh is None:
-        return jax.jit(train_step, donate_argnums=1)
-    out_shardings = (sharding.runs_shardings(runs, mesh), sharding.replicated(mesh))
-    return jax.jit(train_step, donate_argnums=1, out_shardings=out_shardings)
+        return jax.jit(step, donate_argnums=1)
+    if base_state is None or runs is None:
+        raise ValueError("make_train_step with a mesh needs base_state= and runs= (from init_runs) for its shardings")
+    runs_shardings = sharding.runs_shardings(runs, mesh)
+    jitted = jax.jit(
+        step,
+        in_shardings=(param_shardings(base_state, mesh), runs_shardings, sharding.batch_sharding(mesh, 2)),
+        out_shardings=(runs_shardings, sharding.replicated(mesh)),
+        donate_argnums=1,
+    )
+    return MeshStep(jitted, mesh)
 
 
 def make_eval_step(
@@ -326,25 +508,11 @@ def make_eval_step(
     scores its own examples ``batch[...][r]``. Margins have answer_pos's
     shape behind the run axis. The margin is logit(Yes) - logit(No) at the
     answer position, computed from the two head columns only. It compiles
-    once per batch shape; ``eval_step._cache_size()`` counts them.
+    once per batch shape; ``eval_step._cache_size()`` counts them. Inputs
+    keep the shardings they come with (a batch may be [B, ...] or
+    [R, B, ...]); with a ``mesh`` it runs under it (``MeshStep``).
     """
-    columns = np.asarray([yes_id, no_id], np.int32)
-
-    def one_run(lora, base_state, batch):
-        model = nnx.merge(graphdef, base_state, _cast_floats(lora, compute_dtype))
-        model = nnx.view(model, only=nnx.Dropout, deterministic=True)
-        hidden = _answer_hidden(model, batch)
-        head = jnp.take(model.head_kernel(), columns, axis=1)
-        logits = jnp.matmul(hidden, head, preferred_element_type=jnp.float32)
-        return logits[..., 0] - logits[..., 1]
-
-    def eval_step(base_state: nnx.State, lora: nnx.State, batch: Batch) -> jax.Array:
-        num_runs = jax.tree.leaves(lora)[0].shape[0]
-        per_run = "input_ids" in batch and batch["input_ids"].ndim == 3
-        _check_batch(batch, f"[batch, seq] or [runs={num_runs}, batch, seq]", (num_runs,) if per_run else ())
-        batch_axis = 0 if per_run else None
-        return jax.vmap(one_run, in_axes=(0, None, batch_axis))(
-            lora, _cast_floats(base_state, compute_dtype), dict(batch)
-        )
-
-    return jax.jit(eval_step, out_shardings=None if mesh is None else sharding.replicated(mesh))
+    step = functools.partial(eval_step, graphdef=graphdef, yes_id=yes_id, no_id=no_id, compute_dtype=compute_dtype)
+    if mesh is None:
+        return jax.jit(step)
+    return MeshStep(jax.jit(step, out_shardings=sharding.replicated(mesh)), mesh)

@@ -1,9 +1,9 @@
 """Flax NNX ports of OPT, OLMo2 and Llama/SmolLM that load Hugging Face checkpoints exactly."""
 
 from oodjax.models.config import DecoderConfig
-from oodjax.models.layers import CausalLM, Linear
+from oodjax.models.layers import REMAT_POLICIES, CausalLM, Linear
 from oodjax.models.llama import LlamaConfig, LlamaForCausalLM
-from oodjax.models.loading import ARCHITECTURES, config_from_dict, from_config, load_pretrained
+from oodjax.models.loading import ARCHITECTURES, abstract_model, config_from_dict, from_config, load_pretrained
 from oodjax.models.olmo2 import Olmo2Config, Olmo2ForCausalLM
 from oodjax.models.opt import OPTConfig, OPTForCausalLM
 from oodjax.models.partitioning import LOGICAL_AXIS_RULES, logical_to_spec, param_sharding, param_shardings
@@ -18,8 +18,10 @@ __all__ = [
     "LlamaForCausalLM",
     "OPTConfig",
     "OPTForCausalLM",
+    "REMAT_POLICIES",
     "Olmo2Config",
     "Olmo2ForCausalLM",
+    "abstract_model",
     "config_from_dict",
     "from_config",
     "load_pretrained",

@@ -12,6 +12,8 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+from oodjax.models.layers import check_remat
+
 
 def hf_value(raw: Mapping[str, Any], key: str, default: Any) -> Any:
     """``raw[key]``, or transformers' ``default`` when the key is absent or null (as its configs treat null)."""
@@ -32,9 +34,10 @@ class DecoderConfig:
     head_dim: int
     pad_token_id: int | None
     tie_word_embeddings: bool
-    remat: bool = False
+    remat: str = "none"  # a name of layers.REMAT_POLICIES: what each scanned layer keeps for the backward pass
 
     def __post_init__(self):
+        check_remat(self.remat)
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "

@@ -1,28 +1,66 @@
-"""Building blocks shared by every model family: projections, norms, RoPE, attention.
+"""Building blocks shared by every model family: projections, norms, RoPE, attention, the layer stack.
 
 Each block reproduces what transformers' PyTorch code computes, including where
 it upcasts to float32, so that the ports match Hugging Face logits exactly.
 Every parameter carries logical axis names (``out_sharding`` metadata, resolved
 by ``partitioning.LOGICAL_AXIS_RULES``); ``eager_sharding=False`` keeps models
 constructible without a mesh, since the loader places parameters itself.
+Activations are constrained with names of the same table (``constrain``).
+
+A family's decoder layers are one module whose parameters are stacked on a
+leading ``layers`` axis (``stacked_layers``), run by one ``jax.lax.scan``
+(``run_layers``): the step compiles one layer whatever the depth, and the
+remat policy (``REMAT_POLICIES``) applies to that one layer.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+
+from oodjax.models.partitioning import HIDDEN, constrain
 
 Axes = tuple[str | None, ...]
 
 # Hugging Face initialises weights with normal(0, initializer_range=0.02).
 _INIT_STD = 0.02
+
+# Names of the projection outputs the remat policies may keep (``Linear(saved_as=...)``).
+ATTENTION_PROJECTION = "attention_projection"
+MLP_PROJECTION = "mlp_projection"
+
+# Logical axes of per-head activations [batch, length, heads, head_dim] and the MLP's inner width.
+QUERY_HEADS = ("batch", "length", "activation_heads", None)
+KV_HEADS = ("batch", "length", "activation_kv_heads", None)
+MLP_HIDDEN = ("batch", "length", "activation_mlp")
+
+# What a decoder layer keeps for the backward pass, by name (as MaxText names its policies):
+# "none" keeps everything (no recomputation); "full" keeps only the layer's input and
+# recomputes the rest; "save_dots" keeps every projection's output (q/k/v/o and the MLP's)
+# and recomputes norms, RoPE, attention and activations; "save_dots_except_mlp" keeps
+# only the attention projections' outputs, the MLP's being the widest.
+REMAT_POLICIES: dict[str, Callable[..., bool] | None] = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "save_dots": jax.checkpoint_policies.save_only_these_names(ATTENTION_PROJECTION, MLP_PROJECTION),
+    "save_dots_except_mlp": jax.checkpoint_policies.save_only_these_names(ATTENTION_PROJECTION),
+}
+
+
+def check_remat(name: str) -> str:
+    """``name`` if it is a remat policy; an error listing them otherwise."""
+    if name not in REMAT_POLICIES:
+        raise ValueError(f"remat policy {name!r} is not one of {sorted(REMAT_POLICIES)}")
+    return name
+
 
 ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
     "relu": jax.nn.relu,
@@ -46,7 +84,8 @@ class Linear(nnx.Module):
 
     ``lora`` is an empty slot an adapter module (x -> delta of y's shape) can be
     assigned to; its delta is cast to y's dtype, as PEFT does, so fp32 adapters
-    on a bf16 base keep the base's dtype flow.
+    on a bf16 base keep the base's dtype flow. ``saved_as`` names the output
+    for the remat policies (``ATTENTION_PROJECTION`` or ``MLP_PROJECTION``).
     """
 
     def __init__(
@@ -58,11 +97,13 @@ class Linear(nnx.Module):
         axes: tuple[str | None, str | None],
         dtype: jnp.dtype,
         rngs: nnx.Rngs,
+        saved_as: str | None = None,
     ):
         kernel = _INIT_STD * jax.random.normal(rngs.params(), (in_features, out_features), jnp.float32)
         self.kernel = _param(kernel.astype(dtype), axes)
         self.bias = nnx.data(_param(jnp.zeros((out_features,), dtype), (axes[1],)) if use_bias else None)
         self.lora = nnx.data(None)
+        self.saved_as = saved_as
 
     def __call__(self, x: jax.Array) -> jax.Array:
         y = x @ self.kernel[...]
@@ -70,7 +111,7 @@ class Linear(nnx.Module):
             y = y + self.bias[...]
         if self.lora is not None:
             y = y + self.lora(x).astype(y.dtype)
-        return y
+        return checkpoint_name(y, self.saved_as) if self.saved_as else y
 
 
 class Embed(nnx.Module):
@@ -129,13 +170,14 @@ class GatedMLP(nnx.Module):
         self, hidden_size: int, intermediate_size: int, *, act: str, use_bias: bool, dtype: jnp.dtype, rngs: nnx.Rngs
     ):
         self.act_fn = activation(act)
-        linear = dict(use_bias=use_bias, dtype=dtype, rngs=rngs)
+        linear = dict(use_bias=use_bias, dtype=dtype, rngs=rngs, saved_as=MLP_PROJECTION)
         self.gate_proj = Linear(hidden_size, intermediate_size, axes=("embed", "mlp"), **linear)
         self.up_proj = Linear(hidden_size, intermediate_size, axes=("embed", "mlp"), **linear)
         self.down_proj = Linear(intermediate_size, hidden_size, axes=("mlp", "embed"), **linear)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+        gated = self.act_fn(self.gate_proj(x)) * self.up_proj(x)
+        return constrain(self.down_proj(constrain(gated, MLP_HIDDEN)), HIDDEN)
 
 
 # --------------------------------------------------------------------------- RoPE
@@ -308,9 +350,11 @@ def attention(
     then spreads them uniformly instead of producing NaNs, so padding never
     poisons real positions.
     """
+    query, key, value = constrain(query, QUERY_HEADS), constrain(key, KV_HEADS), constrain(value, KV_HEADS)
     segments = segments.astype(jnp.int32)
     same_prompt = (segments[:, :, None] == segments[:, None, :]) & (segments[:, None, :] != 0)
-    return jax.nn.dot_product_attention(query, key, value, mask=same_prompt[:, None], scale=scale, is_causal=True)
+    out = jax.nn.dot_product_attention(query, key, value, mask=same_prompt[:, None], scale=scale, is_causal=True)
+    return constrain(out, QUERY_HEADS)
 
 
 # --------------------------------------------------------------------------- the decoder stack
@@ -324,24 +368,74 @@ def check_inputs(input_ids: jax.Array, attention_mask: jax.Array) -> None:
         )
 
 
-def run_layers(
-    layers: Sequence[nnx.Module], hidden: jax.Array, *args: Any, remat: bool
-) -> tuple[jax.Array, list[jax.Array]]:
-    """Apply the decoder layers in order; return the output and every layer's input.
+# The attribute holding a decoder's stacked layers; Hugging Face names layer i ``...layers.{i}....``.
+STACKED = "layers"
 
-    With ``remat`` each layer is rematerialised (activations recomputed in the
-    backward pass), trading compute for memory on large models.
+
+def per_layer_paths(path: tuple[Any, ...], num_layers: int) -> list[tuple[str, ...]]:
+    """The Hugging Face module paths of a parameter path's per-layer slices, in layer order.
+
+    ``("model", "layers", "mlp", "up_proj")`` -> ``[("model", "layers", "0", "mlp", "up_proj"), ...]``;
+    a path outside the stacked layers is its own single entry.
+    """
+    path = tuple(map(str, path))
+    if STACKED not in path:
+        return [path]
+    at = path.index(STACKED) + 1
+    return [(*path[:at], str(i), *path[at:]) for i in range(num_layers)]
+
+
+def stacked_layers(make_layer: Callable[[nnx.Rngs], nnx.Module], num_layers: int, rngs: nnx.Rngs) -> nnx.Module:
+    """``num_layers`` layers as ONE module whose parameters have a leading ``layers`` axis.
+
+    Each layer's parameters are drawn from its own split of ``rngs``, and the
+    axis is named in each parameter's logical axes, so it is placed by the
+    rules table like any other (replicated: every device holds its share of
+    every layer) and the loader fills it from the per-layer tensors.
     """
 
-    def call(layer: nnx.Module, h: jax.Array, *rest: Any) -> jax.Array:
-        return layer(h, *rest)
+    @nnx.split_rngs(splits=num_layers)
+    @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+    def create(rngs: nnx.Rngs) -> nnx.Module:
+        return make_layer(rngs)
 
-    step = nnx.remat(call) if remat else call
-    inputs = []
-    for layer in layers:
-        inputs.append(hidden)
-        hidden = step(layer, hidden, *args)
-    return hidden, inputs
+    return create(rngs)
+
+
+def run_layers(
+    layers: nnx.Module,
+    hidden: jax.Array,
+    *args: Any,
+    remat: str,
+    per_layer: tuple[jax.Array, ...] = (),
+    all_layers: bool = False,
+) -> tuple[jax.Array, list[jax.Array]]:
+    """Apply the stacked decoder layers in order with one ``jax.lax.scan``; return the output and,
+    with ``all_layers``, every layer's input (else an empty list).
+
+    ``layer(hidden, *args, *per_layer[i])`` is layer i: ``args`` are shared by
+    all layers, ``per_layer`` arrays have a leading layer axis. The body is
+    wrapped in the ``remat`` policy. Random streams inside the layers (LoRA
+    dropout) are shared, unstacked state: each layer folds its index into
+    their keys, so layers draw independent masks from one stream, and the
+    whole pass stays a function of the stream's key alone.
+    """
+    graphdef, params, shared = nnx.split(layers, nnx.Param, ...)
+    num_layers = jax.tree.leaves(params)[0].shape[0]
+
+    def body(carry: jax.Array, xs: tuple[Any, jax.Array, tuple[jax.Array, ...]]):
+        layer_params, index, extra = xs
+        layer = nnx.merge(graphdef, layer_params, shared, copy=True)
+        keys = nnx.state(layer, nnx.RngKey)
+        nnx.update(layer, jax.tree.map(lambda key: jax.random.fold_in(key, index), keys))
+        out = constrain(layer(carry, *args, *extra), HIDDEN)
+        return out, (carry if all_layers else None)
+
+    policy = check_remat(remat)
+    if policy != "none":
+        body = jax.checkpoint(body, policy=REMAT_POLICIES[policy], prevent_cse=False)
+    hidden, inputs = jax.lax.scan(body, constrain(hidden, HIDDEN), (params, jnp.arange(num_layers), per_layer))
+    return hidden, (list(inputs) if all_layers else [])
 
 
 def untied_head(width: int, config: Any, *, dtype: jnp.dtype, rngs: nnx.Rngs) -> Linear | None:

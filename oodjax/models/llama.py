@@ -18,6 +18,7 @@ from flax import nnx
 
 from oodjax.models.config import DecoderConfig, hf_value
 from oodjax.models.layers import (
+    ATTENTION_PROJECTION,
     CausalLM,
     Embed,
     GatedMLP,
@@ -29,8 +30,10 @@ from oodjax.models.layers import (
     rope_cos_sin,
     run_layers,
     segment_positions,
+    stacked_layers,
     untied_head,
 )
+from oodjax.models.partitioning import HIDDEN, constrain
 
 # transformers' LlamaConfig / SmolLM3Config defaults for keys a config.json may omit.
 _DEFAULTS = {
@@ -69,7 +72,7 @@ class LlamaConfig(DecoderConfig):
     rope_layers: tuple[bool, ...]
 
     @classmethod
-    def from_hf(cls, raw: Mapping[str, Any], *, remat: bool = False) -> LlamaConfig:
+    def from_hf(cls, raw: Mapping[str, Any], *, remat: str = "none") -> LlamaConfig:
         """Read a llama or smollm3 config.json with the matching transformers defaults."""
         model_type = raw["model_type"]
         defaults = _DEFAULTS[model_type]
@@ -100,31 +103,34 @@ class LlamaConfig(DecoderConfig):
 
 
 class LlamaAttention(nnx.Module):
-    def __init__(self, config: LlamaConfig, *, use_rope: bool, dtype: jnp.dtype, rngs: nnx.Rngs):
+    def __init__(self, config: LlamaConfig, *, dtype: jnp.dtype, rngs: nnx.Rngs):
         width = config.hidden_size
         q_width = config.num_attention_heads * config.head_dim
         kv_width = config.num_key_value_heads * config.head_dim
-        self.head_dim, self.use_rope = config.head_dim, use_rope
-        linear = dict(use_bias=config.attention_bias, dtype=dtype, rngs=rngs)
+        self.head_dim = config.head_dim
+        linear = dict(use_bias=config.attention_bias, dtype=dtype, rngs=rngs, saved_as=ATTENTION_PROJECTION)
         self.q_proj = Linear(width, q_width, axes=("embed", "heads"), **linear)
         self.k_proj = Linear(width, kv_width, axes=("embed", "kv_heads"), **linear)
         self.v_proj = Linear(width, kv_width, axes=("embed", "kv_heads"), **linear)
         self.o_proj = Linear(q_width, width, axes=("heads", "embed"), **linear)
 
-    def __call__(self, x: jax.Array, attention_mask: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    def __call__(
+        self, x: jax.Array, attention_mask: jax.Array, cos: jax.Array, sin: jax.Array, use_rope: jax.Array
+    ) -> jax.Array:
         batch, seq, _ = x.shape
         heads = (batch, seq, -1, self.head_dim)
         query, key = self.q_proj(x).reshape(heads), self.k_proj(x).reshape(heads)
-        if self.use_rope:
-            query, key = apply_rope(query, cos, sin), apply_rope(key, cos, sin)
+        # A traced per-layer flag (the layers are scanned): SmolLM3's NoPE layers keep q and k as they are.
+        query = jnp.where(use_rope, apply_rope(query, cos, sin), query)
+        key = jnp.where(use_rope, apply_rope(key, cos, sin), key)
         value = self.v_proj(x).reshape(heads)
         out = attention(query, key, value, attention_mask, scale=self.head_dim**-0.5)
-        return self.o_proj(out.reshape(batch, seq, -1))
+        return constrain(self.o_proj(out.reshape(batch, seq, -1)), HIDDEN)
 
 
 class LlamaDecoderLayer(nnx.Module):
-    def __init__(self, config: LlamaConfig, *, use_rope: bool, dtype: jnp.dtype, rngs: nnx.Rngs):
-        self.self_attn = LlamaAttention(config, use_rope=use_rope, dtype=dtype, rngs=rngs)
+    def __init__(self, config: LlamaConfig, *, dtype: jnp.dtype, rngs: nnx.Rngs):
+        self.self_attn = LlamaAttention(config, dtype=dtype, rngs=rngs)
         self.mlp = GatedMLP(
             config.hidden_size,
             config.intermediate_size,
@@ -136,8 +142,10 @@ class LlamaDecoderLayer(nnx.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype)
 
-    def __call__(self, hidden: jax.Array, attention_mask: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), attention_mask, cos, sin)
+    def __call__(
+        self, hidden: jax.Array, attention_mask: jax.Array, cos: jax.Array, sin: jax.Array, use_rope: jax.Array
+    ) -> jax.Array:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), attention_mask, cos, sin, use_rope)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -147,8 +155,8 @@ class LlamaModel(nnx.Module):
         self.embed_tokens = Embed(
             config.vocab_size, config.hidden_size, axes=("vocab", "embed"), dtype=dtype, rngs=rngs
         )
-        self.layers = nnx.List(
-            [LlamaDecoderLayer(config, use_rope=flag, dtype=dtype, rngs=rngs) for flag in config.rope_layers]
+        self.layers = stacked_layers(
+            lambda rngs: LlamaDecoderLayer(config, dtype=dtype, rngs=rngs), config.num_hidden_layers, rngs
         )
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype)
 
@@ -160,7 +168,11 @@ class LlamaModel(nnx.Module):
         hidden = self.embed_tokens(input_ids)
         # Llama casts the float32 cos/sin tables to the activations' dtype before rotating.
         cos, sin = (t.astype(hidden.dtype) for t in rope_cos_sin(positions, self.config.rope, self.config.head_dim))
-        hidden, layer_inputs = run_layers(self.layers, hidden, attention_mask, cos, sin, remat=self.config.remat)
+        use_rope = jnp.asarray(self.config.rope_layers)
+        hidden, layer_inputs = run_layers(
+            self.layers, hidden, attention_mask, cos, sin, remat=self.config.remat, per_layer=(use_rope,),
+            all_layers=all_layers,
+        )
         hidden = self.norm(hidden)
         return (*layer_inputs, hidden) if all_layers else hidden
 

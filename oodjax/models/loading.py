@@ -1,11 +1,14 @@
-"""Hugging Face checkpoints -> NNX models, one tensor at a time, straight onto their devices.
+"""Hugging Face checkpoints -> NNX models, one parameter at a time, straight onto their devices.
 
 The model is first built abstractly (``nnx.eval_shape``: shapes, no memory);
-each parameter is then filled from its tensor with ``jax.make_array_from_callback``,
-which asks only for the slices each device holds, read from the file (only the
-rows a slice covers), converted to the target dtype and transposed for linear
-layers. So no full-precision copy of the model, nor of any sharded tensor,
-exists on the host.
+each parameter is then filled from its tensors (one per decoder layer for the
+stacked layers' parameters) into the blocks this process's devices hold,
+then placed with ``jax.make_array_from_callback``. Each tensor is read once
+per process, only the rows its devices need, converted to the target dtype
+and transposed for linear layers, whatever the mesh: an fsdp- or
+tensor-sharded block never costs a re-read of the tensor. The host holds at
+most this process's share of one parameter (in the target dtype) and one
+layer's tensor at a time, never a full-precision copy of the model.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from jax.sharding import Mesh, Sharding, SingleDeviceSharding
 
 from oodjax.models.checkpoint import PICKLE, PICKLE_INDEX, SAFETENSORS_INDEX, Checkpoint, open_checkpoint
 from oodjax.models.config import DecoderConfig
-from oodjax.models.layers import CausalLM
+from oodjax.models.layers import STACKED, CausalLM, per_layer_paths
 from oodjax.models.llama import LlamaForCausalLM
 from oodjax.models.olmo2 import Olmo2ForCausalLM
 from oodjax.models.opt import OPTForCausalLM
@@ -57,7 +60,7 @@ _BASE_PREFIX = "model."
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 
 
-def config_from_dict(config: Mapping[str, Any], *, remat: bool = False) -> DecoderConfig:
+def config_from_dict(config: Mapping[str, Any], *, remat: str = "none") -> DecoderConfig:
     """The frozen config of the family ``config["model_type"]`` names, read from a config.json dict."""
     model_type = config.get("model_type")
     if model_type not in ARCHITECTURES:
@@ -77,14 +80,21 @@ def _build(config: DecoderConfig, dtype: jnp.dtype, seed: int | jax.Array) -> Ca
 
 
 def from_config(
-    config: Mapping[str, Any], *, dtype: Any = "float32", seed: int = 0, remat: bool = False
+    config: Mapping[str, Any], *, dtype: Any = "float32", seed: int = 0, remat: str = "none"
 ) -> CausalLM:
     """A randomly initialised model (HF's normal(0, 0.02) init) from a config.json dict; no checkpoint needed."""
     config, dtype = config_from_dict(config, remat=remat), _float_dtype(dtype)
     graphdef, _ = nnx.split(nnx.eval_shape(lambda: _build(config, dtype, 0)))
-    # Parameters do not depend on remat, so both settings share one compiled initialiser.
-    state = _initial_state(dataclasses.replace(config, remat=False), dtype, jax.random.key(seed))
+    # Parameters do not depend on remat, so every policy shares one compiled initialiser.
+    state = _initial_state(dataclasses.replace(config, remat="none"), dtype, jax.random.key(seed))
     return nnx.merge(graphdef, state)
+
+
+def abstract_model(config: Mapping[str, Any], *, dtype: Any = "bfloat16", remat: str = "none") -> CausalLM:
+    """The model of a config.json dict with ``jax.ShapeDtypeStruct`` parameters: shapes and logical axes,
+    no memory, no computation. What the preflight compiles and the cost estimator counts."""
+    config, dtype = config_from_dict(config, remat=remat), _float_dtype(dtype)
+    return nnx.eval_shape(lambda: _build(config, dtype, 0))
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
@@ -96,14 +106,17 @@ def _initial_state(config: DecoderConfig, dtype: jnp.dtype, key: jax.Array) -> n
     return nnx.state(_build(config, dtype, key))
 
 
-def hf_parameter_name(path: tuple[Any, ...]) -> tuple[str, bool]:
-    """``("model", "layers", 0, "mlp", "up_proj", "kernel")`` -> ``("model.layers.0.mlp.up_proj.weight", True)``.
+def hf_parameter_names(path: tuple[Any, ...], num_layers: int) -> tuple[list[str], bool]:
+    """The checkpoint's names for the tensors of our parameter at ``path``, and whether they are transposed.
 
-    The bool says the checkpoint stores the tensor transposed ([out, in]).
+    ``("model", "layers", "mlp", "up_proj", "kernel")`` (stacked, [L, in, out])
+    -> ``["model.layers.0.mlp.up_proj.weight", ..., "model.layers.{L-1}..."]``;
+    ``("model", "norm", "scale")`` -> ``["model.norm.weight"]``. Transposed
+    means the checkpoint stores the tensor [out, in].
     """
     *modules, leaf = path
     name, transposed = _LEAF_NAMES[leaf]
-    return ".".join([*map(str, modules), name]), transposed
+    return [".".join([*layer_path, name]) for layer_path in per_layer_paths(tuple(modules), num_layers)], transposed
 
 
 def _resolve(path: str | pathlib.Path, allow_pickle: bool) -> pathlib.Path:
@@ -141,26 +154,39 @@ def _checkpoint_names(checkpoint: Checkpoint) -> dict[str, str]:
     }
 
 
-def _match(
-    model: CausalLM, checkpoint: Checkpoint, directory: pathlib.Path
-) -> list[tuple[nnx.Variable, str, bool]]:
-    """Pair every parameter with its tensor; fail naming each missing, unexpected or misshapen tensor."""
+@dataclasses.dataclass(frozen=True)
+class _Source:
+    """Where one parameter's values come from: one tensor, or one per layer for a stacked parameter."""
+
+    variable: nnx.Variable
+    names: list[str]  # the checkpoint's names, in layer order when stacked
+    transposed: bool
+    stacked: bool
+
+
+def _match(model: CausalLM, checkpoint: Checkpoint, directory: pathlib.Path) -> list[_Source]:
+    """Pair every parameter with its tensors; fail naming each missing, unexpected or misshapen tensor."""
     available = _checkpoint_names(checkpoint)
-    pairs, missing, misshapen = [], [], []
+    sources, missing, misshapen = [], [], []
     for path, variable in nnx.iter_graph(model):
         if not isinstance(variable, nnx.Param):
             continue
-        name, transposed = hf_parameter_name(path)
-        if name not in available:
-            missing.append(name)
-            continue
-        stored = available.pop(name)
-        expected = tuple(variable.shape[::-1] if transposed else variable.shape)
-        if checkpoint.shape(stored) != expected:
-            misshapen.append(
-                f"{stored!r} in {checkpoint.file(stored)} has shape {checkpoint.shape(stored)}, expected {expected}"
-            )
-        pairs.append((variable, stored, transposed))
+        names, transposed = hf_parameter_names(path, model.config.num_hidden_layers)
+        stacked = STACKED in map(str, path)
+        shape = tuple(variable.shape[1:] if stacked else variable.shape)
+        expected = shape[::-1] if transposed else shape
+        stored_names = []
+        for name in names:
+            if name not in available:
+                missing.append(name)
+                continue
+            stored = available.pop(name)
+            if checkpoint.shape(stored) != expected:
+                misshapen.append(
+                    f"{stored!r} in {checkpoint.file(stored)} has shape {checkpoint.shape(stored)}, expected {expected}"
+                )
+            stored_names.append(stored)
+        sources.append(_Source(variable, stored_names, transposed, stacked))
     ignorable = ("lm_head.weight",) if model.config.tie_word_embeddings else ()  # HF ties after loading
     unexpected = sorted(
         stored for name, stored in available.items() if name not in ignorable and not name.endswith(_IGNORED_SUFFIXES)
@@ -174,27 +200,46 @@ def _match(
         problems.append("wrong shapes: " + "; ".join(misshapen))
     if problems:
         raise ValueError(f"checkpoint {directory} does not fit its config.json: " + " | ".join(problems))
-    return pairs
+    return sources
 
 
-def _place(
-    checkpoint: Checkpoint, name: str, transposed: bool, shape: tuple[int, ...], dtype: jnp.dtype, sharding: Sharding
-) -> jax.Array:
-    """One parameter on its devices; each distinct block is read and converted once.
+Bounds = tuple[tuple[int, int], ...]
 
-    Devices holding the same block (replicated dimensions) share one host copy,
-    so a parameter never costs more host memory than itself in ``dtype``.
+
+def _bounds(index: tuple[slice, ...], shape: tuple[int, ...]) -> Bounds:
+    """A device's block as (start, stop) per dimension (shardings give unit-step slices)."""
+    return tuple(s.indices(size)[:2] for s, size in zip(index, shape, strict=True))
+
+
+def _place(checkpoint: Checkpoint, source: _Source, dtype: jnp.dtype, sharding: Sharding) -> jax.Array:
+    """One parameter on its devices, each of its tensors read once by this process.
+
+    The distinct blocks this process's devices hold are allocated on the
+    host (devices holding the same block, along replicated dimensions, share
+    it); each tensor (each layer's, for a stacked parameter) is then read
+    once, over the region covering every block that needs it, and copied
+    into those blocks. Reading per device block instead would read an
+    fsdp-sharded tensor once per device.
     """
-    blocks: dict[tuple[tuple[int | None, ...], ...], np.ndarray] = {}
-
-    def block(index: tuple[slice, ...]) -> np.ndarray:
-        key = tuple((s.start, s.stop, s.step) for s in index)
-        if key not in blocks:
-            data = checkpoint.read(name, index[::-1] if transposed else index)
-            blocks[key] = (data.T if transposed else data).astype(dtype)
-        return blocks[key]
-
-    return jax.make_array_from_callback(shape, sharding, block)
+    shape = tuple(source.variable.shape)
+    blocks = {
+        bounds: np.empty([stop - start for start, stop in bounds], dtype)
+        for bounds in {_bounds(index, shape) for index in sharding.addressable_devices_indices_map(shape).values()}
+    }
+    lead = 1 if source.stacked else 0  # the layer axis is not a dimension of the stored tensors
+    for layer, name in enumerate(source.names):
+        holders = [b for b in blocks if not source.stacked or b[0][0] <= layer < b[0][1]]
+        if not holders:
+            continue
+        region = tuple((min(b[d][0] for b in holders), max(b[d][1] for b in holders)) for d in range(lead, len(shape)))
+        index = tuple(slice(start, stop) for start, stop in region)
+        data = checkpoint.read(name, index[::-1] if source.transposed else index)
+        data = (data.T if source.transposed else data).astype(dtype)
+        for bounds in holders:
+            within = tuple(slice(start - low, stop - low) for (start, stop), (low, _) in zip(bounds[lead:], region))
+            target = blocks[bounds][layer - bounds[0][0]] if source.stacked else blocks[bounds]
+            target[...] = data[within]
+    return jax.make_array_from_callback(shape, sharding, lambda index: blocks[_bounds(index, shape)])
 
 
 def load_pretrained(
@@ -203,15 +248,15 @@ def load_pretrained(
     dtype: Any = "float32",
     mesh: Mesh | None = None,
     allow_pickle: bool = False,
-    remat: bool = False,
+    remat: str = "none",
 ) -> CausalLM:
     """Load a Hugging Face checkpoint (local folder or hub id) as an NNX model.
 
     The architecture comes from config.json's ``model_type``. Parameters are
     cast to ``dtype`` and, with a ``mesh`` (axes "data", "fsdp", "tensor"),
     placed on the shardings ``partitioning.LOGICAL_AXIS_RULES`` gives them;
-    without one, on the default device. ``remat`` recomputes each decoder
-    layer's activations in the backward pass to save memory.
+    without one, on the default device. ``remat`` names what each decoder
+    layer keeps for the backward pass (``layers.REMAT_POLICIES``).
     """
     dtype = _float_dtype(dtype)
     directory = _resolve(path, allow_pickle)
@@ -220,7 +265,7 @@ def load_pretrained(
     default_sharding = SingleDeviceSharding(jax.local_devices()[0])
     with contextlib.ExitStack() as stack:
         checkpoint = open_checkpoint(directory, allow_pickle=allow_pickle, stack=stack)
-        for variable, name, transposed in _match(model, checkpoint, directory):
-            sharding = param_sharding(variable, mesh) if mesh is not None else default_sharding
-            variable.set_value(_place(checkpoint, name, transposed, tuple(variable.shape), dtype, sharding))
+        for source in _match(model, checkpoint, directory):
+            sharding = param_sharding(source.variable, mesh) if mesh is not None else default_sharding
+            source.variable.set_value(_place(checkpoint, source, dtype, sharding))
     return model

@@ -30,11 +30,17 @@ import numpy as np
 import safetensors.numpy
 from flax import nnx
 
-from oodjax.models.layers import Linear
+from oodjax.models.layers import STACKED, Linear, per_layer_paths
 
-# peft's default A init is kaiming_uniform_(a=sqrt(5)) on its [rank, in] weight:
-# bound = sqrt(6 / ((1 + a^2) * fan_in)) = 1 / sqrt(fan_in), i.e. variance scale 1/3.
-_PEFT_A_INIT = nnx.initializers.variance_scaling(1.0 / 3.0, "fan_in", "uniform")
+
+
+def _peft_a_init(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """peft's default A init, kaiming_uniform_(a=sqrt(5)) on its [rank, in] weight: bound = sqrt(6 / ((1 + a^2)
+    * fan_in)) = 1 / sqrt(fan_in), i.e. variance scale 1/3; leading axes (the stacked layers) are batch axes."""
+    batch_axis = tuple(range(len(shape) - 2))
+    return nnx.initializers.variance_scaling(1.0 / 3.0, "fan_in", "uniform", batch_axis=batch_axis)(
+        key, shape, jnp.float32
+    )
 
 # Attention projections adapted by default: q/k/v and the output projection,
 # which OPT calls out_proj and OLMo2/Llama call o_proj.
@@ -77,16 +83,16 @@ class LoRA(nnx.Module):
     """The low-rank update of one projection: ``dropout(x) @ A @ B * scale``.
 
     Computes in the adapter's dtype (float32) and returns the input's dtype, as
-    peft does for a bf16 base. ``kernel_axes`` are the logical axis names of the
-    adapted kernel ``[in, out]``; A inherits the input axis, B the output axis,
-    so adapters are sharded like the projection they adapt (placed by the
-    engine, hence ``eager_sharding=False``).
+    peft does for a bf16 base. ``kernel_shape`` and ``kernel_axes`` are the
+    adapted kernel's ``[..., in, out]`` (leading axes: the stacked layers);
+    A [..., in, rank] inherits the leading and input axes, B [..., rank, out]
+    the leading and output axes, so adapters are stacked and sharded like the
+    projection they adapt (placed by the engine, hence ``eager_sharding=False``).
     """
 
     def __init__(
         self,
-        in_features: int,
-        out_features: int,
+        kernel_shape: tuple[int, ...],
         *,
         rank: int,
         scale: float,
@@ -95,14 +101,17 @@ class LoRA(nnx.Module):
         kernel_axes: tuple | None,
         rngs: nnx.Rngs,
     ):
-        in_axis, out_axis = kernel_axes if kernel_axes else (None, None)
+        *lead, in_features, out_features = kernel_shape
+        *lead_axes, in_axis, out_axis = kernel_axes if kernel_axes else (None,) * len(kernel_shape)
         self.lora_a = nnx.LoRAParam(
-            _PEFT_A_INIT(rngs.params(), (in_features, rank), jnp.float32),
-            out_sharding=(in_axis, None),
+            _peft_a_init(rngs.params(), (*lead, in_features, rank)),
+            out_sharding=(*lead_axes, in_axis, None),
             eager_sharding=False,
         )
         self.lora_b = nnx.LoRAParam(
-            jnp.zeros((rank, out_features), jnp.float32), out_sharding=(None, out_axis), eager_sharding=False
+            jnp.zeros((*lead, rank, out_features), jnp.float32),
+            out_sharding=(*lead_axes, None, out_axis),
+            eager_sharding=False,
         )
         self.scale = scale
         self.dropout = nnx.Dropout(dropout)
@@ -154,11 +163,9 @@ def apply_lora(model: nnx.Module, cfg: LoRAConfig, *, rngs: nnx.Rngs) -> nnx.Mod
     """
     dropout_stream = nnx.Rngs(dropout=rngs.dropout())
     for _, linear in find_targets(model, cfg.targets):
-        in_features, out_features = linear.kernel.shape
         linear.lora = nnx.data(
             LoRA(
-                in_features,
-                out_features,
+                tuple(linear.kernel.shape),
                 rank=cfg.rank,
                 scale=cfg.scale,
                 dropout=cfg.dropout,
@@ -177,8 +184,9 @@ _PEFT_NAMES = {"lora_a": "lora_A", "lora_b": "lora_B"}
 def peft_tensors(lora: nnx.State) -> dict[str, np.ndarray]:
     """One run's adapters as peft's safetensors dict (``base_model.model.<hf path>.lora_A.weight``).
 
-    Relies on the models mirroring Hugging Face module paths, so our path
-    ``model.decoder.layers.0.self_attn.q_proj`` is the PyTorch module's name.
+    Relies on the models mirroring Hugging Face module paths: the stacked
+    layers' slice i of ``model.decoder.layers.self_attn.q_proj`` is the PyTorch
+    module ``model.decoder.layers.i.self_attn.q_proj``.
     """
     tensors = {}
     for path, value in nnx.to_flat_state(lora):
@@ -186,12 +194,15 @@ def peft_tensors(lora: nnx.State) -> dict[str, np.ndarray]:
         if lora_module != "lora" or factor not in _PEFT_NAMES:
             raise ValueError(f"not a LoRA adapter parameter: {'.'.join(map(str, path))}")
         array = np.asarray(jax.device_get(value[...]), dtype=np.float32)
-        if array.ndim != 2:
+        stacked = STACKED in map(str, module_path)
+        if array.ndim != 2 + stacked:
             raise ValueError(
                 f"{'.'.join(map(str, path))} has shape {array.shape}; export one run at a time (select_run)"
             )
-        name = ".".join(map(str, module_path))
-        tensors[f"base_model.model.{name}.{_PEFT_NAMES[factor]}.weight"] = np.ascontiguousarray(array.T)
+        layer_paths = per_layer_paths(tuple(module_path), array.shape[0] if stacked else 1)
+        for layer_path, weight in zip(layer_paths, array if stacked else array[None], strict=True):
+            name = ".".join(layer_path)
+            tensors[f"base_model.model.{name}.{_PEFT_NAMES[factor]}.weight"] = np.ascontiguousarray(weight.T)
     return tensors
 
 

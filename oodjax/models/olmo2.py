@@ -18,6 +18,7 @@ from flax import nnx
 
 from oodjax.models.config import DecoderConfig, hf_value
 from oodjax.models.layers import (
+    ATTENTION_PROJECTION,
     CausalLM,
     Embed,
     GatedMLP,
@@ -29,8 +30,10 @@ from oodjax.models.layers import (
     rope_cos_sin,
     run_layers,
     segment_positions,
+    stacked_layers,
     untied_head,
 )
+from oodjax.models.partitioning import HIDDEN, constrain
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -42,7 +45,7 @@ class Olmo2Config(DecoderConfig):
     rope: RopeConfig
 
     @classmethod
-    def from_hf(cls, raw: Mapping[str, Any], *, remat: bool = False) -> Olmo2Config:
+    def from_hf(cls, raw: Mapping[str, Any], *, remat: str = "none") -> Olmo2Config:
         """Read an OLMo2 config.json with transformers' Olmo2Config defaults."""
         hidden = hf_value(raw, "hidden_size", 4096)
         heads = hf_value(raw, "num_attention_heads", 32)
@@ -71,7 +74,7 @@ class Olmo2Attention(nnx.Module):
         q_width = config.num_attention_heads * config.head_dim
         kv_width = config.num_key_value_heads * config.head_dim
         self.head_dim = config.head_dim
-        linear = dict(use_bias=bias, dtype=dtype, rngs=rngs)
+        linear = dict(use_bias=bias, dtype=dtype, rngs=rngs, saved_as=ATTENTION_PROJECTION)
         self.q_proj = Linear(width, q_width, axes=("embed", "heads"), **linear)
         self.k_proj = Linear(width, kv_width, axes=("embed", "kv_heads"), **linear)
         self.v_proj = Linear(width, kv_width, axes=("embed", "kv_heads"), **linear)
@@ -86,7 +89,7 @@ class Olmo2Attention(nnx.Module):
         key = apply_rope(self.k_norm(self.k_proj(x)).reshape(heads), cos, sin)
         value = self.v_proj(x).reshape(heads)
         out = attention(query, key, value, attention_mask, scale=self.head_dim**-0.5)
-        return self.o_proj(out.reshape(batch, seq, -1))
+        return constrain(self.o_proj(out.reshape(batch, seq, -1)), HIDDEN)
 
 
 class Olmo2DecoderLayer(nnx.Module):
@@ -110,8 +113,8 @@ class Olmo2Model(nnx.Module):
         self.embed_tokens = Embed(
             config.vocab_size, config.hidden_size, axes=("vocab", "embed"), dtype=dtype, rngs=rngs
         )
-        self.layers = nnx.List(
-            [Olmo2DecoderLayer(config, dtype=dtype, rngs=rngs) for _ in range(config.num_hidden_layers)]
+        self.layers = stacked_layers(
+            lambda rngs: Olmo2DecoderLayer(config, dtype=dtype, rngs=rngs), config.num_hidden_layers, rngs
         )
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype, scale_in_float32=True)
 
@@ -122,7 +125,9 @@ class Olmo2Model(nnx.Module):
         positions = segment_positions(attention_mask)
         cos, sin = rope_cos_sin(positions, self.config.rope, self.config.head_dim)
         hidden = self.embed_tokens(input_ids)
-        hidden, layer_inputs = run_layers(self.layers, hidden, attention_mask, cos, sin, remat=self.config.remat)
+        hidden, layer_inputs = run_layers(
+            self.layers, hidden, attention_mask, cos, sin, remat=self.config.remat, all_layers=all_layers
+        )
         hidden = self.norm(hidden)
         return (*layer_inputs, hidden) if all_layers else hidden
 

@@ -20,6 +20,9 @@ from flax import nnx
 
 from oodjax.models.config import DecoderConfig, hf_value
 from oodjax.models.layers import (
+    ATTENTION_PROJECTION,
+    MLP_HIDDEN,
+    MLP_PROJECTION,
     CausalLM,
     Embed,
     LayerNorm,
@@ -28,8 +31,10 @@ from oodjax.models.layers import (
     attention,
     run_layers,
     segment_positions,
+    stacked_layers,
     untied_head,
 )
+from oodjax.models.partitioning import HIDDEN, constrain
 
 # OPT's learned position table has two extra rows (a fairseq legacy).
 POSITION_OFFSET = 2
@@ -47,7 +52,7 @@ class OPTConfig(DecoderConfig):
     activation_function: str
 
     @classmethod
-    def from_hf(cls, raw: Mapping[str, Any], *, remat: bool = False) -> OPTConfig:
+    def from_hf(cls, raw: Mapping[str, Any], *, remat: str = "none") -> OPTConfig:
         """Read an OPT config.json with transformers' OPTConfig defaults."""
         hidden = hf_value(raw, "hidden_size", 768)
         heads = hf_value(raw, "num_attention_heads", 12)
@@ -79,10 +84,11 @@ class OPTAttention(nnx.Module):
     def __init__(self, config: OPTConfig, *, dtype: jnp.dtype, rngs: nnx.Rngs):
         width, bias = config.hidden_size, config.enable_bias
         self.num_heads, self.head_dim = config.num_attention_heads, config.head_dim
-        self.q_proj = Linear(width, width, use_bias=bias, axes=("embed", "heads"), dtype=dtype, rngs=rngs)
-        self.k_proj = Linear(width, width, use_bias=bias, axes=("embed", "heads"), dtype=dtype, rngs=rngs)
-        self.v_proj = Linear(width, width, use_bias=bias, axes=("embed", "heads"), dtype=dtype, rngs=rngs)
-        self.out_proj = Linear(width, width, use_bias=bias, axes=("heads", "embed"), dtype=dtype, rngs=rngs)
+        linear = dict(use_bias=bias, dtype=dtype, rngs=rngs, saved_as=ATTENTION_PROJECTION)
+        self.q_proj = Linear(width, width, axes=("embed", "heads"), **linear)
+        self.k_proj = Linear(width, width, axes=("embed", "heads"), **linear)
+        self.v_proj = Linear(width, width, axes=("embed", "heads"), **linear)
+        self.out_proj = Linear(width, width, axes=("heads", "embed"), **linear)
 
     def __call__(self, x: jax.Array, attention_mask: jax.Array) -> jax.Array:
         batch, seq, _ = x.shape
@@ -92,7 +98,7 @@ class OPTAttention(nnx.Module):
         key = self.k_proj(x).reshape(heads)
         value = self.v_proj(x).reshape(heads)
         out = attention(query, key, value, attention_mask, scale=1.0)
-        return self.out_proj(out.reshape(batch, seq, -1))
+        return constrain(self.out_proj(out.reshape(batch, seq, -1)), HIDDEN)
 
 
 class OPTDecoderLayer(nnx.Module):
@@ -103,8 +109,9 @@ class OPTDecoderLayer(nnx.Module):
         self.act_fn = activation(config.activation_function)
         self.self_attn = OPTAttention(config, dtype=dtype, rngs=rngs)
         self.self_attn_layer_norm = LayerNorm(width, **norm)
-        self.fc1 = Linear(width, config.ffn_dim, use_bias=bias, axes=("embed", "mlp"), dtype=dtype, rngs=rngs)
-        self.fc2 = Linear(config.ffn_dim, width, use_bias=bias, axes=("mlp", "embed"), dtype=dtype, rngs=rngs)
+        linear = dict(use_bias=bias, dtype=dtype, rngs=rngs, saved_as=MLP_PROJECTION)
+        self.fc1 = Linear(width, config.ffn_dim, axes=("embed", "mlp"), **linear)
+        self.fc2 = Linear(config.ffn_dim, width, axes=("mlp", "embed"), **linear)
         self.final_layer_norm = LayerNorm(width, **norm)
 
     def __call__(self, hidden: jax.Array, attention_mask: jax.Array) -> jax.Array:
@@ -118,7 +125,7 @@ class OPTDecoderLayer(nnx.Module):
         residual = hidden
         if self.norm_before:
             hidden = self.final_layer_norm(hidden)
-        hidden = residual + self.fc2(self.act_fn(self.fc1(hidden)))
+        hidden = residual + constrain(self.fc2(constrain(self.act_fn(self.fc1(hidden)), MLP_HIDDEN)), HIDDEN)
         if not self.norm_before:
             hidden = self.final_layer_norm(hidden)
         return hidden
@@ -142,8 +149,8 @@ class OPTDecoder(nnx.Module):
             if has_final_norm
             else None
         )
-        self.layers = nnx.List(
-            [OPTDecoderLayer(config, dtype=dtype, rngs=rngs) for _ in range(config.num_hidden_layers)]
+        self.layers = stacked_layers(
+            lambda rngs: OPTDecoderLayer(config, dtype=dtype, rngs=rngs), config.num_hidden_layers, rngs
         )
 
     def __call__(self, input_ids: jax.Array, attention_mask: jax.Array, *, all_layers: bool):
@@ -153,7 +160,7 @@ class OPTDecoder(nnx.Module):
         if self.project_in is not None:
             hidden = self.project_in(hidden)
         hidden = hidden + self.embed_positions(positions)
-        hidden, layer_inputs = run_layers(self.layers, hidden, mask, remat=self.remat)
+        hidden, layer_inputs = run_layers(self.layers, hidden, mask, remat=self.remat, all_layers=all_layers)
         if self.final_layer_norm is not None:
             hidden = self.final_layer_norm(hidden)
         if self.project_out is not None:

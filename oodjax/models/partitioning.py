@@ -1,10 +1,16 @@
-"""Logical axis names -> mesh axes, in one table (MaxText style).
+"""Logical axis names -> mesh axes, in one table (MaxText style), for parameters and activations.
 
 Every parameter is annotated with logical axis names (flax ``out_sharding``
-metadata, e.g. ``("embed", "mlp")``). The mesh has axes ``("data", "fsdp",
-"tensor")``: weights are split along their model dimension over ``fsdp`` and
-along heads / MLP / vocabulary over ``tensor``; ``data`` only splits batches.
-Changing the parallelism layout means changing this table, nothing else.
+metadata, e.g. ``("layers", "embed", "mlp")``), and the models constrain
+their activations with names of the same table (``constrain``). The mesh has
+axes ``("data", "fsdp", "tensor")``: weights are split along their model
+dimension over ``fsdp`` and along heads / MLP / vocabulary over ``tensor``;
+activations are split along their batch over ``data`` x ``fsdp`` and along
+heads / MLP over ``tensor``. Constraining the activations is what makes
+``fsdp`` FSDP: each device computes its own rows and all-gathers one layer's
+weights at a time, instead of the compiler gathering activations and
+all-reducing activation-sized partial sums. Changing the parallelism layout
+means changing this table, nothing else.
 """
 
 from __future__ import annotations
@@ -14,12 +20,13 @@ from typing import Any
 
 import jax
 from flax import nnx
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 
 MeshAxes = str | tuple[str, ...] | None
 
 LOGICAL_AXIS_RULES: tuple[tuple[str, MeshAxes], ...] = (
-    ("batch", ("data", "fsdp")),
+    # parameters
+    ("layers", None),  # the stacked decoder layers' leading axis (scanned over)
     ("vocab", "tensor"),
     ("embed", "fsdp"),
     ("mlp", "tensor"),
@@ -28,10 +35,22 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, MeshAxes], ...] = (
     ("norm", None),
     ("positions", None),
     ("word_embed", None),
+    # activations and batches
+    ("batch", ("data", "fsdp")),
+    ("length", None),
+    ("activation_embed", None),
+    ("activation_heads", "tensor"),
+    ("activation_kv_heads", "tensor"),
+    ("activation_mlp", "tensor"),
 )
 
+# A decoder's hidden states [batch, length, width] between and inside layers.
+HIDDEN = ("batch", "length", "activation_embed")
 
-def logical_to_spec(logical_axes: tuple[str | None, ...], shape: tuple[int, ...], mesh: Mesh) -> PartitionSpec:
+
+def logical_to_spec(
+    logical_axes: tuple[str | None, ...], shape: tuple[int, ...], mesh: Mesh | AbstractMesh
+) -> PartitionSpec:
     """The PartitionSpec for an array of ``shape`` whose dimensions carry ``logical_axes``.
 
     A dimension is replicated instead of split when the mesh axes do not divide
@@ -87,3 +106,17 @@ def param_shardings(abstract_state: Any, mesh: Mesh) -> Any:
         abstract_state,
         is_leaf=lambda x: isinstance(x, nnx.Variable),
     )
+
+
+def constrain(x: jax.Array, logical_axes: tuple[str | None, ...]) -> jax.Array:
+    """``x`` constrained to the sharding its logical axes give on the mesh the step is traced under.
+
+    The mesh comes from ``jax.set_mesh(mesh)`` around the jitted call (the
+    engine's steps do that); with no mesh set (one device, tests of the bare
+    model) this is the identity. Under ``vmap`` (the run axis) the mapped axis
+    stays unconstrained, i.e. replicated, as the rules intend.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or not set(mesh.axis_names) >= {"data", "fsdp", "tensor"}:
+        return x
+    return jax.lax.with_sharding_constraint(x, logical_to_spec(logical_axes, x.shape, mesh))

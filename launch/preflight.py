@@ -1,0 +1,291 @@
+"""`python -m launch.preflight --config configs/X.py [--devices N] [--layers N] [--json OUT] [--hlo DIR]`.
+
+Compiles a config's real train and eval steps ahead of time, on abstract
+inputs, before a GPU-hour is spent: the same step factories, geometry and
+shardings `python -m oodjax.main` uses, on the config's real mesh, with
+training batches of the real few-shot sets' geometry and evaluation batches
+of eval.batch_size rows of data.max_length tokens. Nothing is read or
+allocated for the model: its architecture comes from
+`launch.architectures` (the checkpoint's config.json numbers) or the
+config's `model.hf_config`, and its parameters, adapters and optimizer state
+are shapes only (`steps.abstract_init_runs`). Settings go in
+`--config.<field>=<value>` as for `oodjax.main`; the tokenizer is
+`config.tokenizer` (else `model.path`), so offline pass a local one.
+
+Per step it prints XLA's per-device memory (`compiled.memory_analysis()`:
+arguments, outputs, temporaries, and total = argument + output + temp -
+alias, the bytes that live at once when donated inputs are reused for
+outputs), the seconds to lower and to compile, and the collectives of the
+compiled program (count and largest operand per kind), beside the analytic
+estimate of `launch.estimate`. Without an accelerator, `--devices N` fakes N
+host CPU devices; CPU figures are indicative only (XLA's CPU backend
+computes bf16 matmuls in f32 and fuses differently from a GPU's).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import re
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from absl import app, flags
+from ml_collections import config_dict, config_flags
+from transformers import AutoTokenizer
+
+from launch import estimate as estimator
+from launch.architectures import architecture
+from oodjax import models
+from oodjax.data import answer_token_ids
+from oodjax.engine import loop, sharding, steps
+from oodjax.engine.geometry import BatchGeometry, batch_geometry
+from oodjax.engine.run_data import TRAIN_KEYS, few_shot_sets
+from oodjax.models.partitioning import param_shardings
+
+COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
+# One HLO instruction: `[ROOT] %name = <result type> <opcode>(<operands>)...`.
+_INSTRUCTION = re.compile(
+    r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<type>.*?)\s(?P<op>[a-z][\w\-]*)\((?P<operands>[^)]*)\)", re.M
+)
+_ARRAY_TYPE = re.compile(r"\b([a-z]+[0-9]*(?:e[0-9]m[0-9][a-z]*)?)\[([0-9,]*)\]")
+_DTYPE_BYTES = {"pred": 1, "s4": 1, "u4": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2,
+                "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8, "c64": 8, "c128": 16}  # fmt: skip
+# The entry of launch.estimate's device table the estimate is made for; its memory does not depend on it.
+ESTIMATE_DEVICE = "h100"
+
+
+def preflight(
+    config: config_dict.ConfigDict,
+    *,
+    devices: int | None = None,
+    layers: int | None = None,
+    hlo_dir: str | pathlib.Path | None = None,
+    config_path: str = "<config>",
+) -> dict[str, Any]:
+    """Lowers and compiles ``config``'s train and eval steps on abstract inputs; returns the report.
+
+    ``devices``: the first N of ``jax.devices()`` (default all); ``layers``:
+    the model cut to N decoder layers. The report: {"train": {...}, "eval":
+    {...}, "estimate_bytes", "devices", "layers", "platform", "geometry"}, a
+    step's entry being {"lower_s", "compile_s", "memory_bytes": {"argument",
+    "output", "temp", "alias", "total"}, "collectives": {op: {"count",
+    "max_bytes"}}}. ``hlo_dir`` receives each compiled program as text.
+    """
+    available = jax.devices()
+    devices = devices or len(available)
+    if devices > len(available):
+        raise ValueError(f"--devices {devices}: only {len(available)} {available[0].platform} devices are visible")
+    mesh = sharding.make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor, devices=available[:devices])
+    arch = model_architecture(config, layers)
+    tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model.path)
+    yes_id, no_id = answer_token_ids(tokenizer)
+    runs = loop.plan_runs(config)
+    train_sets = few_shot_sets(config, tokenizer, [(run.seed, run.shots) for run in runs])
+    geometry = batch_geometry(config, mesh, train_sets)
+
+    def make_model() -> models.CausalLM:
+        return models.from_config(arch, dtype=config.model.dtype, seed=config.model.init_seed, remat=config.model.remat)
+
+    graphdef, base, state = steps.abstract_init_runs(
+        make_model, [run.seed for run in runs], loop.lora_config(config), loop.optimizer(config)
+    )
+    train_step, eval_step = loop.make_steps(config, geometry, graphdef, base, state, yes_id, no_id, mesh)
+    base_in = _with_shardings(base, param_shardings(base, mesh))
+    runs_in = _with_shardings(state, sharding.runs_shardings(state, mesh))
+    eval_slots = max(1, config.data.max_length // min(int(t.lengths.min()) for t in train_sets))
+    hlo_dir = pathlib.Path(hlo_dir) if hlo_dir else None
+    train_report = _compile("train", train_step, (base_in, runs_in, train_batch(geometry, mesh)), hlo_dir)
+    eval_report = _compile("eval", eval_step, (base_in, runs_in.lora, eval_batch(geometry, mesh, eval_slots)), hlo_dir)
+    estimate = estimator.estimate(
+        config_path, config, devices=devices, device=estimator.DEVICES[ESTIMATE_DEVICE], utilisation=0.4,
+        seq_len=geometry.seq_len, eval_examples=0, layers=layers, platform=available[0].platform,
+    )  # fmt: skip
+    return {
+        "train": train_report,
+        "eval": eval_report,
+        "estimate_bytes": int(estimate.memory.total),
+        "devices": devices,
+        "layers": int(arch["num_hidden_layers"]),
+        "platform": available[0].platform,
+        "geometry": {"runs": geometry.runs, "grad_accum": geometry.grad_accum, "micro_batch": geometry.micro_batch,
+                     "rows_per_device": geometry.rows_per_device, "seq_len": geometry.seq_len,
+                     "run_chunk": geometry.run_chunk, "eval_rows": geometry.eval_rows,
+                     "eval_seq_len": geometry.eval_seq_len, "eval_prompt_slots": eval_slots},  # fmt: skip
+    }
+
+
+def model_architecture(config: config_dict.ConfigDict, layers: int | None = None) -> dict[str, Any]:
+    """The config.json numbers of the config's model: ``launch.architectures``' for a checkpoint path, else
+    ``model.hf_config``; ``layers`` replaces the decoder depth."""
+    arch = dict(architecture(config.model.path) if config.model.path else config.model.hf_config.to_dict())
+    if layers is not None:
+        if layers < 1:
+            raise ValueError(f"--layers must be >= 1, got {layers}")
+        arch["num_hidden_layers"] = layers
+    return arch
+
+
+def train_batch(geometry: BatchGeometry, mesh: jax.sharding.Mesh) -> dict[str, jax.ShapeDtypeStruct]:
+    """An abstract training batch of ``geometry``'s shape, sharded as the loop shards it (rows over the batch
+    axes)."""
+    rows = geometry.train_rows_shape
+    prompts = rows if geometry.prompts_per_row is None else (*rows, geometry.prompts_per_row)
+    return _batch((*rows, geometry.seq_len), prompts, sharding.batch_sharding(mesh, 2))
+
+
+def eval_batch(geometry: BatchGeometry, mesh: jax.sharding.Mesh, prompt_slots: int) -> dict[str, jax.ShapeDtypeStruct]:
+    """An abstract evaluation batch [R, eval_rows, eval_seq_len] of ``prompt_slots`` prompts a row. The real
+    pool's slots are the most prompts any of its packed rows holds; here, as many of the shortest few-shot
+    prompt as fit a row."""
+    rows = (geometry.runs, geometry.eval_rows)
+    return _batch((*rows, geometry.eval_seq_len), (*rows, prompt_slots), sharding.batch_sharding(mesh, 1))
+
+
+def _batch(tokens: tuple[int, ...], prompts: tuple[int, ...], placed: jax.sharding.Sharding) -> dict[str, Any]:
+    shapes = {"input_ids": tokens, "attention_mask": tokens}
+    dtypes = {"valid": np.bool_}
+    return {
+        key: jax.ShapeDtypeStruct(shapes.get(key, prompts), dtypes.get(key, np.int32), sharding=placed)
+        for key in TRAIN_KEYS
+    }
+
+
+def _with_shardings(tree: Any, shardings: Any) -> Any:
+    """Abstract leaves carrying their shardings, as lowering takes them."""
+    def abstract(leaf: Any, where: jax.sharding.Sharding) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=where)
+
+    return jax.tree.map(abstract, tree, shardings)
+
+
+def _compile(name: str, step: Any, args: tuple[Any, ...], hlo_dir: pathlib.Path | None) -> dict[str, Any]:
+    """Lowers and compiles ``step`` on ``args``: times, per-device memory, collectives."""
+    start = time.perf_counter()
+    lowered = step.lower(*args)
+    lowered_at = time.perf_counter()
+    compiled = lowered.compile()
+    compiled_at = time.perf_counter()
+    text = compiled.as_text()
+    if hlo_dir is not None:
+        hlo_dir.mkdir(parents=True, exist_ok=True)
+        (hlo_dir / f"{name}_step.hlo.txt").write_text(text)
+    stats = compiled.memory_analysis()
+    memory = {
+        "argument": int(stats.argument_size_in_bytes),
+        "output": int(stats.output_size_in_bytes),
+        "temp": int(stats.temp_size_in_bytes),
+        "alias": int(stats.alias_size_in_bytes),
+    }
+    memory["total"] = memory["argument"] + memory["output"] + memory["temp"] - memory["alias"]
+    return {
+        "lower_s": lowered_at - start,
+        "compile_s": compiled_at - lowered_at,
+        "memory_bytes": memory,
+        "collectives": collectives(text),
+    }
+
+
+def collectives(hlo_text: str) -> dict[str, dict[str, int]]:
+    """{op: {"count", "max_bytes"}} of the collectives in an HLO module's text, every kind listed (count 0
+    when absent). Async ones count once, at their -start. ``max_bytes`` is the largest operand of one
+    instruction of that kind (for an all-gather the shard it sends, for an all-reduce the whole buffer
+    reduced), its type read from the instruction that defines it when the operand is printed by name."""
+    instructions = list(_INSTRUCTION.finditer(hlo_text))
+    types = {match["name"]: match["type"] for match in instructions}
+    found = {op: {"count": 0, "max_bytes": 0} for op in COLLECTIVES}
+    for match in instructions:
+        op = match["op"].removesuffix("-start")
+        if op not in found:
+            continue
+        found[op]["count"] += 1
+        operands = [types.get(name, "") for name in re.findall(r"%([\w.\-]+)", match["operands"])]
+        if not any(operands):  # operands printed with their types
+            operands = [match["operands"]]
+        largest = max(sum(_array_bytes(*array) for array in _ARRAY_TYPE.findall(t)) for t in operands)
+        found[op]["max_bytes"] = max(found[op]["max_bytes"], largest)
+    return found
+
+
+def _array_bytes(dtype: str, dims: str) -> int:
+    if dtype not in _DTYPE_BYTES and not dtype.startswith("f8"):
+        raise ValueError(f"unknown HLO element type {dtype!r}")
+    return int(np.prod([int(d) for d in dims.split(",") if d], dtype=np.int64)) * _DTYPE_BYTES.get(dtype, 1)
+
+
+def describe(report: dict[str, Any]) -> str:
+    """The report as lines for a terminal."""
+    gb = 1e9
+    geometry = report["geometry"]
+    lines = [
+        f"{report['devices']} {report['platform']} devices, {report['layers']} layers; {geometry['runs']} runs x "
+        f"[{geometry['grad_accum']} x {geometry['micro_batch']} rows x {geometry['seq_len']} tokens] per train step "
+        f"(runs.chunk {geometry['run_chunk']}), eval [{geometry['eval_rows']} rows x {geometry['eval_seq_len']}]"
+    ]
+    for name in ("train", "eval"):
+        step, memory = report[name], report[name]["memory_bytes"]
+        present = {op: c for op, c in step["collectives"].items() if c["count"]}
+        lines += [
+            f"{name} step: lowered in {step['lower_s']:.1f} s, compiled in {step['compile_s']:.1f} s",
+            f"  memory per device (GB): arguments {memory['argument'] / gb:.2f}, "
+            f"outputs {memory['output'] / gb:.2f}, temporaries {memory['temp'] / gb:.2f}, "
+            f"aliased {memory['alias'] / gb:.2f}; total {memory['total'] / gb:.2f}",
+            "  collectives: " + (", ".join(f"{op} x{c['count']} (largest {c['max_bytes'] / 1e6:.1f} MB)"
+                                           for op, c in present.items()) or "none"),  # fmt: skip
+        ]
+    lines.append(f"analytic estimate (launch.estimate, train): {report['estimate_bytes'] / gb:.2f} GB per device")
+    if report["platform"] == "cpu":
+        lines.append("note: CPU figures are indicative only (XLA's CPU backend computes bf16 matmuls in f32)")
+    return "\n".join(lines)
+
+
+def _fake_host_devices(argv: Sequence[str]) -> None:
+    """Gives the host CPU platform --devices devices. XLA reads the flag once, when JAX first initialises a
+    backend (not at import), so this runs before anything asks for a device; on GPU/TPU it changes nothing
+    (the real devices are used)."""
+    for i, arg in enumerate(argv):
+        value = arg.split("=", 1)[1] if arg.startswith("--devices=") else None
+        if arg == "--devices" and i + 1 < len(argv):
+            value = argv[i + 1]
+        if value is not None:
+            flag = f"--xla_force_host_platform_device_count={int(value)}"
+            os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip()
+
+
+def _define_flags() -> None:
+    """The command line's flags (defined only when run as a program, so importing this module defines none)."""
+    config_flags.DEFINE_config_file("config", None, "Experiment config file (e.g. configs/demo.py).")
+    flags.mark_flags_as_required(["config"])
+    flags.DEFINE_integer("devices", None, "Devices of the mesh (default: all; on CPU, N fake host devices).")
+    flags.DEFINE_integer("layers", None, "Compile the model cut to this many decoder layers.")
+    flags.DEFINE_string("json", None, "Write the report as JSON to this file.")
+    flags.DEFINE_string("hlo", None, "Write each compiled step's HLO text into this directory.")
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments {argv[1:]}; settings go in --config.<field>=<value>")
+    options = flags.FLAGS
+    report = preflight(
+        options.config, devices=options.devices, layers=options.layers, hlo_dir=options.hlo,
+        config_path=options["config"].config_filename,
+    )  # fmt: skip
+    print(describe(report))
+    if options.json:
+        pathlib.Path(options.json).write_text(json.dumps(report, indent=2) + "\n")
+
+
+def run() -> None:
+    """Entry point of `python -m launch.preflight` and the `oodjax-preflight` command."""
+    _fake_host_devices(sys.argv[1:])
+    _define_flags()
+    app.run(main)
+
+
+if __name__ == "__main__":
+    run()

@@ -1,0 +1,137 @@
+"""The shape of every batch a job feeds its steps, worked out once.
+
+How many runs, examples per step, micro-batches, rows per device, training
+row length, buckets, packed prompt slots, evaluation rows and the rows this
+process feeds are facts of one job that the data streams, the train step,
+the loop and the preflight must all agree on. ``batch_geometry`` derives
+them from the config, the mesh and the runs' few-shot sets in one place and
+validates them there, so a config that cannot work fails before anything is
+tokenised at length or compiled, with an error naming its field; everything
+else reads the frozen ``BatchGeometry``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from jax.sharding import Mesh
+from ml_collections import config_dict
+
+from oodjax.data import TokenizedSet, bucket_lengths, fitting_bucket, train_prompts_per_row
+from oodjax.engine import sharding
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchGeometry:
+    """A job's batch shapes. Training batches are [runs, grad_accum, micro_batch, seq_len] (per-prompt
+    leaves [runs, grad_accum, micro_batch(, prompts_per_row)]); evaluation batches hold up to
+    ``eval_rows`` rows of ``eval_seq_len`` tokens. Sizes are global (all processes together)."""
+
+    runs: int  # R: runs trained together (seeds x shots)
+    batch_size: int  # examples per optimizer step, per run
+    grad_accum: int  # micro-batches per optimizer step
+    seq_len: int  # tokens per training row: the bucket that holds the longest few-shot prompt
+    eval_rows: int  # rows per evaluation batch, at most
+    eval_seq_len: int  # tokens per evaluation row (data.max_length)
+    buckets: tuple[int, ...] = ()  # lengths a training micro-batch may be cut to
+    prompts_per_row: int | None = None  # prompt slots of a packed training row; None: one prompt a row
+    run_chunk: int = 0  # runs the train step computes at once; 0: all of them
+    batch_shards: int = 1  # devices a batch's example axis is split over (mesh data x fsdp)
+    process_rows: tuple[int, ...] | None = None  # positions of a global training batch this process feeds
+
+    def __post_init__(self) -> None:
+        positive = {
+            "runs (runs.seeds x runs.shots)": self.runs,
+            "train.batch_size": self.batch_size,
+            "train.grad_accum": self.grad_accum,
+            "training row length": self.seq_len,
+            "eval.batch_size": self.eval_rows,
+            "data.max_length": self.eval_seq_len,
+            "batch shards": self.batch_shards,
+        }
+        for field, value in positive.items():
+            if value < 1:
+                raise ValueError(f"{field} must be >= 1, got {value}")
+        if self.batch_size % self.grad_accum:
+            raise ValueError(
+                f"train.batch_size {self.batch_size} must be a multiple of train.grad_accum {self.grad_accum}"
+            )
+        if self.micro_batch % self.batch_shards:
+            raise ValueError(
+                f"train micro-batch {self.micro_batch} (train.batch_size / train.grad_accum) must be a multiple of "
+                f"the {self.batch_shards} batch shards (mesh.data x mesh.fsdp)"
+            )
+        if self.eval_rows % self.batch_shards:
+            raise ValueError(
+                f"eval.batch_size {self.eval_rows} must be a multiple of the {self.batch_shards} batch shards "
+                "(mesh.data x mesh.fsdp)"
+            )
+        if self.run_chunk < 0:
+            raise ValueError(f"runs.chunk must be >= 0 (0 = all runs at once), got {self.run_chunk}")
+        if any(b < 1 for b in self.buckets):
+            raise ValueError(f"data.buckets must be positive lengths, got {list(self.buckets)}")
+        if self.prompts_per_row is not None and self.prompts_per_row < 1:
+            raise ValueError(f"packed rows need at least one prompt slot, got {self.prompts_per_row}")
+
+    @property
+    def micro_batch(self) -> int:
+        """Examples per micro-batch, per run (global)."""
+        return self.batch_size // self.grad_accum
+
+    @property
+    def rows_per_device(self) -> int:
+        """Rows of one micro-batch each device holds."""
+        return self.micro_batch // self.batch_shards
+
+    @property
+    def micro_batch_lengths(self) -> tuple[int, ...]:
+        """The lengths a micro-batch may run at: the buckets below ``seq_len``, then ``seq_len``."""
+        return micro_batch_lengths(self.buckets, self.seq_len)
+
+    @property
+    def eval_batch_tokens(self) -> int:
+        """The token budget of one evaluation batch."""
+        return self.eval_rows * self.eval_seq_len
+
+    @property
+    def train_rows_shape(self) -> tuple[int, int, int]:
+        """The leading axes of every leaf of a training batch: (runs, grad_accum, micro_batch)."""
+        return (self.runs, self.grad_accum, self.micro_batch)
+
+
+def micro_batch_lengths(buckets: Sequence[int] | None, seq_len: int) -> tuple[int, ...]:
+    """The lengths a micro-batch of a ``seq_len`` batch may run at: the buckets below it, then ``seq_len``."""
+    return tuple(int(b) for b in sorted(buckets or ()) if b < seq_len) + (seq_len,)
+
+
+def batch_geometry(
+    config: config_dict.ConfigDict, mesh: Mesh, train_sets: Sequence[TokenizedSet]
+) -> BatchGeometry:
+    """The job's geometry from its config, its mesh and its runs' tokenised few-shot sets (one per run).
+
+    Training rows are as long as the smallest bucket that holds the longest
+    few-shot prompt of any run, so all runs share one compiled step; with
+    train.pack, rows have as many prompt slots as the shortest prompt fits.
+    """
+    if not train_sets:
+        raise ValueError("batch_geometry needs the runs' few-shot sets (one per run)")
+    buckets = bucket_lengths(config.data.max_length, tuple(config.data.buckets) or None)
+    seq_len = fitting_bucket(buckets, max(int(t.lengths.max()) for t in train_sets))
+    batch_size = config.train.batch_size
+    geometry = BatchGeometry(
+        runs=len(train_sets),
+        batch_size=batch_size,
+        grad_accum=config.train.grad_accum,
+        seq_len=seq_len,
+        eval_rows=config.eval.batch_size,
+        eval_seq_len=config.data.max_length,
+        buckets=buckets,
+        prompts_per_row=(
+            train_prompts_per_row(train_sets, batch_size=batch_size, seq_len=seq_len) if config.train.pack else None
+        ),
+        run_chunk=config.runs.chunk,
+        batch_shards=sharding.batch_shards(mesh),
+    )
+    rows = sharding.process_step_rows(mesh, geometry.batch_size, geometry.grad_accum)  # valid once checked above
+    return dataclasses.replace(geometry, process_rows=tuple(int(row) for row in rows))

@@ -1,0 +1,109 @@
+"""The preflight compiles a config's real steps on abstract inputs and reports memory, times and collectives.
+
+The CLI on the demo writes the JSON report; OLMo-2 13B cut to 2 layers
+compiles on 8 fake devices with its fsdp mesh, and a tensor-parallel variant
+too, without reading a weight; their train steps' HLO gathers the sharded
+weights and all-reduces nothing larger than one weight matrix (with fsdp
+alone, nothing of an activation's size: only the adapters' gradients).
+"""
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from launch import preflight
+from launch.architectures import architecture
+from launch.config_files import load_config
+from tests.engine_configs import SHRUNK_DEMO_ARGS
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+STEP_KEYS = {"compile_s", "lower_s", "memory_bytes", "collectives"}
+MEMORY_KEYS = {"argument", "output", "temp", "total"}
+OLMO13 = "allenai/OLMo-2-1124-13B"
+
+
+def test_cli_on_the_demo_writes_every_key(tmp_path):
+    out = tmp_path / "report.json"
+    subprocess.run(
+        [sys.executable, "-m", "launch.preflight", *SHRUNK_DEMO_ARGS, "--devices=8", f"--json={out}",
+         f"--hlo={tmp_path / 'hlo'}"],
+        cwd=ROOT, check=True, capture_output=True, text=True,
+    )  # fmt: skip
+    report = json.loads(out.read_text())
+    assert {"train", "eval", "estimate_bytes", "devices", "layers"} <= set(report)
+    assert report["devices"] == 8 and report["layers"] == 2 and report["estimate_bytes"] > 0
+    for step in ("train", "eval"):
+        assert STEP_KEYS <= set(report[step])
+        memory = report[step]["memory_bytes"]
+        assert MEMORY_KEYS <= set(memory) and memory["total"] > 0
+        assert memory["total"] == memory["argument"] + memory["output"] + memory["temp"] - memory["alias"]
+        assert set(report[step]["collectives"]) == set(preflight.COLLECTIVES)
+        assert all({"count", "max_bytes"} == set(c) for c in report[step]["collectives"].values())
+        assert (tmp_path / "hlo" / f"{step}_step.hlo.txt").is_file()
+
+
+def olmo13(gpt2_tokenizer_dir, mesh=None):
+    config = load_config(ROOT / "configs" / "olmo13_mnli.py")
+    config.tokenizer = str(gpt2_tokenizer_dir)  # the checkpoint's own tokenizer is not available offline
+    if mesh is not None:
+        config.mesh.data, config.mesh.fsdp, config.mesh.tensor = mesh
+    return config
+
+
+@pytest.fixture(scope="module")
+def fsdp_report(gpt2_tokenizer_dir):
+    return preflight.preflight(olmo13(gpt2_tokenizer_dir), devices=8, layers=2)
+
+
+@pytest.fixture(scope="module")
+def tensor_report(gpt2_tokenizer_dir):
+    return preflight.preflight(olmo13(gpt2_tokenizer_dir, mesh=(1, 4, 2)), devices=8, layers=2)
+
+
+def test_olmo13_at_two_layers_compiles_on_its_fsdp_mesh(fsdp_report):
+    assert fsdp_report["layers"] == 2 and fsdp_report["devices"] == 8
+    geometry = fsdp_report["geometry"]
+    assert (geometry["runs"], geometry["grad_accum"], geometry["micro_batch"]) == (9, 2, 8)
+    for step in ("train", "eval"):
+        assert fsdp_report[step]["memory_bytes"]["argument"] > 0
+    print(preflight.describe(fsdp_report))
+
+
+def _weight_matrix_bytes() -> int:
+    """One bf16 MLP projection of OLMo-2 13B (hidden x intermediate), its largest per-layer weight."""
+    arch = architecture(OLMO13)
+    return arch["hidden_size"] * arch["intermediate_size"] * 2
+
+
+def test_fsdp_train_step_gathers_weights_and_all_reduces_only_adapter_gradients(fsdp_report):
+    found = fsdp_report["train"]["collectives"]
+    assert found["all-gather"]["count"] > 0
+    # One layer's activations on one device: 9 runs x 1 row x 256 tokens x 5120 (bf16).
+    geometry = fsdp_report["geometry"]
+    activation = geometry["runs"] * geometry["micro_batch"] // 8 * geometry["seq_len"] * 5120 * 2
+    assert found["all-reduce"]["max_bytes"] < min(activation, _weight_matrix_bytes()), found
+
+
+def test_tensor_parallel_train_step_all_reduces_nothing_larger_than_a_weight_matrix(tensor_report):
+    found = tensor_report["train"]["collectives"]
+    assert found["all-gather"]["count"] > 0
+    assert found["all-reduce"]["max_bytes"] <= _weight_matrix_bytes(), found
+
+
+def test_collectives_are_read_from_hlo_text():
+    text = """
+  %p = bf16[4,8]{1,0} parameter(0)
+  %ag = bf16[32,8]{1,0} all-gather(%p), dimensions={0}
+  %x = f32[16]{0} fusion(%p), kind=kLoop
+  %ar = (f32[16]{0}, bf16[4,8]{1,0}) all-reduce(%x, %p), to_apply=%sum
+  %ars = f32[2,3]{1,0} all-reduce-start(f32[2,3]{1,0} %y), to_apply=%sum
+  %ard = f32[2,3]{1,0} all-reduce-done(%ars)
+  ROOT %t = (f32[16]{0}) get-tuple-element(%ar), index=0
+"""
+    found = preflight.collectives(text)
+    assert found["all-gather"] == {"count": 1, "max_bytes": 64}
+    assert found["all-reduce"] == {"count": 2, "max_bytes": 64}
+    assert found["reduce-scatter"] == {"count": 0, "max_bytes": 0}
