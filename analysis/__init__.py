@@ -1,7 +1,9 @@
 """Analysis of oodjax results: partial correlations of OOD accuracies given in-domain accuracy.
 
-Imports only numpy, scipy, pandas and matplotlib, so it runs without JAX.
-`python -m analysis RESULTS_DIR --out OUT_DIR` writes tables, figures and a CSV.
+Imports only numpy, scipy, pandas (with pyarrow for Parquet), matplotlib and
+tqdm, so it runs without JAX. `python -m analysis RESULTS_DIR --out OUT_DIR`
+writes tables, figures and CSVs; `python -m analysis.runs RESULTS_DIR` lists
+the runs.
 
 The statistics are imported on first use: the engine imports
 ``analysis.schema`` (the results' key names) and should not pay for scipy.

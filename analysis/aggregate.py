@@ -9,11 +9,13 @@ them. Adjusted p-values treat the pairs of one (model, training set) as one
 family.
 """
 
+from collections.abc import Mapping
+
 import numpy as np
 import pandas as pd
 import scipy.stats
 
-from analysis.naming import model_family, model_size_billions, model_size_label
+from analysis.naming import ModelInfo
 from analysis.padjust import adjust_pvalues
 from analysis.runs import Run
 from analysis.stats import CONFIDENCE, PAIR_COLUMNS, pairwise_partial_corr
@@ -57,6 +59,7 @@ def run_pairs(run: Run, **options) -> pd.DataFrame:
 
 
 def all_run_pairs(runs: list[Run], **options) -> pd.DataFrame:
+    """`run_pairs` of every run, one table."""
     return pd.concat([run_pairs(run, **options) for run in runs], ignore_index=True)
 
 
@@ -82,12 +85,14 @@ def combine_runs(pairs: pd.DataFrame, padjust: str = "holm") -> pd.DataFrame:
     return combined[list(GROUP_COLUMNS) + ["x", "y"] + list(GROUP_STAT_COLUMNS)]
 
 
-def summarise_by_model(groups: pd.DataFrame) -> pd.DataFrame:
+def summarise_by_model(groups: pd.DataFrame, models: Mapping[str, ModelInfo]) -> pd.DataFrame:
     """Per model family, size and training set: the mean over pairs of the combined r.
 
-    The mean over pairs is again taken on the Fisher z scale; mean |r| shows
-    the strength when signs cancel; n_sig_positive / n_sig_negative count
-    pairs whose adjusted p is below SIGNIFICANCE.
+    `models` gives each model name's family and size (from its runs'
+    configs). The mean over pairs is again taken on the Fisher z scale; mean
+    |r| shows the strength when signs cancel; n_sig_positive /
+    n_sig_negative count pairs whose adjusted p is below SIGNIFICANCE. Rows
+    are ordered by family, then size (numerically, unknown last).
     """
     rows = []
     for (model, train_set), group in groups.groupby(list(GROUP_COLUMNS), sort=False):
@@ -96,9 +101,9 @@ def summarise_by_model(groups: pd.DataFrame) -> pd.DataFrame:
         significant = group["p_adj"].to_numpy() < SIGNIFICANCE
         rows.append(
             {
-                "family": model_family(model),
-                "size": model_size_label(model),
-                "size_billions": model_size_billions(model),
+                "family": models[model].family,
+                "size": models[model].size_label,
+                "size_billions": models[model].size_billions,
                 "model": model,
                 "train_set": train_set,
                 "n_pairs": int(defined.sum()),
@@ -113,6 +118,19 @@ def summarise_by_model(groups: pd.DataFrame) -> pd.DataFrame:
     return summary.sort_values(["family", "size_billions", "model", "train_set"]).reset_index(
         drop=True
     )
+
+
+def run_means(pairs: pd.DataFrame) -> pd.DataFrame:
+    """Each run's mean r over its pairs (Fisher z scale), beside its model and training set:
+    the spread of these across a group's runs is how far one run's answer can be trusted."""
+    rows = [
+        {"model": model, "train_set": train_set, "run": run,
+         "mean_r": _mean_on_z_scale(group["r"].dropna().to_numpy())}
+        for (model, train_set, run), group in pairs.groupby(
+            [*GROUP_COLUMNS, "run"], sort=False
+        )
+    ]
+    return pd.DataFrame(rows, columns=[*GROUP_COLUMNS, "run", "mean_r"])
 
 
 def lower_triangle(pairs: pd.DataFrame, testsets: list[str]) -> tuple[np.ndarray, np.ndarray]:

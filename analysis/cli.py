@@ -1,20 +1,26 @@
-"""`python -m analysis RESULTS_DIR --out OUT_DIR`: tables, figures and a CSV from a results root."""
+"""`python -m analysis RESULTS_DIR --out OUT_DIR`: tables, figures and CSVs from a results root."""
 
 import argparse
 import pathlib
 import sys
 
 import pandas as pd
+from tqdm import tqdm
 
 from analysis import figures, tables
-from analysis.aggregate import all_run_pairs, combine_runs, summarise_by_model
-from analysis.naming import slug
+from analysis.aggregate import all_run_pairs, combine_runs, run_means, summarise_by_model
+from analysis.naming import slug, unique_stems
 from analysis.padjust import PADJUST_METHODS
 from analysis.residualise import RESIDUALISERS
-from analysis.runs import ResultsError, Run, find_runs
+from analysis.runs import ResultsError, Run, accuracy_table, find_runs
 from analysis.stats import METHODS
 
 CSV_NAME = "partial_correlations.csv"
+# accuracies.csv and accuracies.parquet: every accuracy of every run, long form.
+ACCURACIES_NAME = "accuracies"
+# More (model, training set) groups than this show a progress bar while their
+# figures are drawn (a few seconds each).
+PROGRESS_MIN_GROUPS = 8
 # One row per pair, for every run (level "run") and every model and training
 # set combining its runs (level "group"); columns not used at a level are empty.
 CSV_COLUMNS = (
@@ -47,6 +53,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--probit", action="store_true", help="probit-transform accuracies before residualising"
     )
+    parser.add_argument("--curves-ylim", type=float, nargs=2, metavar=("LOW", "HIGH"),
+                        help="one y-range for every accuracy-curve panel, so that models "
+                        "compare at a glance (default: fit each panel)")
     parser.add_argument(
         "--differences",
         action="store_true",
@@ -56,13 +65,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """`python -m analysis` (also the `oodjax-analyse` command); returns the exit code."""
     args = parse_args(argv)
     try:
         runs = find_runs(args.results_dir)
+        written = write_analysis(runs, args)
     except ResultsError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    written = write_analysis(runs, args)
     print(f"analysed {len(runs)} runs under {args.results_dir}; wrote {len(written)} files:")
     for path in written:
         print(f"  {path}")
@@ -70,7 +80,17 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def write_analysis(runs: list[Run], args: argparse.Namespace) -> list[pathlib.Path]:
-    """Compute everything, write it under args.out, and return the paths written."""
+    """Compute everything, write it under args.out, and return the paths written.
+
+    File names are checked for collisions before anything is written, so a
+    clash is an error, never one model's figure overwriting another's.
+    """
+    groups = _groups(runs)
+    try:
+        stems = unique_stems(groups)
+    except ValueError as error:
+        raise ResultsError(f"{error}; give the models distinct config.model.name values") from error
+    models = {run.model: run.model_info for run in runs}
     options = {
         "method": args.method,
         "residualiser": args.residualiser,
@@ -85,34 +105,61 @@ def write_analysis(runs: list[Run], args: argparse.Namespace) -> list[pathlib.Pa
     figure_dir.mkdir(parents=True, exist_ok=True)
 
     written = [_write_csv(per_run, per_group, args.out / CSV_NAME)]
+    written += _write_accuracies(runs, args.out)
     description = _describe(options)
     padjust = tables.latex_escape(args.padjust)
     table_files = []
-    for (model, train_set), group_runs in _groups(runs).items():
-        name = slug(model, train_set)
-        pairs = per_group[(per_group["model"] == model) & (per_group["train_set"] == train_set)]
-        testsets = list(dict.fromkeys(t for run in group_runs for t in run.ood_testsets))
+    progress = tqdm(groups.items(), desc="writing groups", unit="group", file=sys.stderr,
+                    disable=len(groups) <= PROGRESS_MIN_GROUPS)
+    for (model, train_set), group_runs in progress:
+        name = stems[model, train_set]
+        pairs = _group_pairs(per_group, model, train_set)
+        testsets = _ood_testsets(group_runs)
+        described_model = f"{model} ({models[model].description})"
         caption = (
             f"Partial correlations of OOD accuracies given {tables.latex_escape(train_set)} "
-            f"accuracy, {tables.latex_escape(model)} trained on {tables.latex_escape(train_set)}: "
-            f"mean over {len(group_runs)} runs on the Fisher $z$ scale; {description}. "
+            f"accuracy, {tables.latex_escape(described_model)} trained on "
+            f"{tables.latex_escape(train_set)}: "
+            f"mean over {_extent(group_runs)} on the Fisher $z$ scale; {description}. "
             f"{tables.SIGNIFICANCE_NOTE} ({padjust}), t test across runs."
         )
         table_files.append(table_dir / f"matrix_{name}.tex")
         table_files[-1].write_text(
             tables.matrix_table(pairs, testsets, caption=caption, label=f"tab:pcorr-{name}")
         )
-        title = f"{model}, trained on {train_set} ({len(group_runs)} runs)"
-        written += _write_figures(group_runs, pairs, testsets, figure_dir, name, title, args)
+        title = f"{described_model}, trained on {train_set}"
+        note = f"{description}; {_extent(group_runs)}"
+        written += _write_figures(group_runs, pairs, testsets, figure_dir, name, title, note, args)
+
+    summary = summarise_by_model(per_group, models)
+    for train_set in dict.fromkeys(run.train_set for run in runs):
+        note = f"{description}; {_extent([r for r in runs if r.train_set == train_set])}"
+        side_by_side = [
+            (model, _group_pairs(per_group, model, train_set), _ood_testsets(group_runs))
+            for (model, group_train_set), group_runs in groups.items()
+            if group_train_set == train_set
+        ]
+        figure = figures.comparison_heatmaps(
+            side_by_side, models, title=f"Partial correlations, trained on {train_set}",
+            note=note,
+        )
+        written += figures.save(figure, figure_dir / f"comparison_heatmaps_{slug(train_set)}")
+    by_size = figures.correlation_by_size(
+        summary, run_means(per_run), title="Mean partial correlation by model size",
+        note=f"{description}; {_extent(runs)}",
+    )
+    if by_size is not None:
+        written += figures.save(by_size, figure_dir / "correlation_by_size")
 
     table_files.append(table_dir / "summary.tex")
     table_files[-1].write_text(
         tables.summary_table(
-            summarise_by_model(per_group),
+            summary,
             caption=(
                 "Mean partial correlation over OOD testset pairs (Fisher $z$ scale) by model "
-                f"family, size and training set; {description}. Sig.\\ $+/-$: pairs with "
-                f"positive / negative $r$ and adjusted $p<0.05$ ({padjust})."
+                f"family, size and training set; {description}; {_extent(runs)}. "
+                f"Sig.\\ $+/-$: pairs with positive / negative $r$ and adjusted $p<0.05$ "
+                f"({padjust})."
             ),
             label="tab:pcorr-summary",
         )
@@ -120,6 +167,15 @@ def write_analysis(runs: list[Run], args: argparse.Namespace) -> list[pathlib.Pa
     document = table_dir / "tables.tex"
     document.write_text(tables.standalone_document([p.name for p in table_files]))
     return written + table_files + [document]
+
+
+def _write_accuracies(runs: list[Run], out: pathlib.Path) -> list[pathlib.Path]:
+    """Every accuracy in long form, as CSV and as Parquet (typed, fast to load)."""
+    accuracies = accuracy_table(runs)
+    paths = [out / f"{ACCURACIES_NAME}.csv", out / f"{ACCURACIES_NAME}.parquet"]
+    accuracies.to_csv(paths[0], index=False)
+    accuracies.to_parquet(paths[1], index=False)
+    return paths
 
 
 def _write_csv(per_run: pd.DataFrame, per_group: pd.DataFrame, path: pathlib.Path) -> pathlib.Path:
@@ -139,18 +195,34 @@ def _write_figures(
     directory: pathlib.Path,
     name: str,
     title: str,
+    note: str,
     args: argparse.Namespace,
 ) -> list[pathlib.Path]:
-    heatmap = figures.correlation_heatmap(pairs, testsets, title=title)
-    curves = figures.accuracy_curves(group_runs, title=title)
+    heatmap = figures.correlation_heatmap(pairs, testsets, title=title, note=note)
+    curves = figures.accuracy_curves(group_runs, title=title, note=note, ylim=args.curves_ylim)
     scatter = figures.ood_vs_in_domain(
-        group_runs, residualiser=args.residualiser, probit=args.probit, title=title
+        group_runs, residualiser=args.residualiser, probit=args.probit, title=title, note=note
     )
     return [
         *figures.save(heatmap, directory / f"heatmap_{name}"),
         *figures.save(curves, directory / f"curves_{name}"),
         *figures.save(scatter, directory / f"ood_vs_in_domain_{name}"),
     ]
+
+
+def _group_pairs(per_group: pd.DataFrame, model: str, train_set: str) -> pd.DataFrame:
+    return per_group[(per_group["model"] == model) & (per_group["train_set"] == train_set)]
+
+
+def _ood_testsets(group_runs: list[Run]) -> list[str]:
+    return list(dict.fromkeys(t for run in group_runs for t in run.ood_testsets))
+
+
+def _extent(runs: list[Run]) -> str:
+    """How many runs and evaluation steps a result rests on, for captions and figure notes."""
+    steps = sorted({len(run.steps) for run in runs})
+    counted = f"{steps[0]}" if len(steps) == 1 else f"{steps[0]} to {steps[-1]}"
+    return f"{len(runs)} runs of {counted} evaluation steps"
 
 
 def _groups(runs: list[Run]) -> dict[tuple[str, str], list[Run]]:

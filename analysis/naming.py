@@ -1,50 +1,107 @@
-"""Model family and size read off a model name, for the summary table and file names.
+"""A run's model family and size, read from its config, and file names that never collide.
 
-Names follow the hub's conventions ("opt-2.7b", "OLMo-2-1124-7B",
-"SmolLM2-135M", optionally prefixed by an organisation): the size is the
-dash-separated token like "2.7b" or "135M", four-digit release tokens such
-as "1124" are dropped, and the rest is the family ("opt", "OLMo-2",
-"SmolLM2"). A name without a size token is its own family, of unknown size.
+Run names ("opt2.7", "olmo7", "smol3") are the sweep's short labels and say
+nothing reliable about the model, so family and size come from the config
+the engine stores with every run (`config["model"]`):
+
+- `path`, a hub id or checkpoint directory ("facebook/opt-2.7b",
+  "allenai/OLMo-2-1124-7B", "HuggingFaceTB/SmolLM3-3B"): its last component
+  follows the hub's naming, so the size is its dash-separated token like
+  "2.7b" or "135M" and the family is the remaining tokens, four-digit
+  release tokens such as "1124" dropped, lower-cased and joined ("opt",
+  "olmo2", "smollm3", as transformers' model_type names them);
+- otherwise `hf_config.model_type` (a randomly initialised model: demo,
+  tests) gives the family.
+
+The size is the parameter count written in the hub id, in billions; it is
+unknown (NaN, shown as UNKNOWN) for a randomly initialised model or an id
+without a size token. The published counts of the study's checkpoints live
+in launch/architectures.py, which the analysis does not import (it runs
+without JAX and the launch tooling), so the id's rounded size ("7B" for
+OLMo 2's 7.30B) is what orders and labels models.
 """
 
+import dataclasses
+import math
 import re
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+UNKNOWN = "unknown"
 
 _SIZE_TOKEN = re.compile(r"(\d+(?:\.\d+)?)([mMbB])")
 _RELEASE_TOKEN = re.compile(r"\d{4}")
-_UNIT = {"m": 1e-3, "b": 1.0}
+_BILLIONS_PER_UNIT = {"m": 1e-3, "b": 1.0}
+# Anything but letters, digits, dots and dashes becomes a dash in a file stem.
+_UNSAFE_IN_STEM = re.compile(r"[^A-Za-z0-9.-]+")
 
 
-def model_family(name: str) -> str:
-    tokens = _tokens(name)
-    kept = [t for t in tokens if not (_SIZE_TOKEN.fullmatch(t) or _RELEASE_TOKEN.fullmatch(t))]
-    return "-".join(kept) if kept and len(kept) < len(tokens) else _short(name)
+@dataclasses.dataclass(frozen=True)
+class ModelInfo:
+    """What a figure or table needs to know of a run's model."""
+
+    family: str
+    size_billions: float  # NaN when unknown
+
+    @property
+    def size_label(self) -> str:
+        """The size as papers write it ("2.7B", "135M"), or UNKNOWN."""
+        if math.isnan(self.size_billions):
+            return UNKNOWN
+        if self.size_billions < 1.0:
+            return f"{self.size_billions * 1e3:g}M"
+        return f"{self.size_billions:g}B"
+
+    @property
+    def description(self) -> str:
+        """Family and size for titles and captions: "opt 2.7B", "olmo2, size unknown"."""
+        if math.isnan(self.size_billions):
+            return f"{self.family}, size {UNKNOWN}"
+        return f"{self.family} {self.size_label}"
 
 
-def model_size_billions(name: str) -> float:
-    """Parameter count in billions, NaN when the name carries no size."""
-    for token in reversed(_tokens(name)):
-        match = _SIZE_TOKEN.fullmatch(token)
-        if match:
-            return float(match.group(1)) * _UNIT[match.group(2).lower()]
-    return float("nan")
+def model_info(config: Mapping[str, Any]) -> ModelInfo:
+    """Family and size of the model a run's config names (see the module docstring)."""
+    model = config.get("model") or {}
+    path = str(model.get("path") or "")
+    if path:
+        return hub_id_info(path)
+    model_type = str((model.get("hf_config") or {}).get("model_type") or "")
+    return ModelInfo(model_type.lower() or UNKNOWN, math.nan)
 
 
-def model_size_label(name: str) -> str:
-    """The size as written in papers ("2.7B", "135M"); empty when unknown."""
-    for token in reversed(_tokens(name)):
-        if _SIZE_TOKEN.fullmatch(token):
-            return token.upper()
-    return ""
+def hub_id_info(hub_id: str) -> ModelInfo:
+    """Family and size written in a hub id or checkpoint directory name."""
+    tokens = [t for t in re.split(r"[-_]", hub_id.rstrip("/").rsplit("/", 1)[-1]) if t]
+    sizes = [_SIZE_TOKEN.fullmatch(t) for t in tokens]
+    size = next((m for m in reversed(sizes) if m), None)
+    kept = [
+        t for t, m in zip(tokens, sizes) if not (m or _RELEASE_TOKEN.fullmatch(t))
+    ]
+    family = "".join(kept).lower() or UNKNOWN
+    if size is None:
+        return ModelInfo(family, math.nan)
+    return ModelInfo(family, float(size.group(1)) * _BILLIONS_PER_UNIT[size.group(2).lower()])
 
 
 def slug(*parts: str) -> str:
-    """A file-name-safe join of parts (letters, digits, dots, dashes)."""
-    return "_".join(re.sub(r"[^A-Za-z0-9.-]+", "-", part).strip("-") for part in parts)
+    """A file-name-safe join of parts: letters, digits, dots and dashes within a part, parts
+    joined by "_" (so "facebook/opt-2.7b", "mnli" gives "facebook-opt-2.7b_mnli")."""
+    return "_".join(_UNSAFE_IN_STEM.sub("-", part).strip("-") for part in parts)
 
 
-def _short(name: str) -> str:
-    return name.rsplit("/", 1)[-1]
-
-
-def _tokens(name: str) -> list[str]:
-    return [t for t in re.split(r"[-_]", _short(name)) if t]
+def unique_stems(keys: Iterable[tuple[str, ...]]) -> dict[tuple[str, ...], str]:
+    """The slug of each key, or a ValueError naming the keys whose files would overwrite
+    each other. Stems are compared case-insensitively, as macOS and Windows file systems do."""
+    stems = {key: slug(*key) for key in keys}
+    owners: dict[str, list[tuple[str, ...]]] = {}
+    for key, stem in stems.items():
+        owners.setdefault(stem.lower(), []).append(key)
+    clashes = [keys for keys in owners.values() if len(keys) > 1]
+    if clashes:
+        described = "; ".join(
+            " and ".join(map(repr, clash)) + f" -> {stems[clash[0]]!r}"
+            for clash in clashes
+        )
+        raise ValueError(f"these groups would write to the same files: {described}")
+    return stems

@@ -1,13 +1,31 @@
-"""Reading runs' metrics.npz files under a results root, with clear errors for bad input."""
+"""Reading runs' metrics.npz files under a results root, with clear errors for bad input.
 
+`python -m analysis.runs RESULTS_DIR [--csv]` lists the runs at a glance: one
+line per run with its model, training set, seed, shots, last step, whether
+it finished, and its last in-domain and mean OOD accuracy.
+"""
+
+import argparse
 import dataclasses
 import json
+import math
 import pathlib
+import sys
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import pandas as pd
+from tqdm import tqdm
 
 from analysis import schema
+from analysis.naming import ModelInfo, model_info
+
+# Reading more files than this shows a progress bar (on stderr): a full sweep
+# holds hundreds of runs on network storage, and a silent minute looks hung.
+PROGRESS_MIN_FILES = 50
+
+ACCURACY_COLUMNS = ("run", "model", "train_set", "seed", "shots", "step", "testset", "accuracy")
 
 
 class ResultsError(ValueError):
@@ -26,6 +44,8 @@ class Run:
     steps: np.ndarray
     accuracy: pd.DataFrame  # index: step; one column per testset
     in_domain: str
+    config: dict[str, Any]  # the run's config as the engine stored it (JSON)
+    model_info: ModelInfo  # family and size, read from `config`
 
     @property
     def name(self) -> str:
@@ -38,17 +58,99 @@ class Run:
             t for t in self.accuracy.columns if t not in (self.in_domain, schema.TRAIN_TESTSET)
         ]
 
+    @property
+    def planned_steps(self) -> int | None:
+        """The config's train.steps, None when the config does not say."""
+        steps = (self.config.get("train") or {}).get("steps")
+        return None if steps is None else int(steps)
+
+    @property
+    def finished(self) -> bool:
+        """Whether the last evaluation is at the planned last step."""
+        return self.planned_steps is not None and int(self.steps[-1]) >= self.planned_steps
+
 
 def find_runs(root: str | pathlib.Path) -> list[Run]:
-    """Every run under `root` (searched recursively), sorted by model, training set, shots, seed."""
+    """Every run under `root` (searched recursively), sorted by model family, size, model,
+    training set, shots and seed. Runs that share a model name must share its family and size."""
     root = pathlib.Path(root)
     if not root.is_dir():
         raise ResultsError(f"results root {root} is not a directory")
     paths = sorted(root.rglob(schema.METRICS_FILENAME))
     if not paths:
         raise ResultsError(f"no {schema.METRICS_FILENAME} under {root}: is it a results root?")
-    runs = [load_run(path) for path in paths]
-    return sorted(runs, key=lambda r: (r.model, r.train_set, r.shots, r.seed, r.name))
+    progress = tqdm(paths, desc="reading runs", unit="run", file=sys.stderr,
+                    disable=len(paths) <= PROGRESS_MIN_FILES)
+    runs = [load_run(path) for path in progress]
+    _check_one_model_per_name(runs)
+    return sorted(runs, key=model_order_key)
+
+
+def model_order_key(run: Run) -> tuple:
+    """Family, then size numerically (unknown sizes last), then the rest of the run's identity."""
+    size = run.model_info.size_billions
+    return (run.model_info.family, math.inf if math.isnan(size) else size, run.model,
+            run.train_set, run.shots, run.seed, run.name)
+
+
+def accuracy_table(runs: Sequence[Run]) -> pd.DataFrame:
+    """Every accuracy of every run in long form, one row per (run, step, testset):
+    the columns of ACCURACY_COLUMNS, for plotting or modelling outside this package."""
+    frames = []
+    for run in runs:
+        long = run.accuracy.melt(var_name="testset", value_name="accuracy", ignore_index=False)
+        frames.append(
+            long.reset_index().assign(
+                run=run.name, model=run.model, train_set=run.train_set, seed=run.seed,
+                shots=run.shots,
+            )
+        )
+    return pd.concat(frames, ignore_index=True)[list(ACCURACY_COLUMNS)]
+
+
+def runs_overview(runs: Sequence[Run]) -> pd.DataFrame:
+    """One row per run: identity, last step, whether it finished, and its accuracies at the
+    last step (in-domain, and the mean over OOD testsets with an accuracy there)."""
+    rows = []
+    for run in runs:
+        last = run.accuracy.iloc[-1]
+        rows.append({
+            "run": run.name,
+            "model": run.model,
+            "train_set": run.train_set,
+            "seed": run.seed,
+            "shots": run.shots,
+            "last_step": int(run.steps[-1]),
+            "planned_steps": run.planned_steps,
+            "finished": run.finished,
+            "in_domain_accuracy": last[run.in_domain],
+            "mean_ood_accuracy": last[run.ood_testsets].mean(),
+        })
+    return pd.DataFrame(rows).astype({"planned_steps": "Int64"})
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m analysis.runs RESULTS_DIR [--csv]` (also the `oodjax-runs` command)."""
+    parser = argparse.ArgumentParser(
+        prog="python -m analysis.runs",
+        description="List the runs under a results root: identity, progress, last accuracies.",
+    )
+    parser.add_argument("results_dir", type=pathlib.Path,
+                        help="results root: <run>/metrics.npz files, searched recursively")
+    parser.add_argument("--csv", action="store_true", help="print CSV instead of a table")
+    args = parser.parse_args(argv)
+    try:
+        overview = runs_overview(find_runs(args.results_dir))
+    except ResultsError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    if args.csv:
+        overview.to_csv(sys.stdout, index=False)
+    else:
+        print(overview.to_string(index=False, float_format="{:.3f}".format))
+        finished = int(overview["finished"].sum())
+        print(f"{len(overview)} runs, {finished} finished, {len(overview) - finished} not")
+    return 0
 
 
 def load_run(path: str | pathlib.Path) -> Run:
@@ -86,7 +188,7 @@ def load_run(path: str | pathlib.Path) -> Run:
         raise ResultsError(
             f"{path}: OOD testsets {run_ood}: pairs of OOD testsets need at least two"
         )
-    identity = _run_identity(path, str(arrays[schema.CONFIG]))
+    config, identity = _run_identity(path, str(arrays[schema.CONFIG]))
     return Run(
         path=path,
         model=identity[schema.RUN_MODEL],
@@ -96,12 +198,16 @@ def load_run(path: str | pathlib.Path) -> Run:
         steps=steps,
         accuracy=pd.DataFrame(accuracy, index=pd.Index(steps, name="step"), columns=testsets),
         in_domain=in_domain,
+        config=config,
+        model_info=model_info(config),
     )
 
 
-def _run_identity(path: pathlib.Path, config_json: str) -> dict:
+def _run_identity(path: pathlib.Path, config_json: str) -> tuple[dict[str, Any], dict]:
+    """The parsed config and its run section (model name, seed, shots), checked."""
     try:
-        section = json.loads(config_json)[schema.RUN_SECTION]
+        config = json.loads(config_json)
+        section = config[schema.RUN_SECTION]
         identity = {
             schema.RUN_MODEL: str(section[schema.RUN_MODEL]),
             schema.RUN_SEED: int(section[schema.RUN_SEED]),
@@ -115,4 +221,22 @@ def _run_identity(path: pathlib.Path, config_json: str) -> dict:
         ) from error
     if not identity[schema.RUN_MODEL]:
         raise ResultsError(f"{path}: config {schema.RUN_SECTION}.{schema.RUN_MODEL} is empty")
-    return identity
+    return config, identity
+
+
+def _check_one_model_per_name(runs: list[Run]) -> None:
+    """Runs are grouped by model name: one name for two models would mix them silently."""
+    seen: dict[str, Run] = {}
+    for run in runs:
+        first = seen.setdefault(run.model, run)
+        identity = (run.model_info.family, run.model_info.size_label)  # NaN != NaN
+        if (first.model_info.family, first.model_info.size_label) != identity:
+            raise ResultsError(
+                f"model name {run.model!r} stands for two models: {first.model_info} in "
+                f"{first.path} and {run.model_info} in {run.path}; give them distinct "
+                "config.model.name values"
+            )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

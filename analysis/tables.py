@@ -66,7 +66,7 @@ def summary_table(summary: pd.DataFrame, *, caption: str, label: str) -> str:
             rows.append(None)
         rows.append([
             latex_escape(row.family),
-            latex_escape(row.size) if row.size else "--",
+            latex_escape(row.size),
             latex_escape(row.train_set),
             str(row.n_runs),
             str(row.n_pairs),

@@ -6,8 +6,11 @@ across testsets. Margins and labels have the schema's shapes and dtypes
 (margins are random: the analysis never reads them).
 """
 
+import importlib.util
 import json
 import pathlib
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 
@@ -18,6 +21,14 @@ TESTSETS = (
     "snli", "mnli", "scitail", "rte", "wnli", "paws", "hans", "anli_r3", schema.TRAIN_TESTSET
 )
 EXAMPLES_PER_TESTSET = 16
+# The sweep's config files, one per model and training set ("opt2.7_mnli.py").
+SHIPPED_CONFIGS = sorted(
+    path
+    for path in (pathlib.Path(__file__).resolve().parents[1] / "configs").glob("*_*.py")
+    if not path.name.startswith("_")
+)
+# Model names as runs carry them, and the hub ids their configs load.
+MODELS = {"opt-125m": "facebook/opt-125m", "SmolLM2-135M": "HuggingFaceTB/SmolLM2-135M"}
 
 
 def write_run(
@@ -30,8 +41,17 @@ def write_run(
     model: str,
     seed: int,
     shots: int,
+    config: Mapping[str, Any] | None = None,
 ) -> pathlib.Path:
-    """Write one run's metrics.npz exactly as analysis/schema.py describes it."""
+    """Write one run's metrics.npz exactly as analysis/schema.py describes it.
+
+    `config` is the rest of the run's config (e.g. a shipped config's JSON);
+    by default a model section loading `model` from the hub and train.steps
+    equal to the last step. The run section is always set from the
+    arguments, as the engine sets it.
+    """
+    if config is None:
+        config = {"model": {"path": model, "hf_config": {}}, "train": {"steps": int(steps[-1])}}
     rng = np.random.default_rng(seed)
     arrays = {
         schema.STEP: np.asarray(steps, dtype=np.int64),
@@ -41,13 +61,12 @@ def write_run(
         schema.IN_DOMAIN: np.asarray(in_domain, dtype=str),
         schema.CONFIG: np.asarray(
             json.dumps(
-                {
+                dict(config) | {
                     schema.RUN_SECTION: {
                         schema.RUN_MODEL: model,
                         schema.RUN_SEED: seed,
                         schema.RUN_SHOTS: shots,
                     },
-                    "train": {"steps": int(steps[-1])},
                 }
             ),
             dtype=str,
@@ -62,6 +81,14 @@ def write_run(
     path = run_dir / schema.METRICS_FILENAME
     np.savez(path, **arrays)
     return path
+
+
+def shipped_config(path: pathlib.Path) -> dict[str, Any]:
+    """A config file's config as the engine stores it in metrics.npz (its JSON, parsed)."""
+    spec = importlib.util.spec_from_file_location(f"shipped_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return json.loads(module.get_config().to_json())
 
 
 def residual_correlations(model_index: int, count: int) -> np.ndarray:
@@ -97,38 +124,68 @@ def synthetic_accuracies(
 def write_results_root(
     root: pathlib.Path,
     *,
-    models: tuple[str, ...] = ("opt-125m", "SmolLM2-135M"),
+    models: Mapping[str, str] = MODELS,
     train_sets: tuple[str, ...] = ("mnli", "snli"),
     seeds: tuple[int, ...] = (0, 42, 99),
     shots: tuple[int, ...] = (32, 64),
     steps: np.ndarray = np.arange(0, 301, 25),
     testsets: tuple[str, ...] = TESTSETS,
 ) -> list[pathlib.Path]:
-    """One run directory per (model, training set, seed, shots), as the engine lays them out."""
+    """One run directory per (model, training set, seed, shots), as the engine lays them out.
+
+    `models` maps each run's model name to the hub id its config loads.
+    """
+    return [
+        _write_synthetic_run(
+            root, model_index, train_index, seed, shot, steps=steps, testsets=testsets,
+            config={"model": {"path": hub_id, "hf_config": {}}, "train": {"steps": int(steps[-1])},
+                    "data": {"train_set": train_set}},
+            model=model,
+        )
+        for model_index, (model, hub_id) in enumerate(models.items())
+        for train_index, train_set in enumerate(train_sets)
+        for seed in seeds
+        for shot in shots
+    ]
+
+
+def write_shipped_results_root(
+    root: pathlib.Path,
+    *,
+    seeds: tuple[int, ...],
+    shots: tuple[int, ...],
+    steps: np.ndarray,
+    testsets: tuple[str, ...] = TESTSETS,
+) -> list[pathlib.Path]:
+    """Runs of every shipped config (configs/<model>_<train>.py), each storing that config as
+    the engine would, with train.steps set to the last of `steps` (the runs finished)."""
     paths = []
-    for model_index, model in enumerate(models):
-        for train_index, train_set in enumerate(train_sets):
-            for seed in seeds:
-                for shot in shots:
-                    rng = np.random.default_rng([seed, shot, model_index, train_index])
-                    paths.append(
-                        write_run(
-                            root / f"{model}_{train_set}_seed{seed}_shots{shot}",
-                            steps=steps,
-                            testsets=list(testsets),
-                            accuracy=synthetic_accuracies(
-                                rng,
-                                steps,
-                                list(testsets),
-                                train_set,
-                                correlations=residual_correlations(
-                                    model_index, len(testsets) - 1
-                                ),
-                            ),
-                            in_domain=train_set,
-                            model=model,
-                            seed=seed,
-                            shots=shot,
-                        )
-                    )
+    for index, path in enumerate(SHIPPED_CONFIGS):
+        config = shipped_config(path)
+        config["train"]["steps"] = int(steps[-1])
+        model = config["model"]["name"]
+        for seed in seeds:
+            for shot in shots:
+                paths.append(_write_synthetic_run(
+                    root, index // 2, index % 2, seed, shot, steps=steps, testsets=testsets,
+                    config=config, model=model,
+                ))
     return paths
+
+
+def _write_synthetic_run(
+    root: pathlib.Path, model_index: int, train_index: int, seed: int, shot: int, *,
+    steps: np.ndarray, testsets: tuple[str, ...], config: dict[str, Any], model: str,
+) -> pathlib.Path:
+    """One run of `synthetic_accuracies`, its randomness fixed by its place in the sweep."""
+    train_set = config["data"]["train_set"]
+    rng = np.random.default_rng([seed, shot, model_index, train_index])
+    accuracy = synthetic_accuracies(
+        rng, steps, list(testsets), train_set,
+        correlations=residual_correlations(model_index, len(testsets) - 1),
+    )
+    return write_run(
+        root / f"{model.replace('/', '-')}_{train_set}_seed{seed}_shots{shot}", steps=steps,
+        testsets=list(testsets), accuracy=accuracy, in_domain=train_set, model=model,
+        seed=seed, shots=shot, config=config,
+    )

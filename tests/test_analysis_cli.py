@@ -16,11 +16,15 @@ import scipy.stats
 
 from analysis import pairwise_partial_corr, schema
 from analysis.cli import CSV_NAME, main
-from analysis.naming import model_family, model_size_billions, model_size_label
-from fixtures_results import write_results_root, write_run
+from fixtures_results import (
+    MODELS,
+    SHIPPED_CONFIGS,
+    write_results_root,
+    write_run,
+    write_shipped_results_root,
+)
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-MODELS = ("opt-125m", "SmolLM2-135M")
 TRAIN_SETS = ("mnli", "snli")
 SEEDS = (0, 42, 99)
 SHOTS = (32, 64)
@@ -57,11 +61,13 @@ def test_cli_writes_tables_figures_and_csv_and_lists_them(analysed):
     assert stdout.startswith(f"analysed {len(GROUPS) * len(SEEDS) * len(SHOTS)} runs")
     figures = {p for p in written if p.parent.name == "figures"}
     tables = {p for p in written if p.parent.name == "tables"}
-    assert len(figures) == len(GROUPS) * 3 * 2  # heatmap, curves, OOD vs in-domain; pdf + png
+    # Per group: heatmap, curves, OOD vs in-domain; per training set the models side by
+    # side; one figure against model size; each as pdf + png.
+    assert len(figures) == (len(GROUPS) * 3 + len(TRAIN_SETS) + 1) * 2
     assert {p.name for p in tables} == {
         *(f"matrix_{m}_{t}.tex" for m, t in GROUPS), "summary.tex", "tables.tex"
     }
-    assert out / CSV_NAME in written
+    assert {out / CSV_NAME, out / "accuracies.csv", out / "accuracies.parquet"} <= written
     assert all(path.is_file() for path in written)
 
 
@@ -133,8 +139,8 @@ def test_csv_holds_each_run_and_the_combination_of_runs(analysed):
 
 def test_options_reach_every_run(tmp_path, capsys):
     results = tmp_path / "results"
-    write_results_root(results, models=("opt-350m",), train_sets=("mnli",), seeds=(0, 42),
-                       shots=(32,), steps=np.arange(0, 501, 25))
+    write_results_root(results, models={"opt-350m": "facebook/opt-350m"}, train_sets=("mnli",),
+                       seeds=(0, 42), shots=(32,), steps=np.arange(0, 501, 25))
     options = ["--residualiser", "spline", "--method", "spearman", "--padjust", "fdr_bh",
                "--probit", "--differences"]
     assert main([str(results), "--out", str(tmp_path / "out"), *options]) == 0
@@ -152,14 +158,15 @@ def test_options_reach_every_run(tmp_path, capsys):
     np.testing.assert_allclose(run["p_adj"], expected["p_adj"], atol=1e-12, rtol=0)
     caption = (tmp_path / "out" / "tables" / "matrix_opt-350m_mnli.tex").read_text()
     assert "spearman correlation, spline residualiser, probit-transformed" in caption
+    assert "mean over 2 runs of 21 evaluation steps" in caption
     assert r"(fdr\_bh)" in caption
 
 
 def test_runs_too_short_for_correlations_give_reasons_not_numbers(tmp_path, capsys):
     """Three evaluation steps (like the demo's) are fewer than k + 4 = 5 points."""
     results = tmp_path / "results"
-    write_results_root(results, models=("opt-tiny",), train_sets=("mnli",), seeds=(0, 42),
-                       shots=(32,), steps=np.arange(0, 51, 25))
+    write_results_root(results, models={"opt-tiny": "opt-tiny"}, train_sets=("mnli",),
+                       seeds=(0, 42), shots=(32,), steps=np.arange(0, 51, 25))
     assert main([str(results), "--out", str(tmp_path / "out")]) == 0
     capsys.readouterr()
     table = pd.read_csv(tmp_path / "out" / CSV_NAME, keep_default_na=False, na_values=[""])
@@ -232,19 +239,103 @@ def test_bad_results_roots_get_a_clear_error(tmp_path, capsys, make_root, messag
     assert not (tmp_path / "out").exists()
 
 
+@pytest.fixture(scope="module")
+def shipped(tmp_path_factory):
+    """The CLI on runs of all 16 shipped configs (names with dots, family and size only in
+    the config), 2 runs each."""
+    results = tmp_path_factory.mktemp("shipped")
+    write_shipped_results_root(results, seeds=(0,), shots=(32, 64), steps=np.arange(0, 151, 25))
+    out = tmp_path_factory.mktemp("shipped_analysis")
+    assert main([str(results), "--out", str(out)]) == 0
+    return results, out
+
+
+def test_every_shipped_model_and_training_set_gets_its_own_files(shipped):
+    _, out = shipped
+    stems = [path.stem for path in SHIPPED_CONFIGS]  # "opt2.7_mnli", ...
+    figures = {path.name for path in (out / "figures").iterdir()}
+    for kind in ("heatmap", "curves", "ood_vs_in_domain"):
+        for extension in ("pdf", "png"):
+            assert {f"{kind}_{stem}.{extension}" for stem in stems} <= figures
+    assert len(figures) == (len(stems) * 3 + 2 + 1) * 2  # + side by side per training set, by size
+    tables = {path.name for path in (out / "tables").iterdir()}
+    assert {f"matrix_{stem}.tex" for stem in stems} <= tables
+
+
+def test_summary_orders_families_and_sizes_read_from_the_configs(shipped):
+    _, out = shipped
+    caption, body = (out / "tables" / "summary.tex").read_text().split(r"\midrule")[:2]
+    assert "pearson correlation, linear residualiser; 32 runs of 7 evaluation steps" in caption
+    rows = [line.split(" & ")[:3] for line in body.splitlines() if " & " in line]
+    order = [("olmo2", "7B"), ("olmo2", "13B"), ("olmo2", "32B"), ("opt", "2.7B"),
+             ("opt", "6.7B"), ("opt", "13B"), ("opt", "30B"), ("smollm3", "3B")]
+    assert rows == [[family, size, train] for family, size in order for train in TRAIN_SETS]
+
+
+def test_accuracies_are_written_in_long_form_as_csv_and_parquet(shipped):
+    results, out = shipped
+    table = pd.read_csv(out / "accuracies.csv")
+    assert list(table.columns) == ["run", "model", "train_set", "seed", "shots", "step",
+                                   "testset", "accuracy"]
+    pd.testing.assert_frame_equal(pd.read_parquet(out / "accuracies.parquet"), table,
+                                  check_dtype=False)
+    run = table[table["run"] == "opt2.7_snli_seed0_shots64"]
+    assert set(run[["model", "train_set", "seed", "shots"]].itertuples(index=False)) == {
+        ("opt2.7", "snli", 0, 64)
+    }
+    accuracy, _ = read_accuracy(results / "opt2.7_snli_seed0_shots64" / schema.METRICS_FILENAME)
+    expected = accuracy.set_index(np.arange(0, 151, 25)).stack()
+    got = run.set_index(["step", "testset"])["accuracy"]
+    np.testing.assert_allclose(got.loc[expected.index], expected, rtol=1e-6)
+    assert len(table) == len(SHIPPED_CONFIGS) * 2 * 7 * len(accuracy.columns)
+
+
+def test_hub_ids_as_model_names_get_safe_file_names(tmp_path, capsys):
+    results = tmp_path / "results"
+    write_results_root(results, models={"facebook/opt-125m": "facebook/opt-125m"},
+                       train_sets=("mnli",), seeds=(0, 42), shots=(32,))
+    assert main([str(results), "--out", str(tmp_path / "out")]) == 0
+    capsys.readouterr()
+    assert (tmp_path / "out" / "figures" / "heatmap_facebook-opt-125m_mnli.pdf").is_file()
+    assert (tmp_path / "out" / "tables" / "matrix_facebook-opt-125m_mnli.tex").is_file()
+
+
 @pytest.mark.parametrize(
-    "name, family, size, billions",
+    "names, message",
     [
-        ("opt-2.7b", "opt", "2.7B", 2.7),
-        ("facebook/opt-125m", "opt", "125M", 0.125),
-        ("OLMo-2-1124-7B", "OLMo-2", "7B", 7.0),
-        ("allenai/OLMo-2-0325-32B", "OLMo-2", "32B", 32.0),
-        ("SmolLM3-3B", "SmolLM3", "3B", 3.0),
-        ("SmolLM2-135M", "SmolLM2", "135M", 0.135),
-        ("opt-tiny", "opt-tiny", "", np.nan),
+        (("facebook/opt-125m", "facebook-opt-125m"),
+         r"\('facebook-opt-125m', 'mnli'\) and \('facebook/opt-125m', 'mnli'\) -> "
+         r"'facebook-opt-125m_mnli'"),
+        (("OPT-125m", "opt-125m"), r"\('OPT-125m', 'mnli'\) and \('opt-125m', 'mnli'\)"),
     ],
+    ids=["slash-vs-dash", "case"],
 )
-def test_model_family_and_size_for_the_summary_table(name, family, size, billions):
-    assert model_family(name) == family
-    assert model_size_label(name) == size
-    np.testing.assert_allclose(model_size_billions(name), billions)
+def test_names_whose_files_would_collide_are_an_error(tmp_path, capsys, names, message):
+    results = tmp_path / "results"
+    for index, name in enumerate(names):
+        good_run(results / f"run{index}", model=name,
+                 config={"model": {"path": "facebook/opt-125m"}})
+    assert main([str(results), "--out", str(tmp_path / "out")]) == 2
+    assert re.search(message, capsys.readouterr().err)
+    assert not (tmp_path / "out").exists()
+
+
+def test_one_model_name_for_two_models_is_an_error(tmp_path, capsys):
+    results = tmp_path / "results"
+    good_run(results / "a", model="opt", config={"model": {"path": "facebook/opt-125m"}})
+    good_run(results / "b", model="opt", seed=1, config={"model": {"path": "facebook/opt-1.3b"}})
+    assert main([str(results), "--out", str(tmp_path / "out")]) == 2
+    assert "model name 'opt' stands for two models" in capsys.readouterr().err
+
+
+def test_a_testset_without_any_accuracy_does_not_stop_the_figures(tmp_path, capsys):
+    results = tmp_path / "results"
+    accuracy = np.random.default_rng(0).uniform(0.4, 0.9, size=(8, 4))
+    accuracy[:, 2] = np.nan  # rte never evaluated
+    for seed in (0, 1):
+        good_run(results / f"run{seed}", steps=np.arange(8), testsets=["mnli", "hans", "rte",
+                 "paws"], accuracy=accuracy, seed=seed)
+    assert main([str(results), "--out", str(tmp_path / "out")]) == 0
+    capsys.readouterr()
+    for kind in ("heatmap", "curves", "ood_vs_in_domain"):
+        assert (tmp_path / "out" / "figures" / f"{kind}_opt-125m_mnli.png").is_file()
