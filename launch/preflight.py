@@ -56,8 +56,11 @@ _INSTRUCTION = re.compile(
 _ARRAY_TYPE = re.compile(r"\b([a-z]+[0-9]*(?:e[0-9]m[0-9][a-z]*)?)\[([0-9,]*)\]")
 _DTYPE_BYTES = {"pred": 1, "s4": 1, "u4": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2,
                 "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8, "c64": 8, "c128": 16}  # fmt: skip
-# The entry of launch.estimate's device table the estimate is made for; its memory does not depend on it.
+# The entry of launch.estimate's device table the estimate is made for (its memory does not depend on it),
+# and the utilisation its step time assumes: compiling on abstract inputs runs nothing, so the step time
+# the preflight can report is the estimator's FLOPs (which count what the remat policy recomputes).
 ESTIMATE_DEVICE = "h100"
+ESTIMATE_UTILISATION = 0.4
 
 
 def preflight(
@@ -72,7 +75,8 @@ def preflight(
 
     ``devices``: the first N of ``jax.devices()`` (default all); ``layers``:
     the model cut to N decoder layers. The report: {"train": {...}, "eval":
-    {...}, "estimate_bytes", "devices", "layers", "platform", "geometry"}, a
+    {...}, "estimate_bytes", "train_step_flops", "estimate_step_s", "devices", "layers", "platform",
+    "geometry"}, a
     step's entry being {"lower_s", "compile_s", "memory_bytes": {"argument",
     "output", "temp", "alias", "total"}, "collectives": {op: {"count",
     "max_bytes"}}}. ``hlo_dir`` receives each compiled program as text.
@@ -102,14 +106,17 @@ def preflight(
     hlo_dir = pathlib.Path(hlo_dir) if hlo_dir else None
     train_report = _compile("train", train_step, (base_in, runs_in, train_batch(geometry, mesh)), hlo_dir)
     eval_report = _compile("eval", eval_step, (base_in, runs_in.lora, eval_batch(geometry, mesh, eval_slots)), hlo_dir)
+    device = estimator.DEVICES[ESTIMATE_DEVICE]
     estimate = estimator.estimate(
-        config_path, config, devices=devices, device=estimator.DEVICES[ESTIMATE_DEVICE], utilisation=0.4,
+        config_path, config, devices=devices, device=device, utilisation=ESTIMATE_UTILISATION,
         seq_len=geometry.seq_len, eval_examples=0, layers=layers, platform=available[0].platform,
     )  # fmt: skip
     return {
         "train": train_report,
         "eval": eval_report,
         "estimate_bytes": int(estimate.memory.total),
+        "train_step_flops": estimate.train_step_flops,
+        "estimate_step_s": estimate.train_step_flops / (devices * device.peak_flops * ESTIMATE_UTILISATION),
         "devices": devices,
         "layers": int(arch["num_hidden_layers"]),
         "platform": available[0].platform,
@@ -239,6 +246,11 @@ def describe(report: dict[str, Any]) -> str:
                                            for op, c in present.items()) or "none"),  # fmt: skip
         ]
     lines.append(f"analytic estimate (launch.estimate, train): {report['estimate_bytes'] / gb:.2f} GB per device")
+    lines.append(
+        f"train step: {report['train_step_flops']:.3e} FLOPs (remat recomputation included), "
+        f"{report['estimate_step_s']:.2f} s on {report['devices']} {ESTIMATE_DEVICE} at "
+        f"{ESTIMATE_UTILISATION:.0%} utilisation"
+    )
     if report["platform"] == "cpu":
         lines.append("note: CPU figures are indicative only (XLA's CPU backend computes bf16 matmuls in f32)")
     return "\n".join(lines)

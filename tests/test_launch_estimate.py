@@ -263,7 +263,7 @@ def test_cli_prints_every_figure(capsys):
                           "--device", "h100", "--utilisation", "0.5"]) == 0
     out = capsys.readouterr().out
     assert "configs/opt30_mnli.py: facebook/opt-30b, 29,974,540,288 parameters" in out
-    assert "mesh data=1 fsdp=8 tensor=1; 9 runs (9 at once) x batch 16 (grad_accum 1); bfloat16, remat full" in out
+    assert "mesh data=1 fsdp=8 tensor=1; 9 runs (9 at once) x batch 16 (grad_accum 2); bfloat16, remat save_dots" in out
     # 7.49 GB of 29.97e9 bf16 parameters split 8 ways, plus the norms and biases fsdp leaves whole; the
     # head (tied: the 50272 x 7168 embedding) gathered from 8 shards.
     for figure in ("frozen weights 7.50", "adapters", "optimizer state", "activations", "a layer's backward",

@@ -33,7 +33,8 @@ def test_cli_on_the_demo_writes_every_key(tmp_path):
         cwd=ROOT, check=True, capture_output=True, text=True,
     )  # fmt: skip
     report = json.loads(out.read_text())
-    assert {"train", "eval", "estimate_bytes", "devices", "layers"} <= set(report)
+    assert {"train", "eval", "estimate_bytes", "train_step_flops", "estimate_step_s", "devices", "layers"} <= set(report)
+    assert report["train_step_flops"] > 0 and report["estimate_step_s"] > 0
     assert report["devices"] == 8 and report["layers"] == 2 and report["estimate_bytes"] > 0
     for step in ("train", "eval"):
         assert STEP_KEYS <= set(report[step])
