@@ -11,7 +11,7 @@ import pytest
 import torch
 import transformers
 from flax import nnx
-from test_models_parity import padded_batches, save, tiny_hf_model
+from test_models_parity import LAYOUTS, padded_batches, save, tiny_hf_model
 
 from oodjax.models import from_config, load_pretrained
 from oodjax.models.lora import LoRA, LoRAConfig, apply_lora, export_peft, find_targets
@@ -21,11 +21,15 @@ HF_CONFIGS = {
     "opt": dict(model_type="opt", ffn_dim=64, max_position_embeddings=32, **TINY),
     "olmo2": dict(model_type="olmo2", intermediate_size=48, num_key_value_heads=2, **TINY),
     "llama": dict(model_type="llama", intermediate_size=48, num_key_value_heads=2, tie_word_embeddings=True, **TINY),
+    "qwen2": dict(model_type="qwen2", intermediate_size=48, num_key_value_heads=2, **TINY),
+    "qwen3": dict(model_type="qwen3", intermediate_size=48, num_key_value_heads=2, head_dim=16, **TINY),
 }
 ATTENTION = {
     "opt": "q_proj k_proj v_proj out_proj",
     "olmo2": "q_proj k_proj v_proj o_proj",
     "llama": "q_proj k_proj v_proj o_proj",
+    "qwen2": "q_proj k_proj v_proj o_proj",
+    "qwen3": "q_proj k_proj v_proj o_proj",
 }
 LOGITS_TOL = 1e-4
 
@@ -127,14 +131,21 @@ def test_dropout_masks_differ_between_projections_and_calls():
 
 
 
-def test_peft_loads_our_export_and_reproduces_our_logits(tmp_path):
+# A layout of test_models_parity and the adapted layers (attention and one MLP projection).
+EXPORT_CASES = {
+    "opt_pre_ln": ("q_proj", "v_proj", "out_proj", "fc1"),
+    "qwen2_bias_tied": ("q_proj", "v_proj", "o_proj", "up_proj"),
+    "qwen3_qk_norm": ("q_proj", "k_proj", "o_proj", "down_proj"),
+}
+
+
+@pytest.mark.parametrize("layout", sorted(EXPORT_CASES))
+def test_peft_loads_our_export_and_reproduces_our_logits(tmp_path, layout):
     """Non-zero B (perturbed) on every adapter; peft on the PyTorch model must give our logits."""
-    hf_model = tiny_hf_model(
-        transformers.OPTConfig(vocab_size=96, hidden_size=32, num_hidden_layers=2, ffn_dim=64, num_attention_heads=4,
-                               max_position_embeddings=32, pad_token_id=1)
-    )  # fmt: skip
+    hf_model = tiny_hf_model(LAYOUTS[layout]())
     model = load_pretrained(save(hf_model, tmp_path / "base"))
-    cfg = LoRAConfig(rank=4, alpha=16.0, dropout=0.1, targets=("q_proj", "v_proj", "out_proj", "fc1"))
+    targets = EXPORT_CASES[layout]
+    cfg = LoRAConfig(rank=4, alpha=16.0, dropout=0.1, targets=targets)
     apply_lora(model, cfg, rngs=nnx.Rngs(7))
     lora = nnx.state(model, nnx.LoRAParam)
     keys = iter(jax.random.split(jax.random.key(1), 100))
@@ -145,10 +156,10 @@ def test_peft_loads_our_export_and_reproduces_our_logits(tmp_path):
     base_logits = logits(load_pretrained(tmp_path / "base"), *padded_batches(96)["right"])
     assert np.abs(ours["right"] - base_logits).max() > 1e-2  # the adapters matter
 
-    out = export_peft(lora, cfg, tmp_path / "adapter", base_model_name_or_path="tiny-opt")
+    out = export_peft(lora, cfg, tmp_path / "adapter", base_model_name_or_path=f"tiny-{layout}")
     written = json.loads((out / "adapter_config.json").read_text())
     assert written["r"] == 4 and written["lora_alpha"] == 16.0 and written["peft_type"] == "LORA"
-    assert sorted(written["target_modules"]) == ["fc1", "out_proj", "q_proj", "v_proj"]
+    assert sorted(written["target_modules"]) == sorted(targets)
     peft_model = peft.PeftModel.from_pretrained(hf_model, out).eval()
     assert len([n for n, _ in peft_model.named_parameters() if "lora_A" in n]) == 8
     diffs = {}

@@ -57,6 +57,17 @@ LAYOUTS = {
         rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                          "original_max_position_embeddings": 64},
     ),
+    # Qwen2: q/k/v biases without an o bias, tied like Qwen2.5-0.5B.
+    "qwen2_bias_tied": lambda **extra: transformers.Qwen2Config(
+        **extra, vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, tie_word_embeddings=True, pad_token_id=PAD_ID,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+    ),
+    # Qwen3: per-head q/k RMSNorms; head_dim 16 is not hidden / heads (8).
+    "qwen3_qk_norm": lambda: transformers.Qwen3Config(
+        vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, pad_token_id=PAD_ID,
+    ),
 }  # fmt: skip
 
 # Saved sharded, so the index file path is exercised.
@@ -141,7 +152,7 @@ def test_logits_and_hidden_states_match_transformers(layout, tmp_path):
     print(f"{layout}: max |diff| logits {logits:.2e}, hidden states {hidden:.2e}")
 
 
-@pytest.mark.parametrize("layout", ["opt_350m_layout", "olmo2_gqa", "smollm3_nope", "llama_yarn_rope"])
+@pytest.mark.parametrize("layout", ["opt_350m_layout", "olmo2_gqa", "smollm3_nope", "llama_yarn_rope", "qwen3_qk_norm"])
 def test_packed_prompts_match_each_prompt_alone(layout, tmp_path):
     """Prompts packed into one row (attention mask = prompt ids) give, at every layer, what each gives alone.
 

@@ -1,9 +1,12 @@
-"""The Llama family: Llama, SmolLM2 (model_type "llama") and SmolLM3 (model_type "smollm3").
+"""The Llama family: Llama, SmolLM2 ("llama"), SmolLM3 ("smollm3"), Qwen2/Qwen2.5 ("qwen2") and Qwen3 ("qwen3").
 
-As transformers' ``modeling_llama.py`` / ``modeling_smollm3.py`` compute them:
-pre-RMSNorm blocks, SwiGLU, grouped-query attention, RoPE with its scaling
-variants. SmolLM3 is Llama except that the layers its ``no_rope_layers`` marks
-with 0 use no position encoding at all (NoPE); 1 means the layer uses RoPE.
+As transformers' ``modeling_llama.py`` / ``modeling_smollm3.py`` /
+``modeling_qwen2.py`` / ``modeling_qwen3.py`` compute them: pre-RMSNorm
+blocks, SwiGLU, grouped-query attention, RoPE with its scaling variants.
+SmolLM3 is Llama except that the layers its ``no_rope_layers`` marks with 0
+use no position encoding at all (NoPE); 1 means the layer uses RoPE. Qwen2
+gives q, k and v (not o) a bias; Qwen3 normalises each head of q and k with an
+RMSNorm over head_dim before RoPE. Sliding-window layers are refused.
 """
 
 from __future__ import annotations
@@ -45,7 +48,26 @@ _DEFAULTS = {
         vocab_size=128256, hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16,
         num_key_value_heads=4, pad_token_id=128004, tie_word_embeddings=True, rope_theta=2_000_000.0,
     ),
+    "qwen2": dict(
+        vocab_size=151936, hidden_size=4096, intermediate_size=22016, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=32, pad_token_id=None, tie_word_embeddings=False, rope_theta=10_000.0,
+    ),
+    "qwen3": dict(
+        vocab_size=151936, hidden_size=4096, intermediate_size=22016, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=32, pad_token_id=None, tie_word_embeddings=False, rope_theta=10_000.0,
+    ),
 }  # fmt: skip
+
+
+def _check_full_attention(raw: Mapping[str, Any], num_layers: int) -> None:
+    """Refuse sliding-window layers (transformers' ``layer_types``, or Qwen's older ``use_sliding_window``
+    with ``max_window_layers``): the engine's attention sees every earlier token of a prompt."""
+    if not (hf_value(raw, "use_sliding_window", False) and raw.get("sliding_window") is not None):
+        return
+    window_from = hf_value(raw, "max_window_layers", 0)
+    default_types = ["full_attention" if i < window_from else "sliding_attention" for i in range(num_layers)]
+    if "sliding_attention" in hf_value(raw, "layer_types", default_types):
+        raise ValueError("config.json: sliding-window attention (use_sliding_window) is not supported")
 
 
 def _smollm3_rope_layers(raw: Mapping[str, Any], num_layers: int) -> tuple[bool, ...]:
@@ -54,10 +76,6 @@ def _smollm3_rope_layers(raw: Mapping[str, Any], num_layers: int) -> tuple[bool,
     flags = hf_value(raw, "no_rope_layers", [int((i + 1) % interval != 0) for i in range(num_layers)])
     if len(flags) != num_layers:
         raise ValueError(f"config.json: no_rope_layers has {len(flags)} entries for {num_layers} layers")
-    if hf_value(raw, "use_sliding_window", False) and raw.get("sliding_window") is not None:
-        layer_types = hf_value(raw, "layer_types", ["full_attention" if f else "sliding_attention" for f in flags])
-        if "sliding_attention" in layer_types:
-            raise ValueError("config.json: sliding-window attention (use_sliding_window) is not supported")
     return tuple(bool(flag) for flag in flags)
 
 
@@ -66,7 +84,9 @@ class LlamaConfig(DecoderConfig):
     intermediate_size: int
     hidden_act: str
     rms_norm_eps: float
-    attention_bias: bool
+    qkv_bias: bool
+    o_bias: bool
+    qk_norm: bool  # Qwen3: an RMSNorm over head_dim on each head of q and k
     mlp_bias: bool
     rope: RopeConfig
     rope_layers: tuple[bool, ...]
@@ -81,6 +101,8 @@ class LlamaConfig(DecoderConfig):
             return hf_value(raw, key, defaults[key])
 
         hidden, heads, layers = value("hidden_size"), value("num_attention_heads"), value("num_hidden_layers")
+        _check_full_attention(raw, layers)
+        attention_bias = hf_value(raw, "attention_bias", False)
         return cls(
             model_type=model_type,
             vocab_size=value("vocab_size"),
@@ -88,14 +110,16 @@ class LlamaConfig(DecoderConfig):
             num_hidden_layers=layers,
             num_attention_heads=heads,
             num_key_value_heads=hf_value(raw, "num_key_value_heads", defaults["num_key_value_heads"] or heads),
-            head_dim=hf_value(raw, "head_dim", hidden // heads),
+            head_dim=hf_value(raw, "head_dim", 128 if model_type == "qwen3" else hidden // heads),
             pad_token_id=raw.get("pad_token_id", defaults["pad_token_id"]),
             tie_word_embeddings=value("tie_word_embeddings"),
             remat=remat,
             intermediate_size=value("intermediate_size"),
             hidden_act=hf_value(raw, "hidden_act", "silu"),
             rms_norm_eps=hf_value(raw, "rms_norm_eps", 1e-6),
-            attention_bias=hf_value(raw, "attention_bias", False),
+            qkv_bias=model_type == "qwen2" or attention_bias,  # Qwen2's q/k/v always have one, its o never
+            o_bias=model_type != "qwen2" and attention_bias,
+            qk_norm=model_type == "qwen3",
             mlp_bias=hf_value(raw, "mlp_bias", False),
             rope=RopeConfig.from_hf(raw, default_theta=defaults["rope_theta"]),
             rope_layers=_smollm3_rope_layers(raw, layers) if model_type == "smollm3" else (True,) * layers,
@@ -108,11 +132,14 @@ class LlamaAttention(nnx.Module):
         q_width = config.num_attention_heads * config.head_dim
         kv_width = config.num_key_value_heads * config.head_dim
         self.head_dim = config.head_dim
-        linear = dict(use_bias=config.attention_bias, dtype=dtype, rngs=rngs, saved_as=ATTENTION_PROJECTION)
-        self.q_proj = Linear(width, q_width, axes=("embed", "heads"), **linear)
-        self.k_proj = Linear(width, kv_width, axes=("embed", "kv_heads"), **linear)
-        self.v_proj = Linear(width, kv_width, axes=("embed", "kv_heads"), **linear)
-        self.o_proj = Linear(q_width, width, axes=("heads", "embed"), **linear)
+        linear = dict(dtype=dtype, rngs=rngs, saved_as=ATTENTION_PROJECTION)
+        self.q_proj = Linear(width, q_width, use_bias=config.qkv_bias, axes=("embed", "heads"), **linear)
+        self.k_proj = Linear(width, kv_width, use_bias=config.qkv_bias, axes=("embed", "kv_heads"), **linear)
+        self.v_proj = Linear(width, kv_width, use_bias=config.qkv_bias, axes=("embed", "kv_heads"), **linear)
+        self.o_proj = Linear(q_width, width, use_bias=config.o_bias, axes=("heads", "embed"), **linear)
+        norm = dict(eps=config.rms_norm_eps, dtype=dtype)
+        self.q_norm = nnx.data(RMSNorm(config.head_dim, **norm) if config.qk_norm else None)
+        self.k_norm = nnx.data(RMSNorm(config.head_dim, **norm) if config.qk_norm else None)
 
     def __call__(
         self, x: jax.Array, attention_mask: jax.Array, cos: jax.Array, sin: jax.Array, use_rope: jax.Array
@@ -120,6 +147,8 @@ class LlamaAttention(nnx.Module):
         batch, seq, _ = x.shape
         heads = (batch, seq, -1, self.head_dim)
         query, key = self.q_proj(x).reshape(heads), self.k_proj(x).reshape(heads)
+        if self.q_norm is not None:
+            query, key = self.q_norm(query), self.k_norm(key)
         # A traced per-layer flag (the layers are scanned): SmolLM3's NoPE layers keep q and k as they are.
         query = jnp.where(use_rope, apply_rope(query, cos, sin), query)
         key = jnp.where(use_rope, apply_rope(key, cos, sin), key)

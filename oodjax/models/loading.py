@@ -43,6 +43,8 @@ ARCHITECTURES: dict[str, type[CausalLM]] = {
     "olmo2": Olmo2ForCausalLM,
     "llama": LlamaForCausalLM,
     "smollm3": LlamaForCausalLM,
+    "qwen2": LlamaForCausalLM,
+    "qwen3": LlamaForCausalLM,
 }
 
 # Our parameter leaf name -> (HF's, whether HF stores it transposed).
