@@ -136,6 +136,7 @@ EXPORT_CASES = {
     "opt_pre_ln": ("q_proj", "v_proj", "out_proj", "fc1"),
     "qwen2_bias_tied": ("q_proj", "v_proj", "o_proj", "up_proj"),
     "qwen3_qk_norm": ("q_proj", "k_proj", "o_proj", "down_proj"),
+    "mistral_sliding": ("q_proj", "v_proj", "o_proj", "gate_proj"),
 }
 
 

@@ -44,7 +44,7 @@ def copy_checkpoint(source, target, *, edit_tensors=None, edit_config=None):
 
 def test_unknown_model_type_is_refused(opt_checkpoint, tmp_path):
     folder = copy_checkpoint(opt_checkpoint[0], tmp_path, edit_config=lambda c: {**c, "model_type": "gpt2"})
-    with pytest.raises(ValueError, match=r"unknown model_type 'gpt2'.*\['llama', 'olmo2', 'opt', 'qwen2', 'qwen3', 'smollm3'\]"):
+    with pytest.raises(ValueError, match=r"unknown model_type 'gpt2'.*\['llama', 'mistral', 'olmo2', 'opt', 'qwen2', 'qwen3', 'smollm3'\]"):
         load_pretrained(folder)
 
 
@@ -169,24 +169,22 @@ def test_unsupported_llama_configs_are_refused(edit, message):
         from_config(config)
 
 
-def test_smollm3_sliding_window_is_refused():
-    config = {**LAYOUTS["smollm3_nope"]().to_dict(), "use_sliding_window": True, "sliding_window": 4}
-    config.pop("layer_types")
-    with pytest.raises(ValueError, match=r"sliding-window attention"):
-        from_config(config)
-
-
-def test_qwen_sliding_window_layers_are_refused_and_full_attention_is_not():
-    """Qwen's layers from max_window_layers on slide when use_sliding_window is set (transformers' layer_types)."""
-    sliding = LAYOUTS["qwen2_bias_tied"](use_sliding_window=True, sliding_window=4, max_window_layers=1).to_dict()
-    assert sliding["layer_types"] == ["full_attention", "sliding_attention"]
-    with pytest.raises(ValueError, match=r"sliding-window attention"):
-        from_config(sliding)
-    sliding.pop("layer_types")  # older config.json files: derived from max_window_layers
-    with pytest.raises(ValueError, match=r"sliding-window attention"):
-        from_config(sliding)
-    full = LAYOUTS["qwen2_bias_tied"](use_sliding_window=True, sliding_window=4, max_window_layers=2).to_dict()
-    assert from_config(full).config.num_hidden_layers == 2
+@pytest.mark.parametrize("layout", ["qwen2_sliding", "smollm3_sliding", "mistral_sliding", "qwen3_qk_norm"])
+def test_sliding_windows_are_the_layers_transformers_slides(layout):
+    """Our per-layer windows against transformers' own config: its layer_types where it has them (Mistral
+    slides every layer by sliding_window), and the same when an older config.json lacks the list."""
+    hf_config = LAYOUTS[layout]()
+    if layout == "mistral_sliding":
+        expected = (hf_config.sliding_window,) * hf_config.num_hidden_layers
+    else:
+        expected = tuple(
+            hf_config.sliding_window if kind == "sliding_attention" else None for kind in hf_config.layer_types
+        )
+    raw = hf_config.to_dict()
+    assert from_config(raw).config.layer_windows == expected
+    raw.pop("layer_types", None)
+    assert from_config(raw).config.layer_windows == expected
+    assert any(expected) == (layout != "qwen3_qk_norm")
 
 
 # ----------------------------------------------------------------------------- conventions

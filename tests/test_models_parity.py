@@ -68,6 +68,21 @@ LAYOUTS = {
         vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, pad_token_id=PAD_ID,
     ),
+    # Sliding windows of 3 tokens, shorter than the 9- and 6-token prompts: every layer (Mistral), the
+    # layers from max_window_layers on (Qwen2), the NoPE layers (SmolLM3).
+    "mistral_sliding": lambda: transformers.MistralConfig(
+        vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, sliding_window=3, pad_token_id=PAD_ID,
+    ),
+    "qwen2_sliding": lambda: transformers.Qwen2Config(
+        vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, use_sliding_window=True, sliding_window=3, max_window_layers=1, pad_token_id=PAD_ID,
+    ),
+    "smollm3_sliding": lambda: transformers.SmolLM3Config(
+        vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, no_rope_layers=[1, 0, 1], use_sliding_window=True, sliding_window=3,
+        pad_token_id=PAD_ID,
+    ),
 }  # fmt: skip
 
 # Saved sharded, so the index file path is exercised.
@@ -152,7 +167,9 @@ def test_logits_and_hidden_states_match_transformers(layout, tmp_path):
     print(f"{layout}: max |diff| logits {logits:.2e}, hidden states {hidden:.2e}")
 
 
-@pytest.mark.parametrize("layout", ["opt_350m_layout", "olmo2_gqa", "smollm3_nope", "llama_yarn_rope", "qwen3_qk_norm"])
+@pytest.mark.parametrize(
+    "layout", ["opt_350m_layout", "olmo2_gqa", "smollm3_nope", "llama_yarn_rope", "qwen3_qk_norm", "mistral_sliding"]
+)
 def test_packed_prompts_match_each_prompt_alone(layout, tmp_path):
     """Prompts packed into one row (attention mask = prompt ids) give, at every layer, what each gives alone.
 

@@ -338,22 +338,39 @@ def segment_positions(segments: jax.Array) -> jax.Array:
     return index - jax.lax.cummax(jnp.where(starts, index, 0), axis=1)
 
 
+# A window no prompt reaches: a layer's traced window when it attends to every earlier token.
+FULL_ATTENTION = np.iinfo(np.int32).max
+
+
 def attention(
-    query: jax.Array, key: jax.Array, value: jax.Array, segments: jax.Array, *, scale: float
+    query: jax.Array,
+    key: jax.Array,
+    value: jax.Array,
+    segments: jax.Array,
+    *,
+    scale: float,
+    window: int | jax.Array | None = None,
 ) -> jax.Array:
     """Causal attention within each prompt; query [B,T,N,D], key/value [B,T,K,D] with N % K == 0 (GQA).
 
     ``segments`` [B, T] is the attention mask read as prompt ids: a 0/1 mask
     is one prompt per row; larger ids pack several prompts into one row, each
     seeing only its own earlier tokens, so packing changes no prompt's result.
-    Rows of padded queries see no key at all; ``jax.nn.dot_product_attention``
-    then spreads them uniformly instead of producing NaNs, so padding never
-    poisons real positions.
+    With a sliding ``window`` (traced, per scanned layer) a token sees only
+    the ``window`` latest tokens of its prompt, itself included, as
+    transformers' sliding-window mask does (key index > query index - window;
+    within a prompt index and position differences agree, so padding and
+    packing change nothing). Rows of padded queries see no key at all;
+    ``jax.nn.dot_product_attention`` then spreads them uniformly instead of
+    producing NaNs, so padding never poisons real positions.
     """
     query, key, value = constrain(query, QUERY_HEADS), constrain(key, KV_HEADS), constrain(value, KV_HEADS)
     segments = segments.astype(jnp.int32)
-    same_prompt = (segments[:, :, None] == segments[:, None, :]) & (segments[:, None, :] != 0)
-    out = jax.nn.dot_product_attention(query, key, value, mask=same_prompt[:, None], scale=scale, is_causal=True)
+    allowed = (segments[:, :, None] == segments[:, None, :]) & (segments[:, None, :] != 0)
+    if window is not None:
+        positions = segment_positions(segments)
+        allowed &= positions[:, :, None] - positions[:, None, :] < window
+    out = jax.nn.dot_product_attention(query, key, value, mask=allowed[:, None], scale=scale, is_causal=True)
     return constrain(out, QUERY_HEADS)
 
 

@@ -6,7 +6,9 @@ blocks, SwiGLU, grouped-query attention, RoPE with its scaling variants.
 SmolLM3 is Llama except that the layers its ``no_rope_layers`` marks with 0
 use no position encoding at all (NoPE); 1 means the layer uses RoPE. Qwen2
 gives q, k and v (not o) a bias; Qwen3 normalises each head of q and k with an
-RMSNorm over head_dim before RoPE. Sliding-window layers are refused.
+RMSNorm over head_dim before RoPE; Mistral ("mistral") is Llama with a sliding
+window on every layer. Sliding windows are per layer, as each family's
+config decides them (``layer_windows``), and scanned with the weights.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from flax import nnx
 from oodjax.models.config import DecoderConfig, hf_value
 from oodjax.models.layers import (
     ATTENTION_PROJECTION,
+    FULL_ATTENTION,
     CausalLM,
     Embed,
     GatedMLP,
@@ -56,18 +59,38 @@ _DEFAULTS = {
         vocab_size=151936, hidden_size=4096, intermediate_size=22016, num_hidden_layers=32, num_attention_heads=32,
         num_key_value_heads=32, pad_token_id=None, tie_word_embeddings=False, rope_theta=10_000.0,
     ),
+    "mistral": dict(
+        vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, pad_token_id=None, tie_word_embeddings=False, rope_theta=10_000.0,
+    ),
 }  # fmt: skip
 
 
-def _check_full_attention(raw: Mapping[str, Any], num_layers: int) -> None:
-    """Refuse sliding-window layers (transformers' ``layer_types``, or Qwen's older ``use_sliding_window``
-    with ``max_window_layers``): the engine's attention sees every earlier token of a prompt."""
-    if not (hf_value(raw, "use_sliding_window", False) and raw.get("sliding_window") is not None):
-        return
-    window_from = hf_value(raw, "max_window_layers", 0)
-    default_types = ["full_attention" if i < window_from else "sliding_attention" for i in range(num_layers)]
-    if "sliding_attention" in hf_value(raw, "layer_types", default_types):
-        raise ValueError("config.json: sliding-window attention (use_sliding_window) is not supported")
+def layer_windows(raw: Mapping[str, Any], num_layers: int, rope_layers: tuple[bool, ...]) -> tuple[int | None, ...]:
+    """Each layer's sliding window (a token sees the ``window`` latest tokens of its prompt, itself included),
+    None for full attention, as transformers decides it for the family.
+
+    Mistral slides every layer by ``sliding_window`` (4096 by default). The
+    others slide only with ``use_sliding_window`` and only the layers whose
+    ``layer_types`` entry is "sliding_attention"; without that list, as their
+    configs derive it: Qwen from ``max_window_layers`` on, SmolLM3 its NoPE
+    layers.
+    """
+    model_type = raw["model_type"]
+    if model_type == "mistral":
+        return (raw.get("sliding_window", 4096),) * num_layers
+    window = raw.get("sliding_window")
+    if not hf_value(raw, "use_sliding_window", False) or window is None:
+        return (None,) * num_layers
+    if model_type == "smollm3":
+        derived = ["full_attention" if rope else "sliding_attention" for rope in rope_layers]
+    else:
+        window_from = hf_value(raw, "max_window_layers", 0)
+        derived = ["full_attention" if i < window_from else "sliding_attention" for i in range(num_layers)]
+    layer_types = hf_value(raw, "layer_types", derived)
+    if len(layer_types) != num_layers:
+        raise ValueError(f"config.json: layer_types has {len(layer_types)} entries for {num_layers} layers")
+    return tuple(window if kind == "sliding_attention" else None for kind in layer_types)
 
 
 def _smollm3_rope_layers(raw: Mapping[str, Any], num_layers: int) -> tuple[bool, ...]:
@@ -90,6 +113,7 @@ class LlamaConfig(DecoderConfig):
     mlp_bias: bool
     rope: RopeConfig
     rope_layers: tuple[bool, ...]
+    layer_windows: tuple[int | None, ...]  # each layer's sliding window; None = full attention
 
     @classmethod
     def from_hf(cls, raw: Mapping[str, Any], *, remat: str = "none") -> LlamaConfig:
@@ -101,8 +125,8 @@ class LlamaConfig(DecoderConfig):
             return hf_value(raw, key, defaults[key])
 
         hidden, heads, layers = value("hidden_size"), value("num_attention_heads"), value("num_hidden_layers")
-        _check_full_attention(raw, layers)
         attention_bias = hf_value(raw, "attention_bias", False)
+        rope_layers = _smollm3_rope_layers(raw, layers) if model_type == "smollm3" else (True,) * layers
         return cls(
             model_type=model_type,
             vocab_size=value("vocab_size"),
@@ -122,7 +146,8 @@ class LlamaConfig(DecoderConfig):
             qk_norm=model_type == "qwen3",
             mlp_bias=hf_value(raw, "mlp_bias", False),
             rope=RopeConfig.from_hf(raw, default_theta=defaults["rope_theta"]),
-            rope_layers=_smollm3_rope_layers(raw, layers) if model_type == "smollm3" else (True,) * layers,
+            rope_layers=rope_layers,
+            layer_windows=layer_windows(raw, layers, rope_layers),
         )
 
 
@@ -142,7 +167,13 @@ class LlamaAttention(nnx.Module):
         self.k_norm = nnx.data(RMSNorm(config.head_dim, **norm) if config.qk_norm else None)
 
     def __call__(
-        self, x: jax.Array, attention_mask: jax.Array, cos: jax.Array, sin: jax.Array, use_rope: jax.Array
+        self,
+        x: jax.Array,
+        attention_mask: jax.Array,
+        cos: jax.Array,
+        sin: jax.Array,
+        use_rope: jax.Array,
+        window: jax.Array,
     ) -> jax.Array:
         batch, seq, _ = x.shape
         heads = (batch, seq, -1, self.head_dim)
@@ -153,7 +184,7 @@ class LlamaAttention(nnx.Module):
         query = jnp.where(use_rope, apply_rope(query, cos, sin), query)
         key = jnp.where(use_rope, apply_rope(key, cos, sin), key)
         value = self.v_proj(x).reshape(heads)
-        out = attention(query, key, value, attention_mask, scale=self.head_dim**-0.5)
+        out = attention(query, key, value, attention_mask, scale=self.head_dim**-0.5, window=window)
         return constrain(self.o_proj(out.reshape(batch, seq, -1)), HIDDEN)
 
 
@@ -172,9 +203,15 @@ class LlamaDecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype)
 
     def __call__(
-        self, hidden: jax.Array, attention_mask: jax.Array, cos: jax.Array, sin: jax.Array, use_rope: jax.Array
+        self,
+        hidden: jax.Array,
+        attention_mask: jax.Array,
+        cos: jax.Array,
+        sin: jax.Array,
+        use_rope: jax.Array,
+        window: jax.Array,
     ) -> jax.Array:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), attention_mask, cos, sin, use_rope)
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), attention_mask, cos, sin, use_rope, window)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -198,8 +235,9 @@ class LlamaModel(nnx.Module):
         # Llama casts the float32 cos/sin tables to the activations' dtype before rotating.
         cos, sin = (t.astype(hidden.dtype) for t in rope_cos_sin(positions, self.config.rope, self.config.head_dim))
         use_rope = jnp.asarray(self.config.rope_layers)
+        windows = jnp.asarray([FULL_ATTENTION if w is None else w for w in self.config.layer_windows], jnp.int32)
         hidden, layer_inputs = run_layers(
-            self.layers, hidden, attention_mask, cos, sin, remat=self.config.remat, per_layer=(use_rope,),
+            self.layers, hidden, attention_mask, cos, sin, remat=self.config.remat, per_layer=(use_rope, windows),
             all_layers=all_layers,
         )
         hidden = self.norm(hidden)

@@ -45,6 +45,7 @@ ARCHITECTURES: dict[str, type[CausalLM]] = {
     "smollm3": LlamaForCausalLM,
     "qwen2": LlamaForCausalLM,
     "qwen3": LlamaForCausalLM,
+    "mistral": LlamaForCausalLM,
 }
 
 # Our parameter leaf name -> (HF's, whether HF stores it transposed).
