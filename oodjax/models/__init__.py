@@ -1,4 +1,5 @@
-"""Flax NNX ports of OPT, OLMo2 and Llama/SmolLM that load Hugging Face checkpoints exactly."""
+"""Flax NNX ports that load Hugging Face checkpoints exactly: OPT, OLMo2 and the Llama family
+(Llama, SmolLM2, SmolLM3, Qwen2, Qwen3, Mistral)."""
 
 from oodjax.models.config import DecoderConfig
 from oodjax.models.layers import REMAT_POLICIES, CausalLM, Linear
