@@ -135,11 +135,39 @@ def get_config() -> config_dict.ConfigDict:
     # events.jsonl) and the shared checkpoints/ of the runs trained together.
     config.output_dir = "results"
     config.checkpoint_every = 100  # steps between checkpoints (and at the end)
-    config.log_every = 10  # steps between loss lines in the log and event log
+    config.log_every = 10  # steps between loss lines in the log, the event log and the trackers
 
+    # Live metrics, beside each run's events.jsonl and at the same steps: the
+    # mean training loss and gradient norm (global, before clipping) since
+    # the last line, the learning rate, examples/s, and every accuracy.
     config.wandb = config_dict.ConfigDict()
     config.wandb.enabled = False  # also stream metrics to Weights & Biases
     config.wandb.project = "oodjax"
+    config.wandb.entity = ""  # W&B team or user; empty = your default entity
+    # Each run is its own W&B run named as the run; the group gathers a
+    # config's runs (empty = "<model>_<train_set>").
+    config.wandb.group = ""
+    config.wandb.tags = ()
+    # "online", "offline" (sync later with `wandb sync`) or "disabled";
+    # empty = wandb's default (the WANDB_MODE variable, else online).
+    config.wandb.mode = ""
+
+    config.tensorboard = config_dict.ConfigDict()
+    # Also write TensorBoard event files to <run_dir>/tensorboard/
+    # (`tensorboard --logdir <output_dir>` shows every run).
+    config.tensorboard.enabled = False
+
+    # The trained adapters in PEFT format (adapter_config.json and
+    # adapter_model.safetensors), for `peft.PeftModel.from_pretrained`.
+    config.export = config_dict.ConfigDict()
+    # Write each run's adapters to <run_dir>/adapter/ when training ends.
+    config.export.peft = False
+    # Also rewrite them at every checkpoint (checkpoint_every steps).
+    config.export.every_checkpoint = False
+    # A Hugging Face hub repo id ("user/name"): each export is also pushed
+    # there, one folder per run (named as the run); needs the hub (not
+    # HF_HUB_OFFLINE) and a token with write access. Empty = no push.
+    config.export.hub_repo = ""
 
     config.lock()
     return config

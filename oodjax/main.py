@@ -8,10 +8,15 @@ in the file or on the command line, is an error.
 On a cluster, start one such process per node (or per GPU) as launch/ does:
 the processes find each other from SLURM, TPU-pod or OODJAX_* variables
 (`oodjax.engine.distributed`) and train the same runs together on one mesh.
+
+What it prints is described in `oodjax.engine.console`: bars on a terminal,
+plain lines in a log file, compilations announced and timed, and a closing
+summary of every run's final accuracies.
 """
 
 import logging as python_logging
 
+import datasets
 from absl import app, flags, logging
 from ml_collections import config_flags
 
@@ -32,6 +37,10 @@ def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments {argv[1:]}; settings go in --config.<field>=<value>")
     logging.get_absl_handler().addFilter(_QuietCheckpointing())
+    # No noise by default: JAX's INFO line for every backend it could not start
+    # ("Unable to initialize backend 'tpu'"), and datasets' bars per split read.
+    python_logging.getLogger("jax._src.xla_bridge").setLevel(python_logging.WARNING)
+    datasets.disable_progress_bars()
     layout = distributed.initialize()  # before anything touches a device
     if layout is not None:
         logging.info("process %d of %d (layout from %s)", layout.process_id, layout.num_processes, layout.source)

@@ -21,12 +21,9 @@ TESTSETS = (
     "snli", "mnli", "scitail", "rte", "wnli", "paws", "hans", "anli_r3", schema.TRAIN_TESTSET
 )
 EXAMPLES_PER_TESTSET = 16
-# The sweep's config files, one per model and training set ("opt2.7_mnli.py").
-SHIPPED_CONFIGS = sorted(
-    path
-    for path in (pathlib.Path(__file__).resolve().parents[1] / "configs").glob("*_*.py")
-    if not path.name.startswith("_")
-)
+# The study's config files, one per model and training set ("opt2.7_mnli.py"; not the laptop configs).
+SHIPPED_CONFIGS = sorted((pathlib.Path(__file__).resolve().parents[1] / "configs").glob("*_[ms]nli.py"))
+assert len(SHIPPED_CONFIGS) == 16, SHIPPED_CONFIGS
 # Model names as runs carry them, and the hub ids their configs load.
 MODELS = {"opt-125m": "facebook/opt-125m", "SmolLM2-135M": "HuggingFaceTB/SmolLM2-135M"}
 

@@ -74,11 +74,11 @@ def test_non_finite_loss_stops_naming_the_step_and_keeps_the_last_good_state(con
         train_step = make_train_step(*args, **kwargs)
 
         def step_with_nan_at_3(base_state, runs, batch):
-            runs, loss = train_step(base_state, runs, batch)
-            loss = np.array(loss)
+            runs, metrics = train_step(base_state, runs, batch)
+            loss = np.array(metrics["loss"])
             if int(runs.step) == 3:
                 loss[1] = np.nan
-            return runs, loss
+            return runs, dict(metrics, loss=loss)
 
         return step_with_nan_at_3
 

@@ -92,7 +92,7 @@ def test_bad_config_values_are_named(tmp_path, gpt2_tokenizer_dir, hf_data_dir, 
 
 
 def test_wandb_enabled_without_wandb_is_an_error(tmp_path, gpt2_tokenizer_dir, hf_data_dir, monkeypatch):
-    monkeypatch.setattr(checks, "wandb_available", lambda: False)
+    monkeypatch.setattr(checks, "installed", lambda module: module != "wandb")
     config = tiny_config(tmp_path / "out", gpt2_tokenizer_dir, hf_data_dir, tmp_path / "cache")
     config.wandb.enabled = True
     with pytest.raises(ValueError, match="wandb.enabled is True but wandb is not installed"):

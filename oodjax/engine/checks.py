@@ -15,7 +15,7 @@ import huggingface_hub
 from ml_collections import config_dict
 
 from oodjax.data import testset_spec
-from oodjax.engine.events import wandb_available
+from oodjax.engine.events import WANDB_MODES, installed
 
 DTYPES = ("float32", "bfloat16", "float16")
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
@@ -27,8 +27,19 @@ def check_config(config: config_dict.ConfigDict) -> None:
     _check_source("tokenizer", config.tokenizer or config.model.path, "tokenizer_config.json")
     _check_data(config.data)
     _check_runs_and_training(config)
-    if config.wandb.enabled and not wandb_available():
+    _check_trackers(config)
+    _check_export(config.export)
+
+
+def _check_trackers(config: config_dict.ConfigDict) -> None:
+    if config.wandb.enabled and not installed("wandb"):
         raise ValueError("wandb.enabled is True but wandb is not installed (pip install wandb)")
+    if config.wandb.mode and config.wandb.mode not in WANDB_MODES:
+        raise ValueError(
+            f"wandb.mode must be empty (wandb's default) or one of {WANDB_MODES}, got {config.wandb.mode!r}"
+        )
+    if config.tensorboard.enabled and not installed("tensorboardX"):
+        raise ValueError("tensorboard.enabled is True but tensorboardX is not installed (pip install tensorboardX)")
 
 
 def _check_model(model: config_dict.ConfigDict) -> None:
@@ -59,11 +70,30 @@ def _check_source(field: str, source: str, marker_file: str) -> None:
         return
     if not _HUB_ID.fullmatch(source):
         raise FileNotFoundError(f"{field}: {source!r} does not exist (and is not a hub id)")
-    offline = huggingface_hub.constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE") == "1"
-    if offline and not isinstance(huggingface_hub.try_to_load_from_cache(source, marker_file), str):
+    if _hub_offline() and not isinstance(huggingface_hub.try_to_load_from_cache(source, marker_file), str):
         raise FileNotFoundError(
             f"{field}: {source!r} is not a local directory, and with HF_HUB_OFFLINE set the hub id "
             "is not in the local cache either"
+        )
+
+
+def _hub_offline() -> bool:
+    """huggingface_hub reads HF_HUB_OFFLINE once, at import; the variable may have been set since."""
+    return huggingface_hub.constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE") == "1"
+
+
+def _check_export(export: config_dict.ConfigDict) -> None:
+    """A push to the hub that cannot happen is refused now, not after the runs have trained."""
+    if (export.every_checkpoint or export.hub_repo) and not export.peft:
+        raise ValueError("export.every_checkpoint and export.hub_repo need export.peft=True")
+    if not export.hub_repo:
+        return
+    if not _HUB_ID.fullmatch(export.hub_repo):
+        raise ValueError(f"export.hub_repo {export.hub_repo!r} is not a hub repo id (user/name)")
+    if _hub_offline():
+        raise ValueError(
+            f"export.hub_repo={export.hub_repo!r} pushes adapters to the Hugging Face hub, but HF_HUB_OFFLINE is "
+            "set; unset it, or leave export.hub_repo empty and upload <run_dir>/adapter/ later"
         )
 
 

@@ -1,14 +1,17 @@
-"""Live metrics of one run: a JSON-lines event log, and Weights & Biases when enabled.
+"""Live metrics of one run: a JSON-lines event log, and Weights & Biases and TensorBoard when enabled.
 
 metrics.npz is the result; this is what one watches while a sweep runs
-(`tail -f <run_dir>/events.jsonl`, or the W&B dashboard the original study
-used). Lines are appended and flushed as they come, so a crash keeps all of
-them; after a resume, steps between the last checkpoint and the crash appear
-twice, the later line being the one the results hold.
+(`tail -f <run_dir>/events.jsonl`, the W&B dashboard the original study
+used, or `tensorboard --logdir <output_dir>`). Every record goes to every
+enabled tracker at the same step. Lines are appended and flushed as they
+come, so a crash keeps all of them; after a resume, steps between the last
+checkpoint and the crash appear twice, the later line being the one the
+results hold.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import pathlib
@@ -17,10 +20,27 @@ from collections.abc import Mapping
 from typing import Any
 
 EVENTS_FILE = "events.jsonl"
+TENSORBOARD_DIR = "tensorboard"  # <run_dir>/tensorboard/: the run's TensorBoard event files
+WANDB_MODES = ("online", "offline", "disabled")
+
+
+@dataclasses.dataclass(frozen=True)
+class WandbSettings:
+    """Where a run goes in Weights & Biases: each run is its own W&B run, named as the run.
+
+    ``group`` gathers the runs of one config (seeds x shots) on the dashboard;
+    ``mode`` None leaves it to wandb (the WANDB_MODE variable, else online).
+    """
+
+    project: str
+    entity: str | None = None
+    group: str | None = None
+    tags: tuple[str, ...] = ()
+    mode: str | None = None
 
 
 class EventLog:
-    """Appends `{"step", "time", <metric>: value, ...}` lines to `<run_dir>/events.jsonl`."""
+    """Appends `{"step", "time", <metric>: value, ...}` lines to `<run_dir>/events.jsonl` (and the trackers)."""
 
     def __init__(
         self,
@@ -28,40 +48,57 @@ class EventLog:
         *,
         run_name: str,
         config: Mapping[str, Any],
-        wandb_project: str | None = None,
+        wandb: WandbSettings | None = None,
+        tensorboard: bool = False,
     ):
-        """`wandb_project` set = also log to that W&B project (wandb imported only then)."""
+        """`wandb` set: also log to that W&B run, whose config is `config`; `tensorboard`: also write
+        `<run_dir>/tensorboard/`. Each library is imported only when enabled (both are optional)."""
         run_dir = pathlib.Path(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         self.path = run_dir / EVENTS_FILE
         self._file = self.path.open("a", encoding="utf-8")
         self._wandb_run = None
-        if wandb_project is not None:
-            import wandb  # optional dependency: only needed when enabled
+        self._tensorboard = None
+        if wandb is not None:
+            import wandb as wandb_lib
 
-            self._wandb_run = wandb.init(
-                project=wandb_project,
+            self._wandb_run = wandb_lib.init(
+                project=wandb.project,
+                entity=wandb.entity,
+                group=wandb.group,
+                tags=list(wandb.tags) or None,
+                mode=wandb.mode,
                 name=run_name,
                 config=dict(config),
                 dir=str(run_dir),
                 reinit="create_new",  # several runs live in one process
             )
+        if tensorboard:
+            from tensorboardX import SummaryWriter
+
+            self._tensorboard = SummaryWriter(logdir=str(run_dir / TENSORBOARD_DIR))
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
         """Records metrics such as {"train/loss": 0.7} or {"accuracy/hans": 0.5} at `step`."""
-        record = {"step": int(step), "time": time.time()}
-        record.update({key: float(value) for key, value in metrics.items()})
+        values = {key: float(value) for key, value in metrics.items()}
+        record = {"step": int(step), "time": time.time(), **values}
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
         if self._wandb_run is not None:
-            self._wandb_run.log(dict(metrics), step=int(step))
+            self._wandb_run.log(values, step=int(step))
+        if self._tensorboard is not None:
+            for key, value in values.items():
+                self._tensorboard.add_scalar(key, value, global_step=int(step))
+            self._tensorboard.flush()  # as events.jsonl: what was logged survives a crash
 
     def close(self) -> None:
         self._file.close()
         if self._wandb_run is not None:
             self._wandb_run.finish()
+        if self._tensorboard is not None:
+            self._tensorboard.close()
 
 
-def wandb_available() -> bool:
-    """Whether wandb can be imported, checked without importing it."""
-    return importlib.util.find_spec("wandb") is not None
+def installed(module: str) -> bool:
+    """Whether `module` (an optional tracker: wandb, tensorboardX) can be imported, checked without importing it."""
+    return importlib.util.find_spec(module) is not None

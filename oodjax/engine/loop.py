@@ -7,11 +7,17 @@ steps. After each evaluation every run's metrics.npz is rewritten; every
 `checkpoint_every` steps the runs' adapters, optimizer states, data-iterator
 states and RNGs are checkpointed, and a rerun with the same output directory
 resumes from the latest checkpoint to the same results an uninterrupted run
-would have written.
+would have written. With `export.peft`, each run's adapters are written in
+PEFT format to `<run_dir>/adapter/` when training ends (and at every
+checkpoint with `export.every_checkpoint`), and pushed to `export.hub_repo`.
+What it prints (compilations announced and timed, progress, a closing
+summary) is described in `oodjax.engine.console`.
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import dataclasses
 import itertools
 import json
@@ -20,11 +26,13 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import huggingface_hub
 import jax
 import numpy as np
 import optax
 from absl import logging
 from flax import nnx
+from jax.experimental import multihost_utils
 from ml_collections import config_dict
 from tqdm import tqdm
 from transformers import AutoTokenizer
@@ -32,18 +40,20 @@ from transformers import AutoTokenizer
 from analysis import schema
 from oodjax import models
 from oodjax.data import answer_token_ids
-from oodjax.engine import checks, sharding, steps
+from oodjax.engine import checks, console, sharding, steps
 from oodjax.engine.checkpoints import Checkpointer
 from oodjax.engine.distributed import is_primary
 from oodjax.engine.evaluation import evaluate
-from oodjax.engine.events import EventLog
+from oodjax.engine.events import EventLog, WandbSettings
 from oodjax.engine.results import RunResults, run_name
 from oodjax.engine.geometry import BatchGeometry, batch_geometry
 from oodjax.engine.run_data import RunsData, few_shot_sets, load_runs_data, step_batch
-from oodjax.models.lora import LoRAConfig
+from oodjax.models.lora import LoRAConfig, export_peft
 
 # Config fields a resumed run may change: they do not affect its results.
-_RESUMABLE_CHANGES = ("output_dir", "log_every", "wandb")
+_RESUMABLE_CHANGES = ("output_dir", "log_every", "wandb", "tensorboard", "export")
+
+ADAPTER_DIR = "adapter"  # <run_dir>/adapter/: the run's adapters in PEFT format
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,10 +141,22 @@ def make_steps(
     compute_dtype = config.model.compute_dtype or None
     train_step = steps.make_train_step(
         graphdef, optimizer(config), yes_id, no_id, geometry, mesh=mesh, base_state=base_state, runs=runs,
-        compute_dtype=compute_dtype,
+        compute_dtype=compute_dtype, metrics=True,
     )  # fmt: skip
     eval_step = steps.make_eval_step(graphdef, yes_id, no_id, mesh=mesh, compute_dtype=compute_dtype)
     return train_step, eval_step
+
+
+def _wandb_settings(config: config_dict.ConfigDict) -> WandbSettings:
+    """The config's W&B destination; its runs grouped as "<model>_<train_set>" unless wandb.group says."""
+    wandb = config.wandb
+    return WandbSettings(
+        project=wandb.project,
+        entity=wandb.entity or None,
+        group=wandb.group or f"{model_name(config)}_{config.data.train_set}",
+        tags=tuple(wandb.tags),
+        mode=wandb.mode or None,
+    )
 
 
 def _load_model(config: config_dict.ConfigDict, mesh: jax.sharding.Mesh) -> models.CausalLM:
@@ -166,35 +188,57 @@ class _Loop:
         self.primary = is_primary()  # only process 0 writes results and event logs
         config_json = json.loads(config.to_json())
         self.results = [self._run_results(r, run, config_json) for r, run in enumerate(runs)]
-        wandb_project = config.wandb.project if config.wandb.enabled else None
+        wandb = _wandb_settings(config) if config.wandb.enabled else None
         self.events = [
-            EventLog(run.directory, run_name=run.name, config=config_json, wandb_project=wandb_project)
+            EventLog(
+                run.directory, run_name=run.name, wandb=wandb, tensorboard=config.tensorboard.enabled,
+                # the run's identity and training set in a section of their own, for W&B's filters
+                config=dict(config_json, **{schema.RUN_SECTION: self._identity(run, train_set=True)}),
+            )  # fmt: skip
             for run in runs
         ] if self.primary else []
+        self.learning_rate = steps.make_schedule(
+            config.train.learning_rate, config.train.steps, config.train.warmup_steps
+        )  # the optimizer's (``optimizer``), read on the host for the log
         # Per-run loss sums since the last evaluation (its train_loss); the
-        # losses since the last log line; device losses not yet checked.
+        # per-run losses and gradient norms since the last log line; the
+        # train step's device metrics not yet checked.
         self.loss_sum, self.loss_steps = np.zeros(len(runs)), 0
-        self.window: list[np.ndarray] = []
-        self.window_start = time.perf_counter()
-        self.pending: list[tuple[int, jax.Array]] = []
+        self.window: list[dict[str, np.ndarray]] = []
+        self.pending: list[tuple[int, dict[str, jax.Array]]] = []
+        # The training clock: steps and seconds of training alone (no compiling,
+        # evaluating or checkpointing), for examples/s and the ETA.
+        self.window_start, self.window_steps = time.perf_counter(), 0
+        self.train_seconds, self.timed_steps = 0.0, 0
+        self.bar: tqdm | None = None  # the training progress bar, while it is live
+        self.eval_compiled = False
+
+    def _identity(self, run: Run, *, train_set: bool = False) -> dict[str, Any]:
+        """The run's model, seed and shots (metrics.npz's run section), and its training set if asked."""
+        identity = {schema.RUN_MODEL: model_name(self.config), schema.RUN_SEED: run.seed, schema.RUN_SHOTS: run.shots}
+        return dict(identity, train_set=self.config.data.train_set) if train_set else identity
 
     def _run_results(self, index: int, run: Run, config_json: dict[str, Any]) -> RunResults:
         labels = self.data.eval_pool.labels_of(index)
-        identity = {schema.RUN_MODEL: model_name(self.config), schema.RUN_SEED: run.seed, schema.RUN_SHOTS: run.shots}
         return RunResults(
             run.directory,
             labels=labels,
             in_domain=self.config.data.train_set,
-            config=dict(config_json, **{schema.RUN_SECTION: identity}),
+            config=dict(config_json, **{schema.RUN_SECTION: self._identity(run)}),
         )
 
     def run(self) -> None:
         try:
-            start = self._resume_or_start()
-            if start >= self.total_steps:
-                logging.info("the runs finished already (step %d of %d)", start, self.total_steps)
-                return
-            self._train(start)
+            with console.logs_above_bars():
+                start = self._resume_or_start()
+                if start >= self.total_steps:
+                    logging.info("the runs finished already (step %d of %d)", start, self.total_steps)
+                    if self.config.export.peft:  # a finished job rerun with export on: its final adapters
+                        self._export()
+                else:
+                    self._train(start)
+                if self.primary:
+                    self._summary()
         finally:
             self.checkpointer.close()
             for log in self.events:
@@ -223,23 +267,49 @@ class _Loop:
         return latest
 
     def _train(self, start: int) -> None:
-        examples_per_step = self.geometry.runs * self.geometry.batch_size
-        with tqdm(total=self.total_steps, initial=start, desc="train", unit="step", disable=not self.primary) as bar:
-            for step in range(start + 1, self.total_steps + 1):
-                self.state, loss = self.train_step(self.base_state, self.state, self._next_batch())
-                self.pending.append((step, loss))
-                evaluation_due = self._evaluation_due(step)
-                checkpoint_due = step % self.config.checkpoint_every == 0 or step == self.total_steps
-                if evaluation_due or checkpoint_due or step % self.config.log_every == 0:
-                    self._check_losses()  # before anything is evaluated or saved
-                    self._log_window(step, examples_per_step, bar)
-                bar.update(1)
-                if evaluation_due:
-                    self._evaluate(step)
-                if checkpoint_due:
-                    self._checkpoint(step)
-                if evaluation_due or checkpoint_due:
-                    self.window_start = time.perf_counter()  # examples/s counts training only
+        """Steps start+1 .. total. The first step, which compiles, runs before the bar and the training
+        clock start, so neither the ETA nor examples/s counts its compilation."""
+        first = start + 1
+        with console.first_call("train step"):
+            self._train_step(first)
+            jax.block_until_ready(self.pending[-1][1])
+        self._restart_clock()
+        with console.bar(
+            total=self.total_steps, initial=first, desc="train", unit="step", enabled=self.primary
+        ) as self.bar:
+            self._after_train_step(first)
+            for step in range(first + 1, self.total_steps + 1):
+                self._train_step(step)
+                self.bar.update(1)
+                self._after_train_step(step)
+        self.bar = None
+
+    def _train_step(self, step: int) -> None:
+        self.state, metrics = self.train_step(self.base_state, self.state, self._next_batch())
+        self.pending.append((step, metrics))
+        self.window_steps += 1
+
+    def _after_train_step(self, step: int) -> None:
+        """What is due after ``step``: a log line, an evaluation, a checkpoint (and an export)."""
+        evaluation_due = self._evaluation_due(step)
+        checkpoint_due = step % self.config.checkpoint_every == 0 or step == self.total_steps
+        if evaluation_due or checkpoint_due or step % self.config.log_every == 0:
+            self._check_losses()  # before anything is evaluated or saved
+            self._log_window(step)
+        if evaluation_due:
+            self._evaluate(step)
+        if checkpoint_due:
+            self._checkpoint(step)
+            if self.config.export.peft and (step == self.total_steps or self.config.export.every_checkpoint):
+                self._export()
+        if evaluation_due or checkpoint_due:
+            self._restart_clock()
+
+    def _restart_clock(self) -> None:
+        """Restarts the training clock and the bar's timer after work that is not training."""
+        self.window_start, self.window_steps = time.perf_counter(), 0
+        if self.bar is not None:
+            self.bar.unpause()
 
     def _evaluation_due(self, step: int) -> bool:
         return step % self.config.eval.every == 0 or step == self.total_steps
@@ -252,9 +322,10 @@ class _Loop:
         return sharding.shard_process_batch(stacked, self.mesh, batch_axis=2, num_rows=self.geometry.micro_batch)
 
     def _check_losses(self) -> None:
-        """Fetches the pending losses; stops at the first non-finite one, naming its step."""
-        for step, loss in self.pending:
-            values = np.asarray(jax.device_get(loss), dtype=np.float64)
+        """Fetches the pending step metrics; stops at the first non-finite loss, naming its step."""
+        for step, metrics in self.pending:
+            metrics = {key: np.asarray(value, dtype=np.float64) for key, value in jax.device_get(metrics).items()}
+            values = metrics["loss"]
             if not np.isfinite(values).all():
                 bad = ", ".join(
                     f"{run.name}={value}" for run, value in zip(self.runs, values) if not np.isfinite(value)
@@ -267,27 +338,51 @@ class _Loop:
                 )
             self.loss_sum += values
             self.loss_steps += 1
-            self.window.append(values)
+            self.window.append(metrics)
         self.pending = []
 
-    def _log_window(self, step: int, examples_per_step: int, bar: tqdm) -> None:
-        """Logs the mean loss per run since the last log line, and the training throughput."""
+    def _log_window(self, step: int) -> None:
+        """Logs per run the mean loss and gradient norm since the last log line, the learning rate of the
+        step's update, and the training throughput and ETA (from the training clock; none is measured for a
+        window that holds only the compiling first step)."""
         now = time.perf_counter()
-        mean = np.mean(self.window, axis=0)
-        rate = examples_per_step * len(self.window) / max(now - self.window_start, 1e-9)
-        bar.set_postfix(loss=f"{mean.mean():.4f}", examples_per_s=f"{rate:.1f}")
-        logging.info("step %d: loss %s, %.1f examples/s", step, np.array2string(mean, precision=4), rate)
-        for log, loss in zip(self.events, mean):
-            log.log(step, {"train/loss": loss, "train/examples_per_s": rate})
-        self.window, self.window_start = [], now
+        loss, grad_norm = (np.mean([metrics[key] for metrics in self.window], axis=0) for key in ("loss", "grad_norm"))
+        learning_rate = float(self.learning_rate(step - 1))  # step s's update is the optimizer's (s-1)-th
+        metrics = {"train/loss": loss, "train/grad_norm": grad_norm, "train/learning_rate": learning_rate}
+        line = (
+            f"step {step}/{self.total_steps}: loss {np.array2string(loss, precision=4)}, "
+            f"grad norm {np.array2string(grad_norm, precision=3)}, lr {learning_rate:.3g}"
+        )
+        if self.window_steps:
+            rate = self.geometry.runs * self.geometry.batch_size * self.window_steps / (now - self.window_start)
+            self.train_seconds += now - self.window_start
+            self.timed_steps += self.window_steps
+            eta = self.train_seconds / self.timed_steps * (self.total_steps - step)
+            metrics["train/examples_per_s"] = rate
+            line += f", {rate:.1f} examples/s, training ETA {console.duration(eta)}"
+            if self.bar is not None:
+                self.bar.set_postfix(loss=f"{loss.mean():.4f}", examples_per_s=f"{rate:.1f}")
+        logging.info("%s", line)
+        for r, log in enumerate(self.events):
+            log.log(step, {key: value if np.ndim(value) == 0 else value[r] for key, value in metrics.items()})
+        self.window, self.window_start, self.window_steps = [], now, 0
 
     def _evaluate(self, step: int) -> None:
         """Evaluates every run on every testset and its own training set; rewrites each metrics.npz."""
         num_runs = len(self.runs)
-        margins = evaluate(
-            self.eval_step, self.base_state, self.state.lora, self.data.eval_pool,
-            place=lambda batch: sharding.shard_batch(batch, self.mesh, batch_axis=1),
-        )
+        start = time.perf_counter()
+        batches = len(self.data.eval_pool.batches)
+        compiling = console.first_call("evaluation step") if not self.eval_compiled else contextlib.nullcontext()
+        with compiling, console.bar(
+            total=batches, desc=f"evaluate step {step}", unit="batch", enabled=self.primary, leave=False
+        ) as bar:  # fmt: skip
+            margins = evaluate(
+                self._eval_step_counted(bar) if not bar.disable else self.eval_step,
+                self.base_state, self.state.lora, self.data.eval_pool,
+                place=lambda batch: sharding.shard_batch(batch, self.mesh, batch_axis=1),
+            )  # fmt: skip
+        self.eval_compiled = True
+        logging.info("evaluated step %d (%d batches) in %.1f s", step, batches, time.perf_counter() - start)
         train_loss = self.loss_sum / self.loss_steps if self.loss_steps else np.full(num_runs, np.nan)
         for r, (run, results, run_margins) in enumerate(zip(self.runs, self.results, margins)):
             accuracies = results.add(step, run_margins, train_loss[r])
@@ -298,6 +393,37 @@ class _Loop:
             logging.info("step %d, %s: %s", step, run.name, summary)
         self.loss_sum, self.loss_steps = np.zeros(num_runs), 0
 
+    def _eval_step_counted(self, bar: tqdm) -> Callable[..., jax.Array]:
+        """The eval step, advancing ``bar`` as batches finish: each call first waits for the batch two calls
+        back, so the bar shows computed batches while two stay in flight (the host still runs ahead)."""
+        in_flight: collections.deque[jax.Array] = collections.deque()
+
+        def counted(*args: Any) -> jax.Array:
+            if len(in_flight) == 2:
+                jax.block_until_ready(in_flight.popleft())
+                bar.update(1)
+            in_flight.append(self.eval_step(*args))
+            return in_flight[-1]
+
+        return counted
+
+    def _summary(self) -> None:
+        """The closing lines: each run's final in-domain and mean OOD accuracy, and where the results are."""
+        in_domain = self.config.data.train_set
+        for run, results in zip(self.runs, self.results):
+            final = dict(zip(results.testsets, results.accuracy[-1]))
+            ood = [name for name in results.testsets if name not in (in_domain, schema.TRAIN_TESTSET)]
+            mean_ood = f"{np.mean([final[name] for name in ood]):.3f}" if ood else "n/a"
+            logging.info(
+                "%s at step %d: in-domain %s %.3f, mean OOD %s (%s)",
+                run.name, results.steps[-1], in_domain, final[in_domain], mean_ood, ", ".join(ood),
+            )  # fmt: skip
+        logging.info(
+            "done: %d runs; results in %s (metrics.npz and events.jsonl per run; `python -m analysis.runs %s` "
+            "lists them, `python -m analysis %s --out DIR` analyses them)",
+            len(self.runs), self.config.output_dir, self.config.output_dir, self.config.output_dir,
+        )  # fmt: skip
+
     def _checkpoint(self, step: int) -> None:
         loop_state = {
             "config": _comparable_config(self.config),
@@ -305,3 +431,25 @@ class _Loop:
             "loss_steps": self.loss_steps,
         }
         self.checkpointer.save(step, self.state, self.data.streams, loop_state)
+
+    def _export(self) -> None:
+        """Writes each run's current adapters to <run_dir>/adapter/ in PEFT format; pushes them to the hub.
+
+        Every process takes part in gathering a run's adapters (they may be
+        sharded over hosts); only the primary writes and pushes.
+        """
+        base_model = self.config.model.path or model_name(self.config)
+        for r, run in enumerate(self.runs):
+            adapters = multihost_utils.process_allgather(steps.select_run(self.state.lora, r), tiled=True)
+            if not self.primary:
+                continue
+            folder = export_peft(
+                adapters, lora_config(self.config), run.directory / ADAPTER_DIR, base_model_name_or_path=base_model
+            )
+            if self.config.export.hub_repo:
+                huggingface_hub.create_repo(self.config.export.hub_repo, exist_ok=True)
+                huggingface_hub.upload_folder(
+                    repo_id=self.config.export.hub_repo, folder_path=folder, path_in_repo=run.name,
+                    commit_message=f"{run.name}: adapters at step {int(self.state.step)}",
+                )  # fmt: skip
+        logging.info("adapters (PEFT format) written to <run_dir>/%s/ under %s", ADAPTER_DIR, self.config.output_dir)

@@ -280,9 +280,10 @@ def run_update(
     branch: jax.Array,
     branches: Sequence[Callable[..., Any]],
     optimizer: optax.GradientTransformation,
-) -> tuple[nnx.State, optax.OptState, jax.Array]:
+) -> tuple[nnx.State, optax.OptState, jax.Array, jax.Array]:
     """One run's optimizer step: gradients summed over its micro-batches [grad_accum, ...] (each through
-    its ``branch``), divided by the valid count, then the update. Returns (lora, opt_state, mean loss).
+    its ``branch``), divided by the valid count, then the update. Returns (lora, opt_state, mean loss,
+    global norm of the gradients before clipping).
 
     Micro-batch i's dropout key is fold_in(fold_in(run key, step), i): a
     function of the run alone, whatever else trains beside it.
@@ -303,7 +304,7 @@ def run_update(
     count = jnp.maximum(count, 1.0)
     grads = jax.tree.map(lambda g: g / count, grads)
     updates, opt_state = optimizer.update(grads, opt_state, lora)
-    return optax.apply_updates(lora, updates), opt_state, loss_sum / count
+    return optax.apply_updates(lora, updates), opt_state, loss_sum / count, optax.global_norm(grads)
 
 
 def map_runs(fn: Callable[..., Any], per_run: tuple[Any, ...], chunk: int) -> Any:
@@ -327,7 +328,8 @@ def train_step(
     no_id: int,
     geometry: BatchGeometry,
     compute_dtype: jnp.dtype | None,
-) -> tuple[RunsState, jax.Array]:
+    metrics: bool = False,
+) -> tuple[RunsState, jax.Array | dict[str, jax.Array]]:
     """One optimizer step of every run (``make_train_step`` documents it; this is the function it jits)."""
     num_runs, accum, micro = geometry.train_rows_shape
     layout = f"[runs={num_runs}, grad_accum={accum}, micro_batch={micro}, seq={geometry.seq_len}]"
@@ -346,8 +348,11 @@ def train_step(
         branches=branches,
         optimizer=optimizer,
     )
-    lora, opt_state, losses = map_runs(update, (runs.lora, runs.opt_state, runs.rng, dict(batch)), geometry.run_chunk)
-    return runs.replace(lora=lora, opt_state=opt_state, step=runs.step + 1), losses
+    lora, opt_state, losses, grad_norms = map_runs(
+        update, (runs.lora, runs.opt_state, runs.rng, dict(batch)), geometry.run_chunk
+    )
+    runs = runs.replace(lora=lora, opt_state=opt_state, step=runs.step + 1)
+    return runs, ({"loss": losses, "grad_norm": grad_norms} if metrics else losses)
 
 
 def eval_step(
@@ -445,8 +450,11 @@ def make_train_step(
     base_state: nnx.State | None = None,
     runs: RunsState | None = None,
     compute_dtype: jnp.dtype | None = None,
-) -> Callable[[nnx.State, RunsState, Batch], tuple[RunsState, jax.Array]]:
-    """One jitted optimizer step for all runs: ``train_step(base_state, runs, batch) -> (runs, loss [R])``.
+    metrics: bool = False,
+) -> Callable[[nnx.State, RunsState, Batch], tuple[RunsState, jax.Array | dict[str, jax.Array]]]:
+    """One jitted optimizer step for all runs: ``train_step(base_state, runs, batch) -> (runs, loss [R])``,
+    or with ``metrics`` ``-> (runs, {"loss": [R], "grad_norm": [R]})``, grad_norm being each run's global
+    gradient norm before clipping (what the run loop logs; the loss alone is what most callers need).
 
     ``batch`` leaves are [R, grad_accum, micro_batch, seq_len] ([R, grad_accum,
     micro_batch] for answer_pos, label, valid) as ``geometry`` gives them: each
@@ -476,7 +484,7 @@ def make_train_step(
     """
     step = functools.partial(
         train_step, graphdef=graphdef, optimizer=optimizer, yes_id=yes_id, no_id=no_id, geometry=geometry,
-        compute_dtype=compute_dtype,
+        compute_dtype=compute_dtype, metrics=metrics,
     )  # fmt: skip
     if mesh is None:
         return jax.jit(step, donate_argnums=1)
