@@ -65,8 +65,6 @@ class Dimensions:
     kv_dim: int  # num_key_value_heads * head_dim
     ffn_dim: int
     mlp_matrices: int  # 2 for OPT's fc1/fc2, 3 for a gated MLP
-    embed_dim: int  # OPT's word_embed_proj_dim; hidden_size elsewhere
-    tied_head: bool
 
     @property
     def layer_matmul_parameters(self) -> int:
@@ -90,15 +88,14 @@ def dimensions(architecture: Mapping[str, Any]) -> Dimensions:
     hidden, heads = config.hidden_size, config.num_attention_heads
     if config.model_type == "opt":
         return Dimensions(
-            "opt", config.vocab_size, hidden, config.num_hidden_layers, heads, hidden, hidden,
-            config.ffn_dim, 2, config.word_embed_proj_dim, bool(config.tie_word_embeddings),
+            "opt", config.vocab_size, hidden, config.num_hidden_layers, heads, hidden, hidden, config.ffn_dim, 2
         )
     if config.model_type in LLAMA_LIKE:
         head_dim = getattr(config, "head_dim", None) or hidden // heads
         kv_heads = config.num_key_value_heads or heads
         return Dimensions(
             config.model_type, config.vocab_size, hidden, config.num_hidden_layers, heads, heads * head_dim,
-            kv_heads * head_dim, config.intermediate_size, 3, hidden, bool(config.tie_word_embeddings),
+            kv_heads * head_dim, config.intermediate_size, 3,
         )
     raise ValueError(f"no cost model for model_type {config.model_type!r}; known: opt, {', '.join(LLAMA_LIKE)}")
 
