@@ -350,6 +350,7 @@ def attention(
     *,
     scale: float,
     window: int | jax.Array | None = None,
+    positions: jax.Array | None = None,
 ) -> jax.Array:
     """Causal attention within each prompt; query [B,T,N,D], key/value [B,T,K,D] with N % K == 0 (GQA).
 
@@ -360,7 +361,9 @@ def attention(
     the ``window`` latest tokens of its prompt, itself included, as
     transformers' sliding-window mask does (key index > query index - window;
     within a prompt index and position differences agree, so padding and
-    packing change nothing). Rows of padded queries see no key at all;
+    packing change nothing); ``positions`` are then the tokens' positions in
+    their prompts (``segment_positions``, which the decoder has computed for
+    its position encoding already). Rows of padded queries see no key at all;
     ``jax.nn.dot_product_attention`` then spreads them uniformly instead of
     producing NaNs, so padding never poisons real positions.
     """
@@ -368,7 +371,8 @@ def attention(
     segments = segments.astype(jnp.int32)
     allowed = (segments[:, :, None] == segments[:, None, :]) & (segments[:, None, :] != 0)
     if window is not None:
-        positions = segment_positions(segments)
+        if positions is None:
+            raise ValueError("a sliding window needs the tokens' positions in their prompts")
         allowed &= positions[:, :, None] - positions[:, None, :] < window
     out = jax.nn.dot_product_attention(query, key, value, mask=allowed[:, None], scale=scale, is_causal=True)
     return constrain(out, QUERY_HEADS)

@@ -172,8 +172,9 @@ class LlamaAttention(nnx.Module):
         attention_mask: jax.Array,
         cos: jax.Array,
         sin: jax.Array,
+        positions: jax.Array,
         use_rope: jax.Array,
-        window: jax.Array,
+        window: jax.Array | None = None,
     ) -> jax.Array:
         batch, seq, _ = x.shape
         heads = (batch, seq, -1, self.head_dim)
@@ -184,7 +185,9 @@ class LlamaAttention(nnx.Module):
         query = jnp.where(use_rope, apply_rope(query, cos, sin), query)
         key = jnp.where(use_rope, apply_rope(key, cos, sin), key)
         value = self.v_proj(x).reshape(heads)
-        out = attention(query, key, value, attention_mask, scale=self.head_dim**-0.5, window=window)
+        out = attention(
+            query, key, value, attention_mask, scale=self.head_dim**-0.5, window=window, positions=positions
+        )
         return constrain(self.o_proj(out.reshape(batch, seq, -1)), HIDDEN)
 
 
@@ -208,10 +211,12 @@ class LlamaDecoderLayer(nnx.Module):
         attention_mask: jax.Array,
         cos: jax.Array,
         sin: jax.Array,
+        positions: jax.Array,
         use_rope: jax.Array,
-        window: jax.Array,
+        window: jax.Array | None = None,
     ) -> jax.Array:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), attention_mask, cos, sin, use_rope, window)
+        attended = self.self_attn(self.input_layernorm(hidden), attention_mask, cos, sin, positions, use_rope, window)
+        hidden = hidden + attended
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -234,10 +239,12 @@ class LlamaModel(nnx.Module):
         hidden = self.embed_tokens(input_ids)
         # Llama casts the float32 cos/sin tables to the activations' dtype before rotating.
         cos, sin = (t.astype(hidden.dtype) for t in rope_cos_sin(positions, self.config.rope, self.config.head_dim))
-        use_rope = jnp.asarray(self.config.rope_layers)
-        windows = jnp.asarray([FULL_ATTENTION if w is None else w for w in self.config.layer_windows], jnp.int32)
+        per_layer = (jnp.asarray(self.config.rope_layers),)
+        if any(self.config.layer_windows):  # each layer's window is scanned; none at all costs no mask
+            windows = [FULL_ATTENTION if w is None else w for w in self.config.layer_windows]
+            per_layer += (jnp.asarray(windows, jnp.int32),)
         hidden, layer_inputs = run_layers(
-            self.layers, hidden, attention_mask, cos, sin, remat=self.config.remat, per_layer=(use_rope, windows),
+            self.layers, hidden, attention_mask, cos, sin, positions, remat=self.config.remat, per_layer=per_layer,
             all_layers=all_layers,
         )
         hidden = self.norm(hidden)
