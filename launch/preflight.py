@@ -28,9 +28,7 @@ import json
 import os
 import pathlib
 import re
-import sys
 import time
-from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -256,17 +254,12 @@ def describe(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _fake_host_devices(argv: Sequence[str]) -> None:
-    """Gives the host CPU platform --devices devices. XLA reads the flag once, when JAX first initialises a
-    backend (not at import), so this runs before anything asks for a device; on GPU/TPU it changes nothing
-    (the real devices are used)."""
-    for i, arg in enumerate(argv):
-        value = arg.split("=", 1)[1] if arg.startswith("--devices=") else None
-        if arg == "--devices" and i + 1 < len(argv):
-            value = argv[i + 1]
-        if value is not None:
-            flag = f"--xla_force_host_platform_device_count={int(value)}"
-            os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip()
+def _fake_host_devices(count: int) -> None:
+    """Gives the host CPU platform ``count`` devices. XLA reads the flag when JAX first initialises a backend
+    (not at import), so this runs before anything asks for a device; on GPU/TPU it changes nothing (the real
+    devices are used)."""
+    flag = f"--xla_force_host_platform_device_count={count}"
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip()
 
 
 def _define_flags() -> None:
@@ -283,6 +276,8 @@ def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments {argv[1:]}; settings go in --config.<field>=<value>")
     options = flags.FLAGS
+    if options.devices:
+        _fake_host_devices(options.devices)
     report = preflight(
         options.config, devices=options.devices, layers=options.layers, hlo_dir=options.hlo,
         config_path=options["config"].config_filename,
@@ -294,7 +289,6 @@ def main(argv: list[str]) -> None:
 
 def run() -> None:
     """Entry point of `python -m launch.preflight` and the `oodjax-preflight` command."""
-    _fake_host_devices(sys.argv[1:])
     _define_flags()
     app.run(main)
 
