@@ -85,13 +85,20 @@ def resolve_mesh(mesh: Mapping[str, int], devices: int) -> dict[str, int]:
     return sizes
 
 
-def architecture_of(config: config_dict.ConfigDict) -> dict:
-    """config.json numbers: the table's for a listed checkpoint, else the config's own random-model fields."""
+def architecture_of(config: config_dict.ConfigDict, layers: int | None = None) -> dict:
+    """config.json numbers: the table's for a listed checkpoint, else the config's own random-model fields;
+    ``layers`` replaces the decoder depth (what the estimate and the preflight cut a model to)."""
     if config.model.path:
-        return dict(architectures.architecture(config.model.path))
-    if config.model.hf_config:
-        return config.model.hf_config.to_dict()
-    raise ValueError("config names neither model.path nor model.hf_config")
+        arch = dict(architectures.architecture(config.model.path))
+    elif config.model.hf_config:
+        arch = config.model.hf_config.to_dict()
+    else:
+        raise ValueError("config names neither model.path nor model.hf_config")
+    if layers is not None:
+        if layers < 1:
+            raise ValueError(f"layers must be >= 1, got {layers}")
+        arch["num_hidden_layers"] = layers
+    return arch
 
 
 @functools.cache
@@ -132,11 +139,7 @@ def estimate(
     """The costs of `config`'s job on `devices` devices of `device`'s kind. `layers` cuts the model to
     that depth and `platform` (default: the device's) decides how memory is costed, so that the
     estimate can be compared with the preflight's compile on a CPU."""
-    arch = architecture_of(config)
-    if layers is not None:
-        if layers < 1:
-            raise ValueError(f"layers must be >= 1, got {layers}")
-        arch["num_hidden_layers"] = layers
+    arch = architecture_of(config, layers)
     dims = costs.dimensions(arch)
     parameters = costs.parameter_count(arch)
     lora = costs.lora_parameter_count(arch, config.lora.rank, tuple(config.lora.targets))

@@ -38,7 +38,6 @@ from ml_collections import config_dict, config_flags
 from transformers import AutoTokenizer
 
 from launch import estimate as estimator
-from launch.architectures import architecture
 from oodjax import models
 from oodjax.data import answer_token_ids
 from oodjax.engine import loop, sharding, steps
@@ -84,7 +83,7 @@ def preflight(
     if devices > len(available):
         raise ValueError(f"--devices {devices}: only {len(available)} {available[0].platform} devices are visible")
     mesh = sharding.make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor, devices=available[:devices])
-    arch = model_architecture(config, layers)
+    arch = estimator.architecture_of(config, layers)
     tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model.path)
     yes_id, no_id = answer_token_ids(tokenizer)
     runs = loop.plan_runs(config)
@@ -92,7 +91,7 @@ def preflight(
     geometry = batch_geometry(config, mesh, train_sets)
 
     def make_model() -> models.CausalLM:
-        return models.from_config(arch, dtype=config.model.dtype, seed=config.model.init_seed, remat=config.model.remat)
+        return models.abstract_model(arch, dtype=config.model.dtype, remat=config.model.remat)
 
     graphdef, base, state = steps.abstract_init_runs(
         make_model, [run.seed for run in runs], loop.lora_config(config), loop.optimizer(config)
@@ -123,17 +122,6 @@ def preflight(
                      "run_chunk": geometry.run_chunk, "eval_rows": geometry.eval_rows,
                      "eval_seq_len": geometry.eval_seq_len, "eval_prompt_slots": eval_slots},  # fmt: skip
     }
-
-
-def model_architecture(config: config_dict.ConfigDict, layers: int | None = None) -> dict[str, Any]:
-    """The config.json numbers of the config's model: ``launch.architectures``' for a checkpoint path, else
-    ``model.hf_config``; ``layers`` replaces the decoder depth."""
-    arch = dict(architecture(config.model.path) if config.model.path else config.model.hf_config.to_dict())
-    if layers is not None:
-        if layers < 1:
-            raise ValueError(f"--layers must be >= 1, got {layers}")
-        arch["num_hidden_layers"] = layers
-    return arch
 
 
 def train_batch(geometry: BatchGeometry, mesh: jax.sharding.Mesh) -> dict[str, jax.ShapeDtypeStruct]:

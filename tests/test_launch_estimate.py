@@ -200,7 +200,7 @@ def test_estimate_within_a_quarter_of_the_compiled_train_step():
     config = load_config("configs/olmo7_mnli.py")
     seq_len, layers = 128, 2
     mesh = sharding.make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
-    architecture = preflight.model_architecture(config, layers)
+    architecture = estimate.architecture_of(config, layers)
     graphdef, base, runs = steps.abstract_init_runs(
         lambda: models.abstract_model(architecture, dtype=config.model.dtype, remat=config.model.remat),
         [run.seed for run in loop.plan_runs(config)], loop.lora_config(config), loop.optimizer(config),
