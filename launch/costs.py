@@ -39,7 +39,7 @@ from oodjax.engine.sharding import MESH_AXES
 from oodjax.models.lora import LoRAConfig, apply_lora
 
 # Decoder families whose layers are attention + gated MLP with RMSNorms.
-LLAMA_LIKE = ("llama", "smollm3", "olmo2", "qwen2", "qwen3", "mistral")
+LLAMA_LIKE = ("llama", "smollm3", "olmo2", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3_text")
 # What the step is compiled for: only "cpu" changes the memory model (see `stored_itemsize`).
 PLATFORMS = ("gpu", "tpu", "cpu")
 # The backward pass through one decoder layer holds the gradients of its widest activations

@@ -23,6 +23,8 @@ HF_CONFIGS = {
     "llama": dict(model_type="llama", intermediate_size=48, num_key_value_heads=2, tie_word_embeddings=True, **TINY),
     "qwen2": dict(model_type="qwen2", intermediate_size=48, num_key_value_heads=2, **TINY),
     "qwen3": dict(model_type="qwen3", intermediate_size=48, num_key_value_heads=2, head_dim=16, **TINY),
+    "phi3": dict(model_type="phi3", intermediate_size=48, num_key_value_heads=2, **TINY),
+    "gemma3_text": dict(model_type="gemma3_text", intermediate_size=48, num_key_value_heads=2, head_dim=16, **TINY),
 }
 ATTENTION = {
     "opt": "q_proj k_proj v_proj out_proj",
@@ -30,6 +32,8 @@ ATTENTION = {
     "llama": "q_proj k_proj v_proj o_proj",
     "qwen2": "q_proj k_proj v_proj o_proj",
     "qwen3": "q_proj k_proj v_proj o_proj",
+    "phi3": "qkv_proj o_proj",  # q/k/v fused: one adapter, as peft puts on Phi-3
+    "gemma3_text": "q_proj k_proj v_proj o_proj",
 }
 LOGITS_TOL = 1e-4
 
@@ -137,6 +141,9 @@ EXPORT_CASES = {
     "qwen2_bias_tied": ("q_proj", "v_proj", "o_proj", "up_proj"),
     "qwen3_qk_norm": ("q_proj", "k_proj", "o_proj", "down_proj"),
     "mistral_sliding": ("q_proj", "v_proj", "o_proj", "gate_proj"),
+    "gemma2_softcap_sliding": ("q_proj", "v_proj", "o_proj", "up_proj"),
+    "gemma3_local_rope": ("q_proj", "k_proj", "o_proj", "down_proj"),
+    "phi3_fused_sliding": ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"),
 }
 
 

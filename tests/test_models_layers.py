@@ -6,17 +6,21 @@ import pytest
 import torch
 import transformers
 from flax import nnx
+from transformers.models.gemma2.modeling_gemma2 import Gemma2RMSNorm
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding
 from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm
+from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
 
 from oodjax.models.layers import (
     LayerNorm,
     Linear,
     RMSNorm,
     RopeConfig,
+    attention,
     rope_cos_sin,
     rope_frequencies,
     run_layers,
+    segment_positions,
     stacked_layers,
 )
 
@@ -59,6 +63,37 @@ def test_legacy_rope_scaling_keys_read_like_rope_parameters():
     assert RopeConfig.from_hf(legacy, default_theta=1.0) == RopeConfig.from_hf(current, default_theta=1.0)
 
 
+@pytest.mark.parametrize("length", [4096, 4097])
+def test_longrope_tables_match_transformers_within_and_beyond_the_original_context(length):
+    """Phi-3.5-mini's longrope shape (head_dim 96, original context 4096, 131072 positions): the short
+    factors up to 4096 tokens, the long ones (and the same attention factor) beyond, as transformers picks
+    them from the row's length."""
+    rng = np.random.default_rng(0)
+    factors = {name: [float(f) for f in 1 + rng.uniform(0, 40, size=48).cumsum() / 48] for name in ("short", "long")}
+    hf_config = transformers.Phi3Config(
+        hidden_size=3072, num_attention_heads=32, max_position_embeddings=131072,
+        original_max_position_embeddings=4096,
+        rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": factors["short"],
+                         "long_factor": factors["long"]},
+    )  # fmt: skip
+    reference = Phi3RotaryEmbedding(hf_config)
+    rope = RopeConfig.from_hf(hf_config.to_dict(), default_theta=10000.0)
+    positions = np.arange(length)[None]
+    ref_cos, ref_sin = reference(torch.zeros(1, dtype=torch.float32), torch.tensor(positions))
+    cos, sin = rope_cos_sin(jnp.asarray(positions), rope, head_dim=96)
+    np.testing.assert_allclose(cos, ref_cos.numpy(), atol=1e-5)
+    np.testing.assert_allclose(sin, ref_sin.numpy(), atol=1e-5)
+    assert reference.attention_scaling > 1.1  # sqrt(1 + ln 32 / ln 4096): the factor is applied
+
+
+def test_longrope_factors_of_another_head_dim_are_refused():
+    rope = RopeConfig(rope_type="longrope", factor=4.0, original_max_position_embeddings=8,
+                      short_factor=(1.0,) * 4, long_factor=(2.0,) * 4)  # fmt: skip
+    assert len(rope_frequencies(rope, head_dim=8)[0]) == 4
+    with pytest.raises(ValueError, match=r"longrope has 4 factors, not head_dim / 2 = 8"):
+        rope_frequencies(rope, head_dim=16)
+
+
 @pytest.mark.parametrize("ours_in_float32, reference", [(False, LlamaRMSNorm), (True, Olmo2RMSNorm)])
 def test_rms_norms_round_like_transformers_in_bf16(ours_in_float32, reference):
     """Llama casts before applying the weight, OLMo2 after: in bf16 the two differ, and each must match."""
@@ -74,6 +109,36 @@ def test_rms_norms_round_like_transformers_in_bf16(ours_in_float32, reference):
     out = norm(jnp.asarray(x, jnp.bfloat16))
     assert out.dtype == jnp.bfloat16
     np.testing.assert_array_equal(np.asarray(out.astype(jnp.float32)), expected)
+
+
+def test_gemma_rms_norm_applies_one_plus_weight_in_float32_like_transformers_in_bf16():
+    """Gemma stores the weight as an offset from one and multiplies by 1 + weight in float32 before casting."""
+    rng = np.random.default_rng(2)
+    x = rng.normal(size=(4, 64)).astype(np.float32)
+    weight = (0.3 * rng.normal(size=64)).astype(np.float32)
+    torch_norm = Gemma2RMSNorm(64, eps=1e-6).to(torch.bfloat16)
+    with torch.no_grad():
+        torch_norm.weight.copy_(torch.tensor(weight))
+        expected = torch_norm(torch.tensor(x).bfloat16()).float().numpy()
+    norm = RMSNorm(64, eps=1e-6, dtype=jnp.bfloat16, unit_offset=True)
+    np.testing.assert_array_equal(norm.scale[...], 0)  # transformers' init: zeros, the identity scale
+    norm.scale[...] = jnp.asarray(weight, jnp.bfloat16)
+    out = norm(jnp.asarray(x, jnp.bfloat16))
+    assert out.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(out.astype(jnp.float32)), expected)
+
+
+def test_soft_capped_attention_is_the_fused_path_when_the_cap_is_out_of_reach():
+    """The explicit path Gemma 2's cap needs masks, groups heads and handles padded rows as
+    dot_product_attention does: packed prompts, a sliding window and fully padded query rows included."""
+    rng = np.random.default_rng(3)
+    query, key, value = (jnp.asarray(rng.normal(size=(2, 10, heads, 8)), jnp.float32) for heads in (4, 2, 2))
+    segments = jnp.asarray([[1, 1, 1, 2, 2, 2, 2, 0, 0, 0], [0, 0, 1, 1, 1, 1, 1, 1, 1, 1]])
+    common = dict(scale=0.3, window=3, positions=segment_positions(segments))
+    fused = attention(query, key, value, segments, **common)
+    capped = attention(query, key, value, segments, softcap=1e6, **common)
+    np.testing.assert_allclose(capped, fused, rtol=0, atol=1e-6)
+    assert np.abs(np.asarray(attention(query, key, value, segments, softcap=0.1, **common)) - fused).max() > 1e-2
 
 
 def test_layer_norm_matches_torch_in_bf16():

@@ -10,13 +10,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+import transformers
 from flax import nnx
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from oodjax.models import from_config, load_pretrained, logical_to_spec
+from oodjax.models import config_from_dict, from_config, load_pretrained, logical_to_spec
 from oodjax.models.checkpoint import SafetensorsFile, open_checkpoint
 from oodjax.models.loading import hf_parameter_names
 from test_models_parity import LAYOUTS, assert_matches_hf, jitted, padded_batches, save, tiny_hf_model
@@ -44,7 +45,8 @@ def copy_checkpoint(source, target, *, edit_tensors=None, edit_config=None):
 
 def test_unknown_model_type_is_refused(opt_checkpoint, tmp_path):
     folder = copy_checkpoint(opt_checkpoint[0], tmp_path, edit_config=lambda c: {**c, "model_type": "gpt2"})
-    with pytest.raises(ValueError, match=r"unknown model_type 'gpt2'.*\['llama', 'mistral', 'olmo2', 'opt', 'qwen2', 'qwen3', 'smollm3'\]"):
+    known = r"\['gemma2', 'gemma3_text', 'llama', 'mistral', 'olmo2', 'opt', 'phi3', 'qwen2', 'qwen3', 'smollm3'\]"
+    with pytest.raises(ValueError, match=r"unknown model_type 'gpt2'.*" + known):
         load_pretrained(folder)
 
 
@@ -144,6 +146,21 @@ def test_index_naming_a_tensor_its_shard_lacks_is_an_error(tmp_path):
         load_pretrained(tmp_path)
 
 
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (lambda text: text[: len(text) // 2], "is not valid JSON"),  # cut short, as an interrupted copy leaves it
+        (lambda text: json.dumps({"metadata": {}}), 'has no "weight_map" object'),
+    ],
+)
+def test_an_unreadable_shard_index_is_an_error_naming_it(tmp_path, damage, message):
+    save(tiny_hf_model(LAYOUTS["olmo2_gqa"]()), tmp_path, sharded=True)
+    index = tmp_path / "model.safetensors.index.json"
+    index.write_text(damage(index.read_text()))
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(index))} {message}"):
+        load_pretrained(tmp_path)
+
+
 def test_hub_id_offline_fails_clearly():
     with pytest.raises(OSError, match=r"'oodjax-tests/not-a-model' is not a local folder.*HF_HUB_OFFLINE"):
         load_pretrained("oodjax-tests/not-a-model")
@@ -160,7 +177,7 @@ def test_non_float_dtype_is_refused(opt_checkpoint):
         ({"num_key_value_heads": 3}, r"num_attention_heads \(4\) must be a multiple of num_key_value_heads \(3\)"),
         ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0}}, r"rope_type 'dynamic' is not supported"),
         ({"rope_parameters": {"rope_type": "llama3", "factor": 8.0}}, r"'llama3' needs 'low_freq_factor'"),
-        ({"hidden_act": "gelu_pytorch_tanh"}, r"activation 'gelu_pytorch_tanh' is not supported"),
+        ({"hidden_act": "gelu_new"}, r"activation 'gelu_new' is not supported"),
     ],
 )
 def test_unsupported_llama_configs_are_refused(edit, message):
@@ -185,6 +202,75 @@ def test_sliding_windows_are_the_layers_transformers_slides(layout):
     raw.pop("layer_types", None)
     assert from_config(raw).config.layer_windows == expected
     assert any(expected) == (layout != "qwen3_qk_norm")
+
+
+GEMMA_TINY = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=16, sliding_window=3)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "hf_config",
+    [
+        transformers.Gemma2Config(num_hidden_layers=5, **GEMMA_TINY),
+        transformers.Gemma3TextConfig(num_hidden_layers=7, **GEMMA_TINY),
+        transformers.Gemma3TextConfig(num_hidden_layers=7, sliding_window_pattern=3, **GEMMA_TINY),
+    ],
+    ids=["gemma2", "gemma3", "gemma3_pattern3"],
+)
+def test_gemma_layers_slide_as_transformers_decides(hf_config):
+    """Gemma 2 slides every other layer from the first, Gemma 3 all but every sliding_window_pattern-th: from
+    transformers' own layer_types, and the same when an older config.json lacks the list."""
+    window = hf_config.sliding_window
+    expected = tuple(window if kind == "sliding_attention" else None for kind in hf_config.layer_types)
+    raw = hf_config.to_dict()
+    assert config_from_dict(raw).layer_windows == expected
+    raw.pop("layer_types")
+    assert config_from_dict(raw).layer_windows == expected
+    assert None in expected and 3 in expected
+
+
+def test_gemma3_older_rope_keys_mean_what_transformers_reads():
+    """Hub config.json files of Gemma 3 spell its two RoPEs as rope_theta + rope_scaling (the full layers')
+    and rope_local_base_freq (the sliding layers'); transformers 5 saves rope_parameters per layer type."""
+    legacy = dict(rope_theta=500000.0, rope_local_base_freq=1000.0, rope_scaling={"rope_type": "linear", "factor": 8.0})
+    current = transformers.Gemma3TextConfig(num_hidden_layers=2, **GEMMA_TINY, **legacy).to_dict()
+    assert set(current["rope_parameters"]) == {"sliding_attention", "full_attention"}
+    older = {key: value for key, value in current.items() if key != "rope_parameters"} | legacy
+    ours = [config_from_dict(raw) for raw in (current, older)]
+    assert ours[0].rope == ours[1].rope and ours[0].local_rope == ours[1].local_rope
+    assert (ours[1].rope.rope_type, ours[1].rope.factor, ours[1].rope.theta) == ("linear", 8.0, 500000.0)
+    assert (ours[1].local_rope.rope_type, ours[1].local_rope.theta) == ("default", 1000.0)
+
+
+@pytest.mark.parametrize(
+    "layout, edit, message",
+    [
+        ("gemma3_local_rope", {"use_bidirectional_attention": True}, r"use_bidirectional_attention is not supported"),
+        ("gemma2_softcap_sliding", {"sliding_window": None}, r"sliding_attention layers but sliding_window is null"),
+        ("phi3_fused_sliding", {"rope_parameters": {"rope_type": "linear", "factor": 2.0}},
+         r"phi3 rope_type 'linear' is not supported"),
+        ("phi3_fused_sliding", {"rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.75}},
+         r"partial_rotary_factor != 1 is not supported"),  # Phi-4-mini's
+    ],
+)  # fmt: skip
+def test_unsupported_gemma_and_phi3_configs_are_refused(layout, edit, message):
+    config = {**LAYOUTS[layout]().to_dict(), **edit}
+    with pytest.raises(ValueError, match=message):
+        config_from_dict(config)
+
+
+def test_gemma2_null_soft_caps_turn_them_off_as_in_transformers():
+    """A soft cap written as null means no cap (not the default of 50 / 30), as transformers reads it."""
+    raw = LAYOUTS["gemma2_softcap_sliding"]().to_dict()
+
+    def caps(raw):
+        config = config_from_dict(raw)
+        return config.attn_logit_softcapping, config.final_logit_softcapping
+
+    assert caps(raw) == (0.5, 2.0)
+    assert caps({**raw, "attn_logit_softcapping": None, "final_logit_softcapping": None}) == (None, None)
+    del raw["attn_logit_softcapping"], raw["final_logit_softcapping"]
+    assert caps(raw) == (50.0, 30.0)
 
 
 # ----------------------------------------------------------------------------- conventions

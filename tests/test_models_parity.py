@@ -11,10 +11,12 @@ import json
 import jax
 import numpy as np
 import pytest
+import scipy.special
 import torch
 import transformers
 from flax import nnx
 
+from oodjax.engine import steps
 from oodjax.models import load_pretrained
 
 LOGITS_TOL = 1e-4
@@ -82,6 +84,36 @@ LAYOUTS = {
         vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
         num_key_value_heads=2, no_rope_layers=[1, 0, 1], use_sliding_window=True, sliding_window=3,
         pad_token_id=PAD_ID,
+    ),
+    # Gemma 2: layer 0 slides (3 tokens), layer 1 is full; caps small enough to bite on these weights
+    # (transformers' defaults, 50 and 30, would leave the random scores and logits almost as they are);
+    # query_pre_attn_scalar 24, neither head_dim (16) nor hidden / heads (8).
+    "gemma2_softcap_sliding": lambda: transformers.Gemma2Config(
+        vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24, sliding_window=3,
+        attn_logit_softcapping=0.5, final_logit_softcapping=2.0, pad_token_id=PAD_ID,
+    ),
+    # Gemma 3: per-head q/k norms; the sliding layer 0 rotates with a local base of 100, the full layer 1
+    # with the global RoPE, linearly scaled.
+    "gemma3_local_rope": lambda: transformers.Gemma3TextConfig(
+        vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24, sliding_window=3, sliding_window_pattern=2,
+        pad_token_id=PAD_ID,
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                         "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0}},
+    ),
+    # Phi-3: fused qkv_proj (GQA: q, k, v of different widths) and gate_up_proj; a window on every layer.
+    "phi3_fused_sliding": lambda: transformers.Phi3Config(
+        vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, sliding_window=3, pad_token_id=PAD_ID,
+    ),
+    # Longrope with an original context of 8: the 9-token rows take the long factors (and the attention factor).
+    "phi3_longrope": lambda: transformers.Phi3Config(
+        vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, pad_token_id=PAD_ID, max_position_embeddings=32,
+        original_max_position_embeddings=8,
+        rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0, 1.5, 2.0, 3.0],
+                         "long_factor": [2.0, 4.0, 8.0, 16.0]},
     ),
 }  # fmt: skip
 
@@ -168,8 +200,12 @@ def test_logits_and_hidden_states_match_transformers(layout, tmp_path):
 
 
 @pytest.mark.parametrize(
-    "layout", ["opt_350m_layout", "olmo2_gqa", "smollm3_nope", "llama_yarn_rope", "qwen3_qk_norm", "mistral_sliding"]
-)
+    "layout",
+    [
+        "opt_350m_layout", "olmo2_gqa", "smollm3_nope", "llama_yarn_rope", "qwen3_qk_norm", "mistral_sliding",
+        "gemma2_softcap_sliding", "gemma3_local_rope", "phi3_fused_sliding",
+    ],
+)  # fmt: skip
 def test_packed_prompts_match_each_prompt_alone(layout, tmp_path):
     """Prompts packed into one row (attention mask = prompt ids) give, at every layer, what each gives alone.
 
@@ -216,6 +252,37 @@ def test_head_kernel_is_the_final_projection(tmp_path):
     np.testing.assert_allclose(np.asarray(hidden[-1]) @ head, logits, atol=1e-5)
 
 
+def test_engine_answer_logits_are_the_soft_capped_logits_of_the_full_model(tmp_path):
+    """The engine applies the head at the answer positions only: answer_loss over the whole vocabulary,
+    eval_margins from the two answer columns. Gemma 2 caps every logit, and both must give what
+    transformers' capped logits give there (the uncapped ones are checked to differ, so the cap bites)."""
+    hf_model = tiny_hf_model(LAYOUTS["gemma2_softcap_sliding"]())
+    model = load_pretrained(save(hf_model, tmp_path))
+    yes, no = 5, 6
+    graphdef, state = nnx.split(model)
+
+    @jax.jit
+    def engine(state, batch):
+        model = nnx.merge(graphdef, state)
+        uncapped = steps.answer_hidden(model, batch) @ model.head_kernel()
+        return steps.answer_loss(model, batch, yes, no), steps.eval_margins(model, batch, yes, no), uncapped
+
+    for side, (ids, mask) in padded_batches(96).items():
+        answer_pos = mask.sum(1) - 1 if side == "right" else np.full(len(ids), ids.shape[1] - 1)
+        label = np.array([0, 1, 0])
+        batch = dict(input_ids=ids, attention_mask=mask, answer_pos=answer_pos.astype(np.int32), label=label)
+        (loss, count), margins, uncapped = engine(state, batch)
+        with torch.no_grad():
+            logits = hf_model(torch.tensor(ids), attention_mask=torch.tensor(mask)).logits.numpy()
+        at_answer = logits[np.arange(len(ids)), answer_pos]
+        targets = np.where(label == 0, yes, no)
+        expected_loss = -scipy.special.log_softmax(at_answer, axis=-1)[np.arange(len(ids)), targets].sum()
+        assert count == len(ids)
+        np.testing.assert_allclose(loss, expected_loss, rtol=0, atol=1e-5)
+        np.testing.assert_allclose(margins, at_answer[:, yes] - at_answer[:, no], rtol=0, atol=1e-5)
+        assert np.abs(np.asarray(uncapped) - at_answer).max() > 0.1
+
+
 def test_legacy_rope_keys_mean_what_transformers_reads(tmp_path):
     """Older config.json files spell RoPE as rope_theta + rope_scaling {"type": ...}."""
     hf_model = tiny_hf_model(
@@ -244,6 +311,19 @@ def test_bfloat16_checkpoint_loads_exactly_into_float32(tmp_path):
     save(copy.deepcopy(hf_model).to(torch.bfloat16), tmp_path)
     model = load_pretrained(tmp_path, dtype="float32")
     assert_matches_hf(model, hf_model, 96)
+
+
+def test_gemma_embeddings_scale_by_sqrt_hidden_rounded_to_bf16_as_transformers_does(tmp_path):
+    """sqrt(32) = 5.657 is 5.656 in bf16; transformers rounds the multiplier to the weights' dtype first, so
+    in bf16 the scaled embeddings (the first hidden states) must equal its own bit for bit."""
+    hf_model = tiny_hf_model(LAYOUTS["gemma2_softcap_sliding"]()).to(torch.bfloat16)
+    model = load_pretrained(save(hf_model, tmp_path), dtype="bfloat16")
+    ids, mask = padded_batches(96)["right"]
+    with torch.no_grad():
+        out = hf_model(torch.tensor(ids), attention_mask=torch.tensor(mask), output_hidden_states=True)
+    embedded = jitted(model)(ids, mask)[1][0]
+    assert embedded.dtype == jax.numpy.bfloat16
+    np.testing.assert_array_equal(np.asarray(embedded.astype(np.float32)), out.hidden_states[0].float().numpy())
 
 
 def test_bfloat16_load_keeps_bf16_params_and_stays_close(tmp_path):

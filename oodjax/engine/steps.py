@@ -201,7 +201,7 @@ def answer_loss(model: nnx.Module, batch: Batch, yes_id: int, no_id: int) -> tup
     Sums rather than a mean, so micro-batches accumulate exactly: the step
     divides the summed gradients by the summed count once.
     """
-    logits = jnp.matmul(answer_hidden(model, batch), model.head_kernel(), preferred_element_type=jnp.float32)
+    logits = model.head_logits(answer_hidden(model, batch), model.head_kernel())
     targets = jnp.where(batch["label"] == 0, yes_id, no_id)
     losses = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
     valid = batch["valid"].astype(jnp.float32) if "valid" in batch else jnp.ones_like(losses)
@@ -209,9 +209,10 @@ def answer_loss(model: nnx.Module, batch: Batch, yes_id: int, no_id: int) -> tup
 
 
 def eval_margins(model: nnx.Module, batch: Batch, yes_id: int, no_id: int) -> jax.Array:
-    """logit(Yes) - logit(No) at the answer positions (answer_pos's shape), from the two head columns only."""
+    """logit(Yes) - logit(No) at the answer positions (answer_pos's shape), from the two head columns only
+    (each soft-capped where the family caps its logits, as the full head would give them)."""
     head = jnp.take(model.head_kernel(), np.asarray([yes_id, no_id], np.int32), axis=1)
-    logits = jnp.matmul(answer_hidden(model, batch), head, preferred_element_type=jnp.float32)
+    logits = model.head_logits(answer_hidden(model, batch), head)
     return logits[..., 0] - logits[..., 1]
 
 

@@ -1,7 +1,8 @@
-"""Flax NNX ports that load Hugging Face checkpoints exactly: OPT, OLMo2 and the Llama family
-(Llama, SmolLM2, SmolLM3, Qwen2, Qwen3, Mistral)."""
+"""Flax NNX ports that load Hugging Face checkpoints exactly: OPT, OLMo2, the Llama family
+(Llama, SmolLM2, SmolLM3, Qwen2, Qwen3, Mistral, Phi-3) and Gemma (Gemma 2, Gemma 3 text)."""
 
 from oodjax.models.config import DecoderConfig
+from oodjax.models.gemma import GemmaConfig, GemmaForCausalLM
 from oodjax.models.layers import REMAT_POLICIES, CausalLM, Linear
 from oodjax.models.llama import LlamaConfig, LlamaForCausalLM
 from oodjax.models.loading import ARCHITECTURES, abstract_model, config_from_dict, from_config, load_pretrained
@@ -14,6 +15,8 @@ __all__ = [
     "LOGICAL_AXIS_RULES",
     "CausalLM",
     "DecoderConfig",
+    "GemmaConfig",
+    "GemmaForCausalLM",
     "Linear",
     "LlamaConfig",
     "LlamaForCausalLM",

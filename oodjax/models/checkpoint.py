@@ -49,9 +49,23 @@ class Checkpoint(Protocol):
     def read(self, name: str, index: Index) -> np.ndarray: ...
 
 
+def read_json(path: pathlib.Path) -> Any:
+    """A checkpoint or tokenizer folder's JSON file (config.json, an index), or an error naming it.
+
+    json's own errors ("Expecting value: line 1 column 1") name no file.
+    """
+    try:
+        return json.loads(path.read_bytes())
+    except ValueError as error:  # JSONDecodeError, UnicodeDecodeError
+        raise ValueError(f"{path} is not valid JSON (truncated or corrupt?): {error}") from None
+
+
 def _weight_map(directory: pathlib.Path, index_file: str) -> dict[str, str]:
     """Tensor name -> shard file, checking every shard the index names is there."""
-    weight_map = json.loads((directory / index_file).read_text())["weight_map"]
+    index = read_json(directory / index_file)
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict):
+        raise ValueError(f"{directory / index_file} has no \"weight_map\" object (tensor name -> shard file)")
     for shard in sorted(set(weight_map.values())):
         if not (directory / shard).is_file():
             raise FileNotFoundError(f"{directory / index_file} lists the shard {shard!r}, which is not in {directory}")

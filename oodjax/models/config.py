@@ -12,6 +12,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+from oodjax.models.flash_attention import check_implementation
 from oodjax.models.layers import check_remat
 
 
@@ -35,9 +36,12 @@ class DecoderConfig:
     pad_token_id: int | None
     tie_word_embeddings: bool
     remat: str = "none"  # a name of layers.REMAT_POLICIES: what each scanned layer keeps for the backward pass
+    final_logit_softcapping: float | None = None  # Gemma 2: logits are cap * tanh(logits / cap)
+    attention: str = "auto"  # a name of flash_attention.IMPLEMENTATIONS: the attention kernel
 
     def __post_init__(self):
         check_remat(self.remat)
+        check_implementation(self.attention)
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "

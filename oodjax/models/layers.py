@@ -16,6 +16,7 @@ remat policy (``REMAT_POLICIES``) applies to that one layer.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -23,10 +24,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import logging
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from oodjax.models.partitioning import HIDDEN, constrain
+from oodjax.models import flash_attention
+from oodjax.models.partitioning import HIDDEN, KV_HEADS, MLP_HIDDEN, QUERY_HEADS, constrain
 
 Axes = tuple[str | None, ...]
 
@@ -37,10 +40,6 @@ _INIT_STD = 0.02
 ATTENTION_PROJECTION = "attention_projection"
 MLP_PROJECTION = "mlp_projection"
 
-# Logical axes of per-head activations [batch, length, heads, head_dim] and the MLP's inner width.
-QUERY_HEADS = ("batch", "length", "activation_heads", None)
-KV_HEADS = ("batch", "length", "activation_kv_heads", None)
-MLP_HIDDEN = ("batch", "length", "activation_mlp")
 
 # What a decoder layer keeps for the backward pass, by name (as MaxText names its policies):
 # "none" keeps everything (no recomputation); "full" keeps only the layer's input and
@@ -65,6 +64,7 @@ def check_remat(name: str) -> str:
 ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
     "relu": jax.nn.relu,
     "silu": jax.nn.silu,
+    "gelu_pytorch_tanh": functools.partial(jax.nn.gelu, approximate=True),  # Gemma's GeGLU
 }
 
 
@@ -148,41 +148,69 @@ class RMSNorm(nnx.Module):
 
     Llama-style models cast back to the input dtype *before* multiplying by the
     weight; OLMo2 multiplies in float32 and casts after (``scale_in_float32``).
+    Gemma stores the weight as an offset from one (``unit_offset``: zeros at
+    init, applied as ``1 + weight``), multiplied in float32 like OLMo2's.
     """
 
-    def __init__(self, features: int, *, eps: float, dtype: jnp.dtype, scale_in_float32: bool = False):
+    def __init__(
+        self, features: int, *, eps: float, dtype: jnp.dtype, scale_in_float32: bool = False, unit_offset: bool = False
+    ):
         self.eps = eps
         self.scale_in_float32 = scale_in_float32
-        self.scale = _param(jnp.ones((features,), dtype), ("norm",))
+        self.unit_offset = unit_offset
+        init = jnp.zeros if unit_offset else jnp.ones
+        self.scale = _param(init((features,), dtype), ("norm",))
 
     def __call__(self, x: jax.Array) -> jax.Array:
         h = x.astype(jnp.float32)
         h = h * jax.lax.rsqrt(jnp.square(h).mean(-1, keepdims=True) + self.eps)
+        if self.unit_offset:
+            return (h * (1.0 + self.scale[...].astype(jnp.float32))).astype(x.dtype)
         if self.scale_in_float32:
             return (self.scale[...] * h).astype(x.dtype)
         return self.scale[...] * h.astype(x.dtype)
 
 
 class GatedMLP(nnx.Module):
-    """SwiGLU feed-forward of Llama and OLMo2: ``down(act(gate(x)) * up(x))``."""
+    """Gated feed-forward ``down(act(gate(x)) * up(x))``: SwiGLU of Llama and OLMo2, GeGLU of Gemma.
+
+    ``fused`` keeps gate and up as one projection ``gate_up_proj`` whose
+    output is [gate | up], as Phi-3's checkpoints (and peft's adapters on
+    them) have it.
+    """
 
     def __init__(
-        self, hidden_size: int, intermediate_size: int, *, act: str, use_bias: bool, dtype: jnp.dtype, rngs: nnx.Rngs
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        *,
+        act: str,
+        use_bias: bool,
+        dtype: jnp.dtype,
+        rngs: nnx.Rngs,
+        fused: bool = False,
     ):
         self.act_fn = activation(act)
+        self.fused = fused
         linear = dict(use_bias=use_bias, dtype=dtype, rngs=rngs, saved_as=MLP_PROJECTION)
-        self.gate_proj = Linear(hidden_size, intermediate_size, axes=("embed", "mlp"), **linear)
-        self.up_proj = Linear(hidden_size, intermediate_size, axes=("embed", "mlp"), **linear)
+        if fused:
+            self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, axes=("embed", "mlp"), **linear)
+        else:
+            self.gate_proj = Linear(hidden_size, intermediate_size, axes=("embed", "mlp"), **linear)
+            self.up_proj = Linear(hidden_size, intermediate_size, axes=("embed", "mlp"), **linear)
         self.down_proj = Linear(intermediate_size, hidden_size, axes=("mlp", "embed"), **linear)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        gated = self.act_fn(self.gate_proj(x)) * self.up_proj(x)
-        return constrain(self.down_proj(constrain(gated, MLP_HIDDEN)), HIDDEN)
+        if self.fused:
+            gate, up = jnp.split(self.gate_up_proj(x), 2, axis=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return constrain(self.down_proj(constrain(self.act_fn(gate) * up, MLP_HIDDEN)), HIDDEN)
 
 
 # --------------------------------------------------------------------------- RoPE
 
-ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,6 +229,8 @@ class RopeConfig:
     mscale: float | None = None
     mscale_all_dim: float | None = None
     truncate: bool = True
+    short_factor: tuple[float, ...] | None = None  # longrope's per-frequency divisors, within the original context
+    long_factor: tuple[float, ...] | None = None  # ... and beyond it
 
     @classmethod
     def from_hf(cls, raw: Mapping[str, Any], *, default_theta: float) -> RopeConfig:
@@ -211,13 +241,17 @@ class RopeConfig:
             raise ValueError(f"config.json: rope_type {rope_type!r} is not supported; supported: {list(ROPE_TYPES)}")
         if params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0)) != 1.0:
             raise ValueError("config.json: partial_rotary_factor != 1 is not supported")
-        required = {"linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor")}
+        required = {
+            "linear": ("factor",),
+            "llama3": ("factor", "low_freq_factor", "high_freq_factor"),
+            "longrope": ("short_factor", "long_factor"),
+        }
         for key in required.get(rope_type, ()):
             if params.get(key) is None:
                 raise ValueError(f"config.json: rope_type {rope_type!r} needs {key!r} in its rope parameters")
         original = None
         factor = params.get("factor")
-        if rope_type in ("llama3", "yarn"):
+        if rope_type in ("llama3", "yarn", "longrope"):
             # As transformers: a top-level original_max_position_embeddings wins, then the
             # rope parameters', then max_position_embeddings.
             original = raw.get("original_max_position_embeddings") or params.get(
@@ -225,7 +259,7 @@ class RopeConfig:
             )
             if original is None:
                 raise ValueError(f"config.json: rope_type {rope_type!r} needs original_max_position_embeddings")
-            if rope_type == "yarn" and factor is None:
+            if rope_type in ("yarn", "longrope") and factor is None:
                 factor = raw["max_position_embeddings"] / original
         return cls(
             rope_type=rope_type,
@@ -240,14 +274,23 @@ class RopeConfig:
             mscale=params.get("mscale"),
             mscale_all_dim=params.get("mscale_all_dim"),
             truncate=params.get("truncate", True),
+            short_factor=_factors(params.get("short_factor")),
+            long_factor=_factors(params.get("long_factor")),
         )
 
 
-def rope_frequencies(rope: RopeConfig, head_dim: int) -> tuple[np.ndarray, float]:
+def _factors(values: Any) -> tuple[float, ...] | None:
+    """A config's list of factors as a tuple (the config is hashed as a jit static), or None."""
+    return None if values is None else tuple(float(v) for v in values)
+
+
+def rope_frequencies(rope: RopeConfig, head_dim: int, seq_len: int | None = None) -> tuple[np.ndarray, float]:
     """Inverse frequencies [head_dim/2] and the cos/sin scale, computed in float32 as transformers does.
 
-    Mirrors ``modeling_rope_utils`` (default, linear, llama3, yarn) step by step,
-    so the tables agree with PyTorch's to the last bit where numpy allows.
+    Mirrors ``modeling_rope_utils`` (default, linear, llama3, yarn, longrope)
+    step by step, so the tables agree with PyTorch's to the last bit where
+    numpy allows. ``seq_len`` matters to longrope alone: its long factors
+    apply to rows longer than ``original_max_position_embeddings``.
     """
     exponents = np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim)
     # The float32 power rounded once from float64, as torch's is: numpy's SIMD float32
@@ -260,6 +303,8 @@ def rope_frequencies(rope: RopeConfig, head_dim: int) -> tuple[np.ndarray, float
         return inv_freq / np.float32(rope.factor), 1.0
     if rope.rope_type == "llama3":
         return _llama3_inv_freq(rope, inv_freq), 1.0
+    if rope.rope_type == "longrope":
+        return _longrope_inv_freq(rope, pos_freqs, seq_len)
     return _yarn_inv_freq(rope, head_dim, pos_freqs)
 
 
@@ -305,9 +350,26 @@ def _yarn_inv_freq(rope: RopeConfig, head_dim: int, pos_freqs: np.ndarray) -> tu
     return inv_freq.astype(np.float32), attention_factor
 
 
+def _longrope_inv_freq(rope: RopeConfig, pos_freqs: np.ndarray, seq_len: int | None) -> tuple[np.ndarray, float]:
+    original = rope.original_max_position_embeddings
+    attention_factor = rope.attention_factor
+    if attention_factor is None:
+        attention_factor = 1.0 if rope.factor <= 1 else math.sqrt(1 + math.log(rope.factor) / math.log(original))
+    factors = rope.long_factor if seq_len and seq_len > original else rope.short_factor
+    if len(factors) != len(pos_freqs):
+        raise ValueError(f"config.json: longrope has {len(factors)} factors, not head_dim / 2 = {len(pos_freqs)}")
+    return np.float32(1.0) / (np.asarray(factors, np.float32) * pos_freqs), attention_factor
+
+
 def rope_cos_sin(positions: jax.Array, rope: RopeConfig, head_dim: int) -> tuple[jax.Array, jax.Array]:
-    """cos and sin [B, S, head_dim] in float32 for integer ``positions`` [B, S]."""
-    inv_freq, scale = rope_frequencies(rope, head_dim)
+    """cos and sin [B, S, head_dim] in float32 for integer ``positions`` [B, S].
+
+    Longrope picks its factors by the row length S, as transformers does from
+    its position ids (0..S-1): a packed row longer than the original context
+    gets the long factors for every prompt in it, where each prompt alone
+    would get the short ones.
+    """
+    inv_freq, scale = rope_frequencies(rope, head_dim, seq_len=positions.shape[1])
     freqs = positions[..., None].astype(jnp.float32) * jnp.asarray(inv_freq)
     angles = jnp.concatenate([freqs, freqs], axis=-1)
     return jnp.cos(angles) * scale, jnp.sin(angles) * scale
@@ -351,6 +413,8 @@ def attention(
     scale: float,
     window: int | jax.Array | None = None,
     positions: jax.Array | None = None,
+    softcap: float | None = None,
+    implementation: str = "xla",
 ) -> jax.Array:
     """Causal attention within each prompt; query [B,T,N,D], key/value [B,T,K,D] with N % K == 0 (GQA).
 
@@ -366,16 +430,59 @@ def attention(
     its position encoding already). Rows of padded queries see no key at all;
     ``jax.nn.dot_product_attention`` then spreads them uniformly instead of
     producing NaNs, so padding never poisons real positions.
+
+    ``softcap`` (Gemma 2's ``attn_logit_softcapping``) bounds the scaled
+    scores to (-cap, cap) with ``cap * tanh(s / cap)`` before masking, as
+    transformers' eager attention does. No fused attention kernel caps its
+    scores (transformers refuses sdpa for Gemma 2 for that reason), so a
+    capped model always takes the explicit path (``_softcapped_attention``).
+
+    ``implementation`` is ``model.attention`` (``flash_attention.resolve``
+    says what it means on this platform): with a fused kernel, attention
+    without a window or a cap runs fused, with the segments as its segment
+    ids; windows and caps keep this explicit path.
     """
     query, key, value = constrain(query, QUERY_HEADS), constrain(key, KV_HEADS), constrain(value, KV_HEADS)
     segments = segments.astype(jnp.int32)
+    kernel = flash_attention.resolve(implementation)
+    if kernel != "xla":
+        if window is None and softcap is None:
+            out = flash_attention.flash_attention(query, key, value, segments, scale=scale, kernel=kernel)
+            return constrain(out, QUERY_HEADS)
+        logging.log_first_n(logging.INFO, "attention: sliding windows and soft caps take XLA's path, not %s", 1, kernel)
     allowed = (segments[:, :, None] == segments[:, None, :]) & (segments[:, None, :] != 0)
     if window is not None:
         if positions is None:
             raise ValueError("a sliding window needs the tokens' positions in their prompts")
         allowed &= positions[:, :, None] - positions[:, None, :] < window
-    out = jax.nn.dot_product_attention(query, key, value, mask=allowed[:, None], scale=scale, is_causal=True)
+    if softcap is not None:
+        out = _softcapped_attention(query, key, value, allowed, scale=scale, softcap=softcap)
+    else:
+        out = jax.nn.dot_product_attention(query, key, value, mask=allowed[:, None], scale=scale, is_causal=True)
     return constrain(out, QUERY_HEADS)
+
+
+def soft_cap(x: jax.Array, cap: float) -> jax.Array:
+    """``cap * tanh(x / cap)``, in transformers' order of operations: x unchanged near 0, bounded by +-cap."""
+    return jnp.tanh(x / cap) * cap
+
+
+def _softcapped_attention(
+    query: jax.Array, key: jax.Array, value: jax.Array, allowed: jax.Array, *, scale: float, softcap: float
+) -> jax.Array:
+    """What ``jax.nn.dot_product_attention``'s XLA path computes (float32 scores, float32 softmax, GQA by
+    grouping query heads), with the scores soft-capped between scaling and masking; ``allowed`` [B, T, T]."""
+    batch, length, heads, head_dim = query.shape
+    kv_heads = key.shape[2]
+    grouped = query.reshape(batch, length, kv_heads, heads // kv_heads, head_dim)
+    scores = jnp.einsum("btkgd,bskd->bkgts", grouped, key, preferred_element_type=jnp.float32) * scale
+    scores = soft_cap(scores, softcap)
+    causal = jnp.tril(jnp.ones((length, length), bool))
+    # A fully masked row (a padded query) gets uniform weights, as dot_product_attention gives it.
+    scores = jnp.where((allowed & causal)[:, None, None], scores, jnp.finfo(jnp.float32).min)
+    weights = jax.nn.softmax(scores, axis=-1).astype(value.dtype)
+    out = jnp.einsum("bkgts,bskd->btkgd", weights, value)
+    return out.reshape(batch, length, heads, head_dim)
 
 
 # --------------------------------------------------------------------------- the decoder stack
@@ -488,12 +595,22 @@ class CausalLM(nnx.Module):
         return self.decoder()(input_ids, attention_mask, all_layers=all_layers)
 
     def head_kernel(self) -> jax.Array:
-        """[H', vocab]: logits are ``hidden_states @ head_kernel()`` (the embedding's transpose when tied)."""
+        """[H', vocab]: logits are ``head_logits(hidden_states, head_kernel())``; the embedding's transpose if tied."""
         if self.config.tie_word_embeddings:
             return self.input_embeddings().embedding[...].T
         return self.lm_head.kernel[...]
 
+    def head_logits(self, hidden: jax.Array, head: jax.Array) -> jax.Array:
+        """Logits of ``hidden`` [..., H'] under ``head`` [H', V'] (the head kernel, or some of its columns), in
+        float32, soft-capped where the family caps its output (Gemma 2's ``final_logit_softcapping``).
+
+        The cap applies to each logit alone, so the engine may apply it to
+        the answer positions and columns it computes and get the full model's.
+        """
+        logits = jnp.matmul(hidden, head, preferred_element_type=jnp.float32)
+        cap = self.config.final_logit_softcapping
+        return logits if cap is None else soft_cap(logits, cap)
+
     def __call__(self, input_ids: jax.Array, attention_mask: jax.Array) -> jax.Array:
         """Logits [batch, seq, vocab] in float32 (accumulated in float32 even for bf16 parameters)."""
-        hidden = self.hidden_states(input_ids, attention_mask)
-        return jnp.matmul(hidden, self.head_kernel(), preferred_element_type=jnp.float32)
+        return self.head_logits(self.hidden_states(input_ids, attention_mask), self.head_kernel())

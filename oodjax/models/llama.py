@@ -1,4 +1,5 @@
-"""The Llama family: Llama, SmolLM2 ("llama"), SmolLM3 ("smollm3"), Qwen2/Qwen2.5 ("qwen2") and Qwen3 ("qwen3").
+"""The Llama family: Llama, SmolLM2 ("llama"), SmolLM3 ("smollm3"), Qwen2/Qwen2.5 ("qwen2"), Qwen3 ("qwen3"),
+Mistral ("mistral") and Phi-3 ("phi3").
 
 As transformers' ``modeling_llama.py`` / ``modeling_smollm3.py`` /
 ``modeling_qwen2.py`` / ``modeling_qwen3.py`` compute them: pre-RMSNorm
@@ -6,9 +7,14 @@ blocks, SwiGLU, grouped-query attention, RoPE with its scaling variants.
 SmolLM3 is Llama except that the layers its ``no_rope_layers`` marks with 0
 use no position encoding at all (NoPE); 1 means the layer uses RoPE. Qwen2
 gives q, k and v (not o) a bias; Qwen3 normalises each head of q and k with an
-RMSNorm over head_dim before RoPE; Mistral ("mistral") is Llama with a sliding
-window on every layer. Sliding windows are per layer, as each family's
-config decides them (``layer_windows``), and scanned with the weights.
+RMSNorm over head_dim before RoPE; Mistral is Llama with a sliding window on
+every layer. Phi-3 is Llama with q/k/v fused into one projection
+(``qkv_proj``, output [q | k | v]) and gate/up into another
+(``gate_up_proj``, [gate | up]), kept fused as its checkpoints and peft's
+adapters name them; a sliding window on every layer when its config sets
+one; RoPE default or longrope ("su" and "yarn" mean longrope to Phi-3's
+config). Sliding windows are per layer, as each family's config decides
+them (``layer_windows``), and scanned with the weights.
 """
 
 from __future__ import annotations
@@ -45,32 +51,39 @@ from oodjax.models.partitioning import HIDDEN, constrain
 _DEFAULTS = {
     "llama": dict(
         vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
-        num_key_value_heads=None, pad_token_id=None, tie_word_embeddings=False, rope_theta=10_000.0,
+        num_key_value_heads=None, pad_token_id=None, tie_word_embeddings=False, rope_theta=10_000.0, rms_norm_eps=1e-6,
     ),
     "smollm3": dict(
         vocab_size=128256, hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16,
-        num_key_value_heads=4, pad_token_id=128004, tie_word_embeddings=True, rope_theta=2_000_000.0,
+        num_key_value_heads=4, pad_token_id=128004, tie_word_embeddings=True, rope_theta=2_000_000.0, rms_norm_eps=1e-6,
     ),
     "qwen2": dict(
         vocab_size=151936, hidden_size=4096, intermediate_size=22016, num_hidden_layers=32, num_attention_heads=32,
-        num_key_value_heads=32, pad_token_id=None, tie_word_embeddings=False, rope_theta=10_000.0,
+        num_key_value_heads=32, pad_token_id=None, tie_word_embeddings=False, rope_theta=10_000.0, rms_norm_eps=1e-6,
     ),
     "qwen3": dict(
         vocab_size=151936, hidden_size=4096, intermediate_size=22016, num_hidden_layers=32, num_attention_heads=32,
-        num_key_value_heads=32, pad_token_id=None, tie_word_embeddings=False, rope_theta=10_000.0,
+        num_key_value_heads=32, pad_token_id=None, tie_word_embeddings=False, rope_theta=10_000.0, rms_norm_eps=1e-6,
     ),
     "mistral": dict(
         vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-        num_key_value_heads=8, pad_token_id=None, tie_word_embeddings=False, rope_theta=10_000.0,
+        num_key_value_heads=8, pad_token_id=None, tie_word_embeddings=False, rope_theta=10_000.0, rms_norm_eps=1e-6,
+    ),
+    "phi3": dict(
+        vocab_size=32064, hidden_size=3072, intermediate_size=8192, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=None, pad_token_id=32000, tie_word_embeddings=False, rope_theta=10_000.0, rms_norm_eps=1e-5,
     ),
 }  # fmt: skip
+# Older names Phi3Config reads as "longrope".
+_PHI3_LONGROPE_ALIASES = ("su", "yarn")
 
 
 def layer_windows(raw: Mapping[str, Any], num_layers: int, rope_layers: tuple[bool, ...]) -> tuple[int | None, ...]:
     """Each layer's sliding window (a token sees the ``window`` latest tokens of its prompt, itself included),
     None for full attention, as transformers decides it for the family.
 
-    Mistral slides every layer by ``sliding_window`` (4096 by default). The
+    Mistral slides every layer by ``sliding_window`` (4096 by default), Phi-3
+    every layer by ``sliding_window`` when it is set (no default). The
     others slide only with ``use_sliding_window`` and only the layers whose
     ``layer_types`` entry is "sliding_attention"; without that list, as their
     configs derive it: Qwen from ``max_window_layers`` on, SmolLM3 its NoPE
@@ -80,6 +93,8 @@ def layer_windows(raw: Mapping[str, Any], num_layers: int, rope_layers: tuple[bo
     if model_type == "mistral":
         return (raw.get("sliding_window", 4096),) * num_layers
     window = raw.get("sliding_window")
+    if model_type == "phi3":
+        return (window,) * num_layers
     if not hf_value(raw, "use_sliding_window", False) or window is None:
         return (None,) * num_layers
     if model_type == "smollm3":
@@ -91,6 +106,17 @@ def layer_windows(raw: Mapping[str, Any], num_layers: int, rope_layers: tuple[bo
     if len(layer_types) != num_layers:
         raise ValueError(f"config.json: layer_types has {len(layer_types)} entries for {num_layers} layers")
     return tuple(window if kind == "sliding_attention" else None for kind in layer_types)
+
+
+def _phi3_rope(raw: Mapping[str, Any]) -> RopeConfig:
+    """Phi-3's RoPE: default or longrope, the latter also under its older names; others are refused, as
+    Phi3Config refuses them."""
+    params = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+    rope_type = params.get("rope_type", params.pop("type", "default"))
+    params["rope_type"] = "longrope" if rope_type in _PHI3_LONGROPE_ALIASES else rope_type
+    if params["rope_type"] not in ("default", "longrope"):
+        raise ValueError(f"config.json: phi3 rope_type {rope_type!r} is not supported; Phi-3 uses default or longrope")
+    return RopeConfig.from_hf({**raw, "rope_parameters": params}, default_theta=_DEFAULTS["phi3"]["rope_theta"])
 
 
 def _smollm3_rope_layers(raw: Mapping[str, Any], num_layers: int) -> tuple[bool, ...]:
@@ -114,10 +140,11 @@ class LlamaConfig(DecoderConfig):
     rope: RopeConfig
     rope_layers: tuple[bool, ...]
     layer_windows: tuple[int | None, ...]  # each layer's sliding window; None = full attention
+    fused_projections: bool  # Phi-3: qkv_proj and gate_up_proj instead of q/k/v_proj and gate/up_proj
 
     @classmethod
     def from_hf(cls, raw: Mapping[str, Any], *, remat: str = "none") -> LlamaConfig:
-        """Read a llama or smollm3 config.json with the matching transformers defaults."""
+        """Read a config.json of one of the family's model types with the matching transformers defaults."""
         model_type = raw["model_type"]
         defaults = _DEFAULTS[model_type]
 
@@ -125,6 +152,8 @@ class LlamaConfig(DecoderConfig):
             return hf_value(raw, key, defaults[key])
 
         hidden, heads, layers = value("hidden_size"), value("num_attention_heads"), value("num_hidden_layers")
+        theta = defaults["rope_theta"]
+        rope = _phi3_rope(raw) if model_type == "phi3" else RopeConfig.from_hf(raw, default_theta=theta)
         attention_bias = hf_value(raw, "attention_bias", False)
         rope_layers = _smollm3_rope_layers(raw, layers) if model_type == "smollm3" else (True,) * layers
         return cls(
@@ -140,14 +169,15 @@ class LlamaConfig(DecoderConfig):
             remat=remat,
             intermediate_size=value("intermediate_size"),
             hidden_act=hf_value(raw, "hidden_act", "silu"),
-            rms_norm_eps=hf_value(raw, "rms_norm_eps", 1e-6),
+            rms_norm_eps=value("rms_norm_eps"),
             qkv_bias=model_type == "qwen2" or attention_bias,  # Qwen2's q/k/v always have one, its o never
             o_bias=model_type != "qwen2" and attention_bias,
             qk_norm=model_type == "qwen3",
             mlp_bias=hf_value(raw, "mlp_bias", False),
-            rope=RopeConfig.from_hf(raw, default_theta=defaults["rope_theta"]),
+            rope=rope,
             rope_layers=rope_layers,
             layer_windows=layer_windows(raw, layers, rope_layers),
+            fused_projections=model_type == "phi3",
         )
 
 
@@ -157,10 +187,19 @@ class LlamaAttention(nnx.Module):
         q_width = config.num_attention_heads * config.head_dim
         kv_width = config.num_key_value_heads * config.head_dim
         self.head_dim = config.head_dim
+        self.implementation = config.attention
+        self.fused = config.fused_projections
+        self.q_width, self.kv_width = q_width, kv_width
         linear = dict(dtype=dtype, rngs=rngs, saved_as=ATTENTION_PROJECTION)
-        self.q_proj = Linear(width, q_width, use_bias=config.qkv_bias, axes=("embed", "heads"), **linear)
-        self.k_proj = Linear(width, kv_width, use_bias=config.qkv_bias, axes=("embed", "kv_heads"), **linear)
-        self.v_proj = Linear(width, kv_width, use_bias=config.qkv_bias, axes=("embed", "kv_heads"), **linear)
+        if self.fused:
+            # Split into q, k, v after the projection; on a tensor-sharded mesh that split moves activations.
+            self.qkv_proj = Linear(
+                width, q_width + 2 * kv_width, use_bias=config.qkv_bias, axes=("embed", "heads"), **linear
+            )
+        else:
+            self.q_proj = Linear(width, q_width, use_bias=config.qkv_bias, axes=("embed", "heads"), **linear)
+            self.k_proj = Linear(width, kv_width, use_bias=config.qkv_bias, axes=("embed", "kv_heads"), **linear)
+            self.v_proj = Linear(width, kv_width, use_bias=config.qkv_bias, axes=("embed", "kv_heads"), **linear)
         self.o_proj = Linear(q_width, width, use_bias=config.o_bias, axes=("heads", "embed"), **linear)
         norm = dict(eps=config.rms_norm_eps, dtype=dtype)
         self.q_norm = nnx.data(RMSNorm(config.head_dim, **norm) if config.qk_norm else None)
@@ -178,16 +217,20 @@ class LlamaAttention(nnx.Module):
     ) -> jax.Array:
         batch, seq, _ = x.shape
         heads = (batch, seq, -1, self.head_dim)
-        query, key = self.q_proj(x).reshape(heads), self.k_proj(x).reshape(heads)
+        if self.fused:
+            query, key, value = jnp.split(self.qkv_proj(x), [self.q_width, self.q_width + self.kv_width], axis=-1)
+        else:
+            query, key, value = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        query, key, value = query.reshape(heads), key.reshape(heads), value.reshape(heads)
         if self.q_norm is not None:
             query, key = self.q_norm(query), self.k_norm(key)
         # A traced per-layer flag (the layers are scanned): SmolLM3's NoPE layers keep q and k as they are.
         query = jnp.where(use_rope, apply_rope(query, cos, sin), query)
         key = jnp.where(use_rope, apply_rope(key, cos, sin), key)
-        value = self.v_proj(x).reshape(heads)
         out = attention(
-            query, key, value, attention_mask, scale=self.head_dim**-0.5, window=window, positions=positions
-        )
+            query, key, value, attention_mask, scale=self.head_dim**-0.5, window=window, positions=positions,
+            implementation=self.implementation,
+        )  # fmt: skip
         return constrain(self.o_proj(out.reshape(batch, seq, -1)), HIDDEN)
 
 
@@ -201,6 +244,7 @@ class LlamaDecoderLayer(nnx.Module):
             use_bias=config.mlp_bias,
             dtype=dtype,
             rngs=rngs,
+            fused=config.fused_projections,
         )
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype)

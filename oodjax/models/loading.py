@@ -31,6 +31,7 @@ from jax.sharding import Mesh, Sharding, SingleDeviceSharding
 
 from oodjax.models.checkpoint import PICKLE, PICKLE_INDEX, SAFETENSORS_INDEX, Checkpoint, open_checkpoint
 from oodjax.models.config import DecoderConfig
+from oodjax.models.gemma import GemmaForCausalLM
 from oodjax.models.layers import STACKED, CausalLM, per_layer_paths
 from oodjax.models.llama import LlamaForCausalLM
 from oodjax.models.olmo2 import Olmo2ForCausalLM
@@ -46,6 +47,9 @@ ARCHITECTURES: dict[str, type[CausalLM]] = {
     "qwen2": LlamaForCausalLM,
     "qwen3": LlamaForCausalLM,
     "mistral": LlamaForCausalLM,
+    "phi3": LlamaForCausalLM,
+    "gemma2": GemmaForCausalLM,
+    "gemma3_text": GemmaForCausalLM,
 }
 
 # Our parameter leaf name -> (HF's, whether HF stores it transposed).
@@ -63,12 +67,13 @@ _BASE_PREFIX = "model."
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 
 
-def config_from_dict(config: Mapping[str, Any], *, remat: str = "none") -> DecoderConfig:
-    """The frozen config of the family ``config["model_type"]`` names, read from a config.json dict."""
+def config_from_dict(config: Mapping[str, Any], *, remat: str = "none", attention: str = "auto") -> DecoderConfig:
+    """The frozen config of the family ``config["model_type"]`` names, read from a config.json dict, with the
+    engine's choices that change no parameter: the remat policy and the attention implementation."""
     model_type = config.get("model_type")
     if model_type not in ARCHITECTURES:
         raise ValueError(f"config.json: unknown model_type {model_type!r}; supported: {sorted(ARCHITECTURES)}")
-    return ARCHITECTURES[model_type].config_class.from_hf(config, remat=remat)
+    return dataclasses.replace(ARCHITECTURES[model_type].config_class.from_hf(config, remat=remat), attention=attention)
 
 
 def _float_dtype(dtype: Any) -> jnp.dtype:
@@ -83,20 +88,22 @@ def _build(config: DecoderConfig, dtype: jnp.dtype, seed: int | jax.Array) -> Ca
 
 
 def from_config(
-    config: Mapping[str, Any], *, dtype: Any = "float32", seed: int = 0, remat: str = "none"
+    config: Mapping[str, Any], *, dtype: Any = "float32", seed: int = 0, remat: str = "none", attention: str = "auto"
 ) -> CausalLM:
     """A randomly initialised model (HF's normal(0, 0.02) init) from a config.json dict; no checkpoint needed."""
-    config, dtype = config_from_dict(config, remat=remat), _float_dtype(dtype)
+    config, dtype = config_from_dict(config, remat=remat, attention=attention), _float_dtype(dtype)
     graphdef, _ = nnx.split(nnx.eval_shape(lambda: _build(config, dtype, 0)))
-    # Parameters do not depend on remat, so every policy shares one compiled initialiser.
-    state = _initial_state(dataclasses.replace(config, remat="none"), dtype, jax.random.key(seed))
+    # Parameters depend on neither remat nor attention, so every choice shares one compiled initialiser.
+    state = _initial_state(dataclasses.replace(config, remat="none", attention="auto"), dtype, jax.random.key(seed))
     return nnx.merge(graphdef, state)
 
 
-def abstract_model(config: Mapping[str, Any], *, dtype: Any = "bfloat16", remat: str = "none") -> CausalLM:
+def abstract_model(
+    config: Mapping[str, Any], *, dtype: Any = "bfloat16", remat: str = "none", attention: str = "auto"
+) -> CausalLM:
     """The model of a config.json dict with ``jax.ShapeDtypeStruct`` parameters: shapes and logical axes,
     no memory, no computation. What the preflight compiles and the cost estimator counts."""
-    config, dtype = config_from_dict(config, remat=remat), _float_dtype(dtype)
+    config, dtype = config_from_dict(config, remat=remat, attention=attention), _float_dtype(dtype)
     return nnx.eval_shape(lambda: _build(config, dtype, 0))
 
 
@@ -252,6 +259,7 @@ def load_pretrained(
     mesh: Mesh | None = None,
     allow_pickle: bool = False,
     remat: str = "none",
+    attention: str = "auto",
 ) -> CausalLM:
     """Load a Hugging Face checkpoint (local folder or hub id) as an NNX model.
 
@@ -259,11 +267,12 @@ def load_pretrained(
     cast to ``dtype`` and, with a ``mesh`` (axes "data", "fsdp", "tensor"),
     placed on the shardings ``partitioning.LOGICAL_AXIS_RULES`` gives them;
     without one, on the default device. ``remat`` names what each decoder
-    layer keeps for the backward pass (``layers.REMAT_POLICIES``).
+    layer keeps for the backward pass (``layers.REMAT_POLICIES``), ``attention``
+    the attention implementation (``flash_attention.IMPLEMENTATIONS``).
     """
     dtype = _float_dtype(dtype)
     directory = _resolve(path, allow_pickle)
-    config = config_from_dict(_read_config(directory), remat=remat)
+    config = config_from_dict(_read_config(directory), remat=remat, attention=attention)
     model = nnx.eval_shape(lambda: _build(config, dtype, seed=0))
     default_sharding = SingleDeviceSharding(jax.local_devices()[0])
     with contextlib.ExitStack() as stack:

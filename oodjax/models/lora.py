@@ -43,8 +43,9 @@ def _peft_a_init(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     )
 
 # Attention projections adapted by default: q/k/v and the output projection,
-# which OPT calls out_proj and OLMo2/Llama call o_proj.
-ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "out_proj")
+# which OPT calls out_proj and OLMo2/Llama call o_proj. Phi-3 keeps q/k/v fused
+# as qkv_proj: one adapter on it, as peft puts one there.
+ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj", "out_proj")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -236,3 +237,82 @@ def export_peft(
     (out / "adapter_config.json").write_text(json.dumps(adapter_config, indent=2) + "\n")
     safetensors.numpy.save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
     return out
+
+
+# adapter_config.json fields whose non-default values change what the adapter computes beyond
+# ``x @ A @ B * alpha / r``; an adapter that sets one is refused rather than evaluated wrongly.
+_PEFT_UNSUPPORTED = {
+    "use_rslora": False,
+    "use_dora": False,
+    "fan_in_fan_out": False,
+    "bias": "none",
+    "rank_pattern": {},
+    "alpha_pattern": {},
+    "modules_to_save": None,
+    "layers_to_transform": None,
+}
+
+
+def read_peft(path: str | pathlib.Path) -> tuple[LoRAConfig, dict[str, np.ndarray]]:
+    """A PEFT LoRA adapter folder (``export_peft``'s, or peft's ``save_pretrained``): its LoRAConfig and tensors.
+
+    The targets are read from the tensors' names (``target_modules`` may be a
+    regex in peft); dropout is kept but evaluation does not use it.
+    """
+    folder = pathlib.Path(path)
+    config_path, weights_path = folder / "adapter_config.json", folder / "adapter_model.safetensors"
+    for required in (config_path, weights_path):
+        if not required.is_file():
+            raise FileNotFoundError(f"adapter folder {folder} has no {required.name} (not a PEFT adapter)")
+    try:
+        adapter = json.loads(config_path.read_text())
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{config_path}: not valid JSON ({error})") from error
+    if adapter.get("peft_type") != "LORA":
+        raise ValueError(f"{config_path}: peft_type is {adapter.get('peft_type')!r}; only LORA adapters load")
+    for field, default in _PEFT_UNSUPPORTED.items():
+        if adapter.get(field, default) not in (default, None, {}, False, "none"):
+            raise ValueError(f"{config_path}: {field}={adapter[field]!r} is not supported (only plain LoRA)")
+    try:
+        tensors = safetensors.numpy.load_file(str(weights_path))
+    except Exception as error:  # safetensors raises its own error types for a damaged file
+        raise ValueError(f"{weights_path}: not a readable safetensors file ({error})") from error
+    targets = tuple(sorted({name.split(".")[-3] for name in tensors}))
+    if not targets:
+        raise ValueError(f"{weights_path} holds no tensors")
+    cfg = LoRAConfig(
+        rank=int(adapter["r"]), alpha=float(adapter["lora_alpha"]), dropout=float(adapter.get("lora_dropout", 0.0)),
+        targets=targets,
+    )  # fmt: skip
+    return cfg, tensors
+
+
+def lora_from_peft(lora_like: nnx.State, tensors: dict[str, np.ndarray], *, source: str) -> nnx.State:
+    """One run's adapter state, shaped like ``lora_like``, filled from peft's tensors (``peft_tensors``' inverse).
+
+    Every tensor is accounted for: an adapter the model lacks, or one of the
+    model's adapters missing from the file, is an error naming it and
+    ``source``, as is a shape that differs.
+    """
+    remaining = dict(tensors)
+    flat = []
+    for path, value in nnx.to_flat_state(lora_like):
+        *module_path, _, factor = path
+        stacked = STACKED in map(str, module_path)
+        layers = value.shape[0] if stacked else 1
+        weights = []
+        for layer_path in per_layer_paths(tuple(module_path), layers):
+            name = f"base_model.model.{'.'.join(layer_path)}.{_PEFT_NAMES[factor]}.weight"
+            if name not in remaining:
+                raise ValueError(f"{source}: adapter tensor {name} is missing (the model has this adapter)")
+            weights.append(remaining.pop(name).T)
+        array = np.stack(weights) if stacked else weights[0]
+        if array.shape != tuple(value.shape):
+            raise ValueError(
+                f"{source}: {'.'.join(map(str, path))} has shape {array.shape} in the file, {tuple(value.shape)} "
+                "in the model (another rank or another model?)"
+            )
+        flat.append((path, value.replace(jnp.asarray(array, dtype=value.dtype))))
+    if remaining:
+        raise ValueError(f"{source}: {len(remaining)} tensors match no adapter of the model: {sorted(remaining)[:4]}")
+    return nnx.from_flat_state(flat)

@@ -74,6 +74,7 @@ class Olmo2Attention(nnx.Module):
         q_width = config.num_attention_heads * config.head_dim
         kv_width = config.num_key_value_heads * config.head_dim
         self.head_dim = config.head_dim
+        self.implementation = config.attention
         linear = dict(use_bias=bias, dtype=dtype, rngs=rngs, saved_as=ATTENTION_PROJECTION)
         self.q_proj = Linear(width, q_width, axes=("embed", "heads"), **linear)
         self.k_proj = Linear(width, kv_width, axes=("embed", "kv_heads"), **linear)
@@ -88,7 +89,9 @@ class Olmo2Attention(nnx.Module):
         query = apply_rope(self.q_norm(self.q_proj(x)).reshape(heads), cos, sin)
         key = apply_rope(self.k_norm(self.k_proj(x)).reshape(heads), cos, sin)
         value = self.v_proj(x).reshape(heads)
-        out = attention(query, key, value, attention_mask, scale=self.head_dim**-0.5)
+        out = attention(
+            query, key, value, attention_mask, scale=self.head_dim**-0.5, implementation=self.implementation
+        )
         return constrain(self.o_proj(out.reshape(batch, seq, -1)), HIDDEN)
 
 

@@ -84,6 +84,7 @@ class OPTAttention(nnx.Module):
     def __init__(self, config: OPTConfig, *, dtype: jnp.dtype, rngs: nnx.Rngs):
         width, bias = config.hidden_size, config.enable_bias
         self.num_heads, self.head_dim = config.num_attention_heads, config.head_dim
+        self.implementation = config.attention
         linear = dict(use_bias=bias, dtype=dtype, rngs=rngs, saved_as=ATTENTION_PROJECTION)
         self.q_proj = Linear(width, width, axes=("embed", "heads"), **linear)
         self.k_proj = Linear(width, width, axes=("embed", "heads"), **linear)
@@ -97,7 +98,7 @@ class OPTAttention(nnx.Module):
         query = (self.q_proj(x) * self.head_dim**-0.5).reshape(heads)
         key = self.k_proj(x).reshape(heads)
         value = self.v_proj(x).reshape(heads)
-        out = attention(query, key, value, attention_mask, scale=1.0)
+        out = attention(query, key, value, attention_mask, scale=1.0, implementation=self.implementation)
         return constrain(self.out_proj(out.reshape(batch, seq, -1)), HIDDEN)
 
 

@@ -46,6 +46,11 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, MeshAxes], ...] = (
 
 # A decoder's hidden states [batch, length, width] between and inside layers.
 HIDDEN = ("batch", "length", "activation_embed")
+# Per-head activations [batch, length, heads, head_dim], the MLP's inner width, and per-token ids [batch, length].
+QUERY_HEADS = ("batch", "length", "activation_heads", None)
+KV_HEADS = ("batch", "length", "activation_kv_heads", None)
+MLP_HIDDEN = ("batch", "length", "activation_mlp")
+TOKENS = ("batch", "length")
 
 
 def logical_to_spec(
