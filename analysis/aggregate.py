@@ -17,7 +17,7 @@ import scipy.stats
 
 from analysis.naming import ModelInfo
 from analysis.padjust import adjust_pvalues
-from analysis.runs import Run
+from analysis.runs import ResultsError, Run
 from analysis.stats import CONFIDENCE, PAIR_COLUMNS, pairwise_partial_corr
 
 RUN_ID_COLUMNS = ("model", "train_set", "seed", "shots", "run")
@@ -34,6 +34,8 @@ GROUP_STAT_COLUMNS = (
     "reason",
 )
 SIGNIFICANCE = 0.05
+# The reason of a combined pair that no run defines starts with this, then the runs' reasons.
+UNDEFINED_IN_EVERY_RUN = "undefined in every run: "
 
 # Correlations of exactly +-1 have an infinite Fisher z; they enter the mean as
 # +-atanh(1 - 1e-12) (about +-14.2) so that one saturated run does not make
@@ -47,7 +49,10 @@ def run_pairs(run: Run, **options) -> pd.DataFrame:
     `options` are those of `pairwise_partial_corr` (method, residualiser,
     padjust, probit, differences); each run's pairs form one family.
     """
-    table = pairwise_partial_corr(run.accuracy, run.ood_testsets, run.in_domain, **options)
+    try:
+        table = pairwise_partial_corr(run.accuracy, run.ood_testsets, run.in_domain, **options)
+    except ValueError as error:  # accuracies the options cannot take, e.g. outside [0, 1]
+        raise ResultsError(f"{run.path}: {error}") from error
     identity = {
         "model": run.model,
         "train_set": run.train_set,
@@ -76,7 +81,7 @@ def combine_runs(pairs: pd.DataFrame, padjust: str = "holm") -> pd.DataFrame:
         for (x, y), runs in group.groupby(["x", "y"], sort=False):
             family.append(
                 {"model": model, "train_set": train_set, "x": x, "y": y}
-                | _combine(runs["r"].to_numpy())
+                | _combine(runs["r"].to_numpy(), runs["reason"])
             )
         family = pd.DataFrame(family)
         family["p_adj"] = adjust_pvalues(family["p"].to_numpy(), padjust)
@@ -145,7 +150,10 @@ def lower_triangle(pairs: pd.DataFrame, testsets: list[str]) -> tuple[np.ndarray
     return r, p_adj
 
 
-def _combine(r: np.ndarray) -> dict:
+def _combine(r: np.ndarray, reasons: pd.Series) -> dict:
+    """The combination of one pair's r over runs; `reasons` are the runs' reasons for NaN r,
+    repeated in the pair's reason when no run has an r."""
+    undefined = reasons[np.isnan(r)].value_counts()
     r = r[~np.isnan(r)]
     m = r.size
     result = {
@@ -159,7 +167,7 @@ def _combine(r: np.ndarray) -> dict:
         "reason": "",
     }
     if m == 0:
-        return result | {"reason": "undefined in every run"}
+        return result | {"reason": UNDEFINED_IN_EVERY_RUN + "; ".join(undefined.index)}
     z = np.arctanh(np.clip(r, -_MAX_ABS_R, _MAX_ABS_R))
     result["r"] = float(np.tanh(z.mean()))
     if m < 2:

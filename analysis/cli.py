@@ -1,21 +1,34 @@
-"""`python -m analysis RESULTS_DIR --out OUT_DIR`: tables, figures and CSVs from a results root."""
+"""`python -m analysis RESULTS_DIR --out OUT_DIR`: tables, figures and CSVs from a results root.
+
+Everything is written into a fresh directory first and moved into OUT_DIR
+only once the whole analysis has succeeded, so a failing analysis leaves
+OUT_DIR exactly as it was: no half-written set of tables and figures that
+looks like a result.
+"""
 
 import argparse
+import contextlib
+import os
 import pathlib
+import shutil
 import sys
+import tempfile
+from collections.abc import Iterator
 
 import pandas as pd
 from tqdm import tqdm
 
-from analysis import figures, tables
+from analysis import figures, schema, tables
 from analysis.aggregate import all_run_pairs, combine_runs, run_means, summarise_by_model
 from analysis.naming import slug, unique_stems
 from analysis.padjust import PADJUST_METHODS
 from analysis.residualise import RESIDUALISERS
-from analysis.runs import ResultsError, Run, accuracy_table, find_runs
+from analysis.runs import ResultsError, Run, accuracy_table, no_readable_runs_message, scan_runs
 from analysis.stats import METHODS
 
 CSV_NAME = "partial_correlations.csv"
+TABLE_DIR = "tables"
+FIGURE_DIR = "figures"
 # accuracies.csv and accuracies.parquet: every accuracy of every run, long form.
 ACCURACIES_NAME = "accuracies"
 # More (model, training set) groups than this show a progress bar while their
@@ -64,23 +77,100 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+class OutputError(ValueError):
+    """An --out path the analysis cannot write into; says which path and why."""
+
+
 def main(argv: list[str] | None = None) -> int:
     """`python -m analysis` (also the `oodjax-analyse` command); returns the exit code."""
     args = parse_args(argv)
     try:
-        runs = find_runs(args.results_dir)
-        written = write_analysis(runs, args)
-    except ResultsError as error:
+        check_out_dir(args.out)
+        runs, skipped = scan_runs(args.results_dir)
+        for skip in skipped:
+            print(f"warning: {skip.message}", file=sys.stderr)
+        if not runs:
+            raise ResultsError(no_readable_runs_message(args.results_dir, skipped))
+        with staged_output(args.out) as staging:
+            written = [args.out / path.relative_to(staging)
+                       for path in write_analysis(runs, args, staging)]
+    except (ResultsError, OutputError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    print(f"analysed {len(runs)} runs under {args.results_dir}; wrote {len(written)} files:")
+    left_out = (f" ({len(skipped)} {schema.METRICS_FILENAME} skipped, see the warnings)"
+                if skipped else "")
+    print(f"analysed {len(runs)} runs under {args.results_dir}{left_out}; "
+          f"wrote {len(written)} files:")
     for path in written:
         print(f"  {path}")
     return 0
 
 
-def write_analysis(runs: list[Run], args: argparse.Namespace) -> list[pathlib.Path]:
-    """Compute everything, write it under args.out, and return the paths written.
+def check_out_dir(out: pathlib.Path) -> None:
+    """Fail before any work when `out`, or the place of its tables or figures, is a file."""
+    existing = _nearest_existing(out)
+    if not existing.is_dir():
+        where = f"--out {out}" if existing == out else f"--out {out}: {existing}"
+        raise OutputError(f"{where} is a file, not a directory")
+    for name in (TABLE_DIR, FIGURE_DIR):
+        if (out / name).exists() and not (out / name).is_dir():
+            raise OutputError(f"--out {out}: {out / name} is a file, where the {name} go")
+
+
+@contextlib.contextmanager
+def staged_output(out: pathlib.Path) -> Iterator[pathlib.Path]:
+    """A new empty directory to write into, on the file system of `out`: when the block
+    succeeds its files move into `out` (created if need be; other files there stay), and
+    whatever happens it is removed, so a failure leaves `out` as it was."""
+    existing = _nearest_existing(out)
+    try:
+        container = pathlib.Path(
+            tempfile.mkdtemp(prefix=".analysis-", suffix=".partial", dir=existing)
+        )
+    except OSError as error:
+        raise OutputError(f"--out {out}: cannot write under {existing} ({error})") from error
+    # mkdtemp's directory is private (0700); the one inside it gets the umask's permissions,
+    # as `out` would have had if written directly.
+    staging = container / "out"
+    try:
+        try:
+            staging.mkdir()
+            yield staging
+        except OSError as error:
+            raise OutputError(
+                f"writing the analysis failed ({error}); {out} is left as it was"
+            ) from error
+        _publish(staging, out)
+    finally:
+        shutil.rmtree(container, ignore_errors=True)
+
+
+def _publish(staging: pathlib.Path, out: pathlib.Path) -> None:
+    """Move the staged files into `out`: one rename when `out` is new, else file by file,
+    each replacing the file of its name; a directory in the way is an error before any move."""
+    if not out.exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        staging.rename(out)
+        return
+    moves = [(path, out / path.relative_to(staging))
+             for path in sorted(staging.rglob("*")) if path.is_file()]
+    blocked = [str(target) for _, target in moves if target.is_dir()]
+    if blocked:
+        raise OutputError(f"--out {out}: directories stand where files go: {blocked}")
+    for source, target in moves:
+        target.parent.mkdir(exist_ok=True)
+        os.replace(source, target)
+
+
+def _nearest_existing(path: pathlib.Path) -> pathlib.Path:
+    """`path` or its closest ancestor that exists (a relative path ends at ".")."""
+    return next(candidate for candidate in (path, *path.parents) if candidate.exists())
+
+
+def write_analysis(
+    runs: list[Run], args: argparse.Namespace, directory: pathlib.Path
+) -> list[pathlib.Path]:
+    """Compute everything, write it under `directory`, and return the paths written.
 
     File names are checked for collisions before anything is written, so a
     clash is an error, never one model's figure overwriting another's.
@@ -100,12 +190,12 @@ def write_analysis(runs: list[Run], args: argparse.Namespace) -> list[pathlib.Pa
     }
     per_run = all_run_pairs(runs, **options)
     per_group = combine_runs(per_run, padjust=args.padjust)
-    table_dir, figure_dir = args.out / "tables", args.out / "figures"
-    table_dir.mkdir(parents=True, exist_ok=True)
-    figure_dir.mkdir(parents=True, exist_ok=True)
+    table_dir, figure_dir = directory / TABLE_DIR, directory / FIGURE_DIR
+    table_dir.mkdir()
+    figure_dir.mkdir()
 
-    written = [_write_csv(per_run, per_group, args.out / CSV_NAME)]
-    written += _write_accuracies(runs, args.out)
+    written = [_write_csv(per_run, per_group, directory / CSV_NAME)]
+    written += _write_accuracies(runs, directory)
     description = _describe(options)
     padjust = tables.latex_escape(args.padjust)
     table_files = []

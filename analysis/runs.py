@@ -3,14 +3,26 @@
 `python -m analysis.runs RESULTS_DIR [--csv]` lists the runs at a glance: one
 line per run with its model, training set, seed, shots, last step, whether
 it finished, and its last in-domain and mean OOD accuracy.
+
+What is skipped and what is an error: a metrics.npz whose bytes cannot be read
+as a complete npz (empty, truncated by a job killed while copying it,
+corrupt) is skipped with a warning and its run counts as unfinished, since
+that is what a crashed or interrupted job leaves behind. A readable file that
+breaks the schema, or one run found twice with different contents, is an
+error: those come from a bug or a mix-up that no analysis should paper over.
 """
 
 import argparse
 import dataclasses
+import filecmp
 import json
 import math
+import os
 import pathlib
 import sys
+import warnings
+import zipfile
+import zlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -27,9 +39,42 @@ PROGRESS_MIN_FILES = 50
 
 ACCURACY_COLUMNS = ("run", "model", "train_set", "seed", "shots", "step", "testset", "accuracy")
 
+# What reading a damaged npz raises: an empty file (EOFError), a truncated or
+# corrupt zip (BadZipFile: no central directory, bad CRC), a compressed member
+# that does not inflate (zlib.error), bytes that are no npz at all or an
+# unreadable member header (ValueError), a file that cannot be opened (OSError).
+_READ_ERRORS = (OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error)
+
 
 class ResultsError(ValueError):
     """A results root or a metrics.npz file that the analysis cannot use; says which and why."""
+
+
+class UnreadableMetricsError(ResultsError):
+    """A metrics.npz whose bytes cannot be read as a complete npz; its run is unfinished."""
+
+    def __init__(self, path: pathlib.Path, error: Exception):
+        self.path = path
+        self.reason = f"not a readable npz file ({type(error).__name__}: {error})"
+        super().__init__(f"{path}: {self.reason}")
+
+
+class ResultsWarning(UserWarning):
+    """A metrics.npz that `find_runs` left out (see SkippedFile)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SkippedFile:
+    """A metrics.npz left out of the runs, and why: `unreadable` (its run counts as
+    unfinished), or else a byte-identical copy of a run already counted."""
+
+    path: pathlib.Path
+    reason: str
+    unreadable: bool
+
+    @property
+    def message(self) -> str:
+        return f"{self.path}: {self.reason}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,8 +116,26 @@ class Run:
 
 
 def find_runs(root: str | pathlib.Path) -> list[Run]:
+    """`scan_runs` for use from Python: each skipped file is a ResultsWarning, and a root
+    without any readable run is an error."""
+    runs, skipped = scan_runs(root)
+    for skip in skipped:
+        warnings.warn(skip.message, ResultsWarning, stacklevel=2)
+    if not runs:
+        raise ResultsError(no_readable_runs_message(root, skipped))
+    return runs
+
+
+def scan_runs(root: str | pathlib.Path) -> tuple[list[Run], list[SkippedFile]]:
     """Every run under `root` (searched recursively), sorted by model family, size, model,
-    training set, shots and seed. Runs that share a model name must share its family and size."""
+    training set, shots and seed, and the files left out.
+
+    Unreadable files are left out (see the module docstring). A run found
+    more than once (same model, training set, seed and shots) is counted once
+    when the copies are byte-identical, the others left out; copies that
+    differ are an error naming them all. Runs that share a model name must
+    share its family and size.
+    """
     root = pathlib.Path(root)
     if not root.is_dir():
         raise ResultsError(f"results root {root} is not a directory")
@@ -81,9 +144,56 @@ def find_runs(root: str | pathlib.Path) -> list[Run]:
         raise ResultsError(f"no {schema.METRICS_FILENAME} under {root}: is it a results root?")
     progress = tqdm(paths, desc="reading runs", unit="run", file=sys.stderr,
                     disable=len(paths) <= PROGRESS_MIN_FILES)
-    runs = [load_run(path) for path in progress]
+    runs, skipped = [], []
+    for path in progress:
+        try:
+            runs.append(load_run(path))
+        except UnreadableMetricsError as error:
+            skipped.append(SkippedFile(
+                path, f"{error.reason}; skipped, its run counts as unfinished", unreadable=True
+            ))
+    runs, copies = _count_copies_once(runs)
     _check_one_model_per_name(runs)
-    return sorted(runs, key=model_order_key)
+    return sorted(runs, key=model_order_key), skipped + copies
+
+
+def no_readable_runs_message(root: str | pathlib.Path, skipped: Sequence[SkippedFile]) -> str:
+    """The error when every metrics.npz under `root` was skipped (there is at least one)."""
+    return (f"no readable {schema.METRICS_FILENAME} under {root}: all {len(skipped)} "
+            f"skipped, first {skipped[0].message}")
+
+
+def read_metrics(
+    path: str | os.PathLike, keys: Sequence[str] = schema.REQUIRED_KEYS
+) -> dict[str, np.ndarray]:
+    """The arrays `keys` of one metrics.npz, each read whole (and so CRC-checked).
+
+    Raises UnreadableMetricsError when the file cannot be read as an npz
+    (the run is unfinished: a job or a copy was cut short), and ResultsError
+    when it can but is no npz of arrays holding `keys` (a file of another kind).
+    """
+    path = pathlib.Path(path)
+    try:
+        loaded = np.load(path, allow_pickle=False)
+        is_npz = isinstance(loaded, np.lib.npyio.NpzFile)
+        if is_npz:
+            with loaded as npz:
+                present = set(npz.files)
+                arrays = {key: npz[key] for key in keys if key in present}
+    except _READ_ERRORS as error:
+        raise UnreadableMetricsError(path, error) from error
+    if not is_npz:
+        raise ResultsError(f"{path}: one npy array, not an npz archive of a run's metrics")
+    missing = [key for key in keys if key not in present]
+    if missing:
+        raise ResultsError(
+            f"{path}: not a run's metrics (schema in analysis/schema.py): missing keys {missing}"
+        )
+    # numpy hands back the raw bytes of a member that is not an npy file.
+    for key, value in arrays.items():
+        if not isinstance(value, np.ndarray):
+            raise ResultsError(f"{path}: its {key!r} is not an npy array")
+    return arrays
 
 
 def model_order_key(run: Run) -> tuple:
@@ -108,9 +218,16 @@ def accuracy_table(runs: Sequence[Run]) -> pd.DataFrame:
     return pd.concat(frames, ignore_index=True)[list(ACCURACY_COLUMNS)]
 
 
-def runs_overview(runs: Sequence[Run]) -> pd.DataFrame:
+OVERVIEW_COLUMNS = (
+    "run", "model", "train_set", "seed", "shots", "last_step", "planned_steps", "finished",
+    "in_domain_accuracy", "mean_ood_accuracy", "problem",
+)
+
+
+def runs_overview(runs: Sequence[Run], unreadable: Sequence[SkippedFile] = ()) -> pd.DataFrame:
     """One row per run: identity, last step, whether it finished, and its accuracies at the
-    last step (in-domain, and the mean over OOD testsets with an accuracy there)."""
+    last step (in-domain, and the mean over OOD testsets with an accuracy there); then one
+    unfinished row per unreadable file, named by its directory, its `problem` saying why."""
     rows = []
     for run in runs:
         last = run.accuracy.iloc[-1]
@@ -125,8 +242,14 @@ def runs_overview(runs: Sequence[Run]) -> pd.DataFrame:
             "finished": run.finished,
             "in_domain_accuracy": last[run.in_domain],
             "mean_ood_accuracy": last[run.ood_testsets].mean(),
+            "problem": "",
         })
-    return pd.DataFrame(rows).astype({"planned_steps": "Int64"})
+    for skip in unreadable:
+        rows.append({"run": skip.path.parent.name, "finished": False, "problem": "unreadable"})
+    counts = ["seed", "shots", "last_step", "planned_steps"]
+    return pd.DataFrame(rows, columns=list(OVERVIEW_COLUMNS)).astype(
+        {column: "Int64" for column in counts} | {"finished": bool}
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -140,33 +263,32 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--csv", action="store_true", help="print CSV instead of a table")
     args = parser.parse_args(argv)
     try:
-        overview = runs_overview(find_runs(args.results_dir))
+        runs, skipped = scan_runs(args.results_dir)
     except ResultsError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    for skip in skipped:
+        print(f"warning: {skip.message}", file=sys.stderr)
+    overview = runs_overview(runs, [skip for skip in skipped if skip.unreadable])
     if args.csv:
         overview.to_csv(sys.stdout, index=False)
     else:
-        print(overview.to_string(index=False, float_format="{:.3f}".format))
+        counts = list(overview.select_dtypes("Int64").columns)  # na_rep skips their <NA>
+        shown = overview.astype({column: "string" for column in counts}).fillna(
+            {column: "-" for column in counts}
+        )
+        print(shown.to_string(index=False, float_format="{:.3f}".format, na_rep="-"))
         finished = int(overview["finished"].sum())
-        print(f"{len(overview)} runs, {finished} finished, {len(overview) - finished} not")
+        unreadable = int((overview["problem"] == "unreadable").sum())
+        print(f"{len(overview)} runs, {finished} finished, {len(overview) - finished} not"
+              + (f" ({unreadable} unreadable)" if unreadable else ""))
     return 0
 
 
 def load_run(path: str | pathlib.Path) -> Run:
-    """Read and validate one metrics.npz against analysis/schema.py."""
+    """Read and validate one metrics.npz against analysis/schema.py (errors as `read_metrics`)."""
     path = pathlib.Path(path)
-    try:
-        with np.load(path, allow_pickle=False) as npz:
-            arrays = {key: npz[key] for key in npz.files if key in schema.REQUIRED_KEYS}
-            keys = set(npz.files)
-    except (OSError, ValueError) as error:
-        raise ResultsError(f"{path}: not a readable npz file ({error})") from error
-    missing = [key for key in schema.REQUIRED_KEYS if key not in keys]
-    if missing:
-        raise ResultsError(
-            f"{path}: not a run's metrics (schema in analysis/schema.py): missing keys {missing}"
-        )
+    arrays = read_metrics(path)
     steps = arrays[schema.STEP]
     testsets = [str(t) for t in arrays[schema.TESTSETS]]
     accuracy = arrays[schema.ACCURACY]
@@ -222,6 +344,34 @@ def _run_identity(path: pathlib.Path, config_json: str) -> tuple[dict[str, Any],
     if not identity[schema.RUN_MODEL]:
         raise ResultsError(f"{path}: config {schema.RUN_SECTION}.{schema.RUN_MODEL} is empty")
     return config, identity
+
+
+def _count_copies_once(runs: list[Run]) -> tuple[list[Run], list[SkippedFile]]:
+    """One run per identity (model, training set, seed, shots): byte-identical copies (a
+    results root copied into itself) count once, the first in path order kept; copies that
+    differ are an error, since which one the paper should rest on is the researcher's call."""
+    by_identity: dict[tuple, list[Run]] = {}
+    for run in runs:
+        by_identity.setdefault((run.model, run.train_set, run.seed, run.shots), []).append(run)
+    kept, copies = [], []
+    for (model, train_set, seed, shots), found in by_identity.items():
+        first, *others = found
+        if any(not filecmp.cmp(first.path, other.path, shallow=False) for other in others):
+            places = ", ".join(f"{run.path} ({_progress(run)})" for run in found)
+            raise ResultsError(
+                f"run (model {model!r}, train set {train_set!r}, seed {seed}, {shots} shots) "
+                f"found {len(found)} times with different contents: {places}; keep one and "
+                "move the others out of the results root"
+            )
+        kept.append(first)
+        copies += [SkippedFile(other.path, f"a byte-identical copy of {first.path}; counted "
+                               "once", unreadable=False) for other in others]
+    return kept, copies
+
+
+def _progress(run: Run) -> str:
+    planned = "?" if run.planned_steps is None else run.planned_steps
+    return f"last step {int(run.steps[-1])} of {planned}"
 
 
 def _check_one_model_per_name(runs: list[Run]) -> None:

@@ -11,9 +11,10 @@ k + 1 is for least squares), taking the larger of the two fits (x's and
 y's) to stay conservative; it reduces to the linear formula when the spline
 is a straight line (edf = 2).
 
-Undefined correlations (too few points, a constant column, a variable the
-covariates explain entirely) are NaN with a stated reason, never an error:
-in a sweep of hundreds of runs some testsets saturate, and that is data.
+Undefined correlations (a column without any value, too few points, a
+constant column, a variable the covariates explain entirely) are NaN with a
+stated reason, never an error: in a sweep of hundreds of runs some testsets
+saturate or go unevaluated, and that is data.
 """
 
 import dataclasses
@@ -203,6 +204,12 @@ def _partial_corr(
     if np.isinf(table).any():
         bad = [name for name, column in zip(names, table.T) if np.isinf(column).any()]
         raise ValueError(f"infinite values in {bad}; use NaN for missing values")
+    # A column without any value (a testset never evaluated) would otherwise read as
+    # "too few points: n=0", which hides which column is empty.
+    empty = [name for name, column in zip(names, table.T) if np.isnan(column).all()]
+    if empty:
+        return PartialCorrelation(0, np.nan, np.nan, np.nan, np.nan, np.nan,
+                                  f"no value in {', '.join(map(repr, empty))}: all NaN")
     if probit:
         table = np.column_stack([probit_transform(c, n) for c, n in zip(table.T, names)])
     if differences:

@@ -3,7 +3,7 @@
 import numpy as np
 import pandas as pd
 
-from analysis.aggregate import SIGNIFICANCE, lower_triangle
+from analysis.aggregate import SIGNIFICANCE, UNDEFINED_IN_EVERY_RUN, lower_triangle
 
 _LATEX_SPECIALS = {
     "\\": r"\textbackslash{}",
@@ -42,8 +42,10 @@ def matrix_table(
 ) -> str:
     """Lower-triangular matrix of one group's combined r, marked by adjusted p.
 
-    `pairs` has one row per pair (columns x, y, r, p_adj); `testsets` orders
-    rows and columns. Undefined correlations show as an en dash.
+    `pairs` has one row per pair (columns x, y, r, p_adj, reason); `testsets`
+    orders rows and columns. Undefined correlations show as an en dash, and a
+    note under the table gives their reasons, so that a dash is never read as
+    a zero or a typesetting slip.
     """
     r, p_adj = lower_triangle(pairs, testsets)
     rows = [
@@ -53,7 +55,14 @@ def matrix_table(
         for i, name in enumerate(testsets[1:])
     ]
     header = [""] + [latex_escape(name) for name in testsets[:-1]]
-    return _table(caption, label, "l" + "r" * len(r), header, rows)
+    undefined = pairs[pairs["r"].isna()]
+    reasons = dict.fromkeys(
+        reason.removeprefix(UNDEFINED_IN_EVERY_RUN) for reason in undefined["reason"]
+    )
+    if np.isnan(r[np.tril_indices(len(r))]).sum() > len(undefined):
+        reasons["no run evaluated both testsets"] = None
+    note = "-- undefined in every run: " + "; ".join(map(latex_escape, reasons)) + "."
+    return _table(caption, label, "l" + "r" * len(r), header, rows, note if reasons else "")
 
 
 def summary_table(summary: pd.DataFrame, *, caption: str, label: str) -> str:
@@ -74,7 +83,12 @@ def summary_table(summary: pd.DataFrame, *, caption: str, label: str) -> str:
             _number(row.mean_abs_r),
             f"{row.n_sig_positive}/{row.n_sig_negative}",
         ])
-    return _table(caption, label, "lll" + "r" * 5, header, rows)
+    note = (
+        "-- no pair of testsets has a partial correlation in any run; "
+        "the CSV of partial correlations gives each pair's reason."
+        if summary["mean_r"].isna().any() else ""
+    )
+    return _table(caption, label, "lll" + "r" * 5, header, rows, note)
 
 
 def standalone_document(table_files: list[str]) -> str:
@@ -94,9 +108,11 @@ def standalone_document(table_files: list[str]) -> str:
 
 
 def _table(
-    caption: str, label: str, columns: str, header: list[str], rows: list[list[str] | None]
+    caption: str, label: str, columns: str, header: list[str], rows: list[list[str] | None],
+    note: str = "",
 ) -> str:
-    """A booktabs table float; a None row is a gap (\\addlinespace) between blocks."""
+    """A booktabs table float; a None row is a gap (\\addlinespace) between blocks; a
+    `note` (LaTeX) is set in small type under the rule."""
     lines = [
         r"\begin{table}[t]",
         r"\centering",
@@ -110,6 +126,7 @@ def _table(
         *(r"\addlinespace" if row is None else " & ".join(row) + r" \\" for row in rows),
         r"\bottomrule",
         r"\end{tabular}",
+        *([r"\par\smallskip{\footnotesize " + note + "}"] if note else []),
         r"\end{table}",
         "",
     ]

@@ -80,6 +80,12 @@ def write_run(
     return path
 
 
+def cut_short(path: pathlib.Path) -> pathlib.Path:
+    """Keep the first half of the file's bytes, as a copy or a write killed midway leaves it."""
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    return path
+
+
 def shipped_config(path: pathlib.Path) -> dict[str, Any]:
     """A config file's config as the engine stores it in metrics.npz (its JSON, parsed)."""
     spec = importlib.util.spec_from_file_location(f"shipped_{path.stem}", path)

@@ -1,6 +1,7 @@
 """`python -m analysis` end to end on synthetic results roots in the engine's schema."""
 
 import json
+import os
 import re
 import pathlib
 import shutil
@@ -14,10 +15,11 @@ import pingouin
 import pytest
 import scipy.stats
 
-from analysis import pairwise_partial_corr, schema
+from analysis import figures, pairwise_partial_corr, schema, tables
 from analysis.cli import CSV_NAME, main
 from fixtures_results import (
     MODELS,
+    cut_short,
     SHIPPED_CONFIGS,
     write_results_root,
     write_run,
@@ -173,10 +175,14 @@ def test_runs_too_short_for_correlations_give_reasons_not_numbers(tmp_path, caps
     assert table["r"].isna().all() and table["p_adj"].isna().all()
     runs, groups = table[table["level"] == "run"], table[table["level"] == "group"]
     assert set(runs["reason"]) == {"too few points: n=3, needs at least k + 4 = 5"}
-    assert set(groups["reason"]) == {"undefined in every run"}
+    assert set(groups["reason"]) == {
+        "undefined in every run: too few points: n=3, needs at least k + 4 = 5"
+    }
     assert (groups["n_runs"] == 0).all()
     matrix = (tmp_path / "out" / "tables" / "matrix_opt-tiny_mnli.tex").read_text()
-    assert matrix.split(r"\midrule")[1].count("--") == 21
+    body, note = matrix.split(r"\midrule")[1].split(r"\bottomrule")
+    assert body.count("--") == 21
+    assert "-- undefined in every run: too few points: n=3, needs at least k + 4 = 5." in note
     assert (tmp_path / "out" / "figures" / "heatmap_opt-tiny_mnli.png").is_file()
 
 
@@ -206,7 +212,8 @@ def replace_npz_key(path: pathlib.Path, key: str, value) -> None:
         (
             lambda root: (root / "run").mkdir(parents=True)
             or (root / "run" / "metrics.npz").write_text("step,accuracy\n0,0.5\n"),
-            "not a readable npz file",
+            r"no readable metrics\.npz under .*: all 1 skipped, first .*metrics\.npz: not a "
+            "readable npz file",
         ),
         (
             lambda root: good_run(root / "run", in_domain="snli"),
@@ -233,10 +240,22 @@ def test_bad_results_roots_get_a_clear_error(tmp_path, capsys, make_root, messag
     root = tmp_path / "results"
     make_root(root)
     assert main([str(root), "--out", str(tmp_path / "out")]) == 2
-    error = capsys.readouterr().err
+    error = capsys.readouterr().err.splitlines()[-1]
     assert error.startswith("error: ")
     assert re.search(message, error), error
     assert not (tmp_path / "out").exists()
+
+
+def test_accuracies_an_option_cannot_take_are_an_error_naming_the_run(tmp_path, capsys):
+    accuracy = np.random.default_rng(0).uniform(0.5, 0.9, size=(6, 3))
+    accuracy[2, 1] = 1.5  # not an accuracy: probit is undefined
+    path = good_run(tmp_path / "results" / "run", accuracy=accuracy)
+    assert main([str(tmp_path / "results"), "--out", str(tmp_path / "out"), "--probit"]) == 2
+    assert capsys.readouterr().err == (
+        f"error: {path}: probit needs accuracies in [0, 1]; column 'hans' has [1.5]\n"
+    )
+    assert not (tmp_path / "out").exists()
+    assert not list(tmp_path.rglob(".analysis-*"))
 
 
 @pytest.fixture(scope="module")
@@ -328,14 +347,177 @@ def test_one_model_name_for_two_models_is_an_error(tmp_path, capsys):
     assert "model name 'opt' stands for two models" in capsys.readouterr().err
 
 
-def test_a_testset_without_any_accuracy_does_not_stop_the_figures(tmp_path, capsys):
+@pytest.mark.parametrize("empty", ["rte", "mnli"], ids=["ood", "in-domain"])
+def test_a_column_without_any_accuracy_gives_reasons_and_every_file(tmp_path, capsys, empty):
+    """A testset never evaluated (all NaN): NaN rows that say so, a table note, all figures."""
     results = tmp_path / "results"
+    testsets = ["mnli", "hans", "rte", "paws"]
     accuracy = np.random.default_rng(0).uniform(0.4, 0.9, size=(8, 4))
-    accuracy[:, 2] = np.nan  # rte never evaluated
+    accuracy[:, testsets.index(empty)] = np.nan
     for seed in (0, 1):
-        good_run(results / f"run{seed}", steps=np.arange(8), testsets=["mnli", "hans", "rte",
-                 "paws"], accuracy=accuracy, seed=seed)
+        good_run(results / f"run{seed}", steps=np.arange(8), testsets=testsets,
+                 accuracy=accuracy, seed=seed)
     assert main([str(results), "--out", str(tmp_path / "out")]) == 0
     capsys.readouterr()
+    table = pd.read_csv(tmp_path / "out" / CSV_NAME, keep_default_na=False, na_values=[""])
+    involved = table[(table["x"] == empty) | (table["y"] == empty) | (empty == "mnli")]
+    assert len(involved) == (6 if empty == "mnli" else 4) * 3 // 2  # 2 runs and 1 group
+    reason = f"no value in '{empty}': all NaN"
+    assert involved["r"].isna().all()
+    assert set(involved.loc[involved["level"] == "run", "reason"]) == {reason}
+    assert set(involved.loc[involved["level"] == "group", "reason"]) == {
+        f"undefined in every run: {reason}"
+    }
+    assert table.drop(involved.index)["r"].notna().all()
+    matrix = (tmp_path / "out" / "tables" / "matrix_opt-125m_mnli.tex").read_text()
+    assert rf"\footnotesize -- undefined in every run: {reason}.}}" in matrix
+    summary = (tmp_path / "out" / "tables" / "summary.tex").read_text()
+    assert ("no pair of testsets has a partial correlation in any run" in summary) == (
+        empty == "mnli"
+    )
+    compiled = subprocess.run(
+        ["pdflatex", "-interaction=nonstopmode", "-halt-on-error",
+         f"-output-directory={tmp_path}", "tables.tex"],
+        cwd=tmp_path / "out" / "tables", capture_output=True, text=True, timeout=120,
+    )
+    assert compiled.returncode == 0, compiled.stdout[-3000:]
     for kind in ("heatmap", "curves", "ood_vs_in_domain"):
         assert (tmp_path / "out" / "figures" / f"{kind}_opt-125m_mnli.png").is_file()
+
+
+def test_the_matrix_note_gives_each_reason_once_and_pairs_never_evaluated():
+    empty = "undefined in every run: no value in 'paws': all NaN"
+    pairs = pd.DataFrame(
+        [("hans", "rte", 0.5, 0.01, ""), ("hans", "paws", np.nan, np.nan, empty),
+         ("rte", "paws", np.nan, np.nan, empty)],
+        columns=["x", "y", "r", "p_adj", "reason"],
+    )  # no run has anli_r3 beside the others
+    latex = tables.matrix_table(pairs, ["hans", "rte", "paws", "anli_r3"], caption="c", label="l")
+    assert latex.split(r"\midrule")[1].split(r"\bottomrule")[0].count("--") == 5
+    assert (r"\par\smallskip{\footnotesize -- undefined in every run: no value in 'paws': all "
+            "NaN; no run evaluated both testsets.}") in latex
+    assert r"\footnotesize" not in tables.matrix_table(pairs[:1], ["hans", "rte"], caption="c",
+                                                        label="l")
+
+
+def two_runs(results: pathlib.Path) -> list[pathlib.Path]:
+    """Two runs of one model and training set, enough steps for partial correlations."""
+    return [good_run(results / f"job{seed}" / f"run{seed}", seed=seed) for seed in (0, 1)]
+
+
+def test_unreadable_files_and_identical_copies_are_named_and_skipped(tmp_path, capsys):
+    """The rest is analysed; --out, new and nested here, gets the umask's permissions."""
+    results, out = tmp_path / "results", tmp_path / "new" / "paper"
+    original = two_runs(results)[0]
+    killed = cut_short(good_run(results / "job2" / "run2", seed=2))
+    shutil.copytree(original.parent, results / "copied" / "run0")
+    assert main([str(results), "--out", str(out)]) == 0
+    captured = capsys.readouterr()
+    assert captured.err.splitlines() == [
+        f"warning: {killed}: not a readable npz file (BadZipFile: File is not a zip file); "
+        "skipped, its run counts as unfinished",
+        f"warning: {original}: a byte-identical copy of "
+        f"{results / 'copied' / 'run0' / 'metrics.npz'}; counted once",
+    ]
+    assert captured.out.startswith(
+        f"analysed 2 runs under {results} (2 metrics.npz skipped, see the warnings); wrote "
+    )
+    table = pd.read_csv(out / CSV_NAME)
+    assert set(table["run"].dropna()) == {"run0", "run1"}
+    assert table.loc[table["level"] == "group", "n_runs"].eq(2).all()
+    umask = os.umask(0)
+    os.umask(umask)
+    assert out.stat().st_mode & 0o777 == 0o777 & ~umask
+
+
+def test_one_run_found_twice_with_different_contents_is_an_error(tmp_path, capsys):
+    results = tmp_path / "results"
+    original = two_runs(results)[0]
+    copy = good_run(results / "rerun" / "run0", steps=np.arange(7),
+                    accuracy=np.random.default_rng(1).uniform(size=(7, 3)))
+    assert main([str(results), "--out", str(tmp_path / "out")]) == 2
+    error = capsys.readouterr().err
+    assert error == (
+        f"error: run (model 'opt-125m', train set 'mnli', seed 0, 32 shots) found 2 times with "
+        f"different contents: {original} (last step 5 of 5), {copy} (last step 6 of 6); keep "
+        "one and move the others out of the results root\n"
+    )
+    assert not (tmp_path / "out").exists()
+
+
+def snapshot(directory: pathlib.Path) -> dict[str, bytes]:
+    return {str(path.relative_to(directory)): path.read_bytes()
+            for path in sorted(directory.rglob("*")) if path.is_file()}
+
+
+def test_a_failing_analysis_leaves_out_as_it_was(tmp_path, capsys, monkeypatch):
+    """Figures fail after the CSVs and tables are written: no trace of this run in --out."""
+    results, out = tmp_path / "results", tmp_path / "paper"
+    two_runs(results)
+    assert main([str(results), "--out", str(out)]) == 0
+    (out / "main.tex").write_text("the researcher's own file")
+    before = snapshot(out)
+    good_run(results / "job2" / "run2", seed=2)  # this analysis would change every file
+
+    def fail_midway(*args, **kwargs):
+        staged = list(tmp_path.rglob(".analysis-*.partial/out/tables/matrix_opt-125m_mnli.tex"))
+        assert len(staged) == 1, "the failure should come after files were written"
+        raise RuntimeError("drawing failed")
+
+    monkeypatch.setattr(figures, "ood_vs_in_domain", fail_midway)
+    for target in (out, tmp_path / "new" / "paper"):
+        with pytest.raises(RuntimeError, match="drawing failed"):
+            main([str(results), "--out", str(target)])
+    assert snapshot(out) == before
+    assert not (tmp_path / "new").exists()
+    assert not list(tmp_path.rglob(".analysis-*"))
+
+    monkeypatch.undo()
+    capsys.readouterr()
+    assert main([str(results), "--out", str(out)]) == 0
+    after = snapshot(out)
+    assert after["main.tex"] == before["main.tex"]
+    assert set(after) == set(before)
+    assert set(pd.read_csv(out / CSV_NAME)["run"].dropna()) == {"run0", "run1", "run2"}
+    assert not list(tmp_path.rglob(".analysis-*"))
+
+
+def test_a_directory_where_an_output_file_goes_is_an_error_before_any_file_moves(
+    tmp_path, capsys
+):
+    results, out = tmp_path / "results", tmp_path / "paper"
+    two_runs(results)
+    assert main([str(results), "--out", str(out)]) == 0
+    blocked = out / "figures" / "curves_opt-125m_mnli.png"
+    blocked.unlink()
+    blocked.mkdir()
+    before = snapshot(out)
+    good_run(results / "job2" / "run2", seed=2)
+    capsys.readouterr()
+    assert main([str(results), "--out", str(out)]) == 2
+    assert capsys.readouterr().err == (
+        f"error: --out {out}: directories stand where files go: ['{blocked}']\n"
+    )
+    assert snapshot(out) == before
+    assert not list(tmp_path.rglob(".analysis-*"))
+
+
+@pytest.mark.parametrize(
+    "make_out, message",
+    [
+        (lambda tmp: tmp / "paper.pdf", "--out {tmp}/paper.pdf is a file, not a directory"),
+        (lambda tmp: tmp / "paper.pdf" / "analysis",
+         "--out {tmp}/paper.pdf/analysis: {tmp}/paper.pdf is a file, not a directory"),
+        (lambda tmp: (tmp / "paper.pdf").parent,
+         "--out {tmp}: {tmp}/tables is a file, where the tables go"),
+    ],
+    ids=["out", "parent", "tables"],
+)
+def test_out_where_a_file_is_is_an_error_before_any_work(tmp_path, capsys, make_out, message):
+    """Checked first: the results root does not even exist, and no file changes."""
+    (tmp_path / "paper.pdf").write_text("a paper")
+    (tmp_path / "tables").write_text("a file named tables")
+    before = snapshot(tmp_path)
+    assert main([str(tmp_path / "no-results"), "--out", str(make_out(tmp_path))]) == 2
+    assert capsys.readouterr().err == f"error: {message.format(tmp=tmp_path)}\n"
+    assert snapshot(tmp_path) == before

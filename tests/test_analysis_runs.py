@@ -2,15 +2,18 @@
 
 import io
 import pathlib
+import shutil
+import struct
 import subprocess
 import sys
+import zipfile
 
 import numpy as np
 import pandas as pd
 import pytest
 
-from analysis import figures, runs
-from fixtures_results import write_results_root, write_run
+from analysis import figures, runs, schema
+from fixtures_results import cut_short, write_results_root, write_run
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 STEPS = np.arange(0, 101, 25)
@@ -40,7 +43,7 @@ def test_lists_each_run_with_its_progress_and_last_accuracies(results):
     table = pd.read_csv(io.StringIO(completed.stdout)).set_index("run")
     assert list(table.columns) == ["model", "train_set", "seed", "shots", "last_step",
                                    "planned_steps", "finished", "in_domain_accuracy",
-                                   "mean_ood_accuracy"]
+                                   "mean_ood_accuracy", "problem"]
     assert table["finished"].to_dict() == {
         "opt-125m_mnli_seed0_shots32": True, "opt-125m_mnli_seed42_shots32": True,
         "stopped": False,
@@ -61,7 +64,7 @@ def test_the_plain_table_is_aligned_and_counts_unfinished_runs(results, capsys):
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].split() == ["run", "model", "train_set", "seed", "shots", "last_step",
                                 "planned_steps", "finished", "in_domain_accuracy",
-                                "mean_ood_accuracy"]
+                                "mean_ood_accuracy", "problem"]
     assert len({len(line) for line in lines[:-1]}) == 1  # one width: aligned columns
     assert lines[-1] == "3 runs, 2 finished, 1 not"
 
@@ -91,3 +94,140 @@ def test_accuracy_curves_mark_chance_and_can_share_one_y_range(results):
         assert len(chance) == 1 and set(chance[0].get_ydata()) == {figures.CHANCE}
     fitted = figures.accuracy_curves(group, title="t", note="n")
     assert len({ax.get_ylim() for ax in fitted.axes if ax.get_visible()}) > 1
+
+
+def good_metrics(directory: pathlib.Path, **changes) -> pathlib.Path:
+    arguments = dict(steps=STEPS, testsets=["mnli", "hans", "rte"], accuracy=np.full((5, 3), 0.6),
+                     in_domain="mnli", model="opt-125m", seed=7, shots=32)
+    return write_run(directory, **(arguments | changes))
+
+
+def overwrite_step_data(path: pathlib.Path, start: float, stop: float) -> None:
+    """Set the bytes of the stored step array (which every reader reads) from `start` to
+    `stop` (fractions of its stored length) to 0xFF."""
+    with zipfile.ZipFile(path) as archive:
+        member = archive.getinfo(f"{schema.STEP}.npy")
+    data = bytearray(path.read_bytes())
+    # A local header is 30 bytes, then the name and an extra field whose lengths it holds.
+    header = member.header_offset
+    name_length, extra_length = struct.unpack("<HH", data[header + 26:header + 30])
+    offset = header + 30 + name_length + extra_length
+    first, last = (offset + int(member.compress_size * fraction) for fraction in (start, stop))
+    data[first:last] = b"\xff" * (last - first)
+    path.write_bytes(bytes(data))
+
+
+def compress_then_corrupt(path: pathlib.Path) -> None:
+    """0xFF opens a deflate block of the reserved type 3: the data cannot be inflated."""
+    with np.load(path) as npz:
+        arrays = dict(npz)
+    np.savez_compressed(path, **arrays)
+    overwrite_step_data(path, 0.0, 1.0)
+
+
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (cut_short, r"BadZipFile: File is not a zip file"),
+        (lambda path: path.write_bytes(b""), r"EOFError: No data left in file"),
+        (lambda path: overwrite_step_data(path, 0.9, 0.95),
+         r"BadZipFile: Bad CRC-32 for file 'step.npy'"),
+        (compress_then_corrupt, r"error: Error -3 while decompressing data: invalid block type"),
+        (lambda path: path.write_text("step,accuracy\n0,0.5\n"), r"ValueError: .*pickled"),
+    ],
+    ids=["truncated", "empty", "corrupt", "compressed-corrupt", "text"],
+)
+def test_an_unreadable_file_is_named_and_told_apart_from_a_schema_error(
+    tmp_path, damage, message
+):
+    path = good_metrics(tmp_path / "run")
+    damage(path)
+    with pytest.raises(runs.UnreadableMetricsError, match=message) as raised:
+        runs.read_metrics(path)
+    assert str(raised.value).startswith(f"{path}: not a readable npz file (")
+
+
+def test_a_readable_file_of_another_schema_is_an_error_not_a_skip(tmp_path):
+    path = tmp_path / "metrics.npz"
+    np.savez(path, step=np.arange(3), weights=np.zeros(3))
+    assert set(runs.read_metrics(path, keys=("step",))) == {"step"}
+    with pytest.raises(runs.ResultsError, match=r"missing keys \['testsets', 'accuracy'") as raised:
+        runs.read_metrics(path)
+    assert not isinstance(raised.value, runs.UnreadableMetricsError)
+    with path.open("wb") as file:  # np.save to a name would append .npy
+        np.save(file, np.arange(3))
+    with pytest.raises(runs.ResultsError, match=rf"{path}: one npy array, not an npz") as raised:
+        runs.read_metrics(path)
+    assert not isinstance(raised.value, runs.UnreadableMetricsError)
+    with zipfile.ZipFile(path, "w") as archive:  # intact, but its step is no npy array
+        archive.writestr("step.npy", "0,25,50")
+    with pytest.raises(runs.ResultsError, match=rf"{path}: its 'step' is not an npy") as raised:
+        runs.read_metrics(path, keys=("step",))
+    assert not isinstance(raised.value, runs.UnreadableMetricsError)
+
+
+def test_a_truncated_file_is_listed_as_an_unfinished_unreadable_run(results, capsys):
+    killed = cut_short(good_metrics(results / "killed"))
+    assert runs.main([str(results), "--csv"]) == 0
+    captured = capsys.readouterr()
+    assert captured.err == (f"warning: {killed}: not a readable npz file (BadZipFile: File is "
+                            "not a zip file); skipped, its run counts as unfinished\n")
+    table = pd.read_csv(io.StringIO(captured.out), keep_default_na=False).set_index("run")
+    assert table.loc["killed", "finished"] == False  # noqa: E712 (a numpy bool)
+    assert table.loc["killed", "problem"] == "unreadable"
+    assert table.loc["killed", ["model", "seed", "last_step"]].tolist() == ["", "", ""]
+    assert (table.drop(index="killed")["problem"] == "").all()
+
+    assert runs.main([str(results)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-1] == "4 runs, 2 finished, 2 not (1 unreadable)"
+    assert len({len(line) for line in lines[:-1]}) == 1
+    assert [line.split() for line in lines if line.lstrip().startswith("killed")] == [
+        ["killed", *["-"] * 6, "False", "-", "-", "unreadable"]
+    ]
+
+
+def test_find_runs_warns_about_an_unreadable_file_and_reads_the_rest(results):
+    killed = cut_short(good_metrics(results / "killed"))
+    with pytest.warns(runs.ResultsWarning, match=f"{killed}: not a readable npz file"):
+        found = runs.find_runs(results)
+    assert sorted(run.name for run in found) == [
+        "opt-125m_mnli_seed0_shots32", "opt-125m_mnli_seed42_shots32", "stopped"
+    ]
+
+
+def test_a_root_of_unreadable_files_only_is_an_error(tmp_path):
+    killed = cut_short(good_metrics(tmp_path / "results" / "killed"))
+    with pytest.warns(runs.ResultsWarning):
+        with pytest.raises(runs.ResultsError, match=rf"no readable metrics\.npz under "
+                           rf"{tmp_path / 'results'}: all 1 skipped, first {killed}: not a "):
+            runs.find_runs(tmp_path / "results")
+
+
+def test_a_byte_identical_copy_in_another_folder_counts_once(results):
+    shutil.copytree(results / "stopped", results / "backup" / "stopped")
+    original = results / "stopped" / "metrics.npz"
+    copy = results / "backup" / "stopped" / "metrics.npz"
+    found, skipped = runs.scan_runs(results)
+    assert len(found) == 3
+    assert [run.path for run in found if run.name == "stopped"] == [copy]  # the first path found
+    assert skipped == [runs.SkippedFile(original, f"a byte-identical copy of {copy}; counted "
+                                        "once", unreadable=False)]
+
+
+def test_one_run_found_twice_with_different_contents_is_an_error_naming_both(results):
+    # The same run (opt-125m, mnli, seed 99, 32 shots) trained further in another job's folder.
+    accuracy = np.full((5, 4), 0.7)
+    write_run(results / "per_run_job" / "stopped", steps=STEPS,
+              testsets=["mnli", "hans", "rte", "paws"], accuracy=accuracy, in_domain="mnli",
+              model="opt-125m", seed=99, shots=32,
+              config={"model": {"path": "facebook/opt-125m"}, "train": {"steps": 100}})
+    message = (
+        r"run \(model 'opt-125m', train set 'mnli', seed 99, 32 shots\) found 2 times with "
+        rf"different contents: {results / 'per_run_job' / 'stopped' / 'metrics.npz'} \(last "
+        rf"step 100 of 100\), {results / 'stopped' / 'metrics.npz'} \(last step 50 of 100\); "
+        "keep one"
+    )
+    with pytest.raises(runs.ResultsError, match=message):
+        runs.scan_runs(results)
+    assert runs.main([str(results)]) == 2
