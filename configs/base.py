@@ -12,6 +12,20 @@ from oodjax.data import DEFAULT_MAX_LENGTH, DEFAULT_TEMPLATE
 
 EIGHT_TESTSETS = ("snli", "mnli", "scitail", "rte", "wnli", "paws", "hans", "anli")
 
+# The type of the items of each list field: the command line reads
+# `--config.runs.seeds=0,42` as integers and `--config.data.testsets=snli,hans`
+# as strings by it (oodjax.config_cli), and the config checks hold config
+# files to it.
+LIST_ITEM_TYPES = {
+    "lora.targets": str,
+    "data.testsets": str,
+    "data.buckets": int,
+    "eval.row_lengths": int,
+    "runs.seeds": int,
+    "runs.shots": int,
+    "wandb.tags": str,
+}
+
 
 def get_config() -> config_dict.ConfigDict:
     config = config_dict.ConfigDict()
@@ -46,7 +60,7 @@ def get_config() -> config_dict.ConfigDict:
     config.tokenizer = ""
 
     config.lora = config_dict.ConfigDict()
-    config.lora.rank = 8
+    config.lora.rank = 8  # inner dimension of each adapter (B @ A)
     config.lora.alpha = 32.0  # the adapter output is scaled by alpha / rank
     config.lora.dropout = 0.1  # dropout on the adapter input, training only
     # Names of the linear layers that get adapters (e.g. ("q_proj", "v_proj"));
@@ -71,14 +85,14 @@ def get_config() -> config_dict.ConfigDict:
     # Cap each testset to this many examples (stratified by label, seeded by
     # `eval_seed`) so dense evaluation stays affordable; 0 = the full split.
     config.data.eval_cap = 0
-    config.data.eval_seed = 0
+    config.data.eval_seed = 0  # seed of the `eval_cap` subsets
     # Prompt template; the model scores the next token (" Yes" / " No").
     config.data.template = DEFAULT_TEMPLATE
     # Prompts longer than this are truncated inside the premise.
     config.data.max_length = DEFAULT_MAX_LENGTH
     # Static sequence lengths a training micro-batch is cut to (a branch of the
-    # train step each); empty = powers of two from 64 up to max_length.
-    # Evaluation packs prompts into rows of max_length instead.
+    # train step each); empty = from 64, four per doubling (64, 80, 96, 112,
+    # 128, 160, ...) up to max_length. Evaluation rows: eval.row_lengths.
     config.data.buckets = ()
     # Neutral examples of three-way testsets: "drop" them, or count them as
     # "not_entailment".
@@ -87,11 +101,13 @@ def get_config() -> config_dict.ConfigDict:
     # ~/.cache/oodjax.
     config.data.cache_dir = ""
 
-    config.runs = config_dict.ConfigDict()
     # Every (seed, shots) pair is one run; all of them train together on one
-    # copy of the frozen base. A run's seed draws its few-shot set, its data
-    # order, its adapter initialisation and its dropout.
+    # copy of the frozen base.
+    config.runs = config_dict.ConfigDict()
+    # A run's seed draws its few-shot set, its data order, its adapter
+    # initialisation and its dropout.
     config.runs.seeds = (0, 42, 99)
+    # Sizes of the few-shot training sets (label-balanced draws from the pool).
     config.runs.shots = (32, 64, 128)
     # Runs whose forward and backward passes the train step computes at once
     # (a loop over chunks of this many, sharing the one frozen base): peak
@@ -102,17 +118,18 @@ def get_config() -> config_dict.ConfigDict:
     config.train = config_dict.ConfigDict()
     config.train.steps = 500  # optimizer steps per run
     config.train.batch_size = 16  # examples per optimizer step, per run
-    # Micro-batches per optimizer step (gradients accumulated inside the
-    # jitted step); must divide batch_size. Batches are sorted by length and
-    # each micro-batch runs at its own bucket, so more micro-batches also
-    # compute less padding; the update is the same.
+    # Micro-batches per optimizer step when rows hold one prompt each (pack
+    # off; gradients accumulated inside the jitted step); must divide
+    # batch_size. Batches are sorted by length and each micro-batch runs at
+    # its own bucket, so more micro-batches also compute less padding; the
+    # update is the same. With pack on, a step is batch_size / (data x fsdp)
+    # micro-batches of one row per device whatever this says.
     config.train.grad_accum = 1
-    # Pack several prompts into each training row, fullest rows first; the
-    # step skips micro-batches left empty. Computes far less padding when a
-    # micro-batch's rows sit on one device or a few (use grad_accum 4-8);
-    # with a data-parallel mesh each device holds a prompt or two anyway, so
-    # leave it off there. Same update either way, up to dropout masks.
-    config.train.pack = False
+    # Pack each device's share of a step's examples into one row, balanced
+    # over the devices: the step runs one micro-batch at the length of its
+    # fullest row and skips the empty rest. Same examples per step and the
+    # same update either way, up to dropout masks (they follow the rows).
+    config.train.pack = True
     config.train.learning_rate = 1e-4  # peak, after warm-up
     config.train.warmup_steps = 50  # linear warm-up, then linear decay to 0
     config.train.weight_decay = 0.0  # AdamW decoupled weight decay
@@ -120,16 +137,20 @@ def get_config() -> config_dict.ConfigDict:
 
     config.eval = config_dict.ConfigDict()
     config.eval.every = 25  # steps between evaluations (step 0 always)
-    # Evaluation batches hold batch_size rows of max_length tokens, each row
-    # packed with as many prompts as fit (one batch shape, little padding).
+    # Evaluation batches hold about batch_size x max_length tokens, in rows of
+    # one of row_lengths, each holding one or two prompts (little padding,
+    # little attention between prompts; one compiled shape per row length).
     config.eval.batch_size = 32
+    # Lengths of evaluation rows; empty = 32 and 48 times the powers of two
+    # (32, 48, 64, 96, 128, ...) up to data.max_length.
+    config.eval.row_lengths = ()
 
     # Device mesh axis sizes; -1 = all remaining devices. The batch is split
     # over data x fsdp; parameters over fsdp and tensor by the logical rules.
     config.mesh = config_dict.ConfigDict()
-    config.mesh.data = -1
-    config.mesh.fsdp = 1
-    config.mesh.tensor = 1
+    config.mesh.data = -1  # data parallel: each holds the whole (frozen) model
+    config.mesh.fsdp = 1  # fully sharded data parallel: splits the batch and the parameters
+    config.mesh.tensor = 1  # tensor parallel: splits each layer's matrices
 
     # Root of the results: one sub-directory per run (metrics.npz,
     # events.jsonl) and the shared checkpoints/ of the runs trained together.
@@ -142,12 +163,12 @@ def get_config() -> config_dict.ConfigDict:
     # the last line, the learning rate, examples/s, and every accuracy.
     config.wandb = config_dict.ConfigDict()
     config.wandb.enabled = False  # also stream metrics to Weights & Biases
-    config.wandb.project = "oodjax"
+    config.wandb.project = "oodjax"  # W&B project the runs are logged to
     config.wandb.entity = ""  # W&B team or user; empty = your default entity
     # Each run is its own W&B run named as the run; the group gathers a
     # config's runs (empty = "<model>_<train_set>").
     config.wandb.group = ""
-    config.wandb.tags = ()
+    config.wandb.tags = ()  # W&B tags of every run (strings)
     # "online", "offline" (sync later with `wandb sync`) or "disabled";
     # empty = wandb's default (the WANDB_MODE variable, else online).
     config.wandb.mode = ""

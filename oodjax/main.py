@@ -1,9 +1,11 @@
-"""`python -m oodjax.main --config configs/X.py [--config.train.steps=100 ...]`.
+"""`python -m oodjax.main --config configs/X.py [--config.train.steps=100 --config.runs.seeds=0,42 ...]`.
 
 Trains the config's runs (its seeds x shot counts) and writes their results
 under `config.output_dir`; rerunning with the same output directory resumes
 from the latest checkpoint. The config is locked: a key that does not exist,
-in the file or on the command line, is an error.
+in the file or on the command line, is an error. How overrides are read
+(lists as `0,42` or `snli,hans`, the last of a repeated field winning) is in
+`oodjax.config_cli`; `--help` lists every field, its default and meaning.
 
 On a cluster, start one such process per node (or per GPU) as launch/ does:
 the processes find each other from SLURM, TPU-pod or OODJAX_* variables
@@ -17,13 +19,13 @@ summary of every run's final accuracies.
 import logging as python_logging
 
 import datasets
-from absl import app, flags, logging
-from ml_collections import config_flags
+from absl import logging
+from ml_collections import config_dict
 
+from oodjax import config_cli
 from oodjax.engine import distributed, loop
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file (e.g. configs/demo.py).")
-flags.mark_flags_as_required(["config"])
+config_cli.define_config_flag()
 
 
 class _QuietCheckpointing(python_logging.Filter):
@@ -33,9 +35,8 @@ class _QuietCheckpointing(python_logging.Filter):
         return record.levelno >= python_logging.WARNING or "/orbax/" not in record.pathname
 
 
-def main(argv: list[str]) -> None:
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments {argv[1:]}; settings go in --config.<field>=<value>")
+def main(config: config_dict.ConfigDict) -> None:
+    """Trains `config` (the command line's, its overrides applied) on this process's share of the devices."""
     logging.get_absl_handler().addFilter(_QuietCheckpointing())
     # No noise by default: JAX's INFO line for every backend it could not start
     # ("Unable to initialize backend 'tpu'"), and datasets' bars per split read.
@@ -46,12 +47,12 @@ def main(argv: list[str]) -> None:
         logging.info("process %d of %d (layout from %s)", layout.process_id, layout.num_processes, layout.source)
         if not distributed.is_primary():
             logging.set_verbosity(logging.WARNING)  # process 0 logs progress; the others only problems
-    loop.train(_CONFIG.value)
+    loop.train(config)
 
 
 def run() -> None:
-    """Entry point of the `oodjax-train` command; absl parses sys.argv."""
-    app.run(main)
+    """Entry point of `python -m oodjax.main` and the `oodjax-train` command; parses sys.argv."""
+    config_cli.run(main, __doc__)
 
 
 if __name__ == "__main__":

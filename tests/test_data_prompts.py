@@ -1,5 +1,8 @@
 """Prompts and tokenisation: exact token ids, premise-only truncation, BOS handling, the disk cache."""
 
+import re
+import shutil
+
 import datasets
 import numpy as np
 import pytest
@@ -7,6 +10,7 @@ from transformers import AutoTokenizer
 
 from oodjax.data import DEFAULT_TEMPLATE, answer_token_ids, format_prompt, load_testset, tokenize_testset
 from oodjax.data import prompts
+from oodjax.data.prompts import load_tokenizer
 
 LONG_PREMISE = "word" + " word" * 299  # 300 GPT-2 tokens
 HYPOTHESIS = "The cat sat."
@@ -92,9 +96,23 @@ def test_truncation_with_the_premise_in_the_middle_of_the_template(gpt2, tmp_pat
 
 
 def test_a_prompt_that_cannot_fit_by_cutting_the_premise_is_an_error(gpt2, tmp_path):
-    ds = nli([("Hi.", HYPOTHESIS, 0), ("Some premise.", "A hypothesis far too long to fit " * 3, 1)])
-    with pytest.raises(ValueError, match=r"example 1: prompt is \d+ tokens and its premise only 3; max_length=20"):
+    long_hypothesis = "A hypothesis far too long to fit " * 3
+    ds = nli([("Hi.", HYPOTHESIS, 0), ("Some premise.", long_hypothesis, 1)])
+    with pytest.raises(
+        ValueError,
+        match=rf"^dataset example 1 \(hypothesis '{re.escape(long_hypothesis[:77])}\.\.\.'\): "
+        r"prompt is \d+ tokens and its premise only 3; max_length=20",
+    ):
         tokenize_testset(ds, gpt2, max_length=20, cache_dir=tmp_path)
+
+
+def test_a_prompt_of_a_testset_that_cannot_fit_names_the_testset_and_the_example(gpt2, hf_data_dir, tmp_path):
+    """A capped testset (a `select` of its rows), as the engine tokenises it."""
+    ds = load_testset("wnli", data_dir=hf_data_dir).select([5, 9])
+    hypothesis = ds["hypothesis"][0]
+    message = rf"^wnli split 'train' example 0 \(hypothesis '{re.escape(hypothesis)}'\): prompt is"
+    with pytest.raises(ValueError, match=message):
+        tokenize_testset(ds, gpt2, max_length=8, cache_dir=tmp_path)
 
 
 def test_a_tokenizer_appending_eos_is_refused(gpt2_tokenizer_dir, tmp_path):
@@ -152,6 +170,20 @@ def test_the_cache_is_hit_for_the_same_inputs_and_missed_for_any_change(gpt2, gp
     assert len(files) == 6 and all(f.endswith(".npz") and not f.startswith(".") for f in files)
 
 
+@pytest.mark.parametrize("keep", [0, 100, -5])
+def test_an_unreadable_cache_entry_is_computed_again(gpt2, tmp_path, caplog, keep):
+    """A cache file cut short on disk (empty, inside its data, inside its zip directory)."""
+    ds = nli([(LONG_PREMISE, HYPOTHESIS, 0), ("A short one.", HYPOTHESIS, 1)])
+    first = tokenize_testset(ds, gpt2, max_length=64, cache_dir=tmp_path)
+    (entry,) = (tmp_path / "tokenized").iterdir()
+    entry.write_bytes(entry.read_bytes()[:keep])
+    again = tokenize_testset(ds, gpt2, max_length=64, cache_dir=tmp_path)
+    np.testing.assert_array_equal(again.token_ids, first.token_ids)
+    assert f"cache entry {entry} is unreadable" in caplog.text
+    with np.load(entry) as stored:  # rewritten whole
+        np.testing.assert_array_equal(stored["token_ids"], first.token_ids)
+
+
 def test_the_default_cache_dir_comes_from_the_environment(gpt2, tmp_path, monkeypatch):
     monkeypatch.setenv("OODJAX_CACHE_DIR", str(tmp_path))
     tokenize_testset(nli([("p", "h", 0)]), gpt2)
@@ -161,3 +193,35 @@ def test_the_default_cache_dir_comes_from_the_environment(gpt2, tmp_path, monkey
 def test_use_cache_false_writes_nothing(gpt2, tmp_path):
     tokenize_testset(nli([("p", "h", 0)]), gpt2, cache_dir=tmp_path, use_cache=False)
     assert not (tmp_path / "tokenized").exists()
+
+
+def test_load_tokenizer_loads_a_tokenizer_folder(gpt2_tokenizer_dir):
+    assert answer_token_ids(load_tokenizer(gpt2_tokenizer_dir)) == (3363, 1400)
+
+
+def _truncate_vocab(folder):
+    vocab = folder / "vocab.json"
+    vocab.write_bytes(vocab.read_bytes()[:1000])
+
+
+def _junk_config(folder):
+    (folder / "tokenizer_config.json").write_text("{not json")
+
+
+def _binary_files(folder):
+    for path in folder.iterdir():
+        path.write_bytes(b"\x00\xff" * 10)
+
+
+def _no_files(folder):
+    for path in folder.iterdir():
+        path.unlink()
+
+
+@pytest.mark.parametrize("damage", [_truncate_vocab, _junk_config, _binary_files, _no_files])
+def test_a_tokenizer_folder_holding_junk_is_an_error_naming_it(gpt2_tokenizer_dir, tmp_path, damage):
+    folder = tmp_path / "tokenizer"
+    shutil.copytree(gpt2_tokenizer_dir, folder)
+    damage(folder)
+    with pytest.raises(ValueError, match=rf"^tokenizer '{re.escape(str(folder))}' cannot be loaded"):
+        load_tokenizer(folder)

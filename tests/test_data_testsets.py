@@ -2,6 +2,7 @@
 
 import collections
 import json
+import re
 
 import datasets
 import pandas as pd
@@ -169,17 +170,104 @@ def test_missing_split_names_the_paths_looked_for(hf_data_dir):
     assert "validation_matched" in message and "validation_mismatched" in message
 
 
-def test_label_outside_the_map_names_the_values(tmp_path):
+def test_label_outside_the_map_names_the_values_and_the_line(tmp_path):
     rows = [{"premise": "p", "hypothesis": "h", "label": v} for v in ("entails", "neutral", "contradiction")]
     write_jsonl(tmp_path, "allenai/scitail/tsv_format/test.jsonl", rows)
-    with pytest.raises(ValueError, match=r"scitail split 'test': label values \['contradiction'\] are not in"):
+    with pytest.raises(
+        ValueError,
+        match=r"scitail split 'test': label values \['contradiction'\] are not in .*first at .*/test.jsonl line 3\)",
+    ):
         load_testset("scitail", data_dir=tmp_path)
 
 
-def test_missing_columns_are_named(tmp_path):
-    write_jsonl(tmp_path, "nyu-mll/glue/wnli/train.jsonl", [{"sentence1": "p", "label": 1}])
-    with pytest.raises(ValueError, match=r"wnli/train.jsonl lacks columns \['sentence2'\]; it has \['sentence1', 'label'\]"):
+WNLI_FILE = "nyu-mll/glue/wnli/train.jsonl"
+GOOD_ROW = {"sentence1": "p", "sentence2": "h", "label": 1}
+
+
+def test_missing_columns_are_named_with_their_line(tmp_path):
+    write_jsonl(tmp_path, WNLI_FILE, [GOOD_ROW, GOOD_ROW, {"sentence1": "p", "label": 1}])
+    with pytest.raises(
+        ValueError, match=r"wnli/train.jsonl line 3 lacks columns \['sentence2'\]; it has \['sentence1', 'label'\]"
+    ):
         load_testset("wnli", data_dir=tmp_path)
+
+
+@pytest.mark.parametrize(
+    "column, value, found, expected",
+    [
+        ("sentence2", None, "null", "a string"),  # read by `datasets` as the text "None" before
+        ("sentence1", 3, r"3 \(int\)", "a string"),
+        ("label", 1.0, r"1.0 \(float\)", "an integer"),
+        ("label", True, r"True \(bool\)", "an integer"),
+        ("label", "1", r"'1' \(str\)", "an integer"),
+    ],
+)
+def test_a_value_of_the_wrong_type_names_the_file_line_and_column(tmp_path, column, value, found, expected):
+    write_jsonl(tmp_path, WNLI_FILE, [GOOD_ROW, {**GOOD_ROW, column: value}])
+    message = rf"wnli/train.jsonl line 2: column '{column}' is {found}; expected {expected}"
+    with pytest.raises(ValueError, match=message):
+        load_testset("wnli", data_dir=tmp_path)
+
+
+def test_string_labels_must_be_strings_where_the_table_has_them(tmp_path):
+    write_jsonl(tmp_path, "allenai/scitail/tsv_format/test.jsonl", [{"premise": "p", "hypothesis": "h", "label": 0}])
+    with pytest.raises(ValueError, match=r"test.jsonl line 1: column 'label' is 0 \(int\); expected a string"):
+        load_testset("scitail", data_dir=tmp_path)
+
+
+def test_a_truncated_jsonl_names_the_file_and_its_last_line(tmp_path, hf_data_dir):
+    """The real WNLI file cut in the middle of its last line, as an interrupted copy leaves it."""
+    text = (hf_data_dir / WNLI_FILE).read_bytes()
+    target = tmp_path / WNLI_FILE
+    target.parent.mkdir(parents=True)
+    target.write_bytes(text[:-40])
+    lines = text.count(b"\n")
+    with pytest.raises(
+        ValueError,
+        match=rf"{re.escape(str(target))} line {lines} is not valid JSON "
+        r"\(the file ends inside this line: is it truncated\?\)",
+    ):
+        load_testset("wnli", data_dir=tmp_path)
+
+
+def test_a_line_that_is_not_an_object_is_named(tmp_path):
+    (tmp_path / WNLI_FILE).parent.mkdir(parents=True)
+    (tmp_path / WNLI_FILE).write_text(json.dumps(GOOD_ROW) + "\n\n" + json.dumps(["p", "h", 1]) + "\n")
+    with pytest.raises(ValueError, match=r"train.jsonl line 3 is a JSON list, not an object"):
+        load_testset("wnli", data_dir=tmp_path)
+
+
+@pytest.mark.parametrize("text", ["", "\n\n"])
+def test_an_empty_jsonl_is_an_error_naming_it(tmp_path, text):
+    (tmp_path / WNLI_FILE).parent.mkdir(parents=True)
+    (tmp_path / WNLI_FILE).write_text(text)
+    with pytest.raises(ValueError, match=rf"{re.escape(str(tmp_path / WNLI_FILE))} has no rows"):
+        load_testset("wnli", data_dir=tmp_path)
+
+
+def test_a_truncated_parquet_file_is_an_error_naming_it(tmp_path):
+    path = tmp_path / "nyu-mll/glue/rte/validation.parquet"
+    path.parent.mkdir(parents=True)
+    pd.DataFrame({"sentence1": ["a", "b"], "sentence2": ["x", "y"], "label": [1, 0]}).to_parquet(path)
+    path.write_bytes(path.read_bytes()[:-30])
+    with pytest.raises(ValueError, match=rf"{re.escape(str(path))} is not a readable parquet file"):
+        load_testset("rte", split="validation", data_dir=tmp_path)
+
+
+def test_a_null_in_a_parquet_file_names_its_row(tmp_path):
+    path = tmp_path / "nyu-mll/glue/rte/validation.parquet"
+    path.parent.mkdir(parents=True)
+    pd.DataFrame({"sentence1": ["a", "b"], "sentence2": ["x", None], "label": [1, 0]}).to_parquet(path)
+    with pytest.raises(ValueError, match=r"validation.parquet row 1: column 'sentence2' is null; expected a string"):
+        load_testset("rte", split="validation", data_dir=tmp_path)
+
+
+def test_loaded_testsets_know_their_name_and_split(testsets, hf_data_dir):
+    """What a later error about one of their examples (a prompt too long to fit) names."""
+    assert (testsets["wnli"].info.dataset_name, testsets["wnli"].split) == ("wnli", "train")
+    anli = load_testset("anli", split="test_all", data_dir=hf_data_dir)
+    assert (anli.info.dataset_name, anli.split) == ("anli", "test_all")
+    assert (anli.select([3]).info.dataset_name, anli.select([3]).split) == ("anli", "test_all")
 
 
 def test_hidden_test_labels_are_an_error(tmp_path):
@@ -217,3 +305,12 @@ def test_without_a_local_root_the_hub_is_asked_for_the_tables_split(monkeypatch)
             },
         ),
     ]
+
+
+def test_a_null_from_the_hub_names_the_source_and_row(monkeypatch):
+    rows = {"premise": ["p", "q"], "hypothesis": ["h", None], "label": [0, 2]}
+    monkeypatch.delenv("OODJAX_DATA_DIR", raising=False)
+    monkeypatch.setattr(datasets, "load_dataset", lambda *args, **kwargs: datasets.Dataset.from_dict(rows))
+    message = r"hub stanfordnlp/snli/plain_text split 'test' row 1: column 'hypothesis' is null"
+    with pytest.raises(ValueError, match=message):
+        load_testset("snli")

@@ -1,17 +1,17 @@
-"""`python -m oodjax.main`: locked configs, paths checked before any work, and an end-to-end smoke run."""
+"""`python -m oodjax.main`: locked configs, --help, paths checked before any work, and an end-to-end smoke run."""
 
 import pathlib
+import re
+import shutil
 import subprocess
 import sys
 
 import jax
 import numpy as np
 import pytest
-from absl import flags
 
 from analysis import schema
 from configs import base, demo
-import oodjax.main  # noqa: F401  (defines --config on absl's FLAGS)
 from oodjax.engine import checks, loop
 from tests.engine_configs import SHRUNK_DEMO_ARGS, tiny_config
 
@@ -32,12 +32,14 @@ def _run_main(*args, timeout=600):
     )
 
 
-def test_unknown_command_line_key_is_an_error():
-    try:
-        with pytest.raises(flags.UnrecognizedFlagError, match="config.train.stepz"):
-            flags.FLAGS(["oodjax.main", f"--config={ROOT / 'configs' / 'demo.py'}", "--config.train.stepz=3"])
-    finally:
-        flags.FLAGS.unparse_flags()
+def test_help_lists_the_config_fields_with_their_defaults_and_meaning():
+    """The one run of the real command line's --help (the parsing itself is tested in process, test_config_cli.py)."""
+    result = _run_main("--help", timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.startswith("`python -m oodjax.main --config configs/X.py")
+    assert "--config: Experiment config file" in result.stdout
+    assert "  runs.shots = 32,64,128\n      Sizes of the few-shot training sets" in result.stdout
+    assert "  data.eval_cap = 0\n      Cap each testset to this many examples" in result.stdout
 
 
 @pytest.mark.parametrize(
@@ -70,6 +72,23 @@ def test_missing_paths_fail_before_any_compilation(tmp_path, gpt2_tokenizer_dir,
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("field, marker", [("model.path", "config.json"), ("tokenizer", "tokenizer_config.json")])
+def test_a_junk_json_in_a_model_or_tokenizer_folder_is_named_before_anything_loads(
+    tmp_path, gpt2_tokenizer_dir, hf_data_dir, field, marker
+):
+    folder = tmp_path / "folder"
+    shutil.copytree(gpt2_tokenizer_dir, folder)
+    (folder / marker).write_text('{"model_type": "op')  # cut short, as an interrupted copy leaves it
+    config = tiny_config(tmp_path / "out", gpt2_tokenizer_dir, hf_data_dir, tmp_path / "cache")
+    if field == "model.path":
+        config.model.hf_config = {}
+    section, _, key = field.rpartition(".")
+    (config[section] if section else config)[key] = str(folder)
+    with pytest.raises(ValueError, match=rf"^{field}: {re.escape(str(folder / marker))} is not valid JSON"):
+        loop.train(config)
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize(
     "field, value, message",
     [
@@ -78,6 +97,8 @@ def test_missing_paths_fail_before_any_compilation(tmp_path, gpt2_tokenizer_dir,
         ("data.train_set", "snli", "data.train_set 'snli' must also be in data.testsets"),
         ("data.testsets", ("mnli", "hanz"), "unknown testset 'hanz'; known testsets: snli, mnli"),
         ("runs.seeds", (0, 0), r"runs.seeds must be a non-empty list without repeats, got \[0, 0\]"),
+        ("runs.seeds", ("0",), r"runs.seeds must be a list of int, got \('0',\)"),
+        ("data.testsets", (), r"data.testsets is empty"),
         ("model.dtype", "float64", "model.dtype must be one of"),
         ("eval.batch_size", 12, "eval.batch_size 12 must be a multiple of the 8 batch shards"),
     ],

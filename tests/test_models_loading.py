@@ -161,6 +161,14 @@ def test_an_unreadable_shard_index_is_an_error_naming_it(tmp_path, damage, messa
         load_pretrained(tmp_path)
 
 
+def test_a_truncated_config_json_is_an_error_naming_it(tmp_path):
+    save(tiny_hf_model(LAYOUTS["olmo2_gqa"]()), tmp_path)
+    config = tmp_path / "config.json"
+    config.write_text(config.read_text()[:40])
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(config))} is not valid JSON"):
+        load_pretrained(tmp_path)
+
+
 def test_hub_id_offline_fails_clearly():
     with pytest.raises(OSError, match=r"'oodjax-tests/not-a-model' is not a local folder.*HF_HUB_OFFLINE"):
         load_pretrained("oodjax-tests/not-a-model")

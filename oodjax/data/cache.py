@@ -11,9 +11,11 @@ import hashlib
 import os
 import pathlib
 import tempfile
+import zipfile
 from collections.abc import Callable, Iterable
 
 import numpy as np
+from absl import logging
 
 CACHE_DIR_ENV = "OODJAX_CACHE_DIR"
 
@@ -36,10 +38,19 @@ def content_key(parts: Iterable[str | bytes]) -> str:
 def cached_arrays(
     path: pathlib.Path, compute: Callable[[], dict[str, np.ndarray]]
 ) -> dict[str, np.ndarray]:
-    """The arrays stored at `path`, computing and storing them first when absent."""
+    """The arrays stored at `path`, computing and storing them first when absent.
+
+    An entry that cannot be read (truncated or corrupted on disk, since
+    writes are atomic) is computed and stored again, with a warning naming it.
+    """
     if path.is_file():
-        with np.load(path, allow_pickle=False) as stored:
-            return {name: stored[name] for name in stored.files}
+        try:
+            with np.load(path, allow_pickle=False) as stored:
+                return {name: stored[name] for name in stored.files}
+        except (OSError, ValueError, EOFError, zipfile.BadZipFile) as error:
+            logging.warning(
+                "cache entry %s is unreadable (%s: %s); computing it again", path, type(error).__name__, error
+            )
     arrays = compute()
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")

@@ -21,7 +21,7 @@ import string
 
 import datasets
 import numpy as np
-from transformers import PreTrainedTokenizerBase
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from oodjax.data.cache import cached_arrays, content_key, default_cache_dir
 
@@ -75,6 +75,22 @@ def format_prompt(premise: str, hypothesis: str, template: str = DEFAULT_TEMPLAT
     return template.format(premise=premise, hypothesis=hypothesis)
 
 
+def load_tokenizer(source: str | os.PathLike) -> PreTrainedTokenizerBase:
+    """The tokenizer in a local directory or under a hub id, or an error naming `source`.
+
+    transformers reports a folder holding junk (a half-written tokenizer.json,
+    a corrupt vocabulary, a binary file) as a bare JSON, Unicode or
+    `tokenizers` error that names no file; this says which tokenizer it was,
+    the original error chained.
+    """
+    try:
+        return AutoTokenizer.from_pretrained(str(source))
+    except Exception as error:  # `tokenizers` raises a plain Exception for a corrupt vocabulary
+        raise ValueError(
+            f"tokenizer {str(source)!r} cannot be loaded (are its files complete?): {type(error).__name__}: {error}"
+        ) from error
+
+
 def answer_token_ids(
     tokenizer: PreTrainedTokenizerBase, yes: str = " Yes", no: str = " No"
 ) -> tuple[int, int]:
@@ -116,7 +132,7 @@ def tokenize_testset(
     premises, hypotheses, labels = columns["premise"], columns["hypothesis"], columns["label"]
 
     def compute() -> dict[str, np.ndarray]:
-        return _tokenize(premises, hypotheses, labels, tokenizer, template, max_length)
+        return _tokenize(premises, hypotheses, labels, tokenizer, template, max_length, _describe(ds))
 
     if not use_cache:
         arrays = compute()
@@ -142,6 +158,7 @@ def _tokenize(
     tokenizer: PreTrainedTokenizerBase,
     template: str,
     max_length: int,
+    source: str,
 ) -> dict[str, np.ndarray]:
     before_premise = template.split("{premise}")[0]
     prompts = [template.format(premise=p, hypothesis=h) for p, h in zip(premises, hypotheses)]
@@ -159,7 +176,8 @@ def _tokenize(
             )
         start = len(before_premise.format(hypothesis=hypotheses[i]))
         premise_span = (start, start + len(premises[i]))
-        row = _truncate_premise(ids, offsets, special, premise_span, max_length, where=f"example {i}")
+        where = f"{source} example {i} (hypothesis {_shortened(hypotheses[i])!r})"
+        row = _truncate_premise(ids, offsets, special, premise_span, max_length, where=where)
         rows.append(row)
         truncated.append(len(row) < len(ids))
     lengths = np.array([len(r) for r in rows], dtype=np.int64)
@@ -188,7 +206,18 @@ def _truncate_premise(
     if len(in_premise) < excess:
         raise ValueError(
             f"{where}: prompt is {len(ids)} tokens and its premise only {len(in_premise)}; "
-            f"max_length={max_length} cannot be met by cutting the premise"
+            f"max_length={max_length} cannot be met by cutting the premise (raise data.max_length, or shorten the "
+            "template)"
         )
     dropped = set(in_premise[len(in_premise) - excess :])
     return [t for i, t in enumerate(ids) if i not in dropped]
+
+
+def _describe(ds: datasets.Dataset) -> str:
+    """The testset and split `load_testset` recorded on `ds` (kept through `select`), for error messages."""
+    name = ds.info.dataset_name
+    return f"{name} split {str(ds.split)!r}" if name else "dataset"
+
+
+def _shortened(text: str, limit: int = 80) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."

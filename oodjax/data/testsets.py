@@ -14,6 +14,7 @@ gold label (SNLI's -1, hidden test labels) are always dropped.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import pathlib
 from collections.abc import Mapping
@@ -21,6 +22,8 @@ from typing import Literal
 
 import datasets
 import numpy as np
+import pyarrow
+import pyarrow.parquet
 
 ENTAILMENT, NOT_ENTAILMENT = 0, 1
 LABEL_FEATURE = datasets.ClassLabel(names=["entailment", "not_entailment"])
@@ -130,6 +133,12 @@ def load_testset(
     laid out as `<hub_id>/<config>/<split>.jsonl|parquet`; it defaults to
     $OODJAX_DATA_DIR, and without either the Hugging Face hub is used. Row order
     follows the source, so row i is the same example on every machine.
+
+    Every row is checked as it is read: an empty file, a line that is not a
+    JSON object (a truncated file), a missing or null column, or a value of
+    the wrong type is an error naming the file, the line (or row) and the
+    column. The returned Dataset's `info.dataset_name` and `split` name the
+    testset, for later errors about its examples.
     """
     spec = testset_spec(name)
     if neutral not in ("drop", "not_entailment"):
@@ -137,10 +146,10 @@ def load_testset(
     split = split or spec.split
     root = pathlib.Path(data_dir) if data_dir is not None else default_data_dir()
     parts = [
-        _to_binary(spec, _load_raw(spec, part, root), neutral, where=f"{name} split {part!r}")
+        _to_binary(spec, _load_raw(spec, part, root), neutral, name, part)
         for part in spec.split_groups.get(split, (split,))
     ]
-    table = parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
+    table = parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts, split=split)
     if len(table) == 0:
         raise ValueError(f"{name} split {split!r} has no rows with a gold label (hidden test labels?)")
     return table
@@ -179,44 +188,132 @@ def local_path(spec: TestsetSpec, split: str, root: pathlib.Path) -> pathlib.Pat
     )
 
 
-def _load_raw(spec: TestsetSpec, split: str, root: pathlib.Path | None) -> datasets.Dataset:
+@dataclasses.dataclass(frozen=True)
+class _RawSplit:
+    """One source split's premise, hypothesis and label columns, and where each row came from.
+
+    `lines[i]` is the line of row i in a JSON-lines file (blank lines are
+    skipped, so rows and lines can differ); None for sources read as tables,
+    whose rows are numbered from 0.
+    """
+
+    source: str
+    columns: dict[str, list]
+    lines: list[int] | None = None
+
+    def locate(self, row: int) -> str:
+        """Where row `row` is, for an error message: the file and line, or the source and row."""
+        return f"{self.source} line {self.lines[row]}" if self.lines is not None else f"{self.source} row {row}"
+
+
+def _load_raw(spec: TestsetSpec, split: str, root: pathlib.Path | None) -> _RawSplit:
+    columns = (spec.premise, spec.hypothesis, "label")
     if root is not None:
         path = local_path(spec, split, root)
-        builder = "json" if path.suffix == ".jsonl" else "parquet"
-        raw = datasets.load_dataset(builder, data_files=str(path), split="train")
-        where = str(path)
-    elif spec.hub_data_files is not None:
-        raw = datasets.load_dataset("parquet", data_files=spec.hub_data_files.format(split=split), split="train")
-        where = spec.hub_data_files.format(split=split)
+        raw = _read_jsonl(path, columns) if path.suffix == ".jsonl" else _read_parquet(path, columns)
     else:
-        raw = datasets.load_dataset(spec.hub_id, spec.config, split=split)
-        where = f"hub {spec.hub_id}/{spec.config} split {split!r}"
-    missing = [c for c in (spec.premise, spec.hypothesis, "label") if c not in raw.column_names]
-    if missing:
-        raise ValueError(f"{where} lacks columns {missing}; it has {raw.column_names}")
+        if spec.hub_data_files is not None:
+            source = spec.hub_data_files.format(split=split)
+            table = datasets.load_dataset("parquet", data_files=source, split="train")
+        else:
+            source = f"hub {spec.hub_id}/{spec.config} split {split!r}"
+            table = datasets.load_dataset(spec.hub_id, spec.config, split=split)
+        _check_columns(source, columns, table.column_names)
+        raw = _RawSplit(source, table.select_columns(list(columns)).to_dict())
+    if not raw.columns["label"]:
+        raise ValueError(f"{raw.source} has no rows: an empty or truncated file?")
+    _check_types(spec, raw)
     return raw
 
 
-def _to_binary(spec: TestsetSpec, raw: datasets.Dataset, neutral: Neutral, where: str) -> datasets.Dataset:
+def _read_jsonl(path: pathlib.Path, columns: tuple[str, ...]) -> _RawSplit:
+    """Every row of a JSON-lines file, each checked to be an object holding `columns`.
+
+    Read line by line rather than through `datasets`, whose errors name neither
+    the line nor, for an empty file, the file, and which reads a missing
+    column as null.
+    """
+    values: dict[str, list] = {column: [] for column in columns}
+    lines = []
+    with path.open("rb") as f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except ValueError as error:  # JSONDecodeError, UnicodeDecodeError
+                detail = f"{error.msg} (column {error.colno})" if isinstance(error, json.JSONDecodeError) else error
+                cut = "" if line.endswith(b"\n") else " (the file ends inside this line: is it truncated?)"
+                raise ValueError(f"{path} line {number} is not valid JSON{cut}: {detail}") from None
+            if not isinstance(row, dict):
+                raise ValueError(f"{path} line {number} is a JSON {type(row).__name__}, not an object")
+            missing = [column for column in columns if column not in row]
+            if missing:
+                raise ValueError(f"{path} line {number} lacks columns {missing}; it has {list(row)}")
+            for column in columns:
+                values[column].append(row[column])
+            lines.append(number)
+    return _RawSplit(str(path), values, lines)
+
+
+def _read_parquet(path: pathlib.Path, columns: tuple[str, ...]) -> _RawSplit:
+    try:
+        table = pyarrow.parquet.read_table(path)
+    except (pyarrow.ArrowException, OSError) as error:
+        raise ValueError(f"{path} is not a readable parquet file (truncated?): {error}") from None
+    _check_columns(str(path), columns, table.column_names)
+    return _RawSplit(str(path), {column: table.column(column).to_pylist() for column in columns})
+
+
+def _check_columns(source: str, columns: tuple[str, ...], present: list[str]) -> None:
+    missing = [column for column in columns if column not in present]
+    if missing:
+        raise ValueError(f"{source} lacks columns {missing}; it has {present}")
+
+
+def _check_types(spec: TestsetSpec, raw: _RawSplit) -> None:
+    """Texts must be strings and labels of the table's label type: a null hypothesis is not the text "None"."""
+    label_type = type(next(iter(spec.labels)))
+    expected = {spec.premise: str, spec.hypothesis: str, "label": label_type}
+    for column, values in raw.columns.items():
+        wanted = expected[column]
+        for row, value in enumerate(values):
+            # bool is an int to isinstance, but a true/false label is a mistake, not class 1/0.
+            if not isinstance(value, wanted) or isinstance(value, bool):
+                found = "null" if value is None else f"{value!r} ({type(value).__name__})"
+                raise ValueError(
+                    f"{raw.locate(row)}: column {column!r} is {found}; expected "
+                    f"{'an integer' if wanted is int else 'a string'}"
+                )
+
+
+def _to_binary(spec: TestsetSpec, raw: _RawSplit, neutral: Neutral, name: str, split: str) -> datasets.Dataset:
     """Map gold labels through the table; drop unlabelled rows and (by default) neutral."""
-    columns = raw.select_columns([spec.premise, spec.hypothesis, "label"]).to_dict()
-    premises, hypotheses, labels = columns[spec.premise], columns[spec.hypothesis], columns["label"]
+    premises, hypotheses, labels = (raw.columns[column] for column in (spec.premise, spec.hypothesis, "label"))
     mapping = dict(spec.labels)
     if spec.neutral is not None and neutral == "not_entailment":
         mapping[spec.neutral] = NOT_ENTAILMENT
     ignored = set(spec.unlabelled) | ({spec.neutral} if spec.neutral is not None else set())
     unknown = sorted({v for v in labels if v not in mapping and v not in ignored}, key=repr)
     if unknown:
+        first = next(row for row, v in enumerate(labels) if v == unknown[0])
         raise ValueError(
-            f"{where}: label values {unknown} are not in the label map {sorted(mapping, key=repr)} "
-            f"(values found: {sorted(set(labels), key=repr)})"
+            f"{name} split {split!r}: label values {unknown} are not in the label map {sorted(mapping, key=repr)} "
+            f"(values found: {sorted(set(labels), key=repr)}; {unknown[0]!r} first at {raw.locate(first)})"
         )
     keep = np.flatnonzero([v in mapping for v in labels])
-    return datasets.Dataset.from_dict(
+    return _named_dataset(
         {
             "premise": [premises[i] for i in keep],
             "hypothesis": [hypotheses[i] for i in keep],
             "label": [mapping[labels[i]] for i in keep],
         },
-        features=FEATURES,
+        name,
+        split,
     )
+
+
+def _named_dataset(columns: dict[str, list], name: str, split: str) -> datasets.Dataset:
+    """The rows as a Dataset that knows its testset and split (kept by `select`), so later errors can name them."""
+    info = datasets.DatasetInfo(dataset_name=name, features=FEATURES)
+    return datasets.Dataset.from_dict(columns, features=FEATURES, info=info, split=split)

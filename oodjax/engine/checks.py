@@ -14,8 +14,10 @@ import re
 import huggingface_hub
 from ml_collections import config_dict
 
+from configs.base import LIST_ITEM_TYPES
 from oodjax.data import testset_spec
 from oodjax.engine.events import WANDB_MODES, installed
+from oodjax.models.checkpoint import read_json
 
 DTYPES = ("float32", "bfloat16", "float16")
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
@@ -23,12 +25,24 @@ _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
 
 def check_config(config: config_dict.ConfigDict) -> None:
     """Raises a ValueError or FileNotFoundError naming the first wrong field."""
+    _check_lists(config)
     _check_model(config.model)
     _check_source("tokenizer", config.tokenizer or config.model.path, "tokenizer_config.json")
     _check_data(config.data)
     _check_runs_and_training(config)
     _check_trackers(config)
     _check_export(config.export)
+
+
+def _check_lists(config: config_dict.ConfigDict) -> None:
+    """List fields hold items of their declared type: a config file's runs.seeds=("0",) is not seed 0."""
+    for field, item_type in LIST_ITEM_TYPES.items():
+        section, _, key = field.rpartition(".")
+        value = config[section][key]
+        if not isinstance(value, (tuple, list)) or not all(
+            isinstance(item, item_type) and not isinstance(item, bool) for item in value
+        ):
+            raise ValueError(f"{field} must be a list of {item_type.__name__}, got {value!r}")
 
 
 def _check_trackers(config: config_dict.ConfigDict) -> None:
@@ -60,13 +74,17 @@ def _check_model(model: config_dict.ConfigDict) -> None:
 
 
 def _check_source(field: str, source: str, marker_file: str) -> None:
-    """A local directory holding `marker_file`, or a hub id (cached locally when offline)."""
+    """A local directory holding `marker_file` (a JSON file, read), or a hub id (cached locally when offline)."""
     if not source:
         raise ValueError(f"{field} is empty: name a local directory or a hub id")
     path = pathlib.Path(source).expanduser()
     if path.is_dir():
         if not (path / marker_file).is_file():
             raise FileNotFoundError(f"{field}: directory {path} has no {marker_file}")
+        try:
+            read_json(path / marker_file)
+        except ValueError as error:
+            raise ValueError(f"{field}: {error}") from None
         return
     if not _HUB_ID.fullmatch(source):
         raise FileNotFoundError(f"{field}: {source!r} does not exist (and is not a hub id)")
@@ -100,6 +118,8 @@ def _check_export(export: config_dict.ConfigDict) -> None:
 def _check_data(data: config_dict.ConfigDict) -> None:
     if data.data_dir and not pathlib.Path(data.data_dir).expanduser().is_dir():
         raise FileNotFoundError(f"data.data_dir {data.data_dir!r} is not a directory")
+    if not data.testsets:
+        raise ValueError("data.testsets is empty: name the testsets to evaluate (at least data.train_set)")
     for name in (*data.testsets, data.train_set):
         testset_spec(name)  # unknown names: an error listing the known ones
     if len(set(data.testsets)) != len(data.testsets):

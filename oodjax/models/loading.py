@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import json
 import pathlib
 from collections.abc import Mapping
 from typing import Any
@@ -29,7 +28,7 @@ from huggingface_hub import snapshot_download
 from huggingface_hub.errors import HFValidationError, HfHubHTTPError, LocalEntryNotFoundError
 from jax.sharding import Mesh, Sharding, SingleDeviceSharding
 
-from oodjax.models.checkpoint import PICKLE, PICKLE_INDEX, SAFETENSORS_INDEX, Checkpoint, open_checkpoint
+from oodjax.models.checkpoint import PICKLE, PICKLE_INDEX, SAFETENSORS_INDEX, Checkpoint, open_checkpoint, read_json
 from oodjax.models.config import DecoderConfig
 from oodjax.models.gemma import GemmaForCausalLM
 from oodjax.models.layers import STACKED, CausalLM, per_layer_paths
@@ -152,7 +151,7 @@ def _read_config(directory: pathlib.Path) -> dict[str, Any]:
     config_file = directory / "config.json"
     if not config_file.is_file():
         raise FileNotFoundError(f"{directory} has no config.json")
-    return json.loads(config_file.read_text())
+    return read_json(config_file)
 
 
 def _checkpoint_names(checkpoint: Checkpoint) -> dict[str, str]:

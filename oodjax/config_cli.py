@@ -1,0 +1,366 @@
+"""The command line of the entry points that take an experiment config: `--config` and its overrides.
+
+    python -m oodjax.main --config configs/demo.py --config.runs.seeds=0,42 --config.data.testsets=snli,hans
+
+`--config FILE[:ARG]` names a config file, whose `get_config([ARG])` returns
+the locked ConfigDict; each `--config.<field>=<value>` then sets one field,
+read by the type the field has in that config:
+
+- integers, floats and strings as written (`--config.model.path=` is the
+  empty string); `True`/`False` for booleans, `--config.train.pack` alone
+  meaning True and `--noconfig.train.pack` False;
+- lists as comma-separated items (`--config.runs.seeds=0,42`,
+  `--config.data.testsets=snli,hans`) or as a Python literal
+  (`--config.runs.seeds=(0,42)`, `--config.data.testsets="('snli','hans')"`);
+  `--config.runs.seeds=` or `()` is the empty list. The item type of each
+  list is `configs.base.LIST_ITEM_TYPES`;
+- a dict literal for a field that is itself a ConfigDict
+  (`--config.model.hf_config={}` empties it).
+
+Given twice, a field takes the last value, lists too: ml_collections' own
+flags appended a repeated list override to the first (a sweep's
+`--config.runs.shots=(32,)` followed by `--config.runs.shots=128` trained
+both). A field that does not exist, a value that does not parse, a list item
+of the wrong type, or an override without `=` for a field that is not a
+boolean is an error naming the argument, before anything loads; whether a
+value is allowed (a list that must not be empty, a path that must exist) is
+`oodjax.engine.checks.check_config`'s to say, which training runs first.
+
+`--help` lists every field of configs/base.py with its default and what it
+means, read from the comments above each field there: the one place they are
+written.
+"""
+
+from __future__ import annotations
+
+import ast
+import difflib
+import functools
+import importlib.util
+import inspect
+import io
+import math
+import pathlib
+import re
+import sys
+import textwrap
+import tokenize
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from absl import app, flags
+from ml_collections import config_dict
+
+from configs import base
+
+CONFIG_FLAG = "config"
+_OVERRIDE = re.compile(rf"--?(?P<no>no)?{CONFIG_FLAG}\.(?P<field>[^=]*)(?:=(?P<value>.*))?", re.DOTALL)
+_HELP_ARGUMENTS = ("-h", "-help", "--help", "-?", "-helpshort", "--helpshort")
+_TRUE, _FALSE = ("true", "1"), ("false", "0")
+
+
+class CommandLineError(ValueError):
+    """A `--config` or `--config.<field>` argument that cannot be applied; the message names it."""
+
+
+def define_config_flag(flag_values: flags.FlagValues = flags.FLAGS) -> flags.FlagHolder[str]:
+    """Defines the required `--config FILE[:ARG]` flag; `run` reads it and applies the overrides."""
+    return flags.DEFINE_string(
+        CONFIG_FLAG,
+        None,
+        "Experiment config file (e.g. configs/demo.py), then --config.<field>=<value> to override a field "
+        "(lists: --config.runs.seeds=0,42); the fields are listed below.",
+        flag_values=flag_values,
+        required=True,
+    )
+
+
+def run(main: Callable[[config_dict.ConfigDict], None], doc: str) -> None:
+    """`absl.app.run(main)` for an entry point taking a config: `main` receives the overridden config.
+
+    `doc` (the entry point's docstring) opens `--help`, followed by the
+    flags and every config field. A bad override is reported in one line
+    and exits with status 1, as absl does for a bad flag.
+    """
+    app.run(main, flags_parser=functools.partial(_parse_or_exit, doc=doc))
+
+
+def parse_command_line(argv: Sequence[str], flag_values: flags.FlagValues = flags.FLAGS) -> config_dict.ConfigDict:
+    """The config that `argv` (program name first) names, with its `--config.<field>` overrides applied.
+
+    The other flags are parsed by `flag_values` as absl would (`--flagfile`
+    included). Raises CommandLineError, or absl's flags.Error for a flag
+    absl rejects.
+    """
+    argv = flag_values.read_flags_from_files(list(argv), force_gnu=False)
+    overrides, rest = _split_overrides(argv)
+    positional = flag_values(rest)[1:]
+    if positional:
+        raise CommandLineError(f"unexpected arguments {positional}; settings go in --config.<field>=<value>")
+    config = load_config_file(flag_values[CONFIG_FLAG].value)
+    apply_overrides(config, overrides)
+    return config
+
+
+def load_config_file(spec: str) -> config_dict.ConfigDict:
+    """`get_config([ARG])` of the file `spec` names (`FILE` or `FILE:ARG`), locked.
+
+    File names such as `opt2.7_mnli.py` are not importable module names, so
+    the file is loaded by path; its own imports (`from configs import base`)
+    resolve from the repository root or the installed package.
+    """
+    file, *argument = spec.split(":", 1)
+    path = pathlib.Path(file)
+    if not path.is_file():
+        raise CommandLineError(f"--{CONFIG_FLAG}={spec}: there is no file {path}")
+    module_spec = importlib.util.spec_from_file_location(f"_oodjax_config_{path.stem.replace('.', '_')}", path)
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[module_spec.name] = module  # as an import would: dataclasses look their module up there
+    module_spec.loader.exec_module(module)
+    if not callable(getattr(module, "get_config", None)):
+        raise CommandLineError(f"--{CONFIG_FLAG}={spec}: {path} has no get_config()")
+    config = module.get_config(*argument)
+    if not isinstance(config, config_dict.ConfigDict):
+        raise CommandLineError(
+            f"--{CONFIG_FLAG}={spec}: get_config() returned a {type(config).__name__}, not a ConfigDict"
+        )
+    config.lock()
+    return config
+
+
+def apply_overrides(config: config_dict.ConfigDict, overrides: Sequence[str]) -> None:
+    """Sets each `--config.<field>=<value>` of `overrides` on `config`, in order (the last of a field wins)."""
+    for argument in overrides:
+        match = _OVERRIDE.fullmatch(argument)
+        if match is None:
+            raise CommandLineError(f"{argument}: not of the form --{CONFIG_FLAG}.<field>=<value>")
+        field = match["field"]
+        parent, key = _parent_and_key(config, field, argument)
+        parent[key] = _parse_value(field, parent[key], match["value"], negated=bool(match["no"]), argument=argument)
+
+
+def config_fields_help() -> str:
+    """Every field of configs/base.py with its default and the comment on it there, section by section."""
+    config = base.get_config()
+    lines = [
+        f"config fields (--{CONFIG_FLAG}.<field>=<value> sets one; shown with configs/base.py's defaults, "
+        "which a config file changes in part):"
+    ]
+    for path, description in field_descriptions().items():  # in the order configs/base.py sets them
+        if path in _sections():
+            lines += ["", f"[{path}]", *_wrapped(description, indent="  ")]
+            continue
+        if "." not in path:
+            lines.append("")  # a field outside any section
+        lines += [f"  {path} = {_display(_value_at(config, path))}", *_wrapped(description, indent="      ")]
+    return "\n".join(lines)
+
+
+@functools.cache
+def field_descriptions() -> dict[str, str]:
+    """Field path -> the comment on it in configs/base.py: the comment lines right above it, then any after it.
+
+    Read from the source of `get_config()`, so the meaning of a field is
+    written once, beside its default.
+    """
+    source = inspect.getsource(base)
+    comments, code_lines = {}, set()
+    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        if token.type == tokenize.COMMENT:
+            comments[token.start[0]] = token.string.lstrip("#").strip()
+        elif token.type not in (tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT):
+            code_lines.add(token.start[0])
+    descriptions = {}
+    for node in ast.walk(ast.parse(source)):
+        if not (isinstance(node, ast.Assign) and len(node.targets) == 1):
+            continue
+        path = _config_path(node.targets[0])
+        if path is None:
+            continue
+        above, line = [], node.lineno - 1
+        while line in comments and line not in code_lines:
+            above.insert(0, comments[line])
+            line -= 1
+        inline = [comments[node.end_lineno]] if node.end_lineno in comments else []
+        descriptions[path] = " ".join(above + inline)
+    return descriptions
+
+
+def _config_path(target: ast.expr) -> str | None:
+    """`config.a.b` -> "a.b"; None for any other assignment target."""
+    names = []
+    while isinstance(target, ast.Attribute):
+        names.insert(0, target.attr)
+        target = target.value
+    return ".".join(names) if isinstance(target, ast.Name) and target.id == "config" and names else None
+
+
+def _parse_or_exit(
+    argv: list[str], doc: str, flag_values: flags.FlagValues = flags.FLAGS
+) -> config_dict.ConfigDict:
+    """`run`'s flags parser: `--help` prints the help and exits 0; a bad argument prints one line and exits 1."""
+    before_separator = argv[: argv.index("--")] if "--" in argv else argv
+    if any(argument in _HELP_ARGUMENTS for argument in before_separator[1:]):
+        print(help_text(doc, flag_values))
+        sys.exit(0)
+    try:
+        return parse_command_line(argv, flag_values)
+    except (CommandLineError, flags.Error) as error:
+        print(f"{argv[0]}: {error}\nPass --help to list the flags and the config fields.", file=sys.stderr)
+        sys.exit(1)
+
+
+def help_text(doc: str, flag_values: flags.FlagValues = flags.FLAGS) -> str:
+    """What `--help` prints: the entry point's docstring, its flags, then every config field."""
+    own_flags = [flag_values.module_help(__name__), flag_values.main_module_help()]
+    flag_help = "\n".join(text for text in own_flags if text.strip())
+    return "\n".join(
+        [doc.strip(), "", "flags:", flag_help, "(--helpfull lists absl's flags too)", "", config_fields_help()]
+    )
+
+
+def _split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
+    """(the `--config.<field>` arguments, the rest) of `argv`; arguments after `--` are positional."""
+    end = argv.index("--") if "--" in argv else len(argv)
+    is_override = [0 < i < end and _OVERRIDE.fullmatch(argument) is not None for i, argument in enumerate(argv)]
+    overrides = [argument for argument, override in zip(argv, is_override) if override]
+    return overrides, [argument for argument, override in zip(argv, is_override) if not override]
+
+
+def _parent_and_key(config: config_dict.ConfigDict, field: str, argument: str) -> tuple[config_dict.ConfigDict, str]:
+    """The ConfigDict holding `field` ("a.b.c") and its last key, or an error naming the missing part."""
+    *parents, key = field.split(".")
+    node, walked = config, []
+    for name in [*parents, key]:
+        if not isinstance(node, config_dict.ConfigDict):
+            raise CommandLineError(f"{argument}: {'.'.join(walked)} is a value, not a section with fields")
+        if name not in node:
+            where = ".".join(walked) or "the config"
+            close = difflib.get_close_matches(name, list(node.keys()), n=1)
+            hint = f"; did you mean {'.'.join([*walked, close[0]])}?" if close else ""
+            raise CommandLineError(
+                f"{argument}: {where} has no field {name!r}{hint} (its fields: {', '.join(node.keys())})"
+            )
+        walked.append(name)
+        parent, node = node, node[name]
+    return parent, key
+
+
+def _parse_value(field: str, current: Any, text: str | None, *, negated: bool, argument: str) -> Any:
+    """`text` read as the type of the field's `current` value."""
+
+    def error(expected: str) -> CommandLineError:
+        return CommandLineError(f"{argument}: {field} takes {expected}")
+
+    if isinstance(current, bool):
+        if text is None:
+            return not negated
+        if negated:
+            raise error("no value after --no (write --config.<field>=False)")
+        if text.lower() in _TRUE + _FALSE:
+            return text.lower() in _TRUE
+        raise error(f"True or False, got {text!r}")
+    if negated or text is None:
+        raise error(f"a value: write --{CONFIG_FLAG}.{field}=<value> (only a boolean may be given alone)")
+    if isinstance(current, tuple):
+        return _parse_list(field, text, argument)
+    if isinstance(current, config_dict.ConfigDict):
+        if field in _sections():
+            raise error(f"no value: it is a section; set its fields one by one (--{CONFIG_FLAG}.{field}.<field>=...)")
+        try:
+            value = ast.literal_eval(text) if text.strip() else {}
+        except (ValueError, SyntaxError):
+            value = None
+        if not isinstance(value, dict):
+            raise error(f"a dict literal such as {{}} or {{'key': 1}}, got {text!r}")
+        return config_dict.ConfigDict(value)
+    if isinstance(current, (int, float, str)):
+        return _parse_scalar(type(current), text, lambda expected: error(f"{expected}, got {text!r}"))
+    raise error(f"a {type(current).__name__}, which the command line cannot set; set it in the config file")
+
+
+def _parse_scalar(kind: type, text: str, error: Callable[[str], CommandLineError]) -> int | float | str:
+    if kind is str:
+        return text
+    try:
+        value = kind(text.strip())
+    except ValueError:
+        raise error("an integer" if kind is int else "a number") from None
+    if kind is float and not math.isfinite(value):
+        raise error("a finite number")
+    return value
+
+
+def _parse_list(field: str, text: str, argument: str) -> tuple:
+    """`a,b,c` or a Python tuple/list literal, each item of the field's declared item type."""
+    if field not in base.LIST_ITEM_TYPES:
+        raise CommandLineError(
+            f"{argument}: {field} is a list whose item type configs/base.py's LIST_ITEM_TYPES does not declare"
+        )
+    kind = base.LIST_ITEM_TYPES[field]
+    what = {int: "integers", float: "numbers", str: "strings"}[kind]
+    example = {int: "0,42", float: "0.1,0.2", str: "snli,hans"}[kind]
+    text = text.strip()
+    if text in ("", "()", "[]"):
+        return ()
+    if text[0] in "([":
+        try:
+            items = ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            items = None
+        if not isinstance(items, (tuple, list)):
+            raise CommandLineError(
+                f"{argument}: {text!r} is not a Python tuple or list literal (strings quoted); "
+                f"or write the items comma-separated: --{CONFIG_FLAG}.{field}={example}"
+            )
+    else:
+        items = [item.strip() for item in text.split(",")]
+        if "" in items:
+            raise CommandLineError(f"{argument}: an empty item in {text!r}; write --{CONFIG_FLAG}.{field}={example}")
+        if kind is not str:
+            items = [
+                _parse_scalar(kind, item, lambda expected, item=item: CommandLineError(
+                    f"{argument}: {field} is a list of {what}; {item!r} is not {expected}"
+                ))
+                for item in items
+            ]
+    for item in items:
+        if not _is_a(item, kind):
+            raise CommandLineError(f"{argument}: {field} is a list of {what}; {item!r} is not one")
+    return tuple(kind(item) for item in items)
+
+
+def _is_a(item: Any, kind: type) -> bool:
+    """isinstance, except that a bool is not an integer here, and an integer is a float."""
+    if isinstance(item, bool):
+        return False
+    return isinstance(item, (int, float)) if kind is float else isinstance(item, kind)
+
+
+@functools.cache
+def _sections() -> frozenset[str]:
+    """The ConfigDicts of configs/base.py that group fields (model, train, ...), unlike `model.hf_config`, a value."""
+    config = base.get_config()
+    return frozenset(
+        path
+        for path in field_descriptions()
+        if isinstance(value := _value_at(config, path), config_dict.ConfigDict) and len(value) > 0
+    )
+
+
+def _value_at(config: config_dict.ConfigDict, path: str) -> Any:
+    return functools.reduce(lambda node, key: node[key], path.split("."), config)
+
+
+def _display(value: Any) -> str:
+    """A value as it would be written after `--config.<field>=`."""
+    if isinstance(value, tuple):
+        simple = all(not re.search(r"[\s,'\"()]", str(item)) and not isinstance(item, bool) for item in value)
+        return ",".join(map(str, value)) if value and simple else repr(value)
+    if isinstance(value, config_dict.ConfigDict):
+        return repr(value.to_dict())
+    return repr(value) if isinstance(value, str) else str(value)
+
+
+def _wrapped(text: str, indent: str) -> list[str]:
+    return textwrap.wrap(text, width=100, initial_indent=indent, subsequent_indent=indent)

@@ -1,0 +1,188 @@
+"""The config command line (`oodjax.config_cli`), parsed in process as absl parses argv: overrides, errors, --help."""
+
+import pathlib
+import re
+
+import pytest
+from absl import flags
+from ml_collections import config_dict
+
+from configs import base
+from oodjax import config_cli
+from oodjax.engine import checks
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+DEMO = ROOT / "configs" / "demo.py"  # runs.seeds (0, 42), runs.shots (32,)
+
+
+def fresh_flags() -> flags.FlagValues:
+    flag_values = flags.FlagValues()
+    config_cli.define_config_flag(flag_values)
+    return flag_values
+
+
+def parse(*arguments, config=DEMO):
+    return config_cli.parse_command_line(["oodjax.main", f"--config={config}", *arguments], fresh_flags())
+
+
+def test_a_list_override_replaces_the_list():
+    assert parse("--config.runs.shots=128").runs.shots == (128,)
+
+
+def test_a_repeated_list_override_takes_the_last_value():
+    """A sweep's overrides followed by the user's: ml_collections trained (32, 128)."""
+    assert parse("--config.runs.shots=(32,)", "--config.runs.shots=128").runs.shots == (128,)
+    assert parse("--config.train.steps=3", "--config.train.steps=5").train.steps == 5
+
+
+@pytest.mark.parametrize(
+    "argument, field, value",
+    [
+        ("--config.data.testsets=snli,hans", "testsets", ("snli", "hans")),  # was one name, 'snli,hans'
+        ("--config.data.testsets=snli, hans", "testsets", ("snli", "hans")),
+        ("--config.data.testsets=('snli', 'hans')", "testsets", ("snli", "hans")),
+        ("--config.data.testsets=['snli']", "testsets", ("snli",)),
+        ("--config.data.testsets=hans", "testsets", ("hans",)),
+        ("--config.runs.seeds=0,42", "seeds", (0, 42)),
+        ("--config.runs.seeds=(0,42,)", "seeds", (0, 42)),  # the form launch.sweep writes
+        ("--config.runs.seeds=7", "seeds", (7,)),
+        ("--config.runs.seeds=", "seeds", ()),  # was ('',), which failed deep inside data loading
+        ("--config.runs.seeds=()", "seeds", ()),
+        ("--config.data.buckets=64,128", "buckets", (64, 128)),
+    ],
+)
+def test_lists_in_the_comma_form_and_as_literals(argument, field, value):
+    config = parse(argument)
+    section = config.data if field in ("testsets", "buckets") else config.runs
+    assert section[field] == value
+    assert all(type(item) is type(expected) for item, expected in zip(section[field], value))
+
+
+def test_an_empty_list_that_must_not_be_empty_is_refused_before_anything_loads():
+    with pytest.raises(ValueError, match=r"runs.seeds must be a non-empty list without repeats, got \[\]"):
+        checks.check_config(parse("--config.runs.seeds="))
+    with pytest.raises(ValueError, match=r"data.testsets is empty"):
+        checks.check_config(parse("--config.data.testsets="))
+
+
+def test_scalars_booleans_and_dicts():
+    config = parse(
+        "--config.train.steps=7",
+        "--config.train.learning_rate=1",
+        "--config.model.name=",
+        "--config.train.pack",
+        "--config.export.peft=true",
+        "--config.model.hf_config.hidden_size=96",
+    )
+    assert (config.train.steps, config.train.learning_rate, config.model.name) == (7, 1.0, "")
+    assert type(config.train.learning_rate) is float
+    assert config.train.pack is True and config.export.peft is True
+    assert config.model.hf_config.hidden_size == 96
+    assert parse("--config.train.pack", "--noconfig.train.pack").train.pack is False
+    emptied = parse("--config.model.path=facebook/opt-125m", "--config.model.hf_config={}")
+    assert emptied.model.hf_config.to_dict() == {} and emptied.model.path == "facebook/opt-125m"
+
+
+@pytest.mark.parametrize(
+    "argument, message",
+    [
+        ("--config.runs.seeds=0,,42", r"an empty item in '0,,42'; write --config.runs.seeds=0,42"),
+        ("--config.runs.seeds=0,", r"an empty item in '0,'"),
+        ("--config.runs.seeds=a", r"runs.seeds is a list of integers; 'a' is not an integer"),
+        ("--config.runs.seeds=1.5", r"runs.seeds is a list of integers; '1.5' is not an integer"),
+        ("--config.runs.seeds=(0,'a')", r"runs.seeds is a list of integers; 'a' is not one"),
+        ("--config.runs.seeds=(True,)", r"runs.seeds is a list of integers; True is not one"),
+        ("--config.runs.seeds=(0,42", r"'\(0,42' is not a Python tuple or list literal"),
+        (
+            "--config.data.testsets=(snli,hans)",
+            r"'\(snli,hans\)' is not a Python tuple or list literal \(strings quoted\); or write the items "
+            r"comma-separated: --config.data.testsets=snli,hans",
+        ),
+        ("--config.data.testsets=(1,2)", r"data.testsets is a list of strings; 1 is not one"),
+        ("--config.train.steps=1.5", r"train.steps takes an integer, got '1.5'"),
+        ("--config.train.steps=", r"train.steps takes an integer, got ''"),
+        ("--config.train.learning_rate=fast", r"train.learning_rate takes a number, got 'fast'"),
+        ("--config.train.learning_rate=nan", r"train.learning_rate takes a finite number, got 'nan'"),
+        ("--config.train.pack=yes", r"train.pack takes True or False, got 'yes'"),
+        ("--config.train.steps", r"train.steps takes a value: write --config.train.steps=<value>"),
+        ("--noconfig.train.steps", r"train.steps takes a value"),
+        ("--config.train.stepz=3", r"train has no field 'stepz'; did you mean train.steps\? \(its fields: .*steps"),
+        ("--config.trian.steps=3", r"the config has no field 'trian'; did you mean train\?"),
+        ("--config.train.steps.max=3", r"train.steps is a value, not a section with fields"),
+        ("--config.train={}", r"train takes no value: it is a section; set its fields one by one"),
+        ("--config.model.hf_config=[1]", r"model.hf_config takes a dict literal such as \{\}"),
+    ],
+)
+def test_malformed_overrides_are_errors_naming_the_argument(argument, message):
+    with pytest.raises(config_cli.CommandLineError, match=rf"^{re.escape(argument)}: {message}"):
+        parse(argument)
+
+
+def test_a_config_file_that_does_not_exist_is_an_error(tmp_path):
+    with pytest.raises(config_cli.CommandLineError, match=rf"--config={tmp_path}/none.py: there is no file"):
+        parse(config=tmp_path / "none.py")
+
+
+def test_a_config_file_argument_and_a_flagfile(tmp_path):
+    """`FILE:ARG` reaches get_config(ARG); overrides in a --flagfile apply like those on the command line."""
+    config_file = tmp_path / "steps.py"
+    config_file.write_text(
+        "from configs import base\n\n\ndef get_config(steps):\n"
+        "    config = base.get_config()\n    config.train.steps = int(steps)\n    return config\n"
+    )
+    assert parse(config=f"{config_file}:12").train.steps == 12
+    flagfile = tmp_path / "flags.txt"
+    flagfile.write_text("--config.runs.seeds=5,6\n")
+    assert parse(f"--flagfile={flagfile}", config=f"{config_file}:12").runs.seeds == (5, 6)
+
+
+def test_positional_arguments_are_refused():
+    with pytest.raises(config_cli.CommandLineError, match=r"unexpected arguments \['3'\]"):
+        parse("3")
+
+
+def test_a_bad_override_exits_with_one_line(capsys):
+    argv = ["oodjax.main", f"--config={DEMO}", "--config.runs.seeds=a"]
+    with pytest.raises(SystemExit) as exit_:
+        config_cli._parse_or_exit(argv, "doc", fresh_flags())
+    assert exit_.value.code == 1
+    assert capsys.readouterr().err == (
+        "oodjax.main: --config.runs.seeds=a: runs.seeds is a list of integers; 'a' is not an integer\n"
+        "Pass --help to list the flags and the config fields.\n"
+    )
+
+
+def _base_fields(config, prefix=""):
+    """Every field of `config`, sections included, written out here independently of config_cli."""
+    for key, value in config.items():
+        yield f"{prefix}{key}", value
+        if isinstance(value, config_dict.ConfigDict) and value.keys():
+            yield from _base_fields(value, f"{prefix}{key}.")
+
+
+def test_list_item_types_cover_every_list_field_of_the_base_config():
+    lists = {path for path, value in _base_fields(base.get_config()) if isinstance(value, tuple)}
+    assert lists == set(base.LIST_ITEM_TYPES)
+
+
+def test_every_base_field_has_a_description():
+    """A field added to configs/base.py without a comment would show in --help without a meaning."""
+    descriptions = config_cli.field_descriptions()
+    fields = {path for path, value in _base_fields(base.get_config())}
+    assert set(descriptions) == fields
+    sections = {path for path, value in _base_fields(base.get_config()) if isinstance(value, config_dict.ConfigDict)}
+    assert [path for path in fields - sections if not descriptions[path]] == []
+
+
+def test_help_lists_fields_with_defaults_and_their_comments_in_base():
+    text = config_cli.help_text("The entry point's doc.", fresh_flags())
+    assert text.startswith("The entry point's doc.\n\nflags:\n")
+    assert "--config: Experiment config file" in text
+    assert (
+        "  runs.seeds = 0,42,99\n      A run's seed draws its few-shot set, its data order, its adapter initialisation"
+        in text
+    )
+    assert "  train.steps = 500\n      optimizer steps per run\n" in text
+    assert "  data.testsets = snli,mnli,scitail,rte,wnli,paws,hans,anli\n      Testsets evaluated at step 0" in text
+    assert "\n[mesh]\n  Device mesh axis sizes; -1 = all remaining devices." in text
+    assert "  model.hf_config = {}\n" in text
