@@ -9,6 +9,7 @@ ignored setting.
 from ml_collections import config_dict
 
 from oodjax.data import DEFAULT_MAX_LENGTH, DEFAULT_TEMPLATE
+from oodjax.data.prompts import DEFAULT_ANSWERS
 
 EIGHT_TESTSETS = ("snli", "mnli", "scitail", "rte", "wnli", "paws", "hans", "anli")
 
@@ -19,12 +20,17 @@ EIGHT_TESTSETS = ("snli", "mnli", "scitail", "rte", "wnli", "paws", "hans", "anl
 LIST_ITEM_TYPES = {
     "lora.targets": str,
     "data.testsets": str,
+    "data.answers": str,
     "data.buckets": int,
     "eval.row_lengths": int,
     "runs.seeds": int,
     "runs.shots": int,
     "wandb.tags": str,
 }
+# List fields whose comma-separated items the command line keeps exactly as
+# written, spaces included (`--config.data.answers=" yes"," no"`): an answer's
+# leading space makes it another token.
+VERBATIM_LIST_ITEMS = ("data.answers",)
 
 
 def get_config() -> config_dict.ConfigDict:
@@ -77,17 +83,34 @@ def get_config() -> config_dict.ConfigDict:
     # available offline and disjoint from the evaluation splits).
     config.data.pool_split = ""
     # Local mirror laid out as <hub_id>/<config>/<split>.jsonl; empty =
-    # $OODJAX_DATA_DIR, or the Hugging Face hub when that is unset.
+    # $OODJAX_DATA_DIR, or the Hugging Face hub when that is unset. A split
+    # missing from the mirror comes from the hub, unless it is offline.
     config.data.data_dir = ""
     # Testsets evaluated at step 0 and every `eval.every` steps (the training
-    # set is evaluated too, always).
+    # set is evaluated too, always): built-in or declared ones.
     config.data.testsets = EIGHT_TESTSETS
+    # Testsets declared here rather than in code, name -> fields: source (a
+    # hub id, or a local .jsonl/.parquet/.csv file), config (hub config,
+    # optional), split (hub sources), premise, hypothesis, label (column
+    # names), entailment, not_entailment (lists of label values), neutral
+    # (values handled as data.neutral says), unlabelled (values always
+    # dropped), cap (replaces eval_cap). A built-in's name overrides the
+    # fields given, e.g. {'anli': {'split': 'test_r1'}}. Assign the whole
+    # dict in a config file. See README "Data".
+    config.data.extra_testsets = config_dict.ConfigDict()
+    # A JSON or YAML file of more such declarations (name -> fields); relative
+    # source files in it are relative to its folder. Empty = none.
+    config.data.extra_testsets_file = ""
     # Cap each testset to this many examples (stratified by label, seeded by
     # `eval_seed`) so dense evaluation stays affordable; 0 = the full split.
     config.data.eval_cap = 0
     config.data.eval_seed = 0  # seed of the `eval_cap` subsets
-    # Prompt template; the model scores the next token (" Yes" / " No").
+    # Prompt template; the model scores the next token (data.answers).
     config.data.template = DEFAULT_TEMPLATE
+    # The answer words (yes, no) whose next-token logits are read: entailment
+    # is the first. Each must be one token of the model's tokenizer, leading
+    # space included.
+    config.data.answers = DEFAULT_ANSWERS
     # Prompts longer than this are truncated inside the premise.
     config.data.max_length = DEFAULT_MAX_LENGTH
     # Static sequence lengths a training micro-batch is cut to (a branch of the

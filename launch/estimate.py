@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import json
 import sys
 from collections.abc import Mapping, Sequence
 
@@ -102,14 +103,19 @@ def architecture_of(config: config_dict.ConfigDict, layers: int | None = None) -
 
 
 @functools.cache
-def count_eval_examples(testsets: tuple[str, ...], data_dir: str, neutral: str, cap: int) -> int:
-    """Examples in one full evaluation: every testset after label mapping, each capped at `cap` (0 = none)."""
-    from oodjax.data import testsets as testset_table
+def count_eval_examples(
+    testsets: tuple[str, ...], data_dir: str, neutral: str, cap: int, declared: str = "{}", declared_file: str = ""
+) -> int:
+    """Examples in one full evaluation: every testset after label mapping, each capped at its own cap or `cap`
+    (0 = none). `declared` is the JSON of data.extra_testsets (a string, so that the count is cached)."""
+    from oodjax.data import testsets as testset_module
 
+    table = testset_module.testset_table(json.loads(declared), declared_file or None)
     total = 0
     for name in testsets:
-        size = len(testset_table.load_testset(name, data_dir=data_dir or None, neutral=neutral))
-        total += min(size, cap) if cap else size
+        size = len(testset_module.load_testset(name, data_dir=data_dir or None, neutral=neutral, table=table))
+        own_cap = table[name].eval_cap(cap)
+        total += min(size, own_cap) if own_cap else size
     return total
 
 
@@ -162,7 +168,8 @@ def estimate(
     )
     if eval_examples is None:
         eval_examples = count_eval_examples(
-            tuple(config.data.testsets), config.data.data_dir, config.data.neutral, config.data.eval_cap
+            tuple(config.data.testsets), config.data.data_dir, config.data.neutral, config.data.eval_cap,
+            json.dumps(config.data.extra_testsets.to_dict(), sort_keys=True), config.data.extra_testsets_file,
         )
     # Each run is also evaluated on its own few-shot training set.
     training_sets = len(config.runs.seeds) * sum(config.runs.shots)

@@ -13,9 +13,12 @@ read by the type the field has in that config:
   `--config.data.testsets=snli,hans`) or as a Python literal
   (`--config.runs.seeds=(0,42)`, `--config.data.testsets="('snli','hans')"`);
   `--config.runs.seeds=` or `()` is the empty list. The item type of each
-  list is `configs.base.LIST_ITEM_TYPES`;
+  list is `configs.base.LIST_ITEM_TYPES`; items are stripped of spaces,
+  except those of `configs.base.VERBATIM_LIST_ITEMS` (`--config.data.answers=" yes"," no"`);
 - a dict literal for a field that is itself a ConfigDict
-  (`--config.model.hf_config={}` empties it).
+  (`--config.model.hf_config={}` empties it;
+  `--config.data.extra_testsets="{'anli1': {...}}"` declares testsets), and a
+  field inside one (`--config.data.extra_testsets.anli1.split=test_r2`).
 
 Given twice, a field takes the last value, lists too: ml_collections' own
 flags appended a repeated list override to the first (a sweep's
@@ -300,21 +303,21 @@ def _parse_list(field: str, text: str, argument: str) -> tuple:
     kind = base.LIST_ITEM_TYPES[field]
     what = {int: "integers", float: "numbers", str: "strings"}[kind]
     example = {int: "0,42", float: "0.1,0.2", str: "snli,hans"}[kind]
-    text = text.strip()
-    if text in ("", "()", "[]"):
+    stripped = text.strip()
+    if stripped in ("", "()", "[]"):
         return ()
-    if text[0] in "([":
+    if stripped[0] in "([":
         try:
-            items = ast.literal_eval(text)
+            items = ast.literal_eval(stripped)
         except (ValueError, SyntaxError):
             items = None
         if not isinstance(items, (tuple, list)):
             raise CommandLineError(
-                f"{argument}: {text!r} is not a Python tuple or list literal (strings quoted); "
+                f"{argument}: {stripped!r} is not a Python tuple or list literal (strings quoted); "
                 f"or write the items comma-separated: --{CONFIG_FLAG}.{field}={example}"
             )
     else:
-        items = [item.strip() for item in text.split(",")]
+        items = [item if field in base.VERBATIM_LIST_ITEMS else item.strip() for item in text.split(",")]
         if "" in items:
             raise CommandLineError(f"{argument}: an empty item in {text!r}; write --{CONFIG_FLAG}.{field}={example}")
         if kind is not str:

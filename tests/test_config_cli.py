@@ -58,6 +58,35 @@ def test_lists_in_the_comma_form_and_as_literals(argument, field, value):
     assert all(type(item) is type(expected) for item, expected in zip(section[field], value))
 
 
+@pytest.mark.parametrize(
+    "argument, answers",
+    [
+        ("--config.data.answers= yes, no", (" yes", " no")),  # the shell's view of --config.data.answers=" yes"," no"
+        ("--config.data.answers=Yes,No", ("Yes", "No")),
+        ("--config.data.answers=(' True', ' False')", (" True", " False")),
+        ("--config.data.answers= (' True', ' False') ", (" True", " False")),
+    ],
+)
+def test_answer_words_keep_their_spaces(argument, answers):
+    """A leading space makes an answer another token (GPT-2's " yes" is 3763, "yes" 8505): never stripped."""
+    assert parse(argument).data.answers == answers
+
+
+def test_testsets_declared_on_the_command_line():
+    declaration = "{'rte_val': {'source': 'nyu-mll/glue', 'config': 'rte', 'split': 'validation', 'entailment': [0]}}"
+    config = parse(
+        f"--config.data.extra_testsets={declaration}",
+        "--config.data.extra_testsets.rte_val.split=train",
+        "--config.data.extra_testsets_file=sets.yaml",
+    )
+    assert config.data.extra_testsets.to_dict() == {
+        "rte_val": {"source": "nyu-mll/glue", "config": "rte", "split": "train", "entailment": [0]}
+    }
+    assert config.data.extra_testsets_file == "sets.yaml"
+    with pytest.raises(config_cli.CommandLineError, match=r"data.extra_testsets takes a dict literal"):
+        parse("--config.data.extra_testsets=sets.yaml")
+
+
 def test_an_empty_list_that_must_not_be_empty_is_refused_before_anything_loads():
     with pytest.raises(ValueError, match=r"runs.seeds must be a non-empty list without repeats, got \[\]"):
         checks.check_config(parse("--config.runs.seeds="))

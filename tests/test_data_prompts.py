@@ -43,13 +43,28 @@ def test_default_prompt():
 
 
 def test_answer_tokens_of_gpt2(gpt2):
+    """GPT-2's ids, read off its vocab.json: the leading space is part of the word."""
     assert answer_token_ids(gpt2) == (3363, 1400)
-    assert answer_token_ids(gpt2, yes=" yes", no=" no") == (ids(gpt2, " yes")[0], ids(gpt2, " no")[0])
+    assert answer_token_ids(gpt2, (" yes", " no")) == (3763, 645)
+    assert answer_token_ids(gpt2, ("Yes", "No")) == (5297, 2949)
+    assert answer_token_ids(gpt2, (" True", " False")) == (6407, 10352)
 
 
-def test_multi_token_answer_is_an_error(gpt2):
-    with pytest.raises(ValueError, match=r"answer ' Yes please' is 2 tokens \[3363, 3387\].*exactly one token"):
-        answer_token_ids(gpt2, yes=" Yes please")
+@pytest.mark.parametrize(
+    "answers, message",
+    [
+        (
+            (" Yes please", " No"),
+            r"answer ' Yes please' \(data.answers\) is 2 tokens \['ĠYes', 'Ġplease'\] \(ids \[3363, 3387\]\)",
+        ),
+        ((" Yes", " entailment"), r"answer ' entailment' \(data.answers\) is 2 tokens \['Ġentail', 'ment'\]"),
+        ((" Yes", " Yes"), r"answers \[' Yes', ' Yes'\] \(data.answers\) are the same token 3363"),
+        ((" Yes",), r"data.answers must be two words \(yes, no\), got \[' Yes'\]"),
+    ],
+)
+def test_bad_answers_are_errors_naming_the_word_and_its_tokens(gpt2, answers, message):
+    with pytest.raises(ValueError, match=message):
+        answer_token_ids(gpt2, answers)
 
 
 def test_untruncated_prompts_are_the_tokenizers_own_ids(gpt2, hf_data_dir, tmp_path):

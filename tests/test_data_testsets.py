@@ -2,13 +2,17 @@
 
 import collections
 import json
+import logging
+import pathlib
 import re
 
 import datasets
+import huggingface_hub
 import pandas as pd
 import pytest
 
 from oodjax.data import TESTSETS, load_testset, training_pool
+from oodjax.data.testsets import testset_table as table_with  # a name starting with test_ would be collected
 
 # Written out from each dataset's own documentation, independently of TESTSETS:
 # (file under hf/, premise column, hypothesis column, entailment values, not-entailment values).
@@ -314,3 +318,293 @@ def test_a_null_from_the_hub_names_the_source_and_row(monkeypatch):
     message = r"hub stanfordnlp/snli/plain_text split 'test' row 1: column 'hypothesis' is null"
     with pytest.raises(ValueError, match=message):
         load_testset("snli")
+
+
+# Declared testsets: `testset_table` over config declarations and JSON/YAML files.
+
+RTE_VALIDATION = "nyu-mll/glue/rte/validation.jsonl"
+RTE_COLUMNS = {"premise": "sentence1", "hypothesis": "sentence2", "label": "label"}
+
+
+def rows_of(ds):
+    return list(zip(ds["premise"][:], ds["hypothesis"][:], ds["label"][:]))
+
+
+def write_rte_copy(hf_data_dir, path):
+    """RTE validation (277 rows, labels 0 entailment / 1 not) rewritten in the format `path`'s extension names."""
+    frame = pd.DataFrame(read_jsonl(hf_data_dir / RTE_VALIDATION))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    {".csv": lambda: frame.to_csv(path, index=False), ".parquet": lambda: frame.to_parquet(path),
+     ".jsonl": lambda: frame.to_json(path, orient="records", lines=True)}[path.suffix]()  # fmt: skip
+    return frame
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".parquet", ".csv"])
+def test_a_declared_file_loads_as_the_built_in_testset_does(hf_data_dir, tmp_path, suffix):
+    path = tmp_path / f"my rte{suffix}"
+    frame = write_rte_copy(hf_data_dir, path)
+    table = table_with({"myrte": {"source": str(path), **RTE_COLUMNS, "entailment": [0], "not_entailment": [1]}})
+    declared = load_testset("myrte", table=table)
+    built_in = load_testset("rte", split="validation", data_dir=hf_data_dir)
+    assert rows_of(declared) == rows_of(built_in)
+    assert rows_of(declared) == list(zip(frame["sentence1"], frame["sentence2"], frame["label"]))
+    assert declared.features == built_in.features
+    assert (declared.info.dataset_name, declared.split) == ("myrte", path.name)
+
+
+def test_declared_string_labels_entailment_on_either_side(tmp_path):
+    """Labels as words, the not-entailment class listing two of them."""
+    path = tmp_path / "words.csv"
+    path.write_text("p,h,gold\nA,B,entails\nC,D,contradicts\nE,F,unrelated\nG,H,entails\n")
+    table = table_with(
+        {"words": {"source": str(path), "premise": "p", "hypothesis": "h", "label": "gold",
+                   "entailment": ["entails"], "not_entailment": ["contradicts", "unrelated"]}}  # fmt: skip
+    )
+    assert load_testset("words", table=table).to_dict() == {
+        "premise": ["A", "C", "E", "G"], "hypothesis": ["B", "D", "F", "H"], "label": [0, 1, 1, 0]
+    }
+
+
+def test_a_declared_three_way_set_handles_neutral_and_unlabelled_as_the_built_in(hf_data_dir):
+    """SNLI's own test file declared as a local file: its -1 rows dropped, its neutral rows dropped or kept as 1."""
+    declaration = {
+        "source": str(hf_data_dir / "stanfordnlp/snli/plain_text/test.jsonl"), "premise": "premise",
+        "hypothesis": "hypothesis", "label": "label", "entailment": [0], "not_entailment": [2], "neutral": [1],
+        "unlabelled": [-1],
+    }  # fmt: skip
+    table = table_with({"snli_file": declaration})
+    raw = read_jsonl(hf_data_dir / "stanfordnlp/snli/plain_text/test.jsonl")
+    kept = {"drop": {0: 0, 2: 1}, "not_entailment": {0: 0, 1: 1, 2: 1}}
+    for neutral, binary in kept.items():
+        declared = load_testset("snli_file", table=table, neutral=neutral)
+        expected = [(r["premise"], r["hypothesis"], binary[r["label"]]) for r in raw if r["label"] in binary]
+        assert rows_of(declared) == expected
+        assert rows_of(declared) == rows_of(load_testset("snli", data_dir=hf_data_dir, neutral=neutral))
+    assert len(load_testset("snli_file", table=table)) == 6605
+
+
+def test_a_declared_hub_source_is_read_from_the_local_mirror(hf_data_dir):
+    table = table_with(
+        {"rte_val": {"source": "nyu-mll/glue", "config": "rte", "split": "validation", **RTE_COLUMNS,
+                     "entailment": [0], "not_entailment": [1], "unlabelled": [-1]}}  # fmt: skip
+    )
+    declared = load_testset("rte_val", table=table, data_dir=hf_data_dir)
+    assert rows_of(declared) == rows_of(load_testset("rte", split="validation", data_dir=hf_data_dir))
+    assert (declared.info.dataset_name, declared.split) == ("rte_val", "validation")
+
+
+@pytest.mark.parametrize("split", ["test_r1", "test_all"])
+def test_a_built_in_overridden_by_its_split(hf_data_dir, split):
+    table = table_with({"anli": {"split": split}})
+    assert table["anli"].split == split and table["snli"] == TESTSETS["snli"]
+    overridden = load_testset("anli", table=table, data_dir=hf_data_dir)
+    assert rows_of(overridden) == rows_of(load_testset("anli", split=split, data_dir=hf_data_dir))
+    assert len(overridden) == {"test_r1": 667, "test_all": 2132}[split]
+
+
+def test_a_built_in_overridden_by_a_file_keeps_its_columns_and_labels(hf_data_dir, tmp_path):
+    path = tmp_path / "rte.csv"
+    write_rte_copy(hf_data_dir, path)
+    table = table_with({"rte": {"source": str(path)}})
+    assert (table["rte"].config, table["rte"].split, table["rte"].premise) == ("", "rte.csv", "sentence1")
+    assert rows_of(load_testset("rte", table=table)) == rows_of(
+        load_testset("rte", split="validation", data_dir=hf_data_dir)
+    )
+
+
+def test_a_declared_cap_replaces_the_configs_eval_cap():
+    table = table_with({"snli": {"cap": 500}, "anli": {"cap": 0}})
+    assert (table["snli"].eval_cap(16), table["anli"].eval_cap(16), table["mnli"].eval_cap(16)) == (500, 0, 16)
+
+
+DECLARATIONS_JSON = """{
+  "rte_val": {"source": "rte.csv", "premise": "sentence1", "hypothesis": "sentence2", "label": "label",
+              "entailment": [0], "not_entailment": [1]},
+  "anli": {"split": "test_r2"}
+}
+"""
+DECLARATIONS_YAML = """\
+rte_val:
+  source: rte.csv   # relative to this file's folder
+  premise: sentence1
+  hypothesis: sentence2
+  label: label
+  entailment: [0]
+  not_entailment: [1]
+anli:
+  split: test_r2
+"""
+
+
+@pytest.mark.parametrize("name, text", [("sets.json", DECLARATIONS_JSON), ("sets.yaml", DECLARATIONS_YAML)])
+def test_declarations_from_a_json_or_yaml_file(hf_data_dir, tmp_path, monkeypatch, name, text):
+    folder = tmp_path / "declarations"
+    write_rte_copy(hf_data_dir, folder / "rte.csv")
+    (folder / name).write_text(text)
+    monkeypatch.chdir(tmp_path)  # the source is found beside the file, not in the working directory
+    table = table_with(None, pathlib.Path("declarations") / name)
+    assert table["rte_val"].source == str(pathlib.Path("declarations") / "rte.csv")
+    assert table["rte_val"].origin == f"testset 'rte_val' in {pathlib.Path('declarations') / name}"
+    assert rows_of(load_testset("rte_val", table=table)) == rows_of(
+        load_testset("rte", split="validation", data_dir=hf_data_dir)
+    )
+    assert table["anli"].split == "test_r2"
+
+
+@pytest.mark.parametrize(
+    "name, text, message",
+    [
+        ("d.json", '{"a": {"split": "x"}, "a": {"split": "y"}}', r"d.json: \['a'\] given twice in one object"),
+        ("d.yaml", "anli:\n  split: test_r1\n  split: test_r2\n", r"d.yaml line 3: 'split' given twice"),
+        ("d.json", '{"anli": {"split": "test_r1"},}', r"d.json line 1 is not valid JSON"),
+        ("d.yaml", "anli: [split", r"d.yaml is not valid YAML"),
+        ("d.yaml", "- anli\n", r"d.yaml must hold a mapping of testset names to their fields, got list"),
+        ("d.toml", "[anli]\n", r"d.toml must end in .json, .yaml or .yml"),
+        ("d.yaml", "anli:\n  entailment: [yes]\n", r"'entailment': .*True is a bool \(YAML reads unquoted yes/no"),
+    ],
+)
+def test_a_bad_declarations_file_is_an_error_naming_it(tmp_path, name, text, message):
+    (tmp_path / name).write_text(text)
+    with pytest.raises(ValueError, match=message):
+        table_with(None, tmp_path / name)
+
+
+def test_a_testset_declared_in_the_config_and_in_the_file_is_an_error(tmp_path):
+    (tmp_path / "d.json").write_text('{"anli": {"split": "test_r1"}}')
+    with pytest.raises(ValueError, match=r"testsets \['anli'\] are declared both in data.extra_testsets and in"):
+        table_with({"anli": {"split": "test_r2"}}, tmp_path / "d.json")
+
+
+GOOD_DECLARATION = {"source": "owner/name", "split": "test", "premise": "p", "hypothesis": "h", "label": "y",
+                    "entailment": [0], "not_entailment": [1]}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "name, fields, message",
+    [
+        ("mine", {**GOOD_DECLARATION, "premis": "p"},
+            r"\['mine'\]: unknown field 'premis' \(did you mean 'premise'\?\)"),
+        ("mine", {"source": "owner/name", "split": "test"}, r"\['mine'\]: missing fields \['premise', 'hypothesis'"),
+        ("mine", {**GOOD_DECLARATION, "split": None}, r"\['mine'\], field 'split': a hub source \(owner/name\) needs"),
+        ("mine", {**GOOD_DECLARATION, "source": "my.csv"},
+            r"\['mine'\], field 'split': a local file \(my.csv\) is one split"),
+        ("mine", {**GOOD_DECLARATION, "source": "/data/my.txt"},
+            r"\['mine'\], field 'source': '/data/my.txt' is neither a hub id"),
+        ("mine", {**GOOD_DECLARATION, "split": 3}, r"\['mine'\], field 'split': must be a string, got 3 \(int\)"),
+        ("mine", {**GOOD_DECLARATION, "entailment": 0},
+            r"\['mine'\], field 'entailment': must be a list of label values, e.g. \[0\]"),
+        ("mine", {**GOOD_DECLARATION, "entailment": []},
+            r"\['mine'\], field 'entailment': must list at least one label value"),
+        ("mine", {**GOOD_DECLARATION, "neutral": [1.5]},
+            r"\['mine'\], field 'neutral': label values are integers or strings; 1.5"),
+        ("mine", {**GOOD_DECLARATION, "not_entailment": ["1"]},
+            r"\['mine'\], field 'entailment': label values must be all integers or all strings"),
+        ("mine", {**GOOD_DECLARATION, "neutral": [2, 0]},
+            r"\['mine'\], field 'neutral': label values \[0\] are also in 'entailment'"),
+        ("mine", {**GOOD_DECLARATION, "cap": -1}, r"\['mine'\], field 'cap': must be an integer >= 0"),
+        ("mine", {**GOOD_DECLARATION, "hypothesis": "p"},
+            r"\['mine'\], field 'label': premise, hypothesis and label must be three"),
+        ("mine", {**GOOD_DECLARATION, "label": ""}, r"\['mine'\], field 'label': must name a column"),
+        ("mine", "owner/name", r"\['mine'\]: a declaration is a mapping of fields to values"),
+        ("my set", GOOD_DECLARATION, r"\['my set'\]: 'my set' is not a testset name"),
+        ("anli", {"splt": "test_r1"}, r"\['anli'\]: unknown field 'splt' \(did you mean 'split'\?\)"),
+        ("anli", {"entailment": [1]}, r"\['anli'\], field 'neutral': label values \[1\] are also in 'entailment'"),
+        ("anli", {"source": "owner/name"}, r"\['anli'\], field 'split': a hub source \(owner/name\) needs"),
+    ],
+)
+def test_a_bad_declaration_is_an_error_naming_the_testset_and_the_field(name, fields, message):
+    with pytest.raises(ValueError, match=r"^data\.extra_testsets" + message):
+        table_with({name: fields})
+
+
+def test_a_local_file_of_another_format_is_not_taken_for_a_hub_id(tmp_path):
+    (tmp_path / "sets").mkdir()
+    (tmp_path / "sets" / "my.tsv").write_text("p\th\ty\n")
+    (tmp_path / "d.json").write_text(json.dumps({"mine": {**GOOD_DECLARATION, "source": "sets/my.tsv"}}))
+    with pytest.raises(ValueError, match=r"'mine' in .*d.json, field 'source': 'sets/my.tsv' is a local file, but"):
+        table_with(None, tmp_path / "d.json")
+
+
+def test_unknown_testsets_list_the_declared_ones_too(tmp_path):
+    table = table_with({"mine": {**GOOD_DECLARATION}})
+    with pytest.raises(KeyError, match="unknown testset 'mien'; known testsets: snli, .*, anli, mine"):
+        load_testset("mien", table=table)
+
+
+def test_a_file_testset_has_no_other_split(tmp_path):
+    table = table_with({"mine": {**GOOD_DECLARATION, "source": str(tmp_path / "m.csv"), "split": None}})
+    with pytest.raises(ValueError, match=r"mine is the file .*m.csv, one split: it has no split 'test'"):
+        load_testset("mine", split="test", table=table)
+    with pytest.raises(FileNotFoundError, match=r"data.extra_testsets\['mine'\]: its source file .*m.csv does not"):
+        load_testset("mine", table=table)
+
+
+CSV_DECLARATION = {"premise": "p", "hypothesis": "h", "label": "y", "entailment": [0], "not_entailment": [1]}
+
+
+def test_csv_texts_are_read_verbatim(tmp_path):
+    """What pandas would turn into missing values or numbers stays text; a quoted field may hold commas and lines."""
+    path = tmp_path / "t.csv"
+    path.write_text('p,h,y\nNA,null,0\n"two\nlines, one field",007,1\n\n"""quoted""",,0\n')
+    table = table_with({"t": {"source": str(path), **CSV_DECLARATION}})
+    assert load_testset("t", table=table).to_dict() == {
+        "premise": ["NA", "two\nlines, one field", '"quoted"'], "hypothesis": ["null", "007", ""], "label": [0, 1, 0]
+    }
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("p,h,y\na,b,0\nc,d,0,extra\n", r"t.csv line 3 has 4 fields, the header 3"),
+        ("p,h,y\na,b,0\n\"two\nlines\",d,yes\n", r"t.csv line 3: column 'y' is 'yes'; expected an integer"),
+        ("p,h,y\na,b,1.0\n", r"t.csv line 2: column 'y' is '1.0'; expected an integer"),
+        ("p,hyp,y\na,b,0\n", r"t.csv \(its header line\) lacks columns \['h'\]; it has \['p', 'hyp', 'y'\]"),
+        ("", r"t.csv has no rows"),
+        ("p,h,y\n", r"t.csv has no rows"),
+        ("p,h,y\na,b,2\n", r"t split 't.csv': label values \[2\] are not in the label map .* line 2\); a declared"),
+    ],
+)
+def test_a_bad_csv_row_is_an_error_naming_the_file_and_line(tmp_path, text, message):
+    (tmp_path / "t.csv").write_text(text)
+    table = table_with({"t": {"source": str(tmp_path / "t.csv"), **CSV_DECLARATION}})
+    with pytest.raises(ValueError, match=message):
+        load_testset("t", table=table)
+
+
+def test_a_split_missing_from_the_mirror_comes_from_the_hub_when_online(tmp_path, monkeypatch, caplog):
+    write_jsonl(tmp_path, "nyu-mll/glue/rte/validation.jsonl", [{"sentence1": "local", "sentence2": "h", "label": 0}])
+    hub_rows = {"sentence1": ["from the hub"], "sentence2": ["h"], "label": [1]}
+    calls = []
+
+    def fake_load_dataset(*args, **kwargs):
+        calls.append((args, kwargs))
+        return datasets.Dataset.from_dict(hub_rows)
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "0")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    assert load_testset("rte", split="validation", data_dir=tmp_path)["premise"][:] == ["local"]
+    assert calls == []
+    with caplog.at_level(logging.INFO):
+        assert load_testset("rte", data_dir=tmp_path)["premise"][:] == ["from the hub"]
+    assert calls == [(("nyu-mll/glue", "rte"), {"split": "train"})]
+    assert "no local file for nyu-mll/glue/rte split 'train'" in caplog.text
+    assert "reading it from the hub" in caplog.text
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(FileNotFoundError, match=r"split 'train': looked for .*; the hub is offline"):
+        load_testset("rte", data_dir=tmp_path)
+    assert len(calls) == 1
+
+
+def test_a_declared_hub_source_without_a_config_is_asked_for_without_one(monkeypatch):
+    calls = []
+
+    def fake_load_dataset(*args, **kwargs):
+        calls.append((args, kwargs))
+        return datasets.Dataset.from_dict({"p": ["a"], "h": ["b"], "y": [1]})
+
+    monkeypatch.delenv("OODJAX_DATA_DIR", raising=False)
+    monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
+    assert load_testset("mine", table=table_with({"mine": GOOD_DECLARATION}))["label"][:] == [1]
+    assert calls == [(("owner/name",), {"split": "test"})]

@@ -18,6 +18,7 @@ import json
 import os
 import pathlib
 import string
+from collections.abc import Sequence
 
 import datasets
 import numpy as np
@@ -26,6 +27,8 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from oodjax.data.cache import cached_arrays, content_key, default_cache_dir
 
 DEFAULT_TEMPLATE = "{premise} Question: {hypothesis} Yes or No?"
+# The words whose next-token logits are read, (yes, no): entailment is the first.
+DEFAULT_ANSWERS = (" Yes", " No")
 DEFAULT_MAX_LENGTH = 512
 # Part of every cache key: bump it whenever tokenisation changes what it produces.
 TOKENIZATION_VERSION = "1"
@@ -92,18 +95,31 @@ def load_tokenizer(source: str | os.PathLike) -> PreTrainedTokenizerBase:
 
 
 def answer_token_ids(
-    tokenizer: PreTrainedTokenizerBase, yes: str = " Yes", no: str = " No"
+    tokenizer: PreTrainedTokenizerBase, answers: Sequence[str] = DEFAULT_ANSWERS
 ) -> tuple[int, int]:
-    """The single token ids the model's next-token logits are read at for yes and no."""
+    """The token ids of the (yes, no) answer words, where the model's next-token logits are read.
+
+    `answers` is the config's `data.answers`. Each word must be one token of
+    the model's own tokenizer, exactly as written (leading space included:
+    " Yes" and "Yes" are different tokens), and the two must differ: the loss
+    targets one token and the margin compares two logits.
+    """
+    if len(answers) != 2:
+        raise ValueError(f"data.answers must be two words (yes, no), got {list(answers)}")
     ids = []
-    for answer in (yes, no):
+    for answer in answers:
         tokens = tokenizer.encode(answer, add_special_tokens=False)
         if len(tokens) != 1:
             raise ValueError(
-                f"answer {answer!r} is {len(tokens)} tokens {tokens} for tokenizer "
-                f"{tokenizer.name_or_path!r}; it must be exactly one token"
+                f"answer {answer!r} (data.answers) is {len(tokens)} tokens {tokenizer.convert_ids_to_tokens(tokens)} "
+                f"(ids {tokens}) for tokenizer {tokenizer.name_or_path!r}; each answer must be exactly one token"
             )
         ids.append(tokens[0])
+    if ids[0] == ids[1]:
+        raise ValueError(
+            f"answers {list(answers)} (data.answers) are the same token {ids[0]} for tokenizer "
+            f"{tokenizer.name_or_path!r}; yes and no must differ"
+        )
     return ids[0], ids[1]
 
 

@@ -1,8 +1,12 @@
-"""The eight NLI testsets: where they live and how their labels map to binary NLI.
+"""NLI testsets: where they live and how their labels map to binary NLI.
 
-`TESTSETS` is the single source of truth for every fact about a testset (hub id,
-config, default split, column names, label ids). Everything else in oodjax reads
-it; nothing else spells out a hub id or a label id.
+`TESTSETS` is the single source of truth for every fact about the eight
+built-in testsets (hub id, config, default split, column names, label ids).
+Everything else in oodjax reads it; nothing else spells out a hub id or a label
+id. A config may declare more testsets, or override a built-in one, as
+`data.extra_testsets` (or in a JSON or YAML file, `data.extra_testsets_file`);
+`testset_table` returns the built-in table with those declarations applied,
+each checked field by field, and `load_testset(..., table=...)` loads from it.
 
 Labels become 0 = entailment (" Yes") and 1 = not entailment (" No"). Three-way
 sets have a neutral class, which is dropped by default (the study's protocol) or
@@ -13,17 +17,23 @@ gold label (SNLI's -1, hidden test labels) are always dropped.
 
 from __future__ import annotations
 
+import csv
 import dataclasses
+import difflib
 import json
 import os
 import pathlib
+import re
 from collections.abc import Mapping
-from typing import Literal
+from typing import Any, Literal
 
 import datasets
+import huggingface_hub
 import numpy as np
 import pyarrow
 import pyarrow.parquet
+import yaml
+from absl import logging
 
 ENTAILMENT, NOT_ENTAILMENT = 0, 1
 LABEL_FEATURE = datasets.ClassLabel(names=["entailment", "not_entailment"])
@@ -31,47 +41,77 @@ FEATURES = datasets.Features(
     {"premise": datasets.Value("string"), "hypothesis": datasets.Value("string"), "label": LABEL_FEATURE}
 )
 DATA_DIR_ENV = "OODJAX_DATA_DIR"
-LOCAL_FORMATS = ("jsonl", "parquet")
+LOCAL_FORMATS = ("jsonl", "parquet")  # of the local mirror of the hub
+SOURCE_FILE_FORMATS = ("jsonl", "parquet", "csv")  # of a declared testset's own file
+# A hub id ("owner/name" or "name"), as the hub accepts them.
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
+# Testset names become results keys (`margin/<name>`), event tags and items of
+# comma-separated lists on the command line: no slashes, commas or spaces.
+TESTSET_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+# The fields of a testset declaration, and those a new (not built-in) testset must have.
+DECLARATION_FIELDS = (
+    "source", "config", "split", "premise", "hypothesis", "label",
+    "entailment", "not_entailment", "neutral", "unlabelled", "cap",
+)  # fmt: skip
+REQUIRED_FIELDS = ("source", "premise", "hypothesis", "label", "entailment", "not_entailment")
+_LABEL_FIELDS = ("entailment", "not_entailment", "neutral", "unlabelled")
 Neutral = Literal["drop", "not_entailment"]
 
 
 @dataclasses.dataclass(frozen=True)
 class TestsetSpec:
-    """One testset: its hub location, columns and label ids.
+    """One testset: where it is, its columns and label values.
 
-    `labels` maps the source's gold label values to ENTAILMENT / NOT_ENTAILMENT;
-    `neutral` is the source value of a three-way set's neutral class (None for
-    two-way sets); `unlabelled` are values meaning "no gold label".
-    `split_groups` names splits that are the concatenation of several source
-    splits (ANLI's three rounds). `pool_split` is the split few-shot training
-    sets are drawn from, for the two training sets only. `hub_data_files`, when
-    set, is read from the hub instead of the repo's own loader (HANS).
+    `source` is a hub id (read from the hub or a local mirror of it, as
+    `config`/`split`) or a local .jsonl, .parquet or .csv file (the whole
+    testset; `split` is then the file's name). `labels` maps the source's gold
+    label values to ENTAILMENT / NOT_ENTAILMENT; `neutral` are the values of a
+    three-way set's neutral class; `unlabelled` are values meaning "no gold
+    label". `split_groups` names splits that are the concatenation of several
+    source splits (ANLI's three rounds). `pool_split` is the split few-shot
+    training sets are drawn from, for the two training sets only.
+    `hub_data_files`, when set, is read from the hub instead of the repo's
+    own loader (HANS). `cap`, when set, replaces `data.eval_cap` for this
+    testset. `origin` says where a declared testset was declared (empty for
+    the built-in table), for error messages.
     """
 
     __test__ = False  # a dataclass named Test* is not a pytest test class
 
-    hub_id: str
+    source: str
     config: str
     split: str
     premise: str
     hypothesis: str
     labels: Mapping[int | str, int]
-    neutral: int | str | None = None
+    neutral: tuple[int | str, ...] = ()
     unlabelled: tuple[int | str, ...] = ()
     split_groups: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
     pool_split: str | None = None
     hub_data_files: str | None = None
+    label: str = "label"
+    cap: int | None = None
+    origin: str = ""
+
+    @property
+    def is_local_file(self) -> bool:
+        """Whether `source` is a file of its own rather than a hub id."""
+        return is_source_file(self.source)
+
+    def eval_cap(self, default: int) -> int:
+        """The cap of this testset's evaluation subset: its own `cap` if declared, else `default` (0 = none)."""
+        return default if self.cap is None else self.cap
 
 
 TESTSETS: Mapping[str, TestsetSpec] = {
     "snli": TestsetSpec(
         "stanfordnlp/snli", "plain_text", "test", "premise", "hypothesis",
-        labels={0: ENTAILMENT, 2: NOT_ENTAILMENT}, neutral=1, unlabelled=(-1,),
+        labels={0: ENTAILMENT, 2: NOT_ENTAILMENT}, neutral=(1,), unlabelled=(-1,),
         pool_split="validation",
     ),
     "mnli": TestsetSpec(
         "nyu-mll/glue", "mnli", "validation_matched", "premise", "hypothesis",
-        labels={0: ENTAILMENT, 2: NOT_ENTAILMENT}, neutral=1, unlabelled=(-1,),
+        labels={0: ENTAILMENT, 2: NOT_ENTAILMENT}, neutral=(1,), unlabelled=(-1,),
         pool_split="validation_mismatched",
     ),
     "scitail": TestsetSpec(
@@ -99,18 +139,253 @@ TESTSETS: Mapping[str, TestsetSpec] = {
     ),
     "anli": TestsetSpec(
         "facebook/anli", "plain_text", "test_r3", "premise", "hypothesis",
-        labels={0: ENTAILMENT, 2: NOT_ENTAILMENT}, neutral=1, unlabelled=(-1,),
+        labels={0: ENTAILMENT, 2: NOT_ENTAILMENT}, neutral=(1,), unlabelled=(-1,),
         split_groups={"test_all": ("test_r1", "test_r2", "test_r3")},
     ),
 }
 
 
-def testset_spec(name: str) -> TestsetSpec:
-    """The table row for `name`, or an error listing the known testsets."""
+def is_source_file(source: str) -> bool:
+    """Whether a declared `source` names a local file (by its extension) rather than a hub id."""
+    return source.lower().endswith(tuple(f".{fmt}" for fmt in SOURCE_FILE_FORMATS))
+
+
+def testset_table(
+    declared: Mapping[str, Mapping[str, Any]] | None = None,
+    declared_file: str | os.PathLike | None = None,
+    *,
+    origin: str = "data.extra_testsets",
+) -> dict[str, TestsetSpec]:
+    """The built-in table with the declared testsets added (new names) or overriding built-ins (their names).
+
+    `declared` maps names to declarations (the config's `data.extra_testsets`,
+    named `origin` in errors; pass a ConfigDict's `to_dict()`);
+    `declared_file` is a JSON or YAML file holding such a mapping, whose
+    relative `source` paths are relative to the file's folder. A declaration
+    has the fields DECLARATION_FIELDS: `source` (a hub id, or a local .jsonl,
+    .parquet or .csv file), `config` (hub config, optional), `split` (hub
+    sources only), `premise`, `hypothesis`, `label` (column names),
+    `entailment` and `not_entailment` (lists of label values), `neutral`
+    (values of a neutral class, dropped or counted as not entailment by
+    `load_testset`'s `neutral`), `unlabelled` (values dropped always) and
+    `cap` (replaces data.eval_cap). An override of a built-in names only the
+    fields it changes, e.g. {"anli": {"split": "test_r1"}}; one that gives a
+    `source` takes none of the built-in's location (config, split).
+
+    Errors are ValueErrors naming the declaration and the field: a name
+    declared twice (in `declared` and the file), an unknown or missing field,
+    a value of the wrong type, label values in two classes.
+    """
+    declarations = [(name, fields, f"{origin}[{name!r}]", None) for name, fields in (declared or {}).items()]
+    if declared_file is not None:
+        path = pathlib.Path(declared_file).expanduser()
+        in_file = read_declarations(path)
+        twice = sorted(set(in_file) & set(declared or {}))
+        if twice:
+            raise ValueError(f"testsets {twice} are declared both in {origin} and in {path}; declare each once")
+        declarations += [(name, fields, f"testset {name!r} in {path}", path.parent) for name, fields in in_file.items()]
+    table = dict(TESTSETS)
+    for name, fields, where, base_dir in declarations:
+        table[name] = declared_testset(name, fields, where=where, base_dir=base_dir)
+    return table
+
+
+def declared_testset(
+    name: str, fields: Mapping[str, Any], *, where: str, base_dir: pathlib.Path | None = None
+) -> TestsetSpec:
+    """The spec of one declaration (see `testset_table`); `where` names it in errors, `base_dir` anchors a relative
+    source file."""
+    if not isinstance(name, str) or not TESTSET_NAME.fullmatch(name):
+        raise ValueError(
+            f"{where}: {name!r} is not a testset name: letters, digits, '_', '.' and '-', starting with a letter "
+            "or digit"
+        )
+    if not isinstance(fields, Mapping):
+        raise ValueError(f"{where}: a declaration is a mapping of fields to values, got {fields!r}")
+    unknown = [field for field in fields if field not in DECLARATION_FIELDS]
+    if unknown:
+        close = difflib.get_close_matches(str(unknown[0]), DECLARATION_FIELDS, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ValueError(
+            f"{where}: unknown field {unknown[0]!r}{hint}; a declaration's fields are {', '.join(DECLARATION_FIELDS)}"
+        )
+    built_in = TESTSETS.get(name)
+    merged = dict(fields)
+    if built_in is not None:
+        inherited = _declaration_of(built_in)
+        if "source" in fields:  # a new location: none of the built-in's config or split
+            del inherited["config"], inherited["split"]
+        merged = inherited | dict(fields)
+    missing = [field for field in REQUIRED_FIELDS if merged.get(field) is None]
+    if missing:
+        raise ValueError(
+            f"{where}: missing fields {missing}; a new testset needs {', '.join(REQUIRED_FIELDS)} (and split for a "
+            "hub source)"
+        )
+
+    def problem(field: str, text: str) -> ValueError:
+        return ValueError(f"{where}, field {field!r}: {text}")
+
+    strings = {}
+    for field in ("source", "config", "split", "premise", "hypothesis", "label"):
+        value = merged.get(field)
+        if value is not None and not isinstance(value, str):
+            raise problem(field, f"must be a string, got {value!r} ({type(value).__name__})")
+        strings[field] = value
+    source, config, split = _location(strings, set(fields), base_dir, problem)
+    columns = {field: strings[field] for field in ("premise", "hypothesis", "label")}
+    for field, column in columns.items():
+        if not column:
+            raise problem(field, "must name a column, got an empty string")
+    if len(set(columns.values())) < 3:
+        raise problem("label", f"premise, hypothesis and label must be three different columns, got {columns}")
+    values = {field: _label_values(merged.get(field), field, problem) for field in _LABEL_FIELDS}
+    for field in ("entailment", "not_entailment"):
+        if not values[field]:
+            raise problem(field, "must list at least one label value")
+    _check_label_classes(values, problem)
+    cap = merged.get("cap")
+    if cap is not None and (not isinstance(cap, int) or isinstance(cap, bool) or cap < 0):
+        raise problem("cap", f"must be an integer >= 0 (0 = the full testset), got {cap!r}")
+    same_location = built_in is not None and (source, config) == (built_in.source, built_in.config)
+    return TestsetSpec(
+        source, config, split, columns["premise"], columns["hypothesis"],
+        labels={value: ENTAILMENT for value in values["entailment"]}
+        | {value: NOT_ENTAILMENT for value in values["not_entailment"]},
+        neutral=values["neutral"],
+        unlabelled=values["unlabelled"],
+        split_groups=built_in.split_groups if same_location else {},
+        hub_data_files=built_in.hub_data_files if same_location else None,
+        label=columns["label"],
+        cap=cap,
+        origin=where,
+    )  # fmt: skip
+
+
+def _location(
+    strings: dict[str, str | None], given: set[str], base_dir: pathlib.Path | None, problem: Any
+) -> tuple[str, str, str]:
+    """(source, config, split) of a declaration: a local file (its path, anchored at `base_dir`; its name is its
+    split) or a hub id with its split. `given` are the fields the declaration itself sets (not inherited)."""
+    source = strings["source"]
+    formats = ", ".join("." + fmt for fmt in SOURCE_FILE_FORMATS)
+    path = pathlib.Path(source).expanduser()
+    if base_dir is not None and not path.is_absolute():
+        path = base_dir / path
+    if is_source_file(source):
+        for field in ("config", "split"):
+            if strings[field] is not None and field in given:
+                raise problem(field, f"a local file ({source}) is one split already: leave {field!r} out")
+        return str(path), "", path.name
+    if path.is_file():  # "data/my.tsv" is a valid hub id too
+        raise problem("source", f"{source!r} is a local file, but a testset's file must end in {formats}")
+    if not HUB_ID.fullmatch(source):
+        raise problem("source", f"{source!r} is neither a hub id (owner/name) nor a file ending in {formats}")
+    if not strings["split"]:
+        raise problem("split", f"a hub source ({source}) needs the split to evaluate, e.g. 'test'")
+    return source, strings["config"] or "", strings["split"]
+
+
+def read_declarations(path: str | os.PathLike) -> dict[str, dict[str, Any]]:
+    """The testset declarations in a JSON (.json) or YAML (.yaml, .yml) file: a mapping of names to fields.
+
+    A name or a field given twice is an error (both parsers would keep the last
+    silently), as is a file that does not parse, naming the file and the line.
+    """
+    path = pathlib.Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"testset declarations file {path} does not exist")
+    suffix = path.suffix.lower()
+    text = path.read_text(encoding="utf-8")
+    if suffix == ".json":
+        try:
+            content = json.loads(text, object_pairs_hook=lambda pairs: _unique_keys(pairs, path))
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{path} line {error.lineno} is not valid JSON: {error.msg}") from None
+    elif suffix in (".yaml", ".yml"):
+        try:
+            content = yaml.load(text, Loader=_unique_key_loader(path))
+        except yaml.YAMLError as error:
+            raise ValueError(f"{path} is not valid YAML: {error}") from None
+    else:
+        raise ValueError(f"testset declarations file {path} must end in .json, .yaml or .yml")
+    if not isinstance(content, dict):
+        raise ValueError(f"{path} must hold a mapping of testset names to their fields, got {type(content).__name__}")
+    return content
+
+
+def _unique_keys(pairs: list[tuple[str, Any]], path: pathlib.Path) -> dict[str, Any]:
+    keys = [key for key, _ in pairs]
+    twice = sorted({key for key in keys if keys.count(key) > 1})
+    if twice:
+        raise ValueError(f"{path}: {twice} given twice in one object")
+    return dict(pairs)
+
+
+def _unique_key_loader(path: pathlib.Path) -> type[yaml.SafeLoader]:
+    """A safe YAML loader that refuses a key given twice in one mapping, naming the line."""
+
+    class Loader(yaml.SafeLoader):
+        def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+            seen = set()
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=deep)
+                if key in seen:
+                    raise ValueError(f"{path} line {key_node.start_mark.line + 1}: {key!r} given twice in one mapping")
+                seen.add(key)
+            return super().construct_mapping(node, deep=deep)
+
+    return Loader
+
+
+def _declaration_of(spec: TestsetSpec) -> dict[str, Any]:
+    """A built-in spec as declaration fields, for an override to change some of them."""
+    return {
+        "source": spec.source,
+        "config": spec.config,
+        "split": spec.split,
+        "premise": spec.premise,
+        "hypothesis": spec.hypothesis,
+        "label": spec.label,
+        "entailment": [value for value, binary in spec.labels.items() if binary == ENTAILMENT],
+        "not_entailment": [value for value, binary in spec.labels.items() if binary == NOT_ENTAILMENT],
+        "neutral": list(spec.neutral),
+        "unlabelled": list(spec.unlabelled),
+        "cap": spec.cap,
+    }
+
+
+def _label_values(value: Any, field: str, problem: Any) -> tuple[int | str, ...]:
+    """A list of label values, each an integer or a string (a YAML `yes` is a boolean: refused, not class 1)."""
+    if value is None:
+        return ()
+    if not isinstance(value, (list, tuple)):
+        raise problem(field, f"must be a list of label values, e.g. [{value!r}], got {value!r}")
+    for item in value:
+        if isinstance(item, bool) or not isinstance(item, (int, str)):
+            note = " (YAML reads unquoted yes/no/true/false as booleans: quote it)" if isinstance(item, bool) else ""
+            raise problem(field, f"label values are integers or strings; {item!r} is a {type(item).__name__}{note}")
+    return tuple(dict.fromkeys(value))
+
+
+def _check_label_classes(values: dict[str, tuple[int | str, ...]], problem: Any) -> None:
+    """Label values of one type (a file's labels are all of one type), each in one class only."""
+    everything = [value for field in _LABEL_FIELDS for value in values[field]]
+    if len({type(value) for value in everything}) > 1:
+        raise problem("entailment", f"label values must be all integers or all strings, got {values}")
+    for i, first in enumerate(_LABEL_FIELDS):
+        for second in _LABEL_FIELDS[i + 1 :]:
+            shared = [value for value in values[first] if value in values[second]]
+            if shared:
+                raise problem(second, f"label values {shared} are also in {first!r}; each value is in one class")
+
+
+def testset_spec(name: str, table: Mapping[str, TestsetSpec] = TESTSETS) -> TestsetSpec:
+    """The row for `name` in `table` (default: the built-in one), or an error listing the known testsets."""
     try:
-        return TESTSETS[name]
+        return table[name]
     except KeyError:
-        raise KeyError(f"unknown testset {name!r}; known testsets: {', '.join(TESTSETS)}") from None
+        raise KeyError(f"unknown testset {name!r}; known testsets: {', '.join(table)}") from None
 
 
 def default_data_dir() -> pathlib.Path | None:
@@ -119,20 +394,37 @@ def default_data_dir() -> pathlib.Path | None:
     return pathlib.Path(value) if value else None
 
 
+def hub_offline() -> bool:
+    """Whether the Hugging Face hub may not be asked (HF_HUB_OFFLINE or HF_DATASETS_OFFLINE).
+
+    huggingface_hub reads HF_HUB_OFFLINE once, at import; the variables may have been set since.
+    """
+    set_now = any(
+        os.environ.get(variable, "").upper() in ("1", "ON", "YES", "TRUE")
+        for variable in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
+    )
+    return huggingface_hub.constants.HF_HUB_OFFLINE or set_now
+
+
 def load_testset(
     name: str,
     *,
     split: str | None = None,
     data_dir: str | os.PathLike | None = None,
     neutral: Neutral = "drop",
+    table: Mapping[str, TestsetSpec] = TESTSETS,
 ) -> datasets.Dataset:
     """Load a testset as binary NLI: columns premise, hypothesis, label (0 = entailment).
 
-    `split` defaults to the table's evaluation split; a split group (ANLI's
-    "test_all") concatenates its splits in order. `data_dir` is a local root
-    laid out as `<hub_id>/<config>/<split>.jsonl|parquet`; it defaults to
-    $OODJAX_DATA_DIR, and without either the Hugging Face hub is used. Row order
-    follows the source, so row i is the same example on every machine.
+    `table` is the built-in `TESTSETS` or `testset_table(...)`'s, holding
+    declared testsets too. `split` defaults to the table's evaluation split; a
+    split group (ANLI's "test_all") concatenates its splits in order. A hub
+    source is read from `data_dir`, a local root laid out as
+    `<hub_id>/<config>/<split>.jsonl|parquet` (defaulting to
+    $OODJAX_DATA_DIR), when the split is there, and otherwise from the Hugging
+    Face hub (an error when the hub is offline); a testset declared as a local
+    file is read from it. Row order follows the source, so row i is the same
+    example on every machine.
 
     Every row is checked as it is read: an empty file, a line that is not a
     JSON object (a truncated file), a missing or null column, or a value of
@@ -140,9 +432,11 @@ def load_testset(
     column. The returned Dataset's `info.dataset_name` and `split` name the
     testset, for later errors about its examples.
     """
-    spec = testset_spec(name)
+    spec = testset_spec(name, table)
     if neutral not in ("drop", "not_entailment"):
         raise ValueError(f"neutral must be 'drop' or 'not_entailment', got {neutral!r}")
+    if spec.is_local_file and split not in (None, spec.split):
+        raise ValueError(f"{name} is the file {spec.source}, one split: it has no split {split!r}")
     split = split or spec.split
     root = pathlib.Path(data_dir) if data_dir is not None else default_data_dir()
     parts = [
@@ -161,29 +455,36 @@ def training_pool(
     split: str | None = None,
     data_dir: str | os.PathLike | None = None,
 ) -> datasets.Dataset:
-    """The pool few-shot training sets of `name` are drawn from.
+    """The pool few-shot training sets of `name` are drawn from, always as the built-in table has it.
 
     Defaults to the table's `pool_split` (MNLI validation_mismatched, SNLI
     validation): available offline and disjoint from the evaluation splits. Pass
     split="train" to draw from the hub's full training split instead.
+    Declarations change what is evaluated, never what is trained on.
     """
     spec = testset_spec(name)
     if spec.pool_split is None:
-        pools = [n for n, s in TESTSETS.items() if s.pool_split]
-        raise ValueError(f"{name} is not a training set; training pools exist for: {', '.join(pools)}")
+        raise ValueError(f"{name} is not a training set; training pools exist for: {', '.join(training_sets())}")
     return load_testset(name, split=split or spec.pool_split, data_dir=data_dir)
 
 
+def training_sets() -> list[str]:
+    """The built-in testsets with a few-shot training pool (the possible `data.train_set`s)."""
+    return [name for name, spec in TESTSETS.items() if spec.pool_split]
+
+
 def local_path(spec: TestsetSpec, split: str, root: pathlib.Path) -> pathlib.Path:
-    """The local file holding `split`, or an error naming the paths looked for."""
-    folder = root / spec.hub_id / spec.config
+    """The file of the local mirror holding `split` of a hub source, or a FileNotFoundError naming the paths looked
+    for."""
+    folder = root / spec.source / spec.config if spec.config else root / spec.source
     candidates = [folder / f"{split}.{fmt}" for fmt in LOCAL_FORMATS]
     for path in candidates:
         if path.is_file():
             return path
     present = sorted({p.stem for fmt in LOCAL_FORMATS for p in folder.glob(f"*.{fmt}")})
+    where = f"{spec.source}/{spec.config}" if spec.config else spec.source
     raise FileNotFoundError(
-        f"no local file for {spec.hub_id}/{spec.config} split {split!r}: looked for "
+        f"no local file for {where} split {split!r}: looked for "
         f"{' and '.join(map(str, candidates))}; splits present there: {present or 'none'}"
     )
 
@@ -192,9 +493,9 @@ def local_path(spec: TestsetSpec, split: str, root: pathlib.Path) -> pathlib.Pat
 class _RawSplit:
     """One source split's premise, hypothesis and label columns, and where each row came from.
 
-    `lines[i]` is the line of row i in a JSON-lines file (blank lines are
-    skipped, so rows and lines can differ); None for sources read as tables,
-    whose rows are numbered from 0.
+    `lines[i]` is the line of row i in a JSON-lines or CSV file (blank lines
+    are skipped, so rows and lines can differ); None for sources read as
+    tables, whose rows are numbered from 0.
     """
 
     source: str
@@ -207,23 +508,51 @@ class _RawSplit:
 
 
 def _load_raw(spec: TestsetSpec, split: str, root: pathlib.Path | None) -> _RawSplit:
-    columns = (spec.premise, spec.hypothesis, "label")
-    if root is not None:
-        path = local_path(spec, split, root)
-        raw = _read_jsonl(path, columns) if path.suffix == ".jsonl" else _read_parquet(path, columns)
+    columns = (spec.premise, spec.hypothesis, spec.label)
+    path = _local_file(spec, split, root)
+    if path is not None:
+        if path.suffix == ".jsonl":
+            raw = _read_jsonl(path, columns)
+        elif path.suffix == ".csv":
+            raw = _read_csv(path, columns)
+        else:
+            raw = _read_parquet(path, columns)
     else:
         if spec.hub_data_files is not None:
             source = spec.hub_data_files.format(split=split)
             table = datasets.load_dataset("parquet", data_files=source, split="train")
         else:
-            source = f"hub {spec.hub_id}/{spec.config} split {split!r}"
-            table = datasets.load_dataset(spec.hub_id, spec.config, split=split)
+            where = f"{spec.source}/{spec.config}" if spec.config else spec.source
+            source = f"hub {where} split {split!r}"
+            table = datasets.load_dataset(spec.source, *([spec.config] if spec.config else []), split=split)
         _check_columns(source, columns, table.column_names)
         raw = _RawSplit(source, table.select_columns(list(columns)).to_dict())
-    if not raw.columns["label"]:
+    if not raw.columns[spec.label]:
         raise ValueError(f"{raw.source} has no rows: an empty or truncated file?")
+    if path is not None and path.suffix == ".csv":
+        raw = _csv_labels(spec, raw)
     _check_types(spec, raw)
     return raw
+
+
+def _local_file(spec: TestsetSpec, split: str, root: pathlib.Path | None) -> pathlib.Path | None:
+    """The local file to read `split` from, or None to ask the hub: the mirror is tried first, the hub when online."""
+    if spec.is_local_file:
+        path = pathlib.Path(spec.source)
+        if not path.is_file():
+            raise FileNotFoundError(f"{spec.origin or 'testset'}: its source file {path} does not exist")
+        return path
+    if root is None:
+        return None
+    try:
+        return local_path(spec, split, root)
+    except FileNotFoundError as error:
+        if hub_offline():
+            raise FileNotFoundError(
+                f"{error}; the hub is offline (HF_HUB_OFFLINE), so it cannot come from there"
+            ) from None
+        logging.info("%s; reading it from the hub", error)
+        return None
 
 
 def _read_jsonl(path: pathlib.Path, columns: tuple[str, ...]) -> _RawSplit:
@@ -256,6 +585,60 @@ def _read_jsonl(path: pathlib.Path, columns: tuple[str, ...]) -> _RawSplit:
     return _RawSplit(str(path), values, lines)
 
 
+def _read_csv(path: pathlib.Path, columns: tuple[str, ...]) -> _RawSplit:
+    """Every row of a CSV file with a header line, as text; each row must have the header's number of fields.
+
+    Read with the csv module rather than pandas, which would read a premise
+    "NA" or "null" as a missing value and a column of digits as numbers, and
+    name no line in its errors. Row i's line is the line it starts on (a quoted
+    field may span lines).
+    """
+    values: dict[str, list] = {column: [] for column in columns}
+    lines = []
+    try:
+        with path.open(newline="", encoding="utf-8") as f:
+            reader = csv.reader(f)
+            header = next(reader, None)
+            if header is None:
+                raise ValueError(f"{path} has no rows: an empty or truncated file?")
+            _check_columns(f"{path} (its header line)", columns, header)
+            positions = [header.index(column) for column in columns]
+            while True:
+                start = reader.line_num + 1
+                row = next(reader, None)
+                if row is None:
+                    break
+                if not row:  # a blank line
+                    continue
+                if len(row) != len(header):
+                    raise ValueError(
+                        f"{path} line {start} has {len(row)} fields, the header {len(header)}: a stray or "
+                        "unquoted comma?"
+                    )
+                for column, position in zip(columns, positions):
+                    values[column].append(row[position])
+                lines.append(start)
+    except (UnicodeDecodeError, csv.Error) as error:
+        raise ValueError(f"{path} is not a readable UTF-8 CSV file: {error}") from None
+    return _RawSplit(str(path), values, lines)
+
+
+def _csv_labels(spec: TestsetSpec, raw: _RawSplit) -> _RawSplit:
+    """A CSV file holds text only: its labels become integers where the declared label values are integers."""
+    if not isinstance(next(iter(spec.labels)), int):
+        return raw
+    labels = []
+    for row, text in enumerate(raw.columns[spec.label]):
+        try:
+            labels.append(int(text))
+        except ValueError:
+            raise ValueError(
+                f"{raw.locate(row)}: column {spec.label!r} is {text!r}; expected an integer (the declared label "
+                "values are integers)"
+            ) from None
+    return dataclasses.replace(raw, columns={**raw.columns, spec.label: labels})
+
+
 def _read_parquet(path: pathlib.Path, columns: tuple[str, ...]) -> _RawSplit:
     try:
         table = pyarrow.parquet.read_table(path)
@@ -274,7 +657,7 @@ def _check_columns(source: str, columns: tuple[str, ...], present: list[str]) ->
 def _check_types(spec: TestsetSpec, raw: _RawSplit) -> None:
     """Texts must be strings and labels of the table's label type: a null hypothesis is not the text "None"."""
     label_type = type(next(iter(spec.labels)))
-    expected = {spec.premise: str, spec.hypothesis: str, "label": label_type}
+    expected = {spec.premise: str, spec.hypothesis: str, spec.label: label_type}
     for column, values in raw.columns.items():
         wanted = expected[column]
         for row, value in enumerate(values):
@@ -289,17 +672,18 @@ def _check_types(spec: TestsetSpec, raw: _RawSplit) -> None:
 
 def _to_binary(spec: TestsetSpec, raw: _RawSplit, neutral: Neutral, name: str, split: str) -> datasets.Dataset:
     """Map gold labels through the table; drop unlabelled rows and (by default) neutral."""
-    premises, hypotheses, labels = (raw.columns[column] for column in (spec.premise, spec.hypothesis, "label"))
+    premises, hypotheses, labels = (raw.columns[column] for column in (spec.premise, spec.hypothesis, spec.label))
     mapping = dict(spec.labels)
-    if spec.neutral is not None and neutral == "not_entailment":
-        mapping[spec.neutral] = NOT_ENTAILMENT
-    ignored = set(spec.unlabelled) | ({spec.neutral} if spec.neutral is not None else set())
+    if neutral == "not_entailment":
+        mapping |= {value: NOT_ENTAILMENT for value in spec.neutral}
+    ignored = set(spec.unlabelled) | set(spec.neutral)
     unknown = sorted({v for v in labels if v not in mapping and v not in ignored}, key=repr)
     if unknown:
         first = next(row for row, v in enumerate(labels) if v == unknown[0])
         raise ValueError(
             f"{name} split {split!r}: label values {unknown} are not in the label map {sorted(mapping, key=repr)} "
-            f"(values found: {sorted(set(labels), key=repr)}; {unknown[0]!r} first at {raw.locate(first)})"
+            f"(values found: {sorted(set(labels), key=repr)}; {unknown[0]!r} first at {raw.locate(first)}); a "
+            "declared testset lists each value in entailment, not_entailment, neutral or unlabelled"
         )
     keep = np.flatnonzero([v in mapping for v in labels])
     return _named_dataset(

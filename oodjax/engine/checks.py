@@ -2,25 +2,35 @@
 
 A sweep job that dies after twenty minutes of loading on a misspelt path
 wastes a cluster slot; these checks look only at the config and the file
-system (and the local Hugging Face cache for hub ids when offline).
+system (and the local Hugging Face cache for hub ids when offline, or the hub
+for the hub id of a declared testset missing from the local mirror).
 """
 
 from __future__ import annotations
 
-import os
 import pathlib
-import re
 
+import datasets
 import huggingface_hub
+from datasets.naming import camelcase_to_snakecase
 from ml_collections import config_dict
 
+from analysis import schema
 from configs.base import LIST_ITEM_TYPES
-from oodjax.data import testset_spec
+from oodjax.data.testsets import (
+    HUB_ID,
+    TestsetSpec,
+    default_data_dir,
+    hub_offline,
+    local_path,
+    testset_spec,
+    testset_table,
+    training_sets,
+)
 from oodjax.engine.events import WANDB_MODES, installed
 from oodjax.models.checkpoint import read_json
 
 DTYPES = ("float32", "bfloat16", "float16")
-_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
 
 
 def check_config(config: config_dict.ConfigDict) -> None:
@@ -86,18 +96,13 @@ def _check_source(field: str, source: str, marker_file: str) -> None:
         except ValueError as error:
             raise ValueError(f"{field}: {error}") from None
         return
-    if not _HUB_ID.fullmatch(source):
+    if not HUB_ID.fullmatch(source):
         raise FileNotFoundError(f"{field}: {source!r} does not exist (and is not a hub id)")
-    if _hub_offline() and not isinstance(huggingface_hub.try_to_load_from_cache(source, marker_file), str):
+    if hub_offline() and not isinstance(huggingface_hub.try_to_load_from_cache(source, marker_file), str):
         raise FileNotFoundError(
             f"{field}: {source!r} is not a local directory, and with HF_HUB_OFFLINE set the hub id "
             "is not in the local cache either"
         )
-
-
-def _hub_offline() -> bool:
-    """huggingface_hub reads HF_HUB_OFFLINE once, at import; the variable may have been set since."""
-    return huggingface_hub.constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE") == "1"
 
 
 def _check_export(export: config_dict.ConfigDict) -> None:
@@ -106,9 +111,9 @@ def _check_export(export: config_dict.ConfigDict) -> None:
         raise ValueError("export.every_checkpoint and export.hub_repo need export.peft=True")
     if not export.hub_repo:
         return
-    if not _HUB_ID.fullmatch(export.hub_repo):
+    if not HUB_ID.fullmatch(export.hub_repo):
         raise ValueError(f"export.hub_repo {export.hub_repo!r} is not a hub repo id (user/name)")
-    if _hub_offline():
+    if hub_offline():
         raise ValueError(
             f"export.hub_repo={export.hub_repo!r} pushes adapters to the Hugging Face hub, but HF_HUB_OFFLINE is "
             "set; unset it, or leave export.hub_repo empty and upload <run_dir>/adapter/ later"
@@ -120,10 +125,16 @@ def _check_data(data: config_dict.ConfigDict) -> None:
         raise FileNotFoundError(f"data.data_dir {data.data_dir!r} is not a directory")
     if not data.testsets:
         raise ValueError("data.testsets is empty: name the testsets to evaluate (at least data.train_set)")
-    for name in (*data.testsets, data.train_set):
-        testset_spec(name)  # unknown names: an error listing the known ones
+    table = _testset_table(data)
+    for name in data.testsets:
+        testset_spec(name, table)  # unknown names: an error listing the known ones
     if len(set(data.testsets)) != len(data.testsets):
         raise ValueError(f"data.testsets lists a testset twice: {list(data.testsets)}")
+    if data.train_set not in training_sets():
+        raise ValueError(
+            f"data.train_set {data.train_set!r} is not a training set; few-shot pools exist for: "
+            f"{', '.join(training_sets())}"
+        )
     if data.train_set not in data.testsets:
         raise ValueError(
             f"data.train_set {data.train_set!r} must also be in data.testsets: it is the in-domain testset"
@@ -132,6 +143,74 @@ def _check_data(data: config_dict.ConfigDict) -> None:
         raise ValueError(f"data.eval_cap must be >= 0 (0 = no cap), got {data.eval_cap}")
     if data.neutral not in ("drop", "not_entailment"):
         raise ValueError(f"data.neutral must be 'drop' or 'not_entailment', got {data.neutral!r}")
+    answers = list(data.answers)
+    if len(answers) != 2 or len(set(answers)) != 2 or not all(answers):
+        raise ValueError(f"data.answers must be two different non-empty words (yes, no), got {answers}")
+    root = pathlib.Path(data.data_dir).expanduser() if data.data_dir else default_data_dir()
+    for name in data.testsets:
+        _check_available(name, table[name], root)
+
+
+def _testset_table(data: config_dict.ConfigDict) -> dict[str, TestsetSpec]:
+    """The built-in and declared testsets; a bad declaration is an error naming it and its field."""
+    if not isinstance(data.extra_testsets, config_dict.ConfigDict):
+        raise ValueError(f"data.extra_testsets must be a dict of testset declarations, got {data.extra_testsets!r}")
+    if data.extra_testsets_file and not pathlib.Path(data.extra_testsets_file).expanduser().is_file():
+        raise FileNotFoundError(f"data.extra_testsets_file {data.extra_testsets_file!r} is not a file")
+    table = testset_table(data.extra_testsets.to_dict(), data.extra_testsets_file or None)
+    if schema.TRAIN_TESTSET in table:
+        raise ValueError(
+            f"{table[schema.TRAIN_TESTSET].origin}: {schema.TRAIN_TESTSET!r} is the results' name for each run's "
+            "own training set; name the testset otherwise"
+        )
+    return table
+
+
+def _check_available(name: str, spec: TestsetSpec, root: pathlib.Path | None) -> None:
+    """The testset's data can be read: its file exists, or each split is in the local mirror, or the hub has it.
+
+    Offline, a split missing from the mirror must be in the `datasets` or hub
+    cache (whether its split is there is left to loading). Online, a declared
+    hub source is looked up on the hub, so a misspelt id fails now; the
+    built-in ones are not.
+    """
+    where = spec.origin or f"testset {name!r}"
+    if spec.is_local_file:
+        if not pathlib.Path(spec.source).is_file():
+            raise FileNotFoundError(f"{where}, field 'source': file {spec.source} does not exist")
+        return
+    missing = []
+    if root is not None:
+        for split in spec.split_groups.get(spec.split, (spec.split,)):
+            try:
+                local_path(spec, split, root)
+            except FileNotFoundError as error:
+                missing.append(str(error))
+        if not missing:
+            return
+    if hub_offline():
+        if not _hub_cached(spec.source):
+            reason = "; ".join(missing) if missing else "no local mirror (data.data_dir, $OODJAX_DATA_DIR) is set"
+            raise FileNotFoundError(
+                f"{where}: {reason}; the hub is offline (HF_HUB_OFFLINE) and {spec.source!r} is not in its cache"
+            )
+        return
+    if spec.origin:
+        try:
+            huggingface_hub.HfApi().dataset_info(spec.source)
+        except Exception as error:  # not found, private, or no network: each says why in its message
+            raise FileNotFoundError(
+                f"{where}, field 'source': hub dataset {spec.source!r} cannot be read: {type(error).__name__}: {error}"
+            ) from error
+
+
+def _hub_cached(source: str) -> bool:
+    """Whether `datasets` (in its own layout, `owner___snake_name`) or huggingface_hub has cached anything of the hub
+    dataset `source`."""
+    *owner, name = source.split("/")
+    arrow_cache = pathlib.Path(datasets.config.HF_DATASETS_CACHE) / "___".join([*owner, camelcase_to_snakecase(name)])
+    hub_cache = pathlib.Path(huggingface_hub.constants.HF_HUB_CACHE) / f"datasets--{source.replace('/', '--')}"
+    return arrow_cache.is_dir() or hub_cache.is_dir()
 
 
 def _check_runs_and_training(config: config_dict.ConfigDict) -> None:
