@@ -18,6 +18,7 @@ EIGHT_TESTSETS = ("snli", "mnli", "scitail", "rte", "wnli", "paws", "hans", "anl
 # as strings by it (oodjax.config_cli), and the config checks hold config
 # files to it.
 LIST_ITEM_TYPES = {
+    "model.adapters": str,
     "lora.targets": str,
     "data.testsets": str,
     "data.answers": str,
@@ -61,6 +62,14 @@ def get_config() -> config_dict.ConfigDict:
     # layer's input; "save_dots" keeps the matmul outputs; "save_dots_except_mlp"
     # keeps them but for the MLP's, the largest.
     config.model.remat = "none"
+    # Attention implementation (oodjax.models.flash_attention): "auto" = the
+    # fused kernel of the platform (Pallas flash on GPU, splash on TPU), XLA's
+    # on CPU; or "xla", "pallas_gpu", "splash" by name. Sliding windows and
+    # soft caps always take XLA's path.
+    config.model.attention = "auto"
+    # PEFT LoRA adapter folders to evaluate, one run each, with
+    # `python -m oodjax.evaluate` (export.peft writes <run_dir>/adapter/).
+    config.model.adapters = ()
 
     # Tokenizer directory or hub id; empty = the same as `model.path`.
     config.tokenizer = ""

@@ -5,6 +5,8 @@ from __future__ import annotations
 import glob
 import importlib.util
 import pathlib
+import sys
+import types
 
 from ml_collections import config_dict
 
@@ -16,12 +18,7 @@ def load_config(path: str | pathlib.Path) -> config_dict.ConfigDict:
     the file is loaded by path; its own imports (`from configs import base`)
     resolve from the repository root, as they do for `python -m oodjax.main`.
     """
-    path = pathlib.Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"config file {path} does not exist")
-    spec = importlib.util.spec_from_file_location(f"_oodjax_config_{path.stem.replace('.', '_')}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = _load_module(path)
     if not hasattr(module, "get_config"):
         raise AttributeError(f"config file {path} has no get_config()")
     return module.get_config()
@@ -36,3 +33,43 @@ def expand_config_paths(patterns: list[str]) -> list[str]:
             raise FileNotFoundError(f"no config file matches {pattern!r}")
         paths += [match for match in matches if match not in paths]
     return paths
+
+
+def experiment_configs(paths: list[str]) -> tuple[list[str], dict[str, str]]:
+    """The ``paths`` that are experiment configs, and the others with why they are not.
+
+    An experiment config is a file whose `get_config()` names a model to
+    train (`model.path` or `model.hf_config`). So a glob over configs/ can
+    be given as it is: the package's `__init__.py`, the tables and helpers
+    the configs are built from (no `get_config()`), and `base.py`, whose
+    defaults name no model, are left out, whatever they are called.
+    """
+    experiments, others = [], {}
+    for path in paths:
+        module = _load_module(path)
+        if not hasattr(module, "get_config"):
+            others[path] = "no get_config()"
+        elif not _names_a_model(module.get_config()):
+            others[path] = "its config names no model"
+        else:
+            experiments.append(path)
+    return experiments, others
+
+
+def _names_a_model(config: config_dict.ConfigDict) -> bool:
+    model = config.get("model")
+    if model is None:
+        return False
+    hf_config = model.get("hf_config")
+    return bool(model.get("path")) or bool(hf_config is not None and hf_config.to_dict())
+
+
+def _load_module(path: str | pathlib.Path) -> types.ModuleType:
+    path = pathlib.Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"config file {path} does not exist")
+    spec = importlib.util.spec_from_file_location(f"_oodjax_config_{path.stem.replace('.', '_')}", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # as an import would: dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module

@@ -4,13 +4,22 @@ Compiles a config's real train and eval steps ahead of time, on abstract
 inputs, before a GPU-hour is spent: the same step factories, geometry and
 shardings `python -m oodjax.main` uses, on the config's real mesh, with
 training batches of the real few-shot sets' geometry and evaluation batches
-of eval.batch_size rows of data.max_length tokens. Nothing is read or
+of the real pool's longest rows (its largest shape). Nothing is read or
 allocated for the model: its architecture comes from
 `launch.architectures` (the checkpoint's config.json numbers) or the
 config's `model.hf_config`, and its parameters, adapters and optimizer state
 are shapes only (`steps.abstract_init_runs`). Settings go in
 `--config.<field>=<value>` as for `oodjax.main`; the tokenizer is
 `config.tokenizer` (else `model.path`), so offline pass a local one.
+
+It also replays the config's real data as the run loop would see it: 200
+steps of its runs' training streams, for the share of the tokens a train
+step computes that are prompt tokens (`train_real_token_share`) and the host
+time one step's batches take to build (`host_batch_ms`, without the
+background thread that hides it in a run); and the evaluation pool, for its
+share of prompt tokens (`eval_real_token_share`) and the attention scores it
+computes over those its prompts need (`eval_attention_waste`, causal on both
+sides, ``oodjax.engine.evaluation.pool_figures``).
 
 Per step it prints XLA's per-device memory (`compiled.memory_analysis()`:
 arguments, outputs, temporaries, and total = argument + output + temp -
@@ -33,16 +42,17 @@ from typing import Any
 
 import jax
 import numpy as np
-from absl import app, flags
-from ml_collections import config_dict, config_flags
-from transformers import AutoTokenizer
+from absl import flags
+from ml_collections import config_dict
 
 from launch import estimate as estimator
 from oodjax import models
-from oodjax.data import answer_token_ids
+from oodjax import config_cli
+from oodjax.data import answer_token_ids, load_tokenizer
 from oodjax.engine import loop, sharding, steps
+from oodjax.engine.evaluation import pool_figures
 from oodjax.engine.geometry import BatchGeometry, batch_geometry
-from oodjax.engine.run_data import TRAIN_KEYS, few_shot_sets
+from oodjax.engine.run_data import TRAIN_KEYS, few_shot_sets, load_runs_data, training_figures
 from oodjax.models.partitioning import param_shardings
 
 COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
@@ -58,6 +68,8 @@ _DTYPE_BYTES = {"pred": 1, "s4": 1, "u4": 1, "s8": 1, "u8": 1, "bf16": 2, "f16":
 # the preflight can report is the estimator's FLOPs (which count what the remat policy recomputes).
 ESTIMATE_DEVICE = "h100"
 ESTIMATE_UTILISATION = 0.4
+DATA_STEPS = 200  # training steps of the real streams replayed for the token share and host time
+DATA_FIGURES = ("train_real_token_share", "host_batch_ms", "eval_real_token_share", "eval_attention_waste")
 
 
 def preflight(
@@ -73,8 +85,8 @@ def preflight(
     ``devices``: the first N of ``jax.devices()`` (default all); ``layers``:
     the model cut to N decoder layers. The report: {"train": {...}, "eval":
     {...}, "estimate_bytes", "train_step_flops", "estimate_step_s", "devices", "layers", "platform",
-    "geometry"}, a
-    step's entry being {"lower_s", "compile_s", "memory_bytes": {"argument",
+    "geometry", "train_real_token_share", "host_batch_ms", "eval_real_token_share",
+    "eval_attention_waste"}, a step's entry being {"lower_s", "compile_s", "memory_bytes": {"argument",
     "output", "temp", "alias", "total"}, "collectives": {op: {"count",
     "max_bytes"}}}. ``hlo_dir`` receives each compiled program as text.
     """
@@ -84,31 +96,38 @@ def preflight(
         raise ValueError(f"--devices {devices}: only {len(available)} {available[0].platform} devices are visible")
     mesh = sharding.make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor, devices=available[:devices])
     arch = estimator.architecture_of(config, layers)
-    tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model.path)
-    yes_id, no_id = answer_token_ids(tokenizer)
+    tokenizer = load_tokenizer(config.tokenizer or config.model.path)
+    yes_id, no_id = answer_token_ids(tokenizer, config.data.answers)
     runs = loop.plan_runs(config)
+    seeds = [run.seed for run in runs]
     train_sets = few_shot_sets(config, tokenizer, [(run.seed, run.shots) for run in runs])
     geometry = batch_geometry(config, mesh, train_sets)
+    data = load_runs_data(config, tokenizer, seeds, train_sets, geometry, prefetch=0)
+    figures = {**training_figures(data.streams, geometry, steps=DATA_STEPS), **pool_figures(data.eval_pool)}
+    longest_rows = max(data.eval_pool.batches, key=lambda batch: batch["input_ids"].shape[-1])
 
     def make_model() -> models.CausalLM:
-        return models.abstract_model(arch, dtype=config.model.dtype, remat=config.model.remat)
+        return models.abstract_model(
+            arch, dtype=config.model.dtype, remat=config.model.remat, attention=config.model.attention
+        )
 
     graphdef, base, state = steps.abstract_init_runs(
-        make_model, [run.seed for run in runs], loop.lora_config(config), loop.optimizer(config)
+        make_model, seeds, loop.lora_config(config), loop.optimizer(config)
     )
     train_step, eval_step = loop.make_steps(config, geometry, graphdef, base, state, yes_id, no_id, mesh)
     base_in = _with_shardings(base, param_shardings(base, mesh))
     runs_in = _with_shardings(state, sharding.runs_shardings(state, mesh))
-    eval_slots = max(1, config.data.max_length // min(int(t.lengths.min()) for t in train_sets))
     hlo_dir = pathlib.Path(hlo_dir) if hlo_dir else None
     train_report = _compile("train", train_step, (base_in, runs_in, train_batch(geometry, mesh)), hlo_dir)
-    eval_report = _compile("eval", eval_step, (base_in, runs_in.lora, eval_batch(geometry, mesh, eval_slots)), hlo_dir)
+    eval_report = _compile("eval", eval_step, (base_in, runs_in.lora, eval_batch(longest_rows, mesh)), hlo_dir)
     device = estimator.DEVICES[ESTIMATE_DEVICE]
     estimate = estimator.estimate(
         config_path, config, devices=devices, device=device, utilisation=ESTIMATE_UTILISATION,
         seq_len=geometry.seq_len, eval_examples=0, layers=layers, platform=available[0].platform,
     )  # fmt: skip
+    eval_rows, eval_row_length = longest_rows["input_ids"].shape[1:]
     return {
+        **figures,
         "train": train_report,
         "eval": eval_report,
         "estimate_bytes": int(estimate.memory.total),
@@ -119,8 +138,11 @@ def preflight(
         "platform": available[0].platform,
         "geometry": {"runs": geometry.runs, "grad_accum": geometry.grad_accum, "micro_batch": geometry.micro_batch,
                      "rows_per_device": geometry.rows_per_device, "seq_len": geometry.seq_len,
-                     "run_chunk": geometry.run_chunk, "eval_rows": geometry.eval_rows,
-                     "eval_seq_len": geometry.eval_seq_len, "eval_prompt_slots": eval_slots},  # fmt: skip
+                     "packed": geometry.prompts_per_row is not None, "run_chunk": geometry.run_chunk,
+                     "eval_rows": eval_rows, "eval_seq_len": eval_row_length,
+                     "eval_prompt_slots": longest_rows["answer_pos"].shape[-1],
+                     "eval_row_lengths": sorted({b["input_ids"].shape[-1] for b in data.eval_pool.batches}),
+                     "eval_batches": len(data.eval_pool.batches)},  # fmt: skip
     }
 
 
@@ -132,12 +154,12 @@ def train_batch(geometry: BatchGeometry, mesh: jax.sharding.Mesh) -> dict[str, j
     return _batch((*rows, geometry.seq_len), prompts, sharding.batch_sharding(mesh, 2))
 
 
-def eval_batch(geometry: BatchGeometry, mesh: jax.sharding.Mesh, prompt_slots: int) -> dict[str, jax.ShapeDtypeStruct]:
-    """An abstract evaluation batch [R, eval_rows, eval_seq_len] of ``prompt_slots`` prompts a row. The real
-    pool's slots are the most prompts any of its packed rows holds; here, as many of the shortest few-shot
-    prompt as fit a row."""
-    rows = (geometry.runs, geometry.eval_rows)
-    return _batch((*rows, geometry.eval_seq_len), (*rows, prompt_slots), sharding.batch_sharding(mesh, 1))
+def eval_batch(batch: dict[str, np.ndarray], mesh: jax.sharding.Mesh) -> dict[str, jax.ShapeDtypeStruct]:
+    """An abstract evaluation batch of a real one's shapes [R, rows, row length] ([R, rows, prompt slots]),
+    sharded as the loop shards it. Given the pool's longest rows: its batches share a token budget, so those
+    hold the most attention scores, its largest shape."""
+    rows = batch["answer_pos"].shape
+    return _batch(batch["input_ids"].shape, rows, sharding.batch_sharding(mesh, 1))
 
 
 def _batch(tokens: tuple[int, ...], prompts: tuple[int, ...], placed: jax.sharding.Sharding) -> dict[str, Any]:
@@ -218,7 +240,13 @@ def describe(report: dict[str, Any]) -> str:
     lines = [
         f"{report['devices']} {report['platform']} devices, {report['layers']} layers; {geometry['runs']} runs x "
         f"[{geometry['grad_accum']} x {geometry['micro_batch']} rows x {geometry['seq_len']} tokens] per train step "
-        f"(runs.chunk {geometry['run_chunk']}), eval [{geometry['eval_rows']} rows x {geometry['eval_seq_len']}]"
+        f"({'packed' if geometry['packed'] else 'one prompt a row'}, runs.chunk {geometry['run_chunk']}); eval "
+        f"{geometry['eval_batches']} batches in rows of {geometry['eval_row_lengths']} tokens, the largest "
+        f"[{geometry['eval_rows']} rows x {geometry['eval_seq_len']}]",
+        f"real data: train steps compute {report['train_real_token_share']:.1%} prompt tokens "
+        f"({DATA_STEPS} steps of the runs' streams), their batches take {report['host_batch_ms']:.2f} ms of host "
+        f"time a step; evaluation computes {report['eval_real_token_share']:.1%} prompt tokens and "
+        f"{report['eval_attention_waste']:.2f}x the (causal) attention scores its prompts need",
     ]
     for name in ("train", "eval"):
         step, memory = report[name], report[name]["memory_bytes"]
@@ -251,24 +279,22 @@ def _fake_host_devices(count: int) -> None:
 
 
 def _define_flags() -> None:
-    """The command line's flags (defined only when run as a program, so importing this module defines none)."""
-    config_flags.DEFINE_config_file("config", None, "Experiment config file (e.g. configs/demo.py).")
-    flags.mark_flags_as_required(["config"])
+    """The command line's flags besides `--config` (defined only when run as a program, so importing this
+    module defines none); `--config` and its overrides are `oodjax.config_cli`'s, as for `oodjax.main`."""
     flags.DEFINE_integer("devices", None, "Devices of the mesh (default: all; on CPU, N fake host devices).")
     flags.DEFINE_integer("layers", None, "Compile the model cut to this many decoder layers.")
     flags.DEFINE_string("json", None, "Write the report as JSON to this file.")
     flags.DEFINE_string("hlo", None, "Write each compiled step's HLO text into this directory.")
 
 
-def main(argv: list[str]) -> None:
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments {argv[1:]}; settings go in --config.<field>=<value>")
+def main(config: config_dict.ConfigDict) -> None:
+    """Compiles `config` (the command line's, its overrides applied) and prints (and writes) the report."""
     options = flags.FLAGS
     if options.devices:
         _fake_host_devices(options.devices)
     report = preflight(
-        options.config, devices=options.devices, layers=options.layers, hlo_dir=options.hlo,
-        config_path=options["config"].config_filename,
+        config, devices=options.devices, layers=options.layers, hlo_dir=options.hlo,
+        config_path=options[config_cli.CONFIG_FLAG].value.split(":")[0],
     )  # fmt: skip
     print(describe(report))
     if options.json:
@@ -278,7 +304,7 @@ def main(argv: list[str]) -> None:
 def run() -> None:
     """Entry point of `python -m launch.preflight` and the `oodjax-preflight` command."""
     _define_flags()
-    app.run(main)
+    config_cli.run(main, __doc__)
 
 
 if __name__ == "__main__":

@@ -3,16 +3,25 @@
 Turns configs x seeds x shot counts into jobs. By default one job per config
 trains all its (seed, shots) runs together on one copy of the frozen base;
 --per_run makes one job per run instead. Every job writes under its own
-directory `<output_dir>/<job name>/` (its runs' results and the checkpoints
-they share), so rerunning the same sweep resumes it: a job whose runs all
-have their final step in a metrics.npz under the results root is skipped,
-and any other job is submitted again and continues from its latest
-checkpoint. Runs of one job train in lockstep, so they finish together.
+directory `<output_dir>/<config or job name>/`, one folder per run holding
+its results and its own checkpoints, so rerunning the same sweep resumes it
+run by run: a run with its final step in a metrics.npz under the results
+root is finished, and a job is submitted for exactly the unfinished runs
+(those of a config that do not form one seeds x shots grid go in several
+jobs, one grid each), which continue from their checkpoints. A metrics.npz
+that cannot be read is named in a warning and its run counted unfinished.
+
+--configs takes any glob: files that are not experiment configs (the
+package's own modules, base.py's defaults) are listed as skipped
+(`launch.config_files.experiment_configs`).
 
 Backends: `slurm` submits launch/slurm.sbatch with sbatch, `tpu` runs
 launch/tpu_pod.sh once per job (one after another on the pod), `local` runs
-`python -m oodjax.main` here, one job after another. --dry_run prints the
-commands instead. The last line is always a summary like `144 runs in 16 jobs`.
+`python -m oodjax.main` here, one job after another; a local or TPU job
+that exits with the preempted status (`oodjax.engine.loop.PREEMPTED_EXIT_CODE`:
+its runs checkpointed on SIGTERM/SIGUSR1) stops the sweep, to be rerun.
+--dry_run prints the commands instead. The last line is always a summary
+like `144 runs in 16 jobs`.
 """
 
 from __future__ import annotations
@@ -25,12 +34,11 @@ import subprocess
 import sys
 from collections.abc import Sequence
 
-import numpy as np
 from ml_collections import config_dict
 
-from analysis import schema
-from launch.config_files import expand_config_paths, load_config
-from oodjax.engine.loop import plan_runs
+from launch.config_files import expand_config_paths, experiment_configs, load_config
+from oodjax.engine import results
+from oodjax.engine.loop import PREEMPTED_EXIT_CODE, Run, plan_runs
 
 BACKENDS = ("slurm", "tpu", "local")
 LAUNCH_DIR = pathlib.Path(__file__).resolve().parent
@@ -83,22 +91,42 @@ def job_config(job: Job) -> config_dict.ConfigDict:
     return config
 
 
-def finished_runs(job: Job, output_dir: str) -> int:
-    """How many of the job's runs have their final step recorded in a metrics.npz under `output_dir`.
+def run_finished(run: Run, final_step: int, output_dir: str) -> bool:
+    """Whether the run has its final step recorded in a metrics.npz in any job directory under `output_dir`.
 
-    A run counts as finished in any job directory under the results root, so
-    a sweep resumed with or without --per_run skips the same runs.
+    Any job directory, so a sweep resumed with or without --per_run finds
+    the same runs finished. A metrics.npz that cannot be read is named in a
+    warning and does not count.
     """
+    for run_dir in sorted(pathlib.Path(output_dir).glob(f"*/{run.name}")):
+        try:
+            progress = results.read_progress(run_dir)
+        except results.UnreadableResultsError as error:
+            print(f"warning: {error}; counting {run.name} as unfinished", file=sys.stderr)
+            continue
+        if progress is not None and progress.finished(final_step):
+            return True
+    return False
+
+
+def unfinished_jobs(job: Job, output_dir: str) -> list[Job]:
+    """Jobs that train exactly `job`'s unfinished runs, in its directory: one when they form a seeds x shots
+    grid (all of them, say, or one seed's), else one per group of seeds that lack the same shot counts."""
     config = job_config(job)
-    final_step = config.train.steps
-    done = 0
+    shots_by_seed: dict[int, list[int]] = {}
     for run in plan_runs(config):
-        for path in pathlib.Path(output_dir).glob(f"*/{run.name}/{schema.METRICS_FILENAME}"):
-            with np.load(path) as metrics:
-                if final_step in metrics[schema.STEP]:
-                    done += 1
-                    break
-    return done
+        if not run_finished(run, config.train.steps, output_dir):
+            shots_by_seed.setdefault(run.seed, []).append(run.shots)
+    seeds_by_shots: dict[tuple[int, ...], list[int]] = {}
+    for seed, shots in shots_by_seed.items():
+        seeds_by_shots.setdefault(tuple(shots), []).append(seed)
+    grids = list(seeds_by_shots.items())
+    return [
+        dataclasses.replace(
+            job, name=job.name if len(grids) == 1 else f"{job.name}-{index}", seeds=tuple(seeds), shots=shots
+        )
+        for index, (shots, seeds) in enumerate(grids, start=1)
+    ]
 
 
 def command(job: Job, backend: str, *, nodes: int) -> list[str]:
@@ -130,17 +158,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.nodes < 1:
         parser.error(f"--nodes must be at least 1, got {args.nodes}")
 
-    jobs = plan_jobs(expand_config_paths(args.configs), args.seeds, args.shots, args.output_dir, per_run=args.per_run)
+    configs, not_experiments = experiment_configs(expand_config_paths(args.configs))
+    if not_experiments:
+        skipped = ", ".join(f"{path} ({why})" for path, why in not_experiments.items())
+        print(f"# not experiment configs, skipped: {skipped}")
+    if not configs:
+        parser.error(f"no experiment config among {args.configs}")
+    jobs = plan_jobs(configs, args.seeds, args.shots, args.output_dir, per_run=args.per_run)
     pending, skipped_runs = [], 0
     for job in jobs:
-        done = finished_runs(job, args.output_dir)
-        if done == job.runs:
-            skipped_runs += done
+        remaining = unfinished_jobs(job, args.output_dir)
+        done = job.runs - sum(part.runs for part in remaining)
+        skipped_runs += done
+        if not remaining:
             print(f"# skip {job.name}: its {done} runs are finished")
             continue
         if done:
-            print(f"# {job.name}: {done} of {job.runs} runs finished; the job runs again and resumes")
-        pending.append(job)
+            grids = "; ".join(f"seeds {_list(part.seeds)} x shots {_list(part.shots)}" for part in remaining)
+            unfinished = job.runs - done
+            print(f"# {job.name}: {done} of {job.runs} runs finished; submitting the {unfinished} unfinished ({grids})")
+        pending += remaining
 
     for job in pending:
         cmd = command(job, args.backend, nodes=args.nodes)
@@ -149,6 +186,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             continue
         pathlib.Path(job.output_dir).mkdir(parents=True, exist_ok=True)
         completed = subprocess.run(cmd)
+        if completed.returncode == PREEMPTED_EXIT_CODE:
+            print(f"job {job.name} was stopped by a signal with its runs checkpointed; rerun the sweep to resume",
+                  file=sys.stderr)  # fmt: skip
+            return completed.returncode
         if completed.returncode != 0:
             print(f"job {job.name} failed with exit code {completed.returncode}", file=sys.stderr)
             return completed.returncode
@@ -168,6 +209,10 @@ def _int_list(text: str) -> tuple[int, ...]:
     if len(set(values)) != len(values):
         raise argparse.ArgumentTypeError(f"repeated value in {text!r}")
     return values
+
+
+def _list(values: Sequence[int]) -> str:
+    return ",".join(str(value) for value in values)
 
 
 def _tuple_literal(values: Sequence[int]) -> str:

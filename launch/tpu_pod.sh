@@ -14,12 +14,18 @@
 #   HF_HOME          Hugging Face cache on every worker [unset: ~/.cache/huggingface]
 #   JAX_COMPILATION_CACHE_DIR  compiled programs, reused by later jobs on the same workers
 #                    [$OODJAX_REPO/.cache/jax]
+# Each worker sources launch/xla_flags.sh (the accelerator XLA flags, LIBTPU_INIT_ARGS here) before
+# it starts; OODJAX_XLA_FLAGS=none on the worker turns them off.
 # Each worker learns its index and the pod's host names from the VM metadata server
 # (agent-worker-number, worker-network-endpoints) and exports them as TPU_WORKER_ID and
 # TPU_WORKER_HOSTNAMES for oodjax.engine.distributed; worker 0 coordinates.
 # --config.output_dir must be on storage every worker reaches (a shared file system, or a
 # bucket mounted as one, e.g. with gcsfuse; gs:// paths are not supported directly):
 # checkpoints are written by all workers, results by worker 0 only.
+# SIGTERM or SIGUSR1 to the workers' processes (a spot or preemptible VM going down sends SIGTERM,
+# with a short grace period) makes them finish their step, checkpoint every run and exit with
+# status 75 (oodjax.engine.loop.PREEMPTED_EXIT_CODE), if the grace period allows; running this
+# script again resumes each run from its newest checkpoint.
 
 set -euo pipefail
 
@@ -53,6 +59,7 @@ export TPU_WORKER_ID=\$(metadata agent-worker-number)
 export TPU_WORKER_HOSTNAMES=\$(metadata worker-network-endpoints | tr ',' '\n' | awk -F: '{print (NF == 3 ? \$3 : \$1)}' | paste -sd, -)
 export OODJAX_PROCESSES_PER=per_node HF_HUB_OFFLINE=\${HF_HUB_OFFLINE:-1}${forwarded}
 cd ${OODJAX_REPO}
+source launch/xla_flags.sh
 export JAX_COMPILATION_CACHE_DIR=\${JAX_COMPILATION_CACHE_DIR:-\$PWD/.cache/jax}
 ${OODJAX_VENV}/bin/python -m oodjax.main --config=${arguments# }
 REMOTE

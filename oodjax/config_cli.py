@@ -83,8 +83,11 @@ def run(main: Callable[[config_dict.ConfigDict], None], doc: str) -> None:
 
     `doc` (the entry point's docstring) opens `--help`, followed by the
     flags and every config field. A bad override is reported in one line
-    and exits with status 1, as absl does for a bad flag.
+    and exits with status 1, as absl does for a bad flag. Defines the
+    `--config` flag (``define_config_flag``) unless it is defined already.
     """
+    if CONFIG_FLAG not in flags.FLAGS:
+        define_config_flag()
     app.run(main, flags_parser=functools.partial(_parse_or_exit, doc=doc))
 
 

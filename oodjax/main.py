@@ -17,15 +17,14 @@ summary of every run's final accuracies.
 """
 
 import logging as python_logging
+import sys
 
 import datasets
 from absl import logging
 from ml_collections import config_dict
 
 from oodjax import config_cli
-from oodjax.engine import distributed, loop
-
-config_cli.define_config_flag()
+from oodjax.engine import distributed, loop, storage
 
 
 class _QuietCheckpointing(python_logging.Filter):
@@ -35,8 +34,9 @@ class _QuietCheckpointing(python_logging.Filter):
         return record.levelno >= python_logging.WARNING or "/orbax/" not in record.pathname
 
 
-def main(config: config_dict.ConfigDict) -> None:
-    """Trains `config` (the command line's, its overrides applied) on this process's share of the devices."""
+def start_process() -> None:
+    """What every entry point that computes does first: quiet the libraries' logs, join the job's other
+    processes (before anything touches a device), and leave INFO logging to process 0."""
     logging.get_absl_handler().addFilter(_QuietCheckpointing())
     # No noise by default: JAX's INFO line for every backend it could not start
     # ("Unable to initialize backend 'tpu'"), and datasets' bars per split read.
@@ -47,7 +47,23 @@ def main(config: config_dict.ConfigDict) -> None:
         logging.info("process %d of %d (layout from %s)", layout.process_id, layout.num_processes, layout.source)
         if not distributed.is_primary():
             logging.set_verbosity(logging.WARNING)  # process 0 logs progress; the others only problems
-    loop.train(config)
+
+
+def main(config: config_dict.ConfigDict) -> None:
+    """Trains `config` (the command line's, its overrides applied) on this process's share of the devices.
+
+    A stop signal exits with ``loop.PREEMPTED_EXIT_CODE`` (launch/slurm.sbatch
+    requeues on it); a full disk with one line naming the file.
+    """
+    start_process()
+    try:
+        loop.train(config)
+    except loop.Preempted as stopped:
+        logging.warning("%s", stopped)
+        sys.exit(loop.PREEMPTED_EXIT_CODE)
+    except storage.NoSpaceError as full:
+        logging.error("%s", full)
+        sys.exit(1)
 
 
 def run() -> None:

@@ -6,6 +6,8 @@ import os
 import pathlib
 import subprocess
 import sys
+import threading
+import time
 
 import datasets
 import numpy as np
@@ -13,16 +15,21 @@ import pytest
 
 from oodjax.data import (
     TokenizedSet,
+    balanced_batch,
     bucket_lengths,
     eval_batches,
+    eval_row_lengths,
     few_shot,
     load_testset,
     pack_rows,
     packed_batch,
+    pair_rows,
+    prompt_lengths,
     stratified_subset,
     train_batches,
     training_pool,
 )
+from oodjax.data.pipeline import balance_rows, epoch_permutation
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -116,12 +123,21 @@ def test_stratified_subset_of_a_small_set_is_the_whole_set():
 
 
 def test_bucket_lengths():
-    assert bucket_lengths(512) == (64, 128, 256, 512)
-    assert bucket_lengths(300) == (64, 128, 256, 300)
+    assert bucket_lengths(512) == (64, 80, 96, 112, 128, 160, 192, 224, 256, 320, 384, 448, 512)
+    assert bucket_lengths(300) == (64, 80, 96, 112, 128, 160, 192, 224, 256, 300)
     assert bucket_lengths(50) == (50,)
     assert bucket_lengths(300, [100, 32, 1000]) == (32, 100, 300)
     with pytest.raises(ValueError, match=r"bucket lengths must be positive, got \[0, 64\]"):
         bucket_lengths(128, [0, 64])
+
+
+def test_eval_row_lengths():
+    assert eval_row_lengths(512) == (32, 48, 64, 96, 128, 192, 256, 384, 512)
+    assert eval_row_lengths(100) == (32, 48, 64, 96, 100)
+    assert eval_row_lengths(20) == (20,)
+    assert eval_row_lengths(128, [64, 16, 500]) == (16, 64, 128)
+    with pytest.raises(ValueError, match=r"evaluation row lengths must be positive, got \[-1\]"):
+        eval_row_lengths(128, [-1])
 
 
 def check_batch_rows(batch, tokenized):
@@ -162,19 +178,34 @@ def check_packed_rows(batch, tokenized):
         assert not batch["input_ids"][r, start:].any() and not batch["attention_mask"][r, start:].any()
 
 
-def test_eval_batches_pack_every_example_once_into_the_fewest_rows():
-    lengths = [3, 64, 65, 300, 128, 10, 129, 200, 7, 64, 1]  # 971 tokens: at least 4 rows of 300
-    tokenized = toy_tokenized(lengths)
-    batches = list(eval_batches(tokenized, batch_tokens=600))
+def test_pair_rows_fill_rows_of_several_lengths_two_prompts_at_most():
+    # Longest first, each opening the row its best filling fills most (the shortest of equals): 300 fills a
+    # row of 300; 200 + 65 fill 88% of a 300 (200 + 10: 82% of a 256); 129 + 128 86% of a 300 (129 + 64:
+    # 75% of a 256); each 64 fills a 64 alone; 10 + 7 are 53% of a 32, and 3 + 1 the last 32.
+    lengths = np.array([3, 64, 65, 300, 128, 10, 129, 200, 7, 64, 1])
+    rows = pair_rows(lengths, (32, 64, 128, 256, 300))
+    assert rows == [(300, [3]), (300, [7, 2]), (300, [6, 4]), (64, [1]), (64, [9]), (32, [5, 8]), (32, [0, 10])]
+    assert pair_rows(np.array([30, 20, 10]), (64,), prompts_per_row=3) == [(64, [0, 1, 2])]
+    assert pair_rows(np.array([], dtype=int), (8,)) == []
+    with pytest.raises(ValueError, match=r"prompts \[1\] are longer than the longest row, 8"):
+        pair_rows(np.array([8, 9]), (4, 8))
+
+
+def test_eval_batches_hold_every_example_once_one_row_length_a_batch():
+    lengths = [3, 64, 65, 300, 128, 10, 129, 200, 7, 64, 1]
+    tokenized = toy_tokenized(lengths)  # max_length 300: the rows of the test above
+    batches = list(eval_batches(tokenized, batch_tokens=600, row_lengths=(32, 64, 128, 256)))
     seen = np.concatenate([b["index"][b["valid"]] for b in batches])
     assert sorted(seen.tolist()) == list(range(len(lengths)))
-    # 600 tokens = 2 rows a batch; best fit packs 4 rows, the most full holding 6 prompts.
-    assert [b["input_ids"].shape for b in batches] == [(2, 300)] * 2
-    assert {b["answer_pos"].shape for b in batches} == {(2, 6)}
+    # Shortest rows first; 600 tokens hold 2 rows of 300, so its 3 rows take 2 batches of 2 (the last half
+    # empty); a length's prompt slots are the most prompts one of its rows holds.
+    shapes = [(b["input_ids"].shape, b["answer_pos"].shape) for b in batches]
+    assert shapes == [((2, 32), (2, 2)), ((2, 64), (2, 1)), ((2, 300), (2, 2)), ((2, 300), (2, 2))]
     for b in batches:
         assert {b[k].dtype for k in ("input_ids", "attention_mask", "answer_pos", "label", "index")} == {np.dtype(np.int32)}
         assert b["valid"].dtype == bool
         check_packed_rows(b, tokenized)
+        np.testing.assert_array_equal(prompt_lengths(b), np.where(b["valid"], tokenized.lengths[b["index"]], 0))
 
 
 def test_pack_rows_best_fit_decreasing():
@@ -186,37 +217,43 @@ def test_pack_rows_best_fit_decreasing():
         pack_rows(np.array([8, 9]), 8)
 
 
-def test_eval_batches_on_a_real_testset(gpt2_tokenizer_dir, hf_data_dir, tmp_path):
+def test_eval_batches_on_a_real_testset_are_nearly_all_prompt_and_attention(gpt2_tokenizer_dir, hf_data_dir, tmp_path):
+    """MNLI matched (6,692 prompts) at the study's rows (up to 512 tokens, 32 x 512 tokens a batch, 8 devices): at
+    least 95% of the tokens computed are prompt tokens, and the rows compute at most twice the causal attention
+    scores the prompts need (packed into rows of 512, as many as fit, they computed about 9x)."""
     from transformers import AutoTokenizer
 
     from oodjax.data import tokenize_testset
 
     tokenizer = AutoTokenizer.from_pretrained(gpt2_tokenizer_dir)
-    tokenized = tokenize_testset(load_testset("anli", data_dir=hf_data_dir), tokenizer, max_length=128, cache_dir=tmp_path)
-    batches = list(eval_batches(tokenized, batch_tokens=2048, row_multiple=8))
+    mnli = load_testset("mnli", data_dir=hf_data_dir)
+    tokenized = tokenize_testset(mnli, tokenizer, max_length=512, cache_dir=tmp_path)
+    batches = list(eval_batches(tokenized, batch_tokens=32 * 512, row_multiple=8))
     seen = np.concatenate([b["index"][b["valid"]] for b in batches])
     assert sorted(seen.tolist()) == list(range(len(tokenized)))
-    assert len({b["input_ids"].shape for b in batches}) == 1
-    rows = sum(int((b["valid"].any(axis=1)).sum()) for b in batches)
-    # No packing needs fewer rows than the tokens fill, nor than the prompts longer than half a row.
-    fewest = max(-(-tokenized.lengths.sum() // 128), int((tokenized.lengths > 64).sum()))
-    print(f"anli r3, {len(tokenized)} prompts: {rows} rows, at least {fewest} needed; "
-          f"{len(batches)} batches of {batches[0]['input_ids'].shape}")
-    assert rows <= 1.03 * fewest
+    lengths = [prompt_lengths(b) for b in batches]
+    real = sum(int(n.sum()) for n in lengths) / sum(b["input_ids"].size for b in batches)
+    needed = sum(int((n * (n + 1) // 2).sum()) for n in lengths)
+    computed = sum(rows * length * (length + 1) // 2 for rows, length in (b["input_ids"].shape for b in batches))
+    shapes = collections.Counter(b["input_ids"].shape for b in batches)
+    print(f"mnli, {len(tokenized)} prompts: {real:.1%} prompt tokens, attention {computed / needed:.2f}x; {shapes}")
+    assert real >= 0.95 and computed / needed <= 2
     for b in batches:
+        assert b["input_ids"].shape[0] % 8 == 0
         check_packed_rows(b, tokenized)
 
 
 def test_batch_size_in_tokens():
-    tokenized = toy_tokenized([100] * 15 + [250] * 5)  # 5 + 5 rows of 300 (100+100+100, 250)
-    shapes = collections.Counter(b["input_ids"].shape for b in eval_batches(tokenized, batch_tokens=1200, row_multiple=2))
-    # 1200 // 300 = 4 rows at most: 10 rows -> 3 batches, evened to 4 rows (a multiple of 2).
-    assert shapes == {(4, 300): 3}
-    shapes = collections.Counter(b["input_ids"].shape for b in eval_batches(tokenized, batch_tokens=300, row_multiple=4))
-    # 300 // 300 = 1 row -> at least row_multiple = 4.
-    assert shapes == {(4, 300): 3}
-    shapes = collections.Counter(b["input_ids"].shape for b in eval_batches(tokenized, batch_tokens=30_000))
-    assert shapes == {(10, 300): 1}  # one batch, no empty row
+    tokenized = toy_tokenized([100] * 6 + [250] * 5)  # 3 rows of 200 (100 + 100), 5 of 256 (250)
+    batches = list(eval_batches(tokenized, batch_tokens=1200, row_multiple=2, row_lengths=(200, 256)))
+    # 1200 // 200 = 6 rows at most: 3 rows -> 1 batch, evened to 4 rows (a multiple of 2); 1200 // 256 = 4
+    # (a multiple of 2): 5 rows -> 2 batches, evened to 3 and rounded up to 4.
+    assert [b["input_ids"].shape for b in batches] == [(4, 200), (4, 256), (4, 256)]
+    def shapes(**sizes):
+        return collections.Counter(b["input_ids"].shape for b in eval_batches(tokenized, row_lengths=(200, 256), **sizes))
+
+    assert shapes(batch_tokens=100, row_multiple=4) == {(4, 200): 1, (4, 256): 2}  # under a row: row_multiple rows
+    assert shapes(batch_tokens=30_000) == {(3, 200): 1, (5, 256): 1}  # one batch a length, no empty row
 
 
 def test_eval_batch_size_errors():
@@ -238,37 +275,61 @@ def test_training_stream_epochs_are_shuffled_permutations():
     tokenized = toy_tokenized([5, 70, 9, 12, 33, 8, 20, 41], max_length=128)
     stream = train_batches(tokenized, batch_size=4, seed=0)
     batches = [next(stream) for _ in range(6)]
-    assert {b["input_ids"].shape for b in batches} == {(4, 128)}  # 70 tokens -> bucket 128
+    assert {b["input_ids"].shape for b in batches} == {(4, 80)}  # 70 tokens -> bucket 80
     epochs = [np.concatenate([b["index"] for b in batches[e : e + 2]]) for e in (0, 2, 4)]
     assert all(sorted(e.tolist()) == list(range(8)) for e in epochs)
     assert len({tuple(e) for e in epochs}) == 3 and tuple(epochs[0]) != tuple(range(8))
+    for e, epoch in enumerate(epochs):  # each epoch's examples are that epoch's permutation, batch by batch
+        assert [sorted(epoch[:4].tolist()), sorted(epoch[4:].tolist())] == [
+            sorted(epoch_permutation(0, 8, e)[:4].tolist()), sorted(epoch_permutation(0, 8, e)[4:].tolist())
+        ]
     for b in batches:
         assert b["valid"].all()
         assert (np.diff(b["attention_mask"].sum(-1)) >= 0).all()  # shortest first, for length-grouped micro-batches
         check_batch_rows(b, tokenized)
 
 
-def test_packed_training_stream_holds_the_same_batches_packed():
-    tokenized = toy_tokenized([5, 70, 9, 12, 33, 8, 20, 41], max_length=128)
-    plain, packed = (train_batches(tokenized, batch_size=4, seed=0, pack=pack) for pack in (False, True))
-    for _ in range(6):
+def test_balance_rows_spreads_prompts_over_the_first_micro_batch():
+    # 2 micro-batches of 3 rows of at most 40 tokens and 2 prompts. Longest first, each to the least-filled
+    # row of the first micro-batch with room: 30 | 25 | 20, then 12 -> row 2 (32), 10 -> row 1 (35),
+    # 9 -> row 0 (39); 8 fits no row of the first (full of prompts), so the second micro-batch takes it.
+    lengths = np.array([9, 30, 12, 25, 8, 20, 10])
+    rows = balance_rows(lengths, num_rows=6, micro_batches=2, row_length=40, prompts_per_row=2)
+    assert rows == [[1, 0], [3, 6], [5, 2], [4], [], []]
+    # With more slots, 8 joins the least-filled row of the first micro-batch, row 2 (32 + 8 = 40).
+    assert balance_rows(lengths, num_rows=6, micro_batches=2, row_length=40, prompts_per_row=3)[2] == [5, 2, 4]
+    with pytest.raises(ValueError, match=r"7 prompts of 114 tokens \(longest 30\) do not fit 2 rows of 40 tokens "
+                                         r"and 2 prompt slots; at prompt 5 \(20 tokens\)"):
+        balance_rows(lengths, num_rows=2, micro_batches=1, row_length=40, prompts_per_row=2)
+    with pytest.raises(ValueError, match="6 rows cannot be split into 4 micro-batches of equal size"):
+        balance_rows(lengths, num_rows=6, micro_batches=4, row_length=40, prompts_per_row=2)
+
+
+def test_packed_training_stream_holds_the_same_batches_balanced():
+    """Packed (2 micro-batches of 4 rows, e.g. a mesh of 4 devices): the same examples as one a row, every
+    micro-batch's rows holding what ``balance_rows`` gives them."""
+    lengths = [5, 70, 9, 12, 33, 8, 20, 41]
+    tokenized = toy_tokenized(lengths, max_length=128)
+    plain = train_batches(tokenized, batch_size=8, seed=0)
+    packed = train_batches(tokenized, batch_size=8, seed=0, pack=True, grad_accum=2)
+    for _ in range(4):
         one_a_row, b = next(plain), next(packed)
-        assert b["input_ids"].shape == (4, 128) and b["answer_pos"].shape == (4, 4)  # 128 // 5 slots, at most 4
-        assert sorted(b["index"][b["valid"]].tolist()) == sorted(one_a_row["index"].tolist())  # same examples
-        used = (b["attention_mask"] != 0).sum(-1) * b["valid"].any(-1)
-        assert (np.diff(used) <= 0).all()  # fullest rows first, empty rows last: trailing micro-batches skip
+        assert b["input_ids"].shape == (8, 80) and b["answer_pos"].shape == (8, 8)  # 80 // 5 slots, at most 8
+        examples = one_a_row["index"]
+        assert sorted(b["index"][b["valid"]].tolist()) == sorted(examples.tolist())  # same examples
+        rows = balance_rows(tokenized.lengths[examples], num_rows=8, micro_batches=2, row_length=80, prompts_per_row=8)
+        assert [sorted(row[row >= 0].tolist()) for row in b["index"]] == [sorted(examples[r].tolist()) for r in rows]
         check_packed_rows(b, tokenized)
+    # 198 tokens over 4 rows of 80: the first micro-batch holds them all, its fullest row 70 (+ nothing).
+    assert not b["valid"][4:].any() and (b["attention_mask"][:4] != 0).sum(-1).max() == 70
 
 
-def test_packed_batch_needs_room():
-    tokenized = toy_tokenized([60, 60, 60, 10, 10], max_length=64)
-    batch = packed_batch(tokenized, np.arange(5), 4, 64, 2)
-    assert batch["index"].tolist() == [[0, -1], [1, -1], [2, -1], [3, 4]]
-    with pytest.raises(ValueError, match=r"5 prompts need 4 rows of 64 tokens with up to 2 prompts each; the batch "
-                                         r"has 3 rows of 2 prompt slots"):
-        packed_batch(tokenized, np.arange(5), 3, 64, 2)
-    with pytest.raises(ValueError, match=r"the batch has 4 rows of 1 prompt slots"):
-        packed_batch(tokenized, np.arange(5), 4, 64, 1)
+def test_balanced_batch_matches_its_rows():
+    tokenized = toy_tokenized([9, 30, 12, 25, 8, 20, 10], max_length=64)
+    batch = balanced_batch(tokenized, np.arange(7)[::-1], 6, 40, 2, micro_batches=2)
+    # The examples in reverse order: the same rows as test_balance_rows_..., of examples 6 - i.
+    assert batch["index"].tolist() == [[1, 0], [3, 6], [5, 2], [4, -1], [-1, -1], [-1, -1]]
+    check_packed_rows(batch, tokenized)
 
 
 def test_training_stream_is_seeded():
@@ -293,15 +354,48 @@ def test_training_stream_state_round_trips():
 def test_rows_take_positions_of_each_global_batch(pack):
     """Processes that hold complementary positions together see exactly the single-process batches."""
     tokenized = toy_tokenized([40, 5, 30, 20, 12, 50, 7, 33, 25, 9, 60, 14], max_length=64)
-    single = train_batches(tokenized, batch_size=8, seed=7, pack=pack)
+    single = train_batches(tokenized, batch_size=8, seed=7, pack=pack, grad_accum=2)
     positions = ([0, 1, 4, 5], [2, 3, 6, 7])  # e.g. grad_accum 2, each process half of each micro-batch
-    shards = [train_batches(tokenized, batch_size=8, seed=7, pack=pack, rows=rows) for rows in positions]
+    shards = [train_batches(tokenized, batch_size=8, seed=7, pack=pack, grad_accum=2, rows=rows) for rows in positions]
     for _ in range(5):  # 12 examples in batches of 8: crosses epochs
         whole = next(single)
         parts = [next(s) for s in shards]
         for rows, part in zip(positions, parts):
             for key, value in part.items():
                 np.testing.assert_array_equal(value, whole[key][rows])
+
+
+class RecordingSet(TokenizedSet):
+    """A TokenizedSet that records the thread that reads each prompt, i.e. builds each batch."""
+
+    def prompt(self, i):
+        THREADS_READING.append(threading.current_thread().name)
+        return super().prompt(i)
+
+
+THREADS_READING = []
+
+
+def test_batches_are_built_ahead_in_a_thread_and_the_state_counts_those_handed_out():
+    lengths = [5, 70, 9, 12, 33, 8, 20, 41, 3, 2]
+    tokenized = RecordingSet(**vars(toy_tokenized(lengths, max_length=128)))
+    THREADS_READING.clear()
+    stream = train_batches(tokenized, batch_size=4, seed=42, prefetch=2)
+    handed_out = [as_lists(next(stream)) for _ in range(3)]
+    deadline = time.monotonic() + 10
+    while len(THREADS_READING) < 5 * 4 and time.monotonic() < deadline:  # 3 handed out and 2 ahead, 4 prompts each
+        time.sleep(0.01)
+    assert len(THREADS_READING) == 5 * 4 and threading.current_thread().name not in THREADS_READING
+    state = json.loads(json.dumps(stream.get_state()))
+    assert state == {"next_index": 3}  # the batches built ahead are not consumed
+    after = [as_lists(next(stream)) for _ in range(4)]
+    unprefetched = train_batches(toy_tokenized(lengths, max_length=128), batch_size=4, seed=42, prefetch=0)
+    assert [as_lists(next(unprefetched)) for _ in range(7)] == handed_out + after
+    resumed = train_batches(toy_tokenized(lengths, max_length=128), batch_size=4, seed=42)
+    resumed.set_state(state)
+    assert [as_lists(next(resumed)) for _ in range(4)] == after
+    stream.set_state(state)  # rewound, what it had built ahead is dropped
+    assert [as_lists(next(stream)) for _ in range(4)] == after
 
 
 def test_training_stream_errors():
@@ -315,3 +409,7 @@ def test_training_stream_errors():
         train_batches(tokenized, batch_size=4, seed=0, rows=[1, 1])
     with pytest.raises(ValueError, match=r"seq_len 64 is shorter than the longest training prompt \(70 tokens\)"):
         train_batches(tokenized, batch_size=4, seed=0, seq_len=64)
+    with pytest.raises(ValueError, match="grad_accum must be a positive divisor of batch_size 4, got 3"):
+        train_batches(tokenized, batch_size=4, seed=0, pack=True, grad_accum=3)
+    with pytest.raises(ValueError, match="the training stream's seed must be >= 0, got -1"):
+        train_batches(tokenized, batch_size=4, seed=-1)

@@ -1,12 +1,14 @@
 """The pooled evaluation and the per-step training length.
 
-What is checked: lane batches hold each lane's rows once, packed, in
-lockstep, in one shape; the pool gives every run the testsets and its own training
-set only, and `evaluate` puts each margin back where it belongs (checked with
-a fake step whose margin is known from the row alone, and with the real eval
-step against the full model's logits); a training step is cut to the smallest
-bucket holding its longest prompt; a committed (loaded) base and the runs
-compile the train step once.
+What is checked: lane batches hold each lane's rows once, packed two to a
+row at most, in lockstep, one shape per row length; the pool gives every run
+the testsets and its own training set only, and `evaluate` puts each margin
+back where it belongs (checked with a fake step whose margin is known from
+the row alone, and with the real eval step against the full model's logits,
+one compilation per row length); the pool's and the training streams'
+figures (prompt tokens and attention computed against needed) count what the
+steps compute; a committed (loaded) base and the runs compile the train step
+once.
 """
 
 import collections
@@ -17,11 +19,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from oodjax.data import TokenizedSet, eval_batches, fitting_bucket, make_batch
+from oodjax.data import TokenizedSet, eval_batches, fitting_bucket, make_batch, train_batches
 from oodjax.engine import steps
 from oodjax.engine.geometry import BatchGeometry
-from oodjax.engine.evaluation import evaluate, make_eval_pool
-from oodjax.engine.run_data import step_batch
+from oodjax.engine.evaluation import evaluate, make_eval_pool, pool_figures
+from oodjax.engine.run_data import step_batch, training_figures
 from oodjax.models import from_config, load_pretrained
 from oodjax.models.lora import LoRAConfig
 
@@ -51,13 +53,13 @@ def tokenized(lengths, *, first_token=0, max_length=64, seed=0):
 def test_lanes_are_batched_in_lockstep_each_row_once():
     tok = tokenized([5, 40, 7, 60, 12, 33, 3, 20, 50, 9])
     lanes = [[0, 1, 2, 3, 4, 5], [0, 1, 2, 3, 4, 5, 6, 7, 8, 9], [9]]
-    batches = list(eval_batches(tok, batch_tokens=128, lanes=lanes))
-    # Rows of 64, 2 a batch: lane 1, the fullest, packs 4 rows (60 | 50 12 | 40 20 3 | 33 9 7 5), so 2 batches
-    # of one shape, with up to 4 prompts a row.
-    assert [b["input_ids"].shape for b in batches] == [(3, 2, 64)] * 2
-    assert batches[0]["index"][1].tolist() == [[3, -1, -1, -1], [8, 4, -1, -1]]
-    assert batches[1]["index"][1].tolist() == [[1, 7, 6, -1], [5, 9, 2, 0]]
-    assert batches[1]["index"][2].tolist() == [[-1] * 4] * 2  # lane 2's one row went in the first batch
+    batches = list(eval_batches(tok, batch_tokens=128, lanes=lanes, row_lengths=(64,)))
+    # Rows of 64, 2 a batch, two prompts a row at most: lane 1, the fullest, packs 5 rows
+    # (60 3 | 50 12 | 40 20 | 33 9 | 7 5), so 3 batches of one shape; lane 0 packs 4 (60 | 40 12 | 33 7 | 5).
+    assert [b["input_ids"].shape for b in batches] == [(3, 2, 64)] * 3
+    assert [b["index"][1].tolist() for b in batches] == [[[3, 6], [8, 4]], [[1, 7], [5, 9]], [[2, 0], [-1, -1]]]
+    assert [b["index"][0].tolist() for b in batches] == [[[3, -1], [1, 4]], [[5, 2], [0, -1]], [[-1, -1]] * 2]
+    assert batches[1]["index"][2].tolist() == [[-1] * 2] * 2  # lane 2's one row went in the first batch
     for lane, rows in enumerate(lanes):
         seen = np.concatenate([b["index"][lane][b["valid"][lane]] for b in batches])
         assert sorted(seen.tolist()) == rows
@@ -134,11 +136,12 @@ def test_pooled_margins_are_the_full_models_logit_differences():
     # Non-zero B, so the two runs' adapters (and margins) differ.
     runs = runs.replace(lora=jax.tree.map(lambda x: x + 0.05 * np.cos(np.arange(x.size).reshape(x.shape)), runs.lora))
     shared, own = pool_sets()
-    pool = make_eval_pool(shared, own, batch_tokens=128)
+    pool = make_eval_pool(shared, own, batch_tokens=64)
     assert any(b["valid"].sum(axis=-1).max() > 1 for b in pool.batches)  # rows hold several prompts
     eval_step = steps.make_eval_step(graphdef, YES, NO)
     margins = evaluate(eval_step, base, runs.lora, pool, place=lambda batch: batch)
-    assert eval_step._cache_size() == 1  # one batch shape, one compilation, for the whole pool
+    shapes = {b["input_ids"].shape for b in pool.batches}  # one per row length
+    assert len(pool.batches) > len(shapes) > 1 and eval_step._cache_size() == len(shapes)
     for run in range(2):
         lora_model = nnx.view(nnx.merge(graphdef, base, steps.select_run(runs.lora, run)), deterministic=True)
         for name, tok in {**shared, **own[run]}.items():
@@ -147,6 +150,35 @@ def test_pooled_margins_are_the_full_models_logit_differences():
             at = logits[np.arange(len(tok)), whole["answer_pos"]]
             np.testing.assert_allclose(margins[run][name], at[:, YES] - at[:, NO], rtol=0, atol=1e-5)
     assert not np.allclose(margins[0]["a"], margins[1]["a"])
+
+
+def test_pool_figures_count_tokens_and_causal_attention_of_every_row():
+    # Rows of 64: 30 + 30 in one, 10 alone in another (a third prompt would break the two-a-row rule), one
+    # row a batch; 70 prompt tokens of 128, and 2 x 64 x 65 / 2 = 4160 scores computed for
+    # 2 x 30 x 31 / 2 + 10 x 11 / 2 = 985 needed.
+    pool = make_eval_pool({"a": tokenized([30, 30, 10])}, [{}], batch_tokens=64, row_lengths=(64,))
+    assert [b["input_ids"].shape for b in pool.batches] == [(1, 1, 64)] * 2
+    assert pool_figures(pool) == {"eval_real_token_share": 70 / 128, "eval_attention_waste": 4160 / 985}
+    # Split over 4 devices: one batch of 4 rows, 2 of them empty, computed all the same.
+    pool = make_eval_pool({"a": tokenized([30, 30, 10])}, [{}], batch_tokens=64, row_multiple=4, row_lengths=(64,))
+    assert [b["input_ids"].shape for b in pool.batches] == [(1, 4, 64)]
+    assert pool_figures(pool) == {"eval_real_token_share": 70 / 256, "eval_attention_waste": 8320 / 985}
+
+
+def test_training_figures_count_the_lengths_the_step_runs_at():
+    # 8 prompts of 10 tokens a step, packed over 2 devices: micro-batch 0 holds 4 in each row (40 tokens, run
+    # at the bucket 48), micro-batches 1-3 are empty and skipped: 80 prompt tokens of 2 x 48 computed.
+    tok = tokenized([10] * 8)
+    geometry = BatchGeometry(
+        runs=2, batch_size=8, grad_accum=4, seq_len=64, eval_rows=2, eval_seq_len=64, buckets=(16, 32, 48, 64),
+        prompts_per_row=8, batch_shards=2,
+    )  # fmt: skip
+    streams = [
+        train_batches(tok, batch_size=8, seed=seed, seq_len=64, pack=True, grad_accum=4, prompts_per_row=8, prefetch=0)
+        for seed in (0, 1)
+    ]
+    figures = training_figures(streams, geometry, steps=3)
+    assert figures["train_real_token_share"] == 80 / 96 and figures["host_batch_ms"] > 0
 
 
 def test_step_batch_stacks_runs_and_splits_micro_batches():

@@ -22,7 +22,7 @@ PACKAGES = ("oodjax", "analysis", "launch", "configs")
 BUILD_FILES = ("pyproject.toml", "README.md", "requirements.txt", "requirements-dev.txt")
 COMMANDS = {
     "oodjax-train", "oodjax-analyse", "oodjax-runs", "oodjax-sweep", "oodjax-estimate",
-    "oodjax-preflight",
+    "oodjax-preflight", "oodjax-evaluate",
 }
 # Run inside the installed copy: every console script's function must exist and
 # be callable without arguments, as the generated script calls it.
@@ -84,6 +84,7 @@ def test_packages_import_from_the_install_not_the_repository(installed):
     assert (site / "configs" / "opt2.7_mnli.py").is_file()
     assert (site / "launch" / "slurm.sbatch").is_file()
     assert (site / "launch" / "tpu_pod.sh").is_file()
+    assert (site / "launch" / "xla_flags.sh").is_file()
 
 
 @pytest.mark.parametrize("command", ["oodjax-analyse", "oodjax-runs"])

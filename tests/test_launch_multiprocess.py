@@ -120,11 +120,9 @@ def test_two_processes_train_the_demo_like_one(tmp_path, pack):
     assert "step 4, opt-tiny-random_mnli_seed0_shots32: mnli" in logs[0]
     assert "process 1 of 2" in logs[1] and "step 4" not in logs[1]
 
-    checkpoint = tmp_path / "two" / "checkpoints" / "4"
-    assert (checkpoint / "runs").is_dir()  # both processes wrote their shards of the runs' state
-    assert sorted(p.name for p in (checkpoint / "data_0").glob("process_*.json")) == [
-        "process_0-of-2.json", "process_1-of-2.json",  # each process's own data-iterator state
-    ]
+    for run in RUNS:  # each run's own checkpoint: its state (both processes' shards) and its loop record
+        checkpoint = tmp_path / "two" / run / "checkpoints" / "4"
+        assert (checkpoint / "runs").is_dir() and (checkpoint / "loop" / "metadata").is_file()
     for run in RUNS:
         with np.load(tmp_path / "one" / run / schema.METRICS_FILENAME) as one, \
                 np.load(tmp_path / "two" / run / schema.METRICS_FILENAME) as two:

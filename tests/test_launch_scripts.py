@@ -12,6 +12,8 @@ import subprocess
 
 import pytest
 
+from oodjax.engine.loop import PREEMPTED_EXIT_CODE
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SCRIPTS = [ROOT / "launch" / "slurm.sbatch", ROOT / "launch" / "tpu_pod.sh"]
 
@@ -26,7 +28,9 @@ def test_bash_syntax(script):
 def test_shellcheck_clean(script):
     shellcheck = shutil.which("shellcheck")
     assert shellcheck, "shellcheck is not installed: apt-get install -y shellcheck"
-    result = subprocess.run([shellcheck, "--shell=bash", str(script)], capture_output=True, text=True)
+    result = subprocess.run(  # -x from the root: follows the `source launch/xla_flags.sh` they share
+        [shellcheck, "-x", "--shell=bash", str(script)], capture_output=True, text=True, cwd=ROOT
+    )
     assert result.returncode == 0, result.stdout + result.stderr
 
 
@@ -49,9 +53,34 @@ def test_slurm_script_runs_main_once_per_task_with_the_stated_layout(tmp_path):
                             env=env, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     assert (tmp_path / "srun.txt").read_text().splitlines() == [
-        "--kill-on-bad-exit=1", "/opt/venv/bin/python", "-m", "oodjax.main", "--config=configs/opt30_mnli.py",
-        "--config.runs.seeds=(0,42,)", "per_node", f"{ROOT}/.cache/jax",
+        "--kill-on-bad-exit=0", "--wait=120", "/opt/venv/bin/python", "-m", "oodjax.main",
+        "--config=configs/opt30_mnli.py", "--config.runs.seeds=(0,42,)", "per_node", f"{ROOT}/.cache/jax",
     ]
+
+
+@pytest.mark.parametrize(
+    "srun_body, requeued",
+    [
+        (f"exit {PREEMPTED_EXIT_CODE}\n", True),  # the tasks checkpointed on the time-limit warning (SIGUSR1)
+        ("exit 1\n", False),  # a failure is not retried
+        (f"kill -TERM $PPID; exit {PREEMPTED_EXIT_CODE}\n", False),  # scancel or preemption: SIGTERM to all
+    ],
+    ids=["time_limit_warning", "failure", "sigterm"],
+)
+def test_slurm_script_requeues_a_job_stopped_at_the_time_limit_warning_only(tmp_path, srun_body, requeued):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake_command(bin_dir, "srun", srun_body)
+    fake_command(bin_dir, "scontrol", 'printf "%s\\n" "$@" > "$RECORD"\n')
+    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", RECORD=str(tmp_path / "scontrol.txt"),
+               OODJAX_REPO=str(ROOT), OODJAX_VENV="/opt/venv", SLURM_JOB_ID="7")
+    result = subprocess.run(["bash", str(SCRIPTS[0]), "configs/opt30_mnli.py"], env=env, capture_output=True,
+                            text=True)
+    assert result.returncode == (1 if srun_body.startswith("exit 1") else PREEMPTED_EXIT_CODE), result.stderr
+    recorded = (tmp_path / "scontrol.txt").read_text().splitlines() if requeued else None
+    assert (tmp_path / "scontrol.txt").exists() == requeued and recorded in (None, ["requeue", "7"])
+    directives = [line for line in SCRIPTS[0].read_text().splitlines() if line.startswith("#SBATCH")]
+    assert {"#SBATCH --signal=USR1@600", "#SBATCH --requeue", "#SBATCH --open-mode=append"} <= set(directives)
 
 
 def test_slurm_script_without_a_config_is_a_usage_error():
@@ -73,7 +102,10 @@ def test_tpu_script_sends_one_command_that_every_worker_runs(tmp_path):
     fake_command(venv / "bin", "python",
                  'echo "$TPU_WORKER_ID|$TPU_WORKER_HOSTNAMES|$OODJAX_PROCESSES_PER|$OODJAX_DATA_DIR|$PWD"\n'
                  'echo "$JAX_COMPILATION_CACHE_DIR"\n'
+                 'echo "$LIBTPU_INIT_ARGS"\n'
                  'printf "%s\\n" "$@"\n')
+    (tmp_path / "launch").mkdir()  # the worker's checkout (OODJAX_REPO) holds the flags file
+    shutil.copy(ROOT / "launch" / "xla_flags.sh", tmp_path / "launch")
     env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", RECORD=str(tmp_path / "gcloud.txt"),
                TPU_NAME="pod", TPU_ZONE="us-central2-b", OODJAX_REPO=str(tmp_path), OODJAX_VENV=str(venv),
                OODJAX_DATA_DIR="/data/with space")
@@ -93,7 +125,8 @@ def test_tpu_script_sends_one_command_that_every_worker_runs(tmp_path):
     lines = worker.stdout.splitlines()
     assert lines[0] == f"1|10.0.0.2,10.0.0.3|per_node|/data/with space|{tmp_path}"
     assert lines[1] == f"{tmp_path}/.cache/jax"
-    assert lines[2:] == ["-m", "oodjax.main", "--config=configs/olmo32_snli.py", *arguments[1:]]
+    assert "--xla_tpu_overlap_compute_collective_tc=true" in lines[2]  # launch/xla_flags.sh, sourced
+    assert lines[3:] == ["-m", "oodjax.main", "--config=configs/olmo32_snli.py", *arguments[1:]]
 
 
 def test_tpu_script_needs_the_pod_name(tmp_path):

@@ -1,4 +1,5 @@
-"""The sweep generator: the study's grid as jobs, the commands it prints, and resuming past finished runs."""
+"""The sweep generator: the study's grid as jobs, the commands it prints, resuming exactly the unfinished runs,
+any glob over configs/."""
 
 import json
 import shlex
@@ -10,7 +11,7 @@ from ml_collections import config_flags
 
 from analysis import schema
 from launch import sweep
-from oodjax.engine.loop import plan_runs
+from oodjax.engine.loop import PREEMPTED_EXIT_CODE, plan_runs
 
 STUDY = ["--configs", "configs/*_mnli.py", "configs/*_snli.py"]
 
@@ -80,21 +81,75 @@ def finish_job(root, name, *, final_step=500, skip=()):
             write_metrics(run.directory, list(range(0, final_step + 1, 25)))
 
 
-def test_resume_skips_finished_runs(capsys, tmp_path):
+def test_resume_submits_exactly_the_unfinished_runs(capsys, tmp_path):
     finish_job(tmp_path, "opt30_mnli")  # all 9 runs finished
-    finish_job(tmp_path, "olmo7_snli", skip={(42, 64)})  # 8 finished: the job must run again
+    finish_job(tmp_path, "olmo7_snli", skip={(42, 64)})  # 8 finished: only the ninth is submitted
     finish_job(tmp_path, "smol3_mnli", final_step=250)  # stopped half way: not finished
+    finish_job(tmp_path, "opt13_snli", skip={(0, 32), (42, 64)})  # two runs left that are no grid: two jobs
     lines = run_sweep(capsys, *STUDY, "--backend", "local", "--dry_run", "--output_dir", str(tmp_path))
-    assert lines[-1] == "135 runs in 15 jobs (9 finished runs skipped)"
+    assert lines[-1] == "120 runs in 16 jobs (24 finished runs skipped)"
     assert "# skip opt30_mnli: its 9 runs are finished" in lines
-    assert "# olmo7_snli: 8 of 9 runs finished; the job runs again and resumes" in lines
-    assert not any("configs/opt30_mnli.py" in line for line in lines if not line.startswith("#"))
+    assert "# olmo7_snli: 8 of 9 runs finished; submitting the 1 unfinished (seeds 42 x shots 64)" in lines
+    assert "# opt13_snli: 7 of 9 runs finished; submitting the 2 unfinished (seeds 0 x shots 32; seeds 42 x shots 64)" \
+        in lines
+    commands = [shlex.split(line) for line in lines if not line.startswith("#")][:-1]
+    assert not any("configs/opt30_mnli.py" in command for command in commands)
+    runs_of = {}
+    for command in commands:
+        runs_of.setdefault(command[3], []).append(command[4:])
+    assert runs_of["--config=configs/olmo7_snli.py"] == [
+        ["--config.runs.seeds=(42,)", "--config.runs.shots=(64,)", f"--config.output_dir={tmp_path}/olmo7_snli"]
+    ]
+    assert runs_of["--config=configs/opt13_snli.py"] == [
+        ["--config.runs.seeds=(0,)", "--config.runs.shots=(32,)", f"--config.output_dir={tmp_path}/opt13_snli"],
+        ["--config.runs.seeds=(42,)", "--config.runs.shots=(64,)", f"--config.output_dir={tmp_path}/opt13_snli"],
+    ]
+    assert runs_of["--config=configs/smol3_mnli.py"][0][:2] == [
+        "--config.runs.seeds=(0,42,99,)", "--config.runs.shots=(32,64,128,)"
+    ]
 
     # Per-run mode finds the same finished runs in the per-config job directories.
     lines = run_sweep(capsys, *STUDY, "--backend", "local", "--per_run", "--dry_run", "--output_dir", str(tmp_path))
-    assert lines[-1] == "127 runs in 127 jobs (17 finished runs skipped)"
+    assert lines[-1] == "120 runs in 120 jobs (24 finished runs skipped)"
     assert "# skip olmo7_snli_seed0_shots32: its 1 runs are finished" in lines
     assert not any("olmo7_snli_seed42_shots64" in line for line in lines if line.startswith("# skip"))
+
+
+def test_an_unreadable_metrics_file_is_named_and_its_run_counted_unfinished(capsys, tmp_path):
+    finish_job(tmp_path, "opt13_snli")
+    job = sweep.plan_jobs(["configs/opt13_snli.py"], (0, 42, 99), (32, 64, 128), str(tmp_path), per_run=False)[0]
+    run = plan_runs(sweep.job_config(job))[4]  # seed 42, 64 shots
+    damaged = run.directory / schema.METRICS_FILENAME
+    damaged.write_bytes(damaged.read_bytes()[:100])  # truncated
+    assert sweep.main(["--configs", "configs/opt13_snli.py", "--backend", "slurm", "--dry_run",
+                       "--output_dir", str(tmp_path)]) == 0
+    captured = capsys.readouterr()
+    lines = captured.out.strip().splitlines()
+    assert lines[-1] == "1 runs in 1 jobs (8 finished runs skipped)"
+    assert "submitting the 1 unfinished (seeds 42 x shots 64)" in lines[0]
+    assert f"warning: {damaged} is unreadable" in captured.err
+    assert f"counting {run.name} as unfinished" in captured.err
+
+
+def test_any_glob_over_configs_takes_the_experiment_configs_only(capsys, tmp_path):
+    lines = run_sweep(capsys, "--configs", "configs/*.py", "--backend", "local", "--dry_run", "--output_dir",
+                      str(tmp_path))
+    assert lines[0] == (
+        "# not experiment configs, skipped: configs/__init__.py (no get_config()), configs/base.py (its config "
+        "names no model), configs/laptop_common.py (no get_config()), configs/models.py (no get_config())"
+    )
+    assert lines[-1] == "180 runs in 20 jobs"  # the 16 of the study, the demo and 3 laptop configs
+
+
+def test_a_preempted_job_stops_the_sweep_for_a_rerun(capsys, tmp_path, monkeypatch):
+    ran = []
+    monkeypatch.setattr(sweep.subprocess, "run", lambda command: ran.append(command) or
+                        sweep.subprocess.CompletedProcess(command, PREEMPTED_EXIT_CODE))
+    status = sweep.main(["--configs", "configs/opt13_snli.py", "configs/opt30_snli.py", "--backend", "local",
+                         "--output_dir", str(tmp_path)])
+    assert status == PREEMPTED_EXIT_CODE and len(ran) == 1  # the second job is not started
+    message = "job opt13_snli was stopped by a signal with its runs checkpointed; rerun the sweep to resume"
+    assert message in capsys.readouterr().err
 
 
 def test_everything_finished_runs_nothing(capsys, tmp_path):

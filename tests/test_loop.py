@@ -1,6 +1,11 @@
-"""The run loop: a non-finite loss stops it naming the step; nothing compiles after the first evaluation."""
+"""The run loop: a non-finite loss stops it naming the step; nothing compiles after the first evaluation; a stop
+signal and a damaged checkpoint change no result."""
 
 import json
+import logging
+import os
+import signal
+import stat
 
 import jax
 import numpy as np
@@ -8,7 +13,7 @@ import pytest
 
 from analysis import schema
 from oodjax.engine import loop
-from oodjax.engine.checkpoints import Checkpointer
+from oodjax.engine import checkpoints
 from tests.engine_configs import tiny_config
 
 
@@ -86,14 +91,97 @@ def test_non_finite_loss_stops_naming_the_step_and_keeps_the_last_good_state(con
     message = r"non-finite training loss at step 3 \(opt-tiny_mnli_seed1_shots8=nan\)"
     with pytest.raises(loop.NonFiniteLossError, match=message):
         loop.train(config)
-    out = config.output_dir
-    assert Checkpointer(out).latest_step() == 2  # no checkpoint at step 4
     for run in loop.plan_runs(config):
+        assert checkpoints.checkpoint_steps(run.directory) == [2]  # no checkpoint at step 4
         with np.load(run.directory / schema.METRICS_FILENAME) as npz:
             assert npz[schema.STEP].tolist() == [0, 2]
         events = [json.loads(line) for line in (run.directory / "events.jsonl").read_text().splitlines()]
         assert max(e["step"] for e in events) == 2
-    # Resuming those runs under another config would mix two experiments: refused, naming the section.
+    # Resuming those runs under another config would mix two experiments: refused, naming the field.
     config.train.learning_rate = 5e-4
-    with pytest.raises(ValueError, match=r"holds runs started with another config \(sections \['train'\] differ\)"):
+    with pytest.raises(ValueError, match=r"started with another config .*train.learning_rate 0.001 -> 0.0005"):
         loop.train(config)
+
+
+@pytest.fixture
+def umask_022():
+    """The usual umask, whatever the test runner's: files 0644, folders 0755."""
+    previous = os.umask(0o022)
+    yield
+    os.umask(previous)
+
+
+def _results(run_dir):
+    with np.load(run_dir / schema.METRICS_FILENAME, allow_pickle=False) as npz:
+        return {key: npz[key] for key in npz.files}
+
+
+def test_stop_signals_and_damaged_checkpoints_change_no_result(
+    tmp_path, gpt2_tokenizer_dir, hf_data_dir, monkeypatch, caplog, umask_022
+):
+    """SIGUSR1 during step 4 (an evaluation and checkpoint step) stops the job after it, every run checkpointed
+    and that evaluation left to do. Then both runs' step-4 checkpoints are damaged for real (run 0's JSON
+    record, run 1's arrays cut in half): the rerun names them, falls back to step 2, and is stopped at step 4
+    again; the last rerun resumes at step 4 and evaluates it first. Both runs end with exactly the results of
+    an uninterrupted job, and everything written is readable by the group."""
+    configs = {name: tiny_config(tmp_path / name, gpt2_tokenizer_dir, hf_data_dir, tmp_path / "cache")
+               for name in ("uninterrupted", "stopped")}
+    for config in configs.values():
+        config.train.steps = 6
+        config.runs.shots = (16,)  # two batches an epoch: a resumed data order shows
+    loop.train(configs["uninterrupted"])
+    runs = loop.plan_runs(configs["stopped"])
+    step_4 = [checkpoints.checkpoint_dir(run.directory) / "4" for run in runs]
+
+    make_train_step = loop.steps.make_train_step
+
+    def signalling_make_train_step(*args, **kwargs):
+        train_step = make_train_step(*args, **kwargs)
+
+        def step_then_signal_at_4(base_state, runs, batch):
+            runs, metrics = train_step(base_state, runs, batch)
+            if int(runs.step) == 4:
+                os.kill(os.getpid(), signal.SIGUSR1)  # a real signal, to this process
+            return runs, metrics
+
+        return step_then_signal_at_4
+
+    monkeypatch.setattr(loop.steps, "make_train_step", signalling_make_train_step)
+    handler_before = signal.getsignal(signal.SIGUSR1)
+    for attempt in ("first", "after the fallback"):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING), pytest.raises(loop.Preempted) as stopped:
+            loop.train(configs["stopped"])
+        assert stopped.value.step == 4 and signal.getsignal(signal.SIGUSR1) is handler_before, attempt
+        assert "stopping after step 4 on SIGUSR1" in caplog.text, attempt
+        assert "its evaluation left for the resumed run" in caplog.text, attempt
+        for run in runs:
+            assert checkpoints.checkpoint_steps(run.directory) == [4, 2], attempt
+            assert _results(run.directory)[schema.STEP].tolist() == [0, 2], attempt
+        if attempt == "first":
+            _cut_in_half([step_4[0] / "loop" / "metadata"])
+            _cut_in_half(path for path in (step_4[1] / "runs").rglob("*") if path.is_file())
+        else:
+            for run, damaged in zip(runs, step_4):
+                assert f"checkpoint {damaged} fails to restore" in caplog.text
+                assert f"{run.directory}: resuming from the checkpoint at step 2" in caplog.text
+                assert [path.name.startswith("4.damaged-") for path in damaged.parent.iterdir()].count(True) == 1
+            assert "JSONDecodeError" in caplog.text
+    monkeypatch.undo()
+
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        loop.train(configs["stopped"])
+    assert "training 2 runs from step 4" in caplog.text and "fails to restore" not in caplog.text
+    for reference, run in zip(loop.plan_runs(configs["uninterrupted"]), runs):
+        expected, got = _results(reference.directory), _results(run.directory)
+        assert expected.keys() == got.keys() and got[schema.STEP].tolist() == [0, 2, 4, 6]
+        for key in expected.keys() - {schema.CONFIG}:
+            np.testing.assert_array_equal(got[key], expected[key], err_msg=f"{run.name}: {key}")
+    for path in (tmp_path / "stopped").rglob("*"):
+        assert stat.S_IMODE(path.stat().st_mode) == (0o755 if path.is_dir() else 0o644), path
+
+
+def _cut_in_half(paths):
+    for path in paths:
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])

@@ -1,6 +1,9 @@
-"""metrics.npz: exactly the schema of analysis/schema.py, rewritten atomically; the event log."""
+"""metrics.npz: exactly the schema of analysis/schema.py, rewritten atomically, with the umask's mode, read back
+to tell finished runs; the event log."""
 
 import json
+import os
+import stat
 
 import numpy as np
 import pytest
@@ -106,3 +109,28 @@ def test_event_log_appends_json_lines(tmp_path):
         (1, 0.5, None),
         (2, None, 0.25),
     ]
+
+
+def test_metrics_npz_follows_the_umask(tmp_path):
+    """Readable by the group under the usual umask, as any file the job writes; not tempfile's 0600."""
+    previous = os.umask(0o022)
+    try:
+        _two_evaluations(tmp_path / "a").write()
+        os.umask(0o027)
+        _two_evaluations(tmp_path / "b").write()
+    finally:
+        os.umask(previous)
+    assert stat.S_IMODE((tmp_path / "a" / schema.METRICS_FILENAME).stat().st_mode) == 0o644
+    assert stat.S_IMODE((tmp_path / "b" / schema.METRICS_FILENAME).stat().st_mode) == 0o640
+
+
+def test_progress_tells_finished_runs_and_names_an_unreadable_file(tmp_path):
+    assert results.read_progress(tmp_path) is None  # no metrics.npz: a new run
+    _two_evaluations(tmp_path).write()
+    progress = results.read_progress(tmp_path)
+    assert progress.steps == (0, 5) and progress.config == CONFIG
+    assert progress.finished(5) and not progress.finished(10)
+    path = tmp_path / schema.METRICS_FILENAME
+    path.write_bytes(path.read_bytes()[:200])  # truncated
+    with pytest.raises(results.UnreadableResultsError, match=rf"{path} is unreadable \(BadZipFile: "):
+        results.read_progress(tmp_path)

@@ -18,7 +18,7 @@ import torch
 import transformers
 from flax import nnx
 
-from oodjax.data import TokenizedSet, make_batch, packed_batch
+from oodjax.data import TokenizedSet, balanced_batch, make_batch
 from oodjax.engine import steps
 from oodjax.engine.geometry import BatchGeometry, micro_batch_lengths
 from oodjax.engine.run_data import step_batch
@@ -272,9 +272,11 @@ def test_buckets_run_each_micro_batch_at_its_own_length():
 
 
 def test_packed_rows_train_like_one_prompt_per_row():
-    """A batch packed several prompts a row (as train_batches makes it) gives the loss and update of the same
-    prompts one per row. Its second micro-batch is empty and holds token ids outside the vocabulary (NaN
-    embeddings): the step must skip it, or the loss would be NaN."""
+    """A batch packed as train_batches packs it (one row per device per micro-batch; here 2 devices, so 4
+    micro-batches of 2 rows) gives the loss and update of the same prompts one per row. Balanced, the 39
+    tokens fill micro-batch 0's two rows (9 5 2 | 7 6 3) and spill 4 | 3 into micro-batch 1, which runs at 8
+    tokens: beyond them, and in the empty micro-batches 2 and 3, token ids outside the vocabulary (NaN
+    embeddings) must be cut off or skipped, or the loss would be NaN."""
     lengths = [3, 5, 4, 2, 9, 6, 7, 3]
     rng = np.random.default_rng(4)
     tokenized = TokenizedSet(
@@ -285,9 +287,12 @@ def test_packed_rows_train_like_one_prompt_per_row():
         max_length=16,
     )
     one_per_row = step_batch([make_batch(tokenized, np.arange(8), 16)], grad_accum=1)
-    packed = step_batch([packed_batch(tokenized, np.arange(8), 8, 16, 8)], grad_accum=2)
-    assert packed["valid"][0, 0].sum() == 8 and not packed["valid"][0, 1].any()  # 39 tokens: 3 rows of 16
-    packed["input_ids"][:, 1] = 10 * OPT["vocab_size"]
+    balanced = balanced_batch(tokenized, np.arange(8), 8, 16, 8, micro_batches=4)
+    assert balanced["index"][:4, :3].tolist() == [[4, 1, 3], [6, 5, 0], [2, -1, -1], [7, -1, -1]]
+    assert balanced["valid"].sum() == 8 and not balanced["valid"][4:].any()
+    packed = step_batch([balanced], grad_accum=4)
+    packed["input_ids"][:, 1, :, 8:] = 10 * OPT["vocab_size"]
+    packed["input_ids"][:, 2:] = 10 * OPT["vocab_size"]
     no_dropout = LoRAConfig(rank=4, alpha=8.0, dropout=0.0)
 
     def step(data, grad_accum):
@@ -300,7 +305,7 @@ def test_packed_rows_train_like_one_prompt_per_row():
         return np.asarray([loss, second]), flat(runs.lora)
 
     loss, lora = step(one_per_row, 1)
-    packed_loss, packed_lora = step(packed, 2)
+    packed_loss, packed_lora = step(packed, 4)
     print("packed vs one per row: max |loss diff|", np.abs(packed_loss - loss).max())
     assert np.isfinite(packed_loss).all()
     np.testing.assert_allclose(packed_loss, loss, rtol=0, atol=TOGETHER_LOSS_TOL)

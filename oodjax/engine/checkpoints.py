@@ -1,93 +1,255 @@
-"""Checkpoints of the runs trained together, so a killed job resumes where it was.
+"""Each run's own checkpoints, so that runs resume one by one whatever else a job trains.
 
-One orbax CheckpointManager per output directory holds, at a step: every
-run's adapters, optimizer state, step counter and dropout RNG (one pytree
-with a leading run axis), each run's grain iterator state (so the resumed
-run sees exactly the batches it would have seen), and a small JSON record of
-the loop's own state (partial loss sums, the config the runs were started
-with). The frozen base is never saved: it is reloaded from its source.
+`<run_dir>/checkpoints/<step>/` holds one run at one step: its slice of the
+run-stacked ``RunsState`` (adapters, optimizer state, dropout key data, the
+step counter; orbax item ``runs``), and a JSON record of the loop's state
+for it (item ``loop``: its partial loss sum, its data-iterator state, the
+config it was started with, whether the evaluation of that step is still
+to do). The frozen base is never saved: it is reloaded from its source. A
+job that gains runs (seeds, shot counts) resumes its old ones and starts
+the new ones; one that loses runs leaves theirs alone.
+
+The data-iterator state is grain's count of global batches drawn
+(``{"next_index": k}``). Every process draws the same global stream and
+takes its own rows of each batch (``oodjax.data.train_batches``), so the
+state is the same in all of them and the primary's copy serves every one.
+
+Integrity: orbax writes a step into a temporary directory and renames it
+once every item, arrays and JSON alike, is complete, so an interrupted
+write is never listed as a checkpoint (its leftovers are removed when a
+later job starts saving). A checkpoint damaged after the fact (a truncated
+file) fails to restore: ``restore_newest`` names it, warns, and takes the
+next older one. A full disk raises ``NoSpaceError`` naming the checkpoint
+being written, the older ones intact.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import pathlib
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import grain
 import jax
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
+from absl import logging
+from jax.sharding import NamedSharding, PartitionSpec
 
-CHECKPOINT_DIR = "checkpoints"
+from oodjax.engine.steps import RunsState
+from oodjax.engine.storage import reporting_full_disk
+
+CHECKPOINT_DIR = "checkpoints"  # <run_dir>/checkpoints/<step>/
+DAMAGED_SUFFIX = ".damaged"  # a step that failed to restore, set aside as <step>.damaged-<time>
+_ARRAYS, _LOOP = "runs", "loop"  # the items of a step
 
 
-class Checkpointer:
-    """Keeps the newest `max_to_keep` checkpoints under `<output_dir>/checkpoints`."""
+class CheckpointsUnusableError(RuntimeError):
+    """Every checkpoint of a run fails to restore."""
 
-    def __init__(self, output_dir: str | pathlib.Path, *, max_to_keep: int = 2):
-        directory = pathlib.Path(output_dir).resolve() / CHECKPOINT_DIR
-        options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True)
-        self._manager = ocp.CheckpointManager(directory, options=options)
+
+@dataclasses.dataclass(frozen=True)
+class Restored:
+    """A run's newest checkpoint that restored, and the newer ones that did not."""
+
+    step: int
+    loop_state: dict[str, Any]
+    state: RunsState | None  # the run's slice (no run axis); None when only the loop state was read
+    damaged: tuple[int, ...] = ()  # newer steps that failed to restore, newest first
+
+
+def checkpoint_dir(run_dir: str | pathlib.Path) -> pathlib.Path:
+    """Where a run's checkpoints are: ``<run_dir>/checkpoints``, as an absolute path (orbax wants one)."""
+    return pathlib.Path(run_dir).resolve() / CHECKPOINT_DIR
+
+
+def checkpoint_steps(run_dir: str | pathlib.Path) -> list[int]:
+    """The steps the run has a complete checkpoint of, newest first; [] without any (nothing is created)."""
+    return _complete_steps(checkpoint_dir(run_dir))
+
+
+def _complete_steps(directory: pathlib.Path) -> list[int]:
+    if not directory.is_dir():
+        return []
+    manager = ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(create=False))
+    try:
+        return sorted(manager.all_steps(), reverse=True)
+    finally:
+        manager.close()
+
+
+def restore_newest(run_dir: str | pathlib.Path, target: RunsState | None, *, warn: bool = True) -> Restored | None:
+    """The run's newest checkpoint that restores whole; None when it has none.
+
+    ``target`` (``run_target``) gives the shapes, dtypes and shardings of
+    the run's slice; None reads the loop state alone (cheap: the config
+    check before anything is loaded). A checkpoint that fails is named in a
+    warning (unless ``warn`` is False) and the next older one is tried; when
+    all fail, ``CheckpointsUnusableError`` names each with its error.
+    """
+    steps = checkpoint_steps(run_dir)
+    if not steps:
+        return None
+    directory = checkpoint_dir(run_dir)
+    manager = ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(create=False))
+    failures: list[str] = []
+    try:
+        for position, step in enumerate(steps):
+            items = {_LOOP: ocp.args.JsonRestore()}
+            if target is not None:
+                items[_ARRAYS] = ocp.args.StandardRestore(target)
+            try:
+                restored = manager.restore(step, args=ocp.args.Composite(**items))
+            except Exception as error:  # any failure to read a step: it is damaged, an older one may not be
+                reason = f"{type(error).__name__}: {_first_line(error)}"
+                failures.append(f"{directory / str(step)} ({reason})")
+                if warn:
+                    older = f"trying step {steps[position + 1]}" if position + 1 < len(steps) else "no older one"
+                    logging.warning("checkpoint %s fails to restore (%s); %s", directory / str(step), reason, older)
+                continue
+            if failures and warn:
+                logging.warning("%s: resuming from the checkpoint at step %d", run_dir, step)
+            return Restored(
+                step=step,
+                loop_state=dict(restored[_LOOP]),
+                state=restored[_ARRAYS] if target is not None else None,
+                damaged=tuple(steps[:position]),
+            )
+    finally:
+        manager.close()
+    raise CheckpointsUnusableError(
+        f"every checkpoint of {run_dir} fails to restore: {'; '.join(failures)}. Move {directory} away to start "
+        "the run over"
+    )
+
+
+def set_aside(run_dir: str | pathlib.Path, step: int) -> pathlib.Path:
+    """Renames a damaged step to ``<step>.damaged-<unix time>``: kept for inspection, no longer a checkpoint,
+    and out of the way of the step's new checkpoint when the run gets there again."""
+    source = checkpoint_dir(run_dir) / str(step)
+    destination = source.with_name(f"{step}{DAMAGED_SUFFIX}-{int(time.time())}")
+    source.rename(destination)
+    return destination
+
+
+def run_target(runs: RunsState) -> RunsState:
+    """One run's slice of ``runs`` as shapes, dtypes and shardings (the run axis dropped): what a run's
+    checkpoint restores into, on the current mesh whatever mesh wrote it."""
+
+    def unstacked(leaf: jax.Array) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct(leaf.shape[1:], leaf.dtype, sharding=_without_run_axis(leaf.sharding))
+
+    return runs.replace(
+        lora=jax.tree.map(unstacked, runs.lora),
+        opt_state=jax.tree.map(unstacked, runs.opt_state),
+        rng=unstacked(runs.rng),
+        step=jax.ShapeDtypeStruct(runs.step.shape, runs.step.dtype, sharding=runs.step.sharding),
+    )
+
+
+def split_runs(runs: RunsState) -> list[RunsState]:
+    """Each run's slice of ``runs`` (its leaves without the run axis; the shared step as it is).
+
+    One jitted program (compiled once per run count), which every process
+    runs alike on a multi-process mesh.
+    """
+    return _split_runs(runs)
+
+
+def stack_runs(slices: Sequence[RunsState], like: RunsState) -> RunsState:
+    """The run-stacked state of ``slices`` (one per run, all at one step: the first's is kept), with
+    ``like``'s shardings."""
+    shardings = jax.tree.map(lambda leaf: leaf.sharding, like)
+    return jax.jit(_stack_runs, out_shardings=shardings)(tuple(slices))
+
+
+@jax.jit
+def _split_runs(runs: RunsState) -> list[RunsState]:
+    return [
+        runs.replace(
+            lora=jax.tree.map(lambda leaf: leaf[r], runs.lora),
+            opt_state=jax.tree.map(lambda leaf: leaf[r], runs.opt_state),
+            rng=runs.rng[r],
+        )
+        for r in range(runs.num_runs)
+    ]
+
+
+def _stack_runs(slices: tuple[RunsState, ...]) -> RunsState:
+    def stacked(*leaves: jax.Array) -> jax.Array:
+        return jnp.stack(leaves)
+
+    first = slices[0]
+    return first.replace(
+        lora=jax.tree.map(stacked, *(piece.lora for piece in slices)),
+        opt_state=jax.tree.map(stacked, *(piece.opt_state for piece in slices)),
+        rng=jnp.stack([piece.rng for piece in slices]),
+    )
+
+
+def _without_run_axis(sharding: jax.sharding.Sharding) -> jax.sharding.Sharding:
+    if isinstance(sharding, NamedSharding):
+        return NamedSharding(sharding.mesh, PartitionSpec(*sharding.spec[1:]))
+    return sharding  # one device: nothing to drop
+
+
+def _first_line(error: BaseException) -> str:
+    """An error's message cut to its first line (TensorStore's run to dozens)."""
+    text = str(error).strip()
+    return text.splitlines()[0][:300] if text else "no message"
+
+
+class RunCheckpointer:
+    """Writes one run's checkpoints under ``<run_dir>/checkpoints``, keeping the newest ``max_to_keep``.
+
+    ``name`` (the run's) keeps the barriers of several runs' managers,
+    saving side by side in a multi-process job, apart.
+    """
+
+    def __init__(self, run_dir: str | pathlib.Path, *, name: str, max_to_keep: int = 2):
+        self.directory = checkpoint_dir(run_dir)
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=max_to_keep,
+            create=True,
+            cleanup_tmp_directories=True,  # what an interrupted save left
+            multiprocessing_options=ocp.options.MultiprocessingOptions(barrier_sync_key_prefix=name),
+        )
+        with reporting_full_disk(self.directory, lambda: "nothing was written"):
+            self._manager = ocp.CheckpointManager(self.directory, options=options)
 
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
 
-    def save(
-        self,
-        step: int,
-        runs: Any,
-        iterators: Sequence[grain.DatasetIterator],
-        loop_state: Mapping[str, Any],
-    ) -> None:
-        """Saves the state at `step`.
+    def save(self, step: int, state: RunsState, loop_state: Mapping[str, Any]) -> None:
+        """Saves the run's slice ``state`` and ``loop_state`` (JSON data) at ``step``.
 
-        The array part is written asynchronously once copied to host, so
-        training continues; a checkpoint becomes visible only when complete.
+        The arrays are written asynchronously once copied to host, so
+        training continues; the step becomes visible only when complete. A
+        save also reports the failure of the previous one.
         """
-        self._manager.save(
-            step,
-            args=ocp.args.Composite(
-                runs=ocp.args.StandardSave(runs),
-                loop=ocp.args.JsonSave(dict(loop_state)),
-                **{
-                    _iterator_item(i): grain.checkpoint.CheckpointSave(iterator)
-                    for i, iterator in enumerate(iterators)
-                },
-            ),
-            force=True,
-        )
-
-    def restore(
-        self, step: int, runs_like: Any, iterators: Sequence[grain.DatasetIterator]
-    ) -> tuple[Any, dict[str, Any]]:
-        """Returns (runs, loop_state) at `step`; the iterators are rewound in place.
-
-        `runs_like` gives the structure, shapes, dtypes and shardings to restore
-        into (the freshly initialised runs).
-        """
-        abstract_runs = jax.tree.map(ocp.utils.to_shape_dtype_struct, runs_like)
-        restored = self._manager.restore(
-            step,
-            args=ocp.args.Composite(
-                runs=ocp.args.StandardRestore(abstract_runs),
-                loop=ocp.args.JsonRestore(),
-                **{
-                    _iterator_item(i): grain.checkpoint.CheckpointRestore(iterator)
-                    for i, iterator in enumerate(iterators)
-                },
-            ),
-        )
-        return restored["runs"], dict(restored["loop"])
+        with reporting_full_disk(self.directory, self._intact):
+            self._manager.save(
+                step,
+                args=ocp.args.Composite(
+                    **{_ARRAYS: ocp.args.StandardSave(state), _LOOP: ocp.args.JsonSave(dict(loop_state))}
+                ),
+                force=True,
+            )
 
     def wait(self) -> None:
-        """Blocks until every started save is complete on disk."""
-        self._manager.wait_until_finished()
+        """Blocks until every started save is complete on disk (raising what failed)."""
+        with reporting_full_disk(self.directory, self._intact):
+            self._manager.wait_until_finished()
 
     def close(self) -> None:
         """Waits for pending saves, then releases the manager."""
-        self.wait()
-        self._manager.close()
+        try:
+            self.wait()
+        finally:
+            self._manager.close()
 
-
-def _iterator_item(run_index: int) -> str:
-    return f"data_{run_index}"
+    def _intact(self) -> str:
+        """What a failed save left, read from the disk after the failure."""
+        steps = sorted(_complete_steps(self.directory))
+        return f"the checkpoints at steps {steps} are intact" if steps else "there is no earlier checkpoint"

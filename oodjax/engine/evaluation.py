@@ -2,13 +2,16 @@
 
 An evaluation is one pool of examples: the testsets, which every run
 scores, and each run's own sets (its few-shot training set), which only
-that run scores. The pool's prompts are packed several to a row as a whole
-and cut into batches by a token budget, so little is padding and the last,
-partly filled batch happens once per evaluation rather than once per
-testset. Batches carry a run axis [R, B, ...]: run r's lane holds the
-examples run r scores, so no run computes another run's training set. The
-batches are built once and replayed by every evaluation through the same
-compiled step (one shape): after the first evaluation nothing compiles again.
+that run scores. The pool's prompts are packed as a whole, one or two to a
+row of one of a few lengths (``oodjax.data.eval_batches``), and cut into
+batches by a token budget, so little is padding, little attention is
+computed between prompts, and the last, partly filled batch of a row length
+happens once per evaluation rather than once per testset. Batches carry a
+run axis [R, B, ...]: run r's lane holds the examples run r scores, so no
+run computes another run's training set. The batches are built once and
+replayed by every evaluation through the same compiled step (one shape per
+row length): after the first evaluation nothing compiles again.
+``pool_figures`` says how much of what the batches compute is needed.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from collections.abc import Callable, Mapping, Sequence
 import jax
 import numpy as np
 
-from oodjax.data import Batch, TokenizedSet, eval_batches
+from oodjax.data import Batch, TokenizedSet, eval_batches, prompt_lengths
 
 # What the eval step reads; `index` stays on the host to place the margins.
 _STEP_KEYS = ("input_ids", "attention_mask", "answer_pos", "label", "valid")
@@ -49,13 +52,16 @@ def make_eval_pool(
     batch_tokens: int,
     row_multiple: int = 1,
     pad_id: int = 0,
+    row_lengths: Sequence[int] | None = None,
 ) -> EvalPool:
     """The pool of the ``shared`` sets (scored by every run) and run r's ``own[r]`` (by run r alone).
 
     ``own`` has one mapping per run (empty when a run has no sets of its
-    own). Batches hold about ``batch_tokens`` tokens at most, in rows of the
-    sets' max_length, a multiple of ``row_multiple`` rows (the devices the
-    batch is split over), spread evenly over the fewest batches that allows.
+    own). Batches hold about ``batch_tokens`` tokens at most, in rows of
+    ``row_lengths`` (default ``oodjax.data.eval_row_lengths`` of the sets'
+    max_length), a multiple of ``row_multiple`` rows (the devices the batch
+    is split over), each row length's rows spread evenly over the fewest
+    batches that allows.
     """
     if not own:
         raise ValueError("make_eval_pool needs one mapping in `own` per run (an empty one for a run without sets)")
@@ -73,8 +79,35 @@ def make_eval_pool(
     sets = tuple({**shared_rows, **{name: next(spans) for name in run_sets}} for run_sets in own)
     rows = np.arange(len(pooled))
     lanes = [np.concatenate([rows[span] for span in run_sets.values()]) for run_sets in sets]
-    batches = eval_batches(pooled, batch_tokens=batch_tokens, row_multiple=row_multiple, pad_id=pad_id, lanes=lanes)
+    batches = eval_batches(
+        pooled, batch_tokens=batch_tokens, row_multiple=row_multiple, pad_id=pad_id, lanes=lanes,
+        row_lengths=row_lengths,
+    )  # fmt: skip
     return EvalPool(sets=sets, labels=np.asarray(pooled.labels, dtype=np.int32), batches=tuple(batches))
+
+
+def pool_figures(pool: EvalPool) -> dict[str, float]:
+    """What an evaluation of ``pool`` computes against what its prompts need, over every run's lane.
+
+    ``eval_real_token_share``: prompt tokens over the tokens of all rows
+    (empty ones included: they are computed too). ``eval_attention_waste``:
+    the attention scores the rows compute over those the prompts need,
+    causal on both sides, as the fused kernels compute them (a row of L
+    tokens computes L (L + 1) / 2 scores, a prompt of n needs n (n + 1) / 2),
+    so that only attention between prompts of a row, and on padding, counts
+    as waste. XLA's unfused attention computes the full L x L square, twice
+    the causal count.
+    """
+    real = tokens = needed = computed = 0
+    for batch in pool.batches:
+        lengths = prompt_lengths(batch)
+        row_length = batch["input_ids"].shape[-1]
+        rows = batch["input_ids"].size // row_length
+        real += int(lengths.sum())
+        needed += int((lengths * (lengths + 1) // 2).sum())
+        tokens += rows * row_length
+        computed += rows * row_length * (row_length + 1) // 2
+    return {"eval_real_token_share": real / tokens, "eval_attention_waste": computed / needed}
 
 
 def _concatenate(parts: Sequence[TokenizedSet]) -> TokenizedSet:

@@ -1,13 +1,21 @@
 """The shape of every batch a job feeds its steps, worked out once.
 
 How many runs, examples per step, micro-batches, rows per device, training
-row length, buckets, packed prompt slots, evaluation rows and the rows this
-process feeds are facts of one job that the data streams, the train step,
-the loop and the preflight must all agree on. ``batch_geometry`` derives
-them from the config, the mesh and the runs' few-shot sets in one place and
-validates them there, so a config that cannot work fails before anything is
-tokenised at length or compiled, with an error naming its field; everything
-else reads the frozen ``BatchGeometry``.
+row length, buckets, packed prompt slots, evaluation row lengths and the
+rows this process feeds are facts of one job that the data streams, the
+train step, the loop and the preflight must all agree on. ``batch_geometry``
+derives them from the config, the mesh and the runs' few-shot sets in one
+place and validates them there, so a config that cannot work fails before
+anything is tokenised at length or compiled, with an error naming its
+field; everything else reads the frozen ``BatchGeometry``.
+
+With train.pack, a training step is batch_size / (mesh.data x mesh.fsdp)
+micro-batches of one row per device: each device's row packs its share of
+the run's examples, balanced over the devices, and the first micro-batch
+takes all it can hold, so the step runs one micro-batch at the length of
+its fullest row and skips the empty rest. One row per device is the least
+memory a micro-batch can take, so train.grad_accum, which bounds memory
+when rows hold one prompt each, has nothing to bound there.
 """
 
 from __future__ import annotations
@@ -18,15 +26,16 @@ from collections.abc import Sequence
 from jax.sharding import Mesh
 from ml_collections import config_dict
 
-from oodjax.data import TokenizedSet, bucket_lengths, fitting_bucket, train_prompts_per_row
+from oodjax.data import TokenizedSet, bucket_lengths, eval_row_lengths, fitting_bucket, train_prompts_per_row
 from oodjax.engine import sharding
 
 
 @dataclasses.dataclass(frozen=True)
 class BatchGeometry:
     """A job's batch shapes. Training batches are [runs, grad_accum, micro_batch, seq_len] (per-prompt
-    leaves [runs, grad_accum, micro_batch(, prompts_per_row)]); evaluation batches hold up to
-    ``eval_rows`` rows of ``eval_seq_len`` tokens. Sizes are global (all processes together)."""
+    leaves [runs, grad_accum, micro_batch(, prompts_per_row)]); with packed rows ``micro_batch`` is the
+    batch shards (one row per device). Evaluation batches hold rows of one of ``eval_row_lengths``,
+    about ``eval_rows`` x ``eval_seq_len`` tokens a batch. Sizes are global (all processes together)."""
 
     runs: int  # R: runs trained together (seeds x shots)
     batch_size: int  # examples per optimizer step, per run
@@ -36,6 +45,7 @@ class BatchGeometry:
     eval_seq_len: int  # tokens per evaluation row (data.max_length)
     buckets: tuple[int, ...] = ()  # lengths a training micro-batch may be cut to
     prompts_per_row: int | None = None  # prompt slots of a packed training row; None: one prompt a row
+    eval_row_lengths: tuple[int, ...] = ()  # lengths of evaluation rows (the last eval_seq_len); (): eval_seq_len
     run_chunk: int = 0  # runs the train step computes at once; 0: all of them
     batch_shards: int = 1  # devices a batch's example axis is split over (mesh data x fsdp)
     process_rows: tuple[int, ...] | None = None  # positions of a global training batch this process feeds
@@ -73,10 +83,12 @@ class BatchGeometry:
             raise ValueError(f"data.buckets must be positive lengths, got {list(self.buckets)}")
         if self.prompts_per_row is not None and self.prompts_per_row < 1:
             raise ValueError(f"packed rows need at least one prompt slot, got {self.prompts_per_row}")
+        if any(length < 1 for length in self.eval_row_lengths):
+            raise ValueError(f"eval.row_lengths must be positive lengths, got {list(self.eval_row_lengths)}")
 
     @property
     def micro_batch(self) -> int:
-        """Examples per micro-batch, per run (global)."""
+        """Rows per micro-batch, per run (global): examples, one a row, or with packed rows the batch shards."""
         return self.batch_size // self.grad_accum
 
     @property
@@ -112,11 +124,14 @@ def batch_geometry(
 
     Training rows are as long as the smallest bucket that holds the longest
     few-shot prompt of any run, so all runs share one compiled step; with
-    train.pack, rows have as many prompt slots as the shortest prompt fits.
+    train.pack, a step is batch_size / batch shards micro-batches of one row
+    per device (see the module's docstring), rows with as many prompt slots
+    as the shortest prompt fits.
     """
     if not train_sets:
         raise ValueError("batch_geometry needs the runs' few-shot sets (one per run)")
-    buckets = bucket_lengths(config.data.max_length, tuple(config.data.buckets) or None)
+    max_length = config.data.max_length
+    buckets = bucket_lengths(max_length, tuple(config.data.buckets) or None)
     seq_len = fitting_bucket(buckets, max(int(t.lengths.max()) for t in train_sets))
     batch_size = config.train.batch_size
     geometry = BatchGeometry(
@@ -125,13 +140,17 @@ def batch_geometry(
         grad_accum=config.train.grad_accum,
         seq_len=seq_len,
         eval_rows=config.eval.batch_size,
-        eval_seq_len=config.data.max_length,
+        eval_seq_len=max_length,
         buckets=buckets,
-        prompts_per_row=(
-            train_prompts_per_row(train_sets, batch_size=batch_size, seq_len=seq_len) if config.train.pack else None
-        ),
+        eval_row_lengths=eval_row_lengths(max_length, tuple(config.eval.row_lengths) or None),
         run_chunk=config.runs.chunk,
         batch_shards=sharding.batch_shards(mesh),
-    )
+    )  # the config's own fields checked, errors naming them
+    if config.train.pack:
+        geometry = dataclasses.replace(
+            geometry,
+            grad_accum=batch_size // geometry.batch_shards,
+            prompts_per_row=train_prompts_per_row(train_sets, batch_size=batch_size, seq_len=seq_len),
+        )
     rows = sharding.process_step_rows(mesh, geometry.batch_size, geometry.grad_accum)  # valid once checked above
     return dataclasses.replace(geometry, process_rows=tuple(int(row) for row in rows))

@@ -1,17 +1,34 @@
-"""The run loop: train a config's runs together, evaluate them as they go, keep everything.
+"""The run loop: train a config's runs, evaluate them as they go, keep everything, resume run by run.
 
 `train(config)` loads the model once, attaches one set of adapters per run
 (seeds x shots), and alternates jitted train steps with evaluations of every
 testset (and each run's own training set) at step 0 and every `eval.every`
 steps. After each evaluation every run's metrics.npz is rewritten; every
-`checkpoint_every` steps the runs' adapters, optimizer states, data-iterator
-states and RNGs are checkpointed, and a rerun with the same output directory
-resumes from the latest checkpoint to the same results an uninterrupted run
-would have written. With `export.peft`, each run's adapters are written in
-PEFT format to `<run_dir>/adapter/` when training ends (and at every
-checkpoint with `export.every_checkpoint`), and pushed to `export.hub_repo`.
-What it prints (compilations announced and timed, progress, a closing
-summary) is described in `oodjax.engine.console`.
+`checkpoint_every` steps each run's adapters, optimizer state, data-iterator
+state and RNG are checkpointed in its own folder (``oodjax.engine.checkpoints``).
+
+Runs are the unit of resumption. On start each of the config's runs is
+finished (its metrics.npz holds its last step: skipped, its results left as
+they are), part-way (resumed from its newest intact checkpoint) or new
+(started at step 0). Runs train in lockstep, so the unfinished ones are
+trained in groups of one resume step, the furthest along first, each group
+with the geometry and compiled steps of its own runs; each run ends with the
+results an uninterrupted run would have written (to float32 rounding where
+its group's size differs from the uninterrupted job's, as the compiled
+program does). A stored run whose config
+differs from this one in anything but `_RESUMABLE_CHANGES` and the runs
+section is refused, naming the fields, before anything is created.
+
+SIGTERM and SIGUSR1 (what SLURM sends ahead of a time limit or a
+preemption) make every process finish the current step, agree on it,
+checkpoint every run being trained there and raise ``Preempted``, which
+`oodjax.main` turns into exit status ``PREEMPTED_EXIT_CODE``.
+
+With `export.peft`, each run's adapters are written in PEFT format to
+`<run_dir>/adapter/` when training ends (and at every checkpoint with
+`export.every_checkpoint`), and pushed to `export.hub_repo`. What it prints
+(compilations announced and timed, progress, a closing summary) is described
+in `oodjax.engine.console`.
 """
 
 from __future__ import annotations
@@ -22,9 +39,11 @@ import dataclasses
 import itertools
 import json
 import pathlib
+import signal
+import threading
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, NoReturn
 
 import huggingface_hub
 import jax
@@ -35,23 +54,29 @@ from flax import nnx
 from jax.experimental import multihost_utils
 from ml_collections import config_dict
 from tqdm import tqdm
-from transformers import AutoTokenizer
+from transformers import PreTrainedTokenizerBase
 
 from analysis import schema
 from oodjax import models
-from oodjax.data import answer_token_ids
-from oodjax.engine import checks, console, sharding, steps
-from oodjax.engine.checkpoints import Checkpointer
+from oodjax.data import answer_token_ids, load_tokenizer
+from oodjax.engine import checkpoints, checks, console, results, sharding, steps
 from oodjax.engine.distributed import is_primary
 from oodjax.engine.evaluation import evaluate
 from oodjax.engine.events import EventLog, WandbSettings
-from oodjax.engine.results import RunResults, run_name
 from oodjax.engine.geometry import BatchGeometry, batch_geometry
+from oodjax.engine.results import RunResults, run_name
 from oodjax.engine.run_data import RunsData, few_shot_sets, load_runs_data, step_batch
 from oodjax.models.lora import LoRAConfig, export_peft
 
-# Config fields a resumed run may change: they do not affect its results.
+# Config fields a resumed run may change: they do not affect its results. The runs section
+# (seeds, shots, chunk) may change too: it says which runs a job trains, not what one is.
 _RESUMABLE_CHANGES = ("output_dir", "log_every", "wandb", "tensorboard", "export")
+_JOB_SECTIONS = ("runs", schema.RUN_SECTION)
+
+# EX_TEMPFAIL of sysexits.h, "temporary failure, try again": the exit status of a job stopped by
+# SIGTERM or SIGUSR1 once its runs are checkpointed. launch/slurm.sbatch requeues itself on it.
+PREEMPTED_EXIT_CODE = 75
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 ADAPTER_DIR = "adapter"  # <run_dir>/adapter/: the run's adapters in PEFT format
 
@@ -68,6 +93,18 @@ class Run:
 
 class NonFiniteLossError(FloatingPointError):
     """A training loss became NaN or infinite; the runs stop, their last good checkpoint kept."""
+
+
+class Preempted(Exception):
+    """SIGTERM or SIGUSR1 stopped training after ``step``; the runs then training are checkpointed at it."""
+
+    def __init__(self, step: int, runs: Sequence[str], signal_name: str):
+        self.step = step
+        self.runs = tuple(runs)
+        super().__init__(
+            f"stopped by {signal_name} after step {step}: {len(self.runs)} runs checkpointed at step {step} "
+            f"({', '.join(self.runs)}); rerun the same command to resume"
+        )
 
 
 def plan_runs(config: config_dict.ConfigDict) -> list[Run]:
@@ -90,23 +127,188 @@ def model_name(config: config_dict.ConfigDict) -> str:
 
 
 def train(config: config_dict.ConfigDict) -> list[Run]:
-    """Trains and evaluates the config's runs (resuming if their checkpoints exist); returns them."""
+    """Trains and evaluates the config's unfinished runs, each from its own newest intact checkpoint if it has
+    one; returns all its runs. Raises ``Preempted`` when a stop signal ended it early."""
     checks.check_config(config)
-    mesh = sharding.make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
     runs = plan_runs(config)
     logging.info("runs: %s", ", ".join(run.name for run in runs))
+    _warn_of_shared_checkpoints(config)
+    starts = [_read_start(config, run) for run in runs]
+    _refuse_changed_config(config, starts)  # before anything is created
+    for start in starts:
+        logging.info("%s: %s", start.run.name, start.describe(config.train.steps))
+    to_train = [start for start in starts if not start.finished]
+    to_export = [start for start in starts if start.finished and config.export.peft]
+    if to_train or to_export:
+        with _StopSignals() as stop:
+            _train_runs(config, to_train, to_export, stop)
+    if is_primary():
+        _summary(config, runs)
+    return runs
 
-    tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model.path)
-    yes_id, no_id = answer_token_ids(tokenizer)
+
+@dataclasses.dataclass
+class _RunStart:
+    """Where one run stands before a job trains it."""
+
+    run: Run
+    finished: bool  # its metrics.npz holds the evaluation at its last step
+    stored_config: dict[str, Any] | None  # comparable config it was trained with (None: new)
+    checkpoint: checkpoints.Restored | None = None  # the one it resumes from (None: it starts at 0)
+
+    @property
+    def step(self) -> int:
+        return self.checkpoint.step if self.checkpoint is not None else 0
+
+    @property
+    def evaluation_pending(self) -> bool:
+        """Whether it was stopped at a step whose evaluation is still to do."""
+        return self.checkpoint is not None and bool(self.checkpoint.loop_state.get("evaluation_pending"))
+
+    def describe(self, total_steps: int) -> str:
+        if self.finished:
+            return f"finished (step {total_steps}), skipped"
+        if self.checkpoint is not None:
+            return f"resumes from its checkpoint at step {self.step}"
+        return "starts at step 0"
+
+
+def _read_start(config: config_dict.ConfigDict, run: Run) -> _RunStart:
+    """Reads what the run's folder holds (its metrics.npz, its newest readable checkpoint record); writes nothing."""
+    try:
+        progress = results.read_progress(run.directory)
+    except results.UnreadableResultsError as error:
+        raise results.UnreadableResultsError(
+            f"{error}; {run.name} cannot be resumed or skipped without it: move it (or {run.directory}) away to "
+            "start the run over"
+        ) from error
+    if progress is not None and progress.finished(config.train.steps):
+        return _RunStart(run, finished=True, stored_config=_comparable(progress.config))
+    newest = checkpoints.restore_newest(run.directory, None, warn=False)  # its config; the arrays come later
+    stored = newest.loop_state["config"] if newest is not None else None
+    return _RunStart(run, finished=False, stored_config=stored, checkpoint=newest)
+
+
+def _refuse_changed_config(config: config_dict.ConfigDict, starts: Sequence[_RunStart]) -> None:
+    """Raises a ValueError naming every stored run whose config differs from ``config`` in a field that changes
+    what the run is (learning rate, data, model, ...), and those fields."""
+    current = _comparable_config(config)
+    differing: dict[str, list[str]] = collections.defaultdict(list)
+    for start in starts:
+        if start.stored_config is not None:
+            fields = _differing_fields(start.stored_config, current)
+            if fields:
+                differing["; ".join(fields)].append(start.run.name)
+    if differing:
+        details = " | ".join(f"{', '.join(names)}: {fields}" for fields, names in differing.items())
+        raise ValueError(
+            f"{config.output_dir} holds runs started with another config (stored -> now: {details}); resume with "
+            "the same config or use a new output_dir"
+        )
+
+
+def _differing_fields(stored: dict[str, Any], current: dict[str, Any], prefix: str = "") -> list[str]:
+    """``"section.field stored -> now"`` for every leaf field that differs between two config dicts."""
+    fields = []
+    for key in sorted({*stored, *current}):
+        old, new = stored.get(key), current.get(key)
+        if isinstance(old, dict) and isinstance(new, dict):
+            fields += _differing_fields(old, new, f"{prefix}{key}.")
+        elif old != new:
+            fields.append(f"{prefix}{key} {old!r} -> {new!r}")
+    return fields
+
+
+def _warn_of_shared_checkpoints(config: config_dict.ConfigDict) -> None:
+    """Checkpoints of the earlier layout (one for all runs, under output_dir) are not read: say so."""
+    shared = pathlib.Path(config.output_dir) / checkpoints.CHECKPOINT_DIR
+    if shared.is_dir():
+        logging.warning(
+            "%s holds checkpoints of all runs together, as earlier versions wrote them; they are not read (each run "
+            "now has its own, <run_dir>/%s): runs without one start at step 0",
+            shared, checkpoints.CHECKPOINT_DIR,
+        )  # fmt: skip
+
+
+def _train_runs(
+    config: config_dict.ConfigDict, to_train: list[_RunStart], to_export: list[_RunStart], stop: _StopSignals
+) -> None:
+    """Loads the model once, restores every run's checkpoint, then trains the runs group by group (one resume
+    step each, the furthest along first) and exports the finished runs' adapters if asked."""
+    mesh = sharding.make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
+    tokenizer = load_tokenizer(config.tokenizer or config.model.path)
+    answer_ids = answer_token_ids(tokenizer, config.data.answers)  # a bad answer word fails before the model loads
+    model = load_model(config, mesh)
+    resumed = [start for start in to_train if start.checkpoint is not None] + to_export
+    if resumed:
+        _, _, one_run = steps.init_runs(model, [0], lora_config(config), optimizer(config), mesh=mesh)
+        target = checkpoints.run_target(one_run)
+        del one_run
+        for start in resumed:
+            start.checkpoint = checkpoints.restore_newest(start.run.directory, target)
+        _set_aside_damaged(resumed)
+    for start in to_export:
+        _export_finished(config, start)
+    groups = collections.defaultdict(list)
+    for start in to_train:
+        groups[(start.step, start.evaluation_pending)].append(start)
+    for key in sorted(groups, reverse=True):
+        _train_group(config, mesh, tokenizer, answer_ids, model, groups[key], stop)
+
+
+def _set_aside_damaged(starts: Sequence[_RunStart]) -> None:
+    """Renames the checkpoints newer than the one each run resumes from (they failed to restore), so that the
+    run's new checkpoints at those steps do not meet them; process 0 renames, the others wait for it."""
+    for start in starts:
+        for step in start.checkpoint.damaged if start.checkpoint is not None else ():
+            if is_primary():
+                logging.warning("%s: set aside the damaged checkpoint as %s", start.run.name,
+                                checkpoints.set_aside(start.run.directory, step))  # fmt: skip
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices("oodjax: damaged checkpoints set aside")
+
+
+def _export_finished(config: config_dict.ConfigDict, start: _RunStart) -> None:
+    """A finished run rerun with export.peft: its final checkpoint's adapters, exported."""
+    restored = start.checkpoint
+    if restored is None or restored.step != config.train.steps:
+        logging.warning(
+            "%s: cannot export its adapters: it has no intact checkpoint at its last step %d", start.run.name,
+            config.train.steps,
+        )  # fmt: skip
+        return
+    _export_adapters(config, start.run, restored.state.lora, restored.step)
+    start.checkpoint = dataclasses.replace(restored, state=None)  # its memory goes
+
+
+def _train_group(
+    config: config_dict.ConfigDict,
+    mesh: jax.sharding.Mesh,
+    tokenizer: PreTrainedTokenizerBase,
+    answer_ids: tuple[int, int],
+    model: models.CausalLM,
+    group: list[_RunStart],
+    stop: _StopSignals,
+) -> None:
+    """Trains runs that stand at one step together, from their checkpoints (or from scratch at step 0)."""
+    runs = [start.run for start in group]
+    logging.info("training %d runs from step %d: %s", len(runs), group[0].step, ", ".join(run.name for run in runs))
+    yes_id, no_id = answer_ids
     seeds = [run.seed for run in runs]
     train_sets = few_shot_sets(config, tokenizer, [(run.seed, run.shots) for run in runs])
     geometry = batch_geometry(config, mesh, train_sets)
     data = load_runs_data(config, tokenizer, seeds, train_sets, geometry)
-    model = _load_model(config, mesh)
     graphdef, base_state, state = steps.init_runs(model, seeds, lora_config(config), optimizer(config), mesh=mesh)
+    if group[0].checkpoint is not None:
+        state = checkpoints.stack_runs([start.checkpoint.state for start in group], like=state)
+        for start, stream in zip(group, data.streams, strict=True):
+            stream.set_state(start.checkpoint.loop_state["data"])
     train_step, eval_step = make_steps(config, geometry, graphdef, base_state, state, yes_id, no_id, mesh)
-    _Loop(config, runs, mesh, geometry, train_step, eval_step, base_state, state, data).run()
-    return runs
+    loop = _Loop(config, group, mesh, geometry, train_step, eval_step, base_state, state, data, stop)
+    for start in group:  # the restored slices now live in the stacked state
+        if start.checkpoint is not None:
+            start.checkpoint = dataclasses.replace(start.checkpoint, state=None)
+    loop.run()
 
 
 def optimizer(config: config_dict.ConfigDict) -> optax.GradientTransformation:
@@ -159,32 +361,134 @@ def _wandb_settings(config: config_dict.ConfigDict) -> WandbSettings:
     )
 
 
-def _load_model(config: config_dict.ConfigDict, mesh: jax.sharding.Mesh) -> models.CausalLM:
-    if config.model.path:
-        return models.load_pretrained(config.model.path, dtype=config.model.dtype, mesh=mesh, remat=config.model.remat)
-    return models.from_config(
-        config.model.hf_config.to_dict(), dtype=config.model.dtype, seed=config.model.init_seed,
-        remat=config.model.remat,
-    )
+def load_model(config: config_dict.ConfigDict, mesh: jax.sharding.Mesh) -> models.CausalLM:
+    """The config's frozen base on ``mesh``: its checkpoint (model.path), else a random model of hf_config."""
+    model = config.model
+    options = dict(dtype=model.dtype, remat=model.remat, attention=model.attention)
+    if model.path:
+        return models.load_pretrained(model.path, mesh=mesh, **options)
+    return models.from_config(model.hf_config.to_dict(), seed=model.init_seed, **options)
 
 
 def _comparable_config(config: config_dict.ConfigDict) -> dict[str, Any]:
     """The config as JSON data, without the fields a resumption may change."""
-    data = json.loads(config.to_json())
-    for field in _RESUMABLE_CHANGES:
-        data.pop(field, None)
-    return data
+    return _comparable(json.loads(config.to_json()))
+
+
+def _comparable(config_data: dict[str, Any]) -> dict[str, Any]:
+    """A stored config (a checkpoint's, or metrics.npz's with its run section) without what a resumption may
+    change or what says which runs a job trains."""
+    return {key: value for key, value in config_data.items() if key not in (*_RESUMABLE_CHANGES, *_JOB_SECTIONS)}
+
+
+class _StopSignals:
+    """While entered, SIGTERM and SIGUSR1 are noted rather than fatal, for the loop to stop at a step boundary.
+
+    Python runs signal handlers in the main thread only, so elsewhere (a
+    thread calling ``train``) the signals keep their handlers.
+    """
+
+    def __init__(self) -> None:
+        self.received: str | None = None  # the name of the first signal received
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> _StopSignals:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {number: signal.signal(number, self._receive) for number in STOP_SIGNALS}
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        for number, handler in self._previous.items():
+            signal.signal(number, handler)
+
+    def _receive(self, number: int, frame: object) -> None:
+        if self.received is None:
+            self.received = signal.Signals(number).name
+            logging.warning(
+                "received %s: finishing the current step, then checkpointing the runs and exiting (status %d)",
+                self.received, PREEMPTED_EXIT_CODE,
+            )  # fmt: skip
+
+    def agreed(self) -> bool:
+        """Whether any process received a stop signal: the same answer in every process at the same step (each
+        process's flag is all-gathered, a few bytes, in a multi-process job)."""
+        requested = self.received is not None
+        if jax.process_count() == 1:
+            return requested
+        return bool(np.any(multihost_utils.process_allgather(np.asarray(requested))))
+
+
+def _export_adapters(config: config_dict.ConfigDict, run: Run, adapters: nnx.State, step: int) -> None:
+    """Writes one run's adapters (no run axis) to <run_dir>/adapter/ in PEFT format and pushes them to the hub.
+
+    Every process takes part in gathering them (they may be sharded over
+    hosts); only the primary writes and pushes.
+    """
+    adapters = multihost_utils.process_allgather(adapters, tiled=True)
+    if not is_primary():
+        return
+    base_model = config.model.path or model_name(config)
+    folder = export_peft(adapters, lora_config(config), run.directory / ADAPTER_DIR, base_model_name_or_path=base_model)
+    logging.info("%s: adapters at step %d (PEFT format) written to %s", run.name, step, folder)
+    if config.export.hub_repo:
+        huggingface_hub.create_repo(config.export.hub_repo, exist_ok=True)
+        huggingface_hub.upload_folder(
+            repo_id=config.export.hub_repo, folder_path=folder, path_in_repo=run.name,
+            commit_message=f"{run.name}: adapters at step {step}",
+        )  # fmt: skip
+
+
+def _summary(config: config_dict.ConfigDict, runs: Sequence[Run]) -> None:
+    """The closing lines: each run's final in-domain and mean OOD accuracy (from its metrics.npz, so runs
+    skipped as finished are listed too), and where the results are."""
+    in_domain = config.data.train_set
+    for run in runs:
+        path = run.directory / schema.METRICS_FILENAME
+        if not path.is_file():
+            logging.info("%s: no results yet", run.name)
+            continue
+        with np.load(path, allow_pickle=False) as stored:
+            testsets = stored[schema.TESTSETS].tolist()
+            final = dict(zip(testsets, stored[schema.ACCURACY][-1].tolist()))
+            step = int(stored[schema.STEP][-1])
+        ood = [name for name in testsets if name not in (in_domain, schema.TRAIN_TESTSET)]
+        mean_ood = f"{np.mean([final[name] for name in ood]):.3f}" if ood else "n/a"
+        logging.info(
+            "%s at step %d: in-domain %s %.3f, mean OOD %s (%s)",
+            run.name, step, in_domain, final[in_domain], mean_ood, ", ".join(ood),
+        )  # fmt: skip
+    logging.info(
+        "done: %d runs; results in %s (metrics.npz and events.jsonl per run; `python -m analysis.runs %s` "
+        "lists them, `python -m analysis %s --out DIR` analyses them)",
+        len(runs), config.output_dir, config.output_dir, config.output_dir,
+    )  # fmt: skip
 
 
 class _Loop:
-    """The loop over steps for one `train` call, and what it keeps between steps."""
+    """The loop over steps for one group of runs that stand at one step, and what it keeps between steps."""
 
-    def __init__(self, config, runs, mesh, geometry, train_step, eval_step, base_state, state, data: RunsData):
+    def __init__(
+        self,
+        config: config_dict.ConfigDict,
+        group: Sequence[_RunStart],
+        mesh: jax.sharding.Mesh,
+        geometry: BatchGeometry,
+        train_step: Callable[..., Any],
+        eval_step: Callable[..., Any],
+        base_state: nnx.State,
+        state: steps.RunsState,
+        data: RunsData,
+        stop: _StopSignals,
+    ):
+        runs = [start.run for start in group]
         self.config, self.runs, self.mesh, self.geometry, self.data = config, runs, mesh, geometry, data
         self.train_step, self.eval_step = train_step, eval_step
-        self.base_state, self.state = base_state, state
+        self.base_state, self.state, self.stop = base_state, state, stop
         self.total_steps = config.train.steps
-        self.checkpointer = Checkpointer(config.output_dir)
+        # The step the group starts from, whether it resumes, and whether that step's evaluation is still to do.
+        self.start, self.resumed = group[0].step, group[0].checkpoint is not None
+        self.evaluation_pending = group[0].evaluation_pending
+        self.checkpointers = [checkpoints.RunCheckpointer(run.directory, name=run.name) for run in runs]
         self.primary = is_primary()  # only process 0 writes results and event logs
         config_json = json.loads(config.to_json())
         self.results = [self._run_results(r, run, config_json) for r, run in enumerate(runs)]
@@ -204,6 +508,9 @@ class _Loop:
         # per-run losses and gradient norms since the last log line; the
         # train step's device metrics not yet checked.
         self.loss_sum, self.loss_steps = np.zeros(len(runs)), 0
+        if self.resumed:
+            self.loss_sum = np.array([start.checkpoint.loop_state["loss_sum"] for start in group], dtype=np.float64)
+            self.loss_steps = group[0].checkpoint.loop_state["loss_steps"]
         self.window: list[dict[str, np.ndarray]] = []
         self.pending: list[tuple[int, dict[str, jax.Array]]] = []
         # The training clock: steps and seconds of training alone (no compiling,
@@ -228,47 +535,35 @@ class _Loop:
         )
 
     def run(self) -> None:
-        try:
+        with contextlib.ExitStack() as closing:  # every one closed, whatever fails (pending saves waited for)
+            for closable in (*self.checkpointers, *self.events):
+                closing.callback(closable.close)
             with console.logs_above_bars():
-                start = self._resume_or_start()
-                if start >= self.total_steps:
-                    logging.info("the runs finished already (step %d of %d)", start, self.total_steps)
-                    if self.config.export.peft:  # a finished job rerun with export on: its final adapters
-                        self._export()
-                else:
-                    self._train(start)
-                if self.primary:
-                    self._summary()
-        finally:
-            self.checkpointer.close()
-            for log in self.events:
-                log.close()
+                self._resume_or_start()
+                if self.start < self.total_steps:
+                    self._train(self.start)
+                elif self.config.export.peft:  # stopped at the last step before its evaluation, now done
+                    self._export(self.start)
 
-    def _resume_or_start(self) -> int:
-        """Restores the latest checkpoint and returns its step; without one, evaluates step 0."""
-        latest = self.checkpointer.latest_step()
-        if latest is None:
+    def _resume_or_start(self) -> None:
+        """Evaluates step 0 of new runs; reloads resumed runs' evaluations up to their step from their
+        metrics.npz, then does that step's evaluation if they were stopped before it."""
+        if not self.resumed:
             self._evaluate(0)
-            return 0
-        self.state, loop_state = self.checkpointer.restore(latest, self.state, self.data.streams)
-        current = _comparable_config(self.config)
-        if loop_state["config"] != current:
-            stored = loop_state["config"]
-            changed = sorted(key for key in {*current, *stored} if current.get(key) != stored.get(key))
-            raise ValueError(
-                f"{self.config.output_dir} holds runs started with another config (sections {changed} differ); "
-                "resume with the same config or use a new output_dir"
-            )
-        self.loss_sum, self.loss_steps = np.array(loop_state["loss_sum"]), loop_state["loss_steps"]
-        evaluated = [0] + [step for step in range(1, latest + 1) if self._evaluation_due(step)]
-        for results in self.results:
-            results.resume(latest, evaluated)
-        logging.info("resumed from the checkpoint at step %d", latest)
-        return latest
+            return
+        evaluated = [0] + [step for step in range(1, self.start + 1) if self._evaluation_due(step)]
+        if self.evaluation_pending:
+            evaluated.remove(self.start)
+        for run_results in self.results:
+            run_results.resume(self.start, evaluated)
+        if self.evaluation_pending:
+            self._evaluate(self.start)
 
     def _train(self, start: int) -> None:
         """Steps start+1 .. total. The first step, which compiles, runs before the bar and the training
         clock start, so neither the ETA nor examples/s counts its compilation."""
+        if self.stop.agreed():  # a signal while loading, compiling or evaluating
+            self._stop(start, evaluation_pending=False)
         first = start + 1
         with console.first_call("train step"):
             self._train_step(first)
@@ -290,8 +585,11 @@ class _Loop:
         self.window_steps += 1
 
     def _after_train_step(self, step: int) -> None:
-        """What is due after ``step``: a log line, an evaluation, a checkpoint (and an export)."""
+        """What is due after ``step``: stopping on a signal, or a log line, an evaluation, a checkpoint (and
+        an export)."""
         evaluation_due = self._evaluation_due(step)
+        if self.stop.agreed():
+            self._stop(step, evaluation_pending=evaluation_due)
         checkpoint_due = step % self.config.checkpoint_every == 0 or step == self.total_steps
         if evaluation_due or checkpoint_due or step % self.config.log_every == 0:
             self._check_losses()  # before anything is evaluated or saved
@@ -301,7 +599,7 @@ class _Loop:
         if checkpoint_due:
             self._checkpoint(step)
             if self.config.export.peft and (step == self.total_steps or self.config.export.every_checkpoint):
-                self._export()
+                self._export(step)
         if evaluation_due or checkpoint_due:
             self._restart_clock()
 
@@ -330,11 +628,13 @@ class _Loop:
                 bad = ", ".join(
                     f"{run.name}={value}" for run, value in zip(self.runs, values) if not np.isfinite(value)
                 )
-                self.checkpointer.wait()
+                for checkpointer in self.checkpointers:
+                    checkpointer.wait()
+                latest = self.checkpointers[0].latest_step()
                 raise NonFiniteLossError(
-                    f"non-finite training loss at step {step} ({bad}); stopped. The last good checkpoint is step "
-                    f"{self.checkpointer.latest_step()} under {self.config.output_dir}; metrics.npz holds every "
-                    "evaluation up to it"
+                    f"non-finite training loss at step {step} ({bad}); stopped. The runs' last good checkpoints "
+                    f"are at step {latest} (<run_dir>/{checkpoints.CHECKPOINT_DIR}/ under {self.config.output_dir}); "
+                    "metrics.npz holds every evaluation up to it"
                 )
             self.loss_sum += values
             self.loss_steps += 1
@@ -384,10 +684,10 @@ class _Loop:
         self.eval_compiled = True
         logging.info("evaluated step %d (%d batches) in %.1f s", step, batches, time.perf_counter() - start)
         train_loss = self.loss_sum / self.loss_steps if self.loss_steps else np.full(num_runs, np.nan)
-        for r, (run, results, run_margins) in enumerate(zip(self.runs, self.results, margins)):
-            accuracies = results.add(step, run_margins, train_loss[r])
+        for r, (run, run_results, run_margins) in enumerate(zip(self.runs, self.results, margins)):
+            accuracies = run_results.add(step, run_margins, train_loss[r])
             if self.primary:
-                results.write()
+                run_results.write()
                 self.events[r].log(step, {f"accuracy/{name}": value for name, value in accuracies.items()})
             summary = ", ".join(f"{name} {value:.3f}" for name, value in accuracies.items())
             logging.info("step %d, %s: %s", step, run.name, summary)
@@ -407,49 +707,40 @@ class _Loop:
 
         return counted
 
-    def _summary(self) -> None:
-        """The closing lines: each run's final in-domain and mean OOD accuracy, and where the results are."""
-        in_domain = self.config.data.train_set
-        for run, results in zip(self.runs, self.results):
-            final = dict(zip(results.testsets, results.accuracy[-1]))
-            ood = [name for name in results.testsets if name not in (in_domain, schema.TRAIN_TESTSET)]
-            mean_ood = f"{np.mean([final[name] for name in ood]):.3f}" if ood else "n/a"
-            logging.info(
-                "%s at step %d: in-domain %s %.3f, mean OOD %s (%s)",
-                run.name, results.steps[-1], in_domain, final[in_domain], mean_ood, ", ".join(ood),
-            )  # fmt: skip
-        logging.info(
-            "done: %d runs; results in %s (metrics.npz and events.jsonl per run; `python -m analysis.runs %s` "
-            "lists them, `python -m analysis %s --out DIR` analyses them)",
-            len(self.runs), self.config.output_dir, self.config.output_dir, self.config.output_dir,
+    def _checkpoint(self, step: int, *, evaluation_pending: bool = False) -> None:
+        """Saves each run's slice of the state and its loop state at ``step`` in the run's own folder."""
+        comparable = _comparable_config(self.config)
+        run_states = checkpoints.split_runs(self.state)
+        for r, (checkpointer, run_state) in enumerate(zip(self.checkpointers, run_states, strict=True)):
+            loop_state = {
+                "config": comparable,
+                "loss_sum": float(self.loss_sum[r]),
+                "loss_steps": self.loss_steps,
+                "data": self.data.streams[r].get_state(),
+                "evaluation_pending": evaluation_pending,
+            }
+            checkpointer.save(step, run_state, loop_state)
+
+    def _stop(self, step: int, *, evaluation_pending: bool) -> NoReturn:
+        """Checkpoints every run at ``step`` (unless it already is), waits until it is on disk in every process,
+        says so, and raises ``Preempted``."""
+        self._check_losses()
+        if any(checkpointer.latest_step() != step for checkpointer in self.checkpointers):
+            self._checkpoint(step, evaluation_pending=evaluation_pending)
+        for checkpointer in self.checkpointers:
+            checkpointer.wait()
+        signal_name = self.stop.received or "a signal to another process"
+        logging.warning(
+            "stopping after step %d on %s: the checkpoints of %d runs at step %d are saved (<run_dir>/%s/%d under "
+            "%s)%s; rerun the same command to resume",
+            step, signal_name, len(self.runs), step, checkpoints.CHECKPOINT_DIR, step, self.config.output_dir,
+            ", its evaluation left for the resumed run" if evaluation_pending else "",
         )  # fmt: skip
+        if jax.process_count() > 1:
+            multihost_utils.sync_global_devices("oodjax: checkpoints saved before stopping")
+        raise Preempted(step, [run.name for run in self.runs], signal_name)
 
-    def _checkpoint(self, step: int) -> None:
-        loop_state = {
-            "config": _comparable_config(self.config),
-            "loss_sum": self.loss_sum.tolist(),
-            "loss_steps": self.loss_steps,
-        }
-        self.checkpointer.save(step, self.state, self.data.streams, loop_state)
-
-    def _export(self) -> None:
-        """Writes each run's current adapters to <run_dir>/adapter/ in PEFT format; pushes them to the hub.
-
-        Every process takes part in gathering a run's adapters (they may be
-        sharded over hosts); only the primary writes and pushes.
-        """
-        base_model = self.config.model.path or model_name(self.config)
+    def _export(self, step: int) -> None:
+        """Writes each run's current adapters to <run_dir>/adapter/ in PEFT format (``_export_adapters``)."""
         for r, run in enumerate(self.runs):
-            adapters = multihost_utils.process_allgather(steps.select_run(self.state.lora, r), tiled=True)
-            if not self.primary:
-                continue
-            folder = export_peft(
-                adapters, lora_config(self.config), run.directory / ADAPTER_DIR, base_model_name_or_path=base_model
-            )
-            if self.config.export.hub_repo:
-                huggingface_hub.create_repo(self.config.export.hub_repo, exist_ok=True)
-                huggingface_hub.upload_folder(
-                    repo_id=self.config.export.hub_repo, folder_path=folder, path_in_repo=run.name,
-                    commit_message=f"{run.name}: adapters at step {int(self.state.step)}",
-                )  # fmt: skip
-        logging.info("adapters (PEFT format) written to <run_dir>/%s/ under %s", ADAPTER_DIR, self.config.output_dir)
+            _export_adapters(self.config, run, steps.select_run(self.state.lora, r), step)

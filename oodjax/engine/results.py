@@ -1,23 +1,30 @@
 """The results of one run: metrics.npz in the schema of analysis/schema.py.
 
 The file is rewritten after every evaluation through a temporary file and
-`os.replace`, so a reader (or a crash) only ever sees a complete file that
-holds every evaluation finished so far.
+`os.replace`, so a reader (or a crash, or a full disk) only ever sees a
+complete file that holds every evaluation finished so far. It is created
+with the process umask like any other file (readable by the group under the
+usual 022), not with the owner-only mode of `tempfile`'s files.
+`read_progress` is how the loop and the sweep tell a finished run from an
+unfinished one.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pathlib
 import re
-import tempfile
+import secrets
+import zipfile
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from analysis import schema
+from oodjax.engine.storage import reporting_full_disk
 
 # Accuracy and margins are computed from float32 margins; only the stored
 # per-example margins are rounded to float16 (they are many and small).
@@ -26,8 +33,13 @@ MARGIN_DTYPE = np.float16
 
 def run_name(model: str, train_set: str, seed: int, shots: int) -> str:
     """`<model>_<train_set>_seed<seed>_shots<shots>`, with path separators in the model name replaced."""
-    safe_model = re.sub(r"[^A-Za-z0-9._-]+", "-", model).strip("-")
-    return f"{safe_model}_{train_set}_seed{seed}_shots{shots}"
+    return f"{path_safe(model)}_{train_set}_seed{seed}_shots{shots}"
+
+
+def path_safe(name: str) -> str:
+    """``name`` as one path component: runs of characters other than letters, digits, ``._-`` become ``-``
+    (a hub id's ``/`` included)."""
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-")
 
 
 def accuracy(margins: np.ndarray, labels: np.ndarray) -> float:
@@ -131,15 +143,58 @@ class RunResults:
 
 
 def write_npz_atomic(path: str | pathlib.Path, arrays: Mapping[str, np.ndarray]) -> None:
-    """Writes an npz so that `path` is always either the old file or the complete new one."""
+    """Writes an npz so that `path` is always either the old file or the complete new one.
+
+    The temporary file is created with mode 0666 less the umask, as `open`
+    would (`tempfile` would make it 0600, and the rename would keep that). A
+    full disk raises `NoSpaceError` naming `path`, the old file left whole.
+    """
     path = pathlib.Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp", delete=False) as tmp:
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(8)}.tmp")
+    with reporting_full_disk(path, lambda: f"the previous {path.name} is intact"):
+        descriptor = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
         try:
-            np.savez(tmp, **arrays)
-            tmp.flush()
-            os.fsync(tmp.fileno())
+            with os.fdopen(descriptor, "wb") as file:
+                np.savez(file, **arrays)
+                file.flush()
+                os.fsync(file.fileno())
+            os.replace(tmp, path)
         except BaseException:
-            os.unlink(tmp.name)
+            tmp.unlink(missing_ok=True)
             raise
-    os.replace(tmp.name, path)
+
+
+class UnreadableResultsError(ValueError):
+    """A metrics.npz exists but cannot be read (truncated, not an npz, a key missing)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Progress:
+    """What a run's metrics.npz says of it: the steps evaluated and the config it was trained with."""
+
+    steps: tuple[int, ...]
+    config: dict[str, Any]
+
+    def finished(self, final_step: int) -> bool:
+        """Whether the evaluation at the run's last step is recorded, the mark of a finished run."""
+        return final_step in self.steps
+
+
+def read_progress(run_dir: str | pathlib.Path) -> Progress | None:
+    """The steps and config recorded in `<run_dir>/metrics.npz`; None when there is no such file.
+
+    A file that exists but cannot be read raises `UnreadableResultsError`
+    naming it (the loop stops on it; the sweep warns and counts the run
+    unfinished).
+    """
+    path = pathlib.Path(run_dir) / schema.METRICS_FILENAME
+    if not path.is_file():
+        return None
+    try:
+        with np.load(path, allow_pickle=False) as stored:
+            steps = tuple(int(step) for step in stored[schema.STEP])
+            config = json.loads(stored[schema.CONFIG].item())
+    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as error:
+        raise UnreadableResultsError(f"{path} is unreadable ({type(error).__name__}: {error})") from error
+    return Progress(steps=steps, config=config)

@@ -6,14 +6,20 @@ set and data order from its seed. The testsets and the runs' few-shot sets
 are evaluated as one pool (``oodjax.engine.evaluation``), each run scoring
 the testsets and its own few-shot set only. Training batches have rows of
 one length for the whole job, one prompt a row sorted by length or, with
-train.pack, several prompts a row, fullest rows first; the train step runs
+train.pack, each device's share of the examples packed into one row,
+balanced over the devices (``oodjax.engine.geometry``); the train step runs
 each micro-batch at the smallest bucket that holds it and skips those that
-hold no prompt.
+hold no prompt. Each stream builds its next batches in a background thread.
+
+``training_figures`` replays a job's real streams to measure what the
+preflight reports: the share of the tokens a train step computes that are
+prompt tokens, and the host time one step's batches take to build.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Sequence
 
 import datasets
@@ -25,17 +31,21 @@ from transformers import PreTrainedTokenizerBase
 
 from analysis import schema
 from oodjax.data import (
+    TRAIN_PREFETCH,
     Batch,
     TokenizedSet,
     few_shot,
     load_testset,
+    prompt_lengths,
     stratified_subset,
+    testset_table,
     tokenize_testset,
     train_batches,
     training_pool,
 )
 from oodjax.engine.evaluation import EvalPool, make_eval_pool
 from oodjax.engine.geometry import BatchGeometry
+from oodjax.engine.steps import micro_batch_branches
 
 # What the train step reads of a batch.
 TRAIN_KEYS = ("input_ids", "attention_mask", "answer_pos", "label", "valid")
@@ -66,26 +76,18 @@ def load_runs_data(
     seeds: Sequence[int],
     train_sets: Sequence[TokenizedSet],
     geometry: BatchGeometry,
+    *,
+    prefetch: int = TRAIN_PREFETCH,
 ) -> RunsData:
     """The evaluation pool and run r's training stream, seeded by ``seeds[r]``, over ``train_sets[r]``.
 
     Training batches have ``geometry``'s shape, of which this process feeds
-    its ``process_rows``; an evaluation batch holds ``geometry.eval_rows``
-    rows of data.max_length tokens at most, each packed with as many prompts
-    as fit.
+    its ``process_rows``; each stream builds ``prefetch`` batches ahead in a
+    background thread (0: none). Evaluation batches hold about
+    ``geometry.eval_rows`` x data.max_length tokens, in rows of
+    ``geometry.eval_row_lengths`` packed with one or two prompts each.
     """
-    data = config.data
-    testsets = {}
-    for name in data.testsets:
-        dataset = load_testset(name, data_dir=data.data_dir or None, neutral=data.neutral)
-        if data.eval_cap:
-            dataset = stratified_subset(dataset, data.eval_cap, seed=data.eval_seed)
-        tokenized = testsets[name] = _tokenize(config, dataset, tokenizer)
-        if tokenized.num_truncated:
-            logging.info(
-                "%s: %d of %d prompts truncated to %d tokens", name, tokenized.num_truncated, len(tokenized),
-                data.max_length,
-            )
+    testsets = load_testsets(config, tokenizer)
     streams = [
         train_batches(
             tokenized,
@@ -93,9 +95,11 @@ def load_runs_data(
             seed=seed,
             seq_len=geometry.seq_len,
             pack=geometry.prompts_per_row is not None,
+            grad_accum=geometry.grad_accum,
             prompts_per_row=geometry.prompts_per_row,
             rows=geometry.process_rows,
-            pad_id=_pad_id(tokenizer),
+            pad_id=pad_id(tokenizer),
+            prefetch=prefetch,
         )
         for seed, tokenized in zip(seeds, train_sets, strict=True)
     ]
@@ -104,9 +108,30 @@ def load_runs_data(
         [{schema.TRAIN_TESTSET: tokenized} for tokenized in train_sets],
         batch_tokens=geometry.eval_batch_tokens,
         row_multiple=geometry.batch_shards,
-        pad_id=_pad_id(tokenizer),
+        pad_id=pad_id(tokenizer),
+        row_lengths=geometry.eval_row_lengths or None,
     )
     return RunsData(eval_pool=eval_pool, streams=streams)
+
+
+def load_testsets(config: config_dict.ConfigDict, tokenizer: PreTrainedTokenizerBase) -> dict[str, TokenizedSet]:
+    """``data.testsets``, built-in or declared (data.extra_testsets[_file]), each capped (its own cap, else
+    data.eval_cap) and tokenised, in order: what every run of a job is evaluated on."""
+    data = config.data
+    table = testset_table(data.extra_testsets.to_dict(), data.extra_testsets_file or None)
+    testsets = {}
+    for name in data.testsets:
+        dataset = load_testset(name, data_dir=data.data_dir or None, neutral=data.neutral, table=table)
+        cap = table[name].eval_cap(data.eval_cap)
+        if cap:
+            dataset = stratified_subset(dataset, cap, seed=data.eval_seed)
+        tokenized = testsets[name] = _tokenize(config, dataset, tokenizer)
+        if tokenized.num_truncated:
+            logging.info(
+                "%s: %d of %d prompts truncated to %d tokens", name, tokenized.num_truncated, len(tokenized),
+                data.max_length,
+            )
+    return testsets
 
 
 def step_batch(per_run: Sequence[Batch], *, grad_accum: int) -> Batch:
@@ -123,6 +148,32 @@ def step_batch(per_run: Sequence[Batch], *, grad_accum: int) -> Batch:
     return {key: stacked(key) for key in TRAIN_KEYS}
 
 
+def training_figures(
+    streams: Sequence[grain.DatasetIterator], geometry: BatchGeometry, *, steps: int
+) -> dict[str, float]:
+    """Draws ``steps`` steps' batches from ``streams`` (every run's, with all rows of each batch: one process;
+    made with prefetch 0, so that the time is the host's building, not a queue's) and measures:
+
+    ``train_real_token_share``: prompt tokens over the tokens the train step
+    computes, each micro-batch at the length the step picks for it
+    (``steps.micro_batch_branches``, run here on the host), skipped ones at
+    none; ``host_batch_ms``: the mean host time to build one step's batches
+    of every run and stack them (``step_batch``).
+    """
+    real = computed = 0
+    seconds = 0.0
+    lengths = np.asarray((0, *geometry.micro_batch_lengths))  # per branch; branch 0 skips the micro-batch
+    for _ in range(steps):
+        start = time.perf_counter()
+        batch = step_batch([next(stream) for stream in streams], grad_accum=geometry.grad_accum)
+        seconds += time.perf_counter() - start
+        branches = np.asarray(micro_batch_branches(batch, geometry))
+        rows = geometry.runs * batch["input_ids"].shape[2]
+        computed += int(lengths[branches].sum()) * rows
+        real += int(prompt_lengths(batch).sum())
+    return {"train_real_token_share": real / computed, "host_batch_ms": 1e3 * seconds / steps}
+
+
 def _tokenize(
     config: config_dict.ConfigDict, dataset: datasets.Dataset, tokenizer: PreTrainedTokenizerBase
 ) -> TokenizedSet:
@@ -132,7 +183,7 @@ def _tokenize(
     )
 
 
-def _pad_id(tokenizer: PreTrainedTokenizerBase) -> int:
+def pad_id(tokenizer: PreTrainedTokenizerBase) -> int:
     """Padding is masked, so any valid id serves; GPT-2's tokenizer has no pad token."""
     for token_id in (tokenizer.pad_token_id, tokenizer.eos_token_id):
         if token_id is not None:

@@ -1,0 +1,179 @@
+"""`python -m oodjax.evaluate --config configs/X.py [--config.model.adapters=DIR,DIR ...]`: evaluation, no training.
+
+Also the `oodjax-evaluate` command. It takes the configs and overrides
+`oodjax.main` takes and writes, for each run it evaluates, the usual
+`<output_dir>/<run>/metrics.npz` with one evaluation, at step 0, so
+`python -m analysis` and `python -m analysis.runs` read it like any other.
+What is evaluated, on `data.testsets`:
+
+- without `model.adapters`: the base model itself, as one run named
+  `<model>_<train_set>_base` (seed 0, shots 0 in its run section);
+- with `model.adapters`, a list of PEFT LoRA adapter folders (written by
+  `export.peft`, or by peft's `save_pretrained`): each adapter as its own
+  run, all evaluated together on one copy of the base. An adapter that
+  `export.peft` wrote into `<run_dir>/adapter/` keeps that run's name, seed
+  and shots (read from the run's metrics.npz); any other is named after its
+  folder, with its position in the list as its seed and shots 0.
+
+The adapters of one call must share rank, alpha and targets, since they are
+stacked like the runs of a training job. A run whose metrics.npz exists
+already is skipped, so an interrupted call resumes and nothing written is
+lost.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from absl import logging
+from flax import nnx
+from ml_collections import config_dict
+
+from analysis import schema
+from oodjax import config_cli
+from oodjax.data import answer_token_ids, load_tokenizer
+from oodjax.engine import checks, loop, results, run_data, sharding, steps
+from oodjax.engine.distributed import is_primary
+from oodjax.engine.evaluation import evaluate, make_eval_pool
+from oodjax.main import start_process
+from oodjax.models.lora import LoRAConfig, apply_lora, lora_from_peft, read_peft
+from oodjax.models.partitioning import param_shardings
+
+BASE_RUN_SUFFIX = "base"
+
+
+@dataclasses.dataclass(frozen=True)
+class EvaluatedRun:
+    """One model (the base, or the base with one adapter) evaluated as a run."""
+
+    name: str
+    seed: int
+    shots: int
+    directory: pathlib.Path
+    adapter: pathlib.Path | None  # None: the base model alone
+
+
+def plan_evaluation(config: config_dict.ConfigDict) -> list[EvaluatedRun]:
+    """The runs ``evaluate_config`` evaluates: the base model, or one per adapter folder (see the module)."""
+    model = loop.model_name(config)
+    output = pathlib.Path(config.output_dir)
+    if not config.model.adapters:
+        name = f"{results.path_safe(model)}_{config.data.train_set}_{BASE_RUN_SUFFIX}"
+        return [EvaluatedRun(name, 0, 0, output / name, None)]
+    planned = []
+    for index, folder in enumerate(pathlib.Path(path).expanduser() for path in config.model.adapters):
+        identity = _trained_run_identity(folder)
+        if identity is not None:
+            seed, shots = identity
+            name = results.run_name(model, config.data.train_set, seed, shots)
+        else:
+            seed, shots = index, 0
+            name = f"{results.path_safe(model)}_{config.data.train_set}_{results.path_safe(folder.name)}"
+        planned.append(EvaluatedRun(name, seed, shots, output / name, folder))
+    names = [run.name for run in planned]
+    repeated = sorted({name for name in names if names.count(name) > 1})
+    if repeated:
+        raise ValueError(f"model.adapters: two adapters would both be evaluated as {repeated}; rename a folder")
+    return planned
+
+
+def evaluate_config(config: config_dict.ConfigDict) -> list[EvaluatedRun]:
+    """Evaluates the config's base model or adapters (``plan_evaluation``) and writes their metrics.npz."""
+    checks.check_config(config)
+    planned = plan_evaluation(config)
+    todo = [run for run in planned if not (run.directory / schema.METRICS_FILENAME).exists()]
+    for run in planned:
+        if run not in todo:
+            logging.info("%s: evaluated already (%s), skipped", run.name, run.directory / schema.METRICS_FILENAME)
+    if not todo:
+        return planned
+    adapters = [read_peft(run.adapter) for run in todo if run.adapter is not None]
+    lora_cfg = _shared_adapter_config(adapters, [run.adapter for run in todo if run.adapter is not None])
+
+    mesh = sharding.make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
+    tokenizer = load_tokenizer(config.tokenizer or config.model.path)
+    yes_id, no_id = answer_token_ids(tokenizer, config.data.answers)
+    model = loop.load_model(config, mesh)
+    apply_lora(model, lora_cfg, rngs=nnx.Rngs(0))  # B = 0: the base model's own outputs, exactly
+    fresh = nnx.state(model, nnx.LoRAParam)
+    per_run = [
+        lora_from_peft(fresh, tensors, source=str(run.adapter)) if run.adapter is not None else fresh
+        for run, (_, tensors) in zip(todo, adapters or [(None, None)] * len(todo), strict=True)
+    ]
+    graphdef, _, base_state = nnx.split(model, nnx.LoRAParam, ...)
+    base_state = sharding.place(base_state, param_shardings(base_state, mesh))
+    lora = jax.tree.map(lambda *xs: jnp.stack(xs), *per_run)
+    lora = sharding.place(lora, sharding.runs_shardings(lora, mesh))
+
+    testsets = run_data.load_testsets(config, tokenizer)
+    pool = make_eval_pool(
+        testsets, [{} for _ in todo], batch_tokens=config.eval.batch_size * config.data.max_length,
+        row_multiple=sharding.batch_shards(mesh), pad_id=run_data.pad_id(tokenizer),
+        row_lengths=tuple(config.eval.row_lengths) or None,
+    )  # fmt: skip
+    eval_step = steps.make_eval_step(
+        graphdef, yes_id, no_id, mesh=mesh, compute_dtype=config.model.compute_dtype or None
+    )
+    margins = evaluate(
+        eval_step, base_state, lora, pool, place=lambda batch: sharding.shard_batch(batch, mesh, batch_axis=1)
+    )
+    config_json = json.loads(config.to_json())
+    for r, run in enumerate(todo):
+        identity = {schema.RUN_MODEL: loop.model_name(config), schema.RUN_SEED: run.seed, schema.RUN_SHOTS: run.shots}
+        run_results = results.RunResults(
+            run.directory, labels=pool.labels_of(r), in_domain=config.data.train_set,
+            config=dict(config_json, **{schema.RUN_SECTION: identity}),
+        )  # fmt: skip
+        accuracies = run_results.add(0, margins[r], float("nan"))
+        if is_primary():
+            run_results.write()
+        logging.info("%s: %s", run.name, ", ".join(f"{name} {value:.3f}" for name, value in accuracies.items()))
+    logging.info("done: %d runs evaluated; results in %s", len(todo), config.output_dir)
+    return planned
+
+
+def _shared_adapter_config(adapters: Sequence[tuple[LoRAConfig, Any]], folders: Sequence[pathlib.Path]) -> LoRAConfig:
+    """The one LoRAConfig of every adapter (dropout aside); the base model alone gets a rank-1 zero adapter."""
+    if not adapters:
+        return LoRAConfig(rank=1, alpha=1.0, dropout=0.0)
+    first = adapters[0][0]
+    for (cfg, _), folder in zip(adapters, folders, strict=True):
+        if (cfg.rank, cfg.alpha, cfg.targets) != (first.rank, first.alpha, first.targets):
+            raise ValueError(
+                f"model.adapters: {folder} has rank {cfg.rank}, alpha {cfg.alpha}, targets {list(cfg.targets)} but "
+                f"{folders[0]} has rank {first.rank}, alpha {first.alpha}, targets {list(first.targets)}; adapters "
+                "evaluated together must agree (evaluate the others in a call of their own)"
+            )
+    return dataclasses.replace(first, dropout=0.0)
+
+
+def _trained_run_identity(adapter: pathlib.Path) -> tuple[int, int] | None:
+    """(seed, shots) of the oodjax run whose `<run_dir>/adapter/` this is, read from its metrics.npz; else None."""
+    if adapter.name != loop.ADAPTER_DIR:
+        return None
+    progress = results.read_progress(adapter.parent)
+    if progress is None:
+        return None
+    section = progress.config.get(schema.RUN_SECTION, {})
+    return int(section[schema.RUN_SEED]), int(section[schema.RUN_SHOTS])
+
+
+def main(config: config_dict.ConfigDict) -> None:
+    """Evaluates `config` (the command line's, its overrides applied) on this process's share of the devices."""
+    start_process()
+    evaluate_config(config)
+
+
+def run() -> None:
+    """Entry point of `python -m oodjax.evaluate` and the `oodjax-evaluate` command; parses sys.argv."""
+    config_cli.run(main, __doc__)
+
+
+if __name__ == "__main__":
+    run()
