@@ -64,7 +64,7 @@ def test_every_checkpoint_exports_and_pushes_each_time_and_a_finished_rerun_expo
     """The hub is faked (online, recording the calls): each export pushes every run's folder under its name."""
     config.export.every_checkpoint = True
     config.export.hub_repo = "someone/adapters"
-    monkeypatch.setattr(checks, "_hub_offline", lambda: False)
+    monkeypatch.setattr(checks, "hub_offline", lambda: False)
     pushes = []
     monkeypatch.setattr(loop.huggingface_hub, "create_repo", lambda repo_id, exist_ok: None)
     monkeypatch.setattr(loop.huggingface_hub, "upload_folder", lambda **kwargs: pushes.append(kwargs))

@@ -2,6 +2,7 @@
 and an exported adapter loaded by peft onto the PyTorch model reproduces our logits."""
 
 import json
+import math
 
 import jax
 import jax.numpy as jnp
@@ -11,10 +12,22 @@ import pytest
 import torch
 import transformers
 from flax import nnx
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 from test_models_parity import LAYOUTS, padded_batches, save, tiny_hf_model
 
 from oodjax.models import from_config, load_pretrained
-from oodjax.models.lora import LoRA, LoRAConfig, apply_lora, export_peft, find_targets
+from oodjax.models.layers import run_layers, stacked_layers
+from oodjax.models.lora import (
+    LoRA,
+    LoRAConfig,
+    LoRADropout,
+    apply_lora,
+    dropout_keep_mask,
+    dropout_threshold,
+    export_peft,
+    find_targets,
+)
 
 TINY = dict(vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, pad_token_id=1)
 HF_CONFIGS = {
@@ -113,6 +126,11 @@ def test_bad_targets_and_configs_are_clear_errors():
         LoRAConfig(rank=0)
     with pytest.raises(ValueError, match="dropout must be in"):
         LoRAConfig(dropout=1.0)
+    with pytest.raises(ValueError, match=r"dropout rate 1e-06 is realised as 0 / 2\*\*16"):  # masks draw 16 bits
+        LoRAConfig(dropout=1e-6)
+    with pytest.raises(ValueError, match=r"is realised as 65536 / 2\*\*16"):
+        LoRAConfig(dropout=1 - 1e-6)
+    assert LoRAConfig(dropout=2**-16).dropout == 2**-16
     with pytest.raises(ValueError, match="targets must be a non-empty sequence"):
         LoRAConfig(targets="q_proj")
 
@@ -134,6 +152,82 @@ def test_dropout_masks_differ_between_projections_and_calls():
     assert len({kept(q1), kept(k1), kept(q2)}) > 1
 
 
+
+
+class _TwoAdapterMasks(nnx.Module):
+    """A layer whose output encodes the masks of two adapters' dropouts drawn from one shared stream (the first
+    mask plus twice the second, each scaled by 1 / keep), whatever its input: what run_layers feeds q and k."""
+
+    def __init__(self, rate: float, rngs: nnx.Rngs):
+        self.scale = nnx.Param(jnp.ones(()))  # a stacked parameter, as run_layers expects
+        self.q, self.k = LoRADropout(rate), LoRADropout(rate)
+        self.stream = nnx.data(None)
+
+    def __call__(self, hidden):
+        ones = jnp.ones_like(hidden)
+        return (self.q(ones, rngs=self.stream) + 2 * self.k(ones, rngs=self.stream)) * self.scale[...]
+
+
+def within_sigmas(fraction: float, p: float, n: int, sigmas: float = 5.0) -> bool:
+    """A binomial fraction of n draws agrees with probability p to ``sigmas`` standard errors."""
+    return abs(fraction - p) < sigmas * math.sqrt(p * (1 - p) / n)
+
+
+@pytest.mark.parametrize("rate", [0.1, 0.5, 0.03])
+def test_dropout_masks_have_the_configured_rate_and_are_independent(rate):
+    """Over 2**20 draws per mask, each adapter's mask keeps its elements with probability 1 - rate (within five
+    standard errors: 0.0015 at rate 0.1), kept ones scaled by 1 / (1 - realised rate) (2**-16 steps, so within
+    2**-16 of torch's 1 / (1 - rate)); masks of two adapters (one stream), of two layers (run_layers folds the
+    index in) and of two steps (another stream key, as the train step reseeds per step) are independent: both
+    keep an element with probability (1 - rate)^2, as do neighbouring elements of one mask (which share a hash)."""
+    keep = 1.0 - rate
+    realised_keep = 1.0 - dropout_threshold(rate) / 2**16
+    assert abs(realised_keep - keep) <= 2**-17
+    layers = stacked_layers(lambda rngs: _TwoAdapterMasks(rate, rngs), 2, nnx.Rngs(0))
+    hidden = jnp.zeros((4, 256, 1024))
+    masks = []
+    for step in range(2):
+        layers.stream = nnx.data(nnx.Rngs(dropout=jax.random.fold_in(jax.random.fold_in(jax.random.key(5), step), 0)))
+        out, inputs = run_layers(layers, hidden, remat="none", all_layers=True)
+        for encoded in (inputs[1], out):  # layer 0's output, layer 1's output
+            levels = np.asarray(encoded) * np.float32(realised_keep)
+            np.testing.assert_allclose(levels, np.round(levels), atol=1e-5)  # 0, 1, 2 or 3 times 1 / keep
+            levels = np.round(levels).astype(np.int32)
+            masks += [levels % 2 == 1, levels // 2 == 1]  # q's, k's
+    n = masks[0].size
+    assert n == 2**20 and len(masks) == 8
+    for mask in masks:
+        assert within_sigmas(mask.mean(), keep, n), (mask.mean(), keep)
+        both_neighbours = (mask[..., 1:] & mask[..., :-1]).mean()
+        assert within_sigmas(both_neighbours, keep**2, n), both_neighbours
+    for i, first in enumerate(masks):
+        for second in masks[i + 1 :]:
+            both = (first & second).mean()
+            assert within_sigmas(both, keep**2, n), (i, both, keep**2)
+
+
+def test_dropout_masks_do_not_depend_on_how_the_mesh_splits_them():
+    """A mask is a function of its key and each element's index: split over any axes of the mesh, the same."""
+    mesh = jax.make_mesh((2, 2, 2), ("data", "fsdp", "tensor"), axis_types=(AxisType.Auto,) * 3)
+    key, shape = jax.random.key(3), (8, 16, 64)
+    draw = lambda k: dropout_keep_mask(k, shape, 0.1)  # noqa: E731
+    alone = np.asarray(jax.jit(draw)(key))
+    assert 0.8 < alone.mean() < 0.97
+    for spec in (P(("data", "fsdp")), P(None, None, "tensor"), P("data", "fsdp", "tensor"), P(None, "tensor")):
+        sharded = jax.jit(draw, out_shardings=NamedSharding(mesh, spec))(key)
+        assert sharded.sharding.spec == spec
+        np.testing.assert_array_equal(np.asarray(sharded), alone, err_msg=str(spec))
+
+
+def test_dropout_is_off_when_deterministic_or_at_rate_zero():
+    stream = nnx.Rngs(dropout=0)
+    x = jnp.arange(1.0, 9.0)
+    assert LoRADropout(0.0).keep_mask(x.shape, rngs=stream) is None
+    off = nnx.view(LoRADropout(0.5), deterministic=True)  # what the eval step does
+    assert off.keep_mask(x.shape, rngs=stream) is None
+    np.testing.assert_array_equal(off(x, rngs=stream), x)
+    on = LoRADropout(0.5)(x, rngs=stream)
+    assert set(np.asarray(on).tolist()) <= {0.0, *(2 * np.asarray(x)).tolist()} and 0 < np.count_nonzero(on) < 8
 
 # A layout of test_models_parity and the adapted layers (attention and one MLP projection).
 EXPORT_CASES = {

@@ -1,5 +1,6 @@
 """The shared blocks against their transformers counterparts, beyond what short parity batches can see."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -11,6 +12,7 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEm
 from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm
 from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
 
+from oodjax.models import from_config
 from oodjax.models.layers import (
     LayerNorm,
     Linear,
@@ -23,6 +25,7 @@ from oodjax.models.layers import (
     segment_positions,
     stacked_layers,
 )
+from oodjax.models.lora import LoRAConfig, LoRADropout, apply_lora
 
 # Real-size head dims and contexts, so every band of the scaled RoPE variants is populated.
 ROPE_CASES = {
@@ -184,7 +187,7 @@ class _MaskLayer(nnx.Module):
 
     def __init__(self, rngs: nnx.Rngs):
         self.scale = nnx.Param(jnp.ones(()))
-        self.dropout = nnx.Dropout(0.5)
+        self.dropout = LoRADropout(0.5)
         self.stream = nnx.data(None)
 
     def __call__(self, hidden):
@@ -207,3 +210,80 @@ def test_scanned_layers_draw_their_own_dropout_masks_from_one_stream():
         np.testing.assert_array_equal(again, mask)
     nnx.reseed(layers, dropout=8)
     assert not np.array_equal(masks("none")[0], first[0])
+
+
+def _norm_cases(dtype):
+    """Each norm variant with a non-trivial weight (and bias), by name."""
+    scale = 1 + 0.1 * jax.random.normal(jax.random.key(2), (64,))
+    cases = {}
+    for name, kwargs in {"llama": {}, "olmo2": dict(scale_in_float32=True), "gemma": dict(unit_offset=True)}.items():
+        norm = RMSNorm(64, eps=1e-6, dtype=dtype, **kwargs)
+        norm.scale[...] = scale.astype(dtype)
+        cases[f"rms_{name}"] = norm
+    layer_norm = LayerNorm(64, eps=1e-5, elementwise_affine=True, dtype=dtype)
+    layer_norm.scale[...], layer_norm.bias[...] = scale.astype(dtype), (scale - 1).astype(dtype)
+    cases["layer_norm"] = layer_norm
+    return cases
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
+def test_norms_recomputed_in_backward_give_autodiffs_gradients(dtype):
+    """A norm's backward pass recomputes its float32 working from its input (``recomputed_in_backward``); its
+    gradients, for the input and the weights, are those of differentiating the same computation directly."""
+    x = jax.random.normal(jax.random.key(0), (3, 5, 64)).astype(dtype)
+    cotangent = jax.random.normal(jax.random.key(1), (3, 5, 64)).astype(dtype)
+    for name, norm in _norm_cases(dtype).items():
+        graphdef, params = nnx.split(norm)
+
+        def loss(x, params, through):
+            norm = nnx.merge(graphdef, params)
+            affine = [v[...] for v in (getattr(norm, "scale"), getattr(norm, "bias", None)) if v is not None]
+            out = norm(x) if through == "module" else norm._normalise(x, *affine)
+            return jnp.sum(out.astype(jnp.float32) * cotangent.astype(jnp.float32))
+
+        ours = jax.grad(loss, argnums=(0, 1))(x, params, "module")
+        direct = jax.grad(loss, argnums=(0, 1))(x, params, "direct")
+        for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(direct), strict=True):
+            assert a.dtype == b.dtype and np.abs(np.asarray(a, np.float32)).max() > 0, name
+            np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32), err_msg=name)
+
+
+TINY = dict(vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, pad_token_id=1)
+RESIDUAL_FAMILIES = {
+    "opt": dict(model_type="opt", ffn_dim=64, max_position_embeddings=32, **TINY),
+    "olmo2": dict(model_type="olmo2", intermediate_size=48, num_key_value_heads=2, **TINY),
+    "qwen3": dict(model_type="qwen3", intermediate_size=48, num_key_value_heads=2, head_dim=16, **TINY),
+    "gemma2": dict(model_type="gemma2", intermediate_size=48, num_key_value_heads=2, head_dim=16, **TINY),
+}
+
+
+@pytest.mark.parametrize("family", sorted(RESIDUAL_FAMILIES))
+def test_bf16_backward_keeps_no_float32_copy_of_a_hidden_wide_activation(family):
+    """Norms and LoRA adapters compute in float32 from bf16 activations, as transformers and peft do; the backward
+    pass keeps their bf16 inputs and recomputes the float32 working, so with every layer keeping everything
+    (remat "none") no residual of the loss's VJP is a float32 activation as wide as the hidden state (the narrow
+    float32 ones left: RoPE tables, softmax statistics; the head, applied by the engine at the answer position
+    alone, is left out)."""
+    batch, seq, hidden = 3, 7, TINY["hidden_size"]
+    model = from_config(RESIDUAL_FAMILIES[family], dtype="bfloat16", seed=1)
+    apply_lora(model, LoRAConfig(rank=4, dropout=0.1), rngs=nnx.Rngs(0))
+    graphdef, lora, rest = nnx.split(model, nnx.LoRAParam, ...)
+    ids, mask = jnp.ones((batch, seq), jnp.int32), jnp.ones((batch, seq), jnp.int32)
+
+    def loss(lora):
+        hidden_states = nnx.merge(graphdef, lora, rest, copy=True).hidden_states(ids, mask)  # the final norm's output
+        return hidden_states[:, -1].astype(jnp.float32).sum()
+
+    residuals = jax.eval_shape(lambda lora: jax.tree.leaves(jax.vjp(loss, lora)[1]), lora)
+
+    def per_token_width(shape):
+        """Elements per token of an activation ([layers,] batch, seq, ...); None for anything else."""
+        for at in range(len(shape) - 1):
+            if shape[at : at + 2] == (batch, seq):
+                return int(np.prod(shape[at + 2 :]))
+        return None
+
+    wide_f32 = [r.shape for r in residuals if r.dtype == jnp.float32 and (per_token_width(r.shape) or 0) >= hidden]
+    assert not wide_f32, wide_f32
+    kept_bf16 = [r.shape for r in residuals if r.dtype == jnp.bfloat16 and (per_token_width(r.shape) or 0) >= hidden]
+    assert len(kept_bf16) >= 4, kept_bf16  # what the backward pass keeps instead (the test sees activations)

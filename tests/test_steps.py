@@ -36,9 +36,11 @@ STEPS = 3
 LORA = LoRAConfig(rank=4, alpha=8.0, dropout=0.1)
 # R runs together vs alone differ only in how XLA batches the same float32 arithmetic:
 # losses agree to float32 rounding; adapters to that rounding amplified by Adam's
-# g / sqrt(v) on near-zero gradients (at most ~1e-4 of the learning rate, 5e-2, per step).
+# g / (sqrt(v) + eps) where a gradient is near eps = 1e-8: a float32 difference of 6e-11 in
+# a gradient of 1.3e-8 moves that element's update by up to lr * dg / (4 eps) ~ 5e-5 per step
+# (seen: 2.9e-5 at step 2 with the 16-bit dropout masks, lora.dropout_keep_mask).
 TOGETHER_LOSS_TOL = 1e-6
-TOGETHER_ADAPTER_TOL = 2e-5
+TOGETHER_ADAPTER_TOL = 1e-4
 # bf16 keeps 8 significant bits; over two layers the loss (about ln 64 = 4.2) moves by ~1e-3.
 BF16_LOSS_TOL = 2e-2
 

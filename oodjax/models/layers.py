@@ -54,6 +54,38 @@ REMAT_POLICIES: dict[str, Callable[..., bool] | None] = {
 }
 
 
+def recomputed_in_backward(fn: Callable[..., jax.Array]) -> Callable[..., jax.Array]:
+    """``fn`` whose backward pass keeps only its arguments and recomputes the rest from them.
+
+    For the float32 working of a narrow activation: a norm upcasts its bf16
+    input, a LoRA adapter its bf16 input, and left to autodiff the backward
+    pass would keep those float32 intermediates (each twice the bytes of the
+    bf16 input it is computed from). Recomputing them is an elementwise pass
+    over an input the backward pass reads anyway, and the gradients are
+    autodiff's: the backward pass runs ``fn``'s own VJP on the same arguments
+    (equal op by op; under jit XLA may fuse, and so round, differently). The
+    forward pass is unchanged. In float32 (tests, the exact path) the
+    argument is the float32 value itself.
+    ``fn``'s arguments must hold every array it reads (a ``custom_vjp`` may
+    not close over traced values); the remat policies still decide whether
+    the arguments themselves are kept (a ``custom_vjp``, not a nested
+    ``jax.checkpoint``, so a model without a policy has no remat in it).
+    """
+
+    @jax.custom_vjp
+    def call(*args: Any) -> jax.Array:
+        return fn(*args)
+
+    def forward(*args: Any) -> tuple[jax.Array, tuple[Any, ...]]:
+        return fn(*args), args
+
+    def backward(args: tuple[Any, ...], cotangent: jax.Array) -> tuple[Any, ...]:
+        return jax.vjp(fn, *args)[1](cotangent)
+
+    call.defvjp(forward, backward)
+    return call
+
+
 def check_remat(name: str) -> str:
     """``name`` if it is a remat policy; an error listing them otherwise."""
     if name not in REMAT_POLICIES:
@@ -126,7 +158,10 @@ class Embed(nnx.Module):
 
 
 class LayerNorm(nnx.Module):
-    """torch ``nn.LayerNorm``: statistics and affine in float32, result in the input dtype."""
+    """torch ``nn.LayerNorm``: statistics and affine in float32, result in the input dtype.
+
+    The backward pass keeps the input, not its float32 working (``recomputed_in_backward``).
+    """
 
     def __init__(self, features: int, *, eps: float, elementwise_affine: bool, dtype: jnp.dtype):
         self.eps = eps
@@ -134,12 +169,17 @@ class LayerNorm(nnx.Module):
         self.bias = nnx.data(_param(jnp.zeros((features,), dtype), ("norm",)) if elementwise_affine else None)
 
     def __call__(self, x: jax.Array) -> jax.Array:
+        affine = () if self.scale is None else (self.scale[...], self.bias[...])
+        return recomputed_in_backward(self._normalise)(x, *affine)
+
+    def _normalise(self, x: jax.Array, *affine: jax.Array) -> jax.Array:
         h = x.astype(jnp.float32)
         mean = h.mean(-1, keepdims=True)
         var = jnp.square(h - mean).mean(-1, keepdims=True)
         h = (h - mean) * jax.lax.rsqrt(var + self.eps)
-        if self.scale is not None:
-            h = h * self.scale[...].astype(jnp.float32) + self.bias[...].astype(jnp.float32)
+        if affine:
+            scale, bias = affine
+            h = h * scale.astype(jnp.float32) + bias.astype(jnp.float32)
         return h.astype(x.dtype)
 
 
@@ -149,7 +189,9 @@ class RMSNorm(nnx.Module):
     Llama-style models cast back to the input dtype *before* multiplying by the
     weight; OLMo2 multiplies in float32 and casts after (``scale_in_float32``).
     Gemma stores the weight as an offset from one (``unit_offset``: zeros at
-    init, applied as ``1 + weight``), multiplied in float32 like OLMo2's.
+    init, applied as ``1 + weight``), multiplied in float32 like OLMo2's. The
+    backward pass keeps the input, not its float32 working
+    (``recomputed_in_backward``).
     """
 
     def __init__(
@@ -162,13 +204,16 @@ class RMSNorm(nnx.Module):
         self.scale = _param(init((features,), dtype), ("norm",))
 
     def __call__(self, x: jax.Array) -> jax.Array:
+        return recomputed_in_backward(self._normalise)(x, self.scale[...])
+
+    def _normalise(self, x: jax.Array, scale: jax.Array) -> jax.Array:
         h = x.astype(jnp.float32)
         h = h * jax.lax.rsqrt(jnp.square(h).mean(-1, keepdims=True) + self.eps)
         if self.unit_offset:
-            return (h * (1.0 + self.scale[...].astype(jnp.float32))).astype(x.dtype)
+            return (h * (1.0 + scale.astype(jnp.float32))).astype(x.dtype)
         if self.scale_in_float32:
-            return (self.scale[...] * h).astype(x.dtype)
-        return self.scale[...] * h.astype(x.dtype)
+            return (scale * h).astype(x.dtype)
+        return scale * h.astype(x.dtype)
 
 
 class GatedMLP(nnx.Module):
