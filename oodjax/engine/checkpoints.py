@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import pathlib
+import shutil
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -43,6 +44,7 @@ from oodjax.engine.storage import reporting_full_disk
 CHECKPOINT_DIR = "checkpoints"  # <run_dir>/checkpoints/<step>/
 DAMAGED_SUFFIX = ".damaged"  # a step that failed to restore, set aside as <step>.damaged-<time>
 _ARRAYS, _LOOP = "runs", "loop"  # the items of a step
+_TMP_SUFFIX = ".orbax-checkpoint-tmp"  # how orbax names a step being written (a folder it renames when done)
 
 
 class CheckpointsUnusableError(RuntimeError):
@@ -200,6 +202,16 @@ def _first_line(error: BaseException) -> str:
     return text.splitlines()[0][:300] if text else "no message"
 
 
+def _remove_interrupted_saves(directory: pathlib.Path) -> None:
+    """Deletes what interrupted saves left (orbax's ``<step>.orbax-checkpoint-tmp*`` folders, never read as
+    checkpoints), before a job saves again. Here rather than through orbax's ``cleanup_tmp_directories``,
+    which deletes in a background thread that nothing waits for. Process 0 deletes; no save is in flight yet."""
+    if jax.process_index() != 0 or not directory.is_dir():
+        return
+    for leftover in directory.glob(f"*{_TMP_SUFFIX}*"):
+        shutil.rmtree(leftover, ignore_errors=True)
+
+
 class RunCheckpointer:
     """Writes one run's checkpoints under ``<run_dir>/checkpoints``, keeping the newest ``max_to_keep``.
 
@@ -209,10 +221,10 @@ class RunCheckpointer:
 
     def __init__(self, run_dir: str | pathlib.Path, *, name: str, max_to_keep: int = 2):
         self.directory = checkpoint_dir(run_dir)
+        _remove_interrupted_saves(self.directory)
         options = ocp.CheckpointManagerOptions(
             max_to_keep=max_to_keep,
             create=True,
-            cleanup_tmp_directories=True,  # what an interrupted save left
             multiprocessing_options=ocp.options.MultiprocessingOptions(barrier_sync_key_prefix=name),
         )
         with reporting_full_disk(self.directory, lambda: "nothing was written"):
