@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from analysis import schema
+from configs import base
 from oodjax.engine import loop
 from oodjax.engine import checkpoints
 from tests.engine_configs import tiny_config
@@ -185,3 +186,16 @@ def test_stop_signals_and_damaged_checkpoints_change_no_result(
 def _cut_in_half(paths):
     for path in paths:
         path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def test_a_field_a_later_version_added_is_no_change_at_its_default():
+    """Runs stored before a field existed resume when it is at its default; a non-default value is a change."""
+    config = base.get_config()
+    defaults = loop._comparable_config(base.get_config())
+    stored = loop._comparable_config(config)
+    del stored["data"]["answers"], stored["model"]["attention"]  # as a version without them stored it
+    assert loop._differing_fields(stored, loop._comparable_config(config), defaults) == []
+    config.data.answers = (" True", " False")
+    assert loop._differing_fields(stored, loop._comparable_config(config), defaults) == [
+        "data.answers None -> [' True', ' False']"
+    ]

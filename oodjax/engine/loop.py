@@ -57,6 +57,7 @@ from tqdm import tqdm
 from transformers import PreTrainedTokenizerBase
 
 from analysis import schema
+from configs import base
 from oodjax import models
 from oodjax.data import answer_token_ids, load_tokenizer
 from oodjax.engine import checkpoints, checks, console, results, sharding, steps
@@ -193,10 +194,11 @@ def _refuse_changed_config(config: config_dict.ConfigDict, starts: Sequence[_Run
     """Raises a ValueError naming every stored run whose config differs from ``config`` in a field that changes
     what the run is (learning rate, data, model, ...), and those fields."""
     current = _comparable_config(config)
+    defaults = _comparable_config(base.get_config())
     differing: dict[str, list[str]] = collections.defaultdict(list)
     for start in starts:
         if start.stored_config is not None:
-            fields = _differing_fields(start.stored_config, current)
+            fields = _differing_fields(start.stored_config, current, defaults)
             if fields:
                 differing["; ".join(fields)].append(start.run.name)
     if differing:
@@ -207,13 +209,22 @@ def _refuse_changed_config(config: config_dict.ConfigDict, starts: Sequence[_Run
         )
 
 
-def _differing_fields(stored: dict[str, Any], current: dict[str, Any], prefix: str = "") -> list[str]:
-    """``"section.field stored -> now"`` for every leaf field that differs between two config dicts."""
+def _differing_fields(
+    stored: dict[str, Any], current: dict[str, Any], defaults: dict[str, Any], prefix: str = ""
+) -> list[str]:
+    """``"section.field stored -> now"`` for every leaf field that differs between two config dicts.
+
+    A field the stored config lacks (one a later version added) whose current
+    value is its default (``defaults``, configs/base.py's) is no difference:
+    at its default it means what the version without it did.
+    """
     fields = []
     for key in sorted({*stored, *current}):
         old, new = stored.get(key), current.get(key)
+        if key not in stored and key in defaults and new == defaults[key]:
+            continue
         if isinstance(old, dict) and isinstance(new, dict):
-            fields += _differing_fields(old, new, f"{prefix}{key}.")
+            fields += _differing_fields(old, new, defaults.get(key) or {}, f"{prefix}{key}.")
         elif old != new:
             fields.append(f"{prefix}{key} {old!r} -> {new!r}")
     return fields
