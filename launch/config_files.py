@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import glob
-import importlib.util
 import pathlib
-import sys
 import types
 
 from ml_collections import config_dict
+
+from oodjax.config_cli import config_module
 
 
 def load_config(path: str | pathlib.Path) -> config_dict.ConfigDict:
@@ -68,8 +68,4 @@ def _load_module(path: str | pathlib.Path) -> types.ModuleType:
     path = pathlib.Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"config file {path} does not exist")
-    spec = importlib.util.spec_from_file_location(f"_oodjax_config_{path.stem.replace('.', '_')}", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # as an import would: dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return config_module(path)

@@ -47,6 +47,7 @@ import pathlib
 import re
 import sys
 import textwrap
+import types
 import tokenize
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -108,6 +109,16 @@ def parse_command_line(argv: Sequence[str], flag_values: flags.FlagValues = flag
     return config
 
 
+def config_module(path: pathlib.Path) -> types.ModuleType:
+    """The config file at ``path`` (which exists), executed as a module: by path, since file names such as
+    `opt2.7_mnli.py` are not importable module names."""
+    module_spec = importlib.util.spec_from_file_location(f"_oodjax_config_{path.stem.replace('.', '_')}", path)
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[module_spec.name] = module  # as an import would: dataclasses look their module up there
+    module_spec.loader.exec_module(module)
+    return module
+
+
 def load_config_file(spec: str) -> config_dict.ConfigDict:
     """`get_config([ARG])` of the file `spec` names (`FILE` or `FILE:ARG`), locked.
 
@@ -119,10 +130,7 @@ def load_config_file(spec: str) -> config_dict.ConfigDict:
     path = pathlib.Path(file)
     if not path.is_file():
         raise CommandLineError(f"--{CONFIG_FLAG}={spec}: there is no file {path}")
-    module_spec = importlib.util.spec_from_file_location(f"_oodjax_config_{path.stem.replace('.', '_')}", path)
-    module = importlib.util.module_from_spec(module_spec)
-    sys.modules[module_spec.name] = module  # as an import would: dataclasses look their module up there
-    module_spec.loader.exec_module(module)
+    module = config_module(path)
     if not callable(getattr(module, "get_config", None)):
         raise CommandLineError(f"--{CONFIG_FLAG}={spec}: {path} has no get_config()")
     config = module.get_config(*argument)
