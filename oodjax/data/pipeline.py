@@ -102,17 +102,8 @@ def bucket_lengths(max_length: int, buckets: Sequence[int] | None = None) -> tup
     longest row (powers of two would allow 100%) and every prompt (at most
     max_length tokens) fits the last.
     """
-    if max_length < 1:
-        raise ValueError(f"max_length must be positive, got {max_length}")
-    if buckets is None:
-        buckets = []
-        doubling = MIN_BUCKET
-        while doubling < max_length:
-            buckets += [doubling + step * doubling // BUCKETS_PER_DOUBLING for step in range(BUCKETS_PER_DOUBLING)]
-            doubling *= 2
-    if any(b < 1 for b in buckets):
-        raise ValueError(f"bucket lengths must be positive, got {list(buckets)}")
-    return tuple(sorted({b for b in buckets if b < max_length} | {max_length}))
+    steps = [step * MIN_BUCKET // BUCKETS_PER_DOUBLING for step in range(BUCKETS_PER_DOUBLING)]
+    return _lengths_up_to(max_length, buckets, MIN_BUCKET, steps, "bucket lengths")
 
 
 def eval_row_lengths(max_length: int, row_lengths: Sequence[int] | None = None) -> tuple[int, ...]:
@@ -123,17 +114,24 @@ def eval_row_lengths(max_length: int, row_lengths: Sequence[int] | None = None) 
     of one or two prompts is nearly full, few enough that evaluation
     compiles a handful of batch shapes.
     """
+    return _lengths_up_to(max_length, row_lengths, MIN_EVAL_ROW, [0, MIN_EVAL_ROW // 2], "evaluation row lengths")
+
+
+def _lengths_up_to(
+    max_length: int, lengths: Sequence[int] | None, first: int, offsets: Sequence[int], what: str
+) -> tuple[int, ...]:
+    """``lengths`` below max_length, then max_length, sorted; None: the default ladder, ``first`` times the
+    powers of two, each plus ``offsets`` scaled with it (offsets are fractions of ``first``)."""
     if max_length < 1:
         raise ValueError(f"max_length must be positive, got {max_length}")
-    if row_lengths is None:
-        row_lengths = []
-        doubling = MIN_EVAL_ROW
-        while doubling < max_length:
-            row_lengths += [doubling, doubling * 3 // 2]
-            doubling *= 2
-    if any(length < 1 for length in row_lengths):
-        raise ValueError(f"evaluation row lengths must be positive, got {list(row_lengths)}")
-    return tuple(sorted({length for length in row_lengths if length < max_length} | {max_length}))
+    if lengths is None:
+        lengths, scale = [], 1
+        while first * scale < max_length:
+            lengths += [(first + offset) * scale for offset in offsets]
+            scale *= 2
+    if any(length < 1 for length in lengths):
+        raise ValueError(f"{what} must be positive, got {list(lengths)}")
+    return tuple(sorted({length for length in lengths if length < max_length} | {max_length}))
 
 
 def fitting_bucket(buckets: Sequence[int], length: int) -> int:
