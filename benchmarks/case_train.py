@@ -98,7 +98,7 @@ def _computed_tokens(batch: dict[str, np.ndarray], buckets: tuple[int, ...]) -> 
     (of the step's own ``micro_batch_lengths``) of each non-empty micro-batch."""
     lengths = micro_batch_lengths(buckets, batch["input_ids"].shape[-1])
     total = 0
-    for mask, valid in zip(batch["attention_mask"][0], batch["valid"][0]):
+    for mask, valid in zip(batch["segment_ids"][0], batch["valid"][0]):
         if valid.any():
             total += len(mask) * fitting_bucket(lengths, int((mask != 0).sum(axis=-1).max()))
     return total

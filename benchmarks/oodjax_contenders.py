@@ -16,7 +16,7 @@ import numpy as np
 
 from benchmarks import settings
 from oodjax import models
-from oodjax.data import TokenizedSet, packed_batch, train_prompts_per_row
+from oodjax.data import TokenizedSet, balanced_batch, train_prompts_per_row
 from oodjax.engine import sharding, steps
 from oodjax.engine.evaluation import EvalPool, evaluate, make_eval_pool
 from oodjax.engine.geometry import BatchGeometry
@@ -62,7 +62,12 @@ class Engine:
     def train_batch(tokenized: TokenizedSet, rows: Sequence[np.ndarray]) -> dict[str, np.ndarray]:
         """The host batch [R, grad_accum, micro_batch, ...] as the loop's stream gives it: packed rows of MAX_LENGTH."""
         slots = train_prompts_per_row([tokenized], batch_size=settings.TRAIN_BATCH, seq_len=settings.MAX_LENGTH)
-        per_run = [packed_batch(tokenized, r, settings.TRAIN_BATCH, settings.MAX_LENGTH, slots) for r in rows]
+        per_run = [
+            balanced_batch(
+                tokenized, r, settings.TRAIN_BATCH, settings.MAX_LENGTH, slots, micro_batches=settings.TRAIN_GRAD_ACCUM
+            )
+            for r in rows
+        ]
         return step_batch(per_run, grad_accum=settings.TRAIN_GRAD_ACCUM)
 
     def _placed(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:

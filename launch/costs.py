@@ -251,7 +251,7 @@ def saved_activation_bytes(
     stacked = jax.tree.map(lambda x: jax.ShapeDtypeStruct((runs, *x.shape), x.dtype), lora)
     tokens = jax.ShapeDtypeStruct((runs, batch, seq_len), jnp.int32)
     examples = jax.ShapeDtypeStruct((runs, batch), jnp.int32)
-    micro = dict(input_ids=tokens, attention_mask=tokens, answer_pos=examples, label=examples)
+    micro = dict(input_ids=tokens, segment_ids=tokens, answer_pos=examples, label=examples)
     residuals = []
 
     def measure(base: nnx.State, micro: Mapping[str, jax.Array], lora: nnx.State) -> jax.Array:

@@ -163,7 +163,7 @@ def eval_batch(batch: dict[str, np.ndarray], mesh: jax.sharding.Mesh) -> dict[st
 
 
 def _batch(tokens: tuple[int, ...], prompts: tuple[int, ...], placed: jax.sharding.Sharding) -> dict[str, Any]:
-    shapes = {"input_ids": tokens, "attention_mask": tokens}
+    shapes = {"input_ids": tokens, "segment_ids": tokens}
     dtypes = {"valid": np.bool_}
     return {
         key: jax.ShapeDtypeStruct(shapes.get(key, prompts), dtypes.get(key, np.int32), sharding=placed)

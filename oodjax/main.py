@@ -24,7 +24,8 @@ from absl import logging
 from ml_collections import config_dict
 
 from oodjax import config_cli
-from oodjax.engine import distributed, loop, storage
+from oodjax import storage
+from oodjax.engine import distributed, loop
 
 
 class _QuietCheckpointing(python_logging.Filter):

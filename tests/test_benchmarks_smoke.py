@@ -29,7 +29,7 @@ CONTENDERS = {
     "eval": {"oodjax", "pytorch-original", "pytorch-tuned"},
     "train": {"oodjax", "pytorch-original", "pytorch-tuned"},
     "loading": {"oodjax", "transformers"},
-    "grid": {"oodjax-one-process", "oodjax-process-per-run", "pytorch-original-sequential", "pytorch-tuned-sequential"},
+    "grid": {"oodjax-one-process", "oodjax-process-per-run", "pytorch-tuned-sequential"},
 }
 
 

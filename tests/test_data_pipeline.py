@@ -15,21 +15,20 @@ import pytest
 
 from oodjax.data import (
     TokenizedSet,
+    balance_rows,
     balanced_batch,
     bucket_lengths,
+    epoch_permutation,
     eval_batches,
     eval_row_lengths,
     few_shot,
     load_testset,
-    pack_rows,
-    packed_batch,
     pair_rows,
     prompt_lengths,
     stratified_subset,
     train_batches,
     training_pool,
 )
-from oodjax.data.pipeline import balance_rows, epoch_permutation
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -145,13 +144,13 @@ def check_batch_rows(batch, tokenized):
     for r in range(len(batch["index"])):
         i = batch["index"][r]
         if not batch["valid"][r]:
-            assert i == -1 and batch["attention_mask"][r].tolist() == [1] + [0] * (batch["input_ids"].shape[1] - 1)
+            assert i == -1 and batch["segment_ids"][r].tolist() == [1] + [0] * (batch["input_ids"].shape[1] - 1)
             continue
         prompt = tokenized.prompt(i)
         n = len(prompt)
         assert batch["input_ids"][r, :n].tolist() == prompt.tolist()
         assert not batch["input_ids"][r, n:].any()
-        assert batch["attention_mask"][r].tolist() == [1] * n + [0] * (batch["input_ids"].shape[1] - n)
+        assert batch["segment_ids"][r].tolist() == [1] * n + [0] * (batch["input_ids"].shape[1] - n)
         assert batch["answer_pos"][r] == n - 1
         assert batch["label"][r] == tokenized.labels[i]
 
@@ -164,18 +163,18 @@ def check_packed_rows(batch, tokenized):
         assert slots.tolist() == list(range(len(slots)))  # prompts fill the first slots
         assert (batch["index"][r, len(slots):] == -1).all()
         if not len(slots):
-            assert batch["attention_mask"][r].tolist() == [1] + [0] * (width - 1)
+            assert batch["segment_ids"][r].tolist() == [1] + [0] * (width - 1)
             continue
         start = 0
         for slot in slots:
             prompt = tokenized.prompt(batch["index"][r, slot])
             stop = start + len(prompt)
             assert batch["input_ids"][r, start:stop].tolist() == prompt.tolist()
-            assert (batch["attention_mask"][r, start:stop] == slot + 1).all()
+            assert (batch["segment_ids"][r, start:stop] == slot + 1).all()
             assert batch["answer_pos"][r, slot] == stop - 1
             assert batch["label"][r, slot] == tokenized.labels[batch["index"][r, slot]]
             start = stop
-        assert not batch["input_ids"][r, start:].any() and not batch["attention_mask"][r, start:].any()
+        assert not batch["input_ids"][r, start:].any() and not batch["segment_ids"][r, start:].any()
 
 
 def test_pair_rows_fill_rows_of_several_lengths_two_prompts_at_most():
@@ -202,19 +201,10 @@ def test_eval_batches_hold_every_example_once_one_row_length_a_batch():
     shapes = [(b["input_ids"].shape, b["answer_pos"].shape) for b in batches]
     assert shapes == [((2, 32), (2, 2)), ((2, 64), (2, 1)), ((2, 300), (2, 2)), ((2, 300), (2, 2))]
     for b in batches:
-        assert {b[k].dtype for k in ("input_ids", "attention_mask", "answer_pos", "label", "index")} == {np.dtype(np.int32)}
+        assert {b[k].dtype for k in ("input_ids", "segment_ids", "answer_pos", "label", "index")} == {np.dtype(np.int32)}
         assert b["valid"].dtype == bool
         check_packed_rows(b, tokenized)
         np.testing.assert_array_equal(prompt_lengths(b), np.where(b["valid"], tokenized.lengths[b["index"]], 0))
-
-
-def test_pack_rows_best_fit_decreasing():
-    # Longest first, each into the fullest row it fits: 300 | 200 65 10 7 3 1 | 129 128 | 64 64.
-    rows = pack_rows(np.array([3, 64, 65, 300, 128, 10, 129, 200, 7, 64, 1]), 300)
-    assert rows == [[3], [7, 2, 5, 8, 0, 10], [6, 4], [1, 9]]
-    assert pack_rows(np.array([], dtype=int), 8) == []
-    with pytest.raises(ValueError, match=r"prompts \[1\] are longer than the row length 8"):
-        pack_rows(np.array([8, 9]), 8)
 
 
 def test_eval_batches_on_a_real_testset_are_nearly_all_prompt_and_attention(gpt2_tokenizer_dir, hf_data_dir, tmp_path):
@@ -285,7 +275,7 @@ def test_training_stream_epochs_are_shuffled_permutations():
         ]
     for b in batches:
         assert b["valid"].all()
-        assert (np.diff(b["attention_mask"].sum(-1)) >= 0).all()  # shortest first, for length-grouped micro-batches
+        assert (np.diff(b["segment_ids"].sum(-1)) >= 0).all()  # shortest first, for length-grouped micro-batches
         check_batch_rows(b, tokenized)
 
 
@@ -321,7 +311,7 @@ def test_packed_training_stream_holds_the_same_batches_balanced():
         assert [sorted(row[row >= 0].tolist()) for row in b["index"]] == [sorted(examples[r].tolist()) for r in rows]
         check_packed_rows(b, tokenized)
     # 198 tokens over 4 rows of 80: the first micro-batch holds them all, its fullest row 70 (+ nothing).
-    assert not b["valid"][4:].any() and (b["attention_mask"][:4] != 0).sum(-1).max() == 70
+    assert not b["valid"][4:].any() and (b["segment_ids"][:4] != 0).sum(-1).max() == 70
 
 
 def test_balanced_batch_matches_its_rows():

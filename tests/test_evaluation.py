@@ -11,7 +11,6 @@ steps compute; a committed (loaded) base and the runs compile the train step
 once.
 """
 
-import collections
 import dataclasses
 
 import jax
@@ -68,7 +67,7 @@ def test_lanes_are_batched_in_lockstep_each_row_once():
             prompt = tok.prompt(b["index"][lane, row, slot])
             stop = b["answer_pos"][lane, row, slot] + 1
             assert b["input_ids"][lane, row, stop - len(prompt) : stop].tolist() == prompt.tolist()
-            assert (b["attention_mask"][lane, row, stop - len(prompt) : stop] == slot + 1).all()
+            assert (b["segment_ids"][lane, row, stop - len(prompt) : stop] == slot + 1).all()
             assert b["label"][lane, row, slot] == tok.labels[b["index"][lane, row, slot]]
 
 
@@ -146,7 +145,7 @@ def test_pooled_margins_are_the_full_models_logit_differences():
         lora_model = nnx.view(nnx.merge(graphdef, base, steps.select_run(runs.lora, run)), deterministic=True)
         for name, tok in {**shared, **own[run]}.items():
             whole = make_batch(tok, np.arange(len(tok)), 64)  # the set right-padded, apart from the pool
-            logits = np.asarray(lora_model(whole["input_ids"], whole["attention_mask"]))
+            logits = np.asarray(lora_model(whole["input_ids"], whole["segment_ids"]))
             at = logits[np.arange(len(tok)), whole["answer_pos"]]
             np.testing.assert_allclose(margins[run][name], at[:, YES] - at[:, NO], rtol=0, atol=1e-5)
     assert not np.allclose(margins[0]["a"], margins[1]["a"])
@@ -187,7 +186,7 @@ def test_step_batch_stacks_runs_and_splits_micro_batches():
     batch = step_batch(per_run, grad_accum=2)
     assert batch["input_ids"].shape == (2, 2, 2, 64) and batch["valid"].shape == (2, 2, 2)
     for r, full in enumerate(per_run):
-        for key in ("input_ids", "attention_mask"):
+        for key in ("input_ids", "segment_ids"):
             np.testing.assert_array_equal(batch[key][r].reshape(4, 64), full[key])
         for key in ("answer_pos", "label", "valid"):
             np.testing.assert_array_equal(batch[key][r].reshape(4), full[key])

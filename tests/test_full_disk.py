@@ -19,15 +19,16 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 SCRIPT = """
 import json, pathlib, sys
 import jax, jax.numpy as jnp, numpy as np
-from oodjax.engine import checkpoints, results, storage
+from oodjax import storage
+from oodjax.engine import checkpoints, results
 
 root = pathlib.Path(sys.argv[1])
 seen = {}
 metrics = root / "run" / "metrics.npz"
-results.write_npz_atomic(metrics, {"step": np.arange(3)})
+storage.write_npz_atomic(metrics, {"step": np.arange(3)})
 before = metrics.read_bytes()
 try:
-    results.write_npz_atomic(metrics, {"step": np.arange(3), "margins": np.random.default_rng(0).random(1_000_000)})
+    storage.write_npz_atomic(metrics, {"step": np.arange(3), "margins": np.random.default_rng(0).random(1_000_000)})
 except storage.NoSpaceError as error:
     seen["results_error"] = str(error)
 seen["results_intact"] = metrics.read_bytes() == before

@@ -125,7 +125,7 @@ def test_saved_activations_equal_the_vjps_residuals(remat):
     runs, batch, seq_len = 3, 2, 8
     lora = jax.tree.map(lambda x: jnp.stack([x] * runs), lora)
     tokens = jnp.ones((runs, batch, seq_len), jnp.int32)
-    micro = dict(input_ids=tokens, attention_mask=tokens, answer_pos=jnp.full((runs, batch), seq_len - 1),
+    micro = dict(input_ids=tokens, segment_ids=tokens, answer_pos=jnp.full((runs, batch), seq_len - 1),
                  label=jnp.zeros((runs, batch), jnp.int32))
     keys = jax.random.split(jax.random.key(0), runs)
     loss = functools.partial(steps.micro_batch_loss, graphdef=graphdef, yes_id=0, no_id=1, compute_dtype=None)

@@ -10,7 +10,6 @@ import numpy as np
 import peft
 import pytest
 import torch
-import transformers
 from flax import nnx
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P

@@ -18,7 +18,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from oodjax.models import config_from_dict, from_config, load_pretrained, logical_to_spec
-from oodjax.models.checkpoint import SafetensorsFile, open_checkpoint
+from oodjax.models.hf_checkpoint import SafetensorsFile, open_checkpoint
 from oodjax.models.loading import hf_parameter_names
 from test_models_parity import LAYOUTS, assert_matches_hf, jitted, padded_batches, save, tiny_hf_model
 

@@ -270,7 +270,7 @@ def test_engine_answer_logits_are_the_soft_capped_logits_of_the_full_model(tmp_p
     for side, (ids, mask) in padded_batches(96).items():
         answer_pos = mask.sum(1) - 1 if side == "right" else np.full(len(ids), ids.shape[1] - 1)
         label = np.array([0, 1, 0])
-        batch = dict(input_ids=ids, attention_mask=mask, answer_pos=answer_pos.astype(np.int32), label=label)
+        batch = dict(input_ids=ids, segment_ids=mask, answer_pos=answer_pos.astype(np.int32), label=label)
         (loss, count), margins, uncapped = engine(state, batch)
         with torch.no_grad():
             logits = hf_model(torch.tensor(ids), attention_mask=torch.tensor(mask)).logits.numpy()

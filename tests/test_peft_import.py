@@ -3,7 +3,6 @@ and an adapter that does not fit (another rank, a layer too many, DoRA) is an er
 
 import json
 
-import jax
 import numpy as np
 import peft
 import pytest

@@ -63,7 +63,7 @@ def make_batches(
         ids = np.where(mask == 1, ids, OPT["pad_token_id"]).astype(np.int32)
         valid = np.ones(shape, bool)
         valid[..., -1, -1] = False  # a padding row: must not count
-        batches.append(dict(input_ids=ids, attention_mask=mask, answer_pos=(lengths - 1).astype(np.int32),
+        batches.append(dict(input_ids=ids, segment_ids=mask, answer_pos=(lengths - 1).astype(np.int32),
                             label=rng.integers(0, 2, size=shape).astype(np.int32), valid=valid))  # fmt: skip
     return batches
 
@@ -128,7 +128,7 @@ def test_first_loss_is_answer_position_cross_entropy_of_full_model(together, bat
     batch = batches[0]
     for r in range(len(SEEDS)):
         ids = batch["input_ids"][r].reshape(-1, SEQ)
-        logits = np.asarray(model(ids, batch["attention_mask"][r].reshape(-1, SEQ)), np.float64)
+        logits = np.asarray(model(ids, batch["segment_ids"][r].reshape(-1, SEQ)), np.float64)
         at_answer = logits[np.arange(len(ids)), batch["answer_pos"][r].reshape(-1)]
         targets = np.where(batch["label"][r].reshape(-1) == 0, YES, NO)
         ce = scipy.special.logsumexp(at_answer, axis=-1) - at_answer[np.arange(len(ids)), targets]
@@ -231,7 +231,7 @@ def test_eval_margins_are_full_model_logit_differences_and_compile_once(together
         assert margins.shape == (len(SEEDS), MICRO) and margins.dtype == np.float32
         for r in range(len(SEEDS)):
             model = nnx.view(nnx.merge(graphdef, base, steps.select_run(runs.lora, r)), deterministic=True)
-            logits = np.asarray(model(batch["input_ids"], batch["attention_mask"]))
+            logits = np.asarray(model(batch["input_ids"], batch["segment_ids"]))
             at = logits[np.arange(MICRO), batch["answer_pos"]]
             np.testing.assert_allclose(margins[r], at[:, YES] - at[:, NO], rtol=0, atol=1e-5)
     assert eval_step._cache_size() == 1  # same bucket shape: no recompilation
@@ -248,7 +248,7 @@ def test_buckets_run_each_micro_batch_at_its_own_length():
     poison the loss."""
     lengths = np.array([[[3, 5, 4, 2], [9, 6, 7, 3]], [[8, 2, 7, 8], [4, 9, 2, 3]]])  # [runs, accum, micro]
     batch = make_batches(1, 2, seed=3, accum=2, micro=4, seq=16)[0]
-    batch["attention_mask"] = (np.arange(16) < lengths[..., None]).astype(np.int32)
+    batch["segment_ids"] = (np.arange(16) < lengths[..., None]).astype(np.int32)
     batch["answer_pos"] = (lengths - 1).astype(np.int32)
     poisoned = dict(batch, input_ids=batch["input_ids"].copy())
     poisoned["input_ids"][:, 0, :, 8:] = 10 * OPT["vocab_size"]

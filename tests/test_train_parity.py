@@ -35,7 +35,7 @@ def parity_batches(seed: int = 0) -> list[dict]:
         lengths = rng.integers(3, SEQ + 1, size=shape)
         mask = (np.arange(SEQ) < lengths[..., None]).astype(np.int32)
         ids = np.where(mask == 1, rng.integers(2, VOCAB, size=(*shape, SEQ)), 1).astype(np.int32)
-        out.append(dict(input_ids=ids, attention_mask=mask, answer_pos=(lengths - 1).astype(np.int32),
+        out.append(dict(input_ids=ids, segment_ids=mask, answer_pos=(lengths - 1).astype(np.int32),
                         label=rng.integers(0, 2, size=shape).astype(np.int32), valid=np.ones(shape, bool)))  # fmt: skip
     return out
 
@@ -48,7 +48,7 @@ def torch_losses(peft_model, batches) -> tuple[list[float], list[float]]:
     losses, norms = [], []
     for batch in batches:
         ids = torch.tensor(batch["input_ids"].reshape(-1, SEQ), dtype=torch.long)
-        mask = torch.tensor(batch["attention_mask"].reshape(-1, SEQ), dtype=torch.long)
+        mask = torch.tensor(batch["segment_ids"].reshape(-1, SEQ), dtype=torch.long)
         logits = peft_model(input_ids=ids, attention_mask=mask).logits
         at_answer = logits[torch.arange(len(ids)), torch.tensor(batch["answer_pos"].reshape(-1), dtype=torch.long)]
         targets = torch.tensor(np.where(batch["label"].reshape(-1) == 0, YES, NO), dtype=torch.long)

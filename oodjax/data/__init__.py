@@ -1,24 +1,18 @@
 """The eight NLI testsets, few-shot sampling, prompts and batches (see DESIGN.md)."""
 
-from oodjax.data.pipeline import (
-    TRAIN_PREFETCH,
+from oodjax.data.batches import (
     Batch,
-    balanced_batch,
     bucket_lengths,
     by_length,
     eval_batches,
     eval_row_lengths,
-    few_shot,
     fitting_bucket,
     make_batch,
-    pack_rows,
-    packed_batch,
-    pair_rows,
+    packed_rows_batch,
     prompt_lengths,
-    stratified_subset,
-    train_batches,
-    train_prompts_per_row,
 )
+from oodjax.data.packing import balance_rows, pair_rows
+from oodjax.data.training_stream import TRAIN_PREFETCH, balanced_batch, epoch_permutation, train_batches, train_prompts_per_row
 from oodjax.data.prompts import (
     DEFAULT_ANSWERS,
     DEFAULT_MAX_LENGTH,
@@ -29,6 +23,7 @@ from oodjax.data.prompts import (
     load_tokenizer,
     tokenize_testset,
 )
+from oodjax.data.sampling import few_shot, stratified_subset
 from oodjax.data.testsets import TESTSETS, TestsetSpec, load_testset, testset_spec, testset_table, training_pool
 
 __all__ = [
@@ -52,8 +47,9 @@ __all__ = [
     "load_testset",
     "load_tokenizer",
     "make_batch",
-    "pack_rows",
-    "packed_batch",
+    "balance_rows",
+    "epoch_permutation",
+    "packed_rows_batch",
     "pair_rows",
     "prompt_lengths",
     "stratified_subset",

@@ -1,8 +1,8 @@
 """A disk cache of numpy arrays keyed by content hashes, so a sweep tokenises each testset once.
 
-Entries are npz files written atomically (temporary file in the same directory,
-then `os.replace`), so concurrent runs sharing a cache never read a torn file:
-two writers of one key write identical bytes and the last rename wins.
+Entries are npz files written atomically (``oodjax.storage.write_npz_atomic``),
+so concurrent runs sharing a cache never read a torn file: two writers of one
+key write identical bytes and the last rename wins.
 """
 
 from __future__ import annotations
@@ -10,12 +10,13 @@ from __future__ import annotations
 import hashlib
 import os
 import pathlib
-import tempfile
 import zipfile
 from collections.abc import Callable, Iterable
 
 import numpy as np
 from absl import logging
+
+from oodjax.storage import write_npz_atomic
 
 CACHE_DIR_ENV = "OODJAX_CACHE_DIR"
 
@@ -52,13 +53,5 @@ def cached_arrays(
                 "cache entry %s is unreadable (%s: %s); computing it again", path, type(error).__name__, error
             )
     arrays = compute()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            np.savez(f, **arrays)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    write_npz_atomic(path, arrays)
     return arrays

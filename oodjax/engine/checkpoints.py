@@ -39,7 +39,7 @@ from absl import logging
 from jax.sharding import NamedSharding, PartitionSpec
 
 from oodjax.engine.steps import RunsState
-from oodjax.engine.storage import reporting_full_disk
+from oodjax.storage import reporting_full_disk
 
 CHECKPOINT_DIR = "checkpoints"  # <run_dir>/checkpoints/<step>/
 DAMAGED_SUFFIX = ".damaged"  # a step that failed to restore, set aside as <step>.damaged-<time>

@@ -28,7 +28,7 @@ from oodjax.data.testsets import (
     training_sets,
 )
 from oodjax.engine.events import WANDB_MODES, installed
-from oodjax.models.checkpoint import read_json
+from oodjax.models.hf_checkpoint import read_json
 
 DTYPES = ("float32", "bfloat16", "float16")
 

@@ -25,7 +25,7 @@ import numpy as np
 from oodjax.data import Batch, TokenizedSet, eval_batches, prompt_lengths
 
 # What the eval step reads; `index` stays on the host to place the margins.
-_STEP_KEYS = ("input_ids", "attention_mask", "answer_pos", "label", "valid")
+_STEP_KEYS = ("input_ids", "segment_ids", "answer_pos", "label", "valid")
 
 
 @dataclasses.dataclass(frozen=True)

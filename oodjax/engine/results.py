@@ -13,10 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import pathlib
 import re
-import secrets
 import zipfile
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -24,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from analysis import schema
-from oodjax.engine.storage import reporting_full_disk
+from oodjax.storage import write_npz_atomic
 
 # Accuracy and margins are computed from float32 margins; only the stored
 # per-example margins are rounded to float16 (they are many and small).
@@ -140,29 +138,6 @@ class RunResults:
             self.accuracy = list(stored[schema.ACCURACY][keep])
             self.train_loss = stored[schema.TRAIN_LOSS][keep].tolist()
             self.margins = {name: list(stored[schema.margin_key(name)][keep]) for name in self.testsets}
-
-
-def write_npz_atomic(path: str | pathlib.Path, arrays: Mapping[str, np.ndarray]) -> None:
-    """Writes an npz so that `path` is always either the old file or the complete new one.
-
-    The temporary file is created with mode 0666 less the umask, as `open`
-    would (`tempfile` would make it 0600, and the rename would keep that). A
-    full disk raises `NoSpaceError` naming `path`, the old file left whole.
-    """
-    path = pathlib.Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(8)}.tmp")
-    with reporting_full_disk(path, lambda: f"the previous {path.name} is intact"):
-        descriptor = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-        try:
-            with os.fdopen(descriptor, "wb") as file:
-                np.savez(file, **arrays)
-                file.flush()
-                os.fsync(file.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
 
 
 class UnreadableResultsError(ValueError):

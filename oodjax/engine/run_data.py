@@ -48,7 +48,7 @@ from oodjax.engine.geometry import BatchGeometry
 from oodjax.engine.steps import micro_batch_branches
 
 # What the train step reads of a batch.
-TRAIN_KEYS = ("input_ids", "attention_mask", "answer_pos", "label", "valid")
+TRAIN_KEYS = ("input_ids", "segment_ids", "answer_pos", "label", "valid")
 
 
 @dataclasses.dataclass(frozen=True)

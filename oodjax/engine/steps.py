@@ -39,7 +39,7 @@ Batch = Mapping[str, Any]
 
 SCHEDULES = ("linear", "cosine", "constant")
 
-_SEQUENCE_KEYS = ("input_ids", "attention_mask")  # [..., S]; a batch's other leaves have no sequence axis
+_SEQUENCE_KEYS = ("input_ids", "segment_ids")  # [..., S]; a batch's other leaves have no sequence axis
 
 
 @flax.struct.dataclass
@@ -188,7 +188,7 @@ def answer_hidden(model: nnx.Module, batch: Batch) -> jax.Array:
     packed row); the gather stays within each row, so a batch split over
     devices by rows gathers on each device alone.
     """
-    hidden = model.hidden_states(batch["input_ids"], batch["attention_mask"])
+    hidden = model.hidden_states(batch["input_ids"], batch["segment_ids"])
     positions = batch["answer_pos"]
     per_row = positions.reshape(positions.shape[0], -1, 1)
     picked = jnp.take_along_axis(hidden, per_row, axis=1)
@@ -262,7 +262,7 @@ def micro_batch_branches(batch: Batch, geometry: BatchGeometry) -> jax.Array:
     takes the same branch; rows are filled from the left, so a row's used
     length is its count of non-padding tokens.
     """
-    longest = jnp.max(jnp.sum(batch["attention_mask"] != 0, axis=-1), axis=(0, 2))
+    longest = jnp.max(jnp.sum(batch["segment_ids"] != 0, axis=-1), axis=(0, 2))
     branch = 1 + jnp.searchsorted(jnp.asarray(geometry.micro_batch_lengths), longest)
     if "valid" not in batch:
         return branch
@@ -393,15 +393,15 @@ def _check_batch(batch: Batch, layout: str, expected: tuple[int | None, ...]) ->
     leaves (answer_pos, label, valid) have the rows' shape, with a trailing
     prompt-slot axis when rows are packed.
     """
-    for key in ("input_ids", "attention_mask", "answer_pos", "label"):
+    for key in ("input_ids", "segment_ids", "answer_pos", "label"):
         if key not in batch:
             raise ValueError(f"batch is missing {key!r}; it has {sorted(batch)}")
     ids = batch["input_ids"]
     if ids.ndim != len(expected) or any(e is not None and e != n for e, n in zip(expected, ids.shape)):
         raise ValueError(f"batch['input_ids'] has shape {tuple(ids.shape)}; expected {layout}")
-    mask = tuple(batch["attention_mask"].shape)
+    mask = tuple(batch["segment_ids"].shape)
     if mask != tuple(ids.shape):
-        raise ValueError(f"batch['attention_mask'] has shape {mask}; expected {tuple(ids.shape)}")
+        raise ValueError(f"batch['segment_ids'] has shape {mask}; expected {tuple(ids.shape)}")
     answers = tuple(batch["answer_pos"].shape)
     if answers[: ids.ndim - 1] != tuple(ids.shape[:-1]) or len(answers) > ids.ndim:
         raise ValueError(

@@ -169,7 +169,7 @@ class GemmaAttention(nnx.Module):
     def __call__(
         self,
         x: jax.Array,
-        attention_mask: jax.Array,
+        segment_ids: jax.Array,
         cos: jax.Array,
         sin: jax.Array,
         positions: jax.Array,
@@ -183,7 +183,7 @@ class GemmaAttention(nnx.Module):
         query, key = apply_rope(query, cos, sin), apply_rope(key, cos, sin)
         value = self.v_proj(x).reshape(heads)
         out = attention(
-            query, key, value, attention_mask, scale=self.scale, window=window, positions=positions,
+            query, key, value, segment_ids, scale=self.scale, window=window, positions=positions,
             softcap=self.softcap, implementation=self.implementation,
         )  # fmt: skip
         return constrain(self.o_proj(out.reshape(batch, seq, -1)), HIDDEN)
@@ -204,7 +204,7 @@ class GemmaDecoderLayer(nnx.Module):
     def __call__(
         self,
         hidden: jax.Array,
-        attention_mask: jax.Array,
+        segment_ids: jax.Array,
         positions: jax.Array,
         global_rope: tuple[jax.Array, jax.Array],
         local_rope: tuple[jax.Array, jax.Array],
@@ -213,7 +213,7 @@ class GemmaDecoderLayer(nnx.Module):
     ) -> jax.Array:
         # A traced per-layer flag (the layers are scanned): Gemma 3's sliding layers rotate with the local RoPE.
         cos, sin = (jnp.where(uses_local_rope, local, full) for local, full in zip(local_rope, global_rope))
-        attended = self.self_attn(self.input_layernorm(hidden), attention_mask, cos, sin, positions, window)
+        attended = self.self_attn(self.input_layernorm(hidden), segment_ids, cos, sin, positions, window)
         hidden = hidden + self.post_attention_layernorm(attended)
         return hidden + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(hidden)))
 
@@ -229,9 +229,9 @@ class GemmaModel(nnx.Module):
         )
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype, unit_offset=True)
 
-    def __call__(self, input_ids: jax.Array, attention_mask: jax.Array, *, all_layers: bool):
+    def __call__(self, input_ids: jax.Array, segment_ids: jax.Array, *, all_layers: bool):
         # Positions count from each prompt's first token (see LlamaModel): RoPE sees only their differences.
-        positions = segment_positions(attention_mask)
+        positions = segment_positions(segment_ids)
         hidden = self.embed_tokens(input_ids)
         # sqrt(hidden_size) rounded to the embedding's dtype first (55.4256 becomes 55.5 in bf16), as transformers does.
         hidden = hidden * jnp.asarray(self.config.hidden_size**0.5, hidden.dtype)
@@ -249,7 +249,7 @@ class GemmaModel(nnx.Module):
             windows = [FULL_ATTENTION if w is None else w for w in config.layer_windows]
             per_layer += (jnp.asarray(windows, jnp.int32),)
         hidden, layer_inputs = run_layers(
-            self.layers, hidden, attention_mask, positions, global_rope, local_rope, remat=config.remat,
+            self.layers, hidden, segment_ids, positions, global_rope, local_rope, remat=config.remat,
             per_layer=per_layer, all_layers=all_layers,
         )  # fmt: skip
         hidden = self.norm(hidden)

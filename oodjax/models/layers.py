@@ -431,17 +431,17 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 # --------------------------------------------------------------------------- attention
 
 
-def segment_positions(segments: jax.Array) -> jax.Array:
+def segment_positions(segment_ids: jax.Array) -> jax.Array:
     """Each token's position within its prompt [B, S]: 0 at the prompt's first token.
 
-    ``segments`` is the attention mask read as prompt ids (0 = padding; each
+    ``segment_ids`` number the prompts of a row (0 = padding; each
     prompt a contiguous run of one positive id, neighbours distinct), so a
     prompt packed after others, or after left padding, gets the positions it
     would have alone at the start of a row.
     """
-    index = jnp.arange(segments.shape[1])[None, :]
-    previous = jnp.pad(segments, ((0, 0), (1, 0)))[:, :-1]
-    starts = (segments != previous) & (segments != 0)
+    index = jnp.arange(segment_ids.shape[1])[None, :]
+    previous = jnp.pad(segment_ids, ((0, 0), (1, 0)))[:, :-1]
+    starts = (segment_ids != previous) & (segment_ids != 0)
     return index - jax.lax.cummax(jnp.where(starts, index, 0), axis=1)
 
 
@@ -453,7 +453,7 @@ def attention(
     query: jax.Array,
     key: jax.Array,
     value: jax.Array,
-    segments: jax.Array,
+    segment_ids: jax.Array,
     *,
     scale: float,
     window: int | jax.Array | None = None,
@@ -463,8 +463,8 @@ def attention(
 ) -> jax.Array:
     """Causal attention within each prompt; query [B,T,N,D], key/value [B,T,K,D] with N % K == 0 (GQA).
 
-    ``segments`` [B, T] is the attention mask read as prompt ids: a 0/1 mask
-    is one prompt per row; larger ids pack several prompts into one row, each
+    ``segment_ids`` [B, T] number the prompts of a row (0: padding): a 0/1
+    mask is one prompt per row; larger ids pack several prompts into one row, each
     seeing only its own earlier tokens, so packing changes no prompt's result.
     With a sliding ``window`` (traced, per scanned layer) a token sees only
     the ``window`` latest tokens of its prompt, itself included, as
@@ -484,18 +484,18 @@ def attention(
 
     ``implementation`` is ``model.attention`` (``flash_attention.resolve``
     says what it means on this platform): with a fused kernel, attention
-    without a window or a cap runs fused, with the segments as its segment
+    without a window or a cap runs fused, with ``segment_ids`` as its segment
     ids; windows and caps keep this explicit path.
     """
     query, key, value = constrain(query, QUERY_HEADS), constrain(key, KV_HEADS), constrain(value, KV_HEADS)
-    segments = segments.astype(jnp.int32)
+    segment_ids = segment_ids.astype(jnp.int32)
     kernel = flash_attention.resolve(implementation)
     if kernel != "xla":
         if window is None and softcap is None:
-            out = flash_attention.flash_attention(query, key, value, segments, scale=scale, kernel=kernel)
+            out = flash_attention.flash_attention(query, key, value, segment_ids, scale=scale, kernel=kernel)
             return constrain(out, QUERY_HEADS)
         logging.log_first_n(logging.INFO, "attention: sliding windows and soft caps take XLA's path, not %s", 1, kernel)
-    allowed = (segments[:, :, None] == segments[:, None, :]) & (segments[:, None, :] != 0)
+    allowed = (segment_ids[:, :, None] == segment_ids[:, None, :]) & (segment_ids[:, None, :] != 0)
     if window is not None:
         if positions is None:
             raise ValueError("a sliding window needs the tokens' positions in their prompts")
@@ -533,11 +533,11 @@ def _softcapped_attention(
 # --------------------------------------------------------------------------- the decoder stack
 
 
-def check_inputs(input_ids: jax.Array, attention_mask: jax.Array) -> None:
+def check_inputs(input_ids: jax.Array, segment_ids: jax.Array) -> None:
     """Shapes are static under jit, so a mismatch is caught once, at trace time, with a readable message."""
-    if input_ids.ndim != 2 or attention_mask.shape != input_ids.shape:
+    if input_ids.ndim != 2 or segment_ids.shape != input_ids.shape:
         raise ValueError(
-            f"input_ids and attention_mask must both be [batch, seq]; got {input_ids.shape} and {attention_mask.shape}"
+            f"input_ids and attention_mask must both be [batch, seq]; got {input_ids.shape} and {segment_ids.shape}"
         )
 
 
@@ -634,10 +634,14 @@ class CausalLM(nnx.Module):
     def input_embeddings(self) -> Embed:
         return self.decoder().embed_tokens
 
-    def hidden_states(self, input_ids: jax.Array, attention_mask: jax.Array, *, all_layers: bool = False):
-        """Final hidden states [B, S, H'] (what the head multiplies), or with ``all_layers`` HF's ``output_hidden_states`` tuple."""
-        check_inputs(input_ids, attention_mask)
-        return self.decoder()(input_ids, attention_mask, all_layers=all_layers)
+    def hidden_states(self, input_ids: jax.Array, segment_ids: jax.Array, *, all_layers: bool = False):
+        """Final hidden states [B, S, H'] (what the head multiplies), or with ``all_layers`` HF's ``output_hidden_states`` tuple.
+
+        ``segment_ids`` [B, S] number the prompts of each row 1, 2, ... and
+        are 0 on padding; a 0/1 attention mask is the case of one prompt a row.
+        """
+        check_inputs(input_ids, segment_ids)
+        return self.decoder()(input_ids, segment_ids, all_layers=all_layers)
 
     def head_kernel(self) -> jax.Array:
         """[H', vocab]: logits are ``head_logits(hidden_states, head_kernel())``; the embedding's transpose if tied."""
@@ -657,5 +661,9 @@ class CausalLM(nnx.Module):
         return logits if cap is None else soft_cap(logits, cap)
 
     def __call__(self, input_ids: jax.Array, attention_mask: jax.Array) -> jax.Array:
-        """Logits [batch, seq, vocab] in float32 (accumulated in float32 even for bf16 parameters)."""
+        """Logits [batch, seq, vocab] in float32 (accumulated in float32 even for bf16 parameters).
+
+        ``attention_mask`` is DESIGN.md's 0/1 mask, or segment ids packing
+        several prompts into a row (``hidden_states``).
+        """
         return self.head_logits(self.hidden_states(input_ids, attention_mask), self.head_kernel())

@@ -208,7 +208,7 @@ class LlamaAttention(nnx.Module):
     def __call__(
         self,
         x: jax.Array,
-        attention_mask: jax.Array,
+        segment_ids: jax.Array,
         cos: jax.Array,
         sin: jax.Array,
         positions: jax.Array,
@@ -228,7 +228,7 @@ class LlamaAttention(nnx.Module):
         query = jnp.where(use_rope, apply_rope(query, cos, sin), query)
         key = jnp.where(use_rope, apply_rope(key, cos, sin), key)
         out = attention(
-            query, key, value, attention_mask, scale=self.head_dim**-0.5, window=window, positions=positions,
+            query, key, value, segment_ids, scale=self.head_dim**-0.5, window=window, positions=positions,
             implementation=self.implementation,
         )  # fmt: skip
         return constrain(self.o_proj(out.reshape(batch, seq, -1)), HIDDEN)
@@ -252,14 +252,14 @@ class LlamaDecoderLayer(nnx.Module):
     def __call__(
         self,
         hidden: jax.Array,
-        attention_mask: jax.Array,
+        segment_ids: jax.Array,
         cos: jax.Array,
         sin: jax.Array,
         positions: jax.Array,
         use_rope: jax.Array,
         window: jax.Array | None = None,
     ) -> jax.Array:
-        attended = self.self_attn(self.input_layernorm(hidden), attention_mask, cos, sin, positions, use_rope, window)
+        attended = self.self_attn(self.input_layernorm(hidden), segment_ids, cos, sin, positions, use_rope, window)
         hidden = hidden + attended
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
@@ -275,11 +275,11 @@ class LlamaModel(nnx.Module):
         )
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype)
 
-    def __call__(self, input_ids: jax.Array, attention_mask: jax.Array, *, all_layers: bool):
+    def __call__(self, input_ids: jax.Array, segment_ids: jax.Array, *, all_layers: bool):
         # Positions count from each prompt's first token: a right-padded row gets
         # transformers' 0..S-1; left padding or packing shifts a prompt's positions,
         # which RoPE, seeing only their differences, does not notice.
-        positions = segment_positions(attention_mask)
+        positions = segment_positions(segment_ids)
         hidden = self.embed_tokens(input_ids)
         # Llama casts the float32 cos/sin tables to the activations' dtype before rotating.
         cos, sin = (t.astype(hidden.dtype) for t in rope_cos_sin(positions, self.config.rope, self.config.head_dim))
@@ -288,7 +288,7 @@ class LlamaModel(nnx.Module):
             windows = [FULL_ATTENTION if w is None else w for w in self.config.layer_windows]
             per_layer += (jnp.asarray(windows, jnp.int32),)
         hidden, layer_inputs = run_layers(
-            self.layers, hidden, attention_mask, cos, sin, positions, remat=self.config.remat, per_layer=per_layer,
+            self.layers, hidden, segment_ids, cos, sin, positions, remat=self.config.remat, per_layer=per_layer,
             all_layers=all_layers,
         )
         hidden = self.norm(hidden)

@@ -28,7 +28,7 @@ from huggingface_hub import snapshot_download
 from huggingface_hub.errors import HFValidationError, HfHubHTTPError, LocalEntryNotFoundError
 from jax.sharding import Mesh, Sharding, SingleDeviceSharding
 
-from oodjax.models.checkpoint import PICKLE, PICKLE_INDEX, SAFETENSORS_INDEX, Checkpoint, open_checkpoint, read_json
+from oodjax.models.hf_checkpoint import PICKLE, PICKLE_INDEX, SAFETENSORS_INDEX, Checkpoint, open_checkpoint, read_json
 from oodjax.models.config import DecoderConfig
 from oodjax.models.gemma import GemmaForCausalLM
 from oodjax.models.layers import STACKED, CausalLM, per_layer_paths

@@ -83,14 +83,14 @@ class Olmo2Attention(nnx.Module):
         self.q_norm = RMSNorm(q_width, eps=config.rms_norm_eps, dtype=dtype, scale_in_float32=True)
         self.k_norm = RMSNorm(kv_width, eps=config.rms_norm_eps, dtype=dtype, scale_in_float32=True)
 
-    def __call__(self, x: jax.Array, attention_mask: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, segment_ids: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
         batch, seq, _ = x.shape
         heads = (batch, seq, -1, self.head_dim)
         query = apply_rope(self.q_norm(self.q_proj(x)).reshape(heads), cos, sin)
         key = apply_rope(self.k_norm(self.k_proj(x)).reshape(heads), cos, sin)
         value = self.v_proj(x).reshape(heads)
         out = attention(
-            query, key, value, attention_mask, scale=self.head_dim**-0.5, implementation=self.implementation
+            query, key, value, segment_ids, scale=self.head_dim**-0.5, implementation=self.implementation
         )
         return constrain(self.o_proj(out.reshape(batch, seq, -1)), HIDDEN)
 
@@ -105,8 +105,8 @@ class Olmo2DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, **norm)
         self.post_feedforward_layernorm = RMSNorm(config.hidden_size, **norm)
 
-    def __call__(self, hidden: jax.Array, attention_mask: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-        hidden = hidden + self.post_attention_layernorm(self.self_attn(hidden, attention_mask, cos, sin))
+    def __call__(self, hidden: jax.Array, segment_ids: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+        hidden = hidden + self.post_attention_layernorm(self.self_attn(hidden, segment_ids, cos, sin))
         return hidden + self.post_feedforward_layernorm(self.mlp(hidden))
 
 
@@ -121,15 +121,15 @@ class Olmo2Model(nnx.Module):
         )
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype, scale_in_float32=True)
 
-    def __call__(self, input_ids: jax.Array, attention_mask: jax.Array, *, all_layers: bool):
+    def __call__(self, input_ids: jax.Array, segment_ids: jax.Array, *, all_layers: bool):
         # Positions count from each prompt's first token: a right-padded row gets
         # transformers' 0..S-1; left padding or packing shifts a prompt's positions,
         # which RoPE, seeing only their differences, does not notice.
-        positions = segment_positions(attention_mask)
+        positions = segment_positions(segment_ids)
         cos, sin = rope_cos_sin(positions, self.config.rope, self.config.head_dim)
         hidden = self.embed_tokens(input_ids)
         hidden, layer_inputs = run_layers(
-            self.layers, hidden, attention_mask, cos, sin, remat=self.config.remat, all_layers=all_layers
+            self.layers, hidden, segment_ids, cos, sin, remat=self.config.remat, all_layers=all_layers
         )
         hidden = self.norm(hidden)
         return (*layer_inputs, hidden) if all_layers else hidden

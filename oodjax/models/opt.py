@@ -91,14 +91,14 @@ class OPTAttention(nnx.Module):
         self.v_proj = Linear(width, width, axes=("embed", "heads"), **linear)
         self.out_proj = Linear(width, width, axes=("heads", "embed"), **linear)
 
-    def __call__(self, x: jax.Array, attention_mask: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, segment_ids: jax.Array) -> jax.Array:
         batch, seq, _ = x.shape
         heads = (batch, seq, self.num_heads, self.head_dim)
         # OPT scales the query before the dot product, not the logits; keep its rounding.
         query = (self.q_proj(x) * self.head_dim**-0.5).reshape(heads)
         key = self.k_proj(x).reshape(heads)
         value = self.v_proj(x).reshape(heads)
-        out = attention(query, key, value, attention_mask, scale=1.0, implementation=self.implementation)
+        out = attention(query, key, value, segment_ids, scale=1.0, implementation=self.implementation)
         return constrain(self.out_proj(out.reshape(batch, seq, -1)), HIDDEN)
 
 
@@ -115,11 +115,11 @@ class OPTDecoderLayer(nnx.Module):
         self.fc2 = Linear(config.ffn_dim, width, axes=("mlp", "embed"), **linear)
         self.final_layer_norm = LayerNorm(width, **norm)
 
-    def __call__(self, hidden: jax.Array, attention_mask: jax.Array) -> jax.Array:
+    def __call__(self, hidden: jax.Array, segment_ids: jax.Array) -> jax.Array:
         residual = hidden
         if self.norm_before:
             hidden = self.self_attn_layer_norm(hidden)
-        hidden = residual + self.self_attn(hidden, attention_mask)
+        hidden = residual + self.self_attn(hidden, segment_ids)
         if not self.norm_before:
             hidden = self.self_attn_layer_norm(hidden)
 
@@ -154,8 +154,8 @@ class OPTDecoder(nnx.Module):
             lambda rngs: OPTDecoderLayer(config, dtype=dtype, rngs=rngs), config.num_hidden_layers, rngs
         )
 
-    def __call__(self, input_ids: jax.Array, attention_mask: jax.Array, *, all_layers: bool):
-        mask = attention_mask.astype(jnp.int32)
+    def __call__(self, input_ids: jax.Array, segment_ids: jax.Array, *, all_layers: bool):
+        mask = segment_ids.astype(jnp.int32)
         positions = segment_positions(mask) + POSITION_OFFSET
         hidden = self.embed_tokens(input_ids)
         if self.project_in is not None:

@@ -1,8 +1,9 @@
-"""A full disk, named: the one error a job stops with when a write finds no space, and nothing lost.
+"""Writes that lose nothing: one atomic npz writer, and a full disk named in one line.
 
-Results (``oodjax.engine.results``) and checkpoints
-(``oodjax.engine.checkpoints``) are written so that a failed write leaves
-the previous file or checkpoint whole. When the failure is a full disk,
+Results (``oodjax.engine.results``), the tokenisation cache
+(``oodjax.data.cache``) and checkpoints (``oodjax.engine.checkpoints``) are
+written so that a failed write leaves the previous file or checkpoint whole
+(npz files through ``write_npz_atomic``). When the failure is a full disk,
 what reaches the user should say so, and where, in one line, rather than
 a library's traceback (TensorStore reports ENOSPC as a ValueError whose
 message holds the system's text, orbax re-raises it from a background
@@ -16,7 +17,10 @@ import contextlib
 import errno
 import os
 import pathlib
-from collections.abc import Callable, Iterator
+import secrets
+from collections.abc import Callable, Iterator, Mapping
+
+import numpy as np
 
 _NO_SPACE_TEXT = os.strerror(errno.ENOSPC)  # "No space left on device"
 
@@ -61,3 +65,26 @@ def reporting_full_disk(path: str | pathlib.Path, intact: Callable[[], str]) -> 
         raise NoSpaceError(
             errno.ENOSPC, f"{_NO_SPACE_TEXT} while writing {path}; {intact()}. Free space and rerun to resume"
         ) from error
+
+
+def write_npz_atomic(path: str | pathlib.Path, arrays: Mapping[str, np.ndarray]) -> None:
+    """Writes an npz so that `path` is always either the old file or the complete new one.
+
+    The temporary file is created with mode 0666 less the umask, as `open`
+    would (`tempfile` would make it 0600, and the rename would keep that). A
+    full disk raises `NoSpaceError` naming `path`, the old file left whole.
+    """
+    path = pathlib.Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(8)}.tmp")
+    with reporting_full_disk(path, lambda: f"the previous {path.name} is intact"):
+        descriptor = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        try:
+            with os.fdopen(descriptor, "wb") as file:
+                np.savez(file, **arrays)
+                file.flush()
+                os.fsync(file.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise

@@ -1,0 +1,254 @@
+"""Batches: their layout, the lengths their rows come in, and evaluation's batches of packed rows.
+
+Every batch is a dict of numpy arrays. One prompt a row (``make_batch``,
+and training streams without `pack`):
+
+    input_ids      [B, S] int32  prompt tokens, right-padded with `pad_id`
+    segment_ids    [B, S] int32  1 on prompt tokens, 0 on padding (the model's 0/1 attention mask)
+    answer_pos     [B]    int32  index of the last prompt token (its logits score the answer)
+    label          [B]    int32  0 = entailment (" Yes"), 1 = not entailment (" No")
+    index          [B]    int32  row of the example in its TokenizedSet; -1 on padding rows
+    valid          [B]    bool   False on padding rows, which must be masked out
+
+Evaluation batches, and training batches with `pack`, hold several prompts a
+row (``packed_rows_batch``): ``segment_ids`` number the prompts of a row
+1, 2, ... (as the model's ``attention_mask`` accepts them), and
+the per-prompt arrays gain a prompt-slot axis, [B, P].
+
+Padding rows attend to their first position only (so no row is fully masked and
+attention cannot produce NaN) and carry label 0; only `valid` says to ignore them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import grain
+import numpy as np
+
+from oodjax.data.packing import pair_rows
+from oodjax.data.prompts import TokenizedSet
+
+Batch = dict[str, np.ndarray]
+MIN_BUCKET = 64
+BUCKETS_PER_DOUBLING = 4  # default training lengths: 64, 80, 96, 112, 128, 160, ...
+MIN_EVAL_ROW = 32  # default evaluation row lengths: 32, 48, 64, 96, 128, 192, ...
+
+
+def bucket_lengths(max_length: int, buckets: Sequence[int] | None = None) -> tuple[int, ...]:
+    """Sorted sequence lengths training micro-batches are cut to; the last is always max_length.
+
+    Default: from 64, four lengths per doubling in equal steps (64, 80, 96,
+    112, 128, 160, 192, 224, 256, 320, ...) below max_length, then
+    max_length itself, so a micro-batch runs at most 25% longer than its
+    longest row (powers of two would allow 100%) and every prompt (at most
+    max_length tokens) fits the last.
+    """
+    steps = [step * MIN_BUCKET // BUCKETS_PER_DOUBLING for step in range(BUCKETS_PER_DOUBLING)]
+    return _lengths_up_to(max_length, buckets, MIN_BUCKET, steps, "bucket lengths")
+
+
+def eval_row_lengths(max_length: int, row_lengths: Sequence[int] | None = None) -> tuple[int, ...]:
+    """Sorted lengths of evaluation rows; the last is always max_length.
+
+    Default: 32 and 48 times the powers of two (32, 48, 64, 96, 128, 192,
+    256, 384, ...) below max_length, then max_length: fine enough that a row
+    of one or two prompts is nearly full, few enough that evaluation
+    compiles a handful of batch shapes.
+    """
+    return _lengths_up_to(max_length, row_lengths, MIN_EVAL_ROW, [0, MIN_EVAL_ROW // 2], "evaluation row lengths")
+
+
+def _lengths_up_to(
+    max_length: int, lengths: Sequence[int] | None, first: int, offsets: Sequence[int], what: str
+) -> tuple[int, ...]:
+    """``lengths`` below max_length, then max_length, sorted; None: the default ladder, ``first`` times the
+    powers of two, each plus ``offsets`` scaled with it (offsets are fractions of ``first``)."""
+    if max_length < 1:
+        raise ValueError(f"max_length must be positive, got {max_length}")
+    if lengths is None:
+        lengths, scale = [], 1
+        while first * scale < max_length:
+            lengths += [(first + offset) * scale for offset in offsets]
+            scale *= 2
+    if any(length < 1 for length in lengths):
+        raise ValueError(f"{what} must be positive, got {list(lengths)}")
+    return tuple(sorted({length for length in lengths if length < max_length} | {max_length}))
+
+
+def fitting_bucket(buckets: Sequence[int], length: int) -> int:
+    """The smallest of the sorted `buckets` that holds `length` tokens."""
+    index = int(np.searchsorted(buckets, length))
+    if index == len(buckets):
+        raise ValueError(f"{length} tokens do not fit the largest bucket, {buckets[-1]} (buckets {list(buckets)})")
+    return int(buckets[index])
+
+
+def make_batch(tokenized: TokenizedSet, rows: np.ndarray, seq_len: int, *, pad_id: int = 0) -> Batch:
+    """The batch of the given TokenizedSet rows (-1 = padding row), right-padded to seq_len."""
+    rows = np.asarray(rows)
+    batch_rows = len(rows)
+    input_ids = np.full((batch_rows, seq_len), pad_id, dtype=np.int32)
+    segment_ids = np.zeros((batch_rows, seq_len), dtype=np.int32)
+    segment_ids[:, 0] = 1
+    answer_pos = np.zeros(batch_rows, dtype=np.int32)
+    label = np.zeros(batch_rows, dtype=np.int32)
+    for r, i in enumerate(rows):
+        if i < 0:
+            continue
+        prompt = tokenized.prompt(i)
+        input_ids[r, : len(prompt)] = prompt
+        segment_ids[r, : len(prompt)] = 1
+        answer_pos[r] = len(prompt) - 1
+        label[r] = tokenized.labels[i]
+    return {
+        "input_ids": input_ids,
+        "segment_ids": segment_ids,
+        "answer_pos": answer_pos,
+        "label": label,
+        "index": rows.astype(np.int32),
+        "valid": rows >= 0,
+    }
+
+
+def packed_rows_batch(
+    tokenized: TokenizedSet, rows: list[list[int]], prompts_per_row: int, seq_len: int, *, pad_id: int
+) -> Batch:
+    """The batch of packed rows (each a list of TokenizedSet rows, [] for an empty row) of ``seq_len`` tokens,
+    ``prompts_per_row`` prompt slots a row: evaluation's batches and packed training batches alike."""
+    shape = (len(rows), prompts_per_row)
+    input_ids = np.full((len(rows), seq_len), pad_id, dtype=np.int32)
+    segment_ids = np.zeros(input_ids.shape, dtype=np.int32)
+    segment_ids[:, 0] = 1  # as in make_batch: an empty row attends to its first position
+    answer_pos = np.zeros(shape, dtype=np.int32)
+    label = np.zeros(shape, dtype=np.int32)
+    index = np.full(shape, -1, dtype=np.int32)
+    for r, members in enumerate(rows):
+        start = 0
+        for slot, i in enumerate(members):
+            prompt = tokenized.prompt(i)
+            stop = start + len(prompt)
+            input_ids[r, start:stop] = prompt
+            segment_ids[r, start:stop] = slot + 1
+            answer_pos[r, slot] = stop - 1
+            label[r, slot] = tokenized.labels[i]
+            index[r, slot] = i
+            start = stop
+    return {
+        "input_ids": input_ids,
+        "segment_ids": segment_ids,
+        "answer_pos": answer_pos,
+        "label": label,
+        "index": index,
+        "valid": index >= 0,
+    }
+
+
+def prompt_lengths(batch: Batch) -> np.ndarray:
+    """Each prompt's token count in ``answer_pos``'s shape, 0 on invalid prompts (one prompt a row or packed,
+    with or without leading run and micro-batch axes): a packed row's prompts lie one after another from its
+    start, so each ends at its answer and begins after the previous one's."""
+    answer_pos = np.asarray(batch["answer_pos"], dtype=np.int64)
+    previous = -1
+    if answer_pos.ndim == np.ndim(batch["input_ids"]):  # a prompt-slot axis: packed rows
+        previous = np.concatenate([np.full((*answer_pos.shape[:-1], 1), -1), answer_pos[..., :-1]], axis=-1)
+    return np.where(batch["valid"], answer_pos - previous, 0)
+
+
+def by_length(tokenized: TokenizedSet, rows: np.ndarray) -> np.ndarray:
+    """``rows`` ordered by prompt length, shortest first (ties keep their order)."""
+    rows = np.asarray(rows)
+    return rows[np.argsort(tokenized.lengths[rows], kind="stable")]
+
+
+def eval_batches(
+    tokenized: TokenizedSet,
+    *,
+    batch_tokens: int,
+    row_multiple: int = 1,
+    pad_id: int = 0,
+    lanes: Sequence[Sequence[int]] | None = None,
+    row_lengths: Sequence[int] | None = None,
+) -> grain.MapDataset:
+    """One pass over every example exactly once, prompts packed one or two to a row of one of ``row_lengths``.
+
+    Rows of several lengths (``eval_row_lengths``; default its series up to
+    the set's max_length), each holding at most two prompts and filled as
+    fully as the pool allows (``pair_rows``), leave little padding and
+    compute little attention between prompts: a row of two prompts computes
+    at most about twice the attention scores they need, where a row of
+    max_length holding a dozen short prompts computes a dozen times more.
+    A batch is a dict of numpy arrays:
+
+        input_ids      [B, S]    int32  prompts one after another, right-padded with `pad_id`
+        segment_ids    [B, S]    int32  prompt ids within the row (1, 2, ...), 0 on padding
+        answer_pos     [B, P]    int32  index in the row of each prompt's last token
+        label, index, valid [B, P]     as in `make_batch`, per prompt slot (-1 / False on empty slots)
+
+    with S one of the row lengths and P the most prompts a row of that length
+    holds. Each row length has its own batches (so a jitted step compiles
+    once per row length used), of about `batch_tokens` tokens: B rows, a
+    multiple of `row_multiple` (the devices a batch is split over), that
+    length's rows spread evenly over the fewest batches that allows;
+    shorter rows come first.
+
+    `lanes` batches several lists of rows in lockstep (e.g. one per run, each
+    run scoring its own examples), each lane's rows once: every leaf gains a
+    leading lane axis [L, B, ...] and lane l of batch k holds the k-th chunk
+    of lane l's packed rows of that length, with empty rows where lane l has
+    fewer than the fullest lane. A row may be in several lanes. Without
+    `lanes`: one lane of every row, and no lane axis.
+    """
+    if batch_tokens < 1 or row_multiple < 1:
+        raise ValueError(f"batch_tokens and row_multiple must be positive, got {batch_tokens} and {row_multiple}")
+    if lanes is None:
+        lane_rows = [np.arange(len(tokenized))]
+    elif not lanes:
+        raise ValueError("lanes is empty: give at least one lane of rows (or None for every row)")
+    else:
+        lane_rows = [_lane_rows(tokenized, rows, lane) for lane, rows in enumerate(lanes)]
+    lengths = eval_row_lengths(tokenized.max_length, row_lengths)
+    # Per row length, each lane's packed rows (lists of TokenizedSet rows), in packing order.
+    by_length: dict[int, list[list[list[int]]]] = {length: [[] for _ in lane_rows] for length in lengths}
+    for lane, rows in enumerate(lane_rows):
+        for length, members in pair_rows(tokenized.lengths[rows], lengths):
+            by_length[length][lane].append(rows[members].tolist())
+    plan = []
+    for length, packed in by_length.items():
+        most_rows = max(len(rows) for rows in packed)
+        if not most_rows:
+            continue
+        prompts_per_row = max(len(row) for rows in packed for row in rows)
+        rows = max(row_multiple, batch_tokens // length // row_multiple * row_multiple)
+        per_batch = _ceil_div(most_rows, _ceil_div(most_rows, rows))  # the fewest batches of at most `rows`, evened
+        rows = min(rows, _ceil_div(per_batch, row_multiple) * row_multiple)
+        for first in range(0, most_rows, rows):
+            chunks = [lane[first : first + rows] for lane in packed]
+            plan.append((length, prompts_per_row, [chunk + [[]] * (rows - len(chunk)) for chunk in chunks]))
+
+    def batch(entry: tuple[int, int, list[list[list[int]]]]) -> Batch:
+        length, prompts_per_row, chunks = entry
+        per_lane = [packed_rows_batch(tokenized, chunk, prompts_per_row, length, pad_id=pad_id) for chunk in chunks]
+        if lanes is None:
+            return per_lane[0]
+        return {key: np.stack([b[key] for b in per_lane]) for key in per_lane[0]}
+
+    return grain.MapDataset.source(plan).map(batch)
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def row_positions(rows: Sequence[int], size: int) -> tuple[np.ndarray, np.ndarray]:
+    """``rows`` (positions in something of ``size`` items) as a flat int array, and those of them outside
+    [0, size), for the caller's error message."""
+    rows = np.asarray(rows, dtype=np.int64).reshape(-1)
+    return rows, rows[(rows < 0) | (rows >= size)]
+
+
+def _lane_rows(tokenized: TokenizedSet, rows: Sequence[int], lane: int) -> np.ndarray:
+    rows, outside = row_positions(rows, len(tokenized))
+    if outside.size:
+        raise ValueError(f"lane {lane} names rows outside [0, {len(tokenized)}): {outside[:5].tolist()}")
+    return rows

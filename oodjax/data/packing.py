@@ -1,0 +1,131 @@
+"""Which prompts share a row: index logic only, the arrays are laid out by ``oodjax.data.batches``.
+
+Two problems, two greedy packers, both deterministic so that every process
+packs the same pool the same way:
+
+- evaluation (``pair_rows``): every prompt once, at most two a row, rows of
+  a few lengths, as full as possible, so that little is padding and little
+  attention is computed between prompts;
+- training (``balance_rows``): one batch's prompts spread over a fixed
+  number of rows (a micro-batch's rows are its devices', one each), as
+  evenly as possible, so that the longest row, the length the micro-batch
+  runs at, is as short as the prompts allow.
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+from collections.abc import Sequence
+
+import numpy as np
+
+# At most two prompts an evaluation row: a row then computes at most about twice the
+# (causal) attention scores its prompts need, however its length is split between them.
+EVAL_PROMPTS_PER_ROW = 2
+
+
+def pair_rows(
+    lengths: np.ndarray, row_lengths: Sequence[int], prompts_per_row: int = EVAL_PROMPTS_PER_ROW
+) -> list[tuple[int, list[int]]]:
+    """Indices of ``lengths`` grouped into rows of the sorted ``row_lengths``, at most ``prompts_per_row`` a row:
+    (row length, indices) pairs.
+
+    Longest prompt first: it opens a row of the length that it and its
+    filling fill most fully (the shortest such), the filling being, one
+    after another, the longest remaining prompts that still fit. With many
+    prompts to choose from, a pair nearly always fills a row to within a few
+    tokens, so rows are almost all prompt while no row holds more than a
+    couple of them. Deterministic, so every process packs a pool the same way.
+    """
+    lengths = np.asarray(lengths, dtype=np.int64)
+    longest = int(row_lengths[-1])
+    too_long = np.flatnonzero(lengths > longest)
+    if too_long.size:
+        raise ValueError(f"prompts {too_long[:5].tolist()} are longer than the longest row, {longest}")
+    if prompts_per_row < 1:
+        raise ValueError(f"rows need at least one prompt slot, got {prompts_per_row}")
+    # The remaining prompts: the distinct lengths, sorted, and per length its indices (the earliest on top).
+    waiting: dict[int, list[int]] = collections.defaultdict(list)
+    for item in np.argsort(-lengths, kind="stable")[::-1].tolist():
+        waiting[int(lengths[item])].append(item)
+    available = sorted(waiting)
+
+    def longest_fitting(room: int, taken: collections.Counter) -> int | None:
+        """The longest remaining length of at most ``room`` tokens, not counting the ``taken`` ones."""
+        position = bisect.bisect_right(available, room) - 1
+        while position >= 0 and taken[available[position]] >= len(waiting[available[position]]):
+            position -= 1
+        return available[position] if position >= 0 else None
+
+    def take(length: int) -> int:
+        item = waiting[length].pop()
+        if not waiting[length]:
+            available.remove(length)
+        return item
+
+    rows = []
+    while available:
+        first = available[-1]
+        best = None  # (tokens, row length, filling lengths)
+        for row_length in row_lengths:
+            if row_length < first:
+                continue
+            taken = collections.Counter({first: 1})
+            filling, room = [], row_length - first
+            while len(filling) + 1 < prompts_per_row and (fit := longest_fitting(room, taken)) is not None:
+                filling.append(fit)
+                taken[fit] += 1
+                room -= fit
+            if best is None or (row_length - room) * best[1] > best[0] * row_length:  # a fuller row
+                best = (row_length - room, row_length, filling)
+        _, row_length, filling = best
+        rows.append((int(row_length), [take(length) for length in [first, *filling]]))
+    return rows
+
+
+def balance_rows(
+    lengths: np.ndarray, *, num_rows: int, micro_batches: int, row_length: int, prompts_per_row: int
+) -> list[list[int]]:
+    """Indices of ``lengths`` in ``num_rows`` rows (``micro_batches`` consecutive blocks of rows), each row at most
+    ``row_length`` tokens and ``prompts_per_row`` prompts.
+
+    Longest first, each prompt goes to the least-filled row (the first of
+    equals) of the first micro-batch that has room for it. A micro-batch
+    runs at the length of its longest row, and on a mesh its rows are its
+    devices' (one each), so spreading the prompts evenly over its rows
+    makes that length as short as the prompts allow; filling the first
+    micro-batch before the next leaves the later ones empty, to be skipped.
+    Deterministic, so every process places every prompt alike.
+    """
+    lengths = np.asarray(lengths, dtype=np.int64)
+    if micro_batches < 1 or num_rows % micro_batches:
+        raise ValueError(f"{num_rows} rows cannot be split into {micro_batches} micro-batches of equal size")
+    per_micro_batch = num_rows // micro_batches
+    load, members = [0] * num_rows, [[] for _ in range(num_rows)]
+    for item in np.argsort(-lengths, kind="stable").tolist():
+        need = int(lengths[item])
+        for first in range(0, num_rows, per_micro_batch):
+            row = _least_filled(load, members, first, first + per_micro_batch, need, row_length, prompts_per_row)
+            if row is not None:
+                break
+        else:
+            raise ValueError(
+                f"{len(lengths)} prompts of {int(lengths.sum())} tokens (longest {int(lengths.max())}) do not fit "
+                f"{num_rows} rows of {row_length} tokens and {prompts_per_row} prompt slots; at prompt {item} "
+                f"({need} tokens)"
+            )
+        load[row] += need
+        members[row].append(item)
+    return members
+
+
+def _least_filled(
+    load: list[int], members: list[list[int]], start: int, stop: int, need: int, row_length: int, slots: int
+) -> int | None:
+    """The least-filled of rows [start, stop) with room for ``need`` more tokens and another prompt, or None."""
+    best = None
+    for row in range(start, stop):
+        if load[row] + need <= row_length and len(members[row]) < slots and (best is None or load[row] < load[best]):
+            best = row
+    return best
