@@ -176,6 +176,11 @@ def get_config() -> config_dict.ConfigDict:
     # Lengths of evaluation rows; empty = 32 and 48 times the powers of two
     # (32, 48, 64, 96, 128, ...) up to data.max_length.
     config.eval.row_lengths = ()
+    # `python -m oodjax.evaluate` only: evaluate each (seed, shots) run in
+    # context instead, every test prompt preceded by the run's few-shot set
+    # (answers filled in) as demonstrations, nothing trained; runs are named
+    # and grouped as model "<model>-icl".
+    config.eval.in_context = False
 
     # Device mesh axis sizes; -1 = all remaining devices. The batch is split
     # over data x fsdp; parameters over fsdp and tensor by the logical rules.

@@ -1,10 +1,10 @@
-"""`python -m oodjax.evaluate --config configs/X.py [--config.model.adapters=DIR,DIR ...]`: evaluation, no training.
+"""`python -m oodjax.evaluate --config configs/X.py [--config.model.adapters=DIR,... | --config.eval.in_context]`.
 
-Also the `oodjax-evaluate` command. It takes the configs and overrides
-`oodjax.main` takes and writes, for each run it evaluates, the usual
-`<output_dir>/<run>/metrics.npz` with one evaluation, at step 0, so
-`python -m analysis` and `python -m analysis.runs` read it like any other.
-What is evaluated, on `data.testsets`:
+Evaluation, no training; also the `oodjax-evaluate` command. It takes the
+configs and overrides `oodjax.main` takes and writes, for each run it
+evaluates, the usual `<output_dir>/<run>/metrics.npz` with one evaluation,
+at step 0, so `python -m analysis` and `python -m analysis.runs` read it like
+any other. What is evaluated, on `data.testsets`:
 
 - without `model.adapters`: the base model itself, as one run named
   `<model>_<train_set>_base` (seed 0, shots 0 in its run section);
@@ -13,17 +13,27 @@ What is evaluated, on `data.testsets`:
   run, all evaluated together on one copy of the base. An adapter that
   `export.peft` wrote into `<run_dir>/adapter/` keeps that run's name, seed
   and shots (read from the run's metrics.npz); any other is named after its
-  folder, with its position in the list as its seed and shots 0.
+  folder, with its position in the list as its seed and shots 0;
+- with `eval.in_context`, the in-context-learning baseline: each (seed,
+  shots) of `runs.seeds` x `runs.shots` is a run of the base model named as
+  a trained run of model `<model>-icl` (its run section's model, so the
+  analysis groups it apart), in which every test prompt is preceded by the
+  few-shot set that run would train on (same seed, balanced, in its drawn
+  order) as demonstrations, each the template with its answer word filled
+  in (`oodjax.data.tokenize_in_context`). Prompts over data.max_length lose
+  whole demonstrations from the front, never the test prompt.
 
 The adapters of one call must share rank, alpha and targets, since they are
-stacked like the runs of a training job. A run whose metrics.npz exists
-already is skipped, so an interrupted call resumes and nothing written is
-lost.
+stacked like the runs of a training job; the runs of the other two kinds
+all have a zero adapter, the base model's own outputs. A run whose
+metrics.npz exists already is skipped, so an interrupted call resumes and
+nothing written is lost.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import pathlib
 from collections.abc import Sequence
@@ -46,26 +56,34 @@ from oodjax.models.lora import LoRAConfig, apply_lora, lora_from_peft, read_peft
 from oodjax.models.partitioning import param_shardings
 
 BASE_RUN_SUFFIX = "base"
+IN_CONTEXT_SUFFIX = "-icl"  # of the model name of in-context runs: the analysis groups them apart
 
 
 @dataclasses.dataclass(frozen=True)
 class EvaluatedRun:
-    """One model (the base, or the base with one adapter) evaluated as a run."""
+    """One model (the base, the base with one adapter, or the base in context) evaluated as a run."""
 
     name: str
+    model: str  # its run section's model: the config's, or "<model>-icl" in context
     seed: int
     shots: int
     directory: pathlib.Path
-    adapter: pathlib.Path | None  # None: the base model alone
+    adapter: pathlib.Path | None  # None: the base model alone (or in context)
 
 
 def plan_evaluation(config: config_dict.ConfigDict) -> list[EvaluatedRun]:
-    """The runs ``evaluate_config`` evaluates: the base model, or one per adapter folder (see the module)."""
+    """The runs ``evaluate_config`` evaluates: the base model, one per adapter folder, or one per (seed, shots)
+    in context (see the module)."""
     model = loop.model_name(config)
     output = pathlib.Path(config.output_dir)
+    if config.eval.in_context:
+        model = f"{model}{IN_CONTEXT_SUFFIX}"
+        grid = itertools.product(config.runs.seeds, config.runs.shots)  # seeds outermost, as loop.plan_runs
+        names = {(seed, shots): results.run_name(model, config.data.train_set, seed, shots) for seed, shots in grid}
+        return [EvaluatedRun(name, model, seed, shots, output / name, None) for (seed, shots), name in names.items()]
     if not config.model.adapters:
         name = f"{results.path_safe(model)}_{config.data.train_set}_{BASE_RUN_SUFFIX}"
-        return [EvaluatedRun(name, 0, 0, output / name, None)]
+        return [EvaluatedRun(name, model, 0, 0, output / name, None)]
     planned = []
     for index, folder in enumerate(pathlib.Path(path).expanduser() for path in config.model.adapters):
         identity = _trained_run_identity(folder)
@@ -75,7 +93,7 @@ def plan_evaluation(config: config_dict.ConfigDict) -> list[EvaluatedRun]:
         else:
             seed, shots = index, 0
             name = f"{results.path_safe(model)}_{config.data.train_set}_{results.path_safe(folder.name)}"
-        planned.append(EvaluatedRun(name, seed, shots, output / name, folder))
+        planned.append(EvaluatedRun(name, model, seed, shots, output / name, folder))
     names = [run.name for run in planned]
     repeated = sorted({name for name in names if names.count(name) > 1})
     if repeated:
@@ -84,8 +102,9 @@ def plan_evaluation(config: config_dict.ConfigDict) -> list[EvaluatedRun]:
 
 
 def evaluate_config(config: config_dict.ConfigDict) -> list[EvaluatedRun]:
-    """Evaluates the config's base model or adapters (``plan_evaluation``) and writes their metrics.npz."""
-    checks.check_config(config)
+    """Evaluates the config's base model, adapters or in-context runs (``plan_evaluation``) and writes their
+    metrics.npz."""
+    checks.check_config(config, evaluation=True)
     planned = plan_evaluation(config)
     todo = [run for run in planned if not (run.directory / schema.METRICS_FILENAME).exists()]
     for run in planned:
@@ -111,9 +130,12 @@ def evaluate_config(config: config_dict.ConfigDict) -> list[EvaluatedRun]:
     lora = jax.tree.map(lambda *xs: jnp.stack(xs), *per_run)
     lora = sharding.place(lora, sharding.runs_shardings(lora, mesh))
 
-    testsets = run_data.load_testsets(config, tokenizer)
+    if config.eval.in_context:  # each run scores its own in-context copy of the testsets
+        shared, own = {}, run_data.in_context_sets(config, tokenizer, [(run.seed, run.shots) for run in todo])
+    else:
+        shared, own = run_data.load_testsets(config, tokenizer), [{} for _ in todo]
     pool = make_eval_pool(
-        testsets, [{} for _ in todo], batch_tokens=config.eval.batch_size * config.data.max_length,
+        shared, own, batch_tokens=config.eval.batch_size * config.data.max_length,
         row_multiple=sharding.batch_shards(mesh), pad_id=run_data.pad_id(tokenizer),
         row_lengths=tuple(config.eval.row_lengths) or None,
     )  # fmt: skip
@@ -125,7 +147,7 @@ def evaluate_config(config: config_dict.ConfigDict) -> list[EvaluatedRun]:
     )
     config_json = json.loads(config.to_json())
     for r, run in enumerate(todo):
-        identity = {schema.RUN_MODEL: loop.model_name(config), schema.RUN_SEED: run.seed, schema.RUN_SHOTS: run.shots}
+        identity = {schema.RUN_MODEL: run.model, schema.RUN_SEED: run.seed, schema.RUN_SHOTS: run.shots}
         run_results = results.RunResults(
             run.directory, labels=pool.labels_of(r), in_domain=config.data.train_set,
             config=dict(config_json, **{schema.RUN_SECTION: identity}),

@@ -11,6 +11,7 @@ from oodjax.data.batches import (
     packed_rows_batch,
     prompt_lengths,
 )
+from oodjax.data.in_context import InContextSet, tokenize_in_context
 from oodjax.data.packing import balance_rows, pair_rows
 from oodjax.data.training_stream import TRAIN_PREFETCH, balanced_batch, epoch_permutation, train_batches, train_prompts_per_row
 from oodjax.data.prompts import (
@@ -31,6 +32,7 @@ __all__ = [
     "DEFAULT_ANSWERS",
     "DEFAULT_MAX_LENGTH",
     "DEFAULT_TEMPLATE",
+    "InContextSet",
     "TESTSETS",
     "TRAIN_PREFETCH",
     "TestsetSpec",
@@ -55,6 +57,7 @@ __all__ = [
     "stratified_subset",
     "testset_spec",
     "testset_table",
+    "tokenize_in_context",
     "tokenize_testset",
     "train_batches",
     "train_prompts_per_row",

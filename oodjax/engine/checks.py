@@ -33,8 +33,10 @@ from oodjax.models.hf_checkpoint import read_json
 DTYPES = ("float32", "bfloat16", "float16")
 
 
-def check_config(config: config_dict.ConfigDict) -> None:
-    """Raises a ValueError or FileNotFoundError naming the first wrong field."""
+def check_config(config: config_dict.ConfigDict, *, evaluation: bool = False) -> None:
+    """Raises a ValueError or FileNotFoundError naming the first wrong field; ``evaluation``: the config is
+    ``oodjax.evaluate``'s, not training's."""
+    _check_command(config, evaluation)
     _check_lists(config)
     _check_model(config.model)
     _check_source("tokenizer", config.tokenizer or config.model.path, "tokenizer_config.json")
@@ -42,6 +44,22 @@ def check_config(config: config_dict.ConfigDict) -> None:
     _check_runs_and_training(config)
     _check_trackers(config)
     _check_export(config.export)
+
+
+def _check_command(config: config_dict.ConfigDict, evaluation: bool) -> None:
+    """The in-context baseline trains nothing, and uses no adapters: each run is the base model, prompted."""
+    if not config.eval.in_context:
+        return
+    if not evaluation:
+        raise ValueError(
+            "eval.in_context=True is for evaluation without training: run `python -m oodjax.evaluate` "
+            "(oodjax-evaluate), not oodjax.main"
+        )
+    if config.model.adapters:
+        raise ValueError(
+            "eval.in_context=True evaluates the base model in context, so model.adapters must be empty; "
+            "evaluate the adapters in a call of their own"
+        )
 
 
 def _check_lists(config: config_dict.ConfigDict) -> None:

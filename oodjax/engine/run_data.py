@@ -14,6 +14,10 @@ hold no prompt. Each stream builds its next batches in a background thread.
 ``training_figures`` replays a job's real streams to measure what the
 preflight reports: the share of the tokens a train step computes that are
 prompt tokens, and the host time one step's batches take to build.
+
+``in_context_sets`` gives the in-context baseline (``oodjax.evaluate``)
+each run's own copy of the testsets, every prompt preceded by the run's
+few-shot set as demonstrations: the same set training would draw.
 """
 
 from __future__ import annotations
@@ -33,12 +37,14 @@ from analysis import schema
 from oodjax.data import (
     TRAIN_PREFETCH,
     Batch,
+    InContextSet,
     TokenizedSet,
     few_shot,
     load_testset,
     prompt_lengths,
     stratified_subset,
     testset_table,
+    tokenize_in_context,
     tokenize_testset,
     train_batches,
     training_pool,
@@ -65,9 +71,14 @@ def few_shot_sets(
     Cheap (a few hundred prompts), so the job's ``BatchGeometry``, which
     needs their lengths, is known before the testsets are tokenised.
     """
+    return [_tokenize(config, dataset, tokenizer) for dataset in few_shot_datasets(config, runs)]
+
+
+def few_shot_datasets(config: config_dict.ConfigDict, runs: Sequence[tuple[int, int]]) -> list[datasets.Dataset]:
+    """Each run's few-shot set, balanced and in its seeded order, untokenised; ``runs`` are (seed, shots) pairs."""
     data = config.data
     pool = training_pool(data.train_set, split=data.pool_split or None, data_dir=data.data_dir or None)
-    return [_tokenize(config, few_shot(pool, shots, seed), tokenizer) for seed, shots in runs]
+    return [few_shot(pool, shots, seed) for seed, shots in runs]
 
 
 def load_runs_data(
@@ -115,23 +126,47 @@ def load_runs_data(
 
 
 def load_testsets(config: config_dict.ConfigDict, tokenizer: PreTrainedTokenizerBase) -> dict[str, TokenizedSet]:
+    """``capped_testsets``, tokenised, in order: what every run of a job is evaluated on."""
+    capped = capped_testsets(config)
+    return {name: _tokenize_testset(config, name, dataset, tokenizer) for name, dataset in capped.items()}
+
+
+def capped_testsets(config: config_dict.ConfigDict) -> dict[str, datasets.Dataset]:
     """``data.testsets``, built-in or declared (data.extra_testsets[_file]), each capped (its own cap, else
-    data.eval_cap) and tokenised, in order: what every run of a job is evaluated on."""
+    data.eval_cap), in order."""
     data = config.data
     table = testset_table(data.extra_testsets.to_dict(), data.extra_testsets_file or None)
     testsets = {}
     for name in data.testsets:
         dataset = load_testset(name, data_dir=data.data_dir or None, neutral=data.neutral, table=table)
         cap = table[name].eval_cap(data.eval_cap)
-        if cap:
-            dataset = stratified_subset(dataset, cap, seed=data.eval_seed)
-        tokenized = testsets[name] = _tokenize(config, dataset, tokenizer)
-        if tokenized.num_truncated:
-            logging.info(
-                "%s: %d of %d prompts truncated to %d tokens", name, tokenized.num_truncated, len(tokenized),
-                data.max_length,
-            )
+        testsets[name] = stratified_subset(dataset, cap, seed=data.eval_seed) if cap else dataset
     return testsets
+
+
+def in_context_sets(
+    config: config_dict.ConfigDict, tokenizer: PreTrainedTokenizerBase, runs: Sequence[tuple[int, int]]
+) -> list[dict[str, InContextSet]]:
+    """Run r's in-context testsets: ``capped_testsets``, each prompt preceded by the demonstrations of run r's
+    few-shot set (``few_shot_datasets``) that fit in data.max_length (``oodjax.data.tokenize_in_context``)."""
+    data = config.data
+    testsets = capped_testsets(config)
+    zero_shot = {name: _tokenize_testset(config, name, dataset, tokenizer) for name, dataset in testsets.items()}
+    per_run = []
+    for (seed, shots), demonstrations in zip(runs, few_shot_datasets(config, runs), strict=True):
+        sets = {}
+        for name, dataset in testsets.items():
+            sets[name] = tokenize_in_context(
+                dataset, demonstrations, tokenizer, template=data.template, answers=tuple(data.answers),
+                max_length=data.max_length, zero_shot=zero_shot[name], cache_dir=data.cache_dir or None,
+            )  # fmt: skip
+            kept = sets[name].demonstrations
+            logging.info(
+                "seed %d, %d shots, %s: %.1f demonstrations kept per prompt on average; %d of %d prompts with none",
+                seed, shots, name, kept.mean(), np.count_nonzero(kept == 0), len(kept),
+            )  # fmt: skip
+        per_run.append(sets)
+    return per_run
 
 
 def step_batch(per_run: Sequence[Batch], *, grad_accum: int) -> Batch:
@@ -181,6 +216,18 @@ def _tokenize(
     return tokenize_testset(
         dataset, tokenizer, template=data.template, max_length=data.max_length, cache_dir=data.cache_dir or None
     )
+
+
+def _tokenize_testset(
+    config: config_dict.ConfigDict, name: str, dataset: datasets.Dataset, tokenizer: PreTrainedTokenizerBase
+) -> TokenizedSet:
+    tokenized = _tokenize(config, dataset, tokenizer)
+    if tokenized.num_truncated:
+        logging.info(
+            "%s: %d of %d prompts truncated to %d tokens", name, tokenized.num_truncated, len(tokenized),
+            config.data.max_length,
+        )  # fmt: skip
+    return tokenized
 
 
 def pad_id(tokenizer: PreTrainedTokenizerBase) -> int:
