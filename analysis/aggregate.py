@@ -17,7 +17,7 @@ import scipy.stats
 
 from analysis.naming import ModelInfo
 from analysis.padjust import adjust_pvalues
-from analysis.runs import ResultsError, Run
+from analysis.runs import ResultsError, RunRecord
 from analysis.stats import CONFIDENCE, PAIR_COLUMNS, pairwise_partial_corr
 
 RUN_ID_COLUMNS = ("model", "train_set", "seed", "shots", "run")
@@ -43,7 +43,7 @@ UNDEFINED_IN_EVERY_RUN = "undefined in every run: "
 _MAX_ABS_R = 1.0 - 1e-12
 
 
-def run_pairs(run: Run, **options) -> pd.DataFrame:
+def run_pairs(run: RunRecord, **options) -> pd.DataFrame:
     """The run's pairwise partial correlations of OOD testsets given in-domain accuracy.
 
     `options` are those of `pairwise_partial_corr` (method, residualiser,
@@ -63,7 +63,7 @@ def run_pairs(run: Run, **options) -> pd.DataFrame:
     return table.assign(**identity)[list(RUN_ID_COLUMNS) + list(PAIR_COLUMNS)]
 
 
-def all_run_pairs(runs: list[Run], **options) -> pd.DataFrame:
+def all_run_pairs(runs: list[RunRecord], **options) -> pd.DataFrame:
     """`run_pairs` of every run, one table."""
     return pd.concat([run_pairs(run, **options) for run in runs], ignore_index=True)
 

@@ -23,7 +23,7 @@ from analysis.aggregate import all_run_pairs, combine_runs, run_means, summarise
 from analysis.naming import slug, unique_stems
 from analysis.padjust import PADJUST_METHODS
 from analysis.residualise import RESIDUALISERS
-from analysis.runs import ResultsError, Run, accuracy_table, no_readable_runs_message, scan_runs
+from analysis.runs import ResultsError, RunRecord, accuracy_table, no_readable_runs_message, scan_runs
 from analysis.stats import METHODS
 
 CSV_NAME = "partial_correlations.csv"
@@ -168,7 +168,7 @@ def _nearest_existing(path: pathlib.Path) -> pathlib.Path:
 
 
 def write_analysis(
-    runs: list[Run], args: argparse.Namespace, directory: pathlib.Path
+    runs: list[RunRecord], args: argparse.Namespace, directory: pathlib.Path
 ) -> list[pathlib.Path]:
     """Compute everything, write it under `directory`, and return the paths written.
 
@@ -259,7 +259,7 @@ def write_analysis(
     return written + table_files + [document]
 
 
-def _write_accuracies(runs: list[Run], out: pathlib.Path) -> list[pathlib.Path]:
+def _write_accuracies(runs: list[RunRecord], out: pathlib.Path) -> list[pathlib.Path]:
     """Every accuracy in long form, as CSV and as Parquet (typed, fast to load)."""
     accuracies = accuracy_table(runs)
     paths = [out / f"{ACCURACIES_NAME}.csv", out / f"{ACCURACIES_NAME}.parquet"]
@@ -279,7 +279,7 @@ def _write_csv(per_run: pd.DataFrame, per_group: pd.DataFrame, path: pathlib.Pat
 
 
 def _write_figures(
-    group_runs: list[Run],
+    group_runs: list[RunRecord],
     pairs: pd.DataFrame,
     testsets: list[str],
     directory: pathlib.Path,
@@ -304,19 +304,19 @@ def _group_pairs(per_group: pd.DataFrame, model: str, train_set: str) -> pd.Data
     return per_group[(per_group["model"] == model) & (per_group["train_set"] == train_set)]
 
 
-def _ood_testsets(group_runs: list[Run]) -> list[str]:
+def _ood_testsets(group_runs: list[RunRecord]) -> list[str]:
     return list(dict.fromkeys(t for run in group_runs for t in run.ood_testsets))
 
 
-def _extent(runs: list[Run]) -> str:
+def _extent(runs: list[RunRecord]) -> str:
     """How many runs and evaluation steps a result rests on, for captions and figure notes."""
     steps = sorted({len(run.steps) for run in runs})
     counted = f"{steps[0]}" if len(steps) == 1 else f"{steps[0]} to {steps[-1]}"
     return f"{len(runs)} runs of {counted} evaluation steps"
 
 
-def _groups(runs: list[Run]) -> dict[tuple[str, str], list[Run]]:
-    groups: dict[tuple[str, str], list[Run]] = {}
+def _groups(runs: list[RunRecord]) -> dict[tuple[str, str], list[RunRecord]]:
+    groups: dict[tuple[str, str], list[RunRecord]] = {}
     for run in runs:
         groups.setdefault((run.model, run.train_set), []).append(run)
     return groups

@@ -28,7 +28,7 @@ import scipy.stats  # noqa: E402
 from analysis.aggregate import lower_triangle  # noqa: E402
 from analysis.naming import ModelInfo  # noqa: E402
 from analysis.residualise import fit  # noqa: E402
-from analysis.runs import Run  # noqa: E402
+from analysis.runs import RunRecord  # noqa: E402
 from analysis.stats import probit_transform  # noqa: E402
 from analysis.tables import significance_mark  # noqa: E402
 
@@ -179,7 +179,7 @@ def correlation_by_size(
 
 
 def accuracy_curves(
-    runs: list[Run], *, title: str, note: str, ylim: tuple[float, float] | None = None
+    runs: list[RunRecord], *, title: str, note: str, ylim: tuple[float, float] | None = None
 ) -> plt.Figure:
     """Accuracy over steps, one panel per testset, one line per shot count.
 
@@ -221,7 +221,7 @@ def accuracy_curves(
 
 
 def ood_vs_in_domain(
-    runs: list[Run], *, residualiser: str, probit: bool, title: str, note: str
+    runs: list[RunRecord], *, residualiser: str, probit: bool, title: str, note: str
 ) -> plt.Figure:
     """OOD accuracy against in-domain accuracy, one panel per OOD testset.
 
@@ -306,7 +306,7 @@ def _colourbar(fig: plt.Figure, image: matplotlib.image.AxesImage, ax) -> None:
     colourbar.outline.set_visible(False)
 
 
-def _shot_colours(runs: list[Run]) -> dict[int, str]:
+def _shot_colours(runs: list[RunRecord]) -> dict[int, str]:
     """One Okabe-Ito colour per shot count, the same in every figure of a group."""
     return dict(zip(sorted({run.shots for run in runs}), itertools.cycle(OKABE_ITO)))
 

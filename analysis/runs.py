@@ -78,8 +78,9 @@ class SkippedFile:
 
 
 @dataclasses.dataclass(frozen=True)
-class Run:
-    """One run's accuracies over its evaluation steps, and what identifies it."""
+class RunRecord:
+    """One run's accuracies over its evaluation steps, and what identifies it, as its metrics.npz records them
+    (``oodjax.engine.results`` writes them)."""
 
     path: pathlib.Path
     model: str
@@ -115,7 +116,7 @@ class Run:
         return self.planned_steps is not None and int(self.steps[-1]) >= self.planned_steps
 
 
-def find_runs(root: str | pathlib.Path) -> list[Run]:
+def find_runs(root: str | pathlib.Path) -> list[RunRecord]:
     """`scan_runs` for use from Python: each skipped file is a ResultsWarning, and a root
     without any readable run is an error."""
     runs, skipped = scan_runs(root)
@@ -126,7 +127,7 @@ def find_runs(root: str | pathlib.Path) -> list[Run]:
     return runs
 
 
-def scan_runs(root: str | pathlib.Path) -> tuple[list[Run], list[SkippedFile]]:
+def scan_runs(root: str | pathlib.Path) -> tuple[list[RunRecord], list[SkippedFile]]:
     """Every run under `root` (searched recursively), sorted by model family, size, model,
     training set, shots and seed, and the files left out.
 
@@ -196,14 +197,14 @@ def read_metrics(
     return arrays
 
 
-def model_order_key(run: Run) -> tuple:
+def model_order_key(run: RunRecord) -> tuple:
     """Family, then size numerically (unknown sizes last), then the rest of the run's identity."""
     size = run.model_info.size_billions
     return (run.model_info.family, math.inf if math.isnan(size) else size, run.model,
             run.train_set, run.shots, run.seed, run.name)
 
 
-def accuracy_table(runs: Sequence[Run]) -> pd.DataFrame:
+def accuracy_table(runs: Sequence[RunRecord]) -> pd.DataFrame:
     """Every accuracy of every run in long form, one row per (run, step, testset):
     the columns of ACCURACY_COLUMNS, for plotting or modelling outside this package."""
     frames = []
@@ -224,7 +225,7 @@ OVERVIEW_COLUMNS = (
 )
 
 
-def runs_overview(runs: Sequence[Run], unreadable: Sequence[SkippedFile] = ()) -> pd.DataFrame:
+def runs_overview(runs: Sequence[RunRecord], unreadable: Sequence[SkippedFile] = ()) -> pd.DataFrame:
     """One row per run: identity, last step, whether it finished, and its accuracies at the
     last step (in-domain, and the mean over OOD testsets with an accuracy there); then one
     unfinished row per unreadable file, named by its directory, its `problem` saying why."""
@@ -285,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def load_run(path: str | pathlib.Path) -> Run:
+def load_run(path: str | pathlib.Path) -> RunRecord:
     """Read and validate one metrics.npz against analysis/schema.py (errors as `read_metrics`)."""
     path = pathlib.Path(path)
     arrays = read_metrics(path)
@@ -311,7 +312,7 @@ def load_run(path: str | pathlib.Path) -> Run:
             f"{path}: OOD testsets {run_ood}: pairs of OOD testsets need at least two"
         )
     config, identity = _run_identity(path, str(arrays[schema.CONFIG]))
-    return Run(
+    return RunRecord(
         path=path,
         model=identity[schema.RUN_MODEL],
         train_set=in_domain,
@@ -346,11 +347,11 @@ def _run_identity(path: pathlib.Path, config_json: str) -> tuple[dict[str, Any],
     return config, identity
 
 
-def _count_copies_once(runs: list[Run]) -> tuple[list[Run], list[SkippedFile]]:
+def _count_copies_once(runs: list[RunRecord]) -> tuple[list[RunRecord], list[SkippedFile]]:
     """One run per identity (model, training set, seed, shots): byte-identical copies (a
     results root copied into itself) count once, the first in path order kept; copies that
     differ are an error, since which one the paper should rest on is the researcher's call."""
-    by_identity: dict[tuple, list[Run]] = {}
+    by_identity: dict[tuple, list[RunRecord]] = {}
     for run in runs:
         by_identity.setdefault((run.model, run.train_set, run.seed, run.shots), []).append(run)
     kept, copies = [], []
@@ -369,14 +370,14 @@ def _count_copies_once(runs: list[Run]) -> tuple[list[Run], list[SkippedFile]]:
     return kept, copies
 
 
-def _progress(run: Run) -> str:
+def _progress(run: RunRecord) -> str:
     planned = "?" if run.planned_steps is None else run.planned_steps
     return f"last step {int(run.steps[-1])} of {planned}"
 
 
-def _check_one_model_per_name(runs: list[Run]) -> None:
+def _check_one_model_per_name(runs: list[RunRecord]) -> None:
     """Runs are grouped by model name: one name for two models would mix them silently."""
-    seen: dict[str, Run] = {}
+    seen: dict[str, RunRecord] = {}
     for run in runs:
         first = seen.setdefault(run.model, run)
         identity = (run.model_info.family, run.model_info.size_label)  # NaN != NaN

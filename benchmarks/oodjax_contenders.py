@@ -32,9 +32,9 @@ class Engine:
 
     mesh: jax.sharding.Mesh
     base_state: Any
-    runs: steps.RunsState
+    runs: steps.TrainState
     eval_step: Callable[..., jax.Array]
-    train_step: Callable[..., tuple[steps.RunsState, jax.Array]]
+    train_step: Callable[..., tuple[steps.TrainState, jax.Array]]
 
     def margins(self, pool: EvalPool) -> list[dict[str, np.ndarray]]:
         """Each run's margins per set, through the engine's ``evaluate`` (all batches dispatched, then fetched)."""

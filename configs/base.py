@@ -8,10 +8,9 @@ ignored setting.
 
 from ml_collections import config_dict
 
-from oodjax.data import DEFAULT_MAX_LENGTH, DEFAULT_TEMPLATE
-from oodjax.data.prompts import DEFAULT_ANSWERS
+from oodjax.data import DEFAULT_ANSWERS, DEFAULT_MAX_LENGTH, DEFAULT_TEMPLATE, TESTSETS
 
-EIGHT_TESTSETS = ("snli", "mnli", "scitail", "rte", "wnli", "paws", "hans", "anli")
+EIGHT_TESTSETS = tuple(TESTSETS)  # the study's eight, in the order of the testsets table
 
 # The type of the items of each list field: the command line reads
 # `--config.runs.seeds=0,42` as integers and `--config.data.testsets=snli,hans`

@@ -31,7 +31,7 @@ from ml_collections import config_dict
 
 from launch import architectures, costs
 from launch.config_files import expand_config_paths, load_config
-from oodjax.engine import loop
+from oodjax.models.lora import LoRAConfig
 
 GB = 1e9
 
@@ -157,7 +157,8 @@ def estimate(
         )
     mesh = resolve_mesh(config.mesh, devices)
     memory = costs.train_memory_per_device(
-        arch, loop.lora_config(config), dtype=config.model.dtype, compute_dtype=config.model.compute_dtype or None,
+        arch, LoRAConfig.from_config(config.lora), dtype=config.model.dtype,
+        compute_dtype=config.model.compute_dtype or None,
         remat=config.model.remat, mesh=mesh, runs=runs_at_once(config),
         micro_batch=config.train.batch_size // config.train.grad_accum, seq_len=seq_len,
         platform=platform or device.platform,

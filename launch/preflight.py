@@ -50,6 +50,7 @@ from oodjax import models
 from oodjax import config_cli
 from oodjax.data import answer_token_ids, load_tokenizer
 from oodjax.engine import loop, sharding, steps
+from oodjax.models.lora import LoRAConfig
 from oodjax.engine.evaluation import pool_figures
 from oodjax.engine.geometry import BatchGeometry, batch_geometry
 from oodjax.engine.run_data import TRAIN_KEYS, few_shot_sets, load_runs_data, training_figures
@@ -112,7 +113,7 @@ def preflight(
         )
 
     graphdef, base, state = steps.abstract_init_runs(
-        make_model, seeds, loop.lora_config(config), loop.optimizer(config)
+        make_model, seeds, LoRAConfig.from_config(config.lora), loop.optimizer(config)
     )
     train_step, eval_step = loop.make_steps(config, geometry, graphdef, base, state, yes_id, no_id, mesh)
     base_in = _with_shardings(base, param_shardings(base, mesh))

@@ -203,7 +203,7 @@ def test_estimate_within_a_quarter_of_the_compiled_train_step():
     architecture = estimate.architecture_of(config, layers)
     graphdef, base, runs = steps.abstract_init_runs(
         lambda: models.abstract_model(architecture, dtype=config.model.dtype, remat=config.model.remat),
-        [run.seed for run in loop.plan_runs(config)], loop.lora_config(config), loop.optimizer(config),
+        [run.seed for run in loop.plan_runs(config)], LoRAConfig.from_config(config.lora), loop.optimizer(config),
     )
     geometry = BatchGeometry(
         runs=runs.num_runs, batch_size=config.train.batch_size, grad_accum=config.train.grad_accum,

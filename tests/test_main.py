@@ -112,6 +112,27 @@ def test_bad_config_values_are_named(tmp_path, gpt2_tokenizer_dir, hf_data_dir, 
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("model.remat", "everything", "remat policy 'everything' is not one of"),
+        ("model.attention", "cudnn", "model.attention must be one of"),
+        ("lora.rank", 0, "lora: LoRAConfig.rank must be a positive integer, got 0"),
+        ("lora.dropout", 1.0, r"lora: LoRAConfig.dropout must be in \[0, 1\)"),
+    ],
+)
+def test_values_other_modules_own_are_checked_with_the_config(
+    tmp_path, gpt2_tokenizer_dir, hf_data_dir, field, value, message
+):
+    """The config checks ask the remat table, the attention kernels and LoRAConfig, so a bad value is refused
+    with the rest, before the model is built."""
+    config = tiny_config(tmp_path / "out", gpt2_tokenizer_dir, hf_data_dir, tmp_path / "cache")
+    section, _, key = field.rpartition(".")
+    config[section][key] = value
+    with pytest.raises(ValueError, match=message):
+        checks.check_config(config)
+
+
 def test_wandb_enabled_without_wandb_is_an_error(tmp_path, gpt2_tokenizer_dir, hf_data_dir, monkeypatch):
     monkeypatch.setattr(checks, "installed", lambda module: module != "wandb")
     config = tiny_config(tmp_path / "out", gpt2_tokenizer_dir, hf_data_dir, tmp_path / "cache")

@@ -1,7 +1,7 @@
 """Each run's own checkpoints, so that runs resume one by one whatever else a job trains.
 
 `<run_dir>/checkpoints/<step>/` holds one run at one step: its slice of the
-run-stacked ``RunsState`` (adapters, optimizer state, dropout key data, the
+run-stacked ``TrainState`` (adapters, optimizer state, dropout key data, the
 step counter; orbax item ``runs``), and a JSON record of the loop's state
 for it (item ``loop``: its partial loss sum, its data-iterator state, the
 config it was started with, whether the evaluation of that step is still
@@ -38,7 +38,7 @@ import orbax.checkpoint as ocp
 from absl import logging
 from jax.sharding import NamedSharding, PartitionSpec
 
-from oodjax.engine.steps import RunsState
+from oodjax.engine.steps import TrainState
 from oodjax.storage import reporting_full_disk
 
 CHECKPOINT_DIR = "checkpoints"  # <run_dir>/checkpoints/<step>/
@@ -57,7 +57,7 @@ class Restored:
 
     step: int
     loop_state: dict[str, Any]
-    state: RunsState | None  # the run's slice (no run axis); None when only the loop state was read
+    state: TrainState | None  # the run's slice (no run axis); None when only the loop state was read
     damaged: tuple[int, ...] = ()  # newer steps that failed to restore, newest first
 
 
@@ -81,7 +81,7 @@ def _complete_steps(directory: pathlib.Path) -> list[int]:
         manager.close()
 
 
-def restore_newest(run_dir: str | pathlib.Path, target: RunsState | None, *, warn: bool = True) -> Restored | None:
+def restore_newest(run_dir: str | pathlib.Path, target: TrainState | None, *, warn: bool = True) -> Restored | None:
     """The run's newest checkpoint that restores whole; None when it has none.
 
     ``target`` (``run_target``) gives the shapes, dtypes and shardings of
@@ -135,7 +135,7 @@ def set_aside(run_dir: str | pathlib.Path, step: int) -> pathlib.Path:
     return destination
 
 
-def run_target(runs: RunsState) -> RunsState:
+def run_target(runs: TrainState) -> TrainState:
     """One run's slice of ``runs`` as shapes, dtypes and shardings (the run axis dropped): what a run's
     checkpoint restores into, on the current mesh whatever mesh wrote it."""
 
@@ -150,7 +150,7 @@ def run_target(runs: RunsState) -> RunsState:
     )
 
 
-def split_runs(runs: RunsState) -> list[RunsState]:
+def split_runs(runs: TrainState) -> list[TrainState]:
     """Each run's slice of ``runs`` (its leaves without the run axis; the shared step as it is).
 
     One jitted program (compiled once per run count), which every process
@@ -159,7 +159,7 @@ def split_runs(runs: RunsState) -> list[RunsState]:
     return _split_runs(runs)
 
 
-def stack_runs(slices: Sequence[RunsState], like: RunsState) -> RunsState:
+def stack_runs(slices: Sequence[TrainState], like: TrainState) -> TrainState:
     """The run-stacked state of ``slices`` (one per run, all at one step: the first's is kept), with
     ``like``'s shardings."""
     shardings = jax.tree.map(lambda leaf: leaf.sharding, like)
@@ -167,7 +167,7 @@ def stack_runs(slices: Sequence[RunsState], like: RunsState) -> RunsState:
 
 
 @jax.jit
-def _split_runs(runs: RunsState) -> list[RunsState]:
+def _split_runs(runs: TrainState) -> list[TrainState]:
     return [
         runs.replace(
             lora=jax.tree.map(lambda leaf: leaf[r], runs.lora),
@@ -178,7 +178,7 @@ def _split_runs(runs: RunsState) -> list[RunsState]:
     ]
 
 
-def _stack_runs(slices: tuple[RunsState, ...]) -> RunsState:
+def _stack_runs(slices: tuple[TrainState, ...]) -> TrainState:
     def stacked(*leaves: jax.Array) -> jax.Array:
         return jnp.stack(leaves)
 
@@ -233,7 +233,7 @@ class RunCheckpointer:
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
 
-    def save(self, step: int, state: RunsState, loop_state: Mapping[str, Any]) -> None:
+    def save(self, step: int, state: TrainState, loop_state: Mapping[str, Any]) -> None:
         """Saves the run's slice ``state`` and ``loop_state`` (JSON data) at ``step``.
 
         The arrays are written asynchronously once copied to host, so

@@ -4,6 +4,22 @@ A sweep job that dies after twenty minutes of loading on a misspelt path
 wastes a cluster slot; these checks look only at the config and the file
 system (and the local Hugging Face cache for hub ids when offline, or the hub
 for the hub id of a declared testset missing from the local mirror).
+
+Where every check of a config lives, in the order a job meets them:
+
+- the command line (``oodjax.config_cli``): unknown fields, values that do
+  not parse, list items of the wrong type;
+- here, ``check_config``: each field's range and each path's existence, and
+  the facts other modules own, asked of them: a declared testset's fields
+  (``oodjax.data.testsets.testset_table``), the LoRA config
+  (``oodjax.models.lora.LoRAConfig``), the remat policy
+  (``oodjax.models.layers.check_remat``) and the attention kernel
+  (``oodjax.models.flash_attention.check_implementation``);
+- ``oodjax.engine.geometry.batch_geometry``: whether the batch sizes,
+  micro-batches and mesh fit together (it needs the mesh and the few-shot
+  sets, so it runs once those exist, still before anything compiles);
+- ``oodjax.models.loading``: the checkpoint itself (every tensor accounted
+  for).
 """
 
 from __future__ import annotations
@@ -28,7 +44,10 @@ from oodjax.data.testsets import (
     training_sets,
 )
 from oodjax.engine.events import WANDB_MODES, installed
+from oodjax.models.flash_attention import check_implementation
 from oodjax.models.hf_checkpoint import read_json
+from oodjax.models.layers import check_remat
+from oodjax.models.lora import LoRAConfig
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -39,6 +58,7 @@ def check_config(config: config_dict.ConfigDict, *, evaluation: bool = False) ->
     _check_command(config, evaluation)
     _check_lists(config)
     _check_model(config.model)
+    _check_lora(config)
     _check_source("tokenizer", config.tokenizer or config.model.path, "tokenizer_config.json")
     _check_data(config.data)
     _check_runs_and_training(config)
@@ -99,6 +119,15 @@ def _check_model(model: config_dict.ConfigDict) -> None:
         value = model[field]
         if value and value not in DTYPES:
             raise ValueError(f"model.{field} must be one of {DTYPES}, got {value!r}")
+    check_remat(model.remat)
+    check_implementation(model.attention)
+
+
+def _check_lora(config: config_dict.ConfigDict) -> None:
+    try:
+        LoRAConfig.from_config(config.lora)
+    except ValueError as error:
+        raise ValueError(f"lora: {error}") from error
 
 
 def _check_source(field: str, source: str, marker_file: str) -> None:

@@ -252,7 +252,7 @@ def _train_runs(
     model = load_model(config, mesh)
     resumed = [start for start in to_train if start.checkpoint is not None] + to_export
     if resumed:
-        _, _, one_run = steps.init_runs(model, [0], lora_config(config), optimizer(config), mesh=mesh)
+        _, _, one_run = steps.init_runs(model, [0], LoRAConfig.from_config(config.lora), optimizer(config), mesh=mesh)
         target = checkpoints.run_target(one_run)
         del one_run
         for start in resumed:
@@ -309,7 +309,8 @@ def _train_group(
     train_sets = few_shot_sets(config, tokenizer, [(run.seed, run.shots) for run in runs])
     geometry = batch_geometry(config, mesh, train_sets)
     data = load_runs_data(config, tokenizer, seeds, train_sets, geometry)
-    graphdef, base_state, state = steps.init_runs(model, seeds, lora_config(config), optimizer(config), mesh=mesh)
+    lora = LoRAConfig.from_config(config.lora)
+    graphdef, base_state, state = steps.init_runs(model, seeds, lora, optimizer(config), mesh=mesh)
     if group[0].checkpoint is not None:
         state = checkpoints.stack_runs([start.checkpoint.state for start in group], like=state)
         for start, stream in zip(group, data.streams, strict=True):
@@ -330,18 +331,12 @@ def optimizer(config: config_dict.ConfigDict) -> optax.GradientTransformation:
     )
 
 
-def lora_config(config: config_dict.ConfigDict) -> LoRAConfig:
-    """The config's adapters (its lora section)."""
-    lora = config.lora
-    return LoRAConfig(rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout, targets=tuple(lora.targets) or None)
-
-
 def make_steps(
     config: config_dict.ConfigDict,
     geometry: BatchGeometry,
     graphdef: nnx.GraphDef,
     base_state: nnx.State,
-    runs: steps.RunsState,
+    runs: steps.TrainState,
     yes_id: int,
     no_id: int,
     mesh: jax.sharding.Mesh,
@@ -439,7 +434,8 @@ def _export_adapters(config: config_dict.ConfigDict, run: Run, adapters: nnx.Sta
     if not is_primary():
         return
     base_model = config.model.path or model_name(config)
-    folder = export_peft(adapters, lora_config(config), run.directory / ADAPTER_DIR, base_model_name_or_path=base_model)
+    lora = LoRAConfig.from_config(config.lora)
+    folder = export_peft(adapters, lora, run.directory / ADAPTER_DIR, base_model_name_or_path=base_model)
     logging.info("%s: adapters at step %d (PEFT format) written to %s", run.name, step, folder)
     if config.export.hub_repo:
         huggingface_hub.create_repo(config.export.hub_repo, exist_ok=True)
@@ -487,7 +483,7 @@ class _Loop:
         train_step: Callable[..., Any],
         eval_step: Callable[..., Any],
         base_state: nnx.State,
-        state: steps.RunsState,
+        state: steps.TrainState,
         data: RunsData,
         stop: _StopSignals,
     ):

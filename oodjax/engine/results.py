@@ -1,4 +1,12 @@
-"""The results of one run: metrics.npz in the schema of analysis/schema.py.
+"""A run's identity and its results: metrics.npz in the schema of analysis/schema.py.
+
+A run is one (seed, shots) fine-tuning job of a model on a training set.
+Its name is ``run_name``'s ``<model>_<train_set>_seed<seed>_shots<shots>``,
+its directory ``<output_dir>/<name>/`` (checkpoints under ``checkpoints/``,
+adapters under ``adapter/``), and its identity is also stored inside its
+results, in the config JSON's run section (``schema.RUN_SECTION``: model,
+seed, shots), which is what the analysis (``analysis.runs.RunRecord``) and
+the sweep read: a renamed or moved directory is still the same run.
 
 The file is rewritten after every evaluation through a temporary file and
 `os.replace`, so a reader (or a crash, or a full disk) only ever sees a

@@ -176,6 +176,6 @@ def _stacked_sharding(leaf: Any, mesh: Mesh) -> Any:
 
 
 def runs_shardings(runs: Any, mesh: Mesh) -> Any:
-    """NamedShardings for a ``RunsState`` (or any run-stacked tree): adapters and optimizer moments
+    """NamedShardings for a ``TrainState`` (or any run-stacked tree): adapters and optimizer moments
     sharded like their projection, counters and keys replicated."""
     return jax.tree.map(lambda x: _stacked_sharding(x, mesh), runs, is_leaf=lambda x: isinstance(x, nnx.Variable))

@@ -2,7 +2,7 @@
 
 A "run" is one (seed, shots) fine-tuning job. All runs of a process share the
 base model's state; each has its own adapters, optimizer state and dropout
-key, stacked on a leading run axis (``RunsState``). Both steps map one run's
+key, stacked on a leading run axis (``TrainState``). Both steps map one run's
 computation over that axis (``vmap``; the train step may take the runs a
 chunk at a time to bound memory, ``map_runs``), so R runs share one copy of
 the base weights and give exactly what each run would give alone. The
@@ -43,7 +43,7 @@ _SEQUENCE_KEYS = ("input_ids", "segment_ids")  # [..., S]; a batch's other leave
 
 
 @flax.struct.dataclass
-class RunsState:
+class TrainState:
     """Everything that differs between runs, each leaf with a leading run axis [R, ...].
 
     ``rng`` holds raw uint32 key data [R, 2] (not typed keys) so checkpoints can
@@ -118,7 +118,7 @@ def init_runs(
     optimizer: optax.GradientTransformation,
     *,
     mesh: jax.sharding.Mesh | None = None,
-) -> tuple[nnx.GraphDef, nnx.State, RunsState]:
+) -> tuple[nnx.GraphDef, nnx.State, TrainState]:
     """Attaches adapters to ``model`` and returns (graphdef, frozen base state, stacked runs).
 
     Run r's adapters and dropout key come from ``nnx.Rngs(seeds[r])`` alone, so
@@ -138,7 +138,7 @@ def init_runs(
         keys.append(jax.random.key_data(rngs.dropout()))
     graphdef, _, base_state = nnx.split(model, nnx.LoRAParam, ...)
     lora = jax.tree.map(lambda *xs: jnp.stack(xs), *loras)
-    runs = RunsState(
+    runs = TrainState(
         lora=lora,
         opt_state=jax.vmap(optimizer.init)(lora),
         rng=jnp.stack(keys),
@@ -159,13 +159,13 @@ def abstract_init_runs(
     seeds: Sequence[int],
     lora_cfg: LoRAConfig,
     optimizer: optax.GradientTransformation,
-) -> tuple[nnx.GraphDef, nnx.State, RunsState]:
+) -> tuple[nnx.GraphDef, nnx.State, TrainState]:
     """``init_runs`` on ``make_model()`` as shapes only (``jax.eval_shape``): the graphdef, and base and runs
     whose leaves are ShapeDtypeStructs. Nothing is read, initialised or allocated, so a 32B model's steps can
     be lowered and compiled ahead of time on any machine (the preflight)."""
     graphdefs = []
 
-    def shapes() -> tuple[nnx.State, RunsState]:
+    def shapes() -> tuple[nnx.State, TrainState]:
         graphdef, base_state, runs = init_runs(make_model(), seeds, lora_cfg, optimizer)
         graphdefs.append(graphdef)  # static: it leaves the trace as it is
         return base_state, runs
@@ -320,7 +320,7 @@ def map_runs(fn: Callable[..., Any], per_run: tuple[Any, ...], chunk: int) -> An
 
 def train_step(
     base_state: nnx.State,
-    runs: RunsState,
+    runs: TrainState,
     batch: Batch,
     *,
     graphdef: nnx.GraphDef,
@@ -330,7 +330,7 @@ def train_step(
     geometry: BatchGeometry,
     compute_dtype: jnp.dtype | None,
     metrics: bool = False,
-) -> tuple[RunsState, jax.Array | dict[str, jax.Array]]:
+) -> tuple[TrainState, jax.Array | dict[str, jax.Array]]:
     """One optimizer step of every run (``make_train_step`` documents it; this is the function it jits)."""
     num_runs, accum, micro = geometry.train_rows_shape
     layout = f"[runs={num_runs}, grad_accum={accum}, micro_batch={micro}, seq={geometry.seq_len}]"
@@ -449,10 +449,10 @@ def make_train_step(
     *,
     mesh: jax.sharding.Mesh | None = None,
     base_state: nnx.State | None = None,
-    runs: RunsState | None = None,
+    runs: TrainState | None = None,
     compute_dtype: jnp.dtype | None = None,
     metrics: bool = False,
-) -> Callable[[nnx.State, RunsState, Batch], tuple[RunsState, jax.Array | dict[str, jax.Array]]]:
+) -> Callable[[nnx.State, TrainState, Batch], tuple[TrainState, jax.Array | dict[str, jax.Array]]]:
     """One jitted optimizer step for all runs: ``train_step(base_state, runs, batch) -> (runs, loss [R])``,
     or with ``metrics`` ``-> (runs, {"loss": [R], "grad_norm": [R]})``, grad_norm being each run's global
     gradient norm before clipping (what the run loop logs; the loss alone is what most callers need).

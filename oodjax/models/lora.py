@@ -25,6 +25,7 @@ import json
 import math
 import pathlib
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -78,6 +79,12 @@ class LoRAConfig:
                     f"LoRAConfig.targets must be a non-empty sequence of layer names, got {self.targets!r}"
                 )
             object.__setattr__(self, "targets", tuple(self.targets))
+
+    @classmethod
+    def from_config(cls, lora: Any) -> LoRAConfig:
+        """The adapters a config's ``lora`` section describes (rank, alpha, dropout, targets; () = the default
+        targets): the one reading of that section, which the config checks use to refuse a bad one early."""
+        return cls(rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout, targets=tuple(lora.targets) or None)
 
     @property
     def scale(self) -> float:
