@@ -36,6 +36,18 @@ TINY_ARCHITECTURES = {
     "llama-biases": dict(model_type="llama", vocab_size=101, hidden_size=16, intermediate_size=24,
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
                          attention_bias=True, mlp_bias=True, tie_word_embeddings=False),
+    "qwen2": dict(model_type="qwen2", vocab_size=101, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False),
+    "qwen3": dict(model_type="qwen3", vocab_size=101, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, tie_word_embeddings=True),
+    "mistral": dict(model_type="mistral", vocab_size=101, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, sliding_window=8, tie_word_embeddings=False),
+    "gemma2": dict(model_type="gemma2", vocab_size=101, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, head_dim=8),
+    "gemma3_text": dict(model_type="gemma3_text", vocab_size=101, hidden_size=16, intermediate_size=24,
+                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8),
+    "phi3": dict(model_type="phi3", vocab_size=101, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False, pad_token_id=0),
 }
 
 
@@ -61,15 +73,16 @@ def test_parameter_count_of_listed_checkpoints(hub_id):
     assert abs(count / published - 1) < 0.02, (hub_id, count, published)
 
 
-@pytest.mark.parametrize("name", ["opt", "olmo2-gqa", "smollm3-tied"])
+@pytest.mark.parametrize("name", ["opt", "olmo2-gqa", "smollm3-tied", "gemma2", "phi3"])
 def test_lora_parameter_count_equals_peft(name):
     architecture = TINY_ARCHITECTURES[name]
-    targets = ["q_proj", "k_proj", "v_proj", "out_proj" if name == "opt" else "o_proj"]
+    attention = {"opt": ["q_proj", "k_proj", "v_proj", "out_proj"], "phi3": ["qkv_proj", "o_proj"]}
+    targets = attention.get(name, ["q_proj", "k_proj", "v_proj", "o_proj"])
     model = peft.get_peft_model(torch_model(architecture), peft.LoraConfig(r=4, target_modules=targets))
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     assert costs.lora_parameter_count(architecture, 4) == trainable  # default targets: attention projections
     assert costs.lora_parameter_count(architecture, 4, targets) == trainable
-    mlp = ["fc1"] if name == "opt" else ["up_proj"]
+    mlp = {"opt": ["fc1"], "phi3": ["gate_up_proj"]}.get(name, ["up_proj"])
     peft_mlp = peft.get_peft_model(torch_model(architecture), peft.LoraConfig(r=4, target_modules=mlp))
     assert costs.lora_parameter_count(architecture, 4, mlp) == sum(
         p.numel() for p in peft_mlp.parameters() if p.requires_grad
