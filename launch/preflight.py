@@ -102,7 +102,7 @@ def preflight(
     runs = loop.plan_runs(config)
     seeds = [run.seed for run in runs]
     train_sets = few_shot_sets(config, tokenizer, [(run.seed, run.shots) for run in runs])
-    geometry = batch_geometry(config, mesh, train_sets)
+    geometry = batch_geometry(config, mesh, train_sets, seeds)
     data = load_runs_data(config, tokenizer, seeds, train_sets, geometry, prefetch=0)
     figures = {**training_figures(data.streams, geometry, steps=DATA_STEPS), **pool_figures(data.eval_pool)}
     longest_rows = max(data.eval_pool.batches, key=lambda batch: batch["input_ids"].shape[-1])

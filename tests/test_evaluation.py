@@ -18,13 +18,24 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from oodjax.data import TokenizedSet, eval_batches, fitting_bucket, make_batch, train_batches
-from oodjax.engine import steps
-from oodjax.engine.geometry import BatchGeometry
+from oodjax.data import (
+    TokenizedSet,
+    bucket_lengths,
+    eval_batches,
+    fitting_bucket,
+    load_tokenizer,
+    make_batch,
+    micro_batch_longest_rows,
+    train_batches,
+)
+from oodjax.engine import sharding, steps
 from oodjax.engine.evaluation import evaluate, make_eval_pool, pool_figures
-from oodjax.engine.run_data import step_batch, training_figures
+from oodjax.engine.geometry import BatchGeometry, batch_geometry
+from oodjax.engine.run_data import few_shot_sets, step_batch, training_figures
+from oodjax.engine.steps import micro_batch_branches
 from oodjax.models import from_config, load_pretrained
 from oodjax.models.lora import LoRAConfig
+from tests.engine_configs import tiny_config
 
 OPT = dict(
     model_type="opt", vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, ffn_dim=64,
@@ -210,3 +221,50 @@ def test_a_loaded_base_and_its_runs_compile_the_train_step_once(tmp_path):
     for _ in range(3):
         runs, _ = train_step(base, runs, batch)
     assert train_step._cache_size() == 1
+
+
+@pytest.mark.parametrize("pack", [True, False])
+def test_a_job_compiles_the_micro_batch_lengths_its_streams_take_and_no_other(
+    pack, tmp_path, gpt2_tokenizer_dir, hf_data_dir
+):
+    """batch_geometry's buckets are the lengths the train step picks for the job's real batches (built whole,
+    step by step, and run through the step's own choice against every bucket), plus the row length; the
+    replay it uses gives each micro-batch's longest row as the built batches hold it."""
+    config = tiny_config(tmp_path / "out", gpt2_tokenizer_dir, hf_data_dir, tmp_path / "cache")
+    config.data.max_length = 256
+    config.data.buckets = ()  # the default ladder: 64, 80, 96, 112, 128, 160, ...
+    # Prompts of about 100 to 150 tokens: the ladder's short lengths are never taken.
+    config.data.template = "Read this. " * 30 + "{premise} Question: {hypothesis} Yes or No?"
+    config.runs.seeds, config.runs.shots = (0, 1, 2), (16,)
+    config.train.steps, config.train.pack = 40, pack
+    config.train.grad_accum = 2  # unpacked: micro-batches of 4 prompts, 2 a device
+    config.mesh.data = 2
+    seeds = list(config.runs.seeds)
+    mesh = sharding.make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor, devices=jax.devices()[:2])
+    tokenizer = load_tokenizer(config.tokenizer)
+    train_sets = few_shot_sets(config, tokenizer, [(seed, 16) for seed in seeds])
+    geometry = batch_geometry(config, mesh, train_sets, seeds)
+    every_bucket = dataclasses.replace(geometry, buckets=bucket_lengths(config.data.max_length))
+    streams = [
+        train_batches(
+            tokenized, batch_size=geometry.batch_size, seed=seed, seq_len=geometry.seq_len, pack=pack,
+            grad_accum=geometry.grad_accum, prompts_per_row=geometry.prompts_per_row, prefetch=0,
+        )
+        for tokenized, seed in zip(train_sets, seeds, strict=True)
+    ]  # fmt: skip
+    replayed = [
+        micro_batch_longest_rows(
+            tokenized, batch_size=geometry.batch_size, seed=seed, seq_len=geometry.seq_len, steps=config.train.steps,
+            pack=pack, grad_accum=geometry.grad_accum, prompts_per_row=geometry.prompts_per_row,
+        )
+        for tokenized, seed in zip(train_sets, seeds, strict=True)
+    ]  # fmt: skip
+    taken = set()
+    for step in range(config.train.steps):
+        batch = step_batch([next(stream) for stream in streams], grad_accum=geometry.grad_accum)
+        built = (batch["segment_ids"] != 0).sum(-1).max(-1)  # [runs, grad_accum]: each micro-batch's longest row
+        np.testing.assert_array_equal(built, [run[step] for run in replayed], err_msg=f"step {step}")
+        branches = np.asarray(micro_batch_branches(batch, every_bucket))
+        taken |= {every_bucket.micro_batch_lengths[branch - 1] for branch in branches.tolist() if branch}
+    assert set(geometry.micro_batch_lengths) == taken | {geometry.seq_len}
+    assert len(geometry.micro_batch_lengths) < len(every_bucket.micro_batch_lengths)  # branches not compiled

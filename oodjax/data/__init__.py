@@ -13,7 +13,14 @@ from oodjax.data.batches import (
 )
 from oodjax.data.in_context import InContextSet, tokenize_in_context
 from oodjax.data.packing import balance_rows, pair_rows
-from oodjax.data.training_stream import TRAIN_PREFETCH, balanced_batch, epoch_permutation, train_batches, train_prompts_per_row
+from oodjax.data.training_stream import (
+    TRAIN_PREFETCH,
+    balanced_batch,
+    epoch_permutation,
+    micro_batch_longest_rows,
+    train_batches,
+    train_prompts_per_row,
+)
 from oodjax.data.prompts import (
     DEFAULT_ANSWERS,
     DEFAULT_MAX_LENGTH,
@@ -49,6 +56,7 @@ __all__ = [
     "load_testset",
     "load_tokenizer",
     "make_batch",
+    "micro_batch_longest_rows",
     "balance_rows",
     "epoch_permutation",
     "packed_rows_batch",

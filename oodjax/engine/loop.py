@@ -307,7 +307,7 @@ def _train_group(
     yes_id, no_id = answer_ids
     seeds = [run.seed for run in runs]
     train_sets = few_shot_sets(config, tokenizer, [(run.seed, run.shots) for run in runs])
-    geometry = batch_geometry(config, mesh, train_sets)
+    geometry = batch_geometry(config, mesh, train_sets, seeds)
     data = load_runs_data(config, tokenizer, seeds, train_sets, geometry)
     lora = LoRAConfig.from_config(config.lora)
     graphdef, base_state, state = steps.init_runs(model, seeds, lora, optimizer(config), mesh=mesh)
