@@ -13,7 +13,7 @@ would take most of the benchmark's 15 minutes, and its cost per step and
 per example is what the training and evaluation cases measure.
 Tokenisation is cached and the cache is filled before timing, for all
 three alike. Each oodjax repetition starts with an empty JAX compilation
-cache of its own, as the README advises for sweeps: the first process of the
+cache of its own, as docs/engine.md advises for sweeps: the first process of the
 one-process-per-run contender compiles, and the eight after it load the same
 programs from the cache. Every contender must have written every run's
 metrics.npz.

@@ -1,7 +1,7 @@
-"""results.json -> markdown: the tables, the targets, and the README's "Performance" section.
+"""results.json -> markdown: the tables, the targets, and the generated part of docs/performance.md.
 
-`python -m benchmarks.report [--results benchmarks/results.json] [--readme README.md]`
-rewrites the part of the README between the two marker lines below from the
+`python -m benchmarks.report [--results benchmarks/results.json] [--page docs/performance.md]`
+rewrites the part of the page between the two marker lines below from the
 results file, so the published figures always come from one measured run
 and name the machine they were measured on.
 """
@@ -128,18 +128,18 @@ def markdown(results: Mapping[str, Any]) -> str:
 
 
 def performance_section(results: Mapping[str, Any]) -> str:
-    """The README's section, between its markers."""
+    """The page's generated section, between its markers."""
     return "\n".join([BEGIN, "", markdown(results).rstrip(), "", END])
 
 
-def update_readme(readme: pathlib.Path, results: Mapping[str, Any]) -> None:
-    """Replace the README's generated section; the markers must be there (once each), in order."""
-    text = readme.read_text()
+def update_page(page: pathlib.Path, results: Mapping[str, Any]) -> None:
+    """Replace the page's generated section; the markers must be there (once each), in order."""
+    text = page.read_text()
     if text.count(BEGIN) != 1 or text.count(END) != 1 or text.index(BEGIN) > text.index(END):
-        raise ValueError(f"{readme} must hold the lines {BEGIN!r} and {END!r} once each, in that order")
+        raise ValueError(f"{page} must hold the lines {BEGIN!r} and {END!r} once each, in that order")
     head, rest = text.split(BEGIN)
     _, tail = rest.split(END)
-    readme.write_text(head + performance_section(results) + tail)
+    page.write_text(head + performance_section(results) + tail)
 
 
 def load(path: pathlib.Path) -> dict[str, Any]:
@@ -153,10 +153,10 @@ def load(path: pathlib.Path) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.report", description=__doc__.splitlines()[0])
     parser.add_argument("--results", type=pathlib.Path, default=DEFAULT_RESULTS)
-    parser.add_argument("--readme", type=pathlib.Path, default=HERE.parent / "README.md")
+    parser.add_argument("--page", type=pathlib.Path, default=HERE.parent / "docs" / "performance.md")
     args = parser.parse_args(argv)
-    update_readme(args.readme, load(args.results))
-    print(f"updated {args.readme} from {args.results}")
+    update_page(args.page, load(args.results))
+    print(f"updated {args.page} from {args.results}")
 
 
 if __name__ == "__main__":

@@ -104,7 +104,7 @@ def get_config() -> config_dict.ConfigDict:
     # (values handled as data.neutral says), unlabelled (values always
     # dropped), cap (replaces eval_cap). A built-in's name overrides the
     # fields given, e.g. {'anli': {'split': 'test_r1'}}. Assign the whole
-    # dict in a config file. See README "Data".
+    # dict in a config file. See docs/data.md.
     config.data.extra_testsets = config_dict.ConfigDict()
     # A JSON or YAML file of more such declarations (name -> fields); relative
     # source files in it are relative to its folder. Empty = none.

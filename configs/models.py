@@ -2,11 +2,9 @@
 
 Sized so that the 9 runs of one model and training set, trained together on
 one node of 8 devices, fit 80 GB GPUs (A100-80GB, H100), as `python -m
-launch.preflight --config configs/X.py` compiles them (README, "Preflight":
-every config's train step at most 61 GB per device even on CPU, whose XLA
-backend keeps float32 copies of bf16 weights and activations; `python -m
-launch.estimate` puts them at 16-44 GB on a GPU at their real 128-256-token
-training rows). The axis marked -1 takes every device of the job, so a
+launch.preflight --config configs/X.py` compiles them and `python -m
+launch.estimate` counts them (docs/clusters.md, "Preflight", has each
+config's figures). The axis marked -1 takes every device of the job, so a
 config runs unchanged on 4, 8 or 16 devices (the micro-batch, 16 /
 grad_accum, must divide by the devices). Models up to 7B keep a full copy of
 the bf16 base on every device and split the batch (data parallel); from 13B

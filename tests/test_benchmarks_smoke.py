@@ -5,8 +5,8 @@ about speed. What is asserted is what makes the figures trustworthy: every
 case and contender is there with the repetitions its mode configures (smoke
 mode times each once, and runs a one-run grid, to stay quick), the
 contenders computed the same margins and first-step losses, nothing
-recompiled while being timed, and the markdown and README section are
-generated from the JSON.
+recompiled while being timed, and the markdown and the generated section of
+docs/performance.md are generated from the JSON.
 """
 
 from __future__ import annotations
@@ -111,28 +111,28 @@ def test_loading_and_grid_are_recorded(smoke_run):
             ours / grid["contenders"][other]["rate_median"])
 
 
-def test_markdown_and_readme_section_come_from_the_json(smoke_run, tmp_path):
+def test_markdown_and_the_pages_section_come_from_the_json(smoke_run, tmp_path):
     results, markdown = smoke_run
     assert markdown == report.markdown(results)
     assert results["machine"]["cpu"] in markdown
     for case in results["cases"]:
         assert case["title"] in markdown
     assert "not measured" not in report.targets_table(results)  # every target names a measured quantity
-    readme = tmp_path / "README.md"
-    readme.write_text(f"# x\n\n## Performance\n\n{report.BEGIN}\nold figures\n{report.END}\n\n## After\n")
-    report.update_readme(readme, results)
-    text = readme.read_text()
+    page = tmp_path / "performance.md"
+    page.write_text(f"# x\n\n## Performance\n\n{report.BEGIN}\nold figures\n{report.END}\n\n## After\n")
+    report.update_page(page, results)
+    text = page.read_text()
     assert "old figures" not in text and text.endswith("\n## After\n")
     assert report.markdown(results).rstrip() in text
-    report.update_readme(readme, results)  # idempotent: regenerating changes nothing
-    assert readme.read_text() == text
+    report.update_page(page, results)  # idempotent: regenerating changes nothing
+    assert page.read_text() == text
 
 
-def test_readme_without_markers_is_refused(tmp_path):
-    readme = tmp_path / "README.md"
-    readme.write_text("# no markers here\n")
+def test_a_page_without_markers_is_refused(tmp_path):
+    page = tmp_path / "performance.md"
+    page.write_text("# no markers here\n")
     with pytest.raises(ValueError, match="must hold the lines"):
-        report.update_readme(readme, {})
+        report.update_page(page, {})
 
 
 def test_bad_arguments_are_refused():
