@@ -31,6 +31,7 @@ from ml_collections import config_dict
 
 from launch import architectures, costs
 from launch.config_files import expand_config_paths, load_config
+from oodjax.engine.geometry import micro_batches_per_step
 from oodjax.models.lora import LoRAConfig
 
 GB = 1e9
@@ -160,7 +161,8 @@ def estimate(
         arch, LoRAConfig.from_config(config.lora), dtype=config.model.dtype,
         compute_dtype=config.model.compute_dtype or None,
         remat=config.model.remat, mesh=mesh, runs=runs_at_once(config),
-        micro_batch=config.train.batch_size // config.train.grad_accum, seq_len=seq_len,
+        micro_batch=config.train.batch_size // micro_batches_per_step(config, mesh["data"] * mesh["fsdp"]),
+        seq_len=seq_len,
         platform=platform or device.platform,
     )
     step = costs.train_step_flops(
@@ -189,11 +191,13 @@ def describe(result: Estimate, config: config_dict.ConfigDict, device: Device, u
     runs = len(config.runs.seeds) * len(config.runs.shots)
     fits = "fits" if m.total <= device.memory_gb * GB else "DOES NOT FIT"
     upcast = f", float32 copies of the layers (CPU) {m.upcast_weights / GB:.2f}" if m.upcast_weights else ""
+    micro_batches = micro_batches_per_step(config, mesh["data"] * mesh["fsdp"])
     return "\n".join([
         f"{result.config_path}: {result.model}, {result.parameters:,} parameters",
         f"  mesh data={mesh['data']} fsdp={mesh['fsdp']} tensor={mesh['tensor']}; {runs} runs "
-        f"({runs_at_once(config)} at once) x batch {config.train.batch_size} (grad_accum "
-        f"{config.train.grad_accum}); {config.model.dtype}, remat {config.model.remat}",
+        f"({runs_at_once(config)} at once) x batch {config.train.batch_size} ({micro_batches} micro-batches"
+        f"{', packed one row per device' if config.train.pack else ''}); {config.model.dtype}, "
+        f"remat {config.model.remat}",
         f"  memory per device (GB): frozen weights {m.frozen_weights / GB:.2f}{upcast}, adapters "
         f"{m.adapters / GB:.3f}, gradients {m.gradients / GB:.3f}, optimizer state {m.optimizer_state / GB:.3f}, "
         f"activations {m.activations / GB:.2f}, the larger of a layer's backward {m.layer_transients / GB:.2f} "

@@ -235,6 +235,25 @@ def test_estimate_within_a_quarter_of_the_compiled_train_step():
     assert 0.75 < estimated / compiled < 1.25, (estimated, compiled)
 
 
+def test_a_packed_config_is_estimated_at_one_row_per_device():
+    """With train.pack (the default) a micro-batch is one row per device, whatever train.grad_accum says, as
+    oodjax.engine.geometry lays it out: SmolLM3's grad_accum 1 on 8 devices is 2 micro-batches of 8 rows."""
+
+    def memory(config):
+        return estimate.estimate(
+            "smol3", config, devices=8, device=estimate.DEVICES["h100"], utilisation=0.4, seq_len=160,
+            eval_examples=0, layers=2,
+        ).memory.total
+
+    config = load_config("configs/smol3_mnli.py")
+    assert (config.train.pack, config.train.grad_accum) == (True, 1)
+    packed = memory(config)
+    config.train.pack = False
+    one_micro_batch = memory(config)
+    config.train.grad_accum = 2
+    assert packed == memory(config) < one_micro_batch
+
+
 @pytest.mark.parametrize(
     "mesh, devices, expected",
     [
@@ -276,7 +295,10 @@ def test_cli_prints_every_figure(capsys):
                           "--device", "h100", "--utilisation", "0.5"]) == 0
     out = capsys.readouterr().out
     assert "configs/opt30_mnli.py: facebook/opt-30b, 29,974,540,288 parameters" in out
-    assert "mesh data=1 fsdp=8 tensor=1; 9 runs (9 at once) x batch 16 (grad_accum 2); bfloat16, remat save_dots" in out
+    assert (
+        "mesh data=1 fsdp=8 tensor=1; 9 runs (9 at once) x batch 16 (2 micro-batches, packed one row per device); "
+        "bfloat16, remat save_dots"
+    ) in out
     # 7.49 GB of 29.97e9 bf16 parameters split 8 ways, plus the norms and biases fsdp leaves whole; the
     # head (tied: the 50272 x 7168 embedding) gathered from 8 shards.
     for figure in ("frozen weights 7.50", "adapters", "optimizer state", "activations", "a layer's backward",

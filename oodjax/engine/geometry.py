@@ -160,12 +160,18 @@ def batch_geometry(
     if config.train.pack:
         geometry = dataclasses.replace(
             geometry,
-            grad_accum=batch_size // geometry.batch_shards,
+            grad_accum=micro_batches_per_step(config, geometry.batch_shards),
             prompts_per_row=train_prompts_per_row(train_sets, batch_size=batch_size, seq_len=seq_len),
         )
     rows = sharding.process_step_rows(mesh, geometry.batch_size, geometry.grad_accum)  # valid once checked above
     geometry = dataclasses.replace(geometry, process_rows=tuple(int(row) for row in rows))
     return dataclasses.replace(geometry, buckets=used_buckets(geometry, train_sets, seeds, steps=config.train.steps))
+
+
+def micro_batches_per_step(config: config_dict.ConfigDict, batch_shards: int) -> int:
+    """How many micro-batches a training step of ``config`` takes with its batch split over ``batch_shards``
+    devices: train.grad_accum, or with train.pack one row per device (the module's docstring)."""
+    return config.train.batch_size // batch_shards if config.train.pack else config.train.grad_accum
 
 
 def used_buckets(
