@@ -49,7 +49,7 @@ from launch import estimate as estimator
 from oodjax import models
 from oodjax import config_cli
 from oodjax.data import answer_token_ids, load_tokenizer
-from oodjax.engine import loop, sharding, steps
+from oodjax.engine import loop, results, sharding, steps
 from oodjax.models.lora import LoRAConfig
 from oodjax.engine.evaluation import pool_figures
 from oodjax.engine.geometry import BatchGeometry, batch_geometry
@@ -99,7 +99,7 @@ def preflight(
     arch = estimator.architecture_of(config, layers)
     tokenizer = load_tokenizer(config.tokenizer or config.model.path)
     yes_id, no_id = answer_token_ids(tokenizer, config.data.answers)
-    runs = loop.plan_runs(config)
+    runs = results.plan_runs(config)
     seeds = [run.seed for run in runs]
     train_sets = few_shot_sets(config, tokenizer, [(run.seed, run.shots) for run in runs])
     geometry = batch_geometry(config, mesh, train_sets, seeds)

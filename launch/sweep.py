@@ -18,7 +18,7 @@ package's own modules, base.py's defaults) are listed as skipped
 Backends: `slurm` submits launch/slurm.sbatch with sbatch, `tpu` runs
 launch/tpu_pod.sh once per job (one after another on the pod), `local` runs
 `python -m oodjax.main` here, one job after another; a local or TPU job
-that exits with the preempted status (`oodjax.engine.loop.PREEMPTED_EXIT_CODE`:
+that exits with the preempted status (`oodjax.engine.preemption.PREEMPTED_EXIT_CODE`:
 its runs checkpointed on SIGTERM/SIGUSR1) stops the sweep, to be rerun.
 --dry_run prints the commands instead. The last line is always a summary
 like `144 runs in 16 jobs`.

@@ -24,7 +24,7 @@
 # checkpoints are written by all workers, results by worker 0 only.
 # SIGTERM or SIGUSR1 to the workers' processes (a spot or preemptible VM going down sends SIGTERM,
 # with a short grace period) makes them finish their step, checkpoint every run and exit with
-# status 75 (oodjax.engine.loop.PREEMPTED_EXIT_CODE), if the grace period allows; running this
+# status 75 (oodjax.engine.preemption.PREEMPTED_EXIT_CODE), if the grace period allows; running this
 # script again resumes each run from its newest checkpoint.
 
 set -euo pipefail

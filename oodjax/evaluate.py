@@ -33,7 +33,6 @@ nothing written is lost.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import json
 import pathlib
 from collections.abc import Sequence
@@ -74,13 +73,15 @@ class EvaluatedRun:
 def plan_evaluation(config: config_dict.ConfigDict) -> list[EvaluatedRun]:
     """The runs ``evaluate_config`` evaluates: the base model, one per adapter folder, or one per (seed, shots)
     in context (see the module)."""
-    model = loop.model_name(config)
+    model = results.model_name(config)
     output = pathlib.Path(config.output_dir)
     if config.eval.in_context:
         model = f"{model}{IN_CONTEXT_SUFFIX}"
-        grid = itertools.product(config.runs.seeds, config.runs.shots)  # seeds outermost, as loop.plan_runs
-        names = {(seed, shots): results.run_name(model, config.data.train_set, seed, shots) for seed, shots in grid}
-        return [EvaluatedRun(name, model, seed, shots, output / name, None) for (seed, shots), name in names.items()]
+        planned = []
+        for run in results.plan_runs(config):  # the grid training would run, in its order
+            name = results.run_name(model, config.data.train_set, run.seed, run.shots)
+            planned.append(EvaluatedRun(name, model, run.seed, run.shots, output / name, None))
+        return planned
     if not config.model.adapters:
         name = f"{results.path_safe(model)}_{config.data.train_set}_{BASE_RUN_SUFFIX}"
         return [EvaluatedRun(name, model, 0, 0, output / name, None)]

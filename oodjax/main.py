@@ -25,7 +25,7 @@ from ml_collections import config_dict
 
 from oodjax import config_cli
 from oodjax import storage
-from oodjax.engine import distributed, loop
+from oodjax.engine import distributed, loop, preemption
 
 
 class _QuietCheckpointing(python_logging.Filter):
@@ -53,15 +53,15 @@ def start_process() -> None:
 def main(config: config_dict.ConfigDict) -> None:
     """Trains `config` (the command line's, its overrides applied) on this process's share of the devices.
 
-    A stop signal exits with ``loop.PREEMPTED_EXIT_CODE`` (launch/slurm.sbatch
+    A stop signal exits with ``preemption.PREEMPTED_EXIT_CODE`` (launch/slurm.sbatch
     requeues on it); a full disk with one line naming the file.
     """
     start_process()
     try:
         loop.train(config)
-    except loop.Preempted as stopped:
+    except preemption.Preempted as stopped:
         logging.warning("%s", stopped)
-        sys.exit(loop.PREEMPTED_EXIT_CODE)
+        sys.exit(preemption.PREEMPTED_EXIT_CODE)
     except storage.NoSpaceError as full:
         logging.error("%s", full)
         sys.exit(1)

@@ -15,7 +15,7 @@ from flax import nnx
 from launch import architectures, costs, estimate, preflight
 from launch.config_files import load_config
 from oodjax import models
-from oodjax.engine import loop, sharding, steps
+from oodjax.engine import loop, results, sharding, steps
 from oodjax.engine.geometry import BatchGeometry
 from oodjax.models.lora import LoRAConfig, apply_lora
 
@@ -216,7 +216,7 @@ def test_estimate_within_a_quarter_of_the_compiled_train_step():
     architecture = estimate.architecture_of(config, layers)
     graphdef, base, runs = steps.abstract_init_runs(
         lambda: models.abstract_model(architecture, dtype=config.model.dtype, remat=config.model.remat),
-        [run.seed for run in loop.plan_runs(config)], LoRAConfig.from_config(config.lora), loop.optimizer(config),
+        [run.seed for run in results.plan_runs(config)], LoRAConfig.from_config(config.lora), loop.optimizer(config),
     )
     geometry = BatchGeometry(
         runs=runs.num_runs, batch_size=config.train.batch_size, grad_accum=config.train.grad_accum,

@@ -13,8 +13,7 @@ import pytest
 
 from analysis import schema
 from configs import base
-from oodjax.engine import loop
-from oodjax.engine import checkpoints
+from oodjax.engine import checkpoints, loop, preemption, results, resumption
 from tests.engine_configs import tiny_config
 
 
@@ -92,7 +91,7 @@ def test_non_finite_loss_stops_naming_the_step_and_keeps_the_last_good_state(con
     message = r"non-finite training loss at step 3 \(opt-tiny_mnli_seed1_shots8=nan\)"
     with pytest.raises(loop.NonFiniteLossError, match=message):
         loop.train(config)
-    for run in loop.plan_runs(config):
+    for run in results.plan_runs(config):
         assert checkpoints.checkpoint_steps(run.directory) == [2]  # no checkpoint at step 4
         with np.load(run.directory / schema.METRICS_FILENAME) as npz:
             assert npz[schema.STEP].tolist() == [0, 2]
@@ -131,7 +130,7 @@ def test_stop_signals_and_damaged_checkpoints_change_no_result(
         config.train.steps = 6
         config.runs.shots = (16,)  # two batches an epoch: a resumed data order shows
     loop.train(configs["uninterrupted"])
-    runs = loop.plan_runs(configs["stopped"])
+    runs = results.plan_runs(configs["stopped"])
     step_4 = [checkpoints.checkpoint_dir(run.directory) / "4" for run in runs]
 
     make_train_step = loop.steps.make_train_step
@@ -151,7 +150,7 @@ def test_stop_signals_and_damaged_checkpoints_change_no_result(
     handler_before = signal.getsignal(signal.SIGUSR1)
     for attempt in ("first", "after the fallback"):
         caplog.clear()
-        with caplog.at_level(logging.WARNING), pytest.raises(loop.Preempted) as stopped:
+        with caplog.at_level(logging.WARNING), pytest.raises(preemption.Preempted) as stopped:
             loop.train(configs["stopped"])
         assert stopped.value.step == 4 and signal.getsignal(signal.SIGUSR1) is handler_before, attempt
         assert "stopping after step 4 on SIGUSR1" in caplog.text, attempt
@@ -174,7 +173,7 @@ def test_stop_signals_and_damaged_checkpoints_change_no_result(
     with caplog.at_level(logging.INFO):
         loop.train(configs["stopped"])
     assert "training 2 runs from step 4" in caplog.text and "fails to restore" not in caplog.text
-    for reference, run in zip(loop.plan_runs(configs["uninterrupted"]), runs):
+    for reference, run in zip(results.plan_runs(configs["uninterrupted"]), runs):
         expected, got = _results(reference.directory), _results(run.directory)
         assert expected.keys() == got.keys() and got[schema.STEP].tolist() == [0, 2, 4, 6]
         for key in expected.keys() - {schema.CONFIG}:
@@ -191,11 +190,11 @@ def _cut_in_half(paths):
 def test_a_field_a_later_version_added_is_no_change_at_its_default():
     """Runs stored before a field existed resume when it is at its default; a non-default value is a change."""
     config = base.get_config()
-    defaults = loop._comparable_config(base.get_config())
-    stored = loop._comparable_config(config)
+    defaults = resumption.comparable_config(base.get_config())
+    stored = resumption.comparable_config(config)
     del stored["data"]["answers"], stored["model"]["attention"]  # as a version without them stored it
-    assert loop._differing_fields(stored, loop._comparable_config(config), defaults) == []
+    assert resumption.differing_fields(stored, resumption.comparable_config(config), defaults) == []
     config.data.answers = (" True", " False")
-    assert loop._differing_fields(stored, loop._comparable_config(config), defaults) == [
+    assert resumption.differing_fields(stored, resumption.comparable_config(config), defaults) == [
         "data.answers None -> [' True', ' False']"
     ]

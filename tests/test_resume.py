@@ -21,7 +21,7 @@ import pytest
 
 from analysis import schema
 from configs import demo
-from oodjax.engine import checkpoints, loop
+from oodjax.engine import checkpoints, loop, preemption, results
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 STEPS = 20
@@ -73,7 +73,7 @@ def _wait_until(condition, process, log_path, what):
 
 def _steps(config):
     """Each run's checkpoint steps."""
-    return [set(checkpoints.checkpoint_steps(run.directory)) for run in loop.plan_runs(config)]
+    return [set(checkpoints.checkpoint_steps(run.directory)) for run in results.plan_runs(config)]
 
 
 def _metrics(run_dir):
@@ -113,7 +113,7 @@ def test_sigkill_sigterm_and_changed_runs_give_the_uninterrupted_results(tmp_pat
         os.kill(process.pid, signal.SIGKILL)
         process.wait()
     assert process.returncode == -signal.SIGKILL
-    killed_at = [_metrics(run.directory)[schema.STEP][-1] for run in loop.plan_runs(_demo_config(job))]
+    killed_at = [_metrics(run.directory)[schema.STEP][-1] for run in results.plan_runs(_demo_config(job))]
     assert max(killed_at) < STEPS, killed_at  # it really was stopped mid-run
 
     # Seed 7 added: seeds 0 and 42 resume, 7 starts. SIGTERM once runs 0 and 42 are past their checkpoint.
@@ -127,7 +127,7 @@ def test_sigkill_sigterm_and_changed_runs_give_the_uninterrupted_results(tmp_pat
         os.kill(process.pid, signal.SIGTERM)
         process.wait(timeout=300)
     text = log_path.read_text()
-    assert process.returncode == loop.PREEMPTED_EXIT_CODE, text[-3000:]
+    assert process.returncode == preemption.PREEMPTED_EXIT_CODE, text[-3000:]
     assert "resumes from its checkpoint at step" in text and "seed7_shots32: starts at step 0" in text
     stopped = re.search(r"stopping after step (\d+) on SIGTERM: the checkpoints of (\d+) runs", text)
     assert stopped, text[-3000:]
@@ -138,8 +138,8 @@ def test_sigkill_sigterm_and_changed_runs_give_the_uninterrupted_results(tmp_pat
 
     final = _demo_config(job)
     loop.train(final)
-    references = [*loop.plan_runs(uninterrupted), *loop.plan_runs(alone)]
-    for reference, run in zip(references, loop.plan_runs(final), strict=True):
+    references = [*results.plan_runs(uninterrupted), *results.plan_runs(alone)]
+    for reference, run in zip(references, results.plan_runs(final), strict=True):
         _assert_same_results(reference, run)
 
     # A job with a run fewer: nothing to train, nothing rewritten.

@@ -7,22 +7,15 @@ steps. After each evaluation every run's metrics.npz is rewritten; every
 `checkpoint_every` steps each run's adapters, optimizer state, data-iterator
 state and RNG are checkpointed in its own folder (``oodjax.engine.checkpoints``).
 
-Runs are the unit of resumption. On start each of the config's runs is
-finished (its metrics.npz holds its last step: skipped, its results left as
-they are), part-way (resumed from its newest intact checkpoint) or new
-(started at step 0). Runs train in lockstep, so the unfinished ones are
-trained in groups of one resume step, the furthest along first, each group
-with the geometry and compiled steps of its own runs; each run ends with the
-results an uninterrupted run would have written (to float32 rounding where
-its group's size differs from the uninterrupted job's, as the compiled
-program does). A stored run whose config
-differs from this one in anything but `_RESUMABLE_CHANGES` and the runs
-section is refused, naming the fields, before anything is created.
-
-SIGTERM and SIGUSR1 (what SLURM sends ahead of a time limit or a
-preemption) make every process finish the current step, agree on it,
-checkpoint every run being trained there and raise ``Preempted``, which
-`oodjax.main` turns into exit status ``PREEMPTED_EXIT_CODE``.
+Runs are the unit of resumption (``oodjax.engine.resumption`` says where
+each stands: finished, part-way or new, and refuses a changed config). Runs
+train in lockstep, so the unfinished ones are trained in groups of one
+resume step, the furthest along first, each group with the geometry and
+compiled steps of its own runs; each run ends with the results an
+uninterrupted run would have written (to float32 rounding where its group's
+size differs from the uninterrupted job's, as the compiled program does). A
+stop signal ends training at a step boundary with every run checkpointed
+(``oodjax.engine.preemption``).
 
 With `export.peft`, each run's adapters are written in PEFT format to
 `<run_dir>/adapter/` when training ends (and at every checkpoint with
@@ -36,11 +29,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
-import itertools
 import json
-import pathlib
-import signal
-import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
@@ -57,74 +46,31 @@ from tqdm import tqdm
 from transformers import PreTrainedTokenizerBase
 
 from analysis import schema
-from configs import base
 from oodjax import models
 from oodjax.data import answer_token_ids, load_tokenizer
-from oodjax.engine import checkpoints, checks, console, results, sharding, steps
+from oodjax.engine import checkpoints, checks, console, sharding, steps
 from oodjax.engine.distributed import is_primary
 from oodjax.engine.evaluation import evaluate
 from oodjax.engine.events import EventLog, WandbSettings
 from oodjax.engine.geometry import BatchGeometry, batch_geometry
-from oodjax.engine.results import RunResults, run_name
+from oodjax.engine.preemption import Preempted, StopSignals
+from oodjax.engine.results import Run, RunResults, model_name, plan_runs
+from oodjax.engine.resumption import (
+    RunStart,
+    comparable_config,
+    read_start,
+    refuse_changed_config,
+    set_aside_damaged,
+    warn_of_shared_checkpoints,
+)
 from oodjax.engine.run_data import RunsData, few_shot_sets, load_runs_data, step_batch
 from oodjax.models.lora import LoRAConfig, export_peft
-
-# Config fields a resumed run may change: they do not affect its results. The runs section
-# (seeds, shots, chunk) may change too: it says which runs a job trains, not what one is.
-_RESUMABLE_CHANGES = ("output_dir", "log_every", "wandb", "tensorboard", "export")
-_JOB_SECTIONS = ("runs", schema.RUN_SECTION)
-
-# EX_TEMPFAIL of sysexits.h, "temporary failure, try again": the exit status of a job stopped by
-# SIGTERM or SIGUSR1 once its runs are checkpointed. launch/slurm.sbatch requeues itself on it.
-PREEMPTED_EXIT_CODE = 75
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 ADAPTER_DIR = "adapter"  # <run_dir>/adapter/: the run's adapters in PEFT format
 
 
-@dataclasses.dataclass(frozen=True)
-class Run:
-    """One (seed, shots) fine-tuning job of the config."""
-
-    seed: int
-    shots: int
-    name: str
-    directory: pathlib.Path
-
-
 class NonFiniteLossError(FloatingPointError):
     """A training loss became NaN or infinite; the runs stop, their last good checkpoint kept."""
-
-
-class Preempted(Exception):
-    """SIGTERM or SIGUSR1 stopped training after ``step``; the runs then training are checkpointed at it."""
-
-    def __init__(self, step: int, runs: Sequence[str], signal_name: str):
-        self.step = step
-        self.runs = tuple(runs)
-        super().__init__(
-            f"stopped by {signal_name} after step {step}: {len(self.runs)} runs checkpointed at step {step} "
-            f"({', '.join(self.runs)}); rerun the same command to resume"
-        )
-
-
-def plan_runs(config: config_dict.ConfigDict) -> list[Run]:
-    """The config's runs: every (seed, shots) pair, seeds outermost."""
-    model = model_name(config)
-    runs = []
-    for seed, shots in itertools.product(config.runs.seeds, config.runs.shots):
-        name = run_name(model, config.data.train_set, seed, shots)
-        runs.append(Run(seed=seed, shots=shots, name=name, directory=pathlib.Path(config.output_dir) / name))
-    return runs
-
-
-def model_name(config: config_dict.ConfigDict) -> str:
-    """model.name, else the checkpoint's last path component, else "<model_type>-random"."""
-    if config.model.name:
-        return config.model.name
-    if config.model.path:
-        return pathlib.Path(config.model.path.rstrip("/")).name
-    return f"{config.model.hf_config.model_type}-random"
 
 
 def train(config: config_dict.ConfigDict) -> list[Run]:
@@ -133,116 +79,23 @@ def train(config: config_dict.ConfigDict) -> list[Run]:
     checks.check_config(config)
     runs = plan_runs(config)
     logging.info("runs: %s", ", ".join(run.name for run in runs))
-    _warn_of_shared_checkpoints(config)
-    starts = [_read_start(config, run) for run in runs]
-    _refuse_changed_config(config, starts)  # before anything is created
+    warn_of_shared_checkpoints(config)
+    starts = [read_start(config, run) for run in runs]
+    refuse_changed_config(config, starts)  # before anything is created
     for start in starts:
         logging.info("%s: %s", start.run.name, start.describe(config.train.steps))
     to_train = [start for start in starts if not start.finished]
     to_export = [start for start in starts if start.finished and config.export.peft]
     if to_train or to_export:
-        with _StopSignals() as stop:
+        with StopSignals() as stop:
             _train_runs(config, to_train, to_export, stop)
     if is_primary():
         _summary(config, runs)
     return runs
 
 
-@dataclasses.dataclass
-class _RunStart:
-    """Where one run stands before a job trains it."""
-
-    run: Run
-    finished: bool  # its metrics.npz holds the evaluation at its last step
-    stored_config: dict[str, Any] | None  # comparable config it was trained with (None: new)
-    checkpoint: checkpoints.Restored | None = None  # the one it resumes from (None: it starts at 0)
-
-    @property
-    def step(self) -> int:
-        return self.checkpoint.step if self.checkpoint is not None else 0
-
-    @property
-    def evaluation_pending(self) -> bool:
-        """Whether it was stopped at a step whose evaluation is still to do."""
-        return self.checkpoint is not None and bool(self.checkpoint.loop_state.get("evaluation_pending"))
-
-    def describe(self, total_steps: int) -> str:
-        if self.finished:
-            return f"finished (step {total_steps}), skipped"
-        if self.checkpoint is not None:
-            return f"resumes from its checkpoint at step {self.step}"
-        return "starts at step 0"
-
-
-def _read_start(config: config_dict.ConfigDict, run: Run) -> _RunStart:
-    """Reads what the run's folder holds (its metrics.npz, its newest readable checkpoint record); writes nothing."""
-    try:
-        progress = results.read_progress(run.directory)
-    except results.UnreadableResultsError as error:
-        raise results.UnreadableResultsError(
-            f"{error}; {run.name} cannot be resumed or skipped without it: move it (or {run.directory}) away to "
-            "start the run over"
-        ) from error
-    if progress is not None and progress.finished(config.train.steps):
-        return _RunStart(run, finished=True, stored_config=_comparable(progress.config))
-    newest = checkpoints.restore_newest(run.directory, None, warn=False)  # its config; the arrays come later
-    stored = newest.loop_state["config"] if newest is not None else None
-    return _RunStart(run, finished=False, stored_config=stored, checkpoint=newest)
-
-
-def _refuse_changed_config(config: config_dict.ConfigDict, starts: Sequence[_RunStart]) -> None:
-    """Raises a ValueError naming every stored run whose config differs from ``config`` in a field that changes
-    what the run is (learning rate, data, model, ...), and those fields."""
-    current = _comparable_config(config)
-    defaults = _comparable_config(base.get_config())
-    differing: dict[str, list[str]] = collections.defaultdict(list)
-    for start in starts:
-        if start.stored_config is not None:
-            fields = _differing_fields(start.stored_config, current, defaults)
-            if fields:
-                differing["; ".join(fields)].append(start.run.name)
-    if differing:
-        details = " | ".join(f"{', '.join(names)}: {fields}" for fields, names in differing.items())
-        raise ValueError(
-            f"{config.output_dir} holds runs started with another config (stored -> now: {details}); resume with "
-            "the same config or use a new output_dir"
-        )
-
-
-def _differing_fields(
-    stored: dict[str, Any], current: dict[str, Any], defaults: dict[str, Any], prefix: str = ""
-) -> list[str]:
-    """``"section.field stored -> now"`` for every leaf field that differs between two config dicts.
-
-    A field the stored config lacks (one a later version added) whose current
-    value is its default (``defaults``, configs/base.py's) is no difference:
-    at its default it means what the version without it did.
-    """
-    fields = []
-    for key in sorted({*stored, *current}):
-        old, new = stored.get(key), current.get(key)
-        if key not in stored and key in defaults and new == defaults[key]:
-            continue
-        if isinstance(old, dict) and isinstance(new, dict):
-            fields += _differing_fields(old, new, defaults.get(key) or {}, f"{prefix}{key}.")
-        elif old != new:
-            fields.append(f"{prefix}{key} {old!r} -> {new!r}")
-    return fields
-
-
-def _warn_of_shared_checkpoints(config: config_dict.ConfigDict) -> None:
-    """Checkpoints of the earlier layout (one for all runs, under output_dir) are not read: say so."""
-    shared = pathlib.Path(config.output_dir) / checkpoints.CHECKPOINT_DIR
-    if shared.is_dir():
-        logging.warning(
-            "%s holds checkpoints of all runs together, as earlier versions wrote them; they are not read (each run "
-            "now has its own, <run_dir>/%s): runs without one start at step 0",
-            shared, checkpoints.CHECKPOINT_DIR,
-        )  # fmt: skip
-
-
 def _train_runs(
-    config: config_dict.ConfigDict, to_train: list[_RunStart], to_export: list[_RunStart], stop: _StopSignals
+    config: config_dict.ConfigDict, to_train: list[RunStart], to_export: list[RunStart], stop: StopSignals
 ) -> None:
     """Loads the model once, restores every run's checkpoint, then trains the runs group by group (one resume
     step each, the furthest along first) and exports the finished runs' adapters if asked."""
@@ -257,7 +110,7 @@ def _train_runs(
         del one_run
         for start in resumed:
             start.checkpoint = checkpoints.restore_newest(start.run.directory, target)
-        _set_aside_damaged(resumed)
+        set_aside_damaged(resumed)
     for start in to_export:
         _export_finished(config, start)
     groups = collections.defaultdict(list)
@@ -267,19 +120,7 @@ def _train_runs(
         _train_group(config, mesh, tokenizer, answer_ids, model, groups[key], stop)
 
 
-def _set_aside_damaged(starts: Sequence[_RunStart]) -> None:
-    """Renames the checkpoints newer than the one each run resumes from (they failed to restore), so that the
-    run's new checkpoints at those steps do not meet them; process 0 renames, the others wait for it."""
-    for start in starts:
-        for step in start.checkpoint.damaged if start.checkpoint is not None else ():
-            if is_primary():
-                logging.warning("%s: set aside the damaged checkpoint as %s", start.run.name,
-                                checkpoints.set_aside(start.run.directory, step))  # fmt: skip
-    if jax.process_count() > 1:
-        multihost_utils.sync_global_devices("oodjax: damaged checkpoints set aside")
-
-
-def _export_finished(config: config_dict.ConfigDict, start: _RunStart) -> None:
+def _export_finished(config: config_dict.ConfigDict, start: RunStart) -> None:
     """A finished run rerun with export.peft: its final checkpoint's adapters, exported."""
     restored = start.checkpoint
     if restored is None or restored.step != config.train.steps:
@@ -298,8 +139,8 @@ def _train_group(
     tokenizer: PreTrainedTokenizerBase,
     answer_ids: tuple[int, int],
     model: models.CausalLM,
-    group: list[_RunStart],
-    stop: _StopSignals,
+    group: list[RunStart],
+    stop: StopSignals,
 ) -> None:
     """Trains runs that stand at one step together, from their checkpoints (or from scratch at step 0)."""
     runs = [start.run for start in group]
@@ -376,54 +217,6 @@ def load_model(config: config_dict.ConfigDict, mesh: jax.sharding.Mesh) -> model
     return models.from_config(model.hf_config.to_dict(), seed=model.init_seed, **options)
 
 
-def _comparable_config(config: config_dict.ConfigDict) -> dict[str, Any]:
-    """The config as JSON data, without the fields a resumption may change."""
-    return _comparable(json.loads(config.to_json()))
-
-
-def _comparable(config_data: dict[str, Any]) -> dict[str, Any]:
-    """A stored config (a checkpoint's, or metrics.npz's with its run section) without what a resumption may
-    change or what says which runs a job trains."""
-    return {key: value for key, value in config_data.items() if key not in (*_RESUMABLE_CHANGES, *_JOB_SECTIONS)}
-
-
-class _StopSignals:
-    """While entered, SIGTERM and SIGUSR1 are noted rather than fatal, for the loop to stop at a step boundary.
-
-    Python runs signal handlers in the main thread only, so elsewhere (a
-    thread calling ``train``) the signals keep their handlers.
-    """
-
-    def __init__(self) -> None:
-        self.received: str | None = None  # the name of the first signal received
-        self._previous: dict[int, Any] = {}
-
-    def __enter__(self) -> _StopSignals:
-        if threading.current_thread() is threading.main_thread():
-            self._previous = {number: signal.signal(number, self._receive) for number in STOP_SIGNALS}
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        for number, handler in self._previous.items():
-            signal.signal(number, handler)
-
-    def _receive(self, number: int, frame: object) -> None:
-        if self.received is None:
-            self.received = signal.Signals(number).name
-            logging.warning(
-                "received %s: finishing the current step, then checkpointing the runs and exiting (status %d)",
-                self.received, PREEMPTED_EXIT_CODE,
-            )  # fmt: skip
-
-    def agreed(self) -> bool:
-        """Whether any process received a stop signal: the same answer in every process at the same step (each
-        process's flag is all-gathered, a few bytes, in a multi-process job)."""
-        requested = self.received is not None
-        if jax.process_count() == 1:
-            return requested
-        return bool(np.any(multihost_utils.process_allgather(np.asarray(requested))))
-
-
 def _export_adapters(config: config_dict.ConfigDict, run: Run, adapters: nnx.State, step: int) -> None:
     """Writes one run's adapters (no run axis) to <run_dir>/adapter/ in PEFT format and pushes them to the hub.
 
@@ -477,7 +270,7 @@ class _Loop:
     def __init__(
         self,
         config: config_dict.ConfigDict,
-        group: Sequence[_RunStart],
+        group: Sequence[RunStart],
         mesh: jax.sharding.Mesh,
         geometry: BatchGeometry,
         train_step: Callable[..., Any],
@@ -485,7 +278,7 @@ class _Loop:
         base_state: nnx.State,
         state: steps.TrainState,
         data: RunsData,
-        stop: _StopSignals,
+        stop: StopSignals,
     ):
         runs = [start.run for start in group]
         self.config, self.runs, self.mesh, self.geometry, self.data = config, runs, mesh, geometry, data
@@ -716,7 +509,7 @@ class _Loop:
 
     def _checkpoint(self, step: int, *, evaluation_pending: bool = False) -> None:
         """Saves each run's slice of the state and its loop state at ``step`` in the run's own folder."""
-        comparable = _comparable_config(self.config)
+        comparable = comparable_config(self.config)
         run_states = checkpoints.split_runs(self.state)
         for r, (checkpointer, run_state) in enumerate(zip(self.checkpointers, run_states, strict=True)):
             loop_state = {

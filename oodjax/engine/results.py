@@ -20,6 +20,7 @@ unfinished one.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import pathlib
 import re
@@ -28,6 +29,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
+from ml_collections import config_dict
 
 from analysis import schema
 from oodjax.storage import write_npz_atomic
@@ -35,6 +37,35 @@ from oodjax.storage import write_npz_atomic
 # Accuracy and margins are computed from float32 margins; only the stored
 # per-example margins are rounded to float16 (they are many and small).
 MARGIN_DTYPE = np.float16
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """One (seed, shots) fine-tuning job of the config."""
+
+    seed: int
+    shots: int
+    name: str
+    directory: pathlib.Path
+
+
+def plan_runs(config: config_dict.ConfigDict) -> list[Run]:
+    """The config's runs: every (seed, shots) pair, seeds outermost."""
+    model = model_name(config)
+    runs = []
+    for seed, shots in itertools.product(config.runs.seeds, config.runs.shots):
+        name = run_name(model, config.data.train_set, seed, shots)
+        runs.append(Run(seed=seed, shots=shots, name=name, directory=pathlib.Path(config.output_dir) / name))
+    return runs
+
+
+def model_name(config: config_dict.ConfigDict) -> str:
+    """model.name, else the checkpoint's last path component, else "<model_type>-random"."""
+    if config.model.name:
+        return config.model.name
+    if config.model.path:
+        return pathlib.Path(config.model.path.rstrip("/")).name
+    return f"{config.model.hf_config.model_type}-random"
 
 
 def run_name(model: str, train_set: str, seed: int, shots: int) -> str:

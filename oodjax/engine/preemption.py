@@ -1,0 +1,71 @@
+"""Stopping at a step boundary on SIGTERM or SIGUSR1, what SLURM and TPU pods send ahead of a time limit or a
+preemption: every process finishes the current step, all agree on it (``StopSignals.agreed``), the loop
+checkpoints every run it is training and raises ``Preempted``, which ``oodjax.main`` turns into exit status
+``PREEMPTED_EXIT_CODE`` (launch/slurm.sbatch requeues itself on it).
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from absl import logging
+from jax.experimental import multihost_utils
+
+# EX_TEMPFAIL of sysexits.h, "temporary failure, try again": the exit status of a job stopped by
+# SIGTERM or SIGUSR1 once its runs are checkpointed. launch/slurm.sbatch requeues itself on it.
+PREEMPTED_EXIT_CODE = 75
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+class Preempted(Exception):
+    """SIGTERM or SIGUSR1 stopped training after ``step``; the runs then training are checkpointed at it."""
+
+    def __init__(self, step: int, runs: Sequence[str], signal_name: str):
+        self.step = step
+        self.runs = tuple(runs)
+        super().__init__(
+            f"stopped by {signal_name} after step {step}: {len(self.runs)} runs checkpointed at step {step} "
+            f"({', '.join(self.runs)}); rerun the same command to resume"
+        )
+
+
+class StopSignals:
+    """While entered, SIGTERM and SIGUSR1 are noted rather than fatal, for the loop to stop at a step boundary.
+
+    Python runs signal handlers in the main thread only, so elsewhere (a
+    thread calling ``train``) the signals keep their handlers.
+    """
+
+    def __init__(self) -> None:
+        self.received: str | None = None  # the name of the first signal received
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> StopSignals:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {number: signal.signal(number, self._receive) for number in STOP_SIGNALS}
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        for number, handler in self._previous.items():
+            signal.signal(number, handler)
+
+    def _receive(self, number: int, frame: object) -> None:
+        if self.received is None:
+            self.received = signal.Signals(number).name
+            logging.warning(
+                "received %s: finishing the current step, then checkpointing the runs and exiting (status %d)",
+                self.received, PREEMPTED_EXIT_CODE,
+            )  # fmt: skip
+
+    def agreed(self) -> bool:
+        """Whether any process received a stop signal: the same answer in every process at the same step (each
+        process's flag is all-gathered, a few bytes, in a multi-process job)."""
+        requested = self.received is not None
+        if jax.process_count() == 1:
+            return requested
+        return bool(np.any(multihost_utils.process_allgather(np.asarray(requested))))

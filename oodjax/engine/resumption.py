@@ -1,0 +1,151 @@
+"""Where each run of a job stands before it trains, and whether it may go on.
+
+Runs are the unit of resumption: on start each is finished (its metrics.npz
+holds its last step: skipped, its results left as they are), part-way
+(resumed from its newest intact checkpoint) or new (started at step 0)
+(``read_start``). A stored run whose config differs from the job's in
+anything but ``RESUMABLE_CHANGES`` and the runs section is refused, naming
+the fields, before anything is created (``refuse_changed_config``).
+Checkpoints that failed to restore are set aside (``set_aside_damaged``).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import pathlib
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+from absl import logging
+from jax.experimental import multihost_utils
+from ml_collections import config_dict
+
+from analysis import schema
+from configs import base
+from oodjax.engine import checkpoints, results
+from oodjax.engine.distributed import is_primary
+from oodjax.engine.results import Run
+
+# Config fields a resumed run may change: they do not affect its results. The runs section
+# (seeds, shots, chunk) may change too: it says which runs a job trains, not what one is.
+RESUMABLE_CHANGES = ("output_dir", "log_every", "wandb", "tensorboard", "export")
+JOB_SECTIONS = ("runs", schema.RUN_SECTION)
+
+
+@dataclasses.dataclass
+class RunStart:
+    """Where one run stands before a job trains it."""
+
+    run: Run
+    finished: bool  # its metrics.npz holds the evaluation at its last step
+    stored_config: dict[str, Any] | None  # comparable config it was trained with (None: new)
+    checkpoint: checkpoints.Restored | None = None  # the one it resumes from (None: it starts at 0)
+
+    @property
+    def step(self) -> int:
+        return self.checkpoint.step if self.checkpoint is not None else 0
+
+    @property
+    def evaluation_pending(self) -> bool:
+        """Whether it was stopped at a step whose evaluation is still to do."""
+        return self.checkpoint is not None and bool(self.checkpoint.loop_state.get("evaluation_pending"))
+
+    def describe(self, total_steps: int) -> str:
+        if self.finished:
+            return f"finished (step {total_steps}), skipped"
+        if self.checkpoint is not None:
+            return f"resumes from its checkpoint at step {self.step}"
+        return "starts at step 0"
+
+
+def read_start(config: config_dict.ConfigDict, run: Run) -> RunStart:
+    """Reads what the run's folder holds (its metrics.npz, its newest readable checkpoint record); writes nothing."""
+    try:
+        progress = results.read_progress(run.directory)
+    except results.UnreadableResultsError as error:
+        raise results.UnreadableResultsError(
+            f"{error}; {run.name} cannot be resumed or skipped without it: move it (or {run.directory}) away to "
+            "start the run over"
+        ) from error
+    if progress is not None and progress.finished(config.train.steps):
+        return RunStart(run, finished=True, stored_config=comparable_stored(progress.config))
+    newest = checkpoints.restore_newest(run.directory, None, warn=False)  # its config; the arrays come later
+    stored = newest.loop_state["config"] if newest is not None else None
+    return RunStart(run, finished=False, stored_config=stored, checkpoint=newest)
+
+
+def refuse_changed_config(config: config_dict.ConfigDict, starts: Sequence[RunStart]) -> None:
+    """Raises a ValueError naming every stored run whose config differs from ``config`` in a field that changes
+    what the run is (learning rate, data, model, ...), and those fields."""
+    current = comparable_config(config)
+    defaults = comparable_config(base.get_config())
+    differing: dict[str, list[str]] = collections.defaultdict(list)
+    for start in starts:
+        if start.stored_config is not None:
+            fields = differing_fields(start.stored_config, current, defaults)
+            if fields:
+                differing["; ".join(fields)].append(start.run.name)
+    if differing:
+        details = " | ".join(f"{', '.join(names)}: {fields}" for fields, names in differing.items())
+        raise ValueError(
+            f"{config.output_dir} holds runs started with another config (stored -> now: {details}); resume with "
+            "the same config or use a new output_dir"
+        )
+
+
+def differing_fields(
+    stored: dict[str, Any], current: dict[str, Any], defaults: dict[str, Any], prefix: str = ""
+) -> list[str]:
+    """``"section.field stored -> now"`` for every leaf field that differs between two config dicts.
+
+    A field the stored config lacks (one a later version added) whose current
+    value is its default (``defaults``, configs/base.py's) is no difference:
+    at its default it means what the version without it did.
+    """
+    fields = []
+    for key in sorted({*stored, *current}):
+        old, new = stored.get(key), current.get(key)
+        if key not in stored and key in defaults and new == defaults[key]:
+            continue
+        if isinstance(old, dict) and isinstance(new, dict):
+            fields += differing_fields(old, new, defaults.get(key) or {}, f"{prefix}{key}.")
+        elif old != new:
+            fields.append(f"{prefix}{key} {old!r} -> {new!r}")
+    return fields
+
+
+def warn_of_shared_checkpoints(config: config_dict.ConfigDict) -> None:
+    """Checkpoints of the earlier layout (one for all runs, under output_dir) are not read: say so."""
+    shared = pathlib.Path(config.output_dir) / checkpoints.CHECKPOINT_DIR
+    if shared.is_dir():
+        logging.warning(
+            "%s holds checkpoints of all runs together, as earlier versions wrote them; they are not read (each run "
+            "now has its own, <run_dir>/%s): runs without one start at step 0",
+            shared, checkpoints.CHECKPOINT_DIR,
+        )  # fmt: skip
+
+
+def set_aside_damaged(starts: Sequence[RunStart]) -> None:
+    """Renames the checkpoints newer than the one each run resumes from (they failed to restore), so that the
+    run's new checkpoints at those steps do not meet them; process 0 renames, the others wait for it."""
+    for start in starts:
+        for step in start.checkpoint.damaged if start.checkpoint is not None else ():
+            if is_primary():
+                logging.warning("%s: set aside the damaged checkpoint as %s", start.run.name,
+                                checkpoints.set_aside(start.run.directory, step))  # fmt: skip
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices("oodjax: damaged checkpoints set aside")
+
+
+def comparable_config(config: config_dict.ConfigDict) -> dict[str, Any]:
+    """The config as JSON data, without the fields a resumption may change."""
+    return comparable_stored(json.loads(config.to_json()))
+
+
+def comparable_stored(config_data: dict[str, Any]) -> dict[str, Any]:
+    """A stored config (a checkpoint's, or metrics.npz's with its run section) without what a resumption may
+    change or what says which runs a job trains."""
+    return {key: value for key, value in config_data.items() if key not in (*RESUMABLE_CHANGES, *JOB_SECTIONS)}
