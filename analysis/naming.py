@@ -16,7 +16,7 @@ the engine stores with every run (`config["model"]`):
 The size is the parameter count written in the hub id, in billions; it is
 unknown (NaN, shown as UNKNOWN) for a randomly initialised model or an id
 without a size token. The published counts of the study's checkpoints live
-in launch/architectures.py, which the analysis does not import (it runs
+in configs/models.py, which the analysis does not import (it runs
 without JAX and the launch tooling), so the id's rounded size ("7B" for
 OLMo 2's 7.30B) is what orders and labels models.
 """

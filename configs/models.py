@@ -1,4 +1,4 @@
-"""The study's eight models and what each needs at its size: the one table the model configs read.
+"""The study's eight models, what each is and what each needs at its size: the one table of them.
 
 Sized so that the 9 runs of one model and training set, trained together on
 one node of 8 devices, fit 80 GB GPUs (A100-80GB, H100), as `python -m
@@ -16,17 +16,33 @@ micro-batches, and OLMo2-32B computes its 9 runs three at a time
 (runs_chunk), each chunk gathering the sharded weights anew.
 The protocol fields (batch size 16, steps, learning rate) stay at base.py's
 values for every model: only resources change with size.
+
+Each entry also holds the checkpoint's architecture, the config.json fields
+that decide its parameter count and cost, copied from the Hugging Face hub
+pages (so estimates and tests need no download), and the parameter count its
+authors published, which the estimator's count is tested against:
+  OPT: Zhang et al. 2022, "OPT: Open Pre-trained Transformer Language Models",
+       Table 1 (2.7B, 6.7B, 13B, 30B);
+  OLMo 2: the model cards of allenai/OLMo-2-1124-7B, -13B and OLMo-2-0325-32B
+       (7.30B, 13.7B, 32.2B parameters, as listed on the hub);
+  SmolLM3: the model card of HuggingFaceTB/SmolLM3-3B (3.08B parameters).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
+from typing import Any
 
 from ml_collections import config_dict
 
 from configs import base
 
 TRAIN_SETS = ("mnli", "snli")
+
+
+_OPT_COMMON = dict(model_type="opt", vocab_size=50272, max_position_embeddings=2048, enable_bias=True)
+_OLMO2_COMMON = dict(model_type="olmo2", vocab_size=100352, attention_bias=False, tie_word_embeddings=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,20 +52,89 @@ class ModelResources:
     grad_accum: int  # micro-batches per optimizer step (divides base's batch of 16)
     eval_batch_size: int
     remat: str  # config.model.remat: a policy name of oodjax.models.REMAT_POLICIES
+    # The checkpoint's config.json fields that decide its parameter count and cost (copied from its hub
+    # page; tests and estimates never download it), and the parameter count its authors published.
+    architecture: Mapping[str, Any]
+    published_parameters: float
     dtype: str = "bfloat16"
     runs_chunk: int = 0  # config.runs.chunk: runs computed at once in the train step; 0 = all
 
 
 MODELS: dict[str, ModelResources] = {
-    "smol3": ModelResources("HuggingFaceTB/SmolLM3-3B", (-1, 1, 1), 1, 128, remat="save_dots"),
-    "opt2.7": ModelResources("facebook/opt-2.7b", (-1, 1, 1), 1, 128, remat="none"),
-    "opt6.7": ModelResources("facebook/opt-6.7b", (-1, 1, 1), 2, 64, remat="none"),
-    "olmo7": ModelResources("allenai/OLMo-2-1124-7B", (-1, 1, 1), 2, 64, remat="save_dots"),
-    "opt13": ModelResources("facebook/opt-13b", (1, -1, 1), 2, 64, remat="none"),
-    "olmo13": ModelResources("allenai/OLMo-2-1124-13B", (1, -1, 1), 2, 64, remat="save_dots"),
-    "opt30": ModelResources("facebook/opt-30b", (1, -1, 1), 2, 32, remat="save_dots"),
-    "olmo32": ModelResources("allenai/OLMo-2-0325-32B", (1, -1, 1), 2, 32, remat="save_dots", runs_chunk=3),
+    "smol3": ModelResources(
+        "HuggingFaceTB/SmolLM3-3B", (-1, 1, 1), 1, 128, remat="save_dots",
+        architecture=dict(
+            model_type="smollm3", vocab_size=128256, hidden_size=2048, intermediate_size=11008,
+            num_hidden_layers=36, num_attention_heads=16, num_key_value_heads=4,
+            attention_bias=False, mlp_bias=False, tie_word_embeddings=True, max_position_embeddings=65536,
+        ),
+        published_parameters=3.08e9,
+    ),
+    "opt2.7": ModelResources(
+        "facebook/opt-2.7b", (-1, 1, 1), 1, 128, remat="none",
+        architecture=dict(
+            _OPT_COMMON, hidden_size=2560, word_embed_proj_dim=2560, ffn_dim=10240,
+            num_hidden_layers=32, num_attention_heads=32,
+        ),
+        published_parameters=2.7e9,
+    ),
+    "opt6.7": ModelResources(
+        "facebook/opt-6.7b", (-1, 1, 1), 2, 64, remat="none",
+        architecture=dict(
+            _OPT_COMMON, hidden_size=4096, word_embed_proj_dim=4096, ffn_dim=16384,
+            num_hidden_layers=32, num_attention_heads=32,
+        ),
+        published_parameters=6.7e9,
+    ),
+    "olmo7": ModelResources(
+        "allenai/OLMo-2-1124-7B", (-1, 1, 1), 2, 64, remat="save_dots",
+        architecture=dict(
+            _OLMO2_COMMON, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+            num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=4096,
+        ),
+        published_parameters=7.30e9,
+    ),
+    "opt13": ModelResources(
+        "facebook/opt-13b", (1, -1, 1), 2, 64, remat="none",
+        architecture=dict(
+            _OPT_COMMON, hidden_size=5120, word_embed_proj_dim=5120, ffn_dim=20480,
+            num_hidden_layers=40, num_attention_heads=40,
+        ),
+        published_parameters=13e9,
+    ),
+    "olmo13": ModelResources(
+        "allenai/OLMo-2-1124-13B", (1, -1, 1), 2, 64, remat="save_dots",
+        architecture=dict(
+            _OLMO2_COMMON, hidden_size=5120, intermediate_size=13824, num_hidden_layers=40,
+            num_attention_heads=40, num_key_value_heads=40, max_position_embeddings=4096,
+        ),
+        published_parameters=13.7e9,
+    ),
+    "opt30": ModelResources(
+        "facebook/opt-30b", (1, -1, 1), 2, 32, remat="save_dots",
+        architecture=dict(
+            _OPT_COMMON, hidden_size=7168, word_embed_proj_dim=7168, ffn_dim=28672,
+            num_hidden_layers=48, num_attention_heads=56,
+        ),
+        published_parameters=30e9,
+    ),
+    "olmo32": ModelResources(
+        "allenai/OLMo-2-0325-32B", (1, -1, 1), 2, 32, remat="save_dots", runs_chunk=3,
+        architecture=dict(
+            _OLMO2_COMMON, hidden_size=5120, intermediate_size=27648, num_hidden_layers=64,
+            num_attention_heads=40, num_key_value_heads=8, max_position_embeddings=4096,
+        ),
+        published_parameters=32.2e9,
+    ),
 }
+
+
+def architecture(hub_id: str) -> Mapping[str, Any]:
+    """The config.json numbers of a checkpoint of the table; an unknown id is an error naming the known ones."""
+    for resources in MODELS.values():
+        if resources.hub_id == hub_id:
+            return resources.architecture
+    raise KeyError(f"no architecture numbers for {hub_id!r}; known: {sorted(r.hub_id for r in MODELS.values())}")
 
 
 def model_config(model: str, train_set: str) -> config_dict.ConfigDict:

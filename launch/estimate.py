@@ -29,7 +29,8 @@ from collections.abc import Mapping, Sequence
 
 from ml_collections import config_dict
 
-from launch import architectures, costs
+from configs.models import architecture
+from launch import costs
 from launch.config_files import expand_config_paths, load_config
 from oodjax.engine.geometry import micro_batches_per_step
 from oodjax.models.lora import LoRAConfig
@@ -91,7 +92,7 @@ def architecture_of(config: config_dict.ConfigDict, layers: int | None = None) -
     """config.json numbers: the table's for a listed checkpoint, else the config's own random-model fields;
     ``layers`` replaces the decoder depth (what the estimate and the preflight cut a model to)."""
     if config.model.path:
-        arch = dict(architectures.architecture(config.model.path))
+        arch = dict(architecture(config.model.path))
     elif config.model.hf_config:
         arch = config.model.hf_config.to_dict()
     else:

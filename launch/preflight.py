@@ -6,7 +6,7 @@ shardings `python -m oodjax.main` uses, on the config's real mesh, with
 training batches of the real few-shot sets' geometry and evaluation batches
 of the real pool's longest rows (its largest shape). Nothing is read or
 allocated for the model: its architecture comes from
-`launch.architectures` (the checkpoint's config.json numbers) or the
+`configs.models` (the checkpoint's config.json numbers) or the
 config's `model.hf_config`, and its parameters, adapters and optimizer state
 are shapes only (`steps.abstract_init_runs`). Settings go in
 `--config.<field>=<value>` as for `oodjax.main`; the tokenizer is

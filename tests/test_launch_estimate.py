@@ -12,7 +12,8 @@ import torch
 import transformers
 from flax import nnx
 
-from launch import architectures, costs, estimate, preflight
+from configs.models import MODELS
+from launch import costs, estimate, preflight
 from launch.config_files import load_config
 from oodjax import models
 from oodjax.engine import loop, results, sharding, steps
@@ -62,14 +63,14 @@ def test_parameter_count_equals_tiny_transformers_model(name):
     assert costs.parameter_count(TINY_ARCHITECTURES[name]) == sum(p.numel() for p in model.parameters())
 
 
-@pytest.mark.parametrize("hub_id", sorted(architectures.ARCHITECTURES))
-def test_parameter_count_of_listed_checkpoints(hub_id):
-    architecture = architectures.ARCHITECTURES[hub_id]
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_parameter_count_of_listed_checkpoints(model):
+    architecture, hub_id = MODELS[model].architecture, MODELS[model].hub_id
     count = costs.parameter_count(architecture)
     # The real architecture built by transformers without allocating its weights.
-    model = torch_model(architecture, device="meta")
-    assert count == sum(p.numel() for p in model.parameters())
-    published = architectures.PUBLISHED_PARAMETERS[hub_id]
+    reference = torch_model(architecture, device="meta")
+    assert count == sum(p.numel() for p in reference.parameters())
+    published = MODELS[model].published_parameters
     assert abs(count / published - 1) < 0.02, (hub_id, count, published)
 
 

@@ -15,7 +15,7 @@ import sys
 import pytest
 
 from launch import preflight
-from launch.architectures import architecture
+from configs.models import architecture
 from launch.config_files import load_config
 from tests.engine_configs import SHRUNK_DEMO_ARGS
 
