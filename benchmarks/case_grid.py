@@ -29,7 +29,7 @@ import sys
 import time
 from typing import Any
 
-from benchmarks import grid_config, harness, settings, torch_grid
+from benchmarks import grid_config, harness, torch_grid
 from benchmarks.settings import Mode
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

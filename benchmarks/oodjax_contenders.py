@@ -91,8 +91,8 @@ def build_engine(
     graphdef, base_state, runs = steps.init_runs(model, list(seeds), lora_config(), optimizer, mesh=mesh)
     geometry = BatchGeometry(
         runs=len(seeds), batch_size=settings.TRAIN_BATCH, grad_accum=settings.TRAIN_GRAD_ACCUM,
-        seq_len=settings.MAX_LENGTH, eval_rows=1, eval_seq_len=settings.MAX_LENGTH, buckets=tuple(buckets),
-    )  # eval_rows: the train step reads none of the evaluation fields
+        seq_len=settings.MAX_LENGTH, buckets=tuple(buckets),
+    )
     return Engine(
         mesh=mesh,
         base_state=base_state,

@@ -50,6 +50,7 @@ from oodjax.data import answer_token_ids, load_tokenizer
 from oodjax.engine import checks, loop, results, run_data, sharding, steps
 from oodjax.engine.distributed import is_primary
 from oodjax.engine.evaluation import evaluate, make_eval_pool
+from oodjax.engine.geometry import eval_geometry
 from oodjax.main import start_process
 from oodjax.models.lora import LoRAConfig, apply_lora, lora_from_peft, read_peft
 from oodjax.models.partitioning import param_shardings
@@ -135,10 +136,10 @@ def evaluate_config(config: config_dict.ConfigDict) -> list[EvaluatedRun]:
         shared, own = {}, run_data.in_context_sets(config, tokenizer, [(run.seed, run.shots) for run in todo])
     else:
         shared, own = run_data.load_testsets(config, tokenizer), [{} for _ in todo]
+    layout = eval_geometry(config, sharding.batch_shards(mesh))
     pool = make_eval_pool(
-        shared, own, batch_tokens=config.eval.batch_size * config.data.max_length,
-        row_multiple=sharding.batch_shards(mesh), pad_id=run_data.pad_id(tokenizer),
-        row_lengths=tuple(config.eval.row_lengths) or None,
+        shared, own, batch_tokens=layout.batch_tokens, row_multiple=layout.batch_shards,
+        pad_id=run_data.pad_id(tokenizer), row_lengths=layout.row_lengths,
     )  # fmt: skip
     eval_step = steps.make_eval_step(
         graphdef, yes_id, no_id, mesh=mesh, compute_dtype=config.model.compute_dtype or None

@@ -180,7 +180,7 @@ def test_training_figures_count_the_lengths_the_step_runs_at():
     # at the bucket 48), micro-batches 1-3 are empty and skipped: 80 prompt tokens of 2 x 48 computed.
     tok = tokenized([10] * 8)
     geometry = BatchGeometry(
-        runs=2, batch_size=8, grad_accum=4, seq_len=64, eval_rows=2, eval_seq_len=64, buckets=(16, 32, 48, 64),
+        runs=2, batch_size=8, grad_accum=4, seq_len=64, buckets=(16, 32, 48, 64),
         prompts_per_row=8, batch_shards=2,
     )  # fmt: skip
     streams = [
@@ -214,7 +214,7 @@ def test_a_loaded_base_and_its_runs_compile_the_train_step_once(tmp_path):
     model = load_pretrained(tmp_path, dtype="float32")
     optimizer = steps.make_optimizer(1e-3, 10, 1, 0.0, 1.0)
     graphdef, base, runs = steps.init_runs(model, [0], LORA, optimizer)
-    geometry = BatchGeometry(runs=1, batch_size=4, grad_accum=1, seq_len=16, eval_rows=4, eval_seq_len=16)
+    geometry = BatchGeometry(runs=1, batch_size=4, grad_accum=1, seq_len=16)
     train_step = steps.make_train_step(graphdef, optimizer, YES, NO, geometry)
     tok = tokenized([5, 9, 12, 7])
     batch = step_batch([make_batch(tok, np.arange(4), 16)], grad_accum=1)

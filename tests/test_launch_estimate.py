@@ -221,8 +221,7 @@ def test_estimate_within_a_quarter_of_the_compiled_train_step():
     )
     geometry = BatchGeometry(
         runs=runs.num_runs, batch_size=config.train.batch_size, grad_accum=config.train.grad_accum,
-        seq_len=seq_len, eval_rows=config.eval.batch_size, eval_seq_len=config.data.max_length,
-        run_chunk=config.runs.chunk, batch_shards=sharding.batch_shards(mesh),
+        seq_len=seq_len, run_chunk=config.runs.chunk, batch_shards=sharding.batch_shards(mesh),
     )
     train_step = steps.make_train_step(graphdef, loop.optimizer(config), 1, 2, geometry, mesh=mesh, base_state=base,
                                        runs=runs)

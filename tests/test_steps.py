@@ -20,7 +20,7 @@ from flax import nnx
 
 from oodjax.data import TokenizedSet, balanced_batch, make_batch
 from oodjax.engine import steps
-from oodjax.engine.geometry import BatchGeometry, micro_batch_lengths
+from oodjax.engine.geometry import BatchGeometry, EvalGeometry, micro_batch_lengths
 from oodjax.engine.run_data import step_batch
 from oodjax.models import from_config
 from oodjax.models.lora import LoRAConfig
@@ -71,7 +71,7 @@ def make_batches(
 def geometry(runs: int, *, accum: int = ACCUM, micro: int = MICRO, seq: int = SEQ, **fields) -> BatchGeometry:
     """The geometry of ``make_batches``' batches (evaluation rows alike); ``fields`` set the rest."""
     return BatchGeometry(
-        runs=runs, batch_size=accum * micro, grad_accum=accum, seq_len=seq, eval_rows=micro, eval_seq_len=seq, **fields
+        runs=runs, batch_size=accum * micro, grad_accum=accum, seq_len=seq, **fields
     )
 
 
@@ -327,7 +327,7 @@ def test_malformed_batches_are_clear_errors(together, batches):
 
 
 def test_geometry_errors_name_the_config_field():
-    fields = dict(runs=3, batch_size=8, seq_len=12, eval_rows=8, eval_seq_len=12)
+    fields = dict(runs=3, batch_size=8, seq_len=12)
     with pytest.raises(ValueError, match="train.grad_accum must be >= 1, got 0"):
         BatchGeometry(grad_accum=0, **fields)
     with pytest.raises(ValueError, match="train.batch_size 8 must be a multiple of train.grad_accum 3"):
@@ -336,12 +336,13 @@ def test_geometry_errors_name_the_config_field():
                                          r"multiple of the 4 batch shards \(mesh.data x mesh.fsdp\)"):
         BatchGeometry(grad_accum=4, batch_shards=4, **fields)
     with pytest.raises(ValueError, match="eval.batch_size 6 must be a multiple of the 4 batch shards"):
-        BatchGeometry(grad_accum=2, batch_shards=4, **dict(fields, eval_rows=6))
+        EvalGeometry(rows=6, seq_len=12, row_lengths=(12,), batch_shards=4)
     with pytest.raises(ValueError, match=r"runs.chunk must be >= 0 \(0 = all runs at once\), got -1"):
         BatchGeometry(grad_accum=1, run_chunk=-1, **fields)
     shape = BatchGeometry(grad_accum=2, batch_shards=2, buckets=(4, 8, 16), **fields)
     assert (shape.micro_batch, shape.rows_per_device, shape.micro_batch_lengths) == (4, 2, (4, 8, 12))
-    assert shape.train_rows_shape == (3, 2, 4) and shape.eval_batch_tokens == 96
+    assert shape.train_rows_shape == (3, 2, 4)
+    assert EvalGeometry(rows=8, seq_len=12, row_lengths=(12,), batch_shards=2).batch_tokens == 96
 
 
 @pytest.mark.parametrize("schedule", steps.SCHEDULES)

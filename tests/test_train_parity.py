@@ -83,9 +83,7 @@ def test_ten_adamw_steps_match_transformers_and_peft(tmp_path):
     assert not [k for k in result.missing_keys if "lora_" in k]
 
     batches = parity_batches()
-    geometry = BatchGeometry(
-        runs=1, batch_size=ACCUM * MICRO, grad_accum=ACCUM, seq_len=SEQ, eval_rows=MICRO, eval_seq_len=SEQ
-    )
+    geometry = BatchGeometry(runs=1, batch_size=ACCUM * MICRO, grad_accum=ACCUM, seq_len=SEQ)
     train_step = steps.make_train_step(graphdef, optimizer, YES, NO, geometry)
     ours = []
     for batch in batches:

@@ -7,7 +7,10 @@ train step, the loop and the preflight must all agree on. ``batch_geometry``
 derives them from the config, the mesh and the runs' few-shot sets in one
 place and validates them there, so a config that cannot work fails before
 anything is tokenised at length or compiled, with an error naming its
-field; everything else reads the frozen ``BatchGeometry``.
+field; everything else reads the frozen ``BatchGeometry``. Evaluation's
+part, ``EvalGeometry`` (``eval_geometry``), is all ``oodjax.evaluate``
+needs: eval.batch_size is a token budget of that many rows of
+data.max_length, which shorter rows fill with more of them.
 
 With train.pack, a training step is batch_size / (mesh.data x mesh.fsdp)
 micro-batches of one row per device: each device's row packs its share of
@@ -39,24 +42,62 @@ from oodjax.engine import sharding
 
 
 @dataclasses.dataclass(frozen=True)
+class EvalGeometry:
+    """The shape of evaluation batches: rows of one of ``row_lengths`` (the last ``seq_len``,
+    data.max_length), about ``rows`` x ``seq_len`` tokens a batch (eval.batch_size rows of the longest
+    length; more rows when they are shorter), a multiple of ``batch_shards`` rows. Sizes are global."""
+
+    rows: int  # rows per evaluation batch at the longest row length (eval.batch_size)
+    seq_len: int  # the longest evaluation row (data.max_length)
+    row_lengths: tuple[int, ...]  # lengths of evaluation rows, the last seq_len
+    batch_shards: int = 1  # devices a batch's example axis is split over (mesh data x fsdp)
+
+    def __post_init__(self) -> None:
+        for field, value in {"eval.batch_size": self.rows, "data.max_length": self.seq_len}.items():
+            if value < 1:
+                raise ValueError(f"{field} must be >= 1, got {value}")
+        if self.rows % self.batch_shards:
+            raise ValueError(
+                f"eval.batch_size {self.rows} must be a multiple of the {self.batch_shards} batch shards "
+                "(mesh.data x mesh.fsdp)"
+            )
+        if any(length < 1 for length in self.row_lengths):
+            raise ValueError(f"eval.row_lengths must be positive lengths, got {list(self.row_lengths)}")
+
+    @property
+    def batch_tokens(self) -> int:
+        """The token budget of one evaluation batch."""
+        return self.rows * self.seq_len
+
+
+def eval_geometry(config: config_dict.ConfigDict, batch_shards: int) -> EvalGeometry:
+    """The evaluation batches of ``config`` on a mesh whose batch axis has ``batch_shards`` devices."""
+    max_length = config.data.max_length
+    return EvalGeometry(
+        rows=config.eval.batch_size,
+        seq_len=max_length,
+        row_lengths=eval_row_lengths(max_length, tuple(config.eval.row_lengths) or None),
+        batch_shards=batch_shards,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
 class BatchGeometry:
     """A job's batch shapes. Training batches are [runs, grad_accum, micro_batch, seq_len] (per-prompt
     leaves [runs, grad_accum, micro_batch(, prompts_per_row)]); with packed rows ``micro_batch`` is the
-    batch shards (one row per device). Evaluation batches hold rows of one of ``eval_row_lengths``,
-    about ``eval_rows`` x ``eval_seq_len`` tokens a batch. Sizes are global (all processes together)."""
+    batch shards (one row per device). Its evaluation batches are ``evaluation``'s. Sizes are global (all
+    processes together)."""
 
     runs: int  # R: runs trained together (seeds x shots)
     batch_size: int  # examples per optimizer step, per run
     grad_accum: int  # micro-batches per optimizer step
     seq_len: int  # tokens per training row: the bucket that holds the longest few-shot prompt
-    eval_rows: int  # rows per evaluation batch, at most
-    eval_seq_len: int  # tokens per evaluation row (data.max_length)
     buckets: tuple[int, ...] = ()  # lengths a training micro-batch may be cut to
     prompts_per_row: int | None = None  # prompt slots of a packed training row; None: one prompt a row
-    eval_row_lengths: tuple[int, ...] = ()  # lengths of evaluation rows (the last eval_seq_len); (): eval_seq_len
     run_chunk: int = 0  # runs the train step computes at once; 0: all of them
     batch_shards: int = 1  # devices a batch's example axis is split over (mesh data x fsdp)
     process_rows: tuple[int, ...] | None = None  # positions of a global training batch this process feeds
+    evaluation: EvalGeometry | None = None  # the job's evaluation batches (None: a train step alone)
 
     def __post_init__(self) -> None:
         positive = {
@@ -64,8 +105,6 @@ class BatchGeometry:
             "train.batch_size": self.batch_size,
             "train.grad_accum": self.grad_accum,
             "training row length": self.seq_len,
-            "eval.batch_size": self.eval_rows,
-            "data.max_length": self.eval_seq_len,
             "batch shards": self.batch_shards,
         }
         for field, value in positive.items():
@@ -80,19 +119,12 @@ class BatchGeometry:
                 f"train micro-batch {self.micro_batch} (train.batch_size / train.grad_accum) must be a multiple of "
                 f"the {self.batch_shards} batch shards (mesh.data x mesh.fsdp)"
             )
-        if self.eval_rows % self.batch_shards:
-            raise ValueError(
-                f"eval.batch_size {self.eval_rows} must be a multiple of the {self.batch_shards} batch shards "
-                "(mesh.data x mesh.fsdp)"
-            )
         if self.run_chunk < 0:
             raise ValueError(f"runs.chunk must be >= 0 (0 = all runs at once), got {self.run_chunk}")
         if any(b < 1 for b in self.buckets):
             raise ValueError(f"data.buckets must be positive lengths, got {list(self.buckets)}")
         if self.prompts_per_row is not None and self.prompts_per_row < 1:
             raise ValueError(f"packed rows need at least one prompt slot, got {self.prompts_per_row}")
-        if any(length < 1 for length in self.eval_row_lengths):
-            raise ValueError(f"eval.row_lengths must be positive lengths, got {list(self.eval_row_lengths)}")
 
     @property
     def micro_batch(self) -> int:
@@ -108,11 +140,6 @@ class BatchGeometry:
     def micro_batch_lengths(self) -> tuple[int, ...]:
         """The lengths a micro-batch may run at: the buckets below ``seq_len``, then ``seq_len``."""
         return micro_batch_lengths(self.buckets, self.seq_len)
-
-    @property
-    def eval_batch_tokens(self) -> int:
-        """The token budget of one evaluation batch."""
-        return self.eval_rows * self.eval_seq_len
 
     @property
     def train_rows_shape(self) -> tuple[int, int, int]:
@@ -150,12 +177,10 @@ def batch_geometry(
         batch_size=batch_size,
         grad_accum=config.train.grad_accum,
         seq_len=seq_len,
-        eval_rows=config.eval.batch_size,
-        eval_seq_len=max_length,
         buckets=buckets,
-        eval_row_lengths=eval_row_lengths(max_length, tuple(config.eval.row_lengths) or None),
         run_chunk=config.runs.chunk,
         batch_shards=sharding.batch_shards(mesh),
+        evaluation=eval_geometry(config, sharding.batch_shards(mesh)),
     )  # the config's own fields checked, errors naming them
     if config.train.pack:
         geometry = dataclasses.replace(

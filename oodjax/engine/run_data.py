@@ -95,8 +95,8 @@ def load_runs_data(
     Training batches have ``geometry``'s shape, of which this process feeds
     its ``process_rows``; each stream builds ``prefetch`` batches ahead in a
     background thread (0: none). Evaluation batches hold about
-    ``geometry.eval_rows`` x data.max_length tokens, in rows of
-    ``geometry.eval_row_lengths`` packed with one or two prompts each.
+    ``geometry.evaluation.batch_tokens`` tokens, in rows of its
+    ``row_lengths`` packed with one or two prompts each.
     """
     testsets = load_testsets(config, tokenizer)
     streams = [
@@ -117,10 +117,10 @@ def load_runs_data(
     eval_pool = make_eval_pool(
         testsets,
         [{schema.TRAIN_TESTSET: tokenized} for tokenized in train_sets],
-        batch_tokens=geometry.eval_batch_tokens,
-        row_multiple=geometry.batch_shards,
+        batch_tokens=geometry.evaluation.batch_tokens,
+        row_multiple=geometry.evaluation.batch_shards,
         pad_id=pad_id(tokenizer),
-        row_lengths=geometry.eval_row_lengths or None,
+        row_lengths=geometry.evaluation.row_lengths,
     )
     return RunsData(eval_pool=eval_pool, streams=streams)
 
