@@ -35,6 +35,19 @@ def expand_config_paths(patterns: list[str]) -> list[str]:
     return paths
 
 
+def experiment_config_paths(patterns: list[str]) -> list[str]:
+    """The experiment configs among the files matching ``patterns`` (``expand_config_paths``,
+    ``experiment_configs``), the others named on stdout as a `#` comment; none is an error naming the
+    patterns. How the sweep and the estimate read their config arguments alike."""
+    configs, not_experiments = experiment_configs(expand_config_paths(patterns))
+    if not_experiments:
+        skipped = ", ".join(f"{path} ({why})" for path, why in not_experiments.items())
+        print(f"# not experiment configs, skipped: {skipped}")
+    if not configs:
+        raise ValueError(f"no experiment config among {list(patterns)}")
+    return configs
+
+
 def experiment_configs(paths: list[str]) -> tuple[list[str], dict[str, str]]:
     """The ``paths`` that are experiment configs, and the others with why they are not.
 

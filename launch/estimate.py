@@ -31,7 +31,7 @@ from ml_collections import config_dict
 
 from configs.models import architecture
 from launch import costs
-from launch.config_files import expand_config_paths, load_config
+from launch.config_files import experiment_config_paths, load_config
 from oodjax.engine.geometry import micro_batches_per_step
 from oodjax.models.lora import LoRAConfig
 
@@ -228,7 +228,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--utilisation must be in (0, 1], got {args.utilisation}")
     device = DEVICES[args.device]
     total_hours, total_runs = 0.0, 0
-    paths = expand_config_paths(args.configs)
+    try:
+        paths = experiment_config_paths(args.configs)
+    except ValueError as error:
+        parser.error(str(error))
     for path in paths:
         config = load_config(path)
         result = estimate(

@@ -36,9 +36,10 @@ from collections.abc import Sequence
 
 from ml_collections import config_dict
 
-from launch.config_files import expand_config_paths, experiment_configs, load_config
+from launch.config_files import experiment_config_paths, load_config
 from oodjax.engine import results
-from oodjax.engine.loop import PREEMPTED_EXIT_CODE, Run, plan_runs
+from oodjax.engine.preemption import PREEMPTED_EXIT_CODE
+from oodjax.engine.results import Run, plan_runs
 
 BACKENDS = ("slurm", "tpu", "local")
 LAUNCH_DIR = pathlib.Path(__file__).resolve().parent
@@ -158,12 +159,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.nodes < 1:
         parser.error(f"--nodes must be at least 1, got {args.nodes}")
 
-    configs, not_experiments = experiment_configs(expand_config_paths(args.configs))
-    if not_experiments:
-        skipped = ", ".join(f"{path} ({why})" for path, why in not_experiments.items())
-        print(f"# not experiment configs, skipped: {skipped}")
-    if not configs:
-        parser.error(f"no experiment config among {args.configs}")
+    try:
+        configs = experiment_config_paths(args.configs)
+    except ValueError as error:
+        parser.error(str(error))
     jobs = plan_jobs(configs, args.seeds, args.shots, args.output_dir, per_run=args.per_run)
     pending, skipped_runs = [], 0
     for job in jobs:

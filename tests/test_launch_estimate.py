@@ -313,3 +313,11 @@ def test_cli_unknown_checkpoint_is_an_error(tmp_path):
                       "    c.model.path = 'someone/model-1b'\n    return c\n")
     with pytest.raises(KeyError, match="no architecture numbers for 'someone/model-1b'"):
         estimate.main([str(config), "--eval_examples", "10"])
+
+
+def test_the_estimate_takes_a_glob_as_the_sweep_does(capsys):
+    """Files that are not experiment configs are named and left out, as `launch.sweep --configs` does."""
+    assert estimate.main(["configs/b*.py", "configs/olmo7_*.py", "--eval_examples", "1000"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0] == "# not experiment configs, skipped: configs/base.py (its config names no model)"
+    assert lines[-1].startswith("total: 18 runs in 2 configs")

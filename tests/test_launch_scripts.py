@@ -12,7 +12,7 @@ import subprocess
 
 import pytest
 
-from oodjax.engine.loop import PREEMPTED_EXIT_CODE
+from oodjax.engine.preemption import PREEMPTED_EXIT_CODE
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SCRIPTS = [ROOT / "launch" / "slurm.sbatch", ROOT / "launch" / "tpu_pod.sh"]

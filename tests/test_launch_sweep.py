@@ -11,7 +11,8 @@ from ml_collections import config_flags
 
 from analysis import schema
 from launch import sweep
-from oodjax.engine.loop import PREEMPTED_EXIT_CODE, plan_runs
+from oodjax.engine.preemption import PREEMPTED_EXIT_CODE
+from oodjax.engine.results import plan_runs
 
 STUDY = ["--configs", "configs/*_mnli.py", "configs/*_snli.py"]
 
