@@ -13,14 +13,6 @@ from oodjax.data.batches import (
 )
 from oodjax.data.in_context import InContextSet, tokenize_in_context
 from oodjax.data.packing import balance_rows, pair_rows
-from oodjax.data.training_stream import (
-    TRAIN_PREFETCH,
-    balanced_batch,
-    epoch_permutation,
-    micro_batch_longest_rows,
-    train_batches,
-    train_prompts_per_row,
-)
 from oodjax.data.prompts import (
     DEFAULT_ANSWERS,
     DEFAULT_MAX_LENGTH,
@@ -33,6 +25,14 @@ from oodjax.data.prompts import (
 )
 from oodjax.data.sampling import few_shot, stratified_subset
 from oodjax.data.testsets import TESTSETS, TestsetSpec, load_testset, testset_spec, testset_table, training_pool
+from oodjax.data.training_stream import (
+    TRAIN_PREFETCH,
+    balanced_batch,
+    epoch_permutation,
+    micro_batch_longest_rows,
+    train_batches,
+    train_prompts_per_row,
+)
 
 __all__ = [
     "Batch",
