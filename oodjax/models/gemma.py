@@ -30,7 +30,6 @@ from flax import nnx
 from oodjax.models.config import DecoderConfig, hf_value
 from oodjax.models.layers import (
     ATTENTION_PROJECTION,
-    FULL_ATTENTION,
     CausalLM,
     Embed,
     GatedMLP,
@@ -41,6 +40,7 @@ from oodjax.models.layers import (
     attention,
     rope_cos_sin,
     run_layers,
+    scanned_windows,
     segment_positions,
     stacked_layers,
     untied_head,
@@ -244,10 +244,7 @@ class GemmaModel(nnx.Module):
         global_rope = tables(config.rope)
         local_rope = global_rope if config.local_rope == config.rope else tables(config.local_rope)
         sliding = [window is not None for window in config.layer_windows]
-        per_layer = (jnp.asarray(sliding),)
-        if any(sliding):  # each layer's window is scanned; none at all costs no mask
-            windows = [FULL_ATTENTION if w is None else w for w in config.layer_windows]
-            per_layer += (jnp.asarray(windows, jnp.int32),)
+        per_layer = (jnp.asarray(sliding), *scanned_windows(config.layer_windows))
         hidden, layer_inputs = run_layers(
             self.layers, hidden, segment_ids, positions, global_rope, local_rope, remat=config.remat,
             per_layer=per_layer, all_layers=all_layers,

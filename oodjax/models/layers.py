@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -447,6 +447,14 @@ def segment_positions(segment_ids: jax.Array) -> jax.Array:
 
 # A window no prompt reaches: a layer's traced window when it attends to every earlier token.
 FULL_ATTENTION = np.iinfo(np.int32).max
+
+
+def scanned_windows(layer_windows: Sequence[int | None]) -> tuple[jax.Array, ...]:
+    """Each layer's sliding window (None: full attention) as a ``per_layer`` array for ``run_layers``, full
+    layers at ``FULL_ATTENTION``; () when no layer slides, so a model without windows builds no window mask."""
+    if all(window is None for window in layer_windows):
+        return ()
+    return (jnp.asarray([FULL_ATTENTION if window is None else window for window in layer_windows], jnp.int32),)
 
 
 def attention(

@@ -30,7 +30,6 @@ from flax import nnx
 from oodjax.models.config import DecoderConfig, hf_value
 from oodjax.models.layers import (
     ATTENTION_PROJECTION,
-    FULL_ATTENTION,
     CausalLM,
     Embed,
     GatedMLP,
@@ -41,6 +40,7 @@ from oodjax.models.layers import (
     attention,
     rope_cos_sin,
     run_layers,
+    scanned_windows,
     segment_positions,
     stacked_layers,
     untied_head,
@@ -283,10 +283,7 @@ class LlamaModel(nnx.Module):
         hidden = self.embed_tokens(input_ids)
         # Llama casts the float32 cos/sin tables to the activations' dtype before rotating.
         cos, sin = (t.astype(hidden.dtype) for t in rope_cos_sin(positions, self.config.rope, self.config.head_dim))
-        per_layer = (jnp.asarray(self.config.rope_layers),)
-        if any(self.config.layer_windows):  # each layer's window is scanned; none at all costs no mask
-            windows = [FULL_ATTENTION if w is None else w for w in self.config.layer_windows]
-            per_layer += (jnp.asarray(windows, jnp.int32),)
+        per_layer = (jnp.asarray(self.config.rope_layers), *scanned_windows(self.config.layer_windows))
         hidden, layer_inputs = run_layers(
             self.layers, hidden, segment_ids, cos, sin, positions, remat=self.config.remat, per_layer=per_layer,
             all_layers=all_layers,
