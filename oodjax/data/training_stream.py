@@ -116,31 +116,31 @@ def micro_batch_longest_rows(
     seed: int,
     seq_len: int,
     steps: int,
-    pack: bool = False,
-    grad_accum: int = 1,
-    prompts_per_row: int | None = None,
+    pack: bool,
+    grad_accum: int,
+    prompts_per_row: int | None,
 ) -> np.ndarray:
     """[steps, grad_accum]: the tokens of the longest row of each micro-batch of the stream's first ``steps``
     global batches (0 for a micro-batch without a prompt), worked out from the prompts' lengths alone.
 
     The rows are those ``train_batches`` lays out with the same arguments
-    (all rows of each batch): one prompt a row, shortest first, or packed by
+    (all rows of each batch; with ``pack``, ``prompts_per_row`` slots a row):
+    one prompt a row, shortest first (``by_length``), or packed by
     ``balance_rows``; micro-batch i is rows [i * B / grad_accum, (i + 1) * B
     / grad_accum). A whole training's worth costs about a millisecond a step.
     """
-    if pack and prompts_per_row is None:
-        prompts_per_row = train_prompts_per_row([tokenized], batch_size=batch_size, seq_len=seq_len)
     longest = np.zeros((steps, grad_accum), dtype=np.int64)
     for index in range(steps):
-        lengths = tokenized.lengths[stream_examples(seed, len(tokenized), batch_size, index)]
+        examples = stream_examples(seed, len(tokenized), batch_size, index)
         if pack:
+            lengths = tokenized.lengths[examples]
             members = balance_rows(
                 lengths, num_rows=batch_size, micro_batches=grad_accum, row_length=seq_len,
                 prompts_per_row=prompts_per_row,
             )  # fmt: skip
             rows = np.array([lengths[row].sum() for row in members], dtype=np.int64)
         else:
-            rows = np.sort(lengths, kind="stable")  # ``by_length``'s order
+            rows = tokenized.lengths[by_length(tokenized, examples)]
         longest[index] = rows.reshape(grad_accum, -1).max(axis=1)
     return longest
 
