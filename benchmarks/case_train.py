@@ -2,7 +2,7 @@
 
 Every contender takes the same sequence of batches (one fixed shuffled
 order). oodjax runs each batch as the run loop does: packed several prompts
-to a row, fullest rows first, and split into micro-batches, each run at the
+to a row, balanced over the micro-batches' rows, each micro-batch run at the
 smallest bucket that holds it and skipped when empty (the gradient is the
 whole batch's either way). The first step
 of each contender (a warm-up step, on the same batch, with the adapters'
@@ -76,8 +76,8 @@ def run(mode: Mode, workload: Workload, engine: Engine, torch_model: peft.PeftMo
             f"LoRA r={settings.LORA['rank']} on q/k/v/o, batch {settings.TRAIN_BATCH}, AdamW with clipping, "
             f"{per_repeat} step(s) per repetition, MNLI few-shot set of {len(tokenized)} (mean "
             f"{tokenized.lengths.mean():.0f} tokens, max {tokenized.lengths.max()}). oodjax: engine train step, "
-            f"each batch packed into rows of {settings.MAX_LENGTH} tokens, fullest first, split into "
-            f"{settings.TRAIN_GRAD_ACCUM} micro-batches (gradients accumulated), each cut to the smallest of the "
+            f"each batch packed into {settings.TRAIN_GRAD_ACCUM} micro-batches of one row, balanced (gradients "
+            f"accumulated), each cut to the smallest of the "
             f"buckets {mode.buckets} holding its longest row, empty ones skipped (compiled in the warm-up); "
             f"pytorch-original: peft, padded to {settings.MAX_LENGTH}, full logits; "
             "pytorch-tuned: peft, padded to each batch's longest prompt, head at the answer position only."
@@ -94,11 +94,11 @@ def run(mode: Mode, workload: Workload, engine: Engine, torch_model: peft.PeftMo
 
 
 def _computed_tokens(batch: dict[str, np.ndarray], buckets: tuple[int, ...]) -> int:
-    """Tokens the train step computes for a host batch [1, grad_accum, rows, S]: rows x the length
+    """Tokens the train step computes for a host step [grad_accum, rows, S]: rows x the length
     (of the step's own ``micro_batch_lengths``) of each non-empty micro-batch."""
     lengths = micro_batch_lengths(buckets, batch["input_ids"].shape[-1])
     total = 0
-    for mask, valid in zip(batch["segment_ids"][0], batch["valid"][0]):
+    for mask, valid in zip(batch["segment_ids"], batch["valid"]):
         if valid.any():
             total += len(mask) * fitting_bucket(lengths, int((mask != 0).sum(axis=-1).max()))
     return total

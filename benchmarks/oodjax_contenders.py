@@ -1,7 +1,8 @@
 """The oodjax side: the engine's own jitted steps and evaluation, as the run loop calls them.
 
 As in the loop, everything lives on a device mesh (here of the one CPU
-device) and batches are placed with the engine's ``shard_batch``.
+device), training steps are laid out by ``oodjax.data.train_steps`` and
+batches are placed with the engine's ``shard_batch``.
 """
 
 from __future__ import annotations
@@ -16,14 +17,15 @@ import numpy as np
 
 from benchmarks import settings
 from oodjax import models
-from oodjax.data import TokenizedSet, balanced_batch, train_prompts_per_row
+from oodjax.data import TokenizedSet, bucket_lengths, fitting_bucket, stream_examples, train_steps
 from oodjax.engine import sharding, steps
 from oodjax.engine.evaluation import EvalPool, evaluate, make_eval_pool
 from oodjax.engine.geometry import BatchGeometry
-from oodjax.engine.run_data import step_batch
+from oodjax.engine.run_data import TRAIN_KEYS
 from oodjax.models.lora import LoRAConfig
 
 EVAL_SET = "testsets"  # the name of the one set the evaluation case's pool holds
+STREAM_SEED = 0  # the seed of every run's training stream (its order is the batch's own: ``_in_stream_order``)
 
 
 @dataclasses.dataclass
@@ -34,7 +36,9 @@ class Engine:
     base_state: Any
     runs: steps.TrainState
     eval_step: Callable[..., jax.Array]
-    train_step: Callable[..., tuple[steps.TrainState, jax.Array]]
+    make_train_step: Callable[[BatchGeometry, steps.TrainState], Any]  # steps.make_train_step for a geometry
+    buckets: tuple[int, ...] = ()  # lengths a training micro-batch is cut to (below its rows' length)
+    made: dict[BatchGeometry, Any] = dataclasses.field(default_factory=dict)  # train steps, by geometry
 
     def margins(self, pool: EvalPool) -> list[dict[str, np.ndarray]]:
         """Each run's margins per set, through the engine's ``evaluate`` (all batches dispatched, then fetched)."""
@@ -42,8 +46,9 @@ class Engine:
                         place=lambda batch: sharding.shard_batch(batch, self.mesh, batch_axis=1))
 
     def train(self, tokenized: TokenizedSet, rows: Sequence[np.ndarray]) -> np.ndarray:
-        """One optimizer step; ``rows[r]`` are run r's examples, packed and cut to buckets as the loop does."""
-        self.runs, loss = self.train_step(self.base_state, self.runs, self._placed(self.train_batch(tokenized, rows)))
+        """One optimizer step; ``rows[r]`` are run r's examples, laid out as the loop lays a step out."""
+        step = self.train_step(train_geometry(tokenized, len(rows), self.buckets))
+        self.runs, loss = step(self.base_state, self.runs, self._placed(self.train_batch(tokenized, rows)))
         return np.asarray(jax.device_get(loss))
 
     def eval_pool(self, tokenized: TokenizedSet, *, batch_tokens: int) -> EvalPool:
@@ -56,22 +61,73 @@ class Engine:
         The loop compiles it at its first step; a timed step must not, so the
         warm-up compiles it ahead (and is charged).
         """
-        self.train_step.lower(self.base_state, self.runs, self._placed(self.train_batch(tokenized, rows))).compile()
+        step = self.train_step(train_geometry(tokenized, len(rows), self.buckets))
+        step.lower(self.base_state, self.runs, self._placed(self.train_batch(tokenized, rows))).compile()
+
+    def train_step(self, geometry: BatchGeometry) -> Any:
+        """The jitted train step of ``geometry``, made once."""
+        if geometry not in self.made:
+            self.made[geometry] = self.make_train_step(geometry, self.runs)
+        return self.made[geometry]
 
     @staticmethod
     def train_batch(tokenized: TokenizedSet, rows: Sequence[np.ndarray]) -> dict[str, np.ndarray]:
-        """The host batch [R, grad_accum, micro_batch, ...] as the loop's stream gives it: packed rows of MAX_LENGTH."""
-        slots = train_prompts_per_row([tokenized], batch_size=settings.TRAIN_BATCH, seq_len=settings.MAX_LENGTH)
-        per_run = [
-            balanced_batch(
-                tokenized, r, settings.TRAIN_BATCH, settings.MAX_LENGTH, slots, micro_batches=settings.TRAIN_GRAD_ACCUM
-            )
-            for r in rows
-        ]
-        return step_batch(per_run, grad_accum=settings.TRAIN_GRAD_ACCUM)
+        """The host step [grad_accum, rows, ...] as the loop's stream gives it (``oodjax.data.train_steps``):
+        all runs' prompts packed in ``train_geometry``'s rows, run r's being ``rows[r]``, in that order."""
+        geometry = train_geometry(tokenized, len(rows))
+        stream = train_steps(
+            [_in_stream_order(tokenized, r) for r in rows], [STREAM_SEED] * len(rows), batch_size=settings.TRAIN_BATCH,
+            layout=geometry.layout, seq_len=geometry.seq_len, prompts_per_row=geometry.prompts_per_row, prefetch=0,
+        )  # fmt: skip
+        return next(stream)
 
     def _placed(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
-        return sharding.shard_batch(batch, self.mesh, batch_axis=2)
+        """What the train step reads of a step, split over the rows (the loop's ``_next_batch``)."""
+        return sharding.shard_batch({key: batch[key] for key in TRAIN_KEYS}, self.mesh, batch_axis=1)
+
+
+def train_geometry(tokenized: TokenizedSet, runs: int, buckets: Sequence[int] = ()) -> BatchGeometry:
+    """The train step's layout for ``runs`` runs' batches of settings.TRAIN_BATCH prompts of ``tokenized``, as
+    the loop lays a step out with train.pack on one device: settings.TRAIN_GRAD_ACCUM micro-batches of one row.
+
+    The loop sizes its rows by replaying its seeded streams; the benchmark's
+    batches follow their own order, so rows are sized for any batch of the
+    set. Balanced rows (longest prompt first, each to the least-filled row)
+    hold at most the longest prompt plus an even share of the rest, and at
+    most every prompt but one per other row; so the stream's bounds never
+    bind and it lays every batch out as the loop would. Rows are the bucket
+    of that bound on the loop's default ladder (going on past
+    settings.MAX_LENGTH); a micro-batch runs at the smallest of ``buckets``
+    that holds its row, else at the rows' length (the geometry's
+    ``micro_batch_lengths``).
+    """
+    prompts, num_rows = runs * settings.TRAIN_BATCH, settings.TRAIN_GRAD_ACCUM
+    # The longest prompts a batch may hold: a run's batch may repeat an example where it straddles two epochs.
+    repeats = runs * (1 + -(-settings.TRAIN_BATCH // len(tokenized)))
+    longest = np.sort(np.tile(tokenized.lengths, repeats))[::-1][:prompts].astype(np.int64)
+    row = int(longest[0]) + -(-int(longest.sum() - longest[0]) // num_rows)
+    seq_len = fitting_bucket(bucket_lengths(max(settings.MAX_LENGTH, 2 * row)), row)
+    return BatchGeometry(
+        runs=runs, batch_size=settings.TRAIN_BATCH, grad_accum=settings.TRAIN_GRAD_ACCUM, seq_len=seq_len,
+        buckets=tuple(sorted(int(b) for b in buckets)), packed=True, prompts_per_row=max(1, prompts - num_rows + 1),
+        batch_shards=1,
+    )  # fmt: skip
+
+
+def _in_stream_order(tokenized: TokenizedSet, rows: np.ndarray) -> TokenizedSet:
+    """The set of ``rows`` alone, ordered so that a training stream seeded STREAM_SEED draws them as its first
+    batch in the order given (its first epoch's permutation undone), each at its place in ``rows``."""
+    rows = np.asarray(rows)
+    order = np.empty_like(rows)
+    order[stream_examples(STREAM_SEED, len(rows), len(rows), 0)] = rows
+    lengths = tokenized.lengths[order]
+    return TokenizedSet(
+        token_ids=np.concatenate([tokenized.prompt(int(i)) for i in order]).astype(tokenized.token_ids.dtype),
+        starts=np.concatenate([[0], np.cumsum(lengths)]).astype(tokenized.starts.dtype),
+        labels=tokenized.labels[order],
+        truncated=tokenized.truncated[order],
+        max_length=tokenized.max_length,
+    )
 
 
 def lora_config() -> LoRAConfig:
@@ -83,21 +139,23 @@ def build_engine(
     checkpoint: pathlib.Path, *, seeds: Sequence[int], total_steps: int, yes_id: int, no_id: int,
     buckets: Sequence[int],
 ) -> Engine:
-    """The float32 checkpoint loaded by ``load_pretrained``, one adapter per seed, the steps made by steps.py."""
+    """The float32 checkpoint loaded by ``load_pretrained``, one adapter per seed, the steps made by steps.py
+    (the train step once its geometry is known: ``Engine.train_step``)."""
     mesh = sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1])
     model = models.load_pretrained(checkpoint, dtype="float32", mesh=mesh)
     optimizer = steps.make_optimizer(settings.LEARNING_RATE, total_steps, settings.warmup_steps(total_steps),
                                      weight_decay=0.0, max_grad_norm=settings.MAX_GRAD_NORM)
     graphdef, base_state, runs = steps.init_runs(model, list(seeds), lora_config(), optimizer, mesh=mesh)
-    geometry = BatchGeometry(
-        runs=len(seeds), batch_size=settings.TRAIN_BATCH, grad_accum=settings.TRAIN_GRAD_ACCUM,
-        seq_len=settings.MAX_LENGTH, buckets=tuple(buckets),
-    )
+
+    def make_train_step(geometry: BatchGeometry, runs: steps.TrainState) -> Any:
+        return steps.make_train_step(graphdef, optimizer, yes_id, no_id, geometry, mesh=mesh, base_state=base_state,
+                                     runs=runs)
+
     return Engine(
         mesh=mesh,
         base_state=base_state,
         runs=runs,
         eval_step=steps.make_eval_step(graphdef, yes_id, no_id, mesh=mesh),
-        train_step=steps.make_train_step(graphdef, optimizer, yes_id, no_id, geometry, mesh=mesh,
-                                         base_state=base_state, runs=runs),
+        make_train_step=make_train_step,
+        buckets=tuple(buckets),
     )

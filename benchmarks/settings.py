@@ -86,9 +86,8 @@ class Mode:
 
 TRAIN_BATCH = 16
 # oodjax's micro-batches per step, with train.pack on (one device): the batch's
-# prompts are packed into rows, fullest first, so each micro-batch of 2 rows
-# runs at its own bucket and empty ones are skipped (the gradient is the
-# whole batch's).
+# prompts are balanced over one row per micro-batch, each run at its own
+# bucket (the gradient is the whole batch's).
 TRAIN_GRAD_ACCUM = 8
 LORA = dict(rank=8, alpha=32.0, dropout=0.1, targets=("q_proj", "k_proj", "v_proj", "o_proj"))
 LEARNING_RATE = 1e-4

@@ -140,26 +140,22 @@ def get_config() -> config_dict.ConfigDict:
     config.runs.seeds = (0, 42, 99)
     # Sizes of the few-shot training sets (label-balanced draws from the pool).
     config.runs.shots = (32, 64, 128)
-    # Runs whose forward and backward passes the train step computes at once
-    # (a loop over chunks of this many, sharing the one frozen base): peak
-    # activation memory is that of `chunk` runs. 0 = all runs at once (fastest).
-    # Same results either way.
-    config.runs.chunk = 0
 
     config.train = config_dict.ConfigDict()
     config.train.steps = 500  # optimizer steps per run
     config.train.batch_size = 16  # examples per optimizer step, per run
-    # Micro-batches per optimizer step when rows hold one prompt each (pack
-    # off; gradients accumulated inside the jitted step); must divide
-    # batch_size. Batches are sorted by length and each micro-batch runs at
-    # its own bucket, so more micro-batches also compute less padding; the
-    # update is the same. With pack on, a step is batch_size / (data x fsdp)
-    # micro-batches of one row per device whatever this says.
+    # Micro-batches per optimizer step (gradients accumulated inside the
+    # jitted step); must divide batch_size. Every run's prompts of a step are
+    # spread over them, so more micro-batches hold fewer tokens at once: the
+    # memory knob. The update is the same.
     config.train.grad_accum = 1
-    # Pack each device's share of a step's examples into one row, balanced
-    # over the devices: the step runs one micro-batch at the length of its
-    # fullest row and skips the empty rest. Same examples per step and the
-    # same update either way, up to dropout masks (they follow the rows).
+    # Pack all runs' prompts of a step into one row per device per
+    # micro-batch, a row mixing runs (each token adapted by its own run's
+    # adapters), balanced over the rows, so little is padding. Off: one
+    # prompt a row, each run's micro-batch a grad_accum-th of its batch.
+    # Same examples per step and the same update either way, up to dropout
+    # masks: they are keyed by each prompt's run, place in its run's batch
+    # and token position, the same within a layout whatever trains beside it.
     config.train.pack = True
     config.train.learning_rate = 1e-4  # peak, after warm-up
     config.train.warmup_steps = 50  # linear warm-up, then linear decay to 0

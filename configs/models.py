@@ -11,9 +11,8 @@ the bf16 base on every device and split the batch (data parallel); from 13B
 the base is sharded over the devices (fsdp). Models whose activations would
 crowd a device keep only the projections' outputs for the backward pass
 (remat "save_dots": norms, RoPE, attention and activations are recomputed,
-the matmuls are not); the 30B models also split each step into two
-micro-batches, and OLMo2-32B computes its 9 runs three at a time
-(runs_chunk), each chunk gathering the sharded weights anew.
+the matmuls are not); from 6.7B a step's prompts are split into two
+micro-batches (grad_accum), which halves the tokens a device holds at once.
 The protocol fields (batch size 16, steps, learning rate) stay at base.py's
 values for every model: only resources change with size.
 
@@ -57,7 +56,6 @@ class ModelResources:
     architecture: Mapping[str, Any]
     published_parameters: float
     dtype: str = "bfloat16"
-    runs_chunk: int = 0  # config.runs.chunk: runs computed at once in the train step; 0 = all
 
 
 MODELS: dict[str, ModelResources] = {
@@ -119,7 +117,7 @@ MODELS: dict[str, ModelResources] = {
         published_parameters=30e9,
     ),
     "olmo32": ModelResources(
-        "allenai/OLMo-2-0325-32B", (1, -1, 1), 2, 32, remat="save_dots", runs_chunk=3,
+        "allenai/OLMo-2-0325-32B", (1, -1, 1), 2, 32, remat="save_dots",
         architecture=dict(
             _OLMO2_COMMON, hidden_size=5120, intermediate_size=27648, num_hidden_layers=64,
             num_attention_heads=40, num_key_value_heads=8, max_position_embeddings=4096,
@@ -149,7 +147,6 @@ def model_config(model: str, train_set: str) -> config_dict.ConfigDict:
     config.model.name = model
     config.model.dtype = resources.dtype
     config.model.remat = resources.remat
-    config.runs.chunk = resources.runs_chunk
     config.data.train_set = train_set
     config.train.grad_accum = resources.grad_accum
     config.eval.batch_size = resources.eval_batch_size

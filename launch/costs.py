@@ -6,11 +6,12 @@ its `nnx.Param` leaves, or its `nnx.LoRAParam` leaves once adapters are
 attached, so they cannot drift from what the engine trains.
 
 Training memory per device follows what the compiled train step holds: the
-frozen base, the runs' adapters, gradients and AdamW moments, each split the
+frozen base, every run's adapters, gradients and AdamW moments, each split the
 way the logical axis rules shard it; the activations the backward pass saves,
-measured with JAX's own saved-residuals analysis of one micro-batch's loss
-(runs vmapped, the remat policy, LoRA dropout and the dtypes applied) through
-an abstract 1- and 2-layer model; and the working set of the backward pass.
+measured with JAX's own saved-residuals analysis of the train step's loss on
+one micro-batch (its rows' tokens going through all runs' adapters, the remat
+policy, LoRA dropout and the dtypes applied) through an abstract 1- and
+2-layer model; and the working set of the backward pass.
 With platform "cpu" it is what XLA's CPU backend allocates (the preflight's
 compile on a machine without an accelerator), which `python -m
 launch.estimate --platform cpu --layers N` sets beside it. FLOPs are
@@ -152,37 +153,45 @@ def forward_flops_per_token(d: Dimensions, seq_len: int, lora_parameters: int = 
 
 
 def train_step_flops(
-    d: Dimensions, *, runs: int, batch_size: int, seq_len: int, lora_parameters: int, remat: str
+    d: Dimensions, *, runs: int, rows: int, seq_len: int, prompts: int, lora_parameters: int, remat: str
 ) -> float:
-    """FLOPs of one optimizer step of all runs trained together.
+    """FLOPs of one optimizer step of all runs trained together: ``rows`` rows of ``seq_len`` tokens (every
+    micro-batch's, padding included) holding ``prompts`` prompts; ``lora_parameters`` are one run's.
 
-    Forward F; backward takes gradients only with respect to activations
-    through the frozen weights (one more F for the matmuls, twice the
-    attention cost) and with respect to the adapters (twice their forward).
-    The remat policy recomputes what it does not keep
+    Forward F: the layers' matmuls; attention over the whole row (prompts
+    packed in a row are masked from each other, not skipped); and the
+    adapters of all ``runs`` on every token (the LoRA multiplies by the runs'
+    A and B concatenated, ``runs`` x rank columns, and keeps each token's own
+    run's: 2 x runs x lora_parameters). Backward takes gradients only with
+    respect to activations through the frozen weights (one more F for the
+    matmuls, twice the attention cost) and with respect to the adapters and
+    their input (twice their forward), after recomputing their forward
+    (``recomputed_in_backward``: counted whole, an upper bound, as only
+    x @ A is needed). The remat policy recomputes what it does not keep
     (``oodjax.models.REMAT_POLICIES``): "full" the whole forward; "save_dots"
     only the attention scores and their product with the values (the
     projections' outputs are kept); "save_dots_except_mlp" those and the MLP's
-    matmuls. The head (full vocabulary, one position per example) is a
+    matmuls. The head (full vocabulary, at each prompt's answer position) is a
     forward and an input-gradient matmul.
     """
-    tokens = runs * batch_size * seq_len
+    tokens = rows * seq_len
     matmuls = 2.0 * d.num_layers * d.layer_matmul_parameters
     mlp = 2.0 * d.num_layers * d.mlp_matrices * d.hidden_size * d.ffn_dim
     attention = 4.0 * d.num_layers * seq_len * d.q_dim
-    adapters = 2.0 * lora_parameters
+    adapters = 2.0 * runs * lora_parameters
     forward = matmuls + attention + adapters
-    backward = matmuls + 2 * attention + 2 * adapters
+    backward = matmuls + 2 * attention + 3 * adapters
     recomputed = {"none": 0.0, "full": forward, "save_dots": attention, "save_dots_except_mlp": attention + mlp}
     if remat not in recomputed:
         raise ValueError(f"unknown remat policy {remat!r}; known: {sorted(recomputed)}")
     per_token = forward + backward + recomputed[remat]
-    head = 2 * (2.0 * d.hidden_size * d.vocab_size) * runs * batch_size
+    head = 2 * (2.0 * d.hidden_size * d.vocab_size) * prompts
     return tokens * per_token + head
 
 
 def eval_flops(d: Dimensions, *, runs: int, examples: int, seq_len: int, lora_parameters: int) -> float:
-    """FLOPs of evaluating every run on `examples` examples (the head reads two columns: negligible)."""
+    """FLOPs of evaluating every run (each with its own adapters) on `examples` examples of `seq_len` tokens
+    (the head reads two columns: negligible)."""
     return runs * examples * seq_len * forward_flops_per_token(d, seq_len, lora_parameters)
 
 
@@ -229,41 +238,47 @@ def saved_activation_bytes(
     model: nnx.Module,
     *,
     runs: int,
-    batch: int,
+    rows: int,
     seq_len: int,
+    prompts_per_row: int = 1,
     compute_dtype: str | None = None,
     platform: str = "gpu",
 ) -> int:
-    """Bytes the backward pass keeps from the forward of one micro-batch: `runs` vmapped runs of
-    `batch` examples of `seq_len` tokens each, through `model` (abstract, adapters attached).
+    """Bytes the backward pass keeps from the forward of one micro-batch of the train step: `rows` rows of
+    `seq_len` tokens and `prompts_per_row` prompt slots, every token through all `runs` runs' adapters, in
+    `model` (abstract, one run's adapters attached).
 
     JAX's saved-residuals analysis lists every array the VJP of the train
-    step's own loss (`steps.micro_batch_loss`) with respect to the adapters
-    keeps, after the model's remat policy decides what to recompute; dropout
-    masks, float32 softmax statistics and the head's logits are among them.
-    The adapters, frozen weights and batch are left out: they are the step's
-    arguments, counted apart. Only traced, never computed, so a full-size
-    batch costs nothing to measure. Sizes are as `platform` stores them.
+    step's own loss (`steps.micro_batch_loss`, the runs' adapters stacked as
+    the step stacks them) with respect to the adapters keeps, after the
+    model's remat policy decides what to recompute; dropout masks, the runs'
+    low-rank products, float32 softmax statistics and the head's logits are
+    among them. The adapters, frozen weights and batch are left out: they
+    are the step's arguments, counted apart. Only traced, never computed, so
+    a full-size batch costs nothing to measure. Sizes are as `platform`
+    stores them.
     """
     graphdef, lora, base = nnx.split(model, nnx.LoRAParam, ...)
     dtype = jnp.dtype(compute_dtype) if compute_dtype else None
     loss = functools.partial(steps.micro_batch_loss, graphdef=graphdef, yes_id=0, no_id=1, compute_dtype=dtype)
     stacked = jax.tree.map(lambda x: jax.ShapeDtypeStruct((runs, *x.shape), x.dtype), lora)
-    tokens = jax.ShapeDtypeStruct((runs, batch, seq_len), jnp.int32)
-    examples = jax.ShapeDtypeStruct((runs, batch), jnp.int32)
-    micro = dict(input_ids=tokens, segment_ids=tokens, answer_pos=examples, label=examples)
+    tokens = jax.ShapeDtypeStruct((rows, seq_len), jnp.int32)
+    slots = jax.ShapeDtypeStruct((rows, prompts_per_row), jnp.int32)
+    valid = jax.ShapeDtypeStruct((rows, prompts_per_row), jnp.bool_)
+    micro = dict(input_ids=tokens, segment_ids=tokens, answer_pos=slots, label=slots, valid=valid, run=slots,
+                 example=slots)
     residuals = []
 
-    def measure(base: nnx.State, micro: Mapping[str, jax.Array], lora: nnx.State) -> jax.Array:
+    def measure(base: nnx.State, micro: Mapping[str, jax.Array], stacked: nnx.State) -> jax.Array:
         if dtype is not None:  # the step casts the base once, outside the differentiated loss
             base = jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, base)
-        keys = jax.random.split(jax.random.key(0), runs)
+        run_keys = jnp.zeros((runs, 2), jnp.uint32)
+        run_weights = jnp.ones((runs,), jnp.float32)
 
         def all_runs(lora: nnx.State) -> jax.Array:
-            per_run = jax.vmap(lambda lora, micro, key: loss(lora, base, micro, key)[0])
-            return per_run(lora, micro, keys).sum()
+            return loss(lora, base, micro, run_keys, run_weights)[0]
 
-        residuals.extend(saved_residuals(all_runs, lora))
+        residuals.extend(saved_residuals(all_runs, steps.runs_inside_layers(stacked)))
         return jnp.zeros(())
 
     jax.eval_shape(measure, base, micro, stacked)
@@ -286,9 +301,9 @@ class Memory:
     frozen_weights: float  # this device's shard of the base
     upcast_weights: float  # CPU only: the float32 copy of the layers' weights XLA multiplies by
     adapters: float  # every run's adapters (float32)
-    gradients: float  # their gradients (float32)
-    optimizer_state: float  # AdamW's two moments (float32)
-    activations: float  # what the backward pass saves from the forward of one micro-batch
+    gradients: float  # every run's adapter gradients, accumulated over the micro-batches (float32)
+    optimizer_state: float  # AdamW's two moments of every run (float32)
+    activations: float  # what the backward pass saves from the forward of one micro-batch (all runs' tokens)
     layer_transients: float  # one layer's backward: gradient temporaries, its recomputation, its gathered weights
     head_transients: float  # the head's weights gathered from fsdp shards (and their float32 copy on CPU)
 
@@ -303,8 +318,8 @@ class Memory:
 class _Measured:
     """What one micro-batch's backward pass keeps, split by what it scales with (bytes)."""
 
-    per_row_layer: int  # activations per row of each run, per decoder layer
-    per_row_outside: int  # activations per row of each run, outside the layers
+    per_row_layer: int  # activations per row, per decoder layer
+    per_row_outside: int  # activations per row, outside the layers
     fixed_layer: int  # per decoder layer, what does not grow with the batch (derived from the adapters)
     fixed_outside: int  # the same outside the layers (a tied head's transposed embedding)
     layer_weights: int  # one decoder layer's parameters, unsharded
@@ -320,6 +335,7 @@ def _measure(
     remat: str,
     runs: int,
     seq_len: int,
+    prompts_per_row: int,
     platform: str,
 ) -> _Measured:
     """`saved_activation_bytes` of the model of these numbers, taken apart.
@@ -338,7 +354,8 @@ def _measure(
         adapted = with_adapters(model, lora)
         for rows in (1, 2):
             saved[layers, rows] = saved_activation_bytes(
-                adapted, runs=runs, batch=rows, seq_len=seq_len, compute_dtype=compute_dtype, platform=platform
+                adapted, runs=runs, rows=rows, seq_len=seq_len, prompts_per_row=prompts_per_row,
+                compute_dtype=compute_dtype, platform=platform,
             )
         weights[layers] = bytes_per_device(nnx.state(model, nnx.Param), whole)
     per_row = {layers: saved[layers, 2] - saved[layers, 1] for layers in (1, 2)}
@@ -361,39 +378,47 @@ def train_memory_per_device(
     remat: str,
     mesh: Mapping[str, int],
     runs: int,
-    micro_batch: int,
+    rows: int,
     seq_len: int,
+    prompts_per_row: int = 1,
     platform: str = "gpu",
 ) -> Memory:
     """Training memory of one device for a mesh {"data", "fsdp", "tensor"} (sizes already resolved).
 
-    `runs` are the runs computed at once, each with `micro_batch` examples
-    per micro-batch split over data x fsdp. Weights and adapters are split
-    as the logical axis rules split them; with fsdp, the layer being
-    computed is gathered whole. Activations are measured for the examples
-    each device holds, traced at `seq_len`; tensor parallelism is taken to
-    split them evenly (an upper bound on its saving: the residual stream is
-    replicated). The backward pass through a layer holds the gradients of
-    its widest activations (BACKWARD_TEMPORARIES of its activations without
-    remat), plus, under remat, the layer recomputed whole, and with fsdp its
-    weights gathered whole. The head's peak holds its weights gathered whole
-    with fsdp (the batch and the hidden dimension are both split over fsdp).
-    On `platform` "cpu" half-precision residuals count as float32, and the
-    weights being multiplied (the layers', the head's) get a float32 copy,
-    as XLA's CPU backend allocates them (`stored_itemsize`).
+    A micro-batch is `rows` rows (all devices') of `seq_len` tokens and
+    `prompts_per_row` prompt slots, split over data x fsdp, as
+    `oodjax.engine.geometry` lays it out: with train.pack one row per device
+    holding prompts of all `runs` runs, else one prompt a row. Every token
+    goes through all runs' adapters, and every run's adapters, gradients and
+    moments are held. Weights and adapters are split as the logical axis
+    rules split them; with fsdp, the layer being computed is gathered whole.
+    Activations are measured for the rows each device holds; tensor
+    parallelism is taken to split them evenly (an upper bound on its saving:
+    the residual stream is replicated). The backward pass through a layer
+    holds the gradients of its widest activations (BACKWARD_TEMPORARIES of
+    its activations without remat), plus, under remat, the layer recomputed
+    whole, and with fsdp its weights gathered whole. The head's peak holds
+    its weights gathered whole with fsdp (the batch and the hidden dimension
+    are both split over fsdp). On `platform` "cpu" half-precision residuals
+    count as float32, and the weights being multiplied (the layers', the
+    head's) get a float32 copy, as XLA's CPU backend allocates them
+    (`stored_itemsize`).
     """
     shards = mesh["data"] * mesh["fsdp"]
-    if micro_batch % shards:
-        raise ValueError(f"a micro-batch of {micro_batch} examples does not split over data x fsdp = {shards} devices")
+    if rows % shards:
+        raise ValueError(f"a micro-batch of {rows} rows does not split over data x fsdp = {shards} devices")
     devices = abstract_mesh(mesh)
     base = abstract_model(architecture, dtype=dtype, remat=remat)
     adapters = bytes_per_device(nnx.state(with_adapters(base, lora), nnx.LoRAParam), devices, leading=runs)
     layers = full_config(architecture).num_hidden_layers
-    measure = dict(dtype=dtype, compute_dtype=compute_dtype, runs=runs, seq_len=seq_len, platform=platform)
+    measure = dict(
+        dtype=dtype, compute_dtype=compute_dtype, runs=runs, seq_len=seq_len, prompts_per_row=prompts_per_row,
+        platform=platform,
+    )
     key = json.dumps(dict(architecture), sort_keys=True)
     kept = _measure(key, lora, remat=remat, **measure)
     full_layer = _measure(key, lora, remat="none", **measure).per_row_layer
-    rows = micro_batch // shards  # of each run, on each device
+    per_device = rows // shards  # rows of a micro-batch on each device
     head = nnx.eval_shape(lambda model: model.head_kernel(), base)
     head_weights = math.prod(head.shape) * jnp.dtype(dtype).itemsize / mesh["tensor"]
     # Weights are multiplied as stored on GPU and TPU; on CPU, from a float32 copy.
@@ -411,11 +436,11 @@ def train_memory_per_device(
         gradients=adapters,
         optimizer_state=2 * adapters,
         activations=(
-            layers * (rows * kept.per_row_layer + kept.fixed_layer)
-            + rows * kept.per_row_outside
+            layers * (per_device * kept.per_row_layer + kept.fixed_layer)
+            + per_device * kept.per_row_outside
             + sharded * kept.fixed_outside
         ) / mesh["tensor"],
-        layer_transients=(rows * full_layer * (BACKWARD_TEMPORARIES + recomputed) + kept.layer_weights * gathered)
+        layer_transients=(per_device * full_layer * (BACKWARD_TEMPORARIES + recomputed) + kept.layer_weights * gathered)
         / mesh["tensor"],
         head_transients=head_weights * (gathered + upcast),
     )

@@ -3,17 +3,21 @@
 For each config: parameter count, training memory per device (frozen
 weights, adapters, gradients, optimizer state, saved activations, the
 backward pass's working set; `launch.costs` says how each is measured) for
-its mesh, batch, remat policy and runs.chunk, FLOPs per train step and per
-full evaluation, and the accelerator-hours of all its runs on a stated
-device at a stated utilisation. With several configs a closing line sums
+its mesh, train step layout (`oodjax.engine.geometry`: train.grad_accum
+micro-batches of all runs' prompts, packed one row per device with
+train.pack) and remat policy, FLOPs per train step and per full evaluation,
+and the accelerator-hours of all its runs on a stated device at a stated
+utilisation. With several configs a closing line sums
 the hours. --layers cuts the model to that depth and --platform cpu costs
 memory as XLA's CPU backend allocates it, so that the estimate can be set
 beside `python -m launch.preflight --layers N` on a machine without an
 accelerator.
 
-Sequences are costed at their padded length `data.max_length` unless
---seq_len says otherwise: bucketing pads most NLI prompts to shorter
-lengths, so the default is an upper bound. The evaluation size is counted
+Prompts are costed at `data.max_length` tokens unless --prompt_len says
+otherwise (most NLI prompts are far shorter, so the default is an upper
+bound), training rows at the length such prompts make (`train_row_length`:
+one a row, or a packed row's share of all runs' prompts) unless --seq_len
+gives it (the preflight passes its geometry's). The evaluation size is counted
 from the testsets themselves (`oodjax.data.load_testset`, with the config's
 neutral handling and cap) unless --eval_examples gives it.
 """
@@ -32,7 +36,8 @@ from ml_collections import config_dict
 from configs.models import architecture
 from launch import costs
 from launch.config_files import experiment_config_paths, load_config
-from oodjax.engine.geometry import micro_batches_per_step
+from oodjax.data import bucket_lengths, fitting_bucket
+from oodjax.engine.geometry import BatchGeometry
 from oodjax.models.lora import LoRAConfig
 
 GB = 1e9
@@ -67,6 +72,7 @@ class Estimate:
     evaluations: int
     total_flops: float
     accelerator_hours: float
+    geometry: BatchGeometry  # the train step's layout the estimate is made for
 
 
 def resolve_mesh(mesh: Mapping[str, int], devices: int) -> dict[str, int]:
@@ -121,10 +127,37 @@ def count_eval_examples(
     return total
 
 
-def runs_at_once(config: config_dict.ConfigDict) -> int:
-    """How many runs the train step computes together: all of them, or `runs.chunk` (0 = all)."""
+def packed_prompts_per_row(config: config_dict.ConfigDict, batch_shards: int) -> int:
+    """Prompts a packed training row holds: a device's share of a micro-batch of all runs' prompts, rounded up
+    (balanced rows of equal prompts hold that or one fewer)."""
     runs = len(config.runs.seeds) * len(config.runs.shots)
-    return min(config.runs.chunk, runs) if config.runs.chunk else runs
+    return -(-runs * config.train.batch_size // (config.train.grad_accum * batch_shards))
+
+
+def train_row_length(config: config_dict.ConfigDict, batch_shards: int, prompt_len: int) -> int:
+    """Tokens per training row when every prompt has ``prompt_len`` tokens, as ``oodjax.engine.geometry``
+    sizes rows: the bucket holding one prompt, or with train.pack a packed row's ``packed_prompts_per_row``
+    (its ladder going on past data.max_length)."""
+    max_length = config.data.max_length
+    if not 0 < prompt_len <= max_length:
+        raise ValueError(f"prompt length {prompt_len} must be in [1, data.max_length={max_length}]")
+    tokens, limit = prompt_len, max_length
+    if config.train.pack:
+        tokens = packed_prompts_per_row(config, batch_shards) * prompt_len
+        limit = max(max_length, 2 * tokens)
+    return fitting_bucket(bucket_lengths(limit, tuple(config.data.buckets) or None), tokens)
+
+
+def train_geometry(config: config_dict.ConfigDict, batch_shards: int, seq_len: int) -> BatchGeometry:
+    """The train step's layout for ``config`` on ``batch_shards`` devices (data x fsdp), rows of ``seq_len``
+    tokens: the engine's ``BatchGeometry`` (its checks included), packed rows' prompt slots
+    ``packed_prompts_per_row``."""
+    return BatchGeometry(
+        runs=len(config.runs.seeds) * len(config.runs.shots), batch_size=config.train.batch_size,
+        grad_accum=config.train.grad_accum, seq_len=seq_len, packed=config.train.pack,
+        prompts_per_row=packed_prompts_per_row(config, batch_shards) if config.train.pack else 1,
+        batch_shards=batch_shards,
+    )  # fmt: skip
 
 
 def evaluation_steps(steps: int, every: int) -> int:
@@ -140,36 +173,34 @@ def estimate(
     device: Device,
     utilisation: float,
     seq_len: int | None = None,
+    prompt_len: int | None = None,
     eval_examples: int | None = None,
     layers: int | None = None,
     platform: str | None = None,
 ) -> Estimate:
-    """The costs of `config`'s job on `devices` devices of `device`'s kind. `layers` cuts the model to
-    that depth and `platform` (default: the device's) decides how memory is costed, so that the
-    estimate can be compared with the preflight's compile on a CPU."""
+    """The costs of `config`'s job on `devices` devices of `device`'s kind. `seq_len` is the training rows'
+    length (default `train_row_length` of `prompt_len`), `prompt_len` a prompt's (default data.max_length;
+    evaluation is costed one prompt a row). `layers` cuts the model to that depth and `platform` (default: the device's)
+    decides how memory is costed, so that the estimate can be compared with the preflight's compile on a CPU."""
     arch = architecture_of(config, layers)
     dims = costs.dimensions(arch)
     parameters = costs.parameter_count(arch)
     lora = costs.lora_parameter_count(arch, config.lora.rank, tuple(config.lora.targets))
     runs = len(config.runs.seeds) * len(config.runs.shots)
-    seq_len = seq_len or config.data.max_length
-    if config.train.batch_size % config.train.grad_accum:
-        raise ValueError(
-            f"train.grad_accum={config.train.grad_accum} does not divide train.batch_size={config.train.batch_size}"
-        )
     mesh = resolve_mesh(config.mesh, devices)
+    shards = mesh["data"] * mesh["fsdp"]
+    prompt_len = prompt_len or config.data.max_length
+    geometry = train_geometry(config, shards, seq_len or train_row_length(config, shards, prompt_len))
     memory = costs.train_memory_per_device(
         arch, LoRAConfig.from_config(config.lora), dtype=config.model.dtype,
-        compute_dtype=config.model.compute_dtype or None,
-        remat=config.model.remat, mesh=mesh, runs=runs_at_once(config),
-        micro_batch=config.train.batch_size // micro_batches_per_step(config, mesh["data"] * mesh["fsdp"]),
-        seq_len=seq_len,
+        compute_dtype=config.model.compute_dtype or None, remat=config.model.remat, mesh=mesh, runs=runs,
+        rows=geometry.rows, seq_len=geometry.seq_len, prompts_per_row=geometry.prompts_per_row,
         platform=platform or device.platform,
-    )
+    )  # fmt: skip
     step = costs.train_step_flops(
-        dims, runs=runs, batch_size=config.train.batch_size, seq_len=seq_len, lora_parameters=lora,
-        remat=config.model.remat,
-    )
+        dims, runs=runs, rows=geometry.grad_accum * geometry.rows, seq_len=geometry.seq_len,
+        prompts=runs * geometry.batch_size, lora_parameters=lora, remat=config.model.remat,
+    )  # fmt: skip
     if eval_examples is None:
         eval_examples = count_eval_examples(
             tuple(config.data.testsets), config.data.data_dir, config.data.neutral, config.data.eval_cap,
@@ -177,13 +208,15 @@ def estimate(
         )
     # Each run is also evaluated on its own few-shot training set.
     training_sets = len(config.runs.seeds) * sum(config.runs.shots)
-    evaluation = costs.eval_flops(dims, runs=runs, examples=eval_examples, seq_len=seq_len, lora_parameters=lora)
-    evaluation += costs.eval_flops(dims, runs=1, examples=training_sets, seq_len=seq_len, lora_parameters=lora)
+    evaluation = costs.eval_flops(dims, runs=runs, examples=eval_examples, seq_len=prompt_len, lora_parameters=lora)
+    evaluation += costs.eval_flops(dims, runs=1, examples=training_sets, seq_len=prompt_len, lora_parameters=lora)
     evaluations = evaluation_steps(config.train.steps, config.eval.every)
     total = config.train.steps * step + evaluations * evaluation
     hours = total / (device.peak_flops * utilisation) / 3600
     name = config.model.path or config.model.name
-    return Estimate(config_path, name, parameters, mesh, memory, step, evaluation, evaluations, total, hours)
+    return Estimate(
+        config_path, name, parameters, mesh, memory, step, evaluation, evaluations, total, hours, geometry
+    )
 
 
 def describe(result: Estimate, config: config_dict.ConfigDict, device: Device, utilisation: float) -> str:
@@ -192,13 +225,16 @@ def describe(result: Estimate, config: config_dict.ConfigDict, device: Device, u
     runs = len(config.runs.seeds) * len(config.runs.shots)
     fits = "fits" if m.total <= device.memory_gb * GB else "DOES NOT FIT"
     upcast = f", float32 copies of the layers (CPU) {m.upcast_weights / GB:.2f}" if m.upcast_weights else ""
-    micro_batches = micro_batches_per_step(config, mesh["data"] * mesh["fsdp"])
+    g = result.geometry
+    rows = (
+        f"one packed row per device ({g.seq_len} tokens, {g.prompts_per_row} prompt slots)" if g.packed
+        else f"{g.rows_per_device} rows per device, one prompt a row ({g.seq_len} tokens)"
+    )  # fmt: skip
     return "\n".join([
         f"{result.config_path}: {result.model}, {result.parameters:,} parameters",
-        f"  mesh data={mesh['data']} fsdp={mesh['fsdp']} tensor={mesh['tensor']}; {runs} runs "
-        f"({runs_at_once(config)} at once) x batch {config.train.batch_size} ({micro_batches} micro-batches"
-        f"{', packed one row per device' if config.train.pack else ''}); {config.model.dtype}, "
-        f"remat {config.model.remat}",
+        f"  mesh data={mesh['data']} fsdp={mesh['fsdp']} tensor={mesh['tensor']}; {runs} runs x batch "
+        f"{g.batch_size} in {g.grad_accum} micro-batch{'es' if g.grad_accum > 1 else ''} of {rows}; "
+        f"{config.model.dtype}, remat {config.model.remat}",
         f"  memory per device (GB): frozen weights {m.frozen_weights / GB:.2f}{upcast}, adapters "
         f"{m.adapters / GB:.3f}, gradients {m.gradients / GB:.3f}, optimizer state {m.optimizer_state / GB:.3f}, "
         f"activations {m.activations / GB:.2f}, the larger of a layer's backward {m.layer_transients / GB:.2f} "
@@ -217,7 +253,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--devices", type=int, default=8, help="devices of one job (default 8)")
     parser.add_argument("--device", choices=sorted(DEVICES), default="a100")
     parser.add_argument("--utilisation", type=float, default=0.4, help="fraction of peak FLOP/s achieved")
-    parser.add_argument("--seq_len", type=int, help="padded sequence length (default: data.max_length)")
+    parser.add_argument("--prompt_len", type=int, help="tokens per prompt (default: data.max_length)")
+    parser.add_argument(
+        "--seq_len", type=int, help="tokens per training row (default: the rows --prompt_len prompts make)"
+    )
     parser.add_argument("--eval_examples", type=int, help="examples per full evaluation (default: counted)")
     parser.add_argument("--layers", type=int, help="cut the model to this many decoder layers (as the preflight's)")
     parser.add_argument(
@@ -236,7 +275,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = load_config(path)
         result = estimate(
             path, config, devices=args.devices, device=device, utilisation=args.utilisation,
-            seq_len=args.seq_len, eval_examples=args.eval_examples, layers=args.layers, platform=args.platform,
+            seq_len=args.seq_len, prompt_len=args.prompt_len, eval_examples=args.eval_examples, layers=args.layers,
+            platform=args.platform,
         )
         print(describe(result, config, device, args.utilisation))
         total_hours += result.accelerator_hours

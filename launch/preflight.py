@@ -70,6 +70,7 @@ _DTYPE_BYTES = {"pred": 1, "s4": 1, "u4": 1, "s8": 1, "u8": 1, "bf16": 2, "f16":
 ESTIMATE_DEVICE = "h100"
 ESTIMATE_UTILISATION = 0.4
 DATA_STEPS = 200  # training steps of the real streams replayed for the token share and host time
+EVAL_KEYS = ("input_ids", "segment_ids", "answer_pos", "label", "valid")  # what the eval step reads of a batch
 DATA_FIGURES = ("train_real_token_share", "host_batch_ms", "eval_real_token_share", "eval_attention_waste")
 
 
@@ -104,7 +105,7 @@ def preflight(
     train_sets = few_shot_sets(config, tokenizer, [(run.seed, run.shots) for run in runs])
     geometry = batch_geometry(config, mesh, train_sets, seeds)
     data = load_runs_data(config, tokenizer, seeds, train_sets, geometry, prefetch=0)
-    figures = {**training_figures(data.streams, geometry, steps=DATA_STEPS), **pool_figures(data.eval_pool)}
+    figures = {**training_figures(data.steps, geometry, steps=DATA_STEPS), **pool_figures(data.eval_pool)}
     longest_rows = max(data.eval_pool.batches, key=lambda batch: batch["input_ids"].shape[-1])
 
     def make_model() -> models.CausalLM:
@@ -137,9 +138,10 @@ def preflight(
         "devices": devices,
         "layers": int(arch["num_hidden_layers"]),
         "platform": available[0].platform,
-        "geometry": {"runs": geometry.runs, "grad_accum": geometry.grad_accum, "micro_batch": geometry.micro_batch,
+        "geometry": {"runs": geometry.runs, "grad_accum": geometry.grad_accum, "rows": geometry.rows,
                      "rows_per_device": geometry.rows_per_device, "seq_len": geometry.seq_len,
-                     "packed": geometry.prompts_per_row is not None, "run_chunk": geometry.run_chunk,
+                     "packed": geometry.packed, "prompt_slots": geometry.prompts_per_row,
+                     "train_lengths": list(geometry.micro_batch_lengths),
                      "eval_rows": eval_rows, "eval_seq_len": eval_row_length,
                      "eval_prompt_slots": longest_rows["answer_pos"].shape[-1],
                      "eval_row_lengths": sorted({b["input_ids"].shape[-1] for b in data.eval_pool.batches}),
@@ -151,8 +153,8 @@ def train_batch(geometry: BatchGeometry, mesh: jax.sharding.Mesh) -> dict[str, j
     """An abstract training batch of ``geometry``'s shape, sharded as the loop shards it (rows over the batch
     axes)."""
     rows = geometry.train_rows_shape
-    prompts = rows if geometry.prompts_per_row is None else (*rows, geometry.prompts_per_row)
-    return _batch((*rows, geometry.seq_len), prompts, sharding.batch_sharding(mesh, 2))
+    placed = sharding.batch_sharding(mesh, 1)
+    return _batch((*rows, geometry.seq_len), (*rows, geometry.prompts_per_row), placed, TRAIN_KEYS)
 
 
 def eval_batch(batch: dict[str, np.ndarray], mesh: jax.sharding.Mesh) -> dict[str, jax.ShapeDtypeStruct]:
@@ -160,15 +162,16 @@ def eval_batch(batch: dict[str, np.ndarray], mesh: jax.sharding.Mesh) -> dict[st
     sharded as the loop shards it. Given the pool's longest rows: its batches share a token budget, so those
     hold the most attention scores, its largest shape."""
     rows = batch["answer_pos"].shape
-    return _batch(batch["input_ids"].shape, rows, sharding.batch_sharding(mesh, 1))
+    return _batch(batch["input_ids"].shape, rows, sharding.batch_sharding(mesh, 1), EVAL_KEYS)
 
 
-def _batch(tokens: tuple[int, ...], prompts: tuple[int, ...], placed: jax.sharding.Sharding) -> dict[str, Any]:
+def _batch(
+    tokens: tuple[int, ...], prompts: tuple[int, ...], placed: jax.sharding.Sharding, keys: tuple[str, ...]
+) -> dict[str, Any]:
     shapes = {"input_ids": tokens, "segment_ids": tokens}
     dtypes = {"valid": np.bool_}
     return {
-        key: jax.ShapeDtypeStruct(shapes.get(key, prompts), dtypes.get(key, np.int32), sharding=placed)
-        for key in TRAIN_KEYS
+        key: jax.ShapeDtypeStruct(shapes.get(key, prompts), dtypes.get(key, np.int32), sharding=placed) for key in keys
     }
 
 
@@ -239,9 +242,10 @@ def describe(report: dict[str, Any]) -> str:
     gb = 1e9
     geometry = report["geometry"]
     lines = [
-        f"{report['devices']} {report['platform']} devices, {report['layers']} layers; {geometry['runs']} runs x "
-        f"[{geometry['grad_accum']} x {geometry['micro_batch']} rows x {geometry['seq_len']} tokens] per train step "
-        f"({'packed' if geometry['packed'] else 'one prompt a row'}, runs.chunk {geometry['run_chunk']}); eval "
+        f"{report['devices']} {report['platform']} devices, {report['layers']} layers; {geometry['runs']} runs in "
+        f"[{geometry['grad_accum']} x {geometry['rows']} rows x {geometry['seq_len']} tokens] per train step "
+        f"({'packed, ' + str(geometry['prompt_slots']) + ' prompt slots a row' if geometry['packed'] else 'one prompt a row'}; "
+        f"micro-batches run at {geometry['train_lengths']} tokens); eval "
         f"{geometry['eval_batches']} batches in rows of {geometry['eval_row_lengths']} tokens, the largest "
         f"[{geometry['eval_rows']} rows x {geometry['eval_seq_len']}]",
         f"real data: train steps compute {report['train_real_token_share']:.1%} prompt tokens "

@@ -1,6 +1,7 @@
 """Few-shot sampling, stratified subsets, and the grain evaluation and training pipelines."""
 
 import collections
+import dataclasses
 import json
 import os
 import pathlib
@@ -15,8 +16,8 @@ import pytest
 
 from oodjax.data import (
     TokenizedSet,
+    StepLayout,
     balance_rows,
-    balanced_batch,
     bucket_lengths,
     epoch_permutation,
     eval_batches,
@@ -25,8 +26,11 @@ from oodjax.data import (
     load_testset,
     pair_rows,
     prompt_lengths,
+    replay_rows,
+    step_layout,
     stratified_subset,
-    train_batches,
+    stream_examples,
+    train_steps,
     training_pool,
 )
 
@@ -155,8 +159,9 @@ def check_batch_rows(batch, tokenized):
         assert batch["label"][r] == tokenized.labels[i]
 
 
-def check_packed_rows(batch, tokenized):
-    """Each row holds its prompts one after another, each under its own id, answer at its last token."""
+def check_packed_rows(batch, tokenized, pad_id=0):
+    """Each row holds its prompts one after another, each under its own id, answer at its last token, then
+    padding. ``tokenized`` is the set, or, for a training step's rows (whose slots name their run), the runs' sets."""
     rows, width = batch["input_ids"].shape
     for r in range(rows):
         slots = np.flatnonzero(batch["valid"][r])
@@ -164,17 +169,20 @@ def check_packed_rows(batch, tokenized):
         assert (batch["index"][r, len(slots):] == -1).all()
         if not len(slots):
             assert batch["segment_ids"][r].tolist() == [1] + [0] * (width - 1)
+            assert (batch["input_ids"][r] == pad_id).all()
             continue
         start = 0
         for slot in slots:
-            prompt = tokenized.prompt(batch["index"][r, slot])
+            i = batch["index"][r, slot]
+            source = tokenized[batch["run"][r, slot]] if isinstance(tokenized, list) else tokenized
+            prompt = source.prompt(i)
             stop = start + len(prompt)
             assert batch["input_ids"][r, start:stop].tolist() == prompt.tolist()
             assert (batch["segment_ids"][r, start:stop] == slot + 1).all()
             assert batch["answer_pos"][r, slot] == stop - 1
-            assert batch["label"][r, slot] == tokenized.labels[batch["index"][r, slot]]
+            assert batch["label"][r, slot] == source.labels[i]
             start = stop
-        assert not batch["input_ids"][r, start:].any() and not batch["segment_ids"][r, start:].any()
+        assert (batch["input_ids"][r, start:] == pad_id).all() and not batch["segment_ids"][r, start:].any()
 
 
 def test_pair_rows_fill_rows_of_several_lengths_two_prompts_at_most():
@@ -257,26 +265,109 @@ def test_eval_batch_size_errors():
 # ---- training stream -------------------------------------------------------------
 
 
-def as_lists(batch):
-    return {k: v.tolist() for k, v in batch.items()}
+def as_lists(step):
+    return {k: v.tolist() for k, v in step.items()}
+
+
+def toy_runs():
+    """Three runs' sets of different sizes (10, 7 and 12 prompts), lengths and labels; run r's tokens are offset by
+    100,000 * r, so a row's tokens tell which run's prompt it holds, not just which index."""
+    specs = [
+        ([5, 70, 9, 12, 33, 8, 20, 41, 3, 2], None),
+        ([14, 6, 27, 11, 50, 8, 19], [1, 1, 0, 1, 0, 0, 1]),
+        ([40, 5, 30, 20, 12, 50, 7, 33, 25, 9, 60, 14], [0] * 12),
+    ]
+    sets = []
+    for r, (lengths, labels) in enumerate(specs):
+        tokenized = toy_tokenized(lengths, max_length=128, labels=labels)
+        sets.append(dataclasses.replace(tokenized, token_ids=tokenized.token_ids + 100_000 * r))
+    return sets
+
+
+SEEDS = (3, 0, 11)
+
+
+def global_batch(seed, size, batch_size, index):
+    """A run's global batch ``index`` from its definition, not from the stream's code: elements [index *
+    batch_size, (index + 1) * batch_size) of the set's epoch permutations laid end to end."""
+    stop = (index + 1) * batch_size
+    epochs = np.concatenate([epoch_permutation(seed, size, e) for e in range(-(-stop // size))])
+    return epochs[index * batch_size : stop]
+
+
+def check_step(step, sets, seeds, batch_size, index, pad_id=0):
+    """Step ``index`` holds each run's global batch ``index`` exactly once: every place of the batch (``example``)
+    in one valid slot, holding the batch's prompt at that place, its tokens and label in its row."""
+    micro_batches, rows, seq_len = step["input_ids"].shape
+    slots = step["answer_pos"].shape[-1]
+    assert step["segment_ids"].shape == (micro_batches, rows, seq_len)
+    for key in ("answer_pos", "label", "run", "example", "index", "valid"):
+        assert step[key].shape == (micro_batches, rows, slots)
+    assert {step[k].dtype for k in step if k != "valid"} == {np.dtype(np.int32)} and step["valid"].dtype == bool
+    assert step["valid"].sum() == len(sets) * batch_size  # so no valid slot names a run outside the sets
+    for r, (tokenized, seed) in enumerate(zip(sets, seeds, strict=True)):
+        batch = global_batch(seed, len(tokenized), batch_size, index)
+        mine = step["valid"] & (step["run"] == r)
+        examples = step["example"][mine]
+        assert sorted(examples.tolist()) == list(range(batch_size))  # each place of the batch once
+        assert step["index"][mine].tolist() == batch[examples].tolist()  # holding the prompt at that place
+    flat = {key: value.reshape(micro_batches * rows, *value.shape[2:]) for key, value in step.items()}
+    check_packed_rows(flat, sets, pad_id=pad_id)
+
+
+def row_members(step):
+    """Each row's (run, example) pairs, [micro-batch][row], in slot order."""
+    pairs = np.stack([step["run"], step["example"]], axis=-1).tolist()
+    return [
+        [[tuple(p) for p, v in zip(row, valid) if v] for row, valid in zip(micro, valid_micro)]
+        for micro, valid_micro in zip(pairs, step["valid"].tolist())
+    ]
+
+
+def row_tokens(step):
+    """Each row's prompt tokens, [micro-batch, row], from its segment ids (an empty row's 1 on its first position
+    is not a prompt's)."""
+    return np.where(step["valid"].any(-1), (step["segment_ids"] != 0).sum(-1), 0)
 
 
 def test_training_stream_epochs_are_shuffled_permutations():
+    """A run's stream is its set's epochs one after another, each a fresh permutation; a batch may straddle two."""
     tokenized = toy_tokenized([5, 70, 9, 12, 33, 8, 20, 41], max_length=128)
-    stream = train_batches(tokenized, batch_size=4, seed=0)
-    batches = [next(stream) for _ in range(6)]
-    assert {b["input_ids"].shape for b in batches} == {(4, 80)}  # 70 tokens -> bucket 80
-    epochs = [np.concatenate([b["index"] for b in batches[e : e + 2]]) for e in (0, 2, 4)]
+    stream = train_steps([tokenized], [0], batch_size=4, layout=StepLayout(1, 4, False), seq_len=80)
+    steps = [next(stream) for _ in range(6)]
+    assert {s["input_ids"].shape for s in steps} == {(1, 4, 80)}
+    epochs = [np.concatenate([s["index"].reshape(-1) for s in steps[e : e + 2]]) for e in (0, 2, 4)]
     assert all(sorted(e.tolist()) == list(range(8)) for e in epochs)
     assert len({tuple(e) for e in epochs}) == 3 and tuple(epochs[0]) != tuple(range(8))
     for e, epoch in enumerate(epochs):  # each epoch's examples are that epoch's permutation, batch by batch
         assert [sorted(epoch[:4].tolist()), sorted(epoch[4:].tolist())] == [
             sorted(epoch_permutation(0, 8, e)[:4].tolist()), sorted(epoch_permutation(0, 8, e)[4:].tolist())
         ]
-    for b in batches:
-        assert b["valid"].all()
-        assert (np.diff(b["segment_ids"].sum(-1)) >= 0).all()  # shortest first, for length-grouped micro-batches
-        check_batch_rows(b, tokenized)
+    for index, step in enumerate(steps):
+        check_step(step, [tokenized], [0], 4, index)
+        assert (np.diff(row_tokens(step)[0]) >= 0).all()  # one a row: shortest first, for length-grouped micro-batches
+    for size in (7, 8, 10):  # batches of 4 of 7 or 10 examples straddle epochs
+        for index in range(8):
+            assert stream_examples(5, size, 4, index).tolist() == global_batch(5, size, 4, index).tolist()
+
+
+def test_step_layout_by_hand():
+    """Two runs' batches of lengths [5, 3, 3, 9] and [2, 7], in 2 micro-batches."""
+    lengths = [np.array([5, 3, 3, 9]), np.array([2, 7])]
+    # One a row: micro-batch i holds, run after run, slice i of each run's prompts by length (ties in order):
+    # run 0's are 1, 2 (3 tokens) | 0, 3; run 1's 0 | 1.
+    assert step_layout(lengths, StepLayout(2, 3, False)) == [
+        [(0, 1)], [(0, 2)], [(1, 0)], [(0, 0)], [(0, 3)], [(1, 1)]
+    ]
+    # Packed over 2 x 2 rows: longest first, each to the least-filled row of all: 9 | 7 | 5 | 3, then the second
+    # 3 -> row 3 (6), 2 -> row 2 (7); both runs share row 2.
+    assert step_layout(lengths, StepLayout(2, 2, True)) == [[(0, 3)], [(1, 1)], [(0, 0), (1, 0)], [(0, 1), (0, 2)]]
+    # One prompt a row over 2 x 4 rows: the rows of both micro-batches take them, not the first's alone.
+    assert step_layout(lengths, StepLayout(2, 4, True), prompts_per_row=1) == [
+        [(0, 3)], [(1, 1)], [(0, 0)], [(0, 1)], [(0, 2)], [(1, 0)], [], []
+    ]
+    with pytest.raises(ValueError, match="do not fit 4 rows of 9 tokens and 1 prompt slots"):
+        step_layout(lengths, StepLayout(2, 2, True), row_length=9, prompts_per_row=1)
 
 
 def test_balance_rows_spreads_prompts_over_the_first_micro_batch():
@@ -295,68 +386,138 @@ def test_balance_rows_spreads_prompts_over_the_first_micro_batch():
         balance_rows(lengths, num_rows=6, micro_batches=4, row_length=40, prompts_per_row=2)
 
 
-def test_packed_training_stream_holds_the_same_batches_balanced():
-    """Packed (2 micro-batches of 4 rows, e.g. a mesh of 4 devices): the same examples as one a row, every
-    micro-batch's rows holding what ``balance_rows`` gives them."""
-    lengths = [5, 70, 9, 12, 33, 8, 20, 41]
-    tokenized = toy_tokenized(lengths, max_length=128)
-    plain = train_batches(tokenized, batch_size=8, seed=0)
-    packed = train_batches(tokenized, batch_size=8, seed=0, pack=True, grad_accum=2)
-    for _ in range(4):
-        one_a_row, b = next(plain), next(packed)
-        assert b["input_ids"].shape == (8, 80) and b["answer_pos"].shape == (8, 8)  # 80 // 5 slots, at most 8
-        examples = one_a_row["index"]
-        assert sorted(b["index"][b["valid"]].tolist()) == sorted(examples.tolist())  # same examples
-        rows = balance_rows(tokenized.lengths[examples], num_rows=8, micro_batches=2, row_length=80, prompts_per_row=8)
-        assert [sorted(row[row >= 0].tolist()) for row in b["index"]] == [sorted(examples[r].tolist()) for r in rows]
-        check_packed_rows(b, tokenized)
-    # 198 tokens over 4 rows of 80: the first micro-batch holds them all, its fullest row 70 (+ nothing).
-    assert not b["valid"][4:].any() and (b["segment_ids"][:4] != 0).sum(-1).max() == 70
+@pytest.mark.parametrize(
+    "layout, batch_size, prompts_per_row",
+    [
+        (StepLayout(2, 6, False), 4, 1),  # one a row: 3 runs x 4 prompts / 2 micro-batches
+        (StepLayout(2, 3, True), 4, 12),  # packed: 12 prompts over 2 x 3 rows
+        (StepLayout(2, 4, True), 2, 1),  # packed, more rows than prompts: empty rows
+    ],
+)
+def test_steps_hold_each_runs_global_batch_once(layout, batch_size, prompts_per_row):
+    """Step t holds run r's global batch t, whatever the layout, across the sets' epochs (7, 10 and 12 prompts)."""
+    sets = toy_runs()
+    stream = train_steps(
+        sets, SEEDS, batch_size=batch_size, layout=layout, seq_len=128, prompts_per_row=prompts_per_row, pad_id=-1
+    )
+    for index in range(8):
+        step = next(stream)
+        rows = layout.rows if layout.packed else len(sets) * batch_size // layout.micro_batches
+        assert step["input_ids"].shape == (layout.micro_batches, rows, 128)
+        assert step["answer_pos"].shape == (layout.micro_batches, rows, prompts_per_row)
+        check_step(step, sets, SEEDS, batch_size, index, pad_id=-1)
 
 
-def test_balanced_batch_matches_its_rows():
-    tokenized = toy_tokenized([9, 30, 12, 25, 8, 20, 10], max_length=64)
-    batch = balanced_batch(tokenized, np.arange(7)[::-1], 6, 40, 2, micro_batches=2)
-    # The examples in reverse order: the same rows as test_balance_rows_..., of examples 6 - i.
-    assert batch["index"].tolist() == [[1, 0], [3, 6], [5, 2], [4, -1], [-1, -1], [-1, -1]]
-    check_packed_rows(batch, tokenized)
+def test_packed_rows_mix_runs_and_are_balanced():
+    """Packed, each row takes prompts of any run, and all micro-batches' rows are filled evenly: a row is at most
+    one prompt longer than the emptiest, so the longest row, the length the step runs at, is as short as can be."""
+    sets = toy_runs()
+    stream = train_steps(sets, SEEDS, batch_size=8, layout=StepLayout(2, 3, True), seq_len=1024, prompts_per_row=24)
+    for index in range(6):
+        step = next(stream)
+        check_step(step, sets, SEEDS, 8, index)
+        tokens = row_tokens(step)
+        lengths = np.zeros(step["index"].shape, dtype=np.int64)  # each slot's prompt's length, from the sets
+        for slot in zip(*np.nonzero(step["valid"])):
+            lengths[slot] = sets[step["run"][slot]].lengths[step["index"][slot]]
+        np.testing.assert_array_equal(tokens, lengths.sum(-1))
+        assert tokens.max() - tokens.min() <= lengths.max()
+        assert (tokens > 0).all()  # both micro-batches hold prompts
+        assert any(len({run for run, _ in row}) > 1 for micro in row_members(step) for row in micro)
+
+
+def test_one_a_row_micro_batches_hold_each_runs_slices_by_length():
+    """One a row, micro-batch i holds, run after run, slice i of each run's batch ordered by length (ties in batch
+    order), so a micro-batch's rows are of similar length, as each run's would be trained alone."""
+    sets = toy_runs()
+    stream = train_steps(sets, SEEDS, batch_size=8, layout=StepLayout(4, 6, False), seq_len=128)
+    for index in range(6):  # batches of 8 of the 7-prompt set repeat a prompt: equal lengths
+        step = next(stream)
+        check_step(step, sets, SEEDS, 8, index)
+        expected = [[] for _ in range(4)]
+        for r, (tokenized, seed) in enumerate(zip(sets, SEEDS)):
+            batch_lengths = tokenized.lengths[global_batch(seed, len(tokenized), 8, index)]
+            order = sorted(range(8), key=lambda e: (batch_lengths[e], e))
+            for i in range(4):
+                expected[i] += [[(r, e)] for e in order[2 * i : 2 * i + 2]]
+        assert row_members(step) == expected
+
+
+@pytest.mark.parametrize(
+    "layout, batch_size",
+    [(StepLayout(2, 12, False), 8), (StepLayout(2, 3, True), 8), (StepLayout(3, 2, True), 6)],
+)
+def test_replay_rows_agrees_with_the_steps(layout, batch_size):
+    """The replay's longest row per micro-batch and most prompts a row are those of the steps themselves, laid out
+    with the replay's figures as bounds (as a job compiles its step for them)."""
+    sets = toy_runs()
+    longest, most_prompts = replay_rows(sets, SEEDS, batch_size=batch_size, layout=layout, steps=7)
+    assert longest.shape == (7, layout.micro_batches)
+    stream = train_steps(
+        sets, SEEDS, batch_size=batch_size, layout=layout, seq_len=int(longest.max()), prompts_per_row=most_prompts
+    )
+    steps = [next(stream) for _ in range(7)]
+    for index, step in enumerate(steps):
+        check_step(step, sets, SEEDS, batch_size, index)
+    np.testing.assert_array_equal(np.stack([row_tokens(s).max(-1) for s in steps]), longest)
+    assert most_prompts == max(int(s["valid"].sum(-1).max()) for s in steps)
+    if layout.packed:
+        assert most_prompts > 1
+    else:
+        assert most_prompts == 1
+
+
+@pytest.mark.parametrize(
+    "layout, positions",
+    [(StepLayout(2, 6, False), ([0, 1, 5], [2, 3, 4])), (StepLayout(2, 4, True), ([3, 0], [1, 2]))],
+)
+def test_rows_take_positions_of_each_step(layout, positions):
+    """Processes that hold complementary row positions of each micro-batch together see exactly the single-process
+    steps, each prompt on the row where a single process puts it."""
+    sets = toy_runs()
+    kwargs = dict(batch_size=4, layout=layout, seq_len=128, prompts_per_row=4)
+    single = train_steps(sets, SEEDS, **kwargs)
+    shards = [train_steps(sets, SEEDS, rows=rows, **kwargs) for rows in positions]
+    for _ in range(5):  # crosses the sets' epochs
+        whole = next(single)
+        parts = [next(s) for s in shards]
+        for rows, part in zip(positions, parts):
+            assert part.keys() == whole.keys()
+            for key, value in part.items():
+                np.testing.assert_array_equal(value, whole[key][:, rows])
 
 
 def test_training_stream_is_seeded():
-    tokenized = toy_tokenized([5] * 32, max_length=64)
-    first = [next(train_batches(tokenized, batch_size=8, seed=s))["index"].tolist() for s in (0, 0, 1)]
-    assert first[0] == first[1] and first[0] != first[2]
+    """Run r's examples depend on its own seed alone: reseeding one run changes its batches, not the others'."""
+    sets = toy_runs()
+
+    def run_indices(seeds):
+        stream = train_steps(sets, seeds, batch_size=4, layout=StepLayout(2, 2, True), seq_len=128, prompts_per_row=6)
+        steps = [next(stream) for _ in range(3)]
+        return [[sorted(s["index"][s["valid"] & (s["run"] == r)].tolist()) for s in steps] for r in range(3)]
+
+    first, again, reseeded = run_indices(SEEDS), run_indices(SEEDS), run_indices((3, 1, 11))
+    assert first == again
+    assert first[0] == reseeded[0] and first[2] == reseeded[2] and first[1] != reseeded[1]
 
 
-def test_training_stream_state_round_trips():
-    tokenized = toy_tokenized([5, 70, 9, 12, 33, 8, 20, 41, 3, 2], max_length=128)
-    stream = train_batches(tokenized, batch_size=4, seed=42)
+@pytest.mark.parametrize("layout", [StepLayout(2, 6, False), StepLayout(2, 3, True)])
+def test_training_stream_state_round_trips(layout):
+    sets = toy_runs()
+    kwargs = dict(batch_size=4, layout=layout, seq_len=128, prompts_per_row=4)
+    stream = train_steps(sets, SEEDS, **kwargs)
     for _ in range(7):
         next(stream)
     state = json.loads(json.dumps(stream.get_state()))  # survives a JSON checkpoint
+    assert state == {"next_index": 7}
     expected = [as_lists(next(stream)) for _ in range(5)]
-    resumed = train_batches(tokenized, batch_size=4, seed=42)
+    resumed = train_steps(sets, SEEDS, **kwargs)
     resumed.set_state(state)
     assert [as_lists(next(resumed)) for _ in range(5)] == expected
 
 
-@pytest.mark.parametrize("pack", [False, True])
-def test_rows_take_positions_of_each_global_batch(pack):
-    """Processes that hold complementary positions together see exactly the single-process batches."""
-    tokenized = toy_tokenized([40, 5, 30, 20, 12, 50, 7, 33, 25, 9, 60, 14], max_length=64)
-    single = train_batches(tokenized, batch_size=8, seed=7, pack=pack, grad_accum=2)
-    positions = ([0, 1, 4, 5], [2, 3, 6, 7])  # e.g. grad_accum 2, each process half of each micro-batch
-    shards = [train_batches(tokenized, batch_size=8, seed=7, pack=pack, grad_accum=2, rows=rows) for rows in positions]
-    for _ in range(5):  # 12 examples in batches of 8: crosses epochs
-        whole = next(single)
-        parts = [next(s) for s in shards]
-        for rows, part in zip(positions, parts):
-            for key, value in part.items():
-                np.testing.assert_array_equal(value, whole[key][rows])
-
-
 class RecordingSet(TokenizedSet):
-    """A TokenizedSet that records the thread that reads each prompt, i.e. builds each batch."""
+    """A TokenizedSet that records the thread that reads each prompt, i.e. builds each step."""
 
     def prompt(self, i):
         THREADS_READING.append(threading.current_thread().name)
@@ -366,22 +527,24 @@ class RecordingSet(TokenizedSet):
 THREADS_READING = []
 
 
-def test_batches_are_built_ahead_in_a_thread_and_the_state_counts_those_handed_out():
-    lengths = [5, 70, 9, 12, 33, 8, 20, 41, 3, 2]
-    tokenized = RecordingSet(**vars(toy_tokenized(lengths, max_length=128)))
+def test_steps_are_built_ahead_in_a_thread_and_the_state_counts_those_handed_out():
+    runs = toy_runs()[:2]
+    recording = [RecordingSet(**vars(tokenized)) for tokenized in runs]
+    kwargs = dict(batch_size=4, layout=StepLayout(2, 2, True), seq_len=128, prompts_per_row=4)
     THREADS_READING.clear()
-    stream = train_batches(tokenized, batch_size=4, seed=42, prefetch=2)
+    stream = train_steps(recording, SEEDS[:2], prefetch=2, **kwargs)
     handed_out = [as_lists(next(stream)) for _ in range(3)]
     deadline = time.monotonic() + 10
-    while len(THREADS_READING) < 5 * 4 and time.monotonic() < deadline:  # 3 handed out and 2 ahead, 4 prompts each
+    reads = 5 * 2 * 4  # 3 steps handed out and 2 ahead, 2 runs x 4 prompts each
+    while len(THREADS_READING) < reads and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert len(THREADS_READING) == 5 * 4 and threading.current_thread().name not in THREADS_READING
+    assert len(THREADS_READING) == reads and threading.current_thread().name not in THREADS_READING
     state = json.loads(json.dumps(stream.get_state()))
-    assert state == {"next_index": 3}  # the batches built ahead are not consumed
+    assert state == {"next_index": 3}  # the steps built ahead are not consumed
     after = [as_lists(next(stream)) for _ in range(4)]
-    unprefetched = train_batches(toy_tokenized(lengths, max_length=128), batch_size=4, seed=42, prefetch=0)
-    assert [as_lists(next(unprefetched)) for _ in range(7)] == handed_out + after
-    resumed = train_batches(toy_tokenized(lengths, max_length=128), batch_size=4, seed=42)
+    unprefetched = train_steps(runs, SEEDS[:2], prefetch=0, **kwargs)
+    assert [as_lists(next(unprefetched)) for _ in range(7)] == handed_out + after  # prefetching changes nothing
+    resumed = train_steps(runs, SEEDS[:2], **kwargs)
     resumed.set_state(state)
     assert [as_lists(next(resumed)) for _ in range(4)] == after
     stream.set_state(state)  # rewound, what it had built ahead is dropped
@@ -389,17 +552,37 @@ def test_batches_are_built_ahead_in_a_thread_and_the_state_counts_those_handed_o
 
 
 def test_training_stream_errors():
-    tokenized = toy_tokenized([5, 70, 9], max_length=128)
-    with pytest.raises(ValueError, match="batch_size must be positive, got 0"):
-        train_batches(tokenized, batch_size=0, seed=0)
-    with pytest.raises(ValueError, match=r"rows must be distinct positions in a batch of 4; got \[1, 4\] "
-                                         r"\(outside \[0, 4\): \[4\]\)"):
-        train_batches(tokenized, batch_size=4, seed=0, rows=[1, 4])
-    with pytest.raises(ValueError, match=r"rows must be distinct positions in a batch of 4; got \[1, 1\]$"):
-        train_batches(tokenized, batch_size=4, seed=0, rows=[1, 1])
+    sets = toy_runs()  # longest prompt: 70 tokens
+    one_a_row, packed = StepLayout(2, 6, False), StepLayout(2, 4, True)
+
+    def steps(sets=sets, seeds=SEEDS, batch_size=4, layout=one_a_row, seq_len=128, **kwargs):
+        return train_steps(sets, seeds, batch_size=batch_size, layout=layout, seq_len=seq_len, **kwargs)
+
+    with pytest.raises(ValueError, match="train_steps needs one set per seed, got 3 sets and 2 seeds"):
+        steps(seeds=SEEDS[:2])
+    with pytest.raises(ValueError, match="train_steps needs one set per seed, got 0 sets and 0 seeds"):
+        steps(sets=[], seeds=[])
+    with pytest.raises(ValueError, match="batch_size 6 must be a positive multiple of 4 micro-batches"):
+        steps(batch_size=6, layout=StepLayout(4, 6, False))
+    with pytest.raises(ValueError, match="batch_size 0 must be a positive multiple of 2 micro-batches"):
+        steps(batch_size=0)
+    with pytest.raises(ValueError, match=r"training streams' seeds must be >= 0, got \[3, -1, 11\]"):
+        steps(seeds=(3, -1, 11))
+    with pytest.raises(ValueError, match="prefetch must be >= 0 steps, got -1"):
+        steps(prefetch=-1)
+    empty = TokenizedSet(np.zeros(0, np.int32), np.zeros(1, np.int64), np.zeros(0, np.int32), np.zeros(0, bool), 8)
+    with pytest.raises(ValueError, match="cannot train on an empty set"):
+        steps(sets=[sets[0], empty], seeds=[0, 1])
+    # One a row, a micro-batch has 3 runs x 4 prompts / 2 rows; packed, the layout's 4.
+    with pytest.raises(ValueError, match=r"rows must be distinct positions in a micro-batch of 6 rows; got \[1, 6\] "
+                                         r"\(outside \[0, 6\): \[6\]\)"):
+        steps(rows=[1, 6])
+    with pytest.raises(ValueError, match=r"rows must be distinct positions in a micro-batch of 6 rows; got \[1, 1\]$"):
+        steps(rows=[1, 1])
+    with pytest.raises(ValueError, match=r"rows must be distinct positions in a micro-batch of 4 rows; got \[\]$"):
+        steps(layout=packed, rows=[])
+    with pytest.raises(ValueError, match=r"rows must be distinct positions in a micro-batch of 4 rows; got \[-1\] "
+                                         r"\(outside \[0, 4\): \[-1\]\)"):
+        steps(layout=packed, rows=[-1])
     with pytest.raises(ValueError, match=r"seq_len 64 is shorter than the longest training prompt \(70 tokens\)"):
-        train_batches(tokenized, batch_size=4, seed=0, seq_len=64)
-    with pytest.raises(ValueError, match="grad_accum must be a positive divisor of batch_size 4, got 3"):
-        train_batches(tokenized, batch_size=4, seed=0, pack=True, grad_accum=3)
-    with pytest.raises(ValueError, match="the training stream's seed must be >= 0, got -1"):
-        train_batches(tokenized, batch_size=4, seed=-1)
+        steps(seq_len=64)

@@ -25,13 +25,13 @@ from oodjax.data import (
     fitting_bucket,
     load_tokenizer,
     make_batch,
-    micro_batch_longest_rows,
-    train_batches,
+    replay_rows,
+    train_steps,
 )
 from oodjax.engine import sharding, steps
 from oodjax.engine.evaluation import evaluate, make_eval_pool, pool_figures
 from oodjax.engine.geometry import BatchGeometry, batch_geometry
-from oodjax.engine.run_data import few_shot_sets, step_batch, training_figures
+from oodjax.engine.run_data import TRAIN_KEYS, few_shot_sets, training_figures
 from oodjax.engine.steps import micro_batch_branches
 from oodjax.models import from_config, load_pretrained
 from oodjax.models.lora import LoRAConfig
@@ -176,31 +176,19 @@ def test_pool_figures_count_tokens_and_causal_attention_of_every_row():
 
 
 def test_training_figures_count_the_lengths_the_step_runs_at():
-    # 8 prompts of 10 tokens a step, packed over 2 devices: micro-batch 0 holds 4 in each row (40 tokens, run
-    # at the bucket 48), micro-batches 1-3 are empty and skipped: 80 prompt tokens of 2 x 48 computed.
+    # Two runs of 8 prompts of 10 tokens a step, packed over 2 devices' rows in 2 micro-batches: each of the 4
+    # rows holds 4 prompts (40 tokens), so each micro-batch runs at the bucket 48: 160 prompt tokens of
+    # 2 micro-batches x 2 rows x 48 computed.
     tok = tokenized([10] * 8)
     geometry = BatchGeometry(
-        runs=2, batch_size=8, grad_accum=4, seq_len=64, buckets=(16, 32, 48, 64),
-        prompts_per_row=8, batch_shards=2,
+        runs=2, batch_size=8, grad_accum=2, seq_len=64, buckets=(16, 32, 48, 64), packed=True,
+        prompts_per_row=4, batch_shards=2,
     )  # fmt: skip
-    streams = [
-        train_batches(tok, batch_size=8, seed=seed, seq_len=64, pack=True, grad_accum=4, prompts_per_row=8, prefetch=0)
-        for seed in (0, 1)
-    ]
-    figures = training_figures(streams, geometry, steps=3)
-    assert figures["train_real_token_share"] == 80 / 96 and figures["host_batch_ms"] > 0
-
-
-def test_step_batch_stacks_runs_and_splits_micro_batches():
-    tok = tokenized([5, 20, 9, 33, 12, 3, 7, 8])
-    per_run = [make_batch(tok, np.array(rows), 64) for rows in ([0, 1, 2, 5], [4, 6, 7, -1])]
-    batch = step_batch(per_run, grad_accum=2)
-    assert batch["input_ids"].shape == (2, 2, 2, 64) and batch["valid"].shape == (2, 2, 2)
-    for r, full in enumerate(per_run):
-        for key in ("input_ids", "segment_ids"):
-            np.testing.assert_array_equal(batch[key][r].reshape(4, 64), full[key])
-        for key in ("answer_pos", "label", "valid"):
-            np.testing.assert_array_equal(batch[key][r].reshape(4), full[key])
+    stream = train_steps(
+        [tok, tok], [0, 1], batch_size=8, layout=geometry.layout, seq_len=64, prompts_per_row=4, prefetch=0
+    )
+    figures = training_figures(stream, geometry, steps=3)
+    assert figures["train_real_token_share"] == 160 / 192 and figures["host_batch_ms"] > 0
 
 
 def test_a_loaded_base_and_its_runs_compile_the_train_step_once(tmp_path):
@@ -217,7 +205,8 @@ def test_a_loaded_base_and_its_runs_compile_the_train_step_once(tmp_path):
     geometry = BatchGeometry(runs=1, batch_size=4, grad_accum=1, seq_len=16)
     train_step = steps.make_train_step(graphdef, optimizer, YES, NO, geometry)
     tok = tokenized([5, 9, 12, 7])
-    batch = step_batch([make_batch(tok, np.arange(4), 16)], grad_accum=1)
+    step = next(train_steps([tok], [0], batch_size=4, layout=geometry.layout, seq_len=16, prefetch=0))
+    batch = {key: step[key] for key in TRAIN_KEYS}
     for _ in range(3):
         runs, _ = train_step(base, runs, batch)
     assert train_step._cache_size() == 1
@@ -244,26 +233,20 @@ def test_a_job_compiles_the_micro_batch_lengths_its_streams_take_and_no_other(
     tokenizer = load_tokenizer(config.tokenizer)
     train_sets = few_shot_sets(config, tokenizer, [(seed, 16) for seed in seeds])
     geometry = batch_geometry(config, mesh, train_sets, seeds)
-    every_bucket = dataclasses.replace(geometry, buckets=bucket_lengths(config.data.max_length))
-    streams = [
-        train_batches(
-            tokenized, batch_size=geometry.batch_size, seed=seed, seq_len=geometry.seq_len, pack=pack,
-            grad_accum=geometry.grad_accum, prompts_per_row=geometry.prompts_per_row, prefetch=0,
-        )
-        for tokenized, seed in zip(train_sets, seeds, strict=True)
-    ]  # fmt: skip
-    replayed = [
-        micro_batch_longest_rows(
-            tokenized, batch_size=geometry.batch_size, seed=seed, seq_len=geometry.seq_len, steps=config.train.steps,
-            pack=pack, grad_accum=geometry.grad_accum, prompts_per_row=geometry.prompts_per_row,
-        )
-        for tokenized, seed in zip(train_sets, seeds, strict=True)
-    ]  # fmt: skip
+    every_bucket = dataclasses.replace(geometry, buckets=bucket_lengths(geometry.seq_len))
+    stream = train_steps(
+        train_sets, seeds, batch_size=geometry.batch_size, layout=geometry.layout, seq_len=geometry.seq_len,
+        prompts_per_row=geometry.prompts_per_row, prefetch=0,
+    )  # fmt: skip
+    replayed, most_prompts = replay_rows(
+        train_sets, seeds, batch_size=geometry.batch_size, layout=geometry.layout, steps=config.train.steps
+    )
+    assert most_prompts == geometry.prompts_per_row and (most_prompts > 1) == pack
     taken = set()
     for step in range(config.train.steps):
-        batch = step_batch([next(stream) for stream in streams], grad_accum=geometry.grad_accum)
-        built = (batch["segment_ids"] != 0).sum(-1).max(-1)  # [runs, grad_accum]: each micro-batch's longest row
-        np.testing.assert_array_equal(built, [run[step] for run in replayed], err_msg=f"step {step}")
+        batch = next(stream)
+        built = (batch["segment_ids"] != 0).sum(-1).max(-1)  # [grad_accum]: each micro-batch's longest row
+        np.testing.assert_array_equal(built, replayed[step], err_msg=f"step {step}")
         branches = np.asarray(micro_batch_branches(batch, every_bucket))
         taken |= {every_bucket.micro_batch_lengths[branch - 1] for branch in branches.tolist() if branch}
     assert set(geometry.micro_batch_lengths) == taken | {geometry.seq_len}

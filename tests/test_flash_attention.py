@@ -33,6 +33,24 @@ def qkv():
     return [jax.random.normal(k, s, jnp.float32) for k, s in zip(keys, shapes)]
 
 
+@pytest.mark.parametrize(
+    "kernel, length, expected",
+    [("pallas_gpu", 40, (64, 64)), ("pallas_gpu", 160, (64, 192)), ("pallas_gpu", 896, (128, 896)),
+     ("splash", 100, (128, 128)), ("splash", 640, (128, 640)), ("splash", 1536, (512, 1536))],
+)  # fmt: skip
+def test_each_kernel_tiles_the_padded_sequence_in_blocks_that_divide_it(kernel, length, expected):
+    """The kernels refuse a block that does not divide the sequence (Pallas GPU's 128 on a 160-token bucket
+    padded to 192, splash's 512 on 640): the block is the largest of the kernel's that divides it."""
+    block, padded = flash_attention.block_and_length(kernel, length)
+    assert (block, padded) == expected and padded % block == 0 and padded >= length
+    q = jax.ShapeDtypeStruct((1, length, 2, 16), jnp.float32)
+    segments = jax.ShapeDtypeStruct((1, length), jnp.int32)
+    traced = jax.eval_shape(  # the kernels check their blocks as they are traced
+        lambda q, s: flash_attention.flash_attention(q, q, q, s, scale=0.25, kernel=kernel), q, segments
+    )
+    assert traced.shape == (1, length, 2, 16)
+
+
 def loss(fn, q, k, v, segments):
     """A loss reading real tokens only (padding outputs differ by design and are never read)."""
     real = (segments != 0)[:, :, None, None]

@@ -100,9 +100,12 @@ def test_forward_flops_closed_form():
     # per token 2*2*2304 matmul FLOPs + 4*2*32*16 attention FLOPs = 9216 + 4096.
     dims = costs.dimensions(TINY_ARCHITECTURES["opt"])
     assert costs.forward_flops_per_token(dims, 32) == 13312
-    # Train step, 2 runs x 3 examples, no remat: 3 x matmuls + 3 x attention + 2*H*V*2 per example for the head.
-    def step(remat):
-        return costs.train_step_flops(dims, runs=2, batch_size=3, seq_len=32, lora_parameters=0, remat=remat)
+    # Train step, 6 rows of 32 tokens holding 2 runs x 3 prompts, no adapters, no remat: 3 x matmuls
+    # + 3 x attention per token, and 2*H*V*2 per prompt for the head.
+    def step(remat, runs=2, lora_parameters=0):
+        return costs.train_step_flops(
+            dims, runs=runs, rows=6, seq_len=32, prompts=6, lora_parameters=lora_parameters, remat=remat
+        )
 
     assert step("none") == 6 * 32 * (2 * 9216 + 3 * 4096) + 6 * 4 * 16 * 97
     # What each policy recomputes, per token: the whole forward; the attention scores and their
@@ -110,6 +113,10 @@ def test_forward_flops_closed_form():
     assert step("full") - step("none") == 6 * 32 * 13312
     assert step("save_dots") - step("none") == 6 * 32 * 2 * 4 * 32 * 16
     assert step("save_dots_except_mlp") - step("save_dots") == 6 * 32 * 2 * 2 * 2 * 16 * 40
+    # Every token goes through all runs' adapters (runs x rank columns): 2 FLOPs per adapter weight and run
+    # forward, twice that backward, and the forward again, recomputed in the backward pass.
+    assert step("none", runs=3, lora_parameters=10) - step("none", runs=3) == 6 * 32 * (2 + 4 + 2) * 3 * 10
+    assert step("none", runs=6, lora_parameters=10) - step("none", runs=6) == 2 * 6 * 32 * 8 * 3 * 10
     with pytest.raises(ValueError, match="unknown remat policy 'minimal'"):
         step("minimal")
 
@@ -131,30 +138,34 @@ def test_bytes_per_device_equal_a_placed_models_shards(mesh):
 
 @pytest.mark.parametrize("remat", ["none", "full"])
 def test_saved_activations_equal_the_vjps_residuals(remat):
-    """The estimator's measure (traced, abstract) against the arrays a concrete VJP of the step's loss keeps."""
+    """The estimator's measure (traced, abstract) against the arrays a concrete VJP of the step's loss keeps:
+    one micro-batch of packed rows, each token through the adapters of its own of the 3 runs."""
     architecture = TINY_ARCHITECTURES["olmo2-gqa"]
     model = models.from_config(costs.full_config(architecture).to_dict(), remat=remat)
     apply_lora(model, LoRAConfig(rank=4), rngs=nnx.Rngs(0))
     graphdef, lora, base = nnx.split(model, nnx.LoRAParam, ...)
-    runs, batch, seq_len = 3, 2, 8
-    lora = jax.tree.map(lambda x: jnp.stack([x] * runs), lora)
-    tokens = jnp.ones((runs, batch, seq_len), jnp.int32)
-    micro = dict(input_ids=tokens, segment_ids=tokens, answer_pos=jnp.full((runs, batch), seq_len - 1),
-                 label=jnp.zeros((runs, batch), jnp.int32))
-    keys = jax.random.split(jax.random.key(0), runs)
+    runs, rows, slots, seq_len = 3, 2, 2, 8
+    lora = steps.runs_inside_layers(jax.tree.map(lambda x: jnp.stack([x] * runs), lora))
+    segments = jnp.array([[1, 1, 1, 2, 2, 2, 2, 0], [1, 1, 1, 1, 2, 2, 0, 0]], jnp.int32)
+    per_slot = jnp.array([[0, 1], [2, 0]], jnp.int32)  # each row's prompts' runs (and examples, and labels)
+    micro = dict(input_ids=jnp.ones((rows, seq_len), jnp.int32), segment_ids=segments,
+                 answer_pos=jnp.array([[2, 6], [3, 5]], jnp.int32), label=per_slot, valid=jnp.ones((rows, slots), bool),
+                 run=per_slot, example=per_slot)
+    run_keys = jax.random.key_data(jax.random.split(jax.random.key(0), runs))
+    run_weights = jnp.full((runs,), 0.5)
     loss = functools.partial(steps.micro_batch_loss, graphdef=graphdef, yes_id=0, no_id=1, compute_dtype=None)
-    _, vjp = jax.vjp(lambda lora: jax.vmap(lambda *xs: loss(xs[0], base, *xs[1:])[0])(lora, micro, keys).sum(), lora)
+    _, vjp = jax.vjp(lambda lora: loss(lora, base, micro, run_keys, run_weights)[0], lora)
     # vjp's leaves are what it keeps; the step's own arguments (base, adapters, batch) are not activations.
-    arguments = {id(leaf) for leaf in jax.tree.leaves((lora, base, micro, keys))}
+    arguments = {id(leaf) for leaf in jax.tree.leaves((lora, base, micro, run_keys, run_weights))}
     kept = sum(leaf.nbytes for leaf in jax.tree.leaves(vjp) if id(leaf) not in arguments)
     abstract = costs.with_adapters(costs.abstract_model(architecture, remat=remat), LoRAConfig(rank=4))
-    measured = costs.saved_activation_bytes(abstract, runs=runs, batch=batch, seq_len=seq_len)
+    measured = costs.saved_activation_bytes(abstract, runs=runs, rows=rows, seq_len=seq_len, prompts_per_row=slots)
     assert measured == pytest.approx(kept, rel=1e-3)  # up to scalar literals, which the trace does not count
 
 
 def test_memory_follows_remat_runs_platform_and_mesh():
     architecture = dict(TINY_ARCHITECTURES["olmo2-gqa"], num_hidden_layers=4)
-    common = dict(dtype="bfloat16", mesh=dict(data=2, fsdp=1, tensor=1), micro_batch=4, seq_len=32)
+    common = dict(dtype="bfloat16", mesh=dict(data=2, fsdp=1, tensor=1), rows=4, seq_len=32)
     memory = {
         remat: costs.train_memory_per_device(architecture, LoRAConfig(), remat=remat, runs=2, **common)
         for remat in ("none", "save_dots", "full")
@@ -166,11 +177,15 @@ def test_memory_follows_remat_runs_platform_and_mesh():
         memory["none"].layer_transients * (1 + temporaries) / temporaries
     )
     assert memory["none"].frozen_weights == 2 * costs.parameter_count(architecture)  # bf16, replicated
+    # More runs share the same rows: each holds its own adapters, gradients and moments (float32), but the
+    # micro-batch's activations grow only by what marks each token's run.
     more_runs = costs.train_memory_per_device(architecture, LoRAConfig(), remat="none", runs=4, **common)
-    assert more_runs.activations > 1.9 * memory["none"].activations
-    assert more_runs.adapters == 2 * memory["none"].adapters == 2 * 4 * 2 * costs.lora_parameter_count(
-        architecture, 8
-    )
+    adapters = costs.lora_parameter_count(architecture, 8)
+    assert more_runs.adapters == more_runs.gradients == 2 * memory["none"].adapters == 4 * 4 * adapters
+    assert more_runs.optimizer_state == 2 * more_runs.adapters
+    assert memory["none"].activations < more_runs.activations < 1.01 * memory["none"].activations
+    more_rows = costs.train_memory_per_device(architecture, LoRAConfig(), remat="none", runs=2, **dict(common, rows=8))
+    assert more_rows.activations > 1.9 * memory["none"].activations
     assert memory["none"].upcast_weights == 0  # GPU: the weights are multiplied as stored
     on_cpu = costs.train_memory_per_device(architecture, LoRAConfig(), remat="none", runs=2, platform="cpu", **common)
     assert on_cpu.activations > 1.2 * memory["none"].activations  # bf16 residuals kept as float32
@@ -181,16 +196,18 @@ def test_memory_follows_remat_runs_platform_and_mesh():
     fsdp = costs.train_memory_per_device(
         architecture, LoRAConfig(), remat="none", runs=2, **dict(common, mesh=dict(data=1, fsdp=2, tensor=1))
     )
-    # The batch is split over data x fsdp either way (an untied head: nothing gathered is kept).
+    # The rows are split over data x fsdp either way (an untied head: nothing gathered is kept).
     assert fsdp.activations == pytest.approx(memory["none"].activations, rel=1e-3)
     assert fsdp.frozen_weights < memory["none"].frozen_weights
     assert fsdp.layer_transients > memory["none"].layer_transients  # a layer gathered whole from its shards
     assert fsdp.head_transients > memory["none"].head_transients == 0
+    with pytest.raises(ValueError, match="a micro-batch of 3 rows does not split over data x fsdp = 2 devices"):
+        costs.train_memory_per_device(architecture, LoRAConfig(), remat="none", runs=2, **dict(common, rows=3))
 
 
 def test_tied_heads_transposed_embedding_is_kept_only_when_gathered_from_fsdp_shards():
     architecture = TINY_ARCHITECTURES["smollm3-tied"]
-    common = dict(dtype="bfloat16", remat="none", runs=2, micro_batch=4, seq_len=16)
+    common = dict(dtype="bfloat16", remat="none", runs=2, rows=4, seq_len=16)
     replicated, sharded = (
         costs.train_memory_per_device(architecture, LoRAConfig(), mesh=mesh, **common)
         for mesh in (dict(data=2, fsdp=1, tensor=1), dict(data=1, fsdp=2, tensor=1))
@@ -200,29 +217,50 @@ def test_tied_heads_transposed_embedding_is_kept_only_when_gathered_from_fsdp_sh
     assert sharded.head_transients == embedding / 2  # the other shard, gathered
 
 
-@pytest.mark.parametrize("chunk, expected", [(0, 2), (1, 1), (2, 2), (5, 2)])
-def test_runs_at_once(chunk, expected):
-    config = load_config("configs/demo.py")  # seeds (0, 42) x shots (32,): two runs
-    config.runs.chunk = chunk
-    assert estimate.runs_at_once(config) == expected
+@pytest.mark.parametrize(
+    "pack, grad_accum, buckets, prompt_len, expected",
+    [
+        # demo: 2 runs x batch 8 on 8 devices, data.max_length 128; the default ladder is 64, 80, 96, 112,
+        # 128, 160, 192, 224, 256, ... (four per doubling), going on past max_length for packed rows.
+        (True, 1, (), 100, (2, 224)),  # 2 prompts a row: 200 tokens
+        (True, 1, (), 128, (2, 256)),
+        (True, 2, (), 100, (1, 112)),  # 1 prompt a row
+        (False, 1, (), 100, (1, 112)),  # one prompt a row: the bucket holding it
+        (False, 1, (), 60, (1, 64)),
+        # Listed buckets end the ladder at twice the longest row (oodjax.engine.geometry's limit).
+        (True, 1, (64, 128), 100, (2, 400)),
+        (False, 1, (64, 128), 100, (1, 128)),
+    ],
+)
+def test_train_row_length(pack, grad_accum, buckets, prompt_len, expected):
+    config = load_config("configs/demo.py")
+    config.train.pack, config.train.grad_accum, config.data.buckets = pack, grad_accum, buckets
+    slots = estimate.packed_prompts_per_row(config, 8) if pack else 1
+    assert (slots, estimate.train_row_length(config, 8, prompt_len)) == expected
+    with pytest.raises(ValueError, match="prompt length 129 must be in"):
+        estimate.train_row_length(config, 8, 129)
 
 
 def test_estimate_within_a_quarter_of_the_compiled_train_step():
-    """OLMo-2 7B cut to 2 layers, 128-token rows: the estimate for XLA's CPU backend against the memory
-    the compiler allocates for the engine's own train step on the 8 host devices (what the preflight
-    reports; built here from the config alone, as the preflight needs the checkpoint's tokenizer)."""
+    """OLMo-2 7B cut to 2 layers, its 9 runs' prompts packed in 768-token rows (MNLI's, of about 80 tokens a
+    prompt): the estimate for XLA's CPU backend against the memory the compiler allocates for the engine's own
+    train step on the 8 host devices (what the preflight reports; built here from the config alone, as the
+    preflight needs the checkpoint's tokenizer)."""
     config = load_config("configs/olmo7_mnli.py")
-    seq_len, layers = 128, 2
+    seq_len, layers = 768, 2
     mesh = sharding.make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
     architecture = estimate.architecture_of(config, layers)
     graphdef, base, runs = steps.abstract_init_runs(
         lambda: models.abstract_model(architecture, dtype=config.model.dtype, remat=config.model.remat),
         [run.seed for run in results.plan_runs(config)], LoRAConfig.from_config(config.lora), loop.optimizer(config),
     )
+    # What batch_geometry makes of it: 2 micro-batches of one row per device, 9 x 16 / (2 x 8) = 9 prompts a
+    # row on average, 10 slots for the fullest.
     geometry = BatchGeometry(
         runs=runs.num_runs, batch_size=config.train.batch_size, grad_accum=config.train.grad_accum,
-        seq_len=seq_len, run_chunk=config.runs.chunk, batch_shards=sharding.batch_shards(mesh),
+        seq_len=seq_len, packed=True, prompts_per_row=10, batch_shards=sharding.batch_shards(mesh),
     )
+    assert (config.train.pack, geometry.rows_per_device) == (True, 1)
     train_step = steps.make_train_step(graphdef, loop.optimizer(config), 1, 2, geometry, mesh=mesh, base_state=base,
                                        runs=runs)
     memory = train_step.lower(base, runs, preflight.train_batch(geometry, mesh)).compile().memory_analysis()
@@ -235,23 +273,45 @@ def test_estimate_within_a_quarter_of_the_compiled_train_step():
     assert 0.75 < estimated / compiled < 1.25, (estimated, compiled)
 
 
-def test_a_packed_config_is_estimated_at_one_row_per_device():
-    """With train.pack (the default) a micro-batch is one row per device, whatever train.grad_accum says, as
-    oodjax.engine.geometry lays it out: SmolLM3's grad_accum 1 on 8 devices is 2 micro-batches of 8 rows."""
+def test_a_packed_step_is_one_row_per_device_of_all_runs_prompts():
+    """As oodjax.engine.geometry lays a step out: with train.pack each of train.grad_accum micro-batches is one
+    row per device holding a share of all runs' prompts; without it, one prompt a row."""
+    config = load_config("configs/smol3_mnli.py")  # 9 runs x batch 16, grad_accum 1, 8 devices, save_dots
+    assert (config.train.pack, config.train.grad_accum, config.model.remat) == (True, 1, "save_dots")
 
-    def memory(config):
+    def costed(config):
         return estimate.estimate(
-            "smol3", config, devices=8, device=estimate.DEVICES["h100"], utilisation=0.4, seq_len=160,
+            "smol3", config, devices=8, device=estimate.DEVICES["h100"], utilisation=0.4, prompt_len=160,
             eval_examples=0, layers=2,
-        ).memory.total
+        )
 
-    config = load_config("configs/smol3_mnli.py")
-    assert (config.train.pack, config.train.grad_accum) == (True, 1)
-    packed = memory(config)
-    config.train.pack = False
-    one_micro_batch = memory(config)
-    config.train.grad_accum = 2
-    assert packed == memory(config) < one_micro_batch
+    def shape(result):
+        g = result.geometry
+        return g.grad_accum, g.rows, g.rows_per_device, g.prompts_per_row, g.seq_len
+
+    # 144 prompts of 160 tokens over 8 rows: 18 a row, 2880 tokens, in the bucket of 3072 (2048, 2560, 3072, ...).
+    packed = costed(config)
+    assert shape(packed) == (1, 8, 1, 18, 3072)
+    config.train.grad_accum = 2  # 9 a row, 1440 tokens: the bucket of 1536 (1024, 1280, 1536, ...)
+    halved = costed(config)
+    assert shape(halved) == (2, 8, 1, 9, 1536)
+    assert halved.memory.activations < 0.6 * packed.memory.activations
+    config.train.pack = False  # 72 rows of 160 tokens a micro-batch, 9 a device
+    unpacked = costed(config)
+    assert shape(unpacked) == (2, 72, 9, 1, 160)
+    # Per token computed: the layers' matmuls forward and backward (2 + 2 per weight); all 9 runs' adapters
+    # (2 + 4 + 2 recomputed per weight and run); attention over the row forward, backward and recomputed
+    # (4 + 8 + 4 per position and query feature, per layer). The head at each of the 144 prompts, forward and back.
+    arch = estimate.architecture_of(config, 2)
+    dims, lora = costs.dimensions(arch), costs.lora_parameter_count(arch, config.lora.rank)
+
+    def flops(tokens, seq_len):
+        per_token = 4 * 2 * dims.layer_matmul_parameters + 8 * 9 * lora + 16 * 2 * seq_len * dims.q_dim
+        return tokens * per_token + 2 * 2 * dims.hidden_size * dims.vocab_size * 144
+
+    assert packed.train_step_flops == pytest.approx(flops(8 * 3072, 3072))
+    assert halved.train_step_flops == pytest.approx(flops(2 * 8 * 1536, 1536))
+    assert unpacked.train_step_flops == pytest.approx(flops(144 * 160, 160))
 
 
 @pytest.mark.parametrize(
@@ -295,9 +355,10 @@ def test_cli_prints_every_figure(capsys):
                           "--device", "h100", "--utilisation", "0.5"]) == 0
     out = capsys.readouterr().out
     assert "configs/opt30_mnli.py: facebook/opt-30b, 29,974,540,288 parameters" in out
+    # 9 x 16 prompts over 2 x 8 rows: 9 a row, of 512 tokens (data.max_length) unless --prompt_len says less.
     assert (
-        "mesh data=1 fsdp=8 tensor=1; 9 runs (9 at once) x batch 16 (2 micro-batches, packed one row per device); "
-        "bfloat16, remat save_dots"
+        "mesh data=1 fsdp=8 tensor=1; 9 runs x batch 16 in 2 micro-batches of one packed row per device (5120 "
+        "tokens, 9 prompt slots); bfloat16, remat save_dots"
     ) in out
     # 7.49 GB of 29.97e9 bf16 parameters split 8 ways, plus the norms and biases fsdp leaves whole; the
     # head (tied: the 50272 x 7168 embedding) gathered from 8 shards.

@@ -37,8 +37,8 @@ WORKER = textwrap.dedent("""
     total = jax.jit(lambda x: (x.sum(), (x * x).sum()), out_shardings=NamedSharding(mesh, PartitionSpec()))(rows)
     print(layout.source, layout.num_processes, layout.process_id, jax.device_count(), jax.local_device_count(),
           rows.shape[0], float(total[0]), float(total[1]), distributed.is_primary(), flush=True)
-    # A training batch of 16 in 2 micro-batches of 8: this process's positions in it.
-    print(*sharding.process_step_rows(sharding.make_mesh(8, 1, 1), 16, 2), flush=True)
+    # A micro-batch of 8 rows: this process's positions in it.
+    print(*sharding.process_batch_rows(sharding.make_mesh(8, 1, 1), 8), flush=True)
     jax.distributed.shutdown()
 """)
 
@@ -99,9 +99,9 @@ def test_two_processes_share_one_eight_device_mesh():
     # sum(0..7) = 28, sum of squares = 140: every process sees both processes' rows.
     assert outputs[0][0].split() == ["explicit", "2", "0", "8", "4", "8", "28.0", "140.0", "True"]
     assert outputs[1][0].split() == ["explicit", "2", "1", "8", "4", "8", "28.0", "140.0", "False"]
-    # Each process feeds its 4 devices' rows of each micro-batch, not every other example.
-    assert outputs[0][1].split() == ["0", "1", "2", "3", "8", "9", "10", "11"]
-    assert outputs[1][1].split() == ["4", "5", "6", "7", "12", "13", "14", "15"]
+    # Each process feeds its 4 devices' rows of each micro-batch, not every other row.
+    assert outputs[0][1].split() == ["0", "1", "2", "3"]
+    assert outputs[1][1].split() == ["4", "5", "6", "7"]
 
 
 @pytest.mark.parametrize("pack", [False, True], ids=["one_prompt_a_row", "packed"])

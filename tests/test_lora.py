@@ -18,9 +18,11 @@ from test_models_parity import LAYOUTS, padded_batches, save, tiny_hf_model
 from oodjax.models import from_config, load_pretrained
 from oodjax.models.layers import run_layers, stacked_layers
 from oodjax.models.lora import (
+    AdapterTokens,
     LoRA,
     LoRAConfig,
     LoRADropout,
+    adapter_tokens,
     apply_lora,
     dropout_keep_mask,
     dropout_threshold,
@@ -60,6 +62,31 @@ def adapted_layer_names(model) -> set[str]:
     return {".".join(map(str, path)) for path, m in nnx.iter_modules(model) if isinstance(m, LoRA)}
 
 
+def token_identities(runs, *, examples=None, positions=None, run_keys=None) -> dict[str, jax.Array]:
+    """``AdapterTokens.set``'s arguments for tokens of ``runs`` (any shape): by default example = the token's
+    row, position = its column (the last axis), and run r's key [r, r + 1000] (distinct)."""
+    runs = np.asarray(runs)
+    grid = np.indices(runs.shape) if runs.ndim else np.zeros((1,), np.int64)
+    examples = grid[0] if examples is None else np.asarray(examples)
+    positions = grid[-1] if positions is None else np.asarray(positions)
+    if run_keys is None:
+        num_runs = int(runs.max()) + 1
+        run_keys = np.stack([np.arange(num_runs), np.arange(num_runs) + 1000], axis=-1)
+    return dict(
+        runs=jnp.asarray(runs, jnp.int32),
+        examples=jnp.asarray(examples, jnp.int32),
+        positions=jnp.asarray(positions, jnp.int32),
+        run_keys=jnp.asarray(run_keys, jnp.uint32),
+    )
+
+
+def tokens_set(runs, **identities) -> AdapterTokens:
+    """A fresh ``AdapterTokens`` (its stream at its first draw) with ``token_identities(runs, ...)`` set."""
+    tokens = AdapterTokens()
+    tokens.set(**token_identities(runs, **identities))
+    return tokens
+
+
 @pytest.mark.parametrize("family", sorted(HF_CONFIGS))
 def test_fresh_adapter_leaves_logits_unchanged(family):
     """B = 0, so the default q/k/v/o adapters add exactly zero. Each adapter's delta is checked bitwise; the
@@ -73,9 +100,13 @@ def test_fresh_adapter_leaves_logits_unchanged(family):
     adapted = adapted_layer_names(model)
     prefix = "model.decoder.layers" if family == "opt" else "model.layers"  # stacked: one adapter per projection
     assert adapted == {f"{prefix}.self_attn.{name}.lora" for name in ATTENTION[family].split()}
+    # Outside the scan a stacked adapter's leading (layers) axis reads as runs: the tokens of row i are given
+    # run i, so layer i's input meets layer i's adapter.
+    layers = HF_CONFIGS[family]["num_hidden_layers"]
+    adapter_tokens(model).set(**token_identities(np.repeat(np.arange(layers)[:, None], 3, axis=1)))
     for _, linear in find_targets(model, None):
         layers, fan_in, fan_out = linear.kernel.shape
-        x = jax.random.normal(jax.random.key(1), (layers, 3, fan_in))  # layer i's input meets layer i's adapter
+        x = jax.random.normal(jax.random.key(1), (layers, 3, fan_in))
         np.testing.assert_array_equal(linear.lora(x), np.zeros((layers, 3, fan_out), np.float32))
     np.testing.assert_allclose(after, before, rtol=0, atol=1e-6)
 
@@ -135,36 +166,36 @@ def test_bad_targets_and_configs_are_clear_errors():
 
 
 def test_dropout_masks_differ_between_projections_and_calls():
-    """One shared stream: q and k (same input) get different masks, and each call a new one
-    (test_models_layers checks that each scanned layer draws its own)."""
+    """One shared stream: every adapter of the model shares one AdapterTokens, q and k (same input) get
+    different masks, and each call a new one (test_models_layers checks that each scanned layer draws its own)."""
     model = from_config(HF_CONFIGS["opt"])
     apply_lora(model, LoRAConfig(rank=4, alpha=4.0, dropout=0.5, targets=("q_proj", "k_proj")), rngs=nnx.Rngs(0))
     layers = model.model.decoder.layers
-    for proj in (layers.self_attn.q_proj, layers.self_attn.k_proj):  # A the identity on the first 4 features, B = I
+    attn = layers.self_attn
+    assert attn.q_proj.lora.tokens is attn.k_proj.lora.tokens is adapter_tokens(model)
+    for proj in (attn.q_proj, attn.k_proj):  # A the identity on the first 4 features, B = I
         proj.lora.lora_a[...] = jnp.broadcast_to(jnp.eye(32, 4), (2, 32, 4))
         proj.lora.lora_b[...] = jnp.broadcast_to(jnp.eye(4, 32), (2, 4, 32))
-    x = jnp.ones((2, 1, 32))
-    attn = layers.self_attn
+    x = jnp.ones((2, 3, 32))  # outside the scan the 2 stacked layers read as runs: row i is run i's
+    adapter_tokens(model).set(**token_identities(np.repeat(np.arange(2)[:, None], 3, axis=1)))
     q1, k1, q2 = attn.q_proj.lora(x), attn.k_proj.lora(x), attn.q_proj.lora(x)
-    kept = lambda y: tuple(np.asarray(y[0, 0, :4] != 0))  # noqa: E731
-    assert {float(v) for v in np.asarray(q1[0, 0, :4])} <= {0.0, 2.0}  # kept inputs scaled by 1/(1-0.5)
-    assert len({kept(q1), kept(k1), kept(q2)}) > 1
-
-
+    kept = lambda y: tuple(np.asarray(y[..., :4] != 0).ravel())  # noqa: E731
+    assert {float(v) for v in np.asarray(q1[..., :4]).ravel()} <= {0.0, 2.0}  # kept inputs scaled by 1/(1-0.5)
+    assert len({kept(q1), kept(k1), kept(q2)}) == 3
 
 
 class _TwoAdapterMasks(nnx.Module):
-    """A layer whose output encodes the masks of two adapters' dropouts drawn from one shared stream (the first
-    mask plus twice the second, each scaled by 1 / keep), whatever its input: what run_layers feeds q and k."""
+    """A layer whose output encodes the masks of two adapters' dropouts drawn from one shared AdapterTokens (the
+    first mask plus twice the second, each scaled by 1 / keep), whatever its input: what run_layers feeds q and k."""
 
     def __init__(self, rate: float, rngs: nnx.Rngs):
         self.scale = nnx.Param(jnp.ones(()))  # a stacked parameter, as run_layers expects
         self.q, self.k = LoRADropout(rate), LoRADropout(rate)
-        self.stream = nnx.data(None)
+        self.tokens = nnx.data(None)  # shared (not stacked): set after stacking, as apply_lora shares one
 
     def __call__(self, hidden):
         ones = jnp.ones_like(hidden)
-        return (self.q(ones, rngs=self.stream) + 2 * self.k(ones, rngs=self.stream)) * self.scale[...]
+        return (self.q(ones, tokens=self.tokens) + 2 * self.k(ones, tokens=self.tokens)) * self.scale[...]
 
 
 def within_sigmas(fraction: float, p: float, n: int, sigmas: float = 5.0) -> bool:
@@ -172,13 +203,19 @@ def within_sigmas(fraction: float, p: float, n: int, sigmas: float = 5.0) -> boo
     return abs(fraction - p) < sigmas * math.sqrt(p * (1 - p) / n)
 
 
+def step_run_key(step: int) -> np.ndarray:
+    """One run's dropout key [2] at ``step``, as the train step derives it (fold_in(run key, step))."""
+    return np.asarray(jax.random.key_data(jax.random.fold_in(jax.random.key(5), step)))
+
+
 @pytest.mark.parametrize("rate", [0.1, 0.5, 0.03])
 def test_dropout_masks_have_the_configured_rate_and_are_independent(rate):
     """Over 2**20 draws per mask, each adapter's mask keeps its elements with probability 1 - rate (within five
     standard errors: 0.0015 at rate 0.1), kept ones scaled by 1 / (1 - realised rate) (2**-16 steps, so within
     2**-16 of torch's 1 / (1 - rate)); masks of two adapters (one stream), of two layers (run_layers folds the
-    index in) and of two steps (another stream key, as the train step reseeds per step) are independent: both
-    keep an element with probability (1 - rate)^2, as do neighbouring elements of one mask (which share a hash)."""
+    index in) and of two steps (another run key, as the train step folds the step into each run's key) are
+    independent: both keep an element with probability (1 - rate)^2, as do neighbouring elements of one mask
+    (which share a hash) and the same element of neighbouring tokens (consecutive counters)."""
     keep = 1.0 - rate
     realised_keep = 1.0 - dropout_threshold(rate) / 2**16
     assert abs(realised_keep - keep) <= 2**-17
@@ -186,7 +223,7 @@ def test_dropout_masks_have_the_configured_rate_and_are_independent(rate):
     hidden = jnp.zeros((4, 256, 1024))
     masks = []
     for step in range(2):
-        layers.stream = nnx.data(nnx.Rngs(dropout=jax.random.fold_in(jax.random.fold_in(jax.random.key(5), step), 0)))
+        layers.tokens = tokens_set(np.zeros((4, 256)), run_keys=step_run_key(step)[None])  # a fresh stream each step
         out, inputs = run_layers(layers, hidden, remat="none", all_layers=True)
         for encoded in (inputs[1], out):  # layer 0's output, layer 1's output
             levels = np.asarray(encoded) * np.float32(realised_keep)
@@ -199,34 +236,175 @@ def test_dropout_masks_have_the_configured_rate_and_are_independent(rate):
         assert within_sigmas(mask.mean(), keep, n), (mask.mean(), keep)
         both_neighbours = (mask[..., 1:] & mask[..., :-1]).mean()
         assert within_sigmas(both_neighbours, keep**2, n), both_neighbours
+        both_next_tokens = (mask[:, 1:] & mask[:, :-1]).mean()  # positions p and p + 1 of one example
+        assert within_sigmas(both_next_tokens, keep**2, n), both_next_tokens
     for i, first in enumerate(masks):
         for second in masks[i + 1 :]:
             both = (first & second).mean()
             assert within_sigmas(both, keep**2, n), (i, both, keep**2)
 
 
+def test_a_tokens_mask_depends_only_on_its_runs_key_its_counter_and_the_draw():
+    """The tokens of three runs (4 examples of 8 positions each), placed in two layouts (rows, order and row
+    length all differ, and so does the run's index in one of them), draw the same mask per token, draw by
+    draw; so does one run's tokens alone (its key the only one, its index 0). Each token's mask is its own
+    (the counters differ), and a second draw of the stream differs from the first."""
+    rate, width, draws = 0.5, 64, 2
+    keys = np.asarray(jax.random.key_data(jax.random.split(jax.random.key(11), 3)))  # [3, 2]
+    run, example, position = (g.ravel() for g in np.indices((3, 4, 8)))  # the 96 tokens, in canonical order
+
+    def masks_by_token(order, shape, *, renumber=np.arange(3)):
+        """Each draw's [96, width] masks of the tokens placed in ``order`` over rows of ``shape``, by token; run r
+        given the index ``renumber[r]`` (its key moved alike)."""
+        run_keys = np.zeros_like(keys)
+        run_keys[renumber] = keys
+        tokens = tokens_set(renumber[run[order]].reshape(shape), examples=example[order].reshape(shape),
+                            positions=position[order].reshape(shape), run_keys=run_keys)  # fmt: skip
+        by_token = []
+        for _ in range(draws):
+            placed = np.asarray(tokens.keep_mask((*shape, width), rate)).reshape(len(order), width)
+            canonical = np.zeros((run.size, width), bool)
+            canonical[order] = placed
+            by_token.append(canonical)
+        return by_token
+
+    rng = np.random.default_rng(0)
+    first = masks_by_token(rng.permutation(96), (4, 24))
+    second = masks_by_token(rng.permutation(96), (8, 12))
+    for draw in range(draws):
+        np.testing.assert_array_equal(second[draw], first[draw], err_msg=f"draw {draw}")
+    renumbered = masks_by_token(rng.permutation(96), (6, 16), renumber=np.array([1, 2, 0]))
+    for draw in range(draws):
+        np.testing.assert_array_equal(renumbered[draw], first[draw], err_msg=f"renumbered, draw {draw}")
+    # run 1's tokens alone: its key the only one, its index 0
+    own = np.flatnonzero(run == 1)
+    alone_order = rng.permutation(own)
+    tokens = tokens_set(np.zeros((4, 8)), examples=example[alone_order].reshape(4, 8),
+                        positions=position[alone_order].reshape(4, 8), run_keys=keys[1:2])  # fmt: skip
+    for draw in range(draws):
+        alone = np.asarray(tokens.keep_mask((4, 8, width), rate)).reshape(own.size, width)
+        np.testing.assert_array_equal(alone, first[draw][alone_order], err_msg=f"alone, draw {draw}")
+    for masks in first:
+        assert len({row.tobytes() for row in masks}) == run.size  # every token its own mask
+    assert not np.array_equal(first[0], first[1])
+
+
+def test_runs_with_different_keys_draw_independent_masks():
+    """The same 2**10 tokens (counters) of two runs: with different keys their masks keep an element together
+    with probability (1 - rate)^2 over 2**20 elements (within five standard errors), each at 1 - rate; with
+    the same key they are the same (the run's index does not enter)."""
+    rate, keep, width = 0.1, 0.9, 1024
+    runs = np.repeat(np.arange(2)[:, None], 1024, axis=1)
+    examples, positions = np.divmod(np.tile(np.arange(1024), (2, 1)), 32)
+    keys = np.asarray(jax.random.key_data(jax.random.split(jax.random.key(12), 2)))
+    masks = np.asarray(tokens_set(runs, examples=examples, positions=positions, run_keys=keys)
+                       .keep_mask((2, 1024, width), rate))  # fmt: skip
+    n = masks[0].size
+    assert n == 2**20
+    for mask in masks:
+        assert within_sigmas(mask.mean(), keep, n), mask.mean()
+    both = (masks[0] & masks[1]).mean()
+    assert within_sigmas(both, keep**2, n), both
+    same_key = np.asarray(tokens_set(runs, examples=examples, positions=positions, run_keys=keys[[0, 0]])
+                          .keep_mask((2, 1024, width), rate))  # fmt: skip
+    np.testing.assert_array_equal(same_key[0], same_key[1])
+    np.testing.assert_array_equal(same_key[0], masks[0])
+
+
+def lora_module(a: np.ndarray, b: np.ndarray, *, scale: float, rate: float, tokens: AdapterTokens) -> LoRA:
+    """A LoRA with the given factors: a [in, rank] / b [rank, out] (one run's) or [R, in, rank] / [R, rank, out]."""
+    lora = LoRA((*a.shape[:-1], b.shape[-1]), rank=a.shape[-1], scale=scale, dropout=rate, tokens=tokens,
+                kernel_axes=None, rngs=nnx.Rngs(0))  # fmt: skip
+    lora.lora_a[...], lora.lora_b[...] = jnp.asarray(a), jnp.asarray(b)
+    return lora
+
+
+def test_run_stacked_adapters_adapt_each_token_with_its_own_runs():
+    """Adapters stacked over 3 runs give each token x @ A_r @ B_r * scale of its own run r (numpy, float64), as
+    one run's adapter gives every token its own; with dropout on, one run's adapter with that run's tokens set
+    (R = 1, its key the only one) gives its tokens what the stacked adapters give them among the others."""
+    num_runs, fan_in, fan_out, rank, scale = 3, 16, 12, 4, 2.5
+    rng = np.random.default_rng(1)
+    a = rng.normal(size=(num_runs, fan_in, rank)).astype(np.float32)
+    b = rng.normal(size=(num_runs, rank, fan_out)).astype(np.float32)
+    x = rng.normal(size=(4, 6, fan_in)).astype(np.float32)
+    runs = rng.permutation(np.repeat(np.arange(num_runs), 8)).reshape(4, 6)  # 8 tokens each, mixed in the rows
+    a64, b64, x64 = a.astype(np.float64), b.astype(np.float64), x.astype(np.float64)
+    expected = np.einsum("bsi,bsik,bsko->bso", x64, a64[runs], b64[runs]) * scale
+    stacked = lora_module(a, b, scale=scale, rate=0.0, tokens=tokens_set(runs))
+    np.testing.assert_allclose(np.asarray(stacked(jnp.asarray(x))), expected, rtol=1e-5, atol=1e-5)
+    for r in range(num_runs):  # one run's adapter, no tokens set (evaluation): every token goes through it
+        alone = lora_module(a[r], b[r], scale=scale, rate=0.0, tokens=AdapterTokens())
+        np.testing.assert_allclose(np.asarray(alone(jnp.asarray(x))), x64 @ a64[r] @ b64[r] * scale,
+                                   rtol=1e-5, atol=1e-5)  # fmt: skip
+
+    identities = dict(examples=rng.integers(0, 50, size=runs.shape), positions=rng.integers(0, 500, size=runs.shape))
+    keys = np.asarray(jax.random.key_data(jax.random.split(jax.random.key(13), num_runs)))
+    stacked = lora_module(a, b, scale=scale, rate=0.5, tokens=tokens_set(runs, run_keys=keys, **identities))
+    dropped = np.asarray(stacked(jnp.asarray(x)))
+    assert np.abs(dropped - expected).max() > 0.1  # dropout on
+    for r in range(num_runs):
+        own = runs == r
+        tokens = tokens_set(np.zeros(own.sum()), examples=identities["examples"][own],
+                            positions=identities["positions"][own], run_keys=keys[r : r + 1])  # fmt: skip
+        alone = np.asarray(lora_module(a[r], b[r], scale=scale, rate=0.5, tokens=tokens)(jnp.asarray(x[own])))
+        np.testing.assert_allclose(alone, dropped[own], rtol=1e-6, atol=1e-6, err_msg=f"run {r}")
+
+
+def test_dropout_without_the_tokens_set_is_an_error_naming_adapter_tokens_set():
+    """Dropout on needs each token's run and identity; a model whose adapters drop out, run without the train
+    step's ``AdapterTokens.set``, says so (as do run-stacked adapters with dropout off); dropout off does not."""
+    lora = lora_module(np.ones((8, 2), np.float32), np.ones((2, 4), np.float32), scale=1.0, rate=0.1,
+                       tokens=AdapterTokens())  # fmt: skip
+    x = jnp.ones((2, 3, 8))
+    with pytest.raises(ValueError, match=r"LoRA dropout needs .*AdapterTokens\.set"):
+        lora(x)
+    np.testing.assert_array_equal(nnx.view(lora, deterministic=True)(x), 16.0)  # off: one run's, no tokens needed
+    stacked = lora_module(np.ones((2, 8, 2), np.float32), np.ones((2, 2, 4), np.float32), scale=1.0, rate=0.0,
+                          tokens=AdapterTokens())  # fmt: skip
+    with pytest.raises(ValueError, match=r"adapters of 2 runs need .*AdapterTokens\.set"):
+        stacked(x)
+    model = from_config(HF_CONFIGS["opt"])
+    apply_lora(model, LoRAConfig(rank=4, dropout=0.1), rngs=nnx.Rngs(0))
+    ids, mask = padded_batches(96)["right"]
+    with pytest.raises(ValueError, match=r"AdapterTokens\.set"):
+        model(ids, mask)
+
+
 def test_dropout_masks_do_not_depend_on_how_the_mesh_splits_them():
-    """A mask is a function of its key and each element's index: split over any axes of the mesh, the same."""
+    """A mask is a function of each token's key and counter and each element's index: its tokens and its
+    output split over any axes of the mesh, the same (a width not a multiple of 4 cut from the last hash)."""
     mesh = jax.make_mesh((2, 2, 2), ("data", "fsdp", "tensor"), axis_types=(AxisType.Auto,) * 3)
-    key, shape = jax.random.key(3), (8, 16, 64)
-    draw = lambda k: dropout_keep_mask(k, shape, 0.1)  # noqa: E731
-    alone = np.asarray(jax.jit(draw)(key))
-    assert 0.8 < alone.mean() < 0.97
-    for spec in (P(("data", "fsdp")), P(None, None, "tensor"), P("data", "fsdp", "tensor"), P(None, "tensor")):
-        sharded = jax.jit(draw, out_shardings=NamedSharding(mesh, spec))(key)
-        assert sharded.sharding.spec == spec
-        np.testing.assert_array_equal(np.asarray(sharded), alone, err_msg=str(spec))
+    rows, seq = 8, 16
+    token_keys = jax.random.bits(jax.random.key(3), (rows, seq, 2), jnp.uint32)
+    examples, positions = np.indices((rows, seq), dtype=np.uint32)
+    counters = jnp.asarray(examples << 16 | positions)
+    for width in (64, 30):
+        draw = lambda keys, counters: dropout_keep_mask(keys, counters, width, 0.1)  # noqa: E731
+        alone = np.asarray(jax.jit(draw)(token_keys, counters))
+        assert alone.shape == (rows, seq, width) and 0.8 < alone.mean() < 0.97
+        for spec in (P(("data", "fsdp")), P(None, None, "tensor"), P("data", "fsdp", "tensor"), P(None, "tensor")):
+            token_spec = P(*spec[:2])
+            sharded = jax.jit(draw, out_shardings=NamedSharding(mesh, spec))(
+                jax.device_put(token_keys, NamedSharding(mesh, token_spec)),
+                jax.device_put(counters, NamedSharding(mesh, token_spec)),
+            )
+            assert sharded.sharding.spec == spec
+            np.testing.assert_array_equal(np.asarray(sharded), alone, err_msg=f"{spec}, width {width}")
 
 
 def test_dropout_is_off_when_deterministic_or_at_rate_zero():
-    stream = nnx.Rngs(dropout=0)
-    x = jnp.arange(1.0, 9.0)
-    assert LoRADropout(0.0).keep_mask(x.shape, rngs=stream) is None
+    unset = AdapterTokens()  # as in evaluation: dropout off needs no tokens
+    x = jnp.arange(1.0, 9.0)[None, None]
+    assert LoRADropout(0.0).keep_mask(x.shape, tokens=unset) is None
+    np.testing.assert_array_equal(LoRADropout(0.0)(x, tokens=unset), x)
     off = nnx.view(LoRADropout(0.5), deterministic=True)  # what the eval step does
-    assert off.keep_mask(x.shape, rngs=stream) is None
-    np.testing.assert_array_equal(off(x, rngs=stream), x)
-    on = LoRADropout(0.5)(x, rngs=stream)
-    assert set(np.asarray(on).tolist()) <= {0.0, *(2 * np.asarray(x)).tolist()} and 0 < np.count_nonzero(on) < 8
+    assert off.keep_mask(x.shape, tokens=unset) is None
+    np.testing.assert_array_equal(off(x, tokens=unset), x)
+    on = LoRADropout(0.5)(x, tokens=tokens_set(np.zeros((1, 1))))
+    assert set(np.asarray(on).ravel().tolist()) <= {0.0, *(2 * np.asarray(x)).ravel().tolist()}
+    assert 0 < np.count_nonzero(on) < 8
+
 
 # A layout of test_models_parity and the adapted layers (attention and one MLP projection).
 EXPORT_CASES = {

@@ -25,7 +25,7 @@ from oodjax.models.layers import (
     segment_positions,
     stacked_layers,
 )
-from oodjax.models.lora import LoRAConfig, LoRADropout, apply_lora
+from oodjax.models.lora import AdapterTokens, LoRAConfig, LoRADropout, adapter_tokens, apply_lora
 
 # Real-size head dims and contexts, so every band of the scaled RoPE variants is populated.
 ROPE_CASES = {
@@ -188,15 +188,23 @@ class _MaskLayer(nnx.Module):
     def __init__(self, rngs: nnx.Rngs):
         self.scale = nnx.Param(jnp.ones(()))
         self.dropout = LoRADropout(0.5)
-        self.stream = nnx.data(None)
+        self.tokens = nnx.data(None)  # shared (not stacked): set after stacking, as apply_lora shares one
 
     def __call__(self, hidden):
-        return self.dropout(jnp.ones_like(hidden), rngs=self.stream) * self.scale[...]
+        return self.dropout(jnp.ones_like(hidden), tokens=self.tokens) * self.scale[...]
+
+
+def _one_run_tokens(num_tokens: int, run_key: tuple[int, int]) -> AdapterTokens:
+    """A fresh AdapterTokens: ``num_tokens`` tokens of one run (one example, positions 0, 1, ...) under ``run_key``."""
+    tokens = AdapterTokens()
+    tokens.set(runs=jnp.zeros(num_tokens, jnp.int32), examples=jnp.zeros(num_tokens, jnp.int32),
+               positions=jnp.arange(num_tokens), run_keys=jnp.asarray([run_key], jnp.uint32))  # fmt: skip
+    return tokens
 
 
 def test_scanned_layers_draw_their_own_dropout_masks_from_one_stream():
     layers = stacked_layers(_MaskLayer, 3, nnx.Rngs(0))
-    layers.stream = nnx.data(nnx.Rngs(dropout=7))  # shared, like the LoRA adapters' stream
+    layers.tokens = _one_run_tokens(4, (7, 0))  # shared, like the LoRA adapters' AdapterTokens
     hidden = jnp.zeros((4, 64))
 
     def masks(remat):
@@ -206,9 +214,12 @@ def test_scanned_layers_draw_their_own_dropout_masks_from_one_stream():
     first = masks("none")
     assert len(first) == 3 and all(0.3 < m.mean() < 0.7 for m in first)
     assert not np.array_equal(first[0], first[1]) and not np.array_equal(first[1], first[2])
-    for again, mask in zip(masks("full"), first, strict=True):  # a function of the stream's key alone
+    for again, mask in zip(masks("full"), first, strict=True):  # a function of the stream's and run's keys alone
         np.testing.assert_array_equal(again, mask)
-    nnx.reseed(layers, dropout=8)
+    layers.tokens = _one_run_tokens(4, (7, 1))  # another step: another run key, the same stream
+    assert not np.array_equal(masks("none")[0], first[0])
+    layers.tokens = _one_run_tokens(4, (7, 0))
+    nnx.reseed(layers.tokens, dropout=8)  # another stream key, the same run key
     assert not np.array_equal(masks("none")[0], first[0])
 
 
@@ -271,7 +282,14 @@ def test_bf16_backward_keeps_no_float32_copy_of_a_hidden_wide_activation(family)
     ids, mask = jnp.ones((batch, seq), jnp.int32), jnp.ones((batch, seq), jnp.int32)
 
     def loss(lora):
-        hidden_states = nnx.merge(graphdef, lora, rest, copy=True).hidden_states(ids, mask)  # the final norm's output
+        model = nnx.merge(graphdef, lora, rest, copy=True)
+        adapter_tokens(model).set(  # one run's tokens, as the train step sets them: dropout on
+            runs=jnp.zeros((batch, seq), jnp.int32),
+            examples=jnp.broadcast_to(jnp.arange(batch)[:, None], (batch, seq)),
+            positions=jnp.broadcast_to(jnp.arange(seq), (batch, seq)),
+            run_keys=jnp.asarray([[1, 2]], jnp.uint32),
+        )
+        hidden_states = model.hidden_states(ids, mask)  # the final norm's output
         return hidden_states[:, -1].astype(jnp.float32).sum()
 
     residuals = jax.eval_shape(lambda lora: jax.tree.leaves(jax.vjp(loss, lora)[1]), lora)

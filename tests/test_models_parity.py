@@ -253,7 +253,7 @@ def test_head_kernel_is_the_final_projection(tmp_path):
 
 
 def test_engine_answer_logits_are_the_soft_capped_logits_of_the_full_model(tmp_path):
-    """The engine applies the head at the answer positions only: answer_loss over the whole vocabulary,
+    """The engine applies the head at the answer positions only: answer_losses over the whole vocabulary,
     eval_margins from the two answer columns. Gemma 2 caps every logit, and both must give what
     transformers' capped logits give there (the uncapped ones are checked to differ, so the cap bites)."""
     hf_model = tiny_hf_model(LAYOUTS["gemma2_softcap_sliding"]())
@@ -265,20 +265,19 @@ def test_engine_answer_logits_are_the_soft_capped_logits_of_the_full_model(tmp_p
     def engine(state, batch):
         model = nnx.merge(graphdef, state)
         uncapped = steps.answer_hidden(model, batch) @ model.head_kernel()
-        return steps.answer_loss(model, batch, yes, no), steps.eval_margins(model, batch, yes, no), uncapped
+        return steps.answer_losses(model, batch, yes, no), steps.eval_margins(model, batch, yes, no), uncapped
 
     for side, (ids, mask) in padded_batches(96).items():
         answer_pos = mask.sum(1) - 1 if side == "right" else np.full(len(ids), ids.shape[1] - 1)
         label = np.array([0, 1, 0])
         batch = dict(input_ids=ids, segment_ids=mask, answer_pos=answer_pos.astype(np.int32), label=label)
-        (loss, count), margins, uncapped = engine(state, batch)
+        losses, margins, uncapped = engine(state, batch)
         with torch.no_grad():
             logits = hf_model(torch.tensor(ids), attention_mask=torch.tensor(mask)).logits.numpy()
         at_answer = logits[np.arange(len(ids)), answer_pos]
         targets = np.where(label == 0, yes, no)
-        expected_loss = -scipy.special.log_softmax(at_answer, axis=-1)[np.arange(len(ids)), targets].sum()
-        assert count == len(ids)
-        np.testing.assert_allclose(loss, expected_loss, rtol=0, atol=1e-5)
+        expected_losses = -scipy.special.log_softmax(at_answer, axis=-1)[np.arange(len(ids)), targets]
+        np.testing.assert_allclose(losses, expected_losses, rtol=0, atol=1e-5)
         np.testing.assert_allclose(margins, at_answer[:, yes] - at_answer[:, no], rtol=0, atol=1e-5)
         assert np.abs(np.asarray(uncapped) - at_answer).max() > 0.1
 

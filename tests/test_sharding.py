@@ -12,7 +12,7 @@ import pytest
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from test_steps import LORA, NO, OPT, YES, geometry, make_batches, make_optimizer
+from test_steps import LORA, NO, OPT, YES, as_step, geometry, make_batches, make_optimizer
 
 from oodjax.data import TokenizedSet, eval_batches
 from oodjax.engine import sharding, steps
@@ -35,8 +35,9 @@ def train(batches, mesh=None):
     )
     losses = []
     for batch in batches:
+        batch = as_step(batch)
         if mesh is not None:
-            batch = sharding.shard_batch(batch, mesh, batch_axis=2)
+            batch = sharding.shard_batch(batch, mesh, batch_axis=1)
         runs, loss = train_step(base, runs, batch)
         losses.append(np.asarray(loss))
     assert train_step._cache_size() == 1  # outputs keep the input shardings: no recompilation
@@ -122,20 +123,17 @@ def test_one_process_holds_every_row_and_its_process_batch_is_the_batch():
     """In one process `process_batch_rows` is every row; the 2-process case runs in test_launch_multiprocess."""
     mesh = sharding.make_mesh(2, 2, 2)
     np.testing.assert_array_equal(sharding.process_batch_rows(mesh, 8), np.arange(8))
-    np.testing.assert_array_equal(sharding.process_step_rows(mesh, 16, 2), np.arange(16))
-    batch = {k: v[:, :, :4] for k, v in make_batches(1, 2, micro=4)[0].items()}  # [R, A, 4, ...]: 1 row per shard
-    placed = sharding.shard_process_batch(batch, mesh, batch_axis=2, num_rows=4)
-    expected = sharding.shard_batch(batch, mesh, batch_axis=2)
+    batch = as_step(make_batches(1, 2, micro=2)[0])  # [A, 2 runs x 2, ...]: 1 row per shard
+    placed = sharding.shard_process_batch(batch, mesh, batch_axis=1, num_rows=4)
+    expected = sharding.shard_batch(batch, mesh, batch_axis=1)
     for key, value in placed.items():
         assert value.sharding == expected[key].sharding
         np.testing.assert_array_equal(value, batch[key])
     with pytest.raises(ValueError, match="a batch of 6 rows cannot be split evenly over 4 devices"):
         sharding.process_batch_rows(mesh, 6)
-    with pytest.raises(ValueError, match="a batch of 6 rows cannot be split evenly over 4 devices"):
-        sharding.process_step_rows(mesh, 12, 2)  # micro-batches of 6
-    with pytest.raises(ValueError, match=r"local batch\['label'\] has shape \(2, 2, 4\): axis 2 must hold this "
+    with pytest.raises(ValueError, match=r"local batch\['label'\] has shape \(2, 4, 1\): axis 1 must hold this "
                                          r"process's 8 of 8 rows \(process 0 of 1\)"):
-        sharding.shard_process_batch({"label": batch["label"]}, mesh, batch_axis=2, num_rows=8)
+        sharding.shard_process_batch({"label": batch["label"]}, mesh, batch_axis=1, num_rows=8)
 
 
 def test_place_moves_values_keeps_placed_arrays_and_carries_typed_keys():

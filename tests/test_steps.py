@@ -18,10 +18,9 @@ import torch
 import transformers
 from flax import nnx
 
-from oodjax.data import TokenizedSet, balanced_batch, make_batch
+from oodjax.data import StepLayout, TokenizedSet, train_steps
 from oodjax.engine import steps
 from oodjax.engine.geometry import BatchGeometry, EvalGeometry, micro_batch_lengths
-from oodjax.engine.run_data import step_batch
 from oodjax.models import from_config
 from oodjax.models.lora import LoRAConfig
 
@@ -52,7 +51,8 @@ def make_optimizer():
 def make_batches(
     num_steps: int, runs: int, seed: int = 0, accum: int = ACCUM, micro: int = MICRO, seq: int = SEQ
 ) -> list[dict]:
-    """Right-padded prompts of random lengths, [runs, accum, micro, seq], a few rows invalid."""
+    """Right-padded prompts of random lengths, per run: [runs, accum, micro, seq], a few rows invalid
+    (``as_step`` lays them out as the train step takes them)."""
     rng = np.random.default_rng(seed)
     batches = []
     for _ in range(num_steps):
@@ -69,10 +69,25 @@ def make_batches(
 
 
 def geometry(runs: int, *, accum: int = ACCUM, micro: int = MICRO, seq: int = SEQ, **fields) -> BatchGeometry:
-    """The geometry of ``make_batches``' batches (evaluation rows alike); ``fields`` set the rest."""
+    """The geometry of ``make_batches``' batches, one prompt a row (``as_step``); ``fields`` set the rest."""
     return BatchGeometry(
         runs=runs, batch_size=accum * micro, grad_accum=accum, seq_len=seq, **fields
     )
+
+
+def as_step(batch: dict) -> dict:
+    """Per-run batches [R, accum, micro, ...] as one training step [accum, R * micro, ...], one prompt a row:
+    micro-batch i holds each run's micro-batch i, run after run; each prompt gets its run and its place in its
+    run's batch (i * micro + j), and a prompt-slot axis."""
+    runs, accum, micro = batch["answer_pos"].shape
+    step = {k: np.moveaxis(np.asarray(v), 0, 1).reshape(accum, runs * micro, *v.shape[3:]) for k, v in batch.items()}
+    for key in ("answer_pos", "label", "valid"):
+        step[key] = step[key][..., None]
+    step["run"] = np.broadcast_to(np.repeat(np.arange(runs), micro)[None, :, None], (accum, runs * micro, 1))
+    step["example"] = np.broadcast_to(
+        (np.arange(accum)[:, None] * micro + np.tile(np.arange(micro), runs)[None, :])[..., None], step["run"].shape
+    )
+    return {k: np.ascontiguousarray(v, dtype=np.bool_ if k == "valid" else np.int32) for k, v in step.items()}
 
 
 def run_slice(batch: dict, runs: slice) -> dict:
@@ -92,7 +107,7 @@ def train(seeds, batches, *, dtype="float32", remat="none", compute_dtype=None, 
     )
     losses = []
     for batch in batches:
-        runs, loss = train_step(base, runs, batch)
+        runs, loss = train_step(base, runs, as_step(batch))
         losses.append(np.asarray(loss))
     return np.stack(losses), graphdef, base, runs, train_step
 
@@ -155,9 +170,10 @@ def test_dropout_is_on_in_training_and_a_function_of_the_run_key(together, batch
     """Same state and key: the same loss; another key: other masks, so another loss (B != 0 by now)."""
     _, _, base, runs, train_step = together
     fresh = lambda r: jax.tree.map(jnp.array, r)  # noqa: E731  (copies: the step donates its input)
-    _, first = train_step(base, fresh(runs), batches[0])
-    _, again = train_step(base, fresh(runs), batches[0])
-    _, other = train_step(base, fresh(runs).replace(rng=runs.rng + 1), batches[0])
+    step = as_step(batches[0])
+    _, first = train_step(base, fresh(runs), step)
+    _, again = train_step(base, fresh(runs), step)
+    _, other = train_step(base, fresh(runs).replace(rng=runs.rng + 1), step)
     np.testing.assert_array_equal(first, again)
     assert np.all(np.asarray(first) != np.asarray(other))
 
@@ -171,8 +187,8 @@ def test_remat_trains_identically(alone, batches):
     single = [run_slice(b, slice(0, 1)) for b in batches]
     remat_losses, _, base, runs, remat_step = train([SEEDS[0]], single, remat="full")
     _, _, plain_base, plain_runs, plain_step = alone[0]
-    assert uses_remat(remat_step, base, runs, single[0])
-    assert not uses_remat(plain_step, plain_base, plain_runs, single[0])
+    assert uses_remat(remat_step, base, runs, as_step(single[0]))
+    assert not uses_remat(plain_step, plain_base, plain_runs, as_step(single[0]))
     np.testing.assert_allclose(remat_losses, alone[0][0], rtol=0, atol=1e-6)
 
 
@@ -194,7 +210,7 @@ def test_grads_only_for_adapters_in_float32_on_a_bf16_base(alone, batches):
     train_step = steps.make_train_step(graphdef, spy, YES, NO, geometry(1))
     losses = []
     for batch in single:
-        runs, loss = train_step(base, runs, batch)
+        runs, loss = train_step(base, runs, as_step(batch))
         losses.append(np.asarray(loss))
 
     grad_leaves = jax.tree.leaves(seen["grads"], is_leaf=lambda x: isinstance(x, nnx.Variable))
@@ -260,7 +276,7 @@ def test_buckets_run_each_micro_batch_at_its_own_length():
         train_step = steps.make_train_step(
             graphdef, optimizer, YES, NO, geometry(2, accum=2, micro=4, seq=16, buckets=buckets or ())
         )
-        runs, loss = train_step(base, runs, data)
+        runs, loss = train_step(base, runs, as_step(data))
         return np.asarray(loss), flat(runs.lora)
 
     loss, lora = step(batch, None)
@@ -273,43 +289,61 @@ def test_buckets_run_each_micro_batch_at_its_own_length():
     assert micro_batch_lengths(None, 24) == (24,)
 
 
-def test_packed_rows_train_like_one_prompt_per_row():
-    """A batch packed as train_batches packs it (one row per device per micro-batch; here 2 devices, so 4
-    micro-batches of 2 rows) gives the loss and update of the same prompts one per row. Balanced, the 39
-    tokens fill micro-batch 0's two rows (9 5 2 | 7 6 3) and spill 4 | 3 into micro-batch 1, which runs at 8
-    tokens: beyond them, and in the empty micro-batches 2 and 3, token ids outside the vocabulary (NaN
-    embeddings) must be cut off or skipped, or the loss would be NaN."""
-    lengths = [3, 5, 4, 2, 9, 6, 7, 3]
-    rng = np.random.default_rng(4)
-    tokenized = TokenizedSet(
+def toy_set(lengths: list[int], seed: int) -> TokenizedSet:
+    rng = np.random.default_rng(seed)
+    return TokenizedSet(
         token_ids=rng.integers(2, OPT["vocab_size"], sum(lengths)).astype(np.int32),
         starts=np.concatenate([[0], np.cumsum(lengths)]),
-        labels=np.array([0, 1, 1, 0, 1, 0, 0, 1], np.int32),
+        labels=rng.integers(0, 2, len(lengths)).astype(np.int32),
         truncated=np.zeros(len(lengths), bool),
         max_length=16,
     )
-    one_per_row = step_batch([make_batch(tokenized, np.arange(8), 16)], grad_accum=1)
-    balanced = balanced_batch(tokenized, np.arange(8), 8, 16, 8, micro_batches=4)
-    assert balanced["index"][:4, :3].tolist() == [[4, 1, 3], [6, 5, 0], [2, -1, -1], [7, -1, -1]]
-    assert balanced["valid"].sum() == 8 and not balanced["valid"][4:].any()
-    packed = step_batch([balanced], grad_accum=4)
-    packed["input_ids"][:, 1, :, 8:] = 10 * OPT["vocab_size"]
-    packed["input_ids"][:, 2:] = 10 * OPT["vocab_size"]
-    no_dropout = LoRAConfig(rank=4, alpha=8.0, dropout=0.0)
 
-    def step(data, grad_accum):
+
+def test_packed_rows_mixing_runs_train_like_one_prompt_per_row():
+    """Three runs' steps packed into rows that mix runs (2 devices' rows x 2 micro-batches), with dropout on,
+    give each run the losses and update of the same prompts one a row, each run's own micro-batches: every
+    token goes through its own run's adapters, each prompt's loss is weighted within its run, and dropout is
+    keyed by run, example and position, not by where a prompt sits. Padding beyond each micro-batch's bucket
+    holds token ids outside the vocabulary (NaN embeddings): it must be cut off, or the loss would be NaN."""
+    sets = [toy_set([3, 5, 4, 2, 9, 6, 7, 3], 4), toy_set([6, 2, 8, 5, 3, 4], 5), toy_set([7, 7, 2, 3, 5, 8, 4], 6)]
+    seeds, batch_size = [0, 42, 99], 4
+    one_per_row = StepLayout(micro_batches=2, rows=2, packed=False)
+    packed = StepLayout(micro_batches=2, rows=2, packed=True)
+    unpacked_steps = train_steps(sets, seeds, batch_size=batch_size, layout=one_per_row, seq_len=16, prefetch=0)
+    packed_steps = train_steps(
+        sets, seeds, batch_size=batch_size, layout=packed, seq_len=32, prompts_per_row=6, prefetch=0
+    )
+    keys = ("input_ids", "segment_ids", "answer_pos", "label", "valid", "run", "example")
+
+    def train(stream, shape):
         optimizer = make_optimizer()
-        graphdef, base, runs = steps.init_runs(from_config(OPT, seed=0), [0], no_dropout, optimizer)
-        shape = geometry(1, accum=grad_accum, micro=8 // grad_accum, seq=16, buckets=(8, 16))
+        graphdef, base, runs = steps.init_runs(from_config(OPT, seed=0), seeds, LORA, optimizer)
         train_step = steps.make_train_step(graphdef, optimizer, YES, NO, shape)
-        runs, loss = train_step(base, runs, data)
-        runs, second = train_step(base, runs, data)  # B is no longer zero: the adapters act on both layouts
-        return np.asarray([loss, second]), flat(runs.lora)
+        losses, mixed = [], False
+        for _ in range(3):  # B is no longer zero after the first: the adapters act on both layouts
+            batch = next(stream)
+            mixed |= any(len(set(row[valid].tolist())) > 1 for row, valid in zip(
+                batch["run"].reshape(-1, batch["run"].shape[-1]), batch["valid"].reshape(-1, batch["run"].shape[-1])))
+            longest = (batch["segment_ids"] != 0).sum(-1).max(-1)
+            for i, length in enumerate(longest):
+                batch["input_ids"][i, :, fitting(shape, length):] = 10 * OPT["vocab_size"]
+            runs, loss = train_step(base, runs, {key: batch[key] for key in keys})
+            losses.append(np.asarray(loss))
+        return np.stack(losses), flat(runs.lora), mixed
 
-    loss, lora = step(one_per_row, 1)
-    packed_loss, packed_lora = step(packed, 4)
+    def fitting(shape, length):
+        return next(b for b in shape.micro_batch_lengths if b >= length)
+
+    loss, lora, _ = train(unpacked_steps, BatchGeometry(runs=3, batch_size=4, grad_accum=2, seq_len=16))
+    packed_shape = BatchGeometry(
+        runs=3, batch_size=4, grad_accum=2, seq_len=32, buckets=(16, 24), packed=True, batch_shards=2,
+        prompts_per_row=6,
+    )  # fmt: skip
+    packed_loss, packed_lora, mixed = train(packed_steps, packed_shape)
+    assert mixed  # rows really hold prompts of several runs
     print("packed vs one per row: max |loss diff|", np.abs(packed_loss - loss).max())
-    assert np.isfinite(packed_loss).all()
+    assert np.isfinite(packed_loss).all() and len(set(np.round(loss[-1], 5))) == 3
     np.testing.assert_allclose(packed_loss, loss, rtol=0, atol=TOGETHER_LOSS_TOL)
     for path, value in lora.items():
         np.testing.assert_allclose(packed_lora[path], value, rtol=0, atol=TOGETHER_ADAPTER_TOL, err_msg=str(path))
@@ -317,10 +351,13 @@ def test_packed_rows_train_like_one_prompt_per_row():
 
 def test_malformed_batches_are_clear_errors(together, batches):
     _, graphdef, base, runs, train_step = together
-    with pytest.raises(ValueError, match=r"expected \[runs=3, grad_accum=2, micro_batch=4, seq=12\]"):
-        train_step(base, runs, run_slice(batches[0], slice(0, 2)))
+    with pytest.raises(ValueError, match=r"expected \[grad_accum=2, rows=12, seq=12\]"):
+        train_step(base, runs, as_step(run_slice(batches[0], slice(0, 2))))
+    step = as_step(batches[0])
     with pytest.raises(ValueError, match="batch is missing 'answer_pos'"):
-        train_step(base, runs, {k: v for k, v in batches[0].items() if k != "answer_pos"})
+        train_step(base, runs, {k: v for k, v in step.items() if k != "answer_pos"})
+    with pytest.raises(ValueError, match="a training batch needs 'run' per prompt slot"):
+        train_step(base, runs, {k: v for k, v in step.items() if k != "run"})
     eval_step = steps.make_eval_step(graphdef, YES, NO)
     with pytest.raises(ValueError, match=r"expected \[batch, seq\]"):
         eval_step(base, runs.lora, batches[0])
@@ -337,11 +374,11 @@ def test_geometry_errors_name_the_config_field():
         BatchGeometry(grad_accum=4, batch_shards=4, **fields)
     with pytest.raises(ValueError, match="eval.batch_size 6 must be a multiple of the 4 batch shards"):
         EvalGeometry(rows=6, seq_len=12, row_lengths=(12,), batch_shards=4)
-    with pytest.raises(ValueError, match=r"runs.chunk must be >= 0 \(0 = all runs at once\), got -1"):
-        BatchGeometry(grad_accum=1, run_chunk=-1, **fields)
     shape = BatchGeometry(grad_accum=2, batch_shards=2, buckets=(4, 8, 16), **fields)
-    assert (shape.micro_batch, shape.rows_per_device, shape.micro_batch_lengths) == (4, 2, (4, 8, 12))
-    assert shape.train_rows_shape == (3, 2, 4)
+    assert (shape.rows, shape.rows_per_device, shape.micro_batch_lengths) == (12, 6, (4, 8, 12))
+    assert shape.train_rows_shape == (2, 12)
+    packed = BatchGeometry(grad_accum=4, batch_shards=4, packed=True, **fields)  # any grad_accum when packed
+    assert (packed.rows, packed.rows_per_device, packed.train_rows_shape) == (4, 1, (4, 4))
     assert EvalGeometry(rows=8, seq_len=12, row_lengths=(12,), batch_shards=2).batch_tokens == 96
 
 

@@ -11,7 +11,7 @@ import numpy as np
 import optax
 import pytest
 from tensorboardX.proto import event_pb2
-from test_steps import LORA, NO, OPT, YES, geometry, make_batches
+from test_steps import LORA, NO, OPT, YES, as_step, geometry, make_batches
 from wandb.proto import wandb_internal_pb2
 
 from oodjax.engine import loop, steps
@@ -24,7 +24,7 @@ def test_step_metrics_are_the_loss_and_each_runs_gradient_norm_before_clipping()
     """With SGD at rate 1 the update is minus the gradient, so its norm is the gradient norm; clipping the
     update to 1e-4 must leave the reported norm as it was."""
     seeds = (0, 42)
-    batch = make_batches(1, len(seeds))[0]
+    batch = as_step(make_batches(1, len(seeds))[0])
     reported, update_norms = {}, {}
     for clip in (0.0, 1e-4):
         optimizer = optax.chain(optax.clip_by_global_norm(clip), optax.sgd(1.0)) if clip else optax.sgd(1.0)

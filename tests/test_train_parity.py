@@ -12,6 +12,7 @@ import peft
 import torch
 import transformers
 from test_models_parity import save, tiny_hf_model
+from test_steps import as_step
 
 from oodjax.engine import steps
 from oodjax.engine.geometry import BatchGeometry
@@ -87,7 +88,7 @@ def test_ten_adamw_steps_match_transformers_and_peft(tmp_path):
     train_step = steps.make_train_step(graphdef, optimizer, YES, NO, geometry)
     ours = []
     for batch in batches:
-        runs, loss = train_step(base, runs, batch)
+        runs, loss = train_step(base, runs, as_step(batch))
         ours.append(float(loss[0]))
     theirs, norms = torch_losses(peft_model, batches)
 

@@ -1,7 +1,6 @@
 """Batches: their layout, the lengths their rows come in, and evaluation's batches of packed rows.
 
-Every batch is a dict of numpy arrays. One prompt a row (``make_batch``,
-and training streams without `pack`):
+Every batch is a dict of numpy arrays. One prompt a row (``make_batch``):
 
     input_ids      [B, S] int32  prompt tokens, right-padded with `pad_id`
     segment_ids    [B, S] int32  1 on prompt tokens, 0 on padding (the model's 0/1 attention mask)
@@ -10,10 +9,11 @@ and training streams without `pack`):
     index          [B]    int32  row of the example in its TokenizedSet; -1 on padding rows
     valid          [B]    bool   False on padding rows, which must be masked out
 
-Evaluation batches, and training batches with `pack`, hold several prompts a
-row (``packed_rows_batch``): ``segment_ids`` number the prompts of a row
-1, 2, ... (as the model's ``attention_mask`` accepts them), and
-the per-prompt arrays gain a prompt-slot axis, [B, P].
+Evaluation batches hold one or two prompts a row (``packed_rows_batch``),
+and training steps many (``oodjax.data.train_steps``, which adds each
+prompt's run and its place in its run's batch): ``segment_ids`` number the
+prompts of a row 1, 2, ... (as the model's ``attention_mask`` accepts them),
+and the per-prompt arrays gain a prompt-slot axis, [B, P].
 
 Padding rows attend to their first position only (so no row is fully masked and
 attention cannot produce NaN) and carry label 0; only `valid` says to ignore them.
@@ -153,12 +153,6 @@ def prompt_lengths(batch: Batch) -> np.ndarray:
     if answer_pos.ndim == np.ndim(batch["input_ids"]):  # a prompt-slot axis: packed rows
         previous = np.concatenate([np.full((*answer_pos.shape[:-1], 1), -1), answer_pos[..., :-1]], axis=-1)
     return np.where(batch["valid"], answer_pos - previous, 0)
-
-
-def by_length(tokenized: TokenizedSet, rows: np.ndarray) -> np.ndarray:
-    """``rows`` ordered by prompt length, shortest first (ties keep their order)."""
-    rows = np.asarray(rows)
-    return rows[np.argsort(tokenized.lengths[rows], kind="stable")]
 
 
 def eval_batches(

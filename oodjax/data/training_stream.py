@@ -1,148 +1,192 @@
-"""Training streams: each run's endless, seeded, resumable stream of batches, built ahead in a thread.
+"""Training: every run's seeded, resumable stream of examples, laid out step by step in rows built ahead.
 
-The stream is the few-shot set's epochs one after another, each a numpy
-permutation drawn whole (``epoch_permutation``), so a batch costs a few
-slices; batches are laid out as ``oodjax.data.batches`` describes, one
-prompt a row by length or packed and balanced (``oodjax.data.packing``).
+Run r's stream is its few-shot set's epochs one after another, each a numpy
+permutation drawn whole (``epoch_permutation``), so drawing a batch costs a
+few slices. A step takes each run's next batch_size examples and lays all
+runs' prompts out together (``step_layout``): one prompt a row, each run's
+by length, or packed, each row holding prompts of any runs, balanced over
+the rows (``oodjax.data.packing.balance_rows``); the train step adapts each
+token with its own run's adapters. ``train_steps`` builds the steps ahead
+in a background thread; ``replay_rows`` works out from prompt lengths alone
+what a job's steps will hold, so the step's shapes are known before it
+compiles.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Sequence
 
 import grain
 import numpy as np
 
-from oodjax.data.batches import (
-    Batch,
-    bucket_lengths,
-    by_length,
-    fitting_bucket,
-    make_batch,
-    packed_rows_batch,
-    row_positions,
-)
+from oodjax.data.batches import Batch, row_positions
 from oodjax.data.packing import balance_rows
 from oodjax.data.prompts import TokenizedSet
 
-TRAIN_PREFETCH = 2  # training batches a stream builds ahead, in a background thread
-_ENDLESS = 2**62  # the length of an endless stream of batches (grain needs one)
+TRAIN_PREFETCH = 2  # training steps a stream builds ahead, in a background thread
+_ENDLESS = 2**62  # the length of an endless stream of steps (grain needs one)
+_UNBOUNDED = 2**62  # no limit on a row's tokens or prompts, for the replay
 
 
-def train_batches(
-    tokenized: TokenizedSet,
+@dataclasses.dataclass(frozen=True)
+class StepLayout:
+    """How a training step lays its runs' prompts out: ``micro_batches`` blocks of ``rows`` rows, one prompt a
+    row or packed (then ``rows`` is the devices the batch is split over: one row each per micro-batch)."""
+
+    micro_batches: int
+    rows: int
+    packed: bool
+
+
+def step_layout(
+    lengths: Sequence[np.ndarray], layout: StepLayout, *, row_length: int = _UNBOUNDED, prompts_per_row: int = _UNBOUNDED
+) -> list[list[tuple[int, int]]]:
+    """The step's rows, micro-batch after micro-batch: each a list of (run, example) pairs, ``example`` being
+    the prompt's place in its run's batch; ``lengths[r]`` are run r's batch's prompt lengths, in order.
+
+    One prompt a row: micro-batch i holds, run after run, slice i of each
+    run's prompts ordered by length (shortest first, ties in order), so a
+    micro-batch's rows are of similar length, as each run's would be alone.
+    Packed: all runs' prompts, longest first, each to the least-filled row
+    (``balance_rows``) of all micro-batches' rows, so every row, and so every
+    micro-batch's longest, is as short as the prompts allow; rows hold at
+    most ``row_length`` tokens and ``prompts_per_row`` prompts.
+    Deterministic, so every process lays a step out alike.
+    """
+    if not layout.packed:
+        per_micro = [len(run) // layout.micro_batches for run in lengths]
+        orders = [np.argsort(run, kind="stable") for run in lengths]
+        return [
+            [(r, int(e))]
+            for i in range(layout.micro_batches)
+            for r, order in enumerate(orders)
+            for e in order[i * per_micro[r] : (i + 1) * per_micro[r]]
+        ]
+    items = [(r, e) for r, run in enumerate(lengths) for e in range(len(run))]
+    members = balance_rows(
+        np.concatenate(lengths), num_rows=layout.micro_batches * layout.rows, micro_batches=1,
+        row_length=row_length, prompts_per_row=prompts_per_row,
+    )  # fmt: skip
+    return [[items[i] for i in row] for row in members]
+
+
+def train_steps(
+    sets: Sequence[TokenizedSet],
+    seeds: Sequence[int],
     *,
     batch_size: int,
-    seed: int,
-    seq_len: int | None = None,
-    pack: bool = False,
-    grad_accum: int = 1,
-    prompts_per_row: int | None = None,
+    layout: StepLayout,
+    seq_len: int,
+    prompts_per_row: int = 1,
     rows: Sequence[int] | None = None,
     pad_id: int = 0,
     prefetch: int = TRAIN_PREFETCH,
 ) -> grain.DatasetIterator:
-    """An endless, shuffled stream of training batches; this process's rows of each global batch.
+    """An endless stream of training steps: run r draws its batches from ``sets[r]`` seeded by ``seeds[r]``.
 
-    The global stream is the set's epochs one after another, each a seeded
-    numpy permutation of it (``epoch_permutation``); global batch t is
-    elements [t*B, (t+1)*B) of it, laid out in B rows of `seq_len` tokens,
-    so that the train step, which cuts each micro-batch to the bucket of its
-    longest row and skips empty ones, computes little padding. Either one
-    prompt a row, ordered by length (``by_length``), so consecutive
-    micro-batches hold prompts of similar length; or, with `pack`, packed
-    several to a row and balanced (``balanced_batch``): the B rows are
-    `grad_accum` micro-batches of B / grad_accum rows (one per device, as
-    ``BatchGeometry`` lays a packed batch out), and each prompt goes to the
-    least-filled row of the first micro-batch with room, so a micro-batch's
-    longest row, the length it runs at, is as short as the prompts allow and
-    later micro-batches stay empty; rows have `prompts_per_row` prompt slots
-    (default: ``train_prompts_per_row`` of this set; runs trained together
-    must share it). `rows` are the row positions of that batch this process
-    feeds to its devices (None: all B). Taking positions, not a stride of
-    the stream, keeps every example on the device and row where a
-    single-process run puts it, so per-row randomness such as dropout masks
-    is the same however many processes share the batch. `seq_len` defaults
-    to the smallest default bucket holding the longest example.
+    Step t holds each run's global batch t (``stream_examples``) laid out by
+    ``step_layout``, as the train step takes it: input_ids and segment_ids
+    [micro_batches, rows, seq_len] (segment ids number a row's prompts 1, 2,
+    ...; 0 on padding), and per prompt slot [micro_batches, rows,
+    prompts_per_row] answer_pos, label, valid, run (the prompt's run),
+    example (its place in its run's batch) and index (its row in its run's
+    set, -1 on an empty slot). Of the rows of each micro-batch, this process
+    keeps positions ``rows`` (None: all): taking positions, not a stride,
+    keeps every prompt on the device and row where a single process puts
+    it.
 
-    A background thread builds the next `prefetch` batches ahead (0: each
-    is built when asked for). The returned grain iterator's
-    get_state()/set_state() (``{"next_index": batches consumed}``, JSON-able)
-    count the batches handed out, not those built ahead, and resume the
-    stream exactly.
+    A background thread builds the next ``prefetch`` steps ahead (0: each is
+    built when asked for). The returned grain iterator's
+    get_state()/set_state() (``{"next_index": steps handed out}``,
+    JSON-able) count the steps handed out, not those built ahead, and resume
+    the stream exactly.
     """
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be positive, got {batch_size}")
-    if seed < 0:
-        raise ValueError(f"the training stream's seed must be >= 0, got {seed}")
+    if not sets or len(sets) != len(seeds):
+        raise ValueError(f"train_steps needs one set per seed, got {len(sets)} sets and {len(seeds)} seeds")
+    if batch_size < 1 or batch_size % layout.micro_batches:
+        raise ValueError(f"batch_size {batch_size} must be a positive multiple of {layout.micro_batches} micro-batches")
+    if min(seeds) < 0:
+        raise ValueError(f"training streams' seeds must be >= 0, got {list(seeds)}")
     if prefetch < 0:
-        raise ValueError(f"prefetch must be >= 0 batches, got {prefetch}")
-    if grad_accum < 1 or batch_size % grad_accum:
-        raise ValueError(f"grad_accum must be a positive divisor of batch_size {batch_size}, got {grad_accum}")
-    keep, outside = row_positions(range(batch_size) if rows is None else rows, batch_size)
+        raise ValueError(f"prefetch must be >= 0 steps, got {prefetch}")
+    if any(len(tokenized) == 0 for tokenized in sets):
+        raise ValueError("cannot train on an empty set")
+    num_rows = layout.rows if layout.packed else len(sets) * batch_size // layout.micro_batches
+    keep, outside = row_positions(range(num_rows) if rows is None else rows, num_rows)
     if outside.size or len(np.unique(keep)) != len(keep) or not len(keep):
         raise ValueError(
-            f"rows must be distinct positions in a batch of {batch_size}; got {keep[:8].tolist()}"
-            + (f" (outside [0, {batch_size}): {outside[:5].tolist()})" if outside.size else "")
+            f"rows must be distinct positions in a micro-batch of {num_rows} rows; got {keep[:8].tolist()}"
+            + (f" (outside [0, {num_rows}): {outside[:5].tolist()})" if outside.size else "")
         )
-    if len(tokenized) == 0:
-        raise ValueError("cannot train on an empty set")
-    longest = int(tokenized.lengths.max())
-    if seq_len is None:
-        seq_len = fitting_bucket(bucket_lengths(tokenized.max_length), longest)
+    longest = max(int(tokenized.lengths.max()) for tokenized in sets)
     if seq_len < longest:
         raise ValueError(f"seq_len {seq_len} is shorter than the longest training prompt ({longest} tokens)")
-    if pack and prompts_per_row is None:
-        prompts_per_row = train_prompts_per_row([tokenized], batch_size=batch_size, seq_len=seq_len)
 
-    def batch(index: int) -> Batch:
-        examples = stream_examples(seed, len(tokenized), batch_size, index)
-        if not pack:
-            return make_batch(tokenized, by_length(tokenized, examples)[keep], seq_len, pad_id=pad_id)
-        packed = balanced_batch(
-            tokenized, examples, batch_size, seq_len, prompts_per_row, micro_batches=grad_accum, pad_id=pad_id
-        )
-        return {key: value[keep] for key, value in packed.items()}
+    def step(index: int) -> Batch:
+        examples = [stream_examples(seed, len(t), batch_size, index) for t, seed in zip(sets, seeds, strict=True)]
+        lengths = [t.lengths[e] for t, e in zip(sets, examples, strict=True)]
+        members = step_layout(lengths, layout, row_length=seq_len, prompts_per_row=prompts_per_row)
+        batch = _rows_batch(sets, examples, members, prompts_per_row, seq_len, pad_id=pad_id)
+        return {key: value.reshape(layout.micro_batches, num_rows, *value.shape[1:])[:, keep] for key, value in batch.items()}
 
     options = grain.ReadOptions(num_threads=1 if prefetch else 0, prefetch_buffer_size=prefetch)
-    return iter(grain.MapDataset.range(_ENDLESS).map(batch).to_iter_dataset(options))
+    return iter(grain.MapDataset.range(_ENDLESS).map(step).to_iter_dataset(options))
 
 
-def micro_batch_longest_rows(
-    tokenized: TokenizedSet,
-    *,
-    batch_size: int,
-    seed: int,
+def _rows_batch(
+    sets: Sequence[TokenizedSet],
+    examples: Sequence[np.ndarray],
+    members: list[list[tuple[int, int]]],
+    prompts_per_row: int,
     seq_len: int,
-    steps: int,
-    pack: bool,
-    grad_accum: int,
-    prompts_per_row: int | None,
-) -> np.ndarray:
-    """[steps, grad_accum]: the tokens of the longest row of each micro-batch of the stream's first ``steps``
-    global batches (0 for a micro-batch without a prompt), worked out from the prompts' lengths alone.
+    *,
+    pad_id: int,
+) -> Batch:
+    """The arrays of rows of (run, example) prompts, each row's prompts one after another from its start."""
+    shape = (len(members), prompts_per_row)
+    input_ids = np.full((len(members), seq_len), pad_id, dtype=np.int32)
+    segment_ids = np.zeros(input_ids.shape, dtype=np.int32)
+    segment_ids[:, 0] = 1  # an empty row attends to its first position, so attention has no fully masked row
+    per_slot = {key: np.zeros(shape, dtype=np.int32) for key in ("answer_pos", "label", "run", "example")}
+    index = np.full(shape, -1, dtype=np.int32)
+    for r, row in enumerate(members):
+        start = 0
+        for slot, (run, example) in enumerate(row):
+            i = int(examples[run][example])
+            prompt = sets[run].prompt(i)
+            stop = start + len(prompt)
+            input_ids[r, start:stop] = prompt
+            segment_ids[r, start:stop] = slot + 1
+            per_slot["answer_pos"][r, slot] = stop - 1
+            per_slot["label"][r, slot] = sets[run].labels[i]
+            per_slot["run"][r, slot] = run
+            per_slot["example"][r, slot] = example
+            index[r, slot] = i
+            start = stop
+    return {"input_ids": input_ids, "segment_ids": segment_ids, **per_slot, "index": index, "valid": index >= 0}
 
-    The rows are those ``train_batches`` lays out with the same arguments
-    (all rows of each batch; with ``pack``, ``prompts_per_row`` slots a row):
-    one prompt a row, shortest first (``by_length``), or packed by
-    ``balance_rows``; micro-batch i is rows [i * B / grad_accum, (i + 1) * B
-    / grad_accum). A whole training's worth costs about a millisecond a step.
+
+def replay_rows(
+    sets: Sequence[TokenizedSet], seeds: Sequence[int], *, batch_size: int, layout: StepLayout, steps: int
+) -> tuple[np.ndarray, int]:
+    """What the first ``steps`` steps of ``train_steps`` hold, from the prompts' lengths alone: [steps,
+    micro_batches] tokens of each micro-batch's longest row, and the most prompts any row holds.
+
+    Rows are laid out as ``train_steps`` lays them out, unbounded (it lays
+    them out alike when its bounds are at least these figures: each prompt
+    goes where it would go here). About a millisecond a step for 9 runs.
     """
-    longest = np.zeros((steps, grad_accum), dtype=np.int64)
+    longest = np.zeros((steps, layout.micro_batches), dtype=np.int64)
+    most_prompts = 1
     for index in range(steps):
-        examples = stream_examples(seed, len(tokenized), batch_size, index)
-        if pack:
-            lengths = tokenized.lengths[examples]
-            members = balance_rows(
-                lengths, num_rows=batch_size, micro_batches=grad_accum, row_length=seq_len,
-                prompts_per_row=prompts_per_row,
-            )  # fmt: skip
-            rows = np.array([lengths[row].sum() for row in members], dtype=np.int64)
-        else:
-            rows = tokenized.lengths[by_length(tokenized, examples)]
-        longest[index] = rows.reshape(grad_accum, -1).max(axis=1)
-    return longest
+        lengths = [t.lengths[stream_examples(seed, len(t), batch_size, index)] for t, seed in zip(sets, seeds, strict=True)]
+        members = step_layout(lengths, layout)
+        tokens = np.array([sum(int(lengths[r][e]) for r, e in row) for row in members], dtype=np.int64)
+        longest[index] = tokens.reshape(layout.micro_batches, -1).max(axis=1)
+        most_prompts = max(most_prompts, max(len(row) for row in members))
+    return longest, most_prompts
 
 
 def stream_examples(seed: int, size: int, batch_size: int, index: int) -> np.ndarray:
@@ -166,28 +210,3 @@ def epoch_permutation(seed: int, size: int, epoch: int) -> np.ndarray:
     return order
 
 
-def train_prompts_per_row(sets: Sequence[TokenizedSet], *, batch_size: int, seq_len: int) -> int:
-    """Prompt slots a packed training row needs: as many of the shortest prompt as fit, at most a batch."""
-    shortest = min(int(t.lengths.min()) for t in sets)
-    return max(1, min(batch_size, seq_len // shortest))
-
-
-def balanced_batch(
-    tokenized: TokenizedSet,
-    examples: np.ndarray,
-    num_rows: int,
-    seq_len: int,
-    prompts_per_row: int,
-    *,
-    micro_batches: int,
-    pad_id: int = 0,
-) -> Batch:
-    """``examples`` packed into ``num_rows`` rows of ``seq_len`` tokens, ``micro_batches`` consecutive blocks of
-    rows, balanced by ``balance_rows``; in ``packed_rows_batch``' layout with ``prompts_per_row`` slots a row."""
-    examples = np.asarray(examples)
-    members = balance_rows(
-        tokenized.lengths[examples], num_rows=num_rows, micro_batches=micro_batches, row_length=seq_len,
-        prompts_per_row=prompts_per_row,
-    )  # fmt: skip
-    rows = [examples[row].tolist() for row in members]
-    return packed_rows_batch(tokenized, rows, prompts_per_row, seq_len, pad_id=pad_id)

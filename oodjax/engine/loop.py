@@ -63,7 +63,7 @@ from oodjax.engine.resumption import (
     set_aside_damaged,
     warn_of_shared_checkpoints,
 )
-from oodjax.engine.run_data import RunsData, few_shot_sets, load_runs_data, step_batch
+from oodjax.engine.run_data import TRAIN_KEYS, RunsData, few_shot_sets, load_runs_data
 from oodjax.models.lora import LoRAConfig, export_peft
 
 ADAPTER_DIR = "adapter"  # <run_dir>/adapter/: the run's adapters in PEFT format
@@ -154,8 +154,7 @@ def _train_group(
     graphdef, base_state, state = steps.init_runs(model, seeds, lora, optimizer(config), mesh=mesh)
     if group[0].checkpoint is not None:
         state = checkpoints.stack_runs([start.checkpoint.state for start in group], like=state)
-        for start, stream in zip(group, data.streams, strict=True):
-            stream.set_state(start.checkpoint.loop_state["data"])
+        data.steps.set_state(group[0].checkpoint.loop_state["data"])  # the group's runs stand at one step
     train_step, eval_step = make_steps(config, geometry, graphdef, base_state, state, yes_id, no_id, mesh)
     loop = _Loop(config, group, mesh, geometry, train_step, eval_step, base_state, state, data, stop)
     for start in group:  # the restored slices now live in the stacked state
@@ -413,11 +412,12 @@ class _Loop:
         return step % self.config.eval.every == 0 or step == self.total_steps
 
     def _next_batch(self) -> dict[str, jax.Array]:
-        """Each run's next batch, as [R, grad_accum, micro_batch, ...] arrays sharded over the micro-batch."""
-        per_run = [next(stream) for stream in self.data.streams]
-        stacked = step_batch(per_run, grad_accum=self.geometry.grad_accum)
-        # The streams yield this process's rows of the global micro-batches.
-        return sharding.shard_process_batch(stacked, self.mesh, batch_axis=2, num_rows=self.geometry.micro_batch)
+        """The runs' next step, as [grad_accum, rows, ...] arrays sharded over the rows."""
+        batch = next(self.data.steps)
+        # The stream yields this process's rows of the global micro-batches.
+        return sharding.shard_process_batch(
+            {key: batch[key] for key in TRAIN_KEYS}, self.mesh, batch_axis=1, num_rows=self.geometry.rows
+        )
 
     def _check_losses(self) -> None:
         """Fetches the pending step metrics; stops at the first non-finite loss, naming its step."""
@@ -516,7 +516,7 @@ class _Loop:
                 "config": comparable,
                 "loss_sum": float(self.loss_sum[r]),
                 "loss_steps": self.loss_steps,
-                "data": self.data.streams[r].get_state(),
+                "data": self.data.steps.get_state(),
                 "evaluation_pending": evaluation_pending,
             }
             checkpointer.save(step, run_state, loop_state)

@@ -30,7 +30,7 @@ from oodjax.engine.distributed import is_primary
 from oodjax.engine.results import Run
 
 # Config fields a resumed run may change: they do not affect its results. The runs section
-# (seeds, shots, chunk) may change too: it says which runs a job trains, not what one is.
+# (seeds, shots) may change too: it says which runs a job trains, not what one is.
 RESUMABLE_CHANGES = ("output_dir", "log_every", "wandb", "tensorboard", "export")
 JOB_SECTIONS = ("runs", schema.RUN_SECTION)
 

@@ -4,12 +4,12 @@ Testsets are loaded, capped and tokenised once (the data layer caches the
 tokenisation on disk) and shared by all runs. Each run draws its own few-shot
 set and data order from its seed. The testsets and the runs' few-shot sets
 are evaluated as one pool (``oodjax.engine.evaluation``), each run scoring
-the testsets and its own few-shot set only. Training batches have rows of
-one length for the whole job, one prompt a row sorted by length or, with
-train.pack, each device's share of the examples packed into one row,
-balanced over the devices (``oodjax.engine.geometry``); the train step runs
-each micro-batch at the smallest bucket that holds it and skips those that
-hold no prompt. Each stream builds its next batches in a background thread.
+the testsets and its own few-shot set only. Training steps hold all runs'
+prompts in rows of one length for the whole job, one prompt a row or, with
+train.pack, packed and balanced over the devices' rows, a row mixing runs
+(``oodjax.engine.geometry``); the train step runs each micro-batch at the
+smallest bucket that holds it and skips those that hold no prompt. One
+stream of steps builds the next ones in a background thread.
 
 ``training_figures`` replays a job's real streams to measure what the
 preflight reports: the share of the tokens a train step computes that are
@@ -36,7 +36,6 @@ from transformers import PreTrainedTokenizerBase
 from analysis import schema
 from oodjax.data import (
     TRAIN_PREFETCH,
-    Batch,
     InContextSet,
     TokenizedSet,
     few_shot,
@@ -46,21 +45,21 @@ from oodjax.data import (
     testset_table,
     tokenize_in_context,
     tokenize_testset,
-    train_batches,
+    train_steps,
     training_pool,
 )
 from oodjax.engine.evaluation import EvalPool, make_eval_pool
 from oodjax.engine.geometry import BatchGeometry
 from oodjax.engine.steps import micro_batch_branches
 
-# What the train step reads of a batch.
-TRAIN_KEYS = ("input_ids", "segment_ids", "answer_pos", "label", "valid")
+# What the train step reads of a step's batch.
+TRAIN_KEYS = ("input_ids", "segment_ids", "answer_pos", "label", "valid", "run", "example")
 
 
 @dataclasses.dataclass(frozen=True)
 class RunsData:
     eval_pool: EvalPool  # config.data.testsets in order, then run r's few-shot set as schema.TRAIN_TESTSET
-    streams: list[grain.DatasetIterator]  # run r's training batches, rows of geometry.seq_len tokens
+    steps: grain.DatasetIterator  # the runs' training steps (train_steps), this process's rows
 
 
 def few_shot_sets(
@@ -90,30 +89,20 @@ def load_runs_data(
     *,
     prefetch: int = TRAIN_PREFETCH,
 ) -> RunsData:
-    """The evaluation pool and run r's training stream, seeded by ``seeds[r]``, over ``train_sets[r]``.
+    """The evaluation pool and the runs' training steps, run r's drawn from ``train_sets[r]`` seeded by ``seeds[r]``.
 
-    Training batches have ``geometry``'s shape, of which this process feeds
-    its ``process_rows``; each stream builds ``prefetch`` batches ahead in a
+    Training steps have ``geometry``'s shape, of which this process feeds
+    its ``process_rows``; the stream builds ``prefetch`` steps ahead in a
     background thread (0: none). Evaluation batches hold about
     ``geometry.evaluation.batch_tokens`` tokens, in rows of its
     ``row_lengths`` packed with one or two prompts each.
     """
     testsets = load_testsets(config, tokenizer)
-    streams = [
-        train_batches(
-            tokenized,
-            batch_size=geometry.batch_size,
-            seed=seed,
-            seq_len=geometry.seq_len,
-            pack=geometry.prompts_per_row is not None,
-            grad_accum=geometry.grad_accum,
-            prompts_per_row=geometry.prompts_per_row,
-            rows=geometry.process_rows,
-            pad_id=pad_id(tokenizer),
-            prefetch=prefetch,
-        )
-        for seed, tokenized in zip(seeds, train_sets, strict=True)
-    ]
+    steps = train_steps(
+        train_sets, seeds, batch_size=geometry.batch_size, layout=geometry.layout, seq_len=geometry.seq_len,
+        prompts_per_row=geometry.prompts_per_row, rows=geometry.process_rows, pad_id=pad_id(tokenizer),
+        prefetch=prefetch,
+    )  # fmt: skip
     eval_pool = make_eval_pool(
         testsets,
         [{schema.TRAIN_TESTSET: tokenized} for tokenized in train_sets],
@@ -122,7 +111,7 @@ def load_runs_data(
         pad_id=pad_id(tokenizer),
         row_lengths=geometry.evaluation.row_lengths,
     )
-    return RunsData(eval_pool=eval_pool, streams=streams)
+    return RunsData(eval_pool=eval_pool, steps=steps)
 
 
 def load_testsets(config: config_dict.ConfigDict, tokenizer: PreTrainedTokenizerBase) -> dict[str, TokenizedSet]:
@@ -169,41 +158,25 @@ def in_context_sets(
     return per_run
 
 
-def step_batch(per_run: Sequence[Batch], *, grad_accum: int) -> Batch:
-    """The runs' batches of one step as the train step takes them: [R, grad_accum, micro_batch, S].
-
-    Every run's stream has rows of the same length S (``BatchGeometry.seq_len``),
-    and packed rows the same prompt slots, so the step compiles once; it cuts
-    each micro-batch to its own bucket.
-    """
-
-    def stacked(key: str) -> np.ndarray:
-        return np.stack([batch[key].reshape(grad_accum, -1, *batch[key].shape[1:]) for batch in per_run])
-
-    return {key: stacked(key) for key in TRAIN_KEYS}
-
-
-def training_figures(
-    streams: Sequence[grain.DatasetIterator], geometry: BatchGeometry, *, steps: int
-) -> dict[str, float]:
-    """Draws ``steps`` steps' batches from ``streams`` (every run's, with all rows of each batch: one process;
-    made with prefetch 0, so that the time is the host's building, not a queue's) and measures:
+def training_figures(stream: grain.DatasetIterator, geometry: BatchGeometry, *, steps: int) -> dict[str, float]:
+    """Draws ``steps`` steps from ``stream`` (``train_steps`` with all rows: one process; made with prefetch 0,
+    so that the time is the host's building, not a queue's) and measures:
 
     ``train_real_token_share``: prompt tokens over the tokens the train step
     computes, each micro-batch at the length the step picks for it
     (``steps.micro_batch_branches``, run here on the host), skipped ones at
-    none; ``host_batch_ms``: the mean host time to build one step's batches
-    of every run and stack them (``step_batch``).
+    none; ``host_batch_ms``: the mean host time to build one step of every
+    run.
     """
     real = computed = 0
     seconds = 0.0
     lengths = np.asarray((0, *geometry.micro_batch_lengths))  # per branch; branch 0 skips the micro-batch
     for _ in range(steps):
         start = time.perf_counter()
-        batch = step_batch([next(stream) for stream in streams], grad_accum=geometry.grad_accum)
+        batch = next(stream)
         seconds += time.perf_counter() - start
         branches = np.asarray(micro_batch_branches(batch, geometry))
-        rows = geometry.runs * batch["input_ids"].shape[2]
+        rows = batch["input_ids"].shape[1]
         computed += int(lengths[branches].sum()) * rows
         real += int(prompt_lengths(batch).sum())
     return {"train_real_token_share": real / computed, "host_batch_ms": 1e3 * seconds / steps}

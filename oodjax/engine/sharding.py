@@ -98,8 +98,8 @@ def shard_batch(batch: Mapping[str, Any], mesh: Mesh, *, batch_axis: int = 0) ->
     """Puts each array of ``batch``, held whole and identical by every process, on ``mesh``,
     split along ``batch_axis`` over the batch axes; each process transfers only its devices' rows.
 
-    ``batch_axis`` is 0 for eval batches [B, S] and 2 for train batches
-    [R, grad_accum, B, S]. The example count must divide evenly.
+    ``batch_axis`` is 0 for eval batches [B, S] and 1 for training steps
+    [grad_accum, rows, S]. The row count must divide evenly.
     """
     ways = batch_shards(mesh)
     out = {}
@@ -129,17 +129,6 @@ def process_batch_rows(mesh: Mesh, num_rows: int) -> np.ndarray:
         )
     indices = batch_sharding(mesh, 0).addressable_devices_indices_map((num_rows,)).values()
     return np.unique(np.concatenate([np.arange(num_rows)[index] for index in indices]))
-
-
-def process_step_rows(mesh: Mesh, batch_size: int, grad_accum: int) -> np.ndarray:
-    """The positions in a global training batch that this process holds, in its order.
-
-    The train step splits a batch of ``batch_size`` into ``grad_accum``
-    consecutive micro-batches, each sharded like any batch: this process
-    holds ``process_batch_rows`` of every micro-batch.
-    """
-    micro_batch = batch_size // grad_accum
-    return (np.arange(grad_accum)[:, None] * micro_batch + process_batch_rows(mesh, micro_batch)).ravel()
 
 
 def shard_process_batch(

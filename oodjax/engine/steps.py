@@ -2,13 +2,16 @@
 
 A "run" is one (seed, shots) fine-tuning job. All runs of a process share the
 base model's state; each has its own adapters, optimizer state and dropout
-key, stacked on a leading run axis (``TrainState``). Both steps map one run's
-computation over that axis (``vmap``; the train step may take the runs a
-chunk at a time to bound memory, ``map_runs``), so R runs share one copy of
-the base weights and give exactly what each run would give alone. The
-batch's shape comes from the job's ``BatchGeometry``; with a mesh, the
-steps are traced and called under it (``MeshStep``), so the models'
-activation sharding constraints apply.
+key, stacked on a leading run axis (``TrainState``). The train step runs one
+forward and backward pass over rows that may hold prompts of several runs,
+each token adapted by its own run's adapters and each prompt's loss weighted
+within its run (``micro_batch_loss``), so packing all runs' prompts together
+wastes little on padding while every run gets exactly the update it would
+get alone; the optimizer then updates each run (``vmap``). The eval step
+maps one run's forward pass over the run axis. R runs share one copy of the
+base weights. The batch's shape comes from the job's ``BatchGeometry``; with
+a mesh, the steps are traced and called under it (``MeshStep``), so the
+models' activation sharding constraints apply.
 
 Only the answer position matters: the loss and the margins come from the
 final hidden state at ``answer_pos`` (the last prompt token), so the output
@@ -32,7 +35,8 @@ from flax import nnx
 
 from oodjax.engine import sharding
 from oodjax.engine.geometry import BatchGeometry
-from oodjax.models.lora import LoRAConfig, apply_lora
+from oodjax.models.layers import STACKED, segment_positions
+from oodjax.models.lora import LoRAConfig, adapter_tokens, apply_lora
 from oodjax.models.partitioning import param_shardings
 
 Batch = Mapping[str, Any]
@@ -123,8 +127,9 @@ def init_runs(
 
     Run r's adapters and dropout key come from ``nnx.Rngs(seeds[r])`` alone, so
     they are identical to those of a single run with that seed. The base
-    state also holds the adapters' shared dropout stream, which the train step
-    reseeds per run, step and micro-batch. With ``mesh``, base and runs are
+    state also holds the adapters' shared ``AdapterTokens`` (its stream is the
+    same for every run; the train step keys each token's dropout by its
+    run's key). With ``mesh``, base and runs are
     placed on their shardings (in every process of a multi-process mesh:
     each builds the same values from the same seeds and places its blocks).
     """
@@ -195,17 +200,12 @@ def answer_hidden(model: nnx.Module, batch: Batch) -> jax.Array:
     return picked.reshape(*positions.shape, hidden.shape[-1])
 
 
-def answer_loss(model: nnx.Module, batch: Batch, yes_id: int, no_id: int) -> tuple[jax.Array, jax.Array]:
-    """(sum of the cross-entropies over the full vocabulary at the answer positions, count), valid prompts only.
-
-    Sums rather than a mean, so micro-batches accumulate exactly: the step
-    divides the summed gradients by the summed count once.
-    """
+def answer_losses(model: nnx.Module, batch: Batch, yes_id: int, no_id: int) -> jax.Array:
+    """Each prompt's cross-entropy over the full vocabulary at its answer position (answer_pos's shape), the
+    target " Yes" for label 0 and " No" otherwise; invalid prompts included (the caller masks them)."""
     logits = model.head_logits(answer_hidden(model, batch), model.head_kernel())
     targets = jnp.where(batch["label"] == 0, yes_id, no_id)
-    losses = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
-    valid = batch["valid"].astype(jnp.float32) if "valid" in batch else jnp.ones_like(losses)
-    return jnp.sum(losses * valid), jnp.sum(valid)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, targets)
 
 
 def eval_margins(model: nnx.Module, batch: Batch, yes_id: int, no_id: int) -> jax.Array:
@@ -216,106 +216,102 @@ def eval_margins(model: nnx.Module, batch: Batch, yes_id: int, no_id: int) -> ja
     return logits[..., 0] - logits[..., 1]
 
 
+def runs_inside_layers(lora: nnx.State) -> nnx.State:
+    """Run-stacked adapters [R, layers, ...] as one model takes them: [layers, R, ...], so that the scanned
+    layers each see their R adapters [R, ...] (``LoRA`` then adapts each token with its own run's)."""
+    return _move_run_axis(lora, 0, 1)
+
+
+def runs_outside_layers(lora: nnx.State) -> nnx.State:
+    """``runs_inside_layers``' inverse: [layers, R, ...] back to the run-stacked [R, layers, ...]."""
+    return _move_run_axis(lora, 1, 0)
+
+
+def _move_run_axis(lora: nnx.State, source: int, destination: int) -> nnx.State:
+    def move(path: tuple[Any, ...], x: jax.Array) -> jax.Array:
+        stacked = any(getattr(key, "key", None) == STACKED for key in path)
+        return jnp.moveaxis(x, source, destination) if stacked else x
+
+    return jax.tree_util.tree_map_with_path(move, lora)
+
+
 def micro_batch_loss(
     lora: nnx.State,
     base_state: nnx.State,
     micro: Batch,
-    key: jax.Array,
+    run_keys: jax.Array,
+    run_weights: jax.Array,
     *,
     graphdef: nnx.GraphDef,
     yes_id: int,
     no_id: int,
     compute_dtype: jnp.dtype | None,
 ) -> tuple[jax.Array, jax.Array]:
-    """One run's ``answer_loss`` on one micro-batch, dropout drawn from ``key``: the function differentiated."""
-    # copy: fresh Variables at this trace level, so reseeding may mutate them.
+    """The function differentiated: every run's answer losses on one micro-batch, each prompt weighted by its
+    run's ``run_weights`` (1 / the run's valid prompts in the step), summed; and each run's unweighted sum [R].
+
+    ``lora`` holds all runs' adapters ([layers, R, ...]); each token goes
+    through its own run's, and draws its dropout from its run's key in
+    ``run_keys`` [R, 2] at its example's place in the run's batch and its
+    position in the prompt (``AdapterTokens``), so a run's result does not
+    depend on where its prompts sit or what trains beside it.
+    """
+    # copy: fresh Variables at this trace level, so the adapters' tokens may be set on them.
     model = nnx.merge(graphdef, base_state, _cast_floats(lora, compute_dtype), copy=True)
-    nnx.reseed(model, dropout=key)
-    return answer_loss(model, micro, yes_id, no_id)
+    segments = micro["segment_ids"]
+    slot = jnp.maximum(segments - 1, 0)  # each token's prompt slot in its row (padding: slot 0's, unused)
+    adapter_tokens(model).set(
+        runs=jnp.take_along_axis(micro["run"], slot, axis=1),
+        examples=jnp.take_along_axis(micro["example"], slot, axis=1),
+        positions=segment_positions(segments),
+        run_keys=run_keys,
+    )
+    losses = answer_losses(model, micro, yes_id, no_id) * micro["valid"]
+    per_run = jnp.zeros(run_weights.shape, jnp.float32).at[micro["run"]].add(losses)
+    return jnp.sum(losses * run_weights[micro["run"]]), per_run
 
 
 def micro_batch_grads(
-    lora: nnx.State, base_state: nnx.State, micro: Batch, key: jax.Array, *, length: int, loss: Callable[..., Any]
+    lora: nnx.State, base_state: nnx.State, micro: Batch, *rest: jax.Array, length: int, loss: Callable[..., Any]
 ) -> tuple[tuple[jax.Array, jax.Array], nnx.State]:
-    """((loss sum, count), gradients w.r.t. ``lora``) of ``loss`` on ``micro`` cut to its first ``length`` tokens.
+    """((weighted loss, per-run loss sums), gradients w.r.t. ``lora``) of ``loss`` on ``micro`` cut to its first
+    ``length`` tokens.
 
     Rows are filled from the left, so the cut drops only padding when
     ``length`` holds the micro-batch's longest row.
     """
     cut = {k: v[..., :length] if k in _SEQUENCE_KEYS else v for k, v in micro.items()}
-    return jax.value_and_grad(loss, has_aux=True)(lora, base_state, cut, key)
+    return jax.value_and_grad(loss, has_aux=True)(lora, base_state, cut, *rest)
 
 
 def skip_micro_batch(
-    lora: nnx.State, base_state: nnx.State, micro: Batch, key: jax.Array
+    lora: nnx.State, base_state: nnx.State, micro: Batch, run_keys: jax.Array, run_weights: jax.Array
 ) -> tuple[tuple[jax.Array, jax.Array], nnx.State]:
     """``micro_batch_grads``'s result for a micro-batch without a prompt: zeros, at no cost."""
     zero = jnp.zeros((), jnp.float32)
-    return (zero, zero), jax.tree.map(jnp.zeros_like, lora)
+    return (zero, jnp.zeros(run_weights.shape, jnp.float32)), jax.tree.map(jnp.zeros_like, lora)
 
 
 def micro_batch_branches(batch: Batch, geometry: BatchGeometry) -> jax.Array:
-    """Per micro-batch, the ``lax.switch`` branch of the train step: 0 skips it (no valid prompt in any run),
-    b >= 1 runs it at ``geometry.micro_batch_lengths[b - 1]``, the smallest that holds its longest row.
+    """Per micro-batch, the ``lax.switch`` branch of the train step: 0 skips it (no valid prompt), b >= 1 runs
+    it at ``geometry.micro_batch_lengths[b - 1]``, the smallest that holds its longest row.
 
-    Taken over all runs (and devices), so every device of every process
-    takes the same branch; rows are filled from the left, so a row's used
-    length is its count of non-padding tokens.
+    Taken over all rows of the micro-batch, so every device of every
+    process takes the same branch; rows are filled from the left, so a
+    row's used length is its count of non-padding tokens.
     """
-    longest = jnp.max(jnp.sum(batch["segment_ids"] != 0, axis=-1), axis=(0, 2))
+    longest = jnp.max(jnp.sum(batch["segment_ids"] != 0, axis=-1), axis=-1)
     branch = 1 + jnp.searchsorted(jnp.asarray(geometry.micro_batch_lengths), longest)
-    if "valid" not in batch:
-        return branch
-    per_micro = jnp.moveaxis(batch["valid"], 1, 0).reshape(geometry.grad_accum, -1)
-    return jnp.where(jnp.any(per_micro, axis=1), branch, 0)
+    return jnp.where(jnp.any(batch["valid"], axis=(1, 2)), branch, 0)
 
 
 def run_update(
-    lora: nnx.State,
-    opt_state: optax.OptState,
-    rng: jax.Array,
-    batch: Batch,
-    *,
-    base_state: nnx.State,
-    step: jax.Array,
-    branch: jax.Array,
-    branches: Sequence[Callable[..., Any]],
-    optimizer: optax.GradientTransformation,
-) -> tuple[nnx.State, optax.OptState, jax.Array, jax.Array]:
-    """One run's optimizer step: gradients summed over its micro-batches [grad_accum, ...] (each through
-    its ``branch``), divided by the valid count, then the update. Returns (lora, opt_state, mean loss,
-    global norm of the gradients before clipping).
-
-    Micro-batch i's dropout key is fold_in(fold_in(run key, step), i): a
-    function of the run alone, whatever else trains beside it.
-    """
-    run_key = jax.random.fold_in(jax.random.wrap_key_data(rng), step)
-
-    def accumulate(carry, xs):
-        grads, loss_sum, count = carry
-        micro, index, micro_branch = xs
-        key = jax.random.fold_in(run_key, index)
-        (loss, n), g = jax.lax.switch(micro_branch, branches, lora, base_state, micro, key)
-        return (jax.tree.map(jnp.add, grads, g), loss_sum + loss, count + n), None
-
-    zero = jnp.zeros((), jnp.float32)
-    init = (jax.tree.map(jnp.zeros_like, lora), zero, zero)
-    micro_batches = len(branch)
-    (grads, loss_sum, count), _ = jax.lax.scan(accumulate, init, (batch, jnp.arange(micro_batches), branch))
-    count = jnp.maximum(count, 1.0)
-    grads = jax.tree.map(lambda g: g / count, grads)
+    lora: nnx.State, opt_state: optax.OptState, grads: nnx.State, *, optimizer: optax.GradientTransformation
+) -> tuple[nnx.State, optax.OptState, jax.Array]:
+    """One run's optimizer step from its (already averaged) gradients: (lora, opt_state, the gradients'
+    global norm before clipping)."""
     updates, opt_state = optimizer.update(grads, opt_state, lora)
-    return optax.apply_updates(lora, updates), opt_state, loss_sum / count, optax.global_norm(grads)
-
-
-def map_runs(fn: Callable[..., Any], per_run: tuple[Any, ...], chunk: int) -> Any:
-    """``fn`` over the leading run axis of every leaf of ``per_run``: all runs at once (``vmap``), or ``chunk``
-    at a time (``lax.map``: a loop whose body is a vmap over ``chunk`` runs), which bounds the activations
-    alive at once to those of ``chunk`` runs while every run reads the one frozen base. 0: all at once."""
-    runs = jax.tree.leaves(per_run)[0].shape[0]
-    if not 0 < chunk < runs:
-        return jax.vmap(fn)(*per_run)
-    return jax.lax.map(lambda xs: fn(*xs), per_run, batch_size=chunk)
+    return optax.apply_updates(lora, updates), opt_state, optax.global_norm(grads)
 
 
 def train_step(
@@ -332,28 +328,52 @@ def train_step(
     metrics: bool = False,
 ) -> tuple[TrainState, jax.Array | dict[str, jax.Array]]:
     """One optimizer step of every run (``make_train_step`` documents it; this is the function it jits)."""
-    num_runs, accum, micro = geometry.train_rows_shape
-    layout = f"[runs={num_runs}, grad_accum={accum}, micro_batch={micro}, seq={geometry.seq_len}]"
-    _check_batch(batch, layout, (num_runs, accum, micro, geometry.seq_len))
+    micro_batches, rows = geometry.train_rows_shape
+    _check_train_batch(batch, micro_batches, rows, geometry.seq_len)
+    valid = batch["valid"].astype(jnp.float32)
+    counts = jnp.zeros(runs.num_runs, jnp.float32).at[batch["run"]].add(valid)
+    run_weights = 1.0 / jnp.maximum(counts, 1.0)
+    # Each run's dropout key for this step: fold_in(run key, step), a function of the run alone.
+    run_keys = jax.vmap(lambda rng: jax.random.key_data(jax.random.fold_in(jax.random.wrap_key_data(rng), runs.step)))(
+        runs.rng
+    )
     loss = functools.partial(
         micro_batch_loss, graphdef=graphdef, yes_id=yes_id, no_id=no_id, compute_dtype=compute_dtype
     )
     branches = [skip_micro_batch] + [
         functools.partial(micro_batch_grads, length=length, loss=loss) for length in geometry.micro_batch_lengths
     ]
-    update = functools.partial(
-        run_update,
-        base_state=_cast_floats(base_state, compute_dtype),
-        step=runs.step,
-        branch=micro_batch_branches(batch, geometry),
-        branches=branches,
-        optimizer=optimizer,
-    )
-    lora, opt_state, losses, grad_norms = map_runs(
-        update, (runs.lora, runs.opt_state, runs.rng, dict(batch)), geometry.run_chunk
-    )
-    runs = runs.replace(lora=lora, opt_state=opt_state, step=runs.step + 1)
+    base_state = _cast_floats(base_state, compute_dtype)
+    lora = runs_inside_layers(runs.lora)
+
+    def accumulate(carry, xs):
+        grads, loss_sums = carry
+        micro, branch = xs
+        (_, per_run), g = jax.lax.switch(branch, branches, lora, base_state, micro, run_keys, run_weights)
+        return (jax.tree.map(jnp.add, grads, g), loss_sums + per_run), None
+
+    init = (jax.tree.map(jnp.zeros_like, lora), jnp.zeros(runs.num_runs, jnp.float32))
+    (grads, loss_sums), _ = jax.lax.scan(accumulate, init, (dict(batch), micro_batch_branches(batch, geometry)))
+    update = functools.partial(run_update, optimizer=optimizer)
+    new_lora, opt_state, grad_norms = jax.vmap(update)(runs.lora, runs.opt_state, runs_outside_layers(grads))
+    runs = runs.replace(lora=new_lora, opt_state=opt_state, step=runs.step + 1)
+    losses = loss_sums * run_weights
     return runs, ({"loss": losses, "grad_norm": grad_norms} if metrics else losses)
+
+
+def _check_train_batch(batch: Batch, micro_batches: int, rows: int, seq_len: int) -> None:
+    """Trace-time shape check of a training batch (``make_train_step``'s layout), so a malformed one fails once
+    and clearly."""
+    layout = f"[grad_accum={micro_batches}, rows={rows}, seq={seq_len}]"
+    _check_batch(batch, layout, (micro_batches, rows, seq_len))
+    for key in ("run", "example"):
+        if key not in batch:
+            raise ValueError(f"a training batch needs {key!r} per prompt slot; it has {sorted(batch)}")
+        if tuple(batch[key].shape) != tuple(batch["answer_pos"].shape) or batch["answer_pos"].ndim != 3:
+            raise ValueError(
+                f"batch[{key!r}] has shape {tuple(batch[key].shape)} and answer_pos {tuple(batch['answer_pos'].shape)}; "
+                f"both must be [grad_accum={micro_batches}, rows={rows}, prompt slots]"
+            )
 
 
 def eval_step(
@@ -368,9 +388,9 @@ def eval_step(
 ) -> jax.Array:
     """Every run's margins on ``batch`` (``make_eval_step`` documents it; this is the function it jits).
 
-    The runs stay vmapped, not chunked like training (``runs.chunk``): an
-    evaluation keeps no activations for a backward pass, and its memory is
-    set by its batch, eval.batch_size rows of data.max_length tokens per run.
+    The runs are vmapped, each scoring with its own adapters: an evaluation
+    keeps no activations for a backward pass, and its memory is set by its
+    batch, eval.batch_size rows of data.max_length tokens per run.
     """
     num_runs = jax.tree.leaves(lora)[0].shape[0]
     per_run = "input_ids" in batch and batch["input_ids"].ndim == 3
@@ -457,22 +477,22 @@ def make_train_step(
     or with ``metrics`` ``-> (runs, {"loss": [R], "grad_norm": [R]})``, grad_norm being each run's global
     gradient norm before clipping (what the run loop logs; the loss alone is what most callers need).
 
-    ``batch`` leaves are [R, grad_accum, micro_batch, seq_len] ([R, grad_accum,
-    micro_batch] for answer_pos, label, valid) as ``geometry`` gives them: each
-    run its own examples. The loss is the mean cross-entropy over the full
-    vocabulary at the answer position (target " Yes" for label 0, " No"
-    otherwise) over the valid examples of all micro-batches; gradients are
-    summed over micro-batches and divided by the valid count, so accumulation
-    is exact, not an average of averages. ``runs`` is donated.
+    ``batch`` leaves are [grad_accum, rows, seq_len] for input_ids and
+    segment_ids and [grad_accum, rows, prompt slots] for answer_pos, label,
+    valid, run (the run a prompt trains) and example (its place in its run's
+    batch, which keys its dropout), as ``geometry`` and
+    ``oodjax.data.train_steps`` lay them out: all runs' prompts of the step,
+    one a row or packed, a row mixing runs. A run's loss is the mean
+    cross-entropy over the full vocabulary at the answer position (target
+    " Yes" for label 0, " No" otherwise) over its valid prompts of all
+    micro-batches; each prompt is weighted by 1 / its run's count before the
+    gradients are summed over micro-batches, so accumulation is exact, not an
+    average of averages. ``runs`` is donated.
 
-    Rows may hold one prompt each (``make_batch``) or several (packed by
-    ``train_batches``; per-prompt leaves then have a prompt-slot axis). Each
-    micro-batch runs at the smallest of ``geometry.micro_batch_lengths`` that
-    holds its longest row over all runs (``micro_batch_branches``), and one
-    with no valid prompt in any run is skipped; the choice is made inside the
-    step (``lax.switch``), so the step compiles once. With
-    ``geometry.run_chunk`` the runs are computed that many at a time
-    (``map_runs``), bounding activation memory; the results are the same.
+    Each micro-batch runs at the smallest of ``geometry.micro_batch_lengths``
+    that holds its longest row (``micro_batch_branches``), and one with no
+    valid prompt is skipped; the choice is made inside the step
+    (``lax.switch``), so the step compiles once.
 
     ``compute_dtype`` (e.g. bfloat16) casts the base and the adapters for the
     forward/backward pass only; the adapters and optimizer state stay float32.
@@ -494,7 +514,7 @@ def make_train_step(
     runs_shardings = sharding.runs_shardings(runs, mesh)
     jitted = jax.jit(
         step,
-        in_shardings=(param_shardings(base_state, mesh), runs_shardings, sharding.batch_sharding(mesh, 2)),
+        in_shardings=(param_shardings(base_state, mesh), runs_shardings, sharding.batch_sharding(mesh, 1)),
         out_shardings=(runs_shardings, sharding.replicated(mesh)),
         donate_argnums=1,
     )

@@ -41,8 +41,18 @@ from oodjax.models.partitioning import QUERY_HEADS, TOKENS, logical_to_spec
 IMPLEMENTATIONS = ("auto", "xla", "pallas_gpu", "splash")
 KERNEL_OF_PLATFORM = {"gpu": "pallas_gpu", "tpu": "splash"}
 
-# Sequence lengths are padded to a multiple of this (both kernels tile the sequence in blocks).
-_BLOCK = 64
+# Each kernel tiles the sequence in blocks of one of these sizes, the largest that divides the sequence
+# padded to a multiple of the smallest (a bucket of 160 tokens runs in blocks of 64 on GPU, one of 640 in
+# blocks of 128 on TPU): a block must divide the sequence.
+_BLOCKS = {"pallas_gpu": (128, 64), "splash": (512, 256, 128)}
+
+
+def block_and_length(kernel: str, length: int) -> tuple[int, int]:
+    """(block, padded length) of ``kernel`` on a sequence of ``length``: the length padded to a multiple of the
+    kernel's smallest block, and the largest of its blocks dividing that."""
+    blocks = _BLOCKS[kernel]
+    padded = -(-length // blocks[-1]) * blocks[-1]
+    return next(block for block in blocks if padded % block == 0), padded
 
 
 def check_implementation(implementation: str) -> str:
@@ -72,19 +82,20 @@ def flash_attention(
     """Causal attention within segments, fused; query [B,T,N,D], key/value [B,T,K,D] (N % K == 0).
 
     ``kernel`` is ``pallas_gpu`` or ``splash`` (``resolve``'s answer).
-    Sequences are padded to a multiple of 64 with segment 0 (padding).
+    Sequences are padded to the kernel's block (``block_and_length``) with segment 0 (padding).
     """
     if kernel not in KERNEL_OF_PLATFORM.values():
         raise ValueError(f"no fused kernel {kernel!r}; one of {sorted(KERNEL_OF_PLATFORM.values())}")
     groups = query.shape[2] // key.shape[2]
     key, value = (jnp.repeat(x, groups, axis=2) if groups > 1 else x for x in (key, value))
     length = query.shape[1]
-    pad = -length % _BLOCK
+    block, padded = block_and_length(kernel, length)
+    pad = padded - length
     if pad:
         query, key, value = (jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))) for x in (query, key, value))
         segment_ids = jnp.pad(segment_ids, ((0, 0), (0, pad)))
     interpret = jax.default_backend() == "cpu"
-    run = functools.partial(_KERNELS[kernel], scale=scale, interpret=interpret)
+    run = functools.partial(_KERNELS[kernel], block=block, scale=scale, interpret=interpret)
     mesh = jax.sharding.get_abstract_mesh()
     if not mesh.empty and set(mesh.axis_names) >= {"data", "fsdp", "tensor"}:
         heads = logical_to_spec(QUERY_HEADS, query.shape, mesh)
@@ -93,8 +104,7 @@ def flash_attention(
     return run(query, key, value, segment_ids.astype(jnp.int32))[:, :length]
 
 
-def _pallas_gpu(query, key, value, segment_ids, *, scale: float, interpret: bool) -> jax.Array:
-    block = min(128, query.shape[1])
+def _pallas_gpu(query, key, value, segment_ids, *, block: int, scale: float, interpret: bool) -> jax.Array:
     sizes = gpu_attention.BlockSizes(
         block_q=block, block_k=block, block_q_dkv=32, block_kv_dkv=32, block_q_dq=32, block_kv_dq=32
     )
@@ -103,10 +113,9 @@ def _pallas_gpu(query, key, value, segment_ids, *, scale: float, interpret: bool
     )
 
 
-def _splash(query, key, value, segment_ids, *, scale: float, interpret: bool) -> jax.Array:
+def _splash(query, key, value, segment_ids, *, block: int, scale: float, interpret: bool) -> jax.Array:
     """Splash works on [heads, length, head_dim] per row: transposed in, mapped over rows, transposed out."""
     length, heads = query.shape[1], query.shape[2]
-    block = min(512, length)
     mask = splash_mask.MultiHeadMask([splash_mask.CausalMask((length, length)) for _ in range(heads)])
     sizes = splash.BlockSizes(
         block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block, block_kv_dkv=block,

@@ -10,19 +10,22 @@ The adapter parameters are ``nnx.LoRAParam`` (a subclass of ``nnx.Param``), so
 ``nnx.split(model, nnx.LoRAParam, ...)`` separates them from the frozen base;
 they are kept in float32 whatever the base's dtype, as peft does.
 
-Dropout keys come from ONE stream shared by every adapter of a model: each
-call draws the next key from it, so the adapters of q, k and v (which see the
-same input) get independent masks, and a training step only has to reseed
-that one stream (``nnx.reseed(model, dropout=key)``) to make dropout a pure
-function of (run, step, micro-batch). The masks themselves take a quarter of
-the threefry hashes ``jax.random.bernoulli`` would (``dropout_keep_mask``).
+Every adapter of a model shares ONE ``AdapterTokens`` module, which holds
+what adapters need to know about the tokens beyond their activations. In
+training, the train step sets it: which run each token trains (a packed row
+may hold prompts of several runs, each adapted by its own run's adapters:
+``LoRA`` takes adapters with a leading run axis) and each token's identity
+(its example's place in its run's batch, its position in the prompt). The
+dropout masks are a function of (run key, step, layer, adapter, example,
+position, feature) alone, so a run draws the same masks wherever its
+prompts are placed and whatever trains beside it. The masks take a quarter
+of the threefry hashes ``jax.random.bernoulli`` would (``dropout_keep_mask``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import pathlib
 from collections.abc import Sequence
 from typing import Any
@@ -113,52 +116,35 @@ def dropout_threshold(rate: float) -> int:
     return threshold
 
 
-def _threefry_words(key: jax.Array, shape: tuple[int, ...]) -> tuple[jax.Array, jax.Array]:
-    """Both 32-bit words threefry2x32 hashes each counter of ``shape`` to under ``key``.
-
-    Element (i..., j) hashes the counter (flat index of i..., j): a function
-    of the key and the element's index alone, elementwise, so the SPMD
-    partitioner splits the draw like any elementwise op and a mesh's layout
-    never changes the values (``jax.random``'s partitionable threefry does
-    the same, then XORs the two words into one).
-    """
-    data = jax.random.key_data(key)
-    if data.shape[-1:] != (2,):
-        raise ValueError(
-            f"LoRA dropout draws from threefry2x32 keys (jax_default_prng_impl's default); got a key of "
-            f"{jax.random.key_impl(key)}"
-        )
-    *lead, last = shape
-    if math.prod(lead) > 2**32 or last > 2**32:
-        raise ValueError(f"a dropout mask of shape {shape} has more rows or columns than 32-bit counters number")
-    leading = jnp.zeros(shape, jnp.uint32)
-    stride = 1
-    for axis in reversed(range(len(lead))):
-        leading = leading + jax.lax.broadcasted_iota(jnp.uint32, shape, axis) * np.uint32(stride)
-        stride *= lead[axis]
-    along = jax.lax.broadcasted_iota(jnp.uint32, shape, len(shape) - 1)
-    first, second = threefry2x32_p.bind(data[0], data[1], leading, along)
+def _threefry(key: jax.Array, counters: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+    """threefry2x32 of the two uint32 counter arrays under ``key`` [..., 2] (uint32 words, one key per element of
+    the broadcast shape): ``jax.extend.random.threefry2x32_p``, the primitive jax.random's threefry binds.
+    Elementwise, so the SPMD partitioner splits it like any elementwise op and a mesh's layout never changes
+    the values."""
+    shape = jnp.broadcast_shapes(key.shape[:-1], counters[0].shape, counters[1].shape)
+    words = [jnp.broadcast_to(x.astype(jnp.uint32), shape) for x in (key[..., 0], key[..., 1], *counters)]
+    first, second = threefry2x32_p.bind(*words)
     return first, second
 
 
-def dropout_keep_mask(key: jax.Array, shape: tuple[int, ...], rate: float) -> jax.Array:
-    """Which elements dropout keeps: a bool array of ``shape``, each True with probability ``1 - rate`` (as
-    ``dropout_threshold`` realises it), independently.
+def dropout_keep_mask(token_keys: jax.Array, counters: jax.Array, width: int, rate: float) -> jax.Array:
+    """Which elements dropout keeps: a bool array [..., width] (``counters``' shape, then ``width``), each
+    True with probability ``1 - rate`` (as ``dropout_threshold`` realises it), independently.
 
-    ``key`` is a key of the dropout stream (folded per run, step, micro-batch,
-    layer and adapter), so the mask is a pure function of those five indices
-    and of nothing else (not the mesh: ``_threefry_words``). Four consecutive
-    elements of the last axis share one hash, one 16-bit quarter each
-    (``DROPOUT_BITS``); ``tests/test_lora.py`` checks the rate and the
-    independence of masks and of neighbours statistically.
+    Element (..., j) hashes the counter (counters[...], j // 4) under the
+    key ``token_keys[...]`` ([..., 2] uint32 words): a function of the key,
+    the counter and j alone. Four consecutive elements of the last axis share
+    one hash, one 16-bit quarter each (``DROPOUT_BITS``);
+    ``tests/test_lora.py`` checks the rate and the independence of masks and
+    of neighbours statistically.
     """
     threshold = np.uint32(dropout_threshold(rate))
-    *lead, width = shape
     hashes = -(-width // _UNIFORMS_PER_HASH)
-    first, second = _threefry_words(key, (*lead, hashes))
+    along = jax.lax.broadcasted_iota(jnp.uint32, (*counters.shape, hashes), counters.ndim)
+    first, second = _threefry(token_keys[..., None, :], (counters[..., None], along))
     uniforms = (first & 0xFFFF, first >> 16, second & 0xFFFF, second >> 16)
     keep = jnp.stack([uniform >= threshold for uniform in uniforms], axis=-1)
-    return keep.reshape(*lead, _UNIFORMS_PER_HASH * hashes)[..., :width]
+    return keep.reshape(*counters.shape, _UNIFORMS_PER_HASH * hashes)[..., :width]
 
 
 def _dropped_out(x: jax.Array, keep: jax.Array | None, rate: float) -> jax.Array:
@@ -170,41 +156,119 @@ def _dropped_out(x: jax.Array, keep: jax.Array | None, rate: float) -> jax.Array
     return jnp.where(keep, x / realised_keep, 0)
 
 
+class TokenIdentity(nnx.Variable):
+    """Per-token facts the train step gives the adapters (``AdapterTokens.set``); not a parameter."""
+
+
+# A token's dropout counter is (its example's place in its run's batch) * 2**16 + (its position in the prompt).
+_POSITION_BITS = 16
+
+
+class AdapterTokens(nnx.Module):
+    """What the adapters of a model know about the tokens they adapt: one module, shared by every ``LoRA``.
+
+    It holds the dropout stream (one key; each adapter call draws the next,
+    and the scanned layers fold their index into it, so every adapter of
+    every layer draws its own), and, once the train step ``set``s them, each
+    token's run, its dropout counter, and each run's key for this step.
+    Unset (evaluation), the adapters are one run's and dropout needs none.
+    """
+
+    def __init__(self) -> None:
+        self.stream = nnx.Rngs(dropout=0)
+        self.runs: TokenIdentity | None = nnx.data(None)  # [...] int32: the run each token trains
+        self.counters: TokenIdentity | None = nnx.data(None)  # [...] uint32: example * 2**16 + position
+        self.run_keys: TokenIdentity | None = nnx.data(None)  # [R, 2] uint32: each run's dropout key this step
+
+    def set(self, *, runs: jax.Array, examples: jax.Array, positions: jax.Array, run_keys: jax.Array) -> None:
+        """Gives every token its run, and its identity for dropout: its example's place in its run's batch and
+        its position in its prompt (both below 2**16); ``run_keys`` [R, 2] are the runs' keys for this step."""
+        self.runs = TokenIdentity(runs.astype(jnp.int32))
+        counters = (examples.astype(jnp.uint32) << _POSITION_BITS) | positions.astype(jnp.uint32)
+        self.counters = TokenIdentity(counters)
+        self.run_keys = TokenIdentity(run_keys.astype(jnp.uint32))
+
+    def run_weights(self, shape: tuple[int, ...], num_runs: int) -> jax.Array:
+        """[*shape, num_runs] float32: 1 where a token (of ``shape``, the activations' leading axes) trains that
+        run, else 0; all ones for one run's adapters when no runs are set."""
+        if self.runs is None:
+            if num_runs != 1:
+                raise ValueError(
+                    f"adapters of {num_runs} runs need each token's run (AdapterTokens.set, as the train step does)"
+                )
+            return jnp.ones((*shape, 1), jnp.float32)
+        self._check(shape)
+        return jax.nn.one_hot(self.runs[...], num_runs, dtype=jnp.float32)
+
+    def keep_mask(self, shape: tuple[int, ...], rate: float) -> jax.Array:
+        """The next dropout mask for activations of ``shape`` [..., width]: each token's run key, hashed with the
+        stream's next draw, keys ``dropout_keep_mask`` at the token's counter."""
+        if self.runs is None:
+            raise ValueError(
+                "LoRA dropout needs each token's run and identity (AdapterTokens.set, as the train step does); "
+                "evaluation turns dropout off (nnx.view(model, deterministic=True))"
+            )
+        self._check(shape[:-1])
+        draw = jax.random.key_data(self.stream.dropout())
+        run_keys = jnp.stack(_threefry(self.run_keys[...], (draw[0], draw[1])), axis=-1)  # [R, 2]
+        return dropout_keep_mask(run_keys[self.runs[...]], self.counters[...], shape[-1], rate)
+
+    def _check(self, shape: tuple[int, ...]) -> None:
+        if tuple(self.runs[...].shape) != tuple(shape):
+            raise ValueError(f"adapter input of leading shape {tuple(shape)}; the tokens set are {tuple(self.runs[...].shape)}")
+
+
 class LoRADropout(nnx.Dropout):
     """``nnx.Dropout`` (so ``nnx.view(model, deterministic=True)`` turns it off) whose masks come from
-    ``dropout_keep_mask``; ``keep_mask`` draws one without applying it, for the adapter to apply."""
+    ``AdapterTokens.keep_mask``; ``keep_mask`` draws one without applying it, for the adapter to apply."""
 
-    def keep_mask(self, shape: tuple[int, ...], *, rngs: nnx.Rngs) -> jax.Array | None:
-        """The next mask of ``rngs``' dropout stream for an input of ``shape``; None when dropout is off."""
+    def keep_mask(self, shape: tuple[int, ...], *, tokens: AdapterTokens) -> jax.Array | None:
+        """The next mask of ``tokens``' stream for an input of ``shape``; None when dropout is off."""
         if self.rate == 0.0 or self.deterministic:
             return None
-        return dropout_keep_mask(rngs[self.rng_collection](), shape, self.rate)
+        return tokens.keep_mask(shape, self.rate)
 
-    def __call__(self, inputs: jax.Array, *, rngs: nnx.Rngs) -> jax.Array:  # type: ignore[override]
+    def __call__(self, inputs: jax.Array, *, tokens: AdapterTokens) -> jax.Array:  # type: ignore[override]
         """``inputs`` with the next mask applied (kept ones scaled as ``_dropped_out`` says), as they are when off."""
-        return _dropped_out(inputs, self.keep_mask(inputs.shape, rngs=rngs), self.rate)
+        return _dropped_out(inputs, self.keep_mask(inputs.shape, tokens=tokens), self.rate)
 
 
 def _adapter_delta(
-    x: jax.Array, keep: jax.Array | None, a: jax.Array, b: jax.Array, *, rate: float, scale: float
+    x: jax.Array,
+    keep: jax.Array | None,
+    run_weights: jax.Array,
+    a: jax.Array,
+    b: jax.Array,
+    *,
+    rate: float,
+    scale: float,
 ) -> jax.Array:
-    """``dropout(x) @ A @ B * scale`` in A's dtype, returned in x's.
+    """``dropout(x) @ A_r @ B_r * scale`` for each token's run r, in A's dtype, returned in x's.
 
-    Its backward pass keeps x, the mask and the factors, and recomputes the
-    dropped-out float32 input from them (``recomputed_in_backward``): left to
-    autodiff, each adapter would keep its own float32 copy of it, twice the
-    bytes of the bf16 x (which q, k and v share), plus a float32 zeros
-    array. The recomputation adds ``dropout(x) @ A``, a rank-wide matmul.
+    ``a`` [R, in, rank] and ``b`` [R, rank, out] are the runs' adapters:
+    every token goes through all R (an extra R x rank columns on the
+    projection, a few percent of it) and ``run_weights`` [..., R] keeps its
+    own run's. Its backward pass keeps x, the mask and the factors, and
+    recomputes the dropped-out float32 input from them
+    (``recomputed_in_backward``): left to autodiff, each adapter would keep
+    its own float32 copy of it, twice the bytes of the bf16 x (which q, k
+    and v share). The recomputation adds ``dropout(x) @ A``, a narrow matmul.
     """
 
-    def delta(x: jax.Array, keep: jax.Array | None, a: jax.Array, b: jax.Array) -> jax.Array:
-        return ((_dropped_out(x.astype(a.dtype), keep, rate) @ a) @ b * scale).astype(x.dtype)
+    def delta(x: jax.Array, keep: jax.Array | None, run_weights: jax.Array, a: jax.Array, b: jax.Array) -> jax.Array:
+        low_rank = jnp.einsum("...i,rik->...rk", _dropped_out(x.astype(a.dtype), keep, rate), a)
+        own = low_rank * run_weights[..., None].astype(a.dtype)
+        return (jnp.einsum("...rk,rko->...o", own, b) * scale).astype(x.dtype)
 
-    return recomputed_in_backward(delta)(x, keep, a, b)
+    return recomputed_in_backward(delta)(x, keep, run_weights, a, b)
 
 
 class LoRA(nnx.Module):
     """The low-rank update of one projection: ``dropout(x) @ A @ B * scale``.
+
+    Merged with one run's adapters ([in, rank] once the layers are scanned)
+    it is that run's; merged with several runs' ([R, in, rank]: the train
+    step's), each token takes its own run's (``AdapterTokens``).
 
     Computes in the adapter's dtype (float32) and returns the input's dtype, as
     peft does for a bf16 base. ``kernel_shape`` and ``kernel_axes`` are the
@@ -221,7 +285,7 @@ class LoRA(nnx.Module):
         rank: int,
         scale: float,
         dropout: float,
-        dropout_stream: nnx.Rngs,
+        tokens: AdapterTokens,
         kernel_axes: tuple | None,
         rngs: nnx.Rngs,
     ):
@@ -239,11 +303,20 @@ class LoRA(nnx.Module):
         )
         self.scale = scale
         self.dropout = LoRADropout(dropout)
-        self.dropout_stream = dropout_stream
+        self.tokens = tokens
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        keep = self.dropout.keep_mask(x.shape, rngs=self.dropout_stream)
-        return _adapter_delta(x, keep, self.lora_a[...], self.lora_b[...], rate=self.dropout.rate, scale=self.scale)
+        a, b = self.lora_a[...], self.lora_b[...]
+        if a.ndim == 2:  # one run's adapter
+            a, b = a[None], b[None]
+        keep = self.dropout.keep_mask(x.shape, tokens=self.tokens)
+        run_weights = self.tokens.run_weights(x.shape[:-1], a.shape[0])
+        return _adapter_delta(x, keep, run_weights, a, b, rate=self.dropout.rate, scale=self.scale)
+
+
+def adapter_tokens(model: nnx.Module) -> AdapterTokens | None:
+    """The ``AdapterTokens`` the adapters of ``model`` share; None without adapters."""
+    return next((module for _, module in nnx.iter_modules(model) if isinstance(module, AdapterTokens)), None)
 
 
 def find_targets(model: nnx.Module, targets: Sequence[str] | None) -> list[tuple[tuple, Linear]]:
@@ -280,11 +353,11 @@ def _kernel_axes(linear: Linear) -> tuple | None:
 def apply_lora(model: nnx.Module, cfg: LoRAConfig, *, rngs: nnx.Rngs) -> nnx.Module:
     """Attaches fresh adapters (replacing any) to the target layers, in place; returns the model.
 
-    A's are drawn from ``rngs.params()`` in module order and the dropout stream
-    is seeded from ``rngs.dropout()``, so the same seed gives the same adapters
-    whether a run is trained alone or with others.
+    A's are drawn from ``rngs.params()`` in module order, so the same seed
+    gives the same adapters whether a run is trained alone or with others;
+    all adapters share one ``AdapterTokens``.
     """
-    dropout_stream = nnx.Rngs(dropout=rngs.dropout())
+    tokens = AdapterTokens()
     for _, linear in find_targets(model, cfg.targets):
         linear.lora = nnx.data(
             LoRA(
@@ -292,7 +365,7 @@ def apply_lora(model: nnx.Module, cfg: LoRAConfig, *, rngs: nnx.Rngs) -> nnx.Mod
                 rank=cfg.rank,
                 scale=cfg.scale,
                 dropout=cfg.dropout,
-                dropout_stream=dropout_stream,
+                tokens=tokens,
                 kernel_axes=_kernel_axes(linear),
                 rngs=rngs,
             )
