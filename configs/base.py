@@ -149,9 +149,10 @@ def get_config() -> config_dict.ConfigDict:
     # spread over them, so more micro-batches hold fewer tokens at once: the
     # memory knob. The update is the same.
     config.train.grad_accum = 1
-    # Pack all runs' prompts of a step into one row per device per
-    # micro-batch, a row mixing runs (each token adapted by its own run's
-    # adapters), balanced over the rows, so little is padding. Off: one
+    # Pack all runs' prompts of a step into the fewest rows per device per
+    # micro-batch of at most data.max_length tokens, a row mixing runs (each
+    # token adapted by its own run's adapters), balanced over the rows, so
+    # little is padding and little attention crosses prompts. Off: one
     # prompt a row, each run's micro-batch a grad_accum-th of its batch.
     # Same examples per step and the same update either way, up to dropout
     # masks: they are keyed by each prompt's run, place in its run's batch

@@ -4,10 +4,10 @@ For each config: parameter count, training memory per device (frozen
 weights, adapters, gradients, optimizer state, saved activations, the
 backward pass's working set; `launch.costs` says how each is measured) for
 its mesh, train step layout (`oodjax.engine.geometry`: train.grad_accum
-micro-batches of all runs' prompts, packed one row per device with
-train.pack) and remat policy, FLOPs per train step and per full evaluation,
-and the accelerator-hours of all its runs on a stated device at a stated
-utilisation. With several configs a closing line sums
+micro-batches of all runs' prompts, packed with train.pack into the fewest
+rows per device of at most data.max_length tokens) and remat policy, FLOPs
+per train step and per full evaluation, and the accelerator-hours of all its
+runs on a stated device at a stated utilisation. With several configs a closing line sums
 the hours. --layers cuts the model to that depth and --platform cpu costs
 memory as XLA's CPU backend allocates it, so that the estimate can be set
 beside `python -m launch.preflight --layers N` on a machine without an
@@ -127,36 +127,35 @@ def count_eval_examples(
     return total
 
 
-def packed_prompts_per_row(config: config_dict.ConfigDict, batch_shards: int) -> int:
-    """Prompts a packed training row holds: a device's share of a micro-batch of all runs' prompts, rounded up
-    (balanced rows of equal prompts hold that or one fewer)."""
+def packed_rows(config: config_dict.ConfigDict, batch_shards: int, prompt_len: int) -> tuple[int, int]:
+    """(rows per device, prompts a row holds) of a packed micro-batch when every prompt has ``prompt_len`` tokens,
+    as ``oodjax.engine.geometry`` lays it out: a device's share of all runs' prompts, rounded up, balanced over
+    the fewest rows of at most data.max_length tokens."""
     runs = len(config.runs.seeds) * len(config.runs.shots)
-    return -(-runs * config.train.batch_size // (config.train.grad_accum * batch_shards))
+    prompts = -(-runs * config.train.batch_size // (config.train.grad_accum * batch_shards))
+    rows = -(-prompts // (config.data.max_length // prompt_len))
+    return rows, -(-prompts // rows)
 
 
 def train_row_length(config: config_dict.ConfigDict, batch_shards: int, prompt_len: int) -> int:
     """Tokens per training row when every prompt has ``prompt_len`` tokens, as ``oodjax.engine.geometry``
-    sizes rows: the bucket holding one prompt, or with train.pack a packed row's ``packed_prompts_per_row``
-    (its ladder going on past data.max_length)."""
+    sizes rows: the bucket holding one prompt, or with train.pack a packed row's prompts (``packed_rows``)."""
     max_length = config.data.max_length
     if not 0 < prompt_len <= max_length:
         raise ValueError(f"prompt length {prompt_len} must be in [1, data.max_length={max_length}]")
-    tokens, limit = prompt_len, max_length
-    if config.train.pack:
-        tokens = packed_prompts_per_row(config, batch_shards) * prompt_len
-        limit = max(max_length, 2 * tokens)
-    return fitting_bucket(bucket_lengths(limit, tuple(config.data.buckets) or None), tokens)
+    prompts = packed_rows(config, batch_shards, prompt_len)[1] if config.train.pack else 1
+    return fitting_bucket(bucket_lengths(max_length, tuple(config.data.buckets) or None), prompts * prompt_len)
 
 
-def train_geometry(config: config_dict.ConfigDict, batch_shards: int, seq_len: int) -> BatchGeometry:
-    """The train step's layout for ``config`` on ``batch_shards`` devices (data x fsdp), rows of ``seq_len``
-    tokens: the engine's ``BatchGeometry`` (its checks included), packed rows' prompt slots
-    ``packed_prompts_per_row``."""
+def train_geometry(config: config_dict.ConfigDict, batch_shards: int, prompt_len: int, seq_len: int) -> BatchGeometry:
+    """The train step's layout for ``config`` on ``batch_shards`` devices (data x fsdp), prompts of
+    ``prompt_len`` tokens in rows of ``seq_len``: the engine's ``BatchGeometry`` (its checks included), packed
+    rows as ``packed_rows`` counts them."""
+    rows, prompts = packed_rows(config, batch_shards, prompt_len) if config.train.pack else (1, 1)
     return BatchGeometry(
         runs=len(config.runs.seeds) * len(config.runs.shots), batch_size=config.train.batch_size,
         grad_accum=config.train.grad_accum, seq_len=seq_len, packed=config.train.pack,
-        prompts_per_row=packed_prompts_per_row(config, batch_shards) if config.train.pack else 1,
-        batch_shards=batch_shards,
+        packed_rows_per_device=rows, prompts_per_row=prompts, batch_shards=batch_shards,
     )  # fmt: skip
 
 
@@ -174,14 +173,17 @@ def estimate(
     utilisation: float,
     seq_len: int | None = None,
     prompt_len: int | None = None,
+    geometry: BatchGeometry | None = None,
     eval_examples: int | None = None,
     layers: int | None = None,
     platform: str | None = None,
 ) -> Estimate:
     """The costs of `config`'s job on `devices` devices of `device`'s kind. `seq_len` is the training rows'
     length (default `train_row_length` of `prompt_len`), `prompt_len` a prompt's (default data.max_length;
-    evaluation is costed one prompt a row). `layers` cuts the model to that depth and `platform` (default: the device's)
-    decides how memory is costed, so that the estimate can be compared with the preflight's compile on a CPU."""
+    evaluation is costed one prompt a row); `geometry`, the job's own train step layout (the preflight's,
+    replayed from its real data), replaces the one laid out from them. `layers` cuts the model to that depth
+    and `platform` (default: the device's) decides how memory is costed, so that the estimate can be compared
+    with the preflight's compile on a CPU."""
     arch = architecture_of(config, layers)
     dims = costs.dimensions(arch)
     parameters = costs.parameter_count(arch)
@@ -190,7 +192,8 @@ def estimate(
     mesh = resolve_mesh(config.mesh, devices)
     shards = mesh["data"] * mesh["fsdp"]
     prompt_len = prompt_len or config.data.max_length
-    geometry = train_geometry(config, shards, seq_len or train_row_length(config, shards, prompt_len))
+    if geometry is None:
+        geometry = train_geometry(config, shards, prompt_len, seq_len or train_row_length(config, shards, prompt_len))
     memory = costs.train_memory_per_device(
         arch, LoRAConfig.from_config(config.lora), dtype=config.model.dtype,
         compute_dtype=config.model.compute_dtype or None, remat=config.model.remat, mesh=mesh, runs=runs,
@@ -227,7 +230,8 @@ def describe(result: Estimate, config: config_dict.ConfigDict, device: Device, u
     upcast = f", float32 copies of the layers (CPU) {m.upcast_weights / GB:.2f}" if m.upcast_weights else ""
     g = result.geometry
     rows = (
-        f"one packed row per device ({g.seq_len} tokens, {g.prompts_per_row} prompt slots)" if g.packed
+        f"{g.rows_per_device} packed row{'s' if g.rows_per_device > 1 else ''} per device ({g.seq_len} tokens, "
+        f"{g.prompts_per_row} prompt slot{'s' if g.prompts_per_row > 1 else ''})" if g.packed
         else f"{g.rows_per_device} rows per device, one prompt a row ({g.seq_len} tokens)"
     )  # fmt: skip
     return "\n".join([

@@ -125,7 +125,7 @@ def preflight(
     device = estimator.DEVICES[ESTIMATE_DEVICE]
     estimate = estimator.estimate(
         config_path, config, devices=devices, device=device, utilisation=ESTIMATE_UTILISATION,
-        seq_len=geometry.seq_len, eval_examples=0, layers=layers, platform=available[0].platform,
+        geometry=geometry, eval_examples=0, layers=layers, platform=available[0].platform,
     )  # fmt: skip
     eval_rows, eval_row_length = longest_rows["input_ids"].shape[1:]
     return {

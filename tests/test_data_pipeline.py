@@ -26,6 +26,7 @@ from oodjax.data import (
     load_testset,
     pair_rows,
     prompt_lengths,
+    packed_layout,
     replay_rows,
     step_layout,
     stratified_subset,
@@ -370,20 +371,16 @@ def test_step_layout_by_hand():
         step_layout(lengths, StepLayout(2, 2, True), row_length=9, prompts_per_row=1)
 
 
-def test_balance_rows_spreads_prompts_over_the_first_micro_batch():
-    # 2 micro-batches of 3 rows of at most 40 tokens and 2 prompts. Longest first, each to the least-filled
-    # row of the first micro-batch with room: 30 | 25 | 20, then 12 -> row 2 (32), 10 -> row 1 (35),
-    # 9 -> row 0 (39); 8 fits no row of the first (full of prompts), so the second micro-batch takes it.
+def test_balance_rows_puts_each_prompt_in_the_least_filled_row_with_room():
+    # 3 rows of at most 40 tokens and 3 prompts. Longest first, each to the least-filled row with room:
+    # 30 | 25 | 20, then 12 -> row 2 (32), 10 -> row 1 (35), 9 -> row 0 (39), 8 -> row 2 (40).
     lengths = np.array([9, 30, 12, 25, 8, 20, 10])
-    rows = balance_rows(lengths, num_rows=6, micro_batches=2, row_length=40, prompts_per_row=2)
-    assert rows == [[1, 0], [3, 6], [5, 2], [4], [], []]
-    # With more slots, 8 joins the least-filled row of the first micro-batch, row 2 (32 + 8 = 40).
-    assert balance_rows(lengths, num_rows=6, micro_batches=2, row_length=40, prompts_per_row=3)[2] == [5, 2, 4]
-    with pytest.raises(ValueError, match=r"7 prompts of 114 tokens \(longest 30\) do not fit 2 rows of 40 tokens "
-                                         r"and 2 prompt slots; at prompt 5 \(20 tokens\)"):
-        balance_rows(lengths, num_rows=2, micro_batches=1, row_length=40, prompts_per_row=2)
-    with pytest.raises(ValueError, match="6 rows cannot be split into 4 micro-batches of equal size"):
-        balance_rows(lengths, num_rows=6, micro_batches=4, row_length=40, prompts_per_row=2)
+    assert balance_rows(lengths, num_rows=3, row_length=40, prompts_per_row=3) == [[1, 0], [3, 6], [5, 2, 4]]
+    with pytest.raises(ValueError, match=r"7 prompts of 114 tokens \(longest 30\) do not fit 3 rows of 40 tokens "
+                                         r"and 2 prompt slots; at prompt 4 \(8 tokens\)"):
+        balance_rows(lengths, num_rows=3, row_length=40, prompts_per_row=2)  # every row full of prompts
+    with pytest.raises(ValueError, match=r"do not fit 2 rows of 40 tokens and 3 prompt slots; at prompt 5 \(20"):
+        balance_rows(lengths, num_rows=2, row_length=40, prompts_per_row=3)  # 30 | 25, then 20 fits neither
 
 
 @pytest.mark.parametrize(
@@ -465,6 +462,32 @@ def test_replay_rows_agrees_with_the_steps(layout, batch_size):
         assert most_prompts > 1
     else:
         assert most_prompts == 1
+
+
+@pytest.mark.parametrize("micro_batches, shards, row_length", [(1, 1, 80), (2, 2, 80), (1, 2, 70), (2, 1, 128)])
+def test_packed_layout_takes_the_fewest_rows_per_device_that_keep_rows_within_the_length(
+    micro_batches, shards, row_length
+):
+    """Every row of every step within row_length (the steps themselves, laid out with the replay's figures as
+    bounds), rows a multiple of the devices, and one row fewer per device would overflow some step's row."""
+    sets, batch_size, steps = toy_runs(), 8, 9
+    layout, longest, most_prompts = packed_layout(
+        sets, SEEDS, batch_size=batch_size, micro_batches=micro_batches, shards=shards, row_length=row_length,
+        steps=steps,
+    )  # fmt: skip
+    assert layout.packed and layout.micro_batches == micro_batches and layout.rows % shards == 0
+    replayed, replayed_most = replay_rows(sets, SEEDS, batch_size=batch_size, layout=layout, steps=steps)
+    np.testing.assert_array_equal(longest, replayed)
+    assert most_prompts == replayed_most
+    assert 0 < longest.max() <= row_length
+    stream = train_steps(sets, SEEDS, batch_size=batch_size, layout=layout, seq_len=row_length,
+                         prompts_per_row=most_prompts)
+    assert max(int(row_tokens(next(stream)).max()) for _ in range(steps)) == longest.max()
+    if layout.rows > shards:
+        fewer = dataclasses.replace(layout, rows=layout.rows - shards)
+        assert replay_rows(sets, SEEDS, batch_size=batch_size, layout=fewer, steps=steps)[0].max() > row_length
+    with pytest.raises(ValueError, match="a training prompt of 70 tokens outgrows rows of 60"):
+        packed_layout(sets, SEEDS, batch_size=batch_size, micro_batches=1, shards=1, row_length=60, steps=steps)
 
 
 @pytest.mark.parametrize(

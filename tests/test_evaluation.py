@@ -242,6 +242,9 @@ def test_a_job_compiles_the_micro_batch_lengths_its_streams_take_and_no_other(
         train_sets, seeds, batch_size=geometry.batch_size, layout=geometry.layout, steps=config.train.steps
     )
     assert most_prompts == geometry.prompts_per_row and (most_prompts > 1) == pack
+    assert geometry.seq_len <= config.data.max_length
+    if pack:  # a device's 6 prompts of 100-150 tokens a micro-batch: at least 3 rows of at most data.max_length
+        assert geometry.rows_per_device >= 3
     taken = set()
     for step in range(config.train.steps):
         batch = next(stream)

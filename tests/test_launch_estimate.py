@@ -220,47 +220,48 @@ def test_tied_heads_transposed_embedding_is_kept_only_when_gathered_from_fsdp_sh
 @pytest.mark.parametrize(
     "pack, grad_accum, buckets, prompt_len, expected",
     [
-        # demo: 2 runs x batch 8 on 8 devices, data.max_length 128; the default ladder is 64, 80, 96, 112,
-        # 128, 160, 192, 224, 256, ... (four per doubling), going on past max_length for packed rows.
-        (True, 1, (), 100, (2, 224)),  # 2 prompts a row: 200 tokens
-        (True, 1, (), 128, (2, 256)),
-        (True, 2, (), 100, (1, 112)),  # 1 prompt a row
-        (False, 1, (), 100, (1, 112)),  # one prompt a row: the bucket holding it
-        (False, 1, (), 60, (1, 64)),
-        # Listed buckets end the ladder at twice the longest row (oodjax.engine.geometry's limit).
-        (True, 1, (64, 128), 100, (2, 400)),
-        (False, 1, (64, 128), 100, (1, 128)),
+        # demo: 2 runs x batch 8 on 8 devices, data.max_length 128: 2 prompts a device a micro-batch (1 with
+        # grad_accum 2), in the fewest rows of at most 128 tokens; the default ladder is 64, 80, 96, 112, 128.
+        (True, 1, (), 100, (2, 1, 112)),  # one 100-token prompt a row: two rows
+        (True, 1, (), 60, (1, 2, 128)),  # both in one row of 120 tokens
+        (True, 1, (), 40, (1, 2, 80)),
+        (True, 2, (), 100, (1, 1, 112)),
+        (True, 1, (64, 128), 30, (1, 2, 64)),
+        (False, 1, (), 100, (1, 1, 112)),  # one prompt a row: the bucket holding it
+        (False, 1, (), 60, (1, 1, 64)),
+        (False, 1, (64, 128), 100, (1, 1, 128)),
     ],
 )
 def test_train_row_length(pack, grad_accum, buckets, prompt_len, expected):
     config = load_config("configs/demo.py")
     config.train.pack, config.train.grad_accum, config.data.buckets = pack, grad_accum, buckets
-    slots = estimate.packed_prompts_per_row(config, 8) if pack else 1
-    assert (slots, estimate.train_row_length(config, 8, prompt_len)) == expected
+    rows, prompts = estimate.packed_rows(config, 8, prompt_len) if pack else (1, 1)
+    assert (rows, prompts, estimate.train_row_length(config, 8, prompt_len)) == expected
     with pytest.raises(ValueError, match="prompt length 129 must be in"):
         estimate.train_row_length(config, 8, 129)
 
 
 def test_estimate_within_a_quarter_of_the_compiled_train_step():
-    """OLMo-2 7B cut to 2 layers, its 9 runs' prompts packed in 768-token rows (MNLI's, of about 80 tokens a
+    """OLMo-2 7B cut to 2 layers, its 9 runs' prompts packed in 384-token rows (MNLI's, of about 80 tokens a
     prompt): the estimate for XLA's CPU backend against the memory the compiler allocates for the engine's own
     train step on the 8 host devices (what the preflight reports; built here from the config alone, as the
     preflight needs the checkpoint's tokenizer)."""
     config = load_config("configs/olmo7_mnli.py")
-    seq_len, layers = 768, 2
+    seq_len, layers = 384, 2
     mesh = sharding.make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
     architecture = estimate.architecture_of(config, layers)
     graphdef, base, runs = steps.abstract_init_runs(
         lambda: models.abstract_model(architecture, dtype=config.model.dtype, remat=config.model.remat),
         [run.seed for run in results.plan_runs(config)], LoRAConfig.from_config(config.lora), loop.optimizer(config),
     )
-    # What batch_geometry makes of it: 2 micro-batches of one row per device, 9 x 16 / (2 x 8) = 9 prompts a
-    # row on average, 10 slots for the fullest.
+    # What batch_geometry makes of it: 2 micro-batches of 9 x 16 / (2 x 8) = 9 prompts a device, in two rows of
+    # at most data.max_length (512) each, 5 slots for the fuller.
     geometry = BatchGeometry(
         runs=runs.num_runs, batch_size=config.train.batch_size, grad_accum=config.train.grad_accum,
-        seq_len=seq_len, packed=True, prompts_per_row=10, batch_shards=sharding.batch_shards(mesh),
+        seq_len=seq_len, packed=True, packed_rows_per_device=2, prompts_per_row=5,
+        batch_shards=sharding.batch_shards(mesh),
     )
-    assert (config.train.pack, geometry.rows_per_device) == (True, 1)
+    assert (config.train.pack, config.data.max_length) == (True, 512)
     train_step = steps.make_train_step(graphdef, loop.optimizer(config), 1, 2, geometry, mesh=mesh, base_state=base,
                                        runs=runs)
     memory = train_step.lower(base, runs, preflight.train_batch(geometry, mesh)).compile().memory_analysis()
@@ -268,14 +269,17 @@ def test_estimate_within_a_quarter_of_the_compiled_train_step():
                 - memory.alias_size_in_bytes)
     estimated = estimate.estimate(
         "olmo7", config, devices=8, device=estimate.DEVICES["h100"], utilisation=0.4, seq_len=seq_len,
-        eval_examples=0, layers=layers, platform="cpu",
-    ).memory.total
+        prompt_len=80, eval_examples=0, layers=layers, platform="cpu",
+    )
+    assert (estimated.geometry.rows, estimated.geometry.prompts_per_row) == (geometry.rows, geometry.prompts_per_row)
+    estimated = estimated.memory.total
     assert 0.75 < estimated / compiled < 1.25, (estimated, compiled)
 
 
-def test_a_packed_step_is_one_row_per_device_of_all_runs_prompts():
-    """As oodjax.engine.geometry lays a step out: with train.pack each of train.grad_accum micro-batches is one
-    row per device holding a share of all runs' prompts; without it, one prompt a row."""
+def test_a_packed_step_holds_all_runs_prompts_in_the_fewest_rows_per_device():
+    """As oodjax.engine.geometry lays a step out: with train.pack each of train.grad_accum micro-batches holds
+    a device's share of all runs' prompts in the fewest rows of at most data.max_length tokens; without it,
+    one prompt a row."""
     config = load_config("configs/smol3_mnli.py")  # 9 runs x batch 16, grad_accum 1, 8 devices, save_dots
     assert (config.train.pack, config.train.grad_accum, config.model.remat) == (True, 1, "save_dots")
 
@@ -289,12 +293,13 @@ def test_a_packed_step_is_one_row_per_device_of_all_runs_prompts():
         g = result.geometry
         return g.grad_accum, g.rows, g.rows_per_device, g.prompts_per_row, g.seq_len
 
-    # 144 prompts of 160 tokens over 8 rows: 18 a row, 2880 tokens, in the bucket of 3072 (2048, 2560, 3072, ...).
+    # 144 prompts of 160 tokens, 18 a device: rows of 512 hold 3 (480 tokens, in the bucket of 512), so 6 rows a
+    # device.
     packed = costed(config)
-    assert shape(packed) == (1, 8, 1, 18, 3072)
-    config.train.grad_accum = 2  # 9 a row, 1440 tokens: the bucket of 1536 (1024, 1280, 1536, ...)
+    assert shape(packed) == (1, 48, 6, 3, 512)
+    config.train.grad_accum = 2  # 9 a device a micro-batch: 3 rows of 3
     halved = costed(config)
-    assert shape(halved) == (2, 8, 1, 9, 1536)
+    assert shape(halved) == (2, 24, 3, 3, 512)
     assert halved.memory.activations < 0.6 * packed.memory.activations
     config.train.pack = False  # 72 rows of 160 tokens a micro-batch, 9 a device
     unpacked = costed(config)
@@ -309,8 +314,8 @@ def test_a_packed_step_is_one_row_per_device_of_all_runs_prompts():
         per_token = 4 * 2 * dims.layer_matmul_parameters + 8 * 9 * lora + 16 * 2 * seq_len * dims.q_dim
         return tokens * per_token + 2 * 2 * dims.hidden_size * dims.vocab_size * 144
 
-    assert packed.train_step_flops == pytest.approx(flops(8 * 3072, 3072))
-    assert halved.train_step_flops == pytest.approx(flops(2 * 8 * 1536, 1536))
+    assert packed.train_step_flops == pytest.approx(flops(48 * 512, 512))
+    assert halved.train_step_flops == pytest.approx(flops(2 * 24 * 512, 512))
     assert unpacked.train_step_flops == pytest.approx(flops(144 * 160, 160))
 
 
@@ -355,10 +360,11 @@ def test_cli_prints_every_figure(capsys):
                           "--device", "h100", "--utilisation", "0.5"]) == 0
     out = capsys.readouterr().out
     assert "configs/opt30_mnli.py: facebook/opt-30b, 29,974,540,288 parameters" in out
-    # 9 x 16 prompts over 2 x 8 rows: 9 a row, of 512 tokens (data.max_length) unless --prompt_len says less.
+    # 9 x 16 prompts, 9 a device a micro-batch, of 512 tokens (data.max_length) unless --prompt_len says less:
+    # one a row of 512.
     assert (
-        "mesh data=1 fsdp=8 tensor=1; 9 runs x batch 16 in 2 micro-batches of one packed row per device (5120 "
-        "tokens, 9 prompt slots); bfloat16, remat save_dots"
+        "mesh data=1 fsdp=8 tensor=1; 9 runs x batch 16 in 2 micro-batches of 9 packed rows per device (512 "
+        "tokens, 1 prompt slot); bfloat16, remat save_dots"
     ) in out
     # 7.49 GB of 29.97e9 bf16 parameters split 8 ways, plus the norms and biases fsdp leaves whole; the
     # head (tied: the 50272 x 7168 embedding) gathered from 8 shards.

@@ -8,6 +8,8 @@ full model's logit(Yes) - logit(No); the eval step compiles once per shape; the
 schedule is transformers'.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -308,7 +310,7 @@ def test_packed_rows_mixing_runs_train_like_one_prompt_per_row():
     holds token ids outside the vocabulary (NaN embeddings): it must be cut off, or the loss would be NaN."""
     sets = [toy_set([3, 5, 4, 2, 9, 6, 7, 3], 4), toy_set([6, 2, 8, 5, 3, 4], 5), toy_set([7, 7, 2, 3, 5, 8, 4], 6)]
     seeds, batch_size = [0, 42, 99], 4
-    one_per_row = StepLayout(micro_batches=2, rows=2, packed=False)
+    one_per_row = StepLayout(micro_batches=2, rows=6, packed=False)
     packed = StepLayout(micro_batches=2, rows=2, packed=True)
     unpacked_steps = train_steps(sets, seeds, batch_size=batch_size, layout=one_per_row, seq_len=16, prefetch=0)
     packed_steps = train_steps(
@@ -379,6 +381,10 @@ def test_geometry_errors_name_the_config_field():
     assert shape.train_rows_shape == (2, 12)
     packed = BatchGeometry(grad_accum=4, batch_shards=4, packed=True, **fields)  # any grad_accum when packed
     assert (packed.rows, packed.rows_per_device, packed.train_rows_shape) == (4, 1, (4, 4))
+    packed = dataclasses.replace(packed, packed_rows_per_device=3)
+    assert (packed.rows, packed.rows_per_device, packed.layout) == (12, 3, StepLayout(4, 12, True))
+    with pytest.raises(ValueError, match="packed rows per device must be >= 1, got 0"):
+        dataclasses.replace(packed, packed_rows_per_device=0)
     assert EvalGeometry(rows=8, seq_len=12, row_lengths=(12,), batch_shards=2).batch_tokens == 96
 
 

@@ -6,10 +6,10 @@ packs the same pool the same way:
 - evaluation (``pair_rows``): every prompt once, at most two a row, rows of
   a few lengths, as full as possible, so that little is padding and little
   attention is computed between prompts;
-- training (``balance_rows``): one batch's prompts spread over a fixed
-  number of rows (a micro-batch's rows are its devices', one each), as
-  evenly as possible, so that the longest row, the length the micro-batch
-  runs at, is as short as the prompts allow.
+- training (``balance_rows``): one step's prompts spread over a fixed
+  number of rows (its micro-batches' rows, each device holding some of
+  each), as evenly as possible, so that the longest row, the length a
+  micro-batch runs at, is as short as the prompts allow.
 """
 
 from __future__ import annotations
@@ -84,32 +84,22 @@ def pair_rows(
     return rows
 
 
-def balance_rows(
-    lengths: np.ndarray, *, num_rows: int, micro_batches: int, row_length: int, prompts_per_row: int
-) -> list[list[int]]:
-    """Indices of ``lengths`` in ``num_rows`` rows (``micro_batches`` consecutive blocks of rows), each row at most
-    ``row_length`` tokens and ``prompts_per_row`` prompts.
+def balance_rows(lengths: np.ndarray, *, num_rows: int, row_length: int, prompts_per_row: int) -> list[list[int]]:
+    """Indices of ``lengths`` in ``num_rows`` rows, each at most ``row_length`` tokens and ``prompts_per_row``
+    prompts.
 
     Longest first, each prompt goes to the least-filled row (the first of
-    equals) of the first micro-batch that has room for it. A micro-batch
-    runs at the length of its longest row, and on a mesh its rows are its
-    devices' (one each), so spreading the prompts evenly over its rows
-    makes that length as short as the prompts allow; filling the first
-    micro-batch before the next leaves the later ones empty, to be skipped.
-    Deterministic, so every process places every prompt alike.
+    equals) that has room for it. A micro-batch runs at the length of its
+    longest row, so spreading the prompts evenly over the rows makes that
+    length as short as the prompts allow. Deterministic, so every process
+    places every prompt alike.
     """
     lengths = np.asarray(lengths, dtype=np.int64)
-    if micro_batches < 1 or num_rows % micro_batches:
-        raise ValueError(f"{num_rows} rows cannot be split into {micro_batches} micro-batches of equal size")
-    per_micro_batch = num_rows // micro_batches
     load, members = [0] * num_rows, [[] for _ in range(num_rows)]
     for item in np.argsort(-lengths, kind="stable").tolist():
         need = int(lengths[item])
-        for first in range(0, num_rows, per_micro_batch):
-            row = _least_filled(load, members, first, first + per_micro_batch, need, row_length, prompts_per_row)
-            if row is not None:
-                break
-        else:
+        row = _least_filled(load, members, need, row_length, prompts_per_row)
+        if row is None:
             raise ValueError(
                 f"{len(lengths)} prompts of {int(lengths.sum())} tokens (longest {int(lengths.max())}) do not fit "
                 f"{num_rows} rows of {row_length} tokens and {prompts_per_row} prompt slots; at prompt {item} "
@@ -120,12 +110,10 @@ def balance_rows(
     return members
 
 
-def _least_filled(
-    load: list[int], members: list[list[int]], start: int, stop: int, need: int, row_length: int, slots: int
-) -> int | None:
-    """The least-filled of rows [start, stop) with room for ``need`` more tokens and another prompt, or None."""
+def _least_filled(load: list[int], members: list[list[int]], need: int, row_length: int, slots: int) -> int | None:
+    """The least-filled row with room for ``need`` more tokens and another prompt, or None."""
     best = None
-    for row in range(start, stop):
-        if load[row] + need <= row_length and len(members[row]) < slots and (best is None or load[row] < load[best]):
+    for row, filled in enumerate(load):
+        if filled + need <= row_length and len(members[row]) < slots and (best is None or filled < load[best]):
             best = row
     return best

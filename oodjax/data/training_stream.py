@@ -9,7 +9,8 @@ the rows (``oodjax.data.packing.balance_rows``); the train step adapts each
 token with its own run's adapters. ``train_steps`` builds the steps ahead
 in a background thread; ``replay_rows`` works out from prompt lengths alone
 what a job's steps will hold, so the step's shapes are known before it
-compiles.
+compiles, and ``packed_layout`` how many packed rows keep every row within
+a length.
 """
 
 from __future__ import annotations
@@ -32,8 +33,8 @@ _UNBOUNDED = 2**62  # no limit on a row's tokens or prompts, for the replay
 
 @dataclasses.dataclass(frozen=True)
 class StepLayout:
-    """How a training step lays its runs' prompts out: ``micro_batches`` blocks of ``rows`` rows, one prompt a
-    row or packed (then ``rows`` is the devices the batch is split over: one row each per micro-batch)."""
+    """How a training step lays its runs' prompts out: ``micro_batches`` blocks of ``rows`` rows (global), one
+    prompt a row (then ``rows`` is every run's share of a micro-batch) or packed (``packed_layout``)."""
 
     micro_batches: int
     rows: int
@@ -66,8 +67,8 @@ def step_layout(
         ]
     items = [(r, e) for r, run in enumerate(lengths) for e in range(len(run))]
     members = balance_rows(
-        np.concatenate(lengths), num_rows=layout.micro_batches * layout.rows, micro_batches=1,
-        row_length=row_length, prompts_per_row=prompts_per_row,
+        np.concatenate(lengths), num_rows=layout.micro_batches * layout.rows, row_length=row_length,
+        prompts_per_row=prompts_per_row,
     )  # fmt: skip
     return [[items[i] for i in row] for row in members]
 
@@ -113,7 +114,12 @@ def train_steps(
         raise ValueError(f"prefetch must be >= 0 steps, got {prefetch}")
     if any(len(tokenized) == 0 for tokenized in sets):
         raise ValueError("cannot train on an empty set")
-    num_rows = layout.rows if layout.packed else len(sets) * batch_size // layout.micro_batches
+    num_rows = layout.rows
+    if not layout.packed and num_rows * layout.micro_batches != len(sets) * batch_size:
+        raise ValueError(
+            f"one prompt a row, {layout.micro_batches} micro-batches of {len(sets)} runs' batches of {batch_size} "
+            f"need {len(sets) * batch_size // layout.micro_batches} rows each, not {num_rows}"
+        )
     keep, outside = row_positions(range(num_rows) if rows is None else rows, num_rows)
     if outside.size or len(np.unique(keep)) != len(keep) or not len(keep):
         raise ValueError(
@@ -187,6 +193,35 @@ def replay_rows(
         longest[index] = tokens.reshape(layout.micro_batches, -1).max(axis=1)
         most_prompts = max(most_prompts, max(len(row) for row in members))
     return longest, most_prompts
+
+
+def packed_layout(
+    sets: Sequence[TokenizedSet], seeds: Sequence[int], *, batch_size: int, micro_batches: int, shards: int,
+    row_length: int, steps: int,
+) -> tuple[StepLayout, np.ndarray, int]:
+    """The packed layout of the first ``steps`` steps with the fewest rows (the same number on each of
+    ``shards`` devices) that keeps every row within ``row_length`` tokens, and what ``replay_rows`` says of it.
+
+    Rows are bounded, not one a device of whatever length a device's share
+    of the step makes, because a row computes attention between all its
+    prompts. The fewest rows that fit make each as full as the prompts
+    allow.
+    """
+    totals = np.zeros(steps, dtype=np.int64)
+    for index in range(steps):
+        for tokenized, seed in zip(sets, seeds, strict=True):
+            lengths = tokenized.lengths[stream_examples(seed, len(tokenized), batch_size, index)]
+            totals[index] += int(lengths.sum())
+            if lengths.max() > row_length:
+                raise ValueError(f"a training prompt of {int(lengths.max())} tokens outgrows rows of {row_length}")
+    # A step's tokens spread over all its rows: at least that many rows of row_length each, per device.
+    per_device = max(1, -(-int(totals.max(initial=0)) // (micro_batches * shards * row_length)))
+    while True:
+        layout = StepLayout(micro_batches=micro_batches, rows=shards * per_device, packed=True)
+        longest, most_prompts = replay_rows(sets, seeds, batch_size=batch_size, layout=layout, steps=steps)
+        if longest.max(initial=0) <= row_length:  # more rows than prompts hold one each: this ends
+            return layout, longest, most_prompts
+        per_device += 1
 
 
 def stream_examples(seed: int, size: int, batch_size: int, index: int) -> np.ndarray:

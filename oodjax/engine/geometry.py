@@ -13,13 +13,15 @@ needs: eval.batch_size is a token budget of that many rows of
 data.max_length, which shorter rows fill with more of them.
 
 A training step holds every run's batch_size prompts in train.grad_accum
-micro-batches. With train.pack (the default), each micro-batch is one row
-per device, and all runs' prompts are balanced over all micro-batches' rows,
-a row mixing runs (the train step adapts each token with its own run's
-adapters): rows come out nearly equal, so little is padding (the study's
-configs compute 85-90% prompt tokens), and train.grad_accum bounds the
-tokens a device holds at once. Without it, a micro-batch holds a
-grad_accum-th of every run's prompts, one a row, each run's by length.
+micro-batches. With train.pack (the default), all runs' prompts are balanced
+over all micro-batches' rows, a row mixing runs (the train step adapts each
+token with its own run's adapters); each device holds the same number of
+rows of each micro-batch, the fewest that keep every row of the job within
+data.max_length, as evaluation's rows are. Rows come out nearly equal, so
+little is padding, and bounded, so little attention is computed between a
+row's prompts; train.grad_accum bounds the tokens a device holds at once.
+Without it, a micro-batch holds a grad_accum-th of every run's prompts, one
+a row, each run's by length.
 """
 
 from __future__ import annotations
@@ -31,7 +33,15 @@ import numpy as np
 from jax.sharding import Mesh
 from ml_collections import config_dict
 
-from oodjax.data import StepLayout, TokenizedSet, bucket_lengths, eval_row_lengths, fitting_bucket, replay_rows
+from oodjax.data import (
+    StepLayout,
+    TokenizedSet,
+    bucket_lengths,
+    eval_row_lengths,
+    fitting_bucket,
+    packed_layout,
+    replay_rows,
+)
 from oodjax.engine import sharding
 
 
@@ -79,8 +89,8 @@ def eval_geometry(config: config_dict.ConfigDict, batch_shards: int) -> EvalGeom
 class BatchGeometry:
     """A job's batch shapes. A training step is [grad_accum, rows, seq_len] (per-prompt leaves [grad_accum,
     rows, prompts_per_row]): all runs' prompts of the step, one a row (rows = runs x micro-batch) or packed
-    (rows = batch shards, one per device). Its evaluation batches are ``evaluation``'s. Sizes are global (all
-    processes together)."""
+    (rows = batch shards x ``packed_rows_per_device``). Its evaluation batches are ``evaluation``'s. Sizes are
+    global (all processes together)."""
 
     runs: int  # R: runs trained together (seeds x shots)
     batch_size: int  # examples per optimizer step, per run
@@ -88,6 +98,7 @@ class BatchGeometry:
     seq_len: int  # tokens per training row
     buckets: tuple[int, ...] = ()  # lengths a training micro-batch may be cut to
     packed: bool = False  # rows packed with prompts of any runs (train.pack), else one prompt a row
+    packed_rows_per_device: int = 1  # packed: rows of a micro-batch each device holds
     prompts_per_row: int = 1  # prompt slots of a training row
     batch_shards: int = 1  # devices a batch's row axis is split over (mesh data x fsdp)
     process_rows: tuple[int, ...] | None = None  # rows of each micro-batch this process feeds
@@ -101,6 +112,7 @@ class BatchGeometry:
             "training row length": self.seq_len,
             "batch shards": self.batch_shards,
             "training prompt slots": self.prompts_per_row,
+            "packed rows per device": self.packed_rows_per_device,
         }
         for field, value in positive.items():
             if value < 1:
@@ -124,8 +136,11 @@ class BatchGeometry:
 
     @property
     def rows(self) -> int:
-        """Rows per micro-batch (global): one per device when packed, else one per prompt of every run."""
-        return self.batch_shards if self.packed else self.runs * self.batch_size // self.grad_accum
+        """Rows per micro-batch (global): ``packed_rows_per_device`` per device when packed, else one per prompt
+        of every run."""
+        if self.packed:
+            return self.batch_shards * self.packed_rows_per_device
+        return self.runs * self.batch_size // self.grad_accum
 
     @property
     def rows_per_device(self) -> int:
@@ -156,12 +171,13 @@ def batch_geometry(
     The streams are seeded, so what every step of the job holds is known
     before it starts: replaying its steps from the prompts' lengths
     (``oodjax.data.replay_rows``, about a millisecond a step for 9 runs)
-    gives each micro-batch's longest row and the most prompts a row holds.
-    Rows are as long as the bucket of the longest (one prompt a row: of the
-    longest few-shot prompt), so all steps share one compiled program, and
-    the buckets are those the micro-batches run at (the train step compiles
-    a branch, a whole forward and backward pass, per bucket: the study's
-    configs take three or four).
+    gives each micro-batch's longest row and the most prompts a row holds,
+    and packed, how many rows keep every row within data.max_length
+    (``oodjax.data.packed_layout``). Rows are as long as the bucket of the
+    longest, so all steps share one compiled program, and the buckets are
+    those the micro-batches run at (the train step compiles a branch, a
+    whole forward and backward pass, per bucket: the study's configs take
+    three or four).
     """
     if not train_sets or len(train_sets) != len(seeds):
         raise ValueError(
@@ -176,16 +192,17 @@ def batch_geometry(
         batch_shards=sharding.batch_shards(mesh),
         evaluation=eval_geometry(config, sharding.batch_shards(mesh)),
     )  # the config's own fields checked, errors naming them
-    longest, prompts_per_row = replay_rows(
-        train_sets, seeds, batch_size=geometry.batch_size, layout=geometry.layout, steps=config.train.steps
-    )
-    most = max(int(longest.max()), max(int(t.lengths.max()) for t in train_sets))
-    # Packed rows may outgrow data.max_length (they hold several prompts): their bucket ladder goes on past it.
-    limit = max(config.data.max_length, 2 * most) if geometry.packed else config.data.max_length
-    buckets = bucket_lengths(limit, tuple(config.data.buckets) or None)
-    seq_len = fitting_bucket(buckets, most)
-    if geometry.packed and seq_len == limit > config.data.max_length:  # rows outgrew data.buckets: the ladder's
-        seq_len = fitting_bucket(bucket_lengths(limit), most)
+    replay = dict(batch_size=geometry.batch_size, steps=config.train.steps)
+    if geometry.packed:
+        layout, longest, prompts_per_row = packed_layout(
+            train_sets, seeds, micro_batches=geometry.grad_accum, shards=geometry.batch_shards,
+            row_length=config.data.max_length, **replay,
+        )  # fmt: skip
+        geometry = dataclasses.replace(geometry, packed_rows_per_device=layout.rows // geometry.batch_shards)
+    else:
+        longest, prompts_per_row = replay_rows(train_sets, seeds, layout=geometry.layout, **replay)
+    buckets = bucket_lengths(config.data.max_length, tuple(config.data.buckets) or None)
+    seq_len = fitting_bucket(buckets, max(int(longest.max()), max(int(t.lengths.max()) for t in train_sets)))
     lengths = micro_batch_lengths(buckets, seq_len)
     used = tuple(sorted({fitting_bucket(lengths, int(tokens)) for tokens in np.unique(longest) if tokens > 0}))
     rows = sharding.process_batch_rows(mesh, geometry.rows)
