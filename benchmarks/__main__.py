@@ -1,8 +1,11 @@
-"""`python -m benchmarks [--quick] [--smoke] [--out FILE] [--cases eval,train,...]`.
+"""`python -m benchmarks [--quick] [--smoke] [--out FILE] [--cases eval,train,...] [--device gpu]`.
 
 Runs the cases side by side with PyTorch + PEFT and writes FILE (default
 benchmarks/results.json in full mode, results-quick.json / results-smoke.json
 otherwise) and the same report as markdown beside it (FILE with .md).
+``--device gpu`` runs ``benchmarks.case_device`` instead, the study's 9 runs
+at SmolLM3-3B's shape on one GPU (results-gpu.json; with --smoke, tiny, on
+any backend: results-gpu-smoke.json).
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--smoke", action="store_true", help="tiny everything, to show it runs (CI)")
     parser.add_argument("--out", type=pathlib.Path, default=None, help="results JSON (markdown goes beside it)")
     parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated subset of {','.join(CASES)}")
+    parser.add_argument("--device", choices=("cpu", "gpu"), default="cpu",
+                        help="gpu: 9 runs at SmolLM3-3B's shape, bf16, on one GPU (the CPU cases are not run)")
     args = parser.parse_args(argv)
     args.cases = [c for c in args.cases.split(",") if c]
     unknown = sorted(set(args.cases) - set(CASES))
@@ -39,13 +44,16 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str]) -> None:
     args = parse(argv)
-    mode = settings.mode(args.quick, args.smoke)
+    accelerator = args.device == "gpu"
+    mode = settings.DEVICE_MODES["gpu-smoke" if args.smoke else "gpu"] if accelerator else settings.mode(
+        args.quick, args.smoke
+    )
     out = args.out or HERE / ("results.json" if mode.name == "full" else f"results-{mode.name}.json")
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="oodjax-bench-") as tmp:
         workdir = pathlib.Path(tmp)
-        environment.configure(workdir / "tokenized-cache")
-        results = run(mode, args.cases, workdir)
+        environment.configure(workdir / "tokenized-cache", accelerator=accelerator)
+        results = run_device(mode) if accelerator else run(mode, args.cases, workdir)
     results["command"] = shlex.join(["python", "-m", "benchmarks", *argv])
     results["finished"] = datetime.datetime.now().isoformat(timespec="seconds")
     results["wall_s"] = time.perf_counter() - started
@@ -57,12 +65,24 @@ def main(argv: list[str]) -> None:
     print(f"wrote {out} and {out.with_suffix('.md')}")
 
 
+def run_device(mode: settings.DeviceMode) -> dict:
+    """The --device gpu cases (``benchmarks.case_device``)."""
+    import torch
+
+    from benchmarks import case_device, machine
+
+    results = {"mode": mode.name, "machine": machine.describe(torch_threads=torch.get_num_threads())}
+    results["cases"] = case_device.run(mode)
+    return results
+
+
 def run(mode: settings.Mode, cases: list[str], workdir: pathlib.Path) -> dict:
     """Every requested case, in an order that builds each shared object once."""
     import torch
 
     from benchmarks import case_eval, case_grid, case_loading, case_matmul, case_train, machine, torch_contenders
     from benchmarks.oodjax_contenders import build_engine
+    from oodjax import models
     from benchmarks.workload import load_workload
 
     clock = time.perf_counter()
@@ -91,8 +111,10 @@ def run(mode: settings.Mode, cases: list[str], workdir: pathlib.Path) -> dict:
         results["workload"] = workload.describe()
         torch_model = torch_contenders.attach_lora(model, seed=0)
         steps = (mode.warmup + mode.repeats) * mode.train_steps_per_repeat
-        engine = build_engine(checkpoint, seeds=[0], total_steps=steps, yes_id=workload.yes_id, no_id=workload.no_id,
-                              buckets=mode.buckets)
+        engine = build_engine(
+            lambda mesh: models.load_pretrained(checkpoint, dtype="float32", mesh=mesh), seeds=[0], total_steps=steps,
+            yes_id=workload.yes_id, no_id=workload.no_id, buckets=mode.buckets,
+        )  # fmt: skip
         if "eval" in cases:
             record(case_eval.run(mode, workload, engine, torch_model, peak_flops))
         if "train" in cases:

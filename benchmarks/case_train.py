@@ -2,9 +2,9 @@
 
 Every contender takes the same sequence of batches (one fixed shuffled
 order). oodjax runs each batch as the run loop does: packed several prompts
-to a row, balanced over the micro-batches' rows, each micro-batch run at the
-smallest bucket that holds it and skipped when empty (the gradient is the
-whole batch's either way). The first step
+to a row, balanced over the fewest rows of at most MAX_LENGTH tokens that
+hold every batch, run at the smallest bucket that holds the longest. The
+first step
 of each contender (a warm-up step, on the same batch, with the adapters'
 B still zero) must give the same loss: that checks all three compute the
 same objective.
@@ -19,7 +19,7 @@ import numpy as np
 import peft
 
 from benchmarks import flops, harness, settings, torch_contenders
-from benchmarks.oodjax_contenders import Engine
+from benchmarks.oodjax_contenders import Engine, train_geometry
 from benchmarks.settings import Mode
 from benchmarks.workload import Workload, training_order
 from oodjax.data import fitting_bucket
@@ -36,8 +36,9 @@ def run(mode: Mode, workload: Workload, engine: Engine, torch_model: peft.PeftMo
         "pytorch-original": torch_contenders.Trainer(torch_model, tuned=False, **answers),
         "pytorch-tuned": torch_contenders.Trainer(torch_model, tuned=True, **answers),
     }
+    geometry = train_geometry(tokenized, [[rows] for rows in order], mode.buckets)
     steps = {
-        "oodjax": lambda rows: float(engine.train(tokenized, [rows])[0]),
+        "oodjax": lambda rows: float(engine.train(geometry, tokenized, [rows])[0]),
         **{name: (lambda rows, t=trainer: t.step(tokenized, rows)) for name, trainer in trainers.items()},
     }
     losses: dict[str, list[float]] = {name: [] for name in steps}
@@ -46,7 +47,7 @@ def run(mode: Mode, workload: Workload, engine: Engine, torch_model: peft.PeftMo
         def call() -> None:
             first = len(losses[name]) * per_repeat
             if name == "oodjax" and not first:  # the warm-up compiles the step (a branch per bucket)
-                engine.compile_train(tokenized, [order[0]])
+                engine.compile_train(geometry, tokenized, [order[0]])
             for rows in order[first : first + per_repeat]:
                 losses[name].append(steps[name](rows))
 
@@ -67,7 +68,7 @@ def run(mode: Mode, workload: Workload, engine: Engine, torch_model: peft.PeftMo
     }
     first = {name: values[0] for name, values in losses.items()}
     real_tokens = sum(int(tokenized.lengths[rows].sum()) for rows in order)
-    computed_tokens = sum(_computed_tokens(Engine.train_batch(tokenized, [rows]), mode.buckets) for rows in order)
+    computed_tokens = sum(_computed_tokens(Engine.train_batch(geometry, tokenized, [rows]), mode.buckets) for rows in order)
     return {
         "case": "train",
         "title": "Training throughput",
@@ -76,8 +77,9 @@ def run(mode: Mode, workload: Workload, engine: Engine, torch_model: peft.PeftMo
             f"LoRA r={settings.LORA['rank']} on q/k/v/o, batch {settings.TRAIN_BATCH}, AdamW with clipping, "
             f"{per_repeat} step(s) per repetition, MNLI few-shot set of {len(tokenized)} (mean "
             f"{tokenized.lengths.mean():.0f} tokens, max {tokenized.lengths.max()}). oodjax: engine train step, "
-            f"each batch packed into {settings.TRAIN_GRAD_ACCUM} micro-batches of one row, balanced (gradients "
-            f"accumulated), each cut to the smallest of the "
+            f"each batch packed into {settings.TRAIN_GRAD_ACCUM} micro-batch(es) of {geometry.rows} rows of at "
+            f"most {settings.MAX_LENGTH} tokens (the fewest that hold every batch), balanced, each cut to the "
+            "smallest of the "
             f"buckets {mode.buckets} holding its longest row, empty ones skipped (compiled in the warm-up); "
             f"pytorch-original: peft, padded to {settings.MAX_LENGTH}, full logits; "
             "pytorch-tuned: peft, padded to each batch's longest prompt, head at the answer position only."

@@ -20,12 +20,17 @@ def without_device_count(xla_flags: str) -> str:
     return " ".join(flag for flag in xla_flags.split() if not flag.startswith(_DEVICE_COUNT_FLAG))
 
 
-def configure(cache_dir: pathlib.Path) -> None:
-    """Set this process's (and its children's) environment; call before importing jax or torch."""
+def configure(cache_dir: pathlib.Path, *, accelerator: bool = False) -> None:
+    """Set this process's (and its children's) environment; call before importing jax or torch. With
+    ``accelerator``, JAX takes its default backend and allocates GPU memory as it needs it (PyTorch shares
+    the device), instead of the CPU."""
     if "jax" in sys.modules:
         raise RuntimeError("benchmarks.environment.configure must run before jax is imported")
     os.environ["XLA_FLAGS"] = without_device_count(os.environ.get("XLA_FLAGS", ""))
-    os.environ["JAX_PLATFORMS"] = "cpu"
+    if accelerator:
+        os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
+    else:
+        os.environ["JAX_PLATFORMS"] = "cpu"
     os.environ["HF_HUB_OFFLINE"] = "1"
     os.environ["HF_DATASETS_OFFLINE"] = "1"
     os.environ["TOKENIZERS_PARALLELISM"] = "false"

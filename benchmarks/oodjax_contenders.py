@@ -8,16 +8,23 @@ batches are placed with the engine's ``shard_batch``.
 from __future__ import annotations
 
 import dataclasses
-import pathlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import numpy as np
+from flax import nnx
 
 from benchmarks import settings
-from oodjax import models
-from oodjax.data import TokenizedSet, bucket_lengths, fitting_bucket, stream_examples, train_steps
+from oodjax.data import (
+    TokenizedSet,
+    bucket_lengths,
+    fitting_bucket,
+    packed_layout,
+    replay_rows,
+    stream_examples,
+    train_steps,
+)
 from oodjax.engine import sharding, steps
 from oodjax.engine.evaluation import EvalPool, evaluate, make_eval_pool
 from oodjax.engine.geometry import BatchGeometry
@@ -45,24 +52,24 @@ class Engine:
         return evaluate(self.eval_step, self.base_state, self.runs.lora, pool,
                         place=lambda batch: sharding.shard_batch(batch, self.mesh, batch_axis=1))
 
-    def train(self, tokenized: TokenizedSet, rows: Sequence[np.ndarray]) -> np.ndarray:
+    def train(self, geometry: BatchGeometry, tokenized: TokenizedSet, rows: Sequence[np.ndarray]) -> np.ndarray:
         """One optimizer step; ``rows[r]`` are run r's examples, laid out as the loop lays a step out."""
-        step = self.train_step(train_geometry(tokenized, len(rows), self.buckets))
-        self.runs, loss = step(self.base_state, self.runs, self._placed(self.train_batch(tokenized, rows)))
+        step = self.train_step(geometry)
+        self.runs, loss = step(self.base_state, self.runs, self._placed(self.train_batch(geometry, tokenized, rows)))
         return np.asarray(jax.device_get(loss))
 
     def eval_pool(self, tokenized: TokenizedSet, *, batch_tokens: int) -> EvalPool:
-        """The loop's evaluation pool of ``tokenized`` as one set (``EVAL_SET``) of one run, built once."""
-        return make_eval_pool({EVAL_SET: tokenized}, [{}], batch_tokens=batch_tokens)
+        """The loop's evaluation pool of ``tokenized`` as one set (``EVAL_SET``) every run scores, built once."""
+        return make_eval_pool({EVAL_SET: tokenized}, [{}] * self.runs.num_runs, batch_tokens=batch_tokens)
 
-    def compile_train(self, tokenized: TokenizedSet, rows: Sequence[np.ndarray]) -> None:
+    def compile_train(self, geometry: BatchGeometry, tokenized: TokenizedSet, rows: Sequence[np.ndarray]) -> None:
         """Compiles the train step (one program, a branch per bucket) without taking a step.
 
         The loop compiles it at its first step; a timed step must not, so the
         warm-up compiles it ahead (and is charged).
         """
-        step = self.train_step(train_geometry(tokenized, len(rows), self.buckets))
-        step.lower(self.base_state, self.runs, self._placed(self.train_batch(tokenized, rows))).compile()
+        batch = self._placed(self.train_batch(geometry, tokenized, rows))
+        self.train_step(geometry).lower(self.base_state, self.runs, batch).compile()
 
     def train_step(self, geometry: BatchGeometry) -> Any:
         """The jitted train step of ``geometry``, made once."""
@@ -71,12 +78,13 @@ class Engine:
         return self.made[geometry]
 
     @staticmethod
-    def train_batch(tokenized: TokenizedSet, rows: Sequence[np.ndarray]) -> dict[str, np.ndarray]:
+    def train_batch(
+        geometry: BatchGeometry, tokenized: TokenizedSet, rows: Sequence[np.ndarray]
+    ) -> dict[str, np.ndarray]:
         """The host step [grad_accum, rows, ...] as the loop's stream gives it (``oodjax.data.train_steps``):
-        all runs' prompts packed in ``train_geometry``'s rows, run r's being ``rows[r]``, in that order."""
-        geometry = train_geometry(tokenized, len(rows))
+        all runs' prompts packed in ``geometry``'s rows, run r's being ``rows[r]``, in that order."""
         stream = train_steps(
-            [_in_stream_order(tokenized, r) for r in rows], [STREAM_SEED] * len(rows), batch_size=settings.TRAIN_BATCH,
+            _in_stream_order(tokenized, rows), [STREAM_SEED] * len(rows), batch_size=settings.TRAIN_BATCH,
             layout=geometry.layout, seq_len=geometry.seq_len, prompts_per_row=geometry.prompts_per_row, prefetch=0,
         )  # fmt: skip
         return next(stream)
@@ -86,37 +94,40 @@ class Engine:
         return sharding.shard_batch({key: batch[key] for key in TRAIN_KEYS}, self.mesh, batch_axis=1)
 
 
-def train_geometry(tokenized: TokenizedSet, runs: int, buckets: Sequence[int] = ()) -> BatchGeometry:
-    """The train step's layout for ``runs`` runs' batches of settings.TRAIN_BATCH prompts of ``tokenized``, as
-    the loop lays a step out with train.pack on one device: settings.TRAIN_GRAD_ACCUM micro-batches of one row.
-
-    The loop sizes its rows by replaying its seeded streams; the benchmark's
-    batches follow their own order, so rows are sized for any batch of the
-    set. Balanced rows (longest prompt first, each to the least-filled row)
-    hold at most the longest prompt plus an even share of the rest, and at
-    most every prompt but one per other row; so the stream's bounds never
-    bind and it lays every batch out as the loop would. Rows are the bucket
-    of that bound on the loop's default ladder (going on past
-    settings.MAX_LENGTH); a micro-batch runs at the smallest of ``buckets``
-    that holds its row, else at the rows' length (the geometry's
-    ``micro_batch_lengths``).
-    """
-    prompts, num_rows = runs * settings.TRAIN_BATCH, settings.TRAIN_GRAD_ACCUM
-    # The longest prompts a batch may hold: a run's batch may repeat an example where it straddles two epochs.
-    repeats = runs * (1 + -(-settings.TRAIN_BATCH // len(tokenized)))
-    longest = np.sort(np.tile(tokenized.lengths, repeats))[::-1][:prompts].astype(np.int64)
-    row = int(longest[0]) + -(-int(longest.sum() - longest[0]) // num_rows)
-    seq_len = fitting_bucket(bucket_lengths(max(settings.MAX_LENGTH, 2 * row)), row)
+def train_geometry(
+    tokenized: TokenizedSet, batches: Sequence[Sequence[np.ndarray]], buckets: Sequence[int] = (), *,
+    grad_accum: int = settings.TRAIN_GRAD_ACCUM, row_length: int = settings.MAX_LENGTH,
+) -> BatchGeometry:
+    """The train step's layout for steps of ``batches`` (each runs' example rows of ``tokenized``), as the
+    loop's ``batch_geometry`` lays its steps out with train.pack on one device: ``grad_accum`` micro-batches
+    of the fewest rows of at most ``row_length`` tokens (data.max_length) that hold every step
+    (``oodjax.data.packed_layout``), as long as the bucket of the longest row; a micro-batch runs at the
+    smallest of ``buckets`` that holds its row (the geometry's ``micro_batch_lengths``)."""
+    common = dict(batch_size=settings.TRAIN_BATCH, steps=1)
+    steps = [(_in_stream_order(tokenized, rows), [STREAM_SEED] * len(rows)) for rows in batches]
+    layouts = [
+        packed_layout(sets, seeds, micro_batches=grad_accum, shards=1, row_length=row_length, **common)[0]
+        for sets, seeds in steps
+    ]  # fmt: skip
+    layout = max(layouts, key=lambda layout: layout.rows)
+    replays = [replay_rows(sets, seeds, layout=layout, **common) for sets, seeds in steps]
+    longest = max(int(longest.max()) for longest, _ in replays)
     return BatchGeometry(
-        runs=runs, batch_size=settings.TRAIN_BATCH, grad_accum=settings.TRAIN_GRAD_ACCUM, seq_len=seq_len,
-        buckets=tuple(sorted(int(b) for b in buckets)), packed=True, prompts_per_row=max(1, prompts - num_rows + 1),
-        batch_shards=1,
+        runs=len(batches[0]), batch_size=settings.TRAIN_BATCH, grad_accum=grad_accum,
+        seq_len=fitting_bucket(bucket_lengths(row_length), longest),
+        buckets=tuple(sorted(int(b) for b in buckets)), packed=True, packed_rows_per_device=layout.rows,
+        prompts_per_row=max(most for _, most in replays), batch_shards=1,
     )  # fmt: skip
 
 
-def _in_stream_order(tokenized: TokenizedSet, rows: np.ndarray) -> TokenizedSet:
-    """The set of ``rows`` alone, ordered so that a training stream seeded STREAM_SEED draws them as its first
-    batch in the order given (its first epoch's permutation undone), each at its place in ``rows``."""
+def _in_stream_order(tokenized: TokenizedSet, runs_rows: Sequence[np.ndarray]) -> list[TokenizedSet]:
+    """Each run's set of its ``runs_rows`` alone, ordered so that a training stream seeded STREAM_SEED draws
+    them as its first batch in the order given (its first epoch's permutation undone), each at its place."""
+    return [_run_in_stream_order(tokenized, rows) for rows in runs_rows]
+
+
+def _run_in_stream_order(tokenized: TokenizedSet, rows: np.ndarray) -> TokenizedSet:
+    """One run's set of ``rows`` alone, in the stream's order (``_in_stream_order``)."""
     rows = np.asarray(rows)
     order = np.empty_like(rows)
     order[stream_examples(STREAM_SEED, len(rows), len(rows), 0)] = rows
@@ -136,13 +147,14 @@ def lora_config() -> LoRAConfig:
 
 
 def build_engine(
-    checkpoint: pathlib.Path, *, seeds: Sequence[int], total_steps: int, yes_id: int, no_id: int,
-    buckets: Sequence[int],
+    model: Callable[[jax.sharding.Mesh], nnx.Module], *, seeds: Sequence[int], total_steps: int, yes_id: int,
+    no_id: int, buckets: Sequence[int],
 ) -> Engine:
-    """The float32 checkpoint loaded by ``load_pretrained``, one adapter per seed, the steps made by steps.py
-    (the train step once its geometry is known: ``Engine.train_step``)."""
+    """``model(mesh)`` (a checkpoint loaded by ``load_pretrained``, or a random model) on the first device, one
+    adapter per seed, the steps made by steps.py (the train step once its geometry is known:
+    ``Engine.train_step``)."""
     mesh = sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1])
-    model = models.load_pretrained(checkpoint, dtype="float32", mesh=mesh)
+    model = model(mesh)
     optimizer = steps.make_optimizer(settings.LEARNING_RATE, total_steps, settings.warmup_steps(total_steps),
                                      weight_decay=0.0, max_grad_norm=settings.MAX_GRAD_NORM)
     graphdef, base_state, runs = steps.init_runs(model, list(seeds), lora_config(), optimizer, mesh=mesh)

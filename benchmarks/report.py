@@ -30,6 +30,13 @@ TARGETS = (
     ("grid", "oodjax-one-process/pytorch-tuned-sequential", "at least", 1.5),
     ("loading", "oodjax memory / checkpoint bytes", "at most", 1.2),
 )
+# --device gpu (benchmarks.case_device): MFU and the 9 runs in one process against PyTorch running them in turn.
+DEVICE_TARGETS = (
+    ("device-train", "oodjax peak fraction", "at least", 0.35),
+    ("device-eval", "oodjax peak fraction", "at least", 0.5),
+    ("device-train", "oodjax/pytorch-tuned-sequential", "at least", 2.0),
+    ("device-eval", "oodjax/pytorch-tuned-sequential", "at least", 2.0),
+)
 
 
 def _num(value: float, digits: int = 3) -> str:
@@ -52,7 +59,8 @@ def _target_value(results: Mapping[str, Any], case: str, quantity: str) -> float
 
 def targets_table(results: Mapping[str, Any]) -> str:
     rows = ["| case | quantity | goal | measured | met |", "|---|---|---|---|---|"]
-    for case, quantity, direction, bound in TARGETS:
+    device = any(case["case"].startswith("device-") for case in results["cases"])
+    for case, quantity, direction, bound in DEVICE_TARGETS if device else TARGETS:
         value = _target_value(results, case, quantity)
         goal = "none (for information)" if bound is None else f"{direction} {bound}"
         if value is None:
@@ -121,6 +129,10 @@ def markdown(results: Mapping[str, Any]) -> str:
         if "oodjax_padding_efficiency" in case:
             parts += [f"oodjax padding efficiency (real tokens / tokens computed): "
                       f"{case['oodjax_padding_efficiency']:.0%}", ""]
+        if case.get("memory"):
+            parts += ["Peak device memory: " + ", ".join(
+                f"{k.removesuffix('_peak_bytes')} {v / 2**30:.1f} GiB" if v else f"{k.removesuffix('_peak_bytes')} "
+                "not reported" for k, v in case["memory"].items()), ""]
         if case.get("ratios"):
             parts += ["Ratios: " + ", ".join(f"{k} {_num(v)}" for k, v in case["ratios"].items()), ""]
     parts += ["#### Targets", "", targets_table(results), ""]

@@ -85,10 +85,11 @@ class Mode:
 
 
 TRAIN_BATCH = 16
-# oodjax's micro-batches per step, with train.pack on (one device): the batch's
-# prompts are balanced over one row per micro-batch, each run at its own
-# bucket (the gradient is the whole batch's).
-TRAIN_GRAD_ACCUM = 8
+# oodjax's micro-batches per step, with train.pack on (one device), each the
+# fewest rows of MAX_LENGTH tokens that hold its share: two measured faster than
+# one (a micro-batch's working set is halved, and this machine's two cores are
+# shared with PyTorch's contenders) and than eight of one row each (larger matmuls).
+TRAIN_GRAD_ACCUM = 2
 LORA = dict(rank=8, alpha=32.0, dropout=0.1, targets=("q_proj", "k_proj", "v_proj", "o_proj"))
 LEARNING_RATE = 1e-4
 MAX_GRAD_NORM = 1.0
@@ -170,3 +171,44 @@ MODES: dict[str, Mode] = {
 def mode(quick: bool, smoke: bool) -> Mode:
     """--smoke wins over --quick: it is the smallest size, the one CI runs."""
     return MODES["smoke" if smoke else "quick" if quick else "full"]
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceMode:
+    """How big a ``--device gpu`` run is (``benchmarks.case_device``): ``runs`` runs of SmolLM3-3B's shape with
+    ``changes`` (bf16, random weights), each repetition ``steps`` training steps and one evaluation of
+    ``eval_per_testset`` prompts from each testset, in batches of ``eval_batch_rows`` rows (oodjax: of
+    MAX_LENGTH tokens each)."""
+
+    name: str
+    needs_gpu: bool  # smoke runs the same code tiny on any backend
+    runs: int
+    steps: int
+    repeats: int
+    eval_per_testset: int
+    eval_batch_rows: int
+    train_shots: int = 128
+    remat: str = "save_dots"  # configs/smol3_*.py's policy and micro-batches
+    grad_accum: int = 1
+    changes: tuple[tuple[str, Any], ...] = ()
+
+    @property
+    def model(self) -> dict[str, Any]:
+        """HuggingFaceTB/SmolLM3-3B's config.json numbers (configs/models.py, imported here: it imports JAX,
+        which ``benchmarks.environment`` must configure first), head width spelled out, with ``changes``."""
+        from configs.models import architecture
+
+        return {**architecture("HuggingFaceTB/SmolLM3-3B"), "head_dim": 128, **dict(self.changes)}
+
+
+DEVICE_MODES: dict[str, DeviceMode] = {
+    # The study's proportions: 9 runs, 24 steps between evaluations.
+    "gpu": DeviceMode(name="gpu", needs_gpu=True, runs=9, steps=GRID_STEPS_PER_EVALUATION, repeats=3,
+                      eval_per_testset=64, eval_batch_rows=64),
+    "gpu-smoke": DeviceMode(
+        name="gpu-smoke", needs_gpu=False, runs=2, steps=1, repeats=1, eval_per_testset=2, eval_batch_rows=8,
+        train_shots=32, changes=(("hidden_size", 64), ("intermediate_size", 128), ("num_hidden_layers", 2),
+                                 ("num_attention_heads", 4), ("num_key_value_heads", 2), ("head_dim", 16),
+                                 ("vocab_size", 4096), ("pad_token_id", 0)),
+    ),
+}

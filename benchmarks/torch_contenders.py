@@ -23,11 +23,14 @@ from benchmarks import settings
 from oodjax.data import TokenizedSet
 
 
-def build_model(hf_config: Mapping[str, Any], *, seed: int) -> transformers.PreTrainedModel:
-    """A randomly initialised float32 transformers model of the config's architecture."""
+def build_model(
+    hf_config: Mapping[str, Any], *, seed: int, dtype: torch.dtype = torch.float32, device: str = "cpu"
+) -> transformers.PreTrainedModel:
+    """A randomly initialised transformers model of the config's architecture (SDPA attention), on ``device``."""
     torch.manual_seed(seed)
     config = transformers.AutoConfig.for_model(**hf_config)
-    return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+    return model.to(device)
 
 
 def attach_lora(model: transformers.PreTrainedModel, *, seed: int) -> peft.PeftModel:
@@ -44,8 +47,10 @@ def attach_lora(model: transformers.PreTrainedModel, *, seed: int) -> peft.PeftM
     return peft.get_peft_model(model, config)
 
 
-def padded(tokenized: TokenizedSet, rows: Sequence[int], seq_len: int | None) -> dict[str, torch.Tensor]:
-    """Right-padded input_ids / attention_mask for ``rows`` (to ``seq_len``, or to the longest row)."""
+def padded(
+    tokenized: TokenizedSet, rows: Sequence[int], seq_len: int | None, device: torch.device | str = "cpu"
+) -> dict[str, torch.Tensor]:
+    """Right-padded input_ids / attention_mask for ``rows`` (to ``seq_len``, or to the longest row), on ``device``."""
     lengths = tokenized.lengths[np.asarray(rows)]
     width = int(lengths.max()) if seq_len is None else seq_len
     input_ids = np.zeros((len(rows), width), dtype=np.int64)
@@ -54,12 +59,13 @@ def padded(tokenized: TokenizedSet, rows: Sequence[int], seq_len: int | None) ->
         prompt = tokenized.prompt(i)
         input_ids[r, : len(prompt)] = prompt
         mask[r, : len(prompt)] = 1
-    return {
-        "input_ids": torch.from_numpy(input_ids),
-        "attention_mask": torch.from_numpy(mask),
-        "answer_pos": torch.from_numpy(lengths - 1),
-        "label": torch.from_numpy(tokenized.labels[np.asarray(rows)].astype(np.int64)),
+    arrays = {
+        "input_ids": input_ids,
+        "attention_mask": mask,
+        "answer_pos": lengths - 1,
+        "label": tokenized.labels[np.asarray(rows)].astype(np.int64),
     }
+    return {key: torch.from_numpy(value).to(device) for key, value in arrays.items()}
 
 
 def _answer_hidden(model: peft.PeftModel, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
@@ -87,8 +93,8 @@ def margins_original(
     model.eval()
     out = []
     for chunk in _batches(rows, batch_size):
-        logits = _full_logits_at_answer(model, padded(tokenized, chunk, settings.MAX_LENGTH))
-        out.append((logits[:, yes_id] - logits[:, no_id]).numpy())
+        logits = _full_logits_at_answer(model, padded(tokenized, chunk, settings.MAX_LENGTH, model.device))
+        out.append((logits[:, yes_id] - logits[:, no_id]).float().cpu().numpy())
     return np.concatenate(out)
 
 
@@ -103,8 +109,8 @@ def margins_tuned(
     margins = np.empty(len(rows), dtype=np.float32)
     position = {int(row): k for k, row in enumerate(rows)}
     for chunk in _batches(order, batch_size):
-        logits = _answer_hidden(model, padded(tokenized, chunk, None)) @ head.T
-        for row, margin in zip(chunk, (logits[:, 0] - logits[:, 1]).numpy()):
+        logits = _answer_hidden(model, padded(tokenized, chunk, None, model.device)) @ head.T
+        for row, margin in zip(chunk, (logits[:, 0] - logits[:, 1]).float().cpu().numpy()):
             margins[position[int(row)]] = margin
     return margins
 
@@ -114,7 +120,7 @@ class Trainer:
 
     def __init__(self, model: peft.PeftModel, *, tuned: bool, yes_id: int, no_id: int, total_steps: int):
         self.model, self.tuned = model, tuned
-        self.answer_ids = torch.tensor([yes_id, no_id])
+        self.answer_ids = torch.tensor([yes_id, no_id], device=model.device)
         params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(params, lr=settings.LEARNING_RATE, betas=(0.9, 0.999), eps=1e-8,
                                            weight_decay=0.0)
@@ -126,7 +132,7 @@ class Trainer:
     def step(self, tokenized: TokenizedSet, rows: np.ndarray) -> float:
         """One optimizer step on ``rows``; the loss is cross-entropy at the answer position over the full vocabulary."""
         self.model.train()
-        batch = padded(tokenized, rows, None if self.tuned else settings.MAX_LENGTH)
+        batch = padded(tokenized, rows, None if self.tuned else settings.MAX_LENGTH, self.model.device)
         if self.tuned:
             logits = self.model.get_base_model().lm_head(_answer_hidden(self.model, batch))
         else:

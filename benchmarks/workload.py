@@ -84,6 +84,12 @@ def load_workload(*, per_testset: int, train_shots: int, max_length: int, vocab_
     return Workload(eval_set=eval_set, train_set=train_set, yes_id=yes_id, no_id=no_id)
 
 
+def run_orders(num_examples: int, seeds: list[int], steps: int, batch_size: int) -> list[list[np.ndarray]]:
+    """Each step's batches of runs seeded ``seeds`` (``training_order`` each): [step][run] row indices."""
+    orders = [training_order(num_examples, steps, batch_size, seed=seed) for seed in seeds]
+    return [[order[step] for order in orders] for step in range(steps)]
+
+
 def training_order(num_examples: int, steps: int, batch_size: int, seed: int = SEED) -> list[np.ndarray]:
     """Row indices of ``steps`` training batches: shuffled epochs, one fixed order for every contender."""
     rng = np.random.default_rng(seed)

@@ -139,3 +139,45 @@ def test_bad_arguments_are_refused():
     done = subprocess.run([sys.executable, "-m", "benchmarks", "--cases", "eval,speed"], cwd=ROOT,
                           capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 2 and "unknown cases ['speed']" in done.stderr
+
+
+@pytest.fixture(scope="module")
+def device_smoke_run(tmp_path_factory) -> tuple[dict, str]:
+    """``--device gpu --smoke``: the accelerator mode's code, tiny, on this machine's CPU."""
+    out = tmp_path_factory.mktemp("bench-device") / "results.json"
+    env = {k: v for k, v in os.environ.items() if k != "OODJAX_CACHE_DIR"}
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "--device", "gpu", "--smoke", "--out", str(out)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(out.read_text()), out.with_suffix(".md").read_text()
+
+
+def test_device_mode_times_both_phases_of_every_run_and_checks_the_attention_paths(device_smoke_run):
+    """Both phases, both contenders, timed per repetition with work and FLOPs that match the mode; nothing
+    compiled while timed; the fused-attention margins checked against XLA's (equal on CPU, where ``auto``
+    is XLA); the targets are the accelerator's."""
+    results, markdown = device_smoke_run
+    mode = settings.DEVICE_MODES["gpu-smoke"]
+    assert results["mode"] == "gpu-smoke" and markdown == report.markdown(results)
+    cases = {case["case"]: case for case in results["cases"]}
+    assert set(cases) == {"device-train", "device-eval"}
+    work = {"device-train": mode.steps * mode.runs * 16, "device-eval": None}
+    for name, case in cases.items():
+        assert set(case["contenders"]) == {"oodjax", "pytorch-tuned-sequential"}
+        for contender, c in case["contenders"].items():
+            assert c["repeats"] == mode.repeats == len(c["seconds"]), (name, contender)
+            assert all(_finite_positive(s) for s in c["seconds"]) and _finite_positive(c["model_gflops_median"])
+            assert "peak_fraction" not in c  # no MFU against an unknown peak (a CPU)
+        if work[name]:
+            assert all(c["work_per_repeat"] == work[name] for c in case["contenders"].values())
+        ours = case["contenders"]["oodjax"]
+        assert ours["compile_s"] > 0 and ours["compile_during_timing_s"] == 0.0
+        assert case["ratios"]["oodjax/pytorch-tuned-sequential"] == pytest.approx(
+            ours["rate_median"] / case["contenders"]["pytorch-tuned-sequential"]["rate_median"])
+    eval_work = cases["device-eval"]["contenders"]["oodjax"]["work_per_repeat"]
+    assert eval_work == mode.runs * 8 * mode.eval_per_testset  # every run scores every testset prompt
+    agreement = cases["device-eval"]["agreement"]
+    assert agreement["max_abs_margin"] > 0 and agreement["fused_vs_xla_max_abs_margin_diff"] == 0.0
+    assert "device-train | oodjax peak fraction | at least 0.35 | not measured" in report.targets_table(results)

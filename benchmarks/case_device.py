@@ -1,0 +1,238 @@
+"""`python -m benchmarks --device gpu`: the study's 9 runs at SmolLM3-3B's shape, bf16, on one accelerator.
+
+oodjax trains and evaluates the 9 runs (adapters seeded 0-8, each run its
+own shuffled order of one MNLI few-shot set of real prompts) in one
+process, as the run loop does: one train step for all runs, one evaluation
+pool scored by all runs. PyTorch runs them as the study did, one after
+another: per run, peft's LoRA attached to the transformers model (bf16,
+SDPA attention), the tuned loops (dynamic padding, the head at the answer
+position), then the adapter removed. Each repetition is what the study
+does between two evaluations: ``DeviceMode.steps`` training steps (24: it
+evaluates 21 times in 500 steps) and one evaluation of the real testset
+prompts. oodjax lays a step out as configs/smol3_*.py does: grad_accum 1,
+rows packed to at most the study's data.max_length (512). The models are
+random (the two sides' weights differ; the CPU cases check that both
+compute the same thing): throughput depends on shapes, not values.
+
+Reported per phase: time, examples/s, model FLOP/s (``benchmarks.flops``,
+real tokens only) and its fraction of the device's nominal bf16 peak
+(MFU; none on a device the table does not know), XLA compile time, peak
+device memory of each side, and the margins of oodjax's fused attention
+(``model.attention=auto``) against XLA's on the same weights and prompts.
+With --smoke the same code runs tiny on any backend (CI, on CPU).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+
+from benchmarks import flops, harness, oodjax_contenders, settings, torch_contenders
+from benchmarks.oodjax_contenders import Engine, build_engine, lora_config, train_geometry
+from benchmarks.settings import DeviceMode
+from benchmarks.workload import load_workload, run_orders
+from launch.estimate import DEVICES
+from oodjax import models
+from oodjax.data import DEFAULT_MAX_LENGTH
+from oodjax.engine import sharding, steps
+from oodjax.engine.evaluation import evaluate
+
+# Nominal dense bf16 peak FLOP/s by a substring of jax's device_kind (H200 is H100's chip with more memory).
+PEAK_BY_KIND = {"H100": DEVICES["h100"].peak_flops, "H200": DEVICES["h100"].peak_flops,
+                "A100": DEVICES["a100"].peak_flops}
+
+
+def device_peak_flops(device: jax.Device) -> float | None:
+    """The nominal bf16 peak of ``device``, or None where unknown (then no MFU is reported)."""
+    return next((peak for kind, peak in PEAK_BY_KIND.items() if kind in device.device_kind), None)
+
+
+def run(mode: DeviceMode) -> list[dict[str, Any]]:
+    import torch
+
+    device = jax.devices()[0]
+    cuda = torch.cuda.is_available()
+    if mode.needs_gpu and (device.platform != "gpu" or not cuda):
+        raise SystemExit(
+            f"--device gpu needs JAX's GPU backend and a CUDA PyTorch; found JAX on {device.platform}, "
+            f"torch.cuda.is_available()={cuda} (--smoke runs the same code tiny on any backend)"
+        )
+    torch_device = "cuda" if cuda and device.platform == "gpu" else "cpu"
+    peak = device_peak_flops(device)
+    workload = load_workload(per_testset=mode.eval_per_testset, train_shots=mode.train_shots,
+                             max_length=settings.MAX_LENGTH, vocab_size=mode.model["vocab_size"])
+    seeds = list(range(mode.runs))
+    batches = run_orders(len(workload.train_set), seeds, (mode.repeats + 1) * mode.steps, settings.TRAIN_BATCH)
+    answers = dict(yes_id=workload.yes_id, no_id=workload.no_id)
+
+    ours, margins, geometry = _oodjax(mode, workload, seeds, batches, answers)
+    oodjax_memory = (device.memory_stats() or {}).get("peak_bytes_in_use")
+    theirs = _pytorch_sequential(mode, workload, seeds, batches, answers, torch_device)
+    pytorch_memory = torch.cuda.max_memory_allocated() if torch_device == "cuda" else None
+
+    train_lengths = [workload.train_set.lengths[np.concatenate(step)] for step in batches]
+    train_flops = [
+        sum(flops.train_flops(mode.model, train_lengths[(r + 1) * mode.steps + s], lora_rank=settings.LORA["rank"])
+            for s in range(mode.steps))
+        for r in range(mode.repeats)
+    ]  # fmt: skip
+    eval_flops = len(seeds) * flops.eval_flops(mode.model, workload.eval_set.lengths, lora_rank=settings.LORA["rank"])
+    shape = (f"{mode.model['num_hidden_layers']} layers, hidden {mode.model['hidden_size']}, "
+             f"vocabulary {mode.model['vocab_size']}, bf16")
+    memory = {"oodjax_peak_bytes": oodjax_memory, "pytorch_peak_bytes": pytorch_memory}
+    device_line = f"{device.device_kind} ({device.platform}); PyTorch on {torch_device}"
+    cases = []
+    for phase, work, phase_flops in (
+        ("train", mode.steps * len(seeds) * settings.TRAIN_BATCH, train_flops),
+        ("eval", len(seeds) * len(workload.eval_set), [eval_flops] * mode.repeats),
+    ):
+        results = {name: timing[phase].summary(work, flops=phase_flops, peak_flops=peak)
+                   for name, timing in (("oodjax", ours), ("pytorch-tuned-sequential", theirs))}  # fmt: skip
+        cases.append({
+            "case": f"device-{phase}",
+            "title": f"{'Training' if phase == 'train' else 'Evaluation'} of {len(seeds)} runs on {device.device_kind}",
+            "unit": "examples/s",
+            "description": _describe(phase, mode, shape, device_line, geometry, workload, len(seeds), peak),
+            "contenders": results,
+            "memory": memory,
+            "ratios": harness.ratios(results, "oodjax"),
+            **({"agreement": margins} if phase == "eval" else {}),
+        })
+    return cases
+
+
+def _oodjax(
+    mode: DeviceMode, workload: Any, seeds: list[int], batches: list[list[np.ndarray]], answers: dict[str, int]
+) -> tuple[dict[str, harness.Timing], dict[str, float], Any]:
+    """oodjax's 9 runs in one process: per repetition, ``mode.steps`` train steps and one evaluation."""
+    total = len(batches)
+    engine = build_engine(
+        lambda mesh: models.from_config(mode.model, dtype="bfloat16", seed=0, remat=mode.remat),
+        seeds=seeds, total_steps=total, buckets=(), **answers,
+    )  # fmt: skip
+    tokenized = workload.train_set
+    geometry = train_geometry(tokenized, batches, grad_accum=mode.grad_accum, row_length=DEFAULT_MAX_LENGTH)
+    pool = engine.eval_pool(workload.eval_set, batch_tokens=mode.eval_batch_rows * settings.MAX_LENGTH)
+
+    def train(step: int) -> None:
+        engine.train(geometry, tokenized, batches[step])
+
+    def score() -> None:
+        engine.margins(pool)
+
+    timing = _phases(train, score, mode, warm=lambda: engine.compile_train(geometry, tokenized, batches[0]))
+    return timing, _flash_against_xla(mode, engine, pool, seeds, answers), geometry
+
+
+def _flash_against_xla(
+    mode: DeviceMode, engine: Engine, pool: Any, seeds: list[int], answers: dict[str, int]
+) -> dict[str, float]:
+    """The trained runs' margins through the engine's attention (``auto``: fused where the backend has a
+    kernel) and through XLA's, on the same weights: the largest difference and the largest margin."""
+    graphdef, _, _ = steps.abstract_init_runs(
+        lambda: models.abstract_model(mode.model, dtype="bfloat16", remat=mode.remat, attention="xla"),
+        seeds, lora_config(), steps.make_optimizer(settings.LEARNING_RATE, 1, 1, 0.0, None),
+    )  # fmt: skip
+    xla_step = steps.make_eval_step(graphdef, answers["yes_id"], answers["no_id"], mesh=engine.mesh)
+    place = lambda batch: sharding.shard_batch(batch, engine.mesh, batch_axis=1)  # noqa: E731
+    xla = evaluate(xla_step, engine.base_state, engine.runs.lora, pool, place=place)
+    fused = engine.margins(pool)
+    name = oodjax_contenders.EVAL_SET
+    diff = max(float(np.abs(f[name] - x[name]).max()) for f, x in zip(fused, xla, strict=True))
+    return {"fused_vs_xla_max_abs_margin_diff": diff,
+            "max_abs_margin": max(float(np.abs(x[name]).max()) for x in xla)}  # fmt: skip
+
+
+def _pytorch_sequential(
+    mode: DeviceMode, workload: Any, seeds: list[int], batches: list[list[np.ndarray]], answers: dict[str, int],
+    device: str,
+) -> dict[str, harness.Timing]:
+    """The runs one after another, as the study ran them: per repetition and run, peft's LoRA attached, a
+    warm-up step and evaluation on the first repetition, ``mode.steps`` steps, one evaluation, LoRA removed."""
+    import torch
+
+    base = torch_contenders.build_model(mode.model, seed=0, dtype=torch.bfloat16, device=device)
+    rows = np.arange(len(workload.eval_set))
+    train_s, eval_s, first_s = [0.0] * mode.repeats, [0.0] * mode.repeats, 0.0
+    for run, seed in enumerate(seeds):
+        model = torch_contenders.attach_lora(base, seed=seed)
+        trainer = torch_contenders.Trainer(model, tuned=True, total_steps=len(batches), **answers)
+
+        def score() -> None:
+            torch_contenders.margins_tuned(model, workload.eval_set, rows, batch_size=mode.eval_batch_rows, **answers)
+
+        start = time.perf_counter()
+        trainer.step(workload.train_set, batches[0][run])
+        score()
+        first_s += _synchronized(device, start)
+        for r in range(mode.repeats):
+            start = time.perf_counter()
+            for s in range(mode.steps):
+                trainer.step(workload.train_set, batches[(r + 1) * mode.steps + s][run])
+            train_s[r] += _synchronized(device, start)
+            start = time.perf_counter()
+            score()
+            eval_s[r] += _synchronized(device, start)
+        base = model.unload()  # the base model without this run's adapter, for the next run
+    return {"train": harness.Timing(tuple(train_s), first_s, 0.0, 0.0),
+            "eval": harness.Timing(tuple(eval_s), first_s, 0.0, 0.0)}  # fmt: skip
+
+
+def _synchronized(device: str, start: float) -> float:
+    """Seconds since ``start`` once the device's queued work is done."""
+    import torch
+
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def _phases(
+    train: Callable[[int], None], score: Callable[[], None], mode: DeviceMode, *, warm: Callable[[], None]
+) -> dict[str, harness.Timing]:
+    """oodjax's phases timed: a warm-up (compiling the train step, one step and one evaluation, compile time
+    counted by ``harness.CompileClock``), then per repetition ``mode.steps`` steps and one evaluation (each
+    step returns its loss to the host, so a timed phase ends when its work has)."""
+    compiled, start = harness.CompileClock.seconds(), time.perf_counter()
+    warm()
+    train(0)
+    score()
+    first_s, compile_s = time.perf_counter() - start, harness.CompileClock.seconds() - compiled
+    train_s, eval_s, late = [], [], harness.CompileClock.seconds()
+    for r in range(mode.repeats):
+        start = time.perf_counter()
+        for s in range(mode.steps):
+            train((r + 1) * mode.steps + s)
+        train_s.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        score()
+        eval_s.append(time.perf_counter() - start)
+    late = harness.CompileClock.seconds() - late
+    return {"train": harness.Timing(tuple(train_s), first_s, compile_s, late),
+            "eval": harness.Timing(tuple(eval_s), first_s, compile_s, late)}  # fmt: skip
+
+
+def _describe(
+    phase: str, mode: DeviceMode, shape: str, device_line: str, geometry: Any, workload: Any, runs: int,
+    peak: float | None,
+) -> str:
+    lengths = workload.train_set.lengths if phase == "train" else workload.eval_set.lengths
+    what = (
+        f"{mode.steps} steps of batch {settings.TRAIN_BATCH} per run and repetition; oodjax: one train step for "
+        f"all runs, {geometry.grad_accum} micro-batch(es) of {geometry.rows} packed rows of {geometry.seq_len} "
+        f"tokens; PyTorch: each run's tuned loop (dynamic padding, head at the answer position)"
+        if phase == "train" else
+        f"{len(lengths)} real testset prompts scored by every run; oodjax: one pool packed into rows, all runs "
+        "at once; PyTorch: each run's tuned loop (length-sorted batches, two head columns)"
+    )  # fmt: skip
+    mfu = f"of peak = MFU against {peak / 1e12:.0f} TFLOP/s bf16" if peak else "no MFU (device peak unknown)"
+    return (
+        f"{runs} runs, SmolLM3-3B's shape ({shape}; random weights), {device_line}; {what}. Prompts: mean "
+        f"{statistics.mean(lengths.tolist()):.0f} GPT-2 tokens, max {int(lengths.max())}. Model FLOPs count "
+        f"real tokens only; {mfu}. Compile time is oodjax's warm-up (train step and evaluation)."
+    )
