@@ -113,7 +113,7 @@ def run(mode: settings.Mode, cases: list[str], workdir: pathlib.Path) -> dict:
         steps = (mode.warmup + mode.repeats) * mode.train_steps_per_repeat
         engine = build_engine(
             lambda mesh: models.load_pretrained(checkpoint, dtype="float32", mesh=mesh), seeds=[0], total_steps=steps,
-            yes_id=workload.yes_id, no_id=workload.no_id, buckets=mode.buckets,
+            yes_id=workload.yes_id, no_id=workload.no_id,
         )  # fmt: skip
         if "eval" in cases:
             record(case_eval.run(mode, workload, engine, torch_model, peak_flops))

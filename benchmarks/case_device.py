@@ -24,7 +24,6 @@ With --smoke the same code runs tiny on any backend (CI, on CPU).
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections.abc import Callable
 from typing import Any
@@ -110,10 +109,9 @@ def _oodjax(
     mode: DeviceMode, workload: Any, seeds: list[int], batches: list[list[np.ndarray]], answers: dict[str, int]
 ) -> tuple[dict[str, harness.Timing], dict[str, float], Any]:
     """oodjax's 9 runs in one process: per repetition, ``mode.steps`` train steps and one evaluation."""
-    total = len(batches)
     engine = build_engine(
         lambda mesh: models.from_config(mode.model, dtype="bfloat16", seed=0, remat=mode.remat),
-        seeds=seeds, total_steps=total, buckets=(), **answers,
+        seeds=seeds, total_steps=len(batches), **answers,
     )  # fmt: skip
     tokenized = workload.train_set
     geometry = train_geometry(tokenized, batches, grad_accum=mode.grad_accum, row_length=DEFAULT_MAX_LENGTH)
@@ -152,69 +150,75 @@ def _pytorch_sequential(
     mode: DeviceMode, workload: Any, seeds: list[int], batches: list[list[np.ndarray]], answers: dict[str, int],
     device: str,
 ) -> dict[str, harness.Timing]:
-    """The runs one after another, as the study ran them: per repetition and run, peft's LoRA attached, a
-    warm-up step and evaluation on the first repetition, ``mode.steps`` steps, one evaluation, LoRA removed."""
+    """The runs one after another, as the study ran them: per run, peft's LoRA attached, a warm-up step and
+    evaluation, then per repetition ``mode.steps`` steps and one evaluation, LoRA removed; each repetition's
+    times summed over the runs."""
     import torch
+
+    def sync() -> None:  # CUDA calls return before their work is done
+        if device == "cuda":
+            torch.cuda.synchronize()
 
     base = torch_contenders.build_model(mode.model, seed=0, dtype=torch.bfloat16, device=device)
     rows = np.arange(len(workload.eval_set))
-    train_s, eval_s, first_s = [0.0] * mode.repeats, [0.0] * mode.repeats, 0.0
+    train_s, eval_s, first_s = np.zeros(mode.repeats), np.zeros(mode.repeats), 0.0
     for run, seed in enumerate(seeds):
         model = torch_contenders.attach_lora(base, seed=seed)
         trainer = torch_contenders.Trainer(model, tuned=True, total_steps=len(batches), **answers)
+
+        def train(step: int) -> None:
+            trainer.step(workload.train_set, batches[step][run])
 
         def score() -> None:
             torch_contenders.margins_tuned(model, workload.eval_set, rows, batch_size=mode.eval_batch_rows, **answers)
 
         start = time.perf_counter()
-        trainer.step(workload.train_set, batches[0][run])
+        train(0)
         score()
-        first_s += _synchronized(device, start)
-        for r in range(mode.repeats):
-            start = time.perf_counter()
-            for s in range(mode.steps):
-                trainer.step(workload.train_set, batches[(r + 1) * mode.steps + s][run])
-            train_s[r] += _synchronized(device, start)
-            start = time.perf_counter()
-            score()
-            eval_s[r] += _synchronized(device, start)
+        sync()
+        first_s += time.perf_counter() - start
+        run_train_s, run_eval_s = _repetitions(train, score, mode, sync)
+        train_s, eval_s = train_s + run_train_s, eval_s + run_eval_s
         base = model.unload()  # the base model without this run's adapter, for the next run
-    return {"train": harness.Timing(tuple(train_s), first_s, 0.0, 0.0),
-            "eval": harness.Timing(tuple(eval_s), first_s, 0.0, 0.0)}  # fmt: skip
-
-
-def _synchronized(device: str, start: float) -> float:
-    """Seconds since ``start`` once the device's queued work is done."""
-    import torch
-
-    if device == "cuda":
-        torch.cuda.synchronize()
-    return time.perf_counter() - start
+    return {"train": harness.Timing(tuple(train_s.tolist()), first_s, 0.0, 0.0),
+            "eval": harness.Timing(tuple(eval_s.tolist()), first_s, 0.0, 0.0)}  # fmt: skip
 
 
 def _phases(
     train: Callable[[int], None], score: Callable[[], None], mode: DeviceMode, *, warm: Callable[[], None]
 ) -> dict[str, harness.Timing]:
     """oodjax's phases timed: a warm-up (compiling the train step, one step and one evaluation, compile time
-    counted by ``harness.CompileClock``), then per repetition ``mode.steps`` steps and one evaluation (each
-    step returns its loss to the host, so a timed phase ends when its work has)."""
+    counted by ``harness.CompileClock``), then ``_repetitions`` (each step returns its loss to the host, and
+    an evaluation its margins, so a timed phase ends when its work has)."""
     compiled, start = harness.CompileClock.seconds(), time.perf_counter()
     warm()
     train(0)
     score()
     first_s, compile_s = time.perf_counter() - start, harness.CompileClock.seconds() - compiled
-    train_s, eval_s, late = [], [], harness.CompileClock.seconds()
+    compiled = harness.CompileClock.seconds()
+    train_s, eval_s = _repetitions(train, score, mode, sync=lambda: None)
+    late = harness.CompileClock.seconds() - compiled
+    return {"train": harness.Timing(tuple(train_s.tolist()), first_s, compile_s, late),
+            "eval": harness.Timing(tuple(eval_s.tolist()), first_s, compile_s, late)}  # fmt: skip
+
+
+def _repetitions(
+    train: Callable[[int], None], score: Callable[[], None], mode: DeviceMode, sync: Callable[[], None]
+) -> tuple[np.ndarray, np.ndarray]:
+    """Seconds of each repetition's two phases: ``mode.steps`` training steps (repetition r takes steps
+    (r + 1) x steps on: step 0 is the warm-up's) and one evaluation, each ended by ``sync``."""
+    train_s, eval_s = np.zeros(mode.repeats), np.zeros(mode.repeats)
     for r in range(mode.repeats):
         start = time.perf_counter()
         for s in range(mode.steps):
             train((r + 1) * mode.steps + s)
-        train_s.append(time.perf_counter() - start)
+        sync()
+        train_s[r] = time.perf_counter() - start
         start = time.perf_counter()
         score()
-        eval_s.append(time.perf_counter() - start)
-    late = harness.CompileClock.seconds() - late
-    return {"train": harness.Timing(tuple(train_s), first_s, compile_s, late),
-            "eval": harness.Timing(tuple(eval_s), first_s, compile_s, late)}  # fmt: skip
+        sync()
+        eval_s[r] = time.perf_counter() - start
+    return train_s, eval_s
 
 
 def _describe(
@@ -233,6 +237,6 @@ def _describe(
     mfu = f"of peak = MFU against {peak / 1e12:.0f} TFLOP/s bf16" if peak else "no MFU (device peak unknown)"
     return (
         f"{runs} runs, SmolLM3-3B's shape ({shape}; random weights), {device_line}; {what}. Prompts: mean "
-        f"{statistics.mean(lengths.tolist()):.0f} GPT-2 tokens, max {int(lengths.max())}. Model FLOPs count "
+        f"{lengths.mean():.0f} GPT-2 tokens, max {int(lengths.max())}. Model FLOPs count "
         f"real tokens only; {mfu}. Compile time is oodjax's warm-up (train step and evaluation)."
     )

@@ -23,7 +23,7 @@ from benchmarks.oodjax_contenders import Engine, train_geometry
 from benchmarks.settings import Mode
 from benchmarks.workload import Workload, training_order
 from oodjax.data import fitting_bucket
-from oodjax.engine.geometry import micro_batch_lengths
+from oodjax.engine.geometry import BatchGeometry
 
 
 def run(mode: Mode, workload: Workload, engine: Engine, torch_model: peft.PeftModel, peak_flops: float) -> dict[str, Any]:
@@ -68,7 +68,7 @@ def run(mode: Mode, workload: Workload, engine: Engine, torch_model: peft.PeftMo
     }
     first = {name: values[0] for name, values in losses.items()}
     real_tokens = sum(int(tokenized.lengths[rows].sum()) for rows in order)
-    computed_tokens = sum(_computed_tokens(Engine.train_batch(geometry, tokenized, [rows]), mode.buckets) for rows in order)
+    computed_tokens = sum(_computed_tokens(Engine.train_batch(geometry, tokenized, [rows]), geometry) for rows in order)
     return {
         "case": "train",
         "title": "Training throughput",
@@ -95,10 +95,10 @@ def run(mode: Mode, workload: Workload, engine: Engine, torch_model: peft.PeftMo
     }
 
 
-def _computed_tokens(batch: dict[str, np.ndarray], buckets: tuple[int, ...]) -> int:
-    """Tokens the train step computes for a host step [grad_accum, rows, S]: rows x the length
-    (of the step's own ``micro_batch_lengths``) of each non-empty micro-batch."""
-    lengths = micro_batch_lengths(buckets, batch["input_ids"].shape[-1])
+def _computed_tokens(batch: dict[str, np.ndarray], geometry: BatchGeometry) -> int:
+    """Tokens the train step computes for a host step [grad_accum, rows, S]: rows x the length (of
+    ``geometry.micro_batch_lengths``) of each non-empty micro-batch."""
+    lengths = geometry.micro_batch_lengths
     total = 0
     for mask, valid in zip(batch["segment_ids"], batch["valid"]):
         if valid.any():

@@ -44,7 +44,6 @@ class Engine:
     runs: steps.TrainState
     eval_step: Callable[..., jax.Array]
     make_train_step: Callable[[BatchGeometry, steps.TrainState], Any]  # steps.make_train_step for a geometry
-    buckets: tuple[int, ...] = ()  # lengths a training micro-batch is cut to (below its rows' length)
     made: dict[BatchGeometry, Any] = dataclasses.field(default_factory=dict)  # train steps, by geometry
 
     def margins(self, pool: EvalPool) -> list[dict[str, np.ndarray]]:
@@ -148,7 +147,7 @@ def lora_config() -> LoRAConfig:
 
 def build_engine(
     model: Callable[[jax.sharding.Mesh], nnx.Module], *, seeds: Sequence[int], total_steps: int, yes_id: int,
-    no_id: int, buckets: Sequence[int],
+    no_id: int,
 ) -> Engine:
     """``model(mesh)`` (a checkpoint loaded by ``load_pretrained``, or a random model) on the first device, one
     adapter per seed, the steps made by steps.py (the train step once its geometry is known:
@@ -169,5 +168,4 @@ def build_engine(
         runs=runs,
         eval_step=steps.make_eval_step(graphdef, yes_id, no_id, mesh=mesh),
         make_train_step=make_train_step,
-        buckets=tuple(buckets),
     )
