@@ -56,6 +56,8 @@ from absl import app, flags
 from ml_collections import config_dict
 
 from configs import base
+from oodjax import usage_errors
+from oodjax.usage_errors import ConfigError
 
 CONFIG_FLAG = "config"
 _OVERRIDE = re.compile(rf"--?(?P<no>no)?{CONFIG_FLAG}\.(?P<field>[^=]*)(?:=(?P<value>.*))?", re.DOTALL)
@@ -63,7 +65,7 @@ _HELP_ARGUMENTS = ("-h", "-help", "--help", "-?", "-helpshort", "--helpshort")
 _TRUE, _FALSE = ("true", "1"), ("false", "0")
 
 
-class CommandLineError(ValueError):
+class CommandLineError(ConfigError):
     """A `--config` or `--config.<field>` argument that cannot be applied; the message names it."""
 
 
@@ -84,12 +86,29 @@ def run(main: Callable[[config_dict.ConfigDict], None], doc: str) -> None:
 
     `doc` (the entry point's docstring) opens `--help`, followed by the
     flags and every config field. A bad override is reported in one line
-    and exits with status 1, as absl does for a bad flag. Defines the
-    `--config` flag (``define_config_flag``) unless it is defined already.
+    and exits with status 2, as does a ``usage_errors.UsageError`` that
+    ``main`` raises (a config check, a file or a hub download that is not
+    there); other errors keep their traceback. Defines the `--config` flag
+    (``define_config_flag``) unless it is defined already.
     """
     if CONFIG_FLAG not in flags.FLAGS:
         define_config_flag()
-    app.run(main, flags_parser=functools.partial(_parse_or_exit, doc=doc))
+
+    def reported_main(config: config_dict.ConfigDict) -> None:
+        with usage_errors.reported(_program(), config_spec=flags.FLAGS[CONFIG_FLAG].value):
+            main(config)
+
+    app.run(reported_main, flags_parser=functools.partial(_parse_or_exit, doc=doc))
+
+
+def _program(argv0: str | None = None) -> str:
+    """How the user called this entry point, for its error lines: `oodjax-train`, or `python -m oodjax.main`
+    (``python -m`` puts the module's file in argv[0])."""
+    argv0 = sys.argv[0] if argv0 is None else argv0
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    if spec is not None and spec.origin and pathlib.Path(argv0).resolve() == pathlib.Path(spec.origin).resolve():
+        return f"python -m {spec.name.removesuffix('.__main__')}"
+    return pathlib.Path(argv0).name
 
 
 def parse_command_line(argv: Sequence[str], flag_values: flags.FlagValues = flags.FLAGS) -> config_dict.ConfigDict:
@@ -212,7 +231,7 @@ def _config_path(target: ast.expr) -> str | None:
 def _parse_or_exit(
     argv: list[str], doc: str, flag_values: flags.FlagValues = flags.FLAGS
 ) -> config_dict.ConfigDict:
-    """`run`'s flags parser: `--help` prints the help and exits 0; a bad argument prints one line and exits 1."""
+    """`run`'s flags parser: `--help` prints the help and exits 0; a bad argument prints one line and exits 2."""
     before_separator = argv[: argv.index("--")] if "--" in argv else argv
     if any(argument in _HELP_ARGUMENTS for argument in before_separator[1:]):
         print(help_text(doc, flag_values))
@@ -220,8 +239,8 @@ def _parse_or_exit(
     try:
         return parse_command_line(argv, flag_values)
     except (CommandLineError, flags.Error) as error:
-        print(f"{argv[0]}: {error}\nPass --help to list the flags and the config fields.", file=sys.stderr)
-        sys.exit(1)
+        print(f"{_program(argv[0])}: error: {error} (--help lists the flags and the config fields)", file=sys.stderr)
+        sys.exit(usage_errors.EXIT_STATUS)
 
 
 def help_text(doc: str, flag_values: flags.FlagValues = flags.FLAGS) -> str:

@@ -54,6 +54,7 @@ from oodjax.engine.geometry import eval_geometry
 from oodjax.main import start_process
 from oodjax.models.lora import LoRAConfig, apply_lora, lora_from_peft, read_peft
 from oodjax.models.partitioning import param_shardings
+from oodjax.usage_errors import ConfigError
 
 BASE_RUN_SUFFIX = "base"
 IN_CONTEXT_SUFFIX = "-icl"  # of the model name of in-context runs: the analysis groups them apart
@@ -99,7 +100,7 @@ def plan_evaluation(config: config_dict.ConfigDict) -> list[EvaluatedRun]:
     names = [run.name for run in planned]
     repeated = sorted({name for name in names if names.count(name) > 1})
     if repeated:
-        raise ValueError(f"model.adapters: two adapters would both be evaluated as {repeated}; rename a folder")
+        raise ConfigError(f"model.adapters: two adapters would both be evaluated as {repeated}; rename a folder")
     return planned
 
 
@@ -169,7 +170,7 @@ def _shared_adapter_config(adapters: Sequence[tuple[LoRAConfig, Any]], folders: 
     first = adapters[0][0]
     for (cfg, _), folder in zip(adapters, folders, strict=True):
         if (cfg.rank, cfg.alpha, cfg.targets) != (first.rank, first.alpha, first.targets):
-            raise ValueError(
+            raise ConfigError(
                 f"model.adapters: {folder} has rank {cfg.rank}, alpha {cfg.alpha}, targets {list(cfg.targets)} but "
                 f"{folders[0]} has rank {first.rank}, alpha {first.alpha}, targets {list(first.targets)}; adapters "
                 "evaluated together must agree (evaluate the others in a call of their own)"

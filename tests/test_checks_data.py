@@ -10,6 +10,7 @@ import pytest
 from huggingface_hub.errors import RepositoryNotFoundError
 
 from oodjax.engine import checks
+from oodjax.usage_errors import ConfigError
 from tests.engine_configs import tiny_config
 
 RTE_DECLARATION = {"source": "nyu-mll/glue", "config": "rte", "split": "validation", "premise": "sentence1",
@@ -46,7 +47,7 @@ def test_declared_testsets_and_overrides_pass(config, tmp_path):
 
 def test_a_testset_neither_built_in_nor_declared_is_named(config):
     declare(config, ("mnli", "rte_vall"), rte_val=RTE_DECLARATION)
-    with pytest.raises(KeyError, match="unknown testset 'rte_vall'; known testsets: snli, .*, anli, rte_val"):
+    with pytest.raises(ConfigError, match="data.testsets: unknown testset 'rte_vall'; known testsets: snli, .*, anli, rte_val"):
         checks.check_config(config)
 
 

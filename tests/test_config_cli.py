@@ -174,10 +174,10 @@ def test_a_bad_override_exits_with_one_line(capsys):
     argv = ["oodjax.main", f"--config={DEMO}", "--config.runs.seeds=a"]
     with pytest.raises(SystemExit) as exit_:
         config_cli._parse_or_exit(argv, "doc", fresh_flags())
-    assert exit_.value.code == 1
+    assert exit_.value.code == 2
     assert capsys.readouterr().err == (
-        "oodjax.main: --config.runs.seeds=a: runs.seeds is a list of integers; 'a' is not an integer\n"
-        "Pass --help to list the flags and the config fields.\n"
+        "oodjax.main: error: --config.runs.seeds=a: runs.seeds is a list of integers; 'a' is not an integer "
+        "(--help lists the flags and the config fields)\n"
     )
 
 

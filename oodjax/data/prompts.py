@@ -25,6 +25,7 @@ import numpy as np
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from oodjax.data.cache import cached_arrays, content_key, default_cache_dir
+from oodjax.usage_errors import NotFetchedError
 
 DEFAULT_TEMPLATE = "{premise} Question: {hypothesis} Yes or No?"
 # The words whose next-token logits are read, (yes, no): entailment is the first.
@@ -89,6 +90,11 @@ def load_tokenizer(source: str | os.PathLike) -> PreTrainedTokenizerBase:
     try:
         return AutoTokenizer.from_pretrained(str(source))
     except Exception as error:  # `tokenizers` raises a plain Exception for a corrupt vocabulary
+        if isinstance(error, OSError) and not pathlib.Path(source).expanduser().is_dir():
+            # A hub id neither cached nor reachable (offline, or a compute node without network).
+            raise NotFetchedError(
+                f"tokenizer {str(source)!r} is not a local folder and the Hugging Face hub could not give it: {error}"
+            ) from error
         raise ValueError(
             f"tokenizer {str(source)!r} cannot be loaded (are its files complete?): {type(error).__name__}: {error}"
         ) from error

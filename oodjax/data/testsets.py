@@ -35,6 +35,8 @@ import pyarrow.parquet
 import yaml
 from absl import logging
 
+from oodjax.usage_errors import NotFetchedError
+
 ENTAILMENT, NOT_ENTAILMENT = 0, 1
 LABEL_FEATURE = datasets.ClassLabel(names=["entailment", "not_entailment"])
 FEATURES = datasets.Features(
@@ -520,11 +522,18 @@ def _load_raw(spec: TestsetSpec, split: str, root: pathlib.Path | None) -> _RawS
     else:
         if spec.hub_data_files is not None:
             source = spec.hub_data_files.format(split=split)
-            table = datasets.load_dataset("parquet", data_files=source, split="train")
+            arguments, keywords = ("parquet",), {"data_files": source, "split": "train"}
         else:
             where = f"{spec.source}/{spec.config}" if spec.config else spec.source
             source = f"hub {where} split {split!r}"
-            table = datasets.load_dataset(spec.source, *([spec.config] if spec.config else []), split=split)
+            arguments, keywords = (spec.source, *([spec.config] if spec.config else [])), {"split": split}
+        try:
+            table = datasets.load_dataset(*arguments, **keywords)
+        except ConnectionError as error:  # datasets' word for an unreachable or offline hub
+            raise NotFetchedError(
+                f"{source} is not in a local mirror (data.data_dir, $OODJAX_DATA_DIR) and the hub cannot be "
+                f"reached: {error}"
+            ) from error
         _check_columns(source, columns, table.column_names)
         raw = _RawSplit(source, table.select_columns(list(columns)).to_dict())
     if not raw.columns[spec.label]:
@@ -548,7 +557,7 @@ def _local_file(spec: TestsetSpec, split: str, root: pathlib.Path | None) -> pat
         return local_path(spec, split, root)
     except FileNotFoundError as error:
         if hub_offline():
-            raise FileNotFoundError(
+            raise NotFetchedError(
                 f"{error}; the hub is offline (HF_HUB_OFFLINE), so it cannot come from there"
             ) from None
         logging.info("%s; reading it from the hub", error)

@@ -24,6 +24,7 @@ Where every check of a config lives, in the order a job meets them:
 
 from __future__ import annotations
 
+import dataclasses
 import pathlib
 
 import datasets
@@ -48,19 +49,22 @@ from oodjax.models.flash_attention import check_implementation
 from oodjax.models.hf_checkpoint import read_json
 from oodjax.models.layers import check_remat
 from oodjax.models.lora import LoRAConfig
+from oodjax.usage_errors import ConfigError, MissingInputError, NotFetchedError
 
 DTYPES = ("float32", "bfloat16", "float16")
 
 
 def check_config(config: config_dict.ConfigDict, *, evaluation: bool = False) -> None:
-    """Raises a ValueError or FileNotFoundError naming the first wrong field; ``evaluation``: the config is
+    """Raises a ``ConfigError`` naming the first wrong field and its allowed values, a ``MissingInputError``
+    naming a path that does not exist, or a ``NotFetchedError`` naming what the offline hub cannot give
+    (``oodjax.usage_errors``: the entry points print each as one line); ``evaluation``: the config is
     ``oodjax.evaluate``'s, not training's."""
     _check_command(config, evaluation)
     _check_lists(config)
     _check_model(config.model)
     _check_lora(config)
     _check_source("tokenizer", config.tokenizer or config.model.path, "tokenizer_config.json")
-    _check_data(config.data)
+    _check_data(config.data, needs_pool=not evaluation or config.eval.in_context)
     _check_runs_and_training(config)
     _check_trackers(config)
     _check_export(config.export)
@@ -71,12 +75,12 @@ def _check_command(config: config_dict.ConfigDict, evaluation: bool) -> None:
     if not config.eval.in_context:
         return
     if not evaluation:
-        raise ValueError(
+        raise ConfigError(
             "eval.in_context=True is for evaluation without training: run `python -m oodjax.evaluate` "
             "(oodjax-evaluate), not oodjax.main"
         )
     if config.model.adapters:
-        raise ValueError(
+        raise ConfigError(
             "eval.in_context=True evaluates the base model in context, so model.adapters must be empty; "
             "evaluate the adapters in a call of their own"
         )
@@ -90,63 +94,66 @@ def _check_lists(config: config_dict.ConfigDict) -> None:
         if not isinstance(value, (tuple, list)) or not all(
             isinstance(item, item_type) and not isinstance(item, bool) for item in value
         ):
-            raise ValueError(f"{field} must be a list of {item_type.__name__}, got {value!r}")
+            raise ConfigError(f"{field} must be a list of {item_type.__name__}, got {value!r}")
 
 
 def _check_trackers(config: config_dict.ConfigDict) -> None:
     if config.wandb.enabled and not installed("wandb"):
-        raise ValueError("wandb.enabled is True but wandb is not installed (pip install wandb)")
+        raise ConfigError("wandb.enabled is True but wandb is not installed (pip install wandb)")
     if config.wandb.mode and config.wandb.mode not in WANDB_MODES:
-        raise ValueError(
+        raise ConfigError(
             f"wandb.mode must be empty (wandb's default) or one of {WANDB_MODES}, got {config.wandb.mode!r}"
         )
     if config.tensorboard.enabled and not installed("tensorboardX"):
-        raise ValueError("tensorboard.enabled is True but tensorboardX is not installed (pip install tensorboardX)")
+        raise ConfigError("tensorboard.enabled is True but tensorboardX is not installed (pip install tensorboardX)")
 
 
 def _check_model(model: config_dict.ConfigDict) -> None:
     has_path, has_hf_config = bool(model.path), bool(model.hf_config.to_dict())
     if has_path == has_hf_config:
-        raise ValueError(
+        raise ConfigError(
             "set exactly one of model.path (a checkpoint) and model.hf_config (a random model); "
             f"got path={model.path!r} and {'a' if has_hf_config else 'no'} hf_config"
         )
     if has_hf_config and "model_type" not in model.hf_config:
-        raise ValueError("model.hf_config needs a model_type (e.g. 'opt')")
+        raise ConfigError("model.hf_config needs a model_type (e.g. 'opt')")
     if has_path:
         _check_source("model.path", model.path, "config.json")
     for field in ("dtype", "compute_dtype"):
         value = model[field]
         if value and value not in DTYPES:
-            raise ValueError(f"model.{field} must be one of {DTYPES}, got {value!r}")
-    check_remat(model.remat)
-    check_implementation(model.attention)
+            raise ConfigError(f"model.{field} must be one of {DTYPES}, got {value!r}")
+    try:
+        check_remat(model.remat)
+        check_implementation(model.attention)
+    except ValueError as error:
+        raise ConfigError(str(error)) from error
 
 
 def _check_lora(config: config_dict.ConfigDict) -> None:
     try:
         LoRAConfig.from_config(config.lora)
     except ValueError as error:
-        raise ValueError(f"lora: {error}") from error
+        raise ConfigError(f"lora: {error}") from error
 
 
 def _check_source(field: str, source: str, marker_file: str) -> None:
     """A local directory holding `marker_file` (a JSON file, read), or a hub id (cached locally when offline)."""
     if not source:
-        raise ValueError(f"{field} is empty: name a local directory or a hub id")
+        raise ConfigError(f"{field} is empty: name a local directory or a hub id")
     path = pathlib.Path(source).expanduser()
     if path.is_dir():
         if not (path / marker_file).is_file():
-            raise FileNotFoundError(f"{field}: directory {path} has no {marker_file}")
+            raise MissingInputError(f"{field}: directory {path} has no {marker_file}")
         try:
             read_json(path / marker_file)
         except ValueError as error:
-            raise ValueError(f"{field}: {error}") from None
+            raise ConfigError(f"{field}: {error}") from None
         return
     if not HUB_ID.fullmatch(source):
-        raise FileNotFoundError(f"{field}: {source!r} does not exist (and is not a hub id)")
+        raise MissingInputError(f"{field}: {source!r} does not exist (and is not a hub id)")
     if hub_offline() and not isinstance(huggingface_hub.try_to_load_from_cache(source, marker_file), str):
-        raise FileNotFoundError(
+        raise NotFetchedError(
             f"{field}: {source!r} is not a local directory, and with HF_HUB_OFFLINE set the hub id "
             "is not in the local cache either"
         )
@@ -155,58 +162,69 @@ def _check_source(field: str, source: str, marker_file: str) -> None:
 def _check_export(export: config_dict.ConfigDict) -> None:
     """A push to the hub that cannot happen is refused now, not after the runs have trained."""
     if (export.every_checkpoint or export.hub_repo) and not export.peft:
-        raise ValueError("export.every_checkpoint and export.hub_repo need export.peft=True")
+        raise ConfigError("export.every_checkpoint and export.hub_repo need export.peft=True")
     if not export.hub_repo:
         return
     if not HUB_ID.fullmatch(export.hub_repo):
-        raise ValueError(f"export.hub_repo {export.hub_repo!r} is not a hub repo id (user/name)")
+        raise ConfigError(f"export.hub_repo {export.hub_repo!r} is not a hub repo id (user/name)")
     if hub_offline():
-        raise ValueError(
+        raise ConfigError(
             f"export.hub_repo={export.hub_repo!r} pushes adapters to the Hugging Face hub, but HF_HUB_OFFLINE is "
             "set; unset it, or leave export.hub_repo empty and upload <run_dir>/adapter/ later"
         )
 
 
-def _check_data(data: config_dict.ConfigDict) -> None:
+def _check_data(data: config_dict.ConfigDict, *, needs_pool: bool) -> None:
+    """``needs_pool``: the job draws few-shot sets (training, the in-context baseline) from data.train_set's pool."""
     if data.data_dir and not pathlib.Path(data.data_dir).expanduser().is_dir():
-        raise FileNotFoundError(f"data.data_dir {data.data_dir!r} is not a directory")
+        raise MissingInputError(f"data.data_dir {data.data_dir!r} is not a directory")
     if not data.testsets:
-        raise ValueError("data.testsets is empty: name the testsets to evaluate (at least data.train_set)")
+        raise ConfigError("data.testsets is empty: name the testsets to evaluate (at least data.train_set)")
     table = _testset_table(data)
     for name in data.testsets:
-        testset_spec(name, table)  # unknown names: an error listing the known ones
+        try:
+            testset_spec(name, table)
+        except KeyError as error:  # an unknown name: the message lists the known ones
+            raise ConfigError(f"data.testsets: {error.args[0]}") from None
     if len(set(data.testsets)) != len(data.testsets):
-        raise ValueError(f"data.testsets lists a testset twice: {list(data.testsets)}")
+        raise ConfigError(f"data.testsets lists a testset twice: {list(data.testsets)}")
     if data.train_set not in training_sets():
-        raise ValueError(
+        raise ConfigError(
             f"data.train_set {data.train_set!r} is not a training set; few-shot pools exist for: "
             f"{', '.join(training_sets())}"
         )
     if data.train_set not in data.testsets:
-        raise ValueError(
+        raise ConfigError(
             f"data.train_set {data.train_set!r} must also be in data.testsets: it is the in-domain testset"
         )
     if data.eval_cap < 0:
-        raise ValueError(f"data.eval_cap must be >= 0 (0 = no cap), got {data.eval_cap}")
+        raise ConfigError(f"data.eval_cap must be >= 0 (0 = no cap), got {data.eval_cap}")
     if data.neutral not in ("drop", "not_entailment"):
-        raise ValueError(f"data.neutral must be 'drop' or 'not_entailment', got {data.neutral!r}")
+        raise ConfigError(f"data.neutral must be 'drop' or 'not_entailment', got {data.neutral!r}")
     answers = list(data.answers)
     if len(answers) != 2 or len(set(answers)) != 2 or not all(answers):
-        raise ValueError(f"data.answers must be two different non-empty words (yes, no), got {answers}")
+        raise ConfigError(f"data.answers must be two different non-empty words (yes, no), got {answers}")
     root = pathlib.Path(data.data_dir).expanduser() if data.data_dir else default_data_dir()
     for name in data.testsets:
         _check_available(name, table[name], root)
+    if needs_pool:
+        spec = testset_spec(data.train_set)
+        pool = dataclasses.replace(spec, split=data.pool_split or spec.pool_split)
+        _check_available(data.train_set, pool, root)  # the message names the pool's split
 
 
 def _testset_table(data: config_dict.ConfigDict) -> dict[str, TestsetSpec]:
     """The built-in and declared testsets; a bad declaration is an error naming it and its field."""
     if not isinstance(data.extra_testsets, config_dict.ConfigDict):
-        raise ValueError(f"data.extra_testsets must be a dict of testset declarations, got {data.extra_testsets!r}")
+        raise ConfigError(f"data.extra_testsets must be a dict of testset declarations, got {data.extra_testsets!r}")
     if data.extra_testsets_file and not pathlib.Path(data.extra_testsets_file).expanduser().is_file():
-        raise FileNotFoundError(f"data.extra_testsets_file {data.extra_testsets_file!r} is not a file")
-    table = testset_table(data.extra_testsets.to_dict(), data.extra_testsets_file or None)
+        raise MissingInputError(f"data.extra_testsets_file {data.extra_testsets_file!r} is not a file")
+    try:
+        table = testset_table(data.extra_testsets.to_dict(), data.extra_testsets_file or None)
+    except ValueError as error:  # the message names the declaration and its field
+        raise ConfigError(str(error)) from error
     if schema.TRAIN_TESTSET in table:
-        raise ValueError(
+        raise ConfigError(
             f"{table[schema.TRAIN_TESTSET].origin}: {schema.TRAIN_TESTSET!r} is the results' name for each run's "
             "own training set; name the testset otherwise"
         )
@@ -224,7 +242,7 @@ def _check_available(name: str, spec: TestsetSpec, root: pathlib.Path | None) ->
     where = spec.origin or f"testset {name!r}"
     if spec.is_local_file:
         if not pathlib.Path(spec.source).is_file():
-            raise FileNotFoundError(f"{where}, field 'source': file {spec.source} does not exist")
+            raise MissingInputError(f"{where}, field 'source': file {spec.source} does not exist")
         return
     missing = []
     if root is not None:
@@ -237,8 +255,8 @@ def _check_available(name: str, spec: TestsetSpec, root: pathlib.Path | None) ->
             return
     if hub_offline():
         if not _hub_cached(spec.source):
-            reason = "; ".join(missing) if missing else "no local mirror (data.data_dir, $OODJAX_DATA_DIR) is set"
-            raise FileNotFoundError(
+            reason = "; ".join(missing) or f"no local mirror (data.data_dir, $OODJAX_DATA_DIR) is set for split {spec.split!r}"
+            raise NotFetchedError(
                 f"{where}: {reason}; the hub is offline (HF_HUB_OFFLINE) and {spec.source!r} is not in its cache"
             )
         return
@@ -246,7 +264,7 @@ def _check_available(name: str, spec: TestsetSpec, root: pathlib.Path | None) ->
         try:
             huggingface_hub.HfApi().dataset_info(spec.source)
         except Exception as error:  # not found, private, or no network: each says why in its message
-            raise FileNotFoundError(
+            raise MissingInputError(
                 f"{where}, field 'source': hub dataset {spec.source!r} cannot be read: {type(error).__name__}: {error}"
             ) from error
 
@@ -265,9 +283,9 @@ def _check_runs_and_training(config: config_dict.ConfigDict) -> None:
     for field in ("seeds", "shots"):
         values = list(runs[field])
         if not values or len(set(values)) != len(values):
-            raise ValueError(f"runs.{field} must be a non-empty list without repeats, got {values}")
+            raise ConfigError(f"runs.{field} must be a non-empty list without repeats, got {values}")
     if min(runs.shots) < 1:
-        raise ValueError(f"runs.shots must be positive, got {list(runs.shots)}")
+        raise ConfigError(f"runs.shots must be positive, got {list(runs.shots)}")
     # The batch sizes are checked where the batch geometry is worked out (oodjax.engine.geometry).
     positive = {
         "train.steps": train.steps,
@@ -277,8 +295,8 @@ def _check_runs_and_training(config: config_dict.ConfigDict) -> None:
     }
     for field, value in positive.items():
         if value < 1:
-            raise ValueError(f"{field} must be >= 1, got {value}")
+            raise ConfigError(f"{field} must be >= 1, got {value}")
     if not 0 <= train.warmup_steps <= train.steps:
-        raise ValueError(f"train.warmup_steps must be in [0, train.steps={train.steps}], got {train.warmup_steps}")
+        raise ConfigError(f"train.warmup_steps must be in [0, train.steps={train.steps}], got {train.warmup_steps}")
     if not config.output_dir:
-        raise ValueError("output_dir is empty")
+        raise ConfigError("output_dir is empty")

@@ -43,6 +43,7 @@ from oodjax.data import (
     replay_rows,
 )
 from oodjax.engine import sharding
+from oodjax.usage_errors import ConfigError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,14 +60,14 @@ class EvalGeometry:
     def __post_init__(self) -> None:
         for field, value in {"eval.batch_size": self.rows, "data.max_length": self.seq_len}.items():
             if value < 1:
-                raise ValueError(f"{field} must be >= 1, got {value}")
+                raise ConfigError(f"{field} must be >= 1, got {value}")
         if self.rows % self.batch_shards:
-            raise ValueError(
+            raise ConfigError(
                 f"eval.batch_size {self.rows} must be a multiple of the {self.batch_shards} batch shards "
                 "(mesh.data x mesh.fsdp)"
             )
         if any(length < 1 for length in self.row_lengths):
-            raise ValueError(f"eval.row_lengths must be positive lengths, got {list(self.row_lengths)}")
+            raise ConfigError(f"eval.row_lengths must be positive lengths, got {list(self.row_lengths)}")
 
     @property
     def batch_tokens(self) -> int:
@@ -116,18 +117,18 @@ class BatchGeometry:
         }
         for field, value in positive.items():
             if value < 1:
-                raise ValueError(f"{field} must be >= 1, got {value}")
+                raise ConfigError(f"{field} must be >= 1, got {value}")
         if self.batch_size % self.grad_accum:
-            raise ValueError(
+            raise ConfigError(
                 f"train.batch_size {self.batch_size} must be a multiple of train.grad_accum {self.grad_accum}"
             )
         if not self.packed and self.batch_size // self.grad_accum % self.batch_shards:
-            raise ValueError(
+            raise ConfigError(
                 f"train micro-batch {self.batch_size // self.grad_accum} (train.batch_size / train.grad_accum) must "
                 f"be a multiple of the {self.batch_shards} batch shards (mesh.data x mesh.fsdp) without train.pack"
             )
         if any(b < 1 for b in self.buckets):
-            raise ValueError(f"data.buckets must be positive lengths, got {list(self.buckets)}")
+            raise ConfigError(f"data.buckets must be positive lengths, got {list(self.buckets)}")
 
     @property
     def layout(self) -> StepLayout:

@@ -32,6 +32,7 @@ from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from oodjax.models.partitioning import LOGICAL_AXIS_RULES, logical_to_spec
+from oodjax.usage_errors import ConfigError
 
 MESH_AXES = ("data", "fsdp", "tensor")
 BATCH_AXES: tuple[str, ...] = tuple(dict(LOGICAL_AXIS_RULES)["batch"])
@@ -46,14 +47,14 @@ def make_mesh(data: int = 1, fsdp: int = 1, tensor: int = 1, *, devices: list | 
     devices = list(jax.devices()) if devices is None else list(devices)
     sizes = [data, fsdp, tensor]
     if sizes.count(-1) > 1 or any(s == 0 or s < -1 for s in sizes):
-        raise ValueError(f"mesh sizes (data, fsdp, tensor) = {tuple(sizes)}: each must be >= 1, at most one -1")
+        raise ConfigError(f"mesh sizes (data, fsdp, tensor) = {tuple(sizes)}: each must be >= 1, at most one -1")
     if -1 in sizes:
         known = math.prod(s for s in sizes if s != -1)
         if len(devices) % known:
-            raise ValueError(f"mesh sizes {tuple(sizes)}: {len(devices)} devices are not divisible by {known}")
+            raise ConfigError(f"mesh sizes {tuple(sizes)}: {len(devices)} devices are not divisible by {known}")
         sizes[sizes.index(-1)] = len(devices) // known
     if math.prod(sizes) != len(devices):
-        raise ValueError(
+        raise ConfigError(
             f"mesh sizes (data, fsdp, tensor) = {tuple(sizes)} need {math.prod(sizes)} devices; "
             f"there are {len(devices)}"
         )

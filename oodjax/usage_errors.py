@@ -1,0 +1,59 @@
+"""Errors a user fixes, reported as one line with exit status 2; anything else is a bug and keeps its traceback.
+
+A wrong config value, a path that does not exist, or a model, tokenizer or
+testset split that is not on this machine while the hub is out of reach:
+each is the user's to fix, and a 30-line traceback around the one line that
+matters hides it. The entry points run their work inside ``reported``, which
+prints such an error as ``<program>: error: <message>`` and exits with
+status 2 (the status argparse and absl use for a bad command line). What is
+not a ``UsageError`` propagates untouched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Iterator
+
+EXIT_STATUS = 2
+FETCH_COMMAND = "oodjax-fetch"
+
+
+class UsageError(Exception):
+    """A mistake or a missing input the user fixes; the message says what is wrong, where, and what to do."""
+
+
+class ConfigError(UsageError, ValueError):
+    """A config field whose value cannot be used; the message names the field and the allowed values."""
+
+
+class MissingInputError(UsageError, FileNotFoundError):
+    """A file or folder the job reads does not exist."""
+
+
+class NotFetchedError(MissingInputError):
+    """A model, tokenizer or testset split that must come from the Hugging Face hub, which is not reachable (or
+    HF_HUB_OFFLINE is set), and is not on this machine: ``oodjax-fetch`` brings it, on a machine online."""
+
+
+def fetch_hint(config_spec: str | None) -> str:
+    """What to run, on a machine that reaches the hub, to bring what a config needs."""
+    target = config_spec or "CONFIG"
+    return f"on a machine online (a cluster's login node) run `{FETCH_COMMAND} {target}`, then retry"
+
+
+@contextlib.contextmanager
+def reported(program: str, *, config_spec: str | None = None) -> Iterator[None]:
+    """Runs the body; a ``UsageError`` becomes one line on stderr and exit status 2.
+
+    ``config_spec`` (the ``--config`` argument) completes the fetch command a
+    ``NotFetchedError`` suggests.
+    """
+    try:
+        yield
+    except UsageError as error:
+        message = " ".join(str(error).split("\n"))  # one line, whatever a library's message held
+        if isinstance(error, NotFetchedError):
+            message = f"{message}; {fetch_hint(config_spec)}"
+        print(f"{program}: error: {message}", file=sys.stderr, flush=True)
+        sys.exit(EXIT_STATUS)
