@@ -9,6 +9,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import unittest.mock
 
 import pytest
 
@@ -80,6 +81,33 @@ def test_config_errors_found_by_the_checks_are_config_errors(tmp_path):
     config.data.testsets = ("mnli", "nope")
     with pytest.raises(ConfigError, match=r"data.testsets: unknown testset 'nope'; known testsets: snli, mnli"):
         checks.check_config(config)
+
+
+def test_a_tokenizer_larger_than_the_model_is_refused_before_loading(tmp_path):
+    """GPT-2's 50257 tokens for a model that embeds 50000: ids past 49999 would read no embedding row."""
+    config = demo.get_config()
+    config.output_dir = str(tmp_path)
+    config.model.hf_config.vocab_size = 50000
+    with pytest.raises(ConfigError, match=r"tokenizer '.*gpt2' has 50257 tokens \(ids 0..50256\), but model.hf_config "
+                       r"embeds only 50000 \(vocab_size\)"):
+        checks.check_config(config)
+    config.model.hf_config.vocab_size = 50257
+    checks.check_config(config)
+
+
+def test_an_unwritable_output_dir_is_refused_before_loading(tmp_path):
+    (tmp_path / "a_file").write_text("")
+    config = demo.get_config()
+    config.output_dir = str(tmp_path / "a_file" / "results")
+    with pytest.raises(ConfigError, match=r"output_dir '.*a_file/results' cannot be created: .*a_file is a file"):
+        checks.check_config(config)
+    read_only = tmp_path / "read_only"
+    read_only.mkdir()
+    config.output_dir = str(read_only / "results")
+    with unittest.mock.patch("tempfile.TemporaryFile", side_effect=OSError(30, "Read-only file system")):
+        with pytest.raises(ConfigError, match=r"cannot be written: Read-only file system in .*read_only$"):
+            checks.check_config(config)
+    assert not (read_only / "results").exists()
 
 
 def test_loaders_say_what_was_not_fetched(tmp_path, monkeypatch):

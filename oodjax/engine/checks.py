@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import pathlib
+import tempfile
 
 import datasets
 import huggingface_hub
@@ -34,6 +35,7 @@ from ml_collections import config_dict
 
 from analysis import schema
 from configs.base import LIST_ITEM_TYPES
+from oodjax.data import answer_token_ids, load_tokenizer
 from oodjax.data.testsets import (
     HUB_ID,
     TestsetSpec,
@@ -68,6 +70,8 @@ def check_config(config: config_dict.ConfigDict, *, evaluation: bool = False) ->
     _check_runs_and_training(config)
     _check_trackers(config)
     _check_export(config.export)
+    _check_vocabulary(config)
+    _check_output_dir(config.output_dir)
 
 
 def _check_command(config: config_dict.ConfigDict, evaluation: bool) -> None:
@@ -300,3 +304,57 @@ def _check_runs_and_training(config: config_dict.ConfigDict) -> None:
         raise ConfigError(f"train.warmup_steps must be in [0, train.steps={train.steps}], got {train.warmup_steps}")
     if not config.output_dir:
         raise ConfigError("output_dir is empty")
+
+
+def _check_vocabulary(config: config_dict.ConfigDict) -> None:
+    """Every id the tokenizer can give, the answer words' among them, has a row in the model's embedding.
+
+    An id past the embedding is not an error inside jit: XLA clamps or
+    fills an out-of-bounds gather, so a tokenizer larger than the model
+    (another model's, or one with added tokens) would train into NaN or
+    score the wrong rows. Checked here, before the model loads.
+    """
+    source = config.tokenizer or config.model.path
+    tokenizer = load_tokenizer(source)
+    try:
+        answer_token_ids(tokenizer, config.data.answers)
+    except ValueError as error:  # a word of several tokens, or two words of one token: the message says which
+        raise ConfigError(str(error)) from None
+    vocab_size = _model_config(config.model).get("vocab_size")
+    if isinstance(vocab_size, int) and len(tokenizer) > vocab_size:
+        model = config.model.path or "model.hf_config"
+        raise ConfigError(
+            f"tokenizer {source!r} has {len(tokenizer)} tokens (ids 0..{len(tokenizer) - 1}), but {model} embeds "
+            f"only {vocab_size} (vocab_size): its ids past {vocab_size - 1} have no embedding; use the model's own "
+            "tokenizer (config.tokenizer empty reads model.path's)"
+        )
+
+
+def _model_config(model: config_dict.ConfigDict) -> dict:
+    """The model's config.json as a dict: model.hf_config, or the checkpoint's file (local, cached or from the hub)."""
+    if model.hf_config.to_dict():
+        return model.hf_config.to_dict()
+    path = pathlib.Path(model.path).expanduser()
+    if path.is_dir():
+        return read_json(path / "config.json")
+    return read_json(pathlib.Path(huggingface_hub.hf_hub_download(model.path, "config.json")))
+
+
+def _check_output_dir(output_dir: str) -> None:
+    """output_dir can be created and written to, now rather than after the model has loaded and trained.
+
+    Its nearest existing folder (itself, or the parent it would be created
+    in) is probed with a file that is deleted at once: a read-only file
+    system or a missing permission shows only when writing. Nothing is left
+    behind, so a job refused later has written nothing.
+    """
+    existing = pathlib.Path(output_dir).expanduser().absolute()
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ConfigError(f"output_dir {output_dir!r} cannot be created: {existing} is a file")
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as error:
+        raise ConfigError(f"output_dir {output_dir!r} cannot be written: {error.strerror or error} in {existing}") from None
