@@ -25,6 +25,15 @@ authors published, which the estimator's count is tested against:
   OLMo 2: the model cards of allenai/OLMo-2-1124-7B, -13B and OLMo-2-0325-32B
        (7.30B, 13.7B, 32.2B parameters, as listed on the hub);
   SmolLM3: the model card of HuggingFaceTB/SmolLM3-3B (3.08B parameters).
+
+And each entry lists the weight files its repository publishes on its `main`
+branch (flax and TF weights included), from which
+`oodjax.models.hf_checkpoint.files_to_download` picks what the loader reads:
+the OPT repositories hold only pickled `pytorch_model*.bin` weights there
+(safetensors exist only in unmerged `refs/pr/N` branches), OLMo 2 and SmolLM3
+safetensors. Each listing's source is beside it: the repository's
+`/tree/main` page where the search index held it, else the newest page of
+`main`'s history it held (said so); the pages show relative dates only.
 """
 
 from __future__ import annotations
@@ -38,6 +47,11 @@ from ml_collections import config_dict
 from configs import base
 
 TRAIN_SETS = ("mnli", "snli")
+
+
+def _shards(stem: str, count: int, extension: str) -> tuple[str, ...]:
+    """transformers' shard names: `pytorch_model-00001-of-00007.bin` ..."""
+    return tuple(f"{stem}-{i:05d}-of-{count:05d}.{extension}" for i in range(1, count + 1))
 
 
 _OPT_COMMON = dict(model_type="opt", vocab_size=50272, max_position_embeddings=2048, enable_bias=True)
@@ -55,6 +69,9 @@ class ModelResources:
     # page; tests and estimates never download it), and the parameter count its authors published.
     architecture: Mapping[str, Any]
     published_parameters: float
+    # The weight files (and shard indexes) its hub repository publishes on `main`; empty where no listing of
+    # `main` was found (the source is a comment beside each).
+    published_files: tuple[str, ...]
     dtype: str = "bfloat16"
 
 
@@ -67,6 +84,8 @@ MODELS: dict[str, ModelResources] = {
             attention_bias=False, mlp_bias=False, tie_word_embeddings=True, max_position_embeddings=65536,
         ),
         published_parameters=3.08e9,
+        # https://huggingface.co/HuggingFaceTB/SmolLM3-3B/tree/main (newest commit a07cc9a, "5 months ago")
+        published_files=(*_shards("model", 2, "safetensors"), "model.safetensors.index.json"),
     ),
     "opt2.7": ModelResources(
         "facebook/opt-2.7b", (-1, 1, 1), 1, 128, remat="none",
@@ -75,6 +94,9 @@ MODELS: dict[str, ModelResources] = {
             num_hidden_layers=32, num_attention_heads=32,
         ),
         published_parameters=2.7e9,
+        # https://huggingface.co/facebook/opt-2.7b/tree/main (newest commit 905a4b6, "over 1 year ago"): 5.3 GB
+        # of fp16 pickle, 5.3 GB of msgpack, 10.6 GB of TF weights.
+        published_files=("flax_model.msgpack", "pytorch_model.bin", "tf_model.h5"),
     ),
     "opt6.7": ModelResources(
         "facebook/opt-6.7b", (-1, 1, 1), 2, 64, remat="none",
@@ -83,6 +105,15 @@ MODELS: dict[str, ModelResources] = {
             num_hidden_layers=32, num_attention_heads=32,
         ),
         published_parameters=6.7e9,
+        # No /tree/main page found. main's commit b58ac05, "Add TF weights (#5)"
+        # (https://huggingface.co/facebook/opt-6.7b/tree/b58ac05da9efca444e813370f5a454aa1a1a01fb), holds the
+        # pickle shards and index; "Add Flax weights" (#7, merged Jun 24, 2022:
+        # https://huggingface.co/facebook/opt-6.7b/discussions/7) added the msgpack shards and index. The TF
+        # shards' names are cut off on that page, so they are not listed here.
+        published_files=(
+            *_shards("pytorch_model", 2, "bin"), "pytorch_model.bin.index.json",
+            *_shards("flax_model", 2, "msgpack"), "flax_model.msgpack.index.json",
+        ),
     ),
     "olmo7": ModelResources(
         "allenai/OLMo-2-1124-7B", (-1, 1, 1), 2, 64, remat="save_dots",
@@ -91,6 +122,9 @@ MODELS: dict[str, ModelResources] = {
             num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=4096,
         ),
         published_parameters=7.30e9,
+        # No /tree/main page found; the newest commit found, 7df9a82 ("Update README.md", 34 commits:
+        # https://huggingface.co/allenai/OLMo-2-1124-7B/tree/7df9a82518afdecae4e8c026b27adccc8c1f0032).
+        published_files=(*_shards("model", 6, "safetensors"), "model.safetensors.index.json"),
     ),
     "opt13": ModelResources(
         "facebook/opt-13b", (1, -1, 1), 2, 64, remat="none",
@@ -99,6 +133,15 @@ MODELS: dict[str, ModelResources] = {
             num_hidden_layers=40, num_attention_heads=40,
         ),
         published_parameters=13e9,
+        # No /tree/main page found. main's commit d4fe85a, "Fix scripts (#6)"
+        # (https://huggingface.co/facebook/opt-13b/tree/d4fe85a76c6ff6fe7398f9bee596fa47c8101d85): msgpack shards,
+        # their index and the single 25.7 GB msgpack, pickle shards (the page is cut after the second; the
+        # third and the index are on every earlier page, e.g. commit 9c10d01), and the 25.7 GB tf_model.h5 of
+        # "Add tf_weights" (9c10d01), which refs/pr/26 (unmerged) proposes deleting from main.
+        published_files=(
+            *_shards("flax_model", 3, "msgpack"), "flax_model.msgpack", "flax_model.msgpack.index.json",
+            *_shards("pytorch_model", 3, "bin"), "pytorch_model.bin.index.json", "tf_model.h5",
+        ),
     ),
     "olmo13": ModelResources(
         "allenai/OLMo-2-1124-13B", (1, -1, 1), 2, 64, remat="save_dots",
@@ -107,6 +150,9 @@ MODELS: dict[str, ModelResources] = {
             num_attention_heads=40, num_key_value_heads=40, max_position_embeddings=4096,
         ),
         published_parameters=13.7e9,
+        # https://huggingface.co/allenai/OLMo-2-1124-13B/tree/main (newest commit b7add06, "8 days ago"); the page
+        # is cut after model-00010-of-00012: shards 11 and 12 and the index follow from that naming.
+        published_files=(*_shards("model", 12, "safetensors"), "model.safetensors.index.json"),
     ),
     "opt30": ModelResources(
         "facebook/opt-30b", (1, -1, 1), 2, 32, remat="save_dots",
@@ -115,6 +161,18 @@ MODELS: dict[str, ModelResources] = {
             num_hidden_layers=48, num_attention_heads=56,
         ),
         published_parameters=30e9,
+        # No /tree/main page found. The pickle shards are on every page of the history (e.g.
+        # https://huggingface.co/facebook/opt-30b/tree/dc0db6de0956e0f10259a4e2e3b90c9a9af802cd), the index has
+        # its own history ("upload 30b", bd8ae41, the commit that uploaded the shards), and main holds the msgpack
+        # shards of "Add Flax weights (#5)", Jun 23, 2022
+        # (https://huggingface.co/facebook/opt-30b/commits/main/flax_model-00004-of-00007.msgpack; names and index
+        # as in that PR, https://huggingface.co/facebook/opt-30b/tree/refs%2Fpr%2F5). TF weights were merged too
+        # ("Add TF weights", #4, Jun 23, 2022: https://huggingface.co/facebook/opt-30b/discussions/4), their
+        # names not shown, so not listed here.
+        published_files=(
+            *_shards("pytorch_model", 7, "bin"), "pytorch_model.bin.index.json",
+            *_shards("flax_model", 7, "msgpack"), "flax_model.msgpack.index.json",
+        ),
     ),
     "olmo32": ModelResources(
         "allenai/OLMo-2-0325-32B", (1, -1, 1), 2, 32, remat="save_dots",
@@ -123,7 +181,21 @@ MODELS: dict[str, ModelResources] = {
             num_attention_heads=40, num_key_value_heads=8, max_position_embeddings=4096,
         ),
         published_parameters=32.2e9,
+        # No listing of main found (neither its /tree/main page nor a page of its history): not guessed.
+        published_files=(),
     ),
+}
+
+
+# The weight files the laptop configs' checkpoints (configs/laptop_*.py) publish on `main`, as above.
+LAPTOP_PUBLISHED_FILES: dict[str, tuple[str, ...]] = {
+    # No /tree/main page found; the newest commit found, 27dcfa7 ("Update README.md (#38)", 32 commits:
+    # https://huggingface.co/facebook/opt-125m/tree/27dcfa74d334bc871f3234de431e71c6eeba5dd6).
+    "facebook/opt-125m": ("flax_model.msgpack", "pytorch_model.bin", "tf_model.h5"),
+    # https://huggingface.co/HuggingFaceTB/SmolLM2-135M/tree/main (newest commit 93efa2f, "2 months ago")
+    "HuggingFaceTB/SmolLM2-135M": ("model.safetensors",),
+    # https://huggingface.co/allenai/OLMo-2-0425-1B/tree/main (newest commit a1847df, "10 months ago")
+    "allenai/OLMo-2-0425-1B": (*_shards("model", 2, "safetensors"), "model.safetensors.index.json"),
 }
 
 

@@ -18,8 +18,9 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from oodjax.models import config_from_dict, from_config, load_pretrained, logical_to_spec
-from oodjax.models.hf_checkpoint import SafetensorsFile, open_checkpoint
+from oodjax.models.hf_checkpoint import TensorFile, open_checkpoint
 from oodjax.models.loading import hf_parameter_names
+from oodjax.usage_errors import MissingInputError, NotFetchedError
 from test_models_parity import LAYOUTS, assert_matches_hf, jitted, padded_batches, save, tiny_hf_model
 
 
@@ -92,15 +93,6 @@ def test_folder_without_config_is_refused(tmp_path):
         load_pretrained(tmp_path)
 
 
-def test_pickled_weights_need_allow_pickle(opt_checkpoint, tmp_path):
-    source, hf_model = opt_checkpoint
-    (tmp_path / "config.json").write_text((source / "config.json").read_text())
-    torch.save(load_file(source / "model.safetensors"), tmp_path / "pytorch_model.bin")
-    with pytest.raises(ValueError, match=r"pytorch_model.bin holds pickled PyTorch weights.*allow_pickle=True"):
-        load_pretrained(tmp_path)
-    assert_matches_hf(load_pretrained(tmp_path, allow_pickle=True), hf_model, 96)
-
-
 def _cut_data(path):
     """Drop the file's last 100 bytes: the tensor stored last (by offset) is cut short."""
     with safe_open(path, framework="numpy") as handle:
@@ -170,8 +162,13 @@ def test_a_truncated_config_json_is_an_error_naming_it(tmp_path):
 
 
 def test_hub_id_offline_fails_clearly():
-    with pytest.raises(OSError, match=r"'oodjax-tests/not-a-model' is not a local folder.*HF_HUB_OFFLINE"):
+    with pytest.raises(NotFetchedError, match=r"^'oodjax-tests/not-a-model' is not a local folder.*HF_HUB_OFFLINE"):
         load_pretrained("oodjax-tests/not-a-model")
+
+
+def test_a_path_that_is_neither_a_folder_nor_a_hub_id_is_named(tmp_path):
+    with pytest.raises(MissingInputError, match=r"'.*/no/such/folder' is neither a local folder nor a hub id"):
+        load_pretrained(tmp_path / "no" / "such" / "folder")
 
 
 def test_non_float_dtype_is_refused(opt_checkpoint):
@@ -423,25 +420,36 @@ def test_jitted_forward_runs_on_the_mesh_shardings(tmp_path):
 # ----------------------------------------------------------------------------- reading slices
 
 
+# The three ways a tensor file can be written: safetensors, torch.save's zip format and its legacy format.
+WRITERS = {
+    "safetensors": lambda tensors, folder: save_file(tensors, folder / "model.safetensors"),
+    "pickle-zip": lambda tensors, folder: torch.save(tensors, folder / "pytorch_model.bin"),
+    "pickle-legacy": lambda tensors, folder: torch.save(
+        tensors, folder / "pytorch_model.bin", _use_new_zipfile_serialization=False
+    ),
+}
+
+
+@pytest.mark.parametrize("writer", sorted(WRITERS))
 @pytest.mark.parametrize(
     "dtype, numpy_dtype", [(torch.float32, np.float32), (torch.float16, np.float16), (torch.bfloat16, jnp.bfloat16)]
 )
-def test_slices_read_only_their_rows_and_equal_the_full_tensor(tmp_path, dtype, numpy_dtype, monkeypatch):
+def test_slices_read_only_their_rows_and_equal_the_full_tensor(tmp_path, writer, dtype, numpy_dtype, monkeypatch):
     """Each slice equals numpy's slice of the whole tensor, in the stored dtype, from reading only its rows."""
     torch.manual_seed(0)
     tensors = {"a.first": torch.randn(5, dtype=dtype), "b.matrix": torch.randn(13, 6, dtype=dtype)}
-    save_file(tensors, tmp_path / "model.safetensors")
+    WRITERS[writer](tensors, tmp_path)
     full = tensors["b.matrix"].float().numpy()  # exact: float32 holds every float16 and bfloat16
     row_bytes = 6 * tensors["b.matrix"].element_size()
-    read_sizes, read_into = [], SafetensorsFile._read_into
+    read_sizes, read_into = [], TensorFile._read_into
 
     def counted_read_into(self, buffer, offset, what):
         read_sizes.append(len(memoryview(buffer)))
         read_into(self, buffer, offset, what)
 
-    monkeypatch.setattr(SafetensorsFile, "_read_into", counted_read_into)
+    monkeypatch.setattr(TensorFile, "_read_into", counted_read_into)
     with contextlib.ExitStack() as stack:
-        checkpoint = open_checkpoint(tmp_path, allow_pickle=False, stack=stack)
+        checkpoint = open_checkpoint(tmp_path, stack=stack)
         for index, rows_read in [
             ((slice(3, 7), slice(None)), 4),
             ((slice(None), slice(2, 5)), 13),

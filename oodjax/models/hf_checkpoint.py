@@ -1,28 +1,45 @@
 """Read tensors, or slices of them, from a Hugging Face checkpoint folder without loading it whole.
 
-Safetensors files are read with plain file reads of just the rows a slice
-covers, not memory-mapped: every mapped page that was touched stays resident,
-counted against the process, until the file is closed at the end of the load,
-so a mapped float32 checkpoint costs its full size on top of the converted
-parameters (safetensors' own ``pread`` backend avoids that but reads a whole
-tensor for any slice of it, which an fsdp-sharded load asks for once per
-device block). Pickled ``.bin`` weights can run arbitrary code when unpickled and
-are read only when the caller opts in.
+Two formats are read, the ones the study's repositories publish on their
+``main`` branch: safetensors (OLMo 2, SmolLM) and PyTorch's pickled
+``pytorch_model*.bin`` (OPT, whose repositories hold no safetensors there).
+Either way, a tensor's rows are read with plain file reads of just the rows a
+slice covers, not memory-mapped: every mapped page that was touched stays
+resident, counted against the process, until the file is closed at the end of
+the load, so a mapped float32 checkpoint costs its full size on top of the
+converted parameters (safetensors' own ``pread`` backend avoids that but
+reads a whole tensor for any slice of it, which an fsdp-sharded load asks for
+once per device block).
+
+Pickles are read without torch and without running anything from the file:
+a pickle is a program, and ``pickle.load`` runs whatever callable it names.
+A PyTorch state dict names only an ordered dict, the tensor rebuild function
+and the storage classes; our unpickler maps exactly those to stand-ins that
+record where each tensor lies (dtype, shape, stride, offset) and refuses any
+other name before anything is called. The tensors' bytes are then read from
+the file like safetensors' rows.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
+import io
 import json
 import math
 import os
 import pathlib
+import pickle
+import re
+import zipfile
+from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
 import ml_dtypes
 import numpy as np
 
+CONFIG = "config.json"
 SAFETENSORS = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 PICKLE = "pytorch_model.bin"
@@ -41,12 +58,26 @@ _DTYPES: dict[str, np.dtype] = {
     }.items()
 }
 
+# torch's typed storage classes, as torch.save names them for a state dict of tensors of these dtypes
+# (torch 2.13 names the same ones; uint16 and float8 tensors it saves another way, which is refused).
+_STORAGE_DTYPES: dict[str, np.dtype] = {
+    f"{kind}Storage": np.dtype(dtype)
+    for kind, dtype in {
+        "Double": np.float64, "Float": np.float32, "Half": np.float16, "BFloat16": ml_dtypes.bfloat16,
+        "Long": np.int64, "Int": np.int32, "Short": np.int16, "Char": np.int8, "Byte": np.uint8, "Bool": np.bool_,
+    }.items()
+}
+
 
 class Checkpoint(Protocol):
     def names(self) -> set[str]: ...
     def shape(self, name: str) -> tuple[int, ...]: ...
     def file(self, name: str) -> str: ...
     def read(self, name: str, index: Index) -> np.ndarray: ...
+
+
+class UnsafePickleError(ValueError):
+    """A pickle that asks for something a PyTorch state dict does not contain; nothing it names was called."""
 
 
 def read_json(path: pathlib.Path) -> Any:
@@ -60,16 +91,16 @@ def read_json(path: pathlib.Path) -> Any:
         raise ValueError(f"{path} is not valid JSON (truncated or corrupt?): {error}") from None
 
 
-def _weight_map(directory: pathlib.Path, index_file: str) -> dict[str, str]:
-    """Tensor name -> shard file, checking every shard the index names is there."""
+def weight_map(directory: pathlib.Path, index_file: str) -> dict[str, str]:
+    """Tensor name -> shard file, from a shard index, checking every shard it names is in ``directory``."""
     index = read_json(directory / index_file)
-    weight_map = index.get("weight_map") if isinstance(index, dict) else None
-    if not isinstance(weight_map, dict):
+    shards = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(shards, dict):
         raise ValueError(f"{directory / index_file} has no \"weight_map\" object (tensor name -> shard file)")
-    for shard in sorted(set(weight_map.values())):
-        if not (directory / shard).is_file():
-            raise FileNotFoundError(f"{directory / index_file} lists the shard {shard!r}, which is not in {directory}")
-    return weight_map
+    missing = sorted(shard for shard in set(shards.values()) if not (directory / shard).is_file())
+    if missing:
+        raise FileNotFoundError(f"{directory / index_file} lists the shards {missing}, which are not in {directory}")
+    return shards
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,58 +112,19 @@ class _Stored:
     offset: int
 
 
-class SafetensorsFile:
-    """One safetensors file: its header, checked against the file's size when opened, and row reads.
+class TensorFile:
+    """A file holding each of its tensors whole, row-major, from a known byte: reads of just a slice's rows.
 
-    The format is an 8-byte little-endian header length, a JSON header giving
-    each tensor's dtype, shape and byte range in the data that follows, then
-    the data, each tensor in row-major order.
+    Subclasses fill ``tensors`` from the file's own description of them (a
+    header, a pickle), checked against the file's size, without reading any
+    tensor's bytes.
     """
 
     def __init__(self, path: pathlib.Path, stack: contextlib.ExitStack):
         self.path = path
         self._file = stack.enter_context(path.open("rb", buffering=0))
-        size = os.fstat(self._file.fileno()).st_size
-        length = bytearray(8)
-        self._read_into(length, 0, "its header length")
-        data_start = 8 + int.from_bytes(length, "little")
-        if data_start > size:
-            raise ValueError(
-                f"{path} is truncated or not a safetensors file: its header would end at byte {data_start}, "
-                f"the file has {size} bytes"
-            )
-        header_bytes = bytearray(data_start - 8)
-        self._read_into(header_bytes, 8, "its header")
-        try:
-            header = json.loads(header_bytes)
-        except ValueError as error:  # UnicodeDecodeError and JSONDecodeError
-            raise ValueError(f"{path} has a corrupt safetensors header: {error}") from error
-        if not isinstance(header, dict):
-            raise ValueError(f"{path} has a corrupt safetensors header: not a JSON object")
-        header.pop("__metadata__", None)
-        self.tensors = {name: self._stored(name, entry, data_start, size) for name, entry in header.items()}
-
-    def _stored(self, name: str, entry: Any, data_start: int, size: int) -> _Stored:
-        """One header entry, checked so that reading it can only return the tensor's own bytes."""
-        try:
-            code, shape = entry["dtype"], tuple(int(n) for n in entry["shape"])
-            begin, end = (int(n) for n in entry["data_offsets"])
-        except (KeyError, TypeError, ValueError) as error:
-            raise ValueError(f"{name!r} in {self.path} has a corrupt safetensors header entry: {entry!r}") from error
-        if code not in _DTYPES:
-            raise ValueError(f"{name!r} in {self.path} is stored as {code!r}; readable dtypes: {sorted(_DTYPES)}")
-        dtype = _DTYPES[code]
-        if min(shape, default=0) < 0 or not 0 <= begin <= end or end - begin != math.prod(shape) * dtype.itemsize:
-            raise ValueError(
-                f"{name!r} in {self.path} has a corrupt safetensors header entry: {code} {list(shape)} "
-                f"cannot occupy bytes {begin}..{end}"
-            )
-        if data_start + end > size:
-            raise ValueError(
-                f"{name!r} in {self.path} ends at byte {data_start + end}, but the file has {size} bytes: "
-                "the file is truncated"
-            )
-        return _Stored(dtype, shape, data_start + begin)
+        self.size = os.fstat(self._file.fileno()).st_size
+        self.tensors: dict[str, _Stored] = {}
 
     def _read_into(self, buffer: bytearray | np.ndarray, offset: int, what: str) -> None:
         """Fill ``buffer`` from byte ``offset``; a single read may stop short, so read until it is full."""
@@ -156,11 +148,379 @@ class SafetensorsFile:
         return block[(slice(None, None, rows.step), *index[1:])]
 
 
-class SafetensorsCheckpoint:
-    """``model.safetensors`` or the shards of ``model.safetensors.index.json``."""
+class SafetensorsFile(TensorFile):
+    """One safetensors file: its header, checked against the file's size when opened.
 
-    def __init__(self, weight_map: dict[str, str], files: dict[str, SafetensorsFile]):
-        self._weight_map, self._files = weight_map, files
+    The format is an 8-byte little-endian header length, a JSON header giving
+    each tensor's dtype, shape and byte range in the data that follows, then
+    the data, each tensor in row-major order.
+    """
+
+    def __init__(self, path: pathlib.Path, stack: contextlib.ExitStack):
+        super().__init__(path, stack)
+        length = bytearray(8)
+        self._read_into(length, 0, "its header length")
+        data_start = 8 + int.from_bytes(length, "little")
+        if data_start > self.size:
+            raise ValueError(
+                f"{path} is truncated or not a safetensors file: its header would end at byte {data_start}, "
+                f"the file has {self.size} bytes"
+            )
+        header_bytes = bytearray(data_start - 8)
+        self._read_into(header_bytes, 8, "its header")
+        try:
+            header = json.loads(header_bytes)
+        except ValueError as error:  # UnicodeDecodeError and JSONDecodeError
+            raise ValueError(f"{path} has a corrupt safetensors header: {error}") from error
+        if not isinstance(header, dict):
+            raise ValueError(f"{path} has a corrupt safetensors header: not a JSON object")
+        header.pop("__metadata__", None)
+        self.tensors = {name: self._stored(name, entry, data_start) for name, entry in header.items()}
+
+    def _stored(self, name: str, entry: Any, data_start: int) -> _Stored:
+        """One header entry, checked so that reading it can only return the tensor's own bytes."""
+        try:
+            code, shape = entry["dtype"], tuple(int(n) for n in entry["shape"])
+            begin, end = (int(n) for n in entry["data_offsets"])
+        except (KeyError, TypeError, ValueError) as error:
+            raise ValueError(f"{name!r} in {self.path} has a corrupt safetensors header entry: {entry!r}") from error
+        if code not in _DTYPES:
+            raise ValueError(f"{name!r} in {self.path} is stored as {code!r}; readable dtypes: {sorted(_DTYPES)}")
+        dtype = _DTYPES[code]
+        if min(shape, default=0) < 0 or not 0 <= begin <= end or end - begin != math.prod(shape) * dtype.itemsize:
+            raise ValueError(
+                f"{name!r} in {self.path} has a corrupt safetensors header entry: {code} {list(shape)} "
+                f"cannot occupy bytes {begin}..{end}"
+            )
+        if data_start + end > self.size:
+            raise ValueError(
+                f"{name!r} in {self.path} ends at byte {data_start + end}, but the file has {self.size} bytes: "
+                "the file is truncated"
+            )
+        return _Stored(dtype, shape, data_start + begin)
+
+
+# ----------------------------------------------------------------------------- PyTorch pickles
+
+
+class _StandIn:
+    """What the unpickler gives instead of torch's objects, holding only what the reader recorded. A pickle
+    may not set their state (BUILD calls ``__setstate__``): the globals' stand-ins are shared by every load in
+    the process, and the others are checked as built."""
+
+    __slots__ = ()
+
+    def __setstate__(self, state: Any) -> None:
+        raise UnsafePickleError(
+            f"sets the state of a {type(self).__name__.lstrip('_')}, which a PyTorch state dict does not do; "
+            "refusing to unpickle it"
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class _StorageClass(_StandIn):
+    """What the unpickler gives for ``torch.HalfStorage`` and its kin: the dtype, nothing callable."""
+
+    name: str
+    dtype: np.dtype
+
+
+@dataclasses.dataclass(frozen=True)
+class _Storage(_StandIn):
+    """One storage a persistent id names: its key (the zip member or legacy record holding its bytes)."""
+
+    key: str
+    dtype: np.dtype
+    numel: int
+
+
+@dataclasses.dataclass(frozen=True)
+class _PickledTensor(_StandIn):
+    """Where ``torch._utils._rebuild_tensor(_v2)`` would have put a tensor: its storage and layout in it."""
+
+    storage: _Storage
+    offset: int  # in elements of the storage's dtype
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+
+
+def _is_int_tuple(value: Any) -> bool:
+    return isinstance(value, tuple) and all(type(n) is int and n >= 0 for n in value)
+
+
+class _RebuildTensor(_StandIn):
+    """The stand-in for ``torch._utils._rebuild_tensor`` and ``_rebuild_tensor_v2``: the tensor's layout.
+
+    v2's arguments after ``stride`` (requires_grad, backward hooks, metadata)
+    are autograd state, which frozen weights do not need.
+    """
+
+    __slots__ = ()
+
+    def __call__(
+        self, storage: Any, storage_offset: Any, size: Any, stride: Any, *autograd_state: Any
+    ) -> _PickledTensor:
+        if not (isinstance(storage, _Storage) and type(storage_offset) is int and _is_int_tuple(size)):
+            raise ValueError(f"a tensor is rebuilt from {storage!r}, offset {storage_offset!r}, shape {size!r}")
+        if not (_is_int_tuple(stride) and len(stride) == len(size)):
+            raise ValueError(f"a tensor of shape {size} is rebuilt with strides {stride!r}")
+        return _PickledTensor(storage, storage_offset, size, stride)
+
+
+# The globals a state dict's pickle names, each mapped to what stands in for it here: what torch 2.13's
+# torch.save writes for a dict of tensors (zip and legacy format), which are the three "pickle imports" the hub
+# lists for the OPT files of 2022, and _rebuild_tensor, which _v2 succeeded.
+_ALLOWED_GLOBALS: dict[tuple[str, str], Any] = {
+    ("collections", "OrderedDict"): collections.OrderedDict,
+    ("torch._utils", "_rebuild_tensor"): _RebuildTensor(),
+    ("torch._utils", "_rebuild_tensor_v2"): _RebuildTensor(),
+    **{("torch", name): _StorageClass(name, dtype) for name, dtype in _STORAGE_DTYPES.items()},
+}
+
+
+class _StateDictUnpickler(pickle.Unpickler):
+    """Unpickles a state dict into stand-ins; any global outside ``_ALLOWED_GLOBALS`` is refused by name.
+
+    ``find_class`` is the only way a pickle reaches a callable (GLOBAL,
+    STACK_GLOBAL, INST and the extension registry all go through it), so
+    refusing there refuses before anything is called. BUILD, which could
+    change an object the pickle did not create, the stand-ins refuse too (an
+    ordered dict's BUILD, which sets the ``_metadata`` a module's state dict
+    carries, only sets attributes of that new dict). Persistent ids are
+    torch's ``('storage', storage class, key, location, numel)``, with a sixth
+    entry, a view of another storage or None, in the legacy format.
+    """
+
+    def __init__(self, stream: io.BufferedIOBase):
+        super().__init__(stream)
+        self.storages: dict[str, _Storage] = {}
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) not in _ALLOWED_GLOBALS:
+            raise UnsafePickleError(
+                f"names the global '{module}.{name}', which a PyTorch state dict does not contain; refusing to "
+                "unpickle it"
+            )
+        return _ALLOWED_GLOBALS[module, name]
+
+    def persistent_load(self, pid: Any) -> _Storage:
+        if not (isinstance(pid, tuple) and len(pid) in (5, 6) and pid[0] == "storage"):
+            raise ValueError(f"the persistent id {pid!r} is not a PyTorch storage's")
+        _, storage_class, key, _location, numel, *view = pid
+        if not (isinstance(storage_class, _StorageClass) and isinstance(key, str) and type(numel) is int):
+            raise ValueError(f"the persistent id {pid!r} is not a PyTorch storage's")
+        if view not in ([], [None]):
+            raise ValueError(f"storage {key!r} is saved as a view of another storage, which is not read")
+        storage = self.storages.setdefault(key, _Storage(key, storage_class.dtype, numel))
+        if storage != _Storage(key, storage_class.dtype, numel):
+            raise ValueError(f"storage {key!r} is named both as {storage} and by {pid!r}")
+        return storage
+
+
+def _unpickle(stream: io.BufferedIOBase, path: pathlib.Path, what: str) -> tuple[Any, dict[str, _Storage]]:
+    """One pickle from ``stream`` and the storages it names; a corrupt or truncated one is an error naming ``path``."""
+    unpickler = _StateDictUnpickler(stream)
+    try:
+        return unpickler.load(), unpickler.storages
+    except UnsafePickleError as error:
+        raise UnsafePickleError(f"{path} {error}") from None
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError) as error:
+        raise ValueError(
+            f"{path} is truncated or not a PyTorch state dict: unpickling its {what} failed "
+            f"({type(error).__name__}: {error})"
+        ) from error
+
+
+def _state_dict(state: Any, path: pathlib.Path) -> dict[str, _PickledTensor]:
+    """The unpickled object, checked to be what ``torch.save(model.state_dict())`` writes: names -> tensors."""
+    if not isinstance(state, dict):
+        raise ValueError(f"{path} holds a {type(state).__name__}, not a state dict (tensor name -> tensor)")
+    for name, tensor in state.items():
+        if not isinstance(name, str) or not isinstance(tensor, _PickledTensor):
+            raise ValueError(f"{path} holds {name!r} as a {type(tensor).__name__}: not a state dict of tensors")
+    return state
+
+
+# torch.save's legacy (non-zip) format: these three pickles, the state dict's, the list of storage keys, then
+# each storage as an 8-byte little-endian element count and its bytes (torch/serialization.py, _legacy_save).
+_LEGACY_MAGIC_NUMBER = 0x1950A86A20F9469CFC6C
+_LEGACY_PROTOCOL_VERSION = 1001
+_ZIP_MAGIC = b"PK\x03\x04"
+_ZIP_LOCAL_HEADER = 30  # bytes before a member's name and extra field
+
+
+class PickleFile(TensorFile):
+    """One ``torch.save``d state dict, zip format (torch >= 1.6) or legacy, read without torch.
+
+    The zip format is ``<name>/data.pkl`` (the state dict, each tensor's
+    storage a persistent id) and ``<name>/data/<key>`` per storage, stored
+    uncompressed: a tensor's rows are read at its member's data offset plus
+    its own offset in the storage. Only row-major contiguous tensors are
+    read, as ``model.state_dict()`` saves them.
+    """
+
+    def __init__(self, path: pathlib.Path, stack: contextlib.ExitStack):
+        super().__init__(path, stack)
+        magic = bytearray(min(4, self.size))
+        self._read_into(magic, 0, "its first bytes")
+        state, data_offsets = self._read_zip() if magic == _ZIP_MAGIC else self._read_legacy()
+        self.tensors = {
+            name: self._stored(name, tensor, data_offsets[tensor.storage.key]) for name, tensor in state.items()
+        }
+
+    def _stored(self, name: str, tensor: _PickledTensor, data_offset: int) -> _Stored:
+        """One tensor's place in the file, checked so that reading it can only return its own bytes."""
+        contiguous = tuple(math.prod(tensor.shape[d + 1 :]) for d in range(len(tensor.shape)))
+        layout = zip(tensor.shape, tensor.stride, contiguous)
+        if any(size > 1 and stride != row_major for size, stride, row_major in layout):
+            raise ValueError(
+                f"{name!r} in {self.path} has strides {tensor.stride}, not the row-major {contiguous} of its shape "
+                f"{tensor.shape}: only contiguous tensors are read"
+            )
+        storage = tensor.storage
+        if tensor.offset < 0 or tensor.offset + math.prod(tensor.shape) > storage.numel:
+            raise ValueError(
+                f"{name!r} in {self.path} ({math.prod(tensor.shape)} elements from element {tensor.offset}) does not "
+                f"fit its storage {storage.key!r} of {storage.numel} elements"
+            )
+        return _Stored(storage.dtype, tensor.shape, data_offset + tensor.offset * storage.dtype.itemsize)
+
+    @staticmethod
+    def _users(state: dict[str, _PickledTensor], key: str) -> str:
+        """For messages: the tensors stored in storage ``key``."""
+        names = [name for name, tensor in state.items() if tensor.storage.key == key]
+        return f"tensor {names[0]!r}" if len(names) == 1 else f"tensors {names}"
+
+    def _read_zip(self) -> tuple[dict[str, _PickledTensor], dict[str, int]]:
+        """The state dict, and the byte each of its storages' data starts at."""
+        try:
+            with zipfile.ZipFile(self.path) as archive:
+                members = {info.filename: info for info in archive.infolist()}
+                pickles = [name for name in members if re.fullmatch(r"[^/]+/data\.pkl", name)]
+                if len(pickles) != 1:
+                    raise ValueError(f"{self.path} is a zip file, but not one torch.save wrote: no <name>/data.pkl")
+                prefix = pickles[0].removesuffix("data.pkl")
+                if f"{prefix}byteorder" in members and archive.read(f"{prefix}byteorder") != b"little":
+                    raise ValueError(f"{self.path} was saved big-endian; only little-endian checkpoints are read")
+                state, storages = _unpickle(io.BytesIO(archive.read(pickles[0])), self.path, "data.pkl")
+        except zipfile.BadZipFile as error:
+            raise ValueError(f"{self.path} is truncated or not a PyTorch checkpoint: {error}") from error
+        state = _state_dict(state, self.path)
+        data_offsets = {}
+        for key, storage in storages.items():
+            member, users = members.get(f"{prefix}data/{key}"), self._users(state, key)
+            if member is None:
+                raise ValueError(f"{self.path} has no data/{key} member for the storage of {users}")
+            if member.compress_type != zipfile.ZIP_STORED or member.flag_bits & 0x1:
+                raise ValueError(
+                    f"{self.path} stores {member.filename} ({users}) compressed or encrypted; torch.save stores "
+                    "storages uncompressed, and only those are read"
+                )
+            if member.file_size != storage.numel * storage.dtype.itemsize:
+                raise ValueError(
+                    f"{self.path}: {member.filename} ({users}) holds {member.file_size} bytes, its storage "
+                    f"{storage.numel} elements of {storage.dtype}"
+                )
+            header = bytearray(_ZIP_LOCAL_HEADER)
+            self._read_into(header, member.header_offset, f"the zip header of {member.filename} ({users})")
+            if header[:4] != _ZIP_MAGIC:
+                raise ValueError(f"{self.path} has a corrupt zip header for {member.filename} ({users})")
+            start = member.header_offset + _ZIP_LOCAL_HEADER + int.from_bytes(header[26:28], "little")
+            start += int.from_bytes(header[28:30], "little")
+            if start + member.file_size > self.size:
+                raise ValueError(
+                    f"{self.path}: the storage of {users} ends at byte {start + member.file_size}, but the file "
+                    f"has {self.size} bytes: the file is truncated"
+                )
+            data_offsets[key] = start
+        return state, data_offsets
+
+    def _read_legacy(self) -> tuple[dict[str, _PickledTensor], dict[str, int]]:
+        """As ``_read_zip``, for the legacy format: the storages follow the pickles, one after another."""
+        with self.path.open("rb") as stream:
+            magic, _ = _unpickle(stream, self.path, "magic number")
+            if magic != _LEGACY_MAGIC_NUMBER:
+                raise ValueError(f"{self.path} is neither a zip nor a legacy PyTorch checkpoint (no magic number)")
+            version, _ = _unpickle(stream, self.path, "protocol version")
+            system, _ = _unpickle(stream, self.path, "system info")
+            if version != _LEGACY_PROTOCOL_VERSION or not isinstance(system, dict):
+                raise ValueError(f"{self.path} is a legacy PyTorch checkpoint of protocol {version!r}; 1001 is read")
+            if system.get("little_endian") is not True:
+                raise ValueError(f"{self.path} was saved big-endian; only little-endian checkpoints are read")
+            state, storages = _unpickle(stream, self.path, "state dict")
+            keys, _ = _unpickle(stream, self.path, "list of storage keys")
+            position = stream.tell()
+        state = _state_dict(state, self.path)
+        if not (isinstance(keys, list) and sorted(keys) == sorted(storages)):
+            raise ValueError(f"{self.path} lists the storages {keys!r}, but its state dict uses {sorted(storages)}")
+        data_offsets = {}
+        for key in keys:
+            storage, users, count = storages[key], self._users(state, key), bytearray(8)
+            self._read_into(count, position, f"the element count of the storage of {users}")
+            if int.from_bytes(count, "little") != storage.numel:
+                raise ValueError(
+                    f"{self.path}: the storage of {users} holds {int.from_bytes(count, 'little')} elements, "
+                    f"its persistent id says {storage.numel}"
+                )
+            data_offsets[key], position = position + 8, position + 8 + storage.numel * storage.dtype.itemsize
+            if position > self.size:
+                raise ValueError(
+                    f"{self.path}: the storage of {users} ends at byte {position}, but the file has {self.size} "
+                    "bytes: the file is truncated"
+                )
+        return state, data_offsets
+
+
+# ----------------------------------------------------------------------------- which files, in which order
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightFormat:
+    """One way a repository publishes its weights: an index and the shards it names, or one file."""
+
+    index: str
+    single: str
+    shard: re.Pattern[str]  # the shards' names, as transformers' save_pretrained writes them
+    open_file: Callable[[pathlib.Path, contextlib.ExitStack], TensorFile]
+
+
+# The formats the loader reads, in its order of preference: the one home of that order, which both
+# files_to_download (what to fetch) and open_checkpoint (what to open) follow.
+WEIGHT_FORMATS = (
+    WeightFormat(SAFETENSORS_INDEX, SAFETENSORS, re.compile(r"model-\d+-of-\d+\.safetensors"), SafetensorsFile),
+    WeightFormat(PICKLE_INDEX, PICKLE, re.compile(r"pytorch_model-\d+-of-\d+\.bin"), PickleFile),
+)
+
+
+def _readable_formats() -> str:
+    """What ``WEIGHT_FORMATS`` reads, in words, for messages."""
+    return ", ".join(f"{fmt.index} and the shards it names, {fmt.single}" for fmt in WEIGHT_FORMATS)
+
+
+def files_to_download(filenames: Iterable[str]) -> list[str]:
+    """From a repository's file listing, what the loader reads: config.json and the weights of the first of
+    ``WEIGHT_FORMATS`` it publishes (the index and its shards, or the single file); never flax, TF or ONNX
+    weights, nor a second format.
+
+    Shards are picked from the listing by name, since the index is not yet
+    downloaded; loading then checks that every shard the index names is here.
+    """
+    names = set(filenames)
+    if CONFIG not in names:
+        raise FileNotFoundError(f"the files {sorted(names)} include no {CONFIG}")
+    for fmt in WEIGHT_FORMATS:
+        if fmt.index in names:
+            return [CONFIG, fmt.index, *sorted(name for name in names if fmt.shard.fullmatch(name))]
+        if fmt.single in names:
+            return [CONFIG, fmt.single]
+    raise FileNotFoundError(f"the files {sorted(names)} hold no weights the loader reads: {_readable_formats()}")
+
+
+class ShardedCheckpoint:
+    """The tensors of one weight format: the shards of its index, or its single file."""
+
+    def __init__(self, shards: dict[str, str], files: dict[str, TensorFile]):
+        self._weight_map, self._files = shards, files
 
     def names(self) -> set[str]:
         return set(self._weight_map)
@@ -175,58 +535,18 @@ class SafetensorsCheckpoint:
         return self._files[self._weight_map[name]].read(name, index)
 
 
-class PickleCheckpoint:
-    """``pytorch_model.bin`` or its shards, unpickled with torch (imported only here)."""
-
-    def __init__(self, directory: pathlib.Path, shards: list[str]):
-        import torch
-
-        self._torch = torch
-        self._tensors: dict[str, Any] = {}
-        self._files: dict[str, str] = {}
-        for shard in shards:
-            tensors = torch.load(directory / shard, map_location="cpu", mmap=True, weights_only=True)
-            self._tensors.update(tensors)
-            self._files.update(dict.fromkeys(tensors, shard))
-
-    def names(self) -> set[str]:
-        return set(self._tensors)
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._tensors[name].shape)
-
-    def file(self, name: str) -> str:
-        return self._files[name]
-
-    def read(self, name: str, index: Index) -> np.ndarray:
-        block = self._tensors[name][index]
-        if block.dtype == self._torch.bfloat16:  # numpy has no bfloat16; the upcast is exact
-            block = block.float()
-        return block.numpy()
-
-
-def open_checkpoint(directory: pathlib.Path, *, allow_pickle: bool, stack: contextlib.ExitStack) -> Checkpoint:
-    """The checkpoint in ``directory``: sharded or single safetensors, else (if allowed) pickled weights."""
-    if (directory / SAFETENSORS_INDEX).is_file():
-        weight_map = _weight_map(directory, SAFETENSORS_INDEX)
-        shards = {shard: SafetensorsFile(directory / shard, stack) for shard in sorted(set(weight_map.values()))}
-        for name, shard in weight_map.items():
-            if name not in shards[shard].tensors:
-                raise ValueError(f"{directory / SAFETENSORS_INDEX} puts {name!r} in {shard}, which does not hold it")
-        return SafetensorsCheckpoint(weight_map, shards)
-    if (directory / SAFETENSORS).is_file():
-        single = SafetensorsFile(directory / SAFETENSORS, stack)
-        return SafetensorsCheckpoint(dict.fromkeys(single.tensors, SAFETENSORS), {SAFETENSORS: single})
-    for pickled in (PICKLE_INDEX, PICKLE):
-        if (directory / pickled).is_file():
-            if not allow_pickle:
-                raise ValueError(
-                    f"{directory / pickled} holds pickled PyTorch weights, which can run arbitrary code when loaded; "
-                    "pass allow_pickle=True if you trust its source, or convert it to safetensors"
-                )
-            shards = sorted(set(_weight_map(directory, PICKLE_INDEX).values())) if pickled == PICKLE_INDEX else [PICKLE]
-            return PickleCheckpoint(directory, shards)
-    raise FileNotFoundError(
-        f"{directory} has no weights: expected {SAFETENSORS} or {SAFETENSORS_INDEX} "
-        f"(or {PICKLE} / {PICKLE_INDEX} with allow_pickle=True)"
-    )
+def open_checkpoint(directory: pathlib.Path, *, stack: contextlib.ExitStack) -> Checkpoint:
+    """The checkpoint in ``directory``, in the first of ``WEIGHT_FORMATS`` it holds; opening reads the files'
+    descriptions of their tensors (headers, pickles), no tensor's bytes."""
+    for fmt in WEIGHT_FORMATS:
+        if (directory / fmt.index).is_file():
+            shards = weight_map(directory, fmt.index)
+            files = {shard: fmt.open_file(directory / shard, stack) for shard in sorted(set(shards.values()))}
+            for name, shard in shards.items():
+                if name not in files[shard].tensors:
+                    raise ValueError(f"{directory / fmt.index} puts {name!r} in {shard}, which does not hold it")
+            return ShardedCheckpoint(shards, files)
+        if (directory / fmt.single).is_file():
+            single = fmt.open_file(directory / fmt.single, stack)
+            return ShardedCheckpoint(dict.fromkeys(single.tensors, fmt.single), {fmt.single: single})
+    raise FileNotFoundError(f"{directory} has no weights: expected {_readable_formats()}")

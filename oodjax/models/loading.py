@@ -23,12 +23,21 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import logging
 from flax import nnx
-from huggingface_hub import snapshot_download
-from huggingface_hub.errors import HFValidationError, HfHubHTTPError, LocalEntryNotFoundError
+from huggingface_hub import HfApi, is_offline_mode, snapshot_download, try_to_load_from_cache
+from huggingface_hub.errors import HFValidationError, HTTPError, OfflineModeIsEnabled, RepositoryNotFoundError
+from huggingface_hub.utils import validate_repo_id
 from jax.sharding import Mesh, Sharding, SingleDeviceSharding
 
-from oodjax.models.hf_checkpoint import PICKLE, PICKLE_INDEX, SAFETENSORS_INDEX, Checkpoint, open_checkpoint, read_json
+from oodjax.models.hf_checkpoint import (
+    CONFIG,
+    Checkpoint,
+    files_to_download,
+    open_checkpoint,
+    read_json,
+    weight_map,
+)
 from oodjax.models.config import DecoderConfig
 from oodjax.models.gemma import GemmaForCausalLM
 from oodjax.models.layers import STACKED, CausalLM, per_layer_paths
@@ -36,6 +45,7 @@ from oodjax.models.llama import LlamaForCausalLM
 from oodjax.models.olmo2 import Olmo2ForCausalLM
 from oodjax.models.opt import OPTForCausalLM
 from oodjax.models.partitioning import param_sharding
+from oodjax.usage_errors import MissingInputError, NotFetchedError
 
 # config.json's model_type -> the class that ports it (its ``config_class`` reads the config).
 ARCHITECTURES: dict[str, type[CausalLM]] = {
@@ -128,23 +138,68 @@ def hf_parameter_names(path: tuple[Any, ...], num_layers: int) -> tuple[list[str
     return [".".join([*layer_path, name]) for layer_path in per_layer_paths(tuple(modules), num_layers)], transposed
 
 
-def _resolve(path: str | pathlib.Path, allow_pickle: bool) -> pathlib.Path:
-    """A local folder as is; anything else is taken for a hub id and downloaded (weights and config only)."""
+def _resolve(path: str | pathlib.Path) -> pathlib.Path:
+    """A local folder as is; anything else is taken for a hub id: what ``files_to_download`` picks from the
+    repository's listing (config.json and one weight format) is downloaded, or, with the hub out of reach,
+    found in the local Hugging Face cache."""
     local = pathlib.Path(path).expanduser()
     if local.is_dir():
         return local
     if local.exists():
         raise NotADirectoryError(f"{local} is a file; load_pretrained needs a folder with config.json and weights")
-    patterns = ["config.json", "*.safetensors", SAFETENSORS_INDEX]
-    if allow_pickle:
-        patterns += [PICKLE, "pytorch_model-*.bin", PICKLE_INDEX]
+    repo = str(path)
     try:
-        return pathlib.Path(snapshot_download(str(path), allow_patterns=patterns))
-    except (HFValidationError, HfHubHTTPError, LocalEntryNotFoundError) as error:
-        raise OSError(
-            f"{str(path)!r} is not a local folder, and fetching it from the Hugging Face hub failed "
-            f"({type(error).__name__}: {error}). With HF_HUB_OFFLINE=1 only hub ids already in the cache load."
+        validate_repo_id(repo)
+    except HFValidationError:
+        raise MissingInputError(f"{repo!r} is neither a local folder nor a hub id (owner/name)") from None
+    listing = None if is_offline_mode() else _hub_listing(repo)
+    if listing is None:
+        return _cached_snapshot(repo)
+    try:
+        wanted = files_to_download(listing)
+    except FileNotFoundError as error:
+        raise MissingInputError(f"hub repository {repo!r}: {error}") from None
+    return pathlib.Path(snapshot_download(repo, allow_patterns=wanted))
+
+
+def _hub_listing(repo: str) -> list[str] | None:
+    """The files of the hub repository ``repo``'s main branch, or None when the hub cannot be reached."""
+    try:
+        return HfApi().list_repo_files(repo)
+    except RepositoryNotFoundError as error:  # gated and private repositories too: the user's to fix
+        raise MissingInputError(
+            f"{repo!r} is neither a local folder nor a repository the Hugging Face hub lets us read "
+            f"({type(error).__name__}: {error})"
         ) from error
+    except (OfflineModeIsEnabled, HTTPError) as error:  # no network, or the hub is down
+        logging.warning("the Hugging Face hub cannot be reached (%s); trying the local cache", error)
+        return None
+
+
+def _cached_snapshot(repo: str) -> pathlib.Path:
+    """The cached copy of hub repository ``repo``'s main branch, checked to hold what the loader reads.
+
+    Offline the repository's listing is unknown, so ``files_to_download``
+    chooses from the cached folder's own files, and an index's shards must
+    all be there.
+    """
+    cached_config = try_to_load_from_cache(repo, CONFIG)
+    if not isinstance(cached_config, str):
+        raise NotFetchedError(
+            f"{repo!r} is not a local folder, and with the hub out of reach (HF_HUB_OFFLINE, or no network) the "
+            "Hugging Face cache has no copy of it either"
+        )
+    directory = pathlib.Path(cached_config).parent
+    try:
+        wanted = files_to_download(entry.name for entry in directory.iterdir() if entry.is_file())
+        for index in (name for name in wanted if name.endswith(".index.json")):
+            weight_map(directory, index)
+    except FileNotFoundError as error:
+        raise NotFetchedError(
+            f"{repo!r}: its copy in the Hugging Face cache is incomplete ({error}), and the hub is out of reach "
+            "(HF_HUB_OFFLINE, or no network)"
+        ) from None
+    return directory
 
 
 def _read_config(directory: pathlib.Path) -> dict[str, Any]:
@@ -256,7 +311,6 @@ def load_pretrained(
     *,
     dtype: Any = "float32",
     mesh: Mesh | None = None,
-    allow_pickle: bool = False,
     remat: str = "none",
     attention: str = "auto",
 ) -> CausalLM:
@@ -270,13 +324,31 @@ def load_pretrained(
     the attention implementation (``flash_attention.IMPLEMENTATIONS``).
     """
     dtype = _float_dtype(dtype)
-    directory = _resolve(path, allow_pickle)
+    directory = _resolve(path)
     config = config_from_dict(_read_config(directory), remat=remat, attention=attention)
     model = nnx.eval_shape(lambda: _build(config, dtype, seed=0))
     default_sharding = SingleDeviceSharding(jax.local_devices()[0])
     with contextlib.ExitStack() as stack:
-        checkpoint = open_checkpoint(directory, allow_pickle=allow_pickle, stack=stack)
+        checkpoint = open_checkpoint(directory, stack=stack)
         for source in _match(model, checkpoint, directory):
             sharding = param_sharding(source.variable, mesh) if mesh is not None else default_sharding
             source.variable.set_value(_place(checkpoint, source, dtype, sharding))
     return model
+
+
+def verify_checkpoint(directory: str | pathlib.Path) -> int:
+    """Check that the checkpoint in ``directory`` fits its config.json, from the files' headers alone.
+
+    The model is built abstractly (shapes, no memory) and every parameter is
+    paired with its tensors as ``load_pretrained`` pairs them, reading only
+    what describes the tensors (safetensors headers, pickles' state dicts),
+    none of their bytes, so what it reads does not grow with the weights. A
+    missing, unexpected or misshapen tensor is an error naming it. Returns
+    the number of tensors checked.
+    """
+    directory = pathlib.Path(directory)
+    config = config_from_dict(_read_config(directory))
+    model = nnx.eval_shape(lambda: _build(config, jnp.dtype("bfloat16"), seed=0))
+    with contextlib.ExitStack() as stack:
+        sources = _match(model, open_checkpoint(directory, stack=stack), directory)
+    return sum(len(source.names) for source in sources)
