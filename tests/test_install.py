@@ -22,7 +22,7 @@ PACKAGES = ("oodjax", "analysis", "launch", "configs")
 BUILD_FILES = ("pyproject.toml", "README.md", "requirements.txt", "requirements-dev.txt")
 COMMANDS = {
     "oodjax-train", "oodjax-analyse", "oodjax-runs", "oodjax-sweep", "oodjax-estimate",
-    "oodjax-preflight", "oodjax-evaluate",
+    "oodjax-preflight", "oodjax-evaluate", "oodjax-fetch",
 }
 # Run inside the installed copy: every console script's function must exist and
 # be callable without arguments, as the generated script calls it.

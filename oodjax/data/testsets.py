@@ -475,10 +475,40 @@ def training_sets() -> list[str]:
     return [name for name, spec in TESTSETS.items() if spec.pool_split]
 
 
+def hub_source_name(spec: TestsetSpec, split: str) -> str:
+    """How errors name a split read from the hub: its parquet files' address, or the repo, config and split."""
+    if spec.hub_data_files is not None:
+        return spec.hub_data_files.format(split=split)
+    where = f"{spec.source}/{spec.config}" if spec.config else spec.source
+    return f"hub {where} split {split!r}"
+
+
+def hub_split(spec: TestsetSpec, split: str) -> datasets.Dataset:
+    """One source split of a hub testset, every column, as the hub publishes it: the table's parquet files
+    where it names them (HANS), else the repo's own loader. What the data layer reads when the local mirror
+    lacks the split, and what ``launch.fetch`` writes into the mirror."""
+    if spec.hub_data_files is not None:
+        arguments, keywords = ("parquet",), {"data_files": spec.hub_data_files.format(split=split), "split": "train"}
+    else:
+        arguments, keywords = (spec.source, *([spec.config] if spec.config else [])), {"split": split}
+    try:
+        return datasets.load_dataset(*arguments, **keywords)
+    except ConnectionError as error:  # datasets' word for an unreachable or offline hub
+        raise NotFetchedError(
+            f"{hub_source_name(spec, split)} is not in a local mirror (data.data_dir, $OODJAX_DATA_DIR) and the hub "
+            f"cannot be reached: {error}"
+        ) from error
+
+
+def mirror_folder(spec: TestsetSpec, root: pathlib.Path) -> pathlib.Path:
+    """The folder of the local mirror ``root`` that holds a hub source's splits: ``<hub_id>/<config>``."""
+    return root / spec.source / spec.config if spec.config else root / spec.source
+
+
 def local_path(spec: TestsetSpec, split: str, root: pathlib.Path) -> pathlib.Path:
     """The file of the local mirror holding `split` of a hub source, or a FileNotFoundError naming the paths looked
     for."""
-    folder = root / spec.source / spec.config if spec.config else root / spec.source
+    folder = mirror_folder(spec, root)
     candidates = [folder / f"{split}.{fmt}" for fmt in LOCAL_FORMATS]
     for path in candidates:
         if path.is_file():
@@ -520,20 +550,7 @@ def _load_raw(spec: TestsetSpec, split: str, root: pathlib.Path | None) -> _RawS
         else:
             raw = _read_parquet(path, columns)
     else:
-        if spec.hub_data_files is not None:
-            source = spec.hub_data_files.format(split=split)
-            arguments, keywords = ("parquet",), {"data_files": source, "split": "train"}
-        else:
-            where = f"{spec.source}/{spec.config}" if spec.config else spec.source
-            source = f"hub {where} split {split!r}"
-            arguments, keywords = (spec.source, *([spec.config] if spec.config else [])), {"split": split}
-        try:
-            table = datasets.load_dataset(*arguments, **keywords)
-        except ConnectionError as error:  # datasets' word for an unreachable or offline hub
-            raise NotFetchedError(
-                f"{source} is not in a local mirror (data.data_dir, $OODJAX_DATA_DIR) and the hub cannot be "
-                f"reached: {error}"
-            ) from error
+        source, table = hub_source_name(spec, split), hub_split(spec, split)
         _check_columns(source, columns, table.column_names)
         raw = _RawSplit(source, table.select_columns(list(columns)).to_dict())
     if not raw.columns[spec.label]:
