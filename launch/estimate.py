@@ -6,41 +6,64 @@ backward pass's working set; `launch.costs` says how each is measured) for
 its mesh, train step layout (`oodjax.engine.geometry`: train.grad_accum
 micro-batches of all runs' prompts, packed with train.pack into the fewest
 rows per device of at most data.max_length tokens) and remat policy, FLOPs
-per train step and per full evaluation, and the accelerator-hours of all its
-runs on a stated device at a stated utilisation. With several configs a closing line sums
-the hours. --layers cuts the model to that depth and --platform cpu costs
-memory as XLA's CPU backend allocates it, so that the estimate can be set
-beside `python -m launch.preflight --layers N` on a machine without an
-accelerator.
+per train step and per full evaluation, the prompts they are counted for,
+and the accelerator-hours of all its runs on a stated device at a stated
+utilisation. With several configs a closing line sums the hours. --layers
+cuts the model to that depth and --platform cpu costs memory as XLA's CPU
+backend allocates it, so that the estimate can be set beside `python -m
+launch.preflight --layers N` on a machine without an accelerator.
 
-Prompts are costed at `data.max_length` tokens unless --prompt_len says
-otherwise (most NLI prompts are far shorter, so the default is an upper
-bound), training rows at the length such prompts make (`train_row_length`:
-one a row, or a packed row's share of all runs' prompts) unless --seq_len
-gives it (the preflight passes its geometry's). The evaluation size is counted
-from the testsets themselves (`oodjax.data.load_testset`, with the config's
-neutral handling and cap) unless --eval_examples gives it.
+By default the prompts are the config's real ones, as the engine builds
+them (`RealPrompts`): its tokenizer (config.tokenizer, else model.path; or
+--tokenizer, a stand-in) on its runs' few-shot sets gives the train step's
+layout (`batch_geometry`, what the preflight compiles), and on its testsets
+and those sets the evaluation pool, whose packed rows are what an
+evaluation computes. So it needs the tokenizer and the data, as a run does;
+configs sharing them share the work. --prompt_len N instead prices every
+prompt at N tokens (data.max_length: an upper bound, most NLI prompts being
+far shorter), without the tokenizer: training rows at the length such
+prompts make (`train_row_length`: one a row, or a packed row's share of all
+runs' prompts) unless --seq_len gives it, and evaluation one prompt a row of
+N tokens, the testsets' examples counted (`oodjax.data.load_testset`, with
+the config's neutral handling and cap) unless --eval_examples gives their
+number (then without the data either).
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import functools
 import json
+import math
 import sys
 from collections.abc import Mapping, Sequence
+from typing import Any
 
+import jax
+from jax.sharding import Mesh
 from ml_collections import config_dict
+from transformers import PreTrainedTokenizerBase
 
 from configs.models import architecture
 from launch import costs
 from launch.config_files import experiment_config_paths, load_config
-from oodjax.data import bucket_lengths, fitting_bucket
-from oodjax.engine.geometry import BatchGeometry
+from oodjax import usage_errors
+from oodjax.data import TokenizedSet, bucket_lengths, fitting_bucket, load_tokenizer, prompt_lengths
+from oodjax.engine import results, sharding
+from oodjax.engine.evaluation import EvalPool, pool_figures
+from oodjax.engine.geometry import BatchGeometry, EvalGeometry, batch_geometry
+from oodjax.engine.run_data import few_shot_sets, load_runs_data
 from oodjax.models.lora import LoRAConfig
+from oodjax.usage_errors import ConfigError
 
 GB = 1e9
+# What a missing tokenizer or testset leaves possible.
+WITHOUT_DATA = (
+    "--prompt_len N prices prompts of N tokens without the tokenizer, and --eval_examples M evaluations of M "
+    "examples without the testsets"
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +96,25 @@ class Estimate:
     total_flops: float
     accelerator_hours: float
     geometry: BatchGeometry  # the train step's layout the estimate is made for
+    prompts: RealPrompts | None  # the real prompts it is made for, else prompts of prompt_len tokens
+    prompt_len: int | None  # tokens of every prompt when not the real ones
+
+
+@dataclasses.dataclass(frozen=True)
+class RealPrompts:
+    """A config's real prompts as its job lays them out (``PromptCounter``), counted with ``tokenizer``."""
+
+    tokenizer: str  # the tokenizer that counted them: the config's own or a stand-in
+    geometry: BatchGeometry  # the train step's layout, from the runs' few-shot sets
+    eval_rows: Mapping[int, int]  # row length -> rows of it one evaluation computes (every run's lane, empty rows too)
+    eval_prompts: int  # prompts one evaluation scores: every run's testsets and its own few-shot set
+    eval_prompt_tokens: int  # their tokens
+    eval_real_token_share: float  # eval_prompt_tokens over the tokens of eval_rows (``pool_figures``)
+
+    @property
+    def mean_length(self) -> float:
+        """Tokens of the average prompt an evaluation scores."""
+        return self.eval_prompt_tokens / self.eval_prompts
 
 
 def resolve_mesh(mesh: Mapping[str, int], devices: int) -> dict[str, int]:
@@ -80,17 +122,17 @@ def resolve_mesh(mesh: Mapping[str, int], devices: int) -> dict[str, int]:
     sizes = {axis: int(mesh[axis]) for axis in ("data", "fsdp", "tensor")}
     fill = [axis for axis, size in sizes.items() if size == -1]
     if len(fill) > 1:
-        raise ValueError(f"at most one mesh axis may be -1, got {sizes}")
+        raise ConfigError(f"at most one mesh axis may be -1, got {sizes}")
     fixed = 1
     for axis, size in sizes.items():
         if axis not in fill:
             fixed *= size
     if devices % fixed:
-        raise ValueError(f"mesh {sizes} does not fit {devices} devices")
+        raise ConfigError(f"mesh {sizes} does not fit {devices} devices")
     if fill:
         sizes[fill[0]] = devices // fixed
     elif fixed != devices:
-        raise ValueError(f"mesh {sizes} uses {fixed} devices, not the {devices} given")
+        raise ConfigError(f"mesh {sizes} uses {fixed} devices, not the {devices} given")
     return sizes
 
 
@@ -98,14 +140,17 @@ def architecture_of(config: config_dict.ConfigDict, layers: int | None = None) -
     """config.json numbers: the table's for a listed checkpoint, else the config's own random-model fields;
     ``layers`` replaces the decoder depth (what the estimate and the preflight cut a model to)."""
     if config.model.path:
-        arch = dict(architecture(config.model.path))
+        try:
+            arch = dict(architecture(config.model.path))
+        except KeyError as error:  # a checkpoint configs/models.py does not list
+            raise ConfigError(f"model.path: {error.args[0]}") from error
     elif config.model.hf_config:
         arch = config.model.hf_config.to_dict()
     else:
-        raise ValueError("config names neither model.path nor model.hf_config")
+        raise ConfigError("config names neither model.path nor model.hf_config")
     if layers is not None:
         if layers < 1:
-            raise ValueError(f"layers must be >= 1, got {layers}")
+            raise ConfigError(f"layers must be >= 1, got {layers}")
         arch["num_hidden_layers"] = layers
     return arch
 
@@ -142,7 +187,7 @@ def train_row_length(config: config_dict.ConfigDict, batch_shards: int, prompt_l
     sizes rows: the bucket holding one prompt, or with train.pack a packed row's prompts (``packed_rows``)."""
     max_length = config.data.max_length
     if not 0 < prompt_len <= max_length:
-        raise ValueError(f"prompt length {prompt_len} must be in [1, data.max_length={max_length}]")
+        raise ConfigError(f"prompt length {prompt_len} must be in [1, data.max_length={max_length}]")
     prompts = packed_rows(config, batch_shards, prompt_len)[1] if config.train.pack else 1
     return fitting_bucket(bucket_lengths(max_length, tuple(config.data.buckets) or None), prompts * prompt_len)
 
@@ -164,6 +209,80 @@ def evaluation_steps(steps: int, every: int) -> int:
     return len(set(range(0, steps + 1, every)) | {steps})
 
 
+def geometry_mesh(shards: int) -> Mesh:
+    """A mesh of ``shards`` host CPU devices, all on its data axis. A job's batch layout depends on its mesh only
+    through the devices its batch axes span (``sharding.batch_shards``), so it is laid out here for devices this
+    machine does not have."""
+    cpus = jax.devices("cpu")
+    if len(cpus) < shards:
+        raise RuntimeError(
+            f"laying out batches over {shards} devices takes as many host CPU devices; JAX has {len(cpus)} "
+            "(jax_num_cpu_devices is set before JAX starts: `main` does)"
+        )
+    return sharding.make_mesh(shards, 1, 1, devices=cpus[:shards])
+
+
+class PromptCounter:
+    """Configs' real prompts (``RealPrompts``), counted with ``tokenizer`` (a folder or hub id) when given, else
+    with each config's own (config.tokenizer, else model.path), loaded as the engine loads it.
+
+    The engine's own calls lay them out, as ``oodjax.engine.loop`` and the
+    preflight make them: the runs' few-shot sets (``few_shot_sets``), the
+    train step's geometry from them (``batch_geometry``), and the
+    evaluation pool of the testsets and those sets (``load_runs_data``),
+    whose batches are what every evaluation computes: each row length's
+    rows in every run's lane (the eval step maps over the runs, empty rows
+    included). Configs with the same tokenizer and data (config.data and
+    config.runs) share the few-shot sets, and those that also share their
+    evaluation batches' shape (``EvalGeometry``) share the pool: counted
+    with one tokenizer, the study's 16 configs draw 2 sets of few-shot sets
+    and build 6 pools. Testsets are tokenised once, later pools reading them
+    from ``oodjax.data``'s tokenisation cache (on disk, so the next estimate
+    or run reads them too).
+    """
+
+    def __init__(self, tokenizer: str | None = None) -> None:
+        self.tokenizer = tokenizer
+        self._tokenizers: dict[str, PreTrainedTokenizerBase] = {}
+        self._few_shot_sets: dict[tuple[str, str], list[TokenizedSet]] = {}
+        self._pools: dict[tuple[str, str, EvalGeometry], dict[str, Any]] = {}
+
+    def __call__(self, config: config_dict.ConfigDict, mesh: Mapping[str, int]) -> RealPrompts:
+        """``config``'s real prompts on a mesh of these axis sizes (resolved)."""
+        source = self.tokenizer or config.tokenizer or config.model.path
+        if source not in self._tokenizers:
+            self._tokenizers[source] = load_tokenizer(source)
+        tokenizer = self._tokenizers[source]
+        runs = [(run.seed, run.shots) for run in results.plan_runs(config)]
+        seeds = [seed for seed, _ in runs]
+        data = (source, json.dumps({"data": config.data.to_dict(), "runs": config.runs.to_dict()}, sort_keys=True))
+        if data not in self._few_shot_sets:
+            self._few_shot_sets[data] = few_shot_sets(config, tokenizer, runs)
+        train_sets = self._few_shot_sets[data]
+        shards = math.prod(mesh[axis] for axis in sharding.BATCH_AXES)
+        geometry = batch_geometry(config, geometry_mesh(shards), train_sets, seeds)
+        pool = (*data, geometry.evaluation)
+        if pool not in self._pools:
+            self._pools[pool] = _evaluation_counts(
+                load_runs_data(config, tokenizer, seeds, train_sets, geometry, prefetch=0).eval_pool
+            )
+        return RealPrompts(tokenizer=source, geometry=geometry, **self._pools[pool])
+
+
+def _evaluation_counts(pool: EvalPool) -> dict[str, Any]:
+    """``RealPrompts``' evaluation fields, read from the batches of ``pool``."""
+    rows: collections.Counter[int] = collections.Counter()
+    for batch in pool.batches:
+        length = batch["input_ids"].shape[-1]
+        rows[length] += batch["input_ids"].size // length
+    return dict(
+        eval_rows=dict(sorted(rows.items())),
+        eval_prompts=sum(int(batch["valid"].sum()) for batch in pool.batches),
+        eval_prompt_tokens=sum(int(prompt_lengths(batch).sum()) for batch in pool.batches),
+        eval_real_token_share=pool_figures(pool)["eval_real_token_share"],
+    )
+
+
 def estimate(
     config_path: str,
     config: config_dict.ConfigDict,
@@ -171,6 +290,7 @@ def estimate(
     devices: int,
     device: Device,
     utilisation: float,
+    prompts: RealPrompts | None = None,
     seq_len: int | None = None,
     prompt_len: int | None = None,
     geometry: BatchGeometry | None = None,
@@ -178,12 +298,14 @@ def estimate(
     layers: int | None = None,
     platform: str | None = None,
 ) -> Estimate:
-    """The costs of `config`'s job on `devices` devices of `device`'s kind. `seq_len` is the training rows'
-    length (default `train_row_length` of `prompt_len`), `prompt_len` a prompt's (default data.max_length;
-    evaluation is costed one prompt a row); `geometry`, the job's own train step layout (the preflight's,
-    replayed from its real data), replaces the one laid out from them. `layers` cuts the model to that depth
-    and `platform` (default: the device's) decides how memory is costed, so that the estimate can be compared
-    with the preflight's compile on a CPU."""
+    """The costs of `config`'s job on `devices` devices of `device`'s kind, for its real `prompts`
+    (``PromptCounter``: their train step layout, and their evaluation pool's rows), else for prompts of
+    `prompt_len` tokens (default data.max_length, an upper bound; evaluated one a row, `eval_examples` of them
+    per run, default counted from the testsets, beside each run's few-shot set) in training rows of
+    `train_row_length`. `geometry`, a train step layout (the preflight's, from its real data), replaces
+    either's; `seq_len` replaces its rows' length. `layers` cuts the model to that depth and `platform`
+    (default: the device's) decides how memory is costed, so that the estimate can be compared with the
+    preflight's compile on a CPU."""
     arch = architecture_of(config, layers)
     dims = costs.dimensions(arch)
     parameters = costs.parameter_count(arch)
@@ -191,9 +313,16 @@ def estimate(
     runs = len(config.runs.seeds) * len(config.runs.shots)
     mesh = resolve_mesh(config.mesh, devices)
     shards = mesh["data"] * mesh["fsdp"]
-    prompt_len = prompt_len or config.data.max_length
+    if prompts is not None:
+        if prompt_len is not None or eval_examples is not None:
+            raise ValueError("real prompts are counted: prompt_len and eval_examples are for assumed ones")
+        geometry = geometry or prompts.geometry
+    else:
+        prompt_len = config.data.max_length if prompt_len is None else prompt_len
     if geometry is None:
         geometry = train_geometry(config, shards, prompt_len, seq_len or train_row_length(config, shards, prompt_len))
+    elif seq_len:
+        geometry = dataclasses.replace(geometry, seq_len=seq_len)
     memory = costs.train_memory_per_device(
         arch, LoRAConfig.from_config(config.lora), dtype=config.model.dtype,
         compute_dtype=config.model.compute_dtype or None, remat=config.model.remat, mesh=mesh, runs=runs,
@@ -204,22 +333,29 @@ def estimate(
         dims, runs=runs, rows=geometry.grad_accum * geometry.rows, seq_len=geometry.seq_len,
         prompts=runs * geometry.batch_size, lora_parameters=lora, remat=config.model.remat,
     )  # fmt: skip
-    if eval_examples is None:
-        eval_examples = count_eval_examples(
-            tuple(config.data.testsets), config.data.data_dir, config.data.neutral, config.data.eval_cap,
-            json.dumps(config.data.extra_testsets.to_dict(), sort_keys=True), config.data.extra_testsets_file,
+    if prompts is not None:
+        evaluation = sum(
+            costs.eval_flops(dims, runs=1, examples=rows, seq_len=length, lora_parameters=lora)
+            for length, rows in prompts.eval_rows.items()
         )
-    # Each run is also evaluated on its own few-shot training set.
-    training_sets = len(config.runs.seeds) * sum(config.runs.shots)
-    evaluation = costs.eval_flops(dims, runs=runs, examples=eval_examples, seq_len=prompt_len, lora_parameters=lora)
-    evaluation += costs.eval_flops(dims, runs=1, examples=training_sets, seq_len=prompt_len, lora_parameters=lora)
+    else:
+        if eval_examples is None:
+            eval_examples = count_eval_examples(
+                tuple(config.data.testsets), config.data.data_dir, config.data.neutral, config.data.eval_cap,
+                json.dumps(config.data.extra_testsets.to_dict(), sort_keys=True), config.data.extra_testsets_file,
+            )
+        # Each run is also evaluated on its own few-shot training set.
+        training_sets = len(config.runs.seeds) * sum(config.runs.shots)
+        evaluation = costs.eval_flops(dims, runs=runs, examples=eval_examples, seq_len=prompt_len, lora_parameters=lora)
+        evaluation += costs.eval_flops(dims, runs=1, examples=training_sets, seq_len=prompt_len, lora_parameters=lora)
     evaluations = evaluation_steps(config.train.steps, config.eval.every)
     total = config.train.steps * step + evaluations * evaluation
     hours = total / (device.peak_flops * utilisation) / 3600
     name = config.model.path or config.model.name
     return Estimate(
-        config_path, name, parameters, mesh, memory, step, evaluation, evaluations, total, hours, geometry
-    )
+        config_path, name, parameters, mesh, memory, step, evaluation, evaluations, total, hours, geometry, prompts,
+        prompt_len,
+    )  # fmt: skip
 
 
 def describe(result: Estimate, config: config_dict.ConfigDict, device: Device, utilisation: float) -> str:
@@ -244,11 +380,37 @@ def describe(result: Estimate, config: config_dict.ConfigDict, device: Device, u
         f"activations {m.activations / GB:.2f}, the larger of a layer's backward {m.layer_transients / GB:.2f} "
         f"and the head's {m.head_transients / GB:.2f}; total {m.total / GB:.2f} ({fits} in {device.name}'s "
         f"{device.memory_gb:.0f} GB)",
+        describe_prompts(result, config),
         f"  FLOPs: {result.train_step_flops:.3e} per train step, {result.eval_flops:.3e} per full evaluation",
         f"  whole sweep ({runs} runs, {config.train.steps} steps, {result.evaluations} evaluations): "
         f"{result.total_flops:.3e} FLOPs = {result.accelerator_hours:,.1f} {device.name}-hours at "
         f"{utilisation:.0%} utilisation",
     ])
+
+
+def describe_prompts(result: Estimate, config: config_dict.ConfigDict) -> str:
+    """The line saying which prompts the estimate is made for: the real ones, counted with which tokenizer, or
+    ones of a given length."""
+    if result.prompts is None:
+        bound = " = data.max_length: an upper bound" if result.prompt_len == config.data.max_length else ""
+        return f"  prompts: {result.prompt_len} tokens each (--prompt_len{bound}), evaluated one a row"
+    p, own = result.prompts, config.tokenizer or config.model.path
+    counted = f"its tokenizer {own}" if p.tokenizer == own else f"the tokenizer {p.tokenizer} standing in for {own}"
+    return (
+        f"  prompts: real, counted with {counted}: mean {p.mean_length:.1f} tokens; an evaluation scores "
+        f"{p.eval_prompts:,} prompts ({p.eval_prompt_tokens:,} tokens, all runs) in rows of "
+        f"{min(p.eval_rows)}-{max(p.eval_rows)} tokens, {p.eval_real_token_share:.1%} of their tokens; training "
+        "rows laid out from the runs' few-shot sets"
+    )
+
+
+def _host_devices(count: int) -> None:
+    """Gives JAX's CPU backend ``count`` devices, for ``geometry_mesh``. Only before JAX starts; a program that
+    has started it (the tests, with eight devices) keeps the devices it has."""
+    try:
+        jax.config.update("jax_num_cpu_devices", count)
+    except RuntimeError:  # JAX's backends have started
+        pass
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -257,11 +419,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--devices", type=int, default=8, help="devices of one job (default 8)")
     parser.add_argument("--device", choices=sorted(DEVICES), default="a100")
     parser.add_argument("--utilisation", type=float, default=0.4, help="fraction of peak FLOP/s achieved")
-    parser.add_argument("--prompt_len", type=int, help="tokens per prompt (default: data.max_length)")
     parser.add_argument(
-        "--seq_len", type=int, help="tokens per training row (default: the rows --prompt_len prompts make)"
-    )
-    parser.add_argument("--eval_examples", type=int, help="examples per full evaluation (default: counted)")
+        "--tokenizer", help="count the real prompts with this tokenizer (a folder or hub id), standing in for the "
+        "config's own (config.tokenizer, else model.path)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--offline_pools", action="store_true", help="draw the few-shot sets from the testset table's offline pools "
+        "(MNLI validation_mismatched, SNLI validation), standing in for the configs' data.pool_split (the train "
+        "splits) where those are not fetched; training is about 2%% of the study's cost",
+    )  # fmt: skip
+    parser.add_argument(
+        "--prompt_len", type=int, help="price every prompt at this many tokens, without the tokenizer (default: "
+        "the real prompts; data.max_length is an upper bound)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--seq_len", type=int, help="tokens per training row (default: the real prompts' rows, or those "
+        "--prompt_len prompts make)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--eval_examples", type=int, help="with --prompt_len: examples per full evaluation, without the testsets "
+        "(default: counted from them)",
+    )  # fmt: skip
     parser.add_argument("--layers", type=int, help="cut the model to this many decoder layers (as the preflight's)")
     parser.add_argument(
         "--platform", choices=costs.PLATFORMS, help="cost memory as this backend allocates it (default: --device's)"
@@ -269,19 +447,39 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not 0 < args.utilisation <= 1:
         parser.error(f"--utilisation must be in (0, 1], got {args.utilisation}")
+    if args.devices < 1:
+        parser.error(f"--devices must be >= 1, got {args.devices}")
+    if args.prompt_len is None and args.eval_examples is not None:
+        parser.error("--eval_examples goes with --prompt_len: the real prompts' evaluation has its own examples")
+    if args.prompt_len is not None and args.tokenizer:
+        parser.error("--tokenizer counts the real prompts, which --prompt_len replaces")
+    _host_devices(args.devices)
     device = DEVICES[args.device]
+    with usage_errors.reported(parser.prog):
+        try:
+            paths = experiment_config_paths(args.configs)
+        except (ValueError, FileNotFoundError) as error:  # no experiment config among the files; no file
+            raise usage_errors.UsageError(str(error)) from error
+    count = PromptCounter(args.tokenizer)
+    if args.offline_pools:
+        print("# few-shot sets drawn from the offline pools (--offline_pools), standing in for the configs' "
+              "data.pool_split")
     total_hours, total_runs = 0.0, 0
-    try:
-        paths = experiment_config_paths(args.configs)
-    except ValueError as error:
-        parser.error(str(error))
     for path in paths:
-        config = load_config(path)
-        result = estimate(
-            path, config, devices=args.devices, device=device, utilisation=args.utilisation,
-            seq_len=args.seq_len, prompt_len=args.prompt_len, eval_examples=args.eval_examples, layers=args.layers,
-            platform=args.platform,
-        )
+        with usage_errors.reported(parser.prog, config_spec=path):
+            try:
+                config = load_config(path)
+                if args.offline_pools:
+                    config.data.pool_split = ""  # the table's pool split
+                mesh = resolve_mesh(config.mesh, args.devices)
+                prompts = None if args.prompt_len is not None else count(config, mesh)
+                result = estimate(
+                    path, config, devices=args.devices, device=device, utilisation=args.utilisation,
+                    prompts=prompts, seq_len=args.seq_len, prompt_len=args.prompt_len,
+                    eval_examples=args.eval_examples, layers=args.layers, platform=args.platform,
+                )  # fmt: skip
+            except usage_errors.NotFetchedError as error:
+                raise usage_errors.NotFetchedError(f"{error}; {WITHOUT_DATA}") from error
         print(describe(result, config, device, args.utilisation))
         total_hours += result.accelerator_hours
         total_runs += len(config.runs.seeds) * len(config.runs.shots)

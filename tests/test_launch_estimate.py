@@ -3,6 +3,11 @@ per-device weight shards against real placement, saved activations against the V
 memory total against the compiler's."""
 
 import functools
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -15,10 +20,24 @@ from flax import nnx
 from configs.models import MODELS
 from launch import costs, estimate, preflight
 from launch.config_files import load_config
-from oodjax import models
-from oodjax.engine import loop, results, sharding, steps
-from oodjax.engine.geometry import BatchGeometry
+from oodjax import models, usage_errors
+from oodjax.engine import loop, results, run_data, sharding, steps
+from oodjax.engine.geometry import BatchGeometry, batch_geometry
 from oodjax.models.lora import LoRAConfig, apply_lora
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+# The demo (a tiny random OPT, the GPT-2 tokenizer, the shared testsets) cut to two capped testsets and two runs.
+SMALL_CONFIG = """from configs import demo
+
+def get_config():
+    config = demo.get_config()
+    config.data.testsets = ("mnli", "rte")
+    config.data.eval_cap = 60
+    config.runs.shots = (16,)
+    config.train.steps = 10
+    config.eval.every = 5
+{extra}    return config
+"""
 
 TINY_ARCHITECTURES = {
     "opt": dict(model_type="opt", vocab_size=97, hidden_size=16, word_embed_proj_dim=16, ffn_dim=40,
@@ -356,12 +375,11 @@ def test_evaluation_steps():
 
 
 def test_cli_prints_every_figure(capsys):
-    assert estimate.main(["configs/opt30_mnli.py", "configs/olmo7_snli.py", "--eval_examples", "1000",
-                          "--device", "h100", "--utilisation", "0.5"]) == 0
+    assert estimate.main(["configs/opt30_mnli.py", "configs/olmo7_snli.py", "--prompt_len", "512",
+                          "--eval_examples", "1000", "--device", "h100", "--utilisation", "0.5"]) == 0
     out = capsys.readouterr().out
     assert "configs/opt30_mnli.py: facebook/opt-30b, 29,974,540,288 parameters" in out
-    # 9 x 16 prompts, 9 a device a micro-batch, of 512 tokens (data.max_length) unless --prompt_len says less:
-    # one a row of 512.
+    # 9 x 16 prompts, 9 a device a micro-batch, of 512 tokens (data.max_length): one a row of 512.
     assert (
         "mesh data=1 fsdp=8 tensor=1; 9 runs x batch 16 in 2 micro-batches of 9 packed rows per device (512 "
         "tokens, 1 prompt slot); bfloat16, remat save_dots"
@@ -369,22 +387,146 @@ def test_cli_prints_every_figure(capsys):
     # 7.49 GB of 29.97e9 bf16 parameters split 8 ways, plus the norms and biases fsdp leaves whole; the
     # head (tied: the 50272 x 7168 embedding) gathered from 8 shards.
     for figure in ("frozen weights 7.50", "adapters", "optimizer state", "activations", "a layer's backward",
-                   "the head's 0.63", "per train step", "per full evaluation", "H100 SXM-hours at 50% utilisation"):
+                   "the head's 0.63", "per train step", "per full evaluation", "H100 SXM-hours at 50% utilisation",
+                   "prompts: 512 tokens each (--prompt_len = data.max_length: an upper bound), evaluated one a row"):
         assert figure in out
     assert out.strip().splitlines()[-1].startswith("total: 18 runs in 2 configs")
 
 
-def test_cli_unknown_checkpoint_is_an_error(tmp_path):
+def _one_line(stderr, status):
+    """The single error line the estimate ends with (exit status 2, no traceback)."""
+    assert status == usage_errors.EXIT_STATUS, stderr[-3000:]
+    assert "Traceback" not in stderr, stderr[-3000:]
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("python -m launch.estimate: error: "), stderr[-3000:]
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    "model, message",
+    [
+        ("c.model.path = 'someone/model-1b'", "model.path: no architecture numbers for 'someone/model-1b'"),
+        ("c.model.path = 'facebook/opt-2.7b'\n    c.mesh.data = 3", "mesh {'data': 3, 'fsdp': 1, 'tensor': 1} does "
+         "not fit 8 devices"),
+    ],
+)
+def test_cli_config_errors_are_one_line(tmp_path, capsys, model, message):
     config = tmp_path / "other.py"
-    config.write_text("from configs import base\n\ndef get_config():\n    c = base.get_config()\n"
-                      "    c.model.path = 'someone/model-1b'\n    return c\n")
-    with pytest.raises(KeyError, match="no architecture numbers for 'someone/model-1b'"):
-        estimate.main([str(config), "--eval_examples", "10"])
+    config.write_text(f"from configs import base\n\ndef get_config():\n    c = base.get_config()\n    {model}\n"
+                      "    return c\n")
+    with pytest.raises(SystemExit) as raised:
+        estimate.main([str(config), "--prompt_len", "64", "--eval_examples", "10"])
+    assert message in _one_line(capsys.readouterr().err, raised.value.code)
 
 
 def test_the_estimate_takes_a_glob_as_the_sweep_does(capsys):
     """Files that are not experiment configs are named and left out, as `launch.sweep --configs` does."""
-    assert estimate.main(["configs/b*.py", "configs/olmo7_*.py", "--eval_examples", "1000"]) == 0
+    assert estimate.main(["configs/b*.py", "configs/olmo7_*.py", "--prompt_len", "128", "--eval_examples", "1000"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert lines[0] == "# not experiment configs, skipped: configs/base.py (its config names no model)"
     assert lines[-1].startswith("total: 18 runs in 2 configs")
+
+
+def _small_config(tmp_path, extra=""):
+    path = tmp_path / "small.py"
+    path.write_text(SMALL_CONFIG.format(extra=extra))
+    return path
+
+
+def test_the_real_prompts_are_those_the_engine_lays_out(tmp_path, gpt2_tokenizer_dir):
+    """The default: the config's real prompts. Their number and tokens against the prompts tokenised here with
+    transformers' tokenizer and the template, evaluation FLOPs in closed form over the pool's rows, and the
+    train step laid out by the engine's geometry from the runs' few-shot sets."""
+    config = load_config(_small_config(tmp_path))
+    mesh = estimate.resolve_mesh(config.mesh, 8)
+    counted = estimate.PromptCounter()(config, mesh)
+    result = estimate.estimate("small", config, devices=8, device=estimate.DEVICES["h100"], utilisation=0.4,
+                               prompts=counted)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(gpt2_tokenizer_dir)
+    runs = [(run.seed, run.shots) for run in results.plan_runs(config)]
+
+    def lengths(dataset):  # prompts longer than data.max_length (128) lose premise tokens down to it
+        prompts = [config.data.template.format(premise=p, hypothesis=h)
+                   for p, h in zip(dataset["premise"], dataset["hypothesis"])]
+        return [min(len(ids), 128) for ids in tokenizer(prompts)["input_ids"]]
+
+    testsets = [lengths(dataset) for dataset in run_data.capped_testsets(config).values()]
+    own_sets = [lengths(dataset) for dataset in run_data.few_shot_datasets(config, runs)]
+    assert [len(t) for t in testsets] == [60, 60] and [len(s) for s in own_sets] == [16, 16]
+    # Every run scores the testsets and its own few-shot set.
+    prompts = 2 * 120 + 32
+    tokens = 2 * sum(map(sum, testsets)) + sum(map(sum, own_sets))
+    assert (counted.eval_prompts, counted.eval_prompt_tokens) == (prompts, tokens)
+    assert counted.mean_length == pytest.approx(tokens / prompts)
+    assert 30 < counted.mean_length < 80
+    # The pool's rows hold those tokens, and padding.
+    computed = sum(length * rows for length, rows in counted.eval_rows.items())
+    assert counted.eval_real_token_share == pytest.approx(tokens / computed)
+    assert 0.5 < counted.eval_real_token_share <= 1
+    # Forward FLOPs of every row: 2 per weight of the 2 layers' matmuls (4 x 64^2 + 2 x 64 x 256) and of one run's
+    # adapters (rank 8 on 4 projections of 64 -> 64 a layer), and attention over the row, 4 x length x 64 a layer.
+    weights = 2 * (4 * 64 * 64 + 2 * 64 * 256) + 2 * 4 * 8 * (64 + 64)
+    assert result.eval_flops == pytest.approx(
+        sum(rows * length * (2 * weights + 4 * 2 * length * 64) for length, rows in counted.eval_rows.items())
+    )
+    # Training: the engine's own layout of the runs' few-shot sets.
+    tokenized = run_data.few_shot_sets(config, tokenizer, runs)
+    engine = batch_geometry(config, sharding.make_mesh(8, 1, 1), tokenized, [seed for seed, _ in runs])
+    assert result.geometry == counted.geometry
+    assert (engine.rows, engine.seq_len, engine.prompts_per_row) == (
+        result.geometry.rows, result.geometry.seq_len, result.geometry.prompts_per_row
+    )
+
+
+def test_the_output_names_the_prompts_and_prompt_len_overrides_them(tmp_path, capsys, gpt2_tokenizer_dir):
+    config = str(_small_config(tmp_path))
+    assert estimate.main([config, "--device", "h100"]) == 0
+    real = capsys.readouterr().out
+    assert f"prompts: real, counted with its tokenizer {gpt2_tokenizer_dir}: mean " in real
+    assert "an evaluation scores 272 prompts" in real
+    stand_in = shutil.copytree(gpt2_tokenizer_dir, tmp_path / "stand-in")
+    assert estimate.main([config, "--device", "h100", "--tokenizer", str(stand_in)]) == 0
+    assert f"counted with the tokenizer {stand_in} standing in for {gpt2_tokenizer_dir}: mean " in (
+        capsys.readouterr().out
+    )
+    # The config's pool is MNLI's train split, which the mirror lacks: refused by name, unless the offline pool
+    # stands in.
+    (tmp_path / "train_pool").mkdir()
+    pool_train = str(_small_config(tmp_path / "train_pool", extra="    config.data.pool_split = 'train'\n"))
+    with pytest.raises(SystemExit):
+        estimate.main([pool_train, "--device", "h100"])
+    assert "mnli split 'train'" in capsys.readouterr().err
+    assert estimate.main([pool_train, "--device", "h100", "--offline_pools"]) == 0
+    assert "# few-shot sets drawn from the offline pools (--offline_pools)" in capsys.readouterr().out
+    assert estimate.main([config, "--device", "h100", "--prompt_len", "64"]) == 0
+    assumed = capsys.readouterr().out
+    assert "prompts: 64 tokens each (--prompt_len), evaluated one a row" in assumed
+    assert "prompts: real" not in assumed
+    assert estimate.main([config, "--device", "h100", "--prompt_len", "128"]) == 0
+    assert "prompts: 128 tokens each (--prompt_len = data.max_length: an upper bound)" in capsys.readouterr().out
+
+    def eval_flops(out):
+        return float(out.split(" per train step, ")[1].split(" per full evaluation")[0])
+
+    # Both runs' 60 + 60 testset examples and each run's own 16, each alone in a row of 64 tokens (weights as in
+    # the test above), where the real prompts are packed in rows of their own lengths.
+    weights = 2 * (4 * 64 * 64 + 2 * 64 * 256) + 2 * 4 * 8 * (64 + 64)
+    assert eval_flops(assumed) == pytest.approx((2 * 120 + 32) * 64 * (2 * weights + 4 * 2 * 64 * 64), rel=1e-3)
+    assert eval_flops(assumed) != pytest.approx(eval_flops(real), rel=1e-2)
+    for wrong in (["--eval_examples", "10"], ["--prompt_len", "64", "--tokenizer", "gpt2"]):
+        with pytest.raises(SystemExit):
+            estimate.main([config, *wrong])
+
+
+def test_without_the_data_the_estimate_is_one_line_naming_the_fetch_and_prompt_len(tmp_path):
+    """No testset mirror (data.data_dir and OODJAX_DATA_DIR empty), the hub offline: one line, exit status 2."""
+    config = _small_config(tmp_path, extra="    config.data.data_dir = ''\n")
+    env = {key: value for key, value in os.environ.items() if key != "OODJAX_DATA_DIR"}
+    env.update(HF_HOME=str(tmp_path / "hf_home"), HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+    result = subprocess.run(
+        [sys.executable, "-m", "launch.estimate", str(config)], cwd=ROOT, env=env, capture_output=True, text=True,
+        timeout=300,
+    )  # fmt: skip
+    line = _one_line(result.stderr, result.returncode)
+    assert "--prompt_len N prices prompts of N tokens" in line
+    assert f"`oodjax-fetch {config}`" in line
