@@ -7,9 +7,10 @@ the engine stores with every run (`config["model"]`):
 - `path`, a hub id or checkpoint directory ("facebook/opt-2.7b",
   "allenai/OLMo-2-1124-7B", "HuggingFaceTB/SmolLM3-3B"): its last component
   follows the hub's naming, so the size is its dash-separated token like
-  "2.7b" or "135M" and the family is the remaining tokens, four-digit
+  "2.7b" or "135M" and the family is the tokens before it, four-digit
   release tokens such as "1124" dropped, lower-cased and joined ("opt",
-  "olmo2", "smollm3", as transformers' model_type names them);
+  "olmo2", "smollm3", as transformers' model_type names them; a variant
+  after the size, "SmolLM3-3B-Base", is the same family);
 - otherwise `hf_config.model_type` (a randomly initialised model: demo,
   tests) gives the family.
 
@@ -74,10 +75,11 @@ def hub_id_info(hub_id: str) -> ModelInfo:
     """Family and size written in a hub id or checkpoint directory name."""
     tokens = [t for t in re.split(r"[-_]", hub_id.rstrip("/").rsplit("/", 1)[-1]) if t]
     sizes = [_SIZE_TOKEN.fullmatch(t) for t in tokens]
-    size = next((m for m in reversed(sizes) if m), None)
-    kept = [
-        t for t, m in zip(tokens, sizes) if not (m or _RELEASE_TOKEN.fullmatch(t))
-    ]
+    size_at = next((i for i in reversed(range(len(sizes))) if sizes[i]), None)
+    size = sizes[size_at] if size_at is not None else None
+    # A variant after the size ("SmolLM3-3B-Base", "-Instruct") is the same family.
+    family_tokens = tokens if size_at is None else tokens[:size_at]
+    kept = [t for t in family_tokens if not _SIZE_TOKEN.fullmatch(t) and not _RELEASE_TOKEN.fullmatch(t)]
     family = "".join(kept).lower() or UNKNOWN
     if size is None:
         return ModelInfo(family, math.nan)

@@ -24,7 +24,8 @@ authors published, which the estimator's count is tested against:
        Table 1 (2.7B, 6.7B, 13B, 30B);
   OLMo 2: the model cards of allenai/OLMo-2-1124-7B, -13B and OLMo-2-0325-32B
        (7.30B, 13.7B, 32.2B parameters, as listed on the hub);
-  SmolLM3: the model card of HuggingFaceTB/SmolLM3-3B (3.08B parameters).
+  SmolLM3: the model card of HuggingFaceTB/SmolLM3-3B (3.08B parameters), SmolLM3-3B-Base post-trained:
+       the same architecture and count.
 
 And each entry lists the weight files its repository publishes on its `main`
 branch (flax and TF weights included), from which
@@ -77,15 +78,19 @@ class ModelResources:
 
 MODELS: dict[str, ModelResources] = {
     "smol3": ModelResources(
-        "HuggingFaceTB/SmolLM3-3B", (-1, 1, 1), 1, 128, remat="save_dots",
+        # The base checkpoint, as every other model of the study is (HuggingFaceTB/SmolLM3-3B is it post-trained
+        # for chat and reasoning): docs/protocol.md, "The SmolLM3 checkpoint".
+        "HuggingFaceTB/SmolLM3-3B-Base", (-1, 1, 1), 1, 128, remat="save_dots",
         architecture=dict(
             model_type="smollm3", vocab_size=128256, hidden_size=2048, intermediate_size=11008,
             num_hidden_layers=36, num_attention_heads=16, num_key_value_heads=4,
             attention_bias=False, mlp_bias=False, tie_word_embeddings=True, max_position_embeddings=65536,
         ),
         published_parameters=3.08e9,
-        # https://huggingface.co/HuggingFaceTB/SmolLM3-3B/tree/main (newest commit a07cc9a, "5 months ago")
-        published_files=(*_shards("model", 2, "safetensors"), "model.safetensors.index.json"),
+        # No listing of https://huggingface.co/HuggingFaceTB/SmolLM3-3B-Base/tree/main was found (its hub page is
+        # tagged Safetensors and ONNX). SmolLM3-3B, the same model post-trained, publishes two safetensors
+        # shards and their index (its tree/main, newest commit a07cc9a, "5 months ago").
+        published_files=(),
     ),
     "opt2.7": ModelResources(
         "facebook/opt-2.7b", (-1, 1, 1), 1, 128, remat="none",
@@ -220,6 +225,10 @@ def model_config(model: str, train_set: str) -> config_dict.ConfigDict:
     config.model.dtype = resources.dtype
     config.model.remat = resources.remat
     config.data.train_set = train_set
+    # Few-shot sets are drawn from the training set's own `train` split, as in the study (MNLI 393k rows,
+    # SNLI 550k): the table's offline default pools (MNLI validation_mismatched, whose genres the in-domain
+    # validation_matched does not share) are for the demo, the tests and the laptop configs.
+    config.data.pool_split = "train"
     config.train.grad_accum = resources.grad_accum
     config.eval.batch_size = resources.eval_batch_size
     config.mesh.data, config.mesh.fsdp, config.mesh.tensor = resources.mesh

@@ -23,6 +23,8 @@ SHIPPED_MODELS = {
         ("allenai/OLMo-2-1124-7B", "olmo2", 7.0, "7B"),
         ("allenai/OLMo-2-0325-32B", "olmo2", 32.0, "32B"),
         ("HuggingFaceTB/SmolLM3-3B", "smollm3", 3.0, "3B"),
+        ("HuggingFaceTB/SmolLM3-3B-Base", "smollm3", 3.0, "3B"),  # a variant after the size
+        ("allenai/OLMo-2-1124-7B-Instruct", "olmo2", 7.0, "7B"),
         ("HuggingFaceTB/SmolLM2-135M", "smollm2", 0.135, "135M"),
         ("meta-llama/Llama-3.2-1B", "llama3.2", 1.0, "1B"),
         ("/checkpoints/opt-6.7b/", "opt", 6.7, "6.7B"),  # a local directory

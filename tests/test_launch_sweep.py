@@ -59,7 +59,7 @@ def test_local_command_line_sets_exactly_the_jobs_runs(capsys, tmp_path):
     config_flag = config_flags.DEFINE_config_file("config", None, "", flag_values=flag_values, sys_argv=argv)
     flag_values(argv)
     config = config_flag.value
-    assert config.model.path == "HuggingFaceTB/SmolLM3-3B" and config.data.train_set == "snli"
+    assert config.model.path == "HuggingFaceTB/SmolLM3-3B-Base" and config.data.train_set == "snli"
     assert tuple(config.runs.seeds) == (7, 8) and tuple(config.runs.shots) == (16,)
     assert config.output_dir == f"{tmp_path}/smol3_snli"
 

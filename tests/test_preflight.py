@@ -51,6 +51,7 @@ def test_cli_on_the_demo_writes_every_key(tmp_path):
 def olmo13(gpt2_tokenizer_dir, mesh=None):
     config = load_config(ROOT / "configs" / "olmo13_mnli.py")
     config.tokenizer = str(gpt2_tokenizer_dir)  # the checkpoint's own tokenizer is not available offline
+    config.data.pool_split = "validation_mismatched"  # nor is MNLI's train split: the offline pool stands in
     if mesh is not None:
         config.mesh.data, config.mesh.fsdp, config.mesh.tensor = mesh
     return config

@@ -1,0 +1,9 @@
+"""OLMo-2 32B trained on few-shot MNLI with the predecessor code's protocol choices (configs/original/__init__.py)."""
+
+from ml_collections import config_dict
+
+from configs.original import preset
+
+
+def get_config() -> config_dict.ConfigDict:
+    return preset("olmo32", "mnli")
