@@ -87,8 +87,9 @@ def get_config() -> config_dict.ConfigDict:
     # which counts as in-domain in the results ("mnli" or "snli").
     config.data.train_set = "mnli"
     # Split of `train_set` the few-shot sets are drawn from; empty = the data
-    # layer's default pool (MNLI validation_mismatched, SNLI validation: both
-    # available offline and disjoint from the evaluation splits).
+    # layer's offline pool (MNLI validation_mismatched, SNLI validation: in the
+    # shared data, for the demo, tests and laptop configs). The study configs
+    # set `train`, as the study did (configs/models.py, docs/protocol.md).
     config.data.pool_split = ""
     # Local mirror laid out as <hub_id>/<config>/<split>.jsonl; empty =
     # $OODJAX_DATA_DIR, or the Hugging Face hub when that is unset. A split
@@ -140,6 +141,11 @@ def get_config() -> config_dict.ConfigDict:
     config.runs.seeds = (0, 42, 99)
     # Sizes of the few-shot training sets (label-balanced draws from the pool).
     config.runs.shots = (32, 64, 128)
+    # A job locks each of its runs (<run_dir>/run.lock) while it trains or
+    # evaluates them. A run locked by another live job stops this one before
+    # it writes anything, naming the run and that job; True leaves such runs
+    # out (with a warning) and goes on with the others.
+    config.runs.skip_locked = False
 
     config.train = config_dict.ConfigDict()
     config.train.steps = 500  # optimizer steps per run

@@ -27,7 +27,10 @@ The adapters of one call must share rank, alpha and targets, since they are
 stacked like the runs of a training job; the runs of the other two kinds
 all have a zero adapter, the base model's own outputs. A run whose
 metrics.npz exists already is skipped, so an interrupted call resumes and
-nothing written is lost.
+nothing written is lost. Each run is locked while it is evaluated, as a
+training job locks its runs (``oodjax.engine.run_lock``), and a model whose
+outputs are not finite (NaN or infinite margins on every testset of every
+run) is refused with one line, nothing written.
 """
 
 from __future__ import annotations
@@ -47,9 +50,9 @@ from ml_collections import config_dict
 from analysis import schema
 from oodjax import config_cli
 from oodjax.data import answer_token_ids, load_tokenizer
-from oodjax.engine import checks, loop, results, run_data, sharding, steps
+from oodjax.engine import checks, loop, results, run_data, run_lock, sharding, steps
 from oodjax.engine.distributed import is_primary
-from oodjax.engine.evaluation import evaluate, make_eval_pool
+from oodjax.engine.evaluation import evaluate, make_eval_pool, refuse_non_finite_model
 from oodjax.engine.geometry import eval_geometry
 from oodjax.main import start_process
 from oodjax.models.lora import LoRAConfig, apply_lora, lora_from_peft, read_peft
@@ -106,15 +109,26 @@ def plan_evaluation(config: config_dict.ConfigDict) -> list[EvaluatedRun]:
 
 def evaluate_config(config: config_dict.ConfigDict) -> list[EvaluatedRun]:
     """Evaluates the config's base model, adapters or in-context runs (``plan_evaluation``) and writes their
-    metrics.npz."""
+    metrics.npz; returns its runs (those locked by another job left out, with runs.skip_locked).
+
+    Each run is locked while it is evaluated (``oodjax.engine.run_lock``):
+    one locked by another job raises ``RunLockedError``, nothing written.
+    A model whose margins are NaN or infinite on every testset of every run
+    raises ``NonFiniteModelError``, nothing written.
+    """
     checks.check_config(config, evaluation=True)
-    planned = plan_evaluation(config)
-    todo = [run for run in planned if not (run.directory / schema.METRICS_FILENAME).exists()]
-    for run in planned:
-        if run not in todo:
-            logging.info("%s: evaluated already (%s), skipped", run.name, run.directory / schema.METRICS_FILENAME)
-    if not todo:
-        return planned
+    with run_lock.locked_runs(plan_evaluation(config), skip_locked=config.runs.skip_locked) as planned:
+        todo = [run for run in planned if not (run.directory / schema.METRICS_FILENAME).exists()]
+        for run in planned:
+            if run not in todo:
+                logging.info("%s: evaluated already (%s), skipped", run.name, run.directory / schema.METRICS_FILENAME)
+        if todo:
+            _evaluate_runs(config, todo)
+    return planned
+
+
+def _evaluate_runs(config: config_dict.ConfigDict, todo: list[EvaluatedRun]) -> None:
+    """Evaluates ``todo`` together on one copy of the base and writes each run's metrics.npz."""
     adapters = [read_peft(run.adapter) for run in todo if run.adapter is not None]
     lora_cfg = _shared_adapter_config(adapters, [run.adapter for run in todo if run.adapter is not None])
 
@@ -149,18 +163,22 @@ def evaluate_config(config: config_dict.ConfigDict) -> list[EvaluatedRun]:
         eval_step, base_state, lora, pool, place=lambda batch: sharding.shard_batch(batch, mesh, batch_axis=1)
     )
     config_json = json.loads(config.to_json())
+    evaluated = []
     for r, run in enumerate(todo):
         identity = {schema.RUN_MODEL: run.model, schema.RUN_SEED: run.seed, schema.RUN_SHOTS: run.shots}
         run_results = results.RunResults(
             run.directory, labels=pool.labels_of(r), in_domain=config.data.train_set,
             config=dict(config_json, **{schema.RUN_SECTION: identity}),
         )  # fmt: skip
-        accuracies = run_results.add(0, margins[r], float("nan"))
+        evaluated.append((run, run_results, run_results.add(0, margins[r], float("nan"))))
+    base = config.model.path or results.model_name(config)
+    refuse_non_finite_model(f"{base} with its adapters" if adapters else base,
+                            [accuracies for _, _, accuracies in evaluated])  # fmt: skip
+    for run, run_results, accuracies in evaluated:
         if is_primary():
             run_results.write()
         logging.info("%s: %s", run.name, ", ".join(f"{name} {value:.3f}" for name, value in accuracies.items()))
     logging.info("done: %d runs evaluated; results in %s", len(todo), config.output_dir)
-    return planned
 
 
 def _shared_adapter_config(adapters: Sequence[tuple[LoRAConfig, Any]], folders: Sequence[pathlib.Path]) -> LoRAConfig:

@@ -12,20 +12,46 @@ run computes another run's training set. The batches are built once and
 replayed by every evaluation through the same compiled step (one shape per
 row length): after the first evaluation nothing compiles again.
 ``pool_figures`` says how much of what the batches compute is needed.
+
+A testset with a margin that is NaN or infinite has accuracy NaN
+(``oodjax.engine.results.accuracy``); when every testset of every run has
+one in a model's first evaluation, the model's outputs are not finite (a
+broken checkpoint), and ``refuse_non_finite_model`` stops the job before
+anything is recorded.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Mapping, Sequence
 
 import jax
 import numpy as np
 
 from oodjax.data import Batch, TokenizedSet, eval_batches, prompt_lengths
+from oodjax.usage_errors import UsageError
 
 # What the eval step reads; `index` stays on the host to place the margins.
 _STEP_KEYS = ("input_ids", "segment_ids", "answer_pos", "label", "valid")
+
+
+class NonFiniteModelError(UsageError):
+    """Every margin set of a model's first evaluation holds NaN or infinite values: its weights are broken (not a
+    config mistake, but the user's to fix: the checkpoint), so nothing is recorded."""
+
+
+def refuse_non_finite_model(model: str, accuracies: Sequence[Mapping[str, float]]) -> None:
+    """Raises ``NonFiniteModelError`` naming ``model`` when every testset's accuracy of every run (one mapping
+    per run, as ``RunResults.add`` returns them) is NaN, i.e. each has a margin that is not finite."""
+    if not accuracies or not all(math.isnan(value) for run in accuracies for value in run.values()):
+        return
+    testsets = ", ".join(accuracies[0])
+    raise NonFiniteModelError(
+        f"model {model}: its outputs are not finite: in its first evaluation every run ({len(accuracies)}) has "
+        f"NaN or infinite margins on every testset ({testsets}), so nothing was recorded. Its weights are broken "
+        "(a NaN or infinite tensor, a damaged download: fetch the checkpoint again) or overflow in model.dtype"
+    )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,7 +15,11 @@ compiled steps of its own runs; each run ends with the results an
 uninterrupted run would have written (to float32 rounding where its group's
 size differs from the uninterrupted job's, as the compiled program does). A
 stop signal ends training at a step boundary with every run checkpointed
-(``oodjax.engine.preemption``).
+(``oodjax.engine.preemption``). A job holds a lock on each of its runs from
+before it reads where the run stands until it exits, so a second job on the
+same runs stops before writing anything (``oodjax.engine.run_lock``). A
+base model whose step-0 margins are all NaN or infinite stops the job
+(``oodjax.engine.evaluation.refuse_non_finite_model``).
 
 With `export.peft`, each run's adapters are written in PEFT format to
 `<run_dir>/adapter/` when training ends (and at every checkpoint with
@@ -48,9 +52,9 @@ from transformers import PreTrainedTokenizerBase
 from analysis import schema
 from oodjax import models
 from oodjax.data import answer_token_ids, load_tokenizer
-from oodjax.engine import checkpoints, checks, console, sharding, steps
+from oodjax.engine import checkpoints, checks, console, run_lock, sharding, steps
 from oodjax.engine.distributed import is_primary
-from oodjax.engine.evaluation import evaluate
+from oodjax.engine.evaluation import evaluate, refuse_non_finite_model
 from oodjax.engine.events import EventLog, WandbSettings
 from oodjax.engine.geometry import BatchGeometry, batch_geometry
 from oodjax.engine.preemption import Preempted, StopSignals
@@ -75,22 +79,23 @@ class NonFiniteLossError(FloatingPointError):
 
 def train(config: config_dict.ConfigDict) -> list[Run]:
     """Trains and evaluates the config's unfinished runs, each from its own newest intact checkpoint if it has
-    one; returns all its runs. Raises ``Preempted`` when a stop signal ended it early."""
+    one; returns all its runs (those locked by another job left out, with runs.skip_locked). Raises
+    ``Preempted`` when a stop signal ended it early, ``RunLockedError`` when another job holds one of its runs."""
     checks.check_config(config)
-    runs = plan_runs(config)
-    logging.info("runs: %s", ", ".join(run.name for run in runs))
-    warn_of_shared_checkpoints(config)
-    starts = [read_start(config, run) for run in runs]
-    refuse_changed_config(config, starts)  # before anything is created
-    for start in starts:
-        logging.info("%s: %s", start.run.name, start.describe(config.train.steps))
-    to_train = [start for start in starts if not start.finished]
-    to_export = [start for start in starts if start.finished and config.export.peft]
-    if to_train or to_export:
-        with StopSignals() as stop:
-            _train_runs(config, to_train, to_export, stop)
-    if is_primary():
-        _summary(config, runs)
+    with run_lock.locked_runs(plan_runs(config), skip_locked=config.runs.skip_locked) as runs:
+        logging.info("runs: %s", ", ".join(run.name for run in runs))
+        warn_of_shared_checkpoints(config)
+        starts = [read_start(config, run) for run in runs]
+        refuse_changed_config(config, starts)  # before anything is written (the locks' new folders go with them)
+        for start in starts:
+            logging.info("%s: %s", start.run.name, start.describe(config.train.steps))
+        to_train = [start for start in starts if not start.finished]
+        to_export = [start for start in starts if start.finished and config.export.peft]
+        if to_train or to_export:
+            with StopSignals() as stop:
+                _train_runs(config, to_train, to_export, stop)
+        if is_primary():
+            _summary(config, runs)
     return runs
 
 
@@ -468,7 +473,8 @@ class _Loop:
         self.window, self.window_start, self.window_steps = [], now, 0
 
     def _evaluate(self, step: int) -> None:
-        """Evaluates every run on every testset and its own training set; rewrites each metrics.npz."""
+        """Evaluates every run on every testset and its own training set; rewrites each metrics.npz. At step 0,
+        a model whose margins are NaN or infinite on every testset of every run stops the job first."""
         num_runs = len(self.runs)
         start = time.perf_counter()
         batches = len(self.data.eval_pool.batches)
@@ -484,12 +490,17 @@ class _Loop:
         self.eval_compiled = True
         logging.info("evaluated step %d (%d batches) in %.1f s", step, batches, time.perf_counter() - start)
         train_loss = self.loss_sum / self.loss_steps if self.loss_steps else np.full(num_runs, np.nan)
-        for r, (run, run_results, run_margins) in enumerate(zip(self.runs, self.results, margins)):
-            accuracies = run_results.add(step, run_margins, train_loss[r])
+        accuracies = [
+            run_results.add(step, run_margins, train_loss[r])
+            for r, (run_results, run_margins) in enumerate(zip(self.results, margins))
+        ]
+        if step == 0:  # the base model's own outputs
+            refuse_non_finite_model(self.config.model.path or model_name(self.config), accuracies)
+        for r, (run, run_results, run_accuracies) in enumerate(zip(self.runs, self.results, accuracies)):
             if self.primary:
                 run_results.write()
-                self.events[r].log(step, {f"accuracy/{name}": value for name, value in accuracies.items()})
-            summary = ", ".join(f"{name} {value:.3f}" for name, value in accuracies.items())
+                self.events[r].log(step, {f"accuracy/{name}": value for name, value in run_accuracies.items()})
+            summary = ", ".join(f"{name} {value:.3f}" for name, value in run_accuracies.items())
             logging.info("step %d, %s: %s", step, run.name, summary)
         self.loss_sum, self.loss_steps = np.zeros(num_runs), 0
 

@@ -1,7 +1,12 @@
 """Stopping at a step boundary on SIGTERM or SIGUSR1, what SLURM and TPU pods send ahead of a time limit or a
-preemption: every process finishes the current step, all agree on it (``StopSignals.agreed``), the loop
-checkpoints every run it is training and raises ``Preempted``, which ``oodjax.main`` turns into exit status
-``PREEMPTED_EXIT_CODE`` (launch/slurm.sbatch requeues itself on it).
+preemption, and on Ctrl-C (SIGINT): every process finishes the current step, all agree on it
+(``StopSignals.agreed``), the loop checkpoints every run it is training and raises ``Preempted``, which
+``oodjax.main`` turns into exit status ``PREEMPTED_EXIT_CODE`` (launch/slurm.sbatch requeues itself on it).
+
+A second Ctrl-C ends the process at once, killed by SIGINT (the first restores the system's default action):
+for someone who will not wait for the checkpoint. Nothing is lost that a crash would not lose: results and
+checkpoints are written atomically, so the next start resumes each run from its last complete checkpoint
+(and takes over the run locks left behind, ``oodjax.engine.run_lock``).
 """
 
 from __future__ import annotations
@@ -17,13 +22,13 @@ from absl import logging
 from jax.experimental import multihost_utils
 
 # EX_TEMPFAIL of sysexits.h, "temporary failure, try again": the exit status of a job stopped by
-# SIGTERM or SIGUSR1 once its runs are checkpointed. launch/slurm.sbatch requeues itself on it.
+# SIGTERM, SIGUSR1 or SIGINT once its runs are checkpointed. launch/slurm.sbatch requeues itself on it.
 PREEMPTED_EXIT_CODE = 75
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
 
 class Preempted(Exception):
-    """SIGTERM or SIGUSR1 stopped training after ``step``; the runs then training are checkpointed at it."""
+    """A stop signal stopped training after ``step``; the runs then training are checkpointed at it."""
 
     def __init__(self, step: int, runs: Sequence[str], signal_name: str):
         self.step = step
@@ -35,7 +40,8 @@ class Preempted(Exception):
 
 
 class StopSignals:
-    """While entered, SIGTERM and SIGUSR1 are noted rather than fatal, for the loop to stop at a step boundary.
+    """While entered, SIGTERM, SIGUSR1 and a first SIGINT are noted rather than fatal, for the loop to stop at a
+    step boundary; a second SIGINT kills the process (see the module).
 
     Python runs signal handlers in the main thread only, so elsewhere (a
     thread calling ``train``) the signals keep their handlers.
@@ -55,12 +61,19 @@ class StopSignals:
             signal.signal(number, handler)
 
     def _receive(self, number: int, frame: object) -> None:
+        interrupt = number == signal.SIGINT
+        if interrupt:  # the system's action, not Python's KeyboardInterrupt: it acts even inside a device call
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
         if self.received is None:
             self.received = signal.Signals(number).name
             logging.warning(
-                "received %s: finishing the current step, then checkpointing the runs and exiting (status %d)",
+                "received %s: finishing the current step, then checkpointing the runs and exiting (status %d)%s",
                 self.received, PREEMPTED_EXIT_CODE,
+                "; Ctrl-C again exits at once, each run to resume from its last complete checkpoint" if interrupt
+                else "",
             )  # fmt: skip
+        elif interrupt:
+            logging.warning("received SIGINT after %s: Ctrl-C again exits at once", self.received)
 
     def agreed(self) -> bool:
         """Whether any process received a stop signal: the same answer in every process at the same step (each

@@ -29,6 +29,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
+from absl import logging
 from ml_collections import config_dict
 
 from analysis import schema
@@ -80,9 +81,13 @@ def path_safe(name: str) -> str:
 
 
 def accuracy(margins: np.ndarray, labels: np.ndarray) -> float:
-    """Fraction of examples whose larger answer logit is the gold one (a tie counts as " No")."""
-    predicted_entailment = np.asarray(margins) > 0
-    return float(np.mean(predicted_entailment == (np.asarray(labels) == 0)))
+    """Fraction of examples whose larger answer logit is the gold one (a tie counts as " No"); NaN when any
+    margin is NaN or infinite: a model whose outputs are not finite has no accuracy (a NaN margin compared
+    as " No" would pass for a plausible one), and the analysis reads NaN as missing."""
+    margins = np.asarray(margins)
+    if not np.isfinite(margins).all():
+        return float("nan")
+    return float(np.mean((margins > 0) == (np.asarray(labels) == 0)))
 
 
 class RunResults:
@@ -110,7 +115,11 @@ class RunResults:
         self.margins: dict[str, list[np.ndarray]] = {name: [] for name in self.testsets}
 
     def add(self, step: int, margins: Mapping[str, np.ndarray], train_loss: float) -> dict[str, float]:
-        """Records the evaluation at `step` and returns its accuracy per testset."""
+        """Records the evaluation at `step` and returns its accuracy per testset; a testset with a margin that is
+        not finite gets accuracy NaN, said in a warning naming the run, the step and the testset.
+
+        Every evaluation (training's, `oodjax.evaluate`'s, the in-context
+        baseline's) computes its accuracies here."""
         if self.steps and step <= self.steps[-1]:
             raise ValueError(f"evaluation at step {step} after one at step {self.steps[-1]}")
         if set(margins) != set(self.testsets):
@@ -123,6 +132,11 @@ class RunResults:
                     f"{name}: {values.shape[0]} margins for {self.labels[name].shape[0]} labelled examples"
                 )
             accuracies[name] = accuracy(values, self.labels[name])
+            if np.isnan(accuracies[name]):
+                logging.warning(
+                    "%s, step %d, %s: %d of %d margins are NaN or infinite; its accuracy is recorded as NaN",
+                    self.path.parent.name, step, name, np.count_nonzero(~np.isfinite(values)), values.size,
+                )  # fmt: skip
             self.margins[name].append(values.astype(MARGIN_DTYPE))
         self.steps.append(int(step))
         self.accuracy.append(np.array([accuracies[name] for name in self.testsets]))

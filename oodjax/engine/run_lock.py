@@ -1,0 +1,436 @@
+"""One run, one writer: a job locks each of its runs while it trains or evaluates them.
+
+Two jobs on one run corrupt it: a sweep resubmitted while its job still
+runs trained the same runs twice, the second job deleting the first's
+checkpoint in progress, and the first then ended with half its evaluations.
+So ``oodjax.main`` and ``oodjax.evaluate`` lock every run of the job before
+they read where it stands (``locked_runs``), and hold the locks until they
+exit, whatever ends them (the end, a stop signal's exit 75, an error). A
+job that finds a live lock on one of its runs stops before it writes
+anything, naming the run and the holder (``RunLockedError``, one line and
+exit status 2), or, with ``runs.skip_locked``, leaves such runs out.
+
+The lock is the file ``<run_dir>/run.lock``: JSON naming its holder (host,
+process id, SLURM job with array task and restart count, when taken) and a
+heartbeat, a time rewritten every ``HEARTBEAT_SECONDS`` by a daemon thread.
+A thread rather than the loop's log steps: loading a 32B checkpoint from a
+network filesystem, compiling, or one evaluation of eight testsets may each
+take longer than the stale threshold, with no step in between. A lock is
+stale, and taken over with a warning naming its holder, when its holder is
+an earlier run of this same SLURM job (requeued: SLURM never runs two at
+once), when it is on this host and its process is gone, or when its
+heartbeat is older than ``STALE_AFTER_SECONDS``. A job killed outright
+(SIGKILL, a second Ctrl-C, a node lost) leaves its lock behind; the next
+job takes it over by these rules.
+
+Taken atomically on network filesystems (NFS, Lustre, GPFS), where
+``flock`` and ``fcntl`` locks are not reliable (NFS's depend on lockd,
+Lustre's on a mount option): the lock is the file's existence, made with the
+classic NFS-safe recipe. The holder writes its record to a file of its own
+(a unique name), links it to ``run.lock`` (a link fails on the server if the
+name exists, so one job wins), and counts the links of its own file: two
+means its link made the lock, whatever the call returned (an NFS retransmit
+can report a link that succeeded as failed). It then reads the lock back and
+checks its token. A reader sees a whole record or none: the record is
+complete before it is linked, and each heartbeat replaces it by a rename.
+Where hard links are not supported (some FUSE filesystems) the lock is
+created with ``O_CREAT | O_EXCL`` instead. Taking over a stale lock is
+serialised by a second lock, ``run.lock.break``, taken the same way: its
+holder reads the stale lock again and deletes it only if it is still the
+one judged stale, so two jobs that both found it stale cannot both win.
+
+In a multi-process job, process 0 alone takes and holds the locks; which
+runs it holds is broadcast to the others (as the loop's stop flag is
+shared), so every process stops, or leaves the same runs out, alike.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import errno
+import json
+import os
+import pathlib
+import secrets
+import socket
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from typing import Protocol, TypeVar
+
+import jax
+import numpy as np
+from absl import logging
+from jax.experimental import multihost_utils
+
+from oodjax.engine.distributed import is_primary
+from oodjax.usage_errors import UsageError
+
+LOCK_FILENAME = "run.lock"  # <run_dir>/run.lock while a job trains or evaluates the run
+_BREAK_SUFFIX = ".break"  # run.lock.break: held while a stale run.lock is taken over
+HEARTBEAT_SECONDS = 60.0  # how often the holder rewrites its heartbeat
+STALE_AFTER_SECONDS = 600.0  # a heartbeat this old (ten missed) marks a lock whose holder is gone
+# A run.lock.break this old was left by a job that died while taking a lock over (it takes milliseconds).
+_BREAK_STALE_AFTER_SECONDS = 60.0
+_ATTEMPTS = 20  # reads of a lock that keeps changing hands before giving up
+# Errors of os.link on filesystems without hard links.
+_NO_HARD_LINKS = (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS)
+
+
+class RunLockedError(UsageError):
+    """A run of the job is locked by another job that trains or evaluates it; nothing was written."""
+
+
+class RunLockContendedError(RuntimeError):
+    """A run's lock changed hands ``_ATTEMPTS`` times while this job tried to take it."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Holder:
+    """Who holds a lock, as its file says; ``token`` tells one taking of a lock from any other."""
+
+    host: str | None
+    pid: int | None
+    slurm_job: str | None  # SLURM_JOB_ID, with the array task if any ("123 (array 120_3)")
+    slurm_restart: int  # SLURM_RESTART_COUNT: how often SLURM requeued the job
+    taken: float  # unix time
+    heartbeat: float  # unix time of the last refresh
+    token: str  # "" for a file that is not a lock record
+
+    def describe(self, now: float) -> str:
+        if not self.token:
+            return f"an unreadable lock file written {_ago(now - self.heartbeat)}"
+        job = f", SLURM job {self.slurm_job}" if self.slurm_job else ""
+        return f"process {self.pid} on {self.host}{job}, heartbeat {_ago(now - self.heartbeat)}"
+
+    def stale_reason(self, now: float, here: Holder) -> str | None:
+        """Why the lock's holder is gone, seen from ``here`` (this process); None while it may be alive."""
+        if self.slurm_job and self.slurm_job == here.slurm_job and self.slurm_restart < here.slurm_restart:
+            return "an earlier run of this SLURM job, requeued since"
+        if self.host == here.host and self.pid is not None and not _process_alive(self.pid):
+            return "its process is gone"
+        if now - self.heartbeat > STALE_AFTER_SECONDS:
+            return f"no heartbeat for {_duration(now - self.heartbeat)}"
+        return None
+
+
+def this_process() -> Holder:
+    """A new record of this process as a lock holder, with a fresh token."""
+    now = time.time()
+    job = os.environ.get("SLURM_JOB_ID")
+    if job and os.environ.get("SLURM_ARRAY_TASK_ID"):
+        job = f"{job} (array {os.environ.get('SLURM_ARRAY_JOB_ID', '?')}_{os.environ['SLURM_ARRAY_TASK_ID']})"
+    return Holder(
+        host=socket.gethostname(), pid=os.getpid(), slurm_job=job or None,
+        slurm_restart=int(os.environ.get("SLURM_RESTART_COUNT") or 0), taken=now, heartbeat=now,
+        token=secrets.token_hex(16),
+    )  # fmt: skip
+
+
+class RunLock:
+    """This process's lock on one run folder: refreshed by the heartbeat, released once."""
+
+    def __init__(self, path: pathlib.Path, holder: Holder, created: pathlib.Path | None):
+        self.path, self.holder = path, holder
+        self._created = created  # the topmost folder that taking the lock created, None if none
+
+    def refresh(self) -> bool:
+        """Rewrites the heartbeat; False when the lock is no longer this process's (taken over as stale)."""
+        current = _read(self.path)
+        if current is None or current.token != self.holder.token:
+            return False
+        self.holder = dataclasses.replace(self.holder, heartbeat=time.time())
+        record = _write_record(self.path, self.holder)
+        os.replace(record, self.path)
+        return True
+
+    def release(self) -> None:
+        """Deletes the lock if it is still this process's, then the folders taking it created, if still empty
+        (a job refused before it wrote anything leaves no folder behind)."""
+        current = _read(self.path)
+        if current is not None and current.token == self.holder.token:
+            self.path.unlink(missing_ok=True)
+        else:
+            logging.warning("%s: not released, it is no longer this job's lock (taken over as stale)", self.path)
+        _remove_created(self.path.parent, self._created)
+
+
+def try_lock(run_dir: str | pathlib.Path) -> RunLock | Holder:
+    """Locks ``run_dir`` (creating it) for this process, taking a stale lock over; else the live holder.
+
+    Finding a live lock writes nothing: the lock is read before any
+    attempt to create it.
+    """
+    path = pathlib.Path(run_dir).absolute() / LOCK_FILENAME
+    created = _make_folders(path.parent)
+    try:
+        for _ in range(_ATTEMPTS):
+            held = _read(path)
+            here = this_process()
+            if held is None:
+                if _create(path, here):
+                    return RunLock(path, here, created)
+                continue  # another job took it first: read it
+            reason = held.stale_reason(time.time(), here)
+            if reason is None:
+                _remove_created(path.parent, created)
+                return held
+            if _break(path, held):
+                logging.warning(
+                    "%s: taking over the stale lock of %s (%s)", path, held.describe(time.time()), reason
+                )  # fmt: skip
+            else:
+                time.sleep((10 + secrets.randbelow(40)) / 1000)  # another job is taking it over: milliseconds
+    except BaseException:
+        _remove_created(path.parent, created)
+        raise
+    _remove_created(path.parent, created)
+    raise RunLockContendedError(f"{path}: the lock changed hands {_ATTEMPTS} times while this job tried to take it")
+
+
+def live_holder(run_dir: str | pathlib.Path) -> Holder | None:
+    """The holder of the run folder's lock if it is live (not stale); reads only."""
+    holder = _read(pathlib.Path(run_dir).absolute() / LOCK_FILENAME)
+    if holder is None or holder.stale_reason(time.time(), this_process()) is not None:
+        return None
+    return holder
+
+
+class _Run(Protocol):
+    """What is locked: a run's name (for the messages) and its folder."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def directory(self) -> pathlib.Path: ...
+
+
+RunT = TypeVar("RunT", bound=_Run)
+
+
+@contextlib.contextmanager
+def locked_runs(runs: Sequence[RunT], *, skip_locked: bool) -> Iterator[list[RunT]]:
+    """Holds the lock of every run of ``runs`` while the body runs; yields the runs held, in order.
+
+    A run locked by another (live) job raises ``RunLockedError`` naming it
+    and its holder, after releasing the locks taken, or with
+    ``skip_locked`` is left out with a warning. Process 0 locks; every
+    process gets the same runs (or the same error).
+    """
+    locks: list[RunLock] = []
+    holders: dict[int, Holder] = {}
+    try:
+        if is_primary():
+            # Read first: a job that will stop on a locked run writes nothing, not even the other runs' locks.
+            for index, run in enumerate(runs):
+                holder = live_holder(run.directory)
+                if holder is not None:
+                    holders[index] = holder
+            for index, run in enumerate(runs):
+                if index in holders or (holders and not skip_locked):
+                    continue
+                taken = try_lock(run.directory)
+                if isinstance(taken, RunLock):
+                    locks.append(taken)
+                else:
+                    holders[index] = taken
+        held = _agreed(np.array([index not in holders for index in range(len(runs))], dtype=bool))
+        locked = [run for run, run_held in zip(runs, held) if not run_held]
+        if locked:
+            message = _locked_message(locked, [holders.get(index) for index in np.flatnonzero(~held)])
+            if not skip_locked:
+                raise RunLockedError(
+                    f"{message}; wait for that job to end (a lock whose heartbeat stops for "
+                    f"{_duration(STALE_AFTER_SECONDS)} is taken over), or set runs.skip_locked=True to go on "
+                    "without the locked runs"
+                )
+            logging.warning("left out (runs.skip_locked): %s", message)
+        with _Heartbeat(locks):
+            yield [run for run, run_held in zip(runs, held) if run_held]
+    finally:
+        for lock in reversed(locks):  # the last taken first: a folder made for the first may hold the others'
+            lock.release()
+
+
+class _Heartbeat:
+    """While entered, a daemon thread refreshes the locks' heartbeats every ``HEARTBEAT_SECONDS``."""
+
+    def __init__(self, locks: Sequence[RunLock]):
+        self._locks = list(locks)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._beat, name="oodjax-run-locks", daemon=True)
+
+    def __enter__(self) -> _Heartbeat:
+        if self._locks:
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    def _beat(self) -> None:
+        while not self._stop.wait(HEARTBEAT_SECONDS):
+            for lock in list(self._locks):
+                try:
+                    if lock.refresh():
+                        continue
+                except OSError as error:  # a network filesystem's hiccup: the next beat retries
+                    logging.warning("%s: heartbeat not written (%s); retrying in %.0f s", lock.path, error,
+                                    HEARTBEAT_SECONDS)  # fmt: skip
+                    continue
+                holder = _read(lock.path)
+                logging.error(
+                    "%s: this job's lock was taken over as stale by %s; another job may now write this run",
+                    lock.path, holder.describe(time.time()) if holder else "nobody (it was deleted)",
+                )  # fmt: skip
+                self._locks.remove(lock)
+
+
+def _agreed(held: np.ndarray) -> np.ndarray:
+    """Process 0's ``held`` in every process (a broadcast of a few bytes in a multi-process job)."""
+    if jax.process_count() == 1:
+        return held
+    return np.asarray(multihost_utils.broadcast_one_to_all(held.astype(np.int32))).astype(bool)
+
+
+def _locked_message(runs: Sequence[_Run], holders: Sequence[Holder | None]) -> str:
+    """The locked runs grouped by holder, in one line (process 0 knows the holders; the others say so)."""
+    now = time.time()
+    groups: dict[str, list[str]] = {}
+    for run, holder in zip(runs, holders, strict=True):
+        who = holder.describe(now) if holder is not None else "a holder that process 0 names"
+        groups.setdefault(who, []).append(f"{run.name} ({run.directory / LOCK_FILENAME})")
+    return "; ".join(
+        f"{'run' if len(names) == 1 else 'runs'} {', '.join(names)} {'is' if len(names) == 1 else 'are'} locked "
+        f"by another job that trains or evaluates {'it' if len(names) == 1 else 'them'}: {who}"
+        for who, names in groups.items()
+    )
+
+
+def _read(path: pathlib.Path) -> Holder | None:
+    """The lock's holder; None when there is no lock. A file that is not a lock record is a holder of unknown
+    identity whose heartbeat is the file's modification time."""
+    try:
+        text = path.read_text(encoding="utf-8")
+        modified = path.stat().st_mtime
+    except FileNotFoundError:
+        return None
+    try:
+        record = json.loads(text)
+        return Holder(**{field.name: record[field.name] for field in dataclasses.fields(Holder)})
+    except (ValueError, TypeError, KeyError):
+        return Holder(host=None, pid=None, slurm_job=None, slurm_restart=0, taken=modified, heartbeat=modified,
+                      token="")  # fmt: skip
+
+
+def _write_record(path: pathlib.Path, holder: Holder) -> pathlib.Path:
+    """Writes ``holder`` to a new file of its own beside ``path`` (a unique name), on disk; returns it."""
+    record = path.with_name(f".{path.name}.{secrets.token_hex(8)}")
+    descriptor = os.open(record, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    with os.fdopen(descriptor, "w", encoding="utf-8") as file:
+        json.dump(dataclasses.asdict(holder), file)
+        file.flush()
+        os.fsync(file.fileno())
+    return record
+
+
+def _create(path: pathlib.Path, holder: Holder) -> bool:
+    """Creates the lock ``path`` holding ``holder`` if there is none; whether this call made it."""
+    record = _write_record(path, holder)
+    try:
+        try:
+            os.link(record, path)
+        except FileExistsError:
+            pass  # someone holds it, or an NFS retransmit of a link that succeeded: the link count says
+        except OSError as error:
+            if error.errno not in _NO_HARD_LINKS:
+                raise
+            return _create_exclusive(path, holder)
+        if os.stat(record).st_nlink != 2:
+            return False
+    finally:
+        record.unlink(missing_ok=True)
+    read_back = _read(path)
+    return read_back is not None and read_back.token == holder.token
+
+
+def _create_exclusive(path: pathlib.Path, holder: Holder) -> bool:
+    """``_create`` where hard links are not supported: ``O_CREAT | O_EXCL`` (a reader may see the file empty
+    for a moment: a record it cannot read counts as a live holder until it is old)."""
+    try:
+        descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    except FileExistsError:
+        return False
+    with os.fdopen(descriptor, "w", encoding="utf-8") as file:
+        json.dump(dataclasses.asdict(holder), file)
+        file.flush()
+        os.fsync(file.fileno())
+    read_back = _read(path)
+    return read_back is not None and read_back.token == holder.token
+
+
+def _break(path: pathlib.Path, stale: Holder) -> bool:
+    """Deletes the stale lock ``path`` if it still holds ``stale``, under ``run.lock.break``; whether it did."""
+    breaker = path.with_name(path.name + _BREAK_SUFFIX)
+    if not _create(breaker, this_process()):
+        left = _read(breaker)  # a job that died while breaking leaves it: it is stale after a minute
+        if left is not None and time.time() - left.heartbeat > _BREAK_STALE_AFTER_SECONDS:
+            breaker.unlink(missing_ok=True)
+        return False
+    try:
+        if _read(path) != stale:
+            return False  # it changed hands since it was judged stale
+        path.unlink(missing_ok=True)
+        return True
+    finally:
+        breaker.unlink(missing_ok=True)
+
+
+def _make_folders(folder: pathlib.Path) -> pathlib.Path | None:
+    """Creates ``folder`` and its missing parents; the topmost one created (None when it existed)."""
+    missing = None
+    probe = folder
+    while not probe.exists() and probe != probe.parent:
+        missing, probe = probe, probe.parent
+    folder.mkdir(parents=True, exist_ok=True)
+    return missing
+
+
+def _remove_created(folder: pathlib.Path, created: pathlib.Path | None) -> None:
+    """Removes the folders ``_make_folders`` created, from ``folder`` up to ``created``, while empty."""
+    while created is not None:
+        try:
+            folder.rmdir()
+        except OSError:  # not empty: a job wrote there
+            return
+        if folder == created:
+            return
+        folder = folder.parent
+
+
+def _process_alive(pid: int) -> bool:
+    """Whether a process of this host has this id (one of another user counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _ago(seconds: float) -> str:
+    return f"{_duration(max(seconds, 0.0))} ago"
+
+
+def _duration(seconds: float) -> str:
+    """``seconds`` in the largest unit that keeps it readable: 12 s, 7 min, 3.5 h."""
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
