@@ -3,13 +3,15 @@
 Runs of one model and training set (seeds x shot counts) are replicates, so
 their correlations are averaged on the Fisher z scale: r = tanh(mean z), a
 95% t interval across runs, tanh(mean z +- t_{0.975, m-1} sd(z) / sqrt(m)),
-and p from the one-sample t test of mean z = 0 over the m runs. Runs agree
-in sign when their r have the same sign; n_positive and n_negative count
-them. Adjusted p-values treat the pairs of one (model, training set) as one
-family.
+and p from the one-sample t test of mean z = 0 over the m runs. The mean z
+and its standard error sd(z) / sqrt(m) are kept (z, z_se): they are the
+model's estimate and the root of its within-model variance in the
+meta-analysis across models (meta.py). Runs agree in sign when their r have
+the same sign; n_positive and n_negative count them. Adjusted p-values treat
+the pairs of one (model, training set) as one family.
 """
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import pandas as pd
@@ -25,6 +27,8 @@ GROUP_COLUMNS = ("model", "train_set")
 GROUP_STAT_COLUMNS = (
     "n_runs",
     "r",
+    "z",
+    "z_se",
     "ci_low",
     "ci_high",
     "p",
@@ -72,11 +76,7 @@ def combine_runs(pairs: pd.DataFrame, padjust: str = "holm") -> pd.DataFrame:
     """One row per (model, training set, pair) combining its runs' r (see module docstring)."""
     rows = []
     for (model, train_set), group in pairs.groupby(list(GROUP_COLUMNS), sort=False):
-        order = _first_seen_order(group)
-        x_first = group["x"].map(order) < group["y"].map(order)
-        group = group.assign(
-            x=group["x"].where(x_first, group["y"]), y=group["y"].where(x_first, group["x"])
-        )
+        group = in_first_seen_order(group)
         family = []
         for (x, y), runs in group.groupby(["x", "y"], sort=False):
             family.append(
@@ -113,7 +113,7 @@ def summarise_by_model(groups: pd.DataFrame, models: Mapping[str, ModelInfo]) ->
                 "train_set": train_set,
                 "n_pairs": int(defined.sum()),
                 "n_runs": int(group["n_runs"].max()),
-                "mean_r": _mean_on_z_scale(r[defined]),
+                "mean_r": mean_on_z_scale(r[defined]),
                 "mean_abs_r": float(np.abs(r[defined]).mean()) if defined.any() else np.nan,
                 "n_sig_positive": int((significant & (r > 0)).sum()),
                 "n_sig_negative": int((significant & (r < 0)).sum()),
@@ -130,7 +130,7 @@ def run_means(pairs: pd.DataFrame) -> pd.DataFrame:
     the spread of these across a group's runs is how far one run's answer can be trusted."""
     rows = [
         {"model": model, "train_set": train_set, "run": run,
-         "mean_r": _mean_on_z_scale(group["r"].dropna().to_numpy())}
+         "mean_r": mean_on_z_scale(group["r"].dropna().to_numpy())}
         for (model, train_set, run), group in pairs.groupby(
             [*GROUP_COLUMNS, "run"], sort=False
         )
@@ -138,16 +138,38 @@ def run_means(pairs: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=[*GROUP_COLUMNS, "run", "mean_r"])
 
 
-def lower_triangle(pairs: pd.DataFrame, testsets: list[str]) -> tuple[np.ndarray, np.ndarray]:
-    """r and p_adj of one group's pairs as matrices: row i is testsets[i + 1], column j is
-    testsets[j], filled for j <= i (either order of x and y); NaN elsewhere and where missing."""
+def lower_triangle(
+    pairs: pd.DataFrame, testsets: list[str], columns: Sequence[str] = ("r", "p_adj")
+) -> tuple[np.ndarray, ...]:
+    """One matrix per column of one group's pairs (r and p_adj by default): row i is
+    testsets[i + 1], column j is testsets[j], filled for j <= i (either order of x and y);
+    NaN elsewhere and where missing. Boolean columns become 0 and 1."""
     size = len(testsets) - 1
-    r, p_adj = np.full((size, size), np.nan), np.full((size, size), np.nan)
+    matrices = tuple(np.full((size, size), np.nan) for _ in columns)
     position = {name: i for i, name in enumerate(testsets)}
-    for row in pairs.itertuples():
-        i, j = sorted((position[row.x], position[row.y]), reverse=True)
-        r[i - 1, j], p_adj[i - 1, j] = row.r, row.p_adj
-    return r, p_adj
+    for x, y, *values in pairs[["x", "y", *columns]].itertuples(index=False):
+        i, j = sorted((position[x], position[y]), reverse=True)
+        for matrix, value in zip(matrices, values):
+            matrix[i - 1, j] = value
+    return matrices
+
+
+def in_first_seen_order(pairs: pd.DataFrame) -> pd.DataFrame:
+    """`pairs` with each pair's x and y in the order the table first lists the testsets
+    (x before y, first row first), so that (a, b) and (b, a) are one pair; r is symmetric."""
+    names = pd.unique(pairs[["x", "y"]].to_numpy().ravel())
+    order = {name: i for i, name in enumerate(names)}
+    x_first = pairs["x"].map(order) < pairs["y"].map(order)
+    return pairs.assign(
+        x=pairs["x"].where(x_first, pairs["y"]), y=pairs["y"].where(x_first, pairs["x"])
+    )
+
+
+def mean_on_z_scale(r: np.ndarray) -> float:
+    """tanh of the mean Fisher z of correlations, NaN for none: the average of correlations."""
+    if r.size == 0:
+        return np.nan
+    return float(np.tanh(np.arctanh(np.clip(r, -_MAX_ABS_R, _MAX_ABS_R)).mean()))
 
 
 def _combine(r: np.ndarray, reasons: pd.Series) -> dict:
@@ -159,6 +181,8 @@ def _combine(r: np.ndarray, reasons: pd.Series) -> dict:
     result = {
         "n_runs": m,
         "r": np.nan,
+        "z": np.nan,
+        "z_se": np.nan,
         "ci_low": np.nan,
         "ci_high": np.nan,
         "p": np.nan,
@@ -169,26 +193,15 @@ def _combine(r: np.ndarray, reasons: pd.Series) -> dict:
     if m == 0:
         return result | {"reason": UNDEFINED_IN_EVERY_RUN + "; ".join(undefined.index)}
     z = np.arctanh(np.clip(r, -_MAX_ABS_R, _MAX_ABS_R))
-    result["r"] = float(np.tanh(z.mean()))
+    result["z"] = mean = float(z.mean())
+    result["r"] = float(np.tanh(mean))
     if m < 2:
         return result | {"reason": "one run: no interval across runs"}
-    sd = z.std(ddof=1)
-    if sd == 0:
+    result["z_se"] = se = float(z.std(ddof=1) / np.sqrt(m))
+    if se == 0:
         return result | {"reason": "identical r in every run: no interval across runs"}
-    half_width = scipy.stats.t.ppf(0.5 + CONFIDENCE / 2, m - 1) * sd / np.sqrt(m)
-    result["ci_low"] = float(np.tanh(z.mean() - half_width))
-    result["ci_high"] = float(np.tanh(z.mean() + half_width))
+    half_width = scipy.stats.t.ppf(0.5 + CONFIDENCE / 2, m - 1) * se
+    result["ci_low"] = float(np.tanh(mean - half_width))
+    result["ci_high"] = float(np.tanh(mean + half_width))
     result["p"] = float(scipy.stats.ttest_1samp(z, 0.0).pvalue)
     return result
-
-
-def _mean_on_z_scale(r: np.ndarray) -> float:
-    if r.size == 0:
-        return np.nan
-    return float(np.tanh(np.arctanh(np.clip(r, -_MAX_ABS_R, _MAX_ABS_R)).mean()))
-
-
-def _first_seen_order(pairs: pd.DataFrame) -> dict[str, int]:
-    """Testset order as the group's runs list them (x before y, first run first)."""
-    names = pd.unique(pairs[["x", "y"]].to_numpy().ravel())
-    return {name: i for i, name in enumerate(names)}

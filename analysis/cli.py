@@ -1,5 +1,12 @@
 """`python -m analysis RESULTS_DIR --out OUT_DIR`: tables, figures and CSVs from a results root.
 
+Every result is computed under both residualisers: the chosen one
+(--residualiser) is reported, and what changes under the other is marked
+and counted (analysis/sensitivity.py), since the choice can decide a
+headline. The per-model results are combined across models by a
+random-effects meta-analysis (analysis/meta.py), the study's answer to
+whether a pair's partial correlation holds across models.
+
 Everything is written into a fresh directory first and moved into OUT_DIR
 only once the whole analysis has succeeded, so a failing analysis leaves
 OUT_DIR exactly as it was: no half-written set of tables and figures that
@@ -14,19 +21,36 @@ import shutil
 import sys
 import tempfile
 from collections.abc import Iterator
+from typing import NamedTuple
 
 import pandas as pd
 from tqdm import tqdm
 
 from analysis import figures, schema, tables
-from analysis.aggregate import all_run_pairs, combine_runs, run_means, summarise_by_model
-from analysis.naming import slug, unique_stems
+from analysis.aggregate import (
+    GROUP_COLUMNS,
+    all_run_pairs,
+    combine_runs,
+    run_means,
+    summarise_by_model,
+)
+from analysis.meta import (
+    ALL_TRAIN_SETS,
+    ESTIMATOR_NAMES,
+    REML,
+    TAU2_ESTIMATORS,
+    meta_analyse,
+)
+from analysis.naming import ModelInfo, slug, unique_stems
 from analysis.padjust import PADJUST_METHODS
-from analysis.residualise import RESIDUALISERS
+from analysis.residualise import RESIDUALISERS, SPLINE
 from analysis.runs import ResultsError, RunRecord, accuracy_table, no_readable_runs_message, scan_runs
+from analysis.sensitivity import SENSITIVE, compare_residualisers, summarise_changes
 from analysis.stats import METHODS
 
 CSV_NAME = "partial_correlations.csv"
+META_CSV_NAME = "meta_analysis.csv"
+SENSITIVITY_CSV_NAME = "residualiser_sensitivity.csv"
 TABLE_DIR = "tables"
 FIGURE_DIR = "figures"
 # accuracies.csv and accuracies.parquet: every accuracy of every run, long form.
@@ -37,9 +61,19 @@ PROGRESS_MIN_GROUPS = 8
 # One row per pair, for every run (level "run") and every model and training
 # set combining its runs (level "group"); columns not used at a level are empty.
 CSV_COLUMNS = (
-    "level", "model", "train_set", "seed", "shots", "run", "x", "y", "n", "n_runs",
-    "r", "ci_low", "ci_high", "p", "p_adj", "dof", "n_positive", "n_negative", "reason",
+    "level", "residualiser", "model", "train_set", "seed", "shots", "run", "x", "y", "n",
+    "n_runs", "r", "ci_low", "ci_high", "p", "p_adj", "dof", "n_positive", "n_negative", "z",
+    "z_se", SENSITIVE, "reason",
 )
+# One row per pair and scope of the meta-analysis (level "pooled") and per member of it
+# (level "model"), under the chosen residualiser and tau^2 estimator.
+META_CSV_COLUMNS = (
+    "level", "residualiser", "estimator", "scope", "model", "train_set", "x", "y", "k", "n_runs",
+    "r", "ci_low", "ci_high", "p", "p_adj", "pi_low", "pi_high", "tau2", "i2", "q", "q_p",
+    "welch_p", "n_agree", "n_left_out", "z", "z_se", "weight", SENSITIVE, "reason",
+)
+GROUP_KEYS = [*GROUP_COLUMNS, "x", "y"]
+POOLED_KEYS = ["scope", "x", "y"]
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -54,9 +88,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="results root: <run>/metrics.npz files, searched recursively")
     parser.add_argument("--out", type=pathlib.Path, required=True, metavar="OUT_DIR",
                         help="where tables/, figures/ and the CSV are written")
-    parser.add_argument("--residualiser", choices=RESIDUALISERS, default="linear",
+    parser.add_argument("--residualiser", choices=RESIDUALISERS, default=SPLINE,
                         help="fit of each accuracy on in-domain accuracy whose residuals are "
-                        "correlated: least squares, or a smoothing spline chosen by GCV "
+                        "correlated: least squares, or a smoothing spline chosen by GCV; the "
+                        "other is computed too, and results that change under it are marked "
+                        "(default: %(default)s, see docs/analysis.md)")
+    parser.add_argument("--tau2-estimator", choices=TAU2_ESTIMATORS, default=REML,
+                        help="between-model variance of the meta-analysis across models: "
+                        "restricted maximum likelihood, Paule-Mandel or DerSimonian-Laird "
                         "(default: %(default)s)")
     parser.add_argument("--method", choices=METHODS, default="pearson",
                         help="spearman ranks every accuracy first (default: %(default)s)")
@@ -188,14 +227,32 @@ def write_analysis(
         "probit": args.probit,
         "differences": args.differences,
     }
-    per_run = all_run_pairs(runs, **options)
-    per_group = combine_runs(per_run, padjust=args.padjust)
+    other = _other_residualiser(args.residualiser)
+    results = {
+        name: _analyse(runs, options | {"residualiser": name}, models, args.tau2_estimator)
+        for name in RESIDUALISERS
+    }
+    per_run, per_group, pooled, members = results[args.residualiser]
+    group_changes = compare_residualisers(
+        {name: result.per_group for name, result in results.items()}, GROUP_KEYS
+    )
+    pooled_changes = compare_residualisers(
+        {name: result.pooled for name, result in results.items()}, POOLED_KEYS
+    )
+    per_group = per_group.merge(group_changes[[*GROUP_KEYS, SENSITIVE]], on=GROUP_KEYS, how="left")
+    pooled = pooled.merge(
+        pooled_changes.drop(columns=[f"r_{args.residualiser}", f"p_adj_{args.residualiser}"]),
+        on=POOLED_KEYS, how="left",
+    )
     table_dir, figure_dir = directory / TABLE_DIR, directory / FIGURE_DIR
     table_dir.mkdir()
     figure_dir.mkdir()
 
-    written = [_write_csv(per_run, per_group, directory / CSV_NAME)]
+    written = [_write_csv(per_run, per_group, args.residualiser, directory / CSV_NAME)]
     written += _write_accuracies(runs, directory)
+    written.append(_write_meta_csv(pooled, members, args, directory / META_CSV_NAME))
+    written.append(_write_sensitivity_csv(group_changes, pooled_changes,
+                                          directory / SENSITIVITY_CSV_NAME))
     description = _describe(options)
     padjust = tables.latex_escape(args.padjust)
     table_files = []
@@ -214,12 +271,13 @@ def write_analysis(
             f"{tables.SIGNIFICANCE_NOTE} ({padjust}), t test across runs."
         )
         table_files.append(table_dir / f"matrix_{name}.tex")
-        table_files[-1].write_text(
-            tables.matrix_table(pairs, testsets, caption=caption, label=f"tab:pcorr-{name}")
-        )
+        table_files[-1].write_text(tables.matrix_table(
+            pairs, testsets, caption=caption, label=f"tab:pcorr-{name}", other_residualiser=other
+        ))
         title = f"{described_model}, trained on {train_set}"
         note = f"{description}; {_extent(group_runs)}"
-        written += _write_figures(group_runs, pairs, testsets, figure_dir, name, title, note, args)
+        written += _write_figures(group_runs, pairs, testsets, figure_dir, name, title, note, args,
+                                  other)
 
     summary = summarise_by_model(per_group, models)
     for train_set in dict.fromkeys(run.train_set for run in runs):
@@ -254,9 +312,119 @@ def write_analysis(
             label="tab:pcorr-summary",
         )
     )
+    meta_tables, meta_figures = _write_meta_analysis(
+        pooled, members, models, runs, args, description, table_dir, figure_dir
+    )
+    table_files += meta_tables
+    written += meta_figures
+    table_files.append(table_dir / "residualiser_sensitivity.tex")
+    table_files[-1].write_text(
+        _sensitivity_table(group_changes, pooled_changes, models, runs, args,
+                           _describe(options | {"residualiser": None}))
+    )
     document = table_dir / "tables.tex"
     document.write_text(tables.standalone_document([p.name for p in table_files]))
     return written + table_files + [document]
+
+
+class Results(NamedTuple):
+    """Everything computed under one residualiser."""
+
+    per_run: pd.DataFrame  # each run's pairs
+    per_group: pd.DataFrame  # their combination per model and training set
+    pooled: pd.DataFrame  # the meta-analysis across models, per pair and scope
+    members: pd.DataFrame  # the models in it
+
+
+def _analyse(
+    runs: list[RunRecord], options: dict, models: dict[str, ModelInfo], estimator: str
+) -> Results:
+    per_run = all_run_pairs(runs, **options)
+    per_group = combine_runs(per_run, padjust=options["padjust"])
+    pooled, members = meta_analyse(
+        per_group, models, estimator=estimator, padjust=options["padjust"]
+    )
+    return Results(per_run, per_group, pooled, members)
+
+
+def _write_meta_analysis(
+    pooled: pd.DataFrame,
+    members: pd.DataFrame,
+    models: dict[str, ModelInfo],
+    runs: list[RunRecord],
+    args: argparse.Namespace,
+    description: str,
+    table_dir: pathlib.Path,
+    figure_dir: pathlib.Path,
+) -> tuple[list[pathlib.Path], list[pathlib.Path]]:
+    """Per scope (each training set, then all of them): the meta-analysis table and its
+    forest plots. Returns the tables and the figures written."""
+    other = _other_residualiser(args.residualiser)
+    estimator = ESTIMATOR_NAMES[args.tau2_estimator]
+    table_files, figure_files = [], []
+    for scope, scoped in pooled.groupby("scope", sort=False):
+        scope_members = members[members["scope"] == scope]
+        keys = list(dict.fromkeys(zip(scope_members["model"], scope_members["train_set"])))
+        everything = scope == ALL_TRAIN_SETS
+        scope_runs = [run for run in runs if everything or run.train_set == scope]
+        where = "over every training set" if everything else f"trained on {scope}"
+        name = slug(scope)
+        caption = (
+            f"Random-effects meta-analysis across models of each OOD pair's partial "
+            f"correlation, {tables.latex_escape(where)}: {len(keys)} models"
+            f"{' and training sets' if everything else ''}, each its runs' mean Fisher $z$ "
+            f"with variance $s^2_z/m$ over its $m$ runs; pooled $r$ with {estimator} $\\tau^2$ "
+            f"(Fisher $z$ scale) and HKSJ 95\\% CI; PI: 95\\% prediction interval for a new "
+            f"model; Cochran's $Q$ with its $\\chi^2$ $p$, and Welch's $p$ for equal means; "
+            f"Agree: models whose $r$ has the pooled sign; {description}; "
+            f"{_extent(scope_runs)}. {tables.SIGNIFICANCE_NOTE} "
+            f"({tables.latex_escape(args.padjust)} over pairs)."
+        )
+        table_files.append(table_dir / f"meta_analysis_{name}.tex")
+        table_files[-1].write_text(tables.meta_analysis_table(
+            scoped, other_residualiser=other, caption=caption, label=f"tab:meta-{name}"
+        ))
+        labels = {(model, train_set): models[model].description
+                  + (f", {train_set}" if everything else "") for model, train_set in keys}
+        figure = figures.forest_plots(
+            scoped, scope_members, labels,
+            title=f"Partial correlations across models, {where}",
+            note=f"{description}, {estimator} tau\u00b2; {_extent(scope_runs)}"
+            + _dagger_note(scoped, other),
+        )
+        figure_files += figures.save(figure, figure_dir / f"forest_{name}")
+    return table_files, figure_files
+
+
+def _sensitivity_table(
+    group_changes: pd.DataFrame,
+    pooled_changes: pd.DataFrame,
+    models: dict[str, ModelInfo],
+    runs: list[RunRecord],
+    args: argparse.Namespace,
+    description: str,
+) -> str:
+    """The table of how many pairs change between the residualisers, per model and training
+    set and per scope of the meta-analysis."""
+    per_group = summarise_changes(group_changes, GROUP_COLUMNS, RESIDUALISERS)
+    per_scope = summarise_changes(pooled_changes, ["scope"], RESIDUALISERS).rename(
+        columns={"scope": "train_set"}
+    )
+    blocks = [
+        ([models[model].description for model in per_group["model"]], per_group),
+        (["pooled over models"] * len(per_scope), per_scope),
+    ]
+    caption = (
+        f"How much the residualiser decides the results: pairs defined under both "
+        f"residualisers, their mean $r$ (Fisher $z$ scale), pairs with positive / negative $r$ "
+        f"and adjusted $p<0.05$ ({tables.latex_escape(args.padjust)}), and the pairs whose "
+        f"sign or significance changes, or that are defined under one residualiser only; "
+        f"per model and training set, then for the meta-analysis across models. The other "
+        f"tables report the {args.residualiser} residualiser and mark these pairs with "
+        f"${tables.SENSITIVE_MARK}$; {description}; {_extent(runs)}."
+    )
+    return tables.sensitivity_table(blocks, RESIDUALISERS, caption=caption,
+                                    label="tab:residualiser-sensitivity")
 
 
 def _write_accuracies(runs: list[RunRecord], out: pathlib.Path) -> list[pathlib.Path]:
@@ -268,13 +436,36 @@ def _write_accuracies(runs: list[RunRecord], out: pathlib.Path) -> list[pathlib.
     return paths
 
 
-def _write_csv(per_run: pd.DataFrame, per_group: pd.DataFrame, path: pathlib.Path) -> pathlib.Path:
+def _write_csv(
+    per_run: pd.DataFrame, per_group: pd.DataFrame, residualiser: str, path: pathlib.Path
+) -> pathlib.Path:
     tidy = pd.concat(
         [per_run.assign(level="run"), per_group.assign(level="group")], ignore_index=True
-    )
+    ).assign(residualiser=residualiser)
     counts = ["seed", "shots", "n", "n_runs", "n_positive", "n_negative"]
     tidy = tidy.astype({column: "Int64" for column in counts})[list(CSV_COLUMNS)]
     tidy.to_csv(path, index=False)
+    return path
+
+
+def _write_meta_csv(
+    pooled: pd.DataFrame, members: pd.DataFrame, args: argparse.Namespace, path: pathlib.Path
+) -> pathlib.Path:
+    tidy = pd.concat(
+        [pooled.assign(level="pooled"), members.assign(level="model")], ignore_index=True
+    ).assign(residualiser=args.residualiser, estimator=args.tau2_estimator)
+    counts = ["k", "n_runs", "n_agree", "n_left_out"]
+    tidy = tidy.astype({column: "Int64" for column in counts})[list(META_CSV_COLUMNS)]
+    tidy.to_csv(path, index=False)
+    return path
+
+
+def _write_sensitivity_csv(
+    group_changes: pd.DataFrame, pooled_changes: pd.DataFrame, path: pathlib.Path
+) -> pathlib.Path:
+    tidy = pd.concat([group_changes.assign(level="group"), pooled_changes.assign(level="pooled")],
+                     ignore_index=True)
+    tidy[["level", *tidy.columns.drop("level")]].to_csv(path, index=False)
     return path
 
 
@@ -287,8 +478,10 @@ def _write_figures(
     title: str,
     note: str,
     args: argparse.Namespace,
+    other: str,
 ) -> list[pathlib.Path]:
-    heatmap = figures.correlation_heatmap(pairs, testsets, title=title, note=note)
+    heatmap = figures.correlation_heatmap(pairs, testsets, title=title,
+                                          note=note + _dagger_note(pairs, other))
     curves = figures.accuracy_curves(group_runs, title=title, note=note, ylim=args.curves_ylim)
     scatter = figures.ood_vs_in_domain(
         group_runs, residualiser=args.residualiser, probit=args.probit, title=title, note=note
@@ -322,8 +515,22 @@ def _groups(runs: list[RunRecord]) -> dict[tuple[str, str], list[RunRecord]]:
     return groups
 
 
+def _other_residualiser(residualiser: str) -> str:
+    return next(name for name in RESIDUALISERS if name != residualiser)
+
+
+def _dagger_note(results: pd.DataFrame, other: str) -> str:
+    """What a figure's daggers mean, when it has any."""
+    if not results[SENSITIVE].any():
+        return ""
+    return f"; {figures.DAGGER} changes sign or significance with the {other} residualiser"
+
+
 def _describe(options: dict) -> str:
-    parts = [f"{options['method']} correlation", f"{options['residualiser']} residualiser"]
+    """The options in words; a residualiser of None is left out."""
+    parts = [f"{options['method']} correlation"]
+    if options["residualiser"] is not None:
+        parts.append(f"{options['residualiser']} residualiser")
     if options["probit"]:
         parts.append("probit-transformed accuracies")
     if options["differences"]:

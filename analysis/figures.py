@@ -1,5 +1,6 @@
 """Figures for a paper (matplotlib, Agg): correlation heatmaps, accuracy curves, OOD vs
-in-domain, and the models side by side (heatmaps by family and size, mean r against size).
+in-domain, the models side by side (heatmaps by family and size, mean r against size), and
+forest plots of the meta-analysis across models.
 
 Each figure is written as PDF (vector, fonts embedded as TrueType so
 journals accept it) and PNG (for a quick look). Colours are safe for the
@@ -29,6 +30,7 @@ from analysis.aggregate import lower_triangle  # noqa: E402
 from analysis.naming import ModelInfo  # noqa: E402
 from analysis.residualise import fit  # noqa: E402
 from analysis.runs import RunRecord  # noqa: E402
+from analysis.sensitivity import SENSITIVE  # noqa: E402
 from analysis.stats import probit_transform  # noqa: E402
 from analysis.tables import significance_mark  # noqa: E402
 
@@ -55,6 +57,12 @@ PNG_DPI = 150
 DIVERGING_MAP = "RdBu_r"
 PANEL_COLUMNS = 4
 CHANCE = 0.5  # accuracy of guessing on the balanced binary task
+DAGGER = "\u2020"  # marks a result that changes under the other residualiser
+POOLED_COLOUR = OKABE_ITO[0]
+# Forest plots: inches per model row, per panel beyond its rows, and panels per figure row.
+FOREST_ROW_HEIGHT = 0.1
+FOREST_PANEL_EXTRA = 0.6
+FOREST_COLUMNS = 4
 _BILLIONS = matplotlib.ticker.FuncFormatter(lambda value, _: f"{value:g}B")
 
 
@@ -78,16 +86,17 @@ def correlation_heatmap(
 ) -> plt.Figure:
     """Lower triangle of combined r (rows testsets[1:], columns testsets[:-1]).
 
-    Diverging map centred at 0 with limits -1 and 1; each cell shows r and its
-    significance marks (adjusted p); undefined cells are grey. `note` (what
-    the numbers rest on) is printed under the title.
+    Diverging map centred at 0 with limits -1 and 1; each cell shows r, its
+    significance marks (adjusted p) and a dagger where the result changes
+    under the other residualiser (column SENSITIVE); undefined cells are
+    grey. `note` (what the numbers rest on) is printed under the title.
     """
-    values, p_adj = lower_triangle(pairs, testsets)
+    values, p_adj, sensitive = lower_triangle(pairs, testsets, ("r", "p_adj", SENSITIVE))
     size = len(values)
     with plt.rc_context(PAPER_STYLE):
         side = 0.9 + 0.5 * size
         fig, ax = plt.subplots(figsize=(side + 0.9, side + 0.3), layout="constrained")
-        image = _draw_triangle(ax, values, p_adj, testsets, annotate=True)
+        image = _draw_triangle(ax, values, p_adj, testsets, annotate=True, sensitive=sensitive)
         _colourbar(fig, image, ax)
         ax.set_title(_heading(fig, title, note))
     return fig
@@ -255,6 +264,105 @@ def ood_vs_in_domain(
     return fig
 
 
+def forest_plots(
+    pooled: pd.DataFrame, members: pd.DataFrame, labels: Mapping[tuple[str, str], str], *,
+    title: str, note: str,
+) -> plt.Figure:
+    """One forest plot per pair of a meta-analysis across models, in a grid.
+
+    `pooled` and `members` are one scope's rows of meta.meta_analyse (pooled
+    with SENSITIVE); `labels` names each (model, training set) member. In a
+    panel each model is a square at its r (area by its weight in the pooled
+    estimate, hollow when it is left out) with its 95% interval across runs,
+    the diamond spans the pooled r's HKSJ interval, and the line through it
+    the prediction interval for a new model. Every panel has the same rows
+    and the range -1 to 1, so that pairs compare down and across the grid.
+    """
+    keys = list(labels)
+    train_sets = list(dict.fromkeys(train_set for _, train_set in keys))
+    colours = dict(zip(train_sets, (OKABE_ITO[6], *OKABE_ITO[1:6])))
+    columns = min(FOREST_COLUMNS, len(pooled))
+    rows = int(np.ceil(len(pooled) / columns))
+    panel_height = FOREST_ROW_HEIGHT * (len(keys) + 2) + FOREST_PANEL_EXTRA
+    with plt.rc_context(PAPER_STYLE):
+        fig, axes = plt.subplots(
+            rows, columns, figsize=(1.9 * columns + 1.0, panel_height * rows + 1.1),
+            sharex=True, sharey=True, squeeze=False, layout="constrained",
+        )
+        for ax in axes.ravel()[len(pooled):]:
+            ax.set_visible(False)
+        for ax, summary in zip(axes.ravel(), pooled.itertuples()):
+            pair = members[(members["x"] == summary.x) & (members["y"] == summary.y)]
+            _draw_forest(ax, summary, pair, keys, colours)
+        ax = axes[0, 0]
+        ax.set_yticks(range(len(keys) + 1), [*labels.values(), "pooled"])
+        ax.set_ylim(len(keys) + 0.8, -0.8)
+        ax.set_xlim(-1.0, 1.0)
+        ax.xaxis.set_major_locator(matplotlib.ticker.FixedLocator([-1.0, -0.5, 0.0, 0.5, 1.0]))
+        for bottom in _lowest_visible(axes, len(pooled)):
+            bottom.set_xlabel("partial $r$")
+            bottom.tick_params(labelbottom=True)
+        handles, names = _forest_legend(colours, members)
+        fig.legend(handles, names, loc="outside lower center", ncols=min(3, len(handles)),
+                   frameon=False, title="squares: a model's mean $r$ over its runs with its 95% "
+                   "t interval, area by its weight in the pooled $r$")
+        fig.suptitle(_heading(fig, title, note))
+    return fig
+
+
+def _draw_forest(ax: plt.Axes, summary, pair: pd.DataFrame, keys: list, colours: dict) -> None:
+    """One pair's panel: its models (rows in `keys` order), the pooled diamond and the
+    prediction interval, and a title with the pooled r, I^2 and the models agreeing in sign."""
+    row_of = {key: i for i, key in enumerate(keys)}
+    shown = pair[pair["r"].notna()]
+    rows = [row_of[key] for key in zip(shown["model"], shown["train_set"])]
+    member_colours = [colours[train_set] for train_set in shown["train_set"]]
+    pooled_in = shown["weight"].notna().to_numpy()
+    ax.hlines(rows, shown["ci_low"], shown["ci_high"], colors=member_colours, lw=0.8)
+    ax.scatter(shown["r"], rows, marker="s", s=np.where(pooled_in, 8 + 120 * shown["weight"], 10),
+               c=np.where(pooled_in, member_colours, "white"), edgecolors=member_colours, lw=0.7,
+               zorder=3)
+    ax.axvline(0.0, color="0.6", lw=0.6, ls="--")
+    row = len(keys)
+    if np.isnan(summary.r):
+        ax.text(0.0, row, "not pooled", ha="center", va="center", fontsize=6, color="0.4")
+        ax.set_title(f"{summary.x} \u2013 {summary.y}", fontsize=6.5)
+        return
+    if not np.isnan(summary.pi_low):
+        ax.plot([summary.pi_low, summary.pi_high], [row, row], color=POOLED_COLOUR, lw=1.0,
+                marker="|", ms=5)
+    ax.fill([summary.ci_low, summary.r, summary.ci_high, summary.r],
+            [row, row - 0.45, row, row + 0.45], color=POOLED_COLOUR, lw=0, zorder=3)
+    dagger = DAGGER if getattr(summary, SENSITIVE) else ""
+    ax.set_title(
+        f"{summary.x} \u2013 {summary.y}{dagger}\nr = {summary.r:.2f} "
+        f"[{summary.ci_low:.2f}, {summary.ci_high:.2f}]\nI\u00b2 = {100 * summary.i2:.0f}%, "
+        f"{summary.n_agree:.0f}/{summary.k} agree in sign", fontsize=6.5,
+    )
+
+
+def _forest_legend(colours: dict, members: pd.DataFrame) -> tuple[list, list[str]]:
+    """Legend entries: models (per training set when there are several), a model left out
+    (if any), the pooled diamond and the prediction interval."""
+    several = len(colours) > 1
+    handles = [plt.Line2D([], [], color=c, marker="s", ms=4, lw=0.8) for c in colours.values()]
+    names = [f"model trained on {train_set}" if several else "model" for train_set in colours]
+    if (members["r"].notna() & members["weight"].isna()).any():
+        handles.append(plt.Line2D([], [], color="0.2", marker="s", mfc="white", ms=4, lw=0))
+        names.append("not pooled (no variance across runs)")
+    handles += [plt.Line2D([], [], color=POOLED_COLOUR, marker="D", ms=5, lw=0),
+                plt.Line2D([], [], color=POOLED_COLOUR, marker="|", ms=5, lw=1.0)]
+    names += ["pooled $r$, 95% CI", "95% prediction interval for a new model"]
+    return handles, names
+
+
+def _lowest_visible(axes: np.ndarray, count: int) -> list[plt.Axes]:
+    """The lowest of the first `count` panels in each column of a grid filled row by row:
+    where the x-axis is labelled when the last row is not full."""
+    columns = axes.shape[1]
+    return [axes[(count - 1 - column) // columns, column] for column in range(min(columns, count))]
+
+
 def _draw_fit(ax, points: np.ndarray, *, residualiser: str, probit: bool, colour) -> None:
     """Draw the residualiser's curve through one run's points, if it can be fitted."""
     if len(points) < 2:  # a testset without accuracies at these steps: nothing to fit
@@ -276,11 +384,14 @@ def _draw_fit(ax, points: np.ndarray, *, residualiser: str, probit: bool, colour
 
 
 def _draw_triangle(
-    ax: plt.Axes, values: np.ndarray, p_adj: np.ndarray, testsets: list[str], *, annotate: bool
+    ax: plt.Axes, values: np.ndarray, p_adj: np.ndarray, testsets: list[str], *, annotate: bool,
+    sensitive: np.ndarray | None = None,
 ) -> matplotlib.image.AxesImage:
     """One lower triangle of r on `ax`: undefined cells grey ("n/a" when annotated); with
-    `annotate` each cell shows r and its marks, without it only significant cells a mark."""
+    `annotate` each cell shows r and its marks (a dagger where `sensitive` is 1), without it
+    only significant cells a mark."""
     size = len(values)
+    sensitive = np.zeros_like(values) if sensitive is None else sensitive
     image = ax.imshow(values, cmap=DIVERGING_MAP, vmin=-1.0, vmax=1.0)
     for i, j in zip(*np.tril_indices(size)):
         if np.isnan(values[i, j]):
@@ -289,6 +400,8 @@ def _draw_triangle(
                 ax.text(j, i, "n/a", ha="center", va="center", color="0.4", fontsize=6)
             continue
         mark = "" if np.isnan(p_adj[i, j]) else significance_mark(p_adj[i, j])
+        if annotate and sensitive[i, j] == 1:
+            mark += DAGGER
         text = f"{values[i, j]:.2f}\n{mark}".strip() if annotate else mark
         ax.text(j, i, text, ha="center", va="center", fontsize=6.5 if annotate else 5,
                 color="white" if abs(values[i, j]) > 0.6 else "black", linespacing=0.9)

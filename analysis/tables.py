@@ -1,9 +1,12 @@
 """LaTeX tables (booktabs) of combined partial correlations, ready to \\input into a paper."""
 
+from collections.abc import Sequence
+
 import numpy as np
 import pandas as pd
 
 from analysis.aggregate import SIGNIFICANCE, UNDEFINED_IN_EVERY_RUN, lower_triangle
+from analysis.sensitivity import CHANGES, SENSITIVE
 
 _LATEX_SPECIALS = {
     "\\": r"\textbackslash{}",
@@ -24,6 +27,14 @@ MARKS = ((0.001, "***"), (0.01, "**"), (SIGNIFICANCE, "*"))
 SIGNIFICANCE_NOTE = (
     "$^{*}p_{\\mathrm{adj}}<0.05$, $^{**}p_{\\mathrm{adj}}<0.01$, $^{***}p_{\\mathrm{adj}}<0.001$"
 )
+# Marks a result whose sign or significance differs under the other residualiser.
+SENSITIVE_MARK = r"\dagger"
+
+
+def sensitivity_note(other_residualiser: str) -> str:
+    """What the dagger means, for the note under a table."""
+    return (f"${SENSITIVE_MARK}$ sign or significance differs under the "
+            f"{latex_escape(other_residualiser)} residualiser (or $r$ is defined under one only).")
 
 
 def latex_escape(text: str) -> str:
@@ -38,19 +49,21 @@ def significance_mark(p_adj: float) -> str:
 
 
 def matrix_table(
-    pairs: pd.DataFrame, testsets: list[str], *, caption: str, label: str
+    pairs: pd.DataFrame, testsets: list[str], *, caption: str, label: str,
+    other_residualiser: str,
 ) -> str:
     """Lower-triangular matrix of one group's combined r, marked by adjusted p.
 
-    `pairs` has one row per pair (columns x, y, r, p_adj, reason); `testsets`
-    orders rows and columns. Undefined correlations show as an en dash, and a
-    note under the table gives their reasons, so that a dash is never read as
-    a zero or a typesetting slip.
+    `pairs` has one row per pair (columns x, y, r, p_adj, reason and
+    SENSITIVE); `testsets` orders rows and columns. Undefined correlations
+    show as an en dash, and a note under the table gives their reasons, so
+    that a dash is never read as a zero or a typesetting slip. A dagger marks
+    pairs whose result changes under `other_residualiser`.
     """
-    r, p_adj = lower_triangle(pairs, testsets)
+    r, p_adj, sensitive = lower_triangle(pairs, testsets, ("r", "p_adj", SENSITIVE))
     rows = [
         [latex_escape(name)]
-        + [_cell(r[i, j], p_adj[i, j]) for j in range(i + 1)]
+        + [_cell(r[i, j], p_adj[i, j], sensitive[i, j] == 1) for j in range(i + 1)]
         + [""] * (len(r) - i - 1)
         for i, name in enumerate(testsets[1:])
     ]
@@ -61,8 +74,78 @@ def matrix_table(
     )
     if np.isnan(r[np.tril_indices(len(r))]).sum() > len(undefined):
         reasons["no run evaluated both testsets"] = None
-    note = "-- undefined in every run: " + "; ".join(map(latex_escape, reasons)) + "."
-    return _table(caption, label, "l" + "r" * len(r), header, rows, note if reasons else "")
+    notes = ["-- undefined in every run: " + "; ".join(map(latex_escape, reasons)) + "."
+             if reasons else "",
+             sensitivity_note(other_residualiser) if pairs[SENSITIVE].any() else ""]
+    return _table(caption, label, "l" + "r" * len(r), [_row(header)], rows,
+                  " ".join(filter(None, notes)))
+
+
+def meta_analysis_table(
+    pooled: pd.DataFrame, *, other_residualiser: str, caption: str, label: str
+) -> str:
+    """One scope's random-effects meta-analysis across models, one row per pair.
+
+    `pooled` holds meta.meta_analyse's pooled rows joined with their
+    comparison (sensitivity.compare_residualisers): the pooled r marked by
+    adjusted p and by a dagger where it changes under `other_residualiser`,
+    its HKSJ interval, the prediction interval for a new model, tau^2 (Fisher
+    z scale), I^2, Cochran's Q with its p, Welch's p, the models agreeing in
+    sign, and the pooled r under the other residualiser.
+    """
+    header = ["Pair", "$k$", "$r$", r"95\% CI", r"95\% PI", r"$\tau^2$", "$I^2$", "$Q$",
+              "$p_Q$", r"$p_{\mathrm{Welch}}$", "Agree",
+              f"$r$ ({latex_escape(other_residualiser)})"]
+    rows = [
+        [
+            f"{latex_escape(row.x)}--{latex_escape(row.y)}",
+            str(row.k),
+            _cell(row.r, row.p_adj, getattr(row, SENSITIVE)),
+            _interval(row.ci_low, row.ci_high),
+            _interval(row.pi_low, row.pi_high),
+            _number(row.tau2, 3),
+            "--" if np.isnan(row.i2) else f"${100 * row.i2:.0f}\\%$",
+            _number(row.q, 1),
+            _pvalue(row.q_p),
+            _pvalue(row.welch_p),
+            "--" if np.isnan(row.r) else f"{row.n_agree:.0f}/{row.k}",
+            _cell(getattr(row, f"r_{other_residualiser}"),
+                  getattr(row, f"p_adj_{other_residualiser}"), False),
+        ]
+        for row in pooled.itertuples()
+    ]
+    reasons = dict.fromkeys(reason for reason in pooled["reason"] if reason)
+    notes = ["-- " + "; ".join(map(latex_escape, reasons)) + "." if reasons else "",
+             sensitivity_note(other_residualiser) if pooled[SENSITIVE].any() else ""]
+    return _table(caption, label, "l" + "r" * (len(header) - 1), [_row(header)], rows,
+                  " ".join(filter(None, notes)), font=r"\footnotesize")
+
+
+def sensitivity_table(
+    blocks: Sequence[tuple[Sequence[str], pd.DataFrame]], residualisers: Sequence[str], *,
+    caption: str, label: str,
+) -> str:
+    """How many pairs change between the two residualisers, in blocks of rows (per model
+    and training set; per scope of the meta-analysis). Each block is its rows' labels and
+    sensitivity.summarise_changes' rows, with the training set or scope as train_set."""
+    first, second = map(latex_escape, residualisers)
+    header_lines = [
+        _row(["", "", "", r"\multicolumn{2}{c}{Mean $r$}", r"\multicolumn{2}{c}{Sig.\ $+/-$}",
+              r"\multicolumn{3}{c}{Pairs that change}"]),
+        r"\cmidrule(lr){4-5} \cmidrule(lr){6-7} \cmidrule(lr){8-10}",
+        _row(["", "Train", "Pairs", first, second, first, second, "sign", "sig.", "defined"]),
+    ]
+    rows: list[list[str] | None] = []
+    for labels, changes in blocks:
+        rows += [None] if rows else []
+        rows += [
+            [latex_escape(name), latex_escape(row["train_set"]), str(row["n_pairs"])]
+            + [_number(row[f"mean_r_{r}"]) for r in residualisers]
+            + [f"{row[f'n_sig_positive_{r}']}/{row[f'n_sig_negative_{r}']}" for r in residualisers]
+            + [str(row[change]) for change in CHANGES]
+            for name, row in zip(labels, changes.to_dict("records"))
+        ]
+    return _table(caption, label, "ll" + "r" * 8, header_lines, rows)
 
 
 def summary_table(summary: pd.DataFrame, *, caption: str, label: str) -> str:
@@ -88,7 +171,7 @@ def summary_table(summary: pd.DataFrame, *, caption: str, label: str) -> str:
         "the CSV of partial correlations gives each pair's reason."
         if summary["mean_r"].isna().any() else ""
     )
-    return _table(caption, label, "lll" + "r" * 5, header, rows, note)
+    return _table(caption, label, "lll" + "r" * 5, [_row(header)], rows, note)
 
 
 def standalone_document(table_files: list[str]) -> str:
@@ -108,22 +191,23 @@ def standalone_document(table_files: list[str]) -> str:
 
 
 def _table(
-    caption: str, label: str, columns: str, header: list[str], rows: list[list[str] | None],
-    note: str = "",
+    caption: str, label: str, columns: str, header_lines: list[str],
+    rows: list[list[str] | None], note: str = "", font: str = r"\small",
 ) -> str:
-    """A booktabs table float; a None row is a gap (\\addlinespace) between blocks; a
-    `note` (LaTeX) is set in small type under the rule."""
+    """A booktabs table float; `header_lines` are LaTeX lines above the mid rule (see _row);
+    a None row is a gap (\\addlinespace) between blocks; a `note` (LaTeX) is set in small
+    type under the rule; `font` sizes the table (a wide one needs \\footnotesize to fit)."""
     lines = [
         r"\begin{table}[t]",
         r"\centering",
-        r"\small",
+        font,
         rf"\caption{{{caption}}}",
         rf"\label{{{label}}}",
         rf"\begin{{tabular}}{{{columns}}}",
         r"\toprule",
-        " & ".join(header) + r" \\",
+        *header_lines,
         r"\midrule",
-        *(r"\addlinespace" if row is None else " & ".join(row) + r" \\" for row in rows),
+        *(r"\addlinespace" if row is None else _row(row) for row in rows),
         r"\bottomrule",
         r"\end{tabular}",
         *([r"\par\smallskip{\footnotesize " + note + "}"] if note else []),
@@ -133,13 +217,30 @@ def _table(
     return "\n".join(lines)
 
 
-def _cell(r: float, p_adj: float) -> str:
+def _row(cells: list[str]) -> str:
+    return " & ".join(cells) + r" \\"
+
+
+def _cell(r: float, p_adj: float, sensitive: bool) -> str:
+    """r to two decimals with its significance marks and, if `sensitive`, a dagger."""
     if np.isnan(r):
         return "--"
-    mark = significance_mark(p_adj) if not np.isnan(p_adj) else ""
-    superscript = f"^{{{mark}}}" if mark else ""
+    marks = (significance_mark(p_adj) if not np.isnan(p_adj) else "") + (
+        SENSITIVE_MARK if sensitive else ""
+    )
+    superscript = f"^{{{marks}}}" if marks else ""
     return f"${r:.2f}{superscript}$"
 
 
-def _number(value: float) -> str:
-    return "--" if np.isnan(value) else f"${value:.2f}$"
+def _interval(low: float, high: float) -> str:
+    return "--" if np.isnan(low) else f"$[{low:.2f}, {high:.2f}]$"
+
+
+def _pvalue(p: float) -> str:
+    if np.isnan(p):
+        return "--"
+    return "$<0.001$" if p < 0.001 else f"${p:.3f}$"
+
+
+def _number(value: float, decimals: int = 2) -> str:
+    return "--" if np.isnan(value) else f"${value:.{decimals}f}$"

@@ -1,4 +1,5 @@
-"""Synthetic results roots in the engine's metrics.npz schema, so analysis tests need no engine.
+"""Synthetic results roots in the engine's metrics.npz schema, so analysis tests need no engine;
+and the real BERTs-of-a-feather table the analysis tests check statistics on.
 
 Accuracies follow a learning curve in-domain; every OOD testset is a smooth
 function of in-domain accuracy plus residuals that share one correlation
@@ -13,6 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
+import pandas as pd
 
 from analysis import schema
 
@@ -26,6 +28,17 @@ SHIPPED_CONFIGS = sorted((pathlib.Path(__file__).resolve().parents[1] / "configs
 assert len(SHIPPED_CONFIGS) == 16, SHIPPED_CONFIGS
 # Model names as runs carry them, and the hub ids their configs load.
 MODELS = {"opt-125m": "facebook/opt-125m", "SmolLM2-135M": "HuggingFaceTB/SmolLM2-135M"}
+# McCoy et al. (2020): MNLI dev accuracy and HANS accuracies of 100 BERT runs, under the
+# shared data root; its last rows summarise the runs (min, max, mean, sd) and are no runs.
+BERTS = "reference/berts_of_a_feather_accuracies_by_run.csv"
+BERTS_SUMMARY_ROWS = ["Minimum", "Maximum", "Mean", "Standard deviation"]
+BERTS_IN_DOMAIN = "MNLI dev acc."
+
+
+def berts_of_a_feather(shared_data: pathlib.Path) -> pd.DataFrame:
+    """The table as the file has it, less its summary rows (its empty rows stay)."""
+    table = pd.read_csv(shared_data / BERTS)
+    return table[~table["Run"].isin(BERTS_SUMMARY_ROWS)]
 
 
 def write_run(

@@ -16,7 +16,11 @@ import pytest
 import scipy.stats
 
 from analysis import figures, pairwise_partial_corr, schema, tables
-from analysis.cli import CSV_NAME, main
+from analysis.aggregate import all_run_pairs, combine_runs
+from analysis.cli import CSV_NAME, META_CSV_NAME, SENSITIVITY_CSV_NAME, main
+from analysis.meta import ALL_TRAIN_SETS, random_effects
+from analysis.runs import find_runs
+from analysis.sensitivity import SENSITIVE
 from fixtures_results import (
     MODELS,
     cut_short,
@@ -31,6 +35,8 @@ TRAIN_SETS = ("mnli", "snli")
 SEEDS = (0, 42, 99)
 SHOTS = (32, 64)
 GROUPS = [(m, t) for m in MODELS for t in TRAIN_SETS]
+# Scopes of the meta-analysis across models, as file names have them.
+SCOPES = (*TRAIN_SETS, "all-training-sets")
 
 
 @pytest.fixture(scope="module")
@@ -64,12 +70,18 @@ def test_cli_writes_tables_figures_and_csv_and_lists_them(analysed):
     figures = {p for p in written if p.parent.name == "figures"}
     tables = {p for p in written if p.parent.name == "tables"}
     # Per group: heatmap, curves, OOD vs in-domain; per training set the models side by
-    # side; one figure against model size; each as pdf + png.
-    assert len(figures) == (len(GROUPS) * 3 + len(TRAIN_SETS) + 1) * 2
-    assert {p.name for p in tables} == {
-        *(f"matrix_{m}_{t}.tex" for m, t in GROUPS), "summary.tex", "tables.tex"
+    # side; one figure against model size; forest plots per scope of the meta-analysis; each
+    # as pdf + png.
+    assert len(figures) == (len(GROUPS) * 3 + len(TRAIN_SETS) + 1 + len(SCOPES)) * 2
+    assert {p.name for p in figures if p.name.startswith("forest_")} == {
+        f"forest_{scope}.{extension}" for scope in SCOPES for extension in ("pdf", "png")
     }
-    assert {out / CSV_NAME, out / "accuracies.csv", out / "accuracies.parquet"} <= written
+    assert {p.name for p in tables} == {
+        *(f"matrix_{m}_{t}.tex" for m, t in GROUPS), "summary.tex", "tables.tex",
+        *(f"meta_analysis_{scope}.tex" for scope in SCOPES), "residualiser_sensitivity.tex",
+    }
+    assert {out / CSV_NAME, out / "accuracies.csv", out / "accuracies.parquet",
+            out / META_CSV_NAME, out / SENSITIVITY_CSV_NAME} <= written
     assert all(path.is_file() for path in written)
 
 
@@ -91,6 +103,12 @@ def test_tables_compile_with_pdflatex(analysed, tmp_path):
     assert r"\toprule" in matrix and r"\bottomrule" in matrix
     assert r"anli\_r3" in matrix and "anli_r3" not in matrix  # escaped
     assert "train" not in matrix.split(r"\midrule")[1]  # training-set accuracy is not OOD
+    meta = (out / "tables" / "meta_analysis_all-training-sets.tex").read_text()
+    assert "REML $\\tau^2$" in meta and "4 models and training sets" in meta
+    header, body = meta.split(r"\midrule")[0].splitlines()[-1], meta.split(r"\midrule")[1]
+    assert header.startswith("Pair & $k$ & $r$ & 95\\% CI & 95\\% PI & $\\tau^2$ & $I^2$ & $Q$")
+    assert header.endswith(r"& Agree & $r$ (linear) \\")
+    assert body.count(r"\\") == 27  # 21 pairs without mnli or snli, 6 with mnli (from snli)
 
 
 def test_figures_open(analysed):
@@ -111,12 +129,14 @@ def test_csv_holds_each_run_and_the_combination_of_runs(analysed):
     assert len(groups) == len(GROUPS) * 21
     assert not ({"train"} & set(table["x"]) | {"train"} & set(table["y"]))
 
+    assert set(table["residualiser"]) == {"spline"}  # the default
+
     # Run level: the pairwise partial correlations of that run's steps.
     run = runs[runs["run"] == "SmolLM2-135M_snli_seed42_shots64"]
     accuracy, in_domain = read_accuracy(results / run["run"].iloc[0] / schema.METRICS_FILENAME)
     assert in_domain == "snli"
     ood = [t for t in accuracy.columns if t not in ("snli", "train")]
-    expected = pairwise_partial_corr(accuracy, ood, "snli")
+    expected = pairwise_partial_corr(accuracy, ood, "snli", residualiser="spline")
     np.testing.assert_allclose(run["r"], expected["r"], atol=1e-12, rtol=0)
     np.testing.assert_allclose(run["p_adj"], expected["p_adj"], atol=1e-12, rtol=0)
 
@@ -130,6 +150,8 @@ def test_csv_holds_each_run_and_the_combination_of_runs(analysed):
             test = scipy.stats.ttest_1samp(z, 0.0)
             interval = np.tanh(test.confidence_interval(0.95))
             assert pair.r == pytest.approx(np.tanh(z.mean()), abs=1e-12)
+            assert pair.z == pytest.approx(z.mean(), abs=1e-12)
+            assert pair.z_se == pytest.approx(z.std(ddof=1) / np.sqrt(z.size), abs=1e-12)
             assert (pair.ci_low, pair.ci_high) == pytest.approx(tuple(interval), abs=1e-12)
             assert pair.p == pytest.approx(test.pvalue, abs=1e-12)
             assert (pair.n_positive, pair.n_negative) == ((r > 0).sum(), (r < 0).sum())
@@ -139,19 +161,74 @@ def test_csv_holds_each_run_and_the_combination_of_runs(analysed):
         )
 
 
+def test_meta_analysis_combines_the_models_of_the_csv(analysed):
+    """Each pooled row of meta_analysis.csv is the random-effects combination of the model
+    rows of partial_correlations.csv (their z and z_se), per training set and over both."""
+    _, out, _ = analysed
+    groups = pd.read_csv(out / CSV_NAME, keep_default_na=False, na_values=[""])
+    groups = groups[groups["level"] == "group"]
+    meta = pd.read_csv(out / META_CSV_NAME, keep_default_na=False, na_values=[""])
+    assert set(meta["estimator"]) == {"reml"} and set(meta["residualiser"]) == {"spline"}
+    pooled, members = meta[meta["level"] == "pooled"], meta[meta["level"] == "model"]
+    assert list(dict.fromkeys(pooled["scope"])) == [*TRAIN_SETS, ALL_TRAIN_SETS]
+    assert len(pooled) == 2 * 21 + 27
+    for row in pooled.itertuples():
+        scoped = groups if row.scope == ALL_TRAIN_SETS else groups[groups["train_set"] == row.scope]
+        pair = scoped[((scoped["x"] == row.x) & (scoped["y"] == row.y))
+                      | ((scoped["x"] == row.y) & (scoped["y"] == row.x))]
+        expected = random_effects(pair["z"].to_numpy(), pair["z_se"].to_numpy() ** 2)
+        in_domain = {"mnli", "snli"} & {row.x, row.y}  # OOD only when trained on the other
+        assert row.k == len(pair) == (4 if row.scope == ALL_TRAIN_SETS and not in_domain else 2)
+        assert (row.r, row.ci_low, row.ci_high) == pytest.approx(
+            tuple(np.tanh([expected.mu, expected.ci_low, expected.ci_high])), abs=1e-9)
+        assert (row.tau2, row.i2, row.q, row.q_p) == pytest.approx(
+            (expected.tau2, expected.i2, expected.q, expected.q_p), abs=1e-9)
+        if row.k >= 3:
+            assert (row.pi_low, row.pi_high) == pytest.approx(
+                tuple(np.tanh([expected.pi_low, expected.pi_high])), abs=1e-9)
+        else:
+            assert np.isnan(row.pi_low) and "no prediction interval" in row.reason
+        weights = members[(members["scope"] == row.scope) & (members["x"] == row.x)
+                          & (members["y"] == row.y)]["weight"]
+        np.testing.assert_allclose(weights, expected.weights, atol=1e-9)
+
+
+def test_results_that_change_with_the_residualiser_are_marked(analysed):
+    """residualiser_sensitivity.csv holds both residualisers' group results; the pairs it
+    flags are the pairs daggered in the matrix tables and flagged in partial_correlations.csv."""
+    results, out, _ = analysed
+    runs = find_runs(results)
+    linear = combine_runs(all_run_pairs(runs, residualiser="linear"))
+    changes = pd.read_csv(out / SENSITIVITY_CSV_NAME, keep_default_na=False, na_values=[""])
+    groups = changes[changes["level"] == "group"]
+    table = pd.read_csv(out / CSV_NAME, keep_default_na=False, na_values=[""])
+    spline = table[table["level"] == "group"]
+    np.testing.assert_allclose(groups["r_linear"], linear["r"], atol=1e-12)
+    np.testing.assert_allclose(groups["p_adj_linear"], linear["p_adj"], atol=1e-12)
+    np.testing.assert_allclose(groups["r_spline"], spline["r"], atol=1e-12)
+    expected = (np.sign(groups["r_linear"]) != np.sign(groups["r_spline"])) | (
+        (groups["p_adj_linear"] < 0.05) != (groups["p_adj_spline"] < 0.05))
+    assert groups[SENSITIVE].tolist() == expected.tolist() == spline[SENSITIVE].tolist()
+    assert expected.any() and not expected.all()
+    for (model, train_set), flagged in groups.groupby(["model", "train_set"]):
+        matrix = (out / "tables" / f"matrix_{model}_{train_set}.tex").read_text()
+        assert matrix.count(r"\dagger") == flagged[SENSITIVE].sum() + 1  # and the note
+    assert set(changes.loc[changes["level"] == "pooled", "scope"]) == {*TRAIN_SETS, ALL_TRAIN_SETS}
+
+
 def test_options_reach_every_run(tmp_path, capsys):
     results = tmp_path / "results"
     write_results_root(results, models={"opt-350m": "facebook/opt-350m"}, train_sets=("mnli",),
                        seeds=(0, 42), shots=(32,), steps=np.arange(0, 501, 25))
-    options = ["--residualiser", "spline", "--method", "spearman", "--padjust", "fdr_bh",
-               "--probit", "--differences"]
+    options = ["--residualiser", "linear", "--method", "spearman", "--padjust", "fdr_bh",
+               "--probit", "--differences", "--tau2-estimator", "dl"]
     assert main([str(results), "--out", str(tmp_path / "out"), *options]) == 0
     assert "wrote" in capsys.readouterr().out
     table = pd.read_csv(tmp_path / "out" / CSV_NAME, keep_default_na=False, na_values=[""])
     run = table[(table["level"] == "run") & (table["seed"] == 42)]
     accuracy, _ = read_accuracy(results / run["run"].iloc[0] / schema.METRICS_FILENAME)
     ood = [t for t in accuracy.columns if t not in ("mnli", "train")]
-    expected = pairwise_partial_corr(accuracy, ood, "mnli", residualiser="spline",
+    expected = pairwise_partial_corr(accuracy, ood, "mnli", residualiser="linear",
                                      method="spearman", padjust="fdr_bh", probit=True,
                                      differences=True)
     assert (run["n"] == 20).all()  # 21 steps, 20 differences
@@ -159,7 +236,12 @@ def test_options_reach_every_run(tmp_path, capsys):
     np.testing.assert_allclose(run["dof"], expected["dof"], atol=1e-12, rtol=0)
     np.testing.assert_allclose(run["p_adj"], expected["p_adj"], atol=1e-12, rtol=0)
     caption = (tmp_path / "out" / "tables" / "matrix_opt-350m_mnli.tex").read_text()
-    assert "spearman correlation, spline residualiser, probit-transformed" in caption
+    assert "spearman correlation, linear residualiser, probit-transformed" in caption
+    assert "spline residualiser" in caption  # what its daggers compare with
+    meta = pd.read_csv(tmp_path / "out" / META_CSV_NAME)
+    assert set(meta["estimator"]) == {"dl"} and set(meta["residualiser"]) == {"linear"}
+    assert "DerSimonian-Laird $\\tau^2$" in (
+        tmp_path / "out" / "tables" / "meta_analysis_mnli.tex").read_text()
     assert "mean over 2 runs of 21 evaluation steps" in caption
     assert r"(fdr\_bh)" in caption
 
@@ -276,7 +358,8 @@ def test_every_shipped_model_and_training_set_gets_its_own_files(shipped):
     for kind in ("heatmap", "curves", "ood_vs_in_domain"):
         for extension in ("pdf", "png"):
             assert {f"{kind}_{stem}.{extension}" for stem in stems} <= figures
-    assert len(figures) == (len(stems) * 3 + 2 + 1) * 2  # + side by side per training set, by size
+    # + side by side per training set, by size, forest plots for mnli, snli and both
+    assert len(figures) == (len(stems) * 3 + 2 + 1 + 3) * 2
     tables = {path.name for path in (out / "tables").iterdir()}
     assert {f"matrix_{stem}.tex" for stem in stems} <= tables
 
@@ -284,7 +367,7 @@ def test_every_shipped_model_and_training_set_gets_its_own_files(shipped):
 def test_summary_orders_families_and_sizes_read_from_the_configs(shipped):
     _, out = shipped
     caption, body = (out / "tables" / "summary.tex").read_text().split(r"\midrule")[:2]
-    assert "pearson correlation, linear residualiser; 32 runs of 7 evaluation steps" in caption
+    assert "pearson correlation, spline residualiser; 32 runs of 7 evaluation steps" in caption
     rows = [line.split(" & ")[:3] for line in body.splitlines() if " & " in line]
     order = [("olmo2", "7B"), ("olmo2", "13B"), ("olmo2", "32B"), ("opt", "2.7B"),
              ("opt", "6.7B"), ("opt", "13B"), ("opt", "30B"), ("smollm3", "3B")]
@@ -388,16 +471,22 @@ def test_a_column_without_any_accuracy_gives_reasons_and_every_file(tmp_path, ca
 def test_the_matrix_note_gives_each_reason_once_and_pairs_never_evaluated():
     empty = "undefined in every run: no value in 'paws': all NaN"
     pairs = pd.DataFrame(
-        [("hans", "rte", 0.5, 0.01, ""), ("hans", "paws", np.nan, np.nan, empty),
-         ("rte", "paws", np.nan, np.nan, empty)],
-        columns=["x", "y", "r", "p_adj", "reason"],
+        [("hans", "rte", 0.5, 0.01, "", False), ("hans", "paws", np.nan, np.nan, empty, False),
+         ("rte", "paws", np.nan, np.nan, empty, False)],
+        columns=["x", "y", "r", "p_adj", "reason", SENSITIVE],
     )  # no run has anli_r3 beside the others
-    latex = tables.matrix_table(pairs, ["hans", "rte", "paws", "anli_r3"], caption="c", label="l")
+    latex = tables.matrix_table(pairs, ["hans", "rte", "paws", "anli_r3"], caption="c", label="l",
+                                other_residualiser="linear")
     assert latex.split(r"\midrule")[1].split(r"\bottomrule")[0].count("--") == 5
     assert (r"\par\smallskip{\footnotesize -- undefined in every run: no value in 'paws': all "
             "NaN; no run evaluated both testsets.}") in latex
     assert r"\footnotesize" not in tables.matrix_table(pairs[:1], ["hans", "rte"], caption="c",
-                                                        label="l")
+                                                        label="l", other_residualiser="linear")
+    sensitive = tables.matrix_table(pairs[:1].assign(**{SENSITIVE: True}), ["hans", "rte"],
+                                    caption="c", label="l", other_residualiser="linear")
+    assert r"$0.50^{*\dagger}$" in sensitive
+    assert (r"{\footnotesize $\dagger$ sign or significance differs under the linear "
+            r"residualiser (or $r$ is defined under one only).}") in sensitive
 
 
 def two_runs(results: pathlib.Path) -> list[pathlib.Path]:

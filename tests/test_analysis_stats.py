@@ -9,14 +9,13 @@ import scipy.stats
 from analysis import pairwise_partial_corr, partial_corr
 from analysis.padjust import adjust_pvalues
 from analysis.stats import PROBIT_CLIP
+from fixtures_results import BERTS_IN_DOMAIN, berts_of_a_feather
 
 TOLERANCE = 1e-8
 # pingouin rounds the CI95 it returns (to 2 decimals), so intervals are matched
 # to TOLERANCE against pingouin.compute_esci, the function pingouin builds its
 # CI95 with, unrounded, and to the rounding against the CI95 itself.
 PINGOUIN_CI_ROUNDING = 0.005 + 1e-12
-BERTS = "reference/berts_of_a_feather_accuracies_by_run.csv"
-BERTS_SUMMARY_ROWS = ["Minimum", "Maximum", "Mean", "Standard deviation"]
 
 
 def random_frame(seed: int = 0, rows: int = 40, nan_fraction: float = 0.1) -> pd.DataFrame:
@@ -169,10 +168,9 @@ def test_berts_of_a_feather_table_goes_through_unchanged(shared_data):
     Only the file's four summary rows (min, max, mean, sd) are removed: they
     are not runs.
     """
-    df = pd.read_csv(shared_data / BERTS)
-    df = df[~df["Run"].isin(BERTS_SUMMARY_ROWS)]
-    ours = pairwise_partial_corr(df, None, "MNLI dev acc.")
-    heuristics = [c for c in df.columns if c not in ("Run", "MNLI dev acc.")]
+    df = berts_of_a_feather(shared_data)
+    ours = pairwise_partial_corr(df, None, BERTS_IN_DOMAIN)
+    heuristics = [c for c in df.columns if c not in ("Run", BERTS_IN_DOMAIN)]
     assert len(ours) == len(heuristics) * (len(heuristics) - 1) // 2
     assert (ours["n"] == 100).all()
     constant = ours[ours["reason"] != ""]
@@ -184,15 +182,15 @@ def test_berts_of_a_feather_table_goes_through_unchanged(shared_data):
     assert constant[["r", "p", "p_adj"]].isna().all().all()
     # pingouin on the eight summary columns and the two constant ones (it drops those).
     columns = heuristics[:7] + ["ce_conjunction", "ce_adverb"]
-    ours = pairwise_partial_corr(df, columns, "MNLI dev acc.")
-    theirs = pingouin.pairwise_corr(df, columns=columns, covar="MNLI dev acc.", padjust="holm")
+    ours = pairwise_partial_corr(df, columns, BERTS_IN_DOMAIN)
+    theirs = pingouin.pairwise_corr(df, columns=columns, covar=BERTS_IN_DOMAIN, padjust="holm")
     merged = ours.merge(theirs, left_on=["x", "y"], right_on=["X", "Y"])
     assert len(merged) == len(theirs) == 21 and ours["p_adj"].notna().sum() == 21
     np.testing.assert_allclose(merged["r_x"], merged["r_y"], atol=TOLERANCE, rtol=0)
     np.testing.assert_allclose(merged["p"], merged["p_unc"], atol=TOLERANCE, rtol=0)
     np.testing.assert_allclose(merged["p_adj"], merged["p_corr"], atol=TOLERANCE, rtol=0)
     subset = ["Lexical (nonent)", "Subseq (nonent)", "Constituent (nonent)"]
-    spline = pairwise_partial_corr(df, subset, "MNLI dev acc.", residualiser="spline")
+    spline = pairwise_partial_corr(df, subset, BERTS_IN_DOMAIN, residualiser="spline")
     assert spline["r"].notna().all() and (spline["dof"] <= spline["n"] - 3).all()
 
 

@@ -1,0 +1,294 @@
+"""Do results generalise across models? A random-effects meta-analysis of each pair's r.
+
+The study asks whether a pair of OOD testsets co-varies the same way in
+every model. Each model (per training set) contributes one estimate per
+pair, the mean Fisher z of its m runs (aggregate.combine_runs), with the
+within-model variance v = var(z over runs) / m of that mean, estimated from
+the runs. The textbook variance of a single correlation, 1 / (n - k - 3),
+would not do: a model's runs differ in seed and shot count, and successive
+evaluation steps of one run are autocorrelated, so only the spread of the
+runs says how far a model's mean could move. A model with one run, or whose
+runs all have the same r, has no such variance and is left out (its row
+says why).
+
+Models are then combined on the Fisher z scale, y_i ~ N(mu, v_i + tau^2):
+- tau^2, the variance of the models' true z: restricted maximum likelihood
+  (REML, the default), Paule-Mandel (PM) or DerSimonian-Laird (DL). With 8
+  models DL's one-step moment estimate is biased low where heterogeneity is
+  large (Veroniki et al. 2016); REML is what Cochrane's Statistical Methods
+  Group recommends in its place, with the HKSJ interval below.
+- mu = sum w_i y_i / sum w_i with w_i = 1 / (v_i + tau^2); standard error
+  se = 1 / sqrt(sum w_i).
+- Its 95% interval and p: Hartung-Knapp-Sidik-Jonkman, t with k - 1 degrees
+  of freedom on the variance max(1, q) se^2, q = sum w_i (y_i - mu)^2 / (k - 1).
+  The normal interval is too narrow with few models because it ignores that
+  tau^2 is estimated; the floor at 1 (Roever, Knapp and Friede 2015) keeps
+  HKSJ from being narrower than the t interval on se^2 when the models
+  happen to agree more than their variances imply.
+- Cochran's Q = sum (y_i - mu_FE)^2 / v_i about the fixed-effect mean, with p
+  from chi^2 with k - 1 degrees of freedom. That p assumes known v_i; with v_i
+  estimated from 9 runs it rejects homogeneity about three times too often
+  (tests/test_analysis_meta.py), so Welch's (1951) test of equal means with
+  variances estimated from m_i observations each is reported beside it
+  (welch_p): the same weighted spread, scaled and referred to an F
+  distribution so as to account for the estimated variances.
+- I^2 = tau^2 / (tau^2 + s^2), the share of the models' spread that is
+  between models, with s^2 = (k - 1) sum(1/v) / ((sum 1/v)^2 - sum(1/v^2)) the
+  typical within-model variance (Higgins and Thompson 2002). It reflects the
+  chosen tau^2 estimator, as metafor and RevMan report it; with DL it equals
+  (Q - (k - 1)) / Q.
+- Prediction interval for the true z of a new model (Higgins, Thompson and
+  Spiegelhalter 2009): mu +- t_{0.975, k-2} sqrt(tau^2 + se^2); needs k >= 3.
+- Agreement: how many models have an r of the pooled r's sign.
+
+Everything is reported back on the correlation scale, r = tanh(z).
+"""
+
+import dataclasses
+from collections.abc import Mapping
+
+import numpy as np
+import pandas as pd
+import scipy.optimize
+import scipy.stats
+
+from analysis.aggregate import GROUP_COLUMNS, in_first_seen_order
+from analysis.naming import ModelInfo
+from analysis.padjust import adjust_pvalues
+from analysis.stats import CONFIDENCE
+
+REML = "reml"
+PAULE_MANDEL = "pm"
+DERSIMONIAN_LAIRD = "dl"
+TAU2_ESTIMATORS = (REML, PAULE_MANDEL, DERSIMONIAN_LAIRD)
+ESTIMATOR_NAMES = {REML: "REML", PAULE_MANDEL: "Paule-Mandel", DERSIMONIAN_LAIRD: "DerSimonian-Laird"}
+
+# The scope of a meta-analysis over the models of every training set together.
+ALL_TRAIN_SETS = "all training sets"
+
+POOLED_COLUMNS = (
+    "scope", "x", "y", "k", "r", "ci_low", "ci_high", "p", "p_adj", "pi_low", "pi_high",
+    "tau2", "i2", "q", "q_p", "welch_p", "n_agree", "n_left_out", "reason",
+)
+MEMBER_COLUMNS = (
+    "scope", "model", "train_set", "x", "y", "n_runs", "r", "ci_low", "ci_high", "z", "z_se",
+    "weight", "reason",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class RandomEffects:
+    """A random-effects meta-analysis on the scale of its inputs (here Fisher z).
+
+    `se` is the model-based standard error 1 / sqrt(sum w); the interval
+    [ci_low, ci_high] and `p` use the HKSJ variance (module docstring);
+    `weights` are the relative weights w_i / sum w, in input order.
+    """
+
+    k: int
+    mu: float
+    se: float
+    ci_low: float
+    ci_high: float
+    p: float
+    tau2: float
+    i2: float
+    q: float
+    q_p: float
+    pi_low: float
+    pi_high: float
+    weights: np.ndarray
+
+
+def random_effects(
+    effects: np.ndarray, variances: np.ndarray, *, estimator: str = REML
+) -> RandomEffects:
+    """Combine k >= 2 effects with known within-study variances (> 0) under random effects."""
+    if estimator not in TAU2_ESTIMATORS:
+        raise ValueError(f"estimator must be one of {TAU2_ESTIMATORS}, got {estimator!r}")
+    y, v = np.asarray(effects, dtype=float), np.asarray(variances, dtype=float)
+    k = y.size
+    if k < 2 or v.shape != y.shape:
+        raise ValueError(f"need at least two effects, each with a variance; got {y.shape}, {v.shape}")
+    if not (np.isfinite(y).all() and np.isfinite(v).all() and (v > 0).all()):
+        raise ValueError("effects must be finite and variances finite and positive")
+
+    fixed = 1.0 / v
+    q = _weighted_squares(y, fixed)
+    tau2 = _TAU2[estimator](y, v)
+    w = 1.0 / (v + tau2)
+    mu = float(w @ y / w.sum())
+    se = float(np.sqrt(1.0 / w.sum()))
+    hksj_scale = _weighted_squares(y, w) / (k - 1)
+    hksj_se = se * np.sqrt(max(1.0, hksj_scale))
+    t_ci = scipy.stats.t.ppf(0.5 + CONFIDENCE / 2, k - 1)
+    typical_variance = (k - 1) * fixed.sum() / (fixed.sum() ** 2 - (fixed**2).sum())
+    if k >= 3:
+        half_width = scipy.stats.t.ppf(0.5 + CONFIDENCE / 2, k - 2) * np.sqrt(tau2 + se**2)
+        pi_low, pi_high = mu - half_width, mu + half_width
+    else:
+        pi_low = pi_high = np.nan
+    return RandomEffects(
+        k=k,
+        mu=mu,
+        se=se,
+        ci_low=mu - t_ci * hksj_se,
+        ci_high=mu + t_ci * hksj_se,
+        p=float(2.0 * scipy.stats.t.sf(abs(mu) / hksj_se, k - 1)),
+        tau2=tau2,
+        i2=tau2 / (tau2 + typical_variance),
+        q=q,
+        q_p=float(scipy.stats.chi2.sf(q, k - 1)),
+        pi_low=float(pi_low),
+        pi_high=float(pi_high),
+        weights=w / w.sum(),
+    )
+
+
+def welch_test(effects: np.ndarray, variances: np.ndarray, counts: np.ndarray) -> float:
+    """p of Welch's test that k means are equal, each mean's variance estimated from its
+    `counts` observations: F = (Q / (k - 1)) / (1 + 2 (k - 2) L / (k^2 - 1)) with
+    L = sum (1 - w_i / sum w)^2 / (m_i - 1), on k - 1 and (k^2 - 1) / (3 L) degrees of
+    freedom, Q weighted by w_i = 1 / v_i about the weighted mean."""
+    y, v = np.asarray(effects, dtype=float), np.asarray(variances, dtype=float)
+    m = np.asarray(counts, dtype=float)
+    k, w = y.size, 1.0 / v
+    spread = _weighted_squares(y, w) / (k - 1)
+    uncertainty = np.sum((1.0 - w / w.sum()) ** 2 / (m - 1.0))
+    statistic = spread / (1.0 + 2.0 * (k - 2) * uncertainty / (k**2 - 1))
+    return float(scipy.stats.f.sf(statistic, k - 1, (k**2 - 1) / (3.0 * uncertainty)))
+
+
+def meta_analyse(
+    groups: pd.DataFrame,
+    models: Mapping[str, ModelInfo],
+    *,
+    estimator: str = REML,
+    padjust: str = "holm",
+) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Each pair's model-level results combined across models, per training set and, when
+    there are several, over all of them (scope ALL_TRAIN_SETS).
+
+    `groups` is `combine_runs`' table (its r, z and z_se per model, training
+    set and pair); `models` orders members by family and size. Returns the
+    pooled rows (POOLED_COLUMNS; p_adj adjusts the pairs of one scope as one
+    family) and the member rows (MEMBER_COLUMNS: each model's estimate and
+    its relative weight, NaN with the group's reason where it is left out).
+    """
+    groups = in_first_seen_order(groups)
+    train_sets = list(dict.fromkeys(groups["train_set"]))
+    scopes = {name: groups[groups["train_set"] == name] for name in train_sets}
+    if len(train_sets) > 1:
+        scopes[ALL_TRAIN_SETS] = groups
+    pooled, members = [], []
+    for scope, scoped in scopes.items():
+        rows = []
+        for (x, y), pair in _ordered(scoped, models).groupby(["x", "y"], sort=False):
+            row, weights = _combine_models(pair, estimator)
+            rows.append({"scope": scope, "x": x, "y": y} | row)
+            members.append(
+                pair.assign(scope=scope, weight=weights)[list(MEMBER_COLUMNS)]
+            )
+        family = pd.DataFrame(rows)
+        family["p_adj"] = adjust_pvalues(family["p"].to_numpy(), padjust)
+        pooled.append(family)
+    return (
+        pd.concat(pooled, ignore_index=True)[list(POOLED_COLUMNS)],
+        pd.concat(members, ignore_index=True),
+    )
+
+
+def _combine_models(pair: pd.DataFrame, estimator: str) -> tuple[dict, np.ndarray]:
+    """The pooled row of one pair in one scope, and each member's relative weight (NaN where
+    it is left out for want of an r with a within-model variance)."""
+    usable = (pair["z_se"] > 0).to_numpy()  # NaN (undefined, one run) compares False
+    weights = np.full(len(pair), np.nan)
+    row = dict.fromkeys(POOLED_COLUMNS[3:], np.nan) | {
+        "k": int(usable.sum()), "n_left_out": int((~usable).sum()), "reason": "",
+    }
+    if usable.sum() < 2:
+        return row | {"reason": f"{row['k']} model(s) with a variance across runs: "
+                                "a meta-analysis needs two"}, weights
+    z, variances = pair["z"].to_numpy()[usable], pair["z_se"].to_numpy()[usable] ** 2
+    result = random_effects(z, variances, estimator=estimator)
+    weights[usable] = result.weights
+    row |= {
+        "r": np.tanh(result.mu),
+        "ci_low": np.tanh(result.ci_low),
+        "ci_high": np.tanh(result.ci_high),
+        "p": result.p,
+        "pi_low": np.tanh(result.pi_low),
+        "pi_high": np.tanh(result.pi_high),
+        "tau2": result.tau2,
+        "i2": result.i2,
+        "q": result.q,
+        "q_p": result.q_p,
+        "welch_p": welch_test(z, variances, pair["n_runs"].to_numpy()[usable]),
+        "n_agree": int((np.sign(z) == np.sign(result.mu)).sum()),
+    }
+    if result.k < 3:
+        row["reason"] = "two models: no prediction interval (needs three)"
+    return row, weights
+
+
+def _ordered(groups: pd.DataFrame, models: Mapping[str, ModelInfo]) -> pd.DataFrame:
+    """Members by family, size (unknown last), model and training set, as tables list them."""
+    keys = ["family", "size_billions", *GROUP_COLUMNS]
+    return groups.assign(
+        family=groups["model"].map(lambda model: models[model].family),
+        size_billions=groups["model"].map(lambda model: models[model].size_billions),
+    ).sort_values(keys, kind="stable").drop(columns=keys[:2])
+
+
+def _weighted_squares(y: np.ndarray, w: np.ndarray) -> float:
+    """sum w (y - mu_w)^2 about the w-weighted mean mu_w: Q for w = 1 / v."""
+    return float(w @ (y - w @ y / w.sum()) ** 2)
+
+
+def _tau2_dersimonian_laird(y: np.ndarray, v: np.ndarray) -> float:
+    """The one-step moment estimate: (Q - (k - 1)) / (sum w - sum w^2 / sum w), at least 0."""
+    w = 1.0 / v
+    q = _weighted_squares(y, w)
+    return float(max(0.0, (q - (y.size - 1)) / (w.sum() - (w**2).sum() / w.sum())))
+
+
+def _tau2_paule_mandel(y: np.ndarray, v: np.ndarray) -> float:
+    """The tau^2 at which the generalised Q, sum w (y - mu_w)^2, equals its expectation k - 1.
+
+    Q falls as tau^2 grows, so the root is unique; at tau^2 = sum (y - mean y)^2 / (k - 1)
+    every w is below 1 / tau^2, so Q is below k - 1 there and the root lies between.
+    """
+    def excess(tau2: float) -> float:
+        return _weighted_squares(y, 1.0 / (v + tau2)) - (y.size - 1)
+
+    if excess(0.0) <= 0.0:
+        return 0.0
+    return float(scipy.optimize.brentq(excess, 0.0, np.sum((y - y.mean()) ** 2) / (y.size - 1),
+                                       xtol=1e-15, rtol=1e-13))
+
+
+def _tau2_reml(y: np.ndarray, v: np.ndarray) -> float:
+    """The tau^2 >= 0 that maximises the restricted log-likelihood
+    -1/2 (sum log(v + tau^2) + log sum w + sum w (y - mu_w)^2), w = 1 / (v + tau^2):
+    the root of its score, twice its derivative, sum w^2 (y - mu_w)^2 - sum w +
+    sum w^2 / sum w; 0 when the score is not positive at 0. The score is negative for
+    large tau^2, so the upper end of the bracket doubles until it is.
+    """
+    def score(tau2: float) -> float:
+        w = 1.0 / (v + tau2)
+        mu = w @ y / w.sum()
+        return float((w**2) @ (y - mu) ** 2 - w.sum() + (w**2).sum() / w.sum())
+
+    if score(0.0) <= 0.0:
+        return 0.0
+    upper = max(np.var(y), v.max())
+    while score(upper) > 0.0:
+        upper *= 2.0
+    return float(scipy.optimize.brentq(score, 0.0, upper, xtol=1e-15, rtol=1e-13))
+
+
+_TAU2 = {
+    REML: _tau2_reml,
+    PAULE_MANDEL: _tau2_paule_mandel,
+    DERSIMONIAN_LAIRD: _tau2_dersimonian_laird,
+}

@@ -1,0 +1,68 @@
+"""Does the residualiser decide a result? Every result under both residualisers.
+
+The linear residualiser leaves in both residuals whatever curvature two OOD
+accuracies share as functions of in-domain accuracy, which inflates r where
+in-domain accuracy saturates; the spline removes it at the cost of degrees
+of freedom (docs/analysis.md, "Which residualiser"). Because that choice can
+decide a headline, the analysis computes every result under both, reports
+the chosen one, and marks the results that change under the other: r
+changes sign, the result is significant (adjusted p < SIGNIFICANCE) under
+one residualiser only, or it is defined under one only.
+"""
+
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+import pandas as pd
+
+from analysis.aggregate import SIGNIFICANCE, mean_on_z_scale
+
+CHANGES = ("sign_changes", "significance_changes", "definition_changes")
+# True where any of CHANGES holds: the mark (a dagger) in tables and figures.
+SENSITIVE = "residualiser_sensitive"
+
+
+def compare_residualisers(
+    results: Mapping[str, pd.DataFrame], keys: Sequence[str]
+) -> pd.DataFrame:
+    """One row per result: `keys`, then r_<name> and p_adj_<name> for both residualisers,
+    then CHANGES and SENSITIVE.
+
+    `results` maps each of the two residualisers' names to its table, which
+    has the columns `keys`, r and p_adj and the same rows as the other's.
+    """
+    (first, first_table), (second, second_table) = results.items()
+    columns = [*keys, "r", "p_adj"]
+    merged = first_table[columns].merge(
+        second_table[columns], on=list(keys), how="left", validate="one_to_one",
+        suffixes=(f"_{first}", f"_{second}"),
+    )
+    r_first, r_second = merged[f"r_{first}"], merged[f"r_{second}"]
+    both = r_first.notna() & r_second.notna()
+    significant_first = merged[f"p_adj_{first}"] < SIGNIFICANCE  # NaN compares False
+    significant_second = merged[f"p_adj_{second}"] < SIGNIFICANCE
+    merged["sign_changes"] = both & (np.sign(r_first) != np.sign(r_second))
+    merged["significance_changes"] = both & (significant_first != significant_second)
+    merged["definition_changes"] = r_first.notna() != r_second.notna()
+    merged[SENSITIVE] = merged[list(CHANGES)].any(axis=1)
+    return merged
+
+
+def summarise_changes(
+    comparison: pd.DataFrame, by: Sequence[str], residualisers: Sequence[str]
+) -> pd.DataFrame:
+    """Per value of `by`: pairs defined under both residualisers, each one's mean r over
+    them (Fisher z scale) and significant positive / negative pairs, and how many pairs
+    each kind of change touches. Rows keep the order of first appearance."""
+    rows = []
+    for values, group in comparison.groupby(list(by), sort=False):
+        both = group[[f"r_{name}" for name in residualisers]].notna().all(axis=1)
+        row = dict(zip(by, values)) | {"n_pairs": int(both.sum())}
+        for name in residualisers:
+            r = group[f"r_{name}"]
+            significant = group[f"p_adj_{name}"] < SIGNIFICANCE
+            row[f"mean_r_{name}"] = mean_on_z_scale(r[both].to_numpy())
+            row[f"n_sig_positive_{name}"] = int((significant & (r > 0)).sum())
+            row[f"n_sig_negative_{name}"] = int((significant & (r < 0)).sum())
+        rows.append(row | {change: int(group[change].sum()) for change in CHANGES})
+    return pd.DataFrame(rows)

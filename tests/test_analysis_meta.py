@@ -1,0 +1,334 @@
+"""The meta-analysis across models against statsmodels, metafor's published numbers, closed
+forms and simulations with known heterogeneity; the residualiser comparison."""
+
+import itertools
+import math
+
+import numpy as np
+import pandas as pd
+import pingouin
+import pytest
+import scipy.optimize
+import scipy.stats
+from statsmodels.stats.meta_analysis import combine_effects
+from statsmodels.stats.oneway import anova_oneway
+
+from analysis import partial_corr
+from analysis.aggregate import combine_runs
+from analysis.meta import (
+    ALL_TRAIN_SETS,
+    DERSIMONIAN_LAIRD,
+    PAULE_MANDEL,
+    REML,
+    meta_analyse,
+    random_effects,
+    welch_test,
+)
+from analysis.naming import ModelInfo
+from analysis.sensitivity import SENSITIVE, compare_residualisers, summarise_changes
+from fixtures_results import BERTS_IN_DOMAIN, berts_of_a_feather
+
+# statsmodels' Paule-Mandel stops iterating at a tolerance (see the test); DL is closed form.
+TOLERANCE = 1e-7
+HEURISTICS = ["Lexical (entailed)", "Subseq (entailed)", "Constituent (entailed)",
+              "Lexical (nonent)", "Subseq (nonent)", "Constituent (nonent)"]
+# The 100 runs as "models": five of 20 (as equal as the study's), and five of unequal size,
+# where REML, Paule-Mandel and DerSimonian-Laird give different tau^2.
+SPLITS = {"equal": [20] * 5, "unequal": [8, 14, 20, 26, 32]}
+# BCG vaccine trials (Colditz et al. 1994; metafor's dat.bcg): vaccinated TB cases and
+# non-cases, then control TB cases and non-cases.
+BCG = np.array([
+    [4, 119, 11, 128], [6, 300, 29, 274], [3, 228, 11, 209], [62, 13536, 248, 12619],
+    [33, 5036, 47, 5761], [180, 1361, 372, 1079], [8, 2537, 10, 619], [505, 87886, 499, 87892],
+    [29, 7470, 45, 7232], [17, 1699, 65, 1600], [186, 50448, 141, 27197], [5, 2493, 3, 2338],
+    [27, 16886, 29, 17825],
+], dtype=float)
+
+
+def berts_groups(shared_data, split: str, x: str, y: str) -> tuple[np.ndarray, np.ndarray]:
+    """Fisher z of each group's partial correlation of x and y given MNLI accuracy, and its
+    sampling variance 1 / (n - 4) (one covariate)."""
+    runs = berts_of_a_feather(shared_data).dropna(subset=["Run"]).reset_index(drop=True)
+    assert len(runs) == 100 == sum(SPLITS[split])
+    bounds = np.cumsum([0, *SPLITS[split]])
+    z, variances = [], []
+    for start, stop in itertools.pairwise(bounds):
+        group = runs.iloc[start:stop]
+        result = partial_corr(group[x], group[y], group[BERTS_IN_DOMAIN])
+        z.append(np.arctanh(result.r))
+        variances.append(1.0 / (result.n - 4))
+    return np.array(z), np.array(variances)
+
+
+def berts_cases(shared_data):
+    for split, (x, y) in itertools.product(SPLITS, itertools.combinations(HEURISTICS, 2)):
+        yield (split, x, y), *berts_groups(shared_data, split, x, y)
+
+
+# statsmodels takes square roots of the negative DL tau^2 it keeps.
+@pytest.mark.filterwarnings("ignore:invalid value encountered in sqrt:RuntimeWarning")
+@pytest.mark.parametrize("ours, theirs", [(DERSIMONIAN_LAIRD, "dl"), (PAULE_MANDEL, "iterated")])
+def test_random_effects_match_statsmodels_on_berts_of_a_feather(shared_data, ours, theirs):
+    """Five groups of BERT runs as models, every pair of HANS heuristics: tau^2, pooled z,
+    its interval, Q and (DL) I^2 as statsmodels' combine_effects computes them.
+
+    statsmodels leaves DL's tau^2 negative when Q < k - 1 (and weights with it), where the
+    estimate is 0: there the random-effects model is the fixed-effect one. Its HKSJ interval
+    has no floor; ours is the t interval on se^2 when the HKSJ scale is below 1. Its
+    Paule-Mandel iteration returns 0 when a Newton step lands a rounding error past the root
+    (ee = -4e-16 on ('unequal', 'Subseq (entailed)', 'Subseq (nonent)') with atol=1e-13), so
+    it stops at atol=1e-7, which leaves its tau^2 within about 1e-8 of the root.
+    """
+    branches = set()
+    for case, z, variances in berts_cases(shared_data):
+        result = random_effects(z, variances, estimator=ours)
+        reference = combine_effects(z, variances, method_re=theirs, use_t=True, atol=1e-7)
+        fixed_ci, random_ci, fixed_hksj_ci, random_hksj_ci = reference.conf_int(use_t=True)
+        heterogeneous = reference.tau2 > 0
+        if heterogeneous:
+            mean, ci, hksj_ci = reference.mean_effect_re, random_ci, random_hksj_ci
+            hksj_scale = reference.scale_hksj_re
+        else:
+            mean, ci, hksj_ci = reference.mean_effect_fe, fixed_ci, fixed_hksj_ci
+            hksj_scale = reference.scale_hksj_fe
+        assert result.tau2 == pytest.approx(max(reference.tau2, 0.0), abs=TOLERANCE), case
+        assert result.mu == pytest.approx(mean, abs=TOLERANCE), case
+        assert result.q == pytest.approx(reference.q, abs=TOLERANCE), case
+        assert result.q_p == pytest.approx(reference.test_homogeneity().pvalue, abs=TOLERANCE)
+        expected_ci = hksj_ci if hksj_scale >= 1.0 else ci
+        np.testing.assert_allclose([result.ci_low, result.ci_high], expected_ci, atol=TOLERANCE,
+                                   rtol=0, err_msg=str(case))
+        if ours == DERSIMONIAN_LAIRD:
+            assert result.i2 == pytest.approx(max(reference.i2, 0.0), abs=TOLERANCE), case
+        branches.add((heterogeneous, hksj_scale >= 1.0))
+    assert branches >= {(True, True), (False, False)}  # both kinds of case were checked
+
+
+def restricted_log_likelihood(effects: np.ndarray, variances: np.ndarray, tau2: float) -> float:
+    """The REML log-likelihood of tau^2 up to a constant (Viechtbauer 2005):
+    -1/2 (sum log(v + tau^2) + log sum w + sum w (y - mu_w)^2), w = 1 / (v + tau^2)."""
+    w = 1.0 / (variances + tau2)
+    mu = np.sum(w * effects) / w.sum()
+    return -0.5 * (np.sum(np.log(variances + tau2)) + np.log(w.sum())
+                   + np.sum(w * (effects - mu) ** 2))
+
+
+def test_reml_maximises_the_restricted_likelihood(shared_data):
+    """On the unequal groups, where it differs from DL and PM: REML's tau^2 is the maximum of
+    the restricted likelihood found by brute force (a grid, then a bounded search)."""
+    differs = 0
+    for case, z, variances in berts_cases(shared_data):
+        if case[0] != "unequal":
+            continue
+        grid = np.linspace(0.0, 1.0, 2001)
+        likelihood = [restricted_log_likelihood(z, variances, tau2) for tau2 in grid]
+        best = int(np.argmax(likelihood))
+        search = scipy.optimize.minimize_scalar(
+            lambda tau2: -restricted_log_likelihood(z, variances, tau2),
+            bounds=(grid[max(best - 1, 0)], grid[best + 1]), method="bounded",
+            options={"xatol": 1e-12},
+        )
+        brute = 0.0 if best == 0 and search.x < 1e-9 else search.x
+        result = random_effects(z, variances, estimator=REML)
+        assert result.tau2 == pytest.approx(brute, abs=1e-7), case
+        differs += result.tau2 > 0 and not math.isclose(
+            result.tau2, random_effects(z, variances, estimator=DERSIMONIAN_LAIRD).tau2
+        )
+    assert differs >= 3
+
+
+def test_dat_bcg_matches_metafor():
+    """Log risk ratios of the BCG trials: metafor's DerSimonian-Laird results (its tests compare
+    them with Stata's metan) and the I^2 of its REML fit (easystats' performance tests)."""
+    vaccinated, vaccinated_free, control, control_free = BCG.T
+    log_rr = np.log(vaccinated / (vaccinated + vaccinated_free)) - np.log(
+        control / (control + control_free)
+    )
+    variances = (1 / vaccinated - 1 / (vaccinated + vaccinated_free) + 1 / control
+                 - 1 / (control + control_free))
+    dl = random_effects(log_rr, variances, estimator=DERSIMONIAN_LAIRD)
+    wald = dl.mu + np.array([-1, 1]) * scipy.stats.norm.ppf(0.975) * dl.se
+    assert dl.mu == pytest.approx(-0.7141, abs=5e-5)
+    np.testing.assert_allclose(wald, [-1.0644, -0.3638], atol=5e-5, rtol=0)
+    assert dl.tau2 == pytest.approx(0.3088, abs=5e-5)
+    assert 100 * dl.i2 == pytest.approx(92.1173, abs=5e-5)
+    assert dl.q == pytest.approx(152.2330, abs=5e-5)
+    reml = random_effects(log_rr, variances, estimator=REML)
+    assert reml.i2 == pytest.approx(0.9222139, abs=1e-6)  # metafor stops REML at 1e-5
+
+
+def test_prediction_interval_is_the_closed_form():
+    """Higgins, Thompson and Spiegelhalter (2009): mu +- t_{k-2} sqrt(tau^2 + se^2), here with
+    DL's tau^2 written out; none for two models."""
+    y = np.array([0.10, 0.32, 0.55, 0.21, -0.05])
+    v = np.array([0.010, 0.020, 0.015, 0.030, 0.012])
+    w = 1 / v
+    q = np.sum(w * (y - np.sum(w * y) / w.sum()) ** 2)
+    tau2 = (q - 4) / (w.sum() - np.sum(w**2) / w.sum())
+    assert tau2 > 0
+    w_star = 1 / (v + tau2)
+    mu = np.sum(w_star * y) / w_star.sum()
+    half_width = scipy.stats.t.ppf(0.975, 3) * np.sqrt(tau2 + 1 / w_star.sum())
+    result = random_effects(y, v, estimator=DERSIMONIAN_LAIRD)
+    np.testing.assert_allclose([result.pi_low, result.pi_high],
+                               [mu - half_width, mu + half_width], atol=1e-12, rtol=0)
+    two = random_effects(y[:2], v[:2])
+    assert np.isnan(two.pi_low) and np.isnan(two.pi_high) and np.isfinite(two.ci_low)
+
+
+def simulate(tau2: float, *, draws: int, known_variances: bool = False, seed: int = 0):
+    """Meta-analyses of 8 models of 9 runs each, as the study has them: true model z ~
+    N(0.3, tau2), run z ~ N(true z, sd^2) with sd from 0.1 to 0.3 across models. Returns per
+    draw: tau^2 estimate, Cochran's and Welch's rejection at 5%, whether the CI covers 0.3
+    and whether the PI covers a new model's true z, and the mean within-model variance."""
+    rng = np.random.default_rng(seed)
+    models, runs = 8, 9
+    sd = np.linspace(0.1, 0.3, models)
+    rows = []
+    for _ in range(draws):
+        true = 0.3 + np.sqrt(tau2) * rng.normal(size=models)
+        z = true[:, None] + sd[:, None] * rng.normal(size=(models, runs))
+        estimated = z.var(axis=1, ddof=1) / runs
+        variances = sd**2 / runs if known_variances else estimated
+        result = random_effects(z.mean(axis=1), variances)
+        new_model = 0.3 + np.sqrt(tau2) * rng.normal()
+        rows.append((
+            result.tau2, result.q_p < 0.05,
+            welch_test(z.mean(axis=1), estimated, np.full(models, runs)) < 0.05,
+            result.ci_low <= 0.3 <= result.ci_high, result.pi_low <= new_model <= result.pi_high,
+            variances.mean(),
+        ))
+    return pd.DataFrame(rows, columns=["tau2", "cochran", "welch", "ci", "pi", "within"])
+
+
+def test_heterogeneity_is_recovered_in_simulations():
+    """tau^2 > 0: REML's mean estimate is tau^2 within Monte Carlo error, the HKSJ interval
+    covers mu and the prediction interval a new model's true z about 95% of the time."""
+    draws = simulate(0.02, draws=800)
+    assert draws["tau2"].mean() == pytest.approx(0.02, abs=3 * draws["tau2"].sem())
+    assert draws["ci"].mean() >= 0.93
+    assert draws["pi"].mean() >= 0.90  # HTS under-covers a little with 8 models
+    assert draws["welch"].mean() >= 0.85
+
+
+def test_without_heterogeneity_welch_holds_its_size_and_cochran_does_not():
+    """tau^2 = 0: the estimate stays small beside the within-model variance (it cannot be
+    unbiased, being never negative); Welch's test rejects about 5% of the time, Cochran's
+    chi^2 p about three times as often with variances estimated from 9 runs, and 5% with the
+    true variances: the docstring's reason to report Welch's p."""
+    draws = simulate(0.0, draws=1000)
+    assert draws["tau2"].mean() < 0.3 * draws["within"].mean()
+    assert draws["tau2"].median() < 0.1 * draws["within"].mean()
+    assert 0.03 <= draws["welch"].mean() <= 0.08
+    assert draws["cochran"].mean() >= 0.10
+    assert 0.03 <= simulate(0.0, draws=1000, known_variances=True)["cochran"].mean() <= 0.08
+    assert draws["ci"].mean() >= 0.93
+
+
+def test_welch_test_matches_statsmodels():
+    rng = np.random.default_rng(1)
+    counts = np.array([9, 9, 6, 12, 9])
+    samples = [rng.normal(0.1 * i, 0.1 + 0.05 * i, n) for i, n in enumerate(counts)]
+    means = np.array([s.mean() for s in samples])
+    variances = np.array([s.var(ddof=1) / s.size for s in samples])
+    reference = anova_oneway(samples, use_var="unequal", welch_correction=True)
+    assert welch_test(means, variances, counts) == pytest.approx(reference.pvalue, abs=1e-12)
+
+
+MODELS = {
+    "opt-big": ModelInfo("opt", 13.0), "opt-small": ModelInfo("opt", 2.7),
+    "olmo": ModelInfo("olmo2", 7.0), "solo": ModelInfo("smollm3", 3.0),
+}
+
+
+def run_table(seed: int = 0) -> pd.DataFrame:
+    """Run-level pairs as aggregate.all_run_pairs gives them: 4 models x 2 training sets,
+    9 runs each (1 for "solo"), three testsets; "olmo" names every pair the other way round."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for model, train_set in itertools.product(MODELS, ("mnli", "snli")):
+        offset = rng.normal(0, 0.2)
+        for run in range(1 if model == "solo" else 9):
+            for x, y in (("hans", "rte"), ("hans", "paws"), ("rte", "paws")):
+                if model == "olmo":
+                    x, y = y, x
+                r = np.tanh(0.3 + offset + rng.normal(0, 0.2))
+                rows.append({"model": model, "train_set": train_set, "seed": run, "shots": 32,
+                             "run": f"{model}_{train_set}_{run}", "x": x, "y": y, "r": r,
+                             "reason": ""})
+    return pd.DataFrame(rows)
+
+
+def test_meta_analysis_combines_each_models_runs_with_their_variance():
+    """The path the CLI takes: run r -> per-model mean z and var(z)/m -> random effects, per
+    training set and over both; models in family and size order; a one-run model left out."""
+    runs = run_table()
+    pooled, members = meta_analyse(combine_runs(runs), MODELS)
+    assert list(dict.fromkeys(pooled["scope"])) == ["mnli", "snli", ALL_TRAIN_SETS]
+    assert set(zip(pooled["x"], pooled["y"])) == {("hans", "rte"), ("hans", "paws"),
+                                                  ("rte", "paws")}
+    mnli = members[(members["scope"] == "mnli") & (members["x"] == "hans")
+                   & (members["y"] == "paws")]
+    assert list(mnli["model"]) == ["olmo", "opt-small", "opt-big", "solo"]
+    assert mnli["weight"].isna().tolist() == [False, False, False, True]
+    assert mnli["weight"].sum() == pytest.approx(1.0)
+    for row in pooled.itertuples():
+        chosen = runs[(runs["model"] != "solo") & (
+            (runs["train_set"] == row.scope) | (row.scope == ALL_TRAIN_SETS))]
+        chosen = chosen[[{x, y} == {row.x, row.y} for x, y in zip(chosen["x"], chosen["y"])]]
+        z = chosen.assign(z=np.arctanh(chosen["r"])).groupby(["model", "train_set"])["z"]
+        expected = random_effects(z.mean().to_numpy(), (z.var(ddof=1) / z.count()).to_numpy())
+        assert row.k == expected.k == (6 if row.scope == ALL_TRAIN_SETS else 3)
+        assert row.n_left_out == (2 if row.scope == ALL_TRAIN_SETS else 1)
+        assert row.r == pytest.approx(np.tanh(expected.mu), abs=1e-12)
+        assert (row.ci_low, row.ci_high, row.pi_low, row.pi_high) == pytest.approx(
+            tuple(np.tanh([expected.ci_low, expected.ci_high, expected.pi_low,
+                           expected.pi_high])), abs=1e-12)
+        assert (row.tau2, row.i2, row.q) == pytest.approx(
+            (expected.tau2, expected.i2, expected.q), abs=1e-12)
+        assert row.n_agree == np.sum(np.sign(z.mean()) == np.sign(expected.mu))
+    family = pooled[pooled["scope"] == "mnli"]
+    np.testing.assert_allclose(
+        family["p_adj"], pingouin.multicomp(family["p"].to_numpy(), method="holm")[1]
+    )
+
+
+def test_too_few_models_give_reasons_not_numbers():
+    runs = run_table()
+    two_models = runs[runs["model"].isin(["olmo", "opt-small", "solo"])]
+    pooled, _ = meta_analyse(combine_runs(two_models), MODELS)
+    mnli = pooled[pooled["scope"] == "mnli"]
+    assert (mnli["k"] == 2).all() and mnli["r"].notna().all() and mnli["pi_low"].isna().all()
+    assert set(mnli["reason"]) == {"two models: no prediction interval (needs three)"}
+    one_model = runs[runs["model"].isin(["olmo", "solo"]) & (runs["train_set"] == "mnli")]
+    pooled, members = meta_analyse(combine_runs(one_model), MODELS)
+    assert list(pooled["scope"]) == ["mnli"] * 3  # one training set: no scope over all
+    assert pooled[["r", "ci_low", "tau2", "p", "p_adj"]].isna().all().all()
+    assert set(pooled["reason"]) == {
+        "1 model(s) with a variance across runs: a meta-analysis needs two"
+    }
+    assert members.loc[members["model"] == "solo", "reason"].eq(
+        "one run: no interval across runs").all()
+
+
+def test_residualiser_comparison_flags_sign_significance_and_definition():
+    keys = ["model", "x", "y"]
+    linear = pd.DataFrame({
+        "model": ["m"] * 5, "x": list("abcde"), "y": ["z"] * 5,
+        "r": [0.5, 0.3, 0.4, np.nan, 0.2], "p_adj": [0.001, 0.2, 0.01, np.nan, 0.3],
+    })
+    spline = linear.assign(r=[0.45, -0.1, 0.2, 0.3, 0.25], p_adj=[0.002, 0.6, 0.2, 0.04, 0.4])
+    comparison = compare_residualisers({"linear": linear, "spline": spline}, keys)
+    assert list(comparison["x"]) == list("abcde")
+    assert comparison["sign_changes"].tolist() == [False, True, False, False, False]
+    assert comparison["significance_changes"].tolist() == [False, False, True, False, False]
+    assert comparison["definition_changes"].tolist() == [False, False, False, True, False]
+    assert comparison[SENSITIVE].tolist() == [False, True, True, True, False]
+    assert comparison["r_spline"].tolist() == spline["r"].tolist()
+    summary = summarise_changes(comparison, ["model"], ["linear", "spline"]).iloc[0]
+    assert summary["n_pairs"] == 4
+    assert (summary["n_sig_positive_linear"], summary["n_sig_positive_spline"]) == (2, 2)
+    assert summary["mean_r_linear"] == pytest.approx(np.tanh(np.arctanh([0.5, 0.3, 0.4, 0.2])
+                                                             .mean()))
+    assert (summary["sign_changes"], summary["significance_changes"],
+            summary["definition_changes"]) == (1, 1, 1)
