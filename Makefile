@@ -6,9 +6,37 @@ PY := $(VENV)/bin/python
 OFFLINE := HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
 PYTEST_ARGS ?=
 
-.PHONY: test demo install system-tools clean
+.PHONY: test demo install install-gpu install-tpu install-bench-gpu system-tools clean
 
 install: $(VENV)/.installed
+# Accelerator stacks (README, Installation): requirements.txt plus the matching JAX build, pinned, and never
+# PyTorch; each in a venv of its own (VENV=.venv by default, the launchers' OODJAX_VENV).
+install-gpu: $(VENV)/.installed-gpu
+install-tpu: $(VENV)/.installed-tpu
+# The GPU benchmark (PyTorch beside JAX, one CUDA major) in a venv of its own; TORCH_CUDA names PyTorch's
+# CUDA 12 build and index.
+BENCH_VENV ?= .venv-bench
+TORCH_CUDA ?= cu129
+install-bench-gpu: $(BENCH_VENV)/.installed-bench-gpu
+
+# One stack a venv: torch's CUDA 13 libraries beside jax[cuda12]'s is how two CUDA majors met in one .venv.
+STACKS := installed installed-gpu installed-tpu installed-bench-gpu
+define only_stack
+	@for other in $(filter-out $(1),$(STACKS)); do \
+		if [ -e $(2)/.$$other ]; then \
+			echo "$(2) already holds another stack ($(2)/.$$other): make clean, or pick another VENV=" >&2; exit 1; \
+		fi; \
+	done
+endef
+# After an accelerator install: pip's own check, then no torch and no NVIDIA library of another CUDA major
+# than $(1) (empty: none at all).
+define check_stack
+	$(2) -m pip check
+	$(2) -c "import importlib.metadata as m, sys; \
+	names = sorted({d.metadata['Name'].lower().replace('_', '-') for d in m.distributions()}); \
+	bad = [n for n in names if n == 'torch' or (n.startswith('nvidia-') and not ('$(1)' and n.endswith('-$(1)')))]; \
+	sys.exit(f'not one $(or $(1),CPU/TPU) stack: {bad}' if bad else 0)"
+endef
 
 # Tests compile LaTeX tables (pdflatex + booktabs) and lint the launch scripts (shellcheck).
 # Installed from Debian's packages when missing; needs root or sudo.
@@ -19,9 +47,27 @@ system-tools:
 	fi
 
 $(VENV)/.installed: requirements.txt requirements-dev.txt
+	$(call only_stack,installed,$(VENV))
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -r requirements.txt -r requirements-dev.txt
+	touch $@
+
+$(VENV)/.installed-gpu $(VENV)/.installed-tpu: $(VENV)/.installed-%: requirements.txt requirements-%.txt
+	$(call only_stack,installed-$*,$(VENV))
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -r requirements.txt -r requirements-$*.txt
+	$(call check_stack,$(if $(filter gpu,$*),cu12),$(PY))
+	touch $@
+
+$(BENCH_VENV)/.installed-bench-gpu: requirements.txt requirements-bench-gpu.txt
+	$(call only_stack,installed-bench-gpu,$(BENCH_VENV))
+	test -x $(BENCH_VENV)/bin/python || $(PYTHON) -m venv $(BENCH_VENV)
+	$(BENCH_VENV)/bin/python -m pip install -q --upgrade pip
+	$(BENCH_VENV)/bin/python -m pip install -q -r requirements-bench-gpu.txt "torch==2.13.0+$(TORCH_CUDA)" \
+		--extra-index-url https://download.pytorch.org/whl/$(TORCH_CUDA)
+	$(BENCH_VENV)/bin/python -m pip check
 	touch $@
 
 test: install system-tools
@@ -32,4 +78,4 @@ demo: install
 	$(PY) -m analysis results/demo --out results/demo-analysis
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) $(BENCH_VENV) .pytest_cache

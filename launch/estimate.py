@@ -37,6 +37,7 @@ import dataclasses
 import functools
 import json
 import math
+import os
 import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -81,6 +82,62 @@ DEVICES: Mapping[str, Device] = {
     "v5e": Device("TPU v5e chip", 197e12, 16, "tpu"),
     "v5p": Device("TPU v5p chip", 459e12, 95, "tpu"),
 }
+
+# The share of a GPU's memory JAX's allocator takes: JAX reads XLA_CLIENT_MEM_FRACTION (or its deprecated name
+# XLA_PYTHON_CLIENT_MEM_FRACTION; both set is an error at start-up), 0.75 when neither is set.
+# launch/slurm.sbatch exports MEMORY_FRACTION_DEFAULT unless one is set (tests/test_launch_scripts.py holds the
+# two equal), and a job's memory must fit that share, not the whole device. TPUs take no fraction (the variables
+# configure JAX's GPU client only).
+MEMORY_FRACTION_VARIABLES = ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION")
+MEMORY_FRACTION_DEFAULT = 0.9
+
+
+def memory_fraction(environ: Mapping[str, str] | None = None) -> tuple[float, str]:
+    """(fraction of a GPU's memory JAX may use, where it comes from: ``VARIABLE=value``), read from the
+    environment as JAX reads it, else the default launch/slurm.sbatch exports."""
+    environ = os.environ if environ is None else environ
+    given = {name: environ[name] for name in MEMORY_FRACTION_VARIABLES if environ.get(name)}
+    if len(given) > 1:
+        raise ConfigError(f"{' and '.join(given)} are both set; JAX refuses to start: unset the deprecated "
+                          f"{MEMORY_FRACTION_VARIABLES[1]}")
+    if not given:
+        default = f"{MEMORY_FRACTION_VARIABLES[0]}={MEMORY_FRACTION_DEFAULT}, launch/slurm.sbatch's default"
+        return MEMORY_FRACTION_DEFAULT, default
+    ((name, value),) = given.items()
+    try:
+        fraction = float(value)
+    except ValueError:
+        fraction = math.nan
+    if not 0 < fraction <= 1:
+        raise ConfigError(f"{name}={value}: must be a fraction in (0, 1]")
+    return fraction, f"{name}={value}"
+
+
+def usable_memory(device: Device, environ: Mapping[str, str] | None = None) -> tuple[float, str]:
+    """(bytes of one ``device`` a job's arrays may take, why): a GPU's memory times ``memory_fraction``, a TPU's
+    whole memory."""
+    if device.platform != "gpu":
+        return device.memory_gb * GB, "TPU: the whole memory"
+    fraction, source = memory_fraction(environ)
+    return device.memory_gb * GB * fraction, source
+
+
+def describe_fit(total_bytes: float, device: Device, environ: Mapping[str, str] | None = None) -> str:
+    """Whether ``total_bytes`` per device fit the memory JAX can use on ``device``, e.g. "fits in 72 GB of the
+    H100 SXM's 80 GB (XLA_CLIENT_MEM_FRACTION=0.9, launch/slurm.sbatch's default)"."""
+    return fit_text(total_bytes, device, *usable_memory(device, environ))
+
+
+def fit_text(total_bytes: float, device: Device, usable: float, source: str) -> str:
+    """``describe_fit``'s words for ``usable`` bytes of ``device`` (``usable_memory``'s, said by ``source``)."""
+    verdict = "fits in" if total_bytes <= usable else "DOES NOT FIT in"
+    if device.platform != "gpu":
+        return f"{verdict} the {_gb(usable)} GB of a {device.name}"
+    return f"{verdict} {_gb(usable)} GB of the {device.name}'s {_gb(device.memory_gb * GB)} GB ({source})"
+
+
+def _gb(size: float) -> str:
+    return f"{size / GB:.1f}".removesuffix(".0")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -362,7 +419,6 @@ def describe(result: Estimate, config: config_dict.ConfigDict, device: Device, u
     """The estimate as lines for a terminal: the job's shape, memory per device by holder, FLOPs, hours."""
     m, mesh = result.memory, result.mesh
     runs = len(config.runs.seeds) * len(config.runs.shots)
-    fits = "fits" if m.total <= device.memory_gb * GB else "DOES NOT FIT"
     upcast = f", float32 copies of the layers (CPU) {m.upcast_weights / GB:.2f}" if m.upcast_weights else ""
     g = result.geometry
     rows = (
@@ -378,8 +434,7 @@ def describe(result: Estimate, config: config_dict.ConfigDict, device: Device, u
         f"  memory per device (GB): frozen weights {m.frozen_weights / GB:.2f}{upcast}, adapters "
         f"{m.adapters / GB:.3f}, gradients {m.gradients / GB:.3f}, optimizer state {m.optimizer_state / GB:.3f}, "
         f"activations {m.activations / GB:.2f}, the larger of a layer's backward {m.layer_transients / GB:.2f} "
-        f"and the head's {m.head_transients / GB:.2f}; total {m.total / GB:.2f} ({fits} in {device.name}'s "
-        f"{device.memory_gb:.0f} GB)",
+        f"and the head's {m.head_transients / GB:.2f}; total {m.total / GB:.2f}; {describe_fit(m.total, device)}",
         describe_prompts(result, config),
         f"  FLOPs: {result.train_step_flops:.3e} per train step, {result.eval_flops:.3e} per full evaluation",
         f"  whole sweep ({runs} runs, {config.train.steps} steps, {result.evaluations} evaluations): "
@@ -449,6 +504,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--utilisation must be in (0, 1], got {args.utilisation}")
     if args.devices < 1:
         parser.error(f"--devices must be >= 1, got {args.devices}")
+    try:
+        memory_fraction()  # the share of a GPU's memory the fit is tested against
+    except ConfigError as error:
+        parser.error(str(error))
     if args.prompt_len is None and args.eval_examples is not None:
         parser.error("--eval_examples goes with --prompt_len: the real prompts' evaluation has its own examples")
     if args.prompt_len is not None and args.tokenizer:

@@ -33,6 +33,7 @@ computes bf16 matmuls in f32 and fuses differently from a GPU's).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -94,45 +95,26 @@ def preflight(
     """
     available = jax.devices()
     devices = devices or len(available)
-    if devices > len(available):
-        raise ValueError(f"--devices {devices}: only {len(available)} {available[0].platform} devices are visible")
-    mesh = sharding.make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor, devices=available[:devices])
-    arch = estimator.architecture_of(config, layers)
-    tokenizer = load_tokenizer(config.tokenizer or config.model.path)
-    yes_id, no_id = answer_token_ids(tokenizer, config.data.answers)
-    runs = results.plan_runs(config)
-    seeds = [run.seed for run in runs]
-    train_sets = few_shot_sets(config, tokenizer, [(run.seed, run.shots) for run in runs])
-    geometry = batch_geometry(config, mesh, train_sets, seeds)
-    data = load_runs_data(config, tokenizer, seeds, train_sets, geometry, prefetch=0)
+    steps_ = abstract_steps(config, devices=devices, layers=layers)
+    geometry, data, arch, longest_rows = steps_.geometry, steps_.data, steps_.arch, steps_.longest_rows
     figures = {**training_figures(data.steps, geometry, steps=DATA_STEPS), **pool_figures(data.eval_pool)}
-    longest_rows = max(data.eval_pool.batches, key=lambda batch: batch["input_ids"].shape[-1])
-
-    def make_model() -> models.CausalLM:
-        return models.abstract_model(
-            arch, dtype=config.model.dtype, remat=config.model.remat, attention=config.model.attention
-        )
-
-    graphdef, base, state = steps.abstract_init_runs(
-        make_model, seeds, LoRAConfig.from_config(config.lora), loop.optimizer(config)
-    )
-    train_step, eval_step = loop.make_steps(config, geometry, graphdef, base, state, yes_id, no_id, mesh)
-    base_in = _with_shardings(base, param_shardings(base, mesh))
-    runs_in = _with_shardings(state, sharding.runs_shardings(state, mesh))
     hlo_dir = pathlib.Path(hlo_dir) if hlo_dir else None
-    train_report = _compile("train", train_step, (base_in, runs_in, train_batch(geometry, mesh)), hlo_dir)
-    eval_report = _compile("eval", eval_step, (base_in, runs_in.lora, eval_batch(longest_rows, mesh)), hlo_dir)
+    train_report = _compile("train", steps_.train_step, steps_.train_args, hlo_dir)
+    eval_report = _compile("eval", steps_.eval_step, steps_.eval_args, hlo_dir)
     device = estimator.DEVICES[ESTIMATE_DEVICE]
     estimate = estimator.estimate(
         config_path, config, devices=devices, device=device, utilisation=ESTIMATE_UTILISATION,
         geometry=geometry, eval_examples=0, layers=layers, platform=available[0].platform,
     )  # fmt: skip
     eval_rows, eval_row_length = longest_rows["input_ids"].shape[1:]
+    usable, source = estimator.usable_memory(device)
     return {
         **figures,
         "train": train_report,
         "eval": eval_report,
         "estimate_bytes": int(estimate.memory.total),
+        "memory_limit": {"device": ESTIMATE_DEVICE, "device_bytes": int(device.memory_gb * estimator.GB),
+                         "usable_bytes": int(usable), "source": source},
         "train_step_flops": estimate.train_step_flops,
         "estimate_step_s": estimate.train_step_flops / (devices * device.peak_flops * ESTIMATE_UTILISATION),
         "devices": devices,
@@ -147,6 +129,56 @@ def preflight(
                      "eval_row_lengths": sorted({b["input_ids"].shape[-1] for b in data.eval_pool.batches}),
                      "eval_batches": len(data.eval_pool.batches)},  # fmt: skip
     }
+
+
+@dataclasses.dataclass
+class AbstractSteps:
+    """A config's real train and eval steps (``steps.MeshStep``s) and the abstract arguments of their real
+    geometry, with what they were made from."""
+
+    train_step: Any
+    eval_step: Any
+    train_args: tuple[Any, ...]
+    eval_args: tuple[Any, ...]
+    mesh: jax.sharding.Mesh
+    geometry: BatchGeometry
+    data: Any
+    arch: dict[str, Any]
+    longest_rows: dict[str, np.ndarray]
+
+
+def abstract_steps(config: config_dict.ConfigDict, *, devices: int, layers: int | None) -> AbstractSteps:
+    """The steps ``preflight`` compiles, on the first ``devices`` of ``jax.devices()`` and the model cut to
+    ``layers``; also lowered for other platforms (``tests/test_lowering_accelerators.py``)."""
+    available = jax.devices()
+    if devices > len(available):
+        raise ValueError(f"--devices {devices}: only {len(available)} {available[0].platform} devices are visible")
+    mesh = sharding.make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor, devices=available[:devices])
+    arch = estimator.architecture_of(config, layers)
+    tokenizer = load_tokenizer(config.tokenizer or config.model.path)
+    yes_id, no_id = answer_token_ids(tokenizer, config.data.answers)
+    runs = results.plan_runs(config)
+    seeds = [run.seed for run in runs]
+    train_sets = few_shot_sets(config, tokenizer, [(run.seed, run.shots) for run in runs])
+    geometry = batch_geometry(config, mesh, train_sets, seeds)
+    data = load_runs_data(config, tokenizer, seeds, train_sets, geometry, prefetch=0)
+    longest_rows = max(data.eval_pool.batches, key=lambda batch: batch["input_ids"].shape[-1])
+
+    def make_model() -> models.CausalLM:
+        return models.abstract_model(
+            arch, dtype=config.model.dtype, remat=config.model.remat, attention=config.model.attention
+        )
+
+    graphdef, base, state = steps.abstract_init_runs(
+        make_model, seeds, LoRAConfig.from_config(config.lora), loop.optimizer(config)
+    )
+    train_step, eval_step = loop.make_steps(config, geometry, graphdef, base, state, yes_id, no_id, mesh)
+    base_in = _with_shardings(base, param_shardings(base, mesh))
+    runs_in = _with_shardings(state, sharding.runs_shardings(state, mesh))
+    return AbstractSteps(
+        train_step, eval_step, (base_in, runs_in, train_batch(geometry, mesh)),
+        (base_in, runs_in.lora, eval_batch(longest_rows, mesh)), mesh, geometry, data, arch, longest_rows,
+    )  # fmt: skip
 
 
 def train_batch(geometry: BatchGeometry, mesh: jax.sharding.Mesh) -> dict[str, jax.ShapeDtypeStruct]:
@@ -253,6 +285,8 @@ def describe(report: dict[str, Any]) -> str:
         f"time a step; evaluation computes {report['eval_real_token_share']:.1%} prompt tokens and "
         f"{report['eval_attention_waste']:.2f}x the (causal) attention scores its prompts need",
     ]
+    limit = report["memory_limit"]
+    device = estimator.DEVICES[limit["device"]]
     for name in ("train", "eval"):
         step, memory = report[name], report[name]["memory_bytes"]
         present = {op: c for op, c in step["collectives"].items() if c["count"]}
@@ -260,7 +294,8 @@ def describe(report: dict[str, Any]) -> str:
             f"{name} step: lowered in {step['lower_s']:.1f} s, compiled in {step['compile_s']:.1f} s",
             f"  memory per device (GB): arguments {memory['argument'] / gb:.2f}, "
             f"outputs {memory['output'] / gb:.2f}, temporaries {memory['temp'] / gb:.2f}, "
-            f"aliased {memory['alias'] / gb:.2f}; total {memory['total'] / gb:.2f}",
+            f"aliased {memory['alias'] / gb:.2f}; total {memory['total'] / gb:.2f}; "
+            f"{estimator.fit_text(memory['total'], device, limit['usable_bytes'], limit['source'])}",
             "  collectives: " + (", ".join(f"{op} x{c['count']} (largest {c['max_bytes'] / 1e6:.1f} MB)"
                                            for op, c in present.items()) or "none"),  # fmt: skip
         ]

@@ -14,6 +14,10 @@
 #   HF_HOME          Hugging Face cache on every worker [unset: ~/.cache/huggingface]
 #   JAX_COMPILATION_CACHE_DIR  compiled programs, reused by later jobs on the same workers
 #                    [$OODJAX_REPO/.cache/jax]
+#   JAX_PLATFORMS    the one backend JAX may start on the workers: a worker whose TPU JAX cannot use
+#                    stops instead of training on its CPUs [tpu]
+# JAX's memory fraction (XLA_CLIENT_MEM_FRACTION) configures its GPU client only: a TPU program may take
+# the whole of each chip's memory, which is what launch.estimate tests TPU fits against.
 # Each worker sources launch/xla_flags.sh (the accelerator XLA flags, LIBTPU_INIT_ARGS here) before
 # it starts; OODJAX_XLA_FLAGS=none on the worker turns them off.
 # Each worker learns its index and the pod's host names from the VM metadata server
@@ -37,6 +41,7 @@ fi
 : "${TPU_ZONE:?set TPU_ZONE to its zone}"
 OODJAX_REPO=${OODJAX_REPO:-'~/oodjax'}
 OODJAX_VENV=${OODJAX_VENV:-$OODJAX_REPO/.venv}
+JAX_PLATFORMS=${JAX_PLATFORMS:-tpu}
 
 project_flag=()
 if [[ -n ${TPU_PROJECT:-} ]]; then
@@ -46,7 +51,7 @@ fi
 # Quote every argument once here; the worker's shell sees them verbatim.
 arguments=$(printf ' %q' "$@")
 forwarded=""
-for name in OODJAX_DATA_DIR HF_HOME JAX_COMPILATION_CACHE_DIR; do
+for name in JAX_PLATFORMS OODJAX_DATA_DIR HF_HOME JAX_COMPILATION_CACHE_DIR; do
     if [[ -n ${!name:-} ]]; then
         forwarded+=$(printf ' %s=%q' "$name" "${!name}")
     fi

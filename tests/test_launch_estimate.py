@@ -374,7 +374,9 @@ def test_evaluation_steps():
     assert estimate.evaluation_steps(110, 25) == 6  # 0, 25, 50, 75, 100 and the last step
 
 
-def test_cli_prints_every_figure(capsys):
+def test_cli_prints_every_figure(capsys, monkeypatch):
+    for name in estimate.MEMORY_FRACTION_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
     assert estimate.main(["configs/opt30_mnli.py", "configs/olmo7_snli.py", "--prompt_len", "512",
                           "--eval_examples", "1000", "--device", "h100", "--utilisation", "0.5"]) == 0
     out = capsys.readouterr().out
@@ -388,9 +390,39 @@ def test_cli_prints_every_figure(capsys):
     # head (tied: the 50272 x 7168 embedding) gathered from 8 shards.
     for figure in ("frozen weights 7.50", "adapters", "optimizer state", "activations", "a layer's backward",
                    "the head's 0.63", "per train step", "per full evaluation", "H100 SXM-hours at 50% utilisation",
-                   "prompts: 512 tokens each (--prompt_len = data.max_length: an upper bound), evaluated one a row"):
+                   "prompts: 512 tokens each (--prompt_len = data.max_length: an upper bound), evaluated one a row",
+                   "fits in 72 GB of the H100 SXM's 80 GB (XLA_CLIENT_MEM_FRACTION=0.9, launch/slurm.sbatch's "
+                   "default)"):
         assert figure in out
     assert out.strip().splitlines()[-1].startswith("total: 18 runs in 2 configs")
+
+
+def test_the_fit_is_tested_against_the_memory_jax_can_use(capsys):
+    """A GPU's memory times JAX's memory fraction (launch/slurm.sbatch's default unless exported, by either of
+    JAX's names), not the whole device; a TPU's whole memory."""
+    h100, v5p = estimate.DEVICES["h100"], estimate.DEVICES["v5p"]
+    assert estimate.usable_memory(h100, {})[0] == 80e9 * estimate.MEMORY_FRACTION_DEFAULT == 72e9
+    assert estimate.describe_fit(75e9, h100, {}) == (
+        "DOES NOT FIT in 72 GB of the H100 SXM's 80 GB (XLA_CLIENT_MEM_FRACTION=0.9, launch/slurm.sbatch's default)"
+    )
+    assert estimate.describe_fit(75e9, h100, {"XLA_CLIENT_MEM_FRACTION": "0.95"}) == (
+        "fits in 76 GB of the H100 SXM's 80 GB (XLA_CLIENT_MEM_FRACTION=0.95)"
+    )
+    deprecated = {"XLA_PYTHON_CLIENT_MEM_FRACTION": ".5"}
+    assert estimate.describe_fit(75e9, h100, deprecated).startswith("DOES NOT FIT in 40 GB")
+    assert estimate.describe_fit(90e9, v5p, {"XLA_CLIENT_MEM_FRACTION": "0.5"}) == "fits in the 95 GB of a TPU v5p chip"
+    for wrong in ({"XLA_CLIENT_MEM_FRACTION": "1.5"}, {"XLA_CLIENT_MEM_FRACTION": "most"},
+                  {"XLA_CLIENT_MEM_FRACTION": "0.9", "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.9"}):
+        with pytest.raises(usage_errors.ConfigError):
+            estimate.memory_fraction(wrong)
+
+
+def test_cli_with_a_wrong_memory_fraction_is_a_usage_error(monkeypatch, capsys):
+    monkeypatch.setenv("XLA_CLIENT_MEM_FRACTION", "90")
+    with pytest.raises(SystemExit) as raised:
+        estimate.main(["configs/opt30_mnli.py", "--prompt_len", "64", "--eval_examples", "10"])
+    assert raised.value.code == 2
+    assert "XLA_CLIENT_MEM_FRACTION=90: must be a fraction in (0, 1]" in capsys.readouterr().err
 
 
 def _one_line(stderr, status):

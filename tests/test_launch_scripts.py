@@ -12,6 +12,7 @@ import subprocess
 
 import pytest
 
+from launch.estimate import MEMORY_FRACTION_DEFAULT
 from oodjax.engine.preemption import PREEMPTED_EXIT_CODE
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -133,3 +134,56 @@ def test_tpu_script_needs_the_pod_name(tmp_path):
     env = {key: value for key, value in os.environ.items() if key != "TPU_NAME"}
     result = subprocess.run(["bash", str(SCRIPTS[1]), "configs/demo.py"], env=env, capture_output=True, text=True)
     assert result.returncode != 0 and "set TPU_NAME" in result.stderr
+
+
+FRACTION_NAMES = ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION")
+
+
+@pytest.mark.parametrize(
+    "given, expected",
+    [
+        ({}, ["cuda", str(MEMORY_FRACTION_DEFAULT), "unset"]),  # the launcher's defaults, the estimate's fraction
+        ({"JAX_PLATFORMS": "cuda,cpu", "XLA_CLIENT_MEM_FRACTION": "0.8"}, ["cuda,cpu", "0.8", "unset"]),
+        ({"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.7"}, ["cuda", "unset", "0.7"]),  # JAX refuses both names at once
+    ],
+    ids=["defaults", "exported", "deprecated_name"],
+)
+def test_slurm_script_exports_the_platform_and_memory_fraction(tmp_path, given, expected):
+    """JAX_PLATFORMS=cuda makes a node whose GPUs JAX cannot use an error, not a CPU run; the memory fraction
+    is the one launch.estimate and launch.preflight test fits against; what the user exported wins."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake_command(bin_dir, "srun", 'printf "%s\\n" "$JAX_PLATFORMS" "${XLA_CLIENT_MEM_FRACTION-unset}" '
+                 '"${XLA_PYTHON_CLIENT_MEM_FRACTION-unset}" > "$RECORD"\n')
+    env = {key: value for key, value in os.environ.items() if key not in ("JAX_PLATFORMS", *FRACTION_NAMES)}
+    env.update(given, PATH=f"{bin_dir}:{os.environ['PATH']}", RECORD=str(tmp_path / "srun.txt"),
+               OODJAX_REPO=str(ROOT), OODJAX_VENV="/opt/venv", SLURM_JOB_ID="7")
+    result = subprocess.run(["bash", str(SCRIPTS[0]), "configs/demo.py"], env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "srun.txt").read_text().splitlines() == expected
+
+
+@pytest.mark.parametrize("given, expected", [(None, "tpu"), ("tpu,cpu", "tpu,cpu")], ids=["default", "exported"])
+def test_tpu_script_makes_the_workers_use_the_tpu(tmp_path, given, expected):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake_command(bin_dir, "gcloud", 'printf "%s\\n" "$@" > "$RECORD"\n')
+    fake_command(bin_dir, "curl", "echo 0\n")
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    fake_command(venv / "bin", "python", 'echo "$JAX_PLATFORMS"\n')
+    (tmp_path / "launch").mkdir()
+    shutil.copy(ROOT / "launch" / "xla_flags.sh", tmp_path / "launch")
+    env = {key: value for key, value in os.environ.items() if key != "JAX_PLATFORMS"}
+    env.update(PATH=f"{bin_dir}:{os.environ['PATH']}", RECORD=str(tmp_path / "gcloud.txt"), TPU_NAME="pod",
+               TPU_ZONE="us-central2-b", OODJAX_REPO=str(tmp_path), OODJAX_VENV=str(venv))
+    if given:
+        env["JAX_PLATFORMS"] = given
+    result = subprocess.run(["bash", str(SCRIPTS[1]), "configs/demo.py"], env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    command = (tmp_path / "gcloud.txt").read_text().split("--command=", 1)[1]
+    worker_env = {key: value for key, value in os.environ.items() if key != "JAX_PLATFORMS"}
+    worker_env["PATH"] = f"{bin_dir}:{os.environ['PATH']}"
+    worker = subprocess.run(["bash", "-c", command], env=worker_env, capture_output=True, text=True)
+    assert worker.returncode == 0, worker.stderr
+    assert worker.stdout.splitlines() == [expected]

@@ -14,6 +14,7 @@ import sys
 
 import pytest
 
+from launch import estimate as estimator
 from launch import preflight
 from configs.models import architecture
 from launch.config_files import load_config
@@ -33,7 +34,8 @@ def test_cli_on_the_demo_writes_every_key(tmp_path):
         cwd=ROOT, check=True, capture_output=True, text=True,
     )  # fmt: skip
     report = json.loads(out.read_text())
-    assert {"train", "eval", "estimate_bytes", "train_step_flops", "estimate_step_s", "devices", "layers"} <= set(report)
+    assert {"train", "eval", "estimate_bytes", "train_step_flops", "estimate_step_s", "devices", "layers",
+            "memory_limit"} <= set(report)
     assert report["train_step_flops"] > 0 and report["estimate_step_s"] > 0
     assert report["devices"] == 8 and report["layers"] == 2 and report["estimate_bytes"] > 0
     assert 0 < report["train_real_token_share"] <= 1 and 0 < report["eval_real_token_share"] <= 1
@@ -87,6 +89,26 @@ def test_olmo13_real_data_figures(fsdp_report):
     assert fsdp_report["train_real_token_share"] >= 0.80
     assert fsdp_report["eval_real_token_share"] >= 0.95 and fsdp_report["eval_attention_waste"] <= 2
     assert fsdp_report["host_batch_ms"] <= 10
+
+
+def test_the_fit_is_tested_against_the_memory_jax_can_use(fsdp_report):
+    """Each step's compiled total against the estimate device's memory times JAX's memory fraction
+    (``launch.estimate.usable_memory``), not the whole device."""
+    h100 = estimator.DEVICES[preflight.ESTIMATE_DEVICE]
+    usable, source = estimator.usable_memory(h100)
+    assert fsdp_report["memory_limit"] == {"device": "h100", "device_bytes": 80_000_000_000,
+                                           "usable_bytes": int(usable), "source": source}
+    text = preflight.describe(fsdp_report)
+    for name in ("train", "eval"):
+        total = fsdp_report[name]["memory_bytes"]["total"]
+        assert f"; {estimator.fit_text(total, h100, usable, source)}\n" in text.split(f"{name} step:")[1]
+    # 75 GB on an H100 at the launcher's default fraction (0.9) does not fit, though 80 GB would hold it.
+    over = {**fsdp_report, "train": {**fsdp_report["train"], "memory_bytes": {
+        **fsdp_report["train"]["memory_bytes"], "total": 75_000_000_000}}}
+    over["memory_limit"] = {**over["memory_limit"], "usable_bytes": int(estimator.usable_memory(h100, {})[0]),
+                            "source": estimator.memory_fraction({})[1]}
+    assert ("total 75.00; DOES NOT FIT in 72 GB of the H100 SXM's 80 GB (XLA_CLIENT_MEM_FRACTION=0.9, "
+            "launch/slurm.sbatch's default)") in preflight.describe(over)
 
 
 def _weight_matrix_bytes() -> int:

@@ -36,21 +36,25 @@ Axes = tuple[str | None, ...]
 # Hugging Face initialises weights with normal(0, initializer_range=0.02).
 _INIT_STD = 0.02
 
-# Names of the projection outputs the remat policies may keep (``Linear(saved_as=...)``).
+# Names of the projection outputs the remat policies may keep (``Linear(saved_as=...)``), and of the
+# attention's output (with a fused kernel, its residuals too: ``flash_attention._keeping_residuals``).
 ATTENTION_PROJECTION = "attention_projection"
 MLP_PROJECTION = "mlp_projection"
+ATTENTION_OUTPUT = flash_attention.ATTENTION_OUTPUT
 
 
 # What a decoder layer keeps for the backward pass, by name (as MaxText names its policies):
 # "none" keeps everything (no recomputation); "full" keeps only the layer's input and
 # recomputes the rest; "save_dots" keeps every projection's output (q/k/v/o and the MLP's)
-# and recomputes norms, RoPE, attention and activations; "save_dots_except_mlp" keeps
-# only the attention projections' outputs, the MLP's being the widest.
+# and the attention's output (a fused kernel's with its softmax statistics, so the backward
+# pass does not run the fused forward again), and recomputes norms, RoPE, XLA's attention
+# scores and activations; "save_dots_except_mlp" keeps the same less the MLP's projections,
+# the widest.
 REMAT_POLICIES: dict[str, Callable[..., bool] | None] = {
     "none": None,
     "full": jax.checkpoint_policies.nothing_saveable,
-    "save_dots": jax.checkpoint_policies.save_only_these_names(ATTENTION_PROJECTION, MLP_PROJECTION),
-    "save_dots_except_mlp": jax.checkpoint_policies.save_only_these_names(ATTENTION_PROJECTION),
+    "save_dots": jax.checkpoint_policies.save_only_these_names(ATTENTION_PROJECTION, MLP_PROJECTION, ATTENTION_OUTPUT),
+    "save_dots_except_mlp": jax.checkpoint_policies.save_only_these_names(ATTENTION_PROJECTION, ATTENTION_OUTPUT),
 }
 
 
@@ -498,8 +502,14 @@ def attention(
     query, key, value = constrain(query, QUERY_HEADS), constrain(key, KV_HEADS), constrain(value, KV_HEADS)
     segment_ids = segment_ids.astype(jnp.int32)
     kernel = flash_attention.resolve(implementation)
+    if kernel == "cudnn" and (unsupported := flash_attention.cudnn_unsupported(query, key)):
+        if implementation == "cudnn":
+            raise ValueError(f"model.attention=cudnn: {unsupported}")
+        logging.log_first_n(logging.INFO, "attention: cuDNN does not apply (%s); using XLA's", 1, unsupported)
+        kernel = "xla"
     if kernel != "xla":
         if window is None and softcap is None:
+            # Named inside (with the kernel's residuals), where the backward pass reads it.
             out = flash_attention.flash_attention(query, key, value, segment_ids, scale=scale, kernel=kernel)
             return constrain(out, QUERY_HEADS)
         logging.log_first_n(logging.INFO, "attention: sliding windows and soft caps take XLA's path, not %s", 1, kernel)
@@ -512,7 +522,7 @@ def attention(
         out = _softcapped_attention(query, key, value, allowed, scale=scale, softcap=softcap)
     else:
         out = jax.nn.dot_product_attention(query, key, value, mask=allowed[:, None], scale=scale, is_causal=True)
-    return constrain(out, QUERY_HEADS)
+    return constrain(checkpoint_name(out, ATTENTION_OUTPUT), QUERY_HEADS)
 
 
 def soft_cap(x: jax.Array, cap: float) -> jax.Array:
