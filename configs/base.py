@@ -62,9 +62,10 @@ def get_config() -> config_dict.ConfigDict:
     # keeps them but for the MLP's, the largest.
     config.model.remat = "none"
     # Attention implementation (oodjax.models.flash_attention): "auto" = the
-    # fused kernel of the platform (Pallas flash on GPU, splash on TPU), XLA's
-    # on CPU; or "xla", "pallas_gpu", "splash" by name. Sliding windows and
-    # soft caps always take XLA's path.
+    # fused kernel of the platform (cuDNN's on GPU where it applies, else
+    # XLA's; splash on TPU), XLA's on CPU; or "xla", "cudnn", "splash" by
+    # name, or "pallas_gpu" (Triton; its backward is unverified on sm80+).
+    # Sliding windows and soft caps always take XLA's path.
     config.model.attention = "auto"
     # PEFT LoRA adapter folders to evaluate, one run each, with
     # `python -m oodjax.evaluate` (export.peft writes <run_dir>/adapter/).
@@ -165,7 +166,12 @@ def get_config() -> config_dict.ConfigDict:
     # and token position, the same within a layout whatever trains beside it.
     config.train.pack = True
     config.train.learning_rate = 1e-4  # peak, after warm-up
-    config.train.warmup_steps = 50  # linear warm-up, then linear decay to 0
+    config.train.warmup_steps = 50  # linear warm-up from 0 to the peak, then train.schedule
+    # The learning rate after warm-up, to train.steps (optax's schedules, as
+    # transformers' get_*_schedule_with_warmup): "linear" decays linearly to
+    # 0 (the study's), "cosine" follows a half cosine to 0, "constant" stays
+    # at the peak. A run resumes only with the schedule it started with.
+    config.train.schedule = "linear"
     config.train.weight_decay = 0.0  # AdamW decoupled weight decay
     config.train.max_grad_norm = 1.0  # global-norm clipping; 0 = off
 
@@ -195,6 +201,10 @@ def get_config() -> config_dict.ConfigDict:
     # events.jsonl) and the shared checkpoints/ of the runs trained together.
     config.output_dir = "results"
     config.checkpoint_every = 100  # steps between checkpoints (and at the end)
+    # Checkpoints kept per run (<run_dir>/checkpoints/), the newest; older ones
+    # are deleted as new ones are written. At least 1; 2 keeps one to fall
+    # back on should the newest be damaged. May change when a run resumes.
+    config.checkpoint_keep = 2
     config.log_every = 10  # steps between loss lines in the log, the event log and the trackers
 
     # Live metrics, beside each run's events.jsonl and at the same steps: the
@@ -214,7 +224,8 @@ def get_config() -> config_dict.ConfigDict:
 
     config.tensorboard = config_dict.ConfigDict()
     # Also write TensorBoard event files to <run_dir>/tensorboard/
-    # (`tensorboard --logdir <output_dir>` shows every run).
+    # (`tensorboard --logdir <output_dir>` shows every run; the viewer is the
+    # `tensorboard` extra, `pip install ".[tensorboard]"`).
     config.tensorboard.enabled = False
 
     # The trained adapters in PEFT format (adapter_config.json and

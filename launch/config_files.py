@@ -1,4 +1,13 @@
-"""Loading experiment configs from their files, the way `--config path.py` does, for tools that plan runs."""
+"""Loading experiment configs from their files, the way `--config path.py` does, for tools that plan runs.
+
+A config argument is a path or shell pattern (`configs/*_mnli.py`), or a
+packaged config as `oodjax:NAME` or `oodjax:PATTERN` (`oodjax:*_mnli`): the
+files installed with the package, `configs/NAME.py`, as `--config
+oodjax:NAME` names them (`oodjax.config_cli.PACKAGED_PREFIX`). The sweep,
+the estimate, the fetch and the preflight all read them so; a packaged
+config keeps its `oodjax:NAME` form in the commands the sweep writes, so
+each host resolves it in its own install.
+"""
 
 from __future__ import annotations
 
@@ -8,11 +17,11 @@ import types
 
 from ml_collections import config_dict
 
-from oodjax.config_cli import config_module
+from oodjax.config_cli import PACKAGED_PREFIX, config_file_path, config_module, packaged_configs_dir
 
 
 def load_config(path: str | pathlib.Path) -> config_dict.ConfigDict:
-    """The ConfigDict returned by `get_config()` of the file at `path`.
+    """The ConfigDict returned by `get_config()` of the file at `path` (or the packaged `oodjax:NAME`).
 
     File names such as `opt2.7_mnli.py` are not importable module names, so
     the file is loaded by path; its own imports (`from configs import base`)
@@ -24,11 +33,31 @@ def load_config(path: str | pathlib.Path) -> config_dict.ConfigDict:
     return module.get_config()
 
 
+def config_stem(path: str | pathlib.Path) -> str:
+    """What jobs and tables call a config: its file's stem (`opt2.7_mnli` for configs/opt2.7_mnli.py and
+    for oodjax:opt2.7_mnli)."""
+    text = str(path)
+    if text.startswith(PACKAGED_PREFIX):
+        return pathlib.PurePosixPath(text[len(PACKAGED_PREFIX):].removesuffix(".py")).name
+    return pathlib.Path(text).stem
+
+
 def expand_config_paths(patterns: list[str]) -> list[str]:
-    """Config files matching shell-style patterns, sorted, each once; a pattern matching nothing is an error."""
+    """Config files matching shell-style patterns, sorted, each once; a pattern matching nothing is an error.
+
+    `oodjax:PATTERN` matches the packaged configs (`PATTERN.py` in the
+    installed configs/), each given back as `oodjax:NAME`.
+    """
     paths: list[str] = []
     for pattern in patterns:
-        matches = sorted(glob.glob(pattern))
+        if pattern.startswith(PACKAGED_PREFIX):
+            name_pattern = pattern[len(PACKAGED_PREFIX):].removesuffix(".py")
+            root = packaged_configs_dir()
+            found = glob.glob(f"{glob.escape(str(root))}/{name_pattern}.py")
+            names = (pathlib.Path(match).relative_to(root).with_suffix("").as_posix() for match in found)
+            matches = sorted(f"{PACKAGED_PREFIX}{name}" for name in names)
+        else:
+            matches = sorted(glob.glob(pattern))
         if not matches:
             raise FileNotFoundError(f"no config file matches {pattern!r}")
         paths += [match for match in matches if match not in paths]
@@ -78,7 +107,8 @@ def _names_a_model(config: config_dict.ConfigDict) -> bool:
 
 
 def _load_module(path: str | pathlib.Path) -> types.ModuleType:
-    path = pathlib.Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"config file {path} does not exist")
-    return config_module(path)
+    try:
+        file = config_file_path(str(path))
+    except FileNotFoundError as error:
+        raise FileNotFoundError(f"config file {path} does not exist ({error})") from None
+    return config_module(file)

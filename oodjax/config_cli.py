@@ -3,8 +3,13 @@
     python -m oodjax.main --config configs/demo.py --config.runs.seeds=0,42 --config.data.testsets=snli,hans
 
 `--config FILE[:ARG]` names a config file, whose `get_config([ARG])` returns
-the locked ConfigDict; each `--config.<field>=<value>` then sets one field,
-read by the type the field has in that config:
+the locked ConfigDict; `--config oodjax:NAME[:ARG]` names one of the configs
+installed with the package, `configs/NAME.py` (`oodjax:opt30_mnli`,
+`oodjax:original/opt30_mnli`; usable after `pip install .` from any directory;
+`PACKAGED_PREFIX`). The prefix
+always means the package: a local file named `oodjax` is `./oodjax`. Each
+`--config.<field>=<value>` then sets one field, read by the type the field
+has in that config:
 
 - integers, floats and strings as written (`--config.model.path=` is the
   empty string); `True`/`False` for booleans, `--config.train.pack` alone
@@ -55,11 +60,14 @@ from typing import Any
 from absl import app, flags
 from ml_collections import config_dict
 
+import configs
 from configs import base
 from oodjax import usage_errors
 from oodjax.usage_errors import ConfigError
 
 CONFIG_FLAG = "config"
+# `--config oodjax:NAME` names the packaged config configs/NAME.py, wherever the package is installed.
+PACKAGED_PREFIX = "oodjax:"
 _OVERRIDE = re.compile(rf"--?(?P<no>no)?{CONFIG_FLAG}\.(?P<field>[^=]*)(?:=(?P<value>.*))?", re.DOTALL)
 _HELP_ARGUMENTS = ("-h", "-help", "--help", "-?", "-helpshort", "--helpshort")
 _TRUE, _FALSE = ("true", "1"), ("false", "0")
@@ -74,7 +82,8 @@ def define_config_flag(flag_values: flags.FlagValues = flags.FLAGS) -> flags.Fla
     return flags.DEFINE_string(
         CONFIG_FLAG,
         None,
-        "Experiment config file (e.g. configs/demo.py), then --config.<field>=<value> to override a field "
+        "Experiment config file (e.g. configs/demo.py), or oodjax:NAME for the packaged configs/NAME.py "
+        "(oodjax:opt30_mnli), then --config.<field>=<value> to override a field "
         "(lists: --config.runs.seeds=0,42); the fields are listed below.",
         flag_values=flag_values,
         required=True,
@@ -138,17 +147,62 @@ def config_module(path: pathlib.Path) -> types.ModuleType:
     return module
 
 
+def packaged_configs_dir() -> pathlib.Path:
+    """The folder of the configs installed with the package (the repository's configs/ in a checkout)."""
+    return pathlib.Path(configs.__file__).resolve().parent
+
+
+def packaged_config_names() -> list[str]:
+    """The names `oodjax:NAME` takes: the packaged config files' stems, sorted."""
+    return sorted(path.stem for path in packaged_configs_dir().glob("*.py") if not path.stem.startswith("_"))
+
+
+def config_file_path(file: str) -> pathlib.Path:
+    """The file a config argument's FILE part names: `oodjax:NAME` the packaged configs/NAME.py (`.py`
+    optional; `oodjax:original/opt30_mnli` one of a sub-folder), anything else a path. Raises
+    FileNotFoundError naming it when there is no such file."""
+    if file.startswith(PACKAGED_PREFIX):
+        name = file[len(PACKAGED_PREFIX):].removesuffix(".py")
+        path = packaged_configs_dir() / f"{name}.py"
+        outside = name.startswith("/") or "\\" in name or ".." in pathlib.PurePosixPath(name).parts
+        if not name or outside or not path.is_file():
+            raise FileNotFoundError(
+                f"there is no packaged config {name!r} (in {packaged_configs_dir()}); "
+                f"{PACKAGED_PREFIX}NAME takes one of {', '.join(packaged_config_names())}"
+            )
+        return path
+    path = pathlib.Path(file)
+    if not path.is_file():
+        packaged = packaged_configs_dir() / path.name
+        hint = (
+            f"; {PACKAGED_PREFIX}{path.stem} names the packaged {path.name}"
+            if path.suffix == ".py" and packaged.is_file() and packaged.resolve() != path.resolve()
+            else ""
+        )
+        raise FileNotFoundError(f"there is no file {path}{hint}")
+    return path
+
+
+def split_config_spec(spec: str) -> tuple[str, list[str]]:
+    """`FILE[:ARG]` or `oodjax:NAME[:ARG]` -> (the file part, [ARG] or [])."""
+    prefix = PACKAGED_PREFIX if spec.startswith(PACKAGED_PREFIX) else ""
+    file, *argument = spec[len(prefix):].split(":", 1)
+    return prefix + file, argument
+
+
 def load_config_file(spec: str) -> config_dict.ConfigDict:
-    """`get_config([ARG])` of the file `spec` names (`FILE` or `FILE:ARG`), locked.
+    """`get_config([ARG])` of the file `spec` names (`FILE`, `FILE:ARG`, `oodjax:NAME` or `oodjax:NAME:ARG`),
+    locked.
 
     File names such as `opt2.7_mnli.py` are not importable module names, so
     the file is loaded by path; its own imports (`from configs import base`)
     resolve from the repository root or the installed package.
     """
-    file, *argument = spec.split(":", 1)
-    path = pathlib.Path(file)
-    if not path.is_file():
-        raise CommandLineError(f"--{CONFIG_FLAG}={spec}: there is no file {path}")
+    file, argument = split_config_spec(spec)
+    try:
+        path = config_file_path(file)
+    except FileNotFoundError as error:
+        raise CommandLineError(f"--{CONFIG_FLAG}={spec}: {error}") from None
     module = config_module(path)
     if not callable(getattr(module, "get_config", None)):
         raise CommandLineError(f"--{CONFIG_FLAG}={spec}: {path} has no get_config()")

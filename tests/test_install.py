@@ -19,7 +19,9 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGES = ("oodjax", "analysis", "launch", "configs")
-BUILD_FILES = ("pyproject.toml", "README.md", "requirements.txt", "requirements-dev.txt")
+BUILD_FILES = (
+    "pyproject.toml", "README.md", "requirements.txt", "requirements-dev.txt", "requirements-tensorboard.txt",
+)
 COMMANDS = {
     "oodjax-train", "oodjax-analyse", "oodjax-runs", "oodjax-sweep", "oodjax-estimate",
     "oodjax-preflight", "oodjax-evaluate", "oodjax-fetch",
@@ -113,3 +115,25 @@ def test_dependencies_are_the_requirements_pins(installed):
     assert [r.split(";")[0].strip() for r in requires if 'extra == "test"' in r] == pins(
         "requirements-dev.txt"
     )
+    # `pip install ".[tensorboard]"`: the viewer of the event files, pinned.
+    tensorboard = [r.split(";")[0].strip() for r in requires if 'extra == "tensorboard"' in r]
+    assert tensorboard == pins("requirements-tensorboard.txt") and tensorboard[0].startswith("tensorboard==")
+
+
+def test_packaged_configs_are_named_from_outside_the_repository(installed):
+    """`--config oodjax:NAME` and the sweep's `oodjax:PATTERN` find the installed configs/ (sub-folders too)."""
+    site, _, elsewhere = installed
+    assert not (elsewhere / "configs").exists()
+    code = (
+        "from oodjax import config_cli; from launch import config_files; "
+        "print(config_cli.config_file_path('oodjax:opt30_mnli')); "
+        "print(config_cli.load_config_file('oodjax:opt2.7_snli').model.path); "
+        "print(config_files.load_config('oodjax:original/opt30_mnli').model.path)"
+    )
+    path, opt27, original = run([sys.executable, "-c", code], installed).stdout.split()
+    assert pathlib.Path(path) == site / "configs" / "opt30_mnli.py"
+    assert (opt27, original) == ("facebook/opt-2.7b", "facebook/opt-30b")
+    lines = run([site / "bin" / "oodjax-sweep", "--configs", "oodjax:*_mnli", "--backend", "slurm", "--dry_run",
+                 "--account", "proj"], installed).stdout.splitlines()
+    assert lines[-1] == "72 runs in 8 jobs"
+    assert all(f"{site}/launch/slurm.sbatch oodjax:" in line and "--account=proj" in line for line in lines[:-1])

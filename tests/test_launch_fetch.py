@@ -374,14 +374,13 @@ def test_the_study_reads_each_model_tokenizer_and_split_once(tmp_path):
         "testset allenai/scitail/tsv_format test", "testset nyu-mll/glue/rte train", "testset nyu-mll/glue/wnli train",
         "testset google-research-datasets/paws/labeled_final test", "testset jhu-cogsci/hans/plain_text validation",
         "testset facebook/anli/plain_text test_r3",
-        "testset nyu-mll/glue/mnli validation_mismatched", "testset stanfordnlp/snli/plain_text validation",
+        "testset nyu-mll/glue/mnli train", "testset stanfordnlp/snli/plain_text train",
     }  # fmt: skip
     pools = [item.label for item in items[16:] if "the mnli pool" in item.checks or "the snli pool" in item.checks]
-    assert pools == [
-        "testset nyu-mll/glue/mnli validation_mismatched", "testset stanfordnlp/snli/plain_text validation"
-    ]  # fmt: skip
+    assert pools == ["testset nyu-mll/glue/mnli train", "testset stanfordnlp/snli/plain_text train"]
 
     path = str(ROOT / "configs" / "opt2.7_mnli.py")
     config = load_config(path)
-    config.data.pool_split = "train"  # the pool's split is the config's, else the table's
-    assert "testset nyu-mll/glue/mnli train" in [item.label for item in fetch.plan([(path, config)], tmp_path)]
+    config.data.pool_split = ""  # the pool's split is the config's, else the table's
+    labels = [item.label for item in fetch.plan([(path, config)], tmp_path)]
+    assert "testset nyu-mll/glue/mnli validation_mismatched" in labels and "testset nyu-mll/glue/mnli train" not in labels

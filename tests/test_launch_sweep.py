@@ -139,7 +139,8 @@ def test_any_glob_over_configs_takes_the_experiment_configs_only(capsys, tmp_pat
         "# not experiment configs, skipped: configs/__init__.py (no get_config()), configs/base.py (its config "
         "names no model), configs/laptop_common.py (no get_config()), configs/models.py (no get_config())"
     )
-    assert lines[-1] == "180 runs in 20 jobs"  # the 16 of the study, the demo and 3 laptop configs
+    # The 16 of the study and 3 laptop configs (9 runs each), and the demo's own 2 runs (seeds 0,42 x shots 32).
+    assert lines[-1] == "173 runs in 20 jobs"
 
 
 def test_a_preempted_job_stops_the_sweep_for_a_rerun(capsys, tmp_path, monkeypatch):

@@ -213,13 +213,16 @@ def _remove_interrupted_saves(directory: pathlib.Path) -> None:
 
 
 class RunCheckpointer:
-    """Writes one run's checkpoints under ``<run_dir>/checkpoints``, keeping the newest ``max_to_keep``.
+    """Writes one run's checkpoints under ``<run_dir>/checkpoints``, keeping the newest ``max_to_keep``
+    (``config.checkpoint_keep``; at least 1), older ones deleted as new ones are complete.
 
     ``name`` (the run's) keeps the barriers of several runs' managers,
     saving side by side in a multi-process job, apart.
     """
 
     def __init__(self, run_dir: str | pathlib.Path, *, name: str, max_to_keep: int = 2):
+        if max_to_keep < 1:  # orbax reads None as "keep all" and 0 as nothing sensible
+            raise ValueError(f"max_to_keep must be at least 1, got {max_to_keep}")
         self.directory = checkpoint_dir(run_dir)
         _remove_interrupted_saves(self.directory)
         options = ocp.CheckpointManagerOptions(

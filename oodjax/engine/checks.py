@@ -47,6 +47,7 @@ from oodjax.data.testsets import (
     training_sets,
 )
 from oodjax.engine.events import WANDB_MODES, installed
+from oodjax.engine.steps import SCHEDULES
 from oodjax.models.flash_attention import check_implementation
 from oodjax.models.hf_checkpoint import read_json
 from oodjax.models.layers import check_remat
@@ -302,6 +303,10 @@ def _check_runs_and_training(config: config_dict.ConfigDict) -> None:
             raise ConfigError(f"{field} must be >= 1, got {value}")
     if not 0 <= train.warmup_steps <= train.steps:
         raise ConfigError(f"train.warmup_steps must be in [0, train.steps={train.steps}], got {train.warmup_steps}")
+    if train.schedule not in SCHEDULES:
+        raise ConfigError(f"train.schedule must be one of {', '.join(SCHEDULES)}, got {train.schedule!r}")
+    if config.checkpoint_keep < 1:
+        raise ConfigError(f"checkpoint_keep must be >= 1 (checkpoints kept per run), got {config.checkpoint_keep}")
     if not config.output_dir:
         raise ConfigError("output_dir is empty")
 

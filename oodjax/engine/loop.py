@@ -169,10 +169,11 @@ def _train_group(
 
 
 def optimizer(config: config_dict.ConfigDict) -> optax.GradientTransformation:
-    """The config's optimizer (``steps.make_optimizer`` of its train section)."""
+    """The config's optimizer (``steps.make_optimizer`` of its train section, ``train.schedule`` included)."""
     train = config.train
     return steps.make_optimizer(
-        train.learning_rate, train.steps, train.warmup_steps, train.weight_decay, train.max_grad_norm
+        train.learning_rate, train.steps, train.warmup_steps, train.weight_decay, train.max_grad_norm,
+        schedule=train.schedule,
     )
 
 
@@ -292,7 +293,10 @@ class _Loop:
         # The step the group starts from, whether it resumes, and whether that step's evaluation is still to do.
         self.start, self.resumed = group[0].step, group[0].checkpoint is not None
         self.evaluation_pending = group[0].evaluation_pending
-        self.checkpointers = [checkpoints.RunCheckpointer(run.directory, name=run.name) for run in runs]
+        self.checkpointers = [
+            checkpoints.RunCheckpointer(run.directory, name=run.name, max_to_keep=config.checkpoint_keep)
+            for run in runs
+        ]
         self.primary = is_primary()  # only process 0 writes results and event logs
         config_json = json.loads(config.to_json())
         self.results = [self._run_results(r, run, config_json) for r, run in enumerate(runs)]
@@ -306,7 +310,7 @@ class _Loop:
             for run in runs
         ] if self.primary else []
         self.learning_rate = steps.make_schedule(
-            config.train.learning_rate, config.train.steps, config.train.warmup_steps
+            config.train.learning_rate, config.train.steps, config.train.warmup_steps, config.train.schedule
         )  # the optimizer's (``optimizer``), read on the host for the log
         # Per-run loss sums since the last evaluation (its train_loss); the
         # per-run losses and gradient norms since the last log line; the

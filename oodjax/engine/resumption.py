@@ -29,9 +29,10 @@ from oodjax.engine import checkpoints, results
 from oodjax.engine.distributed import is_primary
 from oodjax.engine.results import Run
 
-# Config fields a resumed run may change: they do not affect its results. The runs section
-# (seeds, shots) may change too: it says which runs a job trains, not what one is.
-RESUMABLE_CHANGES = ("output_dir", "log_every", "wandb", "tensorboard", "export")
+# Config fields a resumed run may change: they do not affect its results (checkpoint_keep: how
+# many checkpoints are kept; train.schedule, which does, may not). The runs section (seeds,
+# shots) may change too: it says which runs a job trains, not what one is.
+RESUMABLE_CHANGES = ("output_dir", "log_every", "wandb", "tensorboard", "export", "checkpoint_keep")
 JOB_SECTIONS = ("runs", schema.RUN_SECTION)
 
 

@@ -1,0 +1,112 @@
+"""`train.schedule` (the learning rate after warm-up) and `checkpoint_keep` (checkpoints kept per run): their
+defaults and --help text, the config checks, what a resumption may change, and that training follows them."""
+
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from configs import base
+from oodjax import config_cli
+from oodjax.engine import checkpoints, checks, loop, resumption, steps
+from oodjax.engine.results import plan_runs
+from oodjax.usage_errors import ConfigError
+from tests.engine_configs import tiny_config
+
+
+def test_defaults_are_the_previous_behaviour_and_are_described_in_help():
+    config = base.get_config()
+    assert config.train.schedule == "linear" and config.checkpoint_keep == 2
+    descriptions = config_cli.field_descriptions()
+    assert "cosine" in descriptions["train.schedule"] and "constant" in descriptions["train.schedule"]
+    assert "kept per run" in descriptions["checkpoint_keep"]
+    help_text = config_cli.config_fields_help()
+    assert "train.schedule = 'linear'" in help_text and "checkpoint_keep = 2" in help_text
+
+
+@pytest.mark.parametrize("schedule", steps.SCHEDULES)
+def test_the_optimizer_follows_train_schedule(schedule):
+    """With a constant gradient Adam's update is the learning rate itself: read the schedule off the updates."""
+    config = base.get_config()
+    config.train.steps, config.train.warmup_steps, config.train.learning_rate = 10, 2, 1e-2
+    config.train.schedule = schedule
+    optimizer = loop.optimizer(config)
+    params = {"w": jnp.zeros(())}
+    state = optimizer.init(params)
+    rates = []
+    for _ in range(10):
+        updates, state = optimizer.update({"w": jnp.ones(())}, state, params)
+        rates.append(-float(updates["w"]))
+    expected = [float(steps.make_schedule(1e-2, 10, 2, schedule)(i)) for i in range(10)]
+    np.testing.assert_allclose(rates, expected, rtol=1e-4, atol=1e-9)
+    after_warmup = rates[2:]
+    if schedule == "constant":
+        np.testing.assert_allclose(after_warmup, 1e-2, rtol=1e-4)
+    else:
+        assert after_warmup == sorted(after_warmup, reverse=True) and after_warmup[-1] < 0.5e-2
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("train.schedule", "step", "train.schedule must be one of linear, cosine, constant, got 'step'"),
+        ("checkpoint_keep", 0, "checkpoint_keep must be >= 1"),
+    ],
+)
+def test_the_config_checks_refuse_an_unknown_schedule_and_keeping_no_checkpoint(field, value, message):
+    config = base.get_config()
+    section, _, key = field.rpartition(".")
+    (config[section] if section else config)[key] = value
+    with pytest.raises(ConfigError, match=message):
+        checks._check_runs_and_training(config)
+    checks._check_runs_and_training(base.get_config())  # the defaults pass
+
+
+def test_a_resumed_run_may_keep_more_checkpoints_but_not_change_its_schedule(tmp_path):
+    def one_run(**changes):
+        config = base.get_config()
+        config.model.name, config.output_dir, config.runs.seeds, config.runs.shots = "m", str(tmp_path), (0,), (8,)
+        for field, value in changes.items():
+            section, _, key = field.rpartition("__")
+            (config[section] if section else config)[key] = value
+        return config
+
+    stored = one_run()
+    (run,) = plan_runs(stored)
+    start = resumption.RunStart(run, finished=False, stored_config=resumption.comparable_config(stored))
+    kept, rescheduled = one_run(checkpoint_keep=5), one_run(train__schedule="cosine")
+    resumption.refuse_changed_config(kept, [start])  # no error
+    with pytest.raises(ValueError, match="train.schedule 'linear' -> 'cosine'"):
+        resumption.refuse_changed_config(rescheduled, [start])
+
+    # A run stored before the field existed resumes at its default, and only there.
+    older = {**start.stored_config, "train": {k: v for k, v in start.stored_config["train"].items() if k != "schedule"}}
+    resumption.refuse_changed_config(kept, [resumption.RunStart(run, finished=False, stored_config=older)])
+    with pytest.raises(ValueError, match="train.schedule None -> 'cosine'"):
+        resumption.refuse_changed_config(rescheduled, [resumption.RunStart(run, finished=False, stored_config=older)])
+
+
+def test_a_checkpointer_keeps_the_newest_max_to_keep(tmp_path):
+    checkpointer = checkpoints.RunCheckpointer(tmp_path / "run", name="run", max_to_keep=3)
+    for step in range(1, 6):
+        checkpointer.save(step, {"a": jnp.full(8, float(step))}, {"step": step})
+    checkpointer.close()
+    assert checkpoints.checkpoint_steps(tmp_path / "run") == [5, 4, 3]
+    with pytest.raises(ValueError, match="at least 1"):
+        checkpoints.RunCheckpointer(tmp_path / "other", name="other", max_to_keep=0)
+
+
+def test_training_keeps_checkpoint_keep_checkpoints_and_logs_its_schedule(
+    tmp_path, gpt2_tokenizer_dir, hf_data_dir
+):
+    config = tiny_config(tmp_path / "out", gpt2_tokenizer_dir, hf_data_dir, tmp_path / "cache")
+    config.runs.seeds = (0,)
+    config.checkpoint_every, config.checkpoint_keep = 1, 3
+    config.train.schedule = "constant"
+    loop.train(config)
+    (run,) = plan_runs(config)
+    assert checkpoints.checkpoint_steps(run.directory) == [4, 3, 2]
+    events = [json.loads(line) for line in (run.directory / "events.jsonl").read_text().splitlines()]
+    rates = {event["step"]: event["train/learning_rate"] for event in events if "train/learning_rate" in event}
+    assert rates[1] == 0.0 and all(rates[step] == pytest.approx(1e-3) for step in (2, 3, 4))  # warm-up of 1 step
