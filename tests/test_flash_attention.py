@@ -65,10 +65,8 @@ def loss(fn, q, k, v, segments):
     return jnp.sum(jnp.where(real, fn(q, k, v, segments), 0.0) * jnp.cos(jnp.arange(D)))
 
 
-@pytest.mark.parametrize("kernel", ["pallas_gpu", "splash"])
-def test_kernels_match_xla_outputs_and_gradients(kernel):
-    q, k, v = qkv()
-    segments = jnp.asarray(rows())
+def assert_matches_xla(kernel, q, k, v, segments):
+    """``kernel``'s outputs at real tokens and its gradients equal XLA's attention's."""
     fused = lambda q, k, v, s: flash_attention.flash_attention(q, k, v, s, scale=SCALE, kernel=kernel)  # noqa: E731
     reference = lambda q, k, v, s: attention(q, k, v, s, scale=SCALE)  # noqa: E731
     real = np.asarray(segments != 0)
@@ -79,6 +77,13 @@ def test_kernels_match_xla_outputs_and_gradients(kernel):
     theirs = jax.grad(lambda *x: loss(reference, *x, segments), argnums=(0, 1, 2))(q, k, v)
     for name, a, b in zip("qkv", ours, theirs):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5, err_msg=name)
+
+
+@pytest.mark.parametrize("kernel", ["pallas_gpu", "splash"])
+def test_kernels_match_xla_outputs_and_gradients(kernel):
+    q, k, v = qkv()
+    segments = jnp.asarray(rows())
+    assert_matches_xla(kernel, q, k, v, segments)
 
 
 def test_under_the_mesh_each_device_runs_its_rows():
@@ -147,16 +152,7 @@ def test_cudnn_path_with_xla_standing_in_for_the_kernel_matches(monkeypatch):
     q, k, v = qkv()
     segments = jnp.asarray(rows()[:, :95])  # an odd length: padded to cuDNN's even one
     q, k, v = q[:, :95], k[:, :95], v[:, :95]
-    fused = lambda q, k, v, s: flash_attention.flash_attention(q, k, v, s, scale=SCALE, kernel="cudnn")  # noqa: E731
-    reference = lambda q, k, v, s: attention(q, k, v, s, scale=SCALE)  # noqa: E731
-    real = np.asarray(segments != 0)
-    np.testing.assert_allclose(
-        np.asarray(fused(q, k, v, segments))[real], np.asarray(reference(q, k, v, segments))[real], atol=2e-6
-    )
-    ours = jax.grad(lambda *x: loss(fused, *x, segments), argnums=(0, 1, 2))(q, k, v)
-    theirs = jax.grad(lambda *x: loss(reference, *x, segments), argnums=(0, 1, 2))(q, k, v)
-    for name, a, b in zip("qkv", ours, theirs):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5, err_msg=name)
+    assert_matches_xla("cudnn", q, k, v, segments)
 
 
 FMHA_FORWARD = re.compile(r"custom_call @__cudnn\$fmhaScaleBiasSoftmax\(")
