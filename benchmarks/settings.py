@@ -194,11 +194,11 @@ class DeviceMode:
 
     @property
     def model(self) -> dict[str, Any]:
-        """HuggingFaceTB/SmolLM3-3B's config.json numbers (configs/models.py, imported here: it imports JAX,
+        """The study's SmolLM3-3B config.json numbers (configs/models.py's "smol3", imported here: it imports JAX,
         which ``benchmarks.environment`` must configure first), head width spelled out, with ``changes``."""
-        from configs.models import architecture
+        from configs.models import MODELS
 
-        return {**architecture("HuggingFaceTB/SmolLM3-3B"), "head_dim": 128, **dict(self.changes)}
+        return {**MODELS["smol3"].architecture, "head_dim": 128, **dict(self.changes)}
 
 
 DEVICE_MODES: dict[str, DeviceMode] = {
