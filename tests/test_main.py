@@ -116,7 +116,7 @@ def test_bad_config_values_are_named(tmp_path, gpt2_tokenizer_dir, hf_data_dir, 
     "field, value, message",
     [
         ("model.remat", "everything", "remat policy 'everything' is not one of"),
-        ("model.attention", "cudnn", "model.attention must be one of"),
+        ("model.attention", "flash", "model.attention must be one of"),
         ("lora.rank", 0, "lora: LoRAConfig.rank must be a positive integer, got 0"),
         ("lora.dropout", 1.0, r"lora: LoRAConfig.dropout must be in \[0, 1\)"),
     ],
