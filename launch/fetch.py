@@ -47,7 +47,6 @@ import fnmatch
 import functools
 import os
 import pathlib
-import secrets
 import shlex
 import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -72,7 +71,7 @@ from oodjax.data.testsets import (
 )
 from oodjax.models.hf_checkpoint import files_to_download
 from oodjax.models.loading import verify_checkpoint
-from oodjax.storage import reporting_full_disk
+from oodjax.storage import write_atomic
 from oodjax.usage_errors import FETCH_COMMAND, ConfigError, MissingInputError, UsageError, reported
 
 # The files a tokenizer of any kind is read from (AutoTokenizer), matched against a repo's top-level files:
@@ -208,7 +207,8 @@ class TestsetSplit:
             return Look(False, f"to {self.target}", _card_bytes(self.spec, self.split))
 
     def download(self) -> None:
-        _write_parquet(hub_split(self.spec, self.split), self.target)
+        dataset = hub_split(self.spec, self.split)
+        write_atomic(self.target, dataset.to_parquet, intact="nothing was written there")
 
     def verify(self) -> str:
         local_path(self.spec, self.split, self.root)  # the jobs find it (else load_testset would ask the hub)
@@ -274,20 +274,6 @@ def _testset_reads(
         raise ConfigError(f"{path}: data.train_set {data.train_set!r} has no few-shot pool")
     load = functools.partial(training_pool, data.train_set, split=split, data_dir=root)
     yield pool, split, f"the {data.train_set} pool", load
-
-
-def _write_parquet(dataset: datasets.Dataset, path: pathlib.Path) -> None:
-    """``dataset`` as parquet at ``path``, whole or not at all: a run stopped while writing leaves no part file
-    where the jobs look."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(8)}.tmp")
-    with reporting_full_disk(path, lambda: "nothing was written there"):
-        try:
-            dataset.to_parquet(str(tmp))
-            os.replace(tmp, path)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
 
 
 def _card_bytes(spec: TestsetSpec, split: str) -> int | None:

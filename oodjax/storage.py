@@ -19,6 +19,7 @@ import os
 import pathlib
 import secrets
 from collections.abc import Callable, Iterator, Mapping
+from typing import BinaryIO
 
 import numpy as np
 
@@ -67,24 +68,31 @@ def reporting_full_disk(path: str | pathlib.Path, intact: Callable[[], str]) -> 
         ) from error
 
 
-def write_npz_atomic(path: str | pathlib.Path, arrays: Mapping[str, np.ndarray]) -> None:
-    """Writes an npz so that `path` is always either the old file or the complete new one.
+def write_atomic(path: str | pathlib.Path, write: Callable[[BinaryIO], None], *, intact: str) -> None:
+    """Writes `path` through `write(file)` so that it is always either what it was (or absent) or complete.
 
     The temporary file is created with mode 0666 less the umask, as `open`
     would (`tempfile` would make it 0600, and the rename would keep that). A
-    full disk raises `NoSpaceError` naming `path`, the old file left whole.
+    full disk raises `NoSpaceError` naming `path` and `intact`, what is left
+    as it was.
     """
     path = pathlib.Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{secrets.token_hex(8)}.tmp")
-    with reporting_full_disk(path, lambda: f"the previous {path.name} is intact"):
+    with reporting_full_disk(path, lambda: intact):
         descriptor = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
         try:
             with os.fdopen(descriptor, "wb") as file:
-                np.savez(file, **arrays)
+                write(file)
                 file.flush()
                 os.fsync(file.fileno())
             os.replace(tmp, path)
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
+
+
+def write_npz_atomic(path: str | pathlib.Path, arrays: Mapping[str, np.ndarray]) -> None:
+    """Writes an npz so that `path` is always either the old file or the complete new one (`write_atomic`)."""
+    path = pathlib.Path(path)
+    write_atomic(path, lambda file: np.savez(file, **arrays), intact=f"the previous {path.name} is intact")
