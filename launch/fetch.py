@@ -66,6 +66,7 @@ from oodjax.data.testsets import (
     hub_split,
     local_path,
     mirror_folder,
+    pool_split,
     testset_spec,
     testset_table,
 )
@@ -255,7 +256,7 @@ def _testset_reads(
     try:
         table = testset_table(data.extra_testsets.to_dict(), data.extra_testsets_file or None)
         specs = {name: testset_spec(name, table) for name in data.testsets}
-        pool = testset_spec(data.train_set)
+        pool, split = testset_spec(data.train_set), pool_split(data.train_set, data.pool_split)
     except FileNotFoundError as error:
         raise MissingInputError(f"{path}: {error}") from None
     except (KeyError, ValueError) as error:  # an unknown name or a bad declaration, named in the message
@@ -269,9 +270,6 @@ def _testset_reads(
                 load_testset, name, split=part, data_dir=root, neutral=data.neutral, table={name: spec}
             )
             yield spec, part, reader, load
-    split = data.pool_split or pool.pool_split
-    if split is None:
-        raise ConfigError(f"{path}: data.train_set {data.train_set!r} has no few-shot pool")
     load = functools.partial(training_pool, data.train_set, split=split, data_dir=root)
     yield pool, split, f"the {data.train_set} pool", load
 

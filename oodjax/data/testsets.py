@@ -464,10 +464,16 @@ def training_pool(
     split="train" to draw from the hub's full training split instead.
     Declarations change what is evaluated, never what is trained on.
     """
+    return load_testset(name, split=pool_split(name, split), data_dir=data_dir)
+
+
+def pool_split(name: str, split: str | None = None) -> str:
+    """The split of training set `name` its few-shot sets are drawn from: `split` (a config's data.pool_split),
+    else the table's pool split; an error for a testset that is no training set."""
     spec = testset_spec(name)
     if spec.pool_split is None:
         raise ValueError(f"{name} is not a training set; training pools exist for: {', '.join(training_sets())}")
-    return load_testset(name, split=split or spec.pool_split, data_dir=data_dir)
+    return split or spec.pool_split
 
 
 def training_sets() -> list[str]:

@@ -42,6 +42,7 @@ from oodjax.data.testsets import (
     default_data_dir,
     hub_offline,
     local_path,
+    pool_split,
     testset_spec,
     testset_table,
     training_sets,
@@ -213,8 +214,7 @@ def _check_data(data: config_dict.ConfigDict, *, needs_pool: bool) -> None:
     for name in data.testsets:
         _check_available(name, table[name], root)
     if needs_pool:
-        spec = testset_spec(data.train_set)
-        pool = dataclasses.replace(spec, split=data.pool_split or spec.pool_split)
+        pool = dataclasses.replace(testset_spec(data.train_set), split=pool_split(data.train_set, data.pool_split))
         _check_available(data.train_set, pool, root)  # the message names the pool's split
 
 
