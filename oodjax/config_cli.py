@@ -36,7 +36,9 @@ value is allowed (a list that must not be empty, a path that must exist) is
 
 `--help` lists every field of configs/base.py with its default and what it
 means, read from the comments above each field there: the one place they are
-written.
+written; `--config X --help` (overrides too) lists them with X's values,
+and base's default beside each value X changes. `describe_config` is the
+config as the job's log prints it at start.
 """
 
 from __future__ import annotations
@@ -63,6 +65,7 @@ from ml_collections import config_dict
 import configs
 from configs import base
 from oodjax import usage_errors
+from oodjax.engine import console
 from oodjax.usage_errors import ConfigError
 
 CONFIG_FLAG = "config"
@@ -71,6 +74,7 @@ PACKAGED_PREFIX = "oodjax:"
 _OVERRIDE = re.compile(rf"--?(?P<no>no)?{CONFIG_FLAG}\.(?P<field>[^=]*)(?:=(?P<value>.*))?", re.DOTALL)
 _HELP_ARGUMENTS = ("-h", "-help", "--help", "-?", "-helpshort", "--helpshort")
 _TRUE, _FALSE = ("true", "1"), ("false", "0")
+_LINE_WIDTH = 120  # of describe_config's lines, which wrap between fields
 
 
 class CommandLineError(ConfigError):
@@ -98,10 +102,12 @@ def run(main: Callable[[config_dict.ConfigDict], None], doc: str) -> None:
     and exits with status 2, as does a ``usage_errors.UsageError`` that
     ``main`` raises (a config check, a file or a hub download that is not
     there); other errors keep their traceback. Defines the `--config` flag
-    (``define_config_flag``) unless it is defined already.
+    (``define_config_flag``) unless it is defined already. Log lines are
+    short (``console.use_short_log_lines``).
     """
     if CONFIG_FLAG not in flags.FLAGS:
         define_config_flag()
+    console.use_short_log_lines()
 
     def reported_main(config: config_dict.ConfigDict) -> None:
         with usage_errors.reported(_program(), config_spec=flags.FLAGS[CONFIG_FLAG].value):
@@ -226,20 +232,47 @@ def apply_overrides(config: config_dict.ConfigDict, overrides: Sequence[str]) ->
         parent[key] = _parse_value(field, parent[key], match["value"], negated=bool(match["no"]), argument=argument)
 
 
-def config_fields_help() -> str:
-    """Every field of configs/base.py with its default and the comment on it there, section by section."""
-    config = base.get_config()
-    lines = [
-        f"config fields (--{CONFIG_FLAG}.<field>=<value> sets one; shown with configs/base.py's defaults, "
-        "which a config file changes in part):"
-    ]
+def config_fields_help(config: config_dict.ConfigDict | None = None) -> str:
+    """Every field of configs/base.py with the comment on it there, section by section, and its value: base's
+    default, or ``config``'s (the one `--config` names) with base's default beside each value it changes."""
+    defaults = base.get_config()
+    if config is None:
+        shown = "shown with configs/base.py's defaults, which a config file changes in part"
+    else:
+        shown = "shown with --config's values, (base: X) where configs/base.py's default X differs"
+    lines = [f"config fields (--{CONFIG_FLAG}.<field>=<value> sets one; {shown}):"]
     for path, description in field_descriptions().items():  # in the order configs/base.py sets them
         if path in _sections():
             lines += ["", f"[{path}]", *_wrapped(description, indent="  ")]
             continue
         if "." not in path:
             lines.append("")  # a field outside any section
-        lines += [f"  {path} = {_display(_value_at(config, path))}", *_wrapped(description, indent="      ")]
+        default = _display(_value_at(defaults, path))
+        value = default if config is None else _display(_value_at(config, path))
+        changed = f"  (base: {default})" if value != default else ""
+        lines += [f"  {path} = {value}{changed}", *_wrapped(description, indent="      ")]
+    return "\n".join(lines)
+
+
+def describe_config(config: config_dict.ConfigDict) -> str:
+    """``config`` as a job prints it at start, the whole of it: a line per section (wrapped) of ``field=value``,
+    each value as `--config.<field>=` takes it, the fields outside any section first, in configs/base.py's order."""
+    sections: dict[str, list[str]] = {"": []}
+    for path in field_descriptions():
+        if path not in _sections():
+            section, _, field = path.rpartition(".")
+            sections.setdefault(section, []).append(f"{field}={_display(_value_at(config, path))}")
+    lines = []
+    for section, items in sections.items():
+        head = f"  {section}: " if section else "  "
+        row: list[str] = []
+        rows = [row]
+        for item in items:
+            if row and len(head) + len("  ".join([*row, item])) > _LINE_WIDTH:
+                row = []
+                rows.append(row)
+            row.append(item)
+        lines += [(head if i == 0 else " " * len(head)) + "  ".join(row) for i, row in enumerate(rows)]
     return "\n".join(lines)
 
 
@@ -285,25 +318,41 @@ def _config_path(target: ast.expr) -> str | None:
 def _parse_or_exit(
     argv: list[str], doc: str, flag_values: flags.FlagValues = flags.FLAGS
 ) -> config_dict.ConfigDict:
-    """`run`'s flags parser: `--help` prints the help and exits 0; a bad argument prints one line and exits 2."""
+    """`run`'s flags parser: `--help` prints the help (with the values of the config `--config` names, if it
+    names one) and exits 0; a bad argument prints one line and exits 2."""
     before_separator = argv[: argv.index("--")] if "--" in argv else argv
-    if any(argument in _HELP_ARGUMENTS for argument in before_separator[1:]):
-        print(help_text(doc, flag_values))
-        sys.exit(0)
     try:
+        if any(argument in _HELP_ARGUMENTS for argument in before_separator[1:]):
+            asked = [argument for argument in argv if argument not in _HELP_ARGUMENTS]
+            print(help_text(doc, flag_values, _config_for_help(asked, flag_values)))
+            sys.exit(0)
         return parse_command_line(argv, flag_values)
     except (CommandLineError, flags.Error) as error:
         print(f"{_program(argv[0])}: error: {error} (--help lists the flags and the config fields)", file=sys.stderr)
         sys.exit(usage_errors.EXIT_STATUS)
 
 
-def help_text(doc: str, flag_values: flags.FlagValues = flags.FLAGS) -> str:
-    """What `--help` prints: the entry point's docstring, its flags, then every config field."""
+def help_text(
+    doc: str, flag_values: flags.FlagValues = flags.FLAGS, config: config_dict.ConfigDict | None = None
+) -> str:
+    """What `--help` prints: the entry point's docstring, its flags, then every config field (with ``config``'s
+    values, if given: ``config_fields_help``)."""
     own_flags = [flag_values.module_help(__name__), flag_values.main_module_help()]
     flag_help = "\n".join(text for text in own_flags if text.strip())
     return "\n".join(
-        [doc.strip(), "", "flags:", flag_help, "(--helpfull lists absl's flags too)", "", config_fields_help()]
+        [doc.strip(), "", "flags:", flag_help, "(--helpfull lists absl's flags too)", "", config_fields_help(config)]
     )
+
+
+def _config_for_help(argv: list[str], flag_values: flags.FlagValues) -> config_dict.ConfigDict | None:
+    """The config `argv` (`--help` taken out) names, overrides applied; None where it names none (the help then
+    shows base's defaults). A config it names that cannot be loaded is an error, as without `--help`."""
+    try:
+        return parse_command_line(argv, flag_values)
+    except flags.Error:
+        if flag_values[CONFIG_FLAG].value is None:
+            return None
+        raise
 
 
 def _split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:

@@ -11,9 +11,10 @@ On a cluster, start one such process per node (or per GPU) as launch/ does:
 the processes find each other from SLURM, TPU-pod or OODJAX_* variables
 (`oodjax.engine.distributed`) and train the same runs together on one mesh.
 
-What it prints is described in `oodjax.engine.console`: bars on a terminal,
-plain lines in a log file, compilations announced and timed, and a closing
-summary of every run's final accuracies.
+What it prints is described in `oodjax.engine.console`: the config it runs,
+bars on a terminal, short plain lines in a log file, compilations announced
+and timed, losses and a closing summary of every run's final accuracies
+labelled by run.
 """
 
 import logging as python_logging
@@ -35,9 +36,10 @@ class _QuietCheckpointing(python_logging.Filter):
         return record.levelno >= python_logging.WARNING or "/orbax/" not in record.pathname
 
 
-def start_process() -> None:
+def start_process(config: config_dict.ConfigDict) -> None:
     """What every entry point that computes does first: quiet the libraries' logs, join the job's other
-    processes (before anything touches a device), and leave INFO logging to process 0."""
+    processes (before anything touches a device), leave INFO logging to process 0, and log the config it
+    runs, overrides applied (``config_cli.describe_config``), once."""
     logging.get_absl_handler().addFilter(_QuietCheckpointing())
     # No noise by default: JAX's INFO line for every backend it could not start
     # ("Unable to initialize backend 'tpu'"), and datasets' bars per split read.
@@ -48,6 +50,7 @@ def start_process() -> None:
         logging.info("process %d of %d (layout from %s)", layout.process_id, layout.num_processes, layout.source)
         if not distributed.is_primary():
             logging.set_verbosity(logging.WARNING)  # process 0 logs progress; the others only problems
+    logging.info("config (command-line overrides applied):\n%s", config_cli.describe_config(config))
 
 
 def main(config: config_dict.ConfigDict) -> None:
@@ -56,7 +59,7 @@ def main(config: config_dict.ConfigDict) -> None:
     A stop signal exits with ``preemption.PREEMPTED_EXIT_CODE`` (launch/slurm.sbatch
     requeues on it); a full disk with one line naming the file.
     """
-    start_process()
+    start_process(config)
     try:
         loop.train(config)
     except preemption.Preempted as stopped:

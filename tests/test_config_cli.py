@@ -215,3 +215,32 @@ def test_help_lists_fields_with_defaults_and_their_comments_in_base():
     assert "  data.testsets = snli,mnli,scitail,rte,wnli,paws,hans,anli\n      Testsets evaluated at step 0" in text
     assert "\n[mesh]\n  Device mesh axis sizes; -1 = all remaining devices." in text
     assert "  model.hf_config = {}\n" in text
+
+
+def test_help_with_a_config_shows_its_values_and_base_defaults_it_changes(capsys):
+    argv = ["oodjax.main", f"--config={DEMO}", "--config.train.steps=7", "--help"]
+    with pytest.raises(SystemExit) as exit_:
+        config_cli._parse_or_exit(argv, "The entry point's doc.", fresh_flags())
+    assert exit_.value.code == 0
+    text = capsys.readouterr().out
+    assert "shown with --config's values, (base: X) where configs/base.py's default X differs" in text
+    assert "  runs.seeds = 0,42  (base: 0,42,99)\n      A run's seed draws its few-shot set" in text
+    assert "  train.steps = 7  (base: 500)\n      optimizer steps per run\n" in text  # the override applied
+    assert "  lora.rank = 8\n" in text  # as base's: nothing beside it
+
+
+def test_the_config_a_job_prints_at_start_holds_every_field_by_section():
+    lines = config_cli.describe_config(parse("--config.train.steps=7")).splitlines()
+    assert "  runs: seeds=0,42  shots=32  skip_locked=False" in lines
+    assert all(len(line) <= 120 for line in lines if "hf_config=" not in line)  # a dict longer than a line stays whole
+    printed, section = {}, ""  # section -> its fields' text; "" the fields outside any section, printed first
+    for line in lines:
+        if match := re.match(r"  (\w+): (.*)", line):
+            section, line = match.groups()
+        printed[section] = printed.get(section, "") + " " + line.strip() + " "
+    assert list(printed)[:3] == ["", "model", "lora"]
+    for path, value in _base_fields(base.get_config()):
+        if not (isinstance(value, config_dict.ConfigDict) and value.keys()):  # a field, not a section
+            section, _, field = path.rpartition(".")
+            assert f" {field}=" in printed[section], path
+    assert " steps=7 " in printed["train"]

@@ -13,6 +13,7 @@ import pytest
 from analysis import schema
 from configs import base, demo
 from oodjax.engine import checks, loop
+from oodjax.usage_errors import ConfigError
 from tests.engine_configs import SHRUNK_DEMO_ARGS, tiny_config
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -139,6 +140,22 @@ def test_wandb_enabled_without_wandb_is_an_error(tmp_path, gpt2_tokenizer_dir, h
     config.wandb.enabled = True
     with pytest.raises(ValueError, match="wandb.enabled is True but wandb is not installed"):
         loop.train(config)
+
+
+def test_wandb_online_without_a_login_is_an_error_before_anything_loads(
+    tmp_path, gpt2_tokenizer_dir, hf_data_dir, monkeypatch
+):
+    """wandb.init would say so only after the model and data had loaded; offline needs no login (test_console)."""
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))
+    for variable in ("WANDB_DIR", "WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
+        monkeypatch.setenv(variable, str(tmp_path / "wandb-home"))
+    config = tiny_config(tmp_path / "out", gpt2_tokenizer_dir, hf_data_dir, tmp_path / "cache")
+    config.wandb.enabled = True
+    config.wandb.mode = "online"
+    with pytest.raises(ConfigError, match="wandb.enabled: W&B online needs a login and this machine has none"):
+        loop.train(config)
+    assert not (tmp_path / "out").exists()
 
 
 def test_main_runs_the_demo_end_to_end(tmp_path):

@@ -138,7 +138,7 @@ def test_sigkill_sigterm_and_changed_runs_give_the_uninterrupted_results(tmp_pat
         process.wait(timeout=300)
     text = log_path.read_text()
     assert process.returncode == preemption.PREEMPTED_EXIT_CODE, text[-3000:]
-    assert "resumes from its checkpoint at step" in text and "seed7_shots32: starts at step 0" in text
+    assert "resumes from its checkpoint at step" in text and "seed7_shots32 starts at step 0" in text
     stopped = re.search(r"stopping after step (\d+) on SIGTERM: the checkpoints of (\d+) runs", text)
     assert stopped, text[-3000:]
     step, trained = int(stopped[1]), int(stopped[2])

@@ -3,7 +3,8 @@
 A sweep job that dies after twenty minutes of loading on a misspelt path
 wastes a cluster slot; these checks look only at the config and the file
 system (and the local Hugging Face cache for hub ids when offline, or the hub
-for the hub id of a declared testset missing from the local mirror).
+for the hub id of a declared testset missing from the local mirror, and
+W&B's server for a login when the runs record online).
 
 Where every check of a config lives, in the order a job meets them:
 
@@ -14,7 +15,8 @@ Where every check of a config lives, in the order a job meets them:
   (``oodjax.data.testsets.testset_table``), the LoRA config
   (``oodjax.models.lora.LoRAConfig``), the remat policy
   (``oodjax.models.layers.check_remat``) and the attention kernel
-  (``oodjax.models.flash_attention.check_implementation``);
+  (``oodjax.models.flash_attention.check_implementation``); and W&B's
+  login, asked of wandb, when a training job records online;
 - ``oodjax.engine.geometry.batch_geometry``: whether the batch sizes,
   micro-batches and mesh fit together (it needs the mesh and the few-shot
   sets, so it runs once those exist, still before anything compiles);
@@ -47,7 +49,7 @@ from oodjax.data.testsets import (
     testset_table,
     training_sets,
 )
-from oodjax.engine.events import WANDB_MODES, installed
+from oodjax.engine.events import WANDB_MODES, installed, setup_wandb
 from oodjax.engine.steps import SCHEDULES
 from oodjax.models.flash_attention import check_implementation
 from oodjax.models.hf_checkpoint import read_json
@@ -70,7 +72,7 @@ def check_config(config: config_dict.ConfigDict, *, evaluation: bool = False) ->
     _check_source("tokenizer", config.tokenizer or config.model.path, "tokenizer_config.json")
     _check_data(config.data, needs_pool=not evaluation or config.eval.in_context)
     _check_runs_and_training(config)
-    _check_trackers(config)
+    _check_trackers(config, evaluation)
     _check_export(config.export)
     _check_vocabulary(config)
     _check_output_dir(config.output_dir)
@@ -103,7 +105,8 @@ def _check_lists(config: config_dict.ConfigDict) -> None:
             raise ConfigError(f"{field} must be a list of {item_type.__name__}, got {value!r}")
 
 
-def _check_trackers(config: config_dict.ConfigDict) -> None:
+def _check_trackers(config: config_dict.ConfigDict, evaluation: bool) -> None:
+    """The trackers that are on are installed, and W&B online has a login (evaluation tracks nothing)."""
     if config.wandb.enabled and not installed("wandb"):
         raise ConfigError("wandb.enabled is True but wandb is not installed (pip install wandb)")
     if config.wandb.mode and config.wandb.mode not in WANDB_MODES:
@@ -112,6 +115,27 @@ def _check_trackers(config: config_dict.ConfigDict) -> None:
         )
     if config.tensorboard.enabled and not installed("tensorboardX"):
         raise ConfigError("tensorboard.enabled is True but tensorboardX is not installed (pip install tensorboardX)")
+    if config.wandb.enabled and not evaluation:
+        _check_wandb_login(config.wandb.mode)
+
+
+def _check_wandb_login(mode: str) -> None:
+    """W&B online needs a login, which ``wandb.init`` would find missing (or rejected) only once the model and
+    data have loaded. Asked here of wandb itself, set up (quiet) in the mode the runs will have
+    (``events.setup_wandb``): ``wandb.login`` without a prompt finds the login (WANDB_API_KEY, ~/.netrc, wandb's
+    settings) and verifies it with the server. Offline and disabled need none. Every process asks, so all stop
+    together."""
+    import wandb
+
+    if setup_wandb(mode) in ("offline", "dryrun", "disabled"):
+        return
+    fix = "run `wandb login` or set WANDB_API_KEY, or record offline: --config.wandb.mode=offline, then `wandb sync`"
+    try:
+        logged_in = wandb.login(prompt=False, verify=True)
+    except wandb.errors.AuthenticationError as error:
+        raise ConfigError(f"wandb.enabled: W&B online could not verify this machine's login ({error}); {fix}") from None
+    if not logged_in:
+        raise ConfigError(f"wandb.enabled: W&B online needs a login and this machine has none; {fix}")
 
 
 def _check_model(model: config_dict.ConfigDict) -> None:

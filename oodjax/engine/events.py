@@ -7,6 +7,11 @@ enabled tracker at the same step. Lines are appended and flushed as they
 come, so a crash keeps all of them; after a resume, steps between the last
 checkpoint and the crash appear twice, the later line being the one the
 results hold.
+
+Trackers are quiet: W&B prints no banner and no footer per run (its
+warnings and errors still show: ``setup_wandb``); the loop logs once where
+the runs go (``EventLog.wandb_destination``). Whether W&B online has a
+login is checked before anything loads (``oodjax.engine.checks``).
 """
 
 from __future__ import annotations
@@ -78,6 +83,18 @@ class EventLog:
 
             self._tensorboard = SummaryWriter(logdir=str(run_dir / TENSORBOARD_DIR))
 
+    def wandb_destination(self) -> str | None:
+        """Where this log's W&B run goes, in a line for the job's log (the banner W&B would print, in short);
+        None without W&B."""
+        run = self._wandb_run
+        if run is None:
+            return None
+        if run.disabled:
+            return "W&B: disabled (wandb.mode or WANDB_MODE), nothing recorded"
+        if run.offline:
+            return "W&B: offline, in each <run_dir>/wandb/; `wandb sync <run_dir>/wandb/offline-run-*` uploads a run"
+        return f"W&B: {run.project_url}, group {run.group}"
+
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
         """Records metrics such as {"train/loss": 0.7} or {"accuracy/hans": 0.5} at `step`."""
         values = {key: float(value) for key, value in metrics.items()}
@@ -97,6 +114,16 @@ class EventLog:
             self._wandb_run.finish()
         if self._tensorboard is not None:
             self._tensorboard.close()
+
+
+def setup_wandb(mode: str) -> str:
+    """Sets W&B up for this process, in ``mode`` (empty: wandb's own, from WANDB_MODE or `wandb offline`), with
+    its informational lines off (each run's banner and footer, "logged in as"; its warnings and errors still
+    show); returns the mode its runs will have. Only a process's first setup decides what W&B prints, so the
+    config checks call it, before anything else uses wandb."""
+    import wandb
+
+    return wandb.setup(wandb.Settings(show_info=False, **({"mode": mode} if mode else {}))).settings.mode
 
 
 def installed(module: str) -> bool:
