@@ -1,8 +1,11 @@
 """Reading runs' metrics.npz files under a results root, with clear errors for bad input.
 
 `python -m analysis.runs RESULTS_DIR [--csv]` lists the runs at a glance: one
-line per run with its model, training set, seed, shots, last step, whether
-it finished, and its last in-domain and mean OOD accuracy.
+line per run with its model, training set, seed, shots, kind (trained, or
+evaluated without training by `oodjax.evaluate`: the base model, an adapter,
+in context), last step, whether it finished, and its last in-domain and mean
+OOD accuracy. An evaluation-only run is finished once written: its one
+evaluation, at step 0, is all it has.
 
 What is skipped and what is an error: a metrics.npz whose bytes cannot be read
 as a complete npz (empty, truncated by a job killed while copying it,
@@ -38,6 +41,14 @@ from analysis.naming import ModelInfo, model_info
 PROGRESS_MIN_FILES = 50
 
 ACCURACY_COLUMNS = ("run", "model", "train_set", "seed", "shots", "step", "testset", "accuracy")
+
+# The overview's `kind` of a run: trained (no schema.RUN_EVALUATED), or what `oodjax.evaluate` evaluated.
+TRAINED = "trained"
+KIND_LABELS = {
+    schema.EVALUATED_BASE: "evaluated (base model)",
+    schema.EVALUATED_ADAPTER: "evaluated (adapter)",
+    schema.EVALUATED_IN_CONTEXT: "evaluated (in context)",
+}
 
 # What reading a damaged npz raises: an empty file (EOFError), a truncated or
 # corrupt zip (BadZipFile: no central directory, bad CRC), a compressed member
@@ -92,6 +103,7 @@ class RunRecord:
     in_domain: str
     config: dict[str, Any]  # the run's config as the engine stored it (JSON)
     model_info: ModelInfo  # family and size, read from `config`
+    evaluated: str | None  # one of schema.EVALUATED_KINDS for a run `oodjax.evaluate` wrote; None: trained
 
     @property
     def name(self) -> str:
@@ -105,14 +117,22 @@ class RunRecord:
         ]
 
     @property
+    def kind(self) -> str:
+        """`trained`, or how `oodjax.evaluate` evaluated it (KIND_LABELS)."""
+        return TRAINED if self.evaluated is None else KIND_LABELS[self.evaluated]
+
+    @property
     def planned_steps(self) -> int | None:
-        """The config's train.steps, None when the config does not say."""
+        """The config's train.steps, None when the config does not say or nothing was trained (its train.steps
+        was the config's, never run)."""
         steps = (self.config.get("train") or {}).get("steps")
-        return None if steps is None else int(steps)
+        return None if steps is None or self.evaluated is not None else int(steps)
 
     @property
     def finished(self) -> bool:
-        """Whether the last evaluation is at the planned last step."""
+        """Whether the last evaluation is at the planned last step; an evaluation-only run always is."""
+        if self.evaluated is not None:
+            return True
         return self.planned_steps is not None and int(self.steps[-1]) >= self.planned_steps
 
 
@@ -220,13 +240,13 @@ def accuracy_table(runs: Sequence[RunRecord]) -> pd.DataFrame:
 
 
 OVERVIEW_COLUMNS = (
-    "run", "model", "train_set", "seed", "shots", "last_step", "planned_steps", "finished",
+    "run", "model", "train_set", "seed", "shots", "kind", "last_step", "planned_steps", "finished",
     "in_domain_accuracy", "mean_ood_accuracy", "problem",
 )
 
 
 def runs_overview(runs: Sequence[RunRecord], unreadable: Sequence[SkippedFile] = ()) -> pd.DataFrame:
-    """One row per run: identity, last step, whether it finished, and its accuracies at the
+    """One row per run: identity, kind (`RunRecord.kind`), last step, whether it finished, and its accuracies at the
     last step (in-domain, and the mean over OOD testsets with an accuracy there); then one
     unfinished row per unreadable file, named by its directory, its `problem` saying why."""
     rows = []
@@ -238,6 +258,7 @@ def runs_overview(runs: Sequence[RunRecord], unreadable: Sequence[SkippedFile] =
             "train_set": run.train_set,
             "seed": run.seed,
             "shots": run.shots,
+            "kind": run.kind,
             "last_step": int(run.steps[-1]),
             "planned_steps": run.planned_steps,
             "finished": run.finished,
@@ -280,8 +301,11 @@ def main(argv: list[str] | None = None) -> int:
         )
         print(shown.to_string(index=False, float_format="{:.3f}".format, na_rep="-"))
         finished = int(overview["finished"].sum())
+        evaluated = int(overview["kind"].isin(list(KIND_LABELS.values())).sum())
         unreadable = int((overview["problem"] == "unreadable").sum())
-        print(f"{len(overview)} runs, {finished} finished, {len(overview) - finished} not"
+        print(f"{len(overview)} runs, {finished} finished"
+              + (f" ({evaluated} evaluation-only)" if evaluated else "")
+              + f", {len(overview) - finished} not"
               + (f" ({unreadable} unreadable)" if unreadable else ""))
     return 0
 
@@ -311,7 +335,7 @@ def load_run(path: str | pathlib.Path) -> RunRecord:
         raise ResultsError(
             f"{path}: OOD testsets {run_ood}: pairs of OOD testsets need at least two"
         )
-    config, identity = _run_identity(path, str(arrays[schema.CONFIG]))
+    config, identity = _run_identity(path, str(arrays[schema.CONFIG]), steps)
     return RunRecord(
         path=path,
         model=identity[schema.RUN_MODEL],
@@ -323,11 +347,13 @@ def load_run(path: str | pathlib.Path) -> RunRecord:
         in_domain=in_domain,
         config=config,
         model_info=model_info(config),
+        evaluated=identity[schema.RUN_EVALUATED],
     )
 
 
-def _run_identity(path: pathlib.Path, config_json: str) -> tuple[dict[str, Any], dict]:
-    """The parsed config and its run section (model name, seed, shots), checked."""
+def _run_identity(path: pathlib.Path, config_json: str, steps: np.ndarray) -> tuple[dict[str, Any], dict]:
+    """The parsed config and its run section (model name, seed, shots, and what `oodjax.evaluate`
+    evaluated: `_evaluated`), checked."""
     try:
         config = json.loads(config_json)
         section = config[schema.RUN_SECTION]
@@ -344,7 +370,31 @@ def _run_identity(path: pathlib.Path, config_json: str) -> tuple[dict[str, Any],
         ) from error
     if not identity[schema.RUN_MODEL]:
         raise ResultsError(f"{path}: config {schema.RUN_SECTION}.{schema.RUN_MODEL} is empty")
+    identity[schema.RUN_EVALUATED] = _evaluated(config, section, identity[schema.RUN_SHOTS], steps)
+    if identity[schema.RUN_EVALUATED] not in (None, *schema.EVALUATED_KINDS):
+        raise ResultsError(
+            f"{path}: config {schema.RUN_SECTION}.{schema.RUN_EVALUATED} is "
+            f"{identity[schema.RUN_EVALUATED]!r}, not one of {list(schema.EVALUATED_KINDS)}"
+        )
     return config, identity
+
+
+def _evaluated(config: dict[str, Any], section: dict[str, Any], shots: int, steps: np.ndarray) -> str | None:
+    """The run section's `evaluated` marker; for a file `oodjax.evaluate` wrote before the marker
+    existed (one evaluation, at step 0), what its config says: the in-context baseline
+    (eval.in_context), adapters (model.adapters, which training ignores), or the base model alone
+    (0 shots, which training refuses). None: trained."""
+    if schema.RUN_EVALUATED in section:
+        return section[schema.RUN_EVALUATED]
+    if steps.tolist() != [0]:
+        return None
+    if (config.get("eval") or {}).get("in_context"):
+        return schema.EVALUATED_IN_CONTEXT
+    if (config.get("model") or {}).get("adapters"):
+        return schema.EVALUATED_ADAPTER
+    if shots == 0:
+        return schema.EVALUATED_BASE
+    return None
 
 
 def _count_copies_once(runs: list[RunRecord]) -> tuple[list[RunRecord], list[SkippedFile]]:
@@ -371,6 +421,8 @@ def _count_copies_once(runs: list[RunRecord]) -> tuple[list[RunRecord], list[Ski
 
 
 def _progress(run: RunRecord) -> str:
+    if run.evaluated is not None:
+        return run.kind
     planned = "?" if run.planned_steps is None else run.planned_steps
     return f"last step {int(run.steps[-1])} of {planned}"
 

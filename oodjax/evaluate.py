@@ -2,9 +2,11 @@
 
 Evaluation, no training; also the `oodjax-evaluate` command. It takes the
 configs and overrides `oodjax.main` takes and writes, for each run it
-evaluates, the usual `<output_dir>/<run>/metrics.npz` with one evaluation,
-at step 0, so `python -m analysis` and `python -m analysis.runs` read it like
-any other. What is evaluated, on `data.testsets`:
+evaluates, the usual `<output_dir>/<run>/metrics.npz` (and results.json)
+with one evaluation, at step 0, so `python -m analysis` and `python -m
+analysis.runs` read it like any other; its run section's `evaluated`
+(`schema.RUN_EVALUATED`: base, adapter or in_context) tells it from a
+trained run. What is evaluated, on `data.testsets`:
 
 - without `model.adapters`: the base model itself, as one run named
   `<model>_<train_set>_base` (seed 0, shots 0 in its run section);
@@ -38,6 +40,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import pathlib
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -148,9 +151,11 @@ def _evaluate_runs(config: config_dict.ConfigDict, todo: list[EvaluatedRun]) -> 
     lora = sharding.place(lora, sharding.runs_shardings(lora, mesh))
 
     if config.eval.in_context:  # each run scores its own in-context copy of the testsets
-        shared, own = {}, run_data.in_context_sets(config, tokenizer, [(run.seed, run.shots) for run in todo])
+        shared = {}
+        dataset_index, own = run_data.in_context_sets(config, tokenizer, [(run.seed, run.shots) for run in todo])
     else:
         shared, own = run_data.load_testsets(config, tokenizer), [{} for _ in todo]
+        dataset_index = {name: tokenized.dataset_index for name, tokenized in shared.items()}
     layout = eval_geometry(config, sharding.batch_shards(mesh))
     pool = make_eval_pool(
         shared, own, batch_tokens=layout.batch_tokens, row_multiple=layout.batch_shards,
@@ -159,18 +164,30 @@ def _evaluate_runs(config: config_dict.ConfigDict, todo: list[EvaluatedRun]) -> 
     eval_step = steps.make_eval_step(
         graphdef, yes_id, no_id, mesh=mesh, compute_dtype=config.model.compute_dtype or None
     )
+    evaluation_start = time.perf_counter()
     margins = evaluate(
         eval_step, base_state, lora, pool, place=lambda batch: sharding.shard_batch(batch, mesh, batch_axis=1)
     )
+    evaluation_seconds = time.perf_counter() - evaluation_start
     config_json = json.loads(config.to_json())
     evaluated = []
     for r, run in enumerate(todo):
-        identity = {schema.RUN_MODEL: run.model, schema.RUN_SEED: run.seed, schema.RUN_SHOTS: run.shots}
+        kind = (
+            schema.EVALUATED_IN_CONTEXT if config.eval.in_context
+            else schema.EVALUATED_ADAPTER if run.adapter is not None
+            else schema.EVALUATED_BASE
+        )  # fmt: skip
+        identity = {
+            schema.RUN_MODEL: run.model, schema.RUN_SEED: run.seed, schema.RUN_SHOTS: run.shots,
+            schema.RUN_EVALUATED: kind,
+        }  # fmt: skip
         run_results = results.RunResults(
-            run.directory, labels=pool.labels_of(r), in_domain=config.data.train_set,
+            run.directory, labels=pool.labels_of(r), dataset_index=dataset_index, in_domain=config.data.train_set,
             config=dict(config_json, **{schema.RUN_SECTION: identity}),
         )  # fmt: skip
-        evaluated.append((run, run_results, run_results.add(0, margins[r], float("nan"))))
+        evaluated.append(
+            (run, run_results, run_results.add(0, margins[r], float("nan"), evaluation_seconds=evaluation_seconds))
+        )
     base = config.model.path or results.model_name(config)
     refuse_non_finite_model(f"{base} with its adapters" if adapters else base,
                             [accuracies for _, _, accuracies in evaluated])  # fmt: skip
@@ -209,7 +226,7 @@ def _trained_run_identity(adapter: pathlib.Path) -> tuple[int, int] | None:
 
 def main(config: config_dict.ConfigDict) -> None:
     """Evaluates `config` (the command line's, its overrides applied) on this process's share of the devices."""
-    start_process()
+    start_process(config)
     evaluate_config(config)
 
 

@@ -1,6 +1,8 @@
-"""`python -m analysis.runs`: the runs under a results root at a glance; progress on big roots."""
+"""`python -m analysis.runs`: the runs under a results root at a glance, evaluation-only runs told apart; progress
+on big roots."""
 
 import io
+import json
 import pathlib
 import shutil
 import struct
@@ -13,6 +15,7 @@ import pandas as pd
 import pytest
 
 from analysis import figures, runs, schema
+from analysis.aggregate import majority_class_rates
 from fixtures_results import cut_short, write_results_root, write_run
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -41,13 +44,14 @@ def test_lists_each_run_with_its_progress_and_last_accuracies(results):
     )
     assert completed.returncode == 0, completed.stderr
     table = pd.read_csv(io.StringIO(completed.stdout)).set_index("run")
-    assert list(table.columns) == ["model", "train_set", "seed", "shots", "last_step",
+    assert list(table.columns) == ["model", "train_set", "seed", "shots", "kind", "last_step",
                                    "planned_steps", "finished", "in_domain_accuracy",
                                    "mean_ood_accuracy", "problem"]
     assert table["finished"].to_dict() == {
         "opt-125m_mnli_seed0_shots32": True, "opt-125m_mnli_seed42_shots32": True,
         "stopped": False,
     }
+    assert set(table["kind"]) == {"trained"}
     stopped = table.loc["stopped"]
     assert (stopped["seed"], stopped["last_step"], stopped["planned_steps"]) == (99, 50, 100)
     assert stopped["in_domain_accuracy"] == pytest.approx(0.8)
@@ -62,7 +66,7 @@ def test_lists_each_run_with_its_progress_and_last_accuracies(results):
 def test_the_plain_table_is_aligned_and_counts_unfinished_runs(results, capsys):
     assert runs.main([str(results)]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].split() == ["run", "model", "train_set", "seed", "shots", "last_step",
+    assert lines[0].split() == ["run", "model", "train_set", "seed", "shots", "kind", "last_step",
                                 "planned_steps", "finished", "in_domain_accuracy",
                                 "mean_ood_accuracy", "problem"]
     assert len({len(line) for line in lines[:-1]}) == 1  # one width: aligned columns
@@ -82,18 +86,12 @@ def test_reading_many_runs_shows_progress(results, capsys, monkeypatch):
     assert "reading runs: 100%" in capsys.readouterr().err
 
 
-def test_accuracy_curves_mark_chance_and_can_share_one_y_range(results):
+def test_accuracy_curves_have_a_panel_per_testset_under_the_title(results):
+    """(Their chance lines and shared ranges: tests/test_analysis_figures.py.)"""
     group = runs.find_runs(results)
-    fig = figures.accuracy_curves(group, title="opt", note="3 runs", ylim=(0.3, 1.0))
+    fig = figures.accuracy_curves(group, chance=majority_class_rates(group), title="opt", note="3 runs")
     assert fig.get_suptitle() == "opt\n3 runs"
-    axes = [ax for ax in fig.axes if ax.get_visible()]
-    assert len(axes) == len(group[0].accuracy.columns)
-    for ax in axes:
-        assert ax.get_ylim() == (0.3, 1.0)
-        chance = [line for line in ax.get_lines() if line.get_label() == "chance"]
-        assert len(chance) == 1 and set(chance[0].get_ydata()) == {figures.CHANCE}
-    fitted = figures.accuracy_curves(group, title="t", note="n")
-    assert len({ax.get_ylim() for ax in fitted.axes if ax.get_visible()}) > 1
+    assert len([ax for ax in fig.axes if ax.get_visible()]) == len(group[0].accuracy.columns)
 
 
 def good_metrics(directory: pathlib.Path, **changes) -> pathlib.Path:
@@ -183,7 +181,7 @@ def test_a_truncated_file_is_listed_as_an_unfinished_unreadable_run(results, cap
     assert lines[-1] == "4 runs, 2 finished, 2 not (1 unreadable)"
     assert len({len(line) for line in lines[:-1]}) == 1
     assert [line.split() for line in lines if line.lstrip().startswith("killed")] == [
-        ["killed", *["-"] * 6, "False", "-", "-", "unreadable"]
+        ["killed", *["-"] * 7, "False", "-", "-", "unreadable"]
     ]
 
 
@@ -231,3 +229,56 @@ def test_one_run_found_twice_with_different_contents_is_an_error_naming_both(res
     with pytest.raises(runs.ResultsError, match=message):
         runs.scan_runs(results)
     assert runs.main([str(results)]) == 2
+
+
+def with_run_section(path: pathlib.Path, **fields) -> pathlib.Path:
+    """Adds `fields` to the run section of a metrics.npz's config, as `oodjax.evaluate` writes it."""
+    with np.load(path) as npz:
+        arrays = dict(npz)
+    config = json.loads(arrays[schema.CONFIG].item())
+    config[schema.RUN_SECTION].update(fields)
+    arrays[schema.CONFIG] = np.asarray(json.dumps(config))
+    np.savez(path, **arrays)
+    return path
+
+
+def test_evaluation_only_runs_are_listed_as_such_not_as_unfinished(results, capsys):
+    """Marked in their run section, or (written before the marker) told by their config: one evaluation, at
+    step 0, of the in-context baseline, adapters or the base model alone (0 shots)."""
+    opt = {"path": "facebook/opt-125m"}
+    one_step = dict(steps=np.array([0]), testsets=["mnli", "hans", "rte"], accuracy=np.full((1, 3), 0.6),
+                    in_domain="mnli")  # fmt: skip
+    base = write_run(results / "opt-125m_mnli_base", **one_step, model="opt-125m", seed=0, shots=0,
+                     config={"model": opt, "train": {"steps": 100}})  # fmt: skip
+    with_run_section(base, **{schema.RUN_EVALUATED: schema.EVALUATED_BASE})
+    write_run(results / "old_adapter", **one_step, model="opt-125m", seed=1, shots=32,
+              config={"model": opt | {"adapters": ["a/adapter"]}, "train": {"steps": 100}})  # fmt: skip
+    write_run(results / "old_in_context", **one_step, model="opt-125m-icl", seed=0, shots=32,
+              config={"model": opt, "eval": {"in_context": True}, "train": {"steps": 100}})  # fmt: skip
+    write_run(results / "old_base", **one_step, model="opt-350m", seed=0, shots=0,
+              config={"model": {"path": "facebook/opt-350m"}, "train": {"steps": 100}})  # fmt: skip
+    # A trained run that has only its step-0 evaluation so far is an unfinished trained run, and so is one past
+    # step 0 whose config names adapters (training ignores model.adapters).
+    write_run(results / "just_started", **one_step, model="opt-125m", seed=5, shots=32,
+              config={"model": opt, "train": {"steps": 100}})  # fmt: skip
+    write_run(results / "adapters_ignored", steps=STEPS[:2], testsets=["mnli", "hans", "rte"],
+              accuracy=np.full((2, 3), 0.6), in_domain="mnli", model="opt-125m", seed=6, shots=32,
+              config={"model": opt | {"adapters": ["a/adapter"]}, "train": {"steps": 100}})  # fmt: skip
+    assert runs.main([str(results), "--csv"]) == 0
+    table = pd.read_csv(io.StringIO(capsys.readouterr().out), keep_default_na=False).set_index("run")
+    evaluated = ["opt-125m_mnli_base", "old_adapter", "old_in_context", "old_base"]
+    assert table.loc[evaluated, "kind"].tolist() == [
+        "evaluated (base model)", "evaluated (adapter)", "evaluated (in context)", "evaluated (base model)"
+    ]
+    assert table.loc[evaluated, "finished"].tolist() == [True] * 4
+    assert table.loc[evaluated, "planned_steps"].tolist() == [""] * 4  # nothing was to train
+    for trained in ("just_started", "adapters_ignored"):
+        assert table.loc[trained, ["kind", "finished", "planned_steps"]].tolist() == ["trained", False, "100"]
+    assert runs.main([str(results)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-1] == "9 runs, 6 finished (4 evaluation-only), 3 not"
+    assert len({len(line) for line in lines[:-1]}) == 1
+
+    with_run_section(base, **{schema.RUN_EVALUATED: "trained twice"})
+    with pytest.raises(runs.ResultsError, match=r"run\.evaluated is 'trained twice', not one of \['base', "):
+        runs.load_run(base)

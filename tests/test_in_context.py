@@ -181,7 +181,7 @@ def test_a_runs_demonstrations_are_the_few_shot_set_training_would_draw(icl_conf
     pool = training_pool("mnli", data_dir=data_dir)
     drawn = run_data.few_shot_datasets(icl_config, runs)
     for (seed, shots), demonstrations in zip(runs, drawn, strict=True):
-        assert demonstrations.to_list() == few_shot(pool, shots, seed).to_list()
+        assert demonstrations.remove_columns(run_data.DATASET_INDEX).to_list() == few_shot(pool, shots, seed).to_list()
         assert sorted(demonstrations["label"]) == [0] * (shots // 2) + [1] * (shots // 2)
     tokenizer = AutoTokenizer.from_pretrained(gpt2_tokenizer_dir)
     trained_on = run_data.few_shot_sets(icl_config, tokenizer, runs)
@@ -203,7 +203,8 @@ def test_in_context_runs_are_named_and_written_as_trained_runs_of_model_icl(icl_
         progress = results.read_progress(run.directory)
         assert progress.steps == (0,)
         section = progress.config[schema.RUN_SECTION]
-        assert section == {schema.RUN_MODEL: "opt-tiny-icl", schema.RUN_SEED: run.seed, schema.RUN_SHOTS: run.shots}
+        assert section == {schema.RUN_MODEL: "opt-tiny-icl", schema.RUN_SEED: run.seed, schema.RUN_SHOTS: run.shots,
+                           schema.RUN_EVALUATED: schema.EVALUATED_IN_CONTEXT}  # fmt: skip
         with np.load(run.directory / schema.METRICS_FILENAME) as stored:
             assert stored[schema.TESTSETS].tolist() == ["mnli", "hans", "rte"]
             assert stored[schema.margin_key("hans")].shape == (1, 12)

@@ -83,12 +83,11 @@ def train(config: config_dict.ConfigDict) -> list[Run]:
     ``Preempted`` when a stop signal ended it early, ``RunLockedError`` when another job holds one of its runs."""
     checks.check_config(config)
     with run_lock.locked_runs(plan_runs(config), skip_locked=config.runs.skip_locked) as runs:
-        logging.info("runs: %s", ", ".join(run.name for run in runs))
         warn_of_shared_checkpoints(config)
         starts = [read_start(config, run) for run in runs]
         refuse_changed_config(config, starts)  # before anything is written (the locks' new folders go with them)
-        for start in starts:
-            logging.info("%s: %s", start.run.name, start.describe(config.train.steps))
+        where = [start.describe(config.train.steps) for start in starts]
+        logging.info("%s", console.by_run(f"{len(runs)} runs in {config.output_dir}", runs, where))
         to_train = [start for start in starts if not start.finished]
         to_export = [start for start in starts if start.finished and config.export.peft]
         if to_train or to_export:
@@ -244,24 +243,24 @@ def _export_adapters(config: config_dict.ConfigDict, run: Run, adapters: nnx.Sta
 
 
 def _summary(config: config_dict.ConfigDict, runs: Sequence[Run]) -> None:
-    """The closing lines: each run's final in-domain and mean OOD accuracy (from its metrics.npz, so runs
-    skipped as finished are listed too), and where the results are."""
+    """The closing lines: each run's final in-domain and mean OOD accuracy, labelled by run (``console.by_run``:
+    a table for many runs; read from the run's metrics.npz, so runs skipped as finished are listed too), and
+    where the results are."""
     in_domain = config.data.train_set
+    ood = [name for name in config.data.testsets if name != in_domain]  # every run's: a changed config is refused
+    cells = []
     for run in runs:
         path = run.directory / schema.METRICS_FILENAME
         if not path.is_file():
-            logging.info("%s: no results yet", run.name)
+            cells.append("no results yet")
             continue
         with np.load(path, allow_pickle=False) as stored:
-            testsets = stored[schema.TESTSETS].tolist()
-            final = dict(zip(testsets, stored[schema.ACCURACY][-1].tolist()))
+            final = dict(zip(stored[schema.TESTSETS].tolist(), stored[schema.ACCURACY][-1].tolist()))
             step = int(stored[schema.STEP][-1])
-        ood = [name for name in testsets if name not in (in_domain, schema.TRAIN_TESTSET)]
         mean_ood = f"{np.mean([final[name] for name in ood]):.3f}" if ood else "n/a"
-        logging.info(
-            "%s at step %d: in-domain %s %.3f, mean OOD %s (%s)",
-            run.name, step, in_domain, final[in_domain], mean_ood, ", ".join(ood),
-        )  # fmt: skip
+        cells.append(f"{final[in_domain]:.3f} / {mean_ood}" + (f" (step {step})" if step != config.train.steps else ""))
+    label = f"final accuracy at step {config.train.steps}, in-domain {in_domain} / mean OOD ({', '.join(ood)})"
+    logging.info("%s", console.by_run(label, runs, cells))
     logging.info(
         "done: %d runs; results in %s (metrics.npz and events.jsonl per run; `python -m analysis.runs %s` "
         "lists them, `python -m analysis %s --out DIR` analyses them)",
@@ -309,6 +308,8 @@ class _Loop:
             )  # fmt: skip
             for run in runs
         ] if self.primary else []
+        if self.events and (wandb_destination := self.events[0].wandb_destination()) is not None:
+            logging.info("%s", wandb_destination)  # once, in place of W&B's banner and footer per run
         self.learning_rate = steps.make_schedule(
             config.train.learning_rate, config.train.steps, config.train.warmup_steps, config.train.schedule
         )  # the optimizer's (``optimizer``), read on the host for the log
@@ -338,6 +339,7 @@ class _Loop:
         return RunResults(
             run.directory,
             labels=labels,
+            dataset_index=self.data.dataset_index[index],
             in_domain=self.config.data.train_set,
             config=dict(config_json, **{schema.RUN_SECTION: self._identity(run)}),
         )
@@ -396,10 +398,11 @@ class _Loop:
         """What is due after ``step``: stopping on a signal, or a log line, an evaluation, a checkpoint (and
         an export)."""
         evaluation_due = self._evaluation_due(step)
-        if self.stop.agreed():
-            self._stop(step, evaluation_pending=evaluation_due)
         checkpoint_due = step % self.config.checkpoint_every == 0 or step == self.total_steps
-        if evaluation_due or checkpoint_due or step % self.config.log_every == 0:
+        waits = evaluation_due or checkpoint_due or step % self.config.log_every == 0  # for the step's losses
+        if self.stop.agreed(synced=waits):
+            self._stop(step, evaluation_pending=evaluation_due)
+        if waits:
             self._check_losses()  # before anything is evaluated or saved
             self._log_window(step)
         if evaluation_due:
@@ -451,17 +454,14 @@ class _Loop:
         self.pending = []
 
     def _log_window(self, step: int) -> None:
-        """Logs per run the mean loss and gradient norm since the last log line, the learning rate of the
-        step's update, and the training throughput and ETA (from the training clock; none is measured for a
-        window that holds only the compiling first step)."""
+        """Logs the learning rate of the step's update, the training throughput and ETA (from the training clock;
+        none is measured for a window that holds only the compiling first step), and per run, labelled
+        (``console.by_run``), the mean loss and gradient norm since the last log line."""
         now = time.perf_counter()
         loss, grad_norm = (np.mean([metrics[key] for metrics in self.window], axis=0) for key in ("loss", "grad_norm"))
         learning_rate = float(self.learning_rate(step - 1))  # step s's update is the optimizer's (s-1)-th
         metrics = {"train/loss": loss, "train/grad_norm": grad_norm, "train/learning_rate": learning_rate}
-        line = (
-            f"step {step}/{self.total_steps}: loss {np.array2string(loss, precision=4)}, "
-            f"grad norm {np.array2string(grad_norm, precision=3)}, lr {learning_rate:.3g}"
-        )
+        line = f"step {step}/{self.total_steps}: lr {learning_rate:.3g}"
         if self.window_steps:
             rate = self.geometry.runs * self.geometry.batch_size * self.window_steps / (now - self.window_start)
             self.train_seconds += now - self.window_start
@@ -471,7 +471,8 @@ class _Loop:
             line += f", {rate:.1f} examples/s, training ETA {console.duration(eta)}"
             if self.bar is not None:
                 self.bar.set_postfix(loss=f"{loss.mean():.4f}", examples_per_s=f"{rate:.1f}")
-        logging.info("%s", line)
+        per_run = [f"{run_loss:.4f} ({run_norm:.3g})" for run_loss, run_norm in zip(loss, grad_norm)]
+        logging.info("%s; %s", line, console.by_run("loss (grad norm)", self.runs, per_run))
         for r, log in enumerate(self.events):
             log.log(step, {key: value if np.ndim(value) == 0 else value[r] for key, value in metrics.items()})
         self.window, self.window_start, self.window_steps = [], now, 0
@@ -495,7 +496,10 @@ class _Loop:
         logging.info("evaluated step %d (%d batches) in %.1f s", step, batches, time.perf_counter() - start)
         train_loss = self.loss_sum / self.loss_steps if self.loss_steps else np.full(num_runs, np.nan)
         accuracies = [
-            run_results.add(step, run_margins, train_loss[r])
+            run_results.add(
+                step, run_margins, train_loss[r], train_clock=self.train_seconds,
+                evaluation_seconds=time.perf_counter() - start,
+            )  # fmt: skip
             for r, (run_results, run_margins) in enumerate(zip(self.results, margins))
         ]
         if step == 0:  # the base model's own outputs

@@ -1,4 +1,4 @@
-"""A run's identity and its results: metrics.npz in the schema of analysis/schema.py.
+"""A run's identity and its results: metrics.npz in the schema of analysis/schema.py, and results.json beside it.
 
 A run is one (seed, shots) fine-tuning job of a model on a training set.
 Its name is ``run_name``'s ``<model>_<train_set>_seed<seed>_shots<shots>``,
@@ -15,29 +15,53 @@ with the process umask like any other file (readable by the group under the
 usual 022), not with the owner-only mode of `tempfile`'s files.
 `read_progress` is how the loop and the sweep tell a finished run from an
 unfinished one.
+
+results.json, rewritten (atomically too) after each metrics.npz, is the run
+at a glance for a reader without numpy: final and best accuracy per testset
+with their steps, the run's identity and config, the package versions and
+devices of the process that wrote it, and timings (layout in
+analysis/schema.py). Timings are the caller's clocks, per evaluation; a
+resumed run reads those of the evaluations it keeps back from the
+results.json it resumes, so they add up over restarts, less the training a
+stopped job did after its last evaluation (what the resumed job redoes is
+counted then; what a checkpoint kept, not at all). metrics.npz holds no
+timings, so a resumed run's metrics.npz stays equal to an uninterrupted
+one's.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import importlib.metadata
 import itertools
 import json
+import math
 import pathlib
+import platform
 import re
+import subprocess
 import zipfile
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import jax
 import numpy as np
 from absl import logging
 from ml_collections import config_dict
 
 from analysis import schema
-from oodjax.storage import write_npz_atomic
+from oodjax.storage import write_atomic, write_npz_atomic
 
 # Accuracy and margins are computed from float32 margins; only the stored
 # per-example margins are rounded to float16 (they are many and small).
 MARGIN_DTYPE = np.float16
+
+# The distributions whose versions results.json records (the engine's stack; None for one not installed).
+RECORDED_DISTRIBUTIONS = (
+    "oodjax", "jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "numpy", "transformers", "tokenizers", "datasets",
+    "grain",
+)  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,28 +122,55 @@ class RunResults:
         run_dir: str | pathlib.Path,
         *,
         labels: Mapping[str, np.ndarray],
+        dataset_index: Mapping[str, np.ndarray],
         in_domain: str,
         config: Mapping[str, Any],
     ):
-        """`labels` maps each evaluated testset (in column order) to its gold labels."""
+        """`labels` maps each evaluated testset (in column order) to its gold labels, `dataset_index` each to its
+        examples' rows in their dataset (``oodjax.engine.run_data.IndexedSet``), in the same order."""
         if in_domain not in labels:
             raise ValueError(f"in-domain testset {in_domain!r} is not among the evaluated {list(labels)}")
+        if set(dataset_index) != set(labels):
+            raise ValueError(f"dataset indices of {sorted(dataset_index)}, labels of {sorted(labels)}")
         self.path = pathlib.Path(run_dir) / schema.METRICS_FILENAME
         self.testsets = tuple(labels)
         self.labels = {name: np.asarray(value, dtype=np.int32) for name, value in labels.items()}
+        self.dataset_index = {name: np.asarray(dataset_index[name], dtype=np.int64) for name in self.testsets}
+        for name in self.testsets:
+            if self.dataset_index[name].shape != self.labels[name].shape:
+                raise ValueError(
+                    f"{name}: {self.dataset_index[name].shape[0]} dataset indices for {self.labels[name].shape[0]} "
+                    "labelled examples"
+                )
         self.in_domain = in_domain
         self.config_json = json.dumps(config, sort_keys=True)
         self.steps: list[int] = []
         self.accuracy: list[np.ndarray] = []
         self.train_loss: list[float] = []
         self.margins: dict[str, list[np.ndarray]] = {name: [] for name in self.testsets}
+        # Per evaluation, results.json's timings (NaN: not measured); the training clock's reading at the last one.
+        self.train_seconds: list[float] = []
+        self.evaluation_seconds: list[float] = []
+        self.train_clock = 0.0
 
-    def add(self, step: int, margins: Mapping[str, np.ndarray], train_loss: float) -> dict[str, float]:
+    def add(
+        self,
+        step: int,
+        margins: Mapping[str, np.ndarray],
+        train_loss: float,
+        *,
+        train_clock: float = math.nan,
+        evaluation_seconds: float = math.nan,
+    ) -> dict[str, float]:
         """Records the evaluation at `step` and returns its accuracy per testset; a testset with a margin that is
         not finite gets accuracy NaN, said in a warning naming the run, the step and the testset.
 
         Every evaluation (training's, `oodjax.evaluate`'s, the in-context
-        baseline's) computes its accuracies here."""
+        baseline's) computes its accuracies here. `train_clock` is the
+        seconds spent training the run so far by this process (the loop's
+        training clock; results.json records what it advanced since the
+        previous evaluation), `evaluation_seconds` how long this evaluation
+        took; NaN where not measured (no training: `oodjax.evaluate`)."""
         if self.steps and step <= self.steps[-1]:
             raise ValueError(f"evaluation at step {step} after one at step {self.steps[-1]}")
         if set(margins) != set(self.testsets):
@@ -141,6 +192,9 @@ class RunResults:
         self.steps.append(int(step))
         self.accuracy.append(np.array([accuracies[name] for name in self.testsets]))
         self.train_loss.append(float(train_loss))
+        self.train_seconds.append(float(train_clock) - self.train_clock)
+        self.train_clock = float(train_clock)
+        self.evaluation_seconds.append(float(evaluation_seconds))
         return accuracies
 
     def arrays(self) -> dict[str, np.ndarray]:
@@ -157,10 +211,58 @@ class RunResults:
             n = len(self.labels[name])
             arrays[schema.margin_key(name)] = np.array(self.margins[name], dtype=MARGIN_DTYPE).reshape(-1, n)
             arrays[schema.label_key(name)] = self.labels[name]
+            arrays[schema.index_key(name)] = self.dataset_index[name]
         return arrays
 
+    def summary(self) -> dict[str, Any]:
+        """The results.json content (layout in analysis/schema.py): JSON data, NaN as null."""
+        config = json.loads(self.config_json)
+        accuracy = np.array(self.accuracy, dtype=np.float64).reshape(len(self.steps), len(self.testsets))
+        per_testset = {}
+        for column, name in enumerate(self.testsets):
+            values = accuracy[:, column]
+            best = int(np.nanargmax(values)) if np.isfinite(values).any() else None  # the first of equal ones
+            per_testset[name] = {
+                schema.RESULTS_EXAMPLES: len(self.labels[name]),
+                schema.RESULTS_FINAL: _at_step(self.steps, values, len(values) - 1),
+                schema.RESULTS_BEST: _at_step(self.steps, values, best),
+            }
+        evaluations = [
+            {
+                schema.RESULTS_STEP: step,
+                schema.RESULTS_TRAIN_SECONDS: _finite_or_none(train),
+                schema.RESULTS_EVALUATION_SECONDS: _finite_or_none(evaluation),
+            }
+            for step, train, evaluation in zip(self.steps, self.train_seconds, self.evaluation_seconds, strict=True)
+        ]
+        return {
+            schema.RESULTS_RUN: {schema.RESULTS_NAME: self.path.parent.name, **config[schema.RUN_SECTION]},
+            schema.RESULTS_IN_DOMAIN: self.in_domain,
+            schema.RESULTS_STEPS: list(self.steps),
+            schema.RESULTS_PER_TESTSET: per_testset,
+            schema.RESULTS_TIMINGS: {
+                schema.RESULTS_TRAIN_SECONDS: _total(self.train_seconds),
+                schema.RESULTS_EVALUATION_SECONDS: _total(self.evaluation_seconds),
+                schema.RESULTS_EVALUATIONS: evaluations,
+            },
+            schema.RESULTS_VERSIONS: versions(),
+            schema.RESULTS_DEVICES: devices(),
+            schema.RESULTS_CONFIG: config,
+        }
+
+    @property
+    def results_path(self) -> pathlib.Path:
+        """results.json, beside metrics.npz."""
+        return self.path.with_name(schema.RESULTS_FILENAME)
+
     def write(self) -> None:
+        """Rewrites metrics.npz, then results.json, each atomically (a reader sees the old file or the new one)."""
         write_npz_atomic(self.path, self.arrays())
+        text = json.dumps(self.summary(), indent=2, allow_nan=False) + "\n"
+        write_atomic(
+            self.results_path, lambda file: file.write(text.encode()),
+            intact=f"the previous {self.results_path.name} is intact (metrics.npz is written)",
+        )  # fmt: skip
 
     def resume(self, up_to_step: int, expected_steps: Sequence[int]) -> None:
         """Reloads the evaluations up to a checkpoint's step from the metrics.npz on disk.
@@ -180,6 +282,9 @@ class RunResults:
             for name in self.testsets:
                 if not np.array_equal(stored[schema.label_key(name)], self.labels[name]):
                     raise ValueError(f"{self.path}: the labels of {name} differ from this run's")
+                index = schema.index_key(name)  # absent from files written before it existed
+                if index in stored.files and not np.array_equal(stored[index], self.dataset_index[name]):
+                    raise ValueError(f"{self.path}: the dataset indices of {name} differ from this run's")
             keep = stored[schema.STEP] <= up_to_step
             steps = stored[schema.STEP][keep].tolist()
             if steps != list(expected_steps):
@@ -191,6 +296,89 @@ class RunResults:
             self.accuracy = list(stored[schema.ACCURACY][keep])
             self.train_loss = stored[schema.TRAIN_LOSS][keep].tolist()
             self.margins = {name: list(stored[schema.margin_key(name)][keep]) for name in self.testsets}
+        timings = self._stored_timings()
+        self.train_seconds = [timings.get(step, (math.nan, math.nan))[0] for step in steps]
+        self.evaluation_seconds = [timings.get(step, (math.nan, math.nan))[1] for step in steps]
+
+    def _stored_timings(self) -> dict[int, tuple[float, float]]:
+        """(train, evaluation) seconds per step from the results.json being resumed; none from a missing one (a run
+        begun before results.json existed) or, with a warning, an unreadable one: timings are not worth a stop."""
+        try:
+            stored = json.loads(self.results_path.read_text())
+            return {
+                int(evaluation[schema.RESULTS_STEP]): (
+                    _none_as_nan(evaluation[schema.RESULTS_TRAIN_SECONDS]),
+                    _none_as_nan(evaluation[schema.RESULTS_EVALUATION_SECONDS]),
+                )
+                for evaluation in stored[schema.RESULTS_TIMINGS][schema.RESULTS_EVALUATIONS]
+            }
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError, KeyError, TypeError) as error:
+            logging.warning(
+                "%s is unreadable (%s: %s); the timings of its evaluations are recorded as unknown",
+                self.results_path, type(error).__name__, error,
+            )  # fmt: skip
+            return {}
+
+
+def _at_step(steps: Sequence[int], values: np.ndarray, i: int | None) -> dict[str, Any]:
+    """{step, accuracy} of evaluation `i`; both null for None."""
+    return {
+        schema.RESULTS_STEP: None if i is None else steps[i],
+        schema.RESULTS_ACCURACY: None if i is None else _finite_or_none(values[i]),
+    }
+
+
+def _finite_or_none(value: float) -> float | None:
+    """JSON has no NaN: a value not measured, or an accuracy NaN (margins not finite), is null."""
+    return float(value) if math.isfinite(value) else None
+
+
+def _none_as_nan(value: float | None) -> float:
+    return math.nan if value is None else float(value)
+
+
+def _total(seconds: Sequence[float]) -> float | None:
+    """The sum over evaluations; null when any is not measured (a sum of part of them would pass for the whole)."""
+    return _finite_or_none(math.fsum(seconds))
+
+
+@functools.cache
+def versions() -> dict[str, str | None]:
+    """Python's version, each of RECORDED_DISTRIBUTIONS' (None: not installed, as oodjax run from a checkout), and
+    the commit of the oodjax checkout this runs from (None when it is not one)."""
+    found: dict[str, str | None] = {"python": platform.python_version()}
+    for distribution in RECORDED_DISTRIBUTIONS:
+        try:
+            found[distribution] = importlib.metadata.version(distribution)
+        except importlib.metadata.PackageNotFoundError:
+            found[distribution] = None
+    found["oodjax_commit"] = _checkout_commit()
+    return found
+
+
+def _checkout_commit() -> str | None:
+    source = pathlib.Path(__file__).resolve().parents[2]
+    if not (source / ".git").exists():  # an installed package
+        return None
+    try:
+        completed = subprocess.run(
+            ["git", "-C", str(source), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=30, check=True
+        )
+    except (OSError, subprocess.SubprocessError):  # no git, or a checkout it cannot read
+        return None
+    return completed.stdout.strip()
+
+
+def devices() -> dict[str, Any]:
+    """The JAX platform, device kind and counts of this process's job."""
+    return {
+        "platform": jax.default_backend(),
+        "kind": jax.devices()[0].device_kind,
+        "count": jax.device_count(),
+        "processes": jax.process_count(),
+    }
 
 
 class UnreadableResultsError(ValueError):

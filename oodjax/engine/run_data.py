@@ -18,6 +18,11 @@ prompt tokens, and the host time one step's batches take to build.
 ``in_context_sets`` gives the in-context baseline (``oodjax.evaluate``)
 each run's own copy of the testsets, every prompt preceded by the run's
 few-shot set as demonstrations: the same set training would draw.
+
+Every evaluated example keeps the row it has in its dataset as loaded
+(``DATASET_INDEX``: a testset's split before any cap, the training pool for
+a few-shot set), which metrics.npz stores beside its margins
+(``index/<set>``), so that a result can be joined back to its example.
 """
 
 from __future__ import annotations
@@ -55,16 +60,28 @@ from oodjax.engine.steps import micro_batch_branches
 # What the train step reads of a step's batch.
 TRAIN_KEYS = ("input_ids", "segment_ids", "answer_pos", "label", "valid", "run", "example")
 
+# The column ``capped_testsets`` and ``few_shot_datasets`` give their datasets: each example's row in the dataset as
+# loaded (``load_testset``'s split before any cap; ``training_pool``'s pool), which the caps and draws carry along.
+DATASET_INDEX = "dataset_index"
+
+
+@dataclasses.dataclass(frozen=True)
+class IndexedSet(TokenizedSet):
+    """A TokenizedSet that knows its prompts' rows in their dataset (``DATASET_INDEX``): what results join on."""
+
+    dataset_index: np.ndarray  # [N] int64
+
 
 @dataclasses.dataclass(frozen=True)
 class RunsData:
     eval_pool: EvalPool  # config.data.testsets in order, then run r's few-shot set as schema.TRAIN_TESTSET
     steps: grain.DatasetIterator  # the runs' training steps (train_steps), this process's rows
+    dataset_index: tuple[dict[str, np.ndarray], ...]  # run r: each set of eval_pool.labels_of(r) -> IndexedSet's
 
 
 def few_shot_sets(
     config: config_dict.ConfigDict, tokenizer: PreTrainedTokenizerBase, runs: Sequence[tuple[int, int]]
-) -> list[TokenizedSet]:
+) -> list[IndexedSet]:
     """Each run's tokenised few-shot training set; ``runs`` are (seed, shots) pairs.
 
     Cheap (a few hundred prompts), so the job's ``BatchGeometry``, which
@@ -74,9 +91,11 @@ def few_shot_sets(
 
 
 def few_shot_datasets(config: config_dict.ConfigDict, runs: Sequence[tuple[int, int]]) -> list[datasets.Dataset]:
-    """Each run's few-shot set, balanced and in its seeded order, untokenised; ``runs`` are (seed, shots) pairs."""
+    """Each run's few-shot set, balanced and in its seeded order, untokenised, with its rows in the pool
+    (``DATASET_INDEX``); ``runs`` are (seed, shots) pairs."""
     data = config.data
     pool = training_pool(data.train_set, split=data.pool_split or None, data_dir=data.data_dir or None)
+    pool = pool.add_column(DATASET_INDEX, np.arange(len(pool)))
     return [few_shot(pool, shots, seed) for seed, shots in runs]
 
 
@@ -84,7 +103,7 @@ def load_runs_data(
     config: config_dict.ConfigDict,
     tokenizer: PreTrainedTokenizerBase,
     seeds: Sequence[int],
-    train_sets: Sequence[TokenizedSet],
+    train_sets: Sequence[IndexedSet],
     geometry: BatchGeometry,
     *,
     prefetch: int = TRAIN_PREFETCH,
@@ -111,10 +130,14 @@ def load_runs_data(
         pad_id=pad_id(tokenizer),
         row_lengths=geometry.evaluation.row_lengths,
     )
-    return RunsData(eval_pool=eval_pool, steps=steps)
+    dataset_index = tuple(
+        {**{name: t.dataset_index for name, t in testsets.items()}, schema.TRAIN_TESTSET: train_set.dataset_index}
+        for train_set in train_sets
+    )
+    return RunsData(eval_pool=eval_pool, steps=steps, dataset_index=dataset_index)
 
 
-def load_testsets(config: config_dict.ConfigDict, tokenizer: PreTrainedTokenizerBase) -> dict[str, TokenizedSet]:
+def load_testsets(config: config_dict.ConfigDict, tokenizer: PreTrainedTokenizerBase) -> dict[str, IndexedSet]:
     """``capped_testsets``, tokenised, in order: what every run of a job is evaluated on."""
     capped = capped_testsets(config)
     return {name: _tokenize_testset(config, name, dataset, tokenizer) for name, dataset in capped.items()}
@@ -122,12 +145,13 @@ def load_testsets(config: config_dict.ConfigDict, tokenizer: PreTrainedTokenizer
 
 def capped_testsets(config: config_dict.ConfigDict) -> dict[str, datasets.Dataset]:
     """``data.testsets``, built-in or declared (data.extra_testsets[_file]), each capped (its own cap, else
-    data.eval_cap), in order."""
+    data.eval_cap), in order, with each example's row in the uncapped split (``DATASET_INDEX``)."""
     data = config.data
     table = testset_table(data.extra_testsets.to_dict(), data.extra_testsets_file or None)
     testsets = {}
     for name in data.testsets:
         dataset = load_testset(name, data_dir=data.data_dir or None, neutral=data.neutral, table=table)
+        dataset = dataset.add_column(DATASET_INDEX, np.arange(len(dataset)))
         cap = table[name].eval_cap(data.eval_cap)
         testsets[name] = stratified_subset(dataset, cap, seed=data.eval_seed) if cap else dataset
     return testsets
@@ -135,9 +159,10 @@ def capped_testsets(config: config_dict.ConfigDict) -> dict[str, datasets.Datase
 
 def in_context_sets(
     config: config_dict.ConfigDict, tokenizer: PreTrainedTokenizerBase, runs: Sequence[tuple[int, int]]
-) -> list[dict[str, InContextSet]]:
-    """Run r's in-context testsets: ``capped_testsets``, each prompt preceded by the demonstrations of run r's
-    few-shot set (``few_shot_datasets``) that fit in data.max_length (``oodjax.data.tokenize_in_context``)."""
+) -> tuple[dict[str, np.ndarray], list[dict[str, InContextSet]]]:
+    """The testsets' dataset index (``IndexedSet``; every run's), and run r's in-context testsets:
+    ``capped_testsets``, each prompt preceded by the demonstrations of run r's few-shot set
+    (``few_shot_datasets``) that fit in data.max_length (``oodjax.data.tokenize_in_context``)."""
     data = config.data
     testsets = capped_testsets(config)
     zero_shot = {name: _tokenize_testset(config, name, dataset, tokenizer) for name, dataset in testsets.items()}
@@ -155,7 +180,7 @@ def in_context_sets(
                 seed, shots, name, kept.mean(), np.count_nonzero(kept == 0), len(kept),
             )  # fmt: skip
         per_run.append(sets)
-    return per_run
+    return {name: tokenized.dataset_index for name, tokenized in zero_shot.items()}, per_run
 
 
 def training_figures(stream: grain.DatasetIterator, geometry: BatchGeometry, *, steps: int) -> dict[str, float]:
@@ -184,16 +209,18 @@ def training_figures(stream: grain.DatasetIterator, geometry: BatchGeometry, *, 
 
 def _tokenize(
     config: config_dict.ConfigDict, dataset: datasets.Dataset, tokenizer: PreTrainedTokenizerBase
-) -> TokenizedSet:
+) -> IndexedSet:
+    """``dataset`` (with its ``DATASET_INDEX`` column) tokenised."""
     data = config.data
-    return tokenize_testset(
+    tokenized = tokenize_testset(
         dataset, tokenizer, template=data.template, max_length=data.max_length, cache_dir=data.cache_dir or None
     )
+    return IndexedSet(**vars(tokenized), dataset_index=np.asarray(dataset[DATASET_INDEX][:], dtype=np.int64))
 
 
 def _tokenize_testset(
     config: config_dict.ConfigDict, name: str, dataset: datasets.Dataset, tokenizer: PreTrainedTokenizerBase
-) -> TokenizedSet:
+) -> IndexedSet:
     tokenized = _tokenize(config, dataset, tokenizer)
     if tokenized.num_truncated:
         logging.info(
