@@ -17,9 +17,10 @@ import numpy as np
 import pandas as pd
 import scipy.stats
 
+from analysis import schema
 from analysis.naming import ModelInfo
 from analysis.padjust import adjust_pvalues
-from analysis.runs import ResultsError, RunRecord
+from analysis.runs import ResultsError, RunRecord, read_metrics
 from analysis.stats import CONFIDENCE, PAIR_COLUMNS, pairwise_partial_corr
 
 RUN_ID_COLUMNS = ("model", "train_set", "seed", "shots", "run")
@@ -136,6 +137,24 @@ def run_means(pairs: pd.DataFrame) -> pd.DataFrame:
         )
     ]
     return pd.DataFrame(rows, columns=[*GROUP_COLUMNS, "run", "mean_r"])
+
+
+def majority_class_rates(runs: Sequence[RunRecord]) -> dict[str, tuple[float, ...]]:
+    """Per testset, the accuracy of always answering its majority class, read from the labels each run stores
+    (schema `label/<testset>`): the chance level an accuracy is to be read against, which is 0.5 only on a
+    balanced testset (SciTail's test split is 60% one class, PAWS's 56%). Runs that evaluated different examples
+    of a testset can disagree: every distinct rate is kept, in increasing order. A testset without examples has
+    none. A run without stored labels is a ResultsError naming the missing keys (`read_metrics`)."""
+    rates: dict[str, set[float]] = {}
+    for run in runs:
+        testsets = list(run.accuracy.columns)
+        labels = read_metrics(run.path, [schema.label_key(testset) for testset in testsets])
+        for testset in testsets:
+            _, counts = np.unique(labels[schema.label_key(testset)], return_counts=True)
+            found = rates.setdefault(testset, set())
+            if counts.size:
+                found.add(float(counts.max() / counts.sum()))
+    return {testset: tuple(sorted(found)) for testset, found in rates.items()}
 
 
 def lower_triangle(

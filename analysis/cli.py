@@ -31,6 +31,7 @@ from analysis.aggregate import (
     GROUP_COLUMNS,
     all_run_pairs,
     combine_runs,
+    majority_class_rates,
     run_means,
     summarise_by_model,
 )
@@ -41,7 +42,7 @@ from analysis.meta import (
     TAU2_ESTIMATORS,
     meta_analyse,
 )
-from analysis.naming import ModelInfo, slug, unique_stems
+from analysis.naming import ModelInfo, display_name, slug, unique_stems
 from analysis.padjust import PADJUST_METHODS
 from analysis.residualise import RESIDUALISERS, SPLINE
 from analysis.runs import ResultsError, RunRecord, accuracy_table, no_readable_runs_message, scan_runs
@@ -106,8 +107,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--probit", action="store_true", help="probit-transform accuracies before residualising"
     )
     parser.add_argument("--curves-ylim", type=float, nargs=2, metavar=("LOW", "HIGH"),
-                        help="one y-range for every accuracy-curve panel, so that models "
-                        "compare at a glance (default: fit each panel)")
+                        help="the y-range of every accuracy-curve panel, so that figures of "
+                        "different models compare at a glance (default: one range that fits "
+                        "every panel of the figure)")
     parser.add_argument(
         "--differences",
         action="store_true",
@@ -254,7 +256,7 @@ def write_analysis(
     written.append(_write_sensitivity_csv(group_changes, pooled_changes,
                                           directory / SENSITIVITY_CSV_NAME))
     description = _describe(options)
-    padjust = tables.latex_escape(args.padjust)
+    padjust = tables.latex_escape(display_name(args.padjust))
     table_files = []
     progress = tqdm(groups.items(), desc="writing groups", unit="group", file=sys.stderr,
                     disable=len(groups) <= PROGRESS_MIN_GROUPS)
@@ -263,10 +265,11 @@ def write_analysis(
         pairs = _group_pairs(per_group, model, train_set)
         testsets = _ood_testsets(group_runs)
         described_model = f"{model} ({models[model].description})"
+        shown_train_set = display_name(train_set)
         caption = (
-            f"Partial correlations of OOD accuracies given {tables.latex_escape(train_set)} "
+            f"Partial correlations of OOD accuracies given {tables.latex_escape(shown_train_set)} "
             f"accuracy, {tables.latex_escape(described_model)} trained on "
-            f"{tables.latex_escape(train_set)}: "
+            f"{tables.latex_escape(shown_train_set)}: "
             f"mean over {_extent(group_runs)} on the Fisher $z$ scale; {description}. "
             f"{tables.SIGNIFICANCE_NOTE} ({padjust}), t test across runs."
         )
@@ -274,7 +277,7 @@ def write_analysis(
         table_files[-1].write_text(tables.matrix_table(
             pairs, testsets, caption=caption, label=f"tab:pcorr-{name}", other_residualiser=other
         ))
-        title = f"{described_model}, trained on {train_set}"
+        title = f"{described_model}, trained on {shown_train_set}"
         note = f"{description}; {_extent(group_runs)}"
         written += _write_figures(group_runs, pairs, testsets, figure_dir, name, title, note, args,
                                   other)
@@ -288,8 +291,8 @@ def write_analysis(
             if group_train_set == train_set
         ]
         figure = figures.comparison_heatmaps(
-            side_by_side, models, title=f"Partial correlations, trained on {train_set}",
-            note=note,
+            side_by_side, models, padjust=args.padjust,
+            title=f"Partial correlations, trained on {display_name(train_set)}", note=note,
         )
         written += figures.save(figure, figure_dir / f"comparison_heatmaps_{slug(train_set)}")
     by_size = figures.correlation_by_size(
@@ -367,7 +370,7 @@ def _write_meta_analysis(
         keys = list(dict.fromkeys(zip(scope_members["model"], scope_members["train_set"])))
         everything = scope == ALL_TRAIN_SETS
         scope_runs = [run for run in runs if everything or run.train_set == scope]
-        where = "over every training set" if everything else f"trained on {scope}"
+        where = "over every training set" if everything else f"trained on {display_name(scope)}"
         name = slug(scope)
         caption = (
             f"Random-effects meta-analysis across models of each OOD pair's partial "
@@ -378,14 +381,14 @@ def _write_meta_analysis(
             f"model; Cochran's $Q$ with its $\\chi^2$ $p$, and Welch's $p$ for equal means; "
             f"Agree: models whose $r$ has the pooled sign; {description}; "
             f"{_extent(scope_runs)}. {tables.SIGNIFICANCE_NOTE} "
-            f"({tables.latex_escape(args.padjust)} over pairs)."
+            f"({tables.latex_escape(display_name(args.padjust))} over pairs)."
         )
         table_files.append(table_dir / f"meta_analysis_{name}.tex")
         table_files[-1].write_text(tables.meta_analysis_table(
             scoped, other_residualiser=other, caption=caption, label=f"tab:meta-{name}"
         ))
         labels = {(model, train_set): models[model].description
-                  + (f", {train_set}" if everything else "") for model, train_set in keys}
+                  + (f", {display_name(train_set)}" if everything else "") for model, train_set in keys}
         figure = figures.forest_plots(
             scoped, scope_members, labels,
             title=f"Partial correlations across models, {where}",
@@ -417,10 +420,10 @@ def _sensitivity_table(
     caption = (
         f"How much the residualiser decides the results: pairs defined under both "
         f"residualisers, their mean $r$ (Fisher $z$ scale), pairs with positive / negative $r$ "
-        f"and adjusted $p<0.05$ ({tables.latex_escape(args.padjust)}), and the pairs whose "
+        f"and adjusted $p<0.05$ ({tables.latex_escape(display_name(args.padjust))}), and the pairs whose "
         f"sign or significance changes, or that are defined under one residualiser only; "
         f"per model and training set, then for the meta-analysis across models. The other "
-        f"tables report the {args.residualiser} residualiser and mark these pairs with "
+        f"tables report the {display_name(args.residualiser)} residualiser and mark these pairs with "
         f"${tables.SENSITIVE_MARK}$; {description}; {_extent(runs)}."
     )
     return tables.sensitivity_table(blocks, RESIDUALISERS, caption=caption,
@@ -480,11 +483,14 @@ def _write_figures(
     args: argparse.Namespace,
     other: str,
 ) -> list[pathlib.Path]:
-    heatmap = figures.correlation_heatmap(pairs, testsets, title=title,
+    heatmap = figures.correlation_heatmap(pairs, testsets, padjust=args.padjust, title=title,
                                           note=note + _dagger_note(pairs, other))
-    curves = figures.accuracy_curves(group_runs, title=title, note=note, ylim=args.curves_ylim)
+    chance = majority_class_rates(group_runs)
+    curves = figures.accuracy_curves(group_runs, chance=chance, title=title, note=note,
+                                     ylim=args.curves_ylim)
     scatter = figures.ood_vs_in_domain(
-        group_runs, residualiser=args.residualiser, probit=args.probit, title=title, note=note
+        group_runs, chance=chance, residualiser=args.residualiser, probit=args.probit, title=title,
+        note=note,
     )
     return [
         *figures.save(heatmap, directory / f"heatmap_{name}"),
@@ -523,14 +529,15 @@ def _dagger_note(results: pd.DataFrame, other: str) -> str:
     """What a figure's daggers mean, when it has any."""
     if not results[SENSITIVE].any():
         return ""
-    return f"; {figures.DAGGER} changes sign or significance with the {other} residualiser"
+    return (f"; {figures.DAGGER} changes sign or significance with the {display_name(other)} "
+            "residualiser")
 
 
 def _describe(options: dict) -> str:
-    """The options in words; a residualiser of None is left out."""
-    parts = [f"{options['method']} correlation"]
+    """The options in words (display names); a residualiser of None is left out."""
+    parts = [f"{display_name(options['method'])} correlation"]
     if options["residualiser"] is not None:
-        parts.append(f"{options['residualiser']} residualiser")
+        parts.append(f"{display_name(options['residualiser'])} residualiser")
     if options["probit"]:
         parts.append("probit-transformed accuracies")
     if options["differences"]:

@@ -7,7 +7,10 @@ journals accept it) and PNG (for a quick look). Colours are safe for the
 common colour-vision deficiencies (Okabe-Ito lines, a red-blue diverging map
 for correlations), and every figure carries a note of what it rests on
 (correlation method, residualiser, runs and steps), so that it cannot be
-read apart from how it was made.
+read apart from how it was made. Panels that compare share their ranges,
+chance is each testset's majority-class rate, marks have a key, and
+testsets, methods and families go by their display names
+(naming.DISPLAY_NAMES).
 """
 
 import itertools
@@ -27,12 +30,12 @@ import pandas as pd  # noqa: E402
 import scipy.stats  # noqa: E402
 
 from analysis.aggregate import lower_triangle  # noqa: E402
-from analysis.naming import ModelInfo  # noqa: E402
+from analysis.naming import ModelInfo, display_name  # noqa: E402
 from analysis.residualise import fit  # noqa: E402
 from analysis.runs import RunRecord  # noqa: E402
 from analysis.sensitivity import SENSITIVE  # noqa: E402
 from analysis.stats import probit_transform  # noqa: E402
-from analysis.tables import significance_mark  # noqa: E402
+from analysis.tables import MARKS, significance_mark  # noqa: E402
 
 # Okabe & Ito's palette, safe for the common colour-vision deficiencies, in an
 # order whose first colours stay apart in greyscale too; its yellow, faint on
@@ -42,6 +45,7 @@ OKABE_ITO = (
 )
 PAPER_STYLE = {
     "font.size": 8,
+    "figure.titlesize": 9,  # headings (_heading)
     "axes.titlesize": 8,
     "axes.labelsize": 8,
     "legend.fontsize": 7,
@@ -56,13 +60,27 @@ PNG_DPI = 150
 # Diverging and symmetric about 0, readable with red-green colour blindness.
 DIVERGING_MAP = "RdBu_r"
 PANEL_COLUMNS = 4
-CHANCE = 0.5  # accuracy of guessing on the balanced binary task
+# Accuracy of always answering a testset's majority class (aggregate.majority_class_rates), drawn dashed.
+CHANCE_STYLE = {"color": "0.5", "lw": 0.7, "ls": "--"}
+CHANCE_LABEL = "chance (majority class)"
+# Significance marks in the heatmaps without numbers: as large as the tick labels, to be read in print.
+MARK_SIZE = 8
+# A heatmap's figure, in inches: wide enough for the key to its marks, high enough for that key and
+# for its heading, a line of which takes the heading's 9 pt with line spacing.
+HEATMAP_MIN_WIDTH = 3.2
+HEATMAP_KEY_HEIGHT = 0.45
+TITLE_LINE_HEIGHT = 0.16
 DAGGER = "\u2020"  # marks a result that changes under the other residualiser
+MINUS = "\u2212"  # a minus sign, not the shorter hyphen
 POOLED_COLOUR = OKABE_ITO[0]
-# Forest plots: inches per model row, per panel beyond its rows, and panels per figure row.
+# Forest plots: inches per model row, per panel beyond its rows, and panels per figure row; the
+# least width, for the legend under one panel, and the height of the x-axis' ticks and label.
 FOREST_ROW_HEIGHT = 0.1
 FOREST_PANEL_EXTRA = 0.6
 FOREST_COLUMNS = 4
+FOREST_MIN_WIDTH = 5.0
+FOREST_WIDTH_FOR_3_ENTRIES = 6.5  # legend entries to a row; fewer where the figure is narrower
+FOREST_AXIS_HEIGHT = 0.4
 _BILLIONS = matplotlib.ticker.FuncFormatter(lambda value, _: f"{value:g}B")
 
 
@@ -82,23 +100,30 @@ def save(fig: plt.Figure, stem: pathlib.Path) -> list[pathlib.Path]:
 
 
 def correlation_heatmap(
-    pairs: pd.DataFrame, testsets: list[str], *, title: str, note: str
+    pairs: pd.DataFrame, testsets: list[str], *, padjust: str, title: str, note: str
 ) -> plt.Figure:
     """Lower triangle of combined r (rows testsets[1:], columns testsets[:-1]).
 
     Diverging map centred at 0 with limits -1 and 1; each cell shows r, its
-    significance marks (adjusted p) and a dagger where the result changes
-    under the other residualiser (column SENSITIVE); undefined cells are
-    grey. `note` (what the numbers rest on) is printed under the title.
+    significance marks (p adjusted by `padjust`, explained under the
+    triangle) and a dagger where the result changes under the other
+    residualiser (column SENSITIVE); undefined cells are grey. `note` (what
+    the numbers rest on) is printed under the title.
     """
     values, p_adj, sensitive = lower_triangle(pairs, testsets, ("r", "p_adj", SENSITIVE))
     size = len(values)
     with plt.rc_context(PAPER_STYLE):
         side = 0.9 + 0.5 * size
-        fig, ax = plt.subplots(figsize=(side + 0.9, side + 0.3), layout="constrained")
+        fig, ax = plt.subplots(figsize=(max(side + 0.9, HEATMAP_MIN_WIDTH), side),
+                               layout="constrained")
+        heading = _heading(fig, title, note)
+        # The triangle, and above and below it the heading's lines and the key to the marks:
+        # a figure as small as one cell would otherwise have no room left for the cell.
+        fig.set_figheight(side + HEATMAP_KEY_HEIGHT + TITLE_LINE_HEIGHT * (heading.count("\n") + 1))
         image = _draw_triangle(ax, values, p_adj, testsets, annotate=True, sensitive=sensitive)
         _colourbar(fig, image, ax)
-        ax.set_title(_heading(fig, title, note))
+        _significance_legend(fig, padjust)
+        fig.suptitle(heading)  # centred on the figure: the axes' own title could run off its edge
     return fig
 
 
@@ -106,6 +131,7 @@ def comparison_heatmaps(
     groups: Sequence[tuple[str, pd.DataFrame, list[str]]],
     models: Mapping[str, ModelInfo],
     *,
+    padjust: str,
     title: str,
     note: str,
 ) -> plt.Figure:
@@ -114,15 +140,15 @@ def comparison_heatmaps(
 
     `groups` holds (model, pairs, testsets) per model, in the order rows
     and columns should follow. Panels carry colours and significance marks
-    but no numbers, which would be unreadable at this size; the per-model
-    heatmaps have them.
+    (p adjusted by `padjust`, explained under the panels) but no numbers,
+    which would be unreadable at this size; the per-model heatmaps have them.
     """
     families = list(dict.fromkeys(models[model].family for model, _, _ in groups))
     rows = [[g for g in groups if models[g[0]].family == family] for family in families]
     columns = max(len(row) for row in rows)
     with plt.rc_context(PAPER_STYLE):
         fig, axes = plt.subplots(
-            len(rows), columns, figsize=(1.9 * columns + 0.9, 1.9 * len(rows) + 0.6),
+            len(rows), columns, figsize=(2.2 * columns + 1.0, 2.2 * len(rows) + 1.0),
             squeeze=False, layout="constrained",
         )
         image = None
@@ -132,10 +158,10 @@ def comparison_heatmaps(
             for ax, (model, pairs, testsets) in zip(row_axes, row):
                 values, p_adj = lower_triangle(pairs, testsets)
                 image = _draw_triangle(ax, values, p_adj, testsets, annotate=False)
-                ax.set_title(f"{models[model].description} ({model})", fontsize=7)
-                ax.tick_params(labelsize=5.5)
+                ax.set_title(f"{models[model].description}\n({model})")  # one line is wider than a panel
         fig.suptitle(_heading(fig, title, note))
         _colourbar(fig, image, axes.ravel().tolist())
+        _significance_legend(fig, padjust)
     return fig
 
 
@@ -162,7 +188,7 @@ def correlation_by_size(
             for family, lines in rows.groupby("family", sort=False):
                 lines = lines.sort_values("size_billions")
                 ax.plot(lines["size_billions"], lines["mean_r"], color=colours[family],
-                        marker="o", ms=4, lw=1.2, label=family)
+                        marker="o", ms=4, lw=1.2, label=display_name(family))
                 runs = per_run.merge(lines[["model", "train_set", "size_billions"]],
                                      on=["model", "train_set"])
                 ax.scatter(runs["size_billions"], runs["mean_r"], color=colours[family],
@@ -175,7 +201,7 @@ def correlation_by_size(
             ax.xaxis.set_major_locator(matplotlib.ticker.LogLocator(subs=(1.0, 2.0, 3.0, 5.0)))
             ax.xaxis.set_major_formatter(_BILLIONS)
             ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
-            ax.set_title(f"trained on {train_set}")
+            ax.set_title(f"trained on {display_name(train_set)}")
             ax.set_xlabel("parameters")
         axes[0, 0].set_ylabel("mean partial $r$ over pairs")
         left_out = summary["size_billions"].isna().sum()
@@ -188,22 +214,25 @@ def correlation_by_size(
 
 
 def accuracy_curves(
-    runs: list[RunRecord], *, title: str, note: str, ylim: tuple[float, float] | None = None
+    runs: list[RunRecord], *, chance: Mapping[str, Sequence[float]], title: str, note: str,
+    ylim: tuple[float, float] | None = None,
 ) -> plt.Figure:
     """Accuracy over steps, one panel per testset, one line per shot count.
 
     Lines are the mean over seeds; bands span the lowest to highest seed; a
-    dashed line marks chance (CHANCE). `ylim` gives every panel the same
-    y-range, so that figures of different models compare at a glance; None
-    fits each panel to its data. A testset without any accuracy keeps its
-    (empty) panel, so that the gap shows.
+    dashed line marks each of the testset's `chance` accuracies
+    (aggregate.majority_class_rates). Every panel has the same y-range, so
+    that testsets compare: `ylim`, so that figures of different models
+    compare too, or when None one range that fits every panel. A testset
+    without any accuracy keeps its (empty) panel, so that the gap shows.
     """
     testsets = list(dict.fromkeys(t for run in runs for t in run.accuracy.columns))
     colours = _shot_colours(runs)
     with plt.rc_context(PAPER_STYLE):
         fig, axes = _panel_grid(len(testsets))
         for ax, testset in zip(axes, testsets):
-            ax.axhline(CHANCE, color="0.5", lw=0.7, ls="--", label="chance")
+            for rate in chance.get(testset, ()):
+                ax.axhline(rate, **CHANCE_STYLE)
             for shot, colour in colours.items():
                 seeds = [
                     r.accuracy[testset] for r in runs if r.shots == shot and testset in r.accuracy
@@ -215,14 +244,18 @@ def accuracy_curves(
                 ax.plot(steps, curves.mean(axis=1), color=colour, lw=1.2, label=f"{shot} shots")
                 ax.fill_between(steps, curves.min(axis=1), curves.max(axis=1),
                                 color=colour, alpha=0.2, lw=0)
-            if ylim is not None:
-                ax.set_ylim(ylim)
-            ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(nbins=4, integer=True))
             in_domain = any(testset == run.in_domain for run in runs)
-            ax.set_title(f"{testset} (in-domain)" if in_domain else testset)
+            ax.set_title(f"{display_name(testset)} (in-domain)" if in_domain else display_name(testset))
+        if ylim is not None:
+            axes[0].set_ylim(ylim)  # shared by every panel
+        axes[0].xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(nbins=4, integer=True))
         _label_lowest(axes, "step")
         fig.supylabel("accuracy")
-        handles, labels = axes[0].get_legend_handles_labels()
+        handles = [plt.Line2D([], [], color=c, lw=1.2) for c in colours.values()]
+        labels = [f"{shot} shots" for shot in colours]
+        if any(chance.get(testset) for testset in testsets):
+            handles.insert(0, plt.Line2D([], [], **CHANCE_STYLE))
+            labels.insert(0, CHANCE_LABEL)
         fig.legend(handles, labels, loc="outside lower center", ncols=len(handles),
                    frameon=False, title="mean over seeds; band: min to max")
         fig.suptitle(_heading(fig, title, note))
@@ -230,21 +263,29 @@ def accuracy_curves(
 
 
 def ood_vs_in_domain(
-    runs: list[RunRecord], *, residualiser: str, probit: bool, title: str, note: str
+    runs: list[RunRecord], *, chance: Mapping[str, Sequence[float]], residualiser: str, probit: bool,
+    title: str, note: str,
 ) -> plt.Figure:
-    """OOD accuracy against in-domain accuracy, one panel per OOD testset.
+    """OOD accuracy against in-domain accuracy, one panel per OOD testset, all on the same axes' ranges.
 
     Points are evaluation steps, coloured by shot count; each run's
     residualiser fit is drawn over its range (fitted on the probit scale when
     `probit`, mapped back to accuracies). For Pearson correlations of levels
     the residuals are the vertical distances to these curves; with ranks or
-    first differences the picture still shows levels.
+    first differences the picture still shows levels. Dashed lines mark the
+    `chance` accuracies (aggregate.majority_class_rates) of the OOD testset
+    (horizontal) and of the in-domain one (vertical).
     """
     testsets = list(dict.fromkeys(t for run in runs for t in run.ood_testsets))
+    in_domain = runs[0].in_domain  # the group's training set
     colours = _shot_colours(runs)
     with plt.rc_context(PAPER_STYLE):
         fig, axes = _panel_grid(len(testsets))
         for ax, testset in zip(axes, testsets):
+            for rate in chance.get(testset, ()):
+                ax.axhline(rate, **CHANCE_STYLE)
+            for rate in chance.get(in_domain, ()):
+                ax.axvline(rate, **CHANCE_STYLE)
             for run in runs:
                 if testset not in run.accuracy:
                     continue
@@ -252,13 +293,17 @@ def ood_vs_in_domain(
                 colour = colours[run.shots]
                 ax.scatter(points[:, 0], points[:, 1], s=6, color=colour, alpha=0.6, lw=0)
                 _draw_fit(ax, points, residualiser=residualiser, probit=probit, colour=colour)
-            ax.set_title(testset)
-        _label_lowest(axes, f"{runs[0].in_domain} accuracy (in-domain)")
+            ax.set_title(display_name(testset))
+        # Two lines: one would be wider than a panel and run into the next one or off the figure.
+        _label_lowest(axes, f"{display_name(in_domain)} accuracy\n(in-domain)")
         fig.supylabel("OOD accuracy")
         handles = [plt.Line2D([], [], color=c, marker="o", ms=3, lw=1) for c in colours.values()]
-        fig.legend(handles, [f"{s} shots" for s in colours], loc="outside lower center",
-                   ncols=len(handles), frameon=False,
-                   title=f"one curve per run: {residualiser} fit"
+        labels = [f"{s} shots" for s in colours]
+        if any(chance.get(testset) for testset in [in_domain, *testsets]):
+            handles.insert(0, plt.Line2D([], [], **CHANCE_STYLE))
+            labels.insert(0, CHANCE_LABEL)
+        fig.legend(handles, labels, loc="outside lower center", ncols=len(handles), frameon=False,
+                   title=f"one curve per run: {display_name(residualiser)} fit"
                    + (" on the probit scale" if probit else ""))
         fig.suptitle(_heading(fig, title, note))
     return fig
@@ -286,9 +331,17 @@ def forest_plots(
     panel_height = FOREST_ROW_HEIGHT * (len(keys) + 2) + FOREST_PANEL_EXTRA
     with plt.rc_context(PAPER_STYLE):
         fig, axes = plt.subplots(
-            rows, columns, figsize=(1.9 * columns + 1.0, panel_height * rows + 1.1),
+            rows, columns, figsize=(max(1.9 * columns + 1.0, FOREST_MIN_WIDTH), panel_height * rows),
             sharex=True, sharey=True, squeeze=False, layout="constrained",
         )
+        heading = _heading(fig, title, note)
+        handles, names = _forest_legend(colours, members)
+        legend_columns = min(3 if fig.get_figwidth() >= FOREST_WIDTH_FOR_3_ENTRIES else 2, len(handles))
+        key = _wrap(fig, "squares: a model's mean $r$ over its runs with its 95% t interval, area by its "
+                    "weight in the pooled $r$", PAPER_STYLE["legend.fontsize"])
+        # Lines of the heading, of the legend's title and of its entries, and the x-axis labels.
+        lines = heading.count("\n") + key.count("\n") + 2 + int(np.ceil(len(handles) / legend_columns))
+        fig.set_figheight(panel_height * rows + FOREST_AXIS_HEIGHT + TITLE_LINE_HEIGHT * lines)
         for ax in axes.ravel()[len(pooled):]:
             ax.set_visible(False)
         for ax, summary in zip(axes.ravel(), pooled.itertuples()):
@@ -302,11 +355,9 @@ def forest_plots(
         for bottom in _lowest_visible(axes, len(pooled)):
             bottom.set_xlabel("partial $r$")
             bottom.tick_params(labelbottom=True)
-        handles, names = _forest_legend(colours, members)
-        fig.legend(handles, names, loc="outside lower center", ncols=min(3, len(handles)),
-                   frameon=False, title="squares: a model's mean $r$ over its runs with its 95% "
-                   "t interval, area by its weight in the pooled $r$")
-        fig.suptitle(_heading(fig, title, note))
+        fig.legend(handles, names, loc="outside lower center", ncols=legend_columns, frameon=False,
+                   title=key)
+        fig.suptitle(heading)
     return fig
 
 
@@ -326,7 +377,7 @@ def _draw_forest(ax: plt.Axes, summary, pair: pd.DataFrame, keys: list, colours:
     row = len(keys)
     if np.isnan(summary.r):
         ax.text(0.0, row, "not pooled", ha="center", va="center", fontsize=6, color="0.4")
-        ax.set_title(f"{summary.x} \u2013 {summary.y}", fontsize=6.5)
+        ax.set_title(_pair_name(summary), fontsize=6.5)
         return
     if not np.isnan(summary.pi_low):
         ax.plot([summary.pi_low, summary.pi_high], [row, row], color=POOLED_COLOUR, lw=1.0,
@@ -335,10 +386,15 @@ def _draw_forest(ax: plt.Axes, summary, pair: pd.DataFrame, keys: list, colours:
             [row, row - 0.45, row, row + 0.45], color=POOLED_COLOUR, lw=0, zorder=3)
     dagger = DAGGER if getattr(summary, SENSITIVE) else ""
     ax.set_title(
-        f"{summary.x} \u2013 {summary.y}{dagger}\nr = {summary.r:.2f} "
+        f"{_pair_name(summary)}{dagger}\nr = {summary.r:.2f} "
         f"[{summary.ci_low:.2f}, {summary.ci_high:.2f}]\nI\u00b2 = {100 * summary.i2:.0f}%, "
         f"{summary.n_agree:.0f}/{summary.k} agree in sign", fontsize=6.5,
     )
+
+
+def _pair_name(summary) -> str:
+    """A pair of testsets as panel titles name it: "SNLI – SciTail"."""
+    return f"{display_name(summary.x)} \u2013 {display_name(summary.y)}"
 
 
 def _forest_legend(colours: dict, members: pd.DataFrame) -> tuple[list, list[str]]:
@@ -346,7 +402,7 @@ def _forest_legend(colours: dict, members: pd.DataFrame) -> tuple[list, list[str
     (if any), the pooled diamond and the prediction interval."""
     several = len(colours) > 1
     handles = [plt.Line2D([], [], color=c, marker="s", ms=4, lw=0.8) for c in colours.values()]
-    names = [f"model trained on {train_set}" if several else "model" for train_set in colours]
+    names = [f"model trained on {display_name(train_set)}" if several else "model" for train_set in colours]
     if (members["r"].notna() & members["weight"].isna()).any():
         handles.append(plt.Line2D([], [], color="0.2", marker="s", mfc="white", ms=4, lw=0))
         names.append("not pooled (no variance across runs)")
@@ -402,11 +458,12 @@ def _draw_triangle(
         mark = "" if np.isnan(p_adj[i, j]) else significance_mark(p_adj[i, j])
         if annotate and sensitive[i, j] == 1:
             mark += DAGGER
-        text = f"{values[i, j]:.2f}\n{mark}".strip() if annotate else mark
-        ax.text(j, i, text, ha="center", va="center", fontsize=6.5 if annotate else 5,
+        number = f"{values[i, j]:.2f}".replace("-", MINUS)
+        text = f"{number}\n{mark}".strip() if annotate else mark
+        ax.text(j, i, text, ha="center", va="center", fontsize=6.5 if annotate else MARK_SIZE,
                 color="white" if abs(values[i, j]) > 0.6 else "black", linespacing=0.9)
-    ax.set_xticks(range(size), testsets[:-1], rotation=45, ha="right")
-    ax.set_yticks(range(size), testsets[1:])
+    ax.set_xticks(range(size), map(display_name, testsets[:-1]), rotation=45, ha="right")
+    ax.set_yticks(range(size), map(display_name, testsets[1:]))
     ax.tick_params(length=0)
     for spine in ax.spines.values():
         spine.set_visible(False)
@@ -419,6 +476,16 @@ def _colourbar(fig: plt.Figure, image: matplotlib.image.AxesImage, ax) -> None:
     colourbar.outline.set_visible(False)
 
 
+def _significance_legend(fig: plt.Figure, padjust: str) -> None:
+    """What the heatmaps' marks mean (tables.MARKS), as a legend under the panels."""
+    blank = plt.Line2D([], [], lw=0)
+    labels = [f"{mark} p < {threshold:g}" for threshold, mark in reversed(MARKS)]
+    adjusted = "unadjusted" if padjust == "none" else f"{display_name(padjust)}-adjusted"
+    fig.legend([blank] * len(labels), labels, loc="outside lower center", ncols=len(labels),
+               frameon=False, handlelength=0, handletextpad=0, columnspacing=1.5,
+               title=f"marks: {adjusted} p-values")
+
+
 def _shot_colours(runs: list[RunRecord]) -> dict[int, str]:
     """One Okabe-Ito colour per shot count, the same in every figure of a group."""
     return dict(zip(sorted({run.shots for run in runs}), itertools.cycle(OKABE_ITO)))
@@ -427,23 +494,33 @@ def _shot_colours(runs: list[RunRecord]) -> dict[int, str]:
 def _heading(fig: plt.Figure, title: str, note: str) -> str:
     """Title and note, each wrapped to the figure's width: a note longer than a small
     figure is wide would be cut off at its edges."""
-    characters = int(fig.get_figwidth() * 72 / (0.6 * PAPER_STYLE["axes.titlesize"]))
-    return "\n".join(textwrap.fill(line, max(characters, 20)) for line in (title, note))
+    return "\n".join(_wrap(fig, line, PAPER_STYLE["figure.titlesize"]) for line in (title, note))
+
+
+def _wrap(fig: plt.Figure, text: str, points: float) -> str:
+    """`text` in lines as wide as the figure at a font size of `points` (a character is
+    about 0.6 of it wide)."""
+    characters = int(fig.get_figwidth() * 72 / (0.6 * points))
+    return textwrap.fill(text, max(characters, 20))
 
 
 def _label_lowest(axes: list[plt.Axes], label: str) -> None:
-    """Label the x-axis of the lowest panel of each column (a figure-wide label would collide
-    with a legend below the panels, which constrained layout does not stack)."""
+    """Label the x-axis of the lowest panel of each column, and show its tick labels, which
+    shared axes hide above the last row (a figure-wide label would collide with a legend below
+    the panels, which constrained layout does not stack)."""
     columns = min(PANEL_COLUMNS, len(axes))
     for ax in axes[-columns:]:
         ax.set_xlabel(label)
+        ax.tick_params(labelbottom=True)
 
 
 def _panel_grid(count: int) -> tuple[plt.Figure, list[plt.Axes]]:
+    """`count` panels, PANEL_COLUMNS to a row, sharing their x and y ranges: the panels show
+    one quantity each, and compare only on the same scale."""
     columns = min(PANEL_COLUMNS, count)
     rows = int(np.ceil(count / columns))
-    fig, axes = plt.subplots(rows, columns, figsize=(1.75 * columns, 1.6 * rows + 0.6),
-                             squeeze=False, layout="constrained")
+    fig, axes = plt.subplots(rows, columns, figsize=(1.75 * columns, 1.6 * rows + 0.8),
+                             sharex=True, sharey=True, squeeze=False, layout="constrained")
     axes = axes.ravel().tolist()
     for ax in axes[:count]:
         ax.locator_params(nbins=4)

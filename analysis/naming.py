@@ -1,4 +1,5 @@
-"""A run's model family and size, read from its config, and file names that never collide.
+"""A run's model family and size, read from its config, file names that never collide, and the names that
+figures and tables print for testsets, methods and families.
 
 Run names ("opt2.7", "olmo7", "smol3") are the sweep's short labels and say
 nothing reliable about the model, so family and size come from the config
@@ -28,7 +29,25 @@ import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from analysis import schema
+
 UNKNOWN = "unknown"
+
+# What figures and tables print for a key of the results or the command line, as papers write it: testsets by
+# their published names, correlation methods and p-value adjustments by their authors', and model families
+# (the keys of `hub_id_info`). CSVs and file names keep the keys. A key missing here prints as it is: a
+# declared testset, a new family, and the residualisers ("linear", "spline"), common nouns already.
+DISPLAY_NAMES = {
+    # testsets (oodjax/data/testsets.py), ANLI's rounds as a declared testset might name them
+    "snli": "SNLI", "mnli": "MNLI", "scitail": "SciTail", "rte": "RTE", "hans": "HANS", "anli": "ANLI",
+    "anli_r1": "ANLI R1", "anli_r2": "ANLI R2", "anli_r3": "ANLI R3", "wnli": "WNLI", "paws": "PAWS",
+    schema.TRAIN_TESTSET: "training set",
+    # --method and --padjust (analysis/stats.py, padjust.py)
+    "pearson": "Pearson", "spearman": "Spearman",
+    "holm": "Holm", "bonferroni": "Bonferroni", "fdr_bh": "Benjamini-Hochberg", "none": "unadjusted",
+    # model families
+    "opt": "OPT", "olmo2": "OLMo 2", "smollm2": "SmolLM2", "smollm3": "SmolLM3",
+}
 
 _SIZE_TOKEN = re.compile(r"(\d+(?:\.\d+)?)([mMbB])")
 _RELEASE_TOKEN = re.compile(r"\d{4}")
@@ -55,10 +74,15 @@ class ModelInfo:
 
     @property
     def description(self) -> str:
-        """Family and size for titles and captions: "opt 2.7B", "olmo2, size unknown"."""
+        """Family (its display name) and size for titles and captions: "OPT 2.7B", "OLMo 2, size unknown"."""
         if math.isnan(self.size_billions):
-            return f"{self.family}, size {UNKNOWN}"
-        return f"{self.family} {self.size_label}"
+            return f"{display_name(self.family)}, size {UNKNOWN}"
+        return f"{display_name(self.family)} {self.size_label}"
+
+
+def display_name(key: str) -> str:
+    """What a figure or table prints for `key` (see DISPLAY_NAMES): "scitail" -> "SciTail"."""
+    return DISPLAY_NAMES.get(key, key)
 
 
 def model_info(config: Mapping[str, Any]) -> ModelInfo:

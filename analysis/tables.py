@@ -1,4 +1,11 @@
-"""LaTeX tables (booktabs) of combined partial correlations, ready to \\input into a paper."""
+"""LaTeX tables (booktabs) of combined partial correlations, ready to \\input into a paper.
+
+Testsets, training sets, families and methods are printed by their display names
+(naming.DISPLAY_NAMES). A correlation with significance marks takes two columns, `r@{}l`
+(MARKED_COLUMNS): the number right-aligned, its marks left-aligned after it, so that the
+decimal points of a column line up whatever marks follow them; this needs no package
+beyond booktabs (siunitx, the usual alternative, is not in texlive-latex-recommended).
+"""
 
 from collections.abc import Sequence
 
@@ -6,6 +13,7 @@ import numpy as np
 import pandas as pd
 
 from analysis.aggregate import SIGNIFICANCE, UNDEFINED_IN_EVERY_RUN, lower_triangle
+from analysis.naming import display_name
 from analysis.sensitivity import CHANGES, SENSITIVE
 
 _LATEX_SPECIALS = {
@@ -29,12 +37,14 @@ SIGNIFICANCE_NOTE = (
 )
 # Marks a result whose sign or significance differs under the other residualiser.
 SENSITIVE_MARK = r"\dagger"
+# The column pair of a marked correlation (see the module docstring), and what spans it.
+MARKED_COLUMNS = "r@{}l"
 
 
 def sensitivity_note(other_residualiser: str) -> str:
     """What the dagger means, for the note under a table."""
     return (f"${SENSITIVE_MARK}$ sign or significance differs under the "
-            f"{latex_escape(other_residualiser)} residualiser (or $r$ is defined under one only).")
+            f"{_name(other_residualiser)} residualiser (or $r$ is defined under one only).")
 
 
 def latex_escape(text: str) -> str:
@@ -62,12 +72,12 @@ def matrix_table(
     """
     r, p_adj, sensitive = lower_triangle(pairs, testsets, ("r", "p_adj", SENSITIVE))
     rows = [
-        [latex_escape(name)]
-        + [_cell(r[i, j], p_adj[i, j], sensitive[i, j] == 1) for j in range(i + 1)]
-        + [""] * (len(r) - i - 1)
+        [_name(name)]
+        + [cell for j in range(i + 1) for cell in _cell(r[i, j], p_adj[i, j], sensitive[i, j] == 1)]
+        + [""] * 2 * (len(r) - i - 1)
         for i, name in enumerate(testsets[1:])
     ]
-    header = [""] + [latex_escape(name) for name in testsets[:-1]]
+    header = [""] + [_spanning(_name(name)) for name in testsets[:-1]]
     undefined = pairs[pairs["r"].isna()]
     reasons = dict.fromkeys(
         reason.removeprefix(UNDEFINED_IN_EVERY_RUN) for reason in undefined["reason"]
@@ -77,7 +87,7 @@ def matrix_table(
     notes = ["-- undefined in every run: " + "; ".join(map(latex_escape, reasons)) + "."
              if reasons else "",
              sensitivity_note(other_residualiser) if pairs[SENSITIVE].any() else ""]
-    return _table(caption, label, "l" + "r" * len(r), [_row(header)], rows,
+    return _table(caption, label, "l" + MARKED_COLUMNS * len(r), [_row(header)], rows,
                   " ".join(filter(None, notes)))
 
 
@@ -93,14 +103,14 @@ def meta_analysis_table(
     z scale), I^2, Cochran's Q with its p, Welch's p, the models agreeing in
     sign, and the pooled r under the other residualiser.
     """
-    header = ["Pair", "$k$", "$r$", r"95\% CI", r"95\% PI", r"$\tau^2$", "$I^2$", "$Q$",
+    header = ["Pair", "$k$", _spanning("$r$"), r"95\% CI", r"95\% PI", r"$\tau^2$", "$I^2$", "$Q$",
               "$p_Q$", r"$p_{\mathrm{Welch}}$", "Agree",
-              f"$r$ ({latex_escape(other_residualiser)})"]
+              _spanning(f"$r$ ({_name(other_residualiser)})")]
     rows = [
         [
-            f"{latex_escape(row.x)}--{latex_escape(row.y)}",
+            f"{_name(row.x)}--{_name(row.y)}",
             str(row.k),
-            _cell(row.r, row.p_adj, getattr(row, SENSITIVE)),
+            *_cell(row.r, row.p_adj, getattr(row, SENSITIVE)),
             _interval(row.ci_low, row.ci_high),
             _interval(row.pi_low, row.pi_high),
             _number(row.tau2, 3),
@@ -109,16 +119,17 @@ def meta_analysis_table(
             _pvalue(row.q_p),
             _pvalue(row.welch_p),
             "--" if np.isnan(row.r) else f"{row.n_agree:.0f}/{row.k}",
-            _cell(getattr(row, f"r_{other_residualiser}"),
-                  getattr(row, f"p_adj_{other_residualiser}"), False),
+            *_cell(getattr(row, f"r_{other_residualiser}"),
+                   getattr(row, f"p_adj_{other_residualiser}"), False),
         ]
         for row in pooled.itertuples()
     ]
     reasons = dict.fromkeys(reason for reason in pooled["reason"] if reason)
     notes = ["-- " + "; ".join(map(latex_escape, reasons)) + "." if reasons else "",
              sensitivity_note(other_residualiser) if pooled[SENSITIVE].any() else ""]
-    return _table(caption, label, "l" + "r" * (len(header) - 1), [_row(header)], rows,
-                  " ".join(filter(None, notes)), font=r"\footnotesize")
+    columns = "lr" + MARKED_COLUMNS + "r" * 8 + MARKED_COLUMNS
+    return _table(caption, label, columns, [_row(header)], rows, " ".join(filter(None, notes)),
+                  font=r"\footnotesize\setlength{\tabcolsep}{4pt}")
 
 
 def sensitivity_table(
@@ -128,7 +139,7 @@ def sensitivity_table(
     """How many pairs change between the two residualisers, in blocks of rows (per model
     and training set; per scope of the meta-analysis). Each block is its rows' labels and
     sensitivity.summarise_changes' rows, with the training set or scope as train_set."""
-    first, second = map(latex_escape, residualisers)
+    first, second = map(_name, residualisers)
     header_lines = [
         _row(["", "", "", r"\multicolumn{2}{c}{Mean $r$}", r"\multicolumn{2}{c}{Sig.\ $+/-$}",
               r"\multicolumn{3}{c}{Pairs that change}"]),
@@ -139,7 +150,7 @@ def sensitivity_table(
     for labels, changes in blocks:
         rows += [None] if rows else []
         rows += [
-            [latex_escape(name), latex_escape(row["train_set"]), str(row["n_pairs"])]
+            [latex_escape(name), _name(row["train_set"]), str(row["n_pairs"])]
             + [_number(row[f"mean_r_{r}"]) for r in residualisers]
             + [f"{row[f'n_sig_positive_{r}']}/{row[f'n_sig_negative_{r}']}" for r in residualisers]
             + [str(row[change]) for change in CHANGES]
@@ -157,9 +168,9 @@ def summary_table(summary: pd.DataFrame, *, caption: str, label: str) -> str:
         if previous is not None and row.family != previous:
             rows.append(None)
         rows.append([
-            latex_escape(row.family),
+            _name(row.family),
             latex_escape(row.size),
-            latex_escape(row.train_set),
+            _name(row.train_set),
             str(row.n_runs),
             str(row.n_pairs),
             _number(row.mean_r),
@@ -196,7 +207,8 @@ def _table(
 ) -> str:
     """A booktabs table float; `header_lines` are LaTeX lines above the mid rule (see _row);
     a None row is a gap (\\addlinespace) between blocks; a `note` (LaTeX) is set in small
-    type under the rule; `font` sizes the table (a wide one needs \\footnotesize to fit)."""
+    type under the rule; `font` sizes the table (a wide one needs \\footnotesize, and gaps
+    between columns narrower than \\tabcolsep's 6pt, to fit)."""
     lines = [
         r"\begin{table}[t]",
         r"\centering",
@@ -221,15 +233,25 @@ def _row(cells: list[str]) -> str:
     return " & ".join(cells) + r" \\"
 
 
-def _cell(r: float, p_adj: float, sensitive: bool) -> str:
-    """r to two decimals with its significance marks and, if `sensitive`, a dagger."""
+def _name(key: str) -> str:
+    """A key's display name, escaped for LaTeX."""
+    return latex_escape(display_name(key))
+
+
+def _spanning(text: str) -> str:
+    """A header or an en dash over both columns of a marked correlation."""
+    return rf"\multicolumn{{2}}{{c}}{{{text}}}"
+
+
+def _cell(r: float, p_adj: float, sensitive: bool) -> list[str]:
+    """The two cells (MARKED_COLUMNS) of r: r to two decimals, then its significance marks
+    and, if `sensitive`, a dagger; one en dash over both when r is undefined."""
     if np.isnan(r):
-        return "--"
+        return [_spanning("--")]
     marks = (significance_mark(p_adj) if not np.isnan(p_adj) else "") + (
         SENSITIVE_MARK if sensitive else ""
     )
-    superscript = f"^{{{marks}}}" if marks else ""
-    return f"${r:.2f}{superscript}$"
+    return [f"${r:.2f}$", f"$^{{{marks}}}$" if marks else ""]
 
 
 def _interval(low: float, high: float) -> str:

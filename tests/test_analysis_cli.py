@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import matplotlib.image
+import matplotlib.text
 import numpy as np
 import pandas as pd
 import pingouin
@@ -98,17 +99,57 @@ def test_tables_compile_with_pdflatex(analysed, tmp_path):
         timeout=120,
     )
     assert compiled.returncode == 0, compiled.stdout[-3000:]
+    assert "Overfull \\hbox" not in compiled.stdout  # no table wider than the page
     assert (tmp_path / "tables.pdf").read_bytes().startswith(b"%PDF")
     matrix = (out / "tables" / "matrix_opt-125m_mnli.tex").read_text()
     assert r"\toprule" in matrix and r"\bottomrule" in matrix
-    assert r"anli\_r3" in matrix and "anli_r3" not in matrix  # escaped
-    assert "train" not in matrix.split(r"\midrule")[1]  # training-set accuracy is not OOD
+    assert "ANLI R3" in matrix and "SciTail" in matrix and "anli" not in matrix  # display names
+    assert "training set" not in matrix.split(r"\midrule")[1]  # training-set accuracy is not OOD
     meta = (out / "tables" / "meta_analysis_all-training-sets.tex").read_text()
     assert "REML $\\tau^2$" in meta and "4 models and training sets" in meta
     header, body = meta.split(r"\midrule")[0].splitlines()[-1], meta.split(r"\midrule")[1]
-    assert header.startswith("Pair & $k$ & $r$ & 95\\% CI & 95\\% PI & $\\tau^2$ & $I^2$ & $Q$")
-    assert header.endswith(r"& Agree & $r$ (linear) \\")
+    assert header.startswith(r"Pair & $k$ & \multicolumn{2}{c}{$r$} & 95\% CI & 95\% PI & $\tau^2$")
+    assert header.endswith(r"& Agree & \multicolumn{2}{c}{$r$ (linear)} \\")
+    assert "SNLI--SciTail" in body
     assert body.count(r"\\") == 27  # 21 pairs without mnli or snli, 6 with mnli (from snli)
+
+
+def marked_cells(latex: str) -> list[tuple[str, str]]:
+    """The (number, marks) cells of each body row's r@{}l column pairs; an en dash spanning
+    both is left out."""
+    spec = re.search(r"\\begin\{tabular\}\{(.*)\}", latex).group(1)
+    columns = re.findall(r"r@\{\}l|[lrc]", spec)
+    body = latex.split(r"\midrule")[1].split(r"\bottomrule")[0]
+    found = []
+    for line in body.strip().splitlines():
+        cells = line.removesuffix(r" \\").split(" & ")
+        for column in columns:
+            cell = cells.pop(0)
+            if column == "r@{}l" and not cell.startswith(r"\multicolumn{2}"):
+                found.append((cell, cells.pop(0)))
+        assert not cells, line
+    return found
+
+
+def test_marks_sit_beside_the_numbers_so_that_decimal_points_align(analysed):
+    """An r right-aligned in one column and its marks left-aligned in the next: stars and
+    daggers never push a number out of line."""
+    _, out, _ = analysed
+    for name in ("matrix_opt-125m_mnli.tex", "meta_analysis_all-training-sets.tex"):
+        cells = marked_cells((out / "tables" / name).read_text())
+        numbers = [number for number, _ in cells if number]  # the matrix's upper triangle is empty
+        assert len(numbers) == (21 if name.startswith("matrix") else 2 * 27), name
+        assert all(re.fullmatch(r"\$-?\d\.\d\d\$", number) for number in numbers), name
+        marks = [mark for _, mark in cells if mark]
+        assert marks and all(re.fullmatch(r"\$\^\{\**(\\dagger)?\}\$", mark) for mark in marks)
+
+
+def test_names_without_a_display_name_are_escaped():
+    pairs = pd.DataFrame([("hans", "my_set", 0.5, 0.01, "", False)],
+                         columns=["x", "y", "r", "p_adj", "reason", SENSITIVE])
+    latex = tables.matrix_table(pairs, ["hans", "my_set"], caption="c", label="l",
+                                other_residualiser="linear")
+    assert r"my\_set &" in latex and "HANS" in latex
 
 
 def test_figures_open(analysed):
@@ -236,14 +277,14 @@ def test_options_reach_every_run(tmp_path, capsys):
     np.testing.assert_allclose(run["dof"], expected["dof"], atol=1e-12, rtol=0)
     np.testing.assert_allclose(run["p_adj"], expected["p_adj"], atol=1e-12, rtol=0)
     caption = (tmp_path / "out" / "tables" / "matrix_opt-350m_mnli.tex").read_text()
-    assert "spearman correlation, linear residualiser, probit-transformed" in caption
+    assert "Spearman correlation, linear residualiser, probit-transformed" in caption
     assert "spline residualiser" in caption  # what its daggers compare with
     meta = pd.read_csv(tmp_path / "out" / META_CSV_NAME)
     assert set(meta["estimator"]) == {"dl"} and set(meta["residualiser"]) == {"linear"}
     assert "DerSimonian-Laird $\\tau^2$" in (
         tmp_path / "out" / "tables" / "meta_analysis_mnli.tex").read_text()
     assert "mean over 2 runs of 21 evaluation steps" in caption
-    assert r"(fdr\_bh)" in caption
+    assert "(Benjamini-Hochberg)" in caption
 
 
 def test_runs_too_short_for_correlations_give_reasons_not_numbers(tmp_path, capsys):
@@ -347,12 +388,53 @@ def shipped(tmp_path_factory):
     results = tmp_path_factory.mktemp("shipped")
     write_shipped_results_root(results, seeds=(0,), shots=(32, 64), steps=np.arange(0, 151, 25))
     out = tmp_path_factory.mktemp("shipped_analysis")
-    assert main([str(results), "--out", str(out)]) == 0
-    return results, out
+    return results, out, analyse_and_measure(results, out)
+
+
+def analyse_and_measure(results: pathlib.Path, out: pathlib.Path) -> dict[str, tuple[float, float]]:
+    """Run the CLI; for each figure, as it was saved, `overflow_and_smallest_font`."""
+    layouts, save = {}, figures.save
+
+    def save_and_measure(fig, stem):
+        paths = save(fig, stem)
+        layouts[stem.name] = overflow_and_smallest_font(fig)
+        return paths
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(figures, "save", save_and_measure)
+        assert main([str(results), "--out", str(out)]) == 0
+    return layouts
+
+
+def overflow_and_smallest_font(fig) -> tuple[float, float]:
+    """How far (inches) what a saved figure draws reaches past its edges, where the file cuts
+    it off, and the smallest size (points) of the texts it shows."""
+    box = fig.get_tightbbox()
+    width, height = fig.get_size_inches()
+    overflow = max(-box.x0, -box.y0, box.x1 - width, box.y1 - height, 0.0)
+    shown = [text for text in fig.findobj(matplotlib.text.Text)
+             if text.get_visible() and text.get_text().strip()
+             and (text.axes is None or text.axes.get_visible())]
+    return overflow, min(text.get_fontsize() for text in shown)
+
+
+def test_no_figure_is_cut_off_and_every_text_is_readable(shipped, tmp_path):
+    """Every figure of the 8 shipped models (the biggest grids), and of one model with two OOD
+    testsets and a long note (the smallest: a heatmap of one cell), measured as it was saved."""
+    _, _, layouts = shipped
+    assert len(layouts) == 16 * 3 + 2 + 1 + 3
+    for seed in (0, 1, 2):  # three runs of the same accuracies: daggers, and their note
+        good_run(tmp_path / "results" / f"run{seed}", seed=seed)
+    smallest_layouts = analyse_and_measure(tmp_path / "results", tmp_path / "out")
+    assert r"\dagger$ sign or significance differs" in (
+        tmp_path / "out" / "tables" / "matrix_opt-125m_mnli.tex").read_text()
+    for name, (overflow, smallest) in (layouts | smallest_layouts).items():
+        assert overflow < 0.01, f"{name}: drawn {overflow:.2f} in past its edge"
+        assert smallest >= 6, f"{name}: a {smallest} pt text"
 
 
 def test_every_shipped_model_and_training_set_gets_its_own_files(shipped):
-    _, out = shipped
+    _, out, _ = shipped
     stems = [path.stem for path in SHIPPED_CONFIGS]  # "opt2.7_mnli", ...
     figures = {path.name for path in (out / "figures").iterdir()}
     for kind in ("heatmap", "curves", "ood_vs_in_domain"):
@@ -365,17 +447,17 @@ def test_every_shipped_model_and_training_set_gets_its_own_files(shipped):
 
 
 def test_summary_orders_families_and_sizes_read_from_the_configs(shipped):
-    _, out = shipped
+    _, out, _ = shipped
     caption, body = (out / "tables" / "summary.tex").read_text().split(r"\midrule")[:2]
-    assert "pearson correlation, spline residualiser; 32 runs of 7 evaluation steps" in caption
+    assert "Pearson correlation, spline residualiser; 32 runs of 7 evaluation steps" in caption
     rows = [line.split(" & ")[:3] for line in body.splitlines() if " & " in line]
-    order = [("olmo2", "7B"), ("olmo2", "13B"), ("olmo2", "32B"), ("opt", "2.7B"),
-             ("opt", "6.7B"), ("opt", "13B"), ("opt", "30B"), ("smollm3", "3B")]
-    assert rows == [[family, size, train] for family, size in order for train in TRAIN_SETS]
+    order = [("OLMo 2", "7B"), ("OLMo 2", "13B"), ("OLMo 2", "32B"), ("OPT", "2.7B"),
+             ("OPT", "6.7B"), ("OPT", "13B"), ("OPT", "30B"), ("SmolLM3", "3B")]
+    assert rows == [[family, size, train] for family, size in order for train in ("MNLI", "SNLI")]
 
 
 def test_accuracies_are_written_in_long_form_as_csv_and_parquet(shipped):
-    results, out = shipped
+    results, out, _ = shipped
     table = pd.read_csv(out / "accuracies.csv")
     assert list(table.columns) == ["run", "model", "train_set", "seed", "shots", "step",
                                    "testset", "accuracy"]
@@ -484,7 +566,7 @@ def test_the_matrix_note_gives_each_reason_once_and_pairs_never_evaluated():
                                                         label="l", other_residualiser="linear")
     sensitive = tables.matrix_table(pairs[:1].assign(**{SENSITIVE: True}), ["hans", "rte"],
                                     caption="c", label="l", other_residualiser="linear")
-    assert r"$0.50^{*\dagger}$" in sensitive
+    assert r"$0.50$ & $^{*\dagger}$" in sensitive
     assert (r"{\footnotesize $\dagger$ sign or significance differs under the linear "
             r"residualiser (or $r$ is defined under one only).}") in sensitive
 

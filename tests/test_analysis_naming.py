@@ -4,8 +4,11 @@ import math
 
 import pytest
 
-from analysis.naming import UNKNOWN, hub_id_info, model_info, slug, unique_stems
+from analysis.naming import DISPLAY_NAMES, UNKNOWN, ModelInfo, display_name, hub_id_info, model_info, slug, unique_stems
+from analysis.padjust import PADJUST_METHODS
+from analysis.stats import METHODS
 from fixtures_results import SHIPPED_CONFIGS, shipped_config
+from oodjax.data.testsets import TESTSETS
 
 # What each shipped model name stands for: family and parameters in billions.
 SHIPPED_MODELS = {
@@ -65,3 +68,16 @@ def test_stems_keep_dots_and_make_hub_ids_safe():
 def test_stems_that_would_overwrite_each_other_are_an_error(first, second):
     with pytest.raises(ValueError, match="would write to the same files"):
         unique_stems([(first, "mnli"), (second, "mnli")])
+
+
+def test_the_built_in_testsets_print_as_published():
+    assert sorted(display_name(name) for name in TESTSETS) == sorted(
+        ["SNLI", "MNLI", "SciTail", "RTE", "HANS", "ANLI", "WNLI", "PAWS"]
+    )
+
+
+def test_every_method_and_shipped_family_has_a_display_name():
+    families = {model_info(shipped_config(path)).family for path in SHIPPED_CONFIGS}
+    assert {*METHODS, *PADJUST_METHODS, *families} <= set(DISPLAY_NAMES)
+    assert ModelInfo("olmo2", 7.0).description == "OLMo 2 7B"
+    assert ModelInfo("newfamily", math.nan).description == "newfamily, size unknown"  # as it is
