@@ -1,20 +1,29 @@
 """The study's eight models, what each is and what each needs at its size: the one table of them.
 
 Sized so that the 9 runs of one model and training set, trained together on
-one node of 8 devices, fit 80 GB GPUs (A100-80GB, H100), as `python -m
-launch.preflight --config configs/X.py` compiles them and `python -m
-launch.estimate` counts them (docs/clusters.md, "Preflight", has each
-config's figures). The axis marked -1 takes every device of the job, so a
-config runs unchanged on 4, 8 or 16 devices (the micro-batch, 16 /
-grad_accum, must divide by the devices). Models up to 7B keep a full copy of
-the bf16 base on every device and split the batch (data parallel); from 13B
-the base is sharded over the devices (fsdp). Models whose activations would
-crowd a device keep only the projections' outputs for the backward pass
-(remat "save_dots": norms, RoPE, attention and activations are recomputed,
-the matmuls are not); from 6.7B a step's prompts are split into two
-micro-batches (grad_accum), which halves the tokens a device holds at once.
-The protocol fields (batch size 16, steps, learning rate) stay at base.py's
-values for every model: only resources change with size.
+one node of 8 devices, fit the 72 GB JAX may use of an 80 GB GPU (A100-80GB,
+H100), from what `python -m launch.preflight --config configs/X.py` compiles
+and its communication estimate, at the study's real prompt lengths
+(docs/clusters.md, "Sizing", has each config's figures and reasons). The
+axis marked -1 takes every device of the job, so a config runs unchanged on
+4, 8 or 16 devices (the micro-batch, 16 / grad_accum, must divide by the
+devices). A step holds about 900 tokens a device, so the frozen base, its
+copies and its transfers, decide the layout, not activations. Up to 13B a
+full copy of the bf16 base fits every device beside the step's activations,
+so the batch is split over the devices (data parallel: no collective but the
+adapters' gradients); the 30B models are sharded over pairs of devices and
+the batch split over the pairs (fsdp 2: half the base a device, each weight
+gathered from one other device, half the traffic of sharding over all 8).
+One micro-batch a step (grad_accum 1: a sharded base is gathered once a step,
+not once a micro-batch), and nothing recomputed (remat "none") except in
+OLMo2-32B, whose layers keep only the projections' outputs for the backward
+pass (remat "save_dots": norms, RoPE and activations are recomputed, the
+matmuls and the fused attention are not): all it would keep else, 27 GB,
+beside half its base, 32 GB, leaves too little of the 72. On devices of less
+memory (a TPU v4's 32 GB) shard more: `--config.mesh.data=1
+--config.mesh.fsdp=-1`. The protocol fields (batch size 16, steps, learning
+rate) stay at base.py's values for every model: only resources change with
+size.
 
 Each entry also holds the checkpoint's architecture, the config.json fields
 that decide its parameter count and cost, copied from the Hugging Face hub
@@ -80,7 +89,7 @@ MODELS: dict[str, ModelResources] = {
     "smol3": ModelResources(
         # The base checkpoint, as every other model of the study is (HuggingFaceTB/SmolLM3-3B is it post-trained
         # for chat and reasoning): docs/protocol.md, "The SmolLM3 checkpoint".
-        "HuggingFaceTB/SmolLM3-3B-Base", (-1, 1, 1), 1, 128, remat="save_dots",
+        "HuggingFaceTB/SmolLM3-3B-Base", (-1, 1, 1), 1, 128, remat="none",
         architecture=dict(
             model_type="smollm3", vocab_size=128256, hidden_size=2048, intermediate_size=11008,
             num_hidden_layers=36, num_attention_heads=16, num_key_value_heads=4,
@@ -104,7 +113,7 @@ MODELS: dict[str, ModelResources] = {
         published_files=("flax_model.msgpack", "pytorch_model.bin", "tf_model.h5"),
     ),
     "opt6.7": ModelResources(
-        "facebook/opt-6.7b", (-1, 1, 1), 2, 64, remat="none",
+        "facebook/opt-6.7b", (-1, 1, 1), 1, 64, remat="none",
         architecture=dict(
             _OPT_COMMON, hidden_size=4096, word_embed_proj_dim=4096, ffn_dim=16384,
             num_hidden_layers=32, num_attention_heads=32,
@@ -121,7 +130,7 @@ MODELS: dict[str, ModelResources] = {
         ),
     ),
     "olmo7": ModelResources(
-        "allenai/OLMo-2-1124-7B", (-1, 1, 1), 2, 64, remat="save_dots",
+        "allenai/OLMo-2-1124-7B", (-1, 1, 1), 1, 64, remat="none",
         architecture=dict(
             _OLMO2_COMMON, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
             num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=4096,
@@ -132,7 +141,7 @@ MODELS: dict[str, ModelResources] = {
         published_files=(*_shards("model", 6, "safetensors"), "model.safetensors.index.json"),
     ),
     "opt13": ModelResources(
-        "facebook/opt-13b", (1, -1, 1), 2, 64, remat="none",
+        "facebook/opt-13b", (-1, 1, 1), 1, 64, remat="none",
         architecture=dict(
             _OPT_COMMON, hidden_size=5120, word_embed_proj_dim=5120, ffn_dim=20480,
             num_hidden_layers=40, num_attention_heads=40,
@@ -149,7 +158,7 @@ MODELS: dict[str, ModelResources] = {
         ),
     ),
     "olmo13": ModelResources(
-        "allenai/OLMo-2-1124-13B", (1, -1, 1), 2, 64, remat="save_dots",
+        "allenai/OLMo-2-1124-13B", (-1, 1, 1), 1, 64, remat="none",
         architecture=dict(
             _OLMO2_COMMON, hidden_size=5120, intermediate_size=13824, num_hidden_layers=40,
             num_attention_heads=40, num_key_value_heads=40, max_position_embeddings=4096,
@@ -160,7 +169,7 @@ MODELS: dict[str, ModelResources] = {
         published_files=(*_shards("model", 12, "safetensors"), "model.safetensors.index.json"),
     ),
     "opt30": ModelResources(
-        "facebook/opt-30b", (1, -1, 1), 2, 32, remat="save_dots",
+        "facebook/opt-30b", (-1, 2, 1), 1, 32, remat="none",
         architecture=dict(
             _OPT_COMMON, hidden_size=7168, word_embed_proj_dim=7168, ffn_dim=28672,
             num_hidden_layers=48, num_attention_heads=56,
@@ -180,7 +189,7 @@ MODELS: dict[str, ModelResources] = {
         ),
     ),
     "olmo32": ModelResources(
-        "allenai/OLMo-2-0325-32B", (1, -1, 1), 2, 32, remat="save_dots",
+        "allenai/OLMo-2-0325-32B", (-1, 2, 1), 1, 32, remat="save_dots",
         architecture=dict(
             _OLMO2_COMMON, hidden_size=5120, intermediate_size=27648, num_hidden_layers=64,
             num_attention_heads=40, num_key_value_heads=8, max_position_embeddings=4096,

@@ -73,14 +73,29 @@ class Device:
     peak_flops: float  # dense bf16 FLOP/s per device, from the vendor's data sheet
     memory_gb: float
     platform: str  # JAX's name for its backend: what decides how the compiled step stores bf16
+    # Bytes a second one device sends (and as many it receives) to the others of its node or slice, all its links
+    # together: half the bidirectional figure published. A ring collective's traffic per device divided by this is
+    # its time at best (launch.preflight's communication estimate).
+    interconnect_bytes_per_s: float
+    interconnect: str  # the links' name, for the reader
 
 
+# Interconnect figures, bidirectional per device as published, halved above:
+#   A100 SXM: NVLink 3, 600 GB/s (12 links of 50 GB/s; e.g. AWS's p4d instance table, "NVLink gen 3 (600 GB/s)").
+#   H100 SXM: NVLink 4, 900 GB/s (18 links of 50 GB/s; MLCommons' H100/H200 SXM system descriptions,
+#     "18x 4th Gen NVLink, 900GB/s"; Scaleway's H100 SXM notes, "900 GB/s of bidirectional bandwidth").
+#   TPU v5e: ICI 400 GB/s per chip, v5p: 1200 GB/s per chip ("Bidirectional inter-chip interconnect (ICI) bandwidth
+#     (per chip)", https://docs.cloud.google.com/tpu/docs/v5e and /v5p); v5e's "All-reduce bandwidth per Pod" of
+#     51.2 TB/s over its 256 chips is the same 200 GB/s one way.
+#   TPU v4: no per-chip figure is published (https://docs.cloud.google.com/tpu/docs/v4); its "All-reduce bandwidth
+#     per Pod", 1.1 PB/s over 4096 chips, is 268 GB/s a chip, taken as its one-way figure as v5e's is.
+# On a TPU torus a collective over one mesh axis uses only that axis's links, so there the figure is an upper bound.
 DEVICES: Mapping[str, Device] = {
-    "a100": Device("A100 80GB", 312e12, 80, "gpu"),
-    "h100": Device("H100 SXM", 989e12, 80, "gpu"),
-    "v4": Device("TPU v4 chip", 275e12, 32, "tpu"),
-    "v5e": Device("TPU v5e chip", 197e12, 16, "tpu"),
-    "v5p": Device("TPU v5p chip", 459e12, 95, "tpu"),
+    "a100": Device("A100 80GB", 312e12, 80, "gpu", 300e9, "NVLink 3"),
+    "h100": Device("H100 SXM", 989e12, 80, "gpu", 450e9, "NVLink 4"),
+    "v4": Device("TPU v4 chip", 275e12, 32, "tpu", 268e9, "ICI"),
+    "v5e": Device("TPU v5e chip", 197e12, 16, "tpu", 200e9, "ICI"),
+    "v5p": Device("TPU v5p chip", 459e12, 95, "tpu", 600e9, "ICI"),
 }
 
 # The share of a GPU's memory JAX's allocator takes: JAX reads XLA_CLIENT_MEM_FRACTION (or its deprecated name

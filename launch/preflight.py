@@ -26,14 +26,23 @@ arguments, outputs, temporaries, and total = argument + output + temp -
 alias, the bytes that live at once when donated inputs are reused for
 outputs), the seconds to lower and to compile, and the collectives of the
 compiled program (count and largest operand per kind), beside the analytic
-estimate of `launch.estimate`. Without an accelerator, `--devices N` fakes N
+estimate of `launch.estimate`. And a communication model beside the FLOPs:
+the bytes the compiled step's collectives move per device per step (each
+as a ring algorithm moves it, loops counted as often as they run,
+``communication``) over the estimate device's interconnect (NVLink, ICI:
+`launch.estimate.DEVICES`), in seconds, against the estimated compute
+seconds of the train step and of the largest evaluation batch: whether a
+step is communication-bound. Without an accelerator, `--devices N` fakes N
 host CPU devices; CPU figures are indicative only (XLA's CPU backend
-computes bf16 matmuls in f32 and fuses differently from a GPU's).
+computes bf16 matmuls in f32, gathers bf16 weights as f32 and fuses
+differently from a GPU's).
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import functools
 import json
 import os
 import pathlib
@@ -46,6 +55,7 @@ import numpy as np
 from absl import flags
 from ml_collections import config_dict
 
+from launch import costs
 from launch import estimate as estimator
 from oodjax import models
 from oodjax import config_cli
@@ -87,11 +97,13 @@ def preflight(
 
     ``devices``: the first N of ``jax.devices()`` (default all); ``layers``:
     the model cut to N decoder layers. The report: {"train": {...}, "eval":
-    {...}, "estimate_bytes", "train_step_flops", "estimate_step_s", "devices", "layers", "platform",
+    {...}, "estimate_bytes", "memory_limit", "interconnect", "train_step_flops", "estimate_step_s",
+    "eval_step_flops", "estimate_eval_step_s" (the largest evaluation batch's), "devices", "layers", "platform",
     "geometry", "train_real_token_share", "host_batch_ms", "eval_real_token_share",
     "eval_attention_waste"}, a step's entry being {"lower_s", "compile_s", "memory_bytes": {"argument",
     "output", "temp", "alias", "total"}, "collectives": {op: {"count",
-    "max_bytes"}}}. ``hlo_dir`` receives each compiled program as text.
+    "max_bytes"}}, "communication": {"bytes", "by_op", "loops_without_trip_count", "seconds"}}.
+    ``hlo_dir`` receives each compiled program as text.
     """
     available = jax.devices()
     devices = devices or len(available)
@@ -102,12 +114,19 @@ def preflight(
     train_report = _compile("train", steps_.train_step, steps_.train_args, hlo_dir)
     eval_report = _compile("eval", steps_.eval_step, steps_.eval_args, hlo_dir)
     device = estimator.DEVICES[ESTIMATE_DEVICE]
+    for step in (train_report, eval_report):
+        step["communication"]["seconds"] = step["communication"]["bytes"] / device.interconnect_bytes_per_s
     estimate = estimator.estimate(
         config_path, config, devices=devices, device=device, utilisation=ESTIMATE_UTILISATION,
         geometry=geometry, eval_examples=0, layers=layers, platform=available[0].platform,
     )  # fmt: skip
-    eval_rows, eval_row_length = longest_rows["input_ids"].shape[1:]
+    lanes, eval_rows, eval_row_length = longest_rows["input_ids"].shape
+    eval_step_flops = costs.eval_flops(
+        costs.dimensions(arch), runs=1, examples=lanes * eval_rows, seq_len=eval_row_length,
+        lora_parameters=costs.lora_parameter_count(arch, config.lora.rank, tuple(config.lora.targets)),
+    )  # fmt: skip
     usable, source = estimator.usable_memory(device)
+    compute_flops = devices * device.peak_flops * ESTIMATE_UTILISATION
     return {
         **figures,
         "train": train_report,
@@ -115,8 +134,12 @@ def preflight(
         "estimate_bytes": int(estimate.memory.total),
         "memory_limit": {"device": ESTIMATE_DEVICE, "device_bytes": int(device.memory_gb * estimator.GB),
                          "usable_bytes": int(usable), "source": source},
+        "interconnect": {"device": ESTIMATE_DEVICE, "name": device.interconnect,
+                         "bytes_per_s": device.interconnect_bytes_per_s},
         "train_step_flops": estimate.train_step_flops,
-        "estimate_step_s": estimate.train_step_flops / (devices * device.peak_flops * ESTIMATE_UTILISATION),
+        "estimate_step_s": estimate.train_step_flops / compute_flops,
+        "eval_step_flops": eval_step_flops,
+        "estimate_eval_step_s": eval_step_flops / compute_flops,
         "devices": devices,
         "layers": int(arch["num_hidden_layers"]),
         "platform": available[0].platform,
@@ -239,28 +262,150 @@ def _compile(name: str, step: Any, args: tuple[Any, ...], hlo_dir: pathlib.Path 
         "compile_s": compiled_at - lowered_at,
         "memory_bytes": memory,
         "collectives": collectives(text),
+        "communication": communication(text),
     }
 
 
 def collectives(hlo_text: str) -> dict[str, dict[str, int]]:
     """{op: {"count", "max_bytes"}} of the collectives in an HLO module's text, every kind listed (count 0
-    when absent). Async ones count once, at their -start. ``max_bytes`` is the largest operand of one
-    instruction of that kind (for an all-gather the shard it sends, for an all-reduce the whole buffer
-    reduced), its type read from the instruction that defines it when the operand is printed by name."""
-    instructions = list(_INSTRUCTION.finditer(hlo_text))
-    types = {match["name"]: match["type"] for match in instructions}
+    when absent): instructions as written, a loop's counted once. Async ones count once, at their -start.
+    ``max_bytes`` is the largest operand of one instruction of that kind (for an all-gather the shard it sends,
+    for an all-reduce the whole buffer reduced), its type read from the instruction that defines it when the
+    operand is printed by name."""
+    module = _HloModule(hlo_text)
     found = {op: {"count": 0, "max_bytes": 0} for op in COLLECTIVES}
-    for match in instructions:
-        op = match["op"].removesuffix("-start")
-        if op not in found:
-            continue
-        found[op]["count"] += 1
-        operands = [types.get(name, "") for name in re.findall(r"%([\w.\-]+)", match["operands"])]
-        if not any(operands):  # operands printed with their types
-            operands = [match["operands"]]
-        largest = max(sum(_array_bytes(*array) for array in _ARRAY_TYPE.findall(t)) for t in operands)
-        found[op]["max_bytes"] = max(found[op]["max_bytes"], largest)
+    for instruction in module.instructions():
+        op = _collective(instruction)
+        if op is not None:
+            found[op]["count"] += 1
+            found[op]["max_bytes"] = max(found[op]["max_bytes"], *module.operand_bytes(instruction))
     return found
+
+
+def communication(hlo_text: str) -> dict[str, Any]:
+    """What one execution of an SPMD-partitioned HLO module sends over the interconnect, per device:
+    {"bytes", "by_op": {op: bytes}, "loops_without_trip_count"}.
+
+    Each collective moves, per device, what a ring algorithm over its group of n devices sends (and
+    receives as much): an all-gather (n-1)/n of the array it gathers, (n-1) times the shard each device passes
+    in; a reduce-scatter and an all-to-all (n-1)/n of the array each device passes in; an all-reduce twice
+    that, 2(n-1)/n (a reduce-scatter then an all-gather); a collective-permute its whole operand. A combined
+    (tuple) collective moves the sum of its operands'. Collectives are counted as often as they run: a while
+    loop's body times its trip count (XLA's ``known_trip_count``; a loop without one is counted once and
+    reported), a conditional's costliest branch (the step's longest bucket), other called computations once."""
+    module = _HloModule(hlo_text)
+    unknown_trips: set[str] = set()
+
+    @functools.cache
+    def traffic(computation: str) -> collections.Counter[str]:
+        total: collections.Counter[str] = collections.Counter()
+        for instruction in module.computations.get(computation, ()):  # a reduction's (to_apply) may be absent
+            line = instruction.string
+            op = _collective(instruction)
+            if op is not None:
+                group = 1 if op == "collective-permute" else module.group_size(line)
+                total[op] += round(sum(module.operand_bytes(instruction)) * _RING_SHARE[op](group))
+            if instruction["op"] == "while":
+                trips = _TRIP_COUNT.search(line)
+                if trips is None:
+                    unknown_trips.add(instruction["name"])
+                body = traffic(_called(line, "body")[0]) + traffic(_called(line, "condition")[0])
+                total.update({op: count * (int(trips[1]) if trips else 1) for op, count in body.items()})
+            elif instruction["op"] == "conditional":
+                branches = _called(line, "branch_computations") or [
+                    *_called(line, "true_computation"), *_called(line, "false_computation")
+                ]
+                total.update(max((traffic(branch) for branch in branches), key=lambda t: sum(t.values())))
+            elif not instruction["op"].endswith(("-update", "-done")):  # an async op's computation runs once
+                for attribute in ("calls", "to_apply", "called_computations"):
+                    for called in _called(line, attribute):
+                        total.update(traffic(called))
+        return total
+
+    by_op = traffic(module.entry)
+    return {"bytes": int(sum(by_op.values())), "by_op": {op: int(by_op[op]) for op in COLLECTIVES},
+            "loops_without_trip_count": len(unknown_trips)}  # fmt: skip
+
+
+# The share of the buffer a device passes to a collective that it sends, ring algorithm, n devices in its group
+# (``communication``).
+_RING_SHARE = {
+    "all-gather": lambda n: n - 1,
+    "reduce-scatter": lambda n: (n - 1) / n,
+    "all-to-all": lambda n: (n - 1) / n,
+    "all-reduce": lambda n: 2 * (n - 1) / n,
+    "collective-permute": lambda n: 1,
+}
+_COMPUTATION = re.compile(r"^(?P<entry>ENTRY\s+)?%?(?P<name>[\w.\-]+)\s*\(.*->.*\{\s*$")
+_TRIP_COUNT = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"')
+
+
+def _collective(instruction: re.Match) -> str | None:
+    """The collective an instruction starts (an async one at its -start), else None."""
+    op = instruction["op"].removesuffix("-start")
+    return op if op in COLLECTIVES else None
+
+
+def _called(line: str, attribute: str) -> list[str]:
+    """The computations an instruction's ``attribute`` names (``body=%b``, ``branch_computations={%a, %b}``)."""
+    found = re.search(rf"\b{attribute}=(\{{[^}}]*\}}|%[\w.\-]+)", line)
+    return re.findall(r"%([\w.\-]+)", found[1]) if found else []
+
+
+class _HloModule:
+    """An HLO module's text parsed as far as the collectives need: its computations' instructions, the types of
+    the values they define and its device count."""
+
+    def __init__(self, hlo_text: str):
+        self.computations: dict[str, list[re.Match]] = {}
+        self.entry = ""
+        lines = hlo_text.splitlines()
+        current: list[re.Match] | None = None
+        for line in lines:
+            header = _COMPUTATION.match(line) if current is None else None
+            if header:
+                current = self.computations.setdefault(header["name"], [])
+                self.entry = header["name"] if header["entry"] else self.entry
+            elif line.startswith("}"):
+                current = None
+            elif current is not None and (instruction := _INSTRUCTION.match(line)):
+                current.append(instruction)
+        if not self.computations:  # bare instructions (no computation headers): one entry computation of them all
+            self.computations[""] = [instruction for line in lines if (instruction := _INSTRUCTION.match(line))]
+        self.types = {match["name"]: match["type"] for match in self.instructions()}
+        partitions = re.search(r"\bnum_partitions=(\d+)", hlo_text)
+        replicas = re.search(r"\breplica_count=(\d+)", hlo_text)
+        self.devices = (int(partitions[1]) if partitions else 1) * (int(replicas[1]) if replicas else 1)
+
+    def instructions(self) -> list[re.Match]:
+        return [instruction for computation in self.computations.values() for instruction in computation]
+
+    def operand_bytes(self, instruction: re.Match) -> list[int]:
+        """Each operand's bytes (a tuple operand's summed)."""
+        operands = [self.types.get(name, "") for name in re.findall(r"%([\w.\-]+)", instruction["operands"])]
+        if not any(operands):  # operands printed with their types
+            operands = [instruction["operands"]]
+        return [sum(_array_bytes(*array) for array in _ARRAY_TYPE.findall(t)) for t in operands]
+
+    def group_size(self, line: str) -> int:
+        """The devices of each of a collective's replica groups: listed (``{{0,1},{2,3}}``), an iota
+        (``[2,4]<=[8]``: 2 groups of 4), named mesh axes (``mesh['x'=2,'y'=4] {'y'}``), or every device (none
+        given, or ``{}``)."""
+        if (listed := re.search(r"replica_groups=\{\{([^}]*)\}", line)) is not None:
+            return len(listed[1].split(","))
+        if (iota := re.search(r"replica_groups=\[([\d,]+)\]<=", line)) is not None:
+            return int(iota[1].split(",")[-1])
+        # The mesh form may reorder the devices (``mesh[...], device_ids=([4,2]T(1,0)) {'x'}``): sizes are unchanged.
+        mesh = re.search(r"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\(.*?\))?\s*\{([^}]*)\}", line)
+        if mesh is not None:
+            sizes = {name: int(size) for name, size in re.findall(r"'([^']+)'=(\d+)", mesh[1])}
+            names = re.findall(r"'([^']+)'", mesh[2])
+            if not names or any(name not in sizes for name in names):
+                raise ValueError(f"replica groups over unknown mesh axes: {mesh[0]!r}")
+            return int(np.prod([sizes[name] for name in names]))
+        if re.search(r"replica_groups=(\{\}|[,\s]|$)", line) or "replica_groups=" not in line:
+            return self.devices
+        raise ValueError(f"unrecognised replica groups in {line.strip()[:300]!r}")
 
 
 def _array_bytes(dtype: str, dims: str) -> int:
@@ -300,14 +445,34 @@ def describe(report: dict[str, Any]) -> str:
                                            for op, c in present.items()) or "none"),  # fmt: skip
         ]
     lines.append(f"analytic estimate (launch.estimate, train): {report['estimate_bytes'] / gb:.2f} GB per device")
+    on = f"on {report['devices']} {ESTIMATE_DEVICE} at {ESTIMATE_UTILISATION:.0%} utilisation"
     lines.append(
         f"train step: {report['train_step_flops']:.3e} FLOPs (remat recomputation included), "
-        f"{report['estimate_step_s']:.2f} s on {report['devices']} {ESTIMATE_DEVICE} at "
-        f"{ESTIMATE_UTILISATION:.0%} utilisation"
+        f"{report['estimate_step_s']:.3f} s {on}; {_communication_text(report, 'train', report['estimate_step_s'])}"
+    )
+    lines.append(
+        f"eval step (its largest batch): {report['eval_step_flops']:.3e} FLOPs, {report['estimate_eval_step_s']:.3f} s "
+        f"{on}; {_communication_text(report, 'eval', report['estimate_eval_step_s'])}"
     )
     if report["platform"] == "cpu":
-        lines.append("note: CPU figures are indicative only (XLA's CPU backend computes bf16 matmuls in f32)")
+        lines.append(
+            "note: CPU figures are indicative only (XLA's CPU backend computes bf16 matmuls in f32 and gathers "
+            "bf16 weights as f32, twice the bytes a GPU's or TPU's collectives move)"
+        )
     return "\n".join(lines)
+
+
+def _communication_text(report: dict[str, Any], name: str, compute_s: float) -> str:
+    """What a step's collectives move per device and how long that takes against its compute, in words."""
+    moved, link = report[name]["communication"], report["interconnect"]
+    seconds = moved["seconds"]
+    bound = "communication-bound" if seconds > compute_s else "compute-bound"
+    unknown = moved["loops_without_trip_count"]
+    return (
+        f"its collectives move {moved['bytes'] / 1e9:.2f} GB a device, {seconds:.3f} s over {link['name']} at "
+        f"{link['bytes_per_s'] / 1e9:.0f} GB/s: {bound} (communication {seconds / compute_s:.2f}x the compute)"
+        + (f"; {unknown} loops without a known trip count counted once" if unknown else "")
+    )
 
 
 def _fake_host_devices(count: int) -> None:

@@ -3,9 +3,10 @@
 # launch/slurm.sbatch (GPU) and launch/tpu_pod.sh (TPU). Flags already in XLA_FLAGS / LIBTPU_INIT_ARGS
 # come last and so win; OODJAX_XLA_FLAGS=none leaves both untouched.
 #
-# The workload: FSDP over 8 GPUs (or a TPU slice) of a scanned decoder, where each layer's weights are
-# all-gathered before use and its adapter gradients reduced after, so overlap of those collectives with
-# the neighbouring layer's compute is what the flags buy (the JAX GPU performance guide and NVIDIA's JAX
+# The workload: a scanned decoder, data parallel (its adapter gradients all-reduced) or, for the 30B models,
+# FSDP over pairs of GPUs (docs/clusters.md, Sizing), where each layer's weights are all-gathered before use
+# and its adapter gradients reduced after, so overlap of those collectives with the neighbouring layer's
+# compute is what the flags buy (the JAX GPU performance guide and NVIDIA's JAX
 # toolbox recommend the GPU set; MaxText ships the TPU set).
 #
 # GPU (XLA_FLAGS):

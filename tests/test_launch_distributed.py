@@ -1,7 +1,9 @@
 """Process layout detection for multi-host runs: SLURM, TPU pods and explicit values, set here in the environment."""
 
+import jax
 import pytest
 
+from oodjax.engine import distributed
 from oodjax.engine.distributed import LayoutError, ProcessLayout, detect_layout, expand_nodelist
 
 
@@ -137,3 +139,19 @@ def test_nodelist_expansion(nodelist, hosts):
 def test_unparseable_nodelist_is_an_error():
     with pytest.raises(LayoutError, match="cannot parse SLURM node list"):
         expand_nodelist("gpu[a-c]")
+
+
+
+def test_jax_is_started_without_its_own_sigterm_handler(monkeypatch):
+    """JAX's preemption service (on by default) would take SIGTERM before the loop's handlers exist, and
+    swallow it."""
+    started = {}
+    monkeypatch.setattr(jax.distributed, "initialize",
+                        lambda **arguments: started.update(arguments, service=jax.config.jax_enable_preemption_service))
+    before = jax.config.jax_enable_preemption_service
+    jax.config.update("jax_enable_preemption_service", True)
+    try:
+        distributed.initialize({}, coordinator_address="127.0.0.1:5000", num_processes=2, process_id=1)
+    finally:
+        jax.config.update("jax_enable_preemption_service", before)
+    assert started["num_processes"] == 2 and started["service"] is False

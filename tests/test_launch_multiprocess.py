@@ -6,7 +6,9 @@ of them. The second trains the demo config (shrunk on the command line) with
 `python -m oodjax.main` in two processes, each feeding its own rows of every
 training batch, and checks the metrics equal those of one process driving 8
 devices with the same mesh: the same examples reach the same devices, so only
-the order of float32 reductions may differ.
+the order of float32 reductions may differ. The third signals one of two
+processes stepping in lockstep and finds both stop at the same step, having
+agreed only at the steps they wait for anyway.
 """
 
 import os
@@ -39,6 +41,43 @@ WORKER = textwrap.dedent("""
           rows.shape[0], float(total[0]), float(total[1]), distributed.is_primary(), flush=True)
     # A micro-batch of 8 rows: this process's positions in it.
     print(*sharding.process_batch_rows(sharding.make_mesh(8, 1, 1), 8), flush=True)
+    jax.distributed.shutdown()
+""")
+
+# Two processes step in lockstep (each step needs both processes' devices), process 1 a little behind; every
+# SYNC_EVERY-th step waits for its result, as the loop waits for a logged step's losses. Process 0 sends itself
+# SIGTERM after step argv[1]. Each prints the step it stopped at (or that it ran to the end), the signal it
+# received, and how many times the stop flag was all-gathered.
+STOP_WORKER = textwrap.dedent("""
+    import os, signal, sys, time
+    import jax, numpy as np
+    from jax.experimental import multihost_utils
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+    from oodjax.engine import distributed, preemption
+    distributed.initialize()
+    gathers = []
+    def counted(*args, **kwargs):
+        gathers.append(1)
+        return all_gather(*args, **kwargs)
+    all_gather, multihost_utils.process_allgather = multihost_utils.process_allgather, counted
+    placed = NamedSharding(Mesh(np.array(jax.devices()), ("data",)), PartitionSpec("data"))
+    step_fn = jax.jit(lambda x: x + x.sum(), out_shardings=placed)
+    x = jax.make_array_from_process_local_data(placed, np.zeros(4, np.float32))
+    signalled, sync_every, rank = int(sys.argv[1]), int(sys.argv[2]), jax.process_index()
+    with preemption.StopSignals() as stop:
+        for step in range(1, 41):
+            x = step_fn(x)
+            if rank == 0 and step == signalled:
+                os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.02 * rank)
+            synced = step % sync_every == 0
+            if synced:
+                jax.block_until_ready(x)
+            if stop.agreed(synced=synced):
+                print("stopped", step, stop.received, len(gathers), flush=True)
+                break
+        else:
+            print("ran to the end", flush=True)
     jax.distributed.shutdown()
 """)
 
@@ -82,10 +121,10 @@ def start(args: list[str], env: dict[str, str]) -> subprocess.Popen:
     )
 
 
-def finish(process: subprocess.Popen) -> tuple[str, str]:
+def finish(process: subprocess.Popen, timeout: float = TIMEOUT_S) -> tuple[str, str]:
     """Waits for `process`; its (stdout, stderr), after asserting it succeeded."""
     try:
-        stdout, stderr = process.communicate(timeout=TIMEOUT_S)
+        stdout, stderr = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         process.kill()
         stdout, stderr = process.communicate()
@@ -144,3 +183,12 @@ def test_two_processes_train_the_demo_like_one(tmp_path, pack):
         # Only process 0 writes the event log: one line per evaluation, not two.
         events = (tmp_path / "two" / run / "events.jsonl").read_text().splitlines()
         assert sum('"accuracy/' in line for line in events) == 3
+
+
+def test_a_signal_to_one_process_stops_both_at_the_same_step_agreed_only_where_they_sync():
+    """Process 0 is signalled after step 5 of steps that sync every 4th: both stop at step 8, the first step
+    they wait for after it, having all-gathered the stop flag twice (steps 4 and 8), not after every step. A
+    process that stopped alone would leave the other waiting in a step for ever (killed at the timeout)."""
+    processes = [start(["-c", STOP_WORKER, "5", "4"], env) for env in two_process_env()]
+    outputs = [finish(process, timeout=120)[0].strip().splitlines()[-1] for process in processes]
+    assert outputs == ["stopped 8 SIGTERM 2", "stopped 8 None 2"]

@@ -1,10 +1,12 @@
 """The preflight compiles a config's real steps on abstract inputs and reports memory, times and collectives.
 
 The CLI on the demo writes the JSON report; OLMo-2 13B cut to 2 layers
-compiles on 8 fake devices with its fsdp mesh, and a tensor-parallel variant
-too, without reading a weight; their train steps' HLO gathers the sharded
-weights and all-reduces nothing larger than one weight matrix (with fsdp
-alone, nothing of an activation's size: only the adapters' gradients).
+compiles on 8 fake devices with an fsdp mesh (its config's is data parallel),
+and a tensor-parallel variant too, without reading a weight; their train
+steps' HLO gathers the sharded weights and all-reduces nothing larger than one
+weight matrix (with fsdp alone, nothing of an activation's size: only the
+adapters' gradients). The communication model counts a known HLO's
+collectives as closed forms give them.
 """
 
 import json
@@ -14,6 +16,7 @@ import sys
 
 import pytest
 
+from launch import costs
 from launch import estimate as estimator
 from launch import preflight
 from configs.models import architecture
@@ -35,8 +38,11 @@ def test_cli_on_the_demo_writes_every_key(tmp_path):
     )  # fmt: skip
     report = json.loads(out.read_text())
     assert {"train", "eval", "estimate_bytes", "train_step_flops", "estimate_step_s", "devices", "layers",
-            "memory_limit"} <= set(report)
+            "memory_limit", "interconnect", "eval_step_flops", "estimate_eval_step_s"} <= set(report)
     assert report["train_step_flops"] > 0 and report["estimate_step_s"] > 0
+    assert report["eval_step_flops"] > 0 and report["estimate_eval_step_s"] > 0
+    h100 = estimator.DEVICES[preflight.ESTIMATE_DEVICE]
+    assert report["interconnect"]["bytes_per_s"] == h100.interconnect_bytes_per_s
     assert report["devices"] == 8 and report["layers"] == 2 and report["estimate_bytes"] > 0
     assert 0 < report["train_real_token_share"] <= 1 and 0 < report["eval_real_token_share"] <= 1
     assert report["eval_attention_waste"] >= 1 and report["host_batch_ms"] > 0
@@ -47,6 +53,10 @@ def test_cli_on_the_demo_writes_every_key(tmp_path):
         assert memory["total"] == memory["argument"] + memory["output"] + memory["temp"] - memory["alias"]
         assert set(report[step]["collectives"]) == set(preflight.COLLECTIVES)
         assert all({"count", "max_bytes"} == set(c) for c in report[step]["collectives"].values())
+        moved = report[step]["communication"]
+        assert set(moved) == {"bytes", "by_op", "loops_without_trip_count", "seconds"}
+        assert moved["bytes"] == sum(moved["by_op"].values()) and moved["loops_without_trip_count"] == 0
+        assert moved["seconds"] == moved["bytes"] / report["interconnect"]["bytes_per_s"]
         assert (tmp_path / "hlo" / f"{step}_step.hlo.txt").is_file()
 
 
@@ -61,7 +71,7 @@ def olmo13(gpt2_tokenizer_dir, mesh=None):
 
 @pytest.fixture(scope="module")
 def fsdp_report(gpt2_tokenizer_dir):
-    return preflight.preflight(olmo13(gpt2_tokenizer_dir), devices=8, layers=2)
+    return preflight.preflight(olmo13(gpt2_tokenizer_dir, mesh=(1, -1, 1)), devices=8, layers=2)
 
 
 @pytest.fixture(scope="module")
@@ -69,11 +79,11 @@ def tensor_report(gpt2_tokenizer_dir):
     return preflight.preflight(olmo13(gpt2_tokenizer_dir, mesh=(1, 4, 2)), devices=8, layers=2)
 
 
-def test_olmo13_at_two_layers_compiles_on_its_fsdp_mesh(fsdp_report):
+def test_olmo13_at_two_layers_compiles_on_an_fsdp_mesh(fsdp_report):
     assert fsdp_report["layers"] == 2 and fsdp_report["devices"] == 8
     geometry = fsdp_report["geometry"]
-    # Packed: each of 2 micro-batches is one row per device holding prompts of all 9 runs.
-    assert (geometry["runs"], geometry["grad_accum"], geometry["rows"], geometry["packed"]) == (9, 2, 8, True)
+    # Packed: the config's one micro-batch is two rows per device holding prompts of all 9 runs.
+    assert (geometry["runs"], geometry["grad_accum"], geometry["rows"], geometry["packed"]) == (9, 1, 16, True)
     for step in ("train", "eval"):
         assert fsdp_report[step]["memory_bytes"]["argument"] > 0
     print(preflight.describe(fsdp_report))
@@ -120,6 +130,11 @@ def _weight_matrix_bytes() -> int:
 def test_fsdp_train_step_gathers_weights_and_all_reduces_only_adapter_gradients(fsdp_report):
     found = fsdp_report["train"]["collectives"]
     assert found["all-gather"]["count"] > 0
+    # Each of the step's micro-batches gathers every layer's weights at least once (7/8 of them come from the
+    # other devices; bf16 or wider), which the communication model counts through the micro-batch and layer loops.
+    layer_weights = costs.dimensions(architecture(OLMO13)).layer_matmul_parameters * fsdp_report["layers"]
+    gathered = fsdp_report["train"]["communication"]["by_op"]["all-gather"]
+    assert gathered >= fsdp_report["geometry"]["grad_accum"] * layer_weights * 2 * 7 / 8
     # One layer's activations on one device: its row of the micro-batch x 5120 (bf16).
     geometry = fsdp_report["geometry"]
     activation = geometry["rows"] // 8 * geometry["seq_len"] * 5120 * 2
@@ -146,3 +161,87 @@ def test_collectives_are_read_from_hlo_text():
     assert found["all-gather"] == {"count": 1, "max_bytes": 64}
     assert found["all-reduce"] == {"count": 2, "max_bytes": 64}
     assert found["reduce-scatter"] == {"count": 0, "max_bytes": 0}
+
+
+# A module of 8 partitions exercising each collective, group notation and control flow the communication model
+# reads: an all-gather in a loop of 5 trips, a conditional of two branches, a loop without a trip count, and an
+# all-reduce wrapped in an async start and done (both name its computation).
+KNOWN_HLO = """HloModule jit_step, is_scheduled=true, num_partitions=8
+
+%sum (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %add = f32[] add(%a, %b)
+}
+
+%body (p: (s32[], f32[64])) -> (s32[], f32[64]) {
+  %p = (s32[], f32[64]{0}) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %shard = f32[64]{0} get-tuple-element(%p), index=1
+  %gathered = f32[256]{0} all-gather(%shard), channel_id=1, replica_groups=[2,4]<=[8], dimensions={0}
+  %back = f32[64]{0} slice(%gathered), slice={[0:64]}
+  ROOT %next = (s32[], f32[64]{0}) tuple(%i, %back)
+}
+
+%cond (p.1: (s32[], f32[64])) -> pred[] {
+  %p.1 = (s32[], f32[64]{0}) parameter(0)
+  ROOT %go = pred[] constant(true)
+}
+
+%small (s: f32[16]) -> f32[16] {
+  %s = f32[16]{0} parameter(0)
+  ROOT %small_sum = f32[16]{0} all-reduce(%s), channel_id=2, replica_groups={{0,1,2,3,4,5,6,7}}, to_apply=%sum
+}
+
+%large (l: f32[1024]) -> f32[1024] {
+  %l = f32[1024]{0} parameter(0)
+  ROOT %large_sum = f32[1024]{0} all-reduce-start(%l), channel_id=3, replica_groups={{0,1},{2,3},{4,5},{6,7}}, to_apply=%sum
+}
+
+%wrapped (w: f32[32]) -> f32[32] {
+  %w = f32[32]{0} parameter(0)
+  ROOT %w_sum = f32[32]{0} all-reduce(%w), channel_id=7, replica_groups=[4,2]<=[8], to_apply=%sum
+}
+
+%loose (p.2: (s32[], f32[64])) -> (s32[], f32[64]) {
+  %p.2 = (s32[], f32[64]{0}) parameter(0)
+  %j = s32[] get-tuple-element(%p.2), index=0
+  %q = f32[64]{0} get-tuple-element(%p.2), index=1
+  %moved = f32[64]{0} collective-permute(%q), channel_id=4, source_target_pairs={{0,1},{1,0}}
+  ROOT %out = (s32[], f32[64]{0}) tuple(%j, %moved)
+}
+
+ENTRY %main (init: (s32[], f32[64]), which: s32[], s: f32[16], l: f32[1024], y: f32[64], h: bf16[8], t: f32[32]) -> f32[8] {
+  %init = (s32[], f32[64]{0}) parameter(0)
+  %which = s32[] parameter(1)
+  %s = f32[16]{0} parameter(2)
+  %l = f32[1024]{0} parameter(3)
+  %y = f32[64]{0} parameter(4)
+  %h = bf16[8]{0} parameter(5)
+  %t = f32[32]{0} parameter(6)
+  %start = ((f32[32]{0}), f32[32]{0}) async-start(%t), calls=%wrapped
+  %done = f32[32]{0} async-done(%start), calls=%wrapped
+  %loop = (s32[], f32[64]{0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"5"}}
+  %unknown = (s32[], f32[64]{0}) while(%init), condition=%cond, body=%loose
+  %branch = f32[16]{0} conditional(%which, %s, %l), branch_computations={%small, %large}
+  %exchanged = (bf16[8]{0}, bf16[8]{0}) all-to-all(%h, %h), channel_id=5, replica_groups=mesh['x'=2,'y'=4], device_ids=([4,2]T(1,0)) {'y'}
+  ROOT %scattered = f32[8]{0} reduce-scatter(%y), channel_id=6, replica_groups={}, dimensions={0}, to_apply=%sum
+}
+"""
+
+
+def test_communication_counts_each_collective_as_a_ring_moves_it_as_often_as_it_runs():
+    """Closed forms per device: an all-gather of 64 f32 shards in groups of 4 moves 3 shards (768 B), 5 trips;
+    of the conditional's branches the larger all-reduce (1024 f32 in pairs: 2 x 1/2 x 4096 B); the async one
+    once (32 f32 in pairs: 2 x 1/2 x 128 B); the loop without a trip count once (its permute, 256 B); an
+    all-to-all of two bf16[8] over the mesh axis of 4 (3/4 x 32 B); a reduce-scatter of 64 f32 over all 8
+    partitions (7/8 x 256 B)."""
+    moved = preflight.communication(KNOWN_HLO)
+    expected = {"all-gather": 5 * 3 * 64 * 4, "all-reduce": 4096 + 128, "collective-permute": 64 * 4,
+                "all-to-all": 24, "reduce-scatter": 224}  # fmt: skip
+    assert moved["by_op"] == expected
+    assert moved["bytes"] == sum(expected.values())
+    assert moved["loops_without_trip_count"] == 1
+    # The instructions as written: the loop's all-gather once, both branches' all-reduces.
+    assert {op: c["count"] for op, c in preflight.collectives(KNOWN_HLO).items()} == {
+        "all-gather": 1, "all-reduce": 3, "reduce-scatter": 1, "all-to-all": 1, "collective-permute": 1}

@@ -97,6 +97,10 @@ def initialize(env: Mapping[str, str] | None = None, **explicit: str | int | Non
     layout = detect_layout(env, **explicit)  # type: ignore[arg-type]
     if layout is None:
         return None
+    # JAX's preemption service would install XLA's own SIGTERM handler, which hears SIGTERM alone and only for
+    # ``multihost_utils.reached_preemption_sync_point``: a SIGTERM before the loop's handlers
+    # (``oodjax.engine.preemption``) are in place would be swallowed, not end the process.
+    jax.config.update("jax_enable_preemption_service", False)
     jax.distributed.initialize(
         coordinator_address=layout.coordinator_address,
         num_processes=layout.num_processes,

@@ -1,7 +1,13 @@
 """Stopping at a step boundary on SIGTERM or SIGUSR1, what SLURM and TPU pods send ahead of a time limit or a
-preemption, and on Ctrl-C (SIGINT): every process finishes the current step, all agree on it
-(``StopSignals.agreed``), the loop checkpoints every run it is training and raises ``Preempted``, which
-``oodjax.main`` turns into exit status ``PREEMPTED_EXIT_CODE`` (launch/slurm.sbatch requeues itself on it).
+preemption, and on Ctrl-C (SIGINT): every process finishes the current step (in a multi-process job, the steps up
+to the next one whose results the loop waits for anyway), all agree on it (``StopSignals.agreed``), the loop
+checkpoints every run it is training and raises ``Preempted``, which ``oodjax.main`` turns into exit status
+``PREEMPTED_EXIT_CODE`` (launch/slurm.sbatch requeues itself on it).
+
+Why not JAX's own preemption sync (``multihost_utils.reached_preemption_sync_point``): it hears SIGTERM alone,
+through a C handler that ``jax.distributed.initialize`` installs (XLA's SigtermNotifier) and that the Python
+handlers here replace, while SLURM warns of a time limit with SIGUSR1 (launch/slurm.sbatch) and a user stops with
+Ctrl-C; and it offers Python no way to post a notice of another signal.
 
 A second Ctrl-C ends the process at once, killed by SIGINT (the first restores the system's default action):
 for someone who will not wait for the checkpoint. Nothing is lost that a crash would not lose: results and
@@ -75,10 +81,14 @@ class StopSignals:
         elif interrupt:
             logging.warning("received SIGINT after %s: Ctrl-C again exits at once", self.received)
 
-    def agreed(self) -> bool:
-        """Whether any process received a stop signal: the same answer in every process at the same step (each
-        process's flag is all-gathered, a few bytes, in a multi-process job)."""
+    def agreed(self, *, synced: bool = True) -> bool:
+        """Whether to stop now. In one process: whether it received a stop signal. In a multi-process job: whether
+        any process did, asked (each process's flag all-gathered, a few bytes) only where ``synced``, a step whose
+        results the loop waits for anyway (a log line, an evaluation, a checkpoint; before training): the
+        all-gather waits for the devices to finish the step, so elsewhere it would stop the host from
+        dispatching ahead. Every process passes the same ``synced`` at the same step, so all stop at the same
+        one, the first such step after the signal."""
         requested = self.received is not None
         if jax.process_count() == 1:
             return requested
-        return bool(np.any(multihost_utils.process_allgather(np.asarray(requested))))
+        return synced and bool(np.any(multihost_utils.process_allgather(np.asarray(requested))))
