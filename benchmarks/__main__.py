@@ -1,6 +1,7 @@
 """`python -m benchmarks [--quick] [--smoke] [--out FILE] [--cases eval,train,...] [--device gpu]`.
 
-Runs the cases side by side with PyTorch + PEFT and writes FILE (default
+Runs the cases against PyTorch + PEFT, each contender in a process of its
+own taking turns (``benchmarks.harness``), and writes FILE (default
 benchmarks/results.json in full mode, results-quick.json / results-smoke.json
 otherwise) and the same report as markdown beside it (FILE with .md).
 ``--device gpu`` runs ``benchmarks.case_device`` instead, the study's 9 runs
@@ -28,7 +29,7 @@ CASES = ("eval", "train", "loading", "grid")  # the matmul peak always runs: the
 def parse(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m benchmarks", description="oodjax against transformers + peft")
     parser.add_argument("--quick", action="store_true",
-                        help="a smaller model and fewer examples (~3.5 minutes, most of it the grid's processes)")
+                        help="a smaller model and fewer examples (~5 minutes, most of it starting processes)")
     parser.add_argument("--smoke", action="store_true", help="tiny everything, to show it runs (CI)")
     parser.add_argument("--out", type=pathlib.Path, default=None, help="results JSON (markdown goes beside it)")
     parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated subset of {','.join(CASES)}")
@@ -77,13 +78,12 @@ def run_device(mode: settings.DeviceMode) -> dict:
 
 
 def run(mode: settings.Mode, cases: list[str], workdir: pathlib.Path) -> dict:
-    """Every requested case, in an order that builds each shared object once."""
+    """Every requested case; each case's contenders run in processes of their own (``benchmarks.harness``),
+    on the checkpoint and tokenisation cache this process writes first."""
     import torch
 
     from benchmarks import case_eval, case_grid, case_loading, case_matmul, case_train, machine, torch_contenders
-    from benchmarks.oodjax_contenders import build_engine
-    from oodjax import models
-    from benchmarks.workload import load_workload
+    from benchmarks.workload import mode_workload
 
     clock = time.perf_counter()
 
@@ -94,32 +94,22 @@ def run(mode: settings.Mode, cases: list[str], workdir: pathlib.Path) -> dict:
         results["cases"].append(case)
         print(f"[benchmarks] {case['case']} done in {case['case_wall_s']:.0f} s", file=sys.stderr, flush=True)
 
-    threads = machine.usable_cores()
-    torch.set_num_threads(threads)
     results = {"mode": mode.name, "machine": machine.describe(torch_threads=torch.get_num_threads()), "cases": []}
-    peak = case_matmul.run(mode)
+    peak = case_matmul.run(mode, workdir / "logs")
     record(peak)
     peak_flops = peak["peak_gflops"] * 1e9
 
     checkpoint = workdir / "checkpoint"
     if {"eval", "train", "loading"} & set(cases):
-        model = torch_contenders.build_model(mode.model, seed=0)
-        model.save_pretrained(checkpoint)  # float32 safetensors: loaded by oodjax below and by the loading case
+        # float32 safetensors: every contender of the evaluation and training cases loads it, and loading times it
+        torch_contenders.build_model(mode.model, seed=0).save_pretrained(checkpoint)
     if {"eval", "train"} & set(cases):
-        workload = load_workload(per_testset=mode.eval_per_testset, train_shots=mode.train_shots,
-                                 max_length=settings.MAX_LENGTH, vocab_size=mode.model["vocab_size"])
+        workload = mode_workload(mode)  # also fills the run's tokenisation cache, which the contenders read
         results["workload"] = workload.describe()
-        torch_model = torch_contenders.attach_lora(model, seed=0)
-        steps = (mode.warmup + mode.repeats) * mode.train_steps_per_repeat
-        engine = build_engine(
-            lambda mesh: models.load_pretrained(checkpoint, dtype="float32", mesh=mesh), seeds=[0], total_steps=steps,
-            yes_id=workload.yes_id, no_id=workload.no_id,
-        )  # fmt: skip
         if "eval" in cases:
-            record(case_eval.run(mode, workload, engine, torch_model, peak_flops))
+            record(case_eval.run(mode, workload, checkpoint, peak_flops, workdir / "logs"))
         if "train" in cases:
-            record(case_train.run(mode, workload, engine, torch_model, peak_flops))
-        del engine, torch_model, model
+            record(case_train.run(mode, workload, checkpoint, peak_flops, workdir / "logs"))
     if "loading" in cases:
         record(case_loading.run(mode, checkpoint))
     if "grid" in cases:

@@ -11,6 +11,9 @@ against it). The original study's approach (padded to MAX_LENGTH, full
 logits) is not a grid contender: at these proportions its 9 runs alone
 would take most of the benchmark's 15 minutes, and its cost per step and
 per example is what the training and evaluation cases measure.
+The contenders' processes run one at a time, in rounds that alternate
+the contenders' order (``benchmarks.harness.alternating``); the CPU time
+the rest of the machine used during each is recorded.
 Tokenisation is cached and the cache is filled before timing, for all
 three alike. Each oodjax repetition starts with an empty JAX compilation
 cache of its own, as docs/engine.md advises for sweeps: the first process of the
@@ -29,7 +32,7 @@ import sys
 import time
 from typing import Any
 
-from benchmarks import grid_config, harness, torch_grid
+from benchmarks import grid_config, harness, machine, torch_grid
 from benchmarks.settings import Mode
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -77,12 +80,16 @@ def run(mode: Mode, workdir: pathlib.Path) -> dict[str, Any]:
     num_runs = len(runs)
     seconds: dict[str, list[float]] = {}
     completed: dict[str, list[int]] = {}
+    other_cpu: dict[str, list[float]] = {}
     for repeat, name in harness.alternating(list(commands(mode, workdir)), mode.grid_repeats):
         output = workdir / f"repeat{repeat}"
+        busy, children = machine.busy_cpu_seconds(), machine.children_cpu_seconds()
         start = time.perf_counter()
         for command in commands(mode, output)[name]:
             _run(command, compilation_cache=output / name / "jax-compilation-cache")
         seconds.setdefault(name, []).append(time.perf_counter() - start)
+        used_elsewhere = machine.busy_cpu_seconds() - busy - (machine.children_cpu_seconds() - children)
+        other_cpu.setdefault(name, []).append(max(used_elsewhere, 0.0))  # the counters' ticks can differ by one
         completed.setdefault(name, []).append(runs_written(output / name, runs))
     results = {}
     for name, times in seconds.items():
@@ -94,7 +101,9 @@ def run(mode: Mode, workdir: pathlib.Path) -> dict[str, Any]:
             "median_s": statistics.median(times),
             "min_s": min(times),
             "max_s": max(times),
+            "work_per_repeat": num_runs,
             "rate_median": num_runs / statistics.median(times),
+            "other_cpu_s": other_cpu[name],
             "runs_completed": completed[name],
         }
     model = mode.grid_model
@@ -113,4 +122,5 @@ def run(mode: Mode, workdir: pathlib.Path) -> dict[str, Any]:
         ),
         "contenders": results,
         "ratios": harness.ratios(results, "oodjax-one-process"),
+        "ratios_per_round": harness.ratios_per_round(results, "oodjax-one-process"),
     }

@@ -72,4 +72,10 @@ def run(mode: Mode, checkpoint: pathlib.Path) -> dict[str, Any]:
         "ratios": {
             "transformers/oodjax time": results["transformers"]["median_s"] / results["oodjax"]["median_s"],
         },
+        "ratios_per_round": {
+            "transformers/oodjax time": [
+                theirs / ours
+                for theirs, ours in zip(results["transformers"]["seconds"], results["oodjax"]["seconds"], strict=True)
+            ],
+        },
     }

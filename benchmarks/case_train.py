@@ -1,59 +1,93 @@
 """Case 2, training throughput: LoRA r=8 on q/k/v/o, batch 16, AdamW, on an MNLI few-shot set.
 
 Every contender takes the same sequence of batches (one fixed shuffled
-order). oodjax runs each batch as the run loop does: packed several prompts
-to a row, balanced over the fewest rows of at most MAX_LENGTH tokens that
-hold every batch, run at the smallest bucket that holds the longest. The
-first step
-of each contender (a warm-up step, on the same batch, with the adapters'
-B still zero) must give the same loss: that checks all three compute the
-same objective.
+order), in a process of its own (``benchmarks.harness.compare``), from the
+same weights (the run's checkpoint). oodjax runs each batch as the run loop
+does: packed several prompts to a row, balanced over the fewest rows of at
+most MAX_LENGTH tokens that hold every batch, run at the smallest bucket
+that holds the longest. The first step of each contender (a warm-up step,
+on the same batch, with the adapters' B still zero) must give the same
+loss: that checks all three compute the same objective.
 """
 
 from __future__ import annotations
 
+import pathlib
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-import peft
 
-from benchmarks import flops, harness, settings, torch_contenders
-from benchmarks.oodjax_contenders import Engine, train_geometry
+from benchmarks import flops, harness, settings
 from benchmarks.settings import Mode
-from benchmarks.workload import Workload, training_order
-from oodjax.data import fitting_bucket
+from benchmarks.workload import Workload, mode_workload, training_order
+from oodjax.data import TokenizedSet, fitting_bucket
 from oodjax.engine.geometry import BatchGeometry
 
+CONTENDERS = ("oodjax", "pytorch-original", "pytorch-tuned")
 
-def run(mode: Mode, workload: Workload, engine: Engine, torch_model: peft.PeftModel, peak_flops: float) -> dict[str, Any]:
+
+def _order(mode: Mode, tokenized: TokenizedSet) -> list[np.ndarray]:
+    """The rows of every step the case takes, warm-up calls' first: the same for every contender."""
+    steps = (mode.warmup + mode.repeats) * mode.train_steps_per_repeat
+    return training_order(len(tokenized), steps, settings.TRAIN_BATCH)
+
+
+def contender(name: str, *, mode: str, checkpoint: str) -> tuple[Callable[[], list[float]], dict[str, Any]]:
+    """``name``'s training, built in its own process (``benchmarks.worker``): a call takes the next
+    ``train_steps_per_repeat`` steps of the case's order and returns their losses. oodjax reports its rows
+    per micro-batch and the share of the tokens it computes that are prompt tokens."""
+    sizes = settings.MODES[mode]
+    workload = mode_workload(sizes)
+    tokenized = workload.train_set
+    order = _order(sizes, tokenized)
+    batches = iter(order)
+    answers = dict(yes_id=workload.yes_id, no_id=workload.no_id)
+    if name == "oodjax":
+        from benchmarks.oodjax_contenders import Engine, build_engine, train_geometry
+        from oodjax import models
+
+        engine = build_engine(
+            lambda mesh: models.load_pretrained(checkpoint, dtype="float32", mesh=mesh), seeds=[0],
+            total_steps=len(order), **answers,
+        )  # fmt: skip
+        geometry = train_geometry(tokenized, [[rows] for rows in order], sizes.buckets)
+        compiled = []
+
+        def step(rows: np.ndarray) -> float:
+            if not compiled:  # the warm-up compiles the step (a branch per bucket)
+                engine.compile_train(geometry, tokenized, [rows])
+                compiled.append(True)
+            return float(engine.train(geometry, tokenized, [rows])[0])
+
+        real_tokens = sum(int(tokenized.lengths[rows].sum()) for rows in order)
+        computed = sum(_computed_tokens(Engine.train_batch(geometry, tokenized, [rows]), geometry) for rows in order)
+        built = {"rows": geometry.rows, "padding_efficiency": real_tokens / computed}
+    elif name in CONTENDERS:
+        from benchmarks import torch_contenders
+
+        model = torch_contenders.attach_lora(torch_contenders.load_model(checkpoint), seed=0)
+        trainer = torch_contenders.Trainer(model, tuned=name == "pytorch-tuned", total_steps=len(order), **answers)
+
+        def step(rows: np.ndarray) -> float:
+            return trainer.step(tokenized, rows)
+
+        built = {}
+    else:
+        raise ValueError(f"no training contender {name!r}; the contenders are {CONTENDERS}")
+    return (lambda: [step(next(batches)) for _ in range(sizes.train_steps_per_repeat)]), built
+
+
+def run(
+    mode: Mode, workload: Workload, checkpoint: pathlib.Path, peak_flops: float, workdir: pathlib.Path
+) -> dict[str, Any]:
     tokenized = workload.train_set
     per_repeat = mode.train_steps_per_repeat
     calls = mode.warmup + mode.repeats
-    order = training_order(len(tokenized), calls * per_repeat, settings.TRAIN_BATCH)
-    answers = dict(yes_id=workload.yes_id, no_id=workload.no_id, total_steps=len(order))
-    trainers = {
-        "pytorch-original": torch_contenders.Trainer(torch_model, tuned=False, **answers),
-        "pytorch-tuned": torch_contenders.Trainer(torch_model, tuned=True, **answers),
-    }
-    geometry = train_geometry(tokenized, [[rows] for rows in order], mode.buckets)
-    steps = {
-        "oodjax": lambda rows: float(engine.train(geometry, tokenized, [rows])[0]),
-        **{name: (lambda rows, t=trainer: t.step(tokenized, rows)) for name, trainer in trainers.items()},
-    }
-    losses: dict[str, list[float]] = {name: [] for name in steps}
-
-    def contender(name: str) -> Callable[[], None]:
-        def call() -> None:
-            first = len(losses[name]) * per_repeat
-            if name == "oodjax" and not first:  # the warm-up compiles the step (a branch per bucket)
-                engine.compile_train(geometry, tokenized, [order[0]])
-            for rows in order[first : first + per_repeat]:
-                losses[name].append(steps[name](rows))
-
-        return call
-
-    timings = harness.compare({name: contender(name) for name in steps}, repeats=mode.repeats, warmup=mode.warmup)
+    order = _order(mode, tokenized)
+    comparison = harness.compare("case_train", CONTENDERS, {"mode": mode.name, "checkpoint": str(checkpoint)},
+                                 repeats=mode.repeats, warmup=mode.warmup, logs=workdir)  # fmt: skip
+    oodjax = comparison.processes["oodjax"]
     timed_calls = range(mode.warmup, calls)
     repeat_flops = [
         sum(
@@ -64,11 +98,9 @@ def run(mode: Mode, workload: Workload, engine: Engine, torch_model: peft.PeftMo
     ]
     results = {
         name: t.summary(per_repeat * settings.TRAIN_BATCH, flops=repeat_flops, peak_flops=peak_flops)
-        for name, t in timings.items()
+        for name, t in comparison.timings.items()
     }
-    first = {name: values[0] for name, values in losses.items()}
-    real_tokens = sum(int(tokenized.lengths[rows].sum()) for rows in order)
-    computed_tokens = sum(_computed_tokens(Engine.train_batch(geometry, tokenized, [rows]), geometry) for rows in order)
+    first = {name: returned[0][0] for name, returned in comparison.returned.items()}  # the warm-up's first step
     return {
         "case": "train",
         "title": "Training throughput",
@@ -77,7 +109,7 @@ def run(mode: Mode, workload: Workload, engine: Engine, torch_model: peft.PeftMo
             f"LoRA r={settings.LORA['rank']} on q/k/v/o, batch {settings.TRAIN_BATCH}, AdamW with clipping, "
             f"{per_repeat} step(s) per repetition, MNLI few-shot set of {len(tokenized)} (mean "
             f"{tokenized.lengths.mean():.0f} tokens, max {tokenized.lengths.max()}). oodjax: engine train step, "
-            f"each batch packed into {settings.TRAIN_GRAD_ACCUM} micro-batch(es) of {geometry.rows} rows of at "
+            f"each batch packed into {settings.TRAIN_GRAD_ACCUM} micro-batch(es) of {oodjax['rows']} rows of at "
             f"most {settings.MAX_LENGTH} tokens (the fewest that hold every batch), balanced, each cut to the "
             "smallest of the "
             f"buckets {mode.buckets} holding its longest row, empty ones skipped (compiled in the warm-up); "
@@ -90,8 +122,10 @@ def run(mode: Mode, workload: Workload, engine: Engine, torch_model: peft.PeftMo
             "oodjax_vs_pytorch_tuned": abs(first["oodjax"] - first["pytorch-tuned"]),
             "pytorch_original_vs_tuned": abs(first["pytorch-original"] - first["pytorch-tuned"]),
         },
-        "oodjax_padding_efficiency": real_tokens / computed_tokens,
+        "oodjax_padding_efficiency": oodjax["padding_efficiency"],
+        "processes": comparison.processes,
         "ratios": harness.ratios(results, "oodjax"),
+        "ratios_per_round": harness.ratios_per_round(results, "oodjax"),
     }
 
 

@@ -4,6 +4,12 @@ One JAX CPU device: a forced device count (the test suite's
 --xla_force_host_platform_device_count) would split the same two cores
 into several devices. Hubs are offline, and tokenisation is cached in the
 run's own directory so that no earlier run's cache flatters a contender.
+On CPU every process of the run (each contender runs in its own) gets the
+same thread settings whatever the caller's shell holds: one OpenMP and MKL
+thread per usable core, and the OpenMP runtimes' own waiting policy
+(OMP_WAIT_POLICY, GOMP_SPINCOUNT and KMP_BLOCKTIME unset): PyTorch's
+threads spin a moment after each parallel region, as they do for its
+users; the harness waits for that to end before the next contender runs.
 """
 
 from __future__ import annotations
@@ -11,6 +17,8 @@ from __future__ import annotations
 import os
 import pathlib
 import sys
+
+from benchmarks import machine
 
 _DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 
@@ -31,6 +39,10 @@ def configure(cache_dir: pathlib.Path, *, accelerator: bool = False) -> None:
         os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
     else:
         os.environ["JAX_PLATFORMS"] = "cpu"
+        threads = str(machine.usable_cores())
+        os.environ.update(OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads)
+        for name in machine.OPENMP_WAITING:
+            os.environ.pop(name, None)
     os.environ["HF_HUB_OFFLINE"] = "1"
     os.environ["HF_DATASETS_OFFLINE"] = "1"
     os.environ["TOKENIZERS_PARALLELISM"] = "false"

@@ -1,22 +1,45 @@
-"""Timing contenders side by side: warm-up, alternating timed repetitions, median and range.
+"""Timing contenders side by side: each in a process of its own, taking turns; medians and per-round ratios.
 
-Contenders of one case are timed in turns (A B C, B C A, C A B, ...), so a
-slow spell of a shared machine hits them alike rather than whichever ran
-during it. The first warm-up call is kept apart: it holds JAX's tracing and
-XLA compilation (counted exactly through jax.monitoring) and PyTorch's first
-allocations. A compilation during the timed repetitions is recorded too, so
-a step that recompiles per batch cannot hide in the medians.
+Each contender of a case runs in a fresh process of its own
+(``benchmarks.worker``) with the run's fixed environment
+(``benchmarks.environment``), so no two share a thread pool, an allocator
+or a compilation cache. The processes take turns, one call at a time, and
+a call starts only once every process of the case has used no CPU for
+``SETTLE_WINDOW_S``: a library whose threads keep spinning after its call
+(PyTorch's OpenMP workers wait actively for a moment, XLA's pool too)
+cannot slow the contender after it. The warm-up calls come first, one
+contender after another; the first holds JAX's tracing and XLA compilation
+(counted exactly through jax.monitoring) and PyTorch's first allocations.
+A compilation during the timed repetitions is recorded too, so a step that
+recompiles per batch cannot hide in the medians. The timed repetitions run
+in rounds, each starting one contender later than the last (A B C, B C A,
+C A B, ...), so a slow spell of a shared machine hits them alike and no
+contender always follows the same other. A call's time is taken inside its
+process; the parent records the CPU time the rest of the machine used
+during it, so a repetition disturbed by another program shows. A ratio is
+of medians; the ratios of each round, whose contenders ran one right after
+another, give its spread.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import pathlib
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
+
+from benchmarks import machine
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+SETTLE_WINDOW_S = 0.05  # a case's processes count as idle once none used a CPU tick in this long
+SETTLE_LIMIT_S = 5.0  # past this, the call goes ahead and its other_cpu_s records what still ran
 
 _COMPILE_EVENTS = (
     "/jax/core/compile/jaxpr_trace_duration",
@@ -52,6 +75,7 @@ class Timing:
     first_call_s: float
     compile_s: float
     compile_during_timing_s: float
+    other_cpu_s: tuple[float, ...] = ()  # per repetition: CPU seconds the rest of the machine used meanwhile
 
     @property
     def median_s(self) -> float:
@@ -84,6 +108,8 @@ class Timing:
             "compile_s": self.compile_s,
             "compile_during_timing_s": self.compile_during_timing_s,
         }
+        if self.other_cpu_s:
+            out["other_cpu_s"] = list(self.other_cpu_s)
         if flops is not None:
             if len(flops) != len(self.seconds):
                 raise ValueError(f"{len(flops)} FLOP counts for {len(self.seconds)} repetitions")
@@ -91,15 +117,18 @@ class Timing:
             out["model_gflops_median"] = statistics.median(rates) / 1e9
             if peak_flops:
                 out["peak_fraction"] = statistics.median(rates) / peak_flops
+                out["peak_fraction_min"] = min(rates) / peak_flops
+                out["peak_fraction_max"] = max(rates) / peak_flops
         return out
 
 
-def _timed(fn: Callable[[], Any]) -> tuple[float, float]:
-    """(wall seconds, compile seconds) of one call; ``fn`` must return only once its work is done."""
+def timed(fn: Callable[[], Any]) -> tuple[Any, float, float]:
+    """What ``fn()`` returned, its wall seconds and the seconds JAX compiled during it; ``fn`` must return
+    only once its work is done."""
     compiled = CompileClock.seconds()
     start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start, CompileClock.seconds() - compiled
+    returned = fn()
+    return returned, time.perf_counter() - start, CompileClock.seconds() - compiled
 
 
 def alternating(names: list[str], repeats: int) -> list[tuple[int, str]]:
@@ -111,31 +140,143 @@ def alternating(names: list[str], repeats: int) -> list[tuple[int, str]]:
     return order
 
 
-def compare(contenders: Mapping[str, Callable[[], Any]], *, repeats: int, warmup: int) -> dict[str, Timing]:
-    """Time each contender ``repeats`` times after ``warmup`` untimed calls, alternating their order."""
+class Worker:
+    """One contender in a process of its own (``python -m benchmarks.worker``), making one call per request.
+
+    Its stderr (everything the libraries print) goes to ``log``, whose end a
+    failure quotes."""
+
+    def __init__(self, module: str, name: str, kwargs: Mapping[str, Any], log: pathlib.Path):
+        self.name, self.log = name, log
+        command = [sys.executable, "-m", "benchmarks.worker", module, name, json.dumps(kwargs)]
+        with log.open("w") as stderr:
+            self.process = subprocess.Popen(command, cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                            stderr=stderr, text=True)  # fmt: skip
+
+    def receive(self) -> dict[str, Any]:
+        """The process's next answer: what it built (first), then one call's measurements."""
+        line = self.process.stdout.readline()
+        if not line:
+            code = self.process.wait()
+            tail = self.log.read_text()[-3000:]
+            raise RuntimeError(f"contender {self.name} exited ({code}); the end of {self.log}:\n{tail}")
+        return json.loads(line)
+
+    def call(self) -> dict[str, Any]:
+        try:
+            self.process.stdin.write("call\n")
+            self.process.stdin.flush()
+        except BrokenPipeError:
+            pass  # the process has exited: receive says how
+        return self.receive()
+
+    def close(self) -> None:
+        """Ends the process (it stops when its stdin closes; killed if it has not within a minute)."""
+        self.process.stdin.close()
+        try:
+            self.process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        self.process.stdout.close()
+
+
+@dataclasses.dataclass(frozen=True)
+class Comparison:
+    """What ``compare`` measured: each contender's timing, what each of its calls returned (warm-up calls
+    first) and its process (pid, setup seconds, PyTorch threads, and what the contender reported of itself)."""
+
+    timings: dict[str, Timing]
+    returned: dict[str, list[Any]]
+    processes: dict[str, dict[str, Any]]
+
+
+def compare(
+    module: str, names: Sequence[str], kwargs: Mapping[str, Any], *, repeats: int, warmup: int,
+    logs: pathlib.Path,
+) -> Comparison:
+    """Time the contenders ``names`` of ``benchmarks.<module>`` (its ``contender(name, **kwargs)``), each in
+    a process of its own: built all at once (untimed), ``warmup`` untimed calls each, one contender after
+    another, then ``repeats`` rounds (``alternating``), every call once all the processes are idle."""
     if repeats < 1 or warmup < 0:
         raise ValueError(f"need repeats >= 1 and warmup >= 0, got repeats={repeats}, warmup={warmup}")
-    if not contenders:
+    if not names:
         raise ValueError("compare needs at least one contender")
-    names = list(contenders)
-    first_call, compile_s = {}, {}
-    for name in names:
-        first_call[name], compile_s[name] = _timed(contenders[name]) if warmup else (float("nan"), 0.0)
-        for _ in range(warmup - 1):
-            _, extra = _timed(contenders[name])
-            compile_s[name] += extra
-    seconds: dict[str, list[float]] = {name: [] for name in names}
-    late_compile = dict.fromkeys(names, 0.0)
-    for _, name in alternating(names, repeats):
-        wall, compiled = _timed(contenders[name])
-        seconds[name].append(wall)
-        late_compile[name] += compiled
-    return {
-        name: Timing(tuple(seconds[name]), first_call[name], compile_s[name], late_compile[name]) for name in names
-    }
+    logs.mkdir(parents=True, exist_ok=True)
+    workers: dict[str, Worker] = {}
+    try:
+        for name in names:
+            workers[name] = Worker(module, name, kwargs, logs / f"{module}-{name}.log")
+        processes = {name: worker.receive() for name, worker in workers.items()}
+        returned: dict[str, list[Any]] = {name: [] for name in names}
+        first_call, compile_s = {}, {}
+        for name in names:
+            first_call[name], compile_s[name] = float("nan"), 0.0
+            for call in range(warmup):
+                answer = _turn(workers, name)
+                returned[name].append(answer["returned"])
+                compile_s[name] += answer["compile_s"]
+                if not call:
+                    first_call[name] = answer["seconds"]
+        seconds: dict[str, list[float]] = {name: [] for name in names}
+        other_cpu: dict[str, list[float]] = {name: [] for name in names}
+        late_compile = dict.fromkeys(names, 0.0)
+        for _, name in alternating(list(names), repeats):
+            answer = _turn(workers, name)
+            returned[name].append(answer["returned"])
+            seconds[name].append(answer["seconds"])
+            other_cpu[name].append(answer["other_cpu_s"])
+            late_compile[name] += answer["compile_s"]
+    finally:
+        for worker in workers.values():
+            worker.close()
+    timings = {
+        name: Timing(tuple(seconds[name]), first_call[name], compile_s[name], late_compile[name],
+                     tuple(other_cpu[name]))
+        for name in names
+    }  # fmt: skip
+    return Comparison(timings, returned, processes)
+
+
+def _turn(workers: Mapping[str, Worker], name: str) -> dict[str, Any]:
+    """One call of ``name``'s contender once all ``workers`` are idle, with ``other_cpu_s``: the CPU seconds
+    the machine spent on anything else meanwhile (to the kernel's 10 ms ticks)."""
+    settle([worker.process.pid for worker in workers.values()])
+    pid = workers[name].process.pid
+    busy, own = machine.busy_cpu_seconds(), machine.process_cpu_seconds(pid)
+    answer = workers[name].call()
+    other = machine.busy_cpu_seconds() - busy - (machine.process_cpu_seconds(pid) - own)
+    return {**answer, "other_cpu_s": max(other, 0.0)}  # the two counters' ticks can differ by one
+
+
+def settle(pids: Sequence[int]) -> None:
+    """Wait until the processes ``pids`` together use no CPU tick in ``SETTLE_WINDOW_S``, at most
+    ``SETTLE_LIMIT_S``: threads still spinning after a call, or a process still starting, end first."""
+    deadline = time.monotonic() + SETTLE_LIMIT_S
+    used = sum(machine.process_cpu_seconds(pid) for pid in pids)
+    while time.monotonic() < deadline:
+        time.sleep(SETTLE_WINDOW_S)
+        now = sum(machine.process_cpu_seconds(pid) for pid in pids)
+        if now == used:
+            return
+        used = now
 
 
 def ratios(results: Mapping[str, Mapping[str, Any]], ours: str) -> dict[str, float]:
     """``ours``'s median rate over each other contender's (above 1: ours is faster)."""
     rate = results[ours]["rate_median"]
     return {f"{ours}/{name}": rate / r["rate_median"] for name, r in results.items() if name != ours}
+
+
+def ratios_per_round(results: Mapping[str, Mapping[str, Any]], ours: str) -> dict[str, list[float]]:
+    """``ours``'s rate over each other contender's in each round (repetition r of every contender, taken one
+    right after another): the spread of ``ratios``. Rates are ``work_per_repeat`` / seconds."""
+
+    def rates(contender: Mapping[str, Any]) -> list[float]:
+        return [contender["work_per_repeat"] / s for s in contender["seconds"]]
+
+    return {
+        f"{ours}/{name}": [a / b for a, b in zip(rates(results[ours]), rates(r), strict=True)]
+        for name, r in results.items()
+        if name != ours
+    }

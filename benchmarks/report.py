@@ -3,7 +3,10 @@
 `python -m benchmarks.report [--results benchmarks/results.json] [--page docs/performance.md]`
 rewrites the part of the page between the two marker lines below from the
 results file, so the published figures always come from one measured run
-and name the machine they were measured on.
+and name the machine they were measured on. With `--compare OTHER.json` it
+instead sets every ratio of the results beside OTHER's (two runs on one
+machine should agree within ``AGREEMENT`` on each) and exits 1 if any
+does not.
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ import json
 import pathlib
 from collections.abc import Mapping
 from typing import Any
+
+from oodjax import usage_errors
 
 HERE = pathlib.Path(__file__).resolve().parent
 DEFAULT_RESULTS = HERE / "results.json"
@@ -39,6 +44,9 @@ DEVICE_TARGETS = (
 )
 
 
+AGREEMENT = 0.10  # two runs agree on a ratio when the larger is at most this much above the smaller
+
+
 def _num(value: float, digits: int = 3) -> str:
     """A figure to ``digits`` significant digits, never in scientific notation."""
     if value == 0 or value != value:
@@ -57,21 +65,70 @@ def _target_value(results: Mapping[str, Any], case: str, quantity: str) -> float
     return found["ratios"].get(quantity)
 
 
+def _target_spread(results: Mapping[str, Any], case: str, quantity: str) -> str:
+    """A target's smallest and largest value over the case's repetitions ("" where not recorded)."""
+    found = next((c for c in results["cases"] if c["case"] == case), None)
+    if found is None:
+        return ""
+    if quantity == "oodjax peak fraction":
+        ours = found["contenders"]["oodjax"]
+        return _span(ours["peak_fraction_min"], ours["peak_fraction_max"]) if "peak_fraction_min" in ours else ""
+    rounds = found.get("ratios_per_round", {}).get(quantity)
+    return _span(min(rounds), max(rounds)) if rounds else ""
+
+
+def _span(low: float, high: float) -> str:
+    return f"{_num(low)}-{_num(high)}"
+
+
 def targets_table(results: Mapping[str, Any]) -> str:
-    rows = ["| case | quantity | goal | measured | met |", "|---|---|---|---|---|"]
+    rows = ["| case | quantity | goal | measured | per repetition | met |", "|---|---|---|---|---|---|"]
     device = any(case["case"].startswith("device-") for case in results["cases"])
     for case, quantity, direction, bound in DEVICE_TARGETS if device else TARGETS:
         value = _target_value(results, case, quantity)
         goal = "none (for information)" if bound is None else f"{direction} {bound}"
         if value is None:
-            rows.append(f"| {case} | {quantity} | {goal} | not measured | |")
+            rows.append(f"| {case} | {quantity} | {goal} | not measured | | |")
             continue
         met = ""
         if bound is not None:
             met = "yes" if (value >= bound if direction == "at least" else value <= bound) else "no"
         # One digit more than elsewhere, so a value just short of its bound does not print as the bound.
-        rows.append(f"| {case} | {quantity} | {goal} | {_num(value, digits=4)} | {met} |")
+        spread = _target_spread(results, case, quantity)
+        rows.append(f"| {case} | {quantity} | {goal} | {_num(value, digits=4)} | {spread} | {met} |")
     return "\n".join(rows)
+
+
+def compared_ratios(results: Mapping[str, Any], other: Mapping[str, Any]) -> list[tuple[str, str, float, float]]:
+    """(case, quantity, value in ``results``, value in ``other``) for every ratio, oodjax peak fraction and
+    oodjax memory over checkpoint bytes that both hold."""
+    fractions = {"oodjax peak fraction": "peak_fraction", "oodjax memory / checkpoint bytes":
+                 "load_rss_growth_over_checkpoint"}  # fmt: skip
+
+    def quantities(run: Mapping[str, Any]) -> dict[tuple[str, str], float]:
+        found = {}
+        for case in run["cases"]:
+            found.update({(case["case"], name): value for name, value in case.get("ratios", {}).items()})
+            ours = case["contenders"].get("oodjax", {})
+            found.update({(case["case"], quantity): ours[key] for quantity, key in fractions.items() if key in ours})
+        return found
+
+    ours, theirs = quantities(results), quantities(other)
+    return [(case, name, value, theirs[case, name]) for (case, name), value in ours.items() if (case, name) in theirs]
+
+
+def agreement_table(results: Mapping[str, Any], other: Mapping[str, Any]) -> tuple[str, bool]:
+    """The markdown table of ``compared_ratios`` with each pair's difference (the larger over the smaller,
+    minus 1), and whether every pair agrees within ``AGREEMENT``."""
+    rows = [f"| case | quantity | {results['finished']} | {other['finished']} | difference | within "
+            f"{AGREEMENT:.0%} |", "|---|---|---|---|---|---|"]  # fmt: skip
+    agree = True
+    for case, quantity, ours, theirs in compared_ratios(results, other):
+        difference = max(ours, theirs) / min(ours, theirs) - 1
+        agree &= difference <= AGREEMENT
+        rows.append(f"| {case} | {quantity} | {_num(ours)} | {_num(theirs)} | {difference:.1%} | "
+                    f"{'yes' if difference <= AGREEMENT else 'no'} |")  # fmt: skip
+    return "\n".join(rows), agree
 
 
 def case_table(case: Mapping[str, Any]) -> str:
@@ -88,12 +145,13 @@ def case_table(case: Mapping[str, Any]) -> str:
         return "\n".join(rows)
     unit = case["unit"]
     if unit == "s":  # whole jobs: only their wall times
-        rows = ["| contender | median s (min-max) | reps |", "|---|---|---|"]
+        rows = ["| contender | median s (min-max) | reps | other CPU s, most in one |", "|---|---|---|---|"]
         for name, c in case["contenders"].items():
-            rows.append(f"| {name} | {_num(c['median_s'])} ({_num(c['min_s'])}-{_num(c['max_s'])}) | {c['repeats']} |")
+            rows.append(f"| {name} | {_num(c['median_s'])} ({_num(c['min_s'])}-{_num(c['max_s'])}) | {c['repeats']} | "
+                        f"{_other_cpu(c)} |")  # fmt: skip
         return "\n".join(rows)
     rows = [f"| contender | median s (min-max) | {unit} median (min-max) | first call s | XLA compile s | "
-            "model GFLOP/s | of peak | reps |", "|---|---|---|---|---|---|---|---|"]
+            "model GFLOP/s | of peak | reps | other CPU s, most in one |", "|---|---|---|---|---|---|---|---|---|"]
     for name, c in case["contenders"].items():
         rate = f"{_num(c['rate_median'])} ({_num(c['rate_min'])}-{_num(c['rate_max'])})"
         rows.append(
@@ -101,19 +159,26 @@ def case_table(case: Mapping[str, Any]) -> str:
             f"{_num(c['first_call_s']) if 'first_call_s' in c else ''} | "
             f"{_num(c['compile_s']) if c.get('compile_s') else ''} | "
             f"{_num(c['model_gflops_median']) if 'model_gflops_median' in c else ''} | "
-            f"{format(c['peak_fraction'], '.0%') if 'peak_fraction' in c else ''} | {c['repeats']} |"
+            f"{format(c['peak_fraction'], '.0%') if 'peak_fraction' in c else ''} | {c['repeats']} | {_other_cpu(c)} |"
         )
     return "\n".join(rows)
+
+
+def _other_cpu(contender: Mapping[str, Any]) -> str:
+    """The most CPU seconds the rest of the machine used during one of the contender's repetitions."""
+    return _num(max(contender["other_cpu_s"]), digits=2) if contender.get("other_cpu_s") else ""
 
 
 def machine_line(results: Mapping[str, Any]) -> str:
     m = results["machine"]
     libs = m["libraries"]
+    threads = ", ".join(f"{k}={v}" for k, v in m.get("thread_environment", {}).items() if v is not None)
     return (
         f"{m['cpu']} ({', '.join(m['cpu_flags']) or 'no AVX'}), {m['usable_cores']} cores, {m['memory_gib']} GiB RAM; "
         f"JAX {libs['jax']} ({m['jax_threads']}, devices {', '.join(m['jax_devices'])}), PyTorch {libs['torch']} "
         f"({m['torch_threads']} threads), transformers {libs['transformers']}, peft {libs['peft']}; "
-        f"load average {m['load_average_1m_at_start']:.1f} at the start."
+        f"load average {m['load_average_1m_at_start']:.1f} at the start"
+        + (f"; {threads}" if threads else "") + "."
     )
 
 
@@ -134,7 +199,11 @@ def markdown(results: Mapping[str, Any]) -> str:
                 f"{k.removesuffix('_peak_bytes')} {v / 2**30:.1f} GiB" if v else f"{k.removesuffix('_peak_bytes')} "
                 "not reported" for k, v in case["memory"].items()), ""]
         if case.get("ratios"):
-            parts += ["Ratios: " + ", ".join(f"{k} {_num(v)}" for k, v in case["ratios"].items()), ""]
+            rounds = case.get("ratios_per_round", {})
+            label = "Ratios of medians (each round's lowest-highest)" if rounds else "Ratios of medians"
+            parts += [f"{label}: " + ", ".join(
+                f"{k} {_num(v)}" + (f" ({_span(min(rounds[k]), max(rounds[k]))})" if rounds.get(k) else "")
+                for k, v in case["ratios"].items()), ""]  # fmt: skip
     parts += ["#### Targets", "", targets_table(results), ""]
     return "\n".join(parts)
 
@@ -155,10 +224,12 @@ def update_page(page: pathlib.Path, results: Mapping[str, Any]) -> None:
 
 
 def load(path: pathlib.Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise usage_errors.MissingInputError(f"no results file {path}: `python -m benchmarks` writes one")
     results = json.loads(path.read_text())
     missing = [key for key in ("mode", "command", "machine", "cases", "finished", "wall_s") if key not in results]
     if missing:
-        raise ValueError(f"{path} is not a benchmarks results file: it lacks {missing}")
+        raise usage_errors.UsageError(f"{path} is not a benchmarks results file: it lacks {missing}")
     return results
 
 
@@ -166,8 +237,17 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.report", description=__doc__.splitlines()[0])
     parser.add_argument("--results", type=pathlib.Path, default=DEFAULT_RESULTS)
     parser.add_argument("--page", type=pathlib.Path, default=HERE.parent / "docs" / "performance.md")
+    parser.add_argument("--compare", type=pathlib.Path, metavar="OTHER",
+                        help="set the ratios of --results beside OTHER's instead (exit 1 unless all agree)")
     args = parser.parse_args(argv)
-    update_page(args.page, load(args.results))
+    with usage_errors.reported(parser.prog):
+        if args.compare:
+            table, agree = agreement_table(load(args.results), load(args.compare))
+            print(table)
+            print(f"{args.results} and {args.compare} {'agree' if agree else 'do not agree'} within "
+                  f"{AGREEMENT:.0%} on every ratio")  # fmt: skip
+            raise SystemExit(0 if agree else 1)
+        update_page(args.page, load(args.results))
     print(f"updated {args.page} from {args.results}")
 
 

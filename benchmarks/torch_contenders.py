@@ -11,6 +11,7 @@ evaluation). Both compute the same margins and losses as oodjax's steps.
 
 from __future__ import annotations
 
+import pathlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -31,6 +32,12 @@ def build_model(
     config = transformers.AutoConfig.for_model(**hf_config)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
     return model.to(device)
+
+
+def load_model(checkpoint: str | pathlib.Path) -> transformers.PreTrainedModel:
+    """The float32 model saved at ``checkpoint`` (SDPA attention): the weights every contender of a case reads."""
+    return transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32,
+                                                             attn_implementation="sdpa")  # fmt: skip
 
 
 def attach_lora(model: transformers.PreTrainedModel, *, seed: int) -> peft.PeftModel:

@@ -16,6 +16,8 @@ import datasets
 import numpy as np
 from transformers import AutoTokenizer
 
+from benchmarks import settings
+from benchmarks.settings import Mode
 from oodjax.data import (
     TESTSETS,
     TokenizedSet,
@@ -82,6 +84,12 @@ def load_workload(*, per_testset: int, train_shots: int, max_length: int, vocab_
         for rows in (eval_rows, train_rows)
     )
     return Workload(eval_set=eval_set, train_set=train_set, yes_id=yes_id, no_id=no_id)
+
+
+def mode_workload(mode: Mode) -> Workload:
+    """The evaluation and training cases' prompts at ``mode``'s sizes: what each of their processes loads."""
+    return load_workload(per_testset=mode.eval_per_testset, train_shots=mode.train_shots,
+                         max_length=settings.MAX_LENGTH, vocab_size=mode.model["vocab_size"])  # fmt: skip
 
 
 def run_orders(num_examples: int, seeds: list[int], steps: int, batch_size: int) -> list[list[np.ndarray]]:

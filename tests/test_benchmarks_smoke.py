@@ -3,10 +3,14 @@
 No speed is asserted: CI machines are shared and tiny models say nothing
 about speed. What is asserted is what makes the figures trustworthy: every
 case and contender is there with the repetitions its mode configures (smoke
-mode times each once, and runs a one-run grid, to stay quick), the
-contenders computed the same margins and first-step losses, nothing
-recompiled while being timed, and the markdown and the generated section of
-docs/performance.md are generated from the JSON.
+mode times each once, and runs a one-run grid, to stay quick), each
+contender of a case ran in a process of its own with the run's fixed thread
+settings, the contenders computed the same margins and first-step losses,
+nothing recompiled while being timed, ratios and their per-round spread
+come from the same repetitions, and the markdown and the generated section
+of docs/performance.md are generated from the JSON. The harness's parts
+(turn order, waiting for idle processes, per-round ratios, comparing two
+runs) are checked on their own below.
 """
 
 from __future__ import annotations
@@ -17,10 +21,11 @@ import os
 import pathlib
 import subprocess
 import sys
+import time
 
 import pytest
 
-from benchmarks import report, settings
+from benchmarks import case_matmul, harness, machine, report, settings
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -37,6 +42,7 @@ CONTENDERS = {
 def smoke_run(tmp_path_factory) -> tuple[dict, str]:
     out = tmp_path_factory.mktemp("bench") / "results.json"
     env = {k: v for k, v in os.environ.items() if k != "OODJAX_CACHE_DIR"}
+    env["OMP_WAIT_POLICY"] = "ACTIVE"  # a caller's setting the benchmark's fixed environment must drop
     done = subprocess.run(
         [sys.executable, "-m", "benchmarks", "--quick", "--smoke", "--out", str(out)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False,
@@ -54,7 +60,7 @@ def test_every_case_and_contender_is_measured(smoke_run):
     assert results["mode"] == "smoke"
     assert {case["case"]: set(case["contenders"]) for case in results["cases"]} == CONTENDERS
     smoke = settings.MODES["smoke"]
-    expected_repeats = {"peak": 10, "eval": smoke.repeats, "train": smoke.repeats,
+    expected_repeats = {"peak": case_matmul.REPEATS, "eval": smoke.repeats, "train": smoke.repeats,
                         "loading": smoke.loading_repeats, "grid": smoke.grid_repeats}
     for case in results["cases"]:
         for name, c in case["contenders"].items():
@@ -62,6 +68,27 @@ def test_every_case_and_contender_is_measured(smoke_run):
             assert c["repeats"] == expected_repeats[case["case"]] == len(c["seconds"]), where
             assert all(_finite_positive(s) for s in c["seconds"]), where
             assert c["min_s"] <= c["median_s"] <= c["max_s"], where
+
+
+def test_each_contender_ran_in_a_process_of_its_own_with_the_fixed_thread_settings(smoke_run):
+    results, _ = smoke_run
+    cores = machine.usable_cores()
+    assert results["machine"]["thread_environment"] == {
+        "OMP_NUM_THREADS": str(cores), "MKL_NUM_THREADS": str(cores), "OMP_WAIT_POLICY": None,
+        "GOMP_SPINCOUNT": None, "KMP_BLOCKTIME": None,
+    }  # fmt: skip
+    cases = {case["case"]: case for case in results["cases"]}
+    pids = []
+    for name in ("eval", "train"):
+        processes = cases[name]["processes"]
+        assert set(processes) == CONTENDERS[name]
+        pids += [process["pid"] for process in processes.values()]
+        assert all(process["torch_threads"] == cores for process in processes.values()), processes
+    assert len(set(pids)) == len(pids), pids  # no two contenders, of one case or two, shared a process
+    for case in results["cases"]:
+        if case["case"] != "loading":  # each load is a process of its own, timed from inside
+            for name, c in case["contenders"].items():
+                assert len(c["other_cpu_s"]) == c["repeats"] and min(c["other_cpu_s"]) >= 0, (case["case"], name)
 
 
 def test_rates_and_flops_are_consistent(smoke_run):
@@ -80,6 +107,11 @@ def test_rates_and_flops_are_consistent(smoke_run):
         ours = cases[name]["contenders"]["oodjax"]["rate_median"]
         for other in ("pytorch-original", "pytorch-tuned"):
             assert ratios[f"oodjax/{other}"] == pytest.approx(ours / cases[name]["contenders"][other]["rate_median"])
+    for case in results["cases"]:  # one repetition: its round's ratio is the ratio of medians
+        if "ratios_per_round" in case:
+            assert case["ratios_per_round"].keys() == case["ratios"].keys(), case["case"]
+            for key, rounds in case["ratios_per_round"].items():
+                assert rounds == [pytest.approx(case["ratios"][key])], (case["case"], key)
 
 
 def test_contenders_compute_the_same_thing(smoke_run):
@@ -133,6 +165,67 @@ def test_a_page_without_markers_is_refused(tmp_path):
     page.write_text("# no markers here\n")
     with pytest.raises(ValueError, match="must hold the lines"):
         report.update_page(page, {})
+
+
+def test_turns_rotate_so_no_contender_always_goes_first():
+    assert harness.alternating(["a", "b", "c"], 4) == [
+        (0, "a"), (0, "b"), (0, "c"), (1, "b"), (1, "c"), (1, "a"), (2, "c"), (2, "a"), (2, "b"),
+        (3, "a"), (3, "b"), (3, "c"),
+    ]  # fmt: skip
+
+
+def test_per_round_ratios_pair_each_repetition_with_the_same_round_of_the_other():
+    results = {
+        "ours": {"work_per_repeat": 4, "seconds": [1.0, 2.0, 4.0]},  # rates 4, 2, 1
+        "theirs": {"work_per_repeat": 2, "seconds": [2.0, 1.0, 4.0]},  # rates 1, 2, 0.5
+    }
+    assert harness.ratios_per_round(results, "ours") == {"ours/theirs": [4.0, 1.0, 2.0]}
+
+
+def test_turns_wait_until_a_spinning_process_is_idle():
+    """A process busy for a while (as OpenMP threads spin after a parallel region) holds the next turn back
+    until it stops; an idle one does not."""
+    code = "import time\nend = time.monotonic() + 0.6\nwhile time.monotonic() < end: pass\ntime.sleep(30)"
+    with subprocess.Popen([sys.executable, "-c", code]) as spinner:
+        try:
+            time.sleep(0.1)
+            start = time.monotonic()
+            harness.settle([spinner.pid])
+            waited = time.monotonic() - start
+            start = time.monotonic()
+            harness.settle([spinner.pid])
+            waited_idle = time.monotonic() - start
+        finally:
+            spinner.kill()
+    assert waited >= 0.3, waited
+    assert waited_idle < 0.3, waited_idle
+
+
+def test_busy_cpu_counts_everything_but_idle_and_iowait():
+    # user nice system idle iowait irq softirq steal guest guest_nice
+    stat = "cpu  100 1 50 1000 20 5 4 10 7 0\ncpu0 50 0 25 500 10 2 2 5 3 0\n"
+    assert machine.busy_cpu_seconds(stat) == pytest.approx((100 + 1 + 50 + 5 + 4 + 10) / os.sysconf("SC_CLK_TCK"))
+
+
+def test_a_contender_that_fails_to_build_is_reported_with_its_log(tmp_path):
+    with pytest.raises(RuntimeError, match=r"(?s)contender nope exited \(1\).*no matmul contender 'nope'"):
+        harness.compare("case_matmul", ["nope"], {"size": 8}, repeats=1, warmup=1, logs=tmp_path)
+
+
+def _run_with(eval_ratio: float) -> dict:
+    return {"finished": f"run {eval_ratio}", "cases": [
+        {"case": "eval", "ratios": {"oodjax/pytorch-tuned": eval_ratio},
+         "contenders": {"oodjax": {"peak_fraction": 0.7}, "pytorch-tuned": {}}},
+        {"case": "peak", "contenders": {"jax": {}, "pytorch": {}}},
+    ]}  # fmt: skip
+
+
+def test_two_runs_agree_when_every_ratio_is_within_ten_percent():
+    table, agree = report.agreement_table(_run_with(2.15), _run_with(2.0))
+    assert agree and "| eval | oodjax/pytorch-tuned | 2.15 | 2.00 | 7.5% | yes |" in table
+    assert "| eval | oodjax peak fraction | 0.7 | 0.7 | 0.0% | yes |" in table
+    table, agree = report.agreement_table(_run_with(1.0), _run_with(1.24))
+    assert not agree and "| eval | oodjax/pytorch-tuned | 1.00 | 1.24 | 24.0% | no |" in table
 
 
 def test_bad_arguments_are_refused():
