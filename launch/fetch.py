@@ -331,13 +331,13 @@ def fetch(items: Sequence[Item], configs: Configs, root: pathlib.Path) -> int:
     print()
     for item, outcome, why in outcomes:
         print(f"{outcome:<12}  {item.label}: {why}")
+    failed = sum(outcome == "failed" for _, outcome, _ in outcomes)
+    if failed:  # the compute nodes' settings only once there is something for them to read
+        total = _count(len(items), "item")
+        print(f"\n{failed} of {total} failed, each line says why; rerun once fixed: what is here stays")
+        return 1
     print("\nOn the compute nodes, set:")
     print("\n".join(f"  {line}" for line in compute_node_environment(root)))
-    failed = sum(outcome == "failed" for _, outcome, _ in outcomes)
-    if failed:
-        total = _count(len(items), "item")
-        print(f"{failed} of {total} failed, each line says why; rerun once fixed: what is here stays")
-        return 1
     print(f"all {_count(len(items), 'item')} are here and verified")
     return 0
 
@@ -440,7 +440,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
         items = plan(configs, root)
         root.mkdir(parents=True, exist_ok=True)
-    return fetch(items, configs, root)
+        return fetch(items, configs, root)  # Ctrl-C in a download: one line too, and what is here stays
 
 
 if __name__ == "__main__":

@@ -6,7 +6,11 @@ each is the user's to fix, and a 30-line traceback around the one line that
 matters hides it. The entry points run their work inside ``reported``, which
 prints such an error as ``<program>: error: <message>`` and exits with
 status 2 (the status argparse and absl use for a bad command line). What is
-not a ``UsageError`` propagates untouched.
+not a ``UsageError`` propagates untouched, except Ctrl-C: the user's own
+stop, which ends the program with one line and status 130 (128 + SIGINT, a
+shell's status for it). Training handles Ctrl-C itself first, checkpointing
+its runs (``oodjax.engine.preemption``); this covers the rest (loading, an
+evaluation, a download).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import sys
 from collections.abc import Iterator
 
 EXIT_STATUS = 2
+INTERRUPTED_EXIT_STATUS = 130
 FETCH_COMMAND = "oodjax-fetch"
 
 
@@ -44,7 +49,8 @@ def fetch_hint(config_spec: str | None) -> str:
 
 @contextlib.contextmanager
 def reported(program: str, *, config_spec: str | None = None) -> Iterator[None]:
-    """Runs the body; a ``UsageError`` becomes one line on stderr and exit status 2.
+    """Runs the body; a ``UsageError`` becomes one line on stderr and exit status 2, Ctrl-C (KeyboardInterrupt)
+    one line and exit status 130.
 
     ``config_spec`` (the ``--config`` argument) completes the fetch command a
     ``NotFetchedError`` suggests.
@@ -57,3 +63,6 @@ def reported(program: str, *, config_spec: str | None = None) -> Iterator[None]:
             message = f"{message}; {fetch_hint(config_spec)}"
         print(f"{program}: error: {message}", file=sys.stderr, flush=True)
         sys.exit(EXIT_STATUS)
+    except KeyboardInterrupt:
+        print(f"{program}: interrupted", file=sys.stderr, flush=True)
+        sys.exit(INTERRUPTED_EXIT_STATUS)

@@ -284,6 +284,7 @@ def test_an_interrupted_download_completes_on_the_next_run(hub, config_file, tmp
     assert outcomes[f"model {REPO}"] == "failed: ReadError: connection reset by peer", outcomes
     assert sum(line.startswith("fetched") for line in outcomes.values()) == ITEMS - 1
     assert f"1 of {ITEMS} items failed" in out
+    assert "On the compute nodes" not in out  # nothing to set there before every item is here
     assert not (snapshot(tmp_path / "hf_home", hub) / WEIGHTS[2]).exists()
 
     hub.cut = set()
@@ -306,8 +307,9 @@ def test_a_run_stopped_while_writing_a_split_leaves_no_file_where_jobs_look(
         raise KeyboardInterrupt  # Ctrl-C (or a kill) between writing and the rename
 
     monkeypatch.setattr(datasets.Dataset, "to_parquet", write_then_stop)
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(SystemExit) as exit_:
         fetch.main([config_file, "--data_dir", str(mirror)])
+    assert exit_.value.code == 130 and capsys.readouterr().err.endswith("oodjax-fetch: interrupted\n")
     assert not [path for path in mirror.rglob("*") if path.is_file()]
 
     monkeypatch.setattr(datasets.Dataset, "to_parquet", to_parquet)

@@ -131,3 +131,11 @@ def test_reported_turns_only_usage_errors_into_one_line(capsys):
     with pytest.raises(KeyError):  # a bug is not the user's to fix: its traceback stays
         with usage_errors.reported("prog"):
             raise KeyError("a bug")
+
+
+def test_ctrl_c_outside_training_is_one_line_and_status_130(capsys):
+    """Ctrl-C while a config loads, an evaluation runs or a download goes: the user's stop, not a traceback."""
+    with pytest.raises(SystemExit) as exit_, usage_errors.reported("python -m oodjax.evaluate"):
+        raise KeyboardInterrupt
+    assert exit_.value.code == usage_errors.INTERRUPTED_EXIT_STATUS == 130
+    assert capsys.readouterr().err == "python -m oodjax.evaluate: interrupted\n"

@@ -285,14 +285,23 @@ def _splash(query, key, value, segment_ids, *, block: int, scale: float, interpr
     return jax.vmap(per_row)(query, key, value, segment_ids)
 
 
-def _folding_head_broadcast_bias(batcher):
+def _folding_head_broadcast_bias(primitive, batcher):
     """JAX 0.10.2's batching rules of cuDNN's attention reshape a batched bias to the query's heads
     ([B, N, T, S]), so a bias broadcast over the heads ([B, 1, T, S], what a mask becomes) cannot be vmapped
     (the eval step maps the model over runs). This rule folds such a bias's mapped axis into its rows itself
-    (as the rule folds the query's) and hands it on unmapped; a bias gradient is unfolded again."""
+    (as the rule folds the query's) and hands it on unmapped; a bias gradient is unfolded again.
+
+    A map of one run (one seed and one number of shots, or one adapter evaluated) binds the primitive
+    unmapped instead: JAX 0.11's rules take an unmapped bias with as many rows as the query for one to
+    broadcast over the map and reshape it to the query's heads, which a folded bias of one run is (seen on an
+    H200 with JAX 0.11.2: "cannot reshape array of shape (1, 19, 1, 32, 32) into shape (19, 16, 32, 32)")."""
 
     def rule(batched_args, batch_dims, **params):
         args, dims = list(batched_args), list(batch_dims)
+        if {arg.shape[dim] for arg, dim in zip(args, dims) if dim is not None} == {1}:
+            outs = primitive.bind(*(arg if dim is None else jnp.squeeze(arg, dim) for arg, dim in zip(args, dims)),
+                                  **params)  # fmt: skip
+            return [jnp.expand_dims(out, 0) for out in outs], [0] * len(outs)
         bias = args[3]
         if not (params["variadic_args"][0] and dims[3] is not None and dims[0] == 0 and bias.ndim == 5
                 and bias.shape[-3] == 1):  # fmt: skip
@@ -309,12 +318,11 @@ def _folding_head_broadcast_bias(batcher):
     return rule
 
 
-batching.primitive_batchers[cudnn_attention._dot_product_attention_fwd_p_wrapper] = _folding_head_broadcast_bias(
-    cudnn_attention._dot_product_attention_fwd_batcher
-)
-batching.primitive_batchers[cudnn_attention._dot_product_attention_bwd_p_wrapper] = _folding_head_broadcast_bias(
-    cudnn_attention._dot_product_attention_bwd_batcher
-)
+for _primitive, _batcher in (
+    (cudnn_attention._dot_product_attention_fwd_p_wrapper, cudnn_attention._dot_product_attention_fwd_batcher),
+    (cudnn_attention._dot_product_attention_bwd_p_wrapper, cudnn_attention._dot_product_attention_bwd_batcher),
+):
+    batching.primitive_batchers[_primitive] = _folding_head_broadcast_bias(_primitive, _batcher)
 
 
 _KERNELS = {"cudnn": _cudnn, "pallas_gpu": _pallas_gpu, "splash": _splash}
