@@ -197,8 +197,8 @@ def get_config() -> config_dict.ConfigDict:
     config.mesh.fsdp = 1  # fully sharded data parallel: splits the batch and the parameters
     config.mesh.tensor = 1  # tensor parallel: splits each layer's matrices
 
-    # Root of the results: one sub-directory per run (metrics.npz,
-    # events.jsonl) and the shared checkpoints/ of the runs trained together.
+    # Root of the results: one sub-directory per run, <output_dir>/<run name>/,
+    # holding its metrics.npz, events.jsonl and its own checkpoints/.
     config.output_dir = "results"
     config.checkpoint_every = 100  # steps between checkpoints (and at the end)
     # Checkpoints kept per run (<run_dir>/checkpoints/), the newest; older ones
