@@ -59,7 +59,7 @@ import tokenize
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from absl import app, flags
+from absl import app, flags, logging
 from ml_collections import config_dict
 
 import configs
@@ -252,6 +252,12 @@ def config_fields_help(config: config_dict.ConfigDict | None = None) -> str:
         changed = f"  (base: {default})" if value != default else ""
         lines += [f"  {path} = {value}{changed}", *_wrapped(description, indent="      ")]
     return "\n".join(lines)
+
+
+def log_config(config: config_dict.ConfigDict) -> None:
+    """Logs the config a job runs (``describe_config``), once its checks have passed and its runs are locked: a
+    job refused for a bad config or a locked run says so in its one line, with nothing before it."""
+    logging.info("config (command-line overrides applied):\n%s", describe_config(config))
 
 
 def describe_config(config: config_dict.ConfigDict) -> str:

@@ -121,6 +121,7 @@ def evaluate_config(config: config_dict.ConfigDict) -> list[EvaluatedRun]:
     """
     checks.check_config(config, evaluation=True)
     with run_lock.locked_runs(plan_evaluation(config), skip_locked=config.runs.skip_locked) as planned:
+        config_cli.log_config(config)
         todo = [run for run in planned if not (run.directory / schema.METRICS_FILENAME).exists()]
         for run in planned:
             if run not in todo:
@@ -226,7 +227,7 @@ def _trained_run_identity(adapter: pathlib.Path) -> tuple[int, int] | None:
 
 def main(config: config_dict.ConfigDict) -> None:
     """Evaluates `config` (the command line's, its overrides applied) on this process's share of the devices."""
-    start_process(config)
+    start_process()
     evaluate_config(config)
 
 

@@ -36,10 +36,9 @@ class _QuietCheckpointing(python_logging.Filter):
         return record.levelno >= python_logging.WARNING or "/orbax/" not in record.pathname
 
 
-def start_process(config: config_dict.ConfigDict) -> None:
+def start_process() -> None:
     """What every entry point that computes does first: quiet the libraries' logs, join the job's other
-    processes (before anything touches a device), leave INFO logging to process 0, and log the config it
-    runs, overrides applied (``config_cli.describe_config``), once."""
+    processes (before anything touches a device), and leave INFO logging to process 0."""
     logging.get_absl_handler().addFilter(_QuietCheckpointing())
     # No noise by default: JAX's INFO line for every backend it could not start
     # ("Unable to initialize backend 'tpu'"), and datasets' bars per split read.
@@ -50,7 +49,6 @@ def start_process(config: config_dict.ConfigDict) -> None:
         logging.info("process %d of %d (layout from %s)", layout.process_id, layout.num_processes, layout.source)
         if not distributed.is_primary():
             logging.set_verbosity(logging.WARNING)  # process 0 logs progress; the others only problems
-    logging.info("config (command-line overrides applied):\n%s", config_cli.describe_config(config))
 
 
 def main(config: config_dict.ConfigDict) -> None:
@@ -59,7 +57,7 @@ def main(config: config_dict.ConfigDict) -> None:
     A stop signal exits with ``preemption.PREEMPTED_EXIT_CODE`` (launch/slurm.sbatch
     requeues on it); a full disk with one line naming the file.
     """
-    start_process(config)
+    start_process()
     try:
         loop.train(config)
     except preemption.Preempted as stopped:

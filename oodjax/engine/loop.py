@@ -50,7 +50,7 @@ from tqdm import tqdm
 from transformers import PreTrainedTokenizerBase
 
 from analysis import schema
-from oodjax import models
+from oodjax import config_cli, models
 from oodjax.data import answer_token_ids, load_tokenizer
 from oodjax.engine import checkpoints, checks, console, run_lock, sharding, steps
 from oodjax.engine.distributed import is_primary
@@ -83,6 +83,7 @@ def train(config: config_dict.ConfigDict) -> list[Run]:
     ``Preempted`` when a stop signal ended it early, ``RunLockedError`` when another job holds one of its runs."""
     checks.check_config(config)
     with run_lock.locked_runs(plan_runs(config), skip_locked=config.runs.skip_locked) as runs:
+        config_cli.log_config(config)
         warn_of_shared_checkpoints(config)
         starts = [read_start(config, run) for run in runs]
         refuse_changed_config(config, starts)  # before anything is written (the locks' new folders go with them)
