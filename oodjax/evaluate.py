@@ -156,7 +156,7 @@ def _evaluate_runs(config: config_dict.ConfigDict, todo: list[EvaluatedRun]) -> 
         dataset_index, own = run_data.in_context_sets(config, tokenizer, [(run.seed, run.shots) for run in todo])
     else:
         shared, own = run_data.load_testsets(config, tokenizer), [{} for _ in todo]
-        dataset_index = {name: tokenized.dataset_index for name, tokenized in shared.items()}
+        dataset_index = run_data.dataset_indices(shared)
     layout = eval_geometry(config, sharding.batch_shards(mesh))
     pool = make_eval_pool(
         shared, own, batch_tokens=layout.batch_tokens, row_multiple=layout.batch_shards,

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import datasets
 import grain
@@ -77,6 +77,11 @@ class RunsData:
     eval_pool: EvalPool  # config.data.testsets in order, then run r's few-shot set as schema.TRAIN_TESTSET
     steps: grain.DatasetIterator  # the runs' training steps (train_steps), this process's rows
     dataset_index: tuple[dict[str, np.ndarray], ...]  # run r: each set of eval_pool.labels_of(r) -> IndexedSet's
+
+
+def dataset_indices(sets: Mapping[str, IndexedSet]) -> dict[str, np.ndarray]:
+    """Each set's ``IndexedSet.dataset_index``, by name: what ``RunResults`` stores beside the margins."""
+    return {name: tokenized.dataset_index for name, tokenized in sets.items()}
 
 
 def few_shot_sets(
@@ -131,7 +136,7 @@ def load_runs_data(
         row_lengths=geometry.evaluation.row_lengths,
     )
     dataset_index = tuple(
-        {**{name: t.dataset_index for name, t in testsets.items()}, schema.TRAIN_TESTSET: train_set.dataset_index}
+        {**dataset_indices(testsets), schema.TRAIN_TESTSET: train_set.dataset_index}
         for train_set in train_sets
     )
     return RunsData(eval_pool=eval_pool, steps=steps, dataset_index=dataset_index)
@@ -180,7 +185,7 @@ def in_context_sets(
                 seed, shots, name, kept.mean(), np.count_nonzero(kept == 0), len(kept),
             )  # fmt: skip
         per_run.append(sets)
-    return {name: tokenized.dataset_index for name, tokenized in zero_shot.items()}, per_run
+    return dataset_indices(zero_shot), per_run
 
 
 def training_figures(stream: grain.DatasetIterator, geometry: BatchGeometry, *, steps: int) -> dict[str, float]:
