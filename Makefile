@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 OFFLINE := HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
 PYTEST_ARGS ?=
 
-.PHONY: test demo install install-gpu install-tpu install-bench-gpu system-tools clean
+.PHONY: test format demo install install-gpu install-tpu install-bench-gpu system-tools clean
 
 install: $(VENV)/.installed
 # Accelerator stacks (README, Installation): requirements.txt plus the matching JAX build, pinned, and never
@@ -70,8 +70,15 @@ $(BENCH_VENV)/.installed-bench-gpu: requirements.txt requirements-bench-gpu.txt
 	$(BENCH_VENV)/bin/python -m pip check
 	touch $@
 
+# The formatter and the linter first (ruff, configured in pyproject.toml; `make format` applies both), then the tests.
 test: install system-tools
+	$(PY) -m ruff format --check --quiet .
+	$(PY) -m ruff check --quiet .
 	$(OFFLINE) $(PY) -m pytest -q $(PYTEST_ARGS) tests
+
+format: install
+	$(PY) -m ruff format .
+	$(PY) -m ruff check --fix .
 
 demo: install
 	$(OFFLINE) $(PY) -m oodjax.main --config configs/demo.py

@@ -121,20 +121,15 @@ def summarise_by_model(groups: pd.DataFrame, models: Mapping[str, ModelInfo]) ->
             }
         )
     summary = pd.DataFrame(rows)
-    return summary.sort_values(["family", "size_billions", "model", "train_set"]).reset_index(
-        drop=True
-    )
+    return summary.sort_values(["family", "size_billions", "model", "train_set"]).reset_index(drop=True)
 
 
 def run_means(pairs: pd.DataFrame) -> pd.DataFrame:
     """Each run's mean r over its pairs (Fisher z scale), beside its model and training set:
     the spread of these across a group's runs is how far one run's answer can be trusted."""
     rows = [
-        {"model": model, "train_set": train_set, "run": run,
-         "mean_r": mean_on_z_scale(group["r"].dropna().to_numpy())}
-        for (model, train_set, run), group in pairs.groupby(
-            [*GROUP_COLUMNS, "run"], sort=False
-        )
+        {"model": model, "train_set": train_set, "run": run, "mean_r": mean_on_z_scale(group["r"].dropna().to_numpy())}
+        for (model, train_set, run), group in pairs.groupby([*GROUP_COLUMNS, "run"], sort=False)
     ]
     return pd.DataFrame(rows, columns=[*GROUP_COLUMNS, "run", "mean_r"])
 
@@ -179,9 +174,7 @@ def in_first_seen_order(pairs: pd.DataFrame) -> pd.DataFrame:
     names = pd.unique(pairs[["x", "y"]].to_numpy().ravel())
     order = {name: i for i, name in enumerate(names)}
     x_first = pairs["x"].map(order) < pairs["y"].map(order)
-    return pairs.assign(
-        x=pairs["x"].where(x_first, pairs["y"]), y=pairs["y"].where(x_first, pairs["x"])
-    )
+    return pairs.assign(x=pairs["x"].where(x_first, pairs["y"]), y=pairs["y"].where(x_first, pairs["x"]))
 
 
 def mean_on_z_scale(r: np.ndarray) -> float:

@@ -62,16 +62,62 @@ PROGRESS_MIN_GROUPS = 8
 # One row per pair, for every run (level "run") and every model and training
 # set combining its runs (level "group"); columns not used at a level are empty.
 CSV_COLUMNS = (
-    "level", "residualiser", "model", "train_set", "seed", "shots", "run", "x", "y", "n",
-    "n_runs", "r", "ci_low", "ci_high", "p", "p_adj", "dof", "n_positive", "n_negative", "z",
-    "z_se", SENSITIVE, "reason",
+    "level",
+    "residualiser",
+    "model",
+    "train_set",
+    "seed",
+    "shots",
+    "run",
+    "x",
+    "y",
+    "n",
+    "n_runs",
+    "r",
+    "ci_low",
+    "ci_high",
+    "p",
+    "p_adj",
+    "dof",
+    "n_positive",
+    "n_negative",
+    "z",
+    "z_se",
+    SENSITIVE,
+    "reason",
 )
 # One row per pair and scope of the meta-analysis (level "pooled") and per member of it
 # (level "model"), under the chosen residualiser and tau^2 estimator.
 META_CSV_COLUMNS = (
-    "level", "residualiser", "estimator", "scope", "model", "train_set", "x", "y", "k", "n_runs",
-    "r", "ci_low", "ci_high", "p", "p_adj", "pi_low", "pi_high", "tau2", "i2", "q", "q_p",
-    "welch_p", "n_agree", "n_left_out", "z", "z_se", "weight", SENSITIVE, "reason",
+    "level",
+    "residualiser",
+    "estimator",
+    "scope",
+    "model",
+    "train_set",
+    "x",
+    "y",
+    "k",
+    "n_runs",
+    "r",
+    "ci_low",
+    "ci_high",
+    "p",
+    "p_adj",
+    "pi_low",
+    "pi_high",
+    "tau2",
+    "i2",
+    "q",
+    "q_p",
+    "welch_p",
+    "n_agree",
+    "n_left_out",
+    "z",
+    "z_se",
+    "weight",
+    SENSITIVE,
+    "reason",
 )
 GROUP_KEYS = [*GROUP_COLUMNS, "x", "y"]
 POOLED_KEYS = ["scope", "x", "y"]
@@ -85,31 +131,56 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             "its evaluation steps, combined over runs per model and training set."
         ),
     )
-    parser.add_argument("results_dir", type=pathlib.Path,
-                        help="results root: <run>/metrics.npz files, searched recursively")
-    parser.add_argument("--out", type=pathlib.Path, required=True, metavar="OUT_DIR",
-                        help="where tables/, figures/ and the CSV are written")
-    parser.add_argument("--residualiser", choices=RESIDUALISERS, default=SPLINE,
-                        help="fit of each accuracy on in-domain accuracy whose residuals are "
-                        "correlated: least squares, or a smoothing spline chosen by GCV; the "
-                        "other is computed too, and results that change under it are marked "
-                        "(default: %(default)s, see docs/analysis.md)")
-    parser.add_argument("--tau2-estimator", choices=TAU2_ESTIMATORS, default=REML,
-                        help="between-model variance of the meta-analysis across models: "
-                        "restricted maximum likelihood, Paule-Mandel or DerSimonian-Laird "
-                        "(default: %(default)s)")
-    parser.add_argument("--method", choices=METHODS, default="pearson",
-                        help="spearman ranks every accuracy first (default: %(default)s)")
-    parser.add_argument("--padjust", choices=PADJUST_METHODS, default="holm",
-                        help="multiple-comparison adjustment across the pairs of a run or a "
-                        "model and training set (default: %(default)s)")
     parser.add_argument(
-        "--probit", action="store_true", help="probit-transform accuracies before residualising"
+        "results_dir", type=pathlib.Path, help="results root: <run>/metrics.npz files, searched recursively"
     )
-    parser.add_argument("--curves-ylim", type=float, nargs=2, metavar=("LOW", "HIGH"),
-                        help="the y-range of every accuracy-curve panel, so that figures of "
-                        "different models compare at a glance (default: one range that fits "
-                        "every panel of the figure)")
+    parser.add_argument(
+        "--out",
+        type=pathlib.Path,
+        required=True,
+        metavar="OUT_DIR",
+        help="where tables/, figures/ and the CSV are written",
+    )
+    parser.add_argument(
+        "--residualiser",
+        choices=RESIDUALISERS,
+        default=SPLINE,
+        help="fit of each accuracy on in-domain accuracy whose residuals are "
+        "correlated: least squares, or a smoothing spline chosen by GCV; the "
+        "other is computed too, and results that change under it are marked "
+        "(default: %(default)s, see docs/analysis.md)",
+    )
+    parser.add_argument(
+        "--tau2-estimator",
+        choices=TAU2_ESTIMATORS,
+        default=REML,
+        help="between-model variance of the meta-analysis across models: "
+        "restricted maximum likelihood, Paule-Mandel or DerSimonian-Laird "
+        "(default: %(default)s)",
+    )
+    parser.add_argument(
+        "--method",
+        choices=METHODS,
+        default="pearson",
+        help="spearman ranks every accuracy first (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--padjust",
+        choices=PADJUST_METHODS,
+        default="holm",
+        help="multiple-comparison adjustment across the pairs of a run or a "
+        "model and training set (default: %(default)s)",
+    )
+    parser.add_argument("--probit", action="store_true", help="probit-transform accuracies before residualising")
+    parser.add_argument(
+        "--curves-ylim",
+        type=float,
+        nargs=2,
+        metavar=("LOW", "HIGH"),
+        help="the y-range of every accuracy-curve panel, so that figures of "
+        "different models compare at a glance (default: one range that fits "
+        "every panel of the figure)",
+    )
     parser.add_argument(
         "--differences",
         action="store_true",
@@ -133,15 +204,12 @@ def main(argv: list[str] | None = None) -> int:
         if not runs:
             raise ResultsError(no_readable_runs_message(args.results_dir, skipped))
         with staged_output(args.out) as staging:
-            written = [args.out / path.relative_to(staging)
-                       for path in write_analysis(runs, args, staging)]
+            written = [args.out / path.relative_to(staging) for path in write_analysis(runs, args, staging)]
     except (ResultsError, OutputError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    left_out = (f" ({len(skipped)} {schema.METRICS_FILENAME} skipped, see the warnings)"
-                if skipped else "")
-    print(f"analysed {len(runs)} runs under {args.results_dir}{left_out}; "
-          f"wrote {len(written)} files:")
+    left_out = f" ({len(skipped)} {schema.METRICS_FILENAME} skipped, see the warnings)" if skipped else ""
+    print(f"analysed {len(runs)} runs under {args.results_dir}{left_out}; wrote {len(written)} files:")
     for path in written:
         print(f"  {path}")
     return 0
@@ -165,9 +233,7 @@ def staged_output(out: pathlib.Path) -> Iterator[pathlib.Path]:
     whatever happens it is removed, so a failure leaves `out` as it was."""
     existing = _nearest_existing(out)
     try:
-        container = pathlib.Path(
-            tempfile.mkdtemp(prefix=".analysis-", suffix=".partial", dir=existing)
-        )
+        container = pathlib.Path(tempfile.mkdtemp(prefix=".analysis-", suffix=".partial", dir=existing))
     except OSError as error:
         raise OutputError(f"--out {out}: cannot write under {existing} ({error})") from error
     # mkdtemp's directory is private (0700); the one inside it gets the umask's permissions,
@@ -178,9 +244,7 @@ def staged_output(out: pathlib.Path) -> Iterator[pathlib.Path]:
             staging.mkdir()
             yield staging
         except OSError as error:
-            raise OutputError(
-                f"writing the analysis failed ({error}); {out} is left as it was"
-            ) from error
+            raise OutputError(f"writing the analysis failed ({error}); {out} is left as it was") from error
         _publish(staging, out)
     finally:
         shutil.rmtree(container, ignore_errors=True)
@@ -193,8 +257,7 @@ def _publish(staging: pathlib.Path, out: pathlib.Path) -> None:
         out.parent.mkdir(parents=True, exist_ok=True)
         staging.rename(out)
         return
-    moves = [(path, out / path.relative_to(staging))
-             for path in sorted(staging.rglob("*")) if path.is_file()]
+    moves = [(path, out / path.relative_to(staging)) for path in sorted(staging.rglob("*")) if path.is_file()]
     blocked = [str(target) for _, target in moves if target.is_dir()]
     if blocked:
         raise OutputError(f"--out {out}: directories stand where files go: {blocked}")
@@ -208,9 +271,7 @@ def _nearest_existing(path: pathlib.Path) -> pathlib.Path:
     return next(candidate for candidate in (path, *path.parents) if candidate.exists())
 
 
-def write_analysis(
-    runs: list[RunRecord], args: argparse.Namespace, directory: pathlib.Path
-) -> list[pathlib.Path]:
+def write_analysis(runs: list[RunRecord], args: argparse.Namespace, directory: pathlib.Path) -> list[pathlib.Path]:
     """Compute everything, write it under `directory`, and return the paths written.
 
     File names are checked for collisions before anything is written, so a
@@ -231,20 +292,16 @@ def write_analysis(
     }
     other = _other_residualiser(args.residualiser)
     results = {
-        name: _analyse(runs, options | {"residualiser": name}, models, args.tau2_estimator)
-        for name in RESIDUALISERS
+        name: _analyse(runs, options | {"residualiser": name}, models, args.tau2_estimator) for name in RESIDUALISERS
     }
     per_run, per_group, pooled, members = results[args.residualiser]
-    group_changes = compare_residualisers(
-        {name: result.per_group for name, result in results.items()}, GROUP_KEYS
-    )
-    pooled_changes = compare_residualisers(
-        {name: result.pooled for name, result in results.items()}, POOLED_KEYS
-    )
+    group_changes = compare_residualisers({name: result.per_group for name, result in results.items()}, GROUP_KEYS)
+    pooled_changes = compare_residualisers({name: result.pooled for name, result in results.items()}, POOLED_KEYS)
     per_group = per_group.merge(group_changes[[*GROUP_KEYS, SENSITIVE]], on=GROUP_KEYS, how="left")
     pooled = pooled.merge(
         pooled_changes.drop(columns=[f"r_{args.residualiser}", f"p_adj_{args.residualiser}"]),
-        on=POOLED_KEYS, how="left",
+        on=POOLED_KEYS,
+        how="left",
     )
     table_dir, figure_dir = directory / TABLE_DIR, directory / FIGURE_DIR
     table_dir.mkdir()
@@ -253,13 +310,13 @@ def write_analysis(
     written = [_write_csv(per_run, per_group, args.residualiser, directory / CSV_NAME)]
     written += _write_accuracies(runs, directory)
     written.append(_write_meta_csv(pooled, members, args, directory / META_CSV_NAME))
-    written.append(_write_sensitivity_csv(group_changes, pooled_changes,
-                                          directory / SENSITIVITY_CSV_NAME))
+    written.append(_write_sensitivity_csv(group_changes, pooled_changes, directory / SENSITIVITY_CSV_NAME))
     description = _describe(options)
     padjust = tables.latex_escape(display_name(args.padjust))
     table_files = []
-    progress = tqdm(groups.items(), desc="writing groups", unit="group", file=sys.stderr,
-                    disable=len(groups) <= PROGRESS_MIN_GROUPS)
+    progress = tqdm(
+        groups.items(), desc="writing groups", unit="group", file=sys.stderr, disable=len(groups) <= PROGRESS_MIN_GROUPS
+    )
     for (model, train_set), group_runs in progress:
         name = stems[model, train_set]
         pairs = _group_pairs(per_group, model, train_set)
@@ -274,13 +331,12 @@ def write_analysis(
             f"{tables.SIGNIFICANCE_NOTE} ({padjust}), t test across runs."
         )
         table_files.append(table_dir / f"matrix_{name}.tex")
-        table_files[-1].write_text(tables.matrix_table(
-            pairs, testsets, caption=caption, label=f"tab:pcorr-{name}", other_residualiser=other
-        ))
+        table_files[-1].write_text(
+            tables.matrix_table(pairs, testsets, caption=caption, label=f"tab:pcorr-{name}", other_residualiser=other)
+        )
         title = f"{described_model}, trained on {shown_train_set}"
         note = f"{description}; {_extent(group_runs)}"
-        written += _write_figures(group_runs, pairs, testsets, figure_dir, name, title, note, args,
-                                  other)
+        written += _write_figures(group_runs, pairs, testsets, figure_dir, name, title, note, args, other)
 
     summary = summarise_by_model(per_group, models)
     for train_set in dict.fromkeys(run.train_set for run in runs):
@@ -291,12 +347,17 @@ def write_analysis(
             if group_train_set == train_set
         ]
         figure = figures.comparison_heatmaps(
-            side_by_side, models, padjust=args.padjust,
-            title=f"Partial correlations, trained on {display_name(train_set)}", note=note,
+            side_by_side,
+            models,
+            padjust=args.padjust,
+            title=f"Partial correlations, trained on {display_name(train_set)}",
+            note=note,
         )
         written += figures.save(figure, figure_dir / f"comparison_heatmaps_{slug(train_set)}")
     by_size = figures.correlation_by_size(
-        summary, run_means(per_run), title="Mean partial correlation by model size",
+        summary,
+        run_means(per_run),
+        title="Mean partial correlation by model size",
         note=f"{description}; {_extent(runs)}",
     )
     if by_size is not None:
@@ -322,8 +383,9 @@ def write_analysis(
     written += meta_figures
     table_files.append(table_dir / "residualiser_sensitivity.tex")
     table_files[-1].write_text(
-        _sensitivity_table(group_changes, pooled_changes, models, runs, args,
-                           _describe(options | {"residualiser": None}))
+        _sensitivity_table(
+            group_changes, pooled_changes, models, runs, args, _describe(options | {"residualiser": None})
+        )
     )
     document = table_dir / "tables.tex"
     document.write_text(tables.standalone_document([p.name for p in table_files]))
@@ -339,14 +401,10 @@ class Results(NamedTuple):
     members: pd.DataFrame  # the models in it
 
 
-def _analyse(
-    runs: list[RunRecord], options: dict, models: dict[str, ModelInfo], estimator: str
-) -> Results:
+def _analyse(runs: list[RunRecord], options: dict, models: dict[str, ModelInfo], estimator: str) -> Results:
     per_run = all_run_pairs(runs, **options)
     per_group = combine_runs(per_run, padjust=options["padjust"])
-    pooled, members = meta_analyse(
-        per_group, models, estimator=estimator, padjust=options["padjust"]
-    )
+    pooled, members = meta_analyse(per_group, models, estimator=estimator, padjust=options["padjust"])
     return Results(per_run, per_group, pooled, members)
 
 
@@ -384,16 +442,19 @@ def _write_meta_analysis(
             f"({tables.latex_escape(display_name(args.padjust))} over pairs)."
         )
         table_files.append(table_dir / f"meta_analysis_{name}.tex")
-        table_files[-1].write_text(tables.meta_analysis_table(
-            scoped, other_residualiser=other, caption=caption, label=f"tab:meta-{name}"
-        ))
-        labels = {(model, train_set): models[model].description
-                  + (f", {display_name(train_set)}" if everything else "") for model, train_set in keys}
+        table_files[-1].write_text(
+            tables.meta_analysis_table(scoped, other_residualiser=other, caption=caption, label=f"tab:meta-{name}")
+        )
+        labels = {
+            (model, train_set): models[model].description + (f", {display_name(train_set)}" if everything else "")
+            for model, train_set in keys
+        }
         figure = figures.forest_plots(
-            scoped, scope_members, labels,
+            scoped,
+            scope_members,
+            labels,
             title=f"Partial correlations across models, {where}",
-            note=f"{description}, {estimator} tau\u00b2; {_extent(scope_runs)}"
-            + _dagger_note(scoped, other),
+            note=f"{description}, {estimator} tau\u00b2; {_extent(scope_runs)}" + _dagger_note(scoped, other),
         )
         figure_files += figures.save(figure, figure_dir / f"forest_{name}")
     return table_files, figure_files
@@ -410,9 +471,7 @@ def _sensitivity_table(
     """The table of how many pairs change between the residualisers, per model and training
     set and per scope of the meta-analysis."""
     per_group = summarise_changes(group_changes, GROUP_COLUMNS, RESIDUALISERS)
-    per_scope = summarise_changes(pooled_changes, ["scope"], RESIDUALISERS).rename(
-        columns={"scope": "train_set"}
-    )
+    per_scope = summarise_changes(pooled_changes, ["scope"], RESIDUALISERS).rename(columns={"scope": "train_set"})
     blocks = [
         ([models[model].description for model in per_group["model"]], per_group),
         (["pooled over models"] * len(per_scope), per_scope),
@@ -426,8 +485,7 @@ def _sensitivity_table(
         f"tables report the {display_name(args.residualiser)} residualiser and mark these pairs with "
         f"${tables.SENSITIVE_MARK}$; {description}; {_extent(runs)}."
     )
-    return tables.sensitivity_table(blocks, RESIDUALISERS, caption=caption,
-                                    label="tab:residualiser-sensitivity")
+    return tables.sensitivity_table(blocks, RESIDUALISERS, caption=caption, label="tab:residualiser-sensitivity")
 
 
 def _write_accuracies(runs: list[RunRecord], out: pathlib.Path) -> list[pathlib.Path]:
@@ -439,12 +497,10 @@ def _write_accuracies(runs: list[RunRecord], out: pathlib.Path) -> list[pathlib.
     return paths
 
 
-def _write_csv(
-    per_run: pd.DataFrame, per_group: pd.DataFrame, residualiser: str, path: pathlib.Path
-) -> pathlib.Path:
-    tidy = pd.concat(
-        [per_run.assign(level="run"), per_group.assign(level="group")], ignore_index=True
-    ).assign(residualiser=residualiser)
+def _write_csv(per_run: pd.DataFrame, per_group: pd.DataFrame, residualiser: str, path: pathlib.Path) -> pathlib.Path:
+    tidy = pd.concat([per_run.assign(level="run"), per_group.assign(level="group")], ignore_index=True).assign(
+        residualiser=residualiser
+    )
     counts = ["seed", "shots", "n", "n_runs", "n_positive", "n_negative"]
     tidy = tidy.astype({column: "Int64" for column in counts})[list(CSV_COLUMNS)]
     tidy.to_csv(path, index=False)
@@ -454,9 +510,9 @@ def _write_csv(
 def _write_meta_csv(
     pooled: pd.DataFrame, members: pd.DataFrame, args: argparse.Namespace, path: pathlib.Path
 ) -> pathlib.Path:
-    tidy = pd.concat(
-        [pooled.assign(level="pooled"), members.assign(level="model")], ignore_index=True
-    ).assign(residualiser=args.residualiser, estimator=args.tau2_estimator)
+    tidy = pd.concat([pooled.assign(level="pooled"), members.assign(level="model")], ignore_index=True).assign(
+        residualiser=args.residualiser, estimator=args.tau2_estimator
+    )
     counts = ["k", "n_runs", "n_agree", "n_left_out"]
     tidy = tidy.astype({column: "Int64" for column in counts})[list(META_CSV_COLUMNS)]
     tidy.to_csv(path, index=False)
@@ -466,8 +522,7 @@ def _write_meta_csv(
 def _write_sensitivity_csv(
     group_changes: pd.DataFrame, pooled_changes: pd.DataFrame, path: pathlib.Path
 ) -> pathlib.Path:
-    tidy = pd.concat([group_changes.assign(level="group"), pooled_changes.assign(level="pooled")],
-                     ignore_index=True)
+    tidy = pd.concat([group_changes.assign(level="group"), pooled_changes.assign(level="pooled")], ignore_index=True)
     tidy[["level", *tidy.columns.drop("level")]].to_csv(path, index=False)
     return path
 
@@ -483,13 +538,17 @@ def _write_figures(
     args: argparse.Namespace,
     other: str,
 ) -> list[pathlib.Path]:
-    heatmap = figures.correlation_heatmap(pairs, testsets, padjust=args.padjust, title=title,
-                                          note=note + _dagger_note(pairs, other))
+    heatmap = figures.correlation_heatmap(
+        pairs, testsets, padjust=args.padjust, title=title, note=note + _dagger_note(pairs, other)
+    )
     chance = majority_class_rates(group_runs)
-    curves = figures.accuracy_curves(group_runs, chance=chance, title=title, note=note,
-                                     ylim=args.curves_ylim)
+    curves = figures.accuracy_curves(group_runs, chance=chance, title=title, note=note, ylim=args.curves_ylim)
     scatter = figures.ood_vs_in_domain(
-        group_runs, chance=chance, residualiser=args.residualiser, probit=args.probit, title=title,
+        group_runs,
+        chance=chance,
+        residualiser=args.residualiser,
+        probit=args.probit,
+        title=title,
         note=note,
     )
     return [
@@ -529,8 +588,7 @@ def _dagger_note(results: pd.DataFrame, other: str) -> str:
     """What a figure's daggers mean, when it has any."""
     if not results[SENSITIVE].any():
         return ""
-    return (f"; {figures.DAGGER} changes sign or significance with the {display_name(other)} "
-            "residualiser")
+    return f"; {figures.DAGGER} changes sign or significance with the {display_name(other)} residualiser"
 
 
 def _describe(options: dict) -> str:

@@ -40,9 +40,7 @@ from analysis.tables import MARKS, significance_mark  # noqa: E402
 # Okabe & Ito's palette, safe for the common colour-vision deficiencies, in an
 # order whose first colours stay apart in greyscale too; its yellow, faint on
 # white, comes last.
-OKABE_ITO = (
-    "#0072B2", "#D55E00", "#009E73", "#CC79A7", "#E69F00", "#56B4E9", "#000000", "#F0E442"
-)
+OKABE_ITO = ("#0072B2", "#D55E00", "#009E73", "#CC79A7", "#E69F00", "#56B4E9", "#000000", "#F0E442")
 PAPER_STYLE = {
     "font.size": 8,
     "figure.titlesize": 9,  # headings (_heading)
@@ -99,9 +97,7 @@ def save(fig: plt.Figure, stem: pathlib.Path) -> list[pathlib.Path]:
     return paths
 
 
-def correlation_heatmap(
-    pairs: pd.DataFrame, testsets: list[str], *, padjust: str, title: str, note: str
-) -> plt.Figure:
+def correlation_heatmap(pairs: pd.DataFrame, testsets: list[str], *, padjust: str, title: str, note: str) -> plt.Figure:
     """Lower triangle of combined r (rows testsets[1:], columns testsets[:-1]).
 
     Diverging map centred at 0 with limits -1 and 1; each cell shows r, its
@@ -114,8 +110,7 @@ def correlation_heatmap(
     size = len(values)
     with plt.rc_context(PAPER_STYLE):
         side = 0.9 + 0.5 * size
-        fig, ax = plt.subplots(figsize=(max(side + 0.9, HEATMAP_MIN_WIDTH), side),
-                               layout="constrained")
+        fig, ax = plt.subplots(figsize=(max(side + 0.9, HEATMAP_MIN_WIDTH), side), layout="constrained")
         heading = _heading(fig, title, note)
         # The triangle, and above and below it the heading's lines and the key to the marks:
         # a figure as small as one cell would otherwise have no room left for the cell.
@@ -148,12 +143,15 @@ def comparison_heatmaps(
     columns = max(len(row) for row in rows)
     with plt.rc_context(PAPER_STYLE):
         fig, axes = plt.subplots(
-            len(rows), columns, figsize=(2.2 * columns + 1.0, 2.2 * len(rows) + 1.0),
-            squeeze=False, layout="constrained",
+            len(rows),
+            columns,
+            figsize=(2.2 * columns + 1.0, 2.2 * len(rows) + 1.0),
+            squeeze=False,
+            layout="constrained",
         )
         image = None
         for row, row_axes in zip(rows, axes):
-            for ax in row_axes[len(row):]:
+            for ax in row_axes[len(row) :]:
                 ax.set_visible(False)
             for ax, (model, pairs, testsets) in zip(row_axes, row):
                 values, p_adj = lower_triangle(pairs, testsets)
@@ -165,9 +163,7 @@ def comparison_heatmaps(
     return fig
 
 
-def correlation_by_size(
-    summary: pd.DataFrame, per_run: pd.DataFrame, *, title: str, note: str
-) -> plt.Figure | None:
+def correlation_by_size(summary: pd.DataFrame, per_run: pd.DataFrame, *, title: str, note: str) -> plt.Figure | None:
     """Mean partial correlation over testset pairs against model size, one line per family,
     one panel per training set; dots are single runs, showing the spread across runs.
 
@@ -181,18 +177,29 @@ def correlation_by_size(
     train_sets = list(dict.fromkeys(summary["train_set"]))
     colours = dict(zip(dict.fromkeys(known["family"]), itertools.cycle(OKABE_ITO)))
     with plt.rc_context(PAPER_STYLE):
-        fig, axes = plt.subplots(1, len(train_sets), figsize=(3.0 * len(train_sets) + 0.6, 2.9),
-                                 sharey=True, squeeze=False, layout="constrained")
+        fig, axes = plt.subplots(
+            1,
+            len(train_sets),
+            figsize=(3.0 * len(train_sets) + 0.6, 2.9),
+            sharey=True,
+            squeeze=False,
+            layout="constrained",
+        )
         for ax, train_set in zip(axes[0], train_sets):
             rows = known[known["train_set"] == train_set]
             for family, lines in rows.groupby("family", sort=False):
                 lines = lines.sort_values("size_billions")
-                ax.plot(lines["size_billions"], lines["mean_r"], color=colours[family],
-                        marker="o", ms=4, lw=1.2, label=display_name(family))
-                runs = per_run.merge(lines[["model", "train_set", "size_billions"]],
-                                     on=["model", "train_set"])
-                ax.scatter(runs["size_billions"], runs["mean_r"], color=colours[family],
-                           s=8, alpha=0.45, lw=0)
+                ax.plot(
+                    lines["size_billions"],
+                    lines["mean_r"],
+                    color=colours[family],
+                    marker="o",
+                    ms=4,
+                    lw=1.2,
+                    label=display_name(family),
+                )
+                runs = per_run.merge(lines[["model", "train_set", "size_billions"]], on=["model", "train_set"])
+                ax.scatter(runs["size_billions"], runs["mean_r"], color=colours[family], s=8, alpha=0.45, lw=0)
             ax.axhline(0.0, color="0.6", lw=0.6)
             ax.set_xscale("log")
             ax.set_xlim(known["size_billions"].min() / 1.4, known["size_billions"].max() * 1.4)
@@ -206,15 +213,23 @@ def correlation_by_size(
         axes[0, 0].set_ylabel("mean partial $r$ over pairs")
         left_out = summary["size_billions"].isna().sum()
         unplaced = f"; {left_out} model(s) of unknown size not shown" if left_out else ""
-        fig.legend(*axes[0, 0].get_legend_handles_labels(), loc="outside lower center",
-                   ncols=len(colours) + 1, frameon=False,
-                   title="lines: all runs combined; dots: single runs")
+        fig.legend(
+            *axes[0, 0].get_legend_handles_labels(),
+            loc="outside lower center",
+            ncols=len(colours) + 1,
+            frameon=False,
+            title="lines: all runs combined; dots: single runs",
+        )
         fig.suptitle(_heading(fig, title, note + unplaced))
     return fig
 
 
 def accuracy_curves(
-    runs: list[RunRecord], *, chance: Mapping[str, Sequence[float]], title: str, note: str,
+    runs: list[RunRecord],
+    *,
+    chance: Mapping[str, Sequence[float]],
+    title: str,
+    note: str,
     ylim: tuple[float, float] | None = None,
 ) -> plt.Figure:
     """Accuracy over steps, one panel per testset, one line per shot count.
@@ -234,16 +249,13 @@ def accuracy_curves(
             for rate in chance.get(testset, ()):
                 ax.axhline(rate, **CHANCE_STYLE)
             for shot, colour in colours.items():
-                seeds = [
-                    r.accuracy[testset] for r in runs if r.shots == shot and testset in r.accuracy
-                ]
+                seeds = [r.accuracy[testset] for r in runs if r.shots == shot and testset in r.accuracy]
                 if not seeds:
                     continue
                 curves = pd.concat(seeds, axis=1)
                 steps = curves.index.to_numpy()
                 ax.plot(steps, curves.mean(axis=1), color=colour, lw=1.2, label=f"{shot} shots")
-                ax.fill_between(steps, curves.min(axis=1), curves.max(axis=1),
-                                color=colour, alpha=0.2, lw=0)
+                ax.fill_between(steps, curves.min(axis=1), curves.max(axis=1), color=colour, alpha=0.2, lw=0)
             in_domain = any(testset == run.in_domain for run in runs)
             ax.set_title(f"{display_name(testset)} (in-domain)" if in_domain else display_name(testset))
         if ylim is not None:
@@ -256,15 +268,26 @@ def accuracy_curves(
         if any(chance.get(testset) for testset in testsets):
             handles.insert(0, plt.Line2D([], [], **CHANCE_STYLE))
             labels.insert(0, CHANCE_LABEL)
-        fig.legend(handles, labels, loc="outside lower center", ncols=len(handles),
-                   frameon=False, title="mean over seeds; band: min to max")
+        fig.legend(
+            handles,
+            labels,
+            loc="outside lower center",
+            ncols=len(handles),
+            frameon=False,
+            title="mean over seeds; band: min to max",
+        )
         fig.suptitle(_heading(fig, title, note))
     return fig
 
 
 def ood_vs_in_domain(
-    runs: list[RunRecord], *, chance: Mapping[str, Sequence[float]], residualiser: str, probit: bool,
-    title: str, note: str,
+    runs: list[RunRecord],
+    *,
+    chance: Mapping[str, Sequence[float]],
+    residualiser: str,
+    probit: bool,
+    title: str,
+    note: str,
 ) -> plt.Figure:
     """OOD accuracy against in-domain accuracy, one panel per OOD testset, all on the same axes' ranges.
 
@@ -302,16 +325,25 @@ def ood_vs_in_domain(
         if any(chance.get(testset) for testset in [in_domain, *testsets]):
             handles.insert(0, plt.Line2D([], [], **CHANCE_STYLE))
             labels.insert(0, CHANCE_LABEL)
-        fig.legend(handles, labels, loc="outside lower center", ncols=len(handles), frameon=False,
-                   title=f"one curve per run: {display_name(residualiser)} fit"
-                   + (" on the probit scale" if probit else ""))
+        fig.legend(
+            handles,
+            labels,
+            loc="outside lower center",
+            ncols=len(handles),
+            frameon=False,
+            title=f"one curve per run: {display_name(residualiser)} fit" + (" on the probit scale" if probit else ""),
+        )
         fig.suptitle(_heading(fig, title, note))
     return fig
 
 
 def forest_plots(
-    pooled: pd.DataFrame, members: pd.DataFrame, labels: Mapping[tuple[str, str], str], *,
-    title: str, note: str,
+    pooled: pd.DataFrame,
+    members: pd.DataFrame,
+    labels: Mapping[tuple[str, str], str],
+    *,
+    title: str,
+    note: str,
 ) -> plt.Figure:
     """One forest plot per pair of a meta-analysis across models, in a grid.
 
@@ -331,18 +363,26 @@ def forest_plots(
     panel_height = FOREST_ROW_HEIGHT * (len(keys) + 2) + FOREST_PANEL_EXTRA
     with plt.rc_context(PAPER_STYLE):
         fig, axes = plt.subplots(
-            rows, columns, figsize=(max(1.9 * columns + 1.0, FOREST_MIN_WIDTH), panel_height * rows),
-            sharex=True, sharey=True, squeeze=False, layout="constrained",
+            rows,
+            columns,
+            figsize=(max(1.9 * columns + 1.0, FOREST_MIN_WIDTH), panel_height * rows),
+            sharex=True,
+            sharey=True,
+            squeeze=False,
+            layout="constrained",
         )
         heading = _heading(fig, title, note)
         handles, names = _forest_legend(colours, members)
         legend_columns = min(3 if fig.get_figwidth() >= FOREST_WIDTH_FOR_3_ENTRIES else 2, len(handles))
-        key = _wrap(fig, "squares: a model's mean $r$ over its runs with its 95% t interval, area by its "
-                    "weight in the pooled $r$", PAPER_STYLE["legend.fontsize"])
+        key = _wrap(
+            fig,
+            "squares: a model's mean $r$ over its runs with its 95% t interval, area by its weight in the pooled $r$",
+            PAPER_STYLE["legend.fontsize"],
+        )
         # Lines of the heading, of the legend's title and of its entries, and the x-axis labels.
         lines = heading.count("\n") + key.count("\n") + 2 + int(np.ceil(len(handles) / legend_columns))
         fig.set_figheight(panel_height * rows + FOREST_AXIS_HEIGHT + TITLE_LINE_HEIGHT * lines)
-        for ax in axes.ravel()[len(pooled):]:
+        for ax in axes.ravel()[len(pooled) :]:
             ax.set_visible(False)
         for ax, summary in zip(axes.ravel(), pooled.itertuples()):
             pair = members[(members["x"] == summary.x) & (members["y"] == summary.y)]
@@ -355,8 +395,7 @@ def forest_plots(
         for bottom in _lowest_visible(axes, len(pooled)):
             bottom.set_xlabel("partial $r$")
             bottom.tick_params(labelbottom=True)
-        fig.legend(handles, names, loc="outside lower center", ncols=legend_columns, frameon=False,
-                   title=key)
+        fig.legend(handles, names, loc="outside lower center", ncols=legend_columns, frameon=False, title=key)
         fig.suptitle(heading)
     return fig
 
@@ -370,9 +409,16 @@ def _draw_forest(ax: plt.Axes, summary, pair: pd.DataFrame, keys: list, colours:
     member_colours = [colours[train_set] for train_set in shown["train_set"]]
     pooled_in = shown["weight"].notna().to_numpy()
     ax.hlines(rows, shown["ci_low"], shown["ci_high"], colors=member_colours, lw=0.8)
-    ax.scatter(shown["r"], rows, marker="s", s=np.where(pooled_in, 8 + 120 * shown["weight"], 10),
-               c=np.where(pooled_in, member_colours, "white"), edgecolors=member_colours, lw=0.7,
-               zorder=3)
+    ax.scatter(
+        shown["r"],
+        rows,
+        marker="s",
+        s=np.where(pooled_in, 8 + 120 * shown["weight"], 10),
+        c=np.where(pooled_in, member_colours, "white"),
+        edgecolors=member_colours,
+        lw=0.7,
+        zorder=3,
+    )
     ax.axvline(0.0, color="0.6", lw=0.6, ls="--")
     row = len(keys)
     if np.isnan(summary.r):
@@ -380,15 +426,20 @@ def _draw_forest(ax: plt.Axes, summary, pair: pd.DataFrame, keys: list, colours:
         ax.set_title(_pair_name(summary), fontsize=6.5)
         return
     if not np.isnan(summary.pi_low):
-        ax.plot([summary.pi_low, summary.pi_high], [row, row], color=POOLED_COLOUR, lw=1.0,
-                marker="|", ms=5)
-    ax.fill([summary.ci_low, summary.r, summary.ci_high, summary.r],
-            [row, row - 0.45, row, row + 0.45], color=POOLED_COLOUR, lw=0, zorder=3)
+        ax.plot([summary.pi_low, summary.pi_high], [row, row], color=POOLED_COLOUR, lw=1.0, marker="|", ms=5)
+    ax.fill(
+        [summary.ci_low, summary.r, summary.ci_high, summary.r],
+        [row, row - 0.45, row, row + 0.45],
+        color=POOLED_COLOUR,
+        lw=0,
+        zorder=3,
+    )
     dagger = DAGGER if getattr(summary, SENSITIVE) else ""
     ax.set_title(
         f"{_pair_name(summary)}{dagger}\nr = {summary.r:.2f} "
         f"[{summary.ci_low:.2f}, {summary.ci_high:.2f}]\nI\u00b2 = {100 * summary.i2:.0f}%, "
-        f"{summary.n_agree:.0f}/{summary.k} agree in sign", fontsize=6.5,
+        f"{summary.n_agree:.0f}/{summary.k} agree in sign",
+        fontsize=6.5,
     )
 
 
@@ -406,8 +457,10 @@ def _forest_legend(colours: dict, members: pd.DataFrame) -> tuple[list, list[str
     if (members["r"].notna() & members["weight"].isna()).any():
         handles.append(plt.Line2D([], [], color="0.2", marker="s", mfc="white", ms=4, lw=0))
         names.append("not pooled (no variance across runs)")
-    handles += [plt.Line2D([], [], color=POOLED_COLOUR, marker="D", ms=5, lw=0),
-                plt.Line2D([], [], color=POOLED_COLOUR, marker="|", ms=5, lw=1.0)]
+    handles += [
+        plt.Line2D([], [], color=POOLED_COLOUR, marker="D", ms=5, lw=0),
+        plt.Line2D([], [], color=POOLED_COLOUR, marker="|", ms=5, lw=1.0),
+    ]
     names += ["pooled $r$, 95% CI", "95% prediction interval for a new model"]
     return handles, names
 
@@ -440,7 +493,12 @@ def _draw_fit(ax, points: np.ndarray, *, residualiser: str, probit: bool, colour
 
 
 def _draw_triangle(
-    ax: plt.Axes, values: np.ndarray, p_adj: np.ndarray, testsets: list[str], *, annotate: bool,
+    ax: plt.Axes,
+    values: np.ndarray,
+    p_adj: np.ndarray,
+    testsets: list[str],
+    *,
+    annotate: bool,
     sensitive: np.ndarray | None = None,
 ) -> matplotlib.image.AxesImage:
     """One lower triangle of r on `ax`: undefined cells grey ("n/a" when annotated); with
@@ -460,8 +518,16 @@ def _draw_triangle(
             mark += DAGGER
         number = f"{values[i, j]:.2f}".replace("-", MINUS)
         text = f"{number}\n{mark}".strip() if annotate else mark
-        ax.text(j, i, text, ha="center", va="center", fontsize=6.5 if annotate else MARK_SIZE,
-                color="white" if abs(values[i, j]) > 0.6 else "black", linespacing=0.9)
+        ax.text(
+            j,
+            i,
+            text,
+            ha="center",
+            va="center",
+            fontsize=6.5 if annotate else MARK_SIZE,
+            color="white" if abs(values[i, j]) > 0.6 else "black",
+            linespacing=0.9,
+        )
     ax.set_xticks(range(size), map(display_name, testsets[:-1]), rotation=45, ha="right")
     ax.set_yticks(range(size), map(display_name, testsets[1:]))
     ax.tick_params(length=0)
@@ -481,9 +547,17 @@ def _significance_legend(fig: plt.Figure, padjust: str) -> None:
     blank = plt.Line2D([], [], lw=0)
     labels = [f"{mark} p < {threshold:g}" for threshold, mark in reversed(MARKS)]
     adjusted = "unadjusted" if padjust == "none" else f"{display_name(padjust)}-adjusted"
-    fig.legend([blank] * len(labels), labels, loc="outside lower center", ncols=len(labels),
-               frameon=False, handlelength=0, handletextpad=0, columnspacing=1.5,
-               title=f"marks: {adjusted} p-values")
+    fig.legend(
+        [blank] * len(labels),
+        labels,
+        loc="outside lower center",
+        ncols=len(labels),
+        frameon=False,
+        handlelength=0,
+        handletextpad=0,
+        columnspacing=1.5,
+        title=f"marks: {adjusted} p-values",
+    )
 
 
 def _shot_colours(runs: list[RunRecord]) -> dict[int, str]:
@@ -519,8 +593,15 @@ def _panel_grid(count: int) -> tuple[plt.Figure, list[plt.Axes]]:
     one quantity each, and compare only on the same scale."""
     columns = min(PANEL_COLUMNS, count)
     rows = int(np.ceil(count / columns))
-    fig, axes = plt.subplots(rows, columns, figsize=(1.75 * columns, 1.6 * rows + 0.8),
-                             sharex=True, sharey=True, squeeze=False, layout="constrained")
+    fig, axes = plt.subplots(
+        rows,
+        columns,
+        figsize=(1.75 * columns, 1.6 * rows + 0.8),
+        sharex=True,
+        sharey=True,
+        squeeze=False,
+        layout="constrained",
+    )
     axes = axes.ravel().tolist()
     for ax in axes[:count]:
         ax.locator_params(nbins=4)

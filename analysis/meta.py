@@ -67,12 +67,40 @@ ESTIMATOR_NAMES = {REML: "REML", PAULE_MANDEL: "Paule-Mandel", DERSIMONIAN_LAIRD
 ALL_TRAIN_SETS = "all training sets"
 
 POOLED_COLUMNS = (
-    "scope", "x", "y", "k", "r", "ci_low", "ci_high", "p", "p_adj", "pi_low", "pi_high",
-    "tau2", "i2", "q", "q_p", "welch_p", "n_agree", "n_left_out", "reason",
+    "scope",
+    "x",
+    "y",
+    "k",
+    "r",
+    "ci_low",
+    "ci_high",
+    "p",
+    "p_adj",
+    "pi_low",
+    "pi_high",
+    "tau2",
+    "i2",
+    "q",
+    "q_p",
+    "welch_p",
+    "n_agree",
+    "n_left_out",
+    "reason",
 )
 MEMBER_COLUMNS = (
-    "scope", "model", "train_set", "x", "y", "n_runs", "r", "ci_low", "ci_high", "z", "z_se",
-    "weight", "reason",
+    "scope",
+    "model",
+    "train_set",
+    "x",
+    "y",
+    "n_runs",
+    "r",
+    "ci_low",
+    "ci_high",
+    "z",
+    "z_se",
+    "weight",
+    "reason",
 )
 
 
@@ -100,9 +128,7 @@ class RandomEffects:
     weights: np.ndarray
 
 
-def random_effects(
-    effects: np.ndarray, variances: np.ndarray, *, estimator: str = REML
-) -> RandomEffects:
+def random_effects(effects: np.ndarray, variances: np.ndarray, *, estimator: str = REML) -> RandomEffects:
     """Combine k >= 2 effects with known within-study variances (> 0) under random effects."""
     if estimator not in TAU2_ESTIMATORS:
         raise ValueError(f"estimator must be one of {TAU2_ESTIMATORS}, got {estimator!r}")
@@ -186,9 +212,7 @@ def meta_analyse(
         for (x, y), pair in _ordered(scoped, models).groupby(["x", "y"], sort=False):
             row, weights = _combine_models(pair, estimator)
             rows.append({"scope": scope, "x": x, "y": y} | row)
-            members.append(
-                pair.assign(scope=scope, weight=weights)[list(MEMBER_COLUMNS)]
-            )
+            members.append(pair.assign(scope=scope, weight=weights)[list(MEMBER_COLUMNS)])
         family = pd.DataFrame(rows)
         family["p_adj"] = adjust_pvalues(family["p"].to_numpy(), padjust)
         pooled.append(family)
@@ -204,11 +228,12 @@ def _combine_models(pair: pd.DataFrame, estimator: str) -> tuple[dict, np.ndarra
     usable = (pair["z_se"] > 0).to_numpy()  # NaN (undefined, one run) compares False
     weights = np.full(len(pair), np.nan)
     row = dict.fromkeys(POOLED_COLUMNS[3:], np.nan) | {
-        "k": int(usable.sum()), "n_left_out": int((~usable).sum()), "reason": "",
+        "k": int(usable.sum()),
+        "n_left_out": int((~usable).sum()),
+        "reason": "",
     }
     if usable.sum() < 2:
-        return row | {"reason": f"{row['k']} model(s) with a variance across runs: "
-                                "a meta-analysis needs two"}, weights
+        return row | {"reason": f"{row['k']} model(s) with a variance across runs: a meta-analysis needs two"}, weights
     z, variances = pair["z"].to_numpy()[usable], pair["z_se"].to_numpy()[usable] ** 2
     result = random_effects(z, variances, estimator=estimator)
     weights[usable] = result.weights
@@ -234,10 +259,14 @@ def _combine_models(pair: pd.DataFrame, estimator: str) -> tuple[dict, np.ndarra
 def _ordered(groups: pd.DataFrame, models: Mapping[str, ModelInfo]) -> pd.DataFrame:
     """Members by family, size (unknown last), model and training set, as tables list them."""
     keys = ["family", "size_billions", *GROUP_COLUMNS]
-    return groups.assign(
-        family=groups["model"].map(lambda model: models[model].family),
-        size_billions=groups["model"].map(lambda model: models[model].size_billions),
-    ).sort_values(keys, kind="stable").drop(columns=keys[:2])
+    return (
+        groups.assign(
+            family=groups["model"].map(lambda model: models[model].family),
+            size_billions=groups["model"].map(lambda model: models[model].size_billions),
+        )
+        .sort_values(keys, kind="stable")
+        .drop(columns=keys[:2])
+    )
 
 
 def _weighted_squares(y: np.ndarray, w: np.ndarray) -> float:
@@ -258,13 +287,13 @@ def _tau2_paule_mandel(y: np.ndarray, v: np.ndarray) -> float:
     Q falls as tau^2 grows, so the root is unique; at tau^2 = sum (y - mean y)^2 / (k - 1)
     every w is below 1 / tau^2, so Q is below k - 1 there and the root lies between.
     """
+
     def excess(tau2: float) -> float:
         return _weighted_squares(y, 1.0 / (v + tau2)) - (y.size - 1)
 
     if excess(0.0) <= 0.0:
         return 0.0
-    return float(scipy.optimize.brentq(excess, 0.0, np.sum((y - y.mean()) ** 2) / (y.size - 1),
-                                       xtol=1e-15, rtol=1e-13))
+    return float(scipy.optimize.brentq(excess, 0.0, np.sum((y - y.mean()) ** 2) / (y.size - 1), xtol=1e-15, rtol=1e-13))
 
 
 def _tau2_reml(y: np.ndarray, v: np.ndarray) -> float:
@@ -274,6 +303,7 @@ def _tau2_reml(y: np.ndarray, v: np.ndarray) -> float:
     sum w^2 / sum w; 0 when the score is not positive at 0. The score is negative for
     large tau^2, so the upper end of the bracket doubles until it is.
     """
+
     def score(tau2: float) -> float:
         w = 1.0 / (v + tau2)
         mu = w @ y / w.sum()

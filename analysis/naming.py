@@ -39,14 +39,30 @@ UNKNOWN = "unknown"
 # declared testset, a new family, and the residualisers ("linear", "spline"), common nouns already.
 DISPLAY_NAMES = {
     # testsets (oodjax/data/testsets.py), ANLI's rounds as a declared testset might name them
-    "snli": "SNLI", "mnli": "MNLI", "scitail": "SciTail", "rte": "RTE", "hans": "HANS", "anli": "ANLI",
-    "anli_r1": "ANLI R1", "anli_r2": "ANLI R2", "anli_r3": "ANLI R3", "wnli": "WNLI", "paws": "PAWS",
+    "snli": "SNLI",
+    "mnli": "MNLI",
+    "scitail": "SciTail",
+    "rte": "RTE",
+    "hans": "HANS",
+    "anli": "ANLI",
+    "anli_r1": "ANLI R1",
+    "anli_r2": "ANLI R2",
+    "anli_r3": "ANLI R3",
+    "wnli": "WNLI",
+    "paws": "PAWS",
     schema.TRAIN_TESTSET: "training set",
     # --method and --padjust (analysis/stats.py, padjust.py)
-    "pearson": "Pearson", "spearman": "Spearman",
-    "holm": "Holm", "bonferroni": "Bonferroni", "fdr_bh": "Benjamini-Hochberg", "none": "unadjusted",
+    "pearson": "Pearson",
+    "spearman": "Spearman",
+    "holm": "Holm",
+    "bonferroni": "Bonferroni",
+    "fdr_bh": "Benjamini-Hochberg",
+    "none": "unadjusted",
     # model families
-    "opt": "OPT", "olmo2": "OLMo 2", "smollm2": "SmolLM2", "smollm3": "SmolLM3",
+    "opt": "OPT",
+    "olmo2": "OLMo 2",
+    "smollm2": "SmolLM2",
+    "smollm3": "SmolLM3",
 }
 
 _SIZE_TOKEN = re.compile(r"(\d+(?:\.\d+)?)([mMbB])")
@@ -125,9 +141,6 @@ def unique_stems(keys: Iterable[tuple[str, ...]]) -> dict[tuple[str, ...], str]:
         owners.setdefault(stem.lower(), []).append(key)
     clashes = [keys for keys in owners.values() if len(keys) > 1]
     if clashes:
-        described = "; ".join(
-            " and ".join(map(repr, clash)) + f" -> {stems[clash[0]]!r}"
-            for clash in clashes
-        )
+        described = "; ".join(" and ".join(map(repr, clash)) + f" -> {stems[clash[0]]!r}" for clash in clashes)
         raise ValueError(f"these groups would write to the same files: {described}")
     return stems

@@ -86,14 +86,11 @@ def fit_spline(covar: np.ndarray, y: np.ndarray) -> Fit:
     """
     covar = as_covariate_matrix(covar)
     if covar.shape[1] != 1:
-        raise ValueError(
-            f"the spline residualiser takes exactly one covariate, got {covar.shape[1]}"
-        )
+        raise ValueError(f"the spline residualiser takes exactly one covariate, got {covar.shape[1]}")
     values, group, counts = np.unique(covar[:, 0], return_inverse=True, return_counts=True)
     if values.size < MIN_SPLINE_POINTS:
         raise ValueError(
-            f"the spline residualiser needs at least {MIN_SPLINE_POINTS} distinct "
-            f"covariate values, got {values.size}"
+            f"the spline residualiser needs at least {MIN_SPLINE_POINTS} distinct covariate values, got {values.size}"
         )
     low, span = values[0], values[-1] - values[0]
     knots = (values - low) / span

@@ -112,9 +112,7 @@ class RunRecord:
     @property
     def ood_testsets(self) -> list[str]:
         """Testsets other than the in-domain one and the training set itself."""
-        return [
-            t for t in self.accuracy.columns if t not in (self.in_domain, schema.TRAIN_TESTSET)
-        ]
+        return [t for t in self.accuracy.columns if t not in (self.in_domain, schema.TRAIN_TESTSET)]
 
     @property
     def kind(self) -> str:
@@ -163,16 +161,13 @@ def scan_runs(root: str | pathlib.Path) -> tuple[list[RunRecord], list[SkippedFi
     paths = sorted(root.rglob(schema.METRICS_FILENAME))
     if not paths:
         raise ResultsError(f"no {schema.METRICS_FILENAME} under {root}: is it a results root?")
-    progress = tqdm(paths, desc="reading runs", unit="run", file=sys.stderr,
-                    disable=len(paths) <= PROGRESS_MIN_FILES)
+    progress = tqdm(paths, desc="reading runs", unit="run", file=sys.stderr, disable=len(paths) <= PROGRESS_MIN_FILES)
     runs, skipped = [], []
     for path in progress:
         try:
             runs.append(load_run(path))
         except UnreadableMetricsError as error:
-            skipped.append(SkippedFile(
-                path, f"{error.reason}; skipped, its run counts as unfinished", unreadable=True
-            ))
+            skipped.append(SkippedFile(path, f"{error.reason}; skipped, its run counts as unfinished", unreadable=True))
     runs, copies = _count_copies_once(runs)
     _check_one_model_per_name(runs)
     return sorted(runs, key=model_order_key), skipped + copies
@@ -180,13 +175,10 @@ def scan_runs(root: str | pathlib.Path) -> tuple[list[RunRecord], list[SkippedFi
 
 def no_readable_runs_message(root: str | pathlib.Path, skipped: Sequence[SkippedFile]) -> str:
     """The error when every metrics.npz under `root` was skipped (there is at least one)."""
-    return (f"no readable {schema.METRICS_FILENAME} under {root}: all {len(skipped)} "
-            f"skipped, first {skipped[0].message}")
+    return f"no readable {schema.METRICS_FILENAME} under {root}: all {len(skipped)} skipped, first {skipped[0].message}"
 
 
-def read_metrics(
-    path: str | os.PathLike, keys: Sequence[str] = schema.REQUIRED_KEYS
-) -> dict[str, np.ndarray]:
+def read_metrics(path: str | os.PathLike, keys: Sequence[str] = schema.REQUIRED_KEYS) -> dict[str, np.ndarray]:
     """The arrays `keys` of one metrics.npz, each read whole (and so CRC-checked).
 
     Raises UnreadableMetricsError when the file cannot be read as an npz
@@ -207,9 +199,7 @@ def read_metrics(
         raise ResultsError(f"{path}: one npy array, not an npz archive of a run's metrics")
     missing = [key for key in keys if key not in present]
     if missing:
-        raise ResultsError(
-            f"{path}: not a run's metrics (schema in analysis/schema.py): missing keys {missing}"
-        )
+        raise ResultsError(f"{path}: not a run's metrics (schema in analysis/schema.py): missing keys {missing}")
     # numpy hands back the raw bytes of a member that is not an npy file.
     for key, value in arrays.items():
         if not isinstance(value, np.ndarray):
@@ -220,8 +210,15 @@ def read_metrics(
 def model_order_key(run: RunRecord) -> tuple:
     """Family, then size numerically (unknown sizes last), then the rest of the run's identity."""
     size = run.model_info.size_billions
-    return (run.model_info.family, math.inf if math.isnan(size) else size, run.model,
-            run.train_set, run.shots, run.seed, run.name)
+    return (
+        run.model_info.family,
+        math.inf if math.isnan(size) else size,
+        run.model,
+        run.train_set,
+        run.shots,
+        run.seed,
+        run.name,
+    )
 
 
 def accuracy_table(runs: Sequence[RunRecord]) -> pd.DataFrame:
@@ -232,7 +229,10 @@ def accuracy_table(runs: Sequence[RunRecord]) -> pd.DataFrame:
         long = run.accuracy.melt(var_name="testset", value_name="accuracy", ignore_index=False)
         frames.append(
             long.reset_index().assign(
-                run=run.name, model=run.model, train_set=run.train_set, seed=run.seed,
+                run=run.name,
+                model=run.model,
+                train_set=run.train_set,
+                seed=run.seed,
                 shots=run.shots,
             )
         )
@@ -240,8 +240,18 @@ def accuracy_table(runs: Sequence[RunRecord]) -> pd.DataFrame:
 
 
 OVERVIEW_COLUMNS = (
-    "run", "model", "train_set", "seed", "shots", "kind", "last_step", "planned_steps", "finished",
-    "in_domain_accuracy", "mean_ood_accuracy", "problem",
+    "run",
+    "model",
+    "train_set",
+    "seed",
+    "shots",
+    "kind",
+    "last_step",
+    "planned_steps",
+    "finished",
+    "in_domain_accuracy",
+    "mean_ood_accuracy",
+    "problem",
 )
 
 
@@ -252,20 +262,22 @@ def runs_overview(runs: Sequence[RunRecord], unreadable: Sequence[SkippedFile] =
     rows = []
     for run in runs:
         last = run.accuracy.iloc[-1]
-        rows.append({
-            "run": run.name,
-            "model": run.model,
-            "train_set": run.train_set,
-            "seed": run.seed,
-            "shots": run.shots,
-            "kind": run.kind,
-            "last_step": int(run.steps[-1]),
-            "planned_steps": run.planned_steps,
-            "finished": run.finished,
-            "in_domain_accuracy": last[run.in_domain],
-            "mean_ood_accuracy": last[run.ood_testsets].mean(),
-            "problem": "",
-        })
+        rows.append(
+            {
+                "run": run.name,
+                "model": run.model,
+                "train_set": run.train_set,
+                "seed": run.seed,
+                "shots": run.shots,
+                "kind": run.kind,
+                "last_step": int(run.steps[-1]),
+                "planned_steps": run.planned_steps,
+                "finished": run.finished,
+                "in_domain_accuracy": last[run.in_domain],
+                "mean_ood_accuracy": last[run.ood_testsets].mean(),
+                "problem": "",
+            }
+        )
     for skip in unreadable:
         rows.append({"run": skip.path.parent.name, "finished": False, "problem": "unreadable"})
     counts = ["seed", "shots", "last_step", "planned_steps"]
@@ -280,8 +292,9 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m analysis.runs",
         description="List the runs under a results root: identity, progress, last accuracies.",
     )
-    parser.add_argument("results_dir", type=pathlib.Path,
-                        help="results root: <run>/metrics.npz files, searched recursively")
+    parser.add_argument(
+        "results_dir", type=pathlib.Path, help="results root: <run>/metrics.npz files, searched recursively"
+    )
     parser.add_argument("--csv", action="store_true", help="print CSV instead of a table")
     args = parser.parse_args(argv)
     try:
@@ -296,17 +309,17 @@ def main(argv: list[str] | None = None) -> int:
         overview.to_csv(sys.stdout, index=False)
     else:
         counts = list(overview.select_dtypes("Int64").columns)  # na_rep skips their <NA>
-        shown = overview.astype({column: "string" for column in counts}).fillna(
-            {column: "-" for column in counts}
-        )
+        shown = overview.astype({column: "string" for column in counts}).fillna({column: "-" for column in counts})
         print(shown.to_string(index=False, float_format="{:.3f}".format, na_rep="-"))
         finished = int(overview["finished"].sum())
         evaluated = int(overview["kind"].isin(list(KIND_LABELS.values())).sum())
         unreadable = int((overview["problem"] == "unreadable").sum())
-        print(f"{len(overview)} runs, {finished} finished"
-              + (f" ({evaluated} evaluation-only)" if evaluated else "")
-              + f", {len(overview) - finished} not"
-              + (f" ({unreadable} unreadable)" if unreadable else ""))
+        print(
+            f"{len(overview)} runs, {finished} finished"
+            + (f" ({evaluated} evaluation-only)" if evaluated else "")
+            + f", {len(overview) - finished} not"
+            + (f" ({unreadable} unreadable)" if unreadable else "")
+        )
     return 0
 
 
@@ -319,8 +332,7 @@ def load_run(path: str | pathlib.Path) -> RunRecord:
     accuracy = arrays[schema.ACCURACY]
     if steps.ndim != 1 or accuracy.shape != (len(steps), len(testsets)):
         raise ResultsError(
-            f"{path}: accuracy has shape {accuracy.shape}, expected "
-            f"[steps, testsets] = [{len(steps)}, {len(testsets)}]"
+            f"{path}: accuracy has shape {accuracy.shape}, expected [steps, testsets] = [{len(steps)}, {len(testsets)}]"
         )
     if len(steps) > 1 and np.any(np.diff(steps) <= 0):
         raise ResultsError(f"{path}: steps are not increasing: {steps.tolist()}")
@@ -332,9 +344,7 @@ def load_run(path: str | pathlib.Path) -> RunRecord:
         )
     run_ood = [t for t in testsets if t not in (in_domain, schema.TRAIN_TESTSET)]
     if len(run_ood) < 2:
-        raise ResultsError(
-            f"{path}: OOD testsets {run_ood}: pairs of OOD testsets need at least two"
-        )
+        raise ResultsError(f"{path}: OOD testsets {run_ood}: pairs of OOD testsets need at least two")
     config, identity = _run_identity(path, str(arrays[schema.CONFIG]), steps)
     return RunRecord(
         path=path,
@@ -415,8 +425,10 @@ def _count_copies_once(runs: list[RunRecord]) -> tuple[list[RunRecord], list[Ski
                 "move the others out of the results root"
             )
         kept.append(first)
-        copies += [SkippedFile(other.path, f"a byte-identical copy of {first.path}; counted "
-                               "once", unreadable=False) for other in others]
+        copies += [
+            SkippedFile(other.path, f"a byte-identical copy of {first.path}; counted once", unreadable=False)
+            for other in others
+        ]
     return kept, copies
 
 

@@ -22,9 +22,7 @@ CHANGES = ("sign_changes", "significance_changes", "definition_changes")
 SENSITIVE = "residualiser_sensitive"
 
 
-def compare_residualisers(
-    results: Mapping[str, pd.DataFrame], keys: Sequence[str]
-) -> pd.DataFrame:
+def compare_residualisers(results: Mapping[str, pd.DataFrame], keys: Sequence[str]) -> pd.DataFrame:
     """One row per result: `keys`, then r_<name> and p_adj_<name> for both residualisers,
     then CHANGES and SENSITIVE.
 
@@ -34,7 +32,10 @@ def compare_residualisers(
     (first, first_table), (second, second_table) = results.items()
     columns = [*keys, "r", "p_adj"]
     merged = first_table[columns].merge(
-        second_table[columns], on=list(keys), how="left", validate="one_to_one",
+        second_table[columns],
+        on=list(keys),
+        how="left",
+        validate="one_to_one",
         suffixes=(f"_{first}", f"_{second}"),
     )
     r_first, r_second = merged[f"r_{first}"], merged[f"r_{second}"]
@@ -48,9 +49,7 @@ def compare_residualisers(
     return merged
 
 
-def summarise_changes(
-    comparison: pd.DataFrame, by: Sequence[str], residualisers: Sequence[str]
-) -> pd.DataFrame:
+def summarise_changes(comparison: pd.DataFrame, by: Sequence[str], residualisers: Sequence[str]) -> pd.DataFrame:
     """Per value of `by`: pairs defined under both residualisers, each one's mean r over
     them (Fisher z scale) and significant positive / negative pairs, and how many pairs
     each kind of change touches. Rows keep the order of first appearance."""

@@ -85,9 +85,7 @@ def partial_corr(
     x, y = _vector(x, "x"), _vector(y, "y")
     covar = as_covariate_matrix(covar)
     if not (len(x) == len(y) == len(covar)):
-        raise ValueError(
-            f"x, y and covar must have the same length, got {len(x)}, {len(y)}, {len(covar)}"
-        )
+        raise ValueError(f"x, y and covar must have the same length, got {len(x)}, {len(y)}, {len(covar)}")
     names = ["covar"] if covar.shape[1] == 1 else [f"covar[{i}]" for i in range(covar.shape[1])]
     return _partial_corr(
         {"x": x, "y": y} | dict(zip(names, covar.T)),
@@ -176,9 +174,7 @@ def probit_transform(values: np.ndarray, name: str) -> np.ndarray:
     """Probit of accuracies, clipped to [PROBIT_CLIP, 1 - PROBIT_CLIP]."""
     outside = (values < 0) | (values > 1)
     if outside.any():
-        raise ValueError(
-            f"probit needs accuracies in [0, 1]; column {name!r} has {values[outside][:3]}"
-        )
+        raise ValueError(f"probit needs accuracies in [0, 1]; column {name!r} has {values[outside][:3]}")
     return scipy.stats.norm.ppf(np.clip(values, PROBIT_CLIP, 1.0 - PROBIT_CLIP))
 
 
@@ -196,9 +192,7 @@ def _partial_corr(
 ) -> PartialCorrelation:
     """Core of both public functions; `residual_cache` reuses fits across pairs."""
     if residualiser == SPLINE and len(covariates) != 1:
-        raise ValueError(
-            f"the spline residualiser takes exactly one covariate, got {covariates}"
-        )
+        raise ValueError(f"the spline residualiser takes exactly one covariate, got {covariates}")
     names = [x, y, *covariates]
     table = np.column_stack([data[name] for name in names])
     if np.isinf(table).any():
@@ -208,8 +202,9 @@ def _partial_corr(
     # "too few points: n=0", which hides which column is empty.
     empty = [name for name, column in zip(names, table.T) if np.isnan(column).all()]
     if empty:
-        return PartialCorrelation(0, np.nan, np.nan, np.nan, np.nan, np.nan,
-                                  f"no value in {', '.join(map(repr, empty))}: all NaN")
+        return PartialCorrelation(
+            0, np.nan, np.nan, np.nan, np.nan, np.nan, f"no value in {', '.join(map(repr, empty))}: all NaN"
+        )
     if probit:
         table = np.column_stack([probit_transform(c, n) for c, n in zip(table.T, names)])
     if differences:
@@ -228,8 +223,7 @@ def _partial_corr(
         return undefined(f"constant column: {', '.join(map(repr, constant))}")
     if residualiser == SPLINE and np.unique(table[:, 2]).size < MIN_SPLINE_POINTS:
         return undefined(
-            f"spline needs at least {MIN_SPLINE_POINTS} distinct covariate values, "
-            f"got {np.unique(table[:, 2]).size}"
+            f"spline needs at least {MIN_SPLINE_POINTS} distinct covariate values, got {np.unique(table[:, 2]).size}"
         )
     if method == SPEARMAN:
         table = np.column_stack([scipy.stats.rankdata(column) for column in table.T])
@@ -251,9 +245,7 @@ def _partial_corr(
     effective_k = k if residualiser == LINEAR else max(edfs) - 1.0
     dof = n - effective_k - 2.0
     if dof <= 1.0:
-        return undefined(
-            f"too few points for the spline's {max(edfs):.1f} effective parameters: n={n}"
-        )
+        return undefined(f"too few points for the spline's {max(edfs):.1f} effective parameters: n={n}")
     ci_low, ci_high = fisher_interval(r, 1.0 / np.sqrt(dof - 1.0))
     return PartialCorrelation(n, r, ci_low, ci_high, correlation_pvalue(r, dof), dof)
 

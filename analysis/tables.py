@@ -32,9 +32,7 @@ _LATEX_SPECIALS = {
 # Significance marks by adjusted p-value, strictest first.
 MARKS = ((0.001, "***"), (0.01, "**"), (SIGNIFICANCE, "*"))
 
-SIGNIFICANCE_NOTE = (
-    "$^{*}p_{\\mathrm{adj}}<0.05$, $^{**}p_{\\mathrm{adj}}<0.01$, $^{***}p_{\\mathrm{adj}}<0.001$"
-)
+SIGNIFICANCE_NOTE = "$^{*}p_{\\mathrm{adj}}<0.05$, $^{**}p_{\\mathrm{adj}}<0.01$, $^{***}p_{\\mathrm{adj}}<0.001$"
 # Marks a result whose sign or significance differs under the other residualiser.
 SENSITIVE_MARK = r"\dagger"
 # The column pair of a marked correlation (see the module docstring), and what spans it.
@@ -43,8 +41,10 @@ MARKED_COLUMNS = "r@{}l"
 
 def sensitivity_note(other_residualiser: str) -> str:
     """What the dagger means, for the note under a table."""
-    return (f"${SENSITIVE_MARK}$ sign or significance differs under the "
-            f"{_name(other_residualiser)} residualiser (or $r$ is defined under one only).")
+    return (
+        f"${SENSITIVE_MARK}$ sign or significance differs under the "
+        f"{_name(other_residualiser)} residualiser (or $r$ is defined under one only)."
+    )
 
 
 def latex_escape(text: str) -> str:
@@ -59,7 +59,11 @@ def significance_mark(p_adj: float) -> str:
 
 
 def matrix_table(
-    pairs: pd.DataFrame, testsets: list[str], *, caption: str, label: str,
+    pairs: pd.DataFrame,
+    testsets: list[str],
+    *,
+    caption: str,
+    label: str,
     other_residualiser: str,
 ) -> str:
     """Lower-triangular matrix of one group's combined r, marked by adjusted p.
@@ -79,21 +83,17 @@ def matrix_table(
     ]
     header = [""] + [_spanning(_name(name)) for name in testsets[:-1]]
     undefined = pairs[pairs["r"].isna()]
-    reasons = dict.fromkeys(
-        reason.removeprefix(UNDEFINED_IN_EVERY_RUN) for reason in undefined["reason"]
-    )
+    reasons = dict.fromkeys(reason.removeprefix(UNDEFINED_IN_EVERY_RUN) for reason in undefined["reason"])
     if np.isnan(r[np.tril_indices(len(r))]).sum() > len(undefined):
         reasons["no run evaluated both testsets"] = None
-    notes = ["-- undefined in every run: " + "; ".join(map(latex_escape, reasons)) + "."
-             if reasons else "",
-             sensitivity_note(other_residualiser) if pairs[SENSITIVE].any() else ""]
-    return _table(caption, label, "l" + MARKED_COLUMNS * len(r), [_row(header)], rows,
-                  " ".join(filter(None, notes)))
+    notes = [
+        "-- undefined in every run: " + "; ".join(map(latex_escape, reasons)) + "." if reasons else "",
+        sensitivity_note(other_residualiser) if pairs[SENSITIVE].any() else "",
+    ]
+    return _table(caption, label, "l" + MARKED_COLUMNS * len(r), [_row(header)], rows, " ".join(filter(None, notes)))
 
 
-def meta_analysis_table(
-    pooled: pd.DataFrame, *, other_residualiser: str, caption: str, label: str
-) -> str:
+def meta_analysis_table(pooled: pd.DataFrame, *, other_residualiser: str, caption: str, label: str) -> str:
     """One scope's random-effects meta-analysis across models, one row per pair.
 
     `pooled` holds meta.meta_analyse's pooled rows joined with their
@@ -103,9 +103,20 @@ def meta_analysis_table(
     z scale), I^2, Cochran's Q with its p, Welch's p, the models agreeing in
     sign, and the pooled r under the other residualiser.
     """
-    header = ["Pair", "$k$", _spanning("$r$"), r"95\% CI", r"95\% PI", r"$\tau^2$", "$I^2$", "$Q$",
-              "$p_Q$", r"$p_{\mathrm{Welch}}$", "Agree",
-              _spanning(f"$r$ ({_name(other_residualiser)})")]
+    header = [
+        "Pair",
+        "$k$",
+        _spanning("$r$"),
+        r"95\% CI",
+        r"95\% PI",
+        r"$\tau^2$",
+        "$I^2$",
+        "$Q$",
+        "$p_Q$",
+        r"$p_{\mathrm{Welch}}$",
+        "Agree",
+        _spanning(f"$r$ ({_name(other_residualiser)})"),
+    ]
     rows = [
         [
             f"{_name(row.x)}--{_name(row.y)}",
@@ -119,30 +130,49 @@ def meta_analysis_table(
             _pvalue(row.q_p),
             _pvalue(row.welch_p),
             "--" if np.isnan(row.r) else f"{row.n_agree:.0f}/{row.k}",
-            *_cell(getattr(row, f"r_{other_residualiser}"),
-                   getattr(row, f"p_adj_{other_residualiser}"), False),
+            *_cell(getattr(row, f"r_{other_residualiser}"), getattr(row, f"p_adj_{other_residualiser}"), False),
         ]
         for row in pooled.itertuples()
     ]
     reasons = dict.fromkeys(reason for reason in pooled["reason"] if reason)
-    notes = ["-- " + "; ".join(map(latex_escape, reasons)) + "." if reasons else "",
-             sensitivity_note(other_residualiser) if pooled[SENSITIVE].any() else ""]
+    notes = [
+        "-- " + "; ".join(map(latex_escape, reasons)) + "." if reasons else "",
+        sensitivity_note(other_residualiser) if pooled[SENSITIVE].any() else "",
+    ]
     columns = "lr" + MARKED_COLUMNS + "r" * 8 + MARKED_COLUMNS
-    return _table(caption, label, columns, [_row(header)], rows, " ".join(filter(None, notes)),
-                  font=r"\footnotesize\setlength{\tabcolsep}{4pt}")
+    return _table(
+        caption,
+        label,
+        columns,
+        [_row(header)],
+        rows,
+        " ".join(filter(None, notes)),
+        font=r"\footnotesize\setlength{\tabcolsep}{4pt}",
+    )
 
 
 def sensitivity_table(
-    blocks: Sequence[tuple[Sequence[str], pd.DataFrame]], residualisers: Sequence[str], *,
-    caption: str, label: str,
+    blocks: Sequence[tuple[Sequence[str], pd.DataFrame]],
+    residualisers: Sequence[str],
+    *,
+    caption: str,
+    label: str,
 ) -> str:
     """How many pairs change between the two residualisers, in blocks of rows (per model
     and training set; per scope of the meta-analysis). Each block is its rows' labels and
     sensitivity.summarise_changes' rows, with the training set or scope as train_set."""
     first, second = map(_name, residualisers)
     header_lines = [
-        _row(["", "", "", r"\multicolumn{2}{c}{Mean $r$}", r"\multicolumn{2}{c}{Sig.\ $+/-$}",
-              r"\multicolumn{3}{c}{Pairs that change}"]),
+        _row(
+            [
+                "",
+                "",
+                "",
+                r"\multicolumn{2}{c}{Mean $r$}",
+                r"\multicolumn{2}{c}{Sig.\ $+/-$}",
+                r"\multicolumn{3}{c}{Pairs that change}",
+            ]
+        ),
         r"\cmidrule(lr){4-5} \cmidrule(lr){6-7} \cmidrule(lr){8-10}",
         _row(["", "Train", "Pairs", first, second, first, second, "sign", "sig.", "defined"]),
     ]
@@ -161,26 +191,28 @@ def sensitivity_table(
 
 def summary_table(summary: pd.DataFrame, *, caption: str, label: str) -> str:
     """Mean partial correlation by model family, size and training set, families apart."""
-    header = ["Family", "Size", "Train", "Runs", "Pairs", "Mean $r$", "Mean $|r|$",
-              r"Sig.\ $+/-$"]
+    header = ["Family", "Size", "Train", "Runs", "Pairs", "Mean $r$", "Mean $|r|$", r"Sig.\ $+/-$"]
     rows = []
     for previous, row in zip([None, *summary["family"]], summary.itertuples()):
         if previous is not None and row.family != previous:
             rows.append(None)
-        rows.append([
-            _name(row.family),
-            latex_escape(row.size),
-            _name(row.train_set),
-            str(row.n_runs),
-            str(row.n_pairs),
-            _number(row.mean_r),
-            _number(row.mean_abs_r),
-            f"{row.n_sig_positive}/{row.n_sig_negative}",
-        ])
+        rows.append(
+            [
+                _name(row.family),
+                latex_escape(row.size),
+                _name(row.train_set),
+                str(row.n_runs),
+                str(row.n_pairs),
+                _number(row.mean_r),
+                _number(row.mean_abs_r),
+                f"{row.n_sig_positive}/{row.n_sig_negative}",
+            ]
+        )
     note = (
         "-- no pair of testsets has a partial correlation in any run; "
         "the CSV of partial correlations gives each pair's reason."
-        if summary["mean_r"].isna().any() else ""
+        if summary["mean_r"].isna().any()
+        else ""
     )
     return _table(caption, label, "lll" + "r" * 5, [_row(header)], rows, note)
 
@@ -202,8 +234,13 @@ def standalone_document(table_files: list[str]) -> str:
 
 
 def _table(
-    caption: str, label: str, columns: str, header_lines: list[str],
-    rows: list[list[str] | None], note: str = "", font: str = r"\small",
+    caption: str,
+    label: str,
+    columns: str,
+    header_lines: list[str],
+    rows: list[list[str] | None],
+    note: str = "",
+    font: str = r"\small",
 ) -> str:
     """A booktabs table float; `header_lines` are LaTeX lines above the mid rule (see _row);
     a None row is a gap (\\addlinespace) between blocks; a `note` (LaTeX) is set in small
@@ -248,9 +285,7 @@ def _cell(r: float, p_adj: float, sensitive: bool) -> list[str]:
     and, if `sensitive`, a dagger; one en dash over both when r is undefined."""
     if np.isnan(r):
         return [_spanning("--")]
-    marks = (significance_mark(p_adj) if not np.isnan(p_adj) else "") + (
-        SENSITIVE_MARK if sensitive else ""
-    )
+    marks = (significance_mark(p_adj) if not np.isnan(p_adj) else "") + (SENSITIVE_MARK if sensitive else "")
     return [f"${r:.2f}$", f"$^{{{marks}}}$" if marks else ""]
 
 

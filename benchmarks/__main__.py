@@ -28,13 +28,20 @@ CASES = ("eval", "train", "loading", "grid")  # the matmul peak always runs: the
 
 def parse(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m benchmarks", description="oodjax against transformers + peft")
-    parser.add_argument("--quick", action="store_true",
-                        help="a smaller model and fewer examples (~5 minutes, most of it starting processes)")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="a smaller model and fewer examples (~5 minutes, most of it starting processes)",
+    )
     parser.add_argument("--smoke", action="store_true", help="tiny everything, to show it runs (CI)")
     parser.add_argument("--out", type=pathlib.Path, default=None, help="results JSON (markdown goes beside it)")
     parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated subset of {','.join(CASES)}")
-    parser.add_argument("--device", choices=("cpu", "gpu"), default="cpu",
-                        help="gpu: 9 runs at SmolLM3-3B's shape, bf16, on one GPU (the CPU cases are not run)")
+    parser.add_argument(
+        "--device",
+        choices=("cpu", "gpu"),
+        default="cpu",
+        help="gpu: 9 runs at SmolLM3-3B's shape, bf16, on one GPU (the CPU cases are not run)",
+    )
     args = parser.parse_args(argv)
     args.cases = [c for c in args.cases.split(",") if c]
     unknown = sorted(set(args.cases) - set(CASES))
@@ -46,8 +53,10 @@ def parse(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str]) -> None:
     args = parse(argv)
     accelerator = args.device == "gpu"
-    mode = settings.DEVICE_MODES["gpu-smoke" if args.smoke else "gpu"] if accelerator else settings.mode(
-        args.quick, args.smoke
+    mode = (
+        settings.DEVICE_MODES["gpu-smoke" if args.smoke else "gpu"]
+        if accelerator
+        else settings.mode(args.quick, args.smoke)
     )
     out = args.out or HERE / ("results.json" if mode.name == "full" else f"results-{mode.name}.json")
     started = time.perf_counter()

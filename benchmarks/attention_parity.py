@@ -84,14 +84,18 @@ def main(argv: list[str] | None = None) -> int:
                 try:
                     out, grad = errors(kernel, *shape, runs=runs)
                 except Exception as error:  # a kernel that cannot run here: said, and counted as a failure
-                    print(f"{kernel:10s} {name:26s} {'vmapped' if runs else 'plain':8s} FAILED: "
-                          f"{type(error).__name__}: {str(error).splitlines()[0][:200]}")
+                    print(
+                        f"{kernel:10s} {name:26s} {'vmapped' if runs else 'plain':8s} FAILED: "
+                        f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
+                    )
                     failed = True
                     continue
                 bad = max(out, grad) > args.tolerance
                 failed |= bad
-                print(f"{kernel:10s} {name:26s} {'vmapped' if runs else 'plain':8s} output {out:.2e} "
-                      f"gradients {grad:.2e}{'  OVER TOLERANCE' if bad else ''}")
+                print(
+                    f"{kernel:10s} {name:26s} {'vmapped' if runs else 'plain':8s} output {out:.2e} "
+                    f"gradients {grad:.2e}{'  OVER TOLERANCE' if bad else ''}"
+                )
     return 1 if failed else 0
 
 

@@ -42,8 +42,11 @@ from oodjax.engine import sharding, steps
 from oodjax.engine.evaluation import evaluate
 
 # Nominal dense bf16 peak FLOP/s by a substring of jax's device_kind (H200 is H100's chip with more memory).
-PEAK_BY_KIND = {"H100": DEVICES["h100"].peak_flops, "H200": DEVICES["h100"].peak_flops,
-                "A100": DEVICES["a100"].peak_flops}
+PEAK_BY_KIND = {
+    "H100": DEVICES["h100"].peak_flops,
+    "H200": DEVICES["h100"].peak_flops,
+    "A100": DEVICES["a100"].peak_flops,
+}
 
 
 def device_peak_flops(device: jax.Device) -> float | None:
@@ -63,8 +66,12 @@ def run(mode: DeviceMode) -> list[dict[str, Any]]:
         )
     torch_device = "cuda" if cuda and device.platform == "gpu" else "cpu"
     peak = device_peak_flops(device)
-    workload = load_workload(per_testset=mode.eval_per_testset, train_shots=mode.train_shots,
-                             max_length=settings.MAX_LENGTH, vocab_size=mode.model["vocab_size"])
+    workload = load_workload(
+        per_testset=mode.eval_per_testset,
+        train_shots=mode.train_shots,
+        max_length=settings.MAX_LENGTH,
+        vocab_size=mode.model["vocab_size"],
+    )
     seeds = list(range(mode.runs))
     batches = run_orders(len(workload.train_set), seeds, (mode.repeats + 1) * mode.steps, settings.TRAIN_BATCH)
     answers = dict(yes_id=workload.yes_id, no_id=workload.no_id)
@@ -76,32 +83,40 @@ def run(mode: DeviceMode) -> list[dict[str, Any]]:
 
     train_lengths = [workload.train_set.lengths[np.concatenate(step)] for step in batches]
     train_flops = [
-        sum(flops.train_flops(mode.model, train_lengths[(r + 1) * mode.steps + s], lora_rank=settings.LORA["rank"])
-            for s in range(mode.steps))
+        sum(
+            flops.train_flops(mode.model, train_lengths[(r + 1) * mode.steps + s], lora_rank=settings.LORA["rank"])
+            for s in range(mode.steps)
+        )
         for r in range(mode.repeats)
-    ]  # fmt: skip
+    ]
     eval_flops = len(seeds) * flops.eval_flops(mode.model, workload.eval_set.lengths, lora_rank=settings.LORA["rank"])
-    shape = (f"{mode.model['num_hidden_layers']} layers, hidden {mode.model['hidden_size']}, "
-             f"vocabulary {mode.model['vocab_size']}, bf16")
+    shape = (
+        f"{mode.model['num_hidden_layers']} layers, hidden {mode.model['hidden_size']}, "
+        f"vocabulary {mode.model['vocab_size']}, bf16"
+    )
     memory = {"oodjax_peak_bytes": oodjax_memory, "pytorch_peak_bytes": pytorch_memory}
     device_line = f"{device.device_kind} ({device.platform}); PyTorch on {torch_device}"
     cases = []
-    for phase, work, phase_flops in (
-        ("train", mode.steps * len(seeds) * settings.TRAIN_BATCH, train_flops),
-        ("eval", len(seeds) * len(workload.eval_set), [eval_flops] * mode.repeats),
+    for phase, phase_name, work, phase_flops in (
+        ("train", "Training", mode.steps * len(seeds) * settings.TRAIN_BATCH, train_flops),
+        ("eval", "Evaluation", len(seeds) * len(workload.eval_set), [eval_flops] * mode.repeats),
     ):
-        results = {name: timing[phase].summary(work, flops=phase_flops, peak_flops=peak)
-                   for name, timing in (("oodjax", ours), ("pytorch-tuned-sequential", theirs))}  # fmt: skip
-        cases.append({
-            "case": f"device-{phase}",
-            "title": f"{'Training' if phase == 'train' else 'Evaluation'} of {len(seeds)} runs on {device.device_kind}",
-            "unit": "examples/s",
-            "description": _describe(phase, mode, shape, device_line, geometry, workload, len(seeds), peak),
-            "contenders": results,
-            "memory": memory,
-            "ratios": harness.ratios(results, "oodjax"),
-            **({"agreement": margins} if phase == "eval" else {}),
-        })
+        results = {
+            name: timing[phase].summary(work, flops=phase_flops, peak_flops=peak)
+            for name, timing in (("oodjax", ours), ("pytorch-tuned-sequential", theirs))
+        }
+        cases.append(
+            {
+                "case": f"device-{phase}",
+                "title": f"{phase_name} of {len(seeds)} runs on {device.device_kind}",
+                "unit": "examples/s",
+                "description": _describe(phase, mode, shape, device_line, geometry, workload, len(seeds), peak),
+                "contenders": results,
+                "memory": memory,
+                "ratios": harness.ratios(results, "oodjax"),
+                **({"agreement": margins} if phase == "eval" else {}),
+            }
+        )
     return cases
 
 
@@ -111,8 +126,10 @@ def _oodjax(
     """oodjax's 9 runs in one process: per repetition, ``mode.steps`` train steps and one evaluation."""
     engine = build_engine(
         lambda mesh: models.from_config(mode.model, dtype="bfloat16", seed=0, remat=mode.remat),
-        seeds=seeds, total_steps=len(batches), **answers,
-    )  # fmt: skip
+        seeds=seeds,
+        total_steps=len(batches),
+        **answers,
+    )
     tokenized = workload.train_set
     geometry = train_geometry(tokenized, batches, grad_accum=mode.grad_accum, row_length=DEFAULT_MAX_LENGTH)
     pool = engine.eval_pool(workload.eval_set, batch_tokens=mode.eval_batch_rows * settings.MAX_LENGTH)
@@ -134,20 +151,25 @@ def _flash_against_xla(
     kernel) and through XLA's, on the same weights: the largest difference and the largest margin."""
     graphdef, _, _ = steps.abstract_init_runs(
         lambda: models.abstract_model(mode.model, dtype="bfloat16", remat=mode.remat, attention="xla"),
-        seeds, lora_config(), steps.make_optimizer(settings.LEARNING_RATE, 1, 1, 0.0, None),
-    )  # fmt: skip
+        seeds,
+        lora_config(),
+        steps.make_optimizer(settings.LEARNING_RATE, 1, 1, 0.0, None),
+    )
     xla_step = steps.make_eval_step(graphdef, answers["yes_id"], answers["no_id"], mesh=engine.mesh)
     place = lambda batch: sharding.shard_batch(batch, engine.mesh, batch_axis=1)  # noqa: E731
     xla = evaluate(xla_step, engine.base_state, engine.runs.lora, pool, place=place)
     fused = engine.margins(pool)
     name = oodjax_contenders.EVAL_SET
     diff = max(float(np.abs(f[name] - x[name]).max()) for f, x in zip(fused, xla, strict=True))
-    return {"fused_vs_xla_max_abs_margin_diff": diff,
-            "max_abs_margin": max(float(np.abs(x[name]).max()) for x in xla)}  # fmt: skip
+    return {"fused_vs_xla_max_abs_margin_diff": diff, "max_abs_margin": max(float(np.abs(x[name]).max()) for x in xla)}
 
 
 def _pytorch_sequential(
-    mode: DeviceMode, workload: Any, seeds: list[int], batches: list[list[np.ndarray]], answers: dict[str, int],
+    mode: DeviceMode,
+    workload: Any,
+    seeds: list[int],
+    batches: list[list[np.ndarray]],
+    answers: dict[str, int],
     device: str,
 ) -> dict[str, harness.Timing]:
     """The runs one after another, as the study ran them: per run, peft's LoRA attached, a warm-up step and
@@ -180,8 +202,10 @@ def _pytorch_sequential(
         run_train_s, run_eval_s = _repetitions(train, score, mode, sync)
         train_s, eval_s = train_s + run_train_s, eval_s + run_eval_s
         base = model.unload()  # the base model without this run's adapter, for the next run
-    return {"train": harness.Timing(tuple(train_s.tolist()), first_s, 0.0, 0.0),
-            "eval": harness.Timing(tuple(eval_s.tolist()), first_s, 0.0, 0.0)}  # fmt: skip
+    return {
+        "train": harness.Timing(tuple(train_s.tolist()), first_s, 0.0, 0.0),
+        "eval": harness.Timing(tuple(eval_s.tolist()), first_s, 0.0, 0.0),
+    }
 
 
 def _phases(
@@ -198,8 +222,10 @@ def _phases(
     compiled = harness.CompileClock.seconds()
     train_s, eval_s = _repetitions(train, score, mode, sync=lambda: None)
     late = harness.CompileClock.seconds() - compiled
-    return {"train": harness.Timing(tuple(train_s.tolist()), first_s, compile_s, late),
-            "eval": harness.Timing(tuple(eval_s.tolist()), first_s, compile_s, late)}  # fmt: skip
+    return {
+        "train": harness.Timing(tuple(train_s.tolist()), first_s, compile_s, late),
+        "eval": harness.Timing(tuple(eval_s.tolist()), first_s, compile_s, late),
+    }
 
 
 def _repetitions(
@@ -222,7 +248,13 @@ def _repetitions(
 
 
 def _describe(
-    phase: str, mode: DeviceMode, shape: str, device_line: str, geometry: Any, workload: Any, runs: int,
+    phase: str,
+    mode: DeviceMode,
+    shape: str,
+    device_line: str,
+    geometry: Any,
+    workload: Any,
+    runs: int,
     peak: float | None,
 ) -> str:
     lengths = workload.train_set.lengths if phase == "train" else workload.eval_set.lengths
@@ -230,10 +262,10 @@ def _describe(
         f"{mode.steps} steps of batch {settings.TRAIN_BATCH} per run and repetition; oodjax: one train step for "
         f"all runs, {geometry.grad_accum} micro-batch(es) of {geometry.rows} packed rows of {geometry.seq_len} "
         f"tokens; PyTorch: each run's tuned loop (dynamic padding, head at the answer position)"
-        if phase == "train" else
-        f"{len(lengths)} real testset prompts scored by every run; oodjax: one pool packed into rows, all runs "
+        if phase == "train"
+        else f"{len(lengths)} real testset prompts scored by every run; oodjax: one pool packed into rows, all runs "
         "at once; PyTorch: each run's tuned loop (length-sorted batches, two head columns)"
-    )  # fmt: skip
+    )
     mfu = f"of peak = MFU against {peak / 1e12:.0f} TFLOP/s bf16" if peak else "no MFU (device peak unknown)"
     return (
         f"{runs} runs, SmolLM3-3B's shape ({shape}; random weights), {device_line}; {what}. Prompts: mean "

@@ -39,9 +39,12 @@ def contender(name: str, *, mode: str, checkpoint: str) -> tuple[Callable[[], li
         from oodjax import models
 
         engine = build_engine(
-            lambda mesh: models.load_pretrained(checkpoint, dtype="float32", mesh=mesh), seeds=[0], total_steps=1,
-            yes_id=workload.yes_id, no_id=workload.no_id,
-        )  # fmt: skip
+            lambda mesh: models.load_pretrained(checkpoint, dtype="float32", mesh=mesh),
+            seeds=[0],
+            total_steps=1,
+            yes_id=workload.yes_id,
+            no_id=workload.no_id,
+        )
         pool = engine.eval_pool(tokenized, batch_tokens=_batch_tokens(sizes))
         padded_tokens = sum(int(batch["input_ids"].size) for batch in pool.batches)
         return (lambda: engine.margins(pool)[0][EVAL_SET].tolist()), {"padded_tokens": padded_tokens}
@@ -66,8 +69,14 @@ def run(
     tokenized = workload.eval_set
     rows = np.arange(len(tokenized))
     original_rows = _examples(mode, "pytorch-original", len(tokenized))
-    comparison = harness.compare("case_eval", CONTENDERS, {"mode": mode.name, "checkpoint": str(checkpoint)},
-                                 repeats=mode.repeats, warmup=mode.warmup, logs=workdir)  # fmt: skip
+    comparison = harness.compare(
+        "case_eval",
+        CONTENDERS,
+        {"mode": mode.name, "checkpoint": str(checkpoint)},
+        repeats=mode.repeats,
+        warmup=mode.warmup,
+        logs=workdir,
+    )
     margins = {name: np.asarray(returned[-1]) for name, returned in comparison.returned.items()}
     padded_tokens = comparison.processes["oodjax"]["padded_tokens"]
     agreement = {  # from the last repetition of each: the margins every timed call computed
@@ -81,9 +90,7 @@ def run(
     for name, timing in comparison.timings.items():
         lengths = tokenized.lengths[_examples(mode, name, len(tokenized))]
         model_flops = flops.eval_flops(mode.model, lengths, lora_rank=settings.LORA["rank"])
-        results[name] = timing.summary(
-            len(lengths), flops=[model_flops] * len(timing.seconds), peak_flops=peak_flops
-        )
+        results[name] = timing.summary(len(lengths), flops=[model_flops] * len(timing.seconds), peak_flops=peak_flops)
     return {
         "case": "eval",
         "title": "Evaluation throughput",

@@ -64,7 +64,14 @@ def commands(mode: Mode, output: pathlib.Path) -> dict[str, list[list[str]]]:
             for seed, shots in grid_runs(mode)
         ],
         "pytorch-tuned-sequential": [
-            [sys.executable, "-m", "benchmarks.torch_grid", mode.name, "tuned", str(output / "pytorch-tuned-sequential")]
+            [
+                sys.executable,
+                "-m",
+                "benchmarks.torch_grid",
+                mode.name,
+                "tuned",
+                str(output / "pytorch-tuned-sequential"),
+            ]
         ],
     }
 

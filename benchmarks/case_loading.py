@@ -31,7 +31,11 @@ def checkpoint_bytes(checkpoint: pathlib.Path) -> int:
 def _load_in_child(loader: str, checkpoint: pathlib.Path) -> dict[str, float]:
     done = subprocess.run(
         [sys.executable, "-m", "benchmarks.load_child", loader, str(checkpoint)],
-        cwd=ROOT, env=os.environ, capture_output=True, text=True, check=False,
+        cwd=ROOT,
+        env=os.environ,
+        capture_output=True,
+        text=True,
+        check=False,
     )
     if done.returncode != 0:
         raise RuntimeError(f"loading {checkpoint} with {loader} failed ({done.returncode}):\n{done.stderr[-3000:]}")

@@ -48,9 +48,11 @@ def contender(name: str, *, mode: str, checkpoint: str) -> tuple[Callable[[], li
         from oodjax import models
 
         engine = build_engine(
-            lambda mesh: models.load_pretrained(checkpoint, dtype="float32", mesh=mesh), seeds=[0],
-            total_steps=len(order), **answers,
-        )  # fmt: skip
+            lambda mesh: models.load_pretrained(checkpoint, dtype="float32", mesh=mesh),
+            seeds=[0],
+            total_steps=len(order),
+            **answers,
+        )
         geometry = train_geometry(tokenized, [[rows] for rows in order], sizes.buckets)
         compiled = []
 
@@ -85,8 +87,14 @@ def run(
     per_repeat = mode.train_steps_per_repeat
     calls = mode.warmup + mode.repeats
     order = _order(mode, tokenized)
-    comparison = harness.compare("case_train", CONTENDERS, {"mode": mode.name, "checkpoint": str(checkpoint)},
-                                 repeats=mode.repeats, warmup=mode.warmup, logs=workdir)  # fmt: skip
+    comparison = harness.compare(
+        "case_train",
+        CONTENDERS,
+        {"mode": mode.name, "checkpoint": str(checkpoint)},
+        repeats=mode.repeats,
+        warmup=mode.warmup,
+        logs=workdir,
+    )
     oodjax = comparison.processes["oodjax"]
     timed_calls = range(mode.warmup, calls)
     repeat_flops = [

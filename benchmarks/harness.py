@@ -150,8 +150,9 @@ class Worker:
         self.name, self.log = name, log
         command = [sys.executable, "-m", "benchmarks.worker", module, name, json.dumps(kwargs)]
         with log.open("w") as stderr:
-            self.process = subprocess.Popen(command, cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                            stderr=stderr, text=True)  # fmt: skip
+            self.process = subprocess.Popen(
+                command, cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, text=True
+            )
 
     def receive(self) -> dict[str, Any]:
         """The process's next answer: what it built (first), then one call's measurements."""
@@ -192,7 +193,12 @@ class Comparison:
 
 
 def compare(
-    module: str, names: Sequence[str], kwargs: Mapping[str, Any], *, repeats: int, warmup: int,
+    module: str,
+    names: Sequence[str],
+    kwargs: Mapping[str, Any],
+    *,
+    repeats: int,
+    warmup: int,
     logs: pathlib.Path,
 ) -> Comparison:
     """Time the contenders ``names`` of ``benchmarks.<module>`` (its ``contender(name, **kwargs)``), each in
@@ -231,10 +237,11 @@ def compare(
         for worker in workers.values():
             worker.close()
     timings = {
-        name: Timing(tuple(seconds[name]), first_call[name], compile_s[name], late_compile[name],
-                     tuple(other_cpu[name]))
+        name: Timing(
+            tuple(seconds[name]), first_call[name], compile_s[name], late_compile[name], tuple(other_cpu[name])
+        )
         for name in names
-    }  # fmt: skip
+    }
     return Comparison(timings, returned, processes)
 
 

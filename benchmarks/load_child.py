@@ -47,6 +47,7 @@ def main(argv: list[str]) -> None:
     start = time.perf_counter()
     if loader == "oodjax":
         import jax  # noqa: F401
+
         from oodjax import models  # noqa: F401
 
         load = _load_oodjax

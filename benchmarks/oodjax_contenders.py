@@ -48,8 +48,13 @@ class Engine:
 
     def margins(self, pool: EvalPool) -> list[dict[str, np.ndarray]]:
         """Each run's margins per set, through the engine's ``evaluate`` (all batches dispatched, then fetched)."""
-        return evaluate(self.eval_step, self.base_state, self.runs.lora, pool,
-                        place=lambda batch: sharding.shard_batch(batch, self.mesh, batch_axis=1))
+        return evaluate(
+            self.eval_step,
+            self.base_state,
+            self.runs.lora,
+            pool,
+            place=lambda batch: sharding.shard_batch(batch, self.mesh, batch_axis=1),
+        )
 
     def train(self, geometry: BatchGeometry, tokenized: TokenizedSet, rows: Sequence[np.ndarray]) -> np.ndarray:
         """One optimizer step; ``rows[r]`` are run r's examples, laid out as the loop lays a step out."""
@@ -83,9 +88,14 @@ class Engine:
         """The host step [grad_accum, rows, ...] as the loop's stream gives it (``oodjax.data.train_steps``):
         all runs' prompts packed in ``geometry``'s rows, run r's being ``rows[r]``, in that order."""
         stream = train_steps(
-            _in_stream_order(tokenized, rows), [STREAM_SEED] * len(rows), batch_size=settings.TRAIN_BATCH,
-            layout=geometry.layout, seq_len=geometry.seq_len, prompts_per_row=geometry.prompts_per_row, prefetch=0,
-        )  # fmt: skip
+            _in_stream_order(tokenized, rows),
+            [STREAM_SEED] * len(rows),
+            batch_size=settings.TRAIN_BATCH,
+            layout=geometry.layout,
+            seq_len=geometry.seq_len,
+            prompts_per_row=geometry.prompts_per_row,
+            prefetch=0,
+        )
         return next(stream)
 
     def _placed(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
@@ -94,8 +104,12 @@ class Engine:
 
 
 def train_geometry(
-    tokenized: TokenizedSet, batches: Sequence[Sequence[np.ndarray]], buckets: Sequence[int] = (), *,
-    grad_accum: int = settings.TRAIN_GRAD_ACCUM, row_length: int = settings.MAX_LENGTH,
+    tokenized: TokenizedSet,
+    batches: Sequence[Sequence[np.ndarray]],
+    buckets: Sequence[int] = (),
+    *,
+    grad_accum: int = settings.TRAIN_GRAD_ACCUM,
+    row_length: int = settings.MAX_LENGTH,
 ) -> BatchGeometry:
     """The train step's layout for steps of ``batches`` (each runs' example rows of ``tokenized``), as the
     loop's ``batch_geometry`` lays its steps out with train.pack on one device: ``grad_accum`` micro-batches
@@ -107,16 +121,21 @@ def train_geometry(
     layouts = [
         packed_layout(sets, seeds, micro_batches=grad_accum, shards=1, row_length=row_length, **common)[0]
         for sets, seeds in steps
-    ]  # fmt: skip
+    ]
     layout = max(layouts, key=lambda layout: layout.rows)
     replays = [replay_rows(sets, seeds, layout=layout, **common) for sets, seeds in steps]
     longest = max(int(longest.max()) for longest, _ in replays)
     return BatchGeometry(
-        runs=len(batches[0]), batch_size=settings.TRAIN_BATCH, grad_accum=grad_accum,
+        runs=len(batches[0]),
+        batch_size=settings.TRAIN_BATCH,
+        grad_accum=grad_accum,
         seq_len=fitting_bucket(bucket_lengths(row_length), longest),
-        buckets=tuple(sorted(int(b) for b in buckets)), packed=True, packed_rows_per_device=layout.rows,
-        prompts_per_row=max(most for _, most in replays), batch_shards=1,
-    )  # fmt: skip
+        buckets=tuple(sorted(int(b) for b in buckets)),
+        packed=True,
+        packed_rows_per_device=layout.rows,
+        prompts_per_row=max(most for _, most in replays),
+        batch_shards=1,
+    )
 
 
 def _in_stream_order(tokenized: TokenizedSet, runs_rows: Sequence[np.ndarray]) -> list[TokenizedSet]:
@@ -146,7 +165,11 @@ def lora_config() -> LoRAConfig:
 
 
 def build_engine(
-    model: Callable[[jax.sharding.Mesh], nnx.Module], *, seeds: Sequence[int], total_steps: int, yes_id: int,
+    model: Callable[[jax.sharding.Mesh], nnx.Module],
+    *,
+    seeds: Sequence[int],
+    total_steps: int,
+    yes_id: int,
     no_id: int,
 ) -> Engine:
     """``model(mesh)`` (a checkpoint loaded by ``load_pretrained``, or a random model) on the first device, one
@@ -154,13 +177,19 @@ def build_engine(
     ``Engine.train_step``)."""
     mesh = sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1])
     model = model(mesh)
-    optimizer = steps.make_optimizer(settings.LEARNING_RATE, total_steps, settings.warmup_steps(total_steps),
-                                     weight_decay=0.0, max_grad_norm=settings.MAX_GRAD_NORM)
+    optimizer = steps.make_optimizer(
+        settings.LEARNING_RATE,
+        total_steps,
+        settings.warmup_steps(total_steps),
+        weight_decay=0.0,
+        max_grad_norm=settings.MAX_GRAD_NORM,
+    )
     graphdef, base_state, runs = steps.init_runs(model, list(seeds), lora_config(), optimizer, mesh=mesh)
 
     def make_train_step(geometry: BatchGeometry, runs: steps.TrainState) -> Any:
-        return steps.make_train_step(graphdef, optimizer, yes_id, no_id, geometry, mesh=mesh, base_state=base_state,
-                                     runs=runs)
+        return steps.make_train_step(
+            graphdef, optimizer, yes_id, no_id, geometry, mesh=mesh, base_state=base_state, runs=runs
+        )
 
     return Engine(
         mesh=mesh,

@@ -102,8 +102,10 @@ def targets_table(results: Mapping[str, Any]) -> str:
 def compared_ratios(results: Mapping[str, Any], other: Mapping[str, Any]) -> list[tuple[str, str, float, float]]:
     """(case, quantity, value in ``results``, value in ``other``) for every ratio, oodjax peak fraction and
     oodjax memory over checkpoint bytes that both hold."""
-    fractions = {"oodjax peak fraction": "peak_fraction", "oodjax memory / checkpoint bytes":
-                 "load_rss_growth_over_checkpoint"}  # fmt: skip
+    fractions = {
+        "oodjax peak fraction": "peak_fraction",
+        "oodjax memory / checkpoint bytes": "load_rss_growth_over_checkpoint",
+    }
 
     def quantities(run: Mapping[str, Any]) -> dict[tuple[str, str], float]:
         found = {}
@@ -120,22 +122,28 @@ def compared_ratios(results: Mapping[str, Any], other: Mapping[str, Any]) -> lis
 def agreement_table(results: Mapping[str, Any], other: Mapping[str, Any]) -> tuple[str, bool]:
     """The markdown table of ``compared_ratios`` with each pair's difference (the larger over the smaller,
     minus 1), and whether every pair agrees within ``AGREEMENT``."""
-    rows = [f"| case | quantity | {results['finished']} | {other['finished']} | difference | within "
-            f"{AGREEMENT:.0%} |", "|---|---|---|---|---|---|"]  # fmt: skip
+    rows = [
+        f"| case | quantity | {results['finished']} | {other['finished']} | difference | within {AGREEMENT:.0%} |",
+        "|---|---|---|---|---|---|",
+    ]
     agree = True
     for case, quantity, ours, theirs in compared_ratios(results, other):
         difference = max(ours, theirs) / min(ours, theirs) - 1
         agree &= difference <= AGREEMENT
-        rows.append(f"| {case} | {quantity} | {_num(ours)} | {_num(theirs)} | {difference:.1%} | "
-                    f"{'yes' if difference <= AGREEMENT else 'no'} |")  # fmt: skip
+        rows.append(
+            f"| {case} | {quantity} | {_num(ours)} | {_num(theirs)} | {difference:.1%} | "
+            f"{'yes' if difference <= AGREEMENT else 'no'} |"
+        )
     return "\n".join(rows), agree
 
 
 def case_table(case: Mapping[str, Any]) -> str:
     """One case's contenders: median time, range, rate and, where counted, compile time and FLOP/s."""
     if case["case"] == "loading":
-        rows = ["| loader | load median s (min-max) | imports s | peak RSS MiB | load RSS growth MiB (x checkpoint) |",
-                "|---|---|---|---|---|"]
+        rows = [
+            "| loader | load median s (min-max) | imports s | peak RSS MiB | load RSS growth MiB (x checkpoint) |",
+            "|---|---|---|---|---|",
+        ]
         for name, c in case["contenders"].items():
             rows.append(
                 f"| {name} | {_num(c['median_s'])} ({_num(c['min_s'])}-{_num(c['max_s'])}) | "
@@ -147,11 +155,16 @@ def case_table(case: Mapping[str, Any]) -> str:
     if unit == "s":  # whole jobs: only their wall times
         rows = ["| contender | median s (min-max) | reps | other CPU s, most in one |", "|---|---|---|---|"]
         for name, c in case["contenders"].items():
-            rows.append(f"| {name} | {_num(c['median_s'])} ({_num(c['min_s'])}-{_num(c['max_s'])}) | {c['repeats']} | "
-                        f"{_other_cpu(c)} |")  # fmt: skip
+            rows.append(
+                f"| {name} | {_num(c['median_s'])} ({_num(c['min_s'])}-{_num(c['max_s'])}) | {c['repeats']} | "
+                f"{_other_cpu(c)} |"
+            )
         return "\n".join(rows)
-    rows = [f"| contender | median s (min-max) | {unit} median (min-max) | first call s | XLA compile s | "
-            "model GFLOP/s | of peak | reps | other CPU s, most in one |", "|---|---|---|---|---|---|---|---|---|"]
+    rows = [
+        f"| contender | median s (min-max) | {unit} median (min-max) | first call s | XLA compile s | "
+        "model GFLOP/s | of peak | reps | other CPU s, most in one |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for name, c in case["contenders"].items():
         rate = f"{_num(c['rate_median'])} ({_num(c['rate_min'])}-{_num(c['rate_max'])})"
         rows.append(
@@ -177,33 +190,53 @@ def machine_line(results: Mapping[str, Any]) -> str:
         f"{m['cpu']} ({', '.join(m['cpu_flags']) or 'no AVX'}), {m['usable_cores']} cores, {m['memory_gib']} GiB RAM; "
         f"JAX {libs['jax']} ({m['jax_threads']}, devices {', '.join(m['jax_devices'])}), PyTorch {libs['torch']} "
         f"({m['torch_threads']} threads), transformers {libs['transformers']}, peft {libs['peft']}; "
-        f"load average {m['load_average_1m_at_start']:.1f} at the start"
-        + (f"; {threads}" if threads else "") + "."
+        f"load average {m['load_average_1m_at_start']:.1f} at the start" + (f"; {threads}" if threads else "") + "."
     )
 
 
 def markdown(results: Mapping[str, Any]) -> str:
     """The full report: machine, every case's table and checks, the targets."""
-    parts = [f"Mode `{results['mode']}` (`{results['command']}`), {results['finished']}, "
-             f"{results['wall_s']:.0f} s in all.", "", f"Machine: {machine_line(results)}", ""]
+    parts = [
+        f"Mode `{results['mode']}` (`{results['command']}`), {results['finished']}, {results['wall_s']:.0f} s in all.",
+        "",
+        f"Machine: {machine_line(results)}",
+        "",
+    ]
     for case in results["cases"]:
         parts += [f"#### {case['title']}", "", case["description"], "", case_table(case), ""]
         if "agreement" in case:
-            parts += ["Same computation: " + ", ".join(
-                f"{k} {_num(v) if isinstance(v, float) else v}" for k, v in case["agreement"].items()), ""]
+            parts += [
+                "Same computation: "
+                + ", ".join(f"{k} {_num(v) if isinstance(v, float) else v}" for k, v in case["agreement"].items()),
+                "",
+            ]
         if "oodjax_padding_efficiency" in case:
-            parts += [f"oodjax padding efficiency (real tokens / tokens computed): "
-                      f"{case['oodjax_padding_efficiency']:.0%}", ""]
+            parts += [
+                f"oodjax padding efficiency (real tokens / tokens computed): {case['oodjax_padding_efficiency']:.0%}",
+                "",
+            ]
         if case.get("memory"):
-            parts += ["Peak device memory: " + ", ".join(
-                f"{k.removesuffix('_peak_bytes')} {v / 2**30:.1f} GiB" if v else f"{k.removesuffix('_peak_bytes')} "
-                "not reported" for k, v in case["memory"].items()), ""]
+            parts += [
+                "Peak device memory: "
+                + ", ".join(
+                    f"{k.removesuffix('_peak_bytes')} {v / 2**30:.1f} GiB"
+                    if v
+                    else f"{k.removesuffix('_peak_bytes')} not reported"
+                    for k, v in case["memory"].items()
+                ),
+                "",
+            ]
         if case.get("ratios"):
             rounds = case.get("ratios_per_round", {})
             label = "Ratios of medians (each round's lowest-highest)" if rounds else "Ratios of medians"
-            parts += [f"{label}: " + ", ".join(
-                f"{k} {_num(v)}" + (f" ({_span(min(rounds[k]), max(rounds[k]))})" if rounds.get(k) else "")
-                for k, v in case["ratios"].items()), ""]  # fmt: skip
+            parts += [
+                f"{label}: "
+                + ", ".join(
+                    f"{k} {_num(v)}" + (f" ({_span(min(rounds[k]), max(rounds[k]))})" if rounds.get(k) else "")
+                    for k, v in case["ratios"].items()
+                ),
+                "",
+            ]
     parts += ["#### Targets", "", targets_table(results), ""]
     return "\n".join(parts)
 
@@ -237,15 +270,21 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.report", description=__doc__.splitlines()[0])
     parser.add_argument("--results", type=pathlib.Path, default=DEFAULT_RESULTS)
     parser.add_argument("--page", type=pathlib.Path, default=HERE.parent / "docs" / "performance.md")
-    parser.add_argument("--compare", type=pathlib.Path, metavar="OTHER",
-                        help="set the ratios of --results beside OTHER's instead (exit 1 unless all agree)")
+    parser.add_argument(
+        "--compare",
+        type=pathlib.Path,
+        metavar="OTHER",
+        help="set the ratios of --results beside OTHER's instead (exit 1 unless all agree)",
+    )
     args = parser.parse_args(argv)
     with usage_errors.reported(parser.prog):
         if args.compare:
             table, agree = agreement_table(load(args.results), load(args.compare))
             print(table)
-            print(f"{args.results} and {args.compare} {'agree' if agree else 'do not agree'} within "
-                  f"{AGREEMENT:.0%} on every ratio")  # fmt: skip
+            print(
+                f"{args.results} and {args.compare} {'agree' if agree else 'do not agree'} within "
+                f"{AGREEMENT:.0%} on every ratio"
+            )
             raise SystemExit(0 if agree else 1)
         update_page(args.page, load(args.results))
     print(f"updated {args.page} from {args.results}")

@@ -107,6 +107,7 @@ def warmup_steps(total_steps: int) -> int:
     """Linear warm-up over the first tenth of training (at least one step), for both engines alike."""
     return min(total_steps, max(1, total_steps // 10))
 
+
 MODES: dict[str, Mode] = {
     "full": Mode(
         name="full",
@@ -128,8 +129,9 @@ MODES: dict[str, Mode] = {
     ),
     "quick": Mode(
         name="quick",
-        model=smollm2_shape(hidden_size=256, intermediate_size=704, num_hidden_layers=6, num_attention_heads=4,
-                            num_key_value_heads=2),
+        model=smollm2_shape(
+            hidden_size=256, intermediate_size=704, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2
+        ),
         eval_per_testset=8,
         eval_batch_size=32,
         original_eval_examples=32,
@@ -138,8 +140,15 @@ MODES: dict[str, Mode] = {
         repeats=5,
         warmup=1,
         loading_repeats=3,
-        grid_model=smollm2_shape(hidden_size=128, intermediate_size=384, num_hidden_layers=2, num_attention_heads=4,
-                                 num_key_value_heads=2, head_dim=32, vocab_size=GPT2_VOCAB),
+        grid_model=smollm2_shape(
+            hidden_size=128,
+            intermediate_size=384,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=32,
+            vocab_size=GPT2_VOCAB,
+        ),
         grid_seeds=(0, 42),
         grid_shots=(32,),
         grid_steps=2,
@@ -149,8 +158,15 @@ MODES: dict[str, Mode] = {
     "smoke": Mode(
         name="smoke",
         # a small vocabulary (it still holds " Yes" 3363 and " No" 1400) keeps the full-logits contender quick
-        model=smollm2_shape(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                            num_key_value_heads=2, head_dim=16, vocab_size=4096),
+        model=smollm2_shape(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            vocab_size=4096,
+        ),
         eval_per_testset=2,
         eval_batch_size=8,
         original_eval_examples=8,
@@ -159,8 +175,15 @@ MODES: dict[str, Mode] = {
         repeats=1,
         warmup=1,
         loading_repeats=1,
-        grid_model=smollm2_shape(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
-                                 num_key_value_heads=2, head_dim=16, vocab_size=GPT2_VOCAB),
+        grid_model=smollm2_shape(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            vocab_size=GPT2_VOCAB,
+        ),
         grid_seeds=(0,),
         grid_shots=(8,),
         grid_steps=1,
@@ -206,12 +229,33 @@ class DeviceMode:
 
 DEVICE_MODES: dict[str, DeviceMode] = {
     # The study's proportions: 9 runs, 24 steps between evaluations.
-    "gpu": DeviceMode(name="gpu", needs_gpu=True, runs=9, steps=GRID_STEPS_PER_EVALUATION, repeats=3,
-                      eval_per_testset=64, eval_batch_rows=64),
+    "gpu": DeviceMode(
+        name="gpu",
+        needs_gpu=True,
+        runs=9,
+        steps=GRID_STEPS_PER_EVALUATION,
+        repeats=3,
+        eval_per_testset=64,
+        eval_batch_rows=64,
+    ),
     "gpu-smoke": DeviceMode(
-        name="gpu-smoke", needs_gpu=False, runs=2, steps=1, repeats=1, eval_per_testset=2, eval_batch_rows=8,
-        train_shots=32, changes=(("hidden_size", 64), ("intermediate_size", 128), ("num_hidden_layers", 2),
-                                 ("num_attention_heads", 4), ("num_key_value_heads", 2), ("head_dim", 16),
-                                 ("vocab_size", 4096), ("pad_token_id", 0)),
+        name="gpu-smoke",
+        needs_gpu=False,
+        runs=2,
+        steps=1,
+        repeats=1,
+        eval_per_testset=2,
+        eval_batch_rows=8,
+        train_shots=32,
+        changes=(
+            ("hidden_size", 64),
+            ("intermediate_size", 128),
+            ("num_hidden_layers", 2),
+            ("num_attention_heads", 4),
+            ("num_key_value_heads", 2),
+            ("head_dim", 16),
+            ("vocab_size", 4096),
+            ("pad_token_id", 0),
+        ),
     ),
 }

@@ -36,8 +36,9 @@ def build_model(
 
 def load_model(checkpoint: str | pathlib.Path) -> transformers.PreTrainedModel:
     """The float32 model saved at ``checkpoint`` (SDPA attention): the weights every contender of a case reads."""
-    return transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32,
-                                                             attn_implementation="sdpa")  # fmt: skip
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        checkpoint, dtype=torch.float32, attn_implementation="sdpa"
+    )
 
 
 def attach_lora(model: transformers.PreTrainedModel, *, seed: int) -> peft.PeftModel:
@@ -129,11 +130,12 @@ class Trainer:
         self.model, self.tuned = model, tuned
         self.answer_ids = torch.tensor([yes_id, no_id], device=model.device)
         params = [p for p in model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(params, lr=settings.LEARNING_RATE, betas=(0.9, 0.999), eps=1e-8,
-                                           weight_decay=0.0)
+        self.optimizer = torch.optim.AdamW(
+            params, lr=settings.LEARNING_RATE, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0
+        )
         self.schedule = transformers.get_linear_schedule_with_warmup(
-            self.optimizer, num_warmup_steps=settings.warmup_steps(total_steps),
-            num_training_steps=total_steps)
+            self.optimizer, num_warmup_steps=settings.warmup_steps(total_steps), num_training_steps=total_steps
+        )
         self.params = params
 
     def step(self, tokenized: TokenizedSet, rows: np.ndarray) -> float:

@@ -53,27 +53,37 @@ def grid_data(config: config_dict.ConfigDict) -> GridData:
     tokenizer = AutoTokenizer.from_pretrained(config.tokenizer)
 
     def tokenize(dataset):
-        return tokenize_testset(dataset, tokenizer, template=data.template, max_length=data.max_length,
-                                cache_dir=data.cache_dir or None)
+        return tokenize_testset(
+            dataset, tokenizer, template=data.template, max_length=data.max_length, cache_dir=data.cache_dir or None
+        )
 
     testsets = {
-        name: tokenize(stratified_subset(load_testset(name, data_dir=data.data_dir, neutral=data.neutral),
-                                         data.eval_cap, seed=data.eval_seed))
+        name: tokenize(
+            stratified_subset(
+                load_testset(name, data_dir=data.data_dir, neutral=data.neutral), data.eval_cap, seed=data.eval_seed
+            )
+        )
         for name in data.testsets
     }
     pool = training_pool(data.train_set, data_dir=data.data_dir)
     train_sets = {
-        (seed, shots): tokenize(few_shot(pool, shots, seed)) for seed in config.runs.seeds for shots in config.runs.shots
+        (seed, shots): tokenize(few_shot(pool, shots, seed))
+        for seed in config.runs.seeds
+        for shots in config.runs.shots
     }
     return GridData(testsets, train_sets, *answer_token_ids(tokenizer))
 
 
 def main(argv: list[str]) -> None:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.torch_grid",
-                                     description="the grid's runs in PyTorch, one after another")
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.torch_grid", description="the grid's runs in PyTorch, one after another"
+    )
     parser.add_argument("mode", choices=list(settings.MODES), help="the benchmark size (grid_config.py's MODE)")
-    parser.add_argument("approach", choices=["original", "tuned"],
-                        help="original: padded to MAX_LENGTH, full logits; tuned: dynamic padding, head at the answer")
+    parser.add_argument(
+        "approach",
+        choices=["original", "tuned"],
+        help="original: padded to MAX_LENGTH, full logits; tuned: dynamic padding, head at the answer",
+    )
     parser.add_argument("output", type=pathlib.Path, help="where each run's adapter and metrics.npz go")
     args = parser.parse_args(argv)
     torch.set_num_threads(machine.usable_cores())
@@ -91,19 +101,25 @@ def main(argv: list[str]) -> None:
         def evaluate() -> dict[str, np.ndarray]:
             sets = {**grid.testsets, "train": train_set}
             return {
-                name: margins_of(peft_model, t, np.arange(len(t)), yes_id=yes_id, no_id=no_id,
-                                 batch_size=config.eval.batch_size)
+                name: margins_of(
+                    peft_model, t, np.arange(len(t)), yes_id=yes_id, no_id=no_id, batch_size=config.eval.batch_size
+                )
                 for name, t in sets.items()
             }
 
         margins = {0: evaluate()}
-        losses = [trainer.step(train_set, rows)
-                  for rows in training_order(len(train_set), steps, config.train.batch_size, seed)]
+        losses = [
+            trainer.step(train_set, rows)
+            for rows in training_order(len(train_set), steps, config.train.batch_size, seed)
+        ]
         margins[steps] = evaluate()
         run_dir = args.output / f"torch_seed{seed}_shots{shots}"
         peft_model.save_pretrained(run_dir)
-        np.savez(run_dir / "metrics.npz", train_loss=np.asarray(losses),
-                 **{f"margin/{step}/{name}": m for step, per_set in margins.items() for name, m in per_set.items()})
+        np.savez(
+            run_dir / "metrics.npz",
+            train_loss=np.asarray(losses),
+            **{f"margin/{step}/{name}": m for step, per_set in margins.items() for name, m in per_set.items()},
+        )
         model = peft_model.unload()
 
 

@@ -36,8 +36,15 @@ def main(argv: list[str]) -> None:
     start = time.perf_counter()
     call, built = importlib.import_module(f"benchmarks.{module}").contender(name, **json.loads(kwargs))
     torch = sys.modules.get("torch")
-    _answer(channel, {"pid": os.getpid(), "setup_s": time.perf_counter() - start,
-                      "torch_threads": torch.get_num_threads() if torch else None, **built})  # fmt: skip
+    _answer(
+        channel,
+        {
+            "pid": os.getpid(),
+            "setup_s": time.perf_counter() - start,
+            "torch_threads": torch.get_num_threads() if torch else None,
+            **built,
+        },
+    )
     for request in sys.stdin:
         if request.strip() != "call":
             raise ValueError(f"benchmarks.worker takes only 'call' requests, got {request!r}")

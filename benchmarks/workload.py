@@ -74,9 +74,7 @@ def load_workload(*, per_testset: int, train_shots: int, max_length: int, vocab_
     yes_id, no_id = answer_token_ids(tokenizer)
     if max(yes_id, no_id) >= vocab_size:
         raise ValueError(f"answer ids {yes_id}, {no_id} do not fit a vocabulary of {vocab_size}")
-    parts = [
-        stratified_subset(load_testset(name, data_dir=DATA_DIR), per_testset, seed=SEED) for name in TESTSETS
-    ]
+    parts = [stratified_subset(load_testset(name, data_dir=DATA_DIR), per_testset, seed=SEED) for name in TESTSETS]
     eval_rows = datasets.concatenate_datasets(parts)
     train_rows = few_shot(training_pool("mnli", data_dir=DATA_DIR), train_shots, seed=SEED)
     eval_set, train_set = (
@@ -88,8 +86,12 @@ def load_workload(*, per_testset: int, train_shots: int, max_length: int, vocab_
 
 def mode_workload(mode: Mode) -> Workload:
     """The evaluation and training cases' prompts at ``mode``'s sizes: what each of their processes loads."""
-    return load_workload(per_testset=mode.eval_per_testset, train_shots=mode.train_shots,
-                         max_length=settings.MAX_LENGTH, vocab_size=mode.model["vocab_size"])  # fmt: skip
+    return load_workload(
+        per_testset=mode.eval_per_testset,
+        train_shots=mode.train_shots,
+        max_length=settings.MAX_LENGTH,
+        vocab_size=mode.model["vocab_size"],
+    )
 
 
 def run_orders(num_examples: int, seeds: list[int], steps: int, batch_size: int) -> list[list[np.ndarray]]:

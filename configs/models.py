@@ -89,11 +89,23 @@ MODELS: dict[str, ModelResources] = {
     "smol3": ModelResources(
         # The base checkpoint, as every other model of the study is (HuggingFaceTB/SmolLM3-3B is it post-trained
         # for chat and reasoning): docs/protocol.md, "The SmolLM3 checkpoint".
-        "HuggingFaceTB/SmolLM3-3B-Base", (-1, 1, 1), 1, 128, remat="none",
+        "HuggingFaceTB/SmolLM3-3B-Base",
+        (-1, 1, 1),
+        1,
+        128,
+        remat="none",
         architecture=dict(
-            model_type="smollm3", vocab_size=128256, hidden_size=2048, intermediate_size=11008,
-            num_hidden_layers=36, num_attention_heads=16, num_key_value_heads=4,
-            attention_bias=False, mlp_bias=False, tie_word_embeddings=True, max_position_embeddings=65536,
+            model_type="smollm3",
+            vocab_size=128256,
+            hidden_size=2048,
+            intermediate_size=11008,
+            num_hidden_layers=36,
+            num_attention_heads=16,
+            num_key_value_heads=4,
+            attention_bias=False,
+            mlp_bias=False,
+            tie_word_embeddings=True,
+            max_position_embeddings=65536,
         ),
         published_parameters=3.08e9,
         # No listing of https://huggingface.co/HuggingFaceTB/SmolLM3-3B-Base/tree/main was found (its hub page is
@@ -102,10 +114,18 @@ MODELS: dict[str, ModelResources] = {
         published_files=(),
     ),
     "opt2.7": ModelResources(
-        "facebook/opt-2.7b", (-1, 1, 1), 1, 128, remat="none",
+        "facebook/opt-2.7b",
+        (-1, 1, 1),
+        1,
+        128,
+        remat="none",
         architecture=dict(
-            _OPT_COMMON, hidden_size=2560, word_embed_proj_dim=2560, ffn_dim=10240,
-            num_hidden_layers=32, num_attention_heads=32,
+            _OPT_COMMON,
+            hidden_size=2560,
+            word_embed_proj_dim=2560,
+            ffn_dim=10240,
+            num_hidden_layers=32,
+            num_attention_heads=32,
         ),
         published_parameters=2.7e9,
         # https://huggingface.co/facebook/opt-2.7b/tree/main (newest commit 905a4b6, "over 1 year ago"): 5.3 GB
@@ -113,10 +133,18 @@ MODELS: dict[str, ModelResources] = {
         published_files=("flax_model.msgpack", "pytorch_model.bin", "tf_model.h5"),
     ),
     "opt6.7": ModelResources(
-        "facebook/opt-6.7b", (-1, 1, 1), 1, 64, remat="none",
+        "facebook/opt-6.7b",
+        (-1, 1, 1),
+        1,
+        64,
+        remat="none",
         architecture=dict(
-            _OPT_COMMON, hidden_size=4096, word_embed_proj_dim=4096, ffn_dim=16384,
-            num_hidden_layers=32, num_attention_heads=32,
+            _OPT_COMMON,
+            hidden_size=4096,
+            word_embed_proj_dim=4096,
+            ffn_dim=16384,
+            num_hidden_layers=32,
+            num_attention_heads=32,
         ),
         published_parameters=6.7e9,
         # No /tree/main page found. main's commit b58ac05, "Add TF weights (#5)"
@@ -125,15 +153,26 @@ MODELS: dict[str, ModelResources] = {
         # https://huggingface.co/facebook/opt-6.7b/discussions/7) added the msgpack shards and index. The TF
         # shards' names are cut off on that page, so they are not listed here.
         published_files=(
-            *_shards("pytorch_model", 2, "bin"), "pytorch_model.bin.index.json",
-            *_shards("flax_model", 2, "msgpack"), "flax_model.msgpack.index.json",
+            *_shards("pytorch_model", 2, "bin"),
+            "pytorch_model.bin.index.json",
+            *_shards("flax_model", 2, "msgpack"),
+            "flax_model.msgpack.index.json",
         ),
     ),
     "olmo7": ModelResources(
-        "allenai/OLMo-2-1124-7B", (-1, 1, 1), 1, 64, remat="none",
+        "allenai/OLMo-2-1124-7B",
+        (-1, 1, 1),
+        1,
+        64,
+        remat="none",
         architecture=dict(
-            _OLMO2_COMMON, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
-            num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=4096,
+            _OLMO2_COMMON,
+            hidden_size=4096,
+            intermediate_size=11008,
+            num_hidden_layers=32,
+            num_attention_heads=32,
+            num_key_value_heads=32,
+            max_position_embeddings=4096,
         ),
         published_parameters=7.30e9,
         # No /tree/main page found; the newest commit found, 7df9a82 ("Update README.md", 34 commits:
@@ -141,10 +180,18 @@ MODELS: dict[str, ModelResources] = {
         published_files=(*_shards("model", 6, "safetensors"), "model.safetensors.index.json"),
     ),
     "opt13": ModelResources(
-        "facebook/opt-13b", (-1, 1, 1), 1, 64, remat="none",
+        "facebook/opt-13b",
+        (-1, 1, 1),
+        1,
+        64,
+        remat="none",
         architecture=dict(
-            _OPT_COMMON, hidden_size=5120, word_embed_proj_dim=5120, ffn_dim=20480,
-            num_hidden_layers=40, num_attention_heads=40,
+            _OPT_COMMON,
+            hidden_size=5120,
+            word_embed_proj_dim=5120,
+            ffn_dim=20480,
+            num_hidden_layers=40,
+            num_attention_heads=40,
         ),
         published_parameters=13e9,
         # No /tree/main page found. main's commit d4fe85a, "Fix scripts (#6)"
@@ -153,15 +200,28 @@ MODELS: dict[str, ModelResources] = {
         # third and the index are on every earlier page, e.g. commit 9c10d01), and the 25.7 GB tf_model.h5 of
         # "Add tf_weights" (9c10d01), which refs/pr/26 (unmerged) proposes deleting from main.
         published_files=(
-            *_shards("flax_model", 3, "msgpack"), "flax_model.msgpack", "flax_model.msgpack.index.json",
-            *_shards("pytorch_model", 3, "bin"), "pytorch_model.bin.index.json", "tf_model.h5",
+            *_shards("flax_model", 3, "msgpack"),
+            "flax_model.msgpack",
+            "flax_model.msgpack.index.json",
+            *_shards("pytorch_model", 3, "bin"),
+            "pytorch_model.bin.index.json",
+            "tf_model.h5",
         ),
     ),
     "olmo13": ModelResources(
-        "allenai/OLMo-2-1124-13B", (-1, 1, 1), 1, 64, remat="none",
+        "allenai/OLMo-2-1124-13B",
+        (-1, 1, 1),
+        1,
+        64,
+        remat="none",
         architecture=dict(
-            _OLMO2_COMMON, hidden_size=5120, intermediate_size=13824, num_hidden_layers=40,
-            num_attention_heads=40, num_key_value_heads=40, max_position_embeddings=4096,
+            _OLMO2_COMMON,
+            hidden_size=5120,
+            intermediate_size=13824,
+            num_hidden_layers=40,
+            num_attention_heads=40,
+            num_key_value_heads=40,
+            max_position_embeddings=4096,
         ),
         published_parameters=13.7e9,
         # https://huggingface.co/allenai/OLMo-2-1124-13B/tree/main (newest commit b7add06, "8 days ago"); the page
@@ -169,10 +229,18 @@ MODELS: dict[str, ModelResources] = {
         published_files=(*_shards("model", 12, "safetensors"), "model.safetensors.index.json"),
     ),
     "opt30": ModelResources(
-        "facebook/opt-30b", (-1, 2, 1), 1, 32, remat="none",
+        "facebook/opt-30b",
+        (-1, 2, 1),
+        1,
+        32,
+        remat="none",
         architecture=dict(
-            _OPT_COMMON, hidden_size=7168, word_embed_proj_dim=7168, ffn_dim=28672,
-            num_hidden_layers=48, num_attention_heads=56,
+            _OPT_COMMON,
+            hidden_size=7168,
+            word_embed_proj_dim=7168,
+            ffn_dim=28672,
+            num_hidden_layers=48,
+            num_attention_heads=56,
         ),
         published_parameters=30e9,
         # No /tree/main page found. The pickle shards are on every page of the history (e.g.
@@ -184,15 +252,26 @@ MODELS: dict[str, ModelResources] = {
         # ("Add TF weights", #4, Jun 23, 2022: https://huggingface.co/facebook/opt-30b/discussions/4), their
         # names not shown, so not listed here.
         published_files=(
-            *_shards("pytorch_model", 7, "bin"), "pytorch_model.bin.index.json",
-            *_shards("flax_model", 7, "msgpack"), "flax_model.msgpack.index.json",
+            *_shards("pytorch_model", 7, "bin"),
+            "pytorch_model.bin.index.json",
+            *_shards("flax_model", 7, "msgpack"),
+            "flax_model.msgpack.index.json",
         ),
     ),
     "olmo32": ModelResources(
-        "allenai/OLMo-2-0325-32B", (-1, 2, 1), 1, 32, remat="save_dots",
+        "allenai/OLMo-2-0325-32B",
+        (-1, 2, 1),
+        1,
+        32,
+        remat="save_dots",
         architecture=dict(
-            _OLMO2_COMMON, hidden_size=5120, intermediate_size=27648, num_hidden_layers=64,
-            num_attention_heads=40, num_key_value_heads=8, max_position_embeddings=4096,
+            _OLMO2_COMMON,
+            hidden_size=5120,
+            intermediate_size=27648,
+            num_hidden_layers=64,
+            num_attention_heads=40,
+            num_key_value_heads=8,
+            max_position_embeddings=4096,
         ),
         published_parameters=32.2e9,
         # No listing of main found (neither its /tree/main page nor a page of its history): not guessed.

@@ -38,7 +38,7 @@ def config_stem(path: str | pathlib.Path) -> str:
     for oodjax:opt2.7_mnli)."""
     text = str(path)
     if text.startswith(PACKAGED_PREFIX):
-        return pathlib.PurePosixPath(text[len(PACKAGED_PREFIX):].removesuffix(".py")).name
+        return pathlib.PurePosixPath(text[len(PACKAGED_PREFIX) :].removesuffix(".py")).name
     return pathlib.Path(text).stem
 
 
@@ -51,7 +51,7 @@ def expand_config_paths(patterns: list[str]) -> list[str]:
     paths: list[str] = []
     for pattern in patterns:
         if pattern.startswith(PACKAGED_PREFIX):
-            name_pattern = pattern[len(PACKAGED_PREFIX):].removesuffix(".py")
+            name_pattern = pattern[len(PACKAGED_PREFIX) :].removesuffix(".py")
             root = packaged_configs_dir()
             found = glob.glob(f"{glob.escape(str(root))}/{name_pattern}.py")
             names = (pathlib.Path(match).relative_to(root).with_suffix("").as_posix() for match in found)

@@ -95,8 +95,15 @@ def dimensions(architecture: Mapping[str, Any]) -> Dimensions:
         head_dim = getattr(config, "head_dim", None) or hidden // heads
         kv_heads = config.num_key_value_heads or heads
         return Dimensions(
-            config.model_type, config.vocab_size, hidden, config.num_hidden_layers, heads, heads * head_dim,
-            kv_heads * head_dim, config.intermediate_size, 3,
+            config.model_type,
+            config.vocab_size,
+            hidden,
+            config.num_hidden_layers,
+            heads,
+            heads * head_dim,
+            kv_heads * head_dim,
+            config.intermediate_size,
+            3,
         )
     raise ValueError(f"no cost model for model_type {config.model_type!r}; known: opt, {', '.join(LLAMA_LIKE)}")
 
@@ -265,8 +272,9 @@ def saved_activation_bytes(
     tokens = jax.ShapeDtypeStruct((rows, seq_len), jnp.int32)
     slots = jax.ShapeDtypeStruct((rows, prompts_per_row), jnp.int32)
     valid = jax.ShapeDtypeStruct((rows, prompts_per_row), jnp.bool_)
-    micro = dict(input_ids=tokens, segment_ids=tokens, answer_pos=slots, label=slots, valid=valid, run=slots,
-                 example=slots)
+    micro = dict(
+        input_ids=tokens, segment_ids=tokens, answer_pos=slots, label=slots, valid=valid, run=slots, example=slots
+    )
     residuals = []
 
     def measure(base: nnx.State, micro: Mapping[str, jax.Array], stacked: nnx.State) -> jax.Array:
@@ -354,8 +362,13 @@ def _measure(
         adapted = with_adapters(model, lora)
         for rows in (1, 2):
             saved[layers, rows] = saved_activation_bytes(
-                adapted, runs=runs, rows=rows, seq_len=seq_len, prompts_per_row=prompts_per_row,
-                compute_dtype=compute_dtype, platform=platform,
+                adapted,
+                runs=runs,
+                rows=rows,
+                seq_len=seq_len,
+                prompts_per_row=prompts_per_row,
+                compute_dtype=compute_dtype,
+                platform=platform,
             )
         weights[layers] = bytes_per_device(nnx.state(model, nnx.Param), whole)
     per_row = {layers: saved[layers, 2] - saved[layers, 1] for layers in (1, 2)}
@@ -412,7 +425,11 @@ def train_memory_per_device(
     adapters = bytes_per_device(nnx.state(with_adapters(base, lora), nnx.LoRAParam), devices, leading=runs)
     layers = full_config(architecture).num_hidden_layers
     measure = dict(
-        dtype=dtype, compute_dtype=compute_dtype, runs=runs, seq_len=seq_len, prompts_per_row=prompts_per_row,
+        dtype=dtype,
+        compute_dtype=compute_dtype,
+        runs=runs,
+        seq_len=seq_len,
+        prompts_per_row=prompts_per_row,
         platform=platform,
     )
     key = json.dumps(dict(architecture), sort_keys=True)
@@ -439,7 +456,8 @@ def train_memory_per_device(
             layers * (per_device * kept.per_row_layer + kept.fixed_layer)
             + per_device * kept.per_row_outside
             + sharded * kept.fixed_outside
-        ) / mesh["tensor"],
+        )
+        / mesh["tensor"],
         layer_transients=(per_device * full_layer * (BACKWARD_TEMPORARIES + recomputed) + kept.layer_weights * gathered)
         / mesh["tensor"],
         head_transients=head_weights * (gathered + upcast),

@@ -113,8 +113,10 @@ def memory_fraction(environ: Mapping[str, str] | None = None) -> tuple[float, st
     environ = os.environ if environ is None else environ
     given = {name: environ[name] for name in MEMORY_FRACTION_VARIABLES if environ.get(name)}
     if len(given) > 1:
-        raise ConfigError(f"{' and '.join(given)} are both set; JAX refuses to start: unset the deprecated "
-                          f"{MEMORY_FRACTION_VARIABLES[1]}")
+        raise ConfigError(
+            f"{' and '.join(given)} are both set; JAX refuses to start: unset the deprecated "
+            f"{MEMORY_FRACTION_VARIABLES[1]}"
+        )
     if not given:
         default = f"{MEMORY_FRACTION_VARIABLES[0]}={MEMORY_FRACTION_DEFAULT}, launch/slurm.sbatch's default"
         return MEMORY_FRACTION_DEFAULT, default
@@ -270,10 +272,15 @@ def train_geometry(config: config_dict.ConfigDict, batch_shards: int, prompt_len
     rows as ``packed_rows`` counts them."""
     rows, prompts = packed_rows(config, batch_shards, prompt_len) if config.train.pack else (1, 1)
     return BatchGeometry(
-        runs=len(config.runs.seeds) * len(config.runs.shots), batch_size=config.train.batch_size,
-        grad_accum=config.train.grad_accum, seq_len=seq_len, packed=config.train.pack,
-        packed_rows_per_device=rows, prompts_per_row=prompts, batch_shards=batch_shards,
-    )  # fmt: skip
+        runs=len(config.runs.seeds) * len(config.runs.shots),
+        batch_size=config.train.batch_size,
+        grad_accum=config.train.grad_accum,
+        seq_len=seq_len,
+        packed=config.train.pack,
+        packed_rows_per_device=rows,
+        prompts_per_row=prompts,
+        batch_shards=batch_shards,
+    )
 
 
 def evaluation_steps(steps: int, every: int) -> int:
@@ -396,15 +403,27 @@ def estimate(
     elif seq_len:
         geometry = dataclasses.replace(geometry, seq_len=seq_len)
     memory = costs.train_memory_per_device(
-        arch, LoRAConfig.from_config(config.lora), dtype=config.model.dtype,
-        compute_dtype=config.model.compute_dtype or None, remat=config.model.remat, mesh=mesh, runs=runs,
-        rows=geometry.rows, seq_len=geometry.seq_len, prompts_per_row=geometry.prompts_per_row,
+        arch,
+        LoRAConfig.from_config(config.lora),
+        dtype=config.model.dtype,
+        compute_dtype=config.model.compute_dtype or None,
+        remat=config.model.remat,
+        mesh=mesh,
+        runs=runs,
+        rows=geometry.rows,
+        seq_len=geometry.seq_len,
+        prompts_per_row=geometry.prompts_per_row,
         platform=platform or device.platform,
-    )  # fmt: skip
+    )
     step = costs.train_step_flops(
-        dims, runs=runs, rows=geometry.grad_accum * geometry.rows, seq_len=geometry.seq_len,
-        prompts=runs * geometry.batch_size, lora_parameters=lora, remat=config.model.remat,
-    )  # fmt: skip
+        dims,
+        runs=runs,
+        rows=geometry.grad_accum * geometry.rows,
+        seq_len=geometry.seq_len,
+        prompts=runs * geometry.batch_size,
+        lora_parameters=lora,
+        remat=config.model.remat,
+    )
     if prompts is not None:
         evaluation = sum(
             costs.eval_flops(dims, runs=1, examples=rows, seq_len=length, lora_parameters=lora)
@@ -413,8 +432,12 @@ def estimate(
     else:
         if eval_examples is None:
             eval_examples = count_eval_examples(
-                tuple(config.data.testsets), config.data.data_dir, config.data.neutral, config.data.eval_cap,
-                json.dumps(config.data.extra_testsets.to_dict(), sort_keys=True), config.data.extra_testsets_file,
+                tuple(config.data.testsets),
+                config.data.data_dir,
+                config.data.neutral,
+                config.data.eval_cap,
+                json.dumps(config.data.extra_testsets.to_dict(), sort_keys=True),
+                config.data.extra_testsets_file,
             )
         # Each run is also evaluated on its own few-shot training set.
         training_sets = len(config.runs.seeds) * sum(config.runs.shots)
@@ -425,9 +448,20 @@ def estimate(
     hours = total / (device.peak_flops * utilisation) / 3600
     name = config.model.path or config.model.name
     return Estimate(
-        config_path, name, parameters, mesh, memory, step, evaluation, evaluations, total, hours, geometry, prompts,
+        config_path,
+        name,
+        parameters,
+        mesh,
+        memory,
+        step,
+        evaluation,
+        evaluations,
+        total,
+        hours,
+        geometry,
+        prompts,
         prompt_len,
-    )  # fmt: skip
+    )
 
 
 def describe(result: Estimate, config: config_dict.ConfigDict, device: Device, utilisation: float) -> str:
@@ -438,24 +472,27 @@ def describe(result: Estimate, config: config_dict.ConfigDict, device: Device, u
     g = result.geometry
     rows = (
         f"{g.rows_per_device} packed row{'s' if g.rows_per_device > 1 else ''} per device ({g.seq_len} tokens, "
-        f"{g.prompts_per_row} prompt slot{'s' if g.prompts_per_row > 1 else ''})" if g.packed
+        f"{g.prompts_per_row} prompt slot{'s' if g.prompts_per_row > 1 else ''})"
+        if g.packed
         else f"{g.rows_per_device} rows per device, one prompt a row ({g.seq_len} tokens)"
-    )  # fmt: skip
-    return "\n".join([
-        f"{result.config_path}: {result.model}, {result.parameters:,} parameters",
-        f"  mesh data={mesh['data']} fsdp={mesh['fsdp']} tensor={mesh['tensor']}; {runs} runs x batch "
-        f"{g.batch_size} in {g.grad_accum} micro-batch{'es' if g.grad_accum > 1 else ''} of {rows}; "
-        f"{config.model.dtype}, remat {config.model.remat}",
-        f"  memory per device (GB): frozen weights {m.frozen_weights / GB:.2f}{upcast}, adapters "
-        f"{m.adapters / GB:.3f}, gradients {m.gradients / GB:.3f}, optimizer state {m.optimizer_state / GB:.3f}, "
-        f"activations {m.activations / GB:.2f}, the larger of a layer's backward {m.layer_transients / GB:.2f} "
-        f"and the head's {m.head_transients / GB:.2f}; total {m.total / GB:.2f}; {describe_fit(m.total, device)}",
-        describe_prompts(result, config),
-        f"  FLOPs: {result.train_step_flops:.3e} per train step, {result.eval_flops:.3e} per full evaluation",
-        f"  whole sweep ({runs} runs, {config.train.steps} steps, {result.evaluations} evaluations): "
-        f"{result.total_flops:.3e} FLOPs = {result.accelerator_hours:,.1f} {device.name}-hours at "
-        f"{utilisation:.0%} utilisation",
-    ])
+    )
+    return "\n".join(
+        [
+            f"{result.config_path}: {result.model}, {result.parameters:,} parameters",
+            f"  mesh data={mesh['data']} fsdp={mesh['fsdp']} tensor={mesh['tensor']}; {runs} runs x batch "
+            f"{g.batch_size} in {g.grad_accum} micro-batch{'es' if g.grad_accum > 1 else ''} of {rows}; "
+            f"{config.model.dtype}, remat {config.model.remat}",
+            f"  memory per device (GB): frozen weights {m.frozen_weights / GB:.2f}{upcast}, adapters "
+            f"{m.adapters / GB:.3f}, gradients {m.gradients / GB:.3f}, optimizer state {m.optimizer_state / GB:.3f}, "
+            f"activations {m.activations / GB:.2f}, the larger of a layer's backward {m.layer_transients / GB:.2f} "
+            f"and the head's {m.head_transients / GB:.2f}; total {m.total / GB:.2f}; {describe_fit(m.total, device)}",
+            describe_prompts(result, config),
+            f"  FLOPs: {result.train_step_flops:.3e} per train step, {result.eval_flops:.3e} per full evaluation",
+            f"  whole sweep ({runs} runs, {config.train.steps} steps, {result.evaluations} evaluations): "
+            f"{result.total_flops:.3e} FLOPs = {result.accelerator_hours:,.1f} {device.name}-hours at "
+            f"{utilisation:.0%} utilisation",
+        ]
+    )
 
 
 def describe_prompts(result: Estimate, config: config_dict.ConfigDict) -> str:
@@ -490,26 +527,33 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--device", choices=sorted(DEVICES), default="a100")
     parser.add_argument("--utilisation", type=float, default=0.4, help="fraction of peak FLOP/s achieved")
     parser.add_argument(
-        "--tokenizer", help="count the real prompts with this tokenizer (a folder or hub id), standing in for the "
+        "--tokenizer",
+        help="count the real prompts with this tokenizer (a folder or hub id), standing in for the "
         "config's own (config.tokenizer, else model.path)",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--offline_pools", action="store_true", help="draw the few-shot sets from the testset table's offline pools "
+        "--offline_pools",
+        action="store_true",
+        help="draw the few-shot sets from the testset table's offline pools "
         "(MNLI validation_mismatched, SNLI validation), standing in for the configs' data.pool_split (the train "
         "splits) where those are not fetched; training is about 2%% of the study's cost",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--prompt_len", type=int, help="price every prompt at this many tokens, without the tokenizer (default: "
+        "--prompt_len",
+        type=int,
+        help="price every prompt at this many tokens, without the tokenizer (default: "
         "the real prompts; data.max_length is an upper bound)",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--seq_len", type=int, help="tokens per training row (default: the real prompts' rows, or those "
-        "--prompt_len prompts make)",
-    )  # fmt: skip
+        "--seq_len",
+        type=int,
+        help="tokens per training row (default: the real prompts' rows, or those --prompt_len prompts make)",
+    )
     parser.add_argument(
-        "--eval_examples", type=int, help="with --prompt_len: examples per full evaluation, without the testsets "
-        "(default: counted from them)",
-    )  # fmt: skip
+        "--eval_examples",
+        type=int,
+        help="with --prompt_len: examples per full evaluation, without the testsets (default: counted from them)",
+    )
     parser.add_argument("--layers", type=int, help="cut the model to this many decoder layers (as the preflight's)")
     parser.add_argument(
         "--platform", choices=costs.PLATFORMS, help="cost memory as this backend allocates it (default: --device's)"
@@ -536,8 +580,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise usage_errors.UsageError(str(error)) from error
     count = PromptCounter(args.tokenizer)
     if args.offline_pools:
-        print("# few-shot sets drawn from the offline pools (--offline_pools), standing in for the configs' "
-              "data.pool_split")
+        print(
+            "# few-shot sets drawn from the offline pools (--offline_pools), standing in for the configs' "
+            "data.pool_split"
+        )
     total_hours, total_runs = 0.0, 0
     for path in paths:
         with usage_errors.reported(parser.prog, config_spec=path):
@@ -548,18 +594,28 @@ def main(argv: Sequence[str] | None = None) -> int:
                 mesh = resolve_mesh(config.mesh, args.devices)
                 prompts = None if args.prompt_len is not None else count(config, mesh)
                 result = estimate(
-                    path, config, devices=args.devices, device=device, utilisation=args.utilisation,
-                    prompts=prompts, seq_len=args.seq_len, prompt_len=args.prompt_len,
-                    eval_examples=args.eval_examples, layers=args.layers, platform=args.platform,
-                )  # fmt: skip
+                    path,
+                    config,
+                    devices=args.devices,
+                    device=device,
+                    utilisation=args.utilisation,
+                    prompts=prompts,
+                    seq_len=args.seq_len,
+                    prompt_len=args.prompt_len,
+                    eval_examples=args.eval_examples,
+                    layers=args.layers,
+                    platform=args.platform,
+                )
             except usage_errors.NotFetchedError as error:
                 raise usage_errors.NotFetchedError(f"{error}; {WITHOUT_DATA}") from error
         print(describe(result, config, device, args.utilisation))
         total_hours += result.accelerator_hours
         total_runs += len(config.runs.seeds) * len(config.runs.shots)
     if len(paths) > 1:
-        print(f"total: {total_runs} runs in {len(paths)} configs, {total_hours:,.0f} {device.name}-hours "
-              f"at {args.utilisation:.0%} utilisation")
+        print(
+            f"total: {total_runs} runs in {len(paths)} configs, {total_hours:,.0f} {device.name}-hours "
+            f"at {args.utilisation:.0%} utilisation"
+        )
     return 0
 
 

@@ -78,10 +78,20 @@ from oodjax.usage_errors import FETCH_COMMAND, ConfigError, MissingInputError, U
 # The files a tokenizer of any kind is read from (AutoTokenizer), matched against a repo's top-level files:
 # never weights. config.json names the tokenizer's class where tokenizer_config.json does not.
 TOKENIZER_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-    "vocab.json", "vocab.txt", "merges.txt", "tokenizer.model", "spiece.model", "*.tiktoken",
-    "chat_template.jinja", "chat_template.json", "config.json",
-)  # fmt: skip
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "tokenizer.model",
+    "spiece.model",
+    "*.tiktoken",
+    "chat_template.jinja",
+    "chat_template.json",
+    "config.json",
+)
 Configs = Sequence[tuple[str, config_dict.ConfigDict]]  # (config file, its config)
 
 

@@ -57,14 +57,13 @@ from ml_collections import config_dict
 
 from launch import costs
 from launch import estimate as estimator
-from oodjax import models
-from oodjax import config_cli
+from oodjax import config_cli, models
 from oodjax.data import answer_token_ids, load_tokenizer
 from oodjax.engine import loop, results, sharding, steps
-from oodjax.models.lora import LoRAConfig
 from oodjax.engine.evaluation import pool_figures
 from oodjax.engine.geometry import BatchGeometry, batch_geometry
 from oodjax.engine.run_data import TRAIN_KEYS, few_shot_sets, load_runs_data, training_figures
+from oodjax.models.lora import LoRAConfig
 from oodjax.models.partitioning import param_shardings
 
 COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
@@ -73,8 +72,25 @@ _INSTRUCTION = re.compile(
     r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<type>.*?)\s(?P<op>[a-z][\w\-]*)\((?P<operands>[^)]*)\)", re.M
 )
 _ARRAY_TYPE = re.compile(r"\b([a-z]+[0-9]*(?:e[0-9]m[0-9][a-z]*)?)\[([0-9,]*)\]")
-_DTYPE_BYTES = {"pred": 1, "s4": 1, "u4": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2,
-                "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8, "c64": 8, "c128": 16}  # fmt: skip
+_DTYPE_BYTES = {
+    "pred": 1,
+    "s4": 1,
+    "u4": 1,
+    "s8": 1,
+    "u8": 1,
+    "bf16": 2,
+    "f16": 2,
+    "s16": 2,
+    "u16": 2,
+    "f32": 4,
+    "s32": 4,
+    "u32": 4,
+    "f64": 8,
+    "s64": 8,
+    "u64": 8,
+    "c64": 8,
+    "c128": 16,
+}
 # The entry of launch.estimate's device table the estimate is made for (its memory does not depend on it),
 # and the utilisation its step time assumes: compiling on abstract inputs runs nothing, so the step time
 # the preflight can report is the estimator's FLOPs (which count what the remat policy recomputes).
@@ -117,14 +133,24 @@ def preflight(
     for step in (train_report, eval_report):
         step["communication"]["seconds"] = step["communication"]["bytes"] / device.interconnect_bytes_per_s
     estimate = estimator.estimate(
-        config_path, config, devices=devices, device=device, utilisation=ESTIMATE_UTILISATION,
-        geometry=geometry, eval_examples=0, layers=layers, platform=available[0].platform,
-    )  # fmt: skip
+        config_path,
+        config,
+        devices=devices,
+        device=device,
+        utilisation=ESTIMATE_UTILISATION,
+        geometry=geometry,
+        eval_examples=0,
+        layers=layers,
+        platform=available[0].platform,
+    )
     lanes, eval_rows, eval_row_length = longest_rows["input_ids"].shape
     eval_step_flops = costs.eval_flops(
-        costs.dimensions(arch), runs=1, examples=lanes * eval_rows, seq_len=eval_row_length,
+        costs.dimensions(arch),
+        runs=1,
+        examples=lanes * eval_rows,
+        seq_len=eval_row_length,
         lora_parameters=costs.lora_parameter_count(arch, config.lora.rank, tuple(config.lora.targets)),
-    )  # fmt: skip
+    )
     usable, source = estimator.usable_memory(device)
     compute_flops = devices * device.peak_flops * ESTIMATE_UTILISATION
     return {
@@ -132,10 +158,17 @@ def preflight(
         "train": train_report,
         "eval": eval_report,
         "estimate_bytes": int(estimate.memory.total),
-        "memory_limit": {"device": ESTIMATE_DEVICE, "device_bytes": int(device.memory_gb * estimator.GB),
-                         "usable_bytes": int(usable), "source": source},
-        "interconnect": {"device": ESTIMATE_DEVICE, "name": device.interconnect,
-                         "bytes_per_s": device.interconnect_bytes_per_s},
+        "memory_limit": {
+            "device": ESTIMATE_DEVICE,
+            "device_bytes": int(device.memory_gb * estimator.GB),
+            "usable_bytes": int(usable),
+            "source": source,
+        },
+        "interconnect": {
+            "device": ESTIMATE_DEVICE,
+            "name": device.interconnect,
+            "bytes_per_s": device.interconnect_bytes_per_s,
+        },
         "train_step_flops": estimate.train_step_flops,
         "estimate_step_s": estimate.train_step_flops / compute_flops,
         "eval_step_flops": eval_step_flops,
@@ -143,14 +176,21 @@ def preflight(
         "devices": devices,
         "layers": int(arch["num_hidden_layers"]),
         "platform": available[0].platform,
-        "geometry": {"runs": geometry.runs, "grad_accum": geometry.grad_accum, "rows": geometry.rows,
-                     "rows_per_device": geometry.rows_per_device, "seq_len": geometry.seq_len,
-                     "packed": geometry.packed, "prompt_slots": geometry.prompts_per_row,
-                     "train_lengths": list(geometry.micro_batch_lengths),
-                     "eval_rows": eval_rows, "eval_seq_len": eval_row_length,
-                     "eval_prompt_slots": longest_rows["answer_pos"].shape[-1],
-                     "eval_row_lengths": sorted({b["input_ids"].shape[-1] for b in data.eval_pool.batches}),
-                     "eval_batches": len(data.eval_pool.batches)},  # fmt: skip
+        "geometry": {
+            "runs": geometry.runs,
+            "grad_accum": geometry.grad_accum,
+            "rows": geometry.rows,
+            "rows_per_device": geometry.rows_per_device,
+            "seq_len": geometry.seq_len,
+            "packed": geometry.packed,
+            "prompt_slots": geometry.prompts_per_row,
+            "train_lengths": list(geometry.micro_batch_lengths),
+            "eval_rows": eval_rows,
+            "eval_seq_len": eval_row_length,
+            "eval_prompt_slots": longest_rows["answer_pos"].shape[-1],
+            "eval_row_lengths": sorted({b["input_ids"].shape[-1] for b in data.eval_pool.batches}),
+            "eval_batches": len(data.eval_pool.batches),
+        },
     }
 
 
@@ -199,9 +239,16 @@ def abstract_steps(config: config_dict.ConfigDict, *, devices: int, layers: int 
     base_in = _with_shardings(base, param_shardings(base, mesh))
     runs_in = _with_shardings(state, sharding.runs_shardings(state, mesh))
     return AbstractSteps(
-        train_step, eval_step, (base_in, runs_in, train_batch(geometry, mesh)),
-        (base_in, runs_in.lora, eval_batch(longest_rows, mesh)), mesh, geometry, data, arch, longest_rows,
-    )  # fmt: skip
+        train_step,
+        eval_step,
+        (base_in, runs_in, train_batch(geometry, mesh)),
+        (base_in, runs_in.lora, eval_batch(longest_rows, mesh)),
+        mesh,
+        geometry,
+        data,
+        arch,
+        longest_rows,
+    )
 
 
 def train_batch(geometry: BatchGeometry, mesh: jax.sharding.Mesh) -> dict[str, jax.ShapeDtypeStruct]:
@@ -232,6 +279,7 @@ def _batch(
 
 def _with_shardings(tree: Any, shardings: Any) -> Any:
     """Abstract leaves carrying their shardings, as lowering takes them."""
+
     def abstract(leaf: Any, where: jax.sharding.Sharding) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=where)
 
@@ -313,7 +361,8 @@ def communication(hlo_text: str) -> dict[str, Any]:
                 total.update({op: count * (int(trips[1]) if trips else 1) for op, count in body.items()})
             elif instruction["op"] == "conditional":
                 branches = _called(line, "branch_computations") or [
-                    *_called(line, "true_computation"), *_called(line, "false_computation")
+                    *_called(line, "true_computation"),
+                    *_called(line, "false_computation"),
                 ]
                 total.update(max((traffic(branch) for branch in branches), key=lambda t: sum(t.values())))
             elif not instruction["op"].endswith(("-update", "-done")):  # an async op's computation runs once
@@ -323,8 +372,11 @@ def communication(hlo_text: str) -> dict[str, Any]:
         return total
 
     by_op = traffic(module.entry)
-    return {"bytes": int(sum(by_op.values())), "by_op": {op: int(by_op[op]) for op in COLLECTIVES},
-            "loops_without_trip_count": len(unknown_trips)}  # fmt: skip
+    return {
+        "bytes": int(sum(by_op.values())),
+        "by_op": {op: int(by_op[op]) for op in COLLECTIVES},
+        "loops_without_trip_count": len(unknown_trips),
+    }
 
 
 # The share of the buffer a device passes to a collective that it sends, ring algorithm, n devices in its group
@@ -418,10 +470,11 @@ def describe(report: dict[str, Any]) -> str:
     """The report as lines for a terminal."""
     gb = 1e9
     geometry = report["geometry"]
+    layout = f"packed, {geometry['prompt_slots']} prompt slots a row" if geometry["packed"] else "one prompt a row"
     lines = [
         f"{report['devices']} {report['platform']} devices, {report['layers']} layers; {geometry['runs']} runs in "
         f"[{geometry['grad_accum']} x {geometry['rows']} rows x {geometry['seq_len']} tokens] per train step "
-        f"({'packed, ' + str(geometry['prompt_slots']) + ' prompt slots a row' if geometry['packed'] else 'one prompt a row'}; "
+        f"({layout}; "
         f"micro-batches run at {geometry['train_lengths']} tokens); eval "
         f"{geometry['eval_batches']} batches in rows of {geometry['eval_row_lengths']} tokens, the largest "
         f"[{geometry['eval_rows']} rows x {geometry['eval_seq_len']}]",
@@ -441,8 +494,11 @@ def describe(report: dict[str, Any]) -> str:
             f"outputs {memory['output'] / gb:.2f}, temporaries {memory['temp'] / gb:.2f}, "
             f"aliased {memory['alias'] / gb:.2f}; total {memory['total'] / gb:.2f}; "
             f"{estimator.fit_text(memory['total'], device, limit['usable_bytes'], limit['source'])}",
-            "  collectives: " + (", ".join(f"{op} x{c['count']} (largest {c['max_bytes'] / 1e6:.1f} MB)"
-                                           for op, c in present.items()) or "none"),  # fmt: skip
+            "  collectives: "
+            + (
+                ", ".join(f"{op} x{c['count']} (largest {c['max_bytes'] / 1e6:.1f} MB)" for op, c in present.items())
+                or "none"
+            ),
         ]
     lines.append(f"analytic estimate (launch.estimate, train): {report['estimate_bytes'] / gb:.2f} GB per device")
     on = f"on {report['devices']} {ESTIMATE_DEVICE} at {ESTIMATE_UTILISATION:.0%} utilisation"
@@ -498,9 +554,12 @@ def main(config: config_dict.ConfigDict) -> None:
     if options.devices:
         _fake_host_devices(options.devices)
     report = preflight(
-        config, devices=options.devices, layers=options.layers, hlo_dir=options.hlo,
+        config,
+        devices=options.devices,
+        layers=options.layers,
+        hlo_dir=options.hlo,
         config_path=options[config_cli.CONFIG_FLAG].value.split(":")[0],
-    )  # fmt: skip
+    )
     print(describe(report))
     if options.json:
         pathlib.Path(options.json).write_text(json.dumps(report, indent=2) + "\n")

@@ -169,9 +169,14 @@ def command(job: Job, backend: str, *, nodes: int, sbatch_options: Sequence[str]
         return [sys.executable, "-m", "oodjax.main", f"--config={job.config_path}", *job.overrides()]
     if backend == "slurm":
         return [
-            "sbatch", f"--job-name=oodjax-{job.name}", f"--nodes={nodes}",
-            f"--output={job.output_dir}/slurm-%j.out", *sbatch_options,
-            str(LAUNCH_DIR / "slurm.sbatch"), job.config_path, *job.overrides(),
+            "sbatch",
+            f"--job-name=oodjax-{job.name}",
+            f"--nodes={nodes}",
+            f"--output={job.output_dir}/slurm-%j.out",
+            *sbatch_options,
+            str(LAUNCH_DIR / "slurm.sbatch"),
+            job.config_path,
+            *job.overrides(),
         ]
     if backend == "tpu":
         return ["bash", str(LAUNCH_DIR / "tpu_pod.sh"), job.config_path, *job.overrides()]
@@ -180,23 +185,37 @@ def command(job: Job, backend: str, *, nodes: int, sbatch_options: Sequence[str]
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m launch.sweep", description=__doc__.split("\n")[0])
-    parser.add_argument("--configs", nargs="+", required=True,
-                        help="config files or shell patterns; oodjax:NAME or oodjax:PATTERN for packaged configs")
-    parser.add_argument("--seeds", type=_int_list, default=None,
-                        help="comma-separated; default: each config's runs.seeds")
-    parser.add_argument("--shots", type=_int_list, default=None,
-                        help="comma-separated; default: each config's runs.shots")
+    parser.add_argument(
+        "--configs",
+        nargs="+",
+        required=True,
+        help="config files or shell patterns; oodjax:NAME or oodjax:PATTERN for packaged configs",
+    )
+    parser.add_argument(
+        "--seeds", type=_int_list, default=None, help="comma-separated; default: each config's runs.seeds"
+    )
+    parser.add_argument(
+        "--shots", type=_int_list, default=None, help="comma-separated; default: each config's runs.shots"
+    )
     parser.add_argument("--backend", choices=BACKENDS, required=True)
-    parser.add_argument("--output_dir", default=None,
-                        help="results root holding one directory per job, on storage every host reaches; "
-                        "default: each config's output_dir")  # fmt: skip
+    parser.add_argument(
+        "--output_dir",
+        default=None,
+        help="results root holding one directory per job, on storage every host reaches; "
+        "default: each config's output_dir",
+    )
     parser.add_argument("--per_run", action="store_true", help="one job per run instead of one per config")
     parser.add_argument("--nodes", type=int, default=1, help="SLURM nodes per job (default 1)")
     scheduler = parser.add_argument_group("SLURM options, passed to sbatch before the script (--backend slurm)")
     for flag, option in SBATCH_OPTIONS.items():
         scheduler.add_argument(f"--{flag}", default=None, help=f"sbatch {option}")
-    scheduler.add_argument("--sbatch_arg", action="append", default=[], metavar="OPTION",
-                           help="any other sbatch option, written with = (--sbatch_arg=--gres=gpu:8); repeatable")
+    scheduler.add_argument(
+        "--sbatch_arg",
+        action="append",
+        default=[],
+        metavar="OPTION",
+        help="any other sbatch option, written with = (--sbatch_arg=--gres=gpu:8); repeatable",
+    )
     parser.add_argument("--dry_run", action="store_true", help="print the commands, run nothing")
     args = parser.parse_args(argv)
     if args.nodes < 1:
@@ -233,8 +252,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         pathlib.Path(job.output_dir).mkdir(parents=True, exist_ok=True)
         completed = subprocess.run(cmd)
         if completed.returncode == PREEMPTED_EXIT_CODE:
-            print(f"job {job.name} was stopped by a signal with its runs checkpointed; rerun the sweep to resume",
-                  file=sys.stderr)  # fmt: skip
+            print(
+                f"job {job.name} was stopped by a signal with its runs checkpointed; rerun the sweep to resume",
+                file=sys.stderr,
+            )
             return completed.returncode
         if completed.returncode != 0:
             print(f"job {job.name} failed with exit code {completed.returncode}", file=sys.stderr)

@@ -1,4 +1,7 @@
-"""oodjax: do out-of-distribution generalisation results generalise? LoRA fine-tuning and NLI evaluation of LLMs in pure JAX."""
+"""oodjax: do out-of-distribution generalisation results generalise?
+
+LoRA fine-tuning and NLI evaluation of LLMs in pure JAX.
+"""
 
 import logging as _logging
 

@@ -54,8 +54,8 @@ import pathlib
 import re
 import sys
 import textwrap
-import types
 import tokenize
+import types
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -168,7 +168,7 @@ def config_file_path(file: str) -> pathlib.Path:
     optional; `oodjax:original/opt30_mnli` one of a sub-folder), anything else a path. Raises
     FileNotFoundError naming it when there is no such file."""
     if file.startswith(PACKAGED_PREFIX):
-        name = file[len(PACKAGED_PREFIX):].removesuffix(".py")
+        name = file[len(PACKAGED_PREFIX) :].removesuffix(".py")
         path = packaged_configs_dir() / f"{name}.py"
         outside = name.startswith("/") or "\\" in name or ".." in pathlib.PurePosixPath(name).parts
         if not name or outside or not path.is_file():
@@ -192,7 +192,7 @@ def config_file_path(file: str) -> pathlib.Path:
 def split_config_spec(spec: str) -> tuple[str, list[str]]:
     """`FILE[:ARG]` or `oodjax:NAME[:ARG]` -> (the file part, [ARG] or [])."""
     prefix = PACKAGED_PREFIX if spec.startswith(PACKAGED_PREFIX) else ""
-    file, *argument = spec[len(prefix):].split(":", 1)
+    file, *argument = spec[len(prefix) :].split(":", 1)
     return prefix + file, argument
 
 
@@ -321,9 +321,7 @@ def _config_path(target: ast.expr) -> str | None:
     return ".".join(names) if isinstance(target, ast.Name) and target.id == "config" and names else None
 
 
-def _parse_or_exit(
-    argv: list[str], doc: str, flag_values: flags.FlagValues = flags.FLAGS
-) -> config_dict.ConfigDict:
+def _parse_or_exit(argv: list[str], doc: str, flag_values: flags.FlagValues = flags.FLAGS) -> config_dict.ConfigDict:
     """`run`'s flags parser: `--help` prints the help (with the values of the config `--config` names, if it
     names one) and exits 0; a bad argument prints one line and exits 2."""
     before_separator = argv[: argv.index("--")] if "--" in argv else argv
@@ -461,9 +459,13 @@ def _parse_list(field: str, text: str, argument: str) -> tuple:
             raise CommandLineError(f"{argument}: an empty item in {text!r}; write --{CONFIG_FLAG}.{field}={example}")
         if kind is not str:
             items = [
-                _parse_scalar(kind, item, lambda expected, item=item: CommandLineError(
-                    f"{argument}: {field} is a list of {what}; {item!r} is not {expected}"
-                ))
+                _parse_scalar(
+                    kind,
+                    item,
+                    lambda expected, item=item: CommandLineError(
+                        f"{argument}: {field} is a list of {what}; {item!r} is not {expected}"
+                    ),
+                )
                 for item in items
             ]
     for item in items:

@@ -159,9 +159,13 @@ def _evaluate_runs(config: config_dict.ConfigDict, todo: list[EvaluatedRun]) -> 
         dataset_index = run_data.dataset_indices(shared)
     layout = eval_geometry(config, sharding.batch_shards(mesh))
     pool = make_eval_pool(
-        shared, own, batch_tokens=layout.batch_tokens, row_multiple=layout.batch_shards,
-        pad_id=run_data.pad_id(tokenizer), row_lengths=layout.row_lengths,
-    )  # fmt: skip
+        shared,
+        own,
+        batch_tokens=layout.batch_tokens,
+        row_multiple=layout.batch_shards,
+        pad_id=run_data.pad_id(tokenizer),
+        row_lengths=layout.row_lengths,
+    )
     eval_step = steps.make_eval_step(
         graphdef, yes_id, no_id, mesh=mesh, compute_dtype=config.model.compute_dtype or None
     )
@@ -174,24 +178,32 @@ def _evaluate_runs(config: config_dict.ConfigDict, todo: list[EvaluatedRun]) -> 
     evaluated = []
     for r, run in enumerate(todo):
         kind = (
-            schema.EVALUATED_IN_CONTEXT if config.eval.in_context
-            else schema.EVALUATED_ADAPTER if run.adapter is not None
+            schema.EVALUATED_IN_CONTEXT
+            if config.eval.in_context
+            else schema.EVALUATED_ADAPTER
+            if run.adapter is not None
             else schema.EVALUATED_BASE
-        )  # fmt: skip
+        )
         identity = {
-            schema.RUN_MODEL: run.model, schema.RUN_SEED: run.seed, schema.RUN_SHOTS: run.shots,
+            schema.RUN_MODEL: run.model,
+            schema.RUN_SEED: run.seed,
+            schema.RUN_SHOTS: run.shots,
             schema.RUN_EVALUATED: kind,
-        }  # fmt: skip
+        }
         run_results = results.RunResults(
-            run.directory, labels=pool.labels_of(r), dataset_index=dataset_index, in_domain=config.data.train_set,
+            run.directory,
+            labels=pool.labels_of(r),
+            dataset_index=dataset_index,
+            in_domain=config.data.train_set,
             config=dict(config_json, **{schema.RUN_SECTION: identity}),
-        )  # fmt: skip
+        )
         evaluated.append(
             (run, run_results, run_results.add(0, margins[r], float("nan"), evaluation_seconds=evaluation_seconds))
         )
     base = config.model.path or results.model_name(config)
-    refuse_non_finite_model(f"{base} with its adapters" if adapters else base,
-                            [accuracies for _, _, accuracies in evaluated])  # fmt: skip
+    refuse_non_finite_model(
+        f"{base} with its adapters" if adapters else base, [accuracies for _, _, accuracies in evaluated]
+    )
     for run, run_results, accuracies in evaluated:
         if is_primary():
             run_results.write()

@@ -24,8 +24,7 @@ import datasets
 from absl import logging
 from ml_collections import config_dict
 
-from oodjax import config_cli
-from oodjax import storage
+from oodjax import config_cli, storage
 from oodjax.engine import distributed, loop, preemption
 
 

@@ -50,4 +50,3 @@ def tiny_config(output_dir, tokenizer_dir, data_dir, cache_dir):
     config.checkpoint_every = 2
     config.log_every = 1
     return config
-

@@ -12,7 +12,7 @@ mostly unbalanced, so that its majority class is no 50% (the chance lines).
 import importlib.util
 import json
 import pathlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -21,9 +21,7 @@ import pandas as pd
 from analysis import schema
 
 # The eight testsets as the engine names them, plus accuracy on the training set.
-TESTSETS = (
-    "snli", "mnli", "scitail", "rte", "wnli", "paws", "hans", "anli_r3", schema.TRAIN_TESTSET
-)
+TESTSETS = ("snli", "mnli", "scitail", "rte", "wnli", "paws", "hans", "anli_r3", schema.TRAIN_TESTSET)
 EXAMPLES_PER_TESTSET = 16
 # The study's config files, one per model and training set ("opt2.7_mnli.py"; not the laptop configs).
 SHIPPED_CONFIGS = sorted((pathlib.Path(__file__).resolve().parents[1] / "configs").glob("*_[ms]nli.py"))
@@ -73,7 +71,8 @@ def write_run(
         schema.IN_DOMAIN: np.asarray(in_domain, dtype=str),
         schema.CONFIG: np.asarray(
             json.dumps(
-                dict(config) | {
+                dict(config)
+                | {
                     schema.RUN_SECTION: {
                         schema.RUN_MODEL: model,
                         schema.RUN_SEED: seed,
@@ -85,12 +84,8 @@ def write_run(
         ),
     }
     for name in testsets:
-        arrays[schema.margin_key(name)] = rng.normal(
-            size=(len(steps), EXAMPLES_PER_TESTSET)
-        ).astype(np.float16)
-        arrays[schema.label_key(name)] = np.random.default_rng(list(name.encode())).integers(
-            0, 2, EXAMPLES_PER_TESTSET
-        )
+        arrays[schema.margin_key(name)] = rng.normal(size=(len(steps), EXAMPLES_PER_TESTSET)).astype(np.float16)
+        arrays[schema.label_key(name)] = np.random.default_rng(list(name.encode())).integers(0, 2, EXAMPLES_PER_TESTSET)
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / schema.METRICS_FILENAME
     np.savez(path, **arrays)
@@ -119,7 +114,11 @@ def residual_correlations(model_index: int, count: int) -> np.ndarray:
 
 
 def synthetic_accuracies(
-    rng: np.random.Generator, steps: np.ndarray, testsets: list[str], in_domain: str, *,
+    rng: np.random.Generator,
+    steps: np.ndarray,
+    testsets: list[str],
+    in_domain: str,
+    *,
     correlations: np.ndarray,
 ) -> np.ndarray:
     """[steps, testsets] accuracies: OOD = tanh-shaped function of in-domain + correlated noise."""
@@ -133,11 +132,7 @@ def synthetic_accuracies(
             accuracy[:, j] = in_domain_accuracy
         else:
             slope = 0.05 + 0.02 * ood.index(name)
-            accuracy[:, j] = (
-                0.55
-                + slope * np.tanh(8.0 * (in_domain_accuracy - 0.65))
-                + residuals[:, ood.index(name)]
-            )
+            accuracy[:, j] = 0.55 + slope * np.tanh(8.0 * (in_domain_accuracy - 0.65)) + residuals[:, ood.index(name)]
     return np.clip(accuracy, 0.0, 1.0)
 
 
@@ -148,18 +143,28 @@ def write_results_root(
     train_sets: tuple[str, ...] = ("mnli", "snli"),
     seeds: tuple[int, ...] = (0, 42, 99),
     shots: tuple[int, ...] = (32, 64),
-    steps: np.ndarray = np.arange(0, 301, 25),
+    steps: Sequence[int] = tuple(range(0, 301, 25)),
     testsets: tuple[str, ...] = TESTSETS,
 ) -> list[pathlib.Path]:
     """One run directory per (model, training set, seed, shots), as the engine lays them out.
 
     `models` maps each run's model name to the hub id its config loads.
     """
+    steps = np.asarray(steps)
     return [
         _write_synthetic_run(
-            root, model_index, train_index, seed, shot, steps=steps, testsets=testsets,
-            config={"model": {"path": hub_id, "hf_config": {}}, "train": {"steps": int(steps[-1])},
-                    "data": {"train_set": train_set}},
+            root,
+            model_index,
+            train_index,
+            seed,
+            shot,
+            steps=steps,
+            testsets=testsets,
+            config={
+                "model": {"path": hub_id, "hf_config": {}},
+                "train": {"steps": int(steps[-1])},
+                "data": {"train_set": train_set},
+            },
             model=model,
         )
         for model_index, (model, hub_id) in enumerate(models.items())
@@ -186,26 +191,52 @@ def write_shipped_results_root(
         model = config["model"]["name"]
         for seed in seeds:
             for shot in shots:
-                paths.append(_write_synthetic_run(
-                    root, index // 2, index % 2, seed, shot, steps=steps, testsets=testsets,
-                    config=config, model=model,
-                ))
+                paths.append(
+                    _write_synthetic_run(
+                        root,
+                        index // 2,
+                        index % 2,
+                        seed,
+                        shot,
+                        steps=steps,
+                        testsets=testsets,
+                        config=config,
+                        model=model,
+                    )
+                )
     return paths
 
 
 def _write_synthetic_run(
-    root: pathlib.Path, model_index: int, train_index: int, seed: int, shot: int, *,
-    steps: np.ndarray, testsets: tuple[str, ...], config: dict[str, Any], model: str,
+    root: pathlib.Path,
+    model_index: int,
+    train_index: int,
+    seed: int,
+    shot: int,
+    *,
+    steps: np.ndarray,
+    testsets: tuple[str, ...],
+    config: dict[str, Any],
+    model: str,
 ) -> pathlib.Path:
     """One run of `synthetic_accuracies`, its randomness fixed by its place in the sweep."""
     train_set = config["data"]["train_set"]
     rng = np.random.default_rng([seed, shot, model_index, train_index])
     accuracy = synthetic_accuracies(
-        rng, steps, list(testsets), train_set,
+        rng,
+        steps,
+        list(testsets),
+        train_set,
         correlations=residual_correlations(model_index, len(testsets) - 1),
     )
     return write_run(
-        root / f"{model.replace('/', '-')}_{train_set}_seed{seed}_shots{shot}", steps=steps,
-        testsets=list(testsets), accuracy=accuracy, in_domain=train_set, model=model,
-        seed=seed, shots=shot, config=config,
+        root / f"{model.replace('/', '-')}_{train_set}_seed{seed}_shots{shot}",
+        steps=steps,
+        testsets=list(testsets),
+        accuracy=accuracy,
+        in_domain=train_set,
+        model=model,
+        seed=seed,
+        shots=shot,
+        config=config,
     )

@@ -2,8 +2,8 @@
 
 import json
 import os
-import re
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
@@ -15,6 +15,14 @@ import pandas as pd
 import pingouin
 import pytest
 import scipy.stats
+from fixtures_results import (
+    MODELS,
+    SHIPPED_CONFIGS,
+    cut_short,
+    write_results_root,
+    write_run,
+    write_shipped_results_root,
+)
 
 from analysis import figures, pairwise_partial_corr, schema, tables
 from analysis.aggregate import all_run_pairs, combine_runs
@@ -22,14 +30,6 @@ from analysis.cli import CSV_NAME, META_CSV_NAME, SENSITIVITY_CSV_NAME, main
 from analysis.meta import ALL_TRAIN_SETS, random_effects
 from analysis.runs import find_runs
 from analysis.sensitivity import SENSITIVE
-from fixtures_results import (
-    MODELS,
-    cut_short,
-    SHIPPED_CONFIGS,
-    write_results_root,
-    write_run,
-    write_shipped_results_root,
-)
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TRAIN_SETS = ("mnli", "snli")
@@ -78,11 +78,19 @@ def test_cli_writes_tables_figures_and_csv_and_lists_them(analysed):
         f"forest_{scope}.{extension}" for scope in SCOPES for extension in ("pdf", "png")
     }
     assert {p.name for p in tables} == {
-        *(f"matrix_{m}_{t}.tex" for m, t in GROUPS), "summary.tex", "tables.tex",
-        *(f"meta_analysis_{scope}.tex" for scope in SCOPES), "residualiser_sensitivity.tex",
+        *(f"matrix_{m}_{t}.tex" for m, t in GROUPS),
+        "summary.tex",
+        "tables.tex",
+        *(f"meta_analysis_{scope}.tex" for scope in SCOPES),
+        "residualiser_sensitivity.tex",
     }
-    assert {out / CSV_NAME, out / "accuracies.csv", out / "accuracies.parquet",
-            out / META_CSV_NAME, out / SENSITIVITY_CSV_NAME} <= written
+    assert {
+        out / CSV_NAME,
+        out / "accuracies.csv",
+        out / "accuracies.parquet",
+        out / META_CSV_NAME,
+        out / SENSITIVITY_CSV_NAME,
+    } <= written
     assert all(path.is_file() for path in written)
 
 
@@ -91,8 +99,7 @@ def test_tables_compile_with_pdflatex(analysed, tmp_path):
     assert pdflatex, "pdflatex is missing: apt-get install texlive-latex-recommended"
     _, out, _ = analysed
     compiled = subprocess.run(
-        [pdflatex, "-interaction=nonstopmode", "-halt-on-error",
-         f"-output-directory={tmp_path}", "tables.tex"],
+        [pdflatex, "-interaction=nonstopmode", "-halt-on-error", f"-output-directory={tmp_path}", "tables.tex"],
         cwd=out / "tables",
         capture_output=True,
         text=True,
@@ -145,10 +152,10 @@ def test_marks_sit_beside_the_numbers_so_that_decimal_points_align(analysed):
 
 
 def test_names_without_a_display_name_are_escaped():
-    pairs = pd.DataFrame([("hans", "my_set", 0.5, 0.01, "", False)],
-                         columns=["x", "y", "r", "p_adj", "reason", SENSITIVE])
-    latex = tables.matrix_table(pairs, ["hans", "my_set"], caption="c", label="l",
-                                other_residualiser="linear")
+    pairs = pd.DataFrame(
+        [("hans", "my_set", 0.5, 0.01, "", False)], columns=["x", "y", "r", "p_adj", "reason", SENSITIVE]
+    )
+    latex = tables.matrix_table(pairs, ["hans", "my_set"], caption="c", label="l", other_residualiser="linear")
     assert r"my\_set &" in latex and "HANS" in latex
 
 
@@ -197,7 +204,8 @@ def test_csv_holds_each_run_and_the_combination_of_runs(analysed):
             assert pair.p == pytest.approx(test.pvalue, abs=1e-12)
             assert (pair.n_positive, pair.n_negative) == ((r > 0).sum(), (r < 0).sum())
         np.testing.assert_allclose(
-            group["p_adj"], pingouin.multicomp(group["p"].to_numpy(), method="holm")[1],
+            group["p_adj"],
+            pingouin.multicomp(group["p"].to_numpy(), method="holm")[1],
             atol=1e-12,
         )
 
@@ -215,22 +223,25 @@ def test_meta_analysis_combines_the_models_of_the_csv(analysed):
     assert len(pooled) == 2 * 21 + 27
     for row in pooled.itertuples():
         scoped = groups if row.scope == ALL_TRAIN_SETS else groups[groups["train_set"] == row.scope]
-        pair = scoped[((scoped["x"] == row.x) & (scoped["y"] == row.y))
-                      | ((scoped["x"] == row.y) & (scoped["y"] == row.x))]
+        pair = scoped[
+            ((scoped["x"] == row.x) & (scoped["y"] == row.y)) | ((scoped["x"] == row.y) & (scoped["y"] == row.x))
+        ]
         expected = random_effects(pair["z"].to_numpy(), pair["z_se"].to_numpy() ** 2)
         in_domain = {"mnli", "snli"} & {row.x, row.y}  # OOD only when trained on the other
         assert row.k == len(pair) == (4 if row.scope == ALL_TRAIN_SETS and not in_domain else 2)
         assert (row.r, row.ci_low, row.ci_high) == pytest.approx(
-            tuple(np.tanh([expected.mu, expected.ci_low, expected.ci_high])), abs=1e-9)
+            tuple(np.tanh([expected.mu, expected.ci_low, expected.ci_high])), abs=1e-9
+        )
         assert (row.tau2, row.i2, row.q, row.q_p) == pytest.approx(
-            (expected.tau2, expected.i2, expected.q, expected.q_p), abs=1e-9)
+            (expected.tau2, expected.i2, expected.q, expected.q_p), abs=1e-9
+        )
         if row.k >= 3:
             assert (row.pi_low, row.pi_high) == pytest.approx(
-                tuple(np.tanh([expected.pi_low, expected.pi_high])), abs=1e-9)
+                tuple(np.tanh([expected.pi_low, expected.pi_high])), abs=1e-9
+            )
         else:
             assert np.isnan(row.pi_low) and "no prediction interval" in row.reason
-        weights = members[(members["scope"] == row.scope) & (members["x"] == row.x)
-                          & (members["y"] == row.y)]["weight"]
+        weights = members[(members["scope"] == row.scope) & (members["x"] == row.x) & (members["y"] == row.y)]["weight"]
         np.testing.assert_allclose(weights, expected.weights, atol=1e-9)
 
 
@@ -248,7 +259,8 @@ def test_results_that_change_with_the_residualiser_are_marked(analysed):
     np.testing.assert_allclose(groups["p_adj_linear"], linear["p_adj"], atol=1e-12)
     np.testing.assert_allclose(groups["r_spline"], spline["r"], atol=1e-12)
     expected = (np.sign(groups["r_linear"]) != np.sign(groups["r_spline"])) | (
-        (groups["p_adj_linear"] < 0.05) != (groups["p_adj_spline"] < 0.05))
+        (groups["p_adj_linear"] < 0.05) != (groups["p_adj_spline"] < 0.05)
+    )
     assert groups[SENSITIVE].tolist() == expected.tolist() == spline[SENSITIVE].tolist()
     assert expected.any() and not expected.all()
     for (model, train_set), flagged in groups.groupby(["model", "train_set"]):
@@ -259,19 +271,35 @@ def test_results_that_change_with_the_residualiser_are_marked(analysed):
 
 def test_options_reach_every_run(tmp_path, capsys):
     results = tmp_path / "results"
-    write_results_root(results, models={"opt-350m": "facebook/opt-350m"}, train_sets=("mnli",),
-                       seeds=(0, 42), shots=(32,), steps=np.arange(0, 501, 25))
-    options = ["--residualiser", "linear", "--method", "spearman", "--padjust", "fdr_bh",
-               "--probit", "--differences", "--tau2-estimator", "dl"]
+    write_results_root(
+        results,
+        models={"opt-350m": "facebook/opt-350m"},
+        train_sets=("mnli",),
+        seeds=(0, 42),
+        shots=(32,),
+        steps=np.arange(0, 501, 25),
+    )
+    options = [
+        "--residualiser",
+        "linear",
+        "--method",
+        "spearman",
+        "--padjust",
+        "fdr_bh",
+        "--probit",
+        "--differences",
+        "--tau2-estimator",
+        "dl",
+    ]
     assert main([str(results), "--out", str(tmp_path / "out"), *options]) == 0
     assert "wrote" in capsys.readouterr().out
     table = pd.read_csv(tmp_path / "out" / CSV_NAME, keep_default_na=False, na_values=[""])
     run = table[(table["level"] == "run") & (table["seed"] == 42)]
     accuracy, _ = read_accuracy(results / run["run"].iloc[0] / schema.METRICS_FILENAME)
     ood = [t for t in accuracy.columns if t not in ("mnli", "train")]
-    expected = pairwise_partial_corr(accuracy, ood, "mnli", residualiser="linear",
-                                     method="spearman", padjust="fdr_bh", probit=True,
-                                     differences=True)
+    expected = pairwise_partial_corr(
+        accuracy, ood, "mnli", residualiser="linear", method="spearman", padjust="fdr_bh", probit=True, differences=True
+    )
     assert (run["n"] == 20).all()  # 21 steps, 20 differences
     np.testing.assert_allclose(run["r"], expected["r"], atol=1e-12, rtol=0)
     np.testing.assert_allclose(run["dof"], expected["dof"], atol=1e-12, rtol=0)
@@ -281,8 +309,7 @@ def test_options_reach_every_run(tmp_path, capsys):
     assert "spline residualiser" in caption  # what its daggers compare with
     meta = pd.read_csv(tmp_path / "out" / META_CSV_NAME)
     assert set(meta["estimator"]) == {"dl"} and set(meta["residualiser"]) == {"linear"}
-    assert "DerSimonian-Laird $\\tau^2$" in (
-        tmp_path / "out" / "tables" / "meta_analysis_mnli.tex").read_text()
+    assert "DerSimonian-Laird $\\tau^2$" in (tmp_path / "out" / "tables" / "meta_analysis_mnli.tex").read_text()
     assert "mean over 2 runs of 21 evaluation steps" in caption
     assert "(Benjamini-Hochberg)" in caption
 
@@ -290,17 +317,21 @@ def test_options_reach_every_run(tmp_path, capsys):
 def test_runs_too_short_for_correlations_give_reasons_not_numbers(tmp_path, capsys):
     """Three evaluation steps (like the demo's) are fewer than k + 4 = 5 points."""
     results = tmp_path / "results"
-    write_results_root(results, models={"opt-tiny": "opt-tiny"}, train_sets=("mnli",),
-                       seeds=(0, 42), shots=(32,), steps=np.arange(0, 51, 25))
+    write_results_root(
+        results,
+        models={"opt-tiny": "opt-tiny"},
+        train_sets=("mnli",),
+        seeds=(0, 42),
+        shots=(32,),
+        steps=np.arange(0, 51, 25),
+    )
     assert main([str(results), "--out", str(tmp_path / "out")]) == 0
     capsys.readouterr()
     table = pd.read_csv(tmp_path / "out" / CSV_NAME, keep_default_na=False, na_values=[""])
     assert table["r"].isna().all() and table["p_adj"].isna().all()
     runs, groups = table[table["level"] == "run"], table[table["level"] == "group"]
     assert set(runs["reason"]) == {"too few points: n=3, needs at least k + 4 = 5"}
-    assert set(groups["reason"]) == {
-        "undefined in every run: too few points: n=3, needs at least k + 4 = 5"
-    }
+    assert set(groups["reason"]) == {"undefined in every run: too few points: n=3, needs at least k + 4 = 5"}
     assert (groups["n_runs"] == 0).all()
     matrix = (tmp_path / "out" / "tables" / "matrix_opt-tiny_mnli.tex").read_text()
     body, note = matrix.split(r"\midrule")[1].split(r"\bottomrule")
@@ -310,9 +341,15 @@ def test_runs_too_short_for_correlations_give_reasons_not_numbers(tmp_path, caps
 
 
 def good_run(directory: pathlib.Path, **changes) -> pathlib.Path:
-    arguments = dict(steps=np.arange(6), testsets=["mnli", "hans", "rte"],
-                     accuracy=np.random.default_rng(0).uniform(size=(6, 3)), in_domain="mnli",
-                     model="opt-125m", seed=0, shots=32)
+    arguments = dict(
+        steps=np.arange(6),
+        testsets=["mnli", "hans", "rte"],
+        accuracy=np.random.default_rng(0).uniform(size=(6, 3)),
+        in_domain="mnli",
+        model="opt-125m",
+        seed=0,
+        shots=32,
+    )
     return write_run(directory, **(arguments | changes))
 
 
@@ -333,8 +370,10 @@ def replace_npz_key(path: pathlib.Path, key: str, value) -> None:
             r"not a run's metrics .*: missing keys \['step', 'testsets', 'accuracy'",
         ),
         (
-            lambda root: (root / "run").mkdir(parents=True)
-            or (root / "run" / "metrics.npz").write_text("step,accuracy\n0,0.5\n"),
+            lambda root: (
+                (root / "run").mkdir(parents=True)
+                or (root / "run" / "metrics.npz").write_text("step,accuracy\n0,0.5\n")
+            ),
             r"no readable metrics\.npz under .*: all 1 skipped, first .*metrics\.npz: not a "
             "readable npz file",
         ),
@@ -343,8 +382,7 @@ def replace_npz_key(path: pathlib.Path, key: str, value) -> None:
             r"the in-domain testset 'snli' is not among its testsets \['mnli', 'hans', 'rte'\]",
         ),
         (
-            lambda root: replace_npz_key(good_run(root / "run"), schema.CONFIG,
-                                         np.asarray(json.dumps({"model": {}}))),
+            lambda root: replace_npz_key(good_run(root / "run"), schema.CONFIG, np.asarray(json.dumps({"model": {}}))),
             r"its config must be JSON with an object 'run' holding 'model', 'seed' and 'shots'",
         ),
         (
@@ -356,8 +394,16 @@ def replace_npz_key(path: pathlib.Path, key: str, value) -> None:
             r"OOD testsets \['hans'\]: pairs of OOD testsets need at least two",
         ),
     ],
-    ids=["empty", "missing", "other-schema", "not-npz", "no-in-domain", "no-run-identity",
-         "bad-shape", "one-ood-testset"],
+    ids=[
+        "empty",
+        "missing",
+        "other-schema",
+        "not-npz",
+        "no-in-domain",
+        "no-run-identity",
+        "bad-shape",
+        "one-ood-testset",
+    ],
 )
 def test_bad_results_roots_get_a_clear_error(tmp_path, capsys, make_root, message):
     root = tmp_path / "results"
@@ -374,9 +420,7 @@ def test_accuracies_an_option_cannot_take_are_an_error_naming_the_run(tmp_path, 
     accuracy[2, 1] = 1.5  # not an accuracy: probit is undefined
     path = good_run(tmp_path / "results" / "run", accuracy=accuracy)
     assert main([str(tmp_path / "results"), "--out", str(tmp_path / "out"), "--probit"]) == 2
-    assert capsys.readouterr().err == (
-        f"error: {path}: probit needs accuracies in [0, 1]; column 'hans' has [1.5]\n"
-    )
+    assert capsys.readouterr().err == (f"error: {path}: probit needs accuracies in [0, 1]; column 'hans' has [1.5]\n")
     assert not (tmp_path / "out").exists()
     assert not list(tmp_path.rglob(".analysis-*"))
 
@@ -412,9 +456,11 @@ def overflow_and_smallest_font(fig) -> tuple[float, float]:
     box = fig.get_tightbbox()
     width, height = fig.get_size_inches()
     overflow = max(-box.x0, -box.y0, box.x1 - width, box.y1 - height, 0.0)
-    shown = [text for text in fig.findobj(matplotlib.text.Text)
-             if text.get_visible() and text.get_text().strip()
-             and (text.axes is None or text.axes.get_visible())]
+    shown = [
+        text
+        for text in fig.findobj(matplotlib.text.Text)
+        if text.get_visible() and text.get_text().strip() and (text.axes is None or text.axes.get_visible())
+    ]
     return overflow, min(text.get_fontsize() for text in shown)
 
 
@@ -426,8 +472,10 @@ def test_no_figure_is_cut_off_and_every_text_is_readable(shipped, tmp_path):
     for seed in (0, 1, 2):  # three runs of the same accuracies: daggers, and their note
         good_run(tmp_path / "results" / f"run{seed}", seed=seed)
     smallest_layouts = analyse_and_measure(tmp_path / "results", tmp_path / "out")
-    assert r"\dagger$ sign or significance differs" in (
-        tmp_path / "out" / "tables" / "matrix_opt-125m_mnli.tex").read_text()
+    assert (
+        r"\dagger$ sign or significance differs"
+        in (tmp_path / "out" / "tables" / "matrix_opt-125m_mnli.tex").read_text()
+    )
     for name, (overflow, smallest) in (layouts | smallest_layouts).items():
         assert overflow < 0.01, f"{name}: drawn {overflow:.2f} in past its edge"
         assert smallest >= 6, f"{name}: a {smallest} pt text"
@@ -451,22 +499,26 @@ def test_summary_orders_families_and_sizes_read_from_the_configs(shipped):
     caption, body = (out / "tables" / "summary.tex").read_text().split(r"\midrule")[:2]
     assert "Pearson correlation, spline residualiser; 32 runs of 7 evaluation steps" in caption
     rows = [line.split(" & ")[:3] for line in body.splitlines() if " & " in line]
-    order = [("OLMo 2", "7B"), ("OLMo 2", "13B"), ("OLMo 2", "32B"), ("OPT", "2.7B"),
-             ("OPT", "6.7B"), ("OPT", "13B"), ("OPT", "30B"), ("SmolLM3", "3B")]
+    order = [
+        ("OLMo 2", "7B"),
+        ("OLMo 2", "13B"),
+        ("OLMo 2", "32B"),
+        ("OPT", "2.7B"),
+        ("OPT", "6.7B"),
+        ("OPT", "13B"),
+        ("OPT", "30B"),
+        ("SmolLM3", "3B"),
+    ]
     assert rows == [[family, size, train] for family, size in order for train in ("MNLI", "SNLI")]
 
 
 def test_accuracies_are_written_in_long_form_as_csv_and_parquet(shipped):
     results, out, _ = shipped
     table = pd.read_csv(out / "accuracies.csv")
-    assert list(table.columns) == ["run", "model", "train_set", "seed", "shots", "step",
-                                   "testset", "accuracy"]
-    pd.testing.assert_frame_equal(pd.read_parquet(out / "accuracies.parquet"), table,
-                                  check_dtype=False)
+    assert list(table.columns) == ["run", "model", "train_set", "seed", "shots", "step", "testset", "accuracy"]
+    pd.testing.assert_frame_equal(pd.read_parquet(out / "accuracies.parquet"), table, check_dtype=False)
     run = table[table["run"] == "opt2.7_snli_seed0_shots64"]
-    assert set(run[["model", "train_set", "seed", "shots"]].itertuples(index=False)) == {
-        ("opt2.7", "snli", 0, 64)
-    }
+    assert set(run[["model", "train_set", "seed", "shots"]].itertuples(index=False)) == {("opt2.7", "snli", 0, 64)}
     accuracy, _ = read_accuracy(results / "opt2.7_snli_seed0_shots64" / schema.METRICS_FILENAME)
     expected = accuracy.set_index(np.arange(0, 151, 25)).stack()
     got = run.set_index(["step", "testset"])["accuracy"]
@@ -476,8 +528,9 @@ def test_accuracies_are_written_in_long_form_as_csv_and_parquet(shipped):
 
 def test_hub_ids_as_model_names_get_safe_file_names(tmp_path, capsys):
     results = tmp_path / "results"
-    write_results_root(results, models={"facebook/opt-125m": "facebook/opt-125m"},
-                       train_sets=("mnli",), seeds=(0, 42), shots=(32,))
+    write_results_root(
+        results, models={"facebook/opt-125m": "facebook/opt-125m"}, train_sets=("mnli",), seeds=(0, 42), shots=(32,)
+    )
     assert main([str(results), "--out", str(tmp_path / "out")]) == 0
     capsys.readouterr()
     assert (tmp_path / "out" / "figures" / "heatmap_facebook-opt-125m_mnli.pdf").is_file()
@@ -487,9 +540,11 @@ def test_hub_ids_as_model_names_get_safe_file_names(tmp_path, capsys):
 @pytest.mark.parametrize(
     "names, message",
     [
-        (("facebook/opt-125m", "facebook-opt-125m"),
-         r"\('facebook-opt-125m', 'mnli'\) and \('facebook/opt-125m', 'mnli'\) -> "
-         r"'facebook-opt-125m_mnli'"),
+        (
+            ("facebook/opt-125m", "facebook-opt-125m"),
+            r"\('facebook-opt-125m', 'mnli'\) and \('facebook/opt-125m', 'mnli'\) -> "
+            r"'facebook-opt-125m_mnli'",
+        ),
         (("OPT-125m", "opt-125m"), r"\('OPT-125m', 'mnli'\) and \('opt-125m', 'mnli'\)"),
     ],
     ids=["slash-vs-dash", "case"],
@@ -497,8 +552,7 @@ def test_hub_ids_as_model_names_get_safe_file_names(tmp_path, capsys):
 def test_names_whose_files_would_collide_are_an_error(tmp_path, capsys, names, message):
     results = tmp_path / "results"
     for index, name in enumerate(names):
-        good_run(results / f"run{index}", model=name,
-                 config={"model": {"path": "facebook/opt-125m"}})
+        good_run(results / f"run{index}", model=name, config={"model": {"path": "facebook/opt-125m"}})
     assert main([str(results), "--out", str(tmp_path / "out")]) == 2
     assert re.search(message, capsys.readouterr().err)
     assert not (tmp_path / "out").exists()
@@ -520,8 +574,7 @@ def test_a_column_without_any_accuracy_gives_reasons_and_every_file(tmp_path, ca
     accuracy = np.random.default_rng(0).uniform(0.4, 0.9, size=(8, 4))
     accuracy[:, testsets.index(empty)] = np.nan
     for seed in (0, 1):
-        good_run(results / f"run{seed}", steps=np.arange(8), testsets=testsets,
-                 accuracy=accuracy, seed=seed)
+        good_run(results / f"run{seed}", steps=np.arange(8), testsets=testsets, accuracy=accuracy, seed=seed)
     assert main([str(results), "--out", str(tmp_path / "out")]) == 0
     capsys.readouterr()
     table = pd.read_csv(tmp_path / "out" / CSV_NAME, keep_default_na=False, na_values=[""])
@@ -530,20 +583,18 @@ def test_a_column_without_any_accuracy_gives_reasons_and_every_file(tmp_path, ca
     reason = f"no value in '{empty}': all NaN"
     assert involved["r"].isna().all()
     assert set(involved.loc[involved["level"] == "run", "reason"]) == {reason}
-    assert set(involved.loc[involved["level"] == "group", "reason"]) == {
-        f"undefined in every run: {reason}"
-    }
+    assert set(involved.loc[involved["level"] == "group", "reason"]) == {f"undefined in every run: {reason}"}
     assert table.drop(involved.index)["r"].notna().all()
     matrix = (tmp_path / "out" / "tables" / "matrix_opt-125m_mnli.tex").read_text()
     assert rf"\footnotesize -- undefined in every run: {reason}.}}" in matrix
     summary = (tmp_path / "out" / "tables" / "summary.tex").read_text()
-    assert ("no pair of testsets has a partial correlation in any run" in summary) == (
-        empty == "mnli"
-    )
+    assert ("no pair of testsets has a partial correlation in any run" in summary) == (empty == "mnli")
     compiled = subprocess.run(
-        ["pdflatex", "-interaction=nonstopmode", "-halt-on-error",
-         f"-output-directory={tmp_path}", "tables.tex"],
-        cwd=tmp_path / "out" / "tables", capture_output=True, text=True, timeout=120,
+        ["pdflatex", "-interaction=nonstopmode", "-halt-on-error", f"-output-directory={tmp_path}", "tables.tex"],
+        cwd=tmp_path / "out" / "tables",
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert compiled.returncode == 0, compiled.stdout[-3000:]
     for kind in ("heatmap", "curves", "ood_vs_in_domain"):
@@ -553,22 +604,32 @@ def test_a_column_without_any_accuracy_gives_reasons_and_every_file(tmp_path, ca
 def test_the_matrix_note_gives_each_reason_once_and_pairs_never_evaluated():
     empty = "undefined in every run: no value in 'paws': all NaN"
     pairs = pd.DataFrame(
-        [("hans", "rte", 0.5, 0.01, "", False), ("hans", "paws", np.nan, np.nan, empty, False),
-         ("rte", "paws", np.nan, np.nan, empty, False)],
+        [
+            ("hans", "rte", 0.5, 0.01, "", False),
+            ("hans", "paws", np.nan, np.nan, empty, False),
+            ("rte", "paws", np.nan, np.nan, empty, False),
+        ],
         columns=["x", "y", "r", "p_adj", "reason", SENSITIVE],
     )  # no run has anli_r3 beside the others
-    latex = tables.matrix_table(pairs, ["hans", "rte", "paws", "anli_r3"], caption="c", label="l",
-                                other_residualiser="linear")
+    latex = tables.matrix_table(
+        pairs, ["hans", "rte", "paws", "anli_r3"], caption="c", label="l", other_residualiser="linear"
+    )
     assert latex.split(r"\midrule")[1].split(r"\bottomrule")[0].count("--") == 5
-    assert (r"\par\smallskip{\footnotesize -- undefined in every run: no value in 'paws': all "
-            "NaN; no run evaluated both testsets.}") in latex
-    assert r"\footnotesize" not in tables.matrix_table(pairs[:1], ["hans", "rte"], caption="c",
-                                                        label="l", other_residualiser="linear")
-    sensitive = tables.matrix_table(pairs[:1].assign(**{SENSITIVE: True}), ["hans", "rte"],
-                                    caption="c", label="l", other_residualiser="linear")
+    assert (
+        r"\par\smallskip{\footnotesize -- undefined in every run: no value in 'paws': all "
+        "NaN; no run evaluated both testsets.}"
+    ) in latex
+    assert r"\footnotesize" not in tables.matrix_table(
+        pairs[:1], ["hans", "rte"], caption="c", label="l", other_residualiser="linear"
+    )
+    sensitive = tables.matrix_table(
+        pairs[:1].assign(**{SENSITIVE: True}), ["hans", "rte"], caption="c", label="l", other_residualiser="linear"
+    )
     assert r"$0.50$ & $^{*\dagger}$" in sensitive
-    assert (r"{\footnotesize $\dagger$ sign or significance differs under the linear "
-            r"residualiser (or $r$ is defined under one only).}") in sensitive
+    assert (
+        r"{\footnotesize $\dagger$ sign or significance differs under the linear "
+        r"residualiser (or $r$ is defined under one only).}"
+    ) in sensitive
 
 
 def two_runs(results: pathlib.Path) -> list[pathlib.Path]:
@@ -587,12 +648,9 @@ def test_unreadable_files_and_identical_copies_are_named_and_skipped(tmp_path, c
     assert captured.err.splitlines() == [
         f"warning: {killed}: not a readable npz file (BadZipFile: File is not a zip file); "
         "skipped, its run counts as unfinished",
-        f"warning: {original}: a byte-identical copy of "
-        f"{results / 'copied' / 'run0' / 'metrics.npz'}; counted once",
+        f"warning: {original}: a byte-identical copy of {results / 'copied' / 'run0' / 'metrics.npz'}; counted once",
     ]
-    assert captured.out.startswith(
-        f"analysed 2 runs under {results} (2 metrics.npz skipped, see the warnings); wrote "
-    )
+    assert captured.out.startswith(f"analysed 2 runs under {results} (2 metrics.npz skipped, see the warnings); wrote ")
     table = pd.read_csv(out / CSV_NAME)
     assert set(table["run"].dropna()) == {"run0", "run1"}
     assert table.loc[table["level"] == "group", "n_runs"].eq(2).all()
@@ -604,8 +662,9 @@ def test_unreadable_files_and_identical_copies_are_named_and_skipped(tmp_path, c
 def test_one_run_found_twice_with_different_contents_is_an_error(tmp_path, capsys):
     results = tmp_path / "results"
     original = two_runs(results)[0]
-    copy = good_run(results / "rerun" / "run0", steps=np.arange(7),
-                    accuracy=np.random.default_rng(1).uniform(size=(7, 3)))
+    copy = good_run(
+        results / "rerun" / "run0", steps=np.arange(7), accuracy=np.random.default_rng(1).uniform(size=(7, 3))
+    )
     assert main([str(results), "--out", str(tmp_path / "out")]) == 2
     error = capsys.readouterr().err
     assert error == (
@@ -617,8 +676,9 @@ def test_one_run_found_twice_with_different_contents_is_an_error(tmp_path, capsy
 
 
 def snapshot(directory: pathlib.Path) -> dict[str, bytes]:
-    return {str(path.relative_to(directory)): path.read_bytes()
-            for path in sorted(directory.rglob("*")) if path.is_file()}
+    return {
+        str(path.relative_to(directory)): path.read_bytes() for path in sorted(directory.rglob("*")) if path.is_file()
+    }
 
 
 def test_a_failing_analysis_leaves_out_as_it_was(tmp_path, capsys, monkeypatch):
@@ -653,9 +713,7 @@ def test_a_failing_analysis_leaves_out_as_it_was(tmp_path, capsys, monkeypatch):
     assert not list(tmp_path.rglob(".analysis-*"))
 
 
-def test_a_directory_where_an_output_file_goes_is_an_error_before_any_file_moves(
-    tmp_path, capsys
-):
+def test_a_directory_where_an_output_file_goes_is_an_error_before_any_file_moves(tmp_path, capsys):
     results, out = tmp_path / "results", tmp_path / "paper"
     two_runs(results)
     assert main([str(results), "--out", str(out)]) == 0
@@ -666,9 +724,7 @@ def test_a_directory_where_an_output_file_goes_is_an_error_before_any_file_moves
     good_run(results / "job2" / "run2", seed=2)
     capsys.readouterr()
     assert main([str(results), "--out", str(out)]) == 2
-    assert capsys.readouterr().err == (
-        f"error: --out {out}: directories stand where files go: ['{blocked}']\n"
-    )
+    assert capsys.readouterr().err == (f"error: --out {out}: directories stand where files go: ['{blocked}']\n")
     assert snapshot(out) == before
     assert not list(tmp_path.rglob(".analysis-*"))
 
@@ -677,10 +733,11 @@ def test_a_directory_where_an_output_file_goes_is_an_error_before_any_file_moves
     "make_out, message",
     [
         (lambda tmp: tmp / "paper.pdf", "--out {tmp}/paper.pdf is a file, not a directory"),
-        (lambda tmp: tmp / "paper.pdf" / "analysis",
-         "--out {tmp}/paper.pdf/analysis: {tmp}/paper.pdf is a file, not a directory"),
-        (lambda tmp: (tmp / "paper.pdf").parent,
-         "--out {tmp}: {tmp}/tables is a file, where the tables go"),
+        (
+            lambda tmp: tmp / "paper.pdf" / "analysis",
+            "--out {tmp}/paper.pdf/analysis: {tmp}/paper.pdf is a file, not a directory",
+        ),
+        (lambda tmp: (tmp / "paper.pdf").parent, "--out {tmp}: {tmp}/tables is a file, where the tables go"),
     ],
     ids=["out", "parent", "tables"],
 )

@@ -10,6 +10,7 @@ import pingouin
 import pytest
 import scipy.optimize
 import scipy.stats
+from fixtures_results import BERTS_IN_DOMAIN, berts_of_a_feather
 from statsmodels.stats.meta_analysis import combine_effects
 from statsmodels.stats.oneway import anova_oneway
 
@@ -26,23 +27,40 @@ from analysis.meta import (
 )
 from analysis.naming import ModelInfo
 from analysis.sensitivity import SENSITIVE, compare_residualisers, summarise_changes
-from fixtures_results import BERTS_IN_DOMAIN, berts_of_a_feather
 
 # statsmodels' Paule-Mandel stops iterating at a tolerance (see the test); DL is closed form.
 TOLERANCE = 1e-7
-HEURISTICS = ["Lexical (entailed)", "Subseq (entailed)", "Constituent (entailed)",
-              "Lexical (nonent)", "Subseq (nonent)", "Constituent (nonent)"]
+HEURISTICS = [
+    "Lexical (entailed)",
+    "Subseq (entailed)",
+    "Constituent (entailed)",
+    "Lexical (nonent)",
+    "Subseq (nonent)",
+    "Constituent (nonent)",
+]
 # The 100 runs as "models": five of 20 (as equal as the study's), and five of unequal size,
 # where REML, Paule-Mandel and DerSimonian-Laird give different tau^2.
 SPLITS = {"equal": [20] * 5, "unequal": [8, 14, 20, 26, 32]}
 # BCG vaccine trials (Colditz et al. 1994; metafor's dat.bcg): vaccinated TB cases and
 # non-cases, then control TB cases and non-cases.
-BCG = np.array([
-    [4, 119, 11, 128], [6, 300, 29, 274], [3, 228, 11, 209], [62, 13536, 248, 12619],
-    [33, 5036, 47, 5761], [180, 1361, 372, 1079], [8, 2537, 10, 619], [505, 87886, 499, 87892],
-    [29, 7470, 45, 7232], [17, 1699, 65, 1600], [186, 50448, 141, 27197], [5, 2493, 3, 2338],
-    [27, 16886, 29, 17825],
-], dtype=float)
+BCG = np.array(
+    [
+        [4, 119, 11, 128],
+        [6, 300, 29, 274],
+        [3, 228, 11, 209],
+        [62, 13536, 248, 12619],
+        [33, 5036, 47, 5761],
+        [180, 1361, 372, 1079],
+        [8, 2537, 10, 619],
+        [505, 87886, 499, 87892],
+        [29, 7470, 45, 7232],
+        [17, 1699, 65, 1600],
+        [186, 50448, 141, 27197],
+        [5, 2493, 3, 2338],
+        [27, 16886, 29, 17825],
+    ],
+    dtype=float,
+)
 
 
 def berts_groups(shared_data, split: str, x: str, y: str) -> tuple[np.ndarray, np.ndarray]:
@@ -96,8 +114,9 @@ def test_random_effects_match_statsmodels_on_berts_of_a_feather(shared_data, our
         assert result.q == pytest.approx(reference.q, abs=TOLERANCE), case
         assert result.q_p == pytest.approx(reference.test_homogeneity().pvalue, abs=TOLERANCE)
         expected_ci = hksj_ci if hksj_scale >= 1.0 else ci
-        np.testing.assert_allclose([result.ci_low, result.ci_high], expected_ci, atol=TOLERANCE,
-                                   rtol=0, err_msg=str(case))
+        np.testing.assert_allclose(
+            [result.ci_low, result.ci_high], expected_ci, atol=TOLERANCE, rtol=0, err_msg=str(case)
+        )
         if ours == DERSIMONIAN_LAIRD:
             assert result.i2 == pytest.approx(max(reference.i2, 0.0), abs=TOLERANCE), case
         branches.add((heterogeneous, hksj_scale >= 1.0))
@@ -109,8 +128,7 @@ def restricted_log_likelihood(effects: np.ndarray, variances: np.ndarray, tau2: 
     -1/2 (sum log(v + tau^2) + log sum w + sum w (y - mu_w)^2), w = 1 / (v + tau^2)."""
     w = 1.0 / (variances + tau2)
     mu = np.sum(w * effects) / w.sum()
-    return -0.5 * (np.sum(np.log(variances + tau2)) + np.log(w.sum())
-                   + np.sum(w * (effects - mu) ** 2))
+    return -0.5 * (np.sum(np.log(variances + tau2)) + np.log(w.sum()) + np.sum(w * (effects - mu) ** 2))
 
 
 def test_reml_maximises_the_restricted_likelihood(shared_data):
@@ -125,7 +143,8 @@ def test_reml_maximises_the_restricted_likelihood(shared_data):
         best = int(np.argmax(likelihood))
         search = scipy.optimize.minimize_scalar(
             lambda tau2: -restricted_log_likelihood(z, variances, tau2),
-            bounds=(grid[max(best - 1, 0)], grid[best + 1]), method="bounded",
+            bounds=(grid[max(best - 1, 0)], grid[best + 1]),
+            method="bounded",
             options={"xatol": 1e-12},
         )
         brute = 0.0 if best == 0 and search.x < 1e-9 else search.x
@@ -141,11 +160,8 @@ def test_dat_bcg_matches_metafor():
     """Log risk ratios of the BCG trials: metafor's DerSimonian-Laird results (its tests compare
     them with Stata's metan) and the I^2 of its REML fit (easystats' performance tests)."""
     vaccinated, vaccinated_free, control, control_free = BCG.T
-    log_rr = np.log(vaccinated / (vaccinated + vaccinated_free)) - np.log(
-        control / (control + control_free)
-    )
-    variances = (1 / vaccinated - 1 / (vaccinated + vaccinated_free) + 1 / control
-                 - 1 / (control + control_free))
+    log_rr = np.log(vaccinated / (vaccinated + vaccinated_free)) - np.log(control / (control + control_free))
+    variances = 1 / vaccinated - 1 / (vaccinated + vaccinated_free) + 1 / control - 1 / (control + control_free)
     dl = random_effects(log_rr, variances, estimator=DERSIMONIAN_LAIRD)
     wald = dl.mu + np.array([-1, 1]) * scipy.stats.norm.ppf(0.975) * dl.se
     assert dl.mu == pytest.approx(-0.7141, abs=5e-5)
@@ -170,8 +186,7 @@ def test_prediction_interval_is_the_closed_form():
     mu = np.sum(w_star * y) / w_star.sum()
     half_width = scipy.stats.t.ppf(0.975, 3) * np.sqrt(tau2 + 1 / w_star.sum())
     result = random_effects(y, v, estimator=DERSIMONIAN_LAIRD)
-    np.testing.assert_allclose([result.pi_low, result.pi_high],
-                               [mu - half_width, mu + half_width], atol=1e-12, rtol=0)
+    np.testing.assert_allclose([result.pi_low, result.pi_high], [mu - half_width, mu + half_width], atol=1e-12, rtol=0)
     two = random_effects(y[:2], v[:2])
     assert np.isnan(two.pi_low) and np.isnan(two.pi_high) and np.isfinite(two.ci_low)
 
@@ -192,12 +207,16 @@ def simulate(tau2: float, *, draws: int, known_variances: bool = False, seed: in
         variances = sd**2 / runs if known_variances else estimated
         result = random_effects(z.mean(axis=1), variances)
         new_model = 0.3 + np.sqrt(tau2) * rng.normal()
-        rows.append((
-            result.tau2, result.q_p < 0.05,
-            welch_test(z.mean(axis=1), estimated, np.full(models, runs)) < 0.05,
-            result.ci_low <= 0.3 <= result.ci_high, result.pi_low <= new_model <= result.pi_high,
-            variances.mean(),
-        ))
+        rows.append(
+            (
+                result.tau2,
+                result.q_p < 0.05,
+                welch_test(z.mean(axis=1), estimated, np.full(models, runs)) < 0.05,
+                result.ci_low <= 0.3 <= result.ci_high,
+                result.pi_low <= new_model <= result.pi_high,
+                variances.mean(),
+            )
+        )
     return pd.DataFrame(rows, columns=["tau2", "cochran", "welch", "ci", "pi", "within"])
 
 
@@ -236,8 +255,10 @@ def test_welch_test_matches_statsmodels():
 
 
 MODELS = {
-    "opt-big": ModelInfo("opt", 13.0), "opt-small": ModelInfo("opt", 2.7),
-    "olmo": ModelInfo("olmo2", 7.0), "solo": ModelInfo("smollm3", 3.0),
+    "opt-big": ModelInfo("opt", 13.0),
+    "opt-small": ModelInfo("opt", 2.7),
+    "olmo": ModelInfo("olmo2", 7.0),
+    "solo": ModelInfo("smollm3", 3.0),
 }
 
 
@@ -253,9 +274,19 @@ def run_table(seed: int = 0) -> pd.DataFrame:
                 if model == "olmo":
                     x, y = y, x
                 r = np.tanh(0.3 + offset + rng.normal(0, 0.2))
-                rows.append({"model": model, "train_set": train_set, "seed": run, "shots": 32,
-                             "run": f"{model}_{train_set}_{run}", "x": x, "y": y, "r": r,
-                             "reason": ""})
+                rows.append(
+                    {
+                        "model": model,
+                        "train_set": train_set,
+                        "seed": run,
+                        "shots": 32,
+                        "run": f"{model}_{train_set}_{run}",
+                        "x": x,
+                        "y": y,
+                        "r": r,
+                        "reason": "",
+                    }
+                )
     return pd.DataFrame(rows)
 
 
@@ -265,16 +296,13 @@ def test_meta_analysis_combines_each_models_runs_with_their_variance():
     runs = run_table()
     pooled, members = meta_analyse(combine_runs(runs), MODELS)
     assert list(dict.fromkeys(pooled["scope"])) == ["mnli", "snli", ALL_TRAIN_SETS]
-    assert set(zip(pooled["x"], pooled["y"])) == {("hans", "rte"), ("hans", "paws"),
-                                                  ("rte", "paws")}
-    mnli = members[(members["scope"] == "mnli") & (members["x"] == "hans")
-                   & (members["y"] == "paws")]
+    assert set(zip(pooled["x"], pooled["y"])) == {("hans", "rte"), ("hans", "paws"), ("rte", "paws")}
+    mnli = members[(members["scope"] == "mnli") & (members["x"] == "hans") & (members["y"] == "paws")]
     assert list(mnli["model"]) == ["olmo", "opt-small", "opt-big", "solo"]
     assert mnli["weight"].isna().tolist() == [False, False, False, True]
     assert mnli["weight"].sum() == pytest.approx(1.0)
     for row in pooled.itertuples():
-        chosen = runs[(runs["model"] != "solo") & (
-            (runs["train_set"] == row.scope) | (row.scope == ALL_TRAIN_SETS))]
+        chosen = runs[(runs["model"] != "solo") & ((runs["train_set"] == row.scope) | (row.scope == ALL_TRAIN_SETS))]
         chosen = chosen[[{x, y} == {row.x, row.y} for x, y in zip(chosen["x"], chosen["y"])]]
         z = chosen.assign(z=np.arctanh(chosen["r"])).groupby(["model", "train_set"])["z"]
         expected = random_effects(z.mean().to_numpy(), (z.var(ddof=1) / z.count()).to_numpy())
@@ -282,15 +310,12 @@ def test_meta_analysis_combines_each_models_runs_with_their_variance():
         assert row.n_left_out == (2 if row.scope == ALL_TRAIN_SETS else 1)
         assert row.r == pytest.approx(np.tanh(expected.mu), abs=1e-12)
         assert (row.ci_low, row.ci_high, row.pi_low, row.pi_high) == pytest.approx(
-            tuple(np.tanh([expected.ci_low, expected.ci_high, expected.pi_low,
-                           expected.pi_high])), abs=1e-12)
-        assert (row.tau2, row.i2, row.q) == pytest.approx(
-            (expected.tau2, expected.i2, expected.q), abs=1e-12)
+            tuple(np.tanh([expected.ci_low, expected.ci_high, expected.pi_low, expected.pi_high])), abs=1e-12
+        )
+        assert (row.tau2, row.i2, row.q) == pytest.approx((expected.tau2, expected.i2, expected.q), abs=1e-12)
         assert row.n_agree == np.sum(np.sign(z.mean()) == np.sign(expected.mu))
     family = pooled[pooled["scope"] == "mnli"]
-    np.testing.assert_allclose(
-        family["p_adj"], pingouin.multicomp(family["p"].to_numpy(), method="holm")[1]
-    )
+    np.testing.assert_allclose(family["p_adj"], pingouin.multicomp(family["p"].to_numpy(), method="holm")[1])
 
 
 def test_too_few_models_give_reasons_not_numbers():
@@ -304,19 +329,21 @@ def test_too_few_models_give_reasons_not_numbers():
     pooled, members = meta_analyse(combine_runs(one_model), MODELS)
     assert list(pooled["scope"]) == ["mnli"] * 3  # one training set: no scope over all
     assert pooled[["r", "ci_low", "tau2", "p", "p_adj"]].isna().all().all()
-    assert set(pooled["reason"]) == {
-        "1 model(s) with a variance across runs: a meta-analysis needs two"
-    }
-    assert members.loc[members["model"] == "solo", "reason"].eq(
-        "one run: no interval across runs").all()
+    assert set(pooled["reason"]) == {"1 model(s) with a variance across runs: a meta-analysis needs two"}
+    assert members.loc[members["model"] == "solo", "reason"].eq("one run: no interval across runs").all()
 
 
 def test_residualiser_comparison_flags_sign_significance_and_definition():
     keys = ["model", "x", "y"]
-    linear = pd.DataFrame({
-        "model": ["m"] * 5, "x": list("abcde"), "y": ["z"] * 5,
-        "r": [0.5, 0.3, 0.4, np.nan, 0.2], "p_adj": [0.001, 0.2, 0.01, np.nan, 0.3],
-    })
+    linear = pd.DataFrame(
+        {
+            "model": ["m"] * 5,
+            "x": list("abcde"),
+            "y": ["z"] * 5,
+            "r": [0.5, 0.3, 0.4, np.nan, 0.2],
+            "p_adj": [0.001, 0.2, 0.01, np.nan, 0.3],
+        }
+    )
     spline = linear.assign(r=[0.45, -0.1, 0.2, 0.3, 0.25], p_adj=[0.002, 0.6, 0.2, 0.04, 0.4])
     comparison = compare_residualisers({"linear": linear, "spline": spline}, keys)
     assert list(comparison["x"]) == list("abcde")
@@ -328,7 +355,5 @@ def test_residualiser_comparison_flags_sign_significance_and_definition():
     summary = summarise_changes(comparison, ["model"], ["linear", "spline"]).iloc[0]
     assert summary["n_pairs"] == 4
     assert (summary["n_sig_positive_linear"], summary["n_sig_positive_spline"]) == (2, 2)
-    assert summary["mean_r_linear"] == pytest.approx(np.tanh(np.arctanh([0.5, 0.3, 0.4, 0.2])
-                                                             .mean()))
-    assert (summary["sign_changes"], summary["significance_changes"],
-            summary["definition_changes"]) == (1, 1, 1)
+    assert summary["mean_r_linear"] == pytest.approx(np.tanh(np.arctanh([0.5, 0.3, 0.4, 0.2]).mean()))
+    assert (summary["sign_changes"], summary["significance_changes"], summary["definition_changes"]) == (1, 1, 1)

@@ -3,18 +3,23 @@
 import math
 
 import pytest
+from fixtures_results import SHIPPED_CONFIGS, shipped_config
 
 from analysis.naming import DISPLAY_NAMES, UNKNOWN, ModelInfo, display_name, hub_id_info, model_info, slug, unique_stems
 from analysis.padjust import PADJUST_METHODS
 from analysis.stats import METHODS
-from fixtures_results import SHIPPED_CONFIGS, shipped_config
 from oodjax.data.testsets import TESTSETS
 
 # What each shipped model name stands for: family and parameters in billions.
 SHIPPED_MODELS = {
-    "opt2.7": ("opt", 2.7), "opt6.7": ("opt", 6.7), "opt13": ("opt", 13.0),
-    "opt30": ("opt", 30.0), "olmo7": ("olmo2", 7.0), "olmo13": ("olmo2", 13.0),
-    "olmo32": ("olmo2", 32.0), "smol3": ("smollm3", 3.0),
+    "opt2.7": ("opt", 2.7),
+    "opt6.7": ("opt", 6.7),
+    "opt13": ("opt", 13.0),
+    "opt30": ("opt", 30.0),
+    "olmo7": ("olmo2", 7.0),
+    "olmo13": ("olmo2", 13.0),
+    "olmo32": ("olmo2", 32.0),
+    "smol3": ("smollm3", 3.0),
 }
 
 
@@ -62,9 +67,7 @@ def test_stems_keep_dots_and_make_hub_ids_safe():
     assert slug("a b/c_d", "snli") == "a-b-c-d_snli"
 
 
-@pytest.mark.parametrize(
-    "first, second", [("facebook/opt-2.7b", "facebook-opt-2.7b"), ("OPT-1b", "opt-1b")]
-)
+@pytest.mark.parametrize("first, second", [("facebook/opt-2.7b", "facebook-opt-2.7b"), ("OPT-1b", "opt-1b")])
 def test_stems_that_would_overwrite_each_other_are_an_error(first, second):
     with pytest.raises(ValueError, match="would write to the same files"):
         unique_stems([(first, "mnli"), (second, "mnli")])

@@ -56,9 +56,7 @@ def dense_gcv_fit(covariate: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, flo
     omega = roughness_matrix((values - values[0]) / (values[-1] - values[0]))
     best = (np.inf, None, None)
     for log_lambda in np.arange(-8.0, 4.0, 0.005):
-        hat = incidence @ np.linalg.solve(
-            incidence.T @ incidence + 10.0**log_lambda * omega, incidence.T
-        )
+        hat = incidence @ np.linalg.solve(incidence.T @ incidence + 10.0**log_lambda * omega, incidence.T)
         edf = np.trace(hat)
         score = y.size * np.sum((y - hat @ y) ** 2) / (y.size - edf) ** 2
         if edf <= 10.0 and score < best[0]:
@@ -93,7 +91,9 @@ def test_spline_needs_one_covariate_with_five_distinct_values():
     with pytest.raises(ValueError, match="at least 5 distinct covariate values, got 4"):
         fit_spline(np.repeat([0.1, 0.2, 0.3, 0.4], 3), np.arange(12.0))
     result = partial_corr(
-        np.arange(12.0) ** 2, np.sin(np.arange(12.0)), np.repeat([0.1, 0.2, 0.3, 0.4], 3),
+        np.arange(12.0) ** 2,
+        np.sin(np.arange(12.0)),
+        np.repeat([0.1, 0.2, 0.3, 0.4], 3),
         residualiser="spline",
     )
     assert np.isnan(result.r)
@@ -114,10 +114,7 @@ def synthetic_runs(nonlinear: bool, rho: float, count: int = 60, steps: int = 25
 
 def mean_r(nonlinear: bool, residualiser: str, rho: float = 0.3) -> tuple[float, float, float]:
     """Mean r over runs (Fisher z), CI coverage of rho, and mean t-test dof."""
-    results = [
-        partial_corr(x, y, a, residualiser=residualiser)
-        for a, x, y in synthetic_runs(nonlinear, rho)
-    ]
+    results = [partial_corr(x, y, a, residualiser=residualiser) for a, x, y in synthetic_runs(nonlinear, rho)]
     r = np.array([res.r for res in results])
     coverage = np.mean([res.ci_low <= rho <= res.ci_high for res in results])
     mean_dof = np.mean([res.dof for res in results])

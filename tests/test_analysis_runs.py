@@ -13,10 +13,10 @@ import zipfile
 import numpy as np
 import pandas as pd
 import pytest
+from fixtures_results import cut_short, write_results_root, write_run
 
 from analysis import figures, runs, schema
 from analysis.aggregate import majority_class_rates
-from fixtures_results import cut_short, write_results_root, write_run
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 STEPS = np.arange(0, 101, 25)
@@ -26,29 +26,52 @@ STEPS = np.arange(0, 101, 25)
 def results(tmp_path):
     """Two finished runs and one stopped at step 50 of 100."""
     root = tmp_path / "results"
-    write_results_root(root, models={"opt-125m": "facebook/opt-125m"}, train_sets=("mnli",),
-                       seeds=(0, 42), shots=(32,), steps=STEPS)
+    write_results_root(
+        root, models={"opt-125m": "facebook/opt-125m"}, train_sets=("mnli",), seeds=(0, 42), shots=(32,), steps=STEPS
+    )
     accuracy = np.full((3, 4), 0.6)
     accuracy[:, 0] = [0.5, 0.7, 0.8]  # in-domain
     accuracy[:, 3] = [0.5, 0.5, np.nan]  # not evaluated at the last step: left out of the mean
-    write_run(root / "stopped", steps=STEPS[:3], testsets=["mnli", "hans", "rte", "paws"],
-              accuracy=accuracy, in_domain="mnli", model="opt-125m", seed=99, shots=32,
-              config={"model": {"path": "facebook/opt-125m"}, "train": {"steps": 100}})
+    write_run(
+        root / "stopped",
+        steps=STEPS[:3],
+        testsets=["mnli", "hans", "rte", "paws"],
+        accuracy=accuracy,
+        in_domain="mnli",
+        model="opt-125m",
+        seed=99,
+        shots=32,
+        config={"model": {"path": "facebook/opt-125m"}, "train": {"steps": 100}},
+    )
     return root
 
 
 def test_lists_each_run_with_its_progress_and_last_accuracies(results):
     completed = subprocess.run(
-        [sys.executable, "-m", "analysis.runs", str(results), "--csv"], cwd=ROOT,
-        capture_output=True, text=True, timeout=120,
+        [sys.executable, "-m", "analysis.runs", str(results), "--csv"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert completed.returncode == 0, completed.stderr
     table = pd.read_csv(io.StringIO(completed.stdout)).set_index("run")
-    assert list(table.columns) == ["model", "train_set", "seed", "shots", "kind", "last_step",
-                                   "planned_steps", "finished", "in_domain_accuracy",
-                                   "mean_ood_accuracy", "problem"]
+    assert list(table.columns) == [
+        "model",
+        "train_set",
+        "seed",
+        "shots",
+        "kind",
+        "last_step",
+        "planned_steps",
+        "finished",
+        "in_domain_accuracy",
+        "mean_ood_accuracy",
+        "problem",
+    ]
     assert table["finished"].to_dict() == {
-        "opt-125m_mnli_seed0_shots32": True, "opt-125m_mnli_seed42_shots32": True,
+        "opt-125m_mnli_seed0_shots32": True,
+        "opt-125m_mnli_seed42_shots32": True,
         "stopped": False,
     }
     assert set(table["kind"]) == {"trained"}
@@ -58,17 +81,26 @@ def test_lists_each_run_with_its_progress_and_last_accuracies(results):
     assert stopped["mean_ood_accuracy"] == pytest.approx(0.6)
     finished = runs.load_run(results / "opt-125m_mnli_seed42_shots32" / "metrics.npz")
     last = finished.accuracy.iloc[-1]
-    assert table.loc[finished.name, "mean_ood_accuracy"] == pytest.approx(
-        last[finished.ood_testsets].mean()
-    )
+    assert table.loc[finished.name, "mean_ood_accuracy"] == pytest.approx(last[finished.ood_testsets].mean())
 
 
 def test_the_plain_table_is_aligned_and_counts_unfinished_runs(results, capsys):
     assert runs.main([str(results)]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].split() == ["run", "model", "train_set", "seed", "shots", "kind", "last_step",
-                                "planned_steps", "finished", "in_domain_accuracy",
-                                "mean_ood_accuracy", "problem"]
+    assert lines[0].split() == [
+        "run",
+        "model",
+        "train_set",
+        "seed",
+        "shots",
+        "kind",
+        "last_step",
+        "planned_steps",
+        "finished",
+        "in_domain_accuracy",
+        "mean_ood_accuracy",
+        "problem",
+    ]
     assert len({len(line) for line in lines[:-1]}) == 1  # one width: aligned columns
     assert lines[-1] == "3 runs, 2 finished, 1 not"
 
@@ -95,8 +127,15 @@ def test_accuracy_curves_have_a_panel_per_testset_under_the_title(results):
 
 
 def good_metrics(directory: pathlib.Path, **changes) -> pathlib.Path:
-    arguments = dict(steps=STEPS, testsets=["mnli", "hans", "rte"], accuracy=np.full((5, 3), 0.6),
-                     in_domain="mnli", model="opt-125m", seed=7, shots=32)
+    arguments = dict(
+        steps=STEPS,
+        testsets=["mnli", "hans", "rte"],
+        accuracy=np.full((5, 3), 0.6),
+        in_domain="mnli",
+        model="opt-125m",
+        seed=7,
+        shots=32,
+    )
     return write_run(directory, **(arguments | changes))
 
 
@@ -108,7 +147,7 @@ def overwrite_step_data(path: pathlib.Path, start: float, stop: float) -> None:
     data = bytearray(path.read_bytes())
     # A local header is 30 bytes, then the name and an extra field whose lengths it holds.
     header = member.header_offset
-    name_length, extra_length = struct.unpack("<HH", data[header + 26:header + 30])
+    name_length, extra_length = struct.unpack("<HH", data[header + 26 : header + 30])
     offset = header + 30 + name_length + extra_length
     first, last = (offset + int(member.compress_size * fraction) for fraction in (start, stop))
     data[first:last] = b"\xff" * (last - first)
@@ -128,16 +167,13 @@ def compress_then_corrupt(path: pathlib.Path) -> None:
     [
         (cut_short, r"BadZipFile: File is not a zip file"),
         (lambda path: path.write_bytes(b""), r"EOFError: No data left in file"),
-        (lambda path: overwrite_step_data(path, 0.9, 0.95),
-         r"BadZipFile: Bad CRC-32 for file 'step.npy'"),
+        (lambda path: overwrite_step_data(path, 0.9, 0.95), r"BadZipFile: Bad CRC-32 for file 'step.npy'"),
         (compress_then_corrupt, r"error: Error -3 while decompressing data: invalid block type"),
         (lambda path: path.write_text("step,accuracy\n0,0.5\n"), r"ValueError: .*pickled"),
     ],
     ids=["truncated", "empty", "corrupt", "compressed-corrupt", "text"],
 )
-def test_an_unreadable_file_is_named_and_told_apart_from_a_schema_error(
-    tmp_path, damage, message
-):
+def test_an_unreadable_file_is_named_and_told_apart_from_a_schema_error(tmp_path, damage, message):
     path = good_metrics(tmp_path / "run")
     damage(path)
     with pytest.raises(runs.UnreadableMetricsError, match=message) as raised:
@@ -168,8 +204,10 @@ def test_a_truncated_file_is_listed_as_an_unfinished_unreadable_run(results, cap
     killed = cut_short(good_metrics(results / "killed"))
     assert runs.main([str(results), "--csv"]) == 0
     captured = capsys.readouterr()
-    assert captured.err == (f"warning: {killed}: not a readable npz file (BadZipFile: File is "
-                            "not a zip file); skipped, its run counts as unfinished\n")
+    assert captured.err == (
+        f"warning: {killed}: not a readable npz file (BadZipFile: File is "
+        "not a zip file); skipped, its run counts as unfinished\n"
+    )
     table = pd.read_csv(io.StringIO(captured.out), keep_default_na=False).set_index("run")
     assert table.loc["killed", "finished"] == False  # noqa: E712 (a numpy bool)
     assert table.loc["killed", "problem"] == "unreadable"
@@ -190,15 +228,20 @@ def test_find_runs_warns_about_an_unreadable_file_and_reads_the_rest(results):
     with pytest.warns(runs.ResultsWarning, match=f"{killed}: not a readable npz file"):
         found = runs.find_runs(results)
     assert sorted(run.name for run in found) == [
-        "opt-125m_mnli_seed0_shots32", "opt-125m_mnli_seed42_shots32", "stopped"
+        "opt-125m_mnli_seed0_shots32",
+        "opt-125m_mnli_seed42_shots32",
+        "stopped",
     ]
 
 
 def test_a_root_of_unreadable_files_only_is_an_error(tmp_path):
     killed = cut_short(good_metrics(tmp_path / "results" / "killed"))
     with pytest.warns(runs.ResultsWarning):
-        with pytest.raises(runs.ResultsError, match=rf"no readable metrics\.npz under "
-                           rf"{tmp_path / 'results'}: all 1 skipped, first {killed}: not a "):
+        with pytest.raises(
+            runs.ResultsError,
+            match=rf"no readable metrics\.npz under "
+            rf"{tmp_path / 'results'}: all 1 skipped, first {killed}: not a ",
+        ):
             runs.find_runs(tmp_path / "results")
 
 
@@ -209,17 +252,23 @@ def test_a_byte_identical_copy_in_another_folder_counts_once(results):
     found, skipped = runs.scan_runs(results)
     assert len(found) == 3
     assert [run.path for run in found if run.name == "stopped"] == [copy]  # the first path found
-    assert skipped == [runs.SkippedFile(original, f"a byte-identical copy of {copy}; counted "
-                                        "once", unreadable=False)]
+    assert skipped == [runs.SkippedFile(original, f"a byte-identical copy of {copy}; counted once", unreadable=False)]
 
 
 def test_one_run_found_twice_with_different_contents_is_an_error_naming_both(results):
     # The same run (opt-125m, mnli, seed 99, 32 shots) trained further in another job's folder.
     accuracy = np.full((5, 4), 0.7)
-    write_run(results / "per_run_job" / "stopped", steps=STEPS,
-              testsets=["mnli", "hans", "rte", "paws"], accuracy=accuracy, in_domain="mnli",
-              model="opt-125m", seed=99, shots=32,
-              config={"model": {"path": "facebook/opt-125m"}, "train": {"steps": 100}})
+    write_run(
+        results / "per_run_job" / "stopped",
+        steps=STEPS,
+        testsets=["mnli", "hans", "rte", "paws"],
+        accuracy=accuracy,
+        in_domain="mnli",
+        model="opt-125m",
+        seed=99,
+        shots=32,
+        config={"model": {"path": "facebook/opt-125m"}, "train": {"steps": 100}},
+    )
     message = (
         r"run \(model 'opt-125m', train set 'mnli', seed 99, 32 shots\) found 2 times with "
         rf"different contents: {results / 'per_run_job' / 'stopped' / 'metrics.npz'} \(last "
@@ -246,29 +295,71 @@ def test_evaluation_only_runs_are_listed_as_such_not_as_unfinished(results, caps
     """Marked in their run section, or (written before the marker) told by their config: one evaluation, at
     step 0, of the in-context baseline, adapters or the base model alone (0 shots)."""
     opt = {"path": "facebook/opt-125m"}
-    one_step = dict(steps=np.array([0]), testsets=["mnli", "hans", "rte"], accuracy=np.full((1, 3), 0.6),
-                    in_domain="mnli")  # fmt: skip
-    base = write_run(results / "opt-125m_mnli_base", **one_step, model="opt-125m", seed=0, shots=0,
-                     config={"model": opt, "train": {"steps": 100}})  # fmt: skip
+    one_step = dict(
+        steps=np.array([0]), testsets=["mnli", "hans", "rte"], accuracy=np.full((1, 3), 0.6), in_domain="mnli"
+    )
+    base = write_run(
+        results / "opt-125m_mnli_base",
+        **one_step,
+        model="opt-125m",
+        seed=0,
+        shots=0,
+        config={"model": opt, "train": {"steps": 100}},
+    )
     with_run_section(base, **{schema.RUN_EVALUATED: schema.EVALUATED_BASE})
-    write_run(results / "old_adapter", **one_step, model="opt-125m", seed=1, shots=32,
-              config={"model": opt | {"adapters": ["a/adapter"]}, "train": {"steps": 100}})  # fmt: skip
-    write_run(results / "old_in_context", **one_step, model="opt-125m-icl", seed=0, shots=32,
-              config={"model": opt, "eval": {"in_context": True}, "train": {"steps": 100}})  # fmt: skip
-    write_run(results / "old_base", **one_step, model="opt-350m", seed=0, shots=0,
-              config={"model": {"path": "facebook/opt-350m"}, "train": {"steps": 100}})  # fmt: skip
+    write_run(
+        results / "old_adapter",
+        **one_step,
+        model="opt-125m",
+        seed=1,
+        shots=32,
+        config={"model": opt | {"adapters": ["a/adapter"]}, "train": {"steps": 100}},
+    )
+    write_run(
+        results / "old_in_context",
+        **one_step,
+        model="opt-125m-icl",
+        seed=0,
+        shots=32,
+        config={"model": opt, "eval": {"in_context": True}, "train": {"steps": 100}},
+    )
+    write_run(
+        results / "old_base",
+        **one_step,
+        model="opt-350m",
+        seed=0,
+        shots=0,
+        config={"model": {"path": "facebook/opt-350m"}, "train": {"steps": 100}},
+    )
     # A trained run that has only its step-0 evaluation so far is an unfinished trained run, and so is one past
     # step 0 whose config names adapters (training ignores model.adapters).
-    write_run(results / "just_started", **one_step, model="opt-125m", seed=5, shots=32,
-              config={"model": opt, "train": {"steps": 100}})  # fmt: skip
-    write_run(results / "adapters_ignored", steps=STEPS[:2], testsets=["mnli", "hans", "rte"],
-              accuracy=np.full((2, 3), 0.6), in_domain="mnli", model="opt-125m", seed=6, shots=32,
-              config={"model": opt | {"adapters": ["a/adapter"]}, "train": {"steps": 100}})  # fmt: skip
+    write_run(
+        results / "just_started",
+        **one_step,
+        model="opt-125m",
+        seed=5,
+        shots=32,
+        config={"model": opt, "train": {"steps": 100}},
+    )
+    write_run(
+        results / "adapters_ignored",
+        steps=STEPS[:2],
+        testsets=["mnli", "hans", "rte"],
+        accuracy=np.full((2, 3), 0.6),
+        in_domain="mnli",
+        model="opt-125m",
+        seed=6,
+        shots=32,
+        config={"model": opt | {"adapters": ["a/adapter"]}, "train": {"steps": 100}},
+    )
     assert runs.main([str(results), "--csv"]) == 0
     table = pd.read_csv(io.StringIO(capsys.readouterr().out), keep_default_na=False).set_index("run")
     evaluated = ["opt-125m_mnli_base", "old_adapter", "old_in_context", "old_base"]
     assert table.loc[evaluated, "kind"].tolist() == [
-        "evaluated (base model)", "evaluated (adapter)", "evaluated (in context)", "evaluated (base model)"
+        "evaluated (base model)",
+        "evaluated (adapter)",
+        "evaluated (in context)",
+        "evaluated (base model)",
     ]
     assert table.loc[evaluated, "finished"].tolist() == [True] * 4
     assert table.loc[evaluated, "planned_steps"].tolist() == [""] * 4  # nothing was to train

@@ -5,11 +5,11 @@ import pandas as pd
 import pingouin
 import pytest
 import scipy.stats
+from fixtures_results import BERTS_IN_DOMAIN, berts_of_a_feather
 
 from analysis import pairwise_partial_corr, partial_corr
 from analysis.padjust import adjust_pvalues
 from analysis.stats import PROBIT_CLIP
-from fixtures_results import BERTS_IN_DOMAIN, berts_of_a_feather
 
 TOLERANCE = 1e-8
 # pingouin rounds the CI95 it returns (to 2 decimals), so intervals are matched
@@ -42,9 +42,7 @@ def test_partial_corr_matches_pingouin(method, covar):
     assert ours.p == pytest.approx(theirs["p_val"].iloc[0], abs=TOLERANCE)
     interval = pingouin_interval(theirs["r"].iloc[0], ours.n, len(covar))
     np.testing.assert_allclose([ours.ci_low, ours.ci_high], interval, atol=TOLERANCE, rtol=0)
-    np.testing.assert_allclose(
-        [ours.ci_low, ours.ci_high], theirs["CI95"].iloc[0], atol=PINGOUIN_CI_ROUNDING, rtol=0
-    )
+    np.testing.assert_allclose([ours.ci_low, ours.ci_high], theirs["CI95"].iloc[0], atol=PINGOUIN_CI_ROUNDING, rtol=0)
     assert ours.dof == ours.n - len(covar) - 2
     assert ours.reason == ""
 
@@ -54,9 +52,7 @@ def test_partial_corr_matches_pingouin(method, covar):
 def test_pairwise_partial_corr_matches_pingouin(method, padjust):
     df = random_frame(seed=1, rows=50)
     ours = pairwise_partial_corr(df, ["a", "b", "c"], ["d", "e"], method=method, padjust=padjust)
-    theirs = pingouin.pairwise_corr(
-        df, columns=["a", "b", "c"], covar=["d", "e"], method=method, padjust=padjust
-    )
+    theirs = pingouin.pairwise_corr(df, columns=["a", "b", "c"], covar=["d", "e"], method=method, padjust=padjust)
     assert list(ours.columns[:8]) == ["x", "y", "n", "r", "ci_low", "ci_high", "p", "p_adj"]
     assert list(zip(ours["x"], ours["y"])) == list(zip(theirs["X"], theirs["Y"]))
     np.testing.assert_array_equal(ours["n"], theirs["n"])
@@ -66,9 +62,7 @@ def test_pairwise_partial_corr_matches_pingouin(method, padjust):
     for row, their_ci in zip(ours.itertuples(), theirs["CI95"]):
         interval = pingouin_interval(row.r, row.n, 2)
         np.testing.assert_allclose([row.ci_low, row.ci_high], interval, atol=TOLERANCE, rtol=0)
-        np.testing.assert_allclose(
-            [row.ci_low, row.ci_high], their_ci, atol=PINGOUIN_CI_ROUNDING, rtol=0
-        )
+        np.testing.assert_allclose([row.ci_low, row.ci_high], their_ci, atol=PINGOUIN_CI_ROUNDING, rtol=0)
 
 
 def test_spearman_ranks_the_covariates_too():
@@ -98,9 +92,7 @@ def test_probit_transforms_accuracies_with_clipping():
     accuracy.loc[0, "a"], accuracy.loc[1, "b"] = 1.0, 0.0
     ours = partial_corr(accuracy["a"], accuracy["b"], accuracy["d"], probit=True)
     clipped = accuracy.clip(PROBIT_CLIP, 1 - PROBIT_CLIP)
-    theirs = pingouin.partial_corr(
-        data=clipped.apply(scipy.stats.norm.ppf), x="a", y="b", covar="d"
-    )
+    theirs = pingouin.partial_corr(data=clipped.apply(scipy.stats.norm.ppf), x="a", y="b", covar="d")
     assert ours.r == pytest.approx(theirs["r"].iloc[0], abs=TOLERANCE)
     with pytest.raises(ValueError, match=r"probit needs accuracies in \[0, 1\]; column 'x'"):
         partial_corr(accuracy["a"] * 2, accuracy["b"], accuracy["d"], probit=True)
@@ -157,9 +149,7 @@ def test_padjust_in_pairwise_ignores_undefined_pairs():
     assert len(defined) == 3 and table["p_adj"].isna().sum() == 3
     expected = pairwise_partial_corr(df, ["a", "b", "c"], "d")
     np.testing.assert_allclose(defined["p_adj"], expected["p_adj"], rtol=1e-12)
-    np.testing.assert_allclose(
-        defined["p_adj"], pingouin.multicomp(defined["p"].to_numpy(), method="holm")[1]
-    )
+    np.testing.assert_allclose(defined["p_adj"], pingouin.multicomp(defined["p"].to_numpy(), method="holm")[1])
 
 
 def test_berts_of_a_feather_table_goes_through_unchanged(shared_data):
@@ -197,25 +187,19 @@ def test_berts_of_a_feather_table_goes_through_unchanged(shared_data):
 @pytest.mark.parametrize(
     "call, message",
     [
-        (lambda df: pairwise_partial_corr(df, ["a", "zz"], "d"),
-         r"not in the DataFrame: \['zz'\]"),
-        (lambda df: pairwise_partial_corr(df.assign(s="x"), ["a", "s"], "d"),
-         r"not numeric: \['s'\]"),
-        (lambda df: pairwise_partial_corr(df, ["a", "b"], "d", method="kendall"),
-         "method must be one of"),
-        (lambda df: pairwise_partial_corr(df, ["a", "b"], "d", padjust="sidak"),
-         "padjust must be one of"),
-        (lambda df: pairwise_partial_corr(df, ["a", "b"], "d", residualiser="loess"),
-         "residualiser must be one of"),
-        (lambda df: pairwise_partial_corr(df, ["a", "b"], ["d", "e"], residualiser="spline"),
-         "exactly one covariate"),
-        (lambda df: pairwise_partial_corr(df, ["a", "d"], "d"),
-         "at least two columns besides the covariates"),
-        (lambda df: pairwise_partial_corr(df.replace(df.iloc[0, 0], np.inf), ["a", "b"], "d"),
-         r"infinite values in \['a'\]"),
+        (lambda df: pairwise_partial_corr(df, ["a", "zz"], "d"), r"not in the DataFrame: \['zz'\]"),
+        (lambda df: pairwise_partial_corr(df.assign(s="x"), ["a", "s"], "d"), r"not numeric: \['s'\]"),
+        (lambda df: pairwise_partial_corr(df, ["a", "b"], "d", method="kendall"), "method must be one of"),
+        (lambda df: pairwise_partial_corr(df, ["a", "b"], "d", padjust="sidak"), "padjust must be one of"),
+        (lambda df: pairwise_partial_corr(df, ["a", "b"], "d", residualiser="loess"), "residualiser must be one of"),
+        (lambda df: pairwise_partial_corr(df, ["a", "b"], ["d", "e"], residualiser="spline"), "exactly one covariate"),
+        (lambda df: pairwise_partial_corr(df, ["a", "d"], "d"), "at least two columns besides the covariates"),
+        (
+            lambda df: pairwise_partial_corr(df.replace(df.iloc[0, 0], np.inf), ["a", "b"], "d"),
+            r"infinite values in \['a'\]",
+        ),
         (lambda df: partial_corr(df["a"], df["b"][:-1], df["d"]), "same length"),
-        (lambda df: pairwise_partial_corr(df.to_numpy(), ["a", "b"], "d"),
-         "must be a pandas DataFrame"),
+        (lambda df: pairwise_partial_corr(df.to_numpy(), ["a", "b"], "d"), "must be a pandas DataFrame"),
     ],
 )
 def test_bad_input_gets_a_clear_error(call, message):

@@ -45,7 +45,12 @@ def smoke_run(tmp_path_factory) -> tuple[dict, str]:
     env["OMP_WAIT_POLICY"] = "ACTIVE"  # a caller's setting the benchmark's fixed environment must drop
     done = subprocess.run(
         [sys.executable, "-m", "benchmarks", "--quick", "--smoke", "--out", str(out)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False,
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
     )
     assert done.returncode == 0, done.stderr[-4000:]
     return json.loads(out.read_text()), out.with_suffix(".md").read_text()
@@ -60,8 +65,13 @@ def test_every_case_and_contender_is_measured(smoke_run):
     assert results["mode"] == "smoke"
     assert {case["case"]: set(case["contenders"]) for case in results["cases"]} == CONTENDERS
     smoke = settings.MODES["smoke"]
-    expected_repeats = {"peak": case_matmul.REPEATS, "eval": smoke.repeats, "train": smoke.repeats,
-                        "loading": smoke.loading_repeats, "grid": smoke.grid_repeats}
+    expected_repeats = {
+        "peak": case_matmul.REPEATS,
+        "eval": smoke.repeats,
+        "train": smoke.repeats,
+        "loading": smoke.loading_repeats,
+        "grid": smoke.grid_repeats,
+    }
     for case in results["cases"]:
         for name, c in case["contenders"].items():
             where = f"{case['case']}/{name}"
@@ -74,9 +84,12 @@ def test_each_contender_ran_in_a_process_of_its_own_with_the_fixed_thread_settin
     results, _ = smoke_run
     cores = machine.usable_cores()
     assert results["machine"]["thread_environment"] == {
-        "OMP_NUM_THREADS": str(cores), "MKL_NUM_THREADS": str(cores), "OMP_WAIT_POLICY": None,
-        "GOMP_SPINCOUNT": None, "KMP_BLOCKTIME": None,
-    }  # fmt: skip
+        "OMP_NUM_THREADS": str(cores),
+        "MKL_NUM_THREADS": str(cores),
+        "OMP_WAIT_POLICY": None,
+        "GOMP_SPINCOUNT": None,
+        "KMP_BLOCKTIME": None,
+    }
     cases = {case["case"]: case for case in results["cases"]}
     pids = []
     for name in ("eval", "train"):
@@ -140,7 +153,8 @@ def test_loading_and_grid_are_recorded(smoke_run):
     ours = grid["contenders"]["oodjax-one-process"]["rate_median"]
     for other in CONTENDERS["grid"] - {"oodjax-one-process"}:
         assert grid["ratios"][f"oodjax-one-process/{other}"] == pytest.approx(
-            ours / grid["contenders"][other]["rate_median"])
+            ours / grid["contenders"][other]["rate_median"]
+        )
 
 
 def test_markdown_and_the_pages_section_come_from_the_json(smoke_run, tmp_path):
@@ -169,9 +183,19 @@ def test_a_page_without_markers_is_refused(tmp_path):
 
 def test_turns_rotate_so_no_contender_always_goes_first():
     assert harness.alternating(["a", "b", "c"], 4) == [
-        (0, "a"), (0, "b"), (0, "c"), (1, "b"), (1, "c"), (1, "a"), (2, "c"), (2, "a"), (2, "b"),
-        (3, "a"), (3, "b"), (3, "c"),
-    ]  # fmt: skip
+        (0, "a"),
+        (0, "b"),
+        (0, "c"),
+        (1, "b"),
+        (1, "c"),
+        (1, "a"),
+        (2, "c"),
+        (2, "a"),
+        (2, "b"),
+        (3, "a"),
+        (3, "b"),
+        (3, "c"),
+    ]
 
 
 def test_per_round_ratios_pair_each_repetition_with_the_same_round_of_the_other():
@@ -213,11 +237,17 @@ def test_a_contender_that_fails_to_build_is_reported_with_its_log(tmp_path):
 
 
 def _run_with(eval_ratio: float) -> dict:
-    return {"finished": f"run {eval_ratio}", "cases": [
-        {"case": "eval", "ratios": {"oodjax/pytorch-tuned": eval_ratio},
-         "contenders": {"oodjax": {"peak_fraction": 0.7}, "pytorch-tuned": {}}},
-        {"case": "peak", "contenders": {"jax": {}, "pytorch": {}}},
-    ]}  # fmt: skip
+    return {
+        "finished": f"run {eval_ratio}",
+        "cases": [
+            {
+                "case": "eval",
+                "ratios": {"oodjax/pytorch-tuned": eval_ratio},
+                "contenders": {"oodjax": {"peak_fraction": 0.7}, "pytorch-tuned": {}},
+            },
+            {"case": "peak", "contenders": {"jax": {}, "pytorch": {}}},
+        ],
+    }
 
 
 def test_two_runs_agree_when_every_ratio_is_within_ten_percent():
@@ -229,8 +259,14 @@ def test_two_runs_agree_when_every_ratio_is_within_ten_percent():
 
 
 def test_bad_arguments_are_refused():
-    done = subprocess.run([sys.executable, "-m", "benchmarks", "--cases", "eval,speed"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120, check=False)
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "--cases", "eval,speed"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert done.returncode == 2 and "unknown cases ['speed']" in done.stderr
 
 
@@ -241,7 +277,12 @@ def device_smoke_run(tmp_path_factory) -> tuple[dict, str]:
     env = {k: v for k, v in os.environ.items() if k != "OODJAX_CACHE_DIR"}
     done = subprocess.run(
         [sys.executable, "-m", "benchmarks", "--device", "gpu", "--smoke", "--out", str(out)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False,
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
     )
     assert done.returncode == 0, done.stderr[-4000:]
     return json.loads(out.read_text()), out.with_suffix(".md").read_text()
@@ -268,7 +309,8 @@ def test_device_mode_times_both_phases_of_every_run_and_checks_the_attention_pat
         ours = case["contenders"]["oodjax"]
         assert ours["compile_s"] > 0 and ours["compile_during_timing_s"] == 0.0
         assert case["ratios"]["oodjax/pytorch-tuned-sequential"] == pytest.approx(
-            ours["rate_median"] / case["contenders"]["pytorch-tuned-sequential"]["rate_median"])
+            ours["rate_median"] / case["contenders"]["pytorch-tuned-sequential"]["rate_median"]
+        )
     eval_work = cases["device-eval"]["contenders"]["oodjax"]["work_per_repeat"]
     assert eval_work == mode.runs * 8 * mode.eval_per_testset  # every run scores every testset prompt
     agreement = cases["device-eval"]["agreement"]

@@ -50,8 +50,11 @@ def test_a_truncated_checkpoint_is_named_and_the_next_older_one_restored(tmp_pat
     for path in (directory / "1" / "runs").rglob("*"):  # now the arrays of the only one left
         if path.is_file():
             _truncate(path)
-    with pytest.raises(checkpoints.CheckpointsUnusableError, match=rf"every checkpoint of {tmp_path} fails to "
-                       rf"restore: {directory / '1'} \(.*\)\. Move {directory} away"):
+    with pytest.raises(
+        checkpoints.CheckpointsUnusableError,
+        match=rf"every checkpoint of {tmp_path} fails to "
+        rf"restore: {directory / '1'} \(.*\)\. Move {directory} away",
+    ):
         checkpoints.restore_newest(tmp_path, TARGET)
 
 

@@ -13,8 +13,16 @@ from oodjax.engine import checks
 from oodjax.usage_errors import ConfigError
 from tests.engine_configs import tiny_config
 
-RTE_DECLARATION = {"source": "nyu-mll/glue", "config": "rte", "split": "validation", "premise": "sentence1",
-                   "hypothesis": "sentence2", "label": "label", "entailment": [0], "not_entailment": [1]}  # fmt: skip
+RTE_DECLARATION = {
+    "source": "nyu-mll/glue",
+    "config": "rte",
+    "split": "validation",
+    "premise": "sentence1",
+    "hypothesis": "sentence2",
+    "label": "label",
+    "entailment": [0],
+    "not_entailment": [1],
+}
 
 
 @pytest.fixture
@@ -38,16 +46,27 @@ def declare(config, testsets, **declarations):
 def test_declared_testsets_and_overrides_pass(config, tmp_path):
     (tmp_path / "mine.csv").write_text("p,h,y\na,b,0\n")
     declare(
-        config, ("mnli", "rte_val", "mine", "anli"), rte_val=RTE_DECLARATION, anli={"split": "test_all"},
-        mine={"source": str(tmp_path / "mine.csv"), "premise": "p", "hypothesis": "h", "label": "y",
-              "entailment": [0], "not_entailment": [1]},
-    )  # fmt: skip
+        config,
+        ("mnli", "rte_val", "mine", "anli"),
+        rte_val=RTE_DECLARATION,
+        anli={"split": "test_all"},
+        mine={
+            "source": str(tmp_path / "mine.csv"),
+            "premise": "p",
+            "hypothesis": "h",
+            "label": "y",
+            "entailment": [0],
+            "not_entailment": [1],
+        },
+    )
     checks.check_config(config)
 
 
 def test_a_testset_neither_built_in_nor_declared_is_named(config):
     declare(config, ("mnli", "rte_vall"), rte_val=RTE_DECLARATION)
-    with pytest.raises(ConfigError, match="data.testsets: unknown testset 'rte_vall'; known testsets: snli, .*, anli, rte_val"):
+    with pytest.raises(
+        ConfigError, match="data.testsets: unknown testset 'rte_vall'; known testsets: snli, .*, anli, rte_val"
+    ):
         checks.check_config(config)
 
 
@@ -60,8 +79,11 @@ def test_a_bad_declaration_is_named_with_its_field(config):
 
 
 def test_a_declared_file_that_does_not_exist_is_named(config, tmp_path):
-    declare(config, ("mnli", "mine"), mine={**RTE_DECLARATION, "source": str(tmp_path / "no.jsonl"), "config": None,
-                                            "split": None})  # fmt: skip
+    declare(
+        config,
+        ("mnli", "mine"),
+        mine={**RTE_DECLARATION, "source": str(tmp_path / "no.jsonl"), "config": None, "split": None},
+    )
     with pytest.raises(
         FileNotFoundError, match=rf"^data.extra_testsets\['mine'\], field 'source': file {tmp_path}/no.jsonl does not"
     ):
@@ -123,8 +145,11 @@ def test_train_is_not_a_testset_name(config):
 def test_a_declared_testset_is_not_a_training_set(config):
     declare(config, ("mnli", "rte_val"), rte_val=RTE_DECLARATION)
     config.data.train_set = "rte_val"
-    with pytest.raises(ValueError, match=r"data.train_set 'rte_val' is not a training set; few-shot pools exist for: "
-                       r"snli, mnli"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"data.train_set 'rte_val' is not a training set; few-shot pools exist for: "
+        r"snli, mnli",
+    ):
         checks.check_config(config)
 
 

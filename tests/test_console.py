@@ -32,10 +32,21 @@ def test_a_run_logged_to_a_file_prints_plain_informative_lines(tmp_path):
     for variable in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
         env[variable] = str(tmp_path / "wandb-home")
     result = subprocess.run(
-        [sys.executable, "-m", "oodjax.main", *SHRUNK_DEMO_ARGS, f"--config.output_dir={out}",
-         f"--config.data.cache_dir={tmp_path / 'cache'}", "--config.wandb.enabled", "--config.wandb.mode=offline"],
-        cwd=ROOT, env=env, capture_output=True, timeout=600,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "oodjax.main",
+            *SHRUNK_DEMO_ARGS,
+            f"--config.output_dir={out}",
+            f"--config.data.cache_dir={tmp_path / 'cache'}",
+            "--config.wandb.enabled",
+            "--config.wandb.mode=offline",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        timeout=600,
+    )
     log = result.stderr.decode()  # bytes: text mode would turn the "\r" of a redrawn bar into "\n"
     assert result.returncode == 0, log[-3000:]
     assert "\r" not in log  # no redrawn bars
@@ -49,12 +60,14 @@ def test_a_run_logged_to_a_file_prints_plain_informative_lines(tmp_path):
         assert re.search(rf"{what}: first call \d+\.\d s, of which compiling \d+\.\d s", log), what
     assert re.search(
         r"INFO step 4/4: lr [\d.e-]+, [\d.]+ examples/s, training ETA [\d:]+; loss \(grad norm\): "
-        r"seed0_shots32 \d+\.\d{4} \([\d.e-]+\), seed42_shots32 \d+\.\d{4} \([\d.e-]+\)\n", log
+        r"seed0_shots32 \d+\.\d{4} \([\d.e-]+\), seed42_shots32 \d+\.\d{4} \([\d.e-]+\)\n",
+        log,
     )
     assert re.search(r"evaluated step 2 \(\d+ batches\) in \d+\.\d s", log)
     assert re.search(
         r"final accuracy at step 4, in-domain mnli / mean OOD \(hans, rte\): "
-        r"seed0_shots32 0\.\d{3} / 0\.\d{3}, seed42_shots32 0\.\d{3} / 0\.\d{3}\n", log
+        r"seed0_shots32 0\.\d{3} / 0\.\d{3}, seed42_shots32 0\.\d{3} / 0\.\d{3}\n",
+        log,
     )
     assert f"done: 2 runs; results in {out}" in log
     assert log.count("W&B: offline, in each <run_dir>/wandb/") == 1

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from oodjax.data import (
-    TokenizedSet,
     StepLayout,
+    TokenizedSet,
     balance_rows,
     bucket_lengths,
     epoch_permutation,
@@ -24,9 +24,9 @@ from oodjax.data import (
     eval_row_lengths,
     few_shot,
     load_testset,
+    packed_layout,
     pair_rows,
     prompt_lengths,
-    packed_layout,
     replay_rows,
     step_layout,
     stratified_subset,
@@ -36,6 +36,7 @@ from oodjax.data import (
 )
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+
 
 @pytest.fixture(scope="module")
 def mnli_pool(hf_data_dir):
@@ -56,7 +57,9 @@ def toy_tokenized(lengths, max_length=300, labels=None):
 
 
 def binary(labels):
-    return datasets.Dataset.from_dict({"premise": ["p"] * len(labels), "hypothesis": ["h"] * len(labels), "label": labels})
+    return datasets.Dataset.from_dict(
+        {"premise": ["p"] * len(labels), "hypothesis": ["h"] * len(labels), "label": labels}
+    )
 
 
 # ---- few-shot ----------------------------------------------------------------
@@ -73,7 +76,9 @@ def test_few_shot_is_balanced_and_drawn_from_the_pool(mnli_pool, n, per_label):
 
 def test_few_shot_is_reproducible_and_seed_dependent(mnli_pool):
     assert few_shot(mnli_pool, 64, seed=42)["hypothesis"][:] == few_shot(mnli_pool, 64, seed=42)["hypothesis"][:]
-    assert set(few_shot(mnli_pool, 64, seed=42)["hypothesis"][:]) != set(few_shot(mnli_pool, 64, seed=99)["hypothesis"][:])
+    assert set(few_shot(mnli_pool, 64, seed=42)["hypothesis"][:]) != set(
+        few_shot(mnli_pool, 64, seed=99)["hypothesis"][:]
+    )
 
 
 def test_few_shot_is_the_same_in_another_process(mnli_pool, hf_data_dir):
@@ -90,7 +95,9 @@ def test_few_shot_is_the_same_in_another_process(mnli_pool, hf_data_dir):
 
 def test_few_shot_larger_than_the_pool_is_an_error():
     pool = binary([0] * 10 + [1] * 3)
-    with pytest.raises(ValueError, match=r"few-shot n=8 needs 4 examples of label 1 but the pool \(13 rows\) has only 3"):
+    with pytest.raises(
+        ValueError, match=r"few-shot n=8 needs 4 examples of label 1 but the pool \(13 rows\) has only 3"
+    ):
         few_shot(pool, 8, seed=0)
     with pytest.raises(ValueError, match="few-shot size n must be positive, got 0"):
         few_shot(pool, 0, seed=0)
@@ -167,7 +174,7 @@ def check_packed_rows(batch, tokenized, pad_id=0):
     for r in range(rows):
         slots = np.flatnonzero(batch["valid"][r])
         assert slots.tolist() == list(range(len(slots)))  # prompts fill the first slots
-        assert (batch["index"][r, len(slots):] == -1).all()
+        assert (batch["index"][r, len(slots) :] == -1).all()
         if not len(slots):
             assert batch["segment_ids"][r].tolist() == [1] + [0] * (width - 1)
             assert (batch["input_ids"][r] == pad_id).all()
@@ -210,7 +217,9 @@ def test_eval_batches_hold_every_example_once_one_row_length_a_batch():
     shapes = [(b["input_ids"].shape, b["answer_pos"].shape) for b in batches]
     assert shapes == [((2, 32), (2, 2)), ((2, 64), (2, 1)), ((2, 300), (2, 2)), ((2, 300), (2, 2))]
     for b in batches:
-        assert {b[k].dtype for k in ("input_ids", "segment_ids", "answer_pos", "label", "index")} == {np.dtype(np.int32)}
+        assert {b[k].dtype for k in ("input_ids", "segment_ids", "answer_pos", "label", "index")} == {
+            np.dtype(np.int32)
+        }
         assert b["valid"].dtype == bool
         check_packed_rows(b, tokenized)
         np.testing.assert_array_equal(prompt_lengths(b), np.where(b["valid"], tokenized.lengths[b["index"]], 0))
@@ -248,8 +257,11 @@ def test_batch_size_in_tokens():
     # 1200 // 200 = 6 rows at most: 3 rows -> 1 batch, evened to 4 rows (a multiple of 2); 1200 // 256 = 4
     # (a multiple of 2): 5 rows -> 2 batches, evened to 3 and rounded up to 4.
     assert [b["input_ids"].shape for b in batches] == [(4, 200), (4, 256), (4, 256)]
+
     def shapes(**sizes):
-        return collections.Counter(b["input_ids"].shape for b in eval_batches(tokenized, row_lengths=(200, 256), **sizes))
+        return collections.Counter(
+            b["input_ids"].shape for b in eval_batches(tokenized, row_lengths=(200, 256), **sizes)
+        )
 
     assert shapes(batch_tokens=100, row_multiple=4) == {(4, 200): 1, (4, 256): 2}  # under a row: row_multiple rows
     assert shapes(batch_tokens=30_000) == {(3, 200): 1, (5, 256): 1}  # one batch a length, no empty row
@@ -342,7 +354,8 @@ def test_training_stream_epochs_are_shuffled_permutations():
     assert len({tuple(e) for e in epochs}) == 3 and tuple(epochs[0]) != tuple(range(8))
     for e, epoch in enumerate(epochs):  # each epoch's examples are that epoch's permutation, batch by batch
         assert [sorted(epoch[:4].tolist()), sorted(epoch[4:].tolist())] == [
-            sorted(epoch_permutation(0, 8, e)[:4].tolist()), sorted(epoch_permutation(0, 8, e)[4:].tolist())
+            sorted(epoch_permutation(0, 8, e)[:4].tolist()),
+            sorted(epoch_permutation(0, 8, e)[4:].tolist()),
         ]
     for index, step in enumerate(steps):
         check_step(step, [tokenized], [0], 4, index)
@@ -357,15 +370,20 @@ def test_step_layout_by_hand():
     lengths = [np.array([5, 3, 3, 9]), np.array([2, 7])]
     # One a row: micro-batch i holds, run after run, slice i of each run's prompts by length (ties in order):
     # run 0's are 1, 2 (3 tokens) | 0, 3; run 1's 0 | 1.
-    assert step_layout(lengths, StepLayout(2, 3, False)) == [
-        [(0, 1)], [(0, 2)], [(1, 0)], [(0, 0)], [(0, 3)], [(1, 1)]
-    ]
+    assert step_layout(lengths, StepLayout(2, 3, False)) == [[(0, 1)], [(0, 2)], [(1, 0)], [(0, 0)], [(0, 3)], [(1, 1)]]
     # Packed over 2 x 2 rows: longest first, each to the least-filled row of all: 9 | 7 | 5 | 3, then the second
     # 3 -> row 3 (6), 2 -> row 2 (7); both runs share row 2.
     assert step_layout(lengths, StepLayout(2, 2, True)) == [[(0, 3)], [(1, 1)], [(0, 0), (1, 0)], [(0, 1), (0, 2)]]
     # One prompt a row over 2 x 4 rows: the rows of both micro-batches take them, not the first's alone.
     assert step_layout(lengths, StepLayout(2, 4, True), prompts_per_row=1) == [
-        [(0, 3)], [(1, 1)], [(0, 0)], [(0, 1)], [(0, 2)], [(1, 0)], [], []
+        [(0, 3)],
+        [(1, 1)],
+        [(0, 0)],
+        [(0, 1)],
+        [(0, 2)],
+        [(1, 0)],
+        [],
+        [],
     ]
     with pytest.raises(ValueError, match="do not fit 4 rows of 9 tokens and 1 prompt slots"):
         step_layout(lengths, StepLayout(2, 2, True), row_length=9, prompts_per_row=1)
@@ -376,8 +394,11 @@ def test_balance_rows_puts_each_prompt_in_the_least_filled_row_with_room():
     # 30 | 25 | 20, then 12 -> row 2 (32), 10 -> row 1 (35), 9 -> row 0 (39), 8 -> row 2 (40).
     lengths = np.array([9, 30, 12, 25, 8, 20, 10])
     assert balance_rows(lengths, num_rows=3, row_length=40, prompts_per_row=3) == [[1, 0], [3, 6], [5, 2, 4]]
-    with pytest.raises(ValueError, match=r"7 prompts of 114 tokens \(longest 30\) do not fit 3 rows of 40 tokens "
-                                         r"and 2 prompt slots; at prompt 4 \(8 tokens\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"7 prompts of 114 tokens \(longest 30\) do not fit 3 rows of 40 tokens "
+        r"and 2 prompt slots; at prompt 4 \(8 tokens\)",
+    ):
         balance_rows(lengths, num_rows=3, row_length=40, prompts_per_row=2)  # every row full of prompts
     with pytest.raises(ValueError, match=r"do not fit 2 rows of 40 tokens and 3 prompt slots; at prompt 5 \(20"):
         balance_rows(lengths, num_rows=2, row_length=40, prompts_per_row=3)  # 30 | 25, then 20 fits neither
@@ -472,16 +493,22 @@ def test_packed_layout_takes_the_fewest_rows_per_device_that_keep_rows_within_th
     bounds), rows a multiple of the devices, and one row fewer per device would overflow some step's row."""
     sets, batch_size, steps = toy_runs(), 8, 9
     layout, longest, most_prompts = packed_layout(
-        sets, SEEDS, batch_size=batch_size, micro_batches=micro_batches, shards=shards, row_length=row_length,
+        sets,
+        SEEDS,
+        batch_size=batch_size,
+        micro_batches=micro_batches,
+        shards=shards,
+        row_length=row_length,
         steps=steps,
-    )  # fmt: skip
+    )
     assert layout.packed and layout.micro_batches == micro_batches and layout.rows % shards == 0
     replayed, replayed_most = replay_rows(sets, SEEDS, batch_size=batch_size, layout=layout, steps=steps)
     np.testing.assert_array_equal(longest, replayed)
     assert most_prompts == replayed_most
     assert 0 < longest.max() <= row_length
-    stream = train_steps(sets, SEEDS, batch_size=batch_size, layout=layout, seq_len=row_length,
-                         prompts_per_row=most_prompts)
+    stream = train_steps(
+        sets, SEEDS, batch_size=batch_size, layout=layout, seq_len=row_length, prompts_per_row=most_prompts
+    )
     assert max(int(row_tokens(next(stream)).max()) for _ in range(steps)) == longest.max()
     if layout.rows > shards:
         fewer = dataclasses.replace(layout, rows=layout.rows - shards)
@@ -597,15 +624,21 @@ def test_training_stream_errors():
     with pytest.raises(ValueError, match="cannot train on an empty set"):
         steps(sets=[sets[0], empty], seeds=[0, 1])
     # One a row, a micro-batch has 3 runs x 4 prompts / 2 rows; packed, the layout's 4.
-    with pytest.raises(ValueError, match=r"rows must be distinct positions in a micro-batch of 6 rows; got \[1, 6\] "
-                                         r"\(outside \[0, 6\): \[6\]\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"rows must be distinct positions in a micro-batch of 6 rows; got \[1, 6\] "
+        r"\(outside \[0, 6\): \[6\]\)",
+    ):
         steps(rows=[1, 6])
     with pytest.raises(ValueError, match=r"rows must be distinct positions in a micro-batch of 6 rows; got \[1, 1\]$"):
         steps(rows=[1, 1])
     with pytest.raises(ValueError, match=r"rows must be distinct positions in a micro-batch of 4 rows; got \[\]$"):
         steps(layout=packed, rows=[])
-    with pytest.raises(ValueError, match=r"rows must be distinct positions in a micro-batch of 4 rows; got \[-1\] "
-                                         r"\(outside \[0, 4\): \[-1\]\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"rows must be distinct positions in a micro-batch of 4 rows; got \[-1\] "
+        r"\(outside \[0, 4\): \[-1\]\)",
+    ):
         steps(layout=packed, rows=[-1])
     with pytest.raises(ValueError, match=r"seq_len 64 is shorter than the longest training prompt \(70 tokens\)"):
         steps(seq_len=64)

@@ -8,8 +8,7 @@ import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
-from oodjax.data import DEFAULT_TEMPLATE, answer_token_ids, format_prompt, load_testset, tokenize_testset
-from oodjax.data import prompts
+from oodjax.data import DEFAULT_TEMPLATE, answer_token_ids, format_prompt, load_testset, prompts, tokenize_testset
 from oodjax.data.prompts import load_tokenizer
 
 LONG_PREMISE = "word" + " word" * 299  # 300 GPT-2 tokens
@@ -104,8 +103,14 @@ def test_truncation_keeps_the_bos_token(gpt2_with_bos, tmp_path):
 
 def test_truncation_with_the_premise_in_the_middle_of_the_template(gpt2, tmp_path):
     template = "Hypothesis: {hypothesis} Premise: {premise}. True?"
-    tokenized = tokenize_testset(nli([(LONG_PREMISE, HYPOTHESIS, 0)]), gpt2, template=template, max_length=40, cache_dir=tmp_path)
-    prefix, body, suffix = ids(gpt2, f"Hypothesis: {HYPOTHESIS} Premise:"), ids(gpt2, " " + LONG_PREMISE), ids(gpt2, ". True?")
+    tokenized = tokenize_testset(
+        nli([(LONG_PREMISE, HYPOTHESIS, 0)]), gpt2, template=template, max_length=40, cache_dir=tmp_path
+    )
+    prefix, body, suffix = (
+        ids(gpt2, f"Hypothesis: {HYPOTHESIS} Premise:"),
+        ids(gpt2, " " + LONG_PREMISE),
+        ids(gpt2, ". True?"),
+    )
     assert ids(gpt2, template.format(premise=LONG_PREMISE, hypothesis=HYPOTHESIS)) == prefix + body + suffix
     assert tokenized.prompt(0).tolist() == prefix + body[: 40 - len(prefix) - len(suffix)] + suffix
 
@@ -145,7 +150,11 @@ def test_a_tokenizer_appending_eos_is_refused(gpt2_tokenizer_dir, tmp_path):
     ],
 )
 def test_bad_templates_are_errors(template, fields, gpt2, tmp_path):
-    with pytest.raises(ValueError, match=r"must contain \{premise\} and \{hypothesis\} once each.*has fields " + fields.replace("[", r"\[").replace("]", r"\]")):
+    with pytest.raises(
+        ValueError,
+        match=r"must contain \{premise\} and \{hypothesis\} once each.*has fields "
+        + fields.replace("[", r"\[").replace("]", r"\]"),
+    ):
         tokenize_testset(nli([("p", "h", 0)]), gpt2, template=template, cache_dir=tmp_path)
     with pytest.raises(ValueError, match="must contain"):
         format_prompt("p", "h", template)

@@ -35,26 +35,58 @@ HAND_CHECKED = {
     ],
     "mnli": [
         ("i'm not sure what the overnight low was", "I don't know how cold it got last night.", 0),
-        ("The bhakti movement of the Tamils", "The Tamils' bhakti movement froze the previously warm ritual of Hinduism.", 1),
+        (
+            "The bhakti movement of the Tamils",
+            "The Tamils' bhakti movement froze the previously warm ritual of Hinduism.",
+            1,
+        ),
     ],
     "scitail": [
-        ("A polyploid is simply an organism", "A(n) polyploid is an individual with more than the correct number of chromosome sets.", 0),
-        ("Chapter 11 Gas and Kinetic Theory", "The behavior of ideal gases is explained by kinetic molecular theory.", 1),
+        (
+            "A polyploid is simply an organism",
+            "A(n) polyploid is an individual with more than the correct number of chromosome sets.",
+            0,
+        ),
+        (
+            "Chapter 11 Gas and Kinetic Theory",
+            "The behavior of ideal gases is explained by kinetic molecular theory.",
+            1,
+        ),
     ],
     "rte": [
-        ("A place of sorrow, after Pope John Paul II died", "Pope Benedict XVI is the new leader of the Roman Catholic Church.", 0),
+        (
+            "A place of sorrow, after Pope John Paul II died",
+            "Pope Benedict XVI is the new leader of the Roman Catholic Church.",
+            0,
+        ),
         ("No Weapons of Mass Destruction Found in Iraq Yet.", "Weapons of Mass Destruction Found in Iraq.", 1),
     ],
     "wnli": [
         ("I stuck a pin through a carrot.", "The carrot had a hole.", 0),
         ("John couldn't see the stage with Billy in front of him", "John is so short.", 0),
         ("The table won't fit through the doorway because it is too narrow.", "The table is too narrow.", 1),
-        ("George got free tickets to the play, but he gave them to Eric, because", "George was particularly eager to see it.", 1),
-        ("George got free tickets to the play, but he gave them to Eric, even though", "George was particularly eager to see it.", 0),
+        (
+            "George got free tickets to the play, but he gave them to Eric, because",
+            "George was particularly eager to see it.",
+            1,
+        ),
+        (
+            "George got free tickets to the play, but he gave them to Eric, even though",
+            "George was particularly eager to see it.",
+            0,
+        ),
     ],
     "paws": [
-        ("The Sunset Sunset Road comes from right", "Sunset Road comes in from the right and becomes Briscoe Mountain Road .", 0),
-        ("It was chosen as the 19th best movie at the 7th Yokohama", "It was chosen as the 7th best film at the 19th Yokohama Film Festival .", 1),
+        (
+            "The Sunset Sunset Road comes from right",
+            "Sunset Road comes in from the right and becomes Briscoe Mountain Road .",
+            0,
+        ),
+        (
+            "It was chosen as the 19th best movie at the 7th Yokohama",
+            "It was chosen as the 7th best film at the 19th Yokohama Film Festival .",
+            1,
+        ),
     ],
     "hans": [
         ("Obviously the secretary encouraged the senator .", "The secretary encouraged the senator .", 0),
@@ -161,7 +193,9 @@ def write_jsonl(root, hub_path, rows):
 
 
 def test_unknown_testset_lists_the_known_ones():
-    with pytest.raises(KeyError, match="unknown testset 'mnli_m'; known testsets: snli, mnli, scitail, rte, wnli, paws, hans, anli"):
+    with pytest.raises(
+        KeyError, match="unknown testset 'mnli_m'; known testsets: snli, mnli, scitail, rte, wnli, paws, hans, anli"
+    ):
         load_testset("mnli_m")
 
 
@@ -334,8 +368,11 @@ def write_rte_copy(hf_data_dir, path):
     """RTE validation (277 rows, labels 0 entailment / 1 not) rewritten in the format `path`'s extension names."""
     frame = pd.DataFrame(read_jsonl(hf_data_dir / RTE_VALIDATION))
     path.parent.mkdir(parents=True, exist_ok=True)
-    {".csv": lambda: frame.to_csv(path, index=False), ".parquet": lambda: frame.to_parquet(path),
-     ".jsonl": lambda: frame.to_json(path, orient="records", lines=True)}[path.suffix]()  # fmt: skip
+    {
+        ".csv": lambda: frame.to_csv(path, index=False),
+        ".parquet": lambda: frame.to_parquet(path),
+        ".jsonl": lambda: frame.to_json(path, orient="records", lines=True),
+    }[path.suffix]()
     return frame
 
 
@@ -357,21 +394,36 @@ def test_declared_string_labels_entailment_on_either_side(tmp_path):
     path = tmp_path / "words.csv"
     path.write_text("p,h,gold\nA,B,entails\nC,D,contradicts\nE,F,unrelated\nG,H,entails\n")
     table = table_with(
-        {"words": {"source": str(path), "premise": "p", "hypothesis": "h", "label": "gold",
-                   "entailment": ["entails"], "not_entailment": ["contradicts", "unrelated"]}}  # fmt: skip
+        {
+            "words": {
+                "source": str(path),
+                "premise": "p",
+                "hypothesis": "h",
+                "label": "gold",
+                "entailment": ["entails"],
+                "not_entailment": ["contradicts", "unrelated"],
+            }
+        }
     )
     assert load_testset("words", table=table).to_dict() == {
-        "premise": ["A", "C", "E", "G"], "hypothesis": ["B", "D", "F", "H"], "label": [0, 1, 1, 0]
+        "premise": ["A", "C", "E", "G"],
+        "hypothesis": ["B", "D", "F", "H"],
+        "label": [0, 1, 1, 0],
     }
 
 
 def test_a_declared_three_way_set_handles_neutral_and_unlabelled_as_the_built_in(hf_data_dir):
     """SNLI's own test file declared as a local file: its -1 rows dropped, its neutral rows dropped or kept as 1."""
     declaration = {
-        "source": str(hf_data_dir / "stanfordnlp/snli/plain_text/test.jsonl"), "premise": "premise",
-        "hypothesis": "hypothesis", "label": "label", "entailment": [0], "not_entailment": [2], "neutral": [1],
+        "source": str(hf_data_dir / "stanfordnlp/snli/plain_text/test.jsonl"),
+        "premise": "premise",
+        "hypothesis": "hypothesis",
+        "label": "label",
+        "entailment": [0],
+        "not_entailment": [2],
+        "neutral": [1],
         "unlabelled": [-1],
-    }  # fmt: skip
+    }
     table = table_with({"snli_file": declaration})
     raw = read_jsonl(hf_data_dir / "stanfordnlp/snli/plain_text/test.jsonl")
     kept = {"drop": {0: 0, 2: 1}, "not_entailment": {0: 0, 1: 1, 2: 1}}
@@ -385,8 +437,17 @@ def test_a_declared_three_way_set_handles_neutral_and_unlabelled_as_the_built_in
 
 def test_a_declared_hub_source_is_read_from_the_local_mirror(hf_data_dir):
     table = table_with(
-        {"rte_val": {"source": "nyu-mll/glue", "config": "rte", "split": "validation", **RTE_COLUMNS,
-                     "entailment": [0], "not_entailment": [1], "unlabelled": [-1]}}  # fmt: skip
+        {
+            "rte_val": {
+                "source": "nyu-mll/glue",
+                "config": "rte",
+                "split": "validation",
+                **RTE_COLUMNS,
+                "entailment": [0],
+                "not_entailment": [1],
+                "unlabelled": [-1],
+            }
+        }
     )
     declared = load_testset("rte_val", table=table, data_dir=hf_data_dir)
     assert rows_of(declared) == rows_of(load_testset("rte", split="validation", data_dir=hf_data_dir))
@@ -475,35 +536,69 @@ def test_a_testset_declared_in_the_config_and_in_the_file_is_an_error(tmp_path):
         table_with({"anli": {"split": "test_r2"}}, tmp_path / "d.json")
 
 
-GOOD_DECLARATION = {"source": "owner/name", "split": "test", "premise": "p", "hypothesis": "h", "label": "y",
-                    "entailment": [0], "not_entailment": [1]}  # fmt: skip
+GOOD_DECLARATION = {
+    "source": "owner/name",
+    "split": "test",
+    "premise": "p",
+    "hypothesis": "h",
+    "label": "y",
+    "entailment": [0],
+    "not_entailment": [1],
+}
 
 
 @pytest.mark.parametrize(
     "name, fields, message",
     [
-        ("mine", {**GOOD_DECLARATION, "premis": "p"},
-            r"\['mine'\]: unknown field 'premis' \(did you mean 'premise'\?\)"),
+        (
+            "mine",
+            {**GOOD_DECLARATION, "premis": "p"},
+            r"\['mine'\]: unknown field 'premis' \(did you mean 'premise'\?\)",
+        ),
         ("mine", {"source": "owner/name", "split": "test"}, r"\['mine'\]: missing fields \['premise', 'hypothesis'"),
         ("mine", {**GOOD_DECLARATION, "split": None}, r"\['mine'\], field 'split': a hub source \(owner/name\) needs"),
-        ("mine", {**GOOD_DECLARATION, "source": "my.csv"},
-            r"\['mine'\], field 'split': a local file \(my.csv\) is one split"),
-        ("mine", {**GOOD_DECLARATION, "source": "/data/my.txt"},
-            r"\['mine'\], field 'source': '/data/my.txt' is neither a hub id"),
+        (
+            "mine",
+            {**GOOD_DECLARATION, "source": "my.csv"},
+            r"\['mine'\], field 'split': a local file \(my.csv\) is one split",
+        ),
+        (
+            "mine",
+            {**GOOD_DECLARATION, "source": "/data/my.txt"},
+            r"\['mine'\], field 'source': '/data/my.txt' is neither a hub id",
+        ),
         ("mine", {**GOOD_DECLARATION, "split": 3}, r"\['mine'\], field 'split': must be a string, got 3 \(int\)"),
-        ("mine", {**GOOD_DECLARATION, "entailment": 0},
-            r"\['mine'\], field 'entailment': must be a list of label values, e.g. \[0\]"),
-        ("mine", {**GOOD_DECLARATION, "entailment": []},
-            r"\['mine'\], field 'entailment': must list at least one label value"),
-        ("mine", {**GOOD_DECLARATION, "neutral": [1.5]},
-            r"\['mine'\], field 'neutral': label values are integers or strings; 1.5"),
-        ("mine", {**GOOD_DECLARATION, "not_entailment": ["1"]},
-            r"\['mine'\], field 'entailment': label values must be all integers or all strings"),
-        ("mine", {**GOOD_DECLARATION, "neutral": [2, 0]},
-            r"\['mine'\], field 'neutral': label values \[0\] are also in 'entailment'"),
+        (
+            "mine",
+            {**GOOD_DECLARATION, "entailment": 0},
+            r"\['mine'\], field 'entailment': must be a list of label values, e.g. \[0\]",
+        ),
+        (
+            "mine",
+            {**GOOD_DECLARATION, "entailment": []},
+            r"\['mine'\], field 'entailment': must list at least one label value",
+        ),
+        (
+            "mine",
+            {**GOOD_DECLARATION, "neutral": [1.5]},
+            r"\['mine'\], field 'neutral': label values are integers or strings; 1.5",
+        ),
+        (
+            "mine",
+            {**GOOD_DECLARATION, "not_entailment": ["1"]},
+            r"\['mine'\], field 'entailment': label values must be all integers or all strings",
+        ),
+        (
+            "mine",
+            {**GOOD_DECLARATION, "neutral": [2, 0]},
+            r"\['mine'\], field 'neutral': label values \[0\] are also in 'entailment'",
+        ),
         ("mine", {**GOOD_DECLARATION, "cap": -1}, r"\['mine'\], field 'cap': must be an integer >= 0"),
-        ("mine", {**GOOD_DECLARATION, "hypothesis": "p"},
-            r"\['mine'\], field 'label': premise, hypothesis and label must be three"),
+        (
+            "mine",
+            {**GOOD_DECLARATION, "hypothesis": "p"},
+            r"\['mine'\], field 'label': premise, hypothesis and label must be three",
+        ),
         ("mine", {**GOOD_DECLARATION, "label": ""}, r"\['mine'\], field 'label': must name a column"),
         ("mine", "owner/name", r"\['mine'\]: a declaration is a mapping of fields to values"),
         ("my set", GOOD_DECLARATION, r"\['my set'\]: 'my set' is not a testset name"),
@@ -548,7 +643,9 @@ def test_csv_texts_are_read_verbatim(tmp_path):
     path.write_text('p,h,y\nNA,null,0\n"two\nlines, one field",007,1\n\n"""quoted""",,0\n')
     table = table_with({"t": {"source": str(path), **CSV_DECLARATION}})
     assert load_testset("t", table=table).to_dict() == {
-        "premise": ["NA", "two\nlines, one field", '"quoted"'], "hypothesis": ["null", "007", ""], "label": [0, 1, 0]
+        "premise": ["NA", "two\nlines, one field", '"quoted"'],
+        "hypothesis": ["null", "007", ""],
+        "label": [0, 1, 0],
     }
 
 
@@ -556,7 +653,7 @@ def test_csv_texts_are_read_verbatim(tmp_path):
     "text, message",
     [
         ("p,h,y\na,b,0\nc,d,0,extra\n", r"t.csv line 3 has 4 fields, the header 3"),
-        ("p,h,y\na,b,0\n\"two\nlines\",d,yes\n", r"t.csv line 3: column 'y' is 'yes'; expected an integer"),
+        ('p,h,y\na,b,0\n"two\nlines",d,yes\n', r"t.csv line 3: column 'y' is 'yes'; expected an integer"),
         ("p,h,y\na,b,1.0\n", r"t.csv line 2: column 'y' is '1.0'; expected an integer"),
         ("p,hyp,y\na,b,0\n", r"t.csv \(its header line\) lacks columns \['h'\]; it has \['p', 'hyp', 'y'\]"),
         ("", r"t.csv has no rows"),

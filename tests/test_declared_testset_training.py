@@ -42,10 +42,17 @@ def trained(tmp_path_factory, gpt2_tokenizer_dir, hf_data_dir):
     source.write_text("sentence,claim,gold\n" + "".join(f'"{p}","{h}",{g}\n' for p, h, g in ROWS))
     config = tiny_config(folder / "out", gpt2_tokenizer_dir, hf_data_dir, folder / "cache")
     config.data.extra_testsets = {
-        "farm": {"source": str(source), "premise": "sentence", "hypothesis": "claim", "label": "gold",
-                 "entailment": ["entailed"], "not_entailment": ["contradicted"], "neutral": ["unknown"],
-                 "cap": 0},  # every row, whatever data.eval_cap (16) says
-    }  # fmt: skip
+        "farm": {
+            "source": str(source),
+            "premise": "sentence",
+            "hypothesis": "claim",
+            "label": "gold",
+            "entailment": ["entailed"],
+            "not_entailment": ["contradicted"],
+            "neutral": ["unknown"],
+            "cap": 0,
+        },  # every row, whatever data.eval_cap (16) says
+    }
     config.data.testsets = ("mnli", "hans", "farm")
     config.data.template = TEMPLATE
     config.data.answers = ANSWERS

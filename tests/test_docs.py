@@ -349,8 +349,10 @@ def commands(doc: Doc, problems: list[str]) -> Iterator[Command]:
             else:
                 program = match.group("script")
                 if program not in console_scripts():
-                    problems.append(f"{quote.doc}:{quote.line}: `{program}` is not a command of pyproject.toml "
-                                    f"(its commands: {', '.join(console_scripts())})")
+                    problems.append(
+                        f"{quote.doc}:{quote.line}: `{program}` is not a command of pyproject.toml "
+                        f"(its commands: {', '.join(console_scripts())})"
+                    )
                     continue
                 entry_point = script_entry_point(program)
             if rest.startswith(":"):  # an error line it printed, not a command
@@ -394,8 +396,9 @@ def command_problems(command: Command) -> list[str]:
 @functools.cache
 def launch_script_text() -> str:
     """The launch scripts and the Makefile: their own flags (sbatch's, srun's) are documented from them."""
-    return "\n".join(path.read_text() for path in [*ROOT.glob("launch/*.sh"), *ROOT.glob("launch/*.sbatch"),
-                                                    ROOT / "Makefile"])
+    return "\n".join(
+        path.read_text() for path in [*ROOT.glob("launch/*.sh"), *ROOT.glob("launch/*.sbatch"), ROOT / "Makefile"]
+    )
 
 
 def all_entry_points(docs: list[Doc]) -> dict[str, EntryPoint]:
@@ -410,8 +413,28 @@ def all_entry_points(docs: list[Doc]) -> dict[str, EntryPoint]:
 
 # --- the checks: each returns its problems, "doc:line: what is wrong" -----------------------------------------
 
-FILE_SUFFIXES = {"py", "md", "json", "jsonl", "toml", "yaml", "csv", "sh", "sbatch", "txt", "safetensors", "bin",
-                 "npz", "parquet", "tex", "pdf", "png", "ipynb", "msgpack", "h5"}
+FILE_SUFFIXES = {
+    "py",
+    "md",
+    "json",
+    "jsonl",
+    "toml",
+    "yaml",
+    "csv",
+    "sh",
+    "sbatch",
+    "txt",
+    "safetensors",
+    "bin",
+    "npz",
+    "parquet",
+    "tex",
+    "pdf",
+    "png",
+    "ipynb",
+    "msgpack",
+    "h5",
+}
 # Paths in the docs' form that are not files of this repository (shell patterns).
 NOT_REPOSITORY_PATHS = {
     "benchmarks/results-*": "what `python -m benchmarks` writes (--out, --device gpu)",
@@ -443,8 +466,9 @@ def config_field_problems(docs: list[Doc]) -> list[str]:
                     continue  # a file: model.safetensors, config.json
                 exists = config_value(path)[0]
                 if path in ABSENT_FIELDS and exists:
-                    problems.append(f"{where}: `{match.group(0)}` is a field of configs/base.py, which the doc says "
-                                    "is not")
+                    problems.append(
+                        f"{where}: `{match.group(0)}` is a field of configs/base.py, which the doc says is not"
+                    )
                 elif not exists and path not in ABSENT_FIELDS and path not in NOT_CONFIG_FIELDS:
                     problems.append(f"{where}: `{match.group(0)}` is not a field of configs/base.py")
             assignment = re.fullmatch(r"(?P<path>[\w.]+)=(?P<value>.+)", quote.text)
@@ -478,8 +502,11 @@ def default_problems(docs: list[Doc]) -> list[str]:
                 written = match.groupdict().get("value") or "True"
                 claim = f"{doc.name}:{doc.line_of(match.start())}: {' '.join(match.group(0).split())!r}"
                 if name.startswith("--"):
-                    wrong = [(program, default) for program, default in flag_defaults.get(name, [])
-                             if not same_value(written, default)]
+                    wrong = [
+                        (program, default)
+                        for program, default in flag_defaults.get(name, [])
+                        if not same_value(written, default)
+                    ]
                     problems += [f"{claim}: {program} {name} defaults to {default!r}" for program, default in wrong[:1]]
                     continue
                 exists, default = config_value(name)
@@ -508,8 +535,10 @@ def protocol_default_problems(doc: Doc) -> list[str]:
             for name, value in zip(words, words[1:] + [""]):
                 flag = command.entry_point.flags.get(name) if command.entry_point else None
                 if flag is not None and flag.takes_value and not same_value(value, flag.default):
-                    problems.append(f"{doc.name}:{number}: `{command.quote.text}` as the default: {command.program} "
-                                    f"{name} defaults to {flag.default!r}")
+                    problems.append(
+                        f"{doc.name}:{number}: `{command.quote.text}` as the default: {command.program} "
+                        f"{name} defaults to {flag.default!r}"
+                    )
         for match in re.finditer(r"`(?P<path>[\w.]+)=(?P<value>[^`]+)`", cells[column]):
             path, written = match.group("path"), match.group("value")
             if not config_value(path)[0]:
@@ -542,8 +571,10 @@ def command_line_problems(docs: list[Doc]) -> list[str]:
                 name = option.group(0)
                 in_scripts = re.search(rf"(?<![\w-]){re.escape(name)}(?![\w-])", launch_script_text())
                 if name not in known and name not in OTHER_TOOLS_FLAGS and not in_scripts:
-                    problems.append(f"{quote.doc}:{quote.line}: {name} is a flag of no entry point, launch script "
-                                    "or listed tool (OTHER_TOOLS_FLAGS in tests/test_docs.py)")
+                    problems.append(
+                        f"{quote.doc}:{quote.line}: {name} is a flag of no entry point, launch script "
+                        "or listed tool (OTHER_TOOLS_FLAGS in tests/test_docs.py)"
+                    )
     return problems
 
 
@@ -575,8 +606,11 @@ def expand_braces(pattern: str) -> list[str]:
     if match is None:
         return [pattern]
     options = match.group(1).split(",") if "," in match.group(1) else ["*"]
-    return [expanded for option in options
-            for expanded in expand_braces(pattern[: match.start()] + option + pattern[match.end():])]
+    return [
+        expanded
+        for option in options
+        for expanded in expand_braces(pattern[: match.start()] + option + pattern[match.end() :])
+    ]
 
 
 def path_problems(docs: list[Doc]) -> list[str]:
@@ -642,14 +676,20 @@ def environment_variable_problems(docs: list[Doc]) -> list[str]:
     code = code_text()
     problems = []
     for doc in docs:
-        named = {(doc.line_of(match.start()), match.group(0))
-                 for match in re.finditer(r"(?<![\w$])OODJAX_[A-Z0-9_]*[A-Z0-9]", doc.prose)}
+        named = {
+            (doc.line_of(match.start()), match.group(0))
+            for match in re.finditer(r"(?<![\w$])OODJAX_[A-Z0-9_]*[A-Z0-9]", doc.prose)
+        }
         for quote in doc.quotes:
             sets_or_reads = r"(?<![\w$./-])([A-Z][A-Z0-9_]*[A-Z0-9])=|\$\{?([A-Z][A-Z0-9_]*[A-Z0-9])"
-            named |= {(quote.line, match.group(1) or match.group(2))
-                      for match in re.finditer(sets_or_reads, quote.text)}
-        problems += [f"{doc.name}:{line}: {name} is named nowhere in the code" for line, name in sorted(named)
-                     if name not in OTHER_VARIABLES and re.search(rf"\b{name}\b", code) is None]
+            named |= {
+                (quote.line, match.group(1) or match.group(2)) for match in re.finditer(sets_or_reads, quote.text)
+            }
+        problems += [
+            f"{doc.name}:{line}: {name} is named nowhere in the code"
+            for line, name in sorted(named)
+            if name not in OTHER_VARIABLES and re.search(rf"\b{name}\b", code) is None
+        ]
     return problems
 
 
@@ -772,8 +812,10 @@ def readme_command_table_problems(doc: Doc) -> list[str]:
         if script not in console_scripts() or module_problem(module):
             continue  # reported by the command check
         if script_entry_point(script).flags.keys() != module_entry_point(module).flags.keys():
-            problems.append(f"{doc.name}:{number}: {script} ({console_scripts()[script]}) is not "
-                            f"`python -m {module}`: they take different flags")
+            problems.append(
+                f"{doc.name}:{number}: {script} ({console_scripts()[script]}) is not "
+                f"`python -m {module}`: they take different flags"
+            )
     return problems
 
 
@@ -846,9 +888,15 @@ def test_each_check_reports_a_wrong_claim(tmp_path):
     path.write_text(WRONG_DOC)
     doc = read_doc(path)
     problems = "\n".join(
-        config_field_problems([doc]) + default_problems([doc]) + protocol_default_problems(doc)
-        + command_line_problems([doc]) + readme_command_table_problems(doc) + make_problems([doc])
-        + path_problems([doc]) + link_problems([doc]) + environment_variable_problems([doc])
+        config_field_problems([doc])
+        + default_problems([doc])
+        + protocol_default_problems(doc)
+        + command_line_problems([doc])
+        + readme_command_table_problems(doc)
+        + make_problems([doc])
+        + path_problems([doc])
+        + link_problems([doc])
+        + environment_variable_problems([doc])
         + python_name_problems([doc])
     )
     expected = [

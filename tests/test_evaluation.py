@@ -38,9 +38,15 @@ from oodjax.models.lora import LoRAConfig
 from tests.engine_configs import tiny_config
 
 OPT = dict(
-    model_type="opt", vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, ffn_dim=64,
-    max_position_embeddings=64, pad_token_id=1,
-)  # fmt: skip
+    model_type="opt",
+    vocab_size=64,
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    ffn_dim=64,
+    max_position_embeddings=64,
+    pad_token_id=1,
+)
 YES, NO = 5, 6
 LORA = LoRAConfig(rank=4, alpha=8.0, dropout=0.1)
 
@@ -181,9 +187,15 @@ def test_training_figures_count_the_lengths_the_step_runs_at():
     # 2 micro-batches x 2 rows x 48 computed.
     tok = tokenized([10] * 8)
     geometry = BatchGeometry(
-        runs=2, batch_size=8, grad_accum=2, seq_len=64, buckets=(16, 32, 48, 64), packed=True,
-        prompts_per_row=4, batch_shards=2,
-    )  # fmt: skip
+        runs=2,
+        batch_size=8,
+        grad_accum=2,
+        seq_len=64,
+        buckets=(16, 32, 48, 64),
+        packed=True,
+        prompts_per_row=4,
+        batch_shards=2,
+    )
     stream = train_steps(
         [tok, tok], [0, 1], batch_size=8, layout=geometry.layout, seq_len=64, prompts_per_row=4, prefetch=0
     )
@@ -235,9 +247,14 @@ def test_a_job_compiles_the_micro_batch_lengths_its_streams_take_and_no_other(
     geometry = batch_geometry(config, mesh, train_sets, seeds)
     every_bucket = dataclasses.replace(geometry, buckets=bucket_lengths(geometry.seq_len))
     stream = train_steps(
-        train_sets, seeds, batch_size=geometry.batch_size, layout=geometry.layout, seq_len=geometry.seq_len,
-        prompts_per_row=geometry.prompts_per_row, prefetch=0,
-    )  # fmt: skip
+        train_sets,
+        seeds,
+        batch_size=geometry.batch_size,
+        layout=geometry.layout,
+        seq_len=geometry.seq_len,
+        prompts_per_row=geometry.prompts_per_row,
+        prefetch=0,
+    )
     replayed, most_prompts = replay_rows(
         train_sets, seeds, batch_size=geometry.batch_size, layout=geometry.layout, steps=config.train.steps
     )

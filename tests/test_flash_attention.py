@@ -43,9 +43,15 @@ def qkv():
 
 @pytest.mark.parametrize(
     "kernel, length, expected",
-    [("pallas_gpu", 40, (64, 64)), ("pallas_gpu", 160, (64, 192)), ("pallas_gpu", 896, (128, 896)),
-     ("splash", 100, (128, 128)), ("splash", 640, (128, 640)), ("splash", 1536, (512, 1536))],
-)  # fmt: skip
+    [
+        ("pallas_gpu", 40, (64, 64)),
+        ("pallas_gpu", 160, (64, 192)),
+        ("pallas_gpu", 896, (128, 896)),
+        ("splash", 100, (128, 128)),
+        ("splash", 640, (128, 640)),
+        ("splash", 1536, (512, 1536)),
+    ],
+)
 def test_each_kernel_tiles_the_padded_sequence_in_blocks_that_divide_it(kernel, length, expected):
     """The kernels refuse a block that does not divide the sequence (Pallas GPU's 128 on a 160-token bucket
     padded to 192, splash's 512 on 640): the block is the largest of the kernel's that divides it."""
@@ -194,8 +200,16 @@ def test_cudnn_where_it_does_not_apply(on_h100):  # noqa: F811
 
 
 def remat_model(remat: str, attention: str):
-    config = dict(model_type="olmo2", vocab_size=96, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, intermediate_size=48, pad_token_id=1)  # fmt: skip
+    config = dict(
+        model_type="olmo2",
+        vocab_size=96,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=48,
+        pad_token_id=1,
+    )
     dtype = "bfloat16" if attention == "cudnn" else "float32"
     return nnx.split(models.from_config(config, seed=1, dtype=dtype, remat=remat, attention=attention))
 

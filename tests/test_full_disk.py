@@ -61,9 +61,13 @@ def test_a_full_disk_stops_with_one_error_naming_the_path_and_keeps_what_was_wri
     assert unshare, "unshare (util-linux) is needed to mount a small file system without root"
     mount = tmp_path / "small"
     mount.mkdir()
-    command = f"mount -t tmpfs -o size=4m tmpfs {mount} && exec {sys.executable} -c \"$0\" {mount}"
+    command = f'mount -t tmpfs -o size=4m tmpfs {mount} && exec {sys.executable} -c "$0" {mount}'
     result = subprocess.run(
-        [unshare, "-rm", "sh", "-c", command, SCRIPT], cwd=ROOT, capture_output=True, text=True, timeout=300,
+        [unshare, "-rm", "sh", "-c", command, SCRIPT],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
         env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", "HOME": str(tmp_path)},
     )
     assert result.returncode == 0, result.stderr[-3000:]

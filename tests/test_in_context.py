@@ -97,9 +97,15 @@ def most_that_fit(tokenizer, test_row, texts, max_length):
 def in_context(tests, demonstrations, tokenizer, max_length, **options):
     zero_shot = tokenize_testset(tests, tokenizer, max_length=max_length, use_cache=False)
     icl = tokenize_in_context(
-        tests, demonstrations, tokenizer, template=DEFAULT_TEMPLATE, answers=ANSWERS, max_length=max_length,
-        zero_shot=zero_shot, **{"use_cache": False, **options},
-    )  # fmt: skip
+        tests,
+        demonstrations,
+        tokenizer,
+        template=DEFAULT_TEMPLATE,
+        answers=ANSWERS,
+        max_length=max_length,
+        zero_shot=zero_shot,
+        **{"use_cache": False, **options},
+    )
     return icl, zero_shot
 
 
@@ -203,8 +209,12 @@ def test_in_context_runs_are_named_and_written_as_trained_runs_of_model_icl(icl_
         progress = results.read_progress(run.directory)
         assert progress.steps == (0,)
         section = progress.config[schema.RUN_SECTION]
-        assert section == {schema.RUN_MODEL: "opt-tiny-icl", schema.RUN_SEED: run.seed, schema.RUN_SHOTS: run.shots,
-                           schema.RUN_EVALUATED: schema.EVALUATED_IN_CONTEXT}  # fmt: skip
+        assert section == {
+            schema.RUN_MODEL: "opt-tiny-icl",
+            schema.RUN_SEED: run.seed,
+            schema.RUN_SHOTS: run.shots,
+            schema.RUN_EVALUATED: schema.EVALUATED_IN_CONTEXT,
+        }
         with np.load(run.directory / schema.METRICS_FILENAME) as stored:
             assert stored[schema.TESTSETS].tolist() == ["mnli", "hans", "rte"]
             assert stored[schema.margin_key("hans")].shape == (1, 12)

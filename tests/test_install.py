@@ -20,11 +20,21 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGES = ("oodjax", "analysis", "launch", "configs")
 BUILD_FILES = (
-    "pyproject.toml", "README.md", "requirements.txt", "requirements-dev.txt", "requirements-tensorboard.txt",
+    "pyproject.toml",
+    "README.md",
+    "requirements.txt",
+    "requirements-dev.txt",
+    "requirements-tensorboard.txt",
 )
 COMMANDS = {
-    "oodjax-train", "oodjax-analyse", "oodjax-runs", "oodjax-sweep", "oodjax-estimate",
-    "oodjax-preflight", "oodjax-evaluate", "oodjax-fetch",
+    "oodjax-train",
+    "oodjax-analyse",
+    "oodjax-runs",
+    "oodjax-sweep",
+    "oodjax-estimate",
+    "oodjax-preflight",
+    "oodjax-evaluate",
+    "oodjax-fetch",
 }
 # Run inside the installed copy: every console script's function must exist and
 # be callable without arguments, as the generated script calls it.
@@ -55,12 +65,12 @@ def installed(tmp_path_factory) -> tuple[pathlib.Path, dict[str, str], pathlib.P
     for name in BUILD_FILES:
         shutil.copy2(ROOT / name, source / name)
     pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
-    subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", work / "wheels",
-                    source], check=True, timeout=120)
+    subprocess.run(
+        [*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", work / "wheels", source], check=True, timeout=120
+    )
     (wheel,) = (work / "wheels").glob("oodjax-*.whl")
     site = work / "site"
-    subprocess.run([*pip, "install", "--no-deps", "--target", site, wheel], check=True,
-                   timeout=120)
+    subprocess.run([*pip, "install", "--no-deps", "--target", site, wheel], check=True, timeout=120)
     environment = os.environ | {"PYTHONPATH": str(site)}
     elsewhere = work / "elsewhere"
     elsewhere.mkdir()
@@ -69,16 +79,14 @@ def installed(tmp_path_factory) -> tuple[pathlib.Path, dict[str, str], pathlib.P
 
 def run(command: list, installed) -> subprocess.CompletedProcess:
     _, environment, elsewhere = installed
-    completed = subprocess.run(command, cwd=elsewhere, env=environment, capture_output=True,
-                               text=True, timeout=120)
+    completed = subprocess.run(command, cwd=elsewhere, env=environment, capture_output=True, text=True, timeout=120)
     assert completed.returncode == 0, completed.stderr[-3000:]
     return completed
 
 
 def test_packages_import_from_the_install_not_the_repository(installed):
     site, _, _ = installed
-    code = "import oodjax, analysis, launch, configs; print(*(m.__file__ for m in " \
-           "(oodjax, analysis, launch, configs)))"
+    code = "import oodjax, analysis, launch, configs; print(*(m.__file__ for m in (oodjax, analysis, launch, configs)))"
     files = run([sys.executable, "-c", code], installed).stdout.split()
     assert [pathlib.Path(f).parent for f in files] == [site / p for p in PACKAGES]
     # What the code finds next to itself: the shipped configs (names with dots
@@ -112,9 +120,7 @@ def test_dependencies_are_the_requirements_pins(installed):
         return [line.strip() for line in lines if line.strip() and not line.startswith("#")]
 
     assert [r for r in requires if "extra ==" not in r] == pins("requirements.txt")
-    assert [r.split(";")[0].strip() for r in requires if 'extra == "test"' in r] == pins(
-        "requirements-dev.txt"
-    )
+    assert [r.split(";")[0].strip() for r in requires if 'extra == "test"' in r] == pins("requirements-dev.txt")
     # `pip install ".[tensorboard]"`: the viewer of the event files, pinned.
     tensorboard = [r.split(";")[0].strip() for r in requires if 'extra == "tensorboard"' in r]
     assert tensorboard == pins("requirements-tensorboard.txt") and tensorboard[0].startswith("tensorboard==")
@@ -133,7 +139,18 @@ def test_packaged_configs_are_named_from_outside_the_repository(installed):
     path, opt27, original = run([sys.executable, "-c", code], installed).stdout.split()
     assert pathlib.Path(path) == site / "configs" / "opt30_mnli.py"
     assert (opt27, original) == ("facebook/opt-2.7b", "facebook/opt-30b")
-    lines = run([site / "bin" / "oodjax-sweep", "--configs", "oodjax:*_mnli", "--backend", "slurm", "--dry_run",
-                 "--account", "proj"], installed).stdout.splitlines()
+    lines = run(
+        [
+            site / "bin" / "oodjax-sweep",
+            "--configs",
+            "oodjax:*_mnli",
+            "--backend",
+            "slurm",
+            "--dry_run",
+            "--account",
+            "proj",
+        ],
+        installed,
+    ).stdout.splitlines()
     assert lines[-1] == "72 runs in 8 jobs"
     assert all(f"{site}/launch/slurm.sbatch oodjax:" in line and "--account=proj" in line for line in lines[:-1])

@@ -18,23 +18,62 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 # Per config: (hub id, the checkpoint's architecture shrunk: its model_type, norms, RoPE, tying and special
 # tokens kept; layers, widths and heads cut down, the head ratio of grouped-query attention kept).
 CONFIGS = {
-    "laptop_opt125m": ("facebook/opt-125m", dict(
-        model_type="opt", vocab_size=50272, hidden_size=64, word_embed_proj_dim=64, ffn_dim=256,
-        num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=2048, do_layer_norm_before=True,
-        enable_bias=True, pad_token_id=1, bos_token_id=2, eos_token_id=2,
-    )),
-    "laptop_smol135m": ("HuggingFaceTB/SmolLM2-135M", dict(
-        # vocab 49152 in the checkpoint; raised to hold the GPT-2 tokenizer's ids, the one available offline
-        model_type="llama", vocab_size=50304, hidden_size=96, intermediate_size=256, num_hidden_layers=2,
-        num_attention_heads=6, num_key_value_heads=2, rope_theta=100000.0, rms_norm_eps=1e-5,
-        tie_word_embeddings=True, max_position_embeddings=8192, bos_token_id=0, eos_token_id=0,
-    )),
-    "laptop_olmo1b": ("allenai/OLMo-2-0425-1B", dict(
-        model_type="olmo2", vocab_size=100352, hidden_size=64, intermediate_size=256, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=4, rope_theta=500000.0, rms_norm_eps=1e-6,
-        tie_word_embeddings=False, max_position_embeddings=4096, pad_token_id=100277, eos_token_id=100257,
-    )),
-}  # fmt: skip
+    "laptop_opt125m": (
+        "facebook/opt-125m",
+        dict(
+            model_type="opt",
+            vocab_size=50272,
+            hidden_size=64,
+            word_embed_proj_dim=64,
+            ffn_dim=256,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            max_position_embeddings=2048,
+            do_layer_norm_before=True,
+            enable_bias=True,
+            pad_token_id=1,
+            bos_token_id=2,
+            eos_token_id=2,
+        ),
+    ),
+    "laptop_smol135m": (
+        "HuggingFaceTB/SmolLM2-135M",
+        dict(
+            # vocab 49152 in the checkpoint; raised to hold the GPT-2 tokenizer's ids, the one available offline
+            model_type="llama",
+            vocab_size=50304,
+            hidden_size=96,
+            intermediate_size=256,
+            num_hidden_layers=2,
+            num_attention_heads=6,
+            num_key_value_heads=2,
+            rope_theta=100000.0,
+            rms_norm_eps=1e-5,
+            tie_word_embeddings=True,
+            max_position_embeddings=8192,
+            bos_token_id=0,
+            eos_token_id=0,
+        ),
+    ),
+    "laptop_olmo1b": (
+        "allenai/OLMo-2-0425-1B",
+        dict(
+            model_type="olmo2",
+            vocab_size=100352,
+            hidden_size=64,
+            intermediate_size=256,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            rope_theta=500000.0,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=False,
+            max_position_embeddings=4096,
+            pad_token_id=100277,
+            eos_token_id=100257,
+        ),
+    ),
+}
 
 # A config file that takes a laptop config and swaps its checkpoint for the random model.
 WRAPPER = """
@@ -64,16 +103,30 @@ def test_each_config_is_its_checkpoints_3x3_grid_on_the_eight_testsets(module):
 @pytest.mark.parametrize("module", sorted(CONFIGS))
 def test_each_config_trains_its_architecture_through_main(module, tmp_path, gpt2_tokenizer_dir, hf_data_dir):
     wrapper = tmp_path / f"random_{module}.py"
-    wrapper.write_text(WRAPPER.format(
-        module=module, hf_config=CONFIGS[module][1], tokenizer=str(gpt2_tokenizer_dir), data_dir=str(hf_data_dir)
-    ))  # fmt: skip
+    wrapper.write_text(
+        WRAPPER.format(
+            module=module, hf_config=CONFIGS[module][1], tokenizer=str(gpt2_tokenizer_dir), data_dir=str(hf_data_dir)
+        )
+    )
     out = tmp_path / "out"
     result = subprocess.run(
-        [sys.executable, "-m", "oodjax.main", f"--config={wrapper}", "--config.train.steps=2",
-         "--config.train.warmup_steps=1", "--config.eval.every=1", "--config.data.eval_cap=16",
-         f"--config.output_dir={out}", f"--config.data.cache_dir={tmp_path / 'cache'}"],
-        cwd=ROOT, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "oodjax.main",
+            f"--config={wrapper}",
+            "--config.train.steps=2",
+            "--config.train.warmup_steps=1",
+            "--config.eval.every=1",
+            "--config.data.eval_cap=16",
+            f"--config.output_dir={out}",
+            f"--config.data.cache_dir={tmp_path / 'cache'}",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     runs = sorted(path.parent for path in out.glob(f"*/{schema.METRICS_FILENAME}"))
     assert len(runs) == 9

@@ -10,9 +10,15 @@ from oodjax.engine.distributed import LayoutError, ProcessLayout, detect_layout,
 def slurm_env(**changes):
     """Task 11 of a 2-node job with 8 tasks per node (node 1, local task 3)."""
     env = dict(
-        SLURM_JOB_ID="4242", SLURM_STEP_NODELIST="gpu[07-08]", SLURM_JOB_NODELIST="gpu[07-08]",
-        SLURM_NTASKS="16", SLURM_PROCID="11", SLURM_LOCALID="3", SLURM_NODEID="1",
-        SLURM_STEP_TASKS_PER_NODE="8(x2)", SLURM_GPUS_ON_NODE="8",
+        SLURM_JOB_ID="4242",
+        SLURM_STEP_NODELIST="gpu[07-08]",
+        SLURM_JOB_NODELIST="gpu[07-08]",
+        SLURM_NTASKS="16",
+        SLURM_PROCID="11",
+        SLURM_LOCALID="3",
+        SLURM_NODEID="1",
+        SLURM_STEP_TASKS_PER_NODE="8(x2)",
+        SLURM_GPUS_ON_NODE="8",
     )
     env.update(changes)
     return {key: value for key, value in env.items() if value is not None}
@@ -63,8 +69,14 @@ def test_slurm_single_task_starts_nothing():
 
 
 def test_slurm_uneven_task_counts_are_read_per_node():
-    env = slurm_env(SLURM_NTASKS="5", SLURM_PROCID="4", SLURM_NODEID="2", SLURM_STEP_TASKS_PER_NODE="2(x2),1",
-                    SLURM_STEP_NODELIST="a[1-3]", SLURM_GPUS_ON_NODE=None)
+    env = slurm_env(
+        SLURM_NTASKS="5",
+        SLURM_PROCID="4",
+        SLURM_NODEID="2",
+        SLURM_STEP_TASKS_PER_NODE="2(x2),1",
+        SLURM_STEP_NODELIST="a[1-3]",
+        SLURM_GPUS_ON_NODE=None,
+    )
     assert detect_layout(env, processes_per="per_node").coordinator_address == "a1:61586"
 
 
@@ -107,10 +119,14 @@ def test_explicit_values_win_over_slurm():
     [
         ({"OODJAX_COORDINATOR_ADDRESS": "h:1", "OODJAX_NUM_PROCESSES": "2"}, "missing \\['OODJAX_PROCESS_ID'\\]"),
         ({"OODJAX_COORDINATOR_ADDRESS": "h", "OODJAX_NUM_PROCESSES": "2", "OODJAX_PROCESS_ID": "0"}, "host:port"),
-        ({"OODJAX_COORDINATOR_ADDRESS": "h:1", "OODJAX_NUM_PROCESSES": "two", "OODJAX_PROCESS_ID": "0"},
-         "OODJAX_NUM_PROCESSES must be an integer"),
-        ({"OODJAX_COORDINATOR_ADDRESS": "h:1", "OODJAX_NUM_PROCESSES": "2", "OODJAX_PROCESS_ID": "2"},
-         "OODJAX_PROCESS_ID=2 is outside 0..1"),
+        (
+            {"OODJAX_COORDINATOR_ADDRESS": "h:1", "OODJAX_NUM_PROCESSES": "two", "OODJAX_PROCESS_ID": "0"},
+            "OODJAX_NUM_PROCESSES must be an integer",
+        ),
+        (
+            {"OODJAX_COORDINATOR_ADDRESS": "h:1", "OODJAX_NUM_PROCESSES": "2", "OODJAX_PROCESS_ID": "2"},
+            "OODJAX_PROCESS_ID=2 is outside 0..1",
+        ),
         ({"OODJAX_PROCESSES_PER": "per_gpu"}, "must be one of"),
     ],
 )
@@ -141,13 +157,15 @@ def test_unparseable_nodelist_is_an_error():
         expand_nodelist("gpu[a-c]")
 
 
-
 def test_jax_is_started_without_its_own_sigterm_handler(monkeypatch):
     """JAX's preemption service (on by default) would take SIGTERM before the loop's handlers exist, and
     swallow it."""
     started = {}
-    monkeypatch.setattr(jax.distributed, "initialize",
-                        lambda **arguments: started.update(arguments, service=jax.config.jax_enable_preemption_service))
+    monkeypatch.setattr(
+        jax.distributed,
+        "initialize",
+        lambda **arguments: started.update(arguments, service=jax.config.jax_enable_preemption_service),
+    )
     before = jax.config.jax_enable_preemption_service
     jax.config.update("jax_enable_preemption_service", True)
     try:

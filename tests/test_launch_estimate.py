@@ -40,34 +40,134 @@ def get_config():
 """
 
 TINY_ARCHITECTURES = {
-    "opt": dict(model_type="opt", vocab_size=97, hidden_size=16, word_embed_proj_dim=16, ffn_dim=40,
-                num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=32),
+    "opt": dict(
+        model_type="opt",
+        vocab_size=97,
+        hidden_size=16,
+        word_embed_proj_dim=16,
+        ffn_dim=40,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=32,
+    ),
     # OPT-350m's layout: embeddings narrower than the layers, with projections in and out.
-    "opt-projected": dict(model_type="opt", vocab_size=97, hidden_size=16, word_embed_proj_dim=8, ffn_dim=40,
-                          num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=32,
-                          do_layer_norm_before=False),
-    "opt-no-bias": dict(model_type="opt", vocab_size=97, hidden_size=16, word_embed_proj_dim=16, ffn_dim=40,
-                        num_hidden_layers=3, num_attention_heads=2, max_position_embeddings=32, enable_bias=False),
-    "olmo2-gqa": dict(model_type="olmo2", vocab_size=101, hidden_size=16, intermediate_size=24,
-                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2),
-    "smollm3-tied": dict(model_type="smollm3", vocab_size=101, hidden_size=16, intermediate_size=24,
-                         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=True,
-                         pad_token_id=0),
-    "llama-biases": dict(model_type="llama", vocab_size=101, hidden_size=16, intermediate_size=24,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
-                         attention_bias=True, mlp_bias=True, tie_word_embeddings=False),
-    "qwen2": dict(model_type="qwen2", vocab_size=101, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False),
-    "qwen3": dict(model_type="qwen3", vocab_size=101, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, tie_word_embeddings=True),
-    "mistral": dict(model_type="mistral", vocab_size=101, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
-                    num_attention_heads=4, num_key_value_heads=2, sliding_window=8, tie_word_embeddings=False),
-    "gemma2": dict(model_type="gemma2", vocab_size=101, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
-                   num_attention_heads=4, num_key_value_heads=2, head_dim=8),
-    "gemma3_text": dict(model_type="gemma3_text", vocab_size=101, hidden_size=16, intermediate_size=24,
-                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8),
-    "phi3": dict(model_type="phi3", vocab_size=101, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False, pad_token_id=0),
+    "opt-projected": dict(
+        model_type="opt",
+        vocab_size=97,
+        hidden_size=16,
+        word_embed_proj_dim=8,
+        ffn_dim=40,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=32,
+        do_layer_norm_before=False,
+    ),
+    "opt-no-bias": dict(
+        model_type="opt",
+        vocab_size=97,
+        hidden_size=16,
+        word_embed_proj_dim=16,
+        ffn_dim=40,
+        num_hidden_layers=3,
+        num_attention_heads=2,
+        max_position_embeddings=32,
+        enable_bias=False,
+    ),
+    "olmo2-gqa": dict(
+        model_type="olmo2",
+        vocab_size=101,
+        hidden_size=16,
+        intermediate_size=24,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    ),
+    "smollm3-tied": dict(
+        model_type="smollm3",
+        vocab_size=101,
+        hidden_size=16,
+        intermediate_size=24,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        tie_word_embeddings=True,
+        pad_token_id=0,
+    ),
+    "llama-biases": dict(
+        model_type="llama",
+        vocab_size=101,
+        hidden_size=16,
+        intermediate_size=24,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        attention_bias=True,
+        mlp_bias=True,
+        tie_word_embeddings=False,
+    ),
+    "qwen2": dict(
+        model_type="qwen2",
+        vocab_size=101,
+        hidden_size=16,
+        intermediate_size=24,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+    ),
+    "qwen3": dict(
+        model_type="qwen3",
+        vocab_size=101,
+        hidden_size=16,
+        intermediate_size=24,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        tie_word_embeddings=True,
+    ),
+    "mistral": dict(
+        model_type="mistral",
+        vocab_size=101,
+        hidden_size=16,
+        intermediate_size=24,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        sliding_window=8,
+        tie_word_embeddings=False,
+    ),
+    "gemma2": dict(
+        model_type="gemma2",
+        vocab_size=101,
+        hidden_size=16,
+        intermediate_size=24,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+    ),
+    "gemma3_text": dict(
+        model_type="gemma3_text",
+        vocab_size=101,
+        hidden_size=16,
+        intermediate_size=24,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+    ),
+    "phi3": dict(
+        model_type="phi3",
+        vocab_size=101,
+        hidden_size=16,
+        intermediate_size=24,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+        pad_token_id=0,
+    ),
 }
 
 
@@ -119,6 +219,7 @@ def test_forward_flops_closed_form():
     # per token 2*2*2304 matmul FLOPs + 4*2*32*16 attention FLOPs = 9216 + 4096.
     dims = costs.dimensions(TINY_ARCHITECTURES["opt"])
     assert costs.forward_flops_per_token(dims, 32) == 13312
+
     # Train step, 6 rows of 32 tokens holding 2 runs x 3 prompts, no adapters, no remat: 3 x matmuls
     # + 3 x attention per token, and 2*H*V*2 per prompt for the head.
     def step(remat, runs=2, lora_parameters=0):
@@ -167,9 +268,15 @@ def test_saved_activations_equal_the_vjps_residuals(remat):
     lora = steps.runs_inside_layers(jax.tree.map(lambda x: jnp.stack([x] * runs), lora))
     segments = jnp.array([[1, 1, 1, 2, 2, 2, 2, 0], [1, 1, 1, 1, 2, 2, 0, 0]], jnp.int32)
     per_slot = jnp.array([[0, 1], [2, 0]], jnp.int32)  # each row's prompts' runs (and examples, and labels)
-    micro = dict(input_ids=jnp.ones((rows, seq_len), jnp.int32), segment_ids=segments,
-                 answer_pos=jnp.array([[2, 6], [3, 5]], jnp.int32), label=per_slot, valid=jnp.ones((rows, slots), bool),
-                 run=per_slot, example=per_slot)
+    micro = dict(
+        input_ids=jnp.ones((rows, seq_len), jnp.int32),
+        segment_ids=segments,
+        answer_pos=jnp.array([[2, 6], [3, 5]], jnp.int32),
+        label=per_slot,
+        valid=jnp.ones((rows, slots), bool),
+        run=per_slot,
+        example=per_slot,
+    )
     run_keys = jax.random.key_data(jax.random.split(jax.random.key(0), runs))
     run_weights = jnp.full((runs,), 0.5)
     loss = functools.partial(steps.micro_batch_loss, graphdef=graphdef, yes_id=0, no_id=1, compute_dtype=None)
@@ -272,24 +379,44 @@ def test_estimate_within_a_quarter_of_the_compiled_train_step():
     architecture = estimate.architecture_of(config, layers)
     graphdef, base, runs = steps.abstract_init_runs(
         lambda: models.abstract_model(architecture, dtype=config.model.dtype, remat=config.model.remat),
-        [run.seed for run in results.plan_runs(config)], LoRAConfig.from_config(config.lora), loop.optimizer(config),
+        [run.seed for run in results.plan_runs(config)],
+        LoRAConfig.from_config(config.lora),
+        loop.optimizer(config),
     )
     # What batch_geometry makes of it: 2 micro-batches of 9 x 16 / (2 x 8) = 9 prompts a device, in two rows of
     # at most data.max_length (512) each, 5 slots for the fuller.
     geometry = BatchGeometry(
-        runs=runs.num_runs, batch_size=config.train.batch_size, grad_accum=config.train.grad_accum,
-        seq_len=seq_len, packed=True, packed_rows_per_device=2, prompts_per_row=5,
+        runs=runs.num_runs,
+        batch_size=config.train.batch_size,
+        grad_accum=config.train.grad_accum,
+        seq_len=seq_len,
+        packed=True,
+        packed_rows_per_device=2,
+        prompts_per_row=5,
         batch_shards=sharding.batch_shards(mesh),
     )
     assert (config.train.pack, config.data.max_length) == (True, 512)
-    train_step = steps.make_train_step(graphdef, loop.optimizer(config), 1, 2, geometry, mesh=mesh, base_state=base,
-                                       runs=runs)
+    train_step = steps.make_train_step(
+        graphdef, loop.optimizer(config), 1, 2, geometry, mesh=mesh, base_state=base, runs=runs
+    )
     memory = train_step.lower(base, runs, preflight.train_batch(geometry, mesh)).compile().memory_analysis()
-    compiled = (memory.argument_size_in_bytes + memory.output_size_in_bytes + memory.temp_size_in_bytes
-                - memory.alias_size_in_bytes)
+    compiled = (
+        memory.argument_size_in_bytes
+        + memory.output_size_in_bytes
+        + memory.temp_size_in_bytes
+        - memory.alias_size_in_bytes
+    )
     estimated = estimate.estimate(
-        "olmo7", config, devices=8, device=estimate.DEVICES["h100"], utilisation=0.4, seq_len=seq_len,
-        prompt_len=80, eval_examples=0, layers=layers, platform="cpu",
+        "olmo7",
+        config,
+        devices=8,
+        device=estimate.DEVICES["h100"],
+        utilisation=0.4,
+        seq_len=seq_len,
+        prompt_len=80,
+        eval_examples=0,
+        layers=layers,
+        platform="cpu",
     )
     assert (estimated.geometry.rows, estimated.geometry.prompts_per_row) == (geometry.rows, geometry.prompts_per_row)
     estimated = estimated.memory.total
@@ -306,8 +433,14 @@ def test_a_packed_step_holds_all_runs_prompts_in_the_fewest_rows_per_device():
 
     def costed(config):
         return estimate.estimate(
-            "smol3", config, devices=8, device=estimate.DEVICES["h100"], utilisation=0.4, prompt_len=160,
-            eval_examples=0, layers=2,
+            "smol3",
+            config,
+            devices=8,
+            device=estimate.DEVICES["h100"],
+            utilisation=0.4,
+            prompt_len=160,
+            eval_examples=0,
+            layers=2,
         )
 
     def shape(result):
@@ -379,8 +512,23 @@ def test_evaluation_steps():
 def test_cli_prints_every_figure(capsys, monkeypatch):
     for name in estimate.MEMORY_FRACTION_VARIABLES:
         monkeypatch.delenv(name, raising=False)
-    assert estimate.main(["configs/opt30_mnli.py", "configs/olmo7_snli.py", "--prompt_len", "512",
-                          "--eval_examples", "1000", "--device", "h100", "--utilisation", "0.5"]) == 0
+    assert (
+        estimate.main(
+            [
+                "configs/opt30_mnli.py",
+                "configs/olmo7_snli.py",
+                "--prompt_len",
+                "512",
+                "--eval_examples",
+                "1000",
+                "--device",
+                "h100",
+                "--utilisation",
+                "0.5",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "configs/opt30_mnli.py: facebook/opt-30b, 29,974,540,288 parameters" in out
     # 9 x 16 prompts, 18 a device in the one micro-batch, of 512 tokens (data.max_length): one a row of 512.
@@ -391,11 +539,19 @@ def test_cli_prints_every_figure(capsys, monkeypatch):
     # 29.98 GB of 29.97e9 bf16 parameters split 2 ways, plus the norms and biases fsdp leaves whole; the head
     # (tied: the 50272 x 7168 embedding) gathered from 2 shards. The layout is sized for the study's prompts of
     # about 45 tokens (docs/clusters.md, "Sizing"): prompts of 512 do not fit.
-    for figure in ("frozen weights 29.98", "adapters", "optimizer state", "activations", "a layer's backward",
-                   "the head's 0.36", "per train step", "per full evaluation", "H100 SXM-hours at 50% utilisation",
-                   "prompts: 512 tokens each (--prompt_len = data.max_length: an upper bound), evaluated one a row",
-                   "DOES NOT FIT in 72 GB of the H100 SXM's 80 GB (XLA_CLIENT_MEM_FRACTION=0.9, "
-                   "launch/slurm.sbatch's default)"):
+    for figure in (
+        "frozen weights 29.98",
+        "adapters",
+        "optimizer state",
+        "activations",
+        "a layer's backward",
+        "the head's 0.36",
+        "per train step",
+        "per full evaluation",
+        "H100 SXM-hours at 50% utilisation",
+        "prompts: 512 tokens each (--prompt_len = data.max_length: an upper bound), evaluated one a row",
+        "DOES NOT FIT in 72 GB of the H100 SXM's 80 GB (XLA_CLIENT_MEM_FRACTION=0.9, launch/slurm.sbatch's default)",
+    ):
         assert figure in out
     assert out.strip().splitlines()[-1].startswith("total: 18 runs in 2 configs")
 
@@ -414,8 +570,11 @@ def test_the_fit_is_tested_against_the_memory_jax_can_use(capsys):
     deprecated = {"XLA_PYTHON_CLIENT_MEM_FRACTION": ".5"}
     assert estimate.describe_fit(75e9, h100, deprecated).startswith("DOES NOT FIT in 40 GB")
     assert estimate.describe_fit(90e9, v5p, {"XLA_CLIENT_MEM_FRACTION": "0.5"}) == "fits in the 95 GB of a TPU v5p chip"
-    for wrong in ({"XLA_CLIENT_MEM_FRACTION": "1.5"}, {"XLA_CLIENT_MEM_FRACTION": "most"},
-                  {"XLA_CLIENT_MEM_FRACTION": "0.9", "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.9"}):
+    for wrong in (
+        {"XLA_CLIENT_MEM_FRACTION": "1.5"},
+        {"XLA_CLIENT_MEM_FRACTION": "most"},
+        {"XLA_CLIENT_MEM_FRACTION": "0.9", "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.9"},
+    ):
         with pytest.raises(usage_errors.ConfigError):
             estimate.memory_fraction(wrong)
 
@@ -441,14 +600,17 @@ def _one_line(stderr, status):
     "model, message",
     [
         ("c.model.path = 'someone/model-1b'", "model.path: no architecture numbers for 'someone/model-1b'"),
-        ("c.model.path = 'facebook/opt-2.7b'\n    c.mesh.data = 3", "mesh {'data': 3, 'fsdp': 1, 'tensor': 1} does "
-         "not fit 8 devices"),
+        (
+            "c.model.path = 'facebook/opt-2.7b'\n    c.mesh.data = 3",
+            "mesh {'data': 3, 'fsdp': 1, 'tensor': 1} does not fit 8 devices",
+        ),
     ],
 )
 def test_cli_config_errors_are_one_line(tmp_path, capsys, model, message):
     config = tmp_path / "other.py"
-    config.write_text(f"from configs import base\n\ndef get_config():\n    c = base.get_config()\n    {model}\n"
-                      "    return c\n")
+    config.write_text(
+        f"from configs import base\n\ndef get_config():\n    c = base.get_config()\n    {model}\n    return c\n"
+    )
     with pytest.raises(SystemExit) as raised:
         estimate.main([str(config), "--prompt_len", "64", "--eval_examples", "10"])
     assert message in _one_line(capsys.readouterr().err, raised.value.code)
@@ -475,14 +637,17 @@ def test_the_real_prompts_are_those_the_engine_lays_out(tmp_path, gpt2_tokenizer
     config = load_config(_small_config(tmp_path))
     mesh = estimate.resolve_mesh(config.mesh, 8)
     counted = estimate.PromptCounter()(config, mesh)
-    result = estimate.estimate("small", config, devices=8, device=estimate.DEVICES["h100"], utilisation=0.4,
-                               prompts=counted)
+    result = estimate.estimate(
+        "small", config, devices=8, device=estimate.DEVICES["h100"], utilisation=0.4, prompts=counted
+    )
     tokenizer = transformers.AutoTokenizer.from_pretrained(gpt2_tokenizer_dir)
     runs = [(run.seed, run.shots) for run in results.plan_runs(config)]
 
     def lengths(dataset):  # prompts longer than data.max_length (128) lose premise tokens down to it
-        prompts = [config.data.template.format(premise=p, hypothesis=h)
-                   for p, h in zip(dataset["premise"], dataset["hypothesis"])]
+        prompts = [
+            config.data.template.format(premise=p, hypothesis=h)
+            for p, h in zip(dataset["premise"], dataset["hypothesis"])
+        ]
         return [min(len(ids), 128) for ids in tokenizer(prompts)["input_ids"]]
 
     testsets = [lengths(dataset) for dataset in run_data.capped_testsets(config).values()]
@@ -509,7 +674,9 @@ def test_the_real_prompts_are_those_the_engine_lays_out(tmp_path, gpt2_tokenizer
     engine = batch_geometry(config, sharding.make_mesh(8, 1, 1), tokenized, [seed for seed, _ in runs])
     assert result.geometry == counted.geometry
     assert (engine.rows, engine.seq_len, engine.prompts_per_row) == (
-        result.geometry.rows, result.geometry.seq_len, result.geometry.prompts_per_row
+        result.geometry.rows,
+        result.geometry.seq_len,
+        result.geometry.prompts_per_row,
     )
 
 
@@ -559,9 +726,13 @@ def test_without_the_data_the_estimate_is_one_line_naming_the_fetch_and_prompt_l
     env = {key: value for key, value in os.environ.items() if key != "OODJAX_DATA_DIR"}
     env.update(HF_HOME=str(tmp_path / "hf_home"), HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
     result = subprocess.run(
-        [sys.executable, "-m", "launch.estimate", str(config)], cwd=ROOT, env=env, capture_output=True, text=True,
+        [sys.executable, "-m", "launch.estimate", str(config)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
         timeout=300,
-    )  # fmt: skip
+    )
     line = _one_line(result.stderr, result.returncode)
     assert "--prompt_len N prices prompts of N tokens" in line
     assert f"`oodjax-fetch {config}`" in line

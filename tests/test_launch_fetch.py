@@ -36,9 +36,14 @@ from oodjax.data import load_testset
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 REPO = "facebook/opt-tiny-fetch"
 TINY_OPT = dict(
-    vocab_size=50272, hidden_size=16, word_embed_proj_dim=16, ffn_dim=32, num_hidden_layers=2,
-    num_attention_heads=2, max_position_embeddings=64,
-)  # fmt: skip
+    vocab_size=50272,
+    hidden_size=16,
+    word_embed_proj_dim=16,
+    ffn_dim=32,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    max_position_embeddings=64,
+)
 WEIGHTS = ["pytorch_model.bin.index.json", "pytorch_model-00001-of-00002.bin", "pytorch_model-00002-of-00002.bin"]
 TOKENIZER = ["merges.txt", "special_tokens_map.json", "tokenizer_config.json", "vocab.json"]
 NOT_READ = ["flax_model.msgpack", "tf_model.h5", "README.md", "generation_config.json"]
@@ -55,8 +60,11 @@ SPLITS = [
 ITEMS = 2 + len(SPLITS)  # the checkpoint, the tokenizer, the splits
 # How a job of that config reads them, by testset and split.
 READS = [
-    ("mnli", "validation_matched"), ("mnli", "validation_mismatched"), ("hans", "validation"), ("anli", "test_all"),
-]  # fmt: skip
+    ("mnli", "validation_matched"),
+    ("mnli", "validation_mismatched"),
+    ("hans", "validation"),
+    ("anli", "test_all"),
+]
 CONFIG = f"""
 from configs import base
 
@@ -372,12 +380,17 @@ def test_the_study_reads_each_model_tokenizer_and_split_once(tmp_path):
         f"tokenizer {model}" for model in models
     ]
     assert {item.label for item in items[16:]} == {
-        "testset stanfordnlp/snli/plain_text test", "testset nyu-mll/glue/mnli validation_matched",
-        "testset allenai/scitail/tsv_format test", "testset nyu-mll/glue/rte train", "testset nyu-mll/glue/wnli train",
-        "testset google-research-datasets/paws/labeled_final test", "testset jhu-cogsci/hans/plain_text validation",
+        "testset stanfordnlp/snli/plain_text test",
+        "testset nyu-mll/glue/mnli validation_matched",
+        "testset allenai/scitail/tsv_format test",
+        "testset nyu-mll/glue/rte train",
+        "testset nyu-mll/glue/wnli train",
+        "testset google-research-datasets/paws/labeled_final test",
+        "testset jhu-cogsci/hans/plain_text validation",
         "testset facebook/anli/plain_text test_r3",
-        "testset nyu-mll/glue/mnli train", "testset stanfordnlp/snli/plain_text train",
-    }  # fmt: skip
+        "testset nyu-mll/glue/mnli train",
+        "testset stanfordnlp/snli/plain_text train",
+    }
     pools = [item.label for item in items[16:] if "the mnli pool" in item.checks or "the snli pool" in item.checks]
     assert pools == ["testset nyu-mll/glue/mnli train", "testset stanfordnlp/snli/plain_text train"]
 
@@ -385,4 +398,6 @@ def test_the_study_reads_each_model_tokenizer_and_split_once(tmp_path):
     config = load_config(path)
     config.data.pool_split = ""  # the pool's split is the config's, else the table's
     labels = [item.label for item in fetch.plan([(path, config)], tmp_path)]
-    assert "testset nyu-mll/glue/mnli validation_mismatched" in labels and "testset nyu-mll/glue/mnli train" not in labels
+    assert (
+        "testset nyu-mll/glue/mnli validation_mismatched" in labels and "testset nyu-mll/glue/mnli train" not in labels
+    )

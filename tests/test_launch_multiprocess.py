@@ -146,8 +146,14 @@ def test_two_processes_share_one_eight_device_mesh():
 @pytest.mark.parametrize("pack", [False, True], ids=["one_prompt_a_row", "packed"])
 def test_two_processes_train_the_demo_like_one(tmp_path, pack):
     def main_args(name: str) -> list[str]:
-        return ["-m", "oodjax.main", *DEMO_ARGS, f"--config.train.pack={pack}", f"--config.output_dir={tmp_path / name}",
-                f"--config.data.cache_dir={tmp_path / 'cache'}"]
+        return [
+            "-m",
+            "oodjax.main",
+            *DEMO_ARGS,
+            f"--config.train.pack={pack}",
+            f"--config.output_dir={tmp_path / name}",
+            f"--config.data.cache_dir={tmp_path / 'cache'}",
+        ]
 
     one_env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8")
     for name in ("OODJAX_COORDINATOR_ADDRESS", "OODJAX_NUM_PROCESSES", "OODJAX_PROCESS_ID"):
@@ -163,16 +169,20 @@ def test_two_processes_train_the_demo_like_one(tmp_path, pack):
         checkpoint = tmp_path / "two" / run / "checkpoints" / "4"
         assert (checkpoint / "runs").is_dir() and (checkpoint / "loop" / "metadata").is_file()
     for run in RUNS:
-        with np.load(tmp_path / "one" / run / schema.METRICS_FILENAME) as one, \
-                np.load(tmp_path / "two" / run / schema.METRICS_FILENAME) as two:
+        with (
+            np.load(tmp_path / "one" / run / schema.METRICS_FILENAME) as one,
+            np.load(tmp_path / "two" / run / schema.METRICS_FILENAME) as two,
+        ):
             assert one[schema.STEP].tolist() == two[schema.STEP].tolist() == [0, 2, 4]
             np.testing.assert_array_equal(two[schema.ACCURACY], one[schema.ACCURACY])
             np.testing.assert_allclose(two[schema.TRAIN_LOSS], one[schema.TRAIN_LOSS], rtol=0, atol=LOSS_ATOL)
             for name in one[schema.TESTSETS]:
                 np.testing.assert_array_equal(two[schema.label_key(name)], one[schema.label_key(name)])
                 np.testing.assert_allclose(
-                    two[schema.margin_key(name)].astype(np.float32), one[schema.margin_key(name)].astype(np.float32),
-                    rtol=MARGIN_RTOL, atol=MARGIN_ATOL,
+                    two[schema.margin_key(name)].astype(np.float32),
+                    one[schema.margin_key(name)].astype(np.float32),
+                    rtol=MARGIN_RTOL,
+                    atol=MARGIN_ATOL,
                 )
             margin_diff = max(
                 np.abs(two[schema.margin_key(name)].astype(np.float32) - one[schema.margin_key(name)]).max()

@@ -44,18 +44,39 @@ def fake_command(directory: pathlib.Path, name: str, body: str) -> None:
 def test_slurm_script_runs_main_once_per_task_with_the_stated_layout(tmp_path):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    fake_command(bin_dir, "srun", 'printf "%s\\n" "$@" > "$RECORD"; echo "$OODJAX_PROCESSES_PER" >> "$RECORD"\n'
-                 'echo "$JAX_COMPILATION_CACHE_DIR" >> "$RECORD"\n')
-    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", RECORD=str(tmp_path / "srun.txt"),
-               OODJAX_REPO=str(ROOT), OODJAX_VENV="/opt/venv", SLURM_JOB_ID="7")
+    fake_command(
+        bin_dir,
+        "srun",
+        'printf "%s\\n" "$@" > "$RECORD"; echo "$OODJAX_PROCESSES_PER" >> "$RECORD"\n'
+        'echo "$JAX_COMPILATION_CACHE_DIR" >> "$RECORD"\n',
+    )
+    env = dict(
+        os.environ,
+        PATH=f"{bin_dir}:{os.environ['PATH']}",
+        RECORD=str(tmp_path / "srun.txt"),
+        OODJAX_REPO=str(ROOT),
+        OODJAX_VENV="/opt/venv",
+        SLURM_JOB_ID="7",
+    )
     env.pop("OODJAX_PROCESSES_PER", None)
     env.pop("JAX_COMPILATION_CACHE_DIR", None)
-    result = subprocess.run(["bash", str(SCRIPTS[0]), "configs/opt30_mnli.py", "--config.runs.seeds=(0,42,)"],
-                            env=env, capture_output=True, text=True)
+    result = subprocess.run(
+        ["bash", str(SCRIPTS[0]), "configs/opt30_mnli.py", "--config.runs.seeds=(0,42,)"],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     assert result.returncode == 0, result.stderr
     assert (tmp_path / "srun.txt").read_text().splitlines() == [
-        "--kill-on-bad-exit=0", "--wait=120", "/opt/venv/bin/python", "-m", "oodjax.main",
-        "--config=configs/opt30_mnli.py", "--config.runs.seeds=(0,42,)", "per_node", f"{ROOT}/.cache/jax",
+        "--kill-on-bad-exit=0",
+        "--wait=120",
+        "/opt/venv/bin/python",
+        "-m",
+        "oodjax.main",
+        "--config=configs/opt30_mnli.py",
+        "--config.runs.seeds=(0,42,)",
+        "per_node",
+        f"{ROOT}/.cache/jax",
     ]
 
 
@@ -73,10 +94,15 @@ def test_slurm_script_requeues_a_job_stopped_at_the_time_limit_warning_only(tmp_
     bin_dir.mkdir()
     fake_command(bin_dir, "srun", srun_body)
     fake_command(bin_dir, "scontrol", 'printf "%s\\n" "$@" > "$RECORD"\n')
-    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", RECORD=str(tmp_path / "scontrol.txt"),
-               OODJAX_REPO=str(ROOT), OODJAX_VENV="/opt/venv", SLURM_JOB_ID="7")
-    result = subprocess.run(["bash", str(SCRIPTS[0]), "configs/opt30_mnli.py"], env=env, capture_output=True,
-                            text=True)
+    env = dict(
+        os.environ,
+        PATH=f"{bin_dir}:{os.environ['PATH']}",
+        RECORD=str(tmp_path / "scontrol.txt"),
+        OODJAX_REPO=str(ROOT),
+        OODJAX_VENV="/opt/venv",
+        SLURM_JOB_ID="7",
+    )
+    result = subprocess.run(["bash", str(SCRIPTS[0]), "configs/opt30_mnli.py"], env=env, capture_output=True, text=True)
     assert result.returncode == (1 if srun_body.startswith("exit 1") else PREEMPTED_EXIT_CODE), result.stderr
     recorded = (tmp_path / "scontrol.txt").read_text().splitlines() if requeued else None
     assert (tmp_path / "scontrol.txt").exists() == requeued and recorded in (None, ["requeue", "7"])
@@ -94,22 +120,36 @@ def test_tpu_script_sends_one_command_that_every_worker_runs(tmp_path):
     bin_dir.mkdir()
     # gcloud records its arguments; the command it would send is then run here, as worker 1 would.
     fake_command(bin_dir, "gcloud", 'printf "%s\\n" "$@" > "$RECORD"\n')
-    fake_command(bin_dir, "curl", 'case "${@: -1}" in\n'
-                 '  */agent-worker-number) echo 1 ;;\n'
-                 '  */worker-network-endpoints) echo "w0:u0:10.0.0.2,w1:u1:10.0.0.3" ;;\n'
-                 '  *) exit 22 ;;\nesac\n')
+    fake_command(
+        bin_dir,
+        "curl",
+        'case "${@: -1}" in\n'
+        "  */agent-worker-number) echo 1 ;;\n"
+        '  */worker-network-endpoints) echo "w0:u0:10.0.0.2,w1:u1:10.0.0.3" ;;\n'
+        "  *) exit 22 ;;\nesac\n",
+    )
     venv = tmp_path / "venv"
     (venv / "bin").mkdir(parents=True)
-    fake_command(venv / "bin", "python",
-                 'echo "$TPU_WORKER_ID|$TPU_WORKER_HOSTNAMES|$OODJAX_PROCESSES_PER|$OODJAX_DATA_DIR|$PWD"\n'
-                 'echo "$JAX_COMPILATION_CACHE_DIR"\n'
-                 'echo "$LIBTPU_INIT_ARGS"\n'
-                 'printf "%s\\n" "$@"\n')
+    fake_command(
+        venv / "bin",
+        "python",
+        'echo "$TPU_WORKER_ID|$TPU_WORKER_HOSTNAMES|$OODJAX_PROCESSES_PER|$OODJAX_DATA_DIR|$PWD"\n'
+        'echo "$JAX_COMPILATION_CACHE_DIR"\n'
+        'echo "$LIBTPU_INIT_ARGS"\n'
+        'printf "%s\\n" "$@"\n',
+    )
     (tmp_path / "launch").mkdir()  # the worker's checkout (OODJAX_REPO) holds the flags file
     shutil.copy(ROOT / "launch" / "xla_flags.sh", tmp_path / "launch")
-    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", RECORD=str(tmp_path / "gcloud.txt"),
-               TPU_NAME="pod", TPU_ZONE="us-central2-b", OODJAX_REPO=str(tmp_path), OODJAX_VENV=str(venv),
-               OODJAX_DATA_DIR="/data/with space")
+    env = dict(
+        os.environ,
+        PATH=f"{bin_dir}:{os.environ['PATH']}",
+        RECORD=str(tmp_path / "gcloud.txt"),
+        TPU_NAME="pod",
+        TPU_ZONE="us-central2-b",
+        OODJAX_REPO=str(tmp_path),
+        OODJAX_VENV=str(venv),
+        OODJAX_DATA_DIR="/data/with space",
+    )
     env.pop("JAX_COMPILATION_CACHE_DIR", None)
     arguments = ["configs/olmo32_snli.py", "--config.runs.shots=(32,)", "--config.output_dir=gs://b/r s"]
     result = subprocess.run(["bash", str(SCRIPTS[1]), *arguments], env=env, capture_output=True, text=True)
@@ -118,8 +158,11 @@ def test_tpu_script_sends_one_command_that_every_worker_runs(tmp_path):
     recorded = (tmp_path / "gcloud.txt").read_text()
     head, command = recorded.split("--command=", 1)
     assert head.splitlines() == ["compute", "tpus", "tpu-vm", "ssh", "pod", "--zone=us-central2-b", "--worker=all"]
-    worker_env = {key: value for key, value in os.environ.items()
-                  if not key.startswith(("TPU_", "OODJAX_", "JAX_COMPILATION_CACHE_DIR"))}
+    worker_env = {
+        key: value
+        for key, value in os.environ.items()
+        if not key.startswith(("TPU_", "OODJAX_", "JAX_COMPILATION_CACHE_DIR"))
+    }
     worker_env["PATH"] = f"{bin_dir}:{os.environ['PATH']}"
     worker = subprocess.run(["bash", "-c", command], env=worker_env, capture_output=True, text=True)
     assert worker.returncode == 0, worker.stderr
@@ -153,11 +196,21 @@ def test_slurm_script_exports_the_platform_and_memory_fraction(tmp_path, given, 
     is the one launch.estimate and launch.preflight test fits against; what the user exported wins."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    fake_command(bin_dir, "srun", 'printf "%s\\n" "$JAX_PLATFORMS" "${XLA_CLIENT_MEM_FRACTION-unset}" '
-                 '"${XLA_PYTHON_CLIENT_MEM_FRACTION-unset}" > "$RECORD"\n')
+    fake_command(
+        bin_dir,
+        "srun",
+        'printf "%s\\n" "$JAX_PLATFORMS" "${XLA_CLIENT_MEM_FRACTION-unset}" '
+        '"${XLA_PYTHON_CLIENT_MEM_FRACTION-unset}" > "$RECORD"\n',
+    )
     env = {key: value for key, value in os.environ.items() if key not in ("JAX_PLATFORMS", *FRACTION_NAMES)}
-    env.update(given, PATH=f"{bin_dir}:{os.environ['PATH']}", RECORD=str(tmp_path / "srun.txt"),
-               OODJAX_REPO=str(ROOT), OODJAX_VENV="/opt/venv", SLURM_JOB_ID="7")
+    env.update(
+        given,
+        PATH=f"{bin_dir}:{os.environ['PATH']}",
+        RECORD=str(tmp_path / "srun.txt"),
+        OODJAX_REPO=str(ROOT),
+        OODJAX_VENV="/opt/venv",
+        SLURM_JOB_ID="7",
+    )
     result = subprocess.run(["bash", str(SCRIPTS[0]), "configs/demo.py"], env=env, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     assert (tmp_path / "srun.txt").read_text().splitlines() == expected
@@ -175,8 +228,14 @@ def test_tpu_script_makes_the_workers_use_the_tpu(tmp_path, given, expected):
     (tmp_path / "launch").mkdir()
     shutil.copy(ROOT / "launch" / "xla_flags.sh", tmp_path / "launch")
     env = {key: value for key, value in os.environ.items() if key != "JAX_PLATFORMS"}
-    env.update(PATH=f"{bin_dir}:{os.environ['PATH']}", RECORD=str(tmp_path / "gcloud.txt"), TPU_NAME="pod",
-               TPU_ZONE="us-central2-b", OODJAX_REPO=str(tmp_path), OODJAX_VENV=str(venv))
+    env.update(
+        PATH=f"{bin_dir}:{os.environ['PATH']}",
+        RECORD=str(tmp_path / "gcloud.txt"),
+        TPU_NAME="pod",
+        TPU_ZONE="us-central2-b",
+        OODJAX_REPO=str(tmp_path),
+        OODJAX_VENV=str(venv),
+    )
     if given:
         env["JAX_PLATFORMS"] = given
     result = subprocess.run(["bash", str(SCRIPTS[1]), "configs/demo.py"], env=env, capture_output=True, text=True)

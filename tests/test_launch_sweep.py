@@ -31,10 +31,18 @@ def test_dry_run_of_the_whole_study_is_144_runs_in_16_jobs(capsys, tmp_path):
     models = ("olmo13", "olmo32", "olmo7", "opt13", "opt2.7", "opt30", "opt6.7", "smol3")
     assert configs == sorted(f"configs/{m}_{t}.py" for m in models for t in ("mnli", "snli"))
     opt30 = next(command for command in commands if command[5] == "configs/opt30_mnli.py")
-    assert opt30[:4] == ["sbatch", "--job-name=oodjax-opt30_mnli", "--nodes=1", f"--output={tmp_path}/opt30_mnli/slurm-%j.out"]
+    assert opt30[:4] == [
+        "sbatch",
+        "--job-name=oodjax-opt30_mnli",
+        "--nodes=1",
+        f"--output={tmp_path}/opt30_mnli/slurm-%j.out",
+    ]
     assert opt30[4].endswith("launch/slurm.sbatch")
-    assert opt30[6:] == ["--config.runs.seeds=(0,42,99,)", "--config.runs.shots=(32,64,128,)",
-                         f"--config.output_dir={tmp_path}/opt30_mnli"]
+    assert opt30[6:] == [
+        "--config.runs.seeds=(0,42,99,)",
+        "--config.runs.shots=(32,64,128,)",
+        f"--config.output_dir={tmp_path}/opt30_mnli",
+    ]
     assert not list(tmp_path.iterdir())  # a dry run creates nothing
 
 
@@ -43,13 +51,29 @@ def test_per_run_dry_run_is_one_job_per_run(capsys, tmp_path):
     assert lines[-1] == "144 runs in 144 jobs"
     first = shlex.split(lines[0])
     assert first[0] == "bash" and first[1].endswith("launch/tpu_pod.sh")
-    assert first[2:] == ["configs/olmo13_mnli.py", "--config.runs.seeds=(0,)", "--config.runs.shots=(32,)",
-                         f"--config.output_dir={tmp_path}/olmo13_mnli_seed0_shots32"]
+    assert first[2:] == [
+        "configs/olmo13_mnli.py",
+        "--config.runs.seeds=(0,)",
+        "--config.runs.shots=(32,)",
+        f"--config.output_dir={tmp_path}/olmo13_mnli_seed0_shots32",
+    ]
 
 
 def test_local_command_line_sets_exactly_the_jobs_runs(capsys, tmp_path):
-    lines = run_sweep(capsys, "--configs", "configs/smol3_snli.py", "--seeds", "7,8", "--shots", "16",
-                      "--backend", "local", "--dry_run", "--output_dir", str(tmp_path))
+    lines = run_sweep(
+        capsys,
+        "--configs",
+        "configs/smol3_snli.py",
+        "--seeds",
+        "7,8",
+        "--shots",
+        "16",
+        "--backend",
+        "local",
+        "--dry_run",
+        "--output_dir",
+        str(tmp_path),
+    )
     assert lines[-1] == "2 runs in 1 jobs"
     command = shlex.split(lines[0])
     assert command[1:3] == ["-m", "oodjax.main"]
@@ -66,17 +90,24 @@ def test_local_command_line_sets_exactly_the_jobs_runs(capsys, tmp_path):
 
 def write_metrics(run_directory, steps):
     run_directory.mkdir(parents=True)
-    np.savez(run_directory / schema.METRICS_FILENAME, **{
-        schema.STEP: np.array(steps), schema.TESTSETS: np.array(["mnli"]),
-        schema.ACCURACY: np.full((len(steps), 1), 0.5), schema.TRAIN_LOSS: np.ones(len(steps)),
-        schema.IN_DOMAIN: np.array("mnli"), schema.CONFIG: np.array(json.dumps({})),
-    })
+    np.savez(
+        run_directory / schema.METRICS_FILENAME,
+        **{
+            schema.STEP: np.array(steps),
+            schema.TESTSETS: np.array(["mnli"]),
+            schema.ACCURACY: np.full((len(steps), 1), 0.5),
+            schema.TRAIN_LOSS: np.ones(len(steps)),
+            schema.IN_DOMAIN: np.array("mnli"),
+            schema.CONFIG: np.array(json.dumps({})),
+        },
+    )
 
 
 def finish_job(root, name, *, final_step=500, skip=()):
     """Writes metrics.npz for the runs of a default-mode job, ending at `final_step`."""
-    job = next(job for job in sweep.plan_jobs([f"configs/{name}.py"], (0, 42, 99), (32, 64, 128), str(root),
-                                             per_run=False))
+    job = next(
+        job for job in sweep.plan_jobs([f"configs/{name}.py"], (0, 42, 99), (32, 64, 128), str(root), per_run=False)
+    )
     for run in plan_runs(sweep.job_config(job)):
         if (run.seed, run.shots) not in skip:
             write_metrics(run.directory, list(range(0, final_step + 1, 25)))
@@ -91,8 +122,10 @@ def test_resume_submits_exactly_the_unfinished_runs(capsys, tmp_path):
     assert lines[-1] == "120 runs in 16 jobs (24 finished runs skipped)"
     assert "# skip opt30_mnli: its 9 runs are finished" in lines
     assert "# olmo7_snli: 8 of 9 runs finished; submitting the 1 unfinished (seeds 42 x shots 64)" in lines
-    assert "# opt13_snli: 7 of 9 runs finished; submitting the 2 unfinished (seeds 0 x shots 32; seeds 42 x shots 64)" \
+    assert (
+        "# opt13_snli: 7 of 9 runs finished; submitting the 2 unfinished (seeds 0 x shots 32; seeds 42 x shots 64)"
         in lines
+    )
     commands = [shlex.split(line) for line in lines if not line.startswith("#")][:-1]
     assert not any("configs/opt30_mnli.py" in command for command in commands)
     runs_of = {}
@@ -106,7 +139,8 @@ def test_resume_submits_exactly_the_unfinished_runs(capsys, tmp_path):
         ["--config.runs.seeds=(42,)", "--config.runs.shots=(64,)", f"--config.output_dir={tmp_path}/opt13_snli"],
     ]
     assert runs_of["--config=configs/smol3_mnli.py"][0][:2] == [
-        "--config.runs.seeds=(0,42,99,)", "--config.runs.shots=(32,64,128,)"
+        "--config.runs.seeds=(0,42,99,)",
+        "--config.runs.shots=(32,64,128,)",
     ]
 
     # Per-run mode finds the same finished runs in the per-config job directories.
@@ -122,8 +156,12 @@ def test_an_unreadable_metrics_file_is_named_and_its_run_counted_unfinished(caps
     run = plan_runs(sweep.job_config(job))[4]  # seed 42, 64 shots
     damaged = run.directory / schema.METRICS_FILENAME
     damaged.write_bytes(damaged.read_bytes()[:100])  # truncated
-    assert sweep.main(["--configs", "configs/opt13_snli.py", "--backend", "slurm", "--dry_run",
-                       "--output_dir", str(tmp_path)]) == 0
+    assert (
+        sweep.main(
+            ["--configs", "configs/opt13_snli.py", "--backend", "slurm", "--dry_run", "--output_dir", str(tmp_path)]
+        )
+        == 0
+    )
     captured = capsys.readouterr()
     lines = captured.out.strip().splitlines()
     assert lines[-1] == "1 runs in 1 jobs (8 finished runs skipped)"
@@ -133,8 +171,9 @@ def test_an_unreadable_metrics_file_is_named_and_its_run_counted_unfinished(caps
 
 
 def test_any_glob_over_configs_takes_the_experiment_configs_only(capsys, tmp_path):
-    lines = run_sweep(capsys, "--configs", "configs/*.py", "--backend", "local", "--dry_run", "--output_dir",
-                      str(tmp_path))
+    lines = run_sweep(
+        capsys, "--configs", "configs/*.py", "--backend", "local", "--dry_run", "--output_dir", str(tmp_path)
+    )
     assert lines[0] == (
         "# not experiment configs, skipped: configs/__init__.py (no get_config()), configs/base.py (its config "
         "names no model), configs/laptop_common.py (no get_config()), configs/models.py (no get_config())"
@@ -145,10 +184,22 @@ def test_any_glob_over_configs_takes_the_experiment_configs_only(capsys, tmp_pat
 
 def test_a_preempted_job_stops_the_sweep_for_a_rerun(capsys, tmp_path, monkeypatch):
     ran = []
-    monkeypatch.setattr(sweep.subprocess, "run", lambda command: ran.append(command) or
-                        sweep.subprocess.CompletedProcess(command, PREEMPTED_EXIT_CODE))
-    status = sweep.main(["--configs", "configs/opt13_snli.py", "configs/opt30_snli.py", "--backend", "local",
-                         "--output_dir", str(tmp_path)])
+    monkeypatch.setattr(
+        sweep.subprocess,
+        "run",
+        lambda command: ran.append(command) or sweep.subprocess.CompletedProcess(command, PREEMPTED_EXIT_CODE),
+    )
+    status = sweep.main(
+        [
+            "--configs",
+            "configs/opt13_snli.py",
+            "configs/opt30_snli.py",
+            "--backend",
+            "local",
+            "--output_dir",
+            str(tmp_path),
+        ]
+    )
     assert status == PREEMPTED_EXIT_CODE and len(ran) == 1  # the second job is not started
     message = "job opt13_snli was stopped by a signal with its runs checkpointed; rerun the sweep to resume"
     assert message in capsys.readouterr().err
@@ -156,8 +207,7 @@ def test_a_preempted_job_stops_the_sweep_for_a_rerun(capsys, tmp_path, monkeypat
 
 def test_everything_finished_runs_nothing(capsys, tmp_path):
     finish_job(tmp_path, "opt13_snli")
-    lines = run_sweep(capsys, "--configs", "configs/opt13_snli.py", "--backend", "slurm", "--output_dir",
-                      str(tmp_path))
+    lines = run_sweep(capsys, "--configs", "configs/opt13_snli.py", "--backend", "slurm", "--output_dir", str(tmp_path))
     assert lines[-1] == "0 runs in 0 jobs (9 finished runs skipped)"
 
 

@@ -124,8 +124,10 @@ def test_stop_signals_and_damaged_checkpoints_change_no_result(
     record, run 1's arrays cut in half): the rerun names them, falls back to step 2, and is stopped at step 4
     again; the last rerun resumes at step 4 and evaluates it first. Both runs end with exactly the results of
     an uninterrupted job, and everything written is readable by the group."""
-    configs = {name: tiny_config(tmp_path / name, gpt2_tokenizer_dir, hf_data_dir, tmp_path / "cache")
-               for name in ("uninterrupted", "stopped")}
+    configs = {
+        name: tiny_config(tmp_path / name, gpt2_tokenizer_dir, hf_data_dir, tmp_path / "cache")
+        for name in ("uninterrupted", "stopped")
+    }
     for config in configs.values():
         config.train.steps = 6
         config.runs.shots = (16,)  # two batches an epoch: a resumed data order shows

@@ -130,8 +130,11 @@ def test_init_is_peft_kaiming_uniform_and_zero_b_in_float32_on_bf16_base():
     # the same seed gives the same adapters
     again = from_config(HF_CONFIGS["llama"], dtype="bfloat16")
     apply_lora(again, LoRAConfig(targets=("q_proj", "down_proj")), rngs=nnx.Rngs(1))
-    for (_, x), (_, y) in zip(nnx.to_flat_state(nnx.state(model, nnx.LoRAParam)),
-                              nnx.to_flat_state(nnx.state(again, nnx.LoRAParam)), strict=True):  # fmt: skip
+    for (_, x), (_, y) in zip(
+        nnx.to_flat_state(nnx.state(model, nnx.LoRAParam)),
+        nnx.to_flat_state(nnx.state(again, nnx.LoRAParam)),
+        strict=True,
+    ):
         np.testing.assert_array_equal(x[...], y[...])
 
 
@@ -253,13 +256,18 @@ def test_a_tokens_mask_depends_only_on_its_runs_key_its_counter_and_the_draw():
     keys = np.asarray(jax.random.key_data(jax.random.split(jax.random.key(11), 3)))  # [3, 2]
     run, example, position = (g.ravel() for g in np.indices((3, 4, 8)))  # the 96 tokens, in canonical order
 
-    def masks_by_token(order, shape, *, renumber=np.arange(3)):
+    def masks_by_token(order, shape, *, renumber=(0, 1, 2)):
         """Each draw's [96, width] masks of the tokens placed in ``order`` over rows of ``shape``, by token; run r
         given the index ``renumber[r]`` (its key moved alike)."""
+        renumber = np.asarray(renumber)
         run_keys = np.zeros_like(keys)
         run_keys[renumber] = keys
-        tokens = tokens_set(renumber[run[order]].reshape(shape), examples=example[order].reshape(shape),
-                            positions=position[order].reshape(shape), run_keys=run_keys)  # fmt: skip
+        tokens = tokens_set(
+            renumber[run[order]].reshape(shape),
+            examples=example[order].reshape(shape),
+            positions=position[order].reshape(shape),
+            run_keys=run_keys,
+        )
         by_token = []
         for _ in range(draws):
             placed = np.asarray(tokens.keep_mask((*shape, width), rate)).reshape(len(order), width)
@@ -279,8 +287,12 @@ def test_a_tokens_mask_depends_only_on_its_runs_key_its_counter_and_the_draw():
     # run 1's tokens alone: its key the only one, its index 0
     own = np.flatnonzero(run == 1)
     alone_order = rng.permutation(own)
-    tokens = tokens_set(np.zeros((4, 8)), examples=example[alone_order].reshape(4, 8),
-                        positions=position[alone_order].reshape(4, 8), run_keys=keys[1:2])  # fmt: skip
+    tokens = tokens_set(
+        np.zeros((4, 8)),
+        examples=example[alone_order].reshape(4, 8),
+        positions=position[alone_order].reshape(4, 8),
+        run_keys=keys[1:2],
+    )
     for draw in range(draws):
         alone = np.asarray(tokens.keep_mask((4, 8, width), rate)).reshape(own.size, width)
         np.testing.assert_array_equal(alone, first[draw][alone_order], err_msg=f"alone, draw {draw}")
@@ -297,24 +309,35 @@ def test_runs_with_different_keys_draw_independent_masks():
     runs = np.repeat(np.arange(2)[:, None], 1024, axis=1)
     examples, positions = np.divmod(np.tile(np.arange(1024), (2, 1)), 32)
     keys = np.asarray(jax.random.key_data(jax.random.split(jax.random.key(12), 2)))
-    masks = np.asarray(tokens_set(runs, examples=examples, positions=positions, run_keys=keys)
-                       .keep_mask((2, 1024, width), rate))  # fmt: skip
+    masks = np.asarray(
+        tokens_set(runs, examples=examples, positions=positions, run_keys=keys).keep_mask((2, 1024, width), rate)
+    )
     n = masks[0].size
     assert n == 2**20
     for mask in masks:
         assert within_sigmas(mask.mean(), keep, n), mask.mean()
     both = (masks[0] & masks[1]).mean()
     assert within_sigmas(both, keep**2, n), both
-    same_key = np.asarray(tokens_set(runs, examples=examples, positions=positions, run_keys=keys[[0, 0]])
-                          .keep_mask((2, 1024, width), rate))  # fmt: skip
+    same_key = np.asarray(
+        tokens_set(runs, examples=examples, positions=positions, run_keys=keys[[0, 0]]).keep_mask(
+            (2, 1024, width), rate
+        )
+    )
     np.testing.assert_array_equal(same_key[0], same_key[1])
     np.testing.assert_array_equal(same_key[0], masks[0])
 
 
 def lora_module(a: np.ndarray, b: np.ndarray, *, scale: float, rate: float, tokens: AdapterTokens) -> LoRA:
     """A LoRA with the given factors: a [in, rank] / b [rank, out] (one run's) or [R, in, rank] / [R, rank, out]."""
-    lora = LoRA((*a.shape[:-1], b.shape[-1]), rank=a.shape[-1], scale=scale, dropout=rate, tokens=tokens,
-                kernel_axes=None, rngs=nnx.Rngs(0))  # fmt: skip
+    lora = LoRA(
+        (*a.shape[:-1], b.shape[-1]),
+        rank=a.shape[-1],
+        scale=scale,
+        dropout=rate,
+        tokens=tokens,
+        kernel_axes=None,
+        rngs=nnx.Rngs(0),
+    )
     lora.lora_a[...], lora.lora_b[...] = jnp.asarray(a), jnp.asarray(b)
     return lora
 
@@ -335,8 +358,9 @@ def test_run_stacked_adapters_adapt_each_token_with_its_own_runs():
     np.testing.assert_allclose(np.asarray(stacked(jnp.asarray(x))), expected, rtol=1e-5, atol=1e-5)
     for r in range(num_runs):  # one run's adapter, no tokens set (evaluation): every token goes through it
         alone = lora_module(a[r], b[r], scale=scale, rate=0.0, tokens=AdapterTokens())
-        np.testing.assert_allclose(np.asarray(alone(jnp.asarray(x))), x64 @ a64[r] @ b64[r] * scale,
-                                   rtol=1e-5, atol=1e-5)  # fmt: skip
+        np.testing.assert_allclose(
+            np.asarray(alone(jnp.asarray(x))), x64 @ a64[r] @ b64[r] * scale, rtol=1e-5, atol=1e-5
+        )
 
     identities = dict(examples=rng.integers(0, 50, size=runs.shape), positions=rng.integers(0, 500, size=runs.shape))
     keys = np.asarray(jax.random.key_data(jax.random.split(jax.random.key(13), num_runs)))
@@ -345,8 +369,12 @@ def test_run_stacked_adapters_adapt_each_token_with_its_own_runs():
     assert np.abs(dropped - expected).max() > 0.1  # dropout on
     for r in range(num_runs):
         own = runs == r
-        tokens = tokens_set(np.zeros(own.sum()), examples=identities["examples"][own],
-                            positions=identities["positions"][own], run_keys=keys[r : r + 1])  # fmt: skip
+        tokens = tokens_set(
+            np.zeros(own.sum()),
+            examples=identities["examples"][own],
+            positions=identities["positions"][own],
+            run_keys=keys[r : r + 1],
+        )
         alone = np.asarray(lora_module(a[r], b[r], scale=scale, rate=0.5, tokens=tokens)(jnp.asarray(x[own])))
         np.testing.assert_allclose(alone, dropped[own], rtol=1e-6, atol=1e-6, err_msg=f"run {r}")
 
@@ -354,14 +382,16 @@ def test_run_stacked_adapters_adapt_each_token_with_its_own_runs():
 def test_dropout_without_the_tokens_set_is_an_error_naming_adapter_tokens_set():
     """Dropout on needs each token's run and identity; a model whose adapters drop out, run without the train
     step's ``AdapterTokens.set``, says so (as do run-stacked adapters with dropout off); dropout off does not."""
-    lora = lora_module(np.ones((8, 2), np.float32), np.ones((2, 4), np.float32), scale=1.0, rate=0.1,
-                       tokens=AdapterTokens())  # fmt: skip
+    lora = lora_module(
+        np.ones((8, 2), np.float32), np.ones((2, 4), np.float32), scale=1.0, rate=0.1, tokens=AdapterTokens()
+    )
     x = jnp.ones((2, 3, 8))
     with pytest.raises(ValueError, match=r"LoRA dropout needs .*AdapterTokens\.set"):
         lora(x)
     np.testing.assert_array_equal(nnx.view(lora, deterministic=True)(x), 16.0)  # off: one run's, no tokens needed
-    stacked = lora_module(np.ones((2, 8, 2), np.float32), np.ones((2, 2, 4), np.float32), scale=1.0, rate=0.0,
-                          tokens=AdapterTokens())  # fmt: skip
+    stacked = lora_module(
+        np.ones((2, 8, 2), np.float32), np.ones((2, 2, 4), np.float32), scale=1.0, rate=0.0, tokens=AdapterTokens()
+    )
     with pytest.raises(ValueError, match=r"adapters of 2 runs need .*AdapterTokens\.set"):
         stacked(x)
     model = from_config(HF_CONFIGS["opt"])
@@ -430,8 +460,9 @@ def test_peft_loads_our_export_and_reproduces_our_logits(tmp_path, layout):
     keys = iter(jax.random.split(jax.random.key(1), 100))
     lora = jax.tree.map(lambda x: x + 0.05 * jax.random.normal(next(keys), x.shape), lora)
     nnx.update(model, lora)
-    ours = {side: logits(nnx.view(model, deterministic=True), ids, mask)
-            for side, (ids, mask) in padded_batches(96).items()}  # fmt: skip
+    ours = {
+        side: logits(nnx.view(model, deterministic=True), ids, mask) for side, (ids, mask) in padded_batches(96).items()
+    }
     base_logits = logits(load_pretrained(tmp_path / "base"), *padded_batches(96)["right"])
     assert np.abs(ours["right"] - base_logits).max() > 1e-2  # the adapters matter
 

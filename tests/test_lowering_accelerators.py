@@ -72,7 +72,8 @@ def lower(step, args, platform):
 
 
 @pytest.mark.parametrize(
-    "name,platform", [(name, platform) for name in sorted(CONFIGS) for platform in ("cuda", "tpu")] + [(ONE_RUN, "cuda")]
+    "name,platform",
+    [(name, platform) for name in sorted(CONFIGS) for platform in ("cuda", "tpu")] + [(ONE_RUN, "cuda")],
 )
 def test_steps_lower_with_the_fused_kernel(abstract_steps, on_h100, name, platform):
     """A map of one run takes its own path through cuDNN's batching rules (``flash_attention``'s rule binds it

@@ -31,12 +31,25 @@ from oodjax.models.lora import AdapterTokens, LoRAConfig, LoRADropout, adapter_t
 ROPE_CASES = {
     "default": {"rope_type": "default", "rope_theta": 500000.0},
     "linear": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0},
-    "llama3": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+    "llama3": {
+        "rope_type": "llama3",
+        "rope_theta": 500000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    },
     "yarn": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 4096},
-    "yarn_untruncated_mscale": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "truncate": False,
-                                "original_max_position_embeddings": 4096, "mscale": 1.0, "mscale_all_dim": 0.5},
-}  # fmt: skip
+    "yarn_untruncated_mscale": {
+        "rope_type": "yarn",
+        "rope_theta": 10000.0,
+        "factor": 8.0,
+        "truncate": False,
+        "original_max_position_embeddings": 4096,
+        "mscale": 1.0,
+        "mscale_all_dim": 0.5,
+    },
+}
 
 
 @pytest.mark.parametrize("case", sorted(ROPE_CASES))
@@ -59,9 +72,17 @@ def test_rope_tables_match_transformers(case):
 
 
 def test_legacy_rope_scaling_keys_read_like_rope_parameters():
-    legacy = {"rope_theta": 500000.0, "max_position_embeddings": 131072,
-              "rope_scaling": {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                               "original_max_position_embeddings": 8192}}  # fmt: skip
+    legacy = {
+        "rope_theta": 500000.0,
+        "max_position_embeddings": 131072,
+        "rope_scaling": {
+            "type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+    }
     current = {"max_position_embeddings": 131072, "rope_parameters": {**ROPE_CASES["llama3"]}}
     assert RopeConfig.from_hf(legacy, default_theta=1.0) == RopeConfig.from_hf(current, default_theta=1.0)
 
@@ -74,11 +95,17 @@ def test_longrope_tables_match_transformers_within_and_beyond_the_original_conte
     rng = np.random.default_rng(0)
     factors = {name: [float(f) for f in 1 + rng.uniform(0, 40, size=48).cumsum() / 48] for name in ("short", "long")}
     hf_config = transformers.Phi3Config(
-        hidden_size=3072, num_attention_heads=32, max_position_embeddings=131072,
+        hidden_size=3072,
+        num_attention_heads=32,
+        max_position_embeddings=131072,
         original_max_position_embeddings=4096,
-        rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": factors["short"],
-                         "long_factor": factors["long"]},
-    )  # fmt: skip
+        rope_parameters={
+            "rope_type": "longrope",
+            "rope_theta": 10000.0,
+            "short_factor": factors["short"],
+            "long_factor": factors["long"],
+        },
+    )
     reference = Phi3RotaryEmbedding(hf_config)
     rope = RopeConfig.from_hf(hf_config.to_dict(), default_theta=10000.0)
     positions = np.arange(length)[None]
@@ -90,8 +117,13 @@ def test_longrope_tables_match_transformers_within_and_beyond_the_original_conte
 
 
 def test_longrope_factors_of_another_head_dim_are_refused():
-    rope = RopeConfig(rope_type="longrope", factor=4.0, original_max_position_embeddings=8,
-                      short_factor=(1.0,) * 4, long_factor=(2.0,) * 4)  # fmt: skip
+    rope = RopeConfig(
+        rope_type="longrope",
+        factor=4.0,
+        original_max_position_embeddings=8,
+        short_factor=(1.0,) * 4,
+        long_factor=(2.0,) * 4,
+    )
     assert len(rope_frequencies(rope, head_dim=8)[0]) == 4
     with pytest.raises(ValueError, match=r"longrope has 4 factors, not head_dim / 2 = 8"):
         rope_frequencies(rope, head_dim=16)
@@ -197,8 +229,12 @@ class _MaskLayer(nnx.Module):
 def _one_run_tokens(num_tokens: int, run_key: tuple[int, int]) -> AdapterTokens:
     """A fresh AdapterTokens: ``num_tokens`` tokens of one run (one example, positions 0, 1, ...) under ``run_key``."""
     tokens = AdapterTokens()
-    tokens.set(runs=jnp.zeros(num_tokens, jnp.int32), examples=jnp.zeros(num_tokens, jnp.int32),
-               positions=jnp.arange(num_tokens), run_keys=jnp.asarray([run_key], jnp.uint32))  # fmt: skip
+    tokens.set(
+        runs=jnp.zeros(num_tokens, jnp.int32),
+        examples=jnp.zeros(num_tokens, jnp.int32),
+        positions=jnp.arange(num_tokens),
+        run_keys=jnp.asarray([run_key], jnp.uint32),
+    )
     return tokens
 
 
@@ -248,7 +284,7 @@ def test_norms_recomputed_in_backward_give_autodiffs_gradients(dtype):
 
         def loss(x, params, through):
             norm = nnx.merge(graphdef, params)
-            affine = [v[...] for v in (getattr(norm, "scale"), getattr(norm, "bias", None)) if v is not None]
+            affine = [v[...] for v in (norm.scale, getattr(norm, "bias", None)) if v is not None]
             out = norm(x) if through == "module" else norm._normalise(x, *affine)
             return jnp.sum(out.astype(jnp.float32) * cotangent.astype(jnp.float32))
 

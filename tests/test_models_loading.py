@@ -16,12 +16,12 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
+from test_models_parity import LAYOUTS, assert_matches_hf, jitted, padded_batches, save, tiny_hf_model
 
 from oodjax.models import config_from_dict, from_config, load_pretrained, logical_to_spec
 from oodjax.models.hf_checkpoint import TensorFile, open_checkpoint
 from oodjax.models.loading import hf_parameter_names
 from oodjax.usage_errors import MissingInputError, NotFetchedError
-from test_models_parity import LAYOUTS, assert_matches_hf, jitted, padded_batches, save, tiny_hf_model
 
 
 @pytest.fixture(scope="module")
@@ -134,7 +134,9 @@ def test_index_naming_a_tensor_its_shard_lacks_is_an_error(tmp_path):
     name = next(name for name, shard in index["weight_map"].items() if shard != first_shard)
     index["weight_map"][name] = first_shard
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
-    with pytest.raises(ValueError, match=rf"puts '{re.escape(name)}' in {re.escape(first_shard)}, which does not hold it"):
+    with pytest.raises(
+        ValueError, match=rf"puts '{re.escape(name)}' in {re.escape(first_shard)}, which does not hold it"
+    ):
         load_pretrained(tmp_path)
 
 
@@ -209,8 +211,15 @@ def test_sliding_windows_are_the_layers_transformers_slides(layout):
     assert any(expected) == (layout != "qwen3_qk_norm")
 
 
-GEMMA_TINY = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
-                  head_dim=16, sliding_window=3)  # fmt: skip
+GEMMA_TINY = dict(
+    vocab_size=96,
+    hidden_size=32,
+    intermediate_size=48,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    sliding_window=3,
+)
 
 
 @pytest.mark.parametrize(
@@ -252,12 +261,18 @@ def test_gemma3_older_rope_keys_mean_what_transformers_reads():
     [
         ("gemma3_local_rope", {"use_bidirectional_attention": True}, r"use_bidirectional_attention is not supported"),
         ("gemma2_softcap_sliding", {"sliding_window": None}, r"sliding_attention layers but sliding_window is null"),
-        ("phi3_fused_sliding", {"rope_parameters": {"rope_type": "linear", "factor": 2.0}},
-         r"phi3 rope_type 'linear' is not supported"),
-        ("phi3_fused_sliding", {"rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.75}},
-         r"partial_rotary_factor != 1 is not supported"),  # Phi-4-mini's
+        (
+            "phi3_fused_sliding",
+            {"rope_parameters": {"rope_type": "linear", "factor": 2.0}},
+            r"phi3 rope_type 'linear' is not supported",
+        ),
+        (
+            "phi3_fused_sliding",
+            {"rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.75}},
+            r"partial_rotary_factor != 1 is not supported",
+        ),  # Phi-4-mini's
     ],
-)  # fmt: skip
+)
 def test_unsupported_gemma_and_phi3_configs_are_refused(layout, edit, message):
     config = {**LAYOUTS[layout]().to_dict(), **edit}
     with pytest.raises(ValueError, match=message):

@@ -26,96 +26,217 @@ PAD_ID = 1
 
 LAYOUTS = {
     "opt_pre_ln": lambda: transformers.OPTConfig(
-        vocab_size=96, hidden_size=32, num_hidden_layers=2, ffn_dim=64, num_attention_heads=4,
-        max_position_embeddings=32, pad_token_id=PAD_ID,
+        vocab_size=96,
+        hidden_size=32,
+        num_hidden_layers=2,
+        ffn_dim=64,
+        num_attention_heads=4,
+        max_position_embeddings=32,
+        pad_token_id=PAD_ID,
     ),
     "opt_350m_layout": lambda: transformers.OPTConfig(
-        vocab_size=96, hidden_size=32, num_hidden_layers=2, ffn_dim=64, num_attention_heads=4,
-        max_position_embeddings=32, pad_token_id=PAD_ID, do_layer_norm_before=False, word_embed_proj_dim=16,
+        vocab_size=96,
+        hidden_size=32,
+        num_hidden_layers=2,
+        ffn_dim=64,
+        num_attention_heads=4,
+        max_position_embeddings=32,
+        pad_token_id=PAD_ID,
+        do_layer_norm_before=False,
+        word_embed_proj_dim=16,
     ),
     "olmo2_gqa": lambda: transformers.Olmo2Config(
-        vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, pad_token_id=PAD_ID, rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        pad_token_id=PAD_ID,
+        rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
     ),
     "smollm2_tied_gqa": lambda: transformers.LlamaConfig(
-        vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, tie_word_embeddings=True, pad_token_id=PAD_ID,
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+        pad_token_id=PAD_ID,
         rope_parameters={"rope_type": "default", "rope_theta": 100000.0},
     ),
     "smollm3_nope": lambda: transformers.SmolLM3Config(
-        vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=2, no_rope_layers=[1, 0, 1], pad_token_id=PAD_ID,
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        no_rope_layers=[1, 0, 1],
+        pad_token_id=PAD_ID,
     ),
     # head_dim 16: the eight frequencies fall in all three llama3 bands (kept, smoothed, divided).
     "llama_llama3_rope": lambda: transformers.LlamaConfig(
-        vocab_size=96, hidden_size=64, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=4, pad_token_id=PAD_ID, max_position_embeddings=256,
-        rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
-                         "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        pad_token_id=PAD_ID,
+        max_position_embeddings=256,
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 10000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
     ),
     "llama_yarn_rope": lambda: transformers.LlamaConfig(
-        vocab_size=96, hidden_size=64, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=1, pad_token_id=PAD_ID, max_position_embeddings=256,
-        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
-                         "original_max_position_embeddings": 64},
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        pad_token_id=PAD_ID,
+        max_position_embeddings=256,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
     ),
     # Qwen2: q/k/v biases without an o bias, tied like Qwen2.5-0.5B.
     "qwen2_bias_tied": lambda **extra: transformers.Qwen2Config(
-        **extra, vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, tie_word_embeddings=True, pad_token_id=PAD_ID,
+        **extra,
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+        pad_token_id=PAD_ID,
         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
     ),
     # Qwen3: per-head q/k RMSNorms; head_dim 16 is not hidden / heads (8).
     "qwen3_qk_norm": lambda: transformers.Qwen3Config(
-        vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, pad_token_id=PAD_ID,
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        pad_token_id=PAD_ID,
     ),
     # Sliding windows of 3 tokens, shorter than the 9- and 6-token prompts: every layer (Mistral), the
     # layers from max_window_layers on (Qwen2), the NoPE layers (SmolLM3).
     "mistral_sliding": lambda: transformers.MistralConfig(
-        vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, sliding_window=3, pad_token_id=PAD_ID,
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        sliding_window=3,
+        pad_token_id=PAD_ID,
     ),
     "qwen2_sliding": lambda: transformers.Qwen2Config(
-        vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, use_sliding_window=True, sliding_window=3, max_window_layers=1, pad_token_id=PAD_ID,
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        use_sliding_window=True,
+        sliding_window=3,
+        max_window_layers=1,
+        pad_token_id=PAD_ID,
     ),
     "smollm3_sliding": lambda: transformers.SmolLM3Config(
-        vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=2, no_rope_layers=[1, 0, 1], use_sliding_window=True, sliding_window=3,
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        no_rope_layers=[1, 0, 1],
+        use_sliding_window=True,
+        sliding_window=3,
         pad_token_id=PAD_ID,
     ),
     # Gemma 2: layer 0 slides (3 tokens), layer 1 is full; caps small enough to bite on these weights
     # (transformers' defaults, 50 and 30, would leave the random scores and logits almost as they are);
     # query_pre_attn_scalar 24, neither head_dim (16) nor hidden / heads (8).
     "gemma2_softcap_sliding": lambda: transformers.Gemma2Config(
-        vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24, sliding_window=3,
-        attn_logit_softcapping=0.5, final_logit_softcapping=2.0, pad_token_id=PAD_ID,
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        query_pre_attn_scalar=24,
+        sliding_window=3,
+        attn_logit_softcapping=0.5,
+        final_logit_softcapping=2.0,
+        pad_token_id=PAD_ID,
     ),
     # Gemma 3: per-head q/k norms; the sliding layer 0 rotates with a local base of 100, the full layer 1
     # with the global RoPE, linearly scaled.
     "gemma3_local_rope": lambda: transformers.Gemma3TextConfig(
-        vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24, sliding_window=3, sliding_window_pattern=2,
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        query_pre_attn_scalar=24,
+        sliding_window=3,
+        sliding_window_pattern=2,
         pad_token_id=PAD_ID,
-        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
-                         "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0}},
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+            "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0},
+        },
     ),
     # Phi-3: fused qkv_proj (GQA: q, k, v of different widths) and gate_up_proj; a window on every layer.
     "phi3_fused_sliding": lambda: transformers.Phi3Config(
-        vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, sliding_window=3, pad_token_id=PAD_ID,
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        sliding_window=3,
+        pad_token_id=PAD_ID,
     ),
     # Longrope with an original context of 8: the 9-token rows take the long factors (and the attention factor).
     "phi3_longrope": lambda: transformers.Phi3Config(
-        vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=4, pad_token_id=PAD_ID, max_position_embeddings=32,
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        pad_token_id=PAD_ID,
+        max_position_embeddings=32,
         original_max_position_embeddings=8,
-        rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0, 1.5, 2.0, 3.0],
-                         "long_factor": [2.0, 4.0, 8.0, 16.0]},
+        rope_parameters={
+            "rope_type": "longrope",
+            "rope_theta": 10000.0,
+            "short_factor": [1.0, 1.5, 2.0, 3.0],
+            "long_factor": [2.0, 4.0, 8.0, 16.0],
+        },
     ),
-}  # fmt: skip
+}
 
 # Saved sharded, so the index file path is exercised.
 SHARDED = {"opt_350m_layout", "olmo2_gqa"}
@@ -202,10 +323,17 @@ def test_logits_and_hidden_states_match_transformers(layout, tmp_path):
 @pytest.mark.parametrize(
     "layout",
     [
-        "opt_350m_layout", "olmo2_gqa", "smollm3_nope", "llama_yarn_rope", "qwen3_qk_norm", "mistral_sliding",
-        "gemma2_softcap_sliding", "gemma3_local_rope", "phi3_fused_sliding",
+        "opt_350m_layout",
+        "olmo2_gqa",
+        "smollm3_nope",
+        "llama_yarn_rope",
+        "qwen3_qk_norm",
+        "mistral_sliding",
+        "gemma2_softcap_sliding",
+        "gemma3_local_rope",
+        "phi3_fused_sliding",
     ],
-)  # fmt: skip
+)
 def test_packed_prompts_match_each_prompt_alone(layout, tmp_path):
     """Prompts packed into one row (attention mask = prompt ids) give, at every layer, what each gives alone.
 
@@ -234,7 +362,9 @@ def test_packed_prompts_match_each_prompt_alone(layout, tmp_path):
     for prompt, (row, span) in spans.items():
         with torch.no_grad():
             alone = hf_model(torch.tensor(prompts[prompt][None]), output_hidden_states=True)
-        worst["logits"] = max(worst["logits"], float(np.abs(np.asarray(logits[row, span]) - alone.logits[0].numpy()).max()))
+        worst["logits"] = max(
+            worst["logits"], float(np.abs(np.asarray(logits[row, span]) - alone.logits[0].numpy()).max())
+        )
         for ours, theirs in zip(hidden, alone.hidden_states, strict=True):
             worst["hidden"] = max(worst["hidden"], float(np.abs(np.asarray(ours[row, span]) - theirs[0].numpy()).max()))
     print(f"{layout} packed: max |diff| logits {worst['logits']:.2e}, hidden states {worst['hidden']:.2e}")
@@ -286,10 +416,15 @@ def test_legacy_rope_keys_mean_what_transformers_reads(tmp_path):
     """Older config.json files spell RoPE as rope_theta + rope_scaling {"type": ...}."""
     hf_model = tiny_hf_model(
         transformers.LlamaConfig(
-            vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
-            pad_token_id=PAD_ID, rope_parameters={"rope_type": "linear", "rope_theta": 5000.0, "factor": 3.0},
+            vocab_size=96,
+            hidden_size=32,
+            intermediate_size=48,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            pad_token_id=PAD_ID,
+            rope_parameters={"rope_type": "linear", "rope_theta": 5000.0, "factor": 3.0},
         )
-    )  # fmt: skip
+    )
     save(hf_model, tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
     del config["rope_parameters"]

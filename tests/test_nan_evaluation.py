@@ -17,13 +17,22 @@ from tests.engine_configs import TINY_OPT, tiny_config
 
 
 def test_a_non_finite_margin_makes_its_testsets_accuracy_nan_and_says_so(tmp_path, caplog):
-    labels = {"mnli": np.array([0, 1, 1, 0]), "hans": np.array([1, 0, 1]), "rte": np.array([0, 1]),
-              "train": np.array([0, 1])}  # fmt: skip
+    labels = {
+        "mnli": np.array([0, 1, 1, 0]),
+        "hans": np.array([1, 0, 1]),
+        "rte": np.array([0, 1]),
+        "train": np.array([0, 1]),
+    }
     config = {"run": {"model": "opt-tiny", "seed": 0, "shots": 2}}
-    run = results.RunResults(tmp_path / "opt-tiny_mnli_seed0_shots2", labels=labels, dataset_index=labels,
-                             in_domain="mnli", config=config)  # indices: any array of the shape
-    margins = {"mnli": [1.0, -1.0, -1.0, 1.0], "hans": [-1.0, np.nan, -1.0], "rte": [np.inf, -1.0],
-               "train": [1.0, -1.0]}  # fmt: skip
+    run = results.RunResults(
+        tmp_path / "opt-tiny_mnli_seed0_shots2", labels=labels, dataset_index=labels, in_domain="mnli", config=config
+    )  # indices: any array of the shape
+    margins = {
+        "mnli": [1.0, -1.0, -1.0, 1.0],
+        "hans": [-1.0, np.nan, -1.0],
+        "rte": [np.inf, -1.0],
+        "train": [1.0, -1.0],
+    }
     with caplog.at_level(logging.WARNING):
         accuracies = run.add(0, margins, float("nan"))
     assert accuracies["mnli"] == 1.0 and accuracies["train"] == 1.0

@@ -167,8 +167,13 @@ def test_the_config_checks_accept_every_preset(tmp_path, offline_caches, hf_data
 
 def test_the_checks_ask_for_the_splits_the_presets_read(tmp_path, offline_caches, hf_data_dir, gpt2_tokenizer_dir):
     """The shared mirror lacks SciTail's dgem_format and MNLI's training split: the preset's fields are live."""
-    config = checkable(load_config_file(str(PRESETS / "opt2.7_mnli.py")), "opt2.7", tmp_path, gpt2_tokenizer_dir,
-                       mirror_of(hf_data_dir, tmp_path / "plain", {}))  # fmt: skip
+    config = checkable(
+        load_config_file(str(PRESETS / "opt2.7_mnli.py")),
+        "opt2.7",
+        tmp_path,
+        gpt2_tokenizer_dir,
+        mirror_of(hf_data_dir, tmp_path / "plain", {}),
+    )
     with pytest.raises(NotFetchedError, match=r"no local file for allenai/scitail/dgem_format split 'test'"):
         checks.check_config(config)
     dgem = {path: shared for path, shared in STAND_INS.items() if "scitail" in path}

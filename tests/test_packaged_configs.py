@@ -33,7 +33,9 @@ def test_a_packaged_config_of_a_sub_folder_and_config_files(monkeypatch, tmp_pat
     assert parse("oodjax:original/opt30_mnli").model.path == "facebook/opt-30b"
     assert config_files.load_config("oodjax:opt30_snli").data.train_set == "snli"
     assert config_files.expand_config_paths(["oodjax:opt30_*", "oodjax:original/opt30_m*"]) == [
-        "oodjax:opt30_mnli", "oodjax:opt30_snli", "oodjax:original/opt30_mnli"
+        "oodjax:opt30_mnli",
+        "oodjax:opt30_snli",
+        "oodjax:original/opt30_mnli",
     ]
     assert config_files.config_stem("oodjax:original/opt30_mnli") == "opt30_mnli"
     assert config_files.config_stem("configs/opt2.7_mnli.py") == "opt2.7_mnli"
@@ -45,19 +47,32 @@ def test_the_argument_after_a_packaged_name_goes_to_get_config(monkeypatch):
     assert config_cli.split_config_spec("oodjax:demo") == ("oodjax:demo", [])
     assert config_cli.split_config_spec("configs/demo.py:fast") == ("configs/demo.py", ["fast"])
     received = []
-    monkeypatch.setattr(config_cli, "config_module", lambda path: type("M", (), {
-        "get_config": staticmethod(lambda *args: received.append((path.name, args)) or config_cli.base.get_config())
-    }))
+    monkeypatch.setattr(
+        config_cli,
+        "config_module",
+        lambda path: type(
+            "M",
+            (),
+            {
+                "get_config": staticmethod(
+                    lambda *args: received.append((path.name, args)) or config_cli.base.get_config()
+                )
+            },
+        ),
+    )
     parse("oodjax:demo:fast")
     parse(f"{ROOT / 'configs' / 'demo.py'}:slow")
     assert received == [("demo.py", ("fast",)), ("demo.py", ("slow",))]
 
 
-@pytest.mark.parametrize("spec, message", [
-    ("oodjax:nothing", "there is no packaged config 'nothing' (in "),
-    ("oodjax:../pyproject", "there is no packaged config '../pyproject'"),
-    ("oodjax:", "there is no packaged config ''"),
-])
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("oodjax:nothing", "there is no packaged config 'nothing' (in "),
+        ("oodjax:../pyproject", "there is no packaged config '../pyproject'"),
+        ("oodjax:", "there is no packaged config ''"),
+    ],
+)
 def test_an_unknown_packaged_name_lists_the_names(spec, message):
     with pytest.raises(config_cli.CommandLineError) as error:
         parse(spec)
@@ -67,8 +82,11 @@ def test_an_unknown_packaged_name_lists_the_names(spec, message):
 
 def test_a_missing_file_names_the_packaged_config_of_that_name(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(config_cli.CommandLineError, match=r"there is no file configs/opt30_mnli.py; "
-                       r"oodjax:opt30_mnli names the packaged opt30_mnli.py"):
+    with pytest.raises(
+        config_cli.CommandLineError,
+        match=r"there is no file configs/opt30_mnli.py; "
+        r"oodjax:opt30_mnli names the packaged opt30_mnli.py",
+    ):
         parse("configs/opt30_mnli.py")
     with pytest.raises(config_cli.CommandLineError, match=r"there is no file configs/nothing.py$"):
         parse("configs/nothing.py")

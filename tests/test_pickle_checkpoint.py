@@ -27,13 +27,13 @@ from flax import nnx
 from huggingface_hub import split_torch_state_dict_into_shards
 from huggingface_hub.errors import OfflineModeIsEnabled
 from jax.sharding import AxisType
+from test_models_parity import LAYOUTS, assert_matches_hf, tiny_hf_model
 
 from configs.models import LAPTOP_PUBLISHED_FILES, MODELS
 from oodjax.models import load_pretrained, loading
 from oodjax.models.hf_checkpoint import PickleFile, TensorFile, UnsafePickleError, files_to_download
 from oodjax.models.loading import hf_parameter_names, verify_checkpoint
 from oodjax.usage_errors import MissingInputError, NotFetchedError
-from test_models_parity import LAYOUTS, assert_matches_hf, tiny_hf_model
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 VOCAB = 96  # LAYOUTS["opt_pre_ln"]'s
@@ -63,8 +63,9 @@ def write_shards(folder, config, state):
     """Shards and index as transformers' save_pretrained(safe_serialization=False) wrote them."""
     folder.mkdir(exist_ok=True)
     config.to_json_file(folder / "config.json")
-    split = split_torch_state_dict_into_shards(state, filename_pattern="pytorch_model{suffix}.bin",
-                                               max_shard_size="20KB")  # fmt: skip
+    split = split_torch_state_dict_into_shards(
+        state, filename_pattern="pytorch_model{suffix}.bin", max_shard_size="20KB"
+    )
     assert split.is_sharded
     for filename, names in split.filename_to_tensors.items():
         torch.save({name: state[name] for name in names}, folder / filename)
@@ -227,8 +228,11 @@ def test_a_truncated_legacy_bin_names_the_tensor_cut_short(opt_fp16, tmp_path):
     config, state, _ = opt_fp16
     folder = write_single(tmp_path, config, state, legacy=True)
     _cut(folder / "pytorch_model.bin", -100)
-    with pytest.raises(ValueError, match=r"pytorch_model.bin: the storage of tensor '[\w.]+' ends at byte \d+, but "
-                                         r"the file has \d+ bytes: the file is truncated"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"pytorch_model.bin: the storage of tensor '[\w.]+' ends at byte \d+, but "
+        r"the file has \d+ bytes: the file is truncated",
+    ):
         load_pretrained(folder)
 
 
@@ -302,8 +306,18 @@ def test_verify_checkpoint_names_a_misshapen_tensor(opt_fp16, tmp_path):
 # ----------------------------------------------------------------------------- what a repository's listing fetches
 
 # Besides its weights, what a repository's main branch usually holds.
-OTHER_FILES = ("config.json", ".gitattributes", "README.md", "generation_config.json", "merges.txt", "vocab.json",
-               "special_tokens_map.json", "tokenizer_config.json", "tokenizer.json", "LICENSE.md")  # fmt: skip
+OTHER_FILES = (
+    "config.json",
+    ".gitattributes",
+    "README.md",
+    "generation_config.json",
+    "merges.txt",
+    "vocab.json",
+    "special_tokens_map.json",
+    "tokenizer_config.json",
+    "tokenizer.json",
+    "LICENSE.md",
+)
 
 PUBLISHED = {resources.hub_id: resources.published_files for resources in MODELS.values()} | LAPTOP_PUBLISHED_FILES
 
@@ -325,7 +339,10 @@ def test_the_big_opt_checkpoints_fetch_their_pickle_shards_and_index_the_small_o
     for hub_id, count in shards.items():
         expected = [f"pytorch_model-{i:05d}-of-{count:05d}.bin" for i in range(1, count + 1)]
         assert files_to_download([*OTHER_FILES, *PUBLISHED[hub_id]]) == [
-            "config.json", "pytorch_model.bin.index.json", *expected]  # fmt: skip
+            "config.json",
+            "pytorch_model.bin.index.json",
+            *expected,
+        ]
     for hub_id in ("facebook/opt-2.7b", "facebook/opt-125m"):
         assert files_to_download([*OTHER_FILES, *PUBLISHED[hub_id]]) == ["config.json", "pytorch_model.bin"]
 
@@ -337,11 +354,19 @@ def test_the_repositories_without_a_listing_are_known():
 
 
 def test_safetensors_are_preferred_and_a_listing_without_weights_is_named():
-    both = ["config.json", "model.safetensors", "pytorch_model.bin", "pytorch_model.bin.index.json",
-            "pytorch_model-00001-of-00001.bin"]  # fmt: skip
+    both = [
+        "config.json",
+        "model.safetensors",
+        "pytorch_model.bin",
+        "pytorch_model.bin.index.json",
+        "pytorch_model-00001-of-00001.bin",
+    ]
     assert files_to_download(both) == ["config.json", "model.safetensors"]
     assert files_to_download([*both, "model.safetensors.index.json", "model-00001-of-00001.safetensors"]) == [
-        "config.json", "model.safetensors.index.json", "model-00001-of-00001.safetensors"]  # fmt: skip
+        "config.json",
+        "model.safetensors.index.json",
+        "model-00001-of-00001.safetensors",
+    ]
     flax_and_tf = ["config.json", "flax_model.msgpack", "tf_model.h5", "onnx/model.onnx"]
     with pytest.raises(FileNotFoundError, match=r"\['config.json', 'flax_model.msgpack', .*\] hold no weights"):
         files_to_download(flax_and_tf)
@@ -438,14 +463,18 @@ def _damage_zip_header(path, damage):
 @pytest.mark.parametrize(
     "damage, message",
     [
-        (lambda data, at: data.__setitem__(slice(at, at + 4), b"XXXX"),
-         r"w.bin has a corrupt zip header for \w+/data/0 \(tensor 'decoder.fc.weight'\)"),
+        (
+            lambda data, at: data.__setitem__(slice(at, at + 4), b"XXXX"),
+            r"w.bin has a corrupt zip header for \w+/data/0 \(tensor 'decoder.fc.weight'\)",
+        ),
         # An extra field longer than the file puts the data past its end.
-        (lambda data, at: data.__setitem__(slice(at + 28, at + 30), b"\xff\xff"),
-         r"w.bin: the storage of tensor 'decoder.fc.weight' ends at byte \d+, but the file has \d+ bytes"),
+        (
+            lambda data, at: data.__setitem__(slice(at + 28, at + 30), b"\xff\xff"),
+            r"w.bin: the storage of tensor 'decoder.fc.weight' ends at byte \d+, but the file has \d+ bytes",
+        ),
     ],
     ids=["signature", "extra-length"],
-)  # fmt: skip
+)
 def test_a_corrupt_zip_member_header_is_an_error_naming_the_tensor(tmp_path, damage, message):
     torch.save({"decoder.fc.weight": torch.randn(3, 4)}, tmp_path / "w.bin")
     _damage_zip_header(tmp_path / "w.bin", damage)

@@ -16,10 +16,9 @@ import sys
 
 import pytest
 
-from launch import costs
-from launch import estimate as estimator
-from launch import preflight
 from configs.models import architecture
+from launch import costs, preflight
+from launch import estimate as estimator
 from launch.config_files import load_config
 from tests.engine_configs import SHRUNK_DEMO_ARGS
 
@@ -32,13 +31,34 @@ OLMO13 = "allenai/OLMo-2-1124-13B"
 def test_cli_on_the_demo_writes_every_key(tmp_path):
     out = tmp_path / "report.json"
     subprocess.run(
-        [sys.executable, "-m", "launch.preflight", *SHRUNK_DEMO_ARGS, "--devices=8", f"--json={out}",
-         f"--hlo={tmp_path / 'hlo'}"],
-        cwd=ROOT, check=True, capture_output=True, text=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "launch.preflight",
+            *SHRUNK_DEMO_ARGS,
+            "--devices=8",
+            f"--json={out}",
+            f"--hlo={tmp_path / 'hlo'}",
+        ],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+        text=True,
+    )
     report = json.loads(out.read_text())
-    assert {"train", "eval", "estimate_bytes", "train_step_flops", "estimate_step_s", "devices", "layers",
-            "memory_limit", "interconnect", "eval_step_flops", "estimate_eval_step_s"} <= set(report)
+    assert {
+        "train",
+        "eval",
+        "estimate_bytes",
+        "train_step_flops",
+        "estimate_step_s",
+        "devices",
+        "layers",
+        "memory_limit",
+        "interconnect",
+        "eval_step_flops",
+        "estimate_eval_step_s",
+    } <= set(report)
     assert report["train_step_flops"] > 0 and report["estimate_step_s"] > 0
     assert report["eval_step_flops"] > 0 and report["estimate_eval_step_s"] > 0
     h100 = estimator.DEVICES[preflight.ESTIMATE_DEVICE]
@@ -106,19 +126,33 @@ def test_the_fit_is_tested_against_the_memory_jax_can_use(fsdp_report):
     (``launch.estimate.usable_memory``), not the whole device."""
     h100 = estimator.DEVICES[preflight.ESTIMATE_DEVICE]
     usable, source = estimator.usable_memory(h100)
-    assert fsdp_report["memory_limit"] == {"device": "h100", "device_bytes": 80_000_000_000,
-                                           "usable_bytes": int(usable), "source": source}
+    assert fsdp_report["memory_limit"] == {
+        "device": "h100",
+        "device_bytes": 80_000_000_000,
+        "usable_bytes": int(usable),
+        "source": source,
+    }
     text = preflight.describe(fsdp_report)
     for name in ("train", "eval"):
         total = fsdp_report[name]["memory_bytes"]["total"]
         assert f"; {estimator.fit_text(total, h100, usable, source)}\n" in text.split(f"{name} step:")[1]
     # 75 GB on an H100 at the launcher's default fraction (0.9) does not fit, though 80 GB would hold it.
-    over = {**fsdp_report, "train": {**fsdp_report["train"], "memory_bytes": {
-        **fsdp_report["train"]["memory_bytes"], "total": 75_000_000_000}}}
-    over["memory_limit"] = {**over["memory_limit"], "usable_bytes": int(estimator.usable_memory(h100, {})[0]),
-                            "source": estimator.memory_fraction({})[1]}
-    assert ("total 75.00; DOES NOT FIT in 72 GB of the H100 SXM's 80 GB (XLA_CLIENT_MEM_FRACTION=0.9, "
-            "launch/slurm.sbatch's default)") in preflight.describe(over)
+    over = {
+        **fsdp_report,
+        "train": {
+            **fsdp_report["train"],
+            "memory_bytes": {**fsdp_report["train"]["memory_bytes"], "total": 75_000_000_000},
+        },
+    }
+    over["memory_limit"] = {
+        **over["memory_limit"],
+        "usable_bytes": int(estimator.usable_memory(h100, {})[0]),
+        "source": estimator.memory_fraction({})[1],
+    }
+    assert (
+        "total 75.00; DOES NOT FIT in 72 GB of the H100 SXM's 80 GB (XLA_CLIENT_MEM_FRACTION=0.9, "
+        "launch/slurm.sbatch's default)"
+    ) in preflight.describe(over)
 
 
 def _weight_matrix_bytes() -> int:
@@ -237,11 +271,21 @@ def test_communication_counts_each_collective_as_a_ring_moves_it_as_often_as_it_
     all-to-all of two bf16[8] over the mesh axis of 4 (3/4 x 32 B); a reduce-scatter of 64 f32 over all 8
     partitions (7/8 x 256 B)."""
     moved = preflight.communication(KNOWN_HLO)
-    expected = {"all-gather": 5 * 3 * 64 * 4, "all-reduce": 4096 + 128, "collective-permute": 64 * 4,
-                "all-to-all": 24, "reduce-scatter": 224}  # fmt: skip
+    expected = {
+        "all-gather": 5 * 3 * 64 * 4,
+        "all-reduce": 4096 + 128,
+        "collective-permute": 64 * 4,
+        "all-to-all": 24,
+        "reduce-scatter": 224,
+    }
     assert moved["by_op"] == expected
     assert moved["bytes"] == sum(expected.values())
     assert moved["loops_without_trip_count"] == 1
     # The instructions as written: the loop's all-gather once, both branches' all-reduces.
     assert {op: c["count"] for op, c in preflight.collectives(KNOWN_HLO).items()} == {
-        "all-gather": 1, "all-reduce": 3, "reduce-scatter": 1, "all-to-all": 1, "collective-permute": 1}
+        "all-gather": 1,
+        "all-reduce": 3,
+        "reduce-scatter": 1,
+        "all-to-all": 1,
+        "collective-permute": 1,
+    }

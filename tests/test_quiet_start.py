@@ -21,9 +21,14 @@ transformers.utils.logging.get_logger("transformers").warning("another transform
 
 
 def stderr_after_importing(*modules):
-    completed = subprocess.run([sys.executable, "-c", PROGRAM, *modules], cwd=ROOT, capture_output=True, text=True,
-                               timeout=300, env={"PATH": "/usr/bin:/bin", "HOME": str(pathlib.Path.home()),
-                                                 "JAX_PLATFORMS": "cpu"})
+    completed = subprocess.run(
+        [sys.executable, "-c", PROGRAM, *modules],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={"PATH": "/usr/bin:/bin", "HOME": str(pathlib.Path.home()), "JAX_PLATFORMS": "cpu"},
+    )
     assert completed.returncode == 0, completed.stderr[-3000:]
     return completed.stderr
 
@@ -33,8 +38,10 @@ def test_transformers_alone_prints_the_notice():
     assert NOTICE in stderr_after_importing()
 
 
-@pytest.mark.parametrize("entry_point", ["oodjax.main", "oodjax.evaluate", "launch.sweep", "launch.estimate",
-                                         "launch.preflight", "launch.fetch"])
+@pytest.mark.parametrize(
+    "entry_point",
+    ["oodjax.main", "oodjax.evaluate", "launch.sweep", "launch.estimate", "launch.preflight", "launch.fetch"],
+)
 def test_no_entry_point_prints_it_and_other_warnings_show(entry_point):
     stderr = stderr_after_importing(entry_point)
     assert NOTICE not in stderr

@@ -68,8 +68,12 @@ def test_no_runtime_set_holds_pytorch(stack):
 def _make(target: str, tmp_path: pathlib.Path) -> str:
     make = shutil.which("make")
     assert make, "make is not installed"
-    result = subprocess.run([make, "-n", target, f"VENV={tmp_path / 'venv'}", f"BENCH_VENV={tmp_path / 'bench'}"],
-                            cwd=ROOT, capture_output=True, text=True)  # fmt: skip
+    result = subprocess.run(
+        [make, "-n", target, f"VENV={tmp_path / 'venv'}", f"BENCH_VENV={tmp_path / 'bench'}"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     assert result.returncode == 0, result.stderr
     return result.stdout
 
@@ -78,8 +82,9 @@ def _make(target: str, tmp_path: pathlib.Path) -> str:
 def test_make_installs_each_accelerator_set_alone_and_checks_it(stack, tmp_path):
     commands = _make(f"install-{stack}", tmp_path)
     installs = [line for line in commands.splitlines() if " -m pip install " in line and " -r " in line]
-    assert installs == [f"{tmp_path}/venv/bin/python -m pip install -q -r requirements.txt "
-                        f"-r requirements-{stack}.txt"], commands  # fmt: skip
+    assert installs == [
+        f"{tmp_path}/venv/bin/python -m pip install -q -r requirements.txt -r requirements-{stack}.txt"
+    ], commands
     assert "-m pip check" in commands and "n == 'torch'" in commands  # no torch, one CUDA major, after install
     assert ("n.endswith('-cu12')" in commands) == (stack == "gpu")
 

@@ -26,10 +26,20 @@ def _run_results(run_dir):
 
 def _two_evaluations(run_dir):
     run = _run_results(run_dir)
-    run.add(0, {"mnli": [1.0, 1.0, 1.0, 1.0], "hans": [-2.0, -1.0, 0.0], "train": [0.5, -0.5]}, float("nan"),
-            train_clock=0.0, evaluation_seconds=1.5)  # fmt: skip
-    run.add(5, {"mnli": [3.0, -1.0, -0.25, -1e-3], "hans": [-2.0, 1.0, 0.1], "train": [-0.5, 0.5]}, 0.625,
-            train_clock=4.0, evaluation_seconds=0.5)  # fmt: skip
+    run.add(
+        0,
+        {"mnli": [1.0, 1.0, 1.0, 1.0], "hans": [-2.0, -1.0, 0.0], "train": [0.5, -0.5]},
+        float("nan"),
+        train_clock=0.0,
+        evaluation_seconds=1.5,
+    )
+    run.add(
+        5,
+        {"mnli": [3.0, -1.0, -0.25, -1e-3], "hans": [-2.0, 1.0, 0.1], "train": [-0.5, 0.5]},
+        0.625,
+        train_clock=4.0,
+        evaluation_seconds=0.5,
+    )
     return run
 
 
@@ -51,9 +61,7 @@ def test_metrics_npz_has_exactly_the_schema(tmp_path):
         assert npz[schema.IN_DOMAIN].item() == "mnli"
         assert json.loads(npz[schema.CONFIG].item()) == CONFIG
         # Accuracy by hand: " Yes" iff margin > 0, label 0 = entailment.
-        np.testing.assert_array_equal(
-            npz[schema.ACCURACY], [[2 / 4, 2 / 3, 2 / 2], [3 / 4, 2 / 3, 0 / 2]]
-        )
+        np.testing.assert_array_equal(npz[schema.ACCURACY], [[2 / 4, 2 / 3, 2 / 2], [3 / 4, 2 / 3, 0 / 2]])
         loss = npz[schema.TRAIN_LOSS]
         assert np.isnan(loss[0]) and loss[1] == 0.625
         margin = npz[schema.margin_key("hans")]
@@ -68,12 +76,21 @@ def test_metrics_npz_has_exactly_the_schema(tmp_path):
 def test_results_json_holds_final_and_best_accuracies_timings_and_versions(tmp_path):
     run = _two_evaluations(tmp_path / "opt-tiny_mnli_seed0_shots2")
     # A third evaluation: hans has a NaN margin (accuracy NaN, null in JSON), mnli its best so far.
-    run.add(10, {"mnli": [1.0, -1.0, -1.0, 1.0], "hans": [np.nan, 1.0, -1.0], "train": [1.0, -1.0]}, 0.5,
-            train_clock=9.5, evaluation_seconds=0.25)  # fmt: skip
+    run.add(
+        10,
+        {"mnli": [1.0, -1.0, -1.0, 1.0], "hans": [np.nan, 1.0, -1.0], "train": [1.0, -1.0]},
+        0.5,
+        train_clock=9.5,
+        evaluation_seconds=0.25,
+    )
     run.write()
     stored = _results_json(run.path.parent)
-    assert stored[schema.RESULTS_RUN] == {"name": "opt-tiny_mnli_seed0_shots2", "model": "opt-tiny", "seed": 0,
-                                          "shots": 2}  # fmt: skip
+    assert stored[schema.RESULTS_RUN] == {
+        "name": "opt-tiny_mnli_seed0_shots2",
+        "model": "opt-tiny",
+        "seed": 0,
+        "shots": 2,
+    }
     assert stored[schema.RESULTS_IN_DOMAIN] == "mnli" and stored[schema.RESULTS_STEPS] == [0, 5, 10]
     assert stored[schema.RESULTS_CONFIG] == CONFIG
     # By hand, from the margins (" Yes" iff margin > 0): mnli 2/4, 3/4, 4/4; hans 2/3, 2/3, NaN; train 1, 0, 1.
@@ -93,18 +110,25 @@ def test_results_json_holds_final_and_best_accuracies_timings_and_versions(tmp_p
     }
     versions = stored[schema.RESULTS_VERSIONS]
     assert (versions["python"], versions["jax"], versions["flax"]) == (
-        platform.python_version(), jax.__version__, flax.__version__
+        platform.python_version(),
+        jax.__version__,
+        flax.__version__,
     )
-    assert stored[schema.RESULTS_DEVICES] == {"platform": "cpu", "kind": "cpu", "count": jax.device_count(),
-                                              "processes": 1}  # fmt: skip
+    assert stored[schema.RESULTS_DEVICES] == {
+        "platform": "cpu",
+        "kind": "cpu",
+        "count": jax.device_count(),
+        "processes": 1,
+    }
     # Not measured (oodjax.evaluate trains nothing): null, and so is a total over it.
     unmeasured = _run_results(tmp_path / "evaluated")
     unmeasured.add(0, {"mnli": [1.0] * 4, "hans": [1.0] * 3, "train": [1.0] * 2}, float("nan"), evaluation_seconds=3.0)
     unmeasured.write()
     assert _results_json(tmp_path / "evaluated")[schema.RESULTS_TIMINGS] == {
-        "train_seconds": None, "evaluation_seconds": 3.0,
+        "train_seconds": None,
+        "evaluation_seconds": 3.0,
         "evaluations": [{"step": 0, "train_seconds": None, "evaluation_seconds": 3.0}],
-    }  # fmt: skip
+    }
 
 
 def test_a_failed_rewrite_leaves_the_previous_file_whole(tmp_path, monkeypatch):
@@ -133,8 +157,9 @@ def test_resume_keeps_evaluations_up_to_the_checkpoint(tmp_path):
     run = _run_results(tmp_path)
     run.resume(4, expected_steps=[0])
     assert run.steps == [0]
-    run.add(5, {"mnli": [1.0] * 4, "hans": [1.0] * 3, "train": [1.0] * 2}, 0.5, train_clock=2.0,
-            evaluation_seconds=0.75)  # fmt: skip
+    run.add(
+        5, {"mnli": [1.0] * 4, "hans": [1.0] * 3, "train": [1.0] * 2}, 0.5, train_clock=2.0, evaluation_seconds=0.75
+    )
     run.write()
     with np.load(tmp_path / schema.METRICS_FILENAME) as npz:
         assert npz[schema.STEP].tolist() == [0, 5]
@@ -165,8 +190,9 @@ def test_a_run_begun_before_dataset_indices_and_results_json_resumes(tmp_path):
     np.savez(tmp_path / schema.METRICS_FILENAME, **old)
     resumed = _run_results(tmp_path)
     resumed.resume(5, expected_steps=[0, 5])
-    resumed.add(10, {"mnli": [1.0] * 4, "hans": [1.0] * 3, "train": [1.0] * 2}, 0.5, train_clock=3.0,
-                evaluation_seconds=0.5)  # fmt: skip
+    resumed.add(
+        10, {"mnli": [1.0] * 4, "hans": [1.0] * 3, "train": [1.0] * 2}, 0.5, train_clock=3.0, evaluation_seconds=0.5
+    )
     resumed.write()
     with np.load(tmp_path / schema.METRICS_FILENAME) as npz:
         np.testing.assert_array_equal(npz[schema.index_key("mnli")], DATASET_INDEX["mnli"])
@@ -179,11 +205,13 @@ def test_bad_results_input_is_named(tmp_path):
     with pytest.raises(ValueError, match="in-domain testset 'snli' is not among"):
         results.RunResults(tmp_path, labels=LABELS, dataset_index=DATASET_INDEX, in_domain="snli", config=CONFIG)
     with pytest.raises(ValueError, match=r"dataset indices of \['hans', 'mnli'\], labels of \['hans', 'mnli', 'tr"):
-        results.RunResults(tmp_path, labels=LABELS, dataset_index={"mnli": [0] * 4, "hans": [0] * 3},
-                           in_domain="mnli", config=CONFIG)  # fmt: skip
+        results.RunResults(
+            tmp_path, labels=LABELS, dataset_index={"mnli": [0] * 4, "hans": [0] * 3}, in_domain="mnli", config=CONFIG
+        )
     with pytest.raises(ValueError, match="train: 3 dataset indices for 2 labelled examples"):
-        results.RunResults(tmp_path, labels=LABELS, dataset_index=dict(DATASET_INDEX, train=[1, 2, 3]),
-                           in_domain="mnli", config=CONFIG)  # fmt: skip
+        results.RunResults(
+            tmp_path, labels=LABELS, dataset_index=dict(DATASET_INDEX, train=[1, 2, 3]), in_domain="mnli", config=CONFIG
+        )
     run = _run_results(tmp_path)
     with pytest.raises(ValueError, match="hans: 2 margins for 3 labelled examples"):
         run.add(0, {"mnli": [1.0] * 4, "hans": [1.0] * 2, "train": [1.0] * 2}, 0.0)

@@ -63,11 +63,15 @@ def demo_config(overrides):
 
 def start_main(overrides, log):
     """`python -m oodjax.main` on the shrunk demo with `overrides`, its log (stderr) to `log`."""
-    args = [f"--config.{field}={value!r}" if isinstance(value, tuple) else f"--config.{field}={value}"
-            for field, value in overrides.items()]
+    args = [
+        f"--config.{field}={value!r}" if isinstance(value, tuple) else f"--config.{field}={value}"
+        for field, value in overrides.items()
+    ]
     return subprocess.Popen(
         [sys.executable, "-m", "oodjax.main", "--config", "configs/demo.py", *args],
-        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=log,
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=log,
     )
 
 
@@ -132,8 +136,12 @@ def test_sigkill_sigterm_and_changed_runs_give_the_uninterrupted_results(tmp_pat
     log_path = tmp_path / "term.log"
     with log_path.open("w") as log:
         process = start_main(job, log)
-        wait_until(lambda: max(checkpoint_steps_of(demo_config(job))[0], default=0) > resumed_from, process, log_path,
-                    "a checkpoint after the resumed one")
+        wait_until(
+            lambda: max(checkpoint_steps_of(demo_config(job))[0], default=0) > resumed_from,
+            process,
+            log_path,
+            "a checkpoint after the resumed one",
+        )
         os.kill(process.pid, signal.SIGTERM)
         process.wait(timeout=300)
     text = log_path.read_text()
@@ -196,8 +204,12 @@ def test_ctrl_c_checkpoints_and_exits_75_and_a_second_ctrl_c_exits_at_once(tmp_p
     log_path = tmp_path / "twice.log"
     with log_path.open("w") as log:
         process = start_main(job, log)
-        wait_until(lambda: f"training 1 runs from step {step}" in log_path.read_text(), process, log_path,
-                   "loading the resumed run")
+        wait_until(
+            lambda: f"training 1 runs from step {step}" in log_path.read_text(),
+            process,
+            log_path,
+            "loading the resumed run",
+        )
         os.kill(process.pid, signal.SIGINT)
         wait_until(lambda: "received SIGINT" in log_path.read_text(), process, log_path, "the first Ctrl-C noted")
         os.kill(process.pid, signal.SIGINT)

@@ -57,8 +57,8 @@ def test_a_second_job_on_running_runs_stops_at_once_and_the_first_finishes_as_al
     lines = b_log.read_text().strip().splitlines()
     assert b.returncode == EXIT_STATUS and len(lines) == 1, b_log.read_text()[-3000:]
     assert lines[0].startswith(f"python -m oodjax.main: error: run {run.name} (")
-    assert f"is locked by another job that trains or evaluates it: process {a.pid} on {socket.gethostname()}" in (
-        lines[0]
+    assert (
+        f"is locked by another job that trains or evaluates it: process {a.pid} on {socket.gethostname()}" in (lines[0])
     )
     assert a.returncode == 0, a_log.read_text()[-3000:]
     assert not (run.directory / run_lock.LOCK_FILENAME).exists()
@@ -68,8 +68,9 @@ def test_a_second_job_on_running_runs_stops_at_once_and_the_first_finishes_as_al
 def _lock_file(run_dir, **fields):
     """Writes a lock record as another job would, fresh and of another host unless ``fields`` say otherwise."""
     now = time.time()
-    record = dict(host="node-elsewhere", pid=4321, slurm_job="987654", slurm_restart=0, taken=now, heartbeat=now,
-                  token="0" * 32)  # fmt: skip
+    record = dict(
+        host="node-elsewhere", pid=4321, slurm_job="987654", slurm_restart=0, taken=now, heartbeat=now, token="0" * 32
+    )
     record.update(fields)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / run_lock.LOCK_FILENAME).write_text(json.dumps(record))
@@ -131,6 +132,7 @@ def test_of_jobs_taking_one_lock_at_once_exactly_one_wins(tmp_path, monkeypatch,
     """Eight threads at a time, 20 times over, on a free folder or one with a stale lock; also where hard links
     are not supported (O_EXCL instead)."""
     if not links:
+
         def no_links(source, target):
             raise PermissionError(1, "Operation not permitted")
 
@@ -190,9 +192,12 @@ def test_a_job_stops_on_a_locked_run_writing_nothing_or_leaves_it_out_with_skip_
     free, locked = results.plan_runs(config)
     _lock_file(locked.directory)
     before = _tree(tmp_path / "out")
-    with pytest.raises(run_lock.RunLockedError, match=rf"^run {locked.name} \(.*\) is locked by another job that "
-                       r"trains or evaluates it: process 4321 on node-elsewhere, SLURM job 987654, heartbeat \d+ s "
-                       r"ago; wait for that job to end .* or set runs.skip_locked=True"):
+    with pytest.raises(
+        run_lock.RunLockedError,
+        match=rf"^run {locked.name} \(.*\) is locked by another job that "
+        r"trains or evaluates it: process 4321 on node-elsewhere, SLURM job 987654, heartbeat \d+ s "
+        r"ago; wait for that job to end .* or set runs.skip_locked=True",
+    ):
         loop.train(config)
     assert _tree(tmp_path / "out") == before  # the free run's folder, made for its lock, is gone again
 
@@ -212,14 +217,16 @@ def test_a_job_stops_on_a_locked_run_writing_nothing_or_leaves_it_out_with_skip_
     assert not (free.directory / run_lock.LOCK_FILENAME).exists()
 
 
-
 def test_the_other_processes_of_a_job_lock_nothing_and_follow_process_0(tmp_path, monkeypatch):
     """A process other than 0 takes no lock and stops (or leaves out) the runs that process 0 found locked."""
     runs = [results.Run(seed, 8, f"run{seed}", tmp_path / f"run{seed}") for seed in (0, 1)]
     monkeypatch.setattr(run_lock, "is_primary", lambda: False)
     monkeypatch.setattr(run_lock, "_agreed", lambda held: np.array([True, False]))  # process 0's answer
-    with pytest.raises(run_lock.RunLockedError, match=r"^run run1 \(.*\) is locked by another job that trains or "
-                       "evaluates it: a holder that process 0 names"):  # fmt: skip
+    with pytest.raises(
+        run_lock.RunLockedError,
+        match=r"^run run1 \(.*\) is locked by another job that trains or "
+        "evaluates it: a holder that process 0 names",
+    ):
         with run_lock.locked_runs(runs, skip_locked=False):
             pass
     with run_lock.locked_runs(runs, skip_locked=True) as held:

@@ -97,9 +97,7 @@ def test_a_checkpointer_keeps_the_newest_max_to_keep(tmp_path):
         checkpoints.RunCheckpointer(tmp_path / "other", name="other", max_to_keep=0)
 
 
-def test_training_keeps_checkpoint_keep_checkpoints_and_logs_its_schedule(
-    tmp_path, gpt2_tokenizer_dir, hf_data_dir
-):
+def test_training_keeps_checkpoint_keep_checkpoints_and_logs_its_schedule(tmp_path, gpt2_tokenizer_dir, hf_data_dir):
     config = tiny_config(tmp_path / "out", gpt2_tokenizer_dir, hf_data_dir, tmp_path / "cache")
     config.runs.seeds = (0,)
     config.checkpoint_every, config.checkpoint_keep = 1, 3

@@ -131,8 +131,11 @@ def test_one_process_holds_every_row_and_its_process_batch_is_the_batch():
         np.testing.assert_array_equal(value, batch[key])
     with pytest.raises(ValueError, match="a batch of 6 rows cannot be split evenly over 4 devices"):
         sharding.process_batch_rows(mesh, 6)
-    with pytest.raises(ValueError, match=r"local batch\['label'\] has shape \(2, 4, 1\): axis 1 must hold this "
-                                         r"process's 8 of 8 rows \(process 0 of 1\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"local batch\['label'\] has shape \(2, 4, 1\): axis 1 must hold this "
+        r"process's 8 of 8 rows \(process 0 of 1\)",
+    ):
         sharding.shard_process_batch({"label": batch["label"]}, mesh, batch_axis=1, num_rows=8)
 
 

@@ -27,9 +27,15 @@ from oodjax.models import from_config
 from oodjax.models.lora import LoRAConfig
 
 OPT = dict(
-    model_type="opt", vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, ffn_dim=64,
-    max_position_embeddings=32, pad_token_id=1,
-)  # fmt: skip
+    model_type="opt",
+    vocab_size=64,
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    ffn_dim=64,
+    max_position_embeddings=32,
+    pad_token_id=1,
+)
 YES, NO = 5, 6
 SEEDS = (0, 42, 99)
 ACCUM, MICRO, SEQ = 2, 4, 12
@@ -65,16 +71,21 @@ def make_batches(
         ids = np.where(mask == 1, ids, OPT["pad_token_id"]).astype(np.int32)
         valid = np.ones(shape, bool)
         valid[..., -1, -1] = False  # a padding row: must not count
-        batches.append(dict(input_ids=ids, segment_ids=mask, answer_pos=(lengths - 1).astype(np.int32),
-                            label=rng.integers(0, 2, size=shape).astype(np.int32), valid=valid))  # fmt: skip
+        batches.append(
+            dict(
+                input_ids=ids,
+                segment_ids=mask,
+                answer_pos=(lengths - 1).astype(np.int32),
+                label=rng.integers(0, 2, size=shape).astype(np.int32),
+                valid=valid,
+            )
+        )
     return batches
 
 
 def geometry(runs: int, *, accum: int = ACCUM, micro: int = MICRO, seq: int = SEQ, **fields) -> BatchGeometry:
     """The geometry of ``make_batches``' batches, one prompt a row (``as_step``); ``fields`` set the rest."""
-    return BatchGeometry(
-        runs=runs, batch_size=accum * micro, grad_accum=accum, seq_len=seq, **fields
-    )
+    return BatchGeometry(runs=runs, batch_size=accum * micro, grad_accum=accum, seq_len=seq, **fields)
 
 
 def as_step(batch: dict) -> dict:
@@ -162,8 +173,10 @@ def test_runs_trained_together_equal_runs_trained_alone(together, alone):
         ours, theirs = flat(steps.select_run(runs.lora, r)), flat(steps.select_run(alone_runs.lora, 0))
         assert ours.keys() == theirs.keys()
         diffs = {path: np.abs(ours[path] - theirs[path]).max() for path in ours}
-        print(f"run {r}: max |loss diff| {np.abs(losses[:, r] - alone_losses[:, 0]).max():.1e}, "
-              f"max |adapter diff| {max(diffs.values()):.1e}")  # fmt: skip
+        print(
+            f"run {r}: max |loss diff| {np.abs(losses[:, r] - alone_losses[:, 0]).max():.1e}, "
+            f"max |adapter diff| {max(diffs.values()):.1e}"
+        )
         assert max(diffs.values()) < TOGETHER_ADAPTER_TOL, diffs
     assert int(runs.step) == STEPS
 
@@ -325,11 +338,15 @@ def test_packed_rows_mixing_runs_train_like_one_prompt_per_row():
         losses, mixed = [], False
         for _ in range(3):  # B is no longer zero after the first: the adapters act on both layouts
             batch = next(stream)
-            mixed |= any(len(set(row[valid].tolist())) > 1 for row, valid in zip(
-                batch["run"].reshape(-1, batch["run"].shape[-1]), batch["valid"].reshape(-1, batch["run"].shape[-1])))
+            mixed |= any(
+                len(set(row[valid].tolist())) > 1
+                for row, valid in zip(
+                    batch["run"].reshape(-1, batch["run"].shape[-1]), batch["valid"].reshape(-1, batch["run"].shape[-1])
+                )
+            )
             longest = (batch["segment_ids"] != 0).sum(-1).max(-1)
             for i, length in enumerate(longest):
-                batch["input_ids"][i, :, fitting(shape, length):] = 10 * OPT["vocab_size"]
+                batch["input_ids"][i, :, fitting(shape, length) :] = 10 * OPT["vocab_size"]
             runs, loss = train_step(base, runs, {key: batch[key] for key in keys})
             losses.append(np.asarray(loss))
         return np.stack(losses), flat(runs.lora), mixed
@@ -339,9 +356,15 @@ def test_packed_rows_mixing_runs_train_like_one_prompt_per_row():
 
     loss, lora, _ = train(unpacked_steps, BatchGeometry(runs=3, batch_size=4, grad_accum=2, seq_len=16))
     packed_shape = BatchGeometry(
-        runs=3, batch_size=4, grad_accum=2, seq_len=32, buckets=(16, 24), packed=True, batch_shards=2,
+        runs=3,
+        batch_size=4,
+        grad_accum=2,
+        seq_len=32,
+        buckets=(16, 24),
+        packed=True,
+        batch_shards=2,
         prompts_per_row=6,
-    )  # fmt: skip
+    )
     packed_loss, packed_lora, mixed = train(packed_steps, packed_shape)
     assert mixed  # rows really hold prompts of several runs
     print("packed vs one per row: max |loss diff|", np.abs(packed_loss - loss).max())
@@ -371,8 +394,11 @@ def test_geometry_errors_name_the_config_field():
         BatchGeometry(grad_accum=0, **fields)
     with pytest.raises(ValueError, match="train.batch_size 8 must be a multiple of train.grad_accum 3"):
         BatchGeometry(grad_accum=3, **fields)
-    with pytest.raises(ValueError, match=r"train micro-batch 2 \(train.batch_size / train.grad_accum\) must be a "
-                                         r"multiple of the 4 batch shards \(mesh.data x mesh.fsdp\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"train micro-batch 2 \(train.batch_size / train.grad_accum\) must be a "
+        r"multiple of the 4 batch shards \(mesh.data x mesh.fsdp\)",
+    ):
         BatchGeometry(grad_accum=4, batch_shards=4, **fields)
     with pytest.raises(ValueError, match="eval.batch_size 6 must be a multiple of the 4 batch shards"):
         EvalGeometry(rows=6, seq_len=12, row_lengths=(12,), batch_shards=4)
@@ -392,9 +418,11 @@ def test_geometry_errors_name_the_config_field():
 def test_schedule_is_transformers(schedule):
     total, warmup, peak = 12, 3, 1e-3
     torch_opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=peak)
-    make = {"linear": transformers.get_linear_schedule_with_warmup,
-            "cosine": transformers.get_cosine_schedule_with_warmup,
-            "constant": lambda o, w, _: transformers.get_constant_schedule_with_warmup(o, w)}[schedule]  # fmt: skip
+    make = {
+        "linear": transformers.get_linear_schedule_with_warmup,
+        "cosine": transformers.get_cosine_schedule_with_warmup,
+        "constant": lambda o, w, _: transformers.get_constant_schedule_with_warmup(o, w),
+    }[schedule]
     scheduler = make(torch_opt, warmup, total)
     theirs = []
     for _ in range(total):

@@ -38,10 +38,13 @@ def mirror(tmp_path_factory, hf_data_dir):
     for name in ("mnli", "snli"):
         spec = testsets.testset_spec(name)
         rows = [
-            {spec.premise: f"{name} stand-in premise {i}", spec.hypothesis: f"{name} stand-in hypothesis {i}",
-             spec.label: i % 3}
+            {
+                spec.premise: f"{name} stand-in premise {i}",
+                spec.hypothesis: f"{name} stand-in hypothesis {i}",
+                spec.label: i % 3,
+            }
             for i in range(300)
-        ]  # fmt: skip
+        ]
         train = testsets.mirror_folder(spec, root) / "train.jsonl"
         train.write_text("".join(json.dumps(row) + "\n" for row in rows))
     return root

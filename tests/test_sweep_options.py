@@ -20,7 +20,8 @@ OPT30 = "configs/opt30_mnli.py"
 def own_config(tmp_path, seeds=(5, 6), shots=(8,)):
     """A config file of its own: the demo with its own seeds, shots and output_dir (under tmp_path)."""
     path = tmp_path / "own.py"
-    path.write_text(textwrap.dedent(f"""
+    path.write_text(
+        textwrap.dedent(f"""
         from configs import demo
 
         def get_config():
@@ -29,7 +30,8 @@ def own_config(tmp_path, seeds=(5, 6), shots=(8,)):
             config.runs.shots = {tuple(shots)!r}
             config.output_dir = {str(tmp_path / "own_results")!r}
             return config
-    """))
+    """)
+    )
     return str(path)
 
 
@@ -48,29 +50,51 @@ def test_without_seeds_shots_or_output_dir_each_config_trains_its_own(capsys, tm
     commands, lines = dry_run(capsys, "--configs", config, "--backend", "local")
     assert lines[-1] == "2 runs in 1 jobs"
     (command,) = commands
-    assert overrides(command) == ["--config.runs.seeds=(5,6,)", "--config.runs.shots=(8,)",
-                                  f"--config.output_dir={tmp_path / 'own_results'}"]
+    assert overrides(command) == [
+        "--config.runs.seeds=(5,6,)",
+        "--config.runs.shots=(8,)",
+        f"--config.output_dir={tmp_path / 'own_results'}",
+    ]
 
 
 def test_seeds_shots_and_output_dir_override_the_configs(capsys, tmp_path):
     config = own_config(tmp_path)
-    commands, lines = dry_run(capsys, "--configs", config, "--backend", "local", "--seeds", "1,2,3", "--shots", "16",
-                              "--output_dir", str(tmp_path / "root"))
+    commands, lines = dry_run(
+        capsys,
+        "--configs",
+        config,
+        "--backend",
+        "local",
+        "--seeds",
+        "1,2,3",
+        "--shots",
+        "16",
+        "--output_dir",
+        str(tmp_path / "root"),
+    )
     assert lines[-1] == "3 runs in 1 jobs"
-    assert overrides(commands[0]) == ["--config.runs.seeds=(1,2,3,)", "--config.runs.shots=(16,)",
-                                      f"--config.output_dir={tmp_path / 'root' / 'own'}"]
+    assert overrides(commands[0]) == [
+        "--config.runs.seeds=(1,2,3,)",
+        "--config.runs.shots=(16,)",
+        f"--config.output_dir={tmp_path / 'root' / 'own'}",
+    ]
     # One of the three alone: the other two stay the config's.
     commands, _ = dry_run(capsys, "--configs", config, "--backend", "local", "--shots", "16,32")
-    assert overrides(commands[0]) == ["--config.runs.seeds=(5,6,)", "--config.runs.shots=(16,32,)",
-                                      f"--config.output_dir={tmp_path / 'own_results'}"]
+    assert overrides(commands[0]) == [
+        "--config.runs.seeds=(5,6,)",
+        "--config.runs.shots=(16,32,)",
+        f"--config.output_dir={tmp_path / 'own_results'}",
+    ]
 
 
 def test_per_run_jobs_of_a_config_share_its_output_dir(capsys, tmp_path):
     config = own_config(tmp_path)
     commands, lines = dry_run(capsys, "--configs", config, "--backend", "slurm", "--per_run")
     assert lines[-1] == "2 runs in 2 jobs"
-    assert [command[1] for command in commands] == ["--job-name=oodjax-own_seed5_shots8",
-                                                    "--job-name=oodjax-own_seed6_shots8"]
+    assert [command[1] for command in commands] == [
+        "--job-name=oodjax-own_seed5_shots8",
+        "--job-name=oodjax-own_seed6_shots8",
+    ]
     assert {overrides(command)[-1] for command in commands} == {f"--config.output_dir={tmp_path / 'own_results'}"}
 
 
@@ -79,11 +103,17 @@ def test_a_run_finished_in_the_configs_own_output_dir_is_skipped(capsys, tmp_pat
     (job,) = sweep.plan_jobs([config], per_run=False)
     finished = next(run for run in plan_runs(sweep.job_config(job)) if run.seed == 5)
     finished.directory.mkdir(parents=True)
-    np.savez(finished.directory / schema.METRICS_FILENAME, **{
-        schema.STEP: np.array([0, sweep.job_config(job).train.steps]), schema.TESTSETS: np.array(["mnli"]),
-        schema.ACCURACY: np.full((2, 1), 0.5), schema.TRAIN_LOSS: np.ones(2),
-        schema.IN_DOMAIN: np.array("mnli"), schema.CONFIG: np.array(json.dumps({})),
-    })  # fmt: skip
+    np.savez(
+        finished.directory / schema.METRICS_FILENAME,
+        **{
+            schema.STEP: np.array([0, sweep.job_config(job).train.steps]),
+            schema.TESTSETS: np.array(["mnli"]),
+            schema.ACCURACY: np.full((2, 1), 0.5),
+            schema.TRAIN_LOSS: np.ones(2),
+            schema.IN_DOMAIN: np.array("mnli"),
+            schema.CONFIG: np.array(json.dumps({})),
+        },
+    )
     commands, lines = dry_run(capsys, "--configs", config, "--backend", "local")
     assert lines[-1] == "1 runs in 1 jobs (1 finished runs skipped)"
     assert overrides(commands[0])[:2] == ["--config.runs.seeds=(6,)", "--config.runs.shots=(8,)"]
@@ -91,15 +121,37 @@ def test_a_run_finished_in_the_configs_own_output_dir_is_skipped(capsys, tmp_pat
 
 def test_slurm_options_go_to_sbatch_before_the_script(capsys, tmp_path):
     commands, _ = dry_run(
-        capsys, "--configs", OPT30, "--backend", "slurm", "--output_dir", str(tmp_path),
-        "--account", "proj123", "--partition", "gpu", "--time", "2-00:00:00", "--qos", "high",
-        "--sbatch_arg=--gres=gpu:8", "--sbatch_arg=--mem=0",
-    )  # fmt: skip
+        capsys,
+        "--configs",
+        OPT30,
+        "--backend",
+        "slurm",
+        "--output_dir",
+        str(tmp_path),
+        "--account",
+        "proj123",
+        "--partition",
+        "gpu",
+        "--time",
+        "2-00:00:00",
+        "--qos",
+        "high",
+        "--sbatch_arg=--gres=gpu:8",
+        "--sbatch_arg=--mem=0",
+    )
     (command,) = commands
     script = next(i for i, argument in enumerate(command) if argument.endswith("launch/slurm.sbatch"))
     assert command[:script] == [
-        "sbatch", "--job-name=oodjax-opt30_mnli", "--nodes=1", f"--output={tmp_path}/opt30_mnli/slurm-%j.out",
-        "--partition=gpu", "--time=2-00:00:00", "--account=proj123", "--qos=high", "--gres=gpu:8", "--mem=0",
+        "sbatch",
+        "--job-name=oodjax-opt30_mnli",
+        "--nodes=1",
+        f"--output={tmp_path}/opt30_mnli/slurm-%j.out",
+        "--partition=gpu",
+        "--time=2-00:00:00",
+        "--account=proj123",
+        "--qos=high",
+        "--gres=gpu:8",
+        "--mem=0",
     ]
     assert command[script + 1] == OPT30
 
@@ -117,14 +169,19 @@ def test_the_other_backends_refuse_slurm_options_in_one_line(capsys, backend, op
     assert exit_.value.code == 2
     message = capsys.readouterr().err.strip().splitlines()[-1]
     flag = option[0].split("=")[0]
-    assert message == (f"python -m launch.sweep: error: {flag}: SLURM options, passed to sbatch; --backend {backend} "
-                       "has no scheduler to take them (leave them out, or use --backend slurm)")
+    assert message == (
+        f"python -m launch.sweep: error: {flag}: SLURM options, passed to sbatch; --backend {backend} "
+        "has no scheduler to take them (leave them out, or use --backend slurm)"
+    )
 
 
-@pytest.mark.parametrize("argument, message", [
-    ("--sbatch_arg=mem=0", "--sbatch_arg=mem=0: not an sbatch option"),
-    ("--account=", "--account needs a value"),
-])
+@pytest.mark.parametrize(
+    "argument, message",
+    [
+        ("--sbatch_arg=mem=0", "--sbatch_arg=mem=0: not an sbatch option"),
+        ("--account=", "--account needs a value"),
+    ],
+)
 def test_malformed_slurm_options_are_errors(capsys, argument, message):
     with pytest.raises(SystemExit):
         sweep.main(["--configs", OPT30, "--backend", "slurm", "--dry_run", argument])
@@ -132,8 +189,9 @@ def test_malformed_slurm_options_are_errors(capsys, argument, message):
 
 
 def test_packaged_configs_by_name_and_pattern_keep_their_name_in_the_commands(capsys, tmp_path):
-    commands, lines = dry_run(capsys, "--configs", "oodjax:opt30_*", "oodjax:opt13_mnli", "--backend", "slurm",
-                              "--output_dir", str(tmp_path))
+    commands, lines = dry_run(
+        capsys, "--configs", "oodjax:opt30_*", "oodjax:opt13_mnli", "--backend", "slurm", "--output_dir", str(tmp_path)
+    )
     assert lines[-1] == "27 runs in 3 jobs"
     assert [command[5] for command in commands] == ["oodjax:opt30_mnli", "oodjax:opt30_snli", "oodjax:opt13_mnli"]
     assert commands[0][1] == "--job-name=oodjax-opt30_mnli"

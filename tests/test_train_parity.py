@@ -36,8 +36,15 @@ def parity_batches(seed: int = 0) -> list[dict]:
         lengths = rng.integers(3, SEQ + 1, size=shape)
         mask = (np.arange(SEQ) < lengths[..., None]).astype(np.int32)
         ids = np.where(mask == 1, rng.integers(2, VOCAB, size=(*shape, SEQ)), 1).astype(np.int32)
-        out.append(dict(input_ids=ids, segment_ids=mask, answer_pos=(lengths - 1).astype(np.int32),
-                        label=rng.integers(0, 2, size=shape).astype(np.int32), valid=np.ones(shape, bool)))  # fmt: skip
+        out.append(
+            dict(
+                input_ids=ids,
+                segment_ids=mask,
+                answer_pos=(lengths - 1).astype(np.int32),
+                label=rng.integers(0, 2, size=shape).astype(np.int32),
+                valid=np.ones(shape, bool),
+            )
+        )
     return out
 
 
@@ -65,9 +72,17 @@ def torch_losses(peft_model, batches) -> tuple[list[float], list[float]]:
 
 def test_ten_adamw_steps_match_transformers_and_peft(tmp_path):
     config = transformers.OPTConfig(
-        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, ffn_dim=64, num_attention_heads=4,
-        max_position_embeddings=32, pad_token_id=1, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
-    )  # fmt: skip
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=2,
+        ffn_dim=64,
+        num_attention_heads=4,
+        max_position_embeddings=32,
+        pad_token_id=1,
+        dropout=0.0,
+        attention_dropout=0.0,
+        activation_dropout=0.0,
+    )
     hf_model = tiny_hf_model(config)
     model = load_pretrained(save(hf_model, tmp_path))
     lora_cfg = LoRAConfig(rank=4, alpha=16.0, dropout=0.0)

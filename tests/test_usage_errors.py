@@ -51,9 +51,12 @@ def test_a_config_error_of_training_is_one_line(tmp_path):
 def test_a_testset_not_fetched_names_it_and_the_fetch_command(tmp_path):
     """No mirror, hub offline: the demo's first testset is missing, and the line says how to fetch it."""
     result = _run(
-        "oodjax.main", "--config=configs/demo.py", "--config.data.data_dir=", f"--config.output_dir={tmp_path}",
+        "oodjax.main",
+        "--config=configs/demo.py",
+        "--config.data.data_dir=",
+        f"--config.output_dir={tmp_path}",
         tmp_path=tmp_path,
-    )  # fmt: skip
+    )
     line = _one_line(result, "python -m oodjax.main")
     assert "testset 'snli'" in line and "is not in its cache" in line
     assert "`oodjax-fetch configs/demo.py`" in line
@@ -62,9 +65,13 @@ def test_a_testset_not_fetched_names_it_and_the_fetch_command(tmp_path):
 def test_the_preflight_without_the_tokenizer_is_one_line(tmp_path):
     """A study config names a hub tokenizer; offline and not fetched, the preflight says so in one line."""
     result = _run(
-        "launch.preflight", "--config=configs/opt2.7_mnli.py", "--layers=1", "--devices=8",
-        tmp_path=tmp_path, data_dir=ROOT.parent / "shared" / "data" / "hf",
-    )  # fmt: skip
+        "launch.preflight",
+        "--config=configs/opt2.7_mnli.py",
+        "--layers=1",
+        "--devices=8",
+        tmp_path=tmp_path,
+        data_dir=ROOT.parent / "shared" / "data" / "hf",
+    )
     line = _one_line(result, "python -m launch.preflight")
     assert "tokenizer 'facebook/opt-2.7b' is not a local folder" in line
     assert "`oodjax-fetch configs/opt2.7_mnli.py`" in line
@@ -88,8 +95,11 @@ def test_a_tokenizer_larger_than_the_model_is_refused_before_loading(tmp_path):
     config = demo.get_config()
     config.output_dir = str(tmp_path)
     config.model.hf_config.vocab_size = 50000
-    with pytest.raises(ConfigError, match=r"tokenizer '.*gpt2' has 50257 tokens \(ids 0..50256\), but model.hf_config "
-                       r"embeds only 50000 \(vocab_size\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"tokenizer '.*gpt2' has 50257 tokens \(ids 0..50256\), but model.hf_config "
+        r"embeds only 50000 \(vocab_size\)",
+    ):
         checks.check_config(config)
     config.model.hf_config.vocab_size = 50257
     checks.check_config(config)

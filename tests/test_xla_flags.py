@@ -26,8 +26,10 @@ def test_every_gpu_flag_is_known_to_the_installed_xla():
     env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
     result = subprocess.run(
         [sys.executable, "-c", "import jax; jax.numpy.ones(1).block_until_ready()"],
-        env=env, capture_output=True, text=True,
-    )  # fmt: skip
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     assert result.returncode == 0, result.stderr[-2000:]
 
 
@@ -42,5 +44,7 @@ def test_user_flags_come_last_and_none_turns_them_off():
 def test_shellcheck_clean():
     shellcheck = shutil.which("shellcheck")
     assert shellcheck, "shellcheck is not installed: apt-get install -y shellcheck"
-    result = subprocess.run([shellcheck, "-x", "--shell=bash", str(FLAGS_FILE)], capture_output=True, text=True, cwd=ROOT)
+    result = subprocess.run(
+        [shellcheck, "-x", "--shell=bash", str(FLAGS_FILE)], capture_output=True, text=True, cwd=ROOT
+    )
     assert result.returncode == 0, result.stdout

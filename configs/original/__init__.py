@@ -56,7 +56,8 @@ def preset(model: str, train_set: str) -> config_dict.ConfigDict:
     # processes; finetune.sh starts four: docs/protocol.md.)
     config.train.batch_size = 32
     # Unchanged because they agree: the few-shot pool, the training set's `train` split (configs/opt.toml,
-    # configs/olmo.toml: [dataset.train] dataset_split='train'; the study configs draw from it too); warmup_ratio=0.1 is train.warmup_steps=50 of train.steps=500; the schedule
+    # configs/olmo.toml: [dataset.train] dataset_split='train'; the study configs draw from it too);
+    # warmup_ratio=0.1 is train.warmup_steps=50 of train.steps=500; the schedule
     # (linear warm-up, linear decay to 0), AdamW's betas and eps, the answer words, LoRA r=8, alpha=32,
     # dropout 0.1 on q/k/v/out_proj (o_proj), the eight testsets and their other splits.
     return config

@@ -36,9 +36,7 @@ def content_key(parts: Iterable[str | bytes]) -> str:
     return digest.hexdigest()
 
 
-def cached_arrays(
-    path: pathlib.Path, compute: Callable[[], dict[str, np.ndarray]]
-) -> dict[str, np.ndarray]:
+def cached_arrays(path: pathlib.Path, compute: Callable[[], dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
     """The arrays stored at `path`, computing and storing them first when absent.
 
     An entry that cannot be read (truncated or corrupted on disk, since

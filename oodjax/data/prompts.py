@@ -100,9 +100,7 @@ def load_tokenizer(source: str | os.PathLike) -> PreTrainedTokenizerBase:
         ) from error
 
 
-def answer_token_ids(
-    tokenizer: PreTrainedTokenizerBase, answers: Sequence[str] = DEFAULT_ANSWERS
-) -> tuple[int, int]:
+def answer_token_ids(tokenizer: PreTrainedTokenizerBase, answers: Sequence[str] = DEFAULT_ANSWERS) -> tuple[int, int]:
     """The token ids of the (yes, no) answer words, where the model's next-token logits are read.
 
     `answers` is the config's `data.answers`. Each word must be one token of
@@ -184,9 +182,7 @@ def _tokenize(
 ) -> dict[str, np.ndarray]:
     before_premise = template.split("{premise}")[0]
     prompts = [template.format(premise=p, hypothesis=h) for p, h in zip(premises, hypotheses)]
-    encoded = tokenizer(
-        prompts, add_special_tokens=True, return_offsets_mapping=True, return_special_tokens_mask=True
-    )
+    encoded = tokenizer(prompts, add_special_tokens=True, return_offsets_mapping=True, return_special_tokens_mask=True)
     rows, truncated = [], []
     for i, (ids, offsets, special) in enumerate(
         zip(encoded["input_ids"], encoded["offset_mapping"], encoded["special_tokens_mask"])

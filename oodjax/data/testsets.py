@@ -52,9 +52,18 @@ HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
 TESTSET_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 # The fields of a testset declaration, and those a new (not built-in) testset must have.
 DECLARATION_FIELDS = (
-    "source", "config", "split", "premise", "hypothesis", "label",
-    "entailment", "not_entailment", "neutral", "unlabelled", "cap",
-)  # fmt: skip
+    "source",
+    "config",
+    "split",
+    "premise",
+    "hypothesis",
+    "label",
+    "entailment",
+    "not_entailment",
+    "neutral",
+    "unlabelled",
+    "cap",
+)
 REQUIRED_FIELDS = ("source", "premise", "hypothesis", "label", "entailment", "not_entailment")
 _LABEL_FIELDS = ("entailment", "not_entailment", "neutral", "unlabelled")
 Neutral = Literal["drop", "not_entailment"]
@@ -107,41 +116,81 @@ class TestsetSpec:
 
 TESTSETS: Mapping[str, TestsetSpec] = {
     "snli": TestsetSpec(
-        "stanfordnlp/snli", "plain_text", "test", "premise", "hypothesis",
-        labels={0: ENTAILMENT, 2: NOT_ENTAILMENT}, neutral=(1,), unlabelled=(-1,),
+        "stanfordnlp/snli",
+        "plain_text",
+        "test",
+        "premise",
+        "hypothesis",
+        labels={0: ENTAILMENT, 2: NOT_ENTAILMENT},
+        neutral=(1,),
+        unlabelled=(-1,),
         pool_split="validation",
     ),
     "mnli": TestsetSpec(
-        "nyu-mll/glue", "mnli", "validation_matched", "premise", "hypothesis",
-        labels={0: ENTAILMENT, 2: NOT_ENTAILMENT}, neutral=(1,), unlabelled=(-1,),
+        "nyu-mll/glue",
+        "mnli",
+        "validation_matched",
+        "premise",
+        "hypothesis",
+        labels={0: ENTAILMENT, 2: NOT_ENTAILMENT},
+        neutral=(1,),
+        unlabelled=(-1,),
         pool_split="validation_mismatched",
     ),
     "scitail": TestsetSpec(
-        "allenai/scitail", "tsv_format", "test", "premise", "hypothesis",
+        "allenai/scitail",
+        "tsv_format",
+        "test",
+        "premise",
+        "hypothesis",
         labels={"entails": ENTAILMENT, "neutral": NOT_ENTAILMENT},
     ),
     "rte": TestsetSpec(
-        "nyu-mll/glue", "rte", "train", "sentence1", "sentence2",
-        labels={0: ENTAILMENT, 1: NOT_ENTAILMENT}, unlabelled=(-1,),
+        "nyu-mll/glue",
+        "rte",
+        "train",
+        "sentence1",
+        "sentence2",
+        labels={0: ENTAILMENT, 1: NOT_ENTAILMENT},
+        unlabelled=(-1,),
     ),
     "wnli": TestsetSpec(
-        "nyu-mll/glue", "wnli", "train", "sentence1", "sentence2",
-        labels={1: ENTAILMENT, 0: NOT_ENTAILMENT}, unlabelled=(-1,),
+        "nyu-mll/glue",
+        "wnli",
+        "train",
+        "sentence1",
+        "sentence2",
+        labels={1: ENTAILMENT, 0: NOT_ENTAILMENT},
+        unlabelled=(-1,),
     ),
     "paws": TestsetSpec(
-        "google-research-datasets/paws", "labeled_final", "test", "sentence1", "sentence2",
+        "google-research-datasets/paws",
+        "labeled_final",
+        "test",
+        "sentence1",
+        "sentence2",
         labels={1: ENTAILMENT, 0: NOT_ENTAILMENT},
     ),
     "hans": TestsetSpec(
-        "jhu-cogsci/hans", "plain_text", "validation", "premise", "hypothesis",
+        "jhu-cogsci/hans",
+        "plain_text",
+        "validation",
+        "premise",
+        "hypothesis",
         labels={0: ENTAILMENT, 1: NOT_ENTAILMENT},
         # The hub repo only has a loading script, which current `datasets` refuses
         # to run; the hub's own parquet export of it holds the same rows.
         hub_data_files="hf://datasets/jhu-cogsci/hans@refs%2Fconvert%2Fparquet/plain_text/{split}/*.parquet",
     ),
     "anli": TestsetSpec(
-        "facebook/anli", "plain_text", "test_r3", "premise", "hypothesis",
-        labels={0: ENTAILMENT, 2: NOT_ENTAILMENT}, neutral=(1,), unlabelled=(-1,),
+        "facebook/anli",
+        "plain_text",
+        "test_r3",
+        "premise",
+        "hypothesis",
+        labels={0: ENTAILMENT, 2: NOT_ENTAILMENT},
+        neutral=(1,),
+        unlabelled=(-1,),
         split_groups={"test_all": ("test_r1", "test_r2", "test_r3")},
     ),
 }
@@ -251,7 +300,11 @@ def declared_testset(
         raise problem("cap", f"must be an integer >= 0 (0 = the full testset), got {cap!r}")
     same_location = built_in is not None and (source, config) == (built_in.source, built_in.config)
     return TestsetSpec(
-        source, config, split, columns["premise"], columns["hypothesis"],
+        source,
+        config,
+        split,
+        columns["premise"],
+        columns["hypothesis"],
         labels={value: ENTAILMENT for value in values["entailment"]}
         | {value: NOT_ENTAILMENT for value in values["not_entailment"]},
         neutral=values["neutral"],
@@ -261,7 +314,7 @@ def declared_testset(
         label=columns["label"],
         cap=cap,
         origin=where,
-    )  # fmt: skip
+    )
 
 
 def _location(

@@ -42,7 +42,11 @@ class StepLayout:
 
 
 def step_layout(
-    lengths: Sequence[np.ndarray], layout: StepLayout, *, row_length: int = _UNBOUNDED, prompts_per_row: int = _UNBOUNDED
+    lengths: Sequence[np.ndarray],
+    layout: StepLayout,
+    *,
+    row_length: int = _UNBOUNDED,
+    prompts_per_row: int = _UNBOUNDED,
 ) -> list[list[tuple[int, int]]]:
     """The step's rows, micro-batch after micro-batch: each a list of (run, example) pairs, ``example`` being
     the prompt's place in its run's batch; ``lengths[r]`` are run r's batch's prompt lengths, in order.
@@ -67,9 +71,11 @@ def step_layout(
         ]
     items = [(r, e) for r, run in enumerate(lengths) for e in range(len(run))]
     members = balance_rows(
-        np.concatenate(lengths), num_rows=layout.micro_batches * layout.rows, row_length=row_length,
+        np.concatenate(lengths),
+        num_rows=layout.micro_batches * layout.rows,
+        row_length=row_length,
         prompts_per_row=prompts_per_row,
-    )  # fmt: skip
+    )
     return [[items[i] for i in row] for row in members]
 
 
@@ -135,7 +141,10 @@ def train_steps(
         lengths = [t.lengths[e] for t, e in zip(sets, examples, strict=True)]
         members = step_layout(lengths, layout, row_length=seq_len, prompts_per_row=prompts_per_row)
         batch = _rows_batch(sets, examples, members, prompts_per_row, seq_len, pad_id=pad_id)
-        return {key: value.reshape(layout.micro_batches, num_rows, *value.shape[1:])[:, keep] for key, value in batch.items()}
+        return {
+            key: value.reshape(layout.micro_batches, num_rows, *value.shape[1:])[:, keep]
+            for key, value in batch.items()
+        }
 
     options = grain.ReadOptions(num_threads=1 if prefetch else 0, prefetch_buffer_size=prefetch)
     return iter(grain.MapDataset.range(_ENDLESS).map(step).to_iter_dataset(options))
@@ -187,7 +196,9 @@ def replay_rows(
     longest = np.zeros((steps, layout.micro_batches), dtype=np.int64)
     most_prompts = 1
     for index in range(steps):
-        lengths = [t.lengths[stream_examples(seed, len(t), batch_size, index)] for t, seed in zip(sets, seeds, strict=True)]
+        lengths = [
+            t.lengths[stream_examples(seed, len(t), batch_size, index)] for t, seed in zip(sets, seeds, strict=True)
+        ]
         members = step_layout(lengths, layout)
         tokens = np.array([sum(int(lengths[r][e]) for r, e in row) for row in members], dtype=np.int64)
         longest[index] = tokens.reshape(layout.micro_batches, -1).max(axis=1)
@@ -196,8 +207,14 @@ def replay_rows(
 
 
 def packed_layout(
-    sets: Sequence[TokenizedSet], seeds: Sequence[int], *, batch_size: int, micro_batches: int, shards: int,
-    row_length: int, steps: int,
+    sets: Sequence[TokenizedSet],
+    seeds: Sequence[int],
+    *,
+    batch_size: int,
+    micro_batches: int,
+    shards: int,
+    row_length: int,
+    steps: int,
 ) -> tuple[StepLayout, np.ndarray, int]:
     """The packed layout of the first ``steps`` steps with the fewest rows (the same number on each of
     ``shards`` devices) that keeps every row within ``row_length`` tokens, and what ``replay_rows`` says of it.
@@ -243,5 +260,3 @@ def epoch_permutation(seed: int, size: int, epoch: int) -> np.ndarray:
     order = np.random.default_rng([seed, epoch]).permutation(size)
     order.flags.writeable = False
     return order
-
-

@@ -284,7 +284,10 @@ def _check_available(name: str, spec: TestsetSpec, root: pathlib.Path | None) ->
             return
     if hub_offline():
         if not _hub_cached(spec.source):
-            reason = "; ".join(missing) or f"no local mirror (data.data_dir, $OODJAX_DATA_DIR) is set for split {spec.split!r}"
+            reason = (
+                "; ".join(missing)
+                or f"no local mirror (data.data_dir, $OODJAX_DATA_DIR) is set for split {spec.split!r}"
+            )
             raise NotFetchedError(
                 f"{where}: {reason}; the hub is offline (HF_HUB_OFFLINE) and {spec.source!r} is not in its cache"
             )
@@ -386,4 +389,6 @@ def _check_output_dir(output_dir: str) -> None:
         with tempfile.TemporaryFile(dir=existing):
             pass
     except OSError as error:
-        raise ConfigError(f"output_dir {output_dir!r} cannot be written: {error.strerror or error} in {existing}") from None
+        raise ConfigError(
+            f"output_dir {output_dir!r} cannot be written: {error.strerror or error} in {existing}"
+        ) from None

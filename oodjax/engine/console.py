@@ -88,9 +88,15 @@ def by_run(label: str, runs: Sequence[SeededRun], values: Sequence[str]) -> str:
 def bar(*, total: int, initial: int = 0, desc: str, unit: str, enabled: bool = True, leave: bool = True) -> tqdm:
     """A tqdm bar on stderr, drawn only where stderr is a terminal (``disable=None``) and ``enabled``."""
     return tqdm(
-        total=total, initial=initial, desc=desc, unit=unit, leave=leave, dynamic_ncols=True,
-        disable=None if enabled else True, file=sys.stderr,
-    )  # fmt: skip
+        total=total,
+        initial=initial,
+        desc=desc,
+        unit=unit,
+        leave=leave,
+        dynamic_ncols=True,
+        disable=None if enabled else True,
+        file=sys.stderr,
+    )
 
 
 @contextlib.contextmanager

@@ -249,4 +249,3 @@ def _process_index(name: str, value: object, count: int) -> int:
     if not 0 <= index < count:
         raise LayoutError(f"{name}={index} is outside 0..{count - 1}")
     return index
-

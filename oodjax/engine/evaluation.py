@@ -106,9 +106,13 @@ def make_eval_pool(
     rows = np.arange(len(pooled))
     lanes = [np.concatenate([rows[span] for span in run_sets.values()]) for run_sets in sets]
     batches = eval_batches(
-        pooled, batch_tokens=batch_tokens, row_multiple=row_multiple, pad_id=pad_id, lanes=lanes,
+        pooled,
+        batch_tokens=batch_tokens,
+        row_multiple=row_multiple,
+        pad_id=pad_id,
+        lanes=lanes,
         row_lengths=row_lengths,
-    )  # fmt: skip
+    )
     return EvalPool(sets=sets, labels=np.asarray(pooled.labels, dtype=np.int32), batches=tuple(batches))
 
 

@@ -196,9 +196,13 @@ def batch_geometry(
     replay = dict(batch_size=geometry.batch_size, steps=config.train.steps)
     if geometry.packed:
         layout, longest, prompts_per_row = packed_layout(
-            train_sets, seeds, micro_batches=geometry.grad_accum, shards=geometry.batch_shards,
-            row_length=config.data.max_length, **replay,
-        )  # fmt: skip
+            train_sets,
+            seeds,
+            micro_batches=geometry.grad_accum,
+            shards=geometry.batch_shards,
+            row_length=config.data.max_length,
+            **replay,
+        )
         geometry = dataclasses.replace(geometry, packed_rows_per_device=layout.rows // geometry.batch_shards)
     else:
         longest, prompts_per_row = replay_rows(train_sets, seeds, layout=geometry.layout, **replay)
@@ -208,6 +212,9 @@ def batch_geometry(
     used = tuple(sorted({fitting_bucket(lengths, int(tokens)) for tokens in np.unique(longest) if tokens > 0}))
     rows = sharding.process_batch_rows(mesh, geometry.rows)
     return dataclasses.replace(
-        geometry, seq_len=seq_len, buckets=used, prompts_per_row=prompts_per_row,
+        geometry,
+        seq_len=seq_len,
+        buckets=used,
+        prompts_per_row=prompts_per_row,
         process_rows=tuple(int(row) for row in rows),
-    )  # fmt: skip
+    )

@@ -130,9 +130,10 @@ def _export_finished(config: config_dict.ConfigDict, start: RunStart) -> None:
     restored = start.checkpoint
     if restored is None or restored.step != config.train.steps:
         logging.warning(
-            "%s: cannot export its adapters: it has no intact checkpoint at its last step %d", start.run.name,
+            "%s: cannot export its adapters: it has no intact checkpoint at its last step %d",
+            start.run.name,
             config.train.steps,
-        )  # fmt: skip
+        )
         return
     _export_adapters(config, start.run, restored.state.lora, restored.step)
     start.checkpoint = dataclasses.replace(restored, state=None)  # its memory goes
@@ -172,7 +173,11 @@ def optimizer(config: config_dict.ConfigDict) -> optax.GradientTransformation:
     """The config's optimizer (``steps.make_optimizer`` of its train section, ``train.schedule`` included)."""
     train = config.train
     return steps.make_optimizer(
-        train.learning_rate, train.steps, train.warmup_steps, train.weight_decay, train.max_grad_norm,
+        train.learning_rate,
+        train.steps,
+        train.warmup_steps,
+        train.weight_decay,
+        train.max_grad_norm,
         schedule=train.schedule,
     )
 
@@ -194,9 +199,17 @@ def make_steps(
     """
     compute_dtype = config.model.compute_dtype or None
     train_step = steps.make_train_step(
-        graphdef, optimizer(config), yes_id, no_id, geometry, mesh=mesh, base_state=base_state, runs=runs,
-        compute_dtype=compute_dtype, metrics=True,
-    )  # fmt: skip
+        graphdef,
+        optimizer(config),
+        yes_id,
+        no_id,
+        geometry,
+        mesh=mesh,
+        base_state=base_state,
+        runs=runs,
+        compute_dtype=compute_dtype,
+        metrics=True,
+    )
     eval_step = steps.make_eval_step(graphdef, yes_id, no_id, mesh=mesh, compute_dtype=compute_dtype)
     return train_step, eval_step
 
@@ -238,9 +251,11 @@ def _export_adapters(config: config_dict.ConfigDict, run: Run, adapters: nnx.Sta
     if config.export.hub_repo:
         huggingface_hub.create_repo(config.export.hub_repo, exist_ok=True)
         huggingface_hub.upload_folder(
-            repo_id=config.export.hub_repo, folder_path=folder, path_in_repo=run.name,
+            repo_id=config.export.hub_repo,
+            folder_path=folder,
+            path_in_repo=run.name,
             commit_message=f"{run.name}: adapters at step {step}",
-        )  # fmt: skip
+        )
 
 
 def _summary(config: config_dict.ConfigDict, runs: Sequence[Run]) -> None:
@@ -265,8 +280,11 @@ def _summary(config: config_dict.ConfigDict, runs: Sequence[Run]) -> None:
     logging.info(
         "done: %d runs; results in %s (metrics.npz and events.jsonl per run; `python -m analysis.runs %s` "
         "lists them, `python -m analysis %s --out DIR` analyses them)",
-        len(runs), config.output_dir, config.output_dir, config.output_dir,
-    )  # fmt: skip
+        len(runs),
+        config.output_dir,
+        config.output_dir,
+        config.output_dir,
+    )
 
 
 class _Loop:
@@ -301,14 +319,21 @@ class _Loop:
         config_json = json.loads(config.to_json())
         self.results = [self._run_results(r, run, config_json) for r, run in enumerate(runs)]
         wandb = _wandb_settings(config) if config.wandb.enabled else None
-        self.events = [
-            EventLog(
-                run.directory, run_name=run.name, wandb=wandb, tensorboard=config.tensorboard.enabled,
-                # the run's identity and training set in a section of their own, for W&B's filters
-                config=dict(config_json, **{schema.RUN_SECTION: self._identity(run, train_set=True)}),
-            )  # fmt: skip
-            for run in runs
-        ] if self.primary else []
+        self.events = (
+            [
+                EventLog(
+                    run.directory,
+                    run_name=run.name,
+                    wandb=wandb,
+                    tensorboard=config.tensorboard.enabled,
+                    # the run's identity and training set in a section of their own, for W&B's filters
+                    config=dict(config_json, **{schema.RUN_SECTION: self._identity(run, train_set=True)}),
+                )
+                for run in runs
+            ]
+            if self.primary
+            else []
+        )
         if self.events and (wandb_destination := self.events[0].wandb_destination()) is not None:
             logging.info("%s", wandb_destination)  # once, in place of W&B's banner and footer per run
         self.learning_rate = steps.make_schedule(
@@ -485,22 +510,30 @@ class _Loop:
         start = time.perf_counter()
         batches = len(self.data.eval_pool.batches)
         compiling = console.first_call("evaluation step") if not self.eval_compiled else contextlib.nullcontext()
-        with compiling, console.bar(
-            total=batches, desc=f"evaluate step {step}", unit="batch", enabled=self.primary, leave=False
-        ) as bar:  # fmt: skip
+        with (
+            compiling,
+            console.bar(
+                total=batches, desc=f"evaluate step {step}", unit="batch", enabled=self.primary, leave=False
+            ) as bar,
+        ):
             margins = evaluate(
                 self._eval_step_counted(bar) if not bar.disable else self.eval_step,
-                self.base_state, self.state.lora, self.data.eval_pool,
+                self.base_state,
+                self.state.lora,
+                self.data.eval_pool,
                 place=lambda batch: sharding.shard_batch(batch, self.mesh, batch_axis=1),
-            )  # fmt: skip
+            )
         self.eval_compiled = True
         logging.info("evaluated step %d (%d batches) in %.1f s", step, batches, time.perf_counter() - start)
         train_loss = self.loss_sum / self.loss_steps if self.loss_steps else np.full(num_runs, np.nan)
         accuracies = [
             run_results.add(
-                step, run_margins, train_loss[r], train_clock=self.train_seconds,
+                step,
+                run_margins,
+                train_loss[r],
+                train_clock=self.train_seconds,
                 evaluation_seconds=time.perf_counter() - start,
-            )  # fmt: skip
+            )
             for r, (run_results, run_margins) in enumerate(zip(self.results, margins))
         ]
         if step == 0:  # the base model's own outputs
@@ -553,9 +586,15 @@ class _Loop:
         logging.warning(
             "stopping after step %d on %s: the checkpoints of %d runs at step %d are saved (<run_dir>/%s/%d under "
             "%s)%s; rerun the same command to resume",
-            step, signal_name, len(self.runs), step, checkpoints.CHECKPOINT_DIR, step, self.config.output_dir,
+            step,
+            signal_name,
+            len(self.runs),
+            step,
+            checkpoints.CHECKPOINT_DIR,
+            step,
+            self.config.output_dir,
             ", its evaluation left for the resumed run" if evaluation_pending else "",
-        )  # fmt: skip
+        )
         if jax.process_count() > 1:
             multihost_utils.sync_global_devices("oodjax: checkpoints saved before stopping")
         raise Preempted(step, [run.name for run in self.runs], signal_name)

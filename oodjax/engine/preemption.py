@@ -74,10 +74,12 @@ class StopSignals:
             self.received = signal.Signals(number).name
             logging.warning(
                 "received %s: finishing the current step, then checkpointing the runs and exiting (status %d)%s",
-                self.received, PREEMPTED_EXIT_CODE,
-                "; Ctrl-C again exits at once, each run to resume from its last complete checkpoint" if interrupt
+                self.received,
+                PREEMPTED_EXIT_CODE,
+                "; Ctrl-C again exits at once, each run to resume from its last complete checkpoint"
+                if interrupt
                 else "",
-            )  # fmt: skip
+            )
         elif interrupt:
             logging.warning("received SIGINT after %s: Ctrl-C again exits at once", self.received)
 

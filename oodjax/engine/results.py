@@ -59,9 +59,18 @@ MARGIN_DTYPE = np.float16
 
 # The distributions whose versions results.json records (the engine's stack; None for one not installed).
 RECORDED_DISTRIBUTIONS = (
-    "oodjax", "jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "numpy", "transformers", "tokenizers", "datasets",
+    "oodjax",
+    "jax",
+    "jaxlib",
+    "flax",
+    "optax",
+    "orbax-checkpoint",
+    "numpy",
+    "transformers",
+    "tokenizers",
+    "datasets",
     "grain",
-)  # fmt: skip
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,8 +195,12 @@ class RunResults:
             if np.isnan(accuracies[name]):
                 logging.warning(
                     "%s, step %d, %s: %d of %d margins are NaN or infinite; its accuracy is recorded as NaN",
-                    self.path.parent.name, step, name, np.count_nonzero(~np.isfinite(values)), values.size,
-                )  # fmt: skip
+                    self.path.parent.name,
+                    step,
+                    name,
+                    np.count_nonzero(~np.isfinite(values)),
+                    values.size,
+                )
             self.margins[name].append(values.astype(MARGIN_DTYPE))
         self.steps.append(int(step))
         self.accuracy.append(np.array([accuracies[name] for name in self.testsets]))
@@ -260,9 +273,10 @@ class RunResults:
         write_npz_atomic(self.path, self.arrays())
         text = json.dumps(self.summary(), indent=2, allow_nan=False) + "\n"
         write_atomic(
-            self.results_path, lambda file: file.write(text.encode()),
+            self.results_path,
+            lambda file: file.write(text.encode()),
             intact=f"the previous {self.results_path.name} is intact (metrics.npz is written)",
-        )  # fmt: skip
+        )
 
     def resume(self, up_to_step: int, expected_steps: Sequence[int]) -> None:
         """Reloads the evaluations up to a checkpoint's step from the metrics.npz on disk.
@@ -317,8 +331,10 @@ class RunResults:
         except (OSError, ValueError, KeyError, TypeError) as error:
             logging.warning(
                 "%s is unreadable (%s: %s); the timings of its evaluations are recorded as unknown",
-                self.results_path, type(error).__name__, error,
-            )  # fmt: skip
+                self.results_path,
+                type(error).__name__,
+                error,
+            )
             return {}
 
 

@@ -125,8 +125,9 @@ def warn_of_shared_checkpoints(config: config_dict.ConfigDict) -> None:
         logging.warning(
             "%s holds checkpoints of all runs together, as earlier versions wrote them; they are not read (each run "
             "now has its own, <run_dir>/%s): runs without one start at step 0",
-            shared, checkpoints.CHECKPOINT_DIR,
-        )  # fmt: skip
+            shared,
+            checkpoints.CHECKPOINT_DIR,
+        )
 
 
 def set_aside_damaged(starts: Sequence[RunStart]) -> None:
@@ -135,8 +136,11 @@ def set_aside_damaged(starts: Sequence[RunStart]) -> None:
     for start in starts:
         for step in start.checkpoint.damaged if start.checkpoint is not None else ():
             if is_primary():
-                logging.warning("%s: set aside the damaged checkpoint as %s", start.run.name,
-                                checkpoints.set_aside(start.run.directory, step))  # fmt: skip
+                logging.warning(
+                    "%s: set aside the damaged checkpoint as %s",
+                    start.run.name,
+                    checkpoints.set_aside(start.run.directory, step),
+                )
     if jax.process_count() > 1:
         multihost_utils.sync_global_devices("oodjax: damaged checkpoints set aside")
 

@@ -123,10 +123,16 @@ def load_runs_data(
     """
     testsets = load_testsets(config, tokenizer)
     steps = train_steps(
-        train_sets, seeds, batch_size=geometry.batch_size, layout=geometry.layout, seq_len=geometry.seq_len,
-        prompts_per_row=geometry.prompts_per_row, rows=geometry.process_rows, pad_id=pad_id(tokenizer),
+        train_sets,
+        seeds,
+        batch_size=geometry.batch_size,
+        layout=geometry.layout,
+        seq_len=geometry.seq_len,
+        prompts_per_row=geometry.prompts_per_row,
+        rows=geometry.process_rows,
+        pad_id=pad_id(tokenizer),
         prefetch=prefetch,
-    )  # fmt: skip
+    )
     eval_pool = make_eval_pool(
         testsets,
         [{schema.TRAIN_TESTSET: tokenized} for tokenized in train_sets],
@@ -136,8 +142,7 @@ def load_runs_data(
         row_lengths=geometry.evaluation.row_lengths,
     )
     dataset_index = tuple(
-        {**dataset_indices(testsets), schema.TRAIN_TESTSET: train_set.dataset_index}
-        for train_set in train_sets
+        {**dataset_indices(testsets), schema.TRAIN_TESTSET: train_set.dataset_index} for train_set in train_sets
     )
     return RunsData(eval_pool=eval_pool, steps=steps, dataset_index=dataset_index)
 
@@ -176,14 +181,25 @@ def in_context_sets(
         sets = {}
         for name, dataset in testsets.items():
             sets[name] = tokenize_in_context(
-                dataset, demonstrations, tokenizer, template=data.template, answers=tuple(data.answers),
-                max_length=data.max_length, zero_shot=zero_shot[name], cache_dir=data.cache_dir or None,
-            )  # fmt: skip
+                dataset,
+                demonstrations,
+                tokenizer,
+                template=data.template,
+                answers=tuple(data.answers),
+                max_length=data.max_length,
+                zero_shot=zero_shot[name],
+                cache_dir=data.cache_dir or None,
+            )
             kept = sets[name].demonstrations
             logging.info(
                 "seed %d, %d shots, %s: %.1f demonstrations kept per prompt on average; %d of %d prompts with none",
-                seed, shots, name, kept.mean(), np.count_nonzero(kept == 0), len(kept),
-            )  # fmt: skip
+                seed,
+                shots,
+                name,
+                kept.mean(),
+                np.count_nonzero(kept == 0),
+                len(kept),
+            )
         per_run.append(sets)
     return dataset_indices(zero_shot), per_run
 
@@ -229,9 +245,12 @@ def _tokenize_testset(
     tokenized = _tokenize(config, dataset, tokenizer)
     if tokenized.num_truncated:
         logging.info(
-            "%s: %d of %d prompts truncated to %d tokens", name, tokenized.num_truncated, len(tokenized),
+            "%s: %d of %d prompts truncated to %d tokens",
+            name,
+            tokenized.num_truncated,
+            len(tokenized),
             config.data.max_length,
-        )  # fmt: skip
+        )
     return tokenized
 
 

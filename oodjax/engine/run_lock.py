@@ -122,10 +122,14 @@ def this_process() -> Holder:
     if job and os.environ.get("SLURM_ARRAY_TASK_ID"):
         job = f"{job} (array {os.environ.get('SLURM_ARRAY_JOB_ID', '?')}_{os.environ['SLURM_ARRAY_TASK_ID']})"
     return Holder(
-        host=socket.gethostname(), pid=os.getpid(), slurm_job=job or None,
-        slurm_restart=int(os.environ.get("SLURM_RESTART_COUNT") or 0), taken=now, heartbeat=now,
+        host=socket.gethostname(),
+        pid=os.getpid(),
+        slurm_job=job or None,
+        slurm_restart=int(os.environ.get("SLURM_RESTART_COUNT") or 0),
+        taken=now,
+        heartbeat=now,
         token=secrets.token_hex(16),
-    )  # fmt: skip
+    )
 
 
 class RunLock:
@@ -177,9 +181,7 @@ def try_lock(run_dir: str | pathlib.Path) -> RunLock | Holder:
                 _remove_created(path.parent, created)
                 return held
             if _break(path, held):
-                logging.warning(
-                    "%s: taking over the stale lock of %s (%s)", path, held.describe(time.time()), reason
-                )  # fmt: skip
+                logging.warning("%s: taking over the stale lock of %s (%s)", path, held.describe(time.time()), reason)
             else:
                 time.sleep((10 + secrets.randbelow(40)) / 1000)  # another job is taking it over: milliseconds
     except BaseException:
@@ -279,14 +281,16 @@ class _Heartbeat:
                     if lock.refresh():
                         continue
                 except OSError as error:  # a network filesystem's hiccup: the next beat retries
-                    logging.warning("%s: heartbeat not written (%s); retrying in %.0f s", lock.path, error,
-                                    HEARTBEAT_SECONDS)  # fmt: skip
+                    logging.warning(
+                        "%s: heartbeat not written (%s); retrying in %.0f s", lock.path, error, HEARTBEAT_SECONDS
+                    )
                     continue
                 holder = _read(lock.path)
                 logging.error(
                     "%s: this job's lock was taken over as stale by %s; another job may now write this run",
-                    lock.path, holder.describe(time.time()) if holder else "nobody (it was deleted)",
-                )  # fmt: skip
+                    lock.path,
+                    holder.describe(time.time()) if holder else "nobody (it was deleted)",
+                )
                 self._locks.remove(lock)
 
 
@@ -323,8 +327,9 @@ def _read(path: pathlib.Path) -> Holder | None:
         record = json.loads(text)
         return Holder(**{field.name: record[field.name] for field in dataclasses.fields(Holder)})
     except (ValueError, TypeError, KeyError):
-        return Holder(host=None, pid=None, slurm_job=None, slurm_restart=0, taken=modified, heartbeat=modified,
-                      token="")  # fmt: skip
+        return Holder(
+            host=None, pid=None, slurm_job=None, slurm_restart=0, taken=modified, heartbeat=modified, token=""
+        )
 
 
 def _write_record(path: pathlib.Path, holder: Holder) -> pathlib.Path:

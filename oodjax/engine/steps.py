@@ -371,7 +371,8 @@ def _check_train_batch(batch: Batch, micro_batches: int, rows: int, seq_len: int
             raise ValueError(f"a training batch needs {key!r} per prompt slot; it has {sorted(batch)}")
         if tuple(batch[key].shape) != tuple(batch["answer_pos"].shape) or batch["answer_pos"].ndim != 3:
             raise ValueError(
-                f"batch[{key!r}] has shape {tuple(batch[key].shape)} and answer_pos {tuple(batch['answer_pos'].shape)}; "
+                f"batch[{key!r}] has shape {tuple(batch[key].shape)} "
+                f"and answer_pos {tuple(batch['answer_pos'].shape)}; "
                 f"both must be [grad_accum={micro_batches}, rows={rows}, prompt slots]"
             )
 
@@ -504,9 +505,15 @@ def make_train_step(
     recompile every step), and it runs under the mesh (``MeshStep``).
     """
     step = functools.partial(
-        train_step, graphdef=graphdef, optimizer=optimizer, yes_id=yes_id, no_id=no_id, geometry=geometry,
-        compute_dtype=compute_dtype, metrics=metrics,
-    )  # fmt: skip
+        train_step,
+        graphdef=graphdef,
+        optimizer=optimizer,
+        yes_id=yes_id,
+        no_id=no_id,
+        geometry=geometry,
+        compute_dtype=compute_dtype,
+        metrics=metrics,
+    )
     if mesh is None:
         return jax.jit(step, donate_argnums=1)
     if base_state is None or runs is None:

@@ -277,9 +277,15 @@ def _splash(query, key, value, segment_ids, *, block: int, scale: float, interpr
     heads, length = query.shape[1], query.shape[2]
     mask = splash_mask.MultiHeadMask([splash_mask.CausalMask((length, length)) for _ in range(heads)])
     sizes = splash.BlockSizes(
-        block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block, block_kv_dkv=block,
-        block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block,
-    )  # fmt: skip
+        block_q=block,
+        block_kv=block,
+        block_kv_compute=block,
+        block_q_dkv=block,
+        block_kv_dkv=block,
+        block_kv_dkv_compute=block,
+        block_q_dq=block,
+        block_kv_dq=block,
+    )
     kernel = splash.make_splash_mha(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1, interpret=interpret)
     per_row = lambda q, k, v, s: kernel(q, k, v, splash.SegmentIds(q=s, kv=s))  # noqa: E731
     return jax.vmap(per_row)(query, key, value, segment_ids)
@@ -299,12 +305,18 @@ def _folding_head_broadcast_bias(primitive, batcher):
     def rule(batched_args, batch_dims, **params):
         args, dims = list(batched_args), list(batch_dims)
         if {arg.shape[dim] for arg, dim in zip(args, dims) if dim is not None} == {1}:
-            outs = primitive.bind(*(arg if dim is None else jnp.squeeze(arg, dim) for arg, dim in zip(args, dims)),
-                                  **params)  # fmt: skip
+            outs = primitive.bind(
+                *(arg if dim is None else jnp.squeeze(arg, dim) for arg, dim in zip(args, dims)), **params
+            )
             return [jnp.expand_dims(out, 0) for out in outs], [0] * len(outs)
         bias = args[3]
-        if not (params["variadic_args"][0] and dims[3] is not None and dims[0] == 0 and bias.ndim == 5
-                and bias.shape[-3] == 1):  # fmt: skip
+        if not (
+            params["variadic_args"][0]
+            and dims[3] is not None
+            and dims[0] == 0
+            and bias.ndim == 5
+            and bias.shape[-3] == 1
+        ):
             return batcher(batched_args, batch_dims, **params)
         bias = jnp.moveaxis(bias, dims[3], 0)
         mapped = bias.shape[:2]

@@ -51,7 +51,7 @@ from oodjax.models.partitioning import HIDDEN, constrain
 _DEFAULTS = {
     "gemma2": dict(vocab_size=256000, final_logit_softcapping=30.0, attn_logit_softcapping=50.0),
     "gemma3_text": dict(vocab_size=262208, final_logit_softcapping=None, attn_logit_softcapping=None),
-}  # fmt: skip
+}
 # Gemma 3's RoPE bases by default: the full layers' (rope_theta) and the sliding layers' (rope_local_base_freq).
 _GEMMA3_THETA = {"full_attention": 1_000_000.0, "sliding_attention": 10_000.0}
 
@@ -183,9 +183,16 @@ class GemmaAttention(nnx.Module):
         query, key = apply_rope(query, cos, sin), apply_rope(key, cos, sin)
         value = self.v_proj(x).reshape(heads)
         out = attention(
-            query, key, value, segment_ids, scale=self.scale, window=window, positions=positions,
-            softcap=self.softcap, implementation=self.implementation,
-        )  # fmt: skip
+            query,
+            key,
+            value,
+            segment_ids,
+            scale=self.scale,
+            window=window,
+            positions=positions,
+            softcap=self.softcap,
+            implementation=self.implementation,
+        )
         return constrain(self.o_proj(out.reshape(batch, seq, -1)), HIDDEN)
 
 
@@ -246,9 +253,16 @@ class GemmaModel(nnx.Module):
         sliding = [window is not None for window in config.layer_windows]
         per_layer = (jnp.asarray(sliding), *scanned_windows(config.layer_windows))
         hidden, layer_inputs = run_layers(
-            self.layers, hidden, segment_ids, positions, global_rope, local_rope, remat=config.remat,
-            per_layer=per_layer, all_layers=all_layers,
-        )  # fmt: skip
+            self.layers,
+            hidden,
+            segment_ids,
+            positions,
+            global_rope,
+            local_rope,
+            remat=config.remat,
+            per_layer=per_layer,
+            all_layers=all_layers,
+        )
         hidden = self.norm(hidden)
         return (*layer_inputs, hidden) if all_layers else hidden
 

@@ -52,9 +52,19 @@ Index = tuple[slice, ...]
 _DTYPES: dict[str, np.dtype] = {
     code: np.dtype(dtype)
     for code, dtype in {
-        "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
-        "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8,
-        "U64": np.uint64, "U32": np.uint32, "U16": np.uint16, "U8": np.uint8, "BOOL": np.bool_,
+        "F64": np.float64,
+        "F32": np.float32,
+        "F16": np.float16,
+        "BF16": ml_dtypes.bfloat16,
+        "I64": np.int64,
+        "I32": np.int32,
+        "I16": np.int16,
+        "I8": np.int8,
+        "U64": np.uint64,
+        "U32": np.uint32,
+        "U16": np.uint16,
+        "U8": np.uint8,
+        "BOOL": np.bool_,
     }.items()
 }
 
@@ -63,8 +73,16 @@ _DTYPES: dict[str, np.dtype] = {
 _STORAGE_DTYPES: dict[str, np.dtype] = {
     f"{kind}Storage": np.dtype(dtype)
     for kind, dtype in {
-        "Double": np.float64, "Float": np.float32, "Half": np.float16, "BFloat16": ml_dtypes.bfloat16,
-        "Long": np.int64, "Int": np.int32, "Short": np.int16, "Char": np.int8, "Byte": np.uint8, "Bool": np.bool_,
+        "Double": np.float64,
+        "Float": np.float32,
+        "Half": np.float16,
+        "BFloat16": ml_dtypes.bfloat16,
+        "Long": np.int64,
+        "Int": np.int32,
+        "Short": np.int16,
+        "Char": np.int8,
+        "Byte": np.uint8,
+        "Bool": np.bool_,
     }.items()
 }
 
@@ -96,7 +114,7 @@ def weight_map(directory: pathlib.Path, index_file: str) -> dict[str, str]:
     index = read_json(directory / index_file)
     shards = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(shards, dict):
-        raise ValueError(f"{directory / index_file} has no \"weight_map\" object (tensor name -> shard file)")
+        raise ValueError(f'{directory / index_file} has no "weight_map" object (tensor name -> shard file)')
     missing = sorted(shard for shard in set(shards.values()) if not (directory / shard).is_file())
     if missing:
         raise FileNotFoundError(f"{directory / index_file} lists the shards {missing}, which are not in {directory}")

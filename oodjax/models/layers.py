@@ -653,7 +653,9 @@ class CausalLM(nnx.Module):
         return self.decoder().embed_tokens
 
     def hidden_states(self, input_ids: jax.Array, segment_ids: jax.Array, *, all_layers: bool = False):
-        """Final hidden states [B, S, H'] (what the head multiplies), or with ``all_layers`` HF's ``output_hidden_states`` tuple.
+        """Final hidden states [B, S, H'] (what the head multiplies).
+
+        With ``all_layers``, HF's ``output_hidden_states`` tuple instead.
 
         ``segment_ids`` [B, S] number the prompts of each row 1, 2, ... and
         are 0 on padding; a 0/1 attention mask is the case of one prompt a row.

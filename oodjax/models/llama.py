@@ -50,30 +50,78 @@ from oodjax.models.partitioning import HIDDEN, constrain
 # transformers' LlamaConfig / SmolLM3Config defaults for keys a config.json may omit.
 _DEFAULTS = {
     "llama": dict(
-        vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
-        num_key_value_heads=None, pad_token_id=None, tie_word_embeddings=False, rope_theta=10_000.0, rms_norm_eps=1e-6,
+        vocab_size=32000,
+        hidden_size=4096,
+        intermediate_size=11008,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=None,
+        pad_token_id=None,
+        tie_word_embeddings=False,
+        rope_theta=10_000.0,
+        rms_norm_eps=1e-6,
     ),
     "smollm3": dict(
-        vocab_size=128256, hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16,
-        num_key_value_heads=4, pad_token_id=128004, tie_word_embeddings=True, rope_theta=2_000_000.0, rms_norm_eps=1e-6,
+        vocab_size=128256,
+        hidden_size=2048,
+        intermediate_size=11008,
+        num_hidden_layers=36,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        pad_token_id=128004,
+        tie_word_embeddings=True,
+        rope_theta=2_000_000.0,
+        rms_norm_eps=1e-6,
     ),
     "qwen2": dict(
-        vocab_size=151936, hidden_size=4096, intermediate_size=22016, num_hidden_layers=32, num_attention_heads=32,
-        num_key_value_heads=32, pad_token_id=None, tie_word_embeddings=False, rope_theta=10_000.0, rms_norm_eps=1e-6,
+        vocab_size=151936,
+        hidden_size=4096,
+        intermediate_size=22016,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=32,
+        pad_token_id=None,
+        tie_word_embeddings=False,
+        rope_theta=10_000.0,
+        rms_norm_eps=1e-6,
     ),
     "qwen3": dict(
-        vocab_size=151936, hidden_size=4096, intermediate_size=22016, num_hidden_layers=32, num_attention_heads=32,
-        num_key_value_heads=32, pad_token_id=None, tie_word_embeddings=False, rope_theta=10_000.0, rms_norm_eps=1e-6,
+        vocab_size=151936,
+        hidden_size=4096,
+        intermediate_size=22016,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=32,
+        pad_token_id=None,
+        tie_word_embeddings=False,
+        rope_theta=10_000.0,
+        rms_norm_eps=1e-6,
     ),
     "mistral": dict(
-        vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-        num_key_value_heads=8, pad_token_id=None, tie_word_embeddings=False, rope_theta=10_000.0, rms_norm_eps=1e-6,
+        vocab_size=32000,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        pad_token_id=None,
+        tie_word_embeddings=False,
+        rope_theta=10_000.0,
+        rms_norm_eps=1e-6,
     ),
     "phi3": dict(
-        vocab_size=32064, hidden_size=3072, intermediate_size=8192, num_hidden_layers=32, num_attention_heads=32,
-        num_key_value_heads=None, pad_token_id=32000, tie_word_embeddings=False, rope_theta=10_000.0, rms_norm_eps=1e-5,
+        vocab_size=32064,
+        hidden_size=3072,
+        intermediate_size=8192,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=None,
+        pad_token_id=32000,
+        tie_word_embeddings=False,
+        rope_theta=10_000.0,
+        rms_norm_eps=1e-5,
     ),
-}  # fmt: skip
+}
 # Older names Phi3Config reads as "longrope".
 _PHI3_LONGROPE_ALIASES = ("su", "yarn")
 
@@ -228,9 +276,15 @@ class LlamaAttention(nnx.Module):
         query = jnp.where(use_rope, apply_rope(query, cos, sin), query)
         key = jnp.where(use_rope, apply_rope(key, cos, sin), key)
         out = attention(
-            query, key, value, segment_ids, scale=self.head_dim**-0.5, window=window, positions=positions,
+            query,
+            key,
+            value,
+            segment_ids,
+            scale=self.head_dim**-0.5,
+            window=window,
+            positions=positions,
             implementation=self.implementation,
-        )  # fmt: skip
+        )
         return constrain(self.o_proj(out.reshape(batch, seq, -1)), HIDDEN)
 
 
@@ -285,7 +339,14 @@ class LlamaModel(nnx.Module):
         cos, sin = (t.astype(hidden.dtype) for t in rope_cos_sin(positions, self.config.rope, self.config.head_dim))
         per_layer = (jnp.asarray(self.config.rope_layers), *scanned_windows(self.config.layer_windows))
         hidden, layer_inputs = run_layers(
-            self.layers, hidden, segment_ids, cos, sin, positions, remat=self.config.remat, per_layer=per_layer,
+            self.layers,
+            hidden,
+            segment_ids,
+            cos,
+            sin,
+            positions,
+            remat=self.config.remat,
+            per_layer=per_layer,
             all_layers=all_layers,
         )
         hidden = self.norm(hidden)

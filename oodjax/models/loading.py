@@ -30,6 +30,8 @@ from huggingface_hub.errors import HFValidationError, HTTPError, OfflineModeIsEn
 from huggingface_hub.utils import validate_repo_id
 from jax.sharding import Mesh, Sharding, SingleDeviceSharding
 
+from oodjax.models.config import DecoderConfig
+from oodjax.models.gemma import GemmaForCausalLM
 from oodjax.models.hf_checkpoint import (
     CONFIG,
     Checkpoint,
@@ -38,8 +40,6 @@ from oodjax.models.hf_checkpoint import (
     read_json,
     weight_map,
 )
-from oodjax.models.config import DecoderConfig
-from oodjax.models.gemma import GemmaForCausalLM
 from oodjax.models.layers import STACKED, CausalLM, per_layer_paths
 from oodjax.models.llama import LlamaForCausalLM
 from oodjax.models.olmo2 import Olmo2ForCausalLM
@@ -213,9 +213,7 @@ def _checkpoint_names(checkpoint: Checkpoint) -> dict[str, str]:
     """Our (prefixed) name -> the checkpoint's name for every tensor it holds."""
     names = checkpoint.names()
     add_prefix = not any(name.startswith(_BASE_PREFIX) for name in names)
-    return {
-        (_BASE_PREFIX + name if add_prefix and not name.startswith("lm_head.") else name): name for name in names
-    }
+    return {(_BASE_PREFIX + name if add_prefix and not name.startswith("lm_head.") else name): name for name in names}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -40,7 +40,6 @@ from jax.extend.random import threefry2x32_p
 from oodjax.models.layers import STACKED, Linear, per_layer_paths, recomputed_in_backward
 
 
-
 def _peft_a_init(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     """peft's default A init, kaiming_uniform_(a=sqrt(5)) on its [rank, in] weight: bound = sqrt(6 / ((1 + a^2)
     * fan_in)) = 1 / sqrt(fan_in), i.e. variance scale 1/3; leading axes (the stacked layers) are batch axes."""
@@ -48,6 +47,7 @@ def _peft_a_init(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     return nnx.initializers.variance_scaling(1.0 / 3.0, "fan_in", "uniform", batch_axis=batch_axis)(
         key, shape, jnp.float32
     )
+
 
 # Attention projections adapted by default: q/k/v and the output projection,
 # which OPT calls out_proj and OLMo2/Llama call o_proj. Phi-3 keeps q/k/v fused
@@ -215,7 +215,9 @@ class AdapterTokens(nnx.Module):
 
     def _check(self, shape: tuple[int, ...]) -> None:
         if tuple(self.runs[...].shape) != tuple(shape):
-            raise ValueError(f"adapter input of leading shape {tuple(shape)}; the tokens set are {tuple(self.runs[...].shape)}")
+            raise ValueError(
+                f"adapter input of leading shape {tuple(shape)}; the tokens set are {tuple(self.runs[...].shape)}"
+            )
 
 
 class LoRADropout(nnx.Dropout):
@@ -332,8 +334,7 @@ def find_targets(model: nnx.Module, targets: Sequence[str] | None) -> list[tuple
         names = [n for n in ATTENTION_PROJECTIONS if n in available]
         if not names:
             raise ValueError(
-                f"model has none of the default LoRA targets {ATTENTION_PROJECTIONS}; "
-                f"its linear layers are {available}"
+                f"model has none of the default LoRA targets {ATTENTION_PROJECTIONS}; its linear layers are {available}"
             )
     else:
         names = list(targets)
@@ -476,9 +477,11 @@ def read_peft(path: str | pathlib.Path) -> tuple[LoRAConfig, dict[str, np.ndarra
     if not targets:
         raise ValueError(f"{weights_path} holds no tensors")
     cfg = LoRAConfig(
-        rank=int(adapter["r"]), alpha=float(adapter["lora_alpha"]), dropout=float(adapter.get("lora_dropout", 0.0)),
+        rank=int(adapter["r"]),
+        alpha=float(adapter["lora_alpha"]),
+        dropout=float(adapter.get("lora_dropout", 0.0)),
         targets=targets,
-    )  # fmt: skip
+    )
     return cfg, tensors
 
 

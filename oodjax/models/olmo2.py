@@ -89,9 +89,7 @@ class Olmo2Attention(nnx.Module):
         query = apply_rope(self.q_norm(self.q_proj(x)).reshape(heads), cos, sin)
         key = apply_rope(self.k_norm(self.k_proj(x)).reshape(heads), cos, sin)
         value = self.v_proj(x).reshape(heads)
-        out = attention(
-            query, key, value, segment_ids, scale=self.head_dim**-0.5, implementation=self.implementation
-        )
+        out = attention(query, key, value, segment_ids, scale=self.head_dim**-0.5, implementation=self.implementation)
         return constrain(self.o_proj(out.reshape(batch, seq, -1)), HIDDEN)
 
 
