@@ -39,6 +39,7 @@ from launch.estimate import DEVICES
 from oodjax import models
 from oodjax.data import DEFAULT_MAX_LENGTH
 from oodjax.engine import sharding, steps
+from oodjax.engine.console import CompileClock
 from oodjax.engine.evaluation import evaluate
 
 # Nominal dense bf16 peak FLOP/s by a substring of jax's device_kind (H200 is H100's chip with more memory).
@@ -149,7 +150,7 @@ def _flash_against_xla(
 ) -> dict[str, float]:
     """The trained runs' margins through the engine's attention (``auto``: fused where the backend has a
     kernel) and through XLA's, on the same weights: the largest difference and the largest margin."""
-    graphdef, _, _ = steps.abstract_init_runs(
+    graphdef, _, _ = steps.abstract_attach_runs(
         lambda: models.abstract_model(mode.model, dtype="bfloat16", remat=mode.remat, attention="xla"),
         seeds,
         lora_config(),
@@ -212,16 +213,17 @@ def _phases(
     train: Callable[[int], None], score: Callable[[], None], mode: DeviceMode, *, warm: Callable[[], None]
 ) -> dict[str, harness.Timing]:
     """oodjax's phases timed: a warm-up (compiling the train step, one step and one evaluation, compile time
-    counted by ``harness.CompileClock``), then ``_repetitions`` (each step returns its loss to the host, and
-    an evaluation its margins, so a timed phase ends when its work has)."""
-    compiled, start = harness.CompileClock.seconds(), time.perf_counter()
-    warm()
-    train(0)
-    score()
-    first_s, compile_s = time.perf_counter() - start, harness.CompileClock.seconds() - compiled
-    compiled = harness.CompileClock.seconds()
-    train_s, eval_s = _repetitions(train, score, mode, sync=lambda: None)
-    late = harness.CompileClock.seconds() - compiled
+    counted by the engine's ``console.CompileClock``), then ``_repetitions`` (each step returns its loss to the
+    host, and an evaluation its margins, so a timed phase ends when its work has)."""
+    with CompileClock() as warming:
+        start = time.perf_counter()
+        warm()
+        train(0)
+        score()
+        first_s = time.perf_counter() - start
+    with CompileClock() as timing:
+        train_s, eval_s = _repetitions(train, score, mode, sync=lambda: None)
+    compile_s, late = warming.seconds, timing.seconds
     return {
         "train": harness.Timing(tuple(train_s.tolist()), first_s, compile_s, late),
         "eval": harness.Timing(tuple(eval_s.tolist()), first_s, compile_s, late),

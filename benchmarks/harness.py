@@ -33,38 +33,12 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import jax
-
 from benchmarks import machine
+from oodjax.engine.console import CompileClock
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SETTLE_WINDOW_S = 0.05  # a case's processes count as idle once none used a CPU tick in this long
 SETTLE_LIMIT_S = 5.0  # past this, the call goes ahead and its other_cpu_s records what still ran
-
-_COMPILE_EVENTS = (
-    "/jax/core/compile/jaxpr_trace_duration",
-    "/jax/core/compile/jaxpr_to_mlir_module_duration",
-    "/jax/core/compile/backend_compile_duration",
-)
-
-
-class CompileClock:
-    """Seconds JAX has spent tracing, lowering and compiling in this process so far."""
-
-    _seconds = 0.0
-    _registered = False
-
-    @classmethod
-    def seconds(cls) -> float:
-        if not cls._registered:
-            jax.monitoring.register_event_duration_secs_listener(cls._record)
-            cls._registered = True
-        return cls._seconds
-
-    @classmethod
-    def _record(cls, event: str, duration: float, **_: Any) -> None:
-        if event in _COMPILE_EVENTS:
-            cls._seconds += duration
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,12 +97,13 @@ class Timing:
 
 
 def timed(fn: Callable[[], Any]) -> tuple[Any, float, float]:
-    """What ``fn()`` returned, its wall seconds and the seconds JAX compiled during it; ``fn`` must return
-    only once its work is done."""
-    compiled = CompileClock.seconds()
-    start = time.perf_counter()
-    returned = fn()
-    return returned, time.perf_counter() - start, CompileClock.seconds() - compiled
+    """What ``fn()`` returned, its wall seconds and the seconds JAX compiled during it (the engine's own
+    ``console.CompileClock``); ``fn`` must return only once its work is done."""
+    with CompileClock() as compiling:
+        start = time.perf_counter()
+        returned = fn()
+        seconds = time.perf_counter() - start
+    return returned, seconds, compiling.seconds
 
 
 def alternating(names: list[str], repeats: int) -> list[tuple[int, str]]:

@@ -17,6 +17,7 @@ from flax import nnx
 
 from benchmarks import settings
 from oodjax.data import (
+    TRAIN_KEYS,
     TokenizedSet,
     bucket_lengths,
     fitting_bucket,
@@ -28,7 +29,6 @@ from oodjax.data import (
 from oodjax.engine import sharding, steps
 from oodjax.engine.evaluation import EvalPool, evaluate, make_eval_pool
 from oodjax.engine.geometry import BatchGeometry
-from oodjax.engine.run_data import TRAIN_KEYS
 from oodjax.models.lora import LoRAConfig
 
 EVAL_SET = "testsets"  # the name of the one set the evaluation case's pool holds
@@ -59,8 +59,8 @@ class Engine:
     def train(self, geometry: BatchGeometry, tokenized: TokenizedSet, rows: Sequence[np.ndarray]) -> np.ndarray:
         """One optimizer step; ``rows[r]`` are run r's examples, laid out as the loop lays a step out."""
         step = self.train_step(geometry)
-        self.runs, loss = step(self.base_state, self.runs, self._placed(self.train_batch(geometry, tokenized, rows)))
-        return np.asarray(jax.device_get(loss))
+        self.runs, metrics = step(self.base_state, self.runs, self._placed(self.train_batch(geometry, tokenized, rows)))
+        return np.asarray(jax.device_get(metrics["loss"]))
 
     def eval_pool(self, tokenized: TokenizedSet, *, batch_tokens: int) -> EvalPool:
         """The loop's evaluation pool of ``tokenized`` as one set (``EVAL_SET``) every run scores, built once."""
@@ -184,11 +184,11 @@ def build_engine(
         weight_decay=0.0,
         max_grad_norm=settings.MAX_GRAD_NORM,
     )
-    graphdef, base_state, runs = steps.init_runs(model, list(seeds), lora_config(), optimizer, mesh=mesh)
+    graphdef, base_state, runs = steps.attach_runs(model, list(seeds), lora_config(), optimizer, mesh=mesh)
 
     def make_train_step(geometry: BatchGeometry, runs: steps.TrainState) -> Any:
         return steps.make_train_step(
-            graphdef, optimizer, yes_id, no_id, geometry, mesh=mesh, base_state=base_state, runs=runs
+            graphdef, optimizer, yes_id, no_id, geometry, mesh=mesh, base_state=base_state, state=runs
         )
 
     return Engine(

@@ -15,7 +15,9 @@ policy, LoRA dropout and the dtypes applied) through an abstract 1- and
 With platform "cpu" it is what XLA's CPU backend allocates (the preflight's
 compile on a machine without an accelerator), which `python -m
 launch.estimate --platform cpu --layers N` sets beside it. FLOPs are
-closed-form estimates; the assumptions are stated where they are made.
+closed-form estimates; the assumptions are stated where they are made. The
+benchmarks' model FLOPs are the same model (``forward_flops``,
+``ForwardFlops.backward``) counted on real tokens (``benchmarks.flops``).
 """
 
 from __future__ import annotations
@@ -37,10 +39,20 @@ from jax.sharding import AbstractMesh, AxisType
 from oodjax import models
 from oodjax.engine import steps
 from oodjax.engine.sharding import MESH_AXES
+from oodjax.models.layers import REMAT_POLICIES
 from oodjax.models.lora import LoRAConfig, apply_lora
+from oodjax.models.opt import OPTConfig
 
-# Decoder families whose layers are attention + gated MLP with RMSNorms.
-LLAMA_LIKE = ("llama", "smollm3", "olmo2", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3_text")
+# What each remat policy recomputes in the backward pass, of the forward pass's FLOPs (``ForwardFlops``'
+# fields), keyed by the policies' names (``oodjax.models.layers.REMAT_POLICIES``; tests/test_launch_estimate.py
+# holds the two alike): "full" the whole forward; "save_dots" only the attention scores and their product with
+# the values (the projections' outputs are kept); "save_dots_except_mlp" those and the MLP's matmuls.
+RECOMPUTED: Mapping[str, tuple[str, ...]] = {
+    "none": (),
+    "full": ("projections", "mlp", "adapters", "attention"),
+    "save_dots": ("attention",),
+    "save_dots_except_mlp": ("attention", "mlp"),
+}
 # What the step is compiled for: only "cpu" changes the memory model (see `stored_itemsize`).
 PLATFORMS = ("gpu", "tpu", "cpu")
 # The backward pass through one decoder layer holds the gradients of its widest activations
@@ -68,10 +80,19 @@ class Dimensions:
     mlp_matrices: int  # 2 for OPT's fc1/fc2, 3 for a gated MLP
 
     @property
+    def attention_parameters(self) -> int:
+        """Weights of one decoder layer's attention projections (q, k, v and the output)."""
+        return 2 * self.hidden_size * self.q_dim + 2 * self.hidden_size * self.kv_dim
+
+    @property
+    def mlp_parameters(self) -> int:
+        """Weights of one decoder layer's MLP matrices."""
+        return self.mlp_matrices * self.hidden_size * self.ffn_dim
+
+    @property
     def layer_matmul_parameters(self) -> int:
         """Weights of one decoder layer's matrix multiplies (what costs FLOPs per token)."""
-        attention = 2 * self.hidden_size * self.q_dim + 2 * self.hidden_size * self.kv_dim
-        return attention + self.mlp_matrices * self.hidden_size * self.ffn_dim
+        return self.attention_parameters + self.mlp_parameters
 
 
 def full_config(architecture: Mapping[str, Any]) -> transformers.PretrainedConfig:
@@ -84,28 +105,22 @@ def full_config(architecture: Mapping[str, Any]) -> transformers.PretrainedConfi
 
 
 def dimensions(architecture: Mapping[str, Any]) -> Dimensions:
-    """The matmul sizes the FLOP formulas need."""
-    config = full_config(architecture)
-    hidden, heads = config.hidden_size, config.num_attention_heads
-    if config.model_type == "opt":
-        return Dimensions(
-            "opt", config.vocab_size, hidden, config.num_hidden_layers, heads, hidden, hidden, config.ffn_dim, 2
-        )
-    if config.model_type in LLAMA_LIKE:
-        head_dim = getattr(config, "head_dim", None) or hidden // heads
-        kv_heads = config.num_key_value_heads or heads
-        return Dimensions(
-            config.model_type,
-            config.vocab_size,
-            hidden,
-            config.num_hidden_layers,
-            heads,
-            heads * head_dim,
-            kv_heads * head_dim,
-            config.intermediate_size,
-            3,
-        )
-    raise ValueError(f"no cost model for model_type {config.model_type!r}; known: opt, {', '.join(LLAMA_LIKE)}")
+    """The matmul sizes the FLOP formulas need, as our port reads these numbers (``models.config_from_dict``:
+    the families of ``oodjax.models.ARCHITECTURES``, each with its defaults). OPT's MLP is two matrices (fc1,
+    fc2); every other family's a gated MLP of three (gate, up, down)."""
+    config = models.config_from_dict(full_config(architecture).to_dict())
+    ffn_dim, mlp_matrices = (config.ffn_dim, 2) if isinstance(config, OPTConfig) else (config.intermediate_size, 3)
+    return Dimensions(
+        config.model_type,
+        config.vocab_size,
+        config.hidden_size,
+        config.num_hidden_layers,
+        config.num_attention_heads,
+        config.num_attention_heads * config.head_dim,
+        config.num_key_value_heads * config.head_dim,
+        ffn_dim,
+        mlp_matrices,
+    )
 
 
 def abstract_model(
@@ -138,25 +153,68 @@ def parameter_count(architecture: Mapping[str, Any]) -> int:
     return _count(abstract_model(architecture), nnx.Param)
 
 
-def lora_parameter_count(architecture: Mapping[str, Any], rank: int, targets: Sequence[str] = ()) -> int:
+def lora_parameter_count(architecture: Mapping[str, Any], rank: int, targets: Sequence[str] | None = None) -> int:
     """Adapter parameters of one run on the model of these numbers.
 
-    `targets` are layer names as in config.lora.targets; empty means the
-    attention projections (q, k, v and the output projection).
+    `targets` are layer names as in config.lora.targets; None or empty
+    means the attention projections (q, k, v and the output projection).
     """
-    lora = LoRAConfig(rank=rank, targets=tuple(targets) or None)
-    return _count(with_adapters(abstract_model(architecture), lora), nnx.LoRAParam)
+    lora = LoRAConfig(rank=rank, targets=tuple(targets) if targets else None)
+    return _lora_parameter_count(json.dumps(dict(architecture), sort_keys=True), lora)
 
 
-def forward_flops_per_token(d: Dimensions, seq_len: int, lora_parameters: int = 0) -> float:
-    """Forward FLOPs of the decoder layers per token of a sequence padded to `seq_len`.
+@functools.cache
+def _lora_parameter_count(architecture: str, lora: LoRAConfig) -> int:
+    """``lora_parameter_count`` of the numbers as JSON (hashable, for the cache: the benchmarks count one
+    model's FLOPs for every step they time)."""
+    return _count(with_adapters(abstract_model(json.loads(architecture)), lora), nnx.LoRAParam)
 
-    2 per weight of every layer matmul and adapter, plus QK^T and AV over the
-    full padded length (4 * seq_len * q_dim per layer: the masked half of a
-    causal score matrix is computed too). Embedding lookups cost nothing; the
-    head is counted separately because it runs at one position per example.
+
+@dataclasses.dataclass(frozen=True)
+class ForwardFlops:
+    """FLOPs of a forward pass through the decoder layers, by what computes them (the head is apart:
+    ``head_flops``). Multiply-adds count 2; norms, activations and softmax are left out."""
+
+    projections: float  # the attention's q, k, v and output projections (frozen weights)
+    mlp: float  # the MLP's matrices (frozen weights)
+    adapters: float  # the LoRA adapters' products
+    attention: float  # the scores (q.k) and their product with the values
+
+    @property
+    def total(self) -> float:
+        return self.projections + self.mlp + self.adapters + self.attention
+
+    @property
+    def backward(self) -> float:
+        """The backward pass of LoRA training: gradients only with respect to activations through the frozen
+        weights (one product each, as forward), twice the attention's forward, and the adapters' gradients
+        with respect to their input and their weights (twice their forward)."""
+        return self.projections + self.mlp + 2 * self.attention + 2 * self.adapters
+
+
+def forward_flops(d: Dimensions, *, tokens: int, attention_pairs: int, adapter_parameters: int = 0) -> ForwardFlops:
+    """The forward pass of ``tokens`` tokens through the decoder layers, attention computed for
+    ``attention_pairs`` (query, key) pairs, through adapters of ``adapter_parameters`` weights in all (every
+    layer's, of every run a token goes through).
+
+    2 FLOPs per token and weight of every layer matmul and adapter; 4 per
+    (query, key) pair, query feature and layer for QK^T and AV. Embedding
+    lookups cost nothing. The estimator counts what the step computes (a
+    padded row's every position attends to all of it: the masked half of a
+    causal score matrix is computed too); the benchmarks count the real
+    tokens and the causal pairs a prompt needs (``benchmarks.flops``).
     """
-    return 2.0 * (d.num_layers * d.layer_matmul_parameters + lora_parameters) + 4.0 * d.num_layers * seq_len * d.q_dim
+    return ForwardFlops(
+        projections=2.0 * d.num_layers * d.attention_parameters * tokens,
+        mlp=2.0 * d.num_layers * d.mlp_parameters * tokens,
+        adapters=2.0 * adapter_parameters * tokens,
+        attention=4.0 * d.num_layers * d.q_dim * attention_pairs,
+    )
+
+
+def head_flops(d: Dimensions, columns: int) -> float:
+    """The head at one position: the final hidden state times ``columns`` columns of the vocabulary."""
+    return 2.0 * d.hidden_size * columns
 
 
 def train_step_flops(
@@ -165,41 +223,33 @@ def train_step_flops(
     """FLOPs of one optimizer step of all runs trained together: ``rows`` rows of ``seq_len`` tokens (every
     micro-batch's, padding included) holding ``prompts`` prompts; ``lora_parameters`` are one run's.
 
-    Forward F: the layers' matmuls; attention over the whole row (prompts
-    packed in a row are masked from each other, not skipped); and the
-    adapters of all ``runs`` on every token (the LoRA multiplies by the runs'
-    A and B concatenated, ``runs`` x rank columns, and keeps each token's own
-    run's: 2 x runs x lora_parameters). Backward takes gradients only with
-    respect to activations through the frozen weights (one more F for the
-    matmuls, twice the attention cost) and with respect to the adapters and
-    their input (twice their forward), after recomputing their forward
-    (``recomputed_in_backward``: counted whole, an upper bound, as only
-    x @ A is needed). The remat policy recomputes what it does not keep
-    (``oodjax.models.REMAT_POLICIES``): "full" the whole forward; "save_dots"
-    only the attention scores and their product with the values (the
-    projections' outputs are kept); "save_dots_except_mlp" those and the MLP's
-    matmuls. The head (full vocabulary, at each prompt's answer position) is a
-    forward and an input-gradient matmul.
+    Forward (``forward_flops``): the layers' matmuls; attention over the
+    whole row (prompts packed in a row are masked from each other, not
+    skipped); and the adapters of all ``runs`` on every token (the LoRA
+    multiplies by the runs' A and B concatenated, ``runs`` x rank columns,
+    and keeps each token's own run's). Backward (``ForwardFlops.backward``),
+    after recomputing the adapters' forward (``recomputed_in_backward``:
+    counted whole, an upper bound, as only x @ A is needed). The remat policy
+    recomputes what it does not keep (``RECOMPUTED``). The head (full
+    vocabulary, at each prompt's answer position) is a forward and an
+    input-gradient matmul.
     """
+    if remat not in REMAT_POLICIES:
+        raise ValueError(f"unknown remat policy {remat!r}; known: {sorted(REMAT_POLICIES)}")
     tokens = rows * seq_len
-    matmuls = 2.0 * d.num_layers * d.layer_matmul_parameters
-    mlp = 2.0 * d.num_layers * d.mlp_matrices * d.hidden_size * d.ffn_dim
-    attention = 4.0 * d.num_layers * seq_len * d.q_dim
-    adapters = 2.0 * runs * lora_parameters
-    forward = matmuls + attention + adapters
-    backward = matmuls + 2 * attention + 3 * adapters
-    recomputed = {"none": 0.0, "full": forward, "save_dots": attention, "save_dots_except_mlp": attention + mlp}
-    if remat not in recomputed:
-        raise ValueError(f"unknown remat policy {remat!r}; known: {sorted(recomputed)}")
-    per_token = forward + backward + recomputed[remat]
-    head = 2 * (2.0 * d.hidden_size * d.vocab_size) * prompts
-    return tokens * per_token + head
+    forward = forward_flops(
+        d, tokens=tokens, attention_pairs=tokens * seq_len, adapter_parameters=runs * lora_parameters
+    )
+    recomputed = sum(getattr(forward, part) for part in RECOMPUTED[remat])
+    head = 2 * head_flops(d, d.vocab_size) * prompts
+    return forward.total + forward.backward + forward.adapters + recomputed + head
 
 
 def eval_flops(d: Dimensions, *, runs: int, examples: int, seq_len: int, lora_parameters: int) -> float:
     """FLOPs of evaluating every run (each with its own adapters) on `examples` examples of `seq_len` tokens
     (the head reads two columns: negligible)."""
-    return runs * examples * seq_len * forward_flops_per_token(d, seq_len, lora_parameters)
+    row = forward_flops(d, tokens=seq_len, attention_pairs=seq_len * seq_len, adapter_parameters=lora_parameters)
+    return runs * examples * row.total
 
 
 # --------------------------------------------------------------------------- memory

@@ -13,6 +13,11 @@ cuts the model to that depth and --platform cpu costs memory as XLA's CPU
 backend allocates it, so that the estimate can be set beside `python -m
 launch.preflight --layers N` on a machine without an accelerator.
 
+Each config file is read once into a job (`oodjax.job.read`: without the
+checks of files and hubs, since the config may be another machine's), and
+the engine's own rules work out its mesh (`MeshShape.sizes`), its layout
+(`batch_geometry`) and when it is evaluated (`Cadence`).
+
 By default the prompts are the config's real ones, as the engine builds
 them (`RealPrompts`): its tokenizer (config.tokenizer, else model.path; or
 --tokenizer, a stand-in) on its runs' few-shot sets gives the train step's
@@ -21,12 +26,11 @@ and those sets the evaluation pool, whose packed rows are what an
 evaluation computes. So it needs the tokenizer and the data, as a run does;
 configs sharing them share the work. --prompt_len N instead prices every
 prompt at N tokens (data.max_length: an upper bound, most NLI prompts being
-far shorter), without the tokenizer: training rows at the length such
-prompts make (`train_row_length`: one a row, or a packed row's share of all
-runs' prompts) unless --seq_len gives it, and evaluation one prompt a row of
-N tokens, the testsets' examples counted (`oodjax.data.load_testset`, with
-the config's neutral handling and cap) unless --eval_examples gives their
-number (then without the data either).
+far shorter), without the tokenizer: training rows as the engine lays out
+such prompts (`assumed_geometry`) unless --seq_len gives their length, and
+evaluation one prompt a row of N tokens, the testsets' examples counted
+(`run_data.capped_testsets`, with the config's neutral handling and caps)
+unless --eval_examples gives their number (then without the data either).
 """
 
 from __future__ import annotations
@@ -34,8 +38,6 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
-import functools
-import json
 import math
 import os
 import sys
@@ -43,20 +45,21 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 from jax.sharding import Mesh
-from ml_collections import config_dict
 from transformers import PreTrainedTokenizerBase
 
 from configs.models import architecture
 from launch import costs
 from launch.config_files import experiment_config_paths, load_config
 from oodjax import usage_errors
-from oodjax.data import TokenizedSet, bucket_lengths, fitting_bucket, load_tokenizer, prompt_lengths
-from oodjax.engine import results, sharding
+from oodjax.data import TokenizedSet, load_tokenizer, prompt_lengths
+from oodjax.engine import sharding
 from oodjax.engine.evaluation import EvalPool, pool_figures
 from oodjax.engine.geometry import BatchGeometry, EvalGeometry, batch_geometry
-from oodjax.engine.run_data import few_shot_sets, load_runs_data
-from oodjax.models.lora import LoRAConfig
+from oodjax.engine.run_data import DataSettings, capped_testsets, few_shot_sets, load_runs_data
+from oodjax.job import Job, read
+from oodjax.models.loading import ModelSettings
 from oodjax.usage_errors import ConfigError
 
 GB = 1e9
@@ -191,35 +194,16 @@ class RealPrompts:
         return self.eval_prompt_tokens / self.eval_prompts
 
 
-def resolve_mesh(mesh: Mapping[str, int], devices: int) -> dict[str, int]:
-    """Mesh axis sizes with the one -1 axis filled so that their product is `devices`."""
-    sizes = {axis: int(mesh[axis]) for axis in ("data", "fsdp", "tensor")}
-    fill = [axis for axis, size in sizes.items() if size == -1]
-    if len(fill) > 1:
-        raise ConfigError(f"at most one mesh axis may be -1, got {sizes}")
-    fixed = 1
-    for axis, size in sizes.items():
-        if axis not in fill:
-            fixed *= size
-    if devices % fixed:
-        raise ConfigError(f"mesh {sizes} does not fit {devices} devices")
-    if fill:
-        sizes[fill[0]] = devices // fixed
-    elif fixed != devices:
-        raise ConfigError(f"mesh {sizes} uses {fixed} devices, not the {devices} given")
-    return sizes
-
-
-def architecture_of(config: config_dict.ConfigDict, layers: int | None = None) -> dict:
+def architecture_of(model: ModelSettings, layers: int | None = None) -> dict:
     """config.json numbers: the table's for a listed checkpoint, else the config's own random-model fields;
     ``layers`` replaces the decoder depth (what the estimate and the preflight cut a model to)."""
-    if config.model.path:
+    if model.path:
         try:
-            arch = dict(architecture(config.model.path))
+            arch = dict(architecture(model.path))
         except KeyError as error:  # a checkpoint configs/models.py does not list
             raise ConfigError(f"model.path: {error.args[0]}") from error
-    elif config.model.hf_config:
-        arch = config.model.hf_config.to_dict()
+    elif model.hf_config:
+        arch = dict(model.hf_config)
     else:
         raise ConfigError("config names neither model.path nor model.hf_config")
     if layers is not None:
@@ -229,63 +213,34 @@ def architecture_of(config: config_dict.ConfigDict, layers: int | None = None) -
     return arch
 
 
-@functools.cache
-def count_eval_examples(
-    testsets: tuple[str, ...], data_dir: str, neutral: str, cap: int, declared: str = "{}", declared_file: str = ""
-) -> int:
-    """Examples in one full evaluation: every testset after label mapping, each capped at its own cap or `cap`
-    (0 = none). `declared` is the JSON of data.extra_testsets (a string, so that the count is cached)."""
-    from oodjax.data import testsets as testset_module
-
-    table = testset_module.testset_table(json.loads(declared), declared_file or None)
-    total = 0
-    for name in testsets:
-        size = len(testset_module.load_testset(name, data_dir=data_dir or None, neutral=neutral, table=table))
-        own_cap = table[name].eval_cap(cap)
-        total += min(size, own_cap) if own_cap else size
-    return total
+def count_eval_examples(data: DataSettings) -> int:
+    """Examples in one full evaluation: every testset as the engine caps it (``run_data.capped_testsets``:
+    after label mapping, each at its own cap or data.eval_cap)."""
+    return sum(len(testset) for testset in capped_testsets(data).values())
 
 
-def packed_rows(config: config_dict.ConfigDict, batch_shards: int, prompt_len: int) -> tuple[int, int]:
-    """(rows per device, prompts a row holds) of a packed micro-batch when every prompt has ``prompt_len`` tokens,
-    as ``oodjax.engine.geometry`` lays it out: a device's share of all runs' prompts, rounded up, balanced over
-    the fewest rows of at most data.max_length tokens."""
-    runs = len(config.runs.seeds) * len(config.runs.shots)
-    prompts = -(-runs * config.train.batch_size // (config.train.grad_accum * batch_shards))
-    rows = -(-prompts // (config.data.max_length // prompt_len))
-    return rows, -(-prompts // rows)
-
-
-def train_row_length(config: config_dict.ConfigDict, batch_shards: int, prompt_len: int) -> int:
-    """Tokens per training row when every prompt has ``prompt_len`` tokens, as ``oodjax.engine.geometry``
-    sizes rows: the bucket holding one prompt, or with train.pack a packed row's prompts (``packed_rows``)."""
-    max_length = config.data.max_length
+def assumed_geometry(job: Job, batch_shards: int, prompt_len: int) -> BatchGeometry:
+    """The train step's layout for ``job`` on ``batch_shards`` devices (data x fsdp) when every prompt has
+    ``prompt_len`` tokens: the engine's own (``batch_geometry``), of few-shot sets of such prompts. Prompts
+    all alike lay every step out alike, so one step is replayed rather than train.steps."""
+    max_length = job.batches.max_length
     if not 0 < prompt_len <= max_length:
         raise ConfigError(f"prompt length {prompt_len} must be in [1, data.max_length={max_length}]")
-    prompts = packed_rows(config, batch_shards, prompt_len)[1] if config.train.pack else 1
-    return fitting_bucket(bucket_lengths(max_length, tuple(config.data.buckets) or None), prompts * prompt_len)
+    runs = job.runs.runs()
+    train_sets = [_prompts_alike(run.shots, prompt_len, max_length) for run in runs]
+    batches = dataclasses.replace(job.batches, total_steps=1)
+    return batch_geometry(batches, geometry_mesh(batch_shards), train_sets, [run.seed for run in runs])
 
 
-def train_geometry(config: config_dict.ConfigDict, batch_shards: int, prompt_len: int, seq_len: int) -> BatchGeometry:
-    """The train step's layout for ``config`` on ``batch_shards`` devices (data x fsdp), prompts of
-    ``prompt_len`` tokens in rows of ``seq_len``: the engine's ``BatchGeometry`` (its checks included), packed
-    rows as ``packed_rows`` counts them."""
-    rows, prompts = packed_rows(config, batch_shards, prompt_len) if config.train.pack else (1, 1)
-    return BatchGeometry(
-        runs=len(config.runs.seeds) * len(config.runs.shots),
-        batch_size=config.train.batch_size,
-        grad_accum=config.train.grad_accum,
-        seq_len=seq_len,
-        packed=config.train.pack,
-        packed_rows_per_device=rows,
-        prompts_per_row=prompts,
-        batch_shards=batch_shards,
+def _prompts_alike(count: int, length: int, max_length: int) -> TokenizedSet:
+    """A tokenised set of ``count`` prompts of ``length`` tokens each."""
+    return TokenizedSet(
+        token_ids=np.zeros(count * length, dtype=np.int32),
+        starts=np.arange(count + 1, dtype=np.int64) * length,
+        labels=np.zeros(count, dtype=np.int32),
+        truncated=np.zeros(count, dtype=bool),
+        max_length=max_length,
     )
-
-
-def evaluation_steps(steps: int, every: int) -> int:
-    """How many evaluations a run makes: at step 0, every `every` steps, and at the last step."""
-    return len(set(range(0, steps + 1, every)) | {steps})
 
 
 def geometry_mesh(shards: int) -> Mesh:
@@ -311,8 +266,8 @@ class PromptCounter:
     evaluation pool of the testsets and those sets (``load_runs_data``),
     whose batches are what every evaluation computes: each row length's
     rows in every run's lane (the eval step maps over the runs, empty rows
-    included). Configs with the same tokenizer and data (config.data and
-    config.runs) share the few-shot sets, and those that also share their
+    included). Configs with the same tokenizer and data (the data section,
+    seeds and shots) share the few-shot sets, and those that also share their
     evaluation batches' shape (``EvalGeometry``) share the pool: counted
     with one tokenizer, the study's 16 configs draw 2 sets of few-shot sets
     and build 6 pools. Testsets are tokenised once, later pools reading them
@@ -323,27 +278,29 @@ class PromptCounter:
     def __init__(self, tokenizer: str | None = None) -> None:
         self.tokenizer = tokenizer
         self._tokenizers: dict[str, PreTrainedTokenizerBase] = {}
-        self._few_shot_sets: dict[tuple[str, str], list[TokenizedSet]] = {}
-        self._pools: dict[tuple[str, str, EvalGeometry], dict[str, Any]] = {}
+        # Keyed by (tokenizer, the data settings' repr, the runs' (seed, shots)): DataSettings holds the
+        # testset table's dicts, so its repr stands for it.
+        self._few_shot_sets: dict[tuple[str, str, tuple[tuple[int, int], ...]], list[TokenizedSet]] = {}
+        self._pools: dict[tuple[str, str, tuple[tuple[int, int], ...], EvalGeometry], dict[str, Any]] = {}
 
-    def __call__(self, config: config_dict.ConfigDict, mesh: Mapping[str, int]) -> RealPrompts:
-        """``config``'s real prompts on a mesh of these axis sizes (resolved)."""
-        source = self.tokenizer or config.tokenizer or config.model.path
+    def __call__(self, job: Job, mesh: Mapping[str, int]) -> RealPrompts:
+        """``job``'s real prompts on a mesh of these axis sizes (resolved)."""
+        source = self.tokenizer or job.model.tokenizer
         if source not in self._tokenizers:
             self._tokenizers[source] = load_tokenizer(source)
         tokenizer = self._tokenizers[source]
-        runs = [(run.seed, run.shots) for run in results.plan_runs(config)]
+        runs = [(run.seed, run.shots) for run in job.runs.runs()]
         seeds = [seed for seed, _ in runs]
-        data = (source, json.dumps({"data": config.data.to_dict(), "runs": config.runs.to_dict()}, sort_keys=True))
+        data = (source, repr(job.data), tuple(runs))
         if data not in self._few_shot_sets:
-            self._few_shot_sets[data] = few_shot_sets(config, tokenizer, runs)
+            self._few_shot_sets[data] = few_shot_sets(job.data, tokenizer, runs)
         train_sets = self._few_shot_sets[data]
         shards = math.prod(mesh[axis] for axis in sharding.BATCH_AXES)
-        geometry = batch_geometry(config, geometry_mesh(shards), train_sets, seeds)
+        geometry = batch_geometry(job.batches, geometry_mesh(shards), train_sets, seeds)
         pool = (*data, geometry.evaluation)
         if pool not in self._pools:
             self._pools[pool] = _evaluation_counts(
-                load_runs_data(config, tokenizer, seeds, train_sets, geometry, prefetch=0).eval_pool
+                load_runs_data(job.data, tokenizer, seeds, train_sets, geometry, prefetch=0).eval_pool
             )
         return RealPrompts(tokenizer=source, geometry=geometry, **self._pools[pool])
 
@@ -364,7 +321,7 @@ def _evaluation_counts(pool: EvalPool) -> dict[str, Any]:
 
 def estimate(
     config_path: str,
-    config: config_dict.ConfigDict,
+    job: Job,
     *,
     devices: int,
     device: Device,
@@ -377,37 +334,37 @@ def estimate(
     layers: int | None = None,
     platform: str | None = None,
 ) -> Estimate:
-    """The costs of `config`'s job on `devices` devices of `device`'s kind, for its real `prompts`
+    """The costs of `job` on `devices` devices of `device`'s kind, for its real `prompts`
     (``PromptCounter``: their train step layout, and their evaluation pool's rows), else for prompts of
     `prompt_len` tokens (default data.max_length, an upper bound; evaluated one a row, `eval_examples` of them
     per run, default counted from the testsets, beside each run's few-shot set) in training rows of
-    `train_row_length`. `geometry`, a train step layout (the preflight's, from its real data), replaces
+    ``assumed_geometry``. `geometry`, a train step layout (the preflight's, from its real data), replaces
     either's; `seq_len` replaces its rows' length. `layers` cuts the model to that depth and `platform`
     (default: the device's) decides how memory is costed, so that the estimate can be compared with the
     preflight's compile on a CPU."""
-    arch = architecture_of(config, layers)
+    arch = architecture_of(job.model, layers)
     dims = costs.dimensions(arch)
     parameters = costs.parameter_count(arch)
-    lora = costs.lora_parameter_count(arch, config.lora.rank, tuple(config.lora.targets))
-    runs = len(config.runs.seeds) * len(config.runs.shots)
-    mesh = resolve_mesh(config.mesh, devices)
-    shards = mesh["data"] * mesh["fsdp"]
+    lora = costs.lora_parameter_count(arch, job.lora.rank, job.lora.targets)
+    runs = len(job.runs.runs())
+    mesh = job.mesh.sizes(devices)
+    shards = math.prod(mesh[axis] for axis in sharding.BATCH_AXES)
     if prompts is not None:
         if prompt_len is not None or eval_examples is not None:
             raise ValueError("real prompts are counted: prompt_len and eval_examples are for assumed ones")
         geometry = geometry or prompts.geometry
     else:
-        prompt_len = config.data.max_length if prompt_len is None else prompt_len
+        prompt_len = job.batches.max_length if prompt_len is None else prompt_len
     if geometry is None:
-        geometry = train_geometry(config, shards, prompt_len, seq_len or train_row_length(config, shards, prompt_len))
-    elif seq_len:
+        geometry = assumed_geometry(job, shards, prompt_len)
+    if seq_len:
         geometry = dataclasses.replace(geometry, seq_len=seq_len)
     memory = costs.train_memory_per_device(
         arch,
-        LoRAConfig.from_config(config.lora),
-        dtype=config.model.dtype,
-        compute_dtype=config.model.compute_dtype or None,
-        remat=config.model.remat,
+        job.lora,
+        dtype=job.model.dtype,
+        compute_dtype=job.model.compute_dtype,
+        remat=job.model.remat,
         mesh=mesh,
         runs=runs,
         rows=geometry.rows,
@@ -422,7 +379,7 @@ def estimate(
         seq_len=geometry.seq_len,
         prompts=runs * geometry.batch_size,
         lora_parameters=lora,
-        remat=config.model.remat,
+        remat=job.model.remat,
     )
     if prompts is not None:
         evaluation = sum(
@@ -431,25 +388,17 @@ def estimate(
         )
     else:
         if eval_examples is None:
-            eval_examples = count_eval_examples(
-                tuple(config.data.testsets),
-                config.data.data_dir,
-                config.data.neutral,
-                config.data.eval_cap,
-                json.dumps(config.data.extra_testsets.to_dict(), sort_keys=True),
-                config.data.extra_testsets_file,
-            )
+            eval_examples = count_eval_examples(job.data)
         # Each run is also evaluated on its own few-shot training set.
-        training_sets = len(config.runs.seeds) * sum(config.runs.shots)
+        training_sets = len(job.runs.seeds) * sum(job.runs.shots)
         evaluation = costs.eval_flops(dims, runs=runs, examples=eval_examples, seq_len=prompt_len, lora_parameters=lora)
         evaluation += costs.eval_flops(dims, runs=1, examples=training_sets, seq_len=prompt_len, lora_parameters=lora)
-    evaluations = evaluation_steps(config.train.steps, config.eval.every)
-    total = config.train.steps * step + evaluations * evaluation
+    evaluations = len(job.cadence.evaluated_steps())
+    total = job.cadence.total_steps * step + evaluations * evaluation
     hours = total / (device.peak_flops * utilisation) / 3600
-    name = config.model.path or config.model.name
     return Estimate(
         config_path,
-        name,
+        job.model.source,
         parameters,
         mesh,
         memory,
@@ -464,10 +413,10 @@ def estimate(
     )
 
 
-def describe(result: Estimate, config: config_dict.ConfigDict, device: Device, utilisation: float) -> str:
+def describe(result: Estimate, job: Job, device: Device, utilisation: float) -> str:
     """The estimate as lines for a terminal: the job's shape, memory per device by holder, FLOPs, hours."""
     m, mesh = result.memory, result.mesh
-    runs = len(config.runs.seeds) * len(config.runs.shots)
+    runs = len(job.runs.runs())
     upcast = f", float32 copies of the layers (CPU) {m.upcast_weights / GB:.2f}" if m.upcast_weights else ""
     g = result.geometry
     rows = (
@@ -481,27 +430,27 @@ def describe(result: Estimate, config: config_dict.ConfigDict, device: Device, u
             f"{result.config_path}: {result.model}, {result.parameters:,} parameters",
             f"  mesh data={mesh['data']} fsdp={mesh['fsdp']} tensor={mesh['tensor']}; {runs} runs x batch "
             f"{g.batch_size} in {g.grad_accum} micro-batch{'es' if g.grad_accum > 1 else ''} of {rows}; "
-            f"{config.model.dtype}, remat {config.model.remat}",
+            f"{job.model.dtype}, remat {job.model.remat}",
             f"  memory per device (GB): frozen weights {m.frozen_weights / GB:.2f}{upcast}, adapters "
             f"{m.adapters / GB:.3f}, gradients {m.gradients / GB:.3f}, optimizer state {m.optimizer_state / GB:.3f}, "
             f"activations {m.activations / GB:.2f}, the larger of a layer's backward {m.layer_transients / GB:.2f} "
             f"and the head's {m.head_transients / GB:.2f}; total {m.total / GB:.2f}; {describe_fit(m.total, device)}",
-            describe_prompts(result, config),
+            describe_prompts(result, job),
             f"  FLOPs: {result.train_step_flops:.3e} per train step, {result.eval_flops:.3e} per full evaluation",
-            f"  whole sweep ({runs} runs, {config.train.steps} steps, {result.evaluations} evaluations): "
+            f"  whole sweep ({runs} runs, {job.cadence.total_steps} steps, {result.evaluations} evaluations): "
             f"{result.total_flops:.3e} FLOPs = {result.accelerator_hours:,.1f} {device.name}-hours at "
             f"{utilisation:.0%} utilisation",
         ]
     )
 
 
-def describe_prompts(result: Estimate, config: config_dict.ConfigDict) -> str:
+def describe_prompts(result: Estimate, job: Job) -> str:
     """The line saying which prompts the estimate is made for: the real ones, counted with which tokenizer, or
     ones of a given length."""
     if result.prompts is None:
-        bound = " = data.max_length: an upper bound" if result.prompt_len == config.data.max_length else ""
+        bound = " = data.max_length: an upper bound" if result.prompt_len == job.batches.max_length else ""
         return f"  prompts: {result.prompt_len} tokens each (--prompt_len{bound}), evaluated one a row"
-    p, own = result.prompts, config.tokenizer or config.model.path
+    p, own = result.prompts, job.model.tokenizer
     counted = f"its tokenizer {own}" if p.tokenizer == own else f"the tokenizer {p.tokenizer} standing in for {own}"
     return (
         f"  prompts: real, counted with {counted}: mean {p.mean_length:.1f} tokens; an evaluation scores "
@@ -591,11 +540,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 config = load_config(path)
                 if args.offline_pools:
                     config.data.pool_split = ""  # the table's pool split
-                mesh = resolve_mesh(config.mesh, args.devices)
-                prompts = None if args.prompt_len is not None else count(config, mesh)
+                job = read(config)
+                mesh = job.mesh.sizes(args.devices)
+                prompts = None if args.prompt_len is not None else count(job, mesh)
                 result = estimate(
                     path,
-                    config,
+                    job,
                     devices=args.devices,
                     device=device,
                     utilisation=args.utilisation,
@@ -608,9 +558,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 )
             except usage_errors.NotFetchedError as error:
                 raise usage_errors.NotFetchedError(f"{error}; {WITHOUT_DATA}") from error
-        print(describe(result, config, device, args.utilisation))
+        print(describe(result, job, device, args.utilisation))
         total_hours += result.accelerator_hours
-        total_runs += len(config.runs.seeds) * len(config.runs.shots)
+        total_runs += len(job.runs.runs())
     if len(paths) > 1:
         print(
             f"total: {total_runs} runs in {len(paths)} configs, {total_hours:,.0f} {device.name}-hours "

@@ -54,7 +54,6 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 import datasets
 import huggingface_hub
 from huggingface_hub.errors import HfHubHTTPError
-from ml_collections import config_dict
 
 from launch.config_files import experiment_config_paths, load_config
 from oodjax.data import answer_token_ids, load_testset, load_tokenizer, training_pool
@@ -68,8 +67,8 @@ from oodjax.data.testsets import (
     mirror_folder,
     pool_split,
     testset_spec,
-    testset_table,
 )
+from oodjax.job import Job, read
 from oodjax.models.hf_checkpoint import files_to_download
 from oodjax.models.loading import verify_checkpoint
 from oodjax.storage import write_atomic
@@ -92,7 +91,7 @@ TOKENIZER_FILES = (
     "chat_template.json",
     "config.json",
 )
-Configs = Sequence[tuple[str, config_dict.ConfigDict]]  # (config file, its config)
+Configs = Sequence[tuple[str, Job]]  # (config file, its config read into a job)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -234,18 +233,17 @@ def plan(configs: Configs, root: pathlib.Path) -> list[Item]:
     checkpoints: dict[str, RepoFiles] = {}
     tokenizers: dict[str, RepoFiles] = {}
     splits: dict[tuple[str, str, str], TestsetSplit] = {}
-    for path, config in configs:
-        model = config.model.path
+    for path, job in configs:
+        model = job.model.path
         if model:
             checkpoints.setdefault(model, RepoFiles(Checkpoint(), _source(path, "model.path", model)))
-        source = config.tokenizer or model
+        source = job.model.tokenizer
         if not source:
             raise ConfigError(f"{path}: tokenizer is empty and model.path names no checkpoint to take it from")
         tokenizer = tokenizers.setdefault(source, RepoFiles(Tokenizer(), _source(path, "tokenizer", source)))
-        answers = tuple(config.data.answers)
-        if answers not in tokenizer.what.answers:
-            tokenizer.what.answers.append(answers)
-        for spec, split, name, check in _testset_reads(path, config, root):
+        if job.data.answers not in tokenizer.what.answers:
+            tokenizer.what.answers.append(job.data.answers)
+        for spec, split, name, check in _testset_reads(path, job, root):
             item = splits.setdefault((spec.source, spec.config, split), TestsetSplit(spec, split, root))
             item.checks.setdefault(name, check)
     return [*checkpoints.values(), *tokenizers.values(), *splits.values()]
@@ -259,17 +257,14 @@ def _source(path: str, field: str, source: str) -> str:
 
 
 def _testset_reads(
-    path: str, config: config_dict.ConfigDict, root: pathlib.Path
+    path: str, job: Job, root: pathlib.Path
 ) -> Iterator[tuple[TestsetSpec, str, str, Callable[[], datasets.Dataset]]]:
     """(spec, source split, who reads it, how the job loads it) for every hub split the config reads."""
-    data = config.data
+    data = job.data
     try:
-        table = testset_table(data.extra_testsets.to_dict(), data.extra_testsets_file or None)
-        specs = {name: testset_spec(name, table) for name in data.testsets}
+        specs = {name: testset_spec(name, data.table) for name in data.testsets}
         pool, split = testset_spec(data.train_set), pool_split(data.train_set, data.pool_split)
-    except FileNotFoundError as error:
-        raise MissingInputError(f"{path}: {error}") from None
-    except (KeyError, ValueError) as error:  # an unknown name or a bad declaration, named in the message
+    except (KeyError, ValueError) as error:  # an unknown name, named in the message
         raise ConfigError(f"{path}: {error.args[0]}") from None
     for name, spec in specs.items():
         if spec.is_local_file:  # the user's own file: nothing to fetch
@@ -306,7 +301,7 @@ def mirror_dir(data_dir: str | None, configs: Configs) -> pathlib.Path:
         return pathlib.Path(data_dir).expanduser()
     if (from_env := default_data_dir()) is not None:
         return from_env
-    named = sorted({config.data.data_dir for _, config in configs if config.data.data_dir})
+    named = sorted({job.data.data_dir for _, job in configs if job.data.data_dir})
     if len(named) > 1:
         raise ConfigError(f"the configs name different data.data_dir ({', '.join(named)}); pass --data_dir DIR")
     if not named:
@@ -332,9 +327,9 @@ def fetch(items: Sequence[Item], configs: Configs, root: pathlib.Path) -> int:
     """Looks every item up, prints the plan, downloads what is missing, verifies everything; the exit status."""
     print(f"{FETCH_COMMAND}: {_count(len(items), 'item')} for {_count(len(configs), 'config')}", flush=True)
     looks = {item: _look_up(item) for item in items}
-    for path, config in configs:
-        if config.data.data_dir and pathlib.Path(config.data.data_dir).expanduser().resolve() != root.resolve():
-            print(f"  note: {path} reads its testsets from data.data_dir={config.data.data_dir}, not from {root}")
+    for path, job in configs:
+        if job.data.data_dir and pathlib.Path(job.data.data_dir).expanduser().resolve() != root.resolve():
+            print(f"  note: {path} reads its testsets from data.data_dir={job.data.data_dir}, not from {root}")
     print(_download_summary(list(looks.values())), flush=True)
     outcomes = [(item, *_outcome(item, looks[item])) for item in items]
 
@@ -423,14 +418,27 @@ def _why(error: BaseException) -> str:
     return " ".join(f"{type(error).__name__}: {error}".split())
 
 
-def _load_configs(patterns: Sequence[str]) -> list[tuple[str, config_dict.ConfigDict]]:
+def _load_configs(patterns: Sequence[str]) -> list[tuple[str, Job]]:
+    """The experiment configs among the files ``patterns`` match, each read into a job (``oodjax.job.read``:
+    what is to be fetched is not here yet, so without the checks of files and hubs)."""
     try:
         paths = experiment_config_paths(list(patterns))
     except FileNotFoundError as error:  # a pattern that matches no file
         raise MissingInputError(str(error)) from None
     except ValueError as error:  # files, but no experiment config among them
         raise ConfigError(str(error)) from None
-    return [(path, load_config(path)) for path in paths]
+    return [(path, _read(path)) for path in paths]
+
+
+def _read(path: str) -> Job:
+    """The config file at ``path`` read into a job; a field that cannot be read (a declared testset's, the
+    mesh's) is an error naming the file."""
+    try:
+        return read(load_config(path))
+    except FileNotFoundError as error:  # data.extra_testsets_file
+        raise MissingInputError(f"{path}: {error}") from None
+    except (KeyError, ValueError) as error:  # a bad declaration or size, named in the message
+        raise ConfigError(f"{path}: {error.args[0]}") from None
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -8,7 +8,7 @@ of the real pool's longest rows (its largest shape). Nothing is read or
 allocated for the model: its architecture comes from
 `configs.models` (the checkpoint's config.json numbers) or the
 config's `model.hf_config`, and its parameters, adapters and optimizer state
-are shapes only (`steps.abstract_init_runs`). Settings go in
+are shapes only (`steps.abstract_attach_runs`). Settings go in
 `--config.<field>=<value>` as for `oodjax.main`; the tokenizer is
 `config.tokenizer` (else `model.path`), so offline pass a local one.
 
@@ -58,12 +58,12 @@ from ml_collections import config_dict
 from launch import costs
 from launch import estimate as estimator
 from oodjax import config_cli, models
-from oodjax.data import answer_token_ids, load_tokenizer
-from oodjax.engine import loop, results, sharding, steps
+from oodjax.data import EVAL_KEYS, TRAIN_KEYS, answer_token_ids, load_tokenizer
+from oodjax.engine import loop, sharding, steps
 from oodjax.engine.evaluation import pool_figures
 from oodjax.engine.geometry import BatchGeometry, batch_geometry
-from oodjax.engine.run_data import TRAIN_KEYS, few_shot_sets, load_runs_data, training_figures
-from oodjax.models.lora import LoRAConfig
+from oodjax.engine.run_data import few_shot_sets, load_runs_data, training_figures
+from oodjax.job import Job, read
 from oodjax.models.partitioning import param_shardings
 
 COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
@@ -97,19 +97,18 @@ _DTYPE_BYTES = {
 ESTIMATE_DEVICE = "h100"
 ESTIMATE_UTILISATION = 0.4
 DATA_STEPS = 200  # training steps of the real streams replayed for the token share and host time
-EVAL_KEYS = ("input_ids", "segment_ids", "answer_pos", "label", "valid")  # what the eval step reads of a batch
 DATA_FIGURES = ("train_real_token_share", "host_batch_ms", "eval_real_token_share", "eval_attention_waste")
 
 
 def preflight(
-    config: config_dict.ConfigDict,
+    job: Job,
     *,
     devices: int | None = None,
     layers: int | None = None,
     hlo_dir: str | pathlib.Path | None = None,
     config_path: str = "<config>",
 ) -> dict[str, Any]:
-    """Lowers and compiles ``config``'s train and eval steps on abstract inputs; returns the report.
+    """Lowers and compiles ``job``'s train and eval steps on abstract inputs; returns the report.
 
     ``devices``: the first N of ``jax.devices()`` (default all); ``layers``:
     the model cut to N decoder layers. The report: {"train": {...}, "eval":
@@ -123,9 +122,9 @@ def preflight(
     """
     available = jax.devices()
     devices = devices or len(available)
-    steps_ = abstract_steps(config, devices=devices, layers=layers)
+    steps_ = abstract_steps(job, devices=devices, layers=layers)
     geometry, data, arch, longest_rows = steps_.geometry, steps_.data, steps_.arch, steps_.longest_rows
-    figures = {**training_figures(data.steps, geometry, steps=DATA_STEPS), **pool_figures(data.eval_pool)}
+    figures = {**training_figures(data.train_stream, geometry, steps=DATA_STEPS), **pool_figures(data.eval_pool)}
     hlo_dir = pathlib.Path(hlo_dir) if hlo_dir else None
     train_report = _compile("train", steps_.train_step, steps_.train_args, hlo_dir)
     eval_report = _compile("eval", steps_.eval_step, steps_.eval_args, hlo_dir)
@@ -134,7 +133,7 @@ def preflight(
         step["communication"]["seconds"] = step["communication"]["bytes"] / device.interconnect_bytes_per_s
     estimate = estimator.estimate(
         config_path,
-        config,
+        job,
         devices=devices,
         device=device,
         utilisation=ESTIMATE_UTILISATION,
@@ -149,7 +148,7 @@ def preflight(
         runs=1,
         examples=lanes * eval_rows,
         seq_len=eval_row_length,
-        lora_parameters=costs.lora_parameter_count(arch, config.lora.rank, tuple(config.lora.targets)),
+        lora_parameters=costs.lora_parameter_count(arch, job.lora.rank, job.lora.targets),
     )
     usable, source = estimator.usable_memory(device)
     compute_flops = devices * device.peak_flops * ESTIMATE_UTILISATION
@@ -196,7 +195,7 @@ def preflight(
 
 @dataclasses.dataclass
 class AbstractSteps:
-    """A config's real train and eval steps (``steps.MeshStep``s) and the abstract arguments of their real
+    """A job's real train and eval steps (``steps.MeshStep``s) and the abstract arguments of their real
     geometry, with what they were made from."""
 
     train_step: Any
@@ -210,32 +209,28 @@ class AbstractSteps:
     longest_rows: dict[str, np.ndarray]
 
 
-def abstract_steps(config: config_dict.ConfigDict, *, devices: int, layers: int | None) -> AbstractSteps:
+def abstract_steps(job: Job, *, devices: int, layers: int | None) -> AbstractSteps:
     """The steps ``preflight`` compiles, on the first ``devices`` of ``jax.devices()`` and the model cut to
     ``layers``; also lowered for other platforms (``tests/test_lowering_accelerators.py``)."""
     available = jax.devices()
     if devices > len(available):
         raise ValueError(f"--devices {devices}: only {len(available)} {available[0].platform} devices are visible")
-    mesh = sharding.make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor, devices=available[:devices])
-    arch = estimator.architecture_of(config, layers)
-    tokenizer = load_tokenizer(config.tokenizer or config.model.path)
-    yes_id, no_id = answer_token_ids(tokenizer, config.data.answers)
-    runs = results.plan_runs(config)
+    mesh = job.mesh.make(available[:devices])
+    arch = estimator.architecture_of(job.model, layers)
+    tokenizer = load_tokenizer(job.model.tokenizer)
+    yes_id, no_id = answer_token_ids(tokenizer, job.data.answers)
+    runs = job.runs.runs()
     seeds = [run.seed for run in runs]
-    train_sets = few_shot_sets(config, tokenizer, [(run.seed, run.shots) for run in runs])
-    geometry = batch_geometry(config, mesh, train_sets, seeds)
-    data = load_runs_data(config, tokenizer, seeds, train_sets, geometry, prefetch=0)
+    train_sets = few_shot_sets(job.data, tokenizer, [(run.seed, run.shots) for run in runs])
+    geometry = batch_geometry(job.batches, mesh, train_sets, seeds)
+    data = load_runs_data(job.data, tokenizer, seeds, train_sets, geometry, prefetch=0)
     longest_rows = max(data.eval_pool.batches, key=lambda batch: batch["input_ids"].shape[-1])
 
     def make_model() -> models.CausalLM:
-        return models.abstract_model(
-            arch, dtype=config.model.dtype, remat=config.model.remat, attention=config.model.attention
-        )
+        return models.abstract_model(arch, dtype=job.model.dtype, remat=job.model.remat, attention=job.model.attention)
 
-    graphdef, base, state = steps.abstract_init_runs(
-        make_model, seeds, LoRAConfig.from_config(config.lora), loop.optimizer(config)
-    )
-    train_step, eval_step = loop.make_steps(config, geometry, graphdef, base, state, yes_id, no_id, mesh)
+    graphdef, base, state = steps.abstract_attach_runs(make_model, seeds, job.lora, job.optimizer.transformation)
+    train_step, eval_step = loop.make_steps(job, geometry, graphdef, base, state, yes_id, no_id, mesh)
     base_in = _with_shardings(base, param_shardings(base, mesh))
     runs_in = _with_shardings(state, sharding.runs_shardings(state, mesh))
     return AbstractSteps(
@@ -549,12 +544,13 @@ def _define_flags() -> None:
 
 
 def main(config: config_dict.ConfigDict) -> None:
-    """Compiles `config` (the command line's, its overrides applied) and prints (and writes) the report."""
+    """Compiles `config` (the command line's, its overrides applied; read without the checks of files and hubs,
+    ``oodjax.job.read``, as the estimate reads it) and prints (and writes) the report."""
     options = flags.FLAGS
     if options.devices:
         _fake_host_devices(options.devices)
     report = preflight(
-        config,
+        read(config),
         devices=options.devices,
         layers=options.layers,
         hlo_dir=options.hlo,

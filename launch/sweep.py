@@ -45,12 +45,12 @@ import subprocess
 import sys
 from collections.abc import Sequence
 
-from ml_collections import config_dict
-
+import oodjax.job
 from launch.config_files import config_stem, experiment_config_paths, load_config
+from oodjax import usage_errors
 from oodjax.engine import results
 from oodjax.engine.preemption import PREEMPTED_EXIT_CODE
-from oodjax.engine.results import Run, plan_runs
+from oodjax.engine.results import Run
 
 BACKENDS = ("slurm", "tpu", "local")
 LAUNCH_DIR = pathlib.Path(__file__).resolve().parent
@@ -112,13 +112,14 @@ def plan_jobs(
     return jobs
 
 
-def job_config(job: Job) -> config_dict.ConfigDict:
-    """The config the job's process will see: its file with the job's overrides applied."""
+def job_plan(job: Job) -> oodjax.job.Job:
+    """The job as its process will resolve it: its config file with the job's overrides applied, read
+    (``oodjax.job.read``) for its runs and their final step."""
     config = load_config(job.config_path)
     config.runs.seeds = job.seeds
     config.runs.shots = job.shots
     config.output_dir = job.output_dir
-    return config
+    return oodjax.job.read(config)
 
 
 def run_finished(run: Run, final_step: int, output_dir: str | None) -> bool:
@@ -146,10 +147,10 @@ def run_finished(run: Run, final_step: int, output_dir: str | None) -> bool:
 def unfinished_jobs(job: Job, output_dir: str | None) -> list[Job]:
     """Jobs that train exactly `job`'s unfinished runs, in its directory: one when they form a seeds x shots
     grid (all of them, say, or one seed's), else one per group of seeds that lack the same shot counts."""
-    config = job_config(job)
+    plan = job_plan(job)
     shots_by_seed: dict[int, list[int]] = {}
-    for run in plan_runs(config):
-        if not run_finished(run, config.train.steps, output_dir):
+    for run in plan.runs.runs():
+        if not run_finished(run, plan.cadence.total_steps, output_dir):
             shots_by_seed.setdefault(run.seed, []).append(run.shots)
     seeds_by_shots: dict[tuple[int, ...], list[int]] = {}
     for seed, shots in shots_by_seed.items():
@@ -232,7 +233,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     jobs = plan_jobs(configs, args.seeds, args.shots, args.output_dir, per_run=args.per_run)
     pending, skipped_runs = [], 0
     for job in jobs:
-        remaining = unfinished_jobs(job, args.output_dir)
+        with usage_errors.reported(parser.prog, config_spec=job.config_path):  # a config that cannot be read
+            remaining = unfinished_jobs(job, args.output_dir)
         done = job.runs - sum(part.runs for part in remaining)
         skipped_runs += done
         if not remaining:
@@ -303,7 +305,8 @@ def _list(values: Sequence[int]) -> str:
 
 
 def _tuple_literal(values: Sequence[int]) -> str:
-    """A Python tuple literal without spaces, as ml_collections parses `--config.x=(1,2,)`."""
+    """A Python tuple literal without spaces (`(1,2,)`, one item `(1,)`), one of the list forms
+    ``oodjax.config_cli`` reads `--config.runs.seeds=` in, and one word in the commands the sweep prints."""
     return "(" + ",".join(str(value) for value in values) + ",)"
 
 

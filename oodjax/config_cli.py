@@ -18,8 +18,8 @@ has in that config:
   `--config.data.testsets=snli,hans`) or as a Python literal
   (`--config.runs.seeds=(0,42)`, `--config.data.testsets="('snli','hans')"`);
   `--config.runs.seeds=` or `()` is the empty list. The item type of each
-  list is `configs.base.LIST_ITEM_TYPES`; items are stripped of spaces,
-  except those of `configs.base.VERBATIM_LIST_ITEMS` (`--config.data.answers=" yes"," no"`);
+  list is `oodjax.config_fields.LIST_ITEM_TYPES`; items are stripped of spaces,
+  except those of `oodjax.config_fields.VERBATIM_LIST_ITEMS` (`--config.data.answers=" yes"," no"`);
 - a dict literal for a field that is itself a ConfigDict
   (`--config.model.hf_config={}` empties it;
   `--config.data.extra_testsets="{'anli1': {...}}"` declares testsets), and a
@@ -32,9 +32,9 @@ both). A field that does not exist, a value that does not parse, a list item
 of the wrong type, or an override without `=` for a field that is not a
 boolean is an error naming the argument, before anything loads; whether a
 value is allowed (a list that must not be empty, a path that must exist) is
-`oodjax.engine.checks.check_config`'s to say, which training runs first.
+`oodjax.config_checks.check_config`'s to say, which training runs first.
 
-`--help` lists every field of configs/base.py with its default and what it
+`--help` lists every field of oodjax/config_fields.py with its default and what it
 means, read from the comments above each field there: the one place they are
 written; `--config X --help` (overrides too) lists them with X's values,
 and base's default beside each value X changes. `describe_config` is the
@@ -59,14 +59,12 @@ import types
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from absl import app, flags, logging
+from absl import app, flags
 from ml_collections import config_dict
 
-import configs
-from configs import base
-from oodjax import usage_errors
+from oodjax import config_fields, usage_errors
 from oodjax.engine import console
-from oodjax.usage_errors import ConfigError
+from oodjax.usage_errors import ConfigError, MissingInputError
 
 CONFIG_FLAG = "config"
 # `--config oodjax:NAME` names the packaged config configs/NAME.py, wherever the package is installed.
@@ -155,7 +153,10 @@ def config_module(path: pathlib.Path) -> types.ModuleType:
 
 def packaged_configs_dir() -> pathlib.Path:
     """The folder of the configs installed with the package (the repository's configs/ in a checkout)."""
-    return pathlib.Path(configs.__file__).resolve().parent
+    spec = importlib.util.find_spec("configs")  # located, not imported: the library does not depend on it
+    if spec is None or not spec.submodule_search_locations:
+        raise MissingInputError("the packaged configs (the configs package) are not installed beside oodjax")
+    return pathlib.Path(next(iter(spec.submodule_search_locations))).resolve()
 
 
 def packaged_config_names() -> list[str]:
@@ -233,15 +234,15 @@ def apply_overrides(config: config_dict.ConfigDict, overrides: Sequence[str]) ->
 
 
 def config_fields_help(config: config_dict.ConfigDict | None = None) -> str:
-    """Every field of configs/base.py with the comment on it there, section by section, and its value: base's
+    """Every field of oodjax/config_fields.py with the comment on it there, section by section, and its value: base's
     default, or ``config``'s (the one `--config` names) with base's default beside each value it changes."""
-    defaults = base.get_config()
+    defaults = config_fields.get_config()
     if config is None:
         shown = "shown with configs/base.py's defaults, which a config file changes in part"
     else:
         shown = "shown with --config's values, (base: X) where configs/base.py's default X differs"
     lines = [f"config fields (--{CONFIG_FLAG}.<field>=<value> sets one; {shown}):"]
-    for path, description in field_descriptions().items():  # in the order configs/base.py sets them
+    for path, description in field_descriptions().items():  # in the order oodjax/config_fields.py sets them
         if path in _sections():
             lines += ["", f"[{path}]", *_wrapped(description, indent="  ")]
             continue
@@ -254,15 +255,10 @@ def config_fields_help(config: config_dict.ConfigDict | None = None) -> str:
     return "\n".join(lines)
 
 
-def log_config(config: config_dict.ConfigDict) -> None:
-    """Logs the config a job runs (``describe_config``), once its checks have passed and its runs are locked: a
-    job refused for a bad config or a locked run says so in its one line, with nothing before it."""
-    logging.info("config (command-line overrides applied):\n%s", describe_config(config))
-
-
 def describe_config(config: config_dict.ConfigDict) -> str:
     """``config`` as a job prints it at start, the whole of it: a line per section (wrapped) of ``field=value``,
-    each value as `--config.<field>=` takes it, the fields outside any section first, in configs/base.py's order."""
+    each value as `--config.<field>=` takes it, the fields outside any section first, in
+    oodjax/config_fields.py's order."""
     sections: dict[str, list[str]] = {"": []}
     for path in field_descriptions():
         if path not in _sections():
@@ -284,12 +280,12 @@ def describe_config(config: config_dict.ConfigDict) -> str:
 
 @functools.cache
 def field_descriptions() -> dict[str, str]:
-    """Field path -> the comment on it in configs/base.py: the comment lines right above it, then any after it.
+    """Field path -> the comment on it in oodjax/config_fields.py: the comment lines right above it, then any after it.
 
     Read from the source of `get_config()`, so the meaning of a field is
     written once, beside its default.
     """
-    source = inspect.getsource(base)
+    source = inspect.getsource(config_fields)
     comments, code_lines = {}, set()
     for token in tokenize.generate_tokens(io.StringIO(source).readline):
         if token.type == tokenize.COMMENT:
@@ -433,11 +429,11 @@ def _parse_scalar(kind: type, text: str, error: Callable[[str], CommandLineError
 
 def _parse_list(field: str, text: str, argument: str) -> tuple:
     """`a,b,c` or a Python tuple/list literal, each item of the field's declared item type."""
-    if field not in base.LIST_ITEM_TYPES:
+    if field not in config_fields.LIST_ITEM_TYPES:
         raise CommandLineError(
-            f"{argument}: {field} is a list whose item type configs/base.py's LIST_ITEM_TYPES does not declare"
+            f"{argument}: {field} is a list whose item type oodjax/config_fields.py's LIST_ITEM_TYPES does not declare"
         )
-    kind = base.LIST_ITEM_TYPES[field]
+    kind = config_fields.LIST_ITEM_TYPES[field]
     what = {int: "integers", float: "numbers", str: "strings"}[kind]
     example = {int: "0,42", float: "0.1,0.2", str: "snli,hans"}[kind]
     stripped = text.strip()
@@ -454,7 +450,7 @@ def _parse_list(field: str, text: str, argument: str) -> tuple:
                 f"or write the items comma-separated: --{CONFIG_FLAG}.{field}={example}"
             )
     else:
-        items = [item if field in base.VERBATIM_LIST_ITEMS else item.strip() for item in text.split(",")]
+        items = [item if field in config_fields.VERBATIM_LIST_ITEMS else item.strip() for item in text.split(",")]
         if "" in items:
             raise CommandLineError(f"{argument}: an empty item in {text!r}; write --{CONFIG_FLAG}.{field}={example}")
         if kind is not str:
@@ -483,8 +479,9 @@ def _is_a(item: Any, kind: type) -> bool:
 
 @functools.cache
 def _sections() -> frozenset[str]:
-    """The ConfigDicts of configs/base.py that group fields (model, train, ...), unlike `model.hf_config`, a value."""
-    config = base.get_config()
+    """The ConfigDicts of oodjax/config_fields.py that group fields (model, train, ...), unlike `model.hf_config`,
+    a value."""
+    config = config_fields.get_config()
     return frozenset(
         path
         for path in field_descriptions()

@@ -38,7 +38,6 @@ run) is refused with one line, nothing written.
 from __future__ import annotations
 
 import dataclasses
-import json
 import pathlib
 import time
 from collections.abc import Sequence
@@ -53,10 +52,11 @@ from ml_collections import config_dict
 from analysis import schema
 from oodjax import config_cli
 from oodjax.data import answer_token_ids, load_tokenizer
-from oodjax.engine import checks, loop, results, run_data, run_lock, sharding, steps
+from oodjax.engine import loop, results, run_data, run_lock, sharding, steps
 from oodjax.engine.distributed import is_primary
 from oodjax.engine.evaluation import evaluate, make_eval_pool, refuse_non_finite_model
 from oodjax.engine.geometry import eval_geometry
+from oodjax.job import Job, resolve
 from oodjax.main import start_process
 from oodjax.models.lora import LoRAConfig, apply_lora, lora_from_peft, read_peft
 from oodjax.models.partitioning import param_shardings
@@ -78,30 +78,29 @@ class EvaluatedRun:
     adapter: pathlib.Path | None  # None: the base model alone (or in context)
 
 
-def plan_evaluation(config: config_dict.ConfigDict) -> list[EvaluatedRun]:
-    """The runs ``evaluate_config`` evaluates: the base model, one per adapter folder, or one per (seed, shots)
+def plan_evaluation(job: Job) -> list[EvaluatedRun]:
+    """The runs ``evaluate_job`` evaluates: the base model, one per adapter folder, or one per (seed, shots)
     in context (see the module)."""
-    model = results.model_name(config)
-    output = pathlib.Path(config.output_dir)
-    if config.eval.in_context:
+    model, train_set, output = job.model.name, job.data.train_set, job.runs.output_dir
+    if job.in_context:
         model = f"{model}{IN_CONTEXT_SUFFIX}"
         planned = []
-        for run in results.plan_runs(config):  # the grid training would run, in its order
-            name = results.run_name(model, config.data.train_set, run.seed, run.shots)
+        for run in job.runs.runs():  # the grid training would run, in its order
+            name = results.run_name(model, train_set, run.seed, run.shots)
             planned.append(EvaluatedRun(name, model, run.seed, run.shots, output / name, None))
         return planned
-    if not config.model.adapters:
-        name = f"{results.path_safe(model)}_{config.data.train_set}_{BASE_RUN_SUFFIX}"
+    if not job.adapters:
+        name = f"{results.path_safe(model)}_{train_set}_{BASE_RUN_SUFFIX}"
         return [EvaluatedRun(name, model, 0, 0, output / name, None)]
     planned = []
-    for index, folder in enumerate(pathlib.Path(path).expanduser() for path in config.model.adapters):
+    for index, folder in enumerate(job.adapters):
         identity = _trained_run_identity(folder)
         if identity is not None:
             seed, shots = identity
-            name = results.run_name(model, config.data.train_set, seed, shots)
+            name = results.run_name(model, train_set, seed, shots)
         else:
             seed, shots = index, 0
-            name = f"{results.path_safe(model)}_{config.data.train_set}_{results.path_safe(folder.name)}"
+            name = f"{results.path_safe(model)}_{train_set}_{results.path_safe(folder.name)}"
         planned.append(EvaluatedRun(name, model, seed, shots, output / name, folder))
     names = [run.name for run in planned]
     repeated = sorted({name for name in names if names.count(name) > 1})
@@ -110,7 +109,7 @@ def plan_evaluation(config: config_dict.ConfigDict) -> list[EvaluatedRun]:
     return planned
 
 
-def evaluate_config(config: config_dict.ConfigDict) -> list[EvaluatedRun]:
+def evaluate_job(job: Job) -> list[EvaluatedRun]:
     """Evaluates the config's base model, adapters or in-context runs (``plan_evaluation``) and writes their
     metrics.npz; returns its runs (those locked by another job left out, with runs.skip_locked).
 
@@ -119,27 +118,26 @@ def evaluate_config(config: config_dict.ConfigDict) -> list[EvaluatedRun]:
     A model whose margins are NaN or infinite on every testset of every run
     raises ``NonFiniteModelError``, nothing written.
     """
-    checks.check_config(config, evaluation=True)
-    with run_lock.locked_runs(plan_evaluation(config), skip_locked=config.runs.skip_locked) as planned:
-        config_cli.log_config(config)
+    with run_lock.locked_runs(plan_evaluation(job), skip_locked=job.runs.skip_locked) as planned:
+        job.log_config()
         todo = [run for run in planned if not (run.directory / schema.METRICS_FILENAME).exists()]
         for run in planned:
             if run not in todo:
                 logging.info("%s: evaluated already (%s), skipped", run.name, run.directory / schema.METRICS_FILENAME)
         if todo:
-            _evaluate_runs(config, todo)
+            _evaluate_runs(job, todo)
     return planned
 
 
-def _evaluate_runs(config: config_dict.ConfigDict, todo: list[EvaluatedRun]) -> None:
+def _evaluate_runs(job: Job, todo: list[EvaluatedRun]) -> None:
     """Evaluates ``todo`` together on one copy of the base and writes each run's metrics.npz."""
     adapters = [read_peft(run.adapter) for run in todo if run.adapter is not None]
     lora_cfg = _shared_adapter_config(adapters, [run.adapter for run in todo if run.adapter is not None])
 
-    mesh = sharding.make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
-    tokenizer = load_tokenizer(config.tokenizer or config.model.path)
-    yes_id, no_id = answer_token_ids(tokenizer, config.data.answers)
-    model = loop.load_model(config, mesh)
+    mesh = job.mesh.make()
+    tokenizer = load_tokenizer(job.model.tokenizer)
+    yes_id, no_id = answer_token_ids(tokenizer, job.data.answers)
+    model = job.model.load(mesh)
     apply_lora(model, lora_cfg, rngs=nnx.Rngs(0))  # B = 0: the base model's own outputs, exactly
     fresh = nnx.state(model, nnx.LoRAParam)
     per_run = [
@@ -151,13 +149,13 @@ def _evaluate_runs(config: config_dict.ConfigDict, todo: list[EvaluatedRun]) -> 
     lora = jax.tree.map(lambda *xs: jnp.stack(xs), *per_run)
     lora = sharding.place(lora, sharding.runs_shardings(lora, mesh))
 
-    if config.eval.in_context:  # each run scores its own in-context copy of the testsets
+    if job.in_context:  # each run scores its own in-context copy of the testsets
         shared = {}
-        dataset_index, own = run_data.in_context_sets(config, tokenizer, [(run.seed, run.shots) for run in todo])
+        dataset_index, own = run_data.in_context_sets(job.data, tokenizer, [(run.seed, run.shots) for run in todo])
     else:
-        shared, own = run_data.load_testsets(config, tokenizer), [{} for _ in todo]
+        shared, own = run_data.load_testsets(job.data, tokenizer), [{} for _ in todo]
         dataset_index = run_data.dataset_indices(shared)
-    layout = eval_geometry(config, sharding.batch_shards(mesh))
+    layout = eval_geometry(job.batches, sharding.batch_shards(mesh))
     pool = make_eval_pool(
         shared,
         own,
@@ -166,20 +164,17 @@ def _evaluate_runs(config: config_dict.ConfigDict, todo: list[EvaluatedRun]) -> 
         pad_id=run_data.pad_id(tokenizer),
         row_lengths=layout.row_lengths,
     )
-    eval_step = steps.make_eval_step(
-        graphdef, yes_id, no_id, mesh=mesh, compute_dtype=config.model.compute_dtype or None
-    )
+    eval_step = steps.make_eval_step(graphdef, yes_id, no_id, mesh=mesh, compute_dtype=job.model.compute_dtype)
     evaluation_start = time.perf_counter()
     margins = evaluate(
         eval_step, base_state, lora, pool, place=lambda batch: sharding.shard_batch(batch, mesh, batch_axis=1)
     )
     evaluation_seconds = time.perf_counter() - evaluation_start
-    config_json = json.loads(config.to_json())
     evaluated = []
     for r, run in enumerate(todo):
         kind = (
             schema.EVALUATED_IN_CONTEXT
-            if config.eval.in_context
+            if job.in_context
             else schema.EVALUATED_ADAPTER
             if run.adapter is not None
             else schema.EVALUATED_BASE
@@ -194,13 +189,13 @@ def _evaluate_runs(config: config_dict.ConfigDict, todo: list[EvaluatedRun]) -> 
             run.directory,
             labels=pool.labels_of(r),
             dataset_index=dataset_index,
-            in_domain=config.data.train_set,
-            config=dict(config_json, **{schema.RUN_SECTION: identity}),
+            in_domain=job.data.train_set,
+            config=dict(job.record, **{schema.RUN_SECTION: identity}),
         )
         evaluated.append(
             (run, run_results, run_results.add(0, margins[r], float("nan"), evaluation_seconds=evaluation_seconds))
         )
-    base = config.model.path or results.model_name(config)
+    base = job.model.source
     refuse_non_finite_model(
         f"{base} with its adapters" if adapters else base, [accuracies for _, _, accuracies in evaluated]
     )
@@ -208,7 +203,7 @@ def _evaluate_runs(config: config_dict.ConfigDict, todo: list[EvaluatedRun]) -> 
         if is_primary():
             run_results.write()
         logging.info("%s: %s", run.name, ", ".join(f"{name} {value:.3f}" for name, value in accuracies.items()))
-    logging.info("done: %d runs evaluated; results in %s", len(todo), config.output_dir)
+    logging.info("done: %d runs evaluated; results in %s", len(todo), job.runs.output_dir)
 
 
 def _shared_adapter_config(adapters: Sequence[tuple[LoRAConfig, Any]], folders: Sequence[pathlib.Path]) -> LoRAConfig:
@@ -240,7 +235,7 @@ def _trained_run_identity(adapter: pathlib.Path) -> tuple[int, int] | None:
 def main(config: config_dict.ConfigDict) -> None:
     """Evaluates `config` (the command line's, its overrides applied) on this process's share of the devices."""
     start_process()
-    evaluate_config(config)
+    evaluate_job(resolve(config, evaluation=True))
 
 
 def run() -> None:

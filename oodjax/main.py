@@ -26,6 +26,7 @@ from ml_collections import config_dict
 
 from oodjax import config_cli, storage
 from oodjax.engine import distributed, loop, preemption
+from oodjax.job import resolve
 
 
 class _QuietCheckpointing(python_logging.Filter):
@@ -58,7 +59,7 @@ def main(config: config_dict.ConfigDict) -> None:
     """
     start_process()
     try:
-        loop.train(config)
+        loop.train(resolve(config))
     except preemption.Preempted as stopped:
         logging.warning("%s", stopped)
         sys.exit(preemption.PREEMPTED_EXIT_CODE)

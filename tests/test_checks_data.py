@@ -9,7 +9,7 @@ import huggingface_hub
 import pytest
 from huggingface_hub.errors import RepositoryNotFoundError
 
-from oodjax.engine import checks
+from oodjax import config_checks
 from oodjax.usage_errors import ConfigError
 from tests.engine_configs import tiny_config
 
@@ -59,7 +59,7 @@ def test_declared_testsets_and_overrides_pass(config, tmp_path):
             "not_entailment": [1],
         },
     )
-    checks.check_config(config)
+    config_checks.check_config(config)
 
 
 def test_a_testset_neither_built_in_nor_declared_is_named(config):
@@ -67,7 +67,7 @@ def test_a_testset_neither_built_in_nor_declared_is_named(config):
     with pytest.raises(
         ConfigError, match="data.testsets: unknown testset 'rte_vall'; known testsets: snli, .*, anli, rte_val"
     ):
-        checks.check_config(config)
+        config_checks.check_config(config)
 
 
 def test_a_bad_declaration_is_named_with_its_field(config):
@@ -75,7 +75,7 @@ def test_a_bad_declaration_is_named_with_its_field(config):
     with pytest.raises(
         ValueError, match=r"^data.extra_testsets\['rte_val'\], field 'not_entailment': label values \[1\] are also"
     ):
-        checks.check_config(config)
+        config_checks.check_config(config)
 
 
 def test_a_declared_file_that_does_not_exist_is_named(config, tmp_path):
@@ -87,7 +87,7 @@ def test_a_declared_file_that_does_not_exist_is_named(config, tmp_path):
     with pytest.raises(
         FileNotFoundError, match=rf"^data.extra_testsets\['mine'\], field 'source': file {tmp_path}/no.jsonl does not"
     ):
-        checks.check_config(config)
+        config_checks.check_config(config)
 
 
 def test_a_split_missing_from_the_mirror_offline_and_uncached_is_named(config, empty_hub_caches):
@@ -97,19 +97,19 @@ def test_a_split_missing_from_the_mirror_offline_and_uncached_is_named(config, e
         match=r"^data.extra_testsets\['rte_test'\]: no local file for nyu-mll/glue/rte split 'test': looked for .*; "
         r"the hub is offline \(HF_HUB_OFFLINE\) and 'nyu-mll/glue' is not in its cache",
     ):
-        checks.check_config(config)
+        config_checks.check_config(config)
     (empty_hub_caches / "datasets_cache" / "nyu-mll___glue").mkdir(parents=True)
-    checks.check_config(config)  # cached: loading will say whether the split is there
+    config_checks.check_config(config)  # cached: loading will say whether the split is there
 
 
 def test_without_a_mirror_offline_a_built_in_must_be_cached(config, empty_hub_caches, monkeypatch):
     config.data.data_dir = ""
     monkeypatch.delenv("OODJAX_DATA_DIR")
     with pytest.raises(FileNotFoundError, match=r"^testset 'mnli': no local mirror .* 'nyu-mll/glue' is not in its"):
-        checks.check_config(config)
+        config_checks.check_config(config)
     (empty_hub_caches / "hub_cache" / "datasets--nyu-mll--glue").mkdir(parents=True)
     (empty_hub_caches / "datasets_cache" / "jhu-cogsci___hans").mkdir(parents=True)
-    checks.check_config(config)
+    config_checks.check_config(config)
 
 
 def test_online_a_declared_hub_id_missing_from_the_mirror_is_looked_up(config, monkeypatch):
@@ -122,10 +122,10 @@ def test_online_a_declared_hub_id_missing_from_the_mirror_is_looked_up(config, m
             response = httpx.Response(404, request=httpx.Request("GET", url))
             raise RepositoryNotFoundError(f"404 Client Error: Repository Not Found for url: {url}", response=response)
 
-    monkeypatch.setattr(checks, "hub_offline", lambda: False)
+    monkeypatch.setattr(config_checks, "hub_offline", lambda: False)
     monkeypatch.setattr(huggingface_hub.HfApi, "dataset_info", dataset_info)
     declare(config, ("mnli", "hans", "rte_test"), rte_test={**RTE_DECLARATION, "split": "test"})
-    checks.check_config(config)
+    config_checks.check_config(config)
     assert looked_up == ["nyu-mll/glue"]  # not the built-ins, nor the declared split the mirror has
     declare(config, ("mnli", "typo"), typo={**RTE_DECLARATION, "source": "nyu-mll/gleu"})
     with pytest.raises(
@@ -133,13 +133,13 @@ def test_online_a_declared_hub_id_missing_from_the_mirror_is_looked_up(config, m
         match=r"^data.extra_testsets\['typo'\], field 'source': hub dataset 'nyu-mll/gleu' cannot be read: "
         r"RepositoryNotFoundError: 404 Client Error",
     ):
-        checks.check_config(config)
+        config_checks.check_config(config)
 
 
 def test_train_is_not_a_testset_name(config):
     declare(config, ("mnli", "train"), train=RTE_DECLARATION)
     with pytest.raises(ValueError, match=r"^data.extra_testsets\['train'\]: 'train' is the results' name for each"):
-        checks.check_config(config)
+        config_checks.check_config(config)
 
 
 def test_a_declared_testset_is_not_a_training_set(config):
@@ -150,7 +150,7 @@ def test_a_declared_testset_is_not_a_training_set(config):
         match=r"data.train_set 'rte_val' is not a training set; few-shot pools exist for: "
         r"snli, mnli",
     ):
-        checks.check_config(config)
+        config_checks.check_config(config)
 
 
 def test_declarations_from_a_file(config, tmp_path):
@@ -158,13 +158,13 @@ def test_declarations_from_a_file(config, tmp_path):
     path.write_text(json.dumps({"rte_val": RTE_DECLARATION}))
     config.data.extra_testsets_file = str(path)
     config.data.testsets = ("mnli", "rte_val")
-    checks.check_config(config)
+    config_checks.check_config(config)
     path.write_text(json.dumps({"rte_val": {**RTE_DECLARATION, "cap": -5}}))
     with pytest.raises(ValueError, match=rf"^testset 'rte_val' in {re.escape(str(path))}, field 'cap': must be an"):
-        checks.check_config(config)
+        config_checks.check_config(config)
     config.data.extra_testsets_file = str(tmp_path / "missing.yaml")
     with pytest.raises(FileNotFoundError, match=r"^data.extra_testsets_file '.*missing.yaml' is not a file"):
-        checks.check_config(config)
+        config_checks.check_config(config)
 
 
 @pytest.mark.parametrize(
@@ -179,4 +179,4 @@ def test_declarations_from_a_file(config, tmp_path):
 def test_bad_answers_are_named(config, answers, message):
     config.data.answers = answers
     with pytest.raises(ValueError, match=message):
-        checks.check_config(config)
+        config_checks.check_config(config)

@@ -8,8 +8,8 @@ from absl import flags
 from ml_collections import config_dict
 
 from configs import base
-from oodjax import config_cli
-from oodjax.engine import checks
+from oodjax import config_checks, config_cli, config_fields
+from oodjax.job import resolve
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DEMO = ROOT / "configs" / "demo.py"  # runs.seeds (0, 42), runs.shots (32,)
@@ -89,9 +89,9 @@ def test_testsets_declared_on_the_command_line():
 
 def test_an_empty_list_that_must_not_be_empty_is_refused_before_anything_loads():
     with pytest.raises(ValueError, match=r"runs.seeds must be a non-empty list without repeats, got \[\]"):
-        checks.check_config(parse("--config.runs.seeds="))
+        resolve(parse("--config.runs.seeds="))
     with pytest.raises(ValueError, match=r"data.testsets is empty"):
-        checks.check_config(parse("--config.data.testsets="))
+        config_checks.check_config(parse("--config.data.testsets="))
 
 
 def test_scalars_booleans_and_dicts():
@@ -191,7 +191,7 @@ def _base_fields(config, prefix=""):
 
 def test_list_item_types_cover_every_list_field_of_the_base_config():
     lists = {path for path, value in _base_fields(base.get_config()) if isinstance(value, tuple)}
-    assert lists == set(base.LIST_ITEM_TYPES)
+    assert lists == set(config_fields.LIST_ITEM_TYPES)
 
 
 def test_every_base_field_has_a_description():

@@ -16,6 +16,7 @@ import jax
 import numpy as np
 
 from oodjax.engine import console, loop
+from oodjax.job import resolve
 from tests.engine_configs import SHRUNK_DEMO_ARGS, tiny_config
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -107,7 +108,7 @@ def test_training_rate_leaves_out_evaluation_and_compilation(tmp_path, gpt2_toke
     config.checkpoint_every = 5  # evaluations at 2 and 4 are not also checkpoints
     original = loop._Loop._evaluate
     monkeypatch.setattr(loop._Loop, "_evaluate", lambda self, step: (original(self, step), time.sleep(1.0)))
-    runs = loop.train(config)
+    runs = loop.train(resolve(config))
     events = [json.loads(line) for line in (runs[0].directory / "events.jsonl").read_text().splitlines()]
     rates = {event["step"]: event["train/examples_per_s"] for event in events if "train/examples_per_s" in event}
     assert sorted(rates) == [2, 3, 4, 5, 6]  # step 1 compiles: no rate

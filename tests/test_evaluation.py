@@ -19,20 +19,21 @@ import pytest
 from flax import nnx
 
 from oodjax.data import (
+    TRAIN_KEYS,
     TokenizedSet,
     bucket_lengths,
     eval_batches,
     fitting_bucket,
     load_tokenizer,
-    make_batch,
     replay_rows,
     train_steps,
 )
 from oodjax.engine import sharding, steps
 from oodjax.engine.evaluation import evaluate, make_eval_pool, pool_figures
 from oodjax.engine.geometry import BatchGeometry, batch_geometry
-from oodjax.engine.run_data import TRAIN_KEYS, few_shot_sets, training_figures
+from oodjax.engine.run_data import few_shot_sets, training_figures
 from oodjax.engine.steps import micro_batch_branches
+from oodjax.job import read
 from oodjax.models import from_config, load_pretrained
 from oodjax.models.lora import LoRAConfig
 from tests.engine_configs import tiny_config
@@ -148,7 +149,7 @@ def test_pool_errors():
 
 def test_pooled_margins_are_the_full_models_logit_differences():
     model = from_config(OPT, dtype="float32", seed=0)
-    graphdef, base, runs = steps.init_runs(model, [0, 1], LORA, steps.make_optimizer(1e-3, 10, 1, 0.0, 1.0))
+    graphdef, base, runs = steps.attach_runs(model, [0, 1], LORA, steps.make_optimizer(1e-3, 10, 1, 0.0, 1.0))
     # Non-zero B, so the two runs' adapters (and margins) differ.
     runs = runs.replace(lora=jax.tree.map(lambda x: x + 0.05 * np.cos(np.arange(x.size).reshape(x.shape)), runs.lora))
     shared, own = pool_sets()
@@ -161,9 +162,9 @@ def test_pooled_margins_are_the_full_models_logit_differences():
     for run in range(2):
         lora_model = nnx.view(nnx.merge(graphdef, base, steps.select_run(runs.lora, run)), deterministic=True)
         for name, tok in {**shared, **own[run]}.items():
-            whole = make_batch(tok, np.arange(len(tok)), 64)  # the set right-padded, apart from the pool
-            logits = np.asarray(lora_model(whole["input_ids"], whole["segment_ids"]))
-            at = logits[np.arange(len(tok)), whole["answer_pos"]]
+            # Each prompt alone, apart from the pool: the logits at its last token.
+            prompts = [tok.prompt(i)[None] for i in range(len(tok))]
+            at = np.stack([np.asarray(lora_model(ids, np.ones_like(ids)))[0, -1] for ids in prompts])
             np.testing.assert_allclose(margins[run][name], at[:, YES] - at[:, NO], rtol=0, atol=1e-5)
     assert not np.allclose(margins[0]["a"], margins[1]["a"])
 
@@ -213,7 +214,7 @@ def test_a_loaded_base_and_its_runs_compile_the_train_step_once(tmp_path):
     transformers.OPTForCausalLM(hf_config).save_pretrained(tmp_path)
     model = load_pretrained(tmp_path, dtype="float32")
     optimizer = steps.make_optimizer(1e-3, 10, 1, 0.0, 1.0)
-    graphdef, base, runs = steps.init_runs(model, [0], LORA, optimizer)
+    graphdef, base, runs = steps.attach_runs(model, [0], LORA, optimizer)
     geometry = BatchGeometry(runs=1, batch_size=4, grad_accum=1, seq_len=16)
     train_step = steps.make_train_step(graphdef, optimizer, YES, NO, geometry)
     tok = tokenized([5, 9, 12, 7])
@@ -243,8 +244,8 @@ def test_a_job_compiles_the_micro_batch_lengths_its_streams_take_and_no_other(
     seeds = list(config.runs.seeds)
     mesh = sharding.make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor, devices=jax.devices()[:2])
     tokenizer = load_tokenizer(config.tokenizer)
-    train_sets = few_shot_sets(config, tokenizer, [(seed, 16) for seed in seeds])
-    geometry = batch_geometry(config, mesh, train_sets, seeds)
+    train_sets = few_shot_sets(read(config).data, tokenizer, [(seed, 16) for seed in seeds])
+    geometry = batch_geometry(read(config).batches, mesh, train_sets, seeds)
     every_bucket = dataclasses.replace(geometry, buckets=bucket_lengths(geometry.seq_len))
     stream = train_steps(
         train_sets,

@@ -25,6 +25,7 @@ from oodjax.data import (
     training_pool,
 )
 from oodjax.engine import loop, results, run_data
+from oodjax.job import read, resolve
 from tests.engine_configs import TINY_OPT, tiny_config
 
 ANSWERS = (" Yes", " No")
@@ -185,12 +186,12 @@ def icl_config(tmp_path_factory, gpt2_tokenizer_dir, data_dir):
 def test_a_runs_demonstrations_are_the_few_shot_set_training_would_draw(icl_config, data_dir, gpt2_tokenizer_dir):
     runs = [(0, 2), (1, 2), (0, 4), (1, 4)]
     pool = training_pool("mnli", data_dir=data_dir)
-    drawn = run_data.few_shot_datasets(icl_config, runs)
+    drawn = run_data.few_shot_datasets(read(icl_config).data, runs)
     for (seed, shots), demonstrations in zip(runs, drawn, strict=True):
         assert demonstrations.remove_columns(run_data.DATASET_INDEX).to_list() == few_shot(pool, shots, seed).to_list()
         assert sorted(demonstrations["label"]) == [0] * (shots // 2) + [1] * (shots // 2)
     tokenizer = AutoTokenizer.from_pretrained(gpt2_tokenizer_dir)
-    trained_on = run_data.few_shot_sets(icl_config, tokenizer, runs)
+    trained_on = run_data.few_shot_sets(read(icl_config).data, tokenizer, runs)
     for demonstrations, tokenized in zip(drawn, trained_on, strict=True):
         expected = tokenize_testset(demonstrations, tokenizer, max_length=128, use_cache=False)
         np.testing.assert_array_equal(tokenized.token_ids, expected.token_ids)
@@ -198,7 +199,7 @@ def test_a_runs_demonstrations_are_the_few_shot_set_training_would_draw(icl_conf
 
 @pytest.fixture(scope="module")
 def evaluated(icl_config):
-    return evaluate.evaluate_config(icl_config)
+    return evaluate.evaluate_job(resolve(icl_config, evaluation=True))
 
 
 def test_in_context_runs_are_named_and_written_as_trained_runs_of_model_icl(icl_config, evaluated):
@@ -255,9 +256,9 @@ def test_training_and_adapters_refuse_in_context(icl_config, tmp_path):
     config = icl_config.copy_and_resolve_references()
     config.output_dir = str(tmp_path / "train")
     with pytest.raises(ValueError, match=r"^eval.in_context=True is for evaluation without training: run `python -m "):
-        loop.train(config)
+        loop.train(resolve(config))
     config.output_dir = str(tmp_path / "eval")
     config.model.adapters = (str(tmp_path),)
     with pytest.raises(ValueError, match=r"eval.in_context=True .* model.adapters must be empty"):
-        evaluate.evaluate_config(config)
+        evaluate.evaluate_job(resolve(config, evaluation=True))
     assert not (tmp_path / "train").exists() and not (tmp_path / "eval").exists()

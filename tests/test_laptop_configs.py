@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from analysis import schema
-from configs.base import EIGHT_TESTSETS
+from oodjax.config_fields import EIGHT_TESTSETS
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 

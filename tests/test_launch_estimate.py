@@ -2,6 +2,7 @@
 per-device weight shards against real placement, saved activations against the VJP's own residuals, and the
 memory total against the compiler's."""
 
+import dataclasses
 import functools
 import os
 import pathlib
@@ -21,8 +22,12 @@ from configs.models import MODELS
 from launch import costs, estimate, preflight
 from launch.config_files import load_config
 from oodjax import models, usage_errors
-from oodjax.engine import loop, results, run_data, sharding, steps
+from oodjax.engine import run_data, sharding, steps
 from oodjax.engine.geometry import BatchGeometry, batch_geometry
+from oodjax.engine.loop import Cadence
+from oodjax.engine.sharding import MeshShape
+from oodjax.job import read
+from oodjax.models.layers import REMAT_POLICIES
 from oodjax.models.lora import LoRAConfig, apply_lora
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -218,7 +223,7 @@ def test_forward_flops_closed_form():
     # OPT, H=16, F=40, 2 layers, sequence 32: per layer 4*16*16 + 2*16*40 = 2304 weights;
     # per token 2*2*2304 matmul FLOPs + 4*2*32*16 attention FLOPs = 9216 + 4096.
     dims = costs.dimensions(TINY_ARCHITECTURES["opt"])
-    assert costs.forward_flops_per_token(dims, 32) == 13312
+    assert costs.forward_flops(dims, tokens=1, attention_pairs=32).total == 13312
 
     # Train step, 6 rows of 32 tokens holding 2 runs x 3 prompts, no adapters, no remat: 3 x matmuls
     # + 3 x attention per token, and 2*H*V*2 per prompt for the head.
@@ -239,6 +244,12 @@ def test_forward_flops_closed_form():
     assert step("none", runs=6, lora_parameters=10) - step("none", runs=6) == 2 * 6 * 32 * 8 * 3 * 10
     with pytest.raises(ValueError, match="unknown remat policy 'minimal'"):
         step("minimal")
+
+
+def test_what_each_remat_policy_recomputes_is_said_for_every_policy_of_the_layers():
+    assert set(costs.RECOMPUTED) == set(REMAT_POLICIES)
+    fields = {field.name for field in dataclasses.fields(costs.ForwardFlops)}
+    assert all(set(parts) <= fields for parts in costs.RECOMPUTED.values())
 
 
 @pytest.mark.parametrize("mesh", [dict(data=8, fsdp=1, tensor=1), dict(data=1, fsdp=4, tensor=2)])
@@ -361,10 +372,12 @@ def test_tied_heads_transposed_embedding_is_kept_only_when_gathered_from_fsdp_sh
 def test_train_row_length(pack, grad_accum, buckets, prompt_len, expected):
     config = load_config("configs/demo.py")
     config.train.pack, config.train.grad_accum, config.data.buckets = pack, grad_accum, buckets
-    rows, prompts = estimate.packed_rows(config, 8, prompt_len) if pack else (1, 1)
-    assert (rows, prompts, estimate.train_row_length(config, 8, prompt_len)) == expected
+    job = read(config)
+    geometry = estimate.assumed_geometry(job, 8, prompt_len)
+    rows, prompts = (geometry.packed_rows_per_device, geometry.prompts_per_row) if pack else (1, 1)
+    assert (rows, prompts, geometry.seq_len) == expected
     with pytest.raises(ValueError, match="prompt length 129 must be in"):
-        estimate.train_row_length(config, 8, 129)
+        estimate.assumed_geometry(job, 8, 129)
 
 
 def test_estimate_within_a_quarter_of_the_compiled_train_step():
@@ -374,14 +387,15 @@ def test_estimate_within_a_quarter_of_the_compiled_train_step():
     preflight needs the checkpoint's tokenizer)."""
     config = load_config("configs/olmo7_mnli.py")
     config.train.grad_accum, config.model.remat = 2, "save_dots"  # the layout the geometry below is worked out for
+    job = read(config)
     seq_len, layers = 384, 2
-    mesh = sharding.make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
-    architecture = estimate.architecture_of(config, layers)
-    graphdef, base, runs = steps.abstract_init_runs(
+    mesh = job.mesh.make()
+    architecture = estimate.architecture_of(job.model, layers)
+    graphdef, base, runs = steps.abstract_attach_runs(
         lambda: models.abstract_model(architecture, dtype=config.model.dtype, remat=config.model.remat),
-        [run.seed for run in results.plan_runs(config)],
-        LoRAConfig.from_config(config.lora),
-        loop.optimizer(config),
+        [run.seed for run in job.runs.runs()],
+        job.lora,
+        job.optimizer.transformation,
     )
     # What batch_geometry makes of it: 2 micro-batches of 9 x 16 / (2 x 8) = 9 prompts a device, in two rows of
     # at most data.max_length (512) each, 5 slots for the fuller.
@@ -397,7 +411,7 @@ def test_estimate_within_a_quarter_of_the_compiled_train_step():
     )
     assert (config.train.pack, config.data.max_length) == (True, 512)
     train_step = steps.make_train_step(
-        graphdef, loop.optimizer(config), 1, 2, geometry, mesh=mesh, base_state=base, runs=runs
+        graphdef, job.optimizer.transformation, 1, 2, geometry, mesh=mesh, base_state=base, state=runs
     )
     memory = train_step.lower(base, runs, preflight.train_batch(geometry, mesh)).compile().memory_analysis()
     compiled = (
@@ -408,7 +422,7 @@ def test_estimate_within_a_quarter_of_the_compiled_train_step():
     )
     estimated = estimate.estimate(
         "olmo7",
-        config,
+        job,
         devices=8,
         device=estimate.DEVICES["h100"],
         utilisation=0.4,
@@ -434,7 +448,7 @@ def test_a_packed_step_holds_all_runs_prompts_in_the_fewest_rows_per_device():
     def costed(config):
         return estimate.estimate(
             "smol3",
-            config,
+            read(config),
             devices=8,
             device=estimate.DEVICES["h100"],
             utilisation=0.4,
@@ -461,7 +475,7 @@ def test_a_packed_step_holds_all_runs_prompts_in_the_fewest_rows_per_device():
     # Per token computed: the layers' matmuls forward and backward (2 + 2 per weight); all 9 runs' adapters
     # (2 + 4 + 2 recomputed per weight and run); attention over the row forward, backward and recomputed
     # (4 + 8 + 4 per position and query feature, per layer). The head at each of the 144 prompts, forward and back.
-    arch = estimate.architecture_of(config, 2)
+    arch = estimate.architecture_of(read(config).model, 2)
     dims, lora = costs.dimensions(arch), costs.lora_parameter_count(arch, config.lora.rank)
 
     def flops(tokens, seq_len):
@@ -482,31 +496,37 @@ def test_a_packed_step_holds_all_runs_prompts_in_the_fewest_rows_per_device():
     ],
 )
 def test_resolve_mesh(mesh, devices, expected):
-    assert estimate.resolve_mesh(mesh, devices) == expected
+    """The estimate sizes a config's mesh for devices this machine may not have, with the engine's rule."""
+    assert MeshShape(**mesh).sizes(devices) == expected
 
 
 @pytest.mark.parametrize(
     "mesh, message",
     [
-        (dict(data=-1, fsdp=-1, tensor=1), "at most one mesh axis"),
-        (dict(data=3, fsdp=-1, tensor=1), "does not fit 8 devices"),
-        (dict(data=2, fsdp=2, tensor=1), "uses 4 devices, not the 8"),
+        (dict(data=-1, fsdp=-1, tensor=1), "at most one -1"),
+        (dict(data=3, fsdp=-1, tensor=1), "8 devices are not divisible by 3"),
+        (dict(data=2, fsdp=2, tensor=1), "need 4 devices; there are 8"),
     ],
 )
 def test_resolve_mesh_errors(mesh, message):
     with pytest.raises(ValueError, match=message):
-        estimate.resolve_mesh(mesh, 8)
+        MeshShape(**mesh).sizes(8)
 
 
 def test_eval_examples_counted_from_the_testsets():
     # RTE train (2490 rows) and WNLI train (635 rows) are two-way: nothing dropped.
-    assert estimate.count_eval_examples(("rte", "wnli"), "", "drop", 0) == 2490 + 635
-    assert estimate.count_eval_examples(("rte", "wnli"), "", "drop", 500) == 1000
+    config = load_config("configs/demo.py")
+    config.data.testsets, config.data.neutral = ("rte", "wnli"), "drop"
+    config.data.eval_cap = 0
+    assert estimate.count_eval_examples(read(config).data) == 2490 + 635
+    config.data.eval_cap = 500
+    assert estimate.count_eval_examples(read(config).data) == 1000
 
 
 def test_evaluation_steps():
-    assert estimate.evaluation_steps(500, 25) == 21
-    assert estimate.evaluation_steps(110, 25) == 6  # 0, 25, 50, 75, 100 and the last step
+    """What the estimate counts evaluations by: the loop's own schedule."""
+    assert len(Cadence(total_steps=500, eval_every=25).evaluated_steps()) == 21
+    assert len(Cadence(total_steps=110, eval_every=25).evaluated_steps()) == 6  # 0, 25, 50, 75, 100 and the last step
 
 
 def test_cli_prints_every_figure(capsys, monkeypatch):
@@ -602,7 +622,7 @@ def _one_line(stderr, status):
         ("c.model.path = 'someone/model-1b'", "model.path: no architecture numbers for 'someone/model-1b'"),
         (
             "c.model.path = 'facebook/opt-2.7b'\n    c.mesh.data = 3",
-            "mesh {'data': 3, 'fsdp': 1, 'tensor': 1} does not fit 8 devices",
+            "mesh sizes (data, fsdp, tensor) = (3, 1, 1) need 3 devices; there are 8",
         ),
     ],
 )
@@ -635,13 +655,13 @@ def test_the_real_prompts_are_those_the_engine_lays_out(tmp_path, gpt2_tokenizer
     transformers' tokenizer and the template, evaluation FLOPs in closed form over the pool's rows, and the
     train step laid out by the engine's geometry from the runs' few-shot sets."""
     config = load_config(_small_config(tmp_path))
-    mesh = estimate.resolve_mesh(config.mesh, 8)
-    counted = estimate.PromptCounter()(config, mesh)
+    job = read(config)
+    counted = estimate.PromptCounter()(job, job.mesh.sizes(8))
     result = estimate.estimate(
-        "small", config, devices=8, device=estimate.DEVICES["h100"], utilisation=0.4, prompts=counted
+        "small", job, devices=8, device=estimate.DEVICES["h100"], utilisation=0.4, prompts=counted
     )
     tokenizer = transformers.AutoTokenizer.from_pretrained(gpt2_tokenizer_dir)
-    runs = [(run.seed, run.shots) for run in results.plan_runs(config)]
+    runs = [(run.seed, run.shots) for run in job.runs.runs()]
 
     def lengths(dataset):  # prompts longer than data.max_length (128) lose premise tokens down to it
         prompts = [
@@ -650,8 +670,8 @@ def test_the_real_prompts_are_those_the_engine_lays_out(tmp_path, gpt2_tokenizer
         ]
         return [min(len(ids), 128) for ids in tokenizer(prompts)["input_ids"]]
 
-    testsets = [lengths(dataset) for dataset in run_data.capped_testsets(config).values()]
-    own_sets = [lengths(dataset) for dataset in run_data.few_shot_datasets(config, runs)]
+    testsets = [lengths(dataset) for dataset in run_data.capped_testsets(job.data).values()]
+    own_sets = [lengths(dataset) for dataset in run_data.few_shot_datasets(job.data, runs)]
     assert [len(t) for t in testsets] == [60, 60] and [len(s) for s in own_sets] == [16, 16]
     # Every run scores the testsets and its own few-shot set.
     prompts = 2 * 120 + 32
@@ -670,8 +690,8 @@ def test_the_real_prompts_are_those_the_engine_lays_out(tmp_path, gpt2_tokenizer
         sum(rows * length * (2 * weights + 4 * 2 * length * 64) for length, rows in counted.eval_rows.items())
     )
     # Training: the engine's own layout of the runs' few-shot sets.
-    tokenized = run_data.few_shot_sets(config, tokenizer, runs)
-    engine = batch_geometry(config, sharding.make_mesh(8, 1, 1), tokenized, [seed for seed, _ in runs])
+    tokenized = run_data.few_shot_sets(job.data, tokenizer, runs)
+    engine = batch_geometry(job.batches, sharding.make_mesh(8, 1, 1), tokenized, [seed for seed, _ in runs])
     assert result.geometry == counted.geometry
     assert (engine.rows, engine.seq_len, engine.prompts_per_row) == (
         result.geometry.rows,

@@ -32,6 +32,7 @@ from transformers import OPTConfig, OPTForCausalLM
 from launch import fetch
 from launch.config_files import load_config
 from oodjax.data import load_testset
+from oodjax.job import read
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 REPO = "facebook/opt-tiny-fetch"
@@ -372,7 +373,7 @@ def test_with_the_hub_switched_off_it_is_one_line_and_status_2(config_file, tmp_
 
 
 def test_the_study_reads_each_model_tokenizer_and_split_once(tmp_path):
-    configs = [(str(path), load_config(path)) for path in sorted(ROOT.glob("configs/*_[ms]nli.py"))]
+    configs = [(str(path), read(load_config(path))) for path in sorted(ROOT.glob("configs/*_[ms]nli.py"))]
     models = list(dict.fromkeys(config.model.path for _, config in configs))
     assert len(configs) == 16 and len(models) == 8
     items = fetch.plan(configs, tmp_path)
@@ -397,7 +398,7 @@ def test_the_study_reads_each_model_tokenizer_and_split_once(tmp_path):
     path = str(ROOT / "configs" / "opt2.7_mnli.py")
     config = load_config(path)
     config.data.pool_split = ""  # the pool's split is the config's, else the table's
-    labels = [item.label for item in fetch.plan([(path, config)], tmp_path)]
+    labels = [item.label for item in fetch.plan([(path, read(config))], tmp_path)]
     assert (
         "testset nyu-mll/glue/mnli validation_mismatched" in labels and "testset nyu-mll/glue/mnli train" not in labels
     )

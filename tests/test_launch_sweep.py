@@ -7,12 +7,11 @@ import shlex
 import numpy as np
 import pytest
 from absl import flags
-from ml_collections import config_flags
 
 from analysis import schema
 from launch import sweep
+from oodjax import config_cli
 from oodjax.engine.preemption import PREEMPTED_EXIT_CODE
-from oodjax.engine.results import plan_runs
 
 STUDY = ["--configs", "configs/*_mnli.py", "configs/*_snli.py"]
 
@@ -77,12 +76,10 @@ def test_local_command_line_sets_exactly_the_jobs_runs(capsys, tmp_path):
     assert lines[-1] == "2 runs in 1 jobs"
     command = shlex.split(lines[0])
     assert command[1:3] == ["-m", "oodjax.main"]
-    # Parse the arguments exactly as oodjax.main does.
-    argv = ["main", *command[3:]]
+    # Parse the arguments exactly as oodjax.main does (oodjax.config_cli).
     flag_values = flags.FlagValues()
-    config_flag = config_flags.DEFINE_config_file("config", None, "", flag_values=flag_values, sys_argv=argv)
-    flag_values(argv)
-    config = config_flag.value
+    config_cli.define_config_flag(flag_values)
+    config = config_cli.parse_command_line(["main", *command[3:]], flag_values)
     assert config.model.path == "HuggingFaceTB/SmolLM3-3B-Base" and config.data.train_set == "snli"
     assert tuple(config.runs.seeds) == (7, 8) and tuple(config.runs.shots) == (16,)
     assert config.output_dir == f"{tmp_path}/smol3_snli"
@@ -108,7 +105,7 @@ def finish_job(root, name, *, final_step=500, skip=()):
     job = next(
         job for job in sweep.plan_jobs([f"configs/{name}.py"], (0, 42, 99), (32, 64, 128), str(root), per_run=False)
     )
-    for run in plan_runs(sweep.job_config(job)):
+    for run in sweep.job_plan(job).runs.runs():
         if (run.seed, run.shots) not in skip:
             write_metrics(run.directory, list(range(0, final_step + 1, 25)))
 
@@ -153,7 +150,7 @@ def test_resume_submits_exactly_the_unfinished_runs(capsys, tmp_path):
 def test_an_unreadable_metrics_file_is_named_and_its_run_counted_unfinished(capsys, tmp_path):
     finish_job(tmp_path, "opt13_snli")
     job = sweep.plan_jobs(["configs/opt13_snli.py"], (0, 42, 99), (32, 64, 128), str(tmp_path), per_run=False)[0]
-    run = plan_runs(sweep.job_config(job))[4]  # seed 42, 64 shots
+    run = sweep.job_plan(job).runs.runs()[4]  # seed 42, 64 shots
     damaged = run.directory / schema.METRICS_FILENAME
     damaged.write_bytes(damaged.read_bytes()[:100])  # truncated
     assert (

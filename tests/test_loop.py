@@ -13,7 +13,8 @@ import pytest
 
 from analysis import schema
 from configs import base
-from oodjax.engine import checkpoints, loop, preemption, results, resumption
+from oodjax.engine import checkpoints, loop, preemption, resumption
+from oodjax.job import read, resolve
 from tests.engine_configs import tiny_config
 
 
@@ -55,7 +56,7 @@ def test_nothing_compiles_after_the_first_evaluation_step_and_checkpoint(config,
             marks.append((method, step, before, len(compilations)))
 
         monkeypatch.setattr(loop._Loop, method, counting)
-    loop.train(config)
+    loop.train(resolve(config))
     evaluations = [(step, before, after) for what, step, before, after in marks if what == "_evaluate"]
     assert [step for step, _, _ in evaluations] == [0, 2, 4, 6]
     assert evaluations[0][2] > evaluations[0][1]  # the first evaluation compiles (the listener works)
@@ -90,8 +91,8 @@ def test_non_finite_loss_stops_naming_the_step_and_keeps_the_last_good_state(con
     monkeypatch.setattr(loop.steps, "make_train_step", poisoned_make_train_step)
     message = r"non-finite training loss at step 3 \(opt-tiny_mnli_seed1_shots8=nan\)"
     with pytest.raises(loop.NonFiniteLossError, match=message):
-        loop.train(config)
-    for run in results.plan_runs(config):
+        loop.train(resolve(config))
+    for run in read(config).runs.runs():
         assert checkpoints.checkpoint_steps(run.directory) == [2]  # no checkpoint at step 4
         with np.load(run.directory / schema.METRICS_FILENAME) as npz:
             assert npz[schema.STEP].tolist() == [0, 2]
@@ -100,7 +101,7 @@ def test_non_finite_loss_stops_naming_the_step_and_keeps_the_last_good_state(con
     # Resuming those runs under another config would mix two experiments: refused, naming the field.
     config.train.learning_rate = 5e-4
     with pytest.raises(ValueError, match=r"started with another config .*train.learning_rate 0.001 -> 0.0005"):
-        loop.train(config)
+        loop.train(resolve(config))
 
 
 @pytest.fixture
@@ -131,8 +132,8 @@ def test_stop_signals_and_damaged_checkpoints_change_no_result(
     for config in configs.values():
         config.train.steps = 6
         config.runs.shots = (16,)  # two batches an epoch: a resumed data order shows
-    loop.train(configs["uninterrupted"])
-    runs = results.plan_runs(configs["stopped"])
+    loop.train(resolve(configs["uninterrupted"]))
+    runs = read(configs["stopped"]).runs.runs()
     step_4 = [checkpoints.checkpoint_dir(run.directory) / "4" for run in runs]
 
     make_train_step = loop.steps.make_train_step
@@ -153,7 +154,7 @@ def test_stop_signals_and_damaged_checkpoints_change_no_result(
     for attempt in ("first", "after the fallback"):
         caplog.clear()
         with caplog.at_level(logging.WARNING), pytest.raises(preemption.Preempted) as stopped:
-            loop.train(configs["stopped"])
+            loop.train(resolve(configs["stopped"]))
         assert stopped.value.step == 4 and signal.getsignal(signal.SIGUSR1) is handler_before, attempt
         assert "stopping after step 4 on SIGUSR1" in caplog.text, attempt
         assert "its evaluation left for the resumed run" in caplog.text, attempt
@@ -173,9 +174,9 @@ def test_stop_signals_and_damaged_checkpoints_change_no_result(
 
     caplog.clear()
     with caplog.at_level(logging.INFO):
-        loop.train(configs["stopped"])
+        loop.train(resolve(configs["stopped"]))
     assert "training 2 runs from step 4" in caplog.text and "fails to restore" not in caplog.text
-    for reference, run in zip(results.plan_runs(configs["uninterrupted"]), runs):
+    for reference, run in zip(read(configs["uninterrupted"]).runs.runs(), runs):
         expected, got = _results(reference.directory), _results(run.directory)
         assert expected.keys() == got.keys() and got[schema.STEP].tolist() == [0, 2, 4, 6]
         for key in expected.keys() - {schema.CONFIG}:
@@ -192,11 +193,11 @@ def _cut_in_half(paths):
 def test_a_field_a_later_version_added_is_no_change_at_its_default():
     """Runs stored before a field existed resume when it is at its default; a non-default value is a change."""
     config = base.get_config()
-    defaults = resumption.comparable_config(base.get_config())
-    stored = resumption.comparable_config(config)
+    defaults = resumption.comparable_stored(read(base.get_config()).record)
+    stored = resumption.comparable_stored(read(config).record)
     del stored["data"]["answers"], stored["model"]["attention"]  # as a version without them stored it
-    assert resumption.differing_fields(stored, resumption.comparable_config(config), defaults) == []
+    assert resumption.differing_fields(stored, resumption.comparable_stored(read(config).record), defaults) == []
     config.data.answers = (" True", " False")
-    assert resumption.differing_fields(stored, resumption.comparable_config(config), defaults) == [
+    assert resumption.differing_fields(stored, resumption.comparable_stored(read(config).record), defaults) == [
         "data.answers None -> [' True', ' False']"
     ]

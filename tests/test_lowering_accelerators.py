@@ -22,6 +22,7 @@ import pytest
 
 from launch import preflight
 from launch.config_files import load_config
+from oodjax.job import read
 from oodjax.models import flash_attention
 from tests.conftest import ROOT
 
@@ -59,7 +60,7 @@ def abstract_steps(gpt2_tokenizer_dir):
                 config.runs.seeds, config.runs.shots = (0,), (32,)
             config.tokenizer = str(gpt2_tokenizer_dir)  # offline: the checkpoints' own tokenizers are not here
             config.data.pool_split = "validation_mismatched"  # nor is MNLI's train split
-            cache[name] = preflight.abstract_steps(config, devices=8, layers=2)
+            cache[name] = preflight.abstract_steps(read(config), devices=8, layers=2)
         return cache[name]
 
     return get

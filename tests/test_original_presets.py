@@ -16,9 +16,9 @@ import pytest
 from configs import base
 from configs.models import MODELS, TRAIN_SETS, model_config
 from configs.original import preset
+from oodjax import config_checks
 from oodjax.config_cli import apply_overrides, load_config_file
 from oodjax.data import testsets
-from oodjax.engine import checks
 from oodjax.models.lora import ATTENTION_PROJECTIONS
 from oodjax.usage_errors import NotFetchedError
 
@@ -162,7 +162,7 @@ def test_the_config_checks_accept_every_preset(tmp_path, offline_caches, hf_data
     data_dir = mirror_of(hf_data_dir, tmp_path / "mirror", STAND_INS)
     for model, train_set in GRID:
         config = load_config_file(str(PRESETS / f"{model}_{train_set}.py"))
-        checks.check_config(checkable(config, model, tmp_path, gpt2_tokenizer_dir, data_dir))
+        config_checks.check_config(checkable(config, model, tmp_path, gpt2_tokenizer_dir, data_dir))
 
 
 def test_the_checks_ask_for_the_splits_the_presets_read(tmp_path, offline_caches, hf_data_dir, gpt2_tokenizer_dir):
@@ -175,8 +175,8 @@ def test_the_checks_ask_for_the_splits_the_presets_read(tmp_path, offline_caches
         mirror_of(hf_data_dir, tmp_path / "plain", {}),
     )
     with pytest.raises(NotFetchedError, match=r"no local file for allenai/scitail/dgem_format split 'test'"):
-        checks.check_config(config)
+        config_checks.check_config(config)
     dgem = {path: shared for path, shared in STAND_INS.items() if "scitail" in path}
     config.data.data_dir = str(mirror_of(hf_data_dir, tmp_path / "with_dgem", dgem))
     with pytest.raises(NotFetchedError, match=r"no local file for nyu-mll/glue/mnli split 'train'"):
-        checks.check_config(config)
+        config_checks.check_config(config)

@@ -55,7 +55,7 @@ def test_the_argument_after_a_packaged_name_goes_to_get_config(monkeypatch):
             (),
             {
                 "get_config": staticmethod(
-                    lambda *args: received.append((path.name, args)) or config_cli.base.get_config()
+                    lambda *args: received.append((path.name, args)) or config_cli.config_fields.get_config()
                 )
             },
         ),

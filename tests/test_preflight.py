@@ -20,6 +20,7 @@ from configs.models import architecture
 from launch import costs, preflight
 from launch import estimate as estimator
 from launch.config_files import load_config
+from oodjax.job import read
 from tests.engine_configs import SHRUNK_DEMO_ARGS
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -86,7 +87,7 @@ def olmo13(gpt2_tokenizer_dir, mesh=None):
     config.data.pool_split = "validation_mismatched"  # nor is MNLI's train split: the offline pool stands in
     if mesh is not None:
         config.mesh.data, config.mesh.fsdp, config.mesh.tensor = mesh
-    return config
+    return read(config)
 
 
 @pytest.fixture(scope="module")

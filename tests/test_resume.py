@@ -27,7 +27,8 @@ import pytest
 
 from analysis import schema
 from configs import demo
-from oodjax.engine import checkpoints, loop, preemption, results, run_lock
+from oodjax.engine import checkpoints, loop, preemption, run_lock
+from oodjax.job import read, resolve
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 STEPS = 20
@@ -86,7 +87,7 @@ def wait_until(condition, process, log_path, what):
 
 def checkpoint_steps_of(config):
     """Each run's checkpoint steps."""
-    return [set(checkpoints.checkpoint_steps(run.directory)) for run in results.plan_runs(config)]
+    return [set(checkpoints.checkpoint_steps(run.directory)) for run in read(config).runs.runs()]
 
 
 def _metrics(run_dir):
@@ -115,8 +116,8 @@ def test_sigkill_sigterm_and_changed_runs_give_the_uninterrupted_results(tmp_pat
     cache = tmp_path / "cache"
     uninterrupted = demo_config(demo_overrides(tmp_path / "a", cache, (0, 42)))
     alone = demo_config(demo_overrides(tmp_path / "a7", cache, (7,)))  # the added seed, trained alone
-    loop.train(uninterrupted)
-    loop.train(alone)
+    loop.train(resolve(uninterrupted))
+    loop.train(resolve(alone))
 
     # SIGKILL once both runs have a checkpoint at one step.
     job = demo_overrides(tmp_path / "b", cache, (0, 42))
@@ -127,7 +128,7 @@ def test_sigkill_sigterm_and_changed_runs_give_the_uninterrupted_results(tmp_pat
         os.kill(process.pid, signal.SIGKILL)
         process.wait()
     assert process.returncode == -signal.SIGKILL
-    killed_at = [_metrics(run.directory)[schema.STEP][-1] for run in results.plan_runs(demo_config(job))]
+    killed_at = [_metrics(run.directory)[schema.STEP][-1] for run in read(demo_config(job)).runs.runs()]
     assert max(killed_at) < STEPS, killed_at  # it really was stopped mid-run
 
     # Seed 7 added: seeds 0 and 42 resume, 7 starts. SIGTERM once runs 0 and 42 are past their checkpoint.
@@ -155,21 +156,21 @@ def test_sigkill_sigterm_and_changed_runs_give_the_uninterrupted_results(tmp_pat
     assert any(step in steps for steps in stopped_runs)  # the stop wrote its checkpoint
 
     final = demo_config(job)
-    loop.train(final)
-    references = [*results.plan_runs(uninterrupted), *results.plan_runs(alone)]
-    for reference, run in zip(references, results.plan_runs(final), strict=True):
+    loop.train(resolve(final))
+    references = [*read(uninterrupted).runs.runs(), *read(alone).runs.runs()]
+    for reference, run in zip(references, read(final).runs.runs(), strict=True):
         assert_same_results(reference, run)
 
     # A job with a run fewer: nothing to train, nothing rewritten.
     written = _metrics_bytes(tmp_path / "b")
-    loop.train(demo_config(demo_overrides(tmp_path / "b", cache, (0,))))
+    loop.train(resolve(demo_config(demo_overrides(tmp_path / "b", cache, (0,)))))
     assert _metrics_bytes(tmp_path / "b") == written
 
     # Another learning rate, and a new seed: refused, naming the field, and the new run's folder never made.
     changed = demo_config(demo_overrides(tmp_path / "b", cache, (0, 42, 7, 99)))
     changed.train.learning_rate = 5e-4
     with pytest.raises(ValueError, match=r"train.learning_rate 0.001 -> 0.0005"):
-        loop.train(changed)
+        loop.train(resolve(changed))
     assert not any("seed99" in path.name for path in (tmp_path / "b").iterdir())
     assert _metrics_bytes(tmp_path / "b") == written
 
@@ -181,9 +182,9 @@ def test_ctrl_c_checkpoints_and_exits_75_and_a_second_ctrl_c_exits_at_once(tmp_p
     checkpoint and ends with the results of a job never interrupted."""
     cache = tmp_path / "cache"
     uninterrupted = demo_config(demo_overrides(tmp_path / "a", cache, (0,)))
-    loop.train(uninterrupted)
+    loop.train(resolve(uninterrupted))
     job = demo_overrides(tmp_path / "b", cache, (0,))
-    (run,) = results.plan_runs(demo_config(job))
+    (run,) = read(demo_config(job)).runs.runs()
     lock = run.directory / run_lock.LOCK_FILENAME
 
     log_path = tmp_path / "once.log"
@@ -220,10 +221,10 @@ def test_ctrl_c_checkpoints_and_exits_75_and_a_second_ctrl_c_exits_at_once(tmp_p
     assert json.loads(lock.read_text())["pid"] == process.pid  # left behind, as by any process killed
 
     with caplog.at_level(logging.INFO):
-        loop.train(demo_config(job))
+        loop.train(resolve(demo_config(job)))
     assert f"taking over the stale lock of process {process.pid} on {socket.gethostname()}" in caplog.text
     assert "(its process is gone)" in caplog.text
     assert f"resumes from its checkpoint at step {step}" in caplog.text
     assert not lock.exists()
-    (reference,) = results.plan_runs(uninterrupted)
+    (reference,) = read(uninterrupted).runs.runs()
     assert_same_results(reference, run)

@@ -22,6 +22,7 @@ import pytest
 
 from oodjax import evaluate
 from oodjax.engine import loop, results, run_lock
+from oodjax.job import read, resolve
 from oodjax.usage_errors import EXIT_STATUS
 from tests.engine_configs import tiny_config
 from tests.test_resume import assert_same_results, demo_config, demo_overrides, start_main, wait_until
@@ -35,9 +36,9 @@ def _tree(root):
 def test_a_second_job_on_running_runs_stops_at_once_and_the_first_finishes_as_alone(tmp_path):
     cache = tmp_path / "cache"
     alone = demo_config(demo_overrides(tmp_path / "alone", cache, (0,)))
-    loop.train(alone)
+    loop.train(resolve(alone))
     job = demo_overrides(tmp_path / "out", cache, (0,))
-    (run,) = results.plan_runs(demo_config(job))
+    (run,) = read(demo_config(job)).runs.runs()
 
     a_log, b_log = tmp_path / "a.log", tmp_path / "b.log"
     with a_log.open("w") as log:
@@ -62,7 +63,7 @@ def test_a_second_job_on_running_runs_stops_at_once_and_the_first_finishes_as_al
     )
     assert a.returncode == 0, a_log.read_text()[-3000:]
     assert not (run.directory / run_lock.LOCK_FILENAME).exists()
-    assert_same_results(results.plan_runs(alone)[0], run)
+    assert_same_results(read(alone).runs.runs()[0], run)
 
 
 def _lock_file(run_dir, **fields):
@@ -189,7 +190,7 @@ def test_a_job_stops_on_a_locked_run_writing_nothing_or_leaves_it_out_with_skip_
     tmp_path, gpt2_tokenizer_dir, hf_data_dir, caplog
 ):
     config = tiny_config(tmp_path / "out", gpt2_tokenizer_dir, hf_data_dir, tmp_path / "cache")
-    free, locked = results.plan_runs(config)
+    free, locked = read(config).runs.runs()
     _lock_file(locked.directory)
     before = _tree(tmp_path / "out")
     with pytest.raises(
@@ -198,19 +199,19 @@ def test_a_job_stops_on_a_locked_run_writing_nothing_or_leaves_it_out_with_skip_
         r"trains or evaluates it: process 4321 on node-elsewhere, SLURM job 987654, heartbeat \d+ s "
         r"ago; wait for that job to end .* or set runs.skip_locked=True",
     ):
-        loop.train(config)
+        loop.train(resolve(config))
     assert _tree(tmp_path / "out") == before  # the free run's folder, made for its lock, is gone again
 
     evaluation = config.copy_and_resolve_references()
     evaluation.eval.in_context = True
-    icl_run = evaluate.plan_evaluation(evaluation)[1]
+    icl_run = evaluate.plan_evaluation(read(evaluation))[1]
     _lock_file(icl_run.directory)
     with pytest.raises(run_lock.RunLockedError, match=rf"^run {icl_run.name} "):
-        evaluate.evaluate_config(evaluation)
+        evaluate.evaluate_job(resolve(evaluation, evaluation=True))
 
     config.runs.skip_locked = True
     with caplog.at_level(logging.WARNING):
-        assert loop.train(config) == [free]
+        assert loop.train(resolve(config)) == [free]
     assert f"left out (runs.skip_locked): run {locked.name}" in caplog.text
     assert sorted(path.name for path in locked.directory.iterdir()) == [run_lock.LOCK_FILENAME]
     assert (free.directory / "metrics.npz").is_file()

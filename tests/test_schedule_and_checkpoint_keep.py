@@ -9,8 +9,8 @@ import pytest
 
 from configs import base
 from oodjax import config_cli
-from oodjax.engine import checkpoints, checks, loop, resumption, steps
-from oodjax.engine.results import plan_runs
+from oodjax.engine import checkpoints, loop, resumption, steps
+from oodjax.job import read, resolve
 from oodjax.usage_errors import ConfigError
 from tests.engine_configs import tiny_config
 
@@ -31,7 +31,7 @@ def test_the_optimizer_follows_train_schedule(schedule):
     config = base.get_config()
     config.train.steps, config.train.warmup_steps, config.train.learning_rate = 10, 2, 1e-2
     config.train.schedule = schedule
-    optimizer = loop.optimizer(config)
+    optimizer = read(config).optimizer.transformation
     params = {"w": jnp.zeros(())}
     state = optimizer.init(params)
     rates = []
@@ -59,8 +59,8 @@ def test_the_config_checks_refuse_an_unknown_schedule_and_keeping_no_checkpoint(
     section, _, key = field.rpartition(".")
     (config[section] if section else config)[key] = value
     with pytest.raises(ConfigError, match=message):
-        checks._check_runs_and_training(config)
-    checks._check_runs_and_training(base.get_config())  # the defaults pass
+        read(config)
+    read(base.get_config())  # the defaults pass
 
 
 def test_a_resumed_run_may_keep_more_checkpoints_but_not_change_its_schedule(tmp_path):
@@ -73,18 +73,22 @@ def test_a_resumed_run_may_keep_more_checkpoints_but_not_change_its_schedule(tmp
         return config
 
     stored = one_run()
-    (run,) = plan_runs(stored)
-    start = resumption.RunStart(run, finished=False, stored_config=resumption.comparable_config(stored))
+    (run,) = read(stored).runs.runs()
+    start = resumption.RunStart(run, finished=False, stored_config=resumption.comparable_stored(read(stored).record))
     kept, rescheduled = one_run(checkpoint_keep=5), one_run(train__schedule="cosine")
-    resumption.refuse_changed_config(kept, [start])  # no error
+    resumption.refuse_changed_config(read(kept).record, tmp_path, [start])  # no error
     with pytest.raises(ValueError, match="train.schedule 'linear' -> 'cosine'"):
-        resumption.refuse_changed_config(rescheduled, [start])
+        resumption.refuse_changed_config(read(rescheduled).record, tmp_path, [start])
 
     # A run stored before the field existed resumes at its default, and only there.
     older = {**start.stored_config, "train": {k: v for k, v in start.stored_config["train"].items() if k != "schedule"}}
-    resumption.refuse_changed_config(kept, [resumption.RunStart(run, finished=False, stored_config=older)])
+    resumption.refuse_changed_config(
+        read(kept).record, tmp_path, [resumption.RunStart(run, finished=False, stored_config=older)]
+    )
     with pytest.raises(ValueError, match="train.schedule None -> 'cosine'"):
-        resumption.refuse_changed_config(rescheduled, [resumption.RunStart(run, finished=False, stored_config=older)])
+        resumption.refuse_changed_config(
+            read(rescheduled).record, tmp_path, [resumption.RunStart(run, finished=False, stored_config=older)]
+        )
 
 
 def test_a_checkpointer_keeps_the_newest_max_to_keep(tmp_path):
@@ -102,8 +106,8 @@ def test_training_keeps_checkpoint_keep_checkpoints_and_logs_its_schedule(tmp_pa
     config.runs.seeds = (0,)
     config.checkpoint_every, config.checkpoint_keep = 1, 3
     config.train.schedule = "constant"
-    loop.train(config)
-    (run,) = plan_runs(config)
+    loop.train(resolve(config))
+    (run,) = read(config).runs.runs()
     assert checkpoints.checkpoint_steps(run.directory) == [4, 3, 2]
     events = [json.loads(line) for line in (run.directory / "events.jsonl").read_text().splitlines()]
     rates = {event["step"]: event["train/learning_rate"] for event in events if "train/learning_rate" in event}

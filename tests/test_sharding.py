@@ -29,17 +29,17 @@ LOSS_TOL = 1e-5
 def train(batches, mesh=None):
     model = from_config(OPT, seed=0)
     optimizer = make_optimizer()
-    graphdef, base, runs = steps.init_runs(model, SEEDS, LORA, optimizer, mesh=mesh)
+    graphdef, base, runs = steps.attach_runs(model, SEEDS, LORA, optimizer, mesh=mesh)
     train_step = steps.make_train_step(
-        graphdef, optimizer, YES, NO, geometry(len(SEEDS), accum=2, micro=MICRO), mesh=mesh, base_state=base, runs=runs
+        graphdef, optimizer, YES, NO, geometry(len(SEEDS), accum=2, micro=MICRO), mesh=mesh, base_state=base, state=runs
     )
     losses = []
     for batch in batches:
         batch = as_step(batch)
         if mesh is not None:
             batch = sharding.shard_batch(batch, mesh, batch_axis=1)
-        runs, loss = train_step(base, runs, batch)
-        losses.append(np.asarray(loss))
+        runs, metrics = train_step(base, runs, batch)
+        losses.append(np.asarray(metrics["loss"]))
     assert train_step._cache_size() == 1  # outputs keep the input shardings: no recompilation
     return np.stack(losses), graphdef, base, runs
 
@@ -159,7 +159,7 @@ def test_place_moves_values_keeps_placed_arrays_and_carries_typed_keys():
 def test_lora_state_carries_no_stale_run_axis_metadata():
     """Stacked adapters keep their unstacked logical names; runs_shardings adds the run axis."""
     model = from_config(OPT, seed=0)
-    _, _, runs = steps.init_runs(model, SEEDS, LORA, make_optimizer())
+    _, _, runs = steps.attach_runs(model, SEEDS, LORA, make_optimizer())
     mesh = sharding.make_mesh(1, 4, 2)
     shardings = sharding.runs_shardings(runs, mesh)
     v_proj = lambda tree: tree["model"]["decoder"]["layers"]["self_attn"]["v_proj"]["lora"]  # noqa: E731

@@ -20,7 +20,7 @@ import torch
 import transformers
 from flax import nnx
 
-from oodjax.data import StepLayout, TokenizedSet, train_steps
+from oodjax.data import TRAIN_KEYS, StepLayout, TokenizedSet, train_steps
 from oodjax.engine import steps
 from oodjax.engine.geometry import BatchGeometry, EvalGeometry, micro_batch_lengths
 from oodjax.models import from_config
@@ -114,14 +114,14 @@ def train(seeds, batches, *, dtype="float32", remat="none", compute_dtype=None, 
     """
     model = from_config(OPT, dtype=dtype, seed=0, remat=remat)
     optimizer = optimizer or make_optimizer()
-    graphdef, base, runs = steps.init_runs(model, seeds, LORA, optimizer)
+    graphdef, base, runs = steps.attach_runs(model, seeds, LORA, optimizer)
     train_step = train_step or steps.make_train_step(
         graphdef, optimizer, YES, NO, geometry(len(seeds)), compute_dtype=compute_dtype
     )
     losses = []
     for batch in batches:
-        runs, loss = train_step(base, runs, as_step(batch))
-        losses.append(np.asarray(loss))
+        runs, metrics = train_step(base, runs, as_step(batch))
+        losses.append(np.asarray(metrics["loss"]))
     return np.stack(losses), graphdef, base, runs, train_step
 
 
@@ -186,9 +186,9 @@ def test_dropout_is_on_in_training_and_a_function_of_the_run_key(together, batch
     _, _, base, runs, train_step = together
     fresh = lambda r: jax.tree.map(jnp.array, r)  # noqa: E731  (copies: the step donates its input)
     step = as_step(batches[0])
-    _, first = train_step(base, fresh(runs), step)
-    _, again = train_step(base, fresh(runs), step)
-    _, other = train_step(base, fresh(runs).replace(rng=runs.rng + 1), step)
+    first = train_step(base, fresh(runs), step)[1]["loss"]
+    again = train_step(base, fresh(runs), step)[1]["loss"]
+    other = train_step(base, fresh(runs).replace(rng=runs.rng + 1), step)[1]["loss"]
     np.testing.assert_array_equal(first, again)
     assert np.all(np.asarray(first) != np.asarray(other))
 
@@ -219,14 +219,14 @@ def test_grads_only_for_adapters_in_float32_on_a_bf16_base(alone, batches):
     spy = optax.GradientTransformation(inner.init, update)
     single = [run_slice(b, slice(0, 1)) for b in batches]
     model = from_config(OPT, dtype="bfloat16", seed=0)
-    graphdef, base, runs = steps.init_runs(model, [SEEDS[0]], LORA, spy)
+    graphdef, base, runs = steps.attach_runs(model, [SEEDS[0]], LORA, spy)
     base_before = jax.tree.map(np.array, base.filter(nnx.Param))
     lora_before = flat(runs.lora)
     train_step = steps.make_train_step(graphdef, spy, YES, NO, geometry(1))
     losses = []
     for batch in single:
-        runs, loss = train_step(base, runs, as_step(batch))
-        losses.append(np.asarray(loss))
+        runs, metrics = train_step(base, runs, as_step(batch))
+        losses.append(np.asarray(metrics["loss"]))
 
     grad_leaves = jax.tree.leaves(seen["grads"], is_leaf=lambda x: isinstance(x, nnx.Variable))
     assert grad_leaves and all(type(v) is nnx.LoRAParam and v.dtype == jnp.float32 for v in grad_leaves)
@@ -287,12 +287,12 @@ def test_buckets_run_each_micro_batch_at_its_own_length():
 
     def step(data, buckets):
         optimizer = make_optimizer()
-        graphdef, base, runs = steps.init_runs(from_config(OPT, seed=0), [0, 42], no_dropout, optimizer)
+        graphdef, base, runs = steps.attach_runs(from_config(OPT, seed=0), [0, 42], no_dropout, optimizer)
         train_step = steps.make_train_step(
             graphdef, optimizer, YES, NO, geometry(2, accum=2, micro=4, seq=16, buckets=buckets or ())
         )
-        runs, loss = train_step(base, runs, as_step(data))
-        return np.asarray(loss), flat(runs.lora)
+        runs, metrics = train_step(base, runs, as_step(data))
+        return np.asarray(metrics["loss"]), flat(runs.lora)
 
     loss, lora = step(batch, None)
     cut_loss, cut_lora = step(poisoned, (8, 16))
@@ -329,11 +329,10 @@ def test_packed_rows_mixing_runs_train_like_one_prompt_per_row():
     packed_steps = train_steps(
         sets, seeds, batch_size=batch_size, layout=packed, seq_len=32, prompts_per_row=6, prefetch=0
     )
-    keys = ("input_ids", "segment_ids", "answer_pos", "label", "valid", "run", "example")
 
     def train(stream, shape):
         optimizer = make_optimizer()
-        graphdef, base, runs = steps.init_runs(from_config(OPT, seed=0), seeds, LORA, optimizer)
+        graphdef, base, runs = steps.attach_runs(from_config(OPT, seed=0), seeds, LORA, optimizer)
         train_step = steps.make_train_step(graphdef, optimizer, YES, NO, shape)
         losses, mixed = [], False
         for _ in range(3):  # B is no longer zero after the first: the adapters act on both layouts
@@ -347,8 +346,8 @@ def test_packed_rows_mixing_runs_train_like_one_prompt_per_row():
             longest = (batch["segment_ids"] != 0).sum(-1).max(-1)
             for i, length in enumerate(longest):
                 batch["input_ids"][i, :, fitting(shape, length) :] = 10 * OPT["vocab_size"]
-            runs, loss = train_step(base, runs, {key: batch[key] for key in keys})
-            losses.append(np.asarray(loss))
+            runs, metrics = train_step(base, runs, {key: batch[key] for key in TRAIN_KEYS})
+            losses.append(np.asarray(metrics["loss"]))
         return np.stack(losses), flat(runs.lora), mixed
 
     def fitting(shape, length):
@@ -431,7 +430,7 @@ def test_schedule_is_transformers(schedule):
         scheduler.step()
     ours = [float(steps.make_schedule(peak, total, warmup, schedule)(i)) for i in range(total)]
     np.testing.assert_allclose(ours, theirs, rtol=1e-6, atol=1e-12)
-    with pytest.raises(ValueError, match="unknown learning-rate schedule"):
+    with pytest.raises(ValueError, match="train.schedule must be one of linear, cosine, constant, got 'step'"):
         steps.make_schedule(peak, total, warmup, "step")
-    with pytest.raises(ValueError, match="warmup_steps <= total_steps"):
+    with pytest.raises(ValueError, match=r"train.warmup_steps must be in \[0, train.steps="):
         steps.make_schedule(peak, total, total + 1, schedule)

@@ -16,6 +16,7 @@ from configs import demo
 from launch.config_files import experiment_config_paths, load_config
 from oodjax.data import load_testset, testsets, training_pool
 from oodjax.engine.run_data import few_shot_datasets
+from oodjax.job import read
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 STUDY_CONFIGS = experiment_config_paths([str(ROOT / "configs" / "*_[ms]nli.py")])
@@ -57,7 +58,7 @@ def test_a_study_config_draws_from_its_train_split_and_nothing_it_evaluates(path
     config.data.data_dir = str(mirror)
     train = _pairs(training_pool(config.data.train_set, split="train", data_dir=mirror))
     evaluated = set().union(*(_evaluated(name, mirror, config.data.neutral) for name in config.data.testsets))
-    for drawn in few_shot_datasets(config, RUNS):
+    for drawn in few_shot_datasets(read(config).data, RUNS):
         pairs = {(row["premise"], row["hypothesis"]) for row in drawn}
         assert pairs <= train and not pairs & evaluated
 

@@ -12,7 +12,6 @@ import pytest
 
 from analysis import schema
 from launch import sweep
-from oodjax.engine.results import plan_runs
 
 OPT30 = "configs/opt30_mnli.py"
 
@@ -101,12 +100,12 @@ def test_per_run_jobs_of_a_config_share_its_output_dir(capsys, tmp_path):
 def test_a_run_finished_in_the_configs_own_output_dir_is_skipped(capsys, tmp_path):
     config = own_config(tmp_path)
     (job,) = sweep.plan_jobs([config], per_run=False)
-    finished = next(run for run in plan_runs(sweep.job_config(job)) if run.seed == 5)
+    finished = next(run for run in sweep.job_plan(job).runs.runs() if run.seed == 5)
     finished.directory.mkdir(parents=True)
     np.savez(
         finished.directory / schema.METRICS_FILENAME,
         **{
-            schema.STEP: np.array([0, sweep.job_config(job).train.steps]),
+            schema.STEP: np.array([0, sweep.job_plan(job).cadence.total_steps]),
             schema.TESTSETS: np.array(["mnli"]),
             schema.ACCURACY: np.full((2, 1), 0.5),
             schema.TRAIN_LOSS: np.ones(2),

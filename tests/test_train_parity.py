@@ -87,7 +87,7 @@ def test_ten_adamw_steps_match_transformers_and_peft(tmp_path):
     model = load_pretrained(save(hf_model, tmp_path))
     lora_cfg = LoRAConfig(rank=4, alpha=16.0, dropout=0.0)
     optimizer = steps.make_optimizer(LR, STEPS, WARMUP, WEIGHT_DECAY, MAX_GRAD_NORM)
-    graphdef, base, runs = steps.init_runs(model, [0], lora_cfg, optimizer)
+    graphdef, base, runs = steps.attach_runs(model, [0], lora_cfg, optimizer)
 
     targets = ["q_proj", "k_proj", "v_proj", "out_proj"]
     peft_model = peft.get_peft_model(
@@ -103,8 +103,8 @@ def test_ten_adamw_steps_match_transformers_and_peft(tmp_path):
     train_step = steps.make_train_step(graphdef, optimizer, YES, NO, geometry)
     ours = []
     for batch in batches:
-        runs, loss = train_step(base, runs, as_step(batch))
-        ours.append(float(loss[0]))
+        runs, metrics = train_step(base, runs, as_step(batch))
+        ours.append(float(metrics["loss"][0]))
     theirs, norms = torch_losses(peft_model, batches)
 
     assert max(norms) > MAX_GRAD_NORM  # clipping was exercised

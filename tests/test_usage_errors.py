@@ -14,9 +14,9 @@ import unittest.mock
 import pytest
 
 from configs import demo
-from oodjax import usage_errors
+from oodjax import config_checks, usage_errors
 from oodjax.data import load_testset, load_tokenizer
-from oodjax.engine import checks
+from oodjax.job import resolve
 from oodjax.usage_errors import ConfigError, NotFetchedError
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -83,11 +83,11 @@ def test_config_errors_found_by_the_checks_are_config_errors(tmp_path):
     config.output_dir = str(tmp_path)
     config.train.steps = 2  # fewer than the default warm-up
     with pytest.raises(ConfigError, match=r"train.warmup_steps must be in \[0, train.steps=2\], got 5"):
-        checks.check_config(config)
+        resolve(config)
     config.train.steps = 50
     config.data.testsets = ("mnli", "nope")
     with pytest.raises(ConfigError, match=r"data.testsets: unknown testset 'nope'; known testsets: snli, mnli"):
-        checks.check_config(config)
+        resolve(config)
 
 
 def test_a_tokenizer_larger_than_the_model_is_refused_before_loading(tmp_path):
@@ -100,9 +100,9 @@ def test_a_tokenizer_larger_than_the_model_is_refused_before_loading(tmp_path):
         match=r"tokenizer '.*gpt2' has 50257 tokens \(ids 0..50256\), but model.hf_config "
         r"embeds only 50000 \(vocab_size\)",
     ):
-        checks.check_config(config)
+        config_checks.check_config(config)
     config.model.hf_config.vocab_size = 50257
-    checks.check_config(config)
+    config_checks.check_config(config)
 
 
 def test_an_unwritable_output_dir_is_refused_before_loading(tmp_path):
@@ -110,13 +110,13 @@ def test_an_unwritable_output_dir_is_refused_before_loading(tmp_path):
     config = demo.get_config()
     config.output_dir = str(tmp_path / "a_file" / "results")
     with pytest.raises(ConfigError, match=r"output_dir '.*a_file/results' cannot be created: .*a_file is a file"):
-        checks.check_config(config)
+        config_checks.check_config(config)
     read_only = tmp_path / "read_only"
     read_only.mkdir()
     config.output_dir = str(read_only / "results")
     with unittest.mock.patch("tempfile.TemporaryFile", side_effect=OSError(30, "Read-only file system")):
         with pytest.raises(ConfigError, match=r"cannot be written: Read-only file system in .*read_only$"):
-            checks.check_config(config)
+            config_checks.check_config(config)
     assert not (read_only / "results").exists()
 
 

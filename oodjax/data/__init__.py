@@ -1,13 +1,15 @@
 """The eight NLI testsets, few-shot sampling, prompts and batches (see DESIGN.md)."""
 
 from oodjax.data.batches import (
+    EVAL_KEYS,
+    SEQUENCE_KEYS,
+    TRAIN_KEYS,
+    TRAIN_ONLY_KEYS,
     Batch,
     bucket_lengths,
     eval_batches,
     eval_row_lengths,
     fitting_bucket,
-    make_batch,
-    packed_rows_batch,
     prompt_lengths,
 )
 from oodjax.data.in_context import InContextSet, tokenize_in_context
@@ -23,7 +25,15 @@ from oodjax.data.prompts import (
     tokenize_testset,
 )
 from oodjax.data.sampling import few_shot, stratified_subset
-from oodjax.data.testsets import TESTSETS, TestsetSpec, load_testset, testset_spec, testset_table, training_pool
+from oodjax.data.testsets import (
+    TESTSETS,
+    TestsetSpec,
+    check_neutral,
+    load_testset,
+    testset_spec,
+    testset_table,
+    training_pool,
+)
 from oodjax.data.training_stream import (
     TRAIN_PREFETCH,
     StepLayout,
@@ -37,6 +47,10 @@ from oodjax.data.training_stream import (
 
 __all__ = [
     "Batch",
+    "EVAL_KEYS",
+    "SEQUENCE_KEYS",
+    "TRAIN_KEYS",
+    "TRAIN_ONLY_KEYS",
     "DEFAULT_ANSWERS",
     "DEFAULT_MAX_LENGTH",
     "DEFAULT_TEMPLATE",
@@ -48,6 +62,7 @@ __all__ = [
     "TokenizedSet",
     "answer_token_ids",
     "bucket_lengths",
+    "check_neutral",
     "eval_batches",
     "eval_row_lengths",
     "few_shot",
@@ -55,10 +70,8 @@ __all__ = [
     "format_prompt",
     "load_testset",
     "load_tokenizer",
-    "make_batch",
     "balance_rows",
     "epoch_permutation",
-    "packed_rows_batch",
     "pair_rows",
     "prompt_lengths",
     "packed_layout",

@@ -1,27 +1,39 @@
-"""Batches: their layout, the lengths their rows come in, and evaluation's batches of packed rows.
+"""Batches: their layout, the lengths their rows come in, and the one builder of their packed rows.
 
-Every batch is a dict of numpy arrays. One prompt a row (``make_batch``):
+Every batch is a dict of numpy arrays, its rows packed with one prompt or
+more (``packed_rows_batch``): evaluation's one or two a row
+(``eval_batches``), training steps' one or many (``oodjax.data.train_steps``):
 
-    input_ids      [B, S] int32  prompt tokens, right-padded with `pad_id`
-    segment_ids    [B, S] int32  1 on prompt tokens, 0 on padding (the model's 0/1 attention mask)
-    answer_pos     [B]    int32  index of the last prompt token (its logits score the answer)
-    label          [B]    int32  0 = entailment (" Yes"), 1 = not entailment (" No")
-    index          [B]    int32  row of the example in its TokenizedSet; -1 on padding rows
-    valid          [B]    bool   False on padding rows, which must be masked out
+    input_ids      [B, S] int32  prompts one after another from the row's start, right-padded with `pad_id`
+    segment_ids    [B, S] int32  each token's prompt slot in the row plus 1 (1, 2, ...), 0 on padding:
+                                 the models' ``attention_mask``
+    answer_pos     [B, P] int32  index in the row of each prompt's last token (its logits score the answer)
+    label          [B, P] int32  0 = entailment (" Yes"), 1 = not entailment (" No")
+    index          [B, P] int32  the prompt's row in its TokenizedSet; -1 on empty slots
+    valid          [B, P] bool   False on empty slots, which must be masked out
 
-Evaluation batches hold one or two prompts a row (``packed_rows_batch``),
-and training steps many (``oodjax.data.train_steps``, which adds each
-prompt's run and its place in its run's batch): ``segment_ids`` number the
-prompts of a row 1, 2, ... (as the model's ``attention_mask`` accepts them),
-and the per-prompt arrays gain a prompt-slot axis, [B, P].
+with P prompt slots a row. A training step adds per slot ``run`` (the
+prompt's run) and ``example`` (its place in its run's batch, which keys its
+dropout), and a leading micro-batch axis; evaluation's batches of several
+lanes a leading lane axis. ``EVAL_KEYS`` and ``TRAIN_KEYS`` are what the
+eval and train steps are given (``index`` stays on the host).
 
-Padding rows attend to their first position only (so no row is fully masked and
-attention cannot produce NaN) and carry label 0; only `valid` says to ignore them.
+Padding is what a batch holds beyond its prompts: the tokens after a row's
+prompts (pad_id, segment 0), and empty prompt slots and rows (answer_pos 0,
+label 0, index -1; only ``valid`` says to ignore them). It changes no
+prompt's result and makes no NaN on any attention path: a token attends only
+to earlier tokens of its own non-zero segment (``oodjax.models.layers.attention``),
+so no prompt sees padding; a padded query, which sees no key there, gets
+``jax.nn.dot_product_attention``'s uniform weights (its masked scores are
+finite), and in the fused kernels (``oodjax.models.flash_attention``) padding
+attends to padding; an empty slot's margin or loss is masked by ``valid``. An
+empty row still gives its first position segment 1 (the pad token as a
+one-token prompt that no slot reads), so that no row is all padding.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import grain
 import numpy as np
@@ -30,6 +42,10 @@ from oodjax.data.packing import pair_rows
 from oodjax.data.prompts import TokenizedSet
 
 Batch = dict[str, np.ndarray]
+SEQUENCE_KEYS = ("input_ids", "segment_ids")  # [..., S]: a batch's other arrays are per prompt slot
+EVAL_KEYS = (*SEQUENCE_KEYS, "answer_pos", "label", "valid")  # what evaluation gives the eval step
+TRAIN_ONLY_KEYS = ("run", "example")  # what a training step adds per prompt slot
+TRAIN_KEYS = (*EVAL_KEYS, *TRAIN_ONLY_KEYS)  # what the loop gives the train step
 MIN_BUCKET = 64
 BUCKETS_PER_DOUBLING = 4  # default training lengths: 64, 80, 96, 112, 128, 160, ...
 MIN_EVAL_ROW = 32  # default evaluation row lengths: 32, 48, 64, 96, 128, 192, ...
@@ -84,64 +100,40 @@ def fitting_bucket(buckets: Sequence[int], length: int) -> int:
     return int(buckets[index])
 
 
-def make_batch(tokenized: TokenizedSet, rows: np.ndarray, seq_len: int, *, pad_id: int = 0) -> Batch:
-    """The batch of the given TokenizedSet rows (-1 = padding row), right-padded to seq_len."""
-    rows = np.asarray(rows)
-    batch_rows = len(rows)
-    input_ids = np.full((batch_rows, seq_len), pad_id, dtype=np.int32)
-    segment_ids = np.zeros((batch_rows, seq_len), dtype=np.int32)
-    segment_ids[:, 0] = 1
-    answer_pos = np.zeros(batch_rows, dtype=np.int32)
-    label = np.zeros(batch_rows, dtype=np.int32)
-    for r, i in enumerate(rows):
-        if i < 0:
-            continue
-        prompt = tokenized.prompt(i)
-        input_ids[r, : len(prompt)] = prompt
-        segment_ids[r, : len(prompt)] = 1
-        answer_pos[r] = len(prompt) - 1
-        label[r] = tokenized.labels[i]
-    return {
-        "input_ids": input_ids,
-        "segment_ids": segment_ids,
-        "answer_pos": answer_pos,
-        "label": label,
-        "index": rows.astype(np.int32),
-        "valid": rows >= 0,
-    }
-
-
 def packed_rows_batch(
-    tokenized: TokenizedSet, rows: list[list[int]], prompts_per_row: int, seq_len: int, *, pad_id: int
+    sets: Sequence[TokenizedSet],
+    rows: Sequence[Sequence[tuple[int, int]]],
+    prompts_per_row: int,
+    seq_len: int,
+    *,
+    pad_id: int,
+    per_slot: Mapping[str, Sequence[Sequence[int]]] | None = None,
 ) -> Batch:
-    """The batch of packed rows (each a list of TokenizedSet rows, [] for an empty row) of ``seq_len`` tokens,
-    ``prompts_per_row`` prompt slots a row: evaluation's batches and packed training batches alike."""
+    """The batch (module docstring) of ``len(rows)`` rows of ``seq_len`` tokens and ``prompts_per_row`` prompt
+    slots: row r holds the prompts ``rows[r]`` one after another from its start, (s, i) being prompt i of
+    ``sets[s]`` ([] for an empty row). ``per_slot`` adds int32 [B, P] arrays laid out as the prompts are,
+    ``per_slot[key][r][slot]`` (0 on empty slots): a training step's ``run`` and ``example``."""
+    per_slot = per_slot or {}
     shape = (len(rows), prompts_per_row)
     input_ids = np.full((len(rows), seq_len), pad_id, dtype=np.int32)
     segment_ids = np.zeros(input_ids.shape, dtype=np.int32)
-    segment_ids[:, 0] = 1  # as in make_batch: an empty row attends to its first position
-    answer_pos = np.zeros(shape, dtype=np.int32)
-    label = np.zeros(shape, dtype=np.int32)
+    segment_ids[:, 0] = 1  # an empty row's first position too (the module docstring's padding)
+    slots = {key: np.zeros(shape, dtype=np.int32) for key in ("answer_pos", "label", *per_slot)}
     index = np.full(shape, -1, dtype=np.int32)
     for r, members in enumerate(rows):
         start = 0
-        for slot, i in enumerate(members):
-            prompt = tokenized.prompt(i)
+        for slot, (s, i) in enumerate(members):
+            prompt = sets[s].prompt(i)
             stop = start + len(prompt)
             input_ids[r, start:stop] = prompt
             segment_ids[r, start:stop] = slot + 1
-            answer_pos[r, slot] = stop - 1
-            label[r, slot] = tokenized.labels[i]
+            slots["answer_pos"][r, slot] = stop - 1
+            slots["label"][r, slot] = sets[s].labels[i]
+            for key, values in per_slot.items():
+                slots[key][r, slot] = values[r][slot]
             index[r, slot] = i
             start = stop
-    return {
-        "input_ids": input_ids,
-        "segment_ids": segment_ids,
-        "answer_pos": answer_pos,
-        "label": label,
-        "index": index,
-        "valid": index >= 0,
-    }
+    return {"input_ids": input_ids, "segment_ids": segment_ids, **slots, "index": index, "valid": index >= 0}
 
 
 def prompt_lengths(batch: Batch) -> np.ndarray:
@@ -172,16 +164,10 @@ def eval_batches(
     compute little attention between prompts: a row of two prompts computes
     at most about twice the attention scores they need, where a row of
     max_length holding a dozen short prompts computes a dozen times more.
-    A batch is a dict of numpy arrays:
-
-        input_ids      [B, S]    int32  prompts one after another, right-padded with `pad_id`
-        segment_ids    [B, S]    int32  prompt ids within the row (1, 2, ...), 0 on padding
-        answer_pos     [B, P]    int32  index in the row of each prompt's last token
-        label, index, valid [B, P]     as in `make_batch`, per prompt slot (-1 / False on empty slots)
-
-    with S one of the row lengths and P the most prompts a row of that length
-    holds. Each row length has its own batches (so a jitted step compiles
-    once per row length used), of about `batch_tokens` tokens: B rows, a
+    A batch is laid out as the module docstring says, S one of the row
+    lengths and P the most prompts a row of that length holds. Each row
+    length has its own batches (so a jitted step compiles once per row
+    length used), of about `batch_tokens` tokens: B rows, a
     multiple of `row_multiple` (the devices a batch is split over), that
     length's rows spread evenly over the fewest batches that allows;
     shorter rows come first.
@@ -202,11 +188,12 @@ def eval_batches(
     else:
         lane_rows = [_lane_rows(tokenized, rows, lane) for lane, rows in enumerate(lanes)]
     lengths = eval_row_lengths(tokenized.max_length, row_lengths)
-    # Per row length, each lane's packed rows (lists of TokenizedSet rows), in packing order.
-    by_length: dict[int, list[list[list[int]]]] = {length: [[] for _ in lane_rows] for length in lengths}
+    # Per row length, each lane's packed rows in packing order, as packed_rows_batch takes them: (0, row of
+    # ``tokenized``) per prompt.
+    by_length: dict[int, list[list[list[tuple[int, int]]]]] = {length: [[] for _ in lane_rows] for length in lengths}
     for lane, rows in enumerate(lane_rows):
         for length, members in pair_rows(tokenized.lengths[rows], lengths):
-            by_length[length][lane].append(rows[members].tolist())
+            by_length[length][lane].append([(0, i) for i in rows[members].tolist()])
     plan = []
     for length, packed in by_length.items():
         most_rows = max(len(rows) for rows in packed)
@@ -220,9 +207,9 @@ def eval_batches(
             chunks = [lane[first : first + rows] for lane in packed]
             plan.append((length, prompts_per_row, [chunk + [[]] * (rows - len(chunk)) for chunk in chunks]))
 
-    def batch(entry: tuple[int, int, list[list[list[int]]]]) -> Batch:
+    def batch(entry: tuple[int, int, list[list[list[tuple[int, int]]]]]) -> Batch:
         length, prompts_per_row, chunks = entry
-        per_lane = [packed_rows_batch(tokenized, chunk, prompts_per_row, length, pad_id=pad_id) for chunk in chunks]
+        per_lane = [packed_rows_batch([tokenized], chunk, prompts_per_row, length, pad_id=pad_id) for chunk in chunks]
         if lanes is None:
             return per_lane[0]
         return {key: np.stack([b[key] for b in per_lane]) for key in per_lane[0]}

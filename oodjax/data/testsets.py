@@ -25,7 +25,7 @@ import os
 import pathlib
 import re
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import datasets
 import huggingface_hub
@@ -66,7 +66,7 @@ DECLARATION_FIELDS = (
 )
 REQUIRED_FIELDS = ("source", "premise", "hypothesis", "label", "entailment", "not_entailment")
 _LABEL_FIELDS = ("entailment", "not_entailment", "neutral", "unlabelled")
-Neutral = Literal["drop", "not_entailment"]
+Neutral = Literal["drop", "not_entailment"]  # what to do with a three-way set's neutral class (``load_testset``)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -461,6 +461,13 @@ def hub_offline() -> bool:
     return huggingface_hub.constants.HF_HUB_OFFLINE or set_now
 
 
+def check_neutral(neutral: str) -> None:
+    """Raises ValueError unless ``neutral`` is one of ``Neutral``'s values: the rule ``load_testset`` applies, asked
+    here by the config checks too (of data.neutral), before anything loads."""
+    if neutral not in get_args(Neutral):
+        raise ValueError(f"neutral must be {' or '.join(map(repr, get_args(Neutral)))}, got {neutral!r}")
+
+
 def load_testset(
     name: str,
     *,
@@ -488,8 +495,7 @@ def load_testset(
     testset, for later errors about its examples.
     """
     spec = testset_spec(name, table)
-    if neutral not in ("drop", "not_entailment"):
-        raise ValueError(f"neutral must be 'drop' or 'not_entailment', got {neutral!r}")
+    check_neutral(neutral)
     if spec.is_local_file and split not in (None, spec.split):
         raise ValueError(f"{name} is the file {spec.source}, one split: it has no split {split!r}")
     split = split or spec.split

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import grain
 import numpy as np
 
-from oodjax.data.batches import Batch, row_positions
+from oodjax.data.batches import Batch, packed_rows_batch, row_positions
 from oodjax.data.packing import balance_rows
 from oodjax.data.prompts import TokenizedSet
 
@@ -140,7 +140,12 @@ def train_steps(
         examples = [stream_examples(seed, len(t), batch_size, index) for t, seed in zip(sets, seeds, strict=True)]
         lengths = [t.lengths[e] for t, e in zip(sets, examples, strict=True)]
         members = step_layout(lengths, layout, row_length=seq_len, prompts_per_row=prompts_per_row)
-        batch = _rows_batch(sets, examples, members, prompts_per_row, seq_len, pad_id=pad_id)
+        prompts = [[(run, int(examples[run][example])) for run, example in row] for row in members]
+        per_slot = {
+            "run": [[run for run, _ in row] for row in members],
+            "example": [[e for _, e in row] for row in members],
+        }
+        batch = packed_rows_batch(sets, prompts, prompts_per_row, seq_len, pad_id=pad_id, per_slot=per_slot)
         return {
             key: value.reshape(layout.micro_batches, num_rows, *value.shape[1:])[:, keep]
             for key, value in batch.items()
@@ -148,39 +153,6 @@ def train_steps(
 
     options = grain.ReadOptions(num_threads=1 if prefetch else 0, prefetch_buffer_size=prefetch)
     return iter(grain.MapDataset.range(_ENDLESS).map(step).to_iter_dataset(options))
-
-
-def _rows_batch(
-    sets: Sequence[TokenizedSet],
-    examples: Sequence[np.ndarray],
-    members: list[list[tuple[int, int]]],
-    prompts_per_row: int,
-    seq_len: int,
-    *,
-    pad_id: int,
-) -> Batch:
-    """The arrays of rows of (run, example) prompts, each row's prompts one after another from its start."""
-    shape = (len(members), prompts_per_row)
-    input_ids = np.full((len(members), seq_len), pad_id, dtype=np.int32)
-    segment_ids = np.zeros(input_ids.shape, dtype=np.int32)
-    segment_ids[:, 0] = 1  # an empty row attends to its first position, so attention has no fully masked row
-    per_slot = {key: np.zeros(shape, dtype=np.int32) for key in ("answer_pos", "label", "run", "example")}
-    index = np.full(shape, -1, dtype=np.int32)
-    for r, row in enumerate(members):
-        start = 0
-        for slot, (run, example) in enumerate(row):
-            i = int(examples[run][example])
-            prompt = sets[run].prompt(i)
-            stop = start + len(prompt)
-            input_ids[r, start:stop] = prompt
-            segment_ids[r, start:stop] = slot + 1
-            per_slot["answer_pos"][r, slot] = stop - 1
-            per_slot["label"][r, slot] = sets[run].labels[i]
-            per_slot["run"][r, slot] = run
-            per_slot["example"][r, slot] = example
-            index[r, slot] = i
-            start = stop
-    return {"input_ids": input_ids, "segment_ids": segment_ids, **per_slot, "index": index, "valid": index >= 0}
 
 
 def replay_rows(

@@ -9,10 +9,10 @@ to do). The frozen base is never saved: it is reloaded from its source. A
 job that gains runs (seeds, shot counts) resumes its old ones and starts
 the new ones; one that loses runs leaves theirs alone.
 
-The data-iterator state is grain's count of global batches drawn
+The data-iterator state is grain's count of training steps handed out
 (``{"next_index": k}``). Every process draws the same global stream and
-takes its own rows of each batch (``oodjax.data.train_batches``), so the
-state is the same in all of them and the primary's copy serves every one.
+keeps its own rows of each step (``oodjax.data.train_steps``' ``rows``), so
+the state is the same in all of them and the primary's copy serves every one.
 
 Integrity: orbax writes a step into a temporary directory and renames it
 once every item, arrays and JSON alike, is complete, so an interrupted

@@ -29,11 +29,8 @@ from collections.abc import Callable, Mapping, Sequence
 import jax
 import numpy as np
 
-from oodjax.data import Batch, TokenizedSet, eval_batches, prompt_lengths
+from oodjax.data import EVAL_KEYS, Batch, TokenizedSet, eval_batches, prompt_lengths
 from oodjax.usage_errors import UsageError
-
-# What the eval step reads; `index` stays on the host to place the margins.
-_STEP_KEYS = ("input_ids", "segment_ids", "answer_pos", "label", "valid")
 
 
 class NonFiniteModelError(UsageError):
@@ -169,7 +166,8 @@ def evaluate(
     never waits on the device between batches. `place` puts a batch
     [R, B, ...] on the devices (sharded over the row axis B).
     """
-    outputs = [eval_step(base_state, lora, place({key: batch[key] for key in _STEP_KEYS})) for batch in pool.batches]
+    # `index` stays on the host, to place the margins.
+    outputs = [eval_step(base_state, lora, place({key: batch[key] for key in EVAL_KEYS})) for batch in pool.batches]
     margins = np.zeros((pool.num_runs, len(pool.labels)), dtype=np.float32)
     covered = np.zeros(margins.shape, dtype=bool)
     for batch, output in zip(pool.batches, outputs):

@@ -11,7 +11,7 @@ results hold.
 Trackers are quiet: W&B prints no banner and no footer per run (its
 warnings and errors still show: ``setup_wandb``); the loop logs once where
 the runs go (``EventLog.wandb_destination``). Whether W&B online has a
-login is checked before anything loads (``oodjax.engine.checks``).
+login is checked before anything loads (``oodjax.config_checks``).
 """
 
 from __future__ import annotations
@@ -42,6 +42,14 @@ class WandbSettings:
     group: str | None = None
     tags: tuple[str, ...] = ()
     mode: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class TrackerSettings:
+    """Where a job's metrics stream besides each run's events.jsonl: W&B (None: not) and TensorBoard."""
+
+    wandb: WandbSettings | None = None
+    tensorboard: bool = False
 
 
 class EventLog:

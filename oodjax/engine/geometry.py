@@ -4,7 +4,7 @@ How many runs, examples per step, micro-batches, rows per device, training
 row length, buckets, packed prompt slots, evaluation row lengths and the
 rows this process feeds are facts of one job that the data streams, the
 train step, the loop and the preflight must all agree on. ``batch_geometry``
-derives them from the config, the mesh and the runs' few-shot sets in one
+derives them from the job's ``BatchSettings``, the mesh and the runs' few-shot sets in one
 place and validates them there, so a config that cannot work fails before
 anything is tokenised at length or compiled, with an error naming its
 field; everything else reads the frozen ``BatchGeometry``. Evaluation's
@@ -31,7 +31,6 @@ from collections.abc import Sequence
 
 import numpy as np
 from jax.sharding import Mesh
-from ml_collections import config_dict
 
 from oodjax.data import (
     StepLayout,
@@ -44,6 +43,22 @@ from oodjax.data import (
 )
 from oodjax.engine import sharding
 from oodjax.usage_errors import ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchSettings:
+    """What a job asks of its batches (train.batch_size, grad_accum, pack; data.max_length, buckets;
+    eval.batch_size, row_lengths; train.steps, which the layout is replayed over): ``batch_geometry`` and
+    ``eval_geometry`` work the shapes out from them."""
+
+    batch_size: int  # examples per optimizer step, per run
+    grad_accum: int  # micro-batches per optimizer step
+    pack: bool  # all runs' prompts packed into shared rows, else one prompt a row
+    max_length: int  # the longest training and evaluation row
+    total_steps: int  # optimizer steps per run
+    eval_batch_size: int  # evaluation rows of max_length a batch (a token budget)
+    buckets: tuple[int, ...] | None = None  # None: bucket_lengths' default
+    eval_row_lengths: tuple[int, ...] | None = None  # None: eval_row_lengths' default
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,13 +90,12 @@ class EvalGeometry:
         return self.rows * self.seq_len
 
 
-def eval_geometry(config: config_dict.ConfigDict, batch_shards: int) -> EvalGeometry:
-    """The evaluation batches of ``config`` on a mesh whose batch axis has ``batch_shards`` devices."""
-    max_length = config.data.max_length
+def eval_geometry(batches: BatchSettings, batch_shards: int) -> EvalGeometry:
+    """The evaluation batches of ``batches`` on a mesh whose batch axis has ``batch_shards`` devices."""
     return EvalGeometry(
-        rows=config.eval.batch_size,
-        seq_len=max_length,
-        row_lengths=eval_row_lengths(max_length, tuple(config.eval.row_lengths) or None),
+        rows=batches.eval_batch_size,
+        seq_len=batches.max_length,
+        row_lengths=eval_row_lengths(batches.max_length, batches.eval_row_lengths),
         batch_shards=batch_shards,
     )
 
@@ -165,9 +179,9 @@ def micro_batch_lengths(buckets: Sequence[int] | None, seq_len: int) -> tuple[in
 
 
 def batch_geometry(
-    config: config_dict.ConfigDict, mesh: Mesh, train_sets: Sequence[TokenizedSet], seeds: Sequence[int]
+    batches: BatchSettings, mesh: Mesh, train_sets: Sequence[TokenizedSet], seeds: Sequence[int]
 ) -> BatchGeometry:
-    """The job's geometry from its config, its mesh and its runs' tokenised few-shot sets and seeds (one each).
+    """The job's geometry from its batch settings, its mesh and its runs' tokenised few-shot sets and seeds (one each).
 
     The streams are seeded, so what every step of the job holds is known
     before it starts: replaying its steps from the prompts' lengths
@@ -186,27 +200,27 @@ def batch_geometry(
         )
     geometry = BatchGeometry(
         runs=len(train_sets),
-        batch_size=config.train.batch_size,
-        grad_accum=config.train.grad_accum,
-        seq_len=config.data.max_length,
-        packed=config.train.pack,
+        batch_size=batches.batch_size,
+        grad_accum=batches.grad_accum,
+        seq_len=batches.max_length,
+        packed=batches.pack,
         batch_shards=sharding.batch_shards(mesh),
-        evaluation=eval_geometry(config, sharding.batch_shards(mesh)),
+        evaluation=eval_geometry(batches, sharding.batch_shards(mesh)),
     )  # the config's own fields checked, errors naming them
-    replay = dict(batch_size=geometry.batch_size, steps=config.train.steps)
+    replay = dict(batch_size=geometry.batch_size, steps=batches.total_steps)
     if geometry.packed:
         layout, longest, prompts_per_row = packed_layout(
             train_sets,
             seeds,
             micro_batches=geometry.grad_accum,
             shards=geometry.batch_shards,
-            row_length=config.data.max_length,
+            row_length=batches.max_length,
             **replay,
         )
         geometry = dataclasses.replace(geometry, packed_rows_per_device=layout.rows // geometry.batch_shards)
     else:
         longest, prompts_per_row = replay_rows(train_sets, seeds, layout=geometry.layout, **replay)
-    buckets = bucket_lengths(config.data.max_length, tuple(config.data.buckets) or None)
+    buckets = bucket_lengths(batches.max_length, batches.buckets)
     seq_len = fitting_bucket(buckets, max(int(longest.max()), max(int(t.lengths.max()) for t in train_sets)))
     lengths = micro_batch_lengths(buckets, seq_len)
     used = tuple(sorted({fitting_bucket(lengths, int(tokens)) for tokens in np.unique(longest) if tokens > 0}))

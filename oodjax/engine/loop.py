@@ -1,9 +1,9 @@
 """The run loop: train a config's runs, evaluate them as they go, keep everything, resume run by run.
 
-`train(config)` loads the model once, attaches one set of adapters per run
+`train(job)` (an ``oodjax.job.Job``) loads the model once, attaches one set of adapters per run
 (seeds x shots), and alternates jitted train steps with evaluations of every
 testset (and each run's own training set) at step 0 and every `eval.every`
-steps. After each evaluation every run's metrics.npz is rewritten; every
+steps (``Cadence``). After each evaluation every run's metrics.npz is rewritten; every
 `checkpoint_every` steps each run's adapters, optimizer state, data-iterator
 state and RNG are checkpointed in its own folder (``oodjax.engine.checkpoints``).
 
@@ -33,114 +33,162 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
-import json
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import huggingface_hub
 import jax
 import numpy as np
-import optax
 from absl import logging
 from flax import nnx
 from jax.experimental import multihost_utils
-from ml_collections import config_dict
 from tqdm import tqdm
 from transformers import PreTrainedTokenizerBase
 
 from analysis import schema
-from oodjax import config_cli, models
-from oodjax.data import answer_token_ids, load_tokenizer
-from oodjax.engine import checkpoints, checks, console, run_lock, sharding, steps
+from oodjax import models
+from oodjax.data import TRAIN_KEYS, answer_token_ids, load_tokenizer
+from oodjax.engine import checkpoints, console, run_lock, sharding, steps
 from oodjax.engine.distributed import is_primary
 from oodjax.engine.evaluation import evaluate, refuse_non_finite_model
-from oodjax.engine.events import EventLog, WandbSettings
+from oodjax.engine.events import EventLog
 from oodjax.engine.geometry import BatchGeometry, batch_geometry
 from oodjax.engine.preemption import Preempted, StopSignals
-from oodjax.engine.results import Run, RunResults, model_name, plan_runs
+from oodjax.engine.results import Run, RunResults
 from oodjax.engine.resumption import (
     RunStart,
-    comparable_config,
+    comparable_stored,
     read_start,
     refuse_changed_config,
     set_aside_damaged,
     warn_of_shared_checkpoints,
 )
-from oodjax.engine.run_data import TRAIN_KEYS, RunsData, few_shot_sets, load_runs_data
-from oodjax.models.lora import LoRAConfig, export_peft
+from oodjax.engine.run_data import RunsData, few_shot_sets, load_runs_data
+from oodjax.models.lora import export_peft
+from oodjax.usage_errors import ConfigError
+
+if TYPE_CHECKING:
+    from oodjax.job import Job
 
 ADAPTER_DIR = "adapter"  # <run_dir>/adapter/: the run's adapters in PEFT format
+
+
+@dataclasses.dataclass(frozen=True)
+class Cadence:
+    """When a job's runs are evaluated, checkpointed and logged: the one home of those rules, which the
+    estimator counts evaluations by too."""
+
+    total_steps: int  # optimizer steps per run
+    eval_every: int = 25  # step 0, every eval_every steps and the last step are evaluated
+    checkpoint_every: int = 100  # and the last step
+    checkpoint_keep: int = 2  # the newest checkpoints kept per run
+    log_every: int = 10
+
+    def __post_init__(self) -> None:
+        every = {
+            "train.steps": self.total_steps,
+            "eval.every": self.eval_every,
+            "checkpoint_every": self.checkpoint_every,
+            "log_every": self.log_every,
+        }
+        for field, value in every.items():
+            if value < 1:
+                raise ConfigError(f"{field} must be >= 1, got {value}")
+        if self.checkpoint_keep < 1:
+            raise ConfigError(f"checkpoint_keep must be >= 1 (checkpoints kept per run), got {self.checkpoint_keep}")
+
+    def evaluation_due(self, step: int) -> bool:
+        return step % self.eval_every == 0 or step == self.total_steps
+
+    def evaluated_steps(self) -> list[int]:
+        """Every step a run is evaluated at, step 0 included."""
+        return [step for step in range(self.total_steps + 1) if self.evaluation_due(step)]
+
+    def checkpoint_due(self, step: int) -> bool:
+        return step % self.checkpoint_every == 0 or step == self.total_steps
+
+    def log_due(self, step: int) -> bool:
+        return step % self.log_every == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class ExportSettings:
+    """Whether a job writes its runs' adapters in PEFT format (<run_dir>/adapter/), when, and where it pushes
+    them."""
+
+    peft: bool = False  # when training ends
+    every_checkpoint: bool = False  # also at every checkpoint
+    hub_repo: str | None = None  # a hub repo the exports are pushed to, a folder per run
 
 
 class NonFiniteLossError(FloatingPointError):
     """A training loss became NaN or infinite; the runs stop, their last good checkpoint kept."""
 
 
-def train(config: config_dict.ConfigDict) -> list[Run]:
-    """Trains and evaluates the config's unfinished runs, each from its own newest intact checkpoint if it has
+def train(job: Job) -> list[Run]:
+    """Trains and evaluates the job's unfinished runs, each from its own newest intact checkpoint if it has
     one; returns all its runs (those locked by another job left out, with runs.skip_locked). Raises
     ``Preempted`` when a stop signal ended it early, ``RunLockedError`` when another job holds one of its runs."""
-    checks.check_config(config)
-    with run_lock.locked_runs(plan_runs(config), skip_locked=config.runs.skip_locked) as runs:
-        config_cli.log_config(config)
-        warn_of_shared_checkpoints(config)
-        starts = [read_start(config, run) for run in runs]
-        refuse_changed_config(config, starts)  # before anything is written (the locks' new folders go with them)
-        where = [start.describe(config.train.steps) for start in starts]
-        logging.info("%s", console.by_run(f"{len(runs)} runs in {config.output_dir}", runs, where))
+    with run_lock.locked_runs(job.runs.runs(), skip_locked=job.runs.skip_locked) as runs:
+        job.log_config()
+        output_dir = job.runs.output_dir
+        warn_of_shared_checkpoints(output_dir)
+        starts = [read_start(job.cadence.total_steps, run) for run in runs]
+        # before anything is written (the locks' new folders go with them)
+        refuse_changed_config(job.record, output_dir, starts)
+        where = [start.describe(job.cadence.total_steps) for start in starts]
+        logging.info("%s", console.by_run(f"{len(runs)} runs in {output_dir}", runs, where))
         to_train = [start for start in starts if not start.finished]
-        to_export = [start for start in starts if start.finished and config.export.peft]
+        to_export = [start for start in starts if start.finished and job.export.peft]
         if to_train or to_export:
             with StopSignals() as stop:
-                _train_runs(config, to_train, to_export, stop)
+                _train_runs(job, to_train, to_export, stop)
         if is_primary():
-            _summary(config, runs)
+            _summary(job, runs)
     return runs
 
 
-def _train_runs(
-    config: config_dict.ConfigDict, to_train: list[RunStart], to_export: list[RunStart], stop: StopSignals
-) -> None:
+def _train_runs(job: Job, to_train: list[RunStart], to_export: list[RunStart], stop: StopSignals) -> None:
     """Loads the model once, restores every run's checkpoint, then trains the runs group by group (one resume
     step each, the furthest along first) and exports the finished runs' adapters if asked."""
-    mesh = sharding.make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
-    tokenizer = load_tokenizer(config.tokenizer or config.model.path)
-    answer_ids = answer_token_ids(tokenizer, config.data.answers)  # a bad answer word fails before the model loads
-    model = load_model(config, mesh)
+    mesh = job.mesh.make()
+    tokenizer = load_tokenizer(job.model.tokenizer)
+    answer_ids = answer_token_ids(tokenizer, job.data.answers)  # a bad answer word fails before the model loads
+    model = job.model.load(mesh)
     resumed = [start for start in to_train if start.checkpoint is not None] + to_export
     if resumed:
-        _, _, one_run = steps.init_runs(model, [0], LoRAConfig.from_config(config.lora), optimizer(config), mesh=mesh)
+        _, _, one_run = steps.attach_runs(model, [0], job.lora, job.optimizer.transformation, mesh=mesh)
         target = checkpoints.run_target(one_run)
         del one_run
         for start in resumed:
             start.checkpoint = checkpoints.restore_newest(start.run.directory, target)
         set_aside_damaged(resumed)
     for start in to_export:
-        _export_finished(config, start)
+        _export_finished(job, start)
     groups = collections.defaultdict(list)
     for start in to_train:
         groups[(start.step, start.evaluation_pending)].append(start)
     for key in sorted(groups, reverse=True):
-        _train_group(config, mesh, tokenizer, answer_ids, model, groups[key], stop)
+        _train_group(job, mesh, tokenizer, answer_ids, model, groups[key], stop)
 
 
-def _export_finished(config: config_dict.ConfigDict, start: RunStart) -> None:
+def _export_finished(job: Job, start: RunStart) -> None:
     """A finished run rerun with export.peft: its final checkpoint's adapters, exported."""
     restored = start.checkpoint
-    if restored is None or restored.step != config.train.steps:
+    if restored is None or restored.step != job.cadence.total_steps:
         logging.warning(
             "%s: cannot export its adapters: it has no intact checkpoint at its last step %d",
             start.run.name,
-            config.train.steps,
+            job.cadence.total_steps,
         )
         return
-    _export_adapters(config, start.run, restored.state.lora, restored.step)
+    _export_adapters(job, start.run, restored.state.lora, restored.step)
     start.checkpoint = dataclasses.replace(restored, state=None)  # its memory goes
 
 
 def _train_group(
-    config: config_dict.ConfigDict,
+    job: Job,
     mesh: jax.sharding.Mesh,
     tokenizer: PreTrainedTokenizerBase,
     answer_ids: tuple[int, int],
@@ -153,89 +201,53 @@ def _train_group(
     logging.info("training %d runs from step %d: %s", len(runs), group[0].step, ", ".join(run.name for run in runs))
     yes_id, no_id = answer_ids
     seeds = [run.seed for run in runs]
-    train_sets = few_shot_sets(config, tokenizer, [(run.seed, run.shots) for run in runs])
-    geometry = batch_geometry(config, mesh, train_sets, seeds)
-    data = load_runs_data(config, tokenizer, seeds, train_sets, geometry)
-    lora = LoRAConfig.from_config(config.lora)
-    graphdef, base_state, state = steps.init_runs(model, seeds, lora, optimizer(config), mesh=mesh)
+    train_sets = few_shot_sets(job.data, tokenizer, [(run.seed, run.shots) for run in runs])
+    geometry = batch_geometry(job.batches, mesh, train_sets, seeds)
+    data = load_runs_data(job.data, tokenizer, seeds, train_sets, geometry)
+    graphdef, base_state, state = steps.attach_runs(model, seeds, job.lora, job.optimizer.transformation, mesh=mesh)
     if group[0].checkpoint is not None:
         state = checkpoints.stack_runs([start.checkpoint.state for start in group], like=state)
-        data.steps.set_state(group[0].checkpoint.loop_state["data"])  # the group's runs stand at one step
-    train_step, eval_step = make_steps(config, geometry, graphdef, base_state, state, yes_id, no_id, mesh)
-    loop = _Loop(config, group, mesh, geometry, train_step, eval_step, base_state, state, data, stop)
+        data.train_stream.set_state(group[0].checkpoint.loop_state["data"])  # the group's runs stand at one step
+    train_step, eval_step = make_steps(job, geometry, graphdef, base_state, state, yes_id, no_id, mesh)
+    loop = _Loop(job, group, mesh, geometry, train_step, eval_step, base_state, state, data, stop)
     for start in group:  # the restored slices now live in the stacked state
         if start.checkpoint is not None:
             start.checkpoint = dataclasses.replace(start.checkpoint, state=None)
     loop.run()
 
 
-def optimizer(config: config_dict.ConfigDict) -> optax.GradientTransformation:
-    """The config's optimizer (``steps.make_optimizer`` of its train section, ``train.schedule`` included)."""
-    train = config.train
-    return steps.make_optimizer(
-        train.learning_rate,
-        train.steps,
-        train.warmup_steps,
-        train.weight_decay,
-        train.max_grad_norm,
-        schedule=train.schedule,
-    )
-
-
 def make_steps(
-    config: config_dict.ConfigDict,
+    job: Job,
     geometry: BatchGeometry,
     graphdef: nnx.GraphDef,
     base_state: nnx.State,
-    runs: steps.TrainState,
+    state: steps.TrainState,
     yes_id: int,
     no_id: int,
     mesh: jax.sharding.Mesh,
 ) -> tuple[Callable[..., Any], Callable[..., Any]]:
-    """The config's (train_step, eval_step): what ``train`` runs and ``launch.preflight`` compiles.
+    """The job's (train_step, eval_step): what ``train`` runs and ``launch.preflight`` compiles.
 
-    ``base_state`` and ``runs`` may be concrete or abstract (shapes and
+    ``base_state`` and ``state`` may be concrete or abstract (shapes and
     dtypes); they fix the steps' shardings on ``mesh``.
     """
-    compute_dtype = config.model.compute_dtype or None
+    compute_dtype = job.model.compute_dtype
     train_step = steps.make_train_step(
         graphdef,
-        optimizer(config),
+        job.optimizer.transformation,
         yes_id,
         no_id,
         geometry,
         mesh=mesh,
         base_state=base_state,
-        runs=runs,
+        state=state,
         compute_dtype=compute_dtype,
-        metrics=True,
     )
     eval_step = steps.make_eval_step(graphdef, yes_id, no_id, mesh=mesh, compute_dtype=compute_dtype)
     return train_step, eval_step
 
 
-def _wandb_settings(config: config_dict.ConfigDict) -> WandbSettings:
-    """The config's W&B destination; its runs grouped as "<model>_<train_set>" unless wandb.group says."""
-    wandb = config.wandb
-    return WandbSettings(
-        project=wandb.project,
-        entity=wandb.entity or None,
-        group=wandb.group or f"{model_name(config)}_{config.data.train_set}",
-        tags=tuple(wandb.tags),
-        mode=wandb.mode or None,
-    )
-
-
-def load_model(config: config_dict.ConfigDict, mesh: jax.sharding.Mesh) -> models.CausalLM:
-    """The config's frozen base on ``mesh``: its checkpoint (model.path), else a random model of hf_config."""
-    model = config.model
-    options = dict(dtype=model.dtype, remat=model.remat, attention=model.attention)
-    if model.path:
-        return models.load_pretrained(model.path, mesh=mesh, **options)
-    return models.from_config(model.hf_config.to_dict(), seed=model.init_seed, **options)
-
-
-def _export_adapters(config: config_dict.ConfigDict, run: Run, adapters: nnx.State, step: int) -> None:
+def _export_adapters(job: Job, run: Run, adapters: nnx.State, step: int) -> None:
     """Writes one run's adapters (no run axis) to <run_dir>/adapter/ in PEFT format and pushes them to the hub.
 
     Every process takes part in gathering them (they may be sharded over
@@ -244,26 +256,24 @@ def _export_adapters(config: config_dict.ConfigDict, run: Run, adapters: nnx.Sta
     adapters = multihost_utils.process_allgather(adapters, tiled=True)
     if not is_primary():
         return
-    base_model = config.model.path or model_name(config)
-    lora = LoRAConfig.from_config(config.lora)
-    folder = export_peft(adapters, lora, run.directory / ADAPTER_DIR, base_model_name_or_path=base_model)
+    folder = export_peft(adapters, job.lora, run.directory / ADAPTER_DIR, base_model_name_or_path=job.model.source)
     logging.info("%s: adapters at step %d (PEFT format) written to %s", run.name, step, folder)
-    if config.export.hub_repo:
-        huggingface_hub.create_repo(config.export.hub_repo, exist_ok=True)
+    if job.export.hub_repo:
+        huggingface_hub.create_repo(job.export.hub_repo, exist_ok=True)
         huggingface_hub.upload_folder(
-            repo_id=config.export.hub_repo,
+            repo_id=job.export.hub_repo,
             folder_path=folder,
             path_in_repo=run.name,
             commit_message=f"{run.name}: adapters at step {step}",
         )
 
 
-def _summary(config: config_dict.ConfigDict, runs: Sequence[Run]) -> None:
+def _summary(job: Job, runs: Sequence[Run]) -> None:
     """The closing lines: each run's final in-domain and mean OOD accuracy, labelled by run (``console.by_run``:
     a table for many runs; read from the run's metrics.npz, so runs skipped as finished are listed too), and
     where the results are."""
-    in_domain = config.data.train_set
-    ood = [name for name in config.data.testsets if name != in_domain]  # every run's: a changed config is refused
+    in_domain, total_steps = job.data.train_set, job.cadence.total_steps
+    ood = [name for name in job.data.testsets if name != in_domain]  # every run's: a changed config is refused
     cells = []
     for run in runs:
         path = run.directory / schema.METRICS_FILENAME
@@ -274,16 +284,16 @@ def _summary(config: config_dict.ConfigDict, runs: Sequence[Run]) -> None:
             final = dict(zip(stored[schema.TESTSETS].tolist(), stored[schema.ACCURACY][-1].tolist()))
             step = int(stored[schema.STEP][-1])
         mean_ood = f"{np.mean([final[name] for name in ood]):.3f}" if ood else "n/a"
-        cells.append(f"{final[in_domain]:.3f} / {mean_ood}" + (f" (step {step})" if step != config.train.steps else ""))
-    label = f"final accuracy at step {config.train.steps}, in-domain {in_domain} / mean OOD ({', '.join(ood)})"
+        cells.append(f"{final[in_domain]:.3f} / {mean_ood}" + (f" (step {step})" if step != total_steps else ""))
+    label = f"final accuracy at step {total_steps}, in-domain {in_domain} / mean OOD ({', '.join(ood)})"
     logging.info("%s", console.by_run(label, runs, cells))
     logging.info(
         "done: %d runs; results in %s (metrics.npz and events.jsonl per run; `python -m analysis.runs %s` "
         "lists them, `python -m analysis %s --out DIR` analyses them)",
         len(runs),
-        config.output_dir,
-        config.output_dir,
-        config.output_dir,
+        job.runs.output_dir,
+        job.runs.output_dir,
+        job.runs.output_dir,
     )
 
 
@@ -292,7 +302,7 @@ class _Loop:
 
     def __init__(
         self,
-        config: config_dict.ConfigDict,
+        job: Job,
         group: Sequence[RunStart],
         mesh: jax.sharding.Mesh,
         geometry: BatchGeometry,
@@ -304,30 +314,29 @@ class _Loop:
         stop: StopSignals,
     ):
         runs = [start.run for start in group]
-        self.config, self.runs, self.mesh, self.geometry, self.data = config, runs, mesh, geometry, data
+        self.job, self.runs, self.mesh, self.geometry, self.data = job, runs, mesh, geometry, data
+        self.cadence = job.cadence
         self.train_step, self.eval_step = train_step, eval_step
         self.base_state, self.state, self.stop = base_state, state, stop
-        self.total_steps = config.train.steps
+        self.total_steps = job.cadence.total_steps
         # The step the group starts from, whether it resumes, and whether that step's evaluation is still to do.
         self.start, self.resumed = group[0].step, group[0].checkpoint is not None
         self.evaluation_pending = group[0].evaluation_pending
         self.checkpointers = [
-            checkpoints.RunCheckpointer(run.directory, name=run.name, max_to_keep=config.checkpoint_keep)
+            checkpoints.RunCheckpointer(run.directory, name=run.name, max_to_keep=job.cadence.checkpoint_keep)
             for run in runs
         ]
         self.primary = is_primary()  # only process 0 writes results and event logs
-        config_json = json.loads(config.to_json())
-        self.results = [self._run_results(r, run, config_json) for r, run in enumerate(runs)]
-        wandb = _wandb_settings(config) if config.wandb.enabled else None
+        self.results = [self._run_results(r, run) for r, run in enumerate(runs)]
         self.events = (
             [
                 EventLog(
                     run.directory,
                     run_name=run.name,
-                    wandb=wandb,
-                    tensorboard=config.tensorboard.enabled,
+                    wandb=job.trackers.wandb,
+                    tensorboard=job.trackers.tensorboard,
                     # the run's identity and training set in a section of their own, for W&B's filters
-                    config=dict(config_json, **{schema.RUN_SECTION: self._identity(run, train_set=True)}),
+                    config=dict(job.record, **{schema.RUN_SECTION: self._identity(run, train_set=True)}),
                 )
                 for run in runs
             ]
@@ -336,9 +345,6 @@ class _Loop:
         )
         if self.events and (wandb_destination := self.events[0].wandb_destination()) is not None:
             logging.info("%s", wandb_destination)  # once, in place of W&B's banner and footer per run
-        self.learning_rate = steps.make_schedule(
-            config.train.learning_rate, config.train.steps, config.train.warmup_steps, config.train.schedule
-        )  # the optimizer's (``optimizer``), read on the host for the log
         # Per-run loss sums since the last evaluation (its train_loss); the
         # per-run losses and gradient norms since the last log line; the
         # train step's device metrics not yet checked.
@@ -357,17 +363,17 @@ class _Loop:
 
     def _identity(self, run: Run, *, train_set: bool = False) -> dict[str, Any]:
         """The run's model, seed and shots (metrics.npz's run section), and its training set if asked."""
-        identity = {schema.RUN_MODEL: model_name(self.config), schema.RUN_SEED: run.seed, schema.RUN_SHOTS: run.shots}
-        return dict(identity, train_set=self.config.data.train_set) if train_set else identity
+        identity = {schema.RUN_MODEL: self.job.model.name, schema.RUN_SEED: run.seed, schema.RUN_SHOTS: run.shots}
+        return dict(identity, train_set=self.job.data.train_set) if train_set else identity
 
-    def _run_results(self, index: int, run: Run, config_json: dict[str, Any]) -> RunResults:
+    def _run_results(self, index: int, run: Run) -> RunResults:
         labels = self.data.eval_pool.labels_of(index)
         return RunResults(
             run.directory,
             labels=labels,
             dataset_index=self.data.dataset_index[index],
-            in_domain=self.config.data.train_set,
-            config=dict(config_json, **{schema.RUN_SECTION: self._identity(run)}),
+            in_domain=self.job.data.train_set,
+            config=dict(self.job.record, **{schema.RUN_SECTION: self._identity(run)}),
         )
 
     def run(self) -> None:
@@ -378,7 +384,7 @@ class _Loop:
                 self._resume_or_start()
                 if self.start < self.total_steps:
                     self._train(self.start)
-                elif self.config.export.peft:  # stopped at the last step before its evaluation, now done
+                elif self.job.export.peft:  # stopped at the last step before its evaluation, now done
                     self._export(self.start)
 
     def _resume_or_start(self) -> None:
@@ -387,7 +393,7 @@ class _Loop:
         if not self.resumed:
             self._evaluate(0)
             return
-        evaluated = [0] + [step for step in range(1, self.start + 1) if self._evaluation_due(step)]
+        evaluated = [step for step in self.cadence.evaluated_steps() if step <= self.start]
         if self.evaluation_pending:
             evaluated.remove(self.start)
         for run_results in self.results:
@@ -423,9 +429,8 @@ class _Loop:
     def _after_train_step(self, step: int) -> None:
         """What is due after ``step``: stopping on a signal, or a log line, an evaluation, a checkpoint (and
         an export)."""
-        evaluation_due = self._evaluation_due(step)
-        checkpoint_due = step % self.config.checkpoint_every == 0 or step == self.total_steps
-        waits = evaluation_due or checkpoint_due or step % self.config.log_every == 0  # for the step's losses
+        evaluation_due, checkpoint_due = self.cadence.evaluation_due(step), self.cadence.checkpoint_due(step)
+        waits = evaluation_due or checkpoint_due or self.cadence.log_due(step)  # for the step's losses
         if self.stop.agreed(synced=waits):
             self._stop(step, evaluation_pending=evaluation_due)
         if waits:
@@ -435,7 +440,7 @@ class _Loop:
             self._evaluate(step)
         if checkpoint_due:
             self._checkpoint(step)
-            if self.config.export.peft and (step == self.total_steps or self.config.export.every_checkpoint):
+            if self.job.export.peft and (step == self.total_steps or self.job.export.every_checkpoint):
                 self._export(step)
         if evaluation_due or checkpoint_due:
             self._restart_clock()
@@ -446,12 +451,9 @@ class _Loop:
         if self.bar is not None:
             self.bar.unpause()
 
-    def _evaluation_due(self, step: int) -> bool:
-        return step % self.config.eval.every == 0 or step == self.total_steps
-
     def _next_batch(self) -> dict[str, jax.Array]:
         """The runs' next step, as [grad_accum, rows, ...] arrays sharded over the rows."""
-        batch = next(self.data.steps)
+        batch = next(self.data.train_stream)
         # The stream yields this process's rows of the global micro-batches.
         return sharding.shard_process_batch(
             {key: batch[key] for key in TRAIN_KEYS}, self.mesh, batch_axis=1, num_rows=self.geometry.rows
@@ -471,7 +473,7 @@ class _Loop:
                 latest = self.checkpointers[0].latest_step()
                 raise NonFiniteLossError(
                     f"non-finite training loss at step {step} ({bad}); stopped. The runs' last good checkpoints "
-                    f"are at step {latest} (<run_dir>/{checkpoints.CHECKPOINT_DIR}/ under {self.config.output_dir}); "
+                    f"are at step {latest} (<run_dir>/{checkpoints.CHECKPOINT_DIR}/ under {self.job.runs.output_dir}); "
                     "metrics.npz holds every evaluation up to it"
                 )
             self.loss_sum += values
@@ -485,7 +487,8 @@ class _Loop:
         (``console.by_run``), the mean loss and gradient norm since the last log line."""
         now = time.perf_counter()
         loss, grad_norm = (np.mean([metrics[key] for metrics in self.window], axis=0) for key in ("loss", "grad_norm"))
-        learning_rate = float(self.learning_rate(step - 1))  # step s's update is the optimizer's (s-1)-th
+        # the optimizer's own schedule; step s's update is its (s-1)-th
+        learning_rate = float(self.job.optimizer.learning_rate_schedule(step - 1))
         metrics = {"train/loss": loss, "train/grad_norm": grad_norm, "train/learning_rate": learning_rate}
         line = f"step {step}/{self.total_steps}: lr {learning_rate:.3g}"
         if self.window_steps:
@@ -537,7 +540,7 @@ class _Loop:
             for r, (run_results, run_margins) in enumerate(zip(self.results, margins))
         ]
         if step == 0:  # the base model's own outputs
-            refuse_non_finite_model(self.config.model.path or model_name(self.config), accuracies)
+            refuse_non_finite_model(self.job.model.source, accuracies)
         for r, (run, run_results, run_accuracies) in enumerate(zip(self.runs, self.results, accuracies)):
             if self.primary:
                 run_results.write()
@@ -562,14 +565,14 @@ class _Loop:
 
     def _checkpoint(self, step: int, *, evaluation_pending: bool = False) -> None:
         """Saves each run's slice of the state and its loop state at ``step`` in the run's own folder."""
-        comparable = comparable_config(self.config)
+        comparable = comparable_stored(self.job.record)
         run_states = checkpoints.split_runs(self.state)
         for r, (checkpointer, run_state) in enumerate(zip(self.checkpointers, run_states, strict=True)):
             loop_state = {
                 "config": comparable,
                 "loss_sum": float(self.loss_sum[r]),
                 "loss_steps": self.loss_steps,
-                "data": self.data.steps.get_state(),
+                "data": self.data.train_stream.get_state(),
                 "evaluation_pending": evaluation_pending,
             }
             checkpointer.save(step, run_state, loop_state)
@@ -592,7 +595,7 @@ class _Loop:
             step,
             checkpoints.CHECKPOINT_DIR,
             step,
-            self.config.output_dir,
+            self.job.runs.output_dir,
             ", its evaluation left for the resumed run" if evaluation_pending else "",
         )
         if jax.process_count() > 1:
@@ -602,4 +605,4 @@ class _Loop:
     def _export(self, step: int) -> None:
         """Writes each run's current adapters to <run_dir>/adapter/ in PEFT format (``_export_adapters``)."""
         for r, run in enumerate(self.runs):
-            _export_adapters(self.config, run, steps.select_run(self.state.lora, r), step)
+            _export_adapters(self.job, run, steps.select_run(self.state.lora, r), step)

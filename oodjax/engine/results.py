@@ -48,10 +48,10 @@ from typing import Any
 import jax
 import numpy as np
 from absl import logging
-from ml_collections import config_dict
 
 from analysis import schema
 from oodjax.storage import write_atomic, write_npz_atomic
+from oodjax.usage_errors import ConfigError
 
 # Accuracy and margins are computed from float32 margins; only the stored
 # per-example margins are rounded to float16 (they are many and small).
@@ -83,23 +83,42 @@ class Run:
     directory: pathlib.Path
 
 
-def plan_runs(config: config_dict.ConfigDict) -> list[Run]:
-    """The config's runs: every (seed, shots) pair, seeds outermost."""
-    model = model_name(config)
-    runs = []
-    for seed, shots in itertools.product(config.runs.seeds, config.runs.shots):
-        name = run_name(model, config.data.train_set, seed, shots)
-        runs.append(Run(seed=seed, shots=shots, name=name, directory=pathlib.Path(config.output_dir) / name))
-    return runs
+@dataclasses.dataclass(frozen=True)
+class RunPlan:
+    """Which runs a job is (its runs section, the model's name, the training set) and where they go."""
+
+    model: str  # the model's name in run names (``oodjax.models.ModelSettings.name``)
+    train_set: str
+    seeds: tuple[int, ...]
+    shots: tuple[int, ...]
+    output_dir: pathlib.Path
+    skip_locked: bool = False  # runs another job holds are left out, not an error
+
+    def __post_init__(self) -> None:
+        for field in ("seeds", "shots"):
+            values = list(getattr(self, field))
+            if not values or len(set(values)) != len(values):
+                raise ConfigError(f"runs.{field} must be a non-empty list without repeats, got {values}")
+        if min(self.shots) < 1:
+            raise ConfigError(f"runs.shots must be positive, got {list(self.shots)}")
+
+    def runs(self) -> list[Run]:
+        """Every (seed, shots) pair, seeds outermost."""
+        runs = []
+        for seed, shots in itertools.product(self.seeds, self.shots):
+            name = run_name(self.model, self.train_set, seed, shots)
+            runs.append(Run(seed=seed, shots=shots, name=name, directory=self.output_dir / name))
+        return runs
 
 
-def model_name(config: config_dict.ConfigDict) -> str:
-    """model.name, else the checkpoint's last path component, else "<model_type>-random"."""
-    if config.model.name:
-        return config.model.name
-    if config.model.path:
-        return pathlib.Path(config.model.path.rstrip("/")).name
-    return f"{config.model.hf_config.model_type}-random"
+def model_name(name: str, path: str, model_type: str) -> str:
+    """A model's name in run names: model.name, else the checkpoint's last path component, else
+    "<model_type>-random"."""
+    if name:
+        return name
+    if path:
+        return pathlib.Path(path.rstrip("/")).name
+    return f"{model_type}-random"
 
 
 def run_name(model: str, train_set: str, seed: int, shots: int) -> str:

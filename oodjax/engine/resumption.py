@@ -15,16 +15,15 @@ import collections
 import dataclasses
 import json
 import pathlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
 from absl import logging
 from jax.experimental import multihost_utils
-from ml_collections import config_dict
 
 from analysis import schema
-from configs import base
+from oodjax import config_fields
 from oodjax.engine import checkpoints, results
 from oodjax.engine.distributed import is_primary
 from oodjax.engine.results import Run
@@ -62,8 +61,9 @@ class RunStart:
         return "starts at step 0"
 
 
-def read_start(config: config_dict.ConfigDict, run: Run) -> RunStart:
-    """Reads what the run's folder holds (its metrics.npz, its newest readable checkpoint record); writes nothing."""
+def read_start(total_steps: int, run: Run) -> RunStart:
+    """Reads what the run's folder holds (its metrics.npz, its newest readable checkpoint record); writes nothing.
+    A run of ``total_steps`` steps is finished when its metrics.npz holds that step's evaluation."""
     try:
         progress = results.read_progress(run.directory)
     except results.UnreadableResultsError as error:
@@ -71,18 +71,18 @@ def read_start(config: config_dict.ConfigDict, run: Run) -> RunStart:
             f"{error}; {run.name} cannot be resumed or skipped without it: move it (or {run.directory}) away to "
             "start the run over"
         ) from error
-    if progress is not None and progress.finished(config.train.steps):
+    if progress is not None and progress.finished(total_steps):
         return RunStart(run, finished=True, stored_config=comparable_stored(progress.config))
     newest = checkpoints.restore_newest(run.directory, None, warn=False)  # its config; the arrays come later
     stored = newest.loop_state["config"] if newest is not None else None
     return RunStart(run, finished=False, stored_config=stored, checkpoint=newest)
 
 
-def refuse_changed_config(config: config_dict.ConfigDict, starts: Sequence[RunStart]) -> None:
-    """Raises a ValueError naming every stored run whose config differs from ``config`` in a field that changes
-    what the run is (learning rate, data, model, ...), and those fields."""
-    current = comparable_config(config)
-    defaults = comparable_config(base.get_config())
+def refuse_changed_config(record: Mapping[str, Any], output_dir: pathlib.Path, starts: Sequence[RunStart]) -> None:
+    """Raises a ValueError naming every stored run whose config differs from ``record`` (the job's config as
+    JSON) in a field that changes what the run is (learning rate, data, model, ...), and those fields."""
+    current = comparable_stored(record)
+    defaults = comparable_stored(json.loads(config_fields.get_config().to_json()))
     differing: dict[str, list[str]] = collections.defaultdict(list)
     for start in starts:
         if start.stored_config is not None:
@@ -92,7 +92,7 @@ def refuse_changed_config(config: config_dict.ConfigDict, starts: Sequence[RunSt
     if differing:
         details = " | ".join(f"{', '.join(names)}: {fields}" for fields, names in differing.items())
         raise ValueError(
-            f"{config.output_dir} holds runs started with another config (stored -> now: {details}); resume with "
+            f"{output_dir} holds runs started with another config (stored -> now: {details}); resume with "
             "the same config or use a new output_dir"
         )
 
@@ -103,7 +103,7 @@ def differing_fields(
     """``"section.field stored -> now"`` for every leaf field that differs between two config dicts.
 
     A field the stored config lacks (one a later version added) whose current
-    value is its default (``defaults``, configs/base.py's) is no difference:
+    value is its default (``defaults``, oodjax/config_fields.py's) is no difference:
     at its default it means what the version without it did.
     """
     fields = []
@@ -118,9 +118,9 @@ def differing_fields(
     return fields
 
 
-def warn_of_shared_checkpoints(config: config_dict.ConfigDict) -> None:
+def warn_of_shared_checkpoints(output_dir: pathlib.Path) -> None:
     """Checkpoints of the earlier layout (one for all runs, under output_dir) are not read: say so."""
-    shared = pathlib.Path(config.output_dir) / checkpoints.CHECKPOINT_DIR
+    shared = output_dir / checkpoints.CHECKPOINT_DIR
     if shared.is_dir():
         logging.warning(
             "%s holds checkpoints of all runs together, as earlier versions wrote them; they are not read (each run "
@@ -145,12 +145,7 @@ def set_aside_damaged(starts: Sequence[RunStart]) -> None:
         multihost_utils.sync_global_devices("oodjax: damaged checkpoints set aside")
 
 
-def comparable_config(config: config_dict.ConfigDict) -> dict[str, Any]:
-    """The config as JSON data, without the fields a resumption may change."""
-    return comparable_stored(json.loads(config.to_json()))
-
-
-def comparable_stored(config_data: dict[str, Any]) -> dict[str, Any]:
+def comparable_stored(config_data: Mapping[str, Any]) -> dict[str, Any]:
     """A stored config (a checkpoint's, or metrics.npz's with its run section) without what a resumption may
     change or what says which runs a job trains."""
     return {key: value for key, value in config_data.items() if key not in (*RESUMABLE_CHANGES, *JOB_SECTIONS)}

@@ -35,19 +35,18 @@ import datasets
 import grain
 import numpy as np
 from absl import logging
-from ml_collections import config_dict
 from transformers import PreTrainedTokenizerBase
 
 from analysis import schema
 from oodjax.data import (
     TRAIN_PREFETCH,
     InContextSet,
+    TestsetSpec,
     TokenizedSet,
     few_shot,
     load_testset,
     prompt_lengths,
     stratified_subset,
-    testset_table,
     tokenize_in_context,
     tokenize_testset,
     train_steps,
@@ -57,12 +56,28 @@ from oodjax.engine.evaluation import EvalPool, make_eval_pool
 from oodjax.engine.geometry import BatchGeometry
 from oodjax.engine.steps import micro_batch_branches
 
-# What the train step reads of a step's batch.
-TRAIN_KEYS = ("input_ids", "segment_ids", "answer_pos", "label", "valid", "run", "example")
-
 # The column ``capped_testsets`` and ``few_shot_datasets`` give their datasets: each example's row in the dataset as
 # loaded (``load_testset``'s split before any cap; ``training_pool``'s pool), which the caps and draws carry along.
 DATASET_INDEX = "dataset_index"
+
+
+@dataclasses.dataclass(frozen=True)
+class DataSettings:
+    """What a job's data is (its data section, resolved): where the few-shot pool and the testsets come from,
+    how prompts are made, and which testsets are evaluated with what cap."""
+
+    train_set: str  # the testset the few-shot sets are drawn from, in-domain in the results
+    testsets: tuple[str, ...]  # evaluated, in order
+    table: Mapping[str, TestsetSpec]  # every testset a name can mean: built-in and declared (testset_table)
+    template: str
+    answers: tuple[str, str]  # (entailment, not entailment) answer words
+    max_length: int  # prompts longer are truncated inside the premise
+    pool_split: str | None = None  # None: the data layer's offline pool
+    data_dir: str | None = None  # None: $OODJAX_DATA_DIR, else the hub
+    eval_cap: int = 0  # 0: the full split
+    eval_seed: int = 0
+    neutral: str = "drop"
+    cache_dir: str | None = None  # None: $OODJAX_CACHE_DIR, else ~/.cache/oodjax
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,8 +89,8 @@ class IndexedSet(TokenizedSet):
 
 @dataclasses.dataclass(frozen=True)
 class RunsData:
-    eval_pool: EvalPool  # config.data.testsets in order, then run r's few-shot set as schema.TRAIN_TESTSET
-    steps: grain.DatasetIterator  # the runs' training steps (train_steps), this process's rows
+    eval_pool: EvalPool  # data.testsets in order, then run r's few-shot set as schema.TRAIN_TESTSET
+    train_stream: grain.DatasetIterator  # the runs' training steps (train_steps), this process's rows
     dataset_index: tuple[dict[str, np.ndarray], ...]  # run r: each set of eval_pool.labels_of(r) -> IndexedSet's
 
 
@@ -85,27 +100,26 @@ def dataset_indices(sets: Mapping[str, IndexedSet]) -> dict[str, np.ndarray]:
 
 
 def few_shot_sets(
-    config: config_dict.ConfigDict, tokenizer: PreTrainedTokenizerBase, runs: Sequence[tuple[int, int]]
+    data: DataSettings, tokenizer: PreTrainedTokenizerBase, runs: Sequence[tuple[int, int]]
 ) -> list[IndexedSet]:
     """Each run's tokenised few-shot training set; ``runs`` are (seed, shots) pairs.
 
     Cheap (a few hundred prompts), so the job's ``BatchGeometry``, which
     needs their lengths, is known before the testsets are tokenised.
     """
-    return [_tokenize(config, dataset, tokenizer) for dataset in few_shot_datasets(config, runs)]
+    return [_tokenize(data, dataset, tokenizer) for dataset in few_shot_datasets(data, runs)]
 
 
-def few_shot_datasets(config: config_dict.ConfigDict, runs: Sequence[tuple[int, int]]) -> list[datasets.Dataset]:
+def few_shot_datasets(data: DataSettings, runs: Sequence[tuple[int, int]]) -> list[datasets.Dataset]:
     """Each run's few-shot set, balanced and in its seeded order, untokenised, with its rows in the pool
     (``DATASET_INDEX``); ``runs`` are (seed, shots) pairs."""
-    data = config.data
-    pool = training_pool(data.train_set, split=data.pool_split or None, data_dir=data.data_dir or None)
+    pool = training_pool(data.train_set, split=data.pool_split, data_dir=data.data_dir)
     pool = pool.add_column(DATASET_INDEX, np.arange(len(pool)))
     return [few_shot(pool, shots, seed) for seed, shots in runs]
 
 
 def load_runs_data(
-    config: config_dict.ConfigDict,
+    data: DataSettings,
     tokenizer: PreTrainedTokenizerBase,
     seeds: Sequence[int],
     train_sets: Sequence[IndexedSet],
@@ -121,8 +135,8 @@ def load_runs_data(
     ``geometry.evaluation.batch_tokens`` tokens, in rows of its
     ``row_lengths`` packed with one or two prompts each.
     """
-    testsets = load_testsets(config, tokenizer)
-    steps = train_steps(
+    testsets = load_testsets(data, tokenizer)
+    train_stream = train_steps(
         train_sets,
         seeds,
         batch_size=geometry.batch_size,
@@ -144,40 +158,37 @@ def load_runs_data(
     dataset_index = tuple(
         {**dataset_indices(testsets), schema.TRAIN_TESTSET: train_set.dataset_index} for train_set in train_sets
     )
-    return RunsData(eval_pool=eval_pool, steps=steps, dataset_index=dataset_index)
+    return RunsData(eval_pool=eval_pool, train_stream=train_stream, dataset_index=dataset_index)
 
 
-def load_testsets(config: config_dict.ConfigDict, tokenizer: PreTrainedTokenizerBase) -> dict[str, IndexedSet]:
+def load_testsets(data: DataSettings, tokenizer: PreTrainedTokenizerBase) -> dict[str, IndexedSet]:
     """``capped_testsets``, tokenised, in order: what every run of a job is evaluated on."""
-    capped = capped_testsets(config)
-    return {name: _tokenize_testset(config, name, dataset, tokenizer) for name, dataset in capped.items()}
+    capped = capped_testsets(data)
+    return {name: _tokenize_testset(data, name, dataset, tokenizer) for name, dataset in capped.items()}
 
 
-def capped_testsets(config: config_dict.ConfigDict) -> dict[str, datasets.Dataset]:
+def capped_testsets(data: DataSettings) -> dict[str, datasets.Dataset]:
     """``data.testsets``, built-in or declared (data.extra_testsets[_file]), each capped (its own cap, else
     data.eval_cap), in order, with each example's row in the uncapped split (``DATASET_INDEX``)."""
-    data = config.data
-    table = testset_table(data.extra_testsets.to_dict(), data.extra_testsets_file or None)
     testsets = {}
     for name in data.testsets:
-        dataset = load_testset(name, data_dir=data.data_dir or None, neutral=data.neutral, table=table)
+        dataset = load_testset(name, data_dir=data.data_dir, neutral=data.neutral, table=data.table)
         dataset = dataset.add_column(DATASET_INDEX, np.arange(len(dataset)))
-        cap = table[name].eval_cap(data.eval_cap)
+        cap = data.table[name].eval_cap(data.eval_cap)
         testsets[name] = stratified_subset(dataset, cap, seed=data.eval_seed) if cap else dataset
     return testsets
 
 
 def in_context_sets(
-    config: config_dict.ConfigDict, tokenizer: PreTrainedTokenizerBase, runs: Sequence[tuple[int, int]]
+    data: DataSettings, tokenizer: PreTrainedTokenizerBase, runs: Sequence[tuple[int, int]]
 ) -> tuple[dict[str, np.ndarray], list[dict[str, InContextSet]]]:
     """The testsets' dataset index (``IndexedSet``; every run's), and run r's in-context testsets:
     ``capped_testsets``, each prompt preceded by the demonstrations of run r's few-shot set
     (``few_shot_datasets``) that fit in data.max_length (``oodjax.data.tokenize_in_context``)."""
-    data = config.data
-    testsets = capped_testsets(config)
-    zero_shot = {name: _tokenize_testset(config, name, dataset, tokenizer) for name, dataset in testsets.items()}
+    testsets = capped_testsets(data)
+    zero_shot = {name: _tokenize_testset(data, name, dataset, tokenizer) for name, dataset in testsets.items()}
     per_run = []
-    for (seed, shots), demonstrations in zip(runs, few_shot_datasets(config, runs), strict=True):
+    for (seed, shots), demonstrations in zip(runs, few_shot_datasets(data, runs), strict=True):
         sets = {}
         for name, dataset in testsets.items():
             sets[name] = tokenize_in_context(
@@ -185,10 +196,10 @@ def in_context_sets(
                 demonstrations,
                 tokenizer,
                 template=data.template,
-                answers=tuple(data.answers),
+                answers=data.answers,
                 max_length=data.max_length,
                 zero_shot=zero_shot[name],
-                cache_dir=data.cache_dir or None,
+                cache_dir=data.cache_dir,
             )
             kept = sets[name].demonstrations
             logging.info(
@@ -228,28 +239,25 @@ def training_figures(stream: grain.DatasetIterator, geometry: BatchGeometry, *, 
     return {"train_real_token_share": real / computed, "host_batch_ms": 1e3 * seconds / steps}
 
 
-def _tokenize(
-    config: config_dict.ConfigDict, dataset: datasets.Dataset, tokenizer: PreTrainedTokenizerBase
-) -> IndexedSet:
+def _tokenize(data: DataSettings, dataset: datasets.Dataset, tokenizer: PreTrainedTokenizerBase) -> IndexedSet:
     """``dataset`` (with its ``DATASET_INDEX`` column) tokenised."""
-    data = config.data
     tokenized = tokenize_testset(
-        dataset, tokenizer, template=data.template, max_length=data.max_length, cache_dir=data.cache_dir or None
+        dataset, tokenizer, template=data.template, max_length=data.max_length, cache_dir=data.cache_dir
     )
     return IndexedSet(**vars(tokenized), dataset_index=np.asarray(dataset[DATASET_INDEX][:], dtype=np.int64))
 
 
 def _tokenize_testset(
-    config: config_dict.ConfigDict, name: str, dataset: datasets.Dataset, tokenizer: PreTrainedTokenizerBase
+    data: DataSettings, name: str, dataset: datasets.Dataset, tokenizer: PreTrainedTokenizerBase
 ) -> IndexedSet:
-    tokenized = _tokenize(config, dataset, tokenizer)
+    tokenized = _tokenize(data, dataset, tokenizer)
     if tokenized.num_truncated:
         logging.info(
             "%s: %d of %d prompts truncated to %d tokens",
             name,
             tokenized.num_truncated,
             len(tokenized),
-            config.data.max_length,
+            data.max_length,
         )
     return tokenized
 

@@ -21,6 +21,7 @@ blocks its own devices hold. Three cases, one function each:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -38,27 +39,46 @@ MESH_AXES = ("data", "fsdp", "tensor")
 BATCH_AXES: tuple[str, ...] = tuple(dict(LOGICAL_AXIS_RULES)["batch"])
 
 
-def make_mesh(data: int = 1, fsdp: int = 1, tensor: int = 1, *, devices: list | None = None) -> Mesh:
-    """A mesh of ``devices`` (default: all) with axes ("data", "fsdp", "tensor").
+@dataclasses.dataclass(frozen=True)
+class MeshShape:
+    """The mesh a job asks for (its mesh section): axis sizes, one of which may be -1, "whatever the others
+    leave". ``sizes`` resolves it for a number of devices: the one home of that rule, for the engine's mesh
+    and for the estimator's and the preflight's device counts."""
 
-    One size may be -1: it takes whatever the others leave. The sizes must use
-    every device, so a mis-sized config fails here rather than idling hardware.
-    """
+    data: int = 1
+    fsdp: int = 1
+    tensor: int = 1
+
+    def __post_init__(self) -> None:
+        sizes = dataclasses.astuple(self)
+        if sizes.count(-1) > 1 or any(s == 0 or s < -1 for s in sizes):
+            raise ConfigError(f"mesh sizes (data, fsdp, tensor) = {sizes}: each must be >= 1, at most one -1")
+
+    def sizes(self, devices: int) -> dict[str, int]:
+        """The axis sizes on ``devices`` devices, -1 filled in. They must use every device, so that a mis-sized
+        config fails here rather than idling hardware."""
+        sizes = list(dataclasses.astuple(self))
+        if -1 in sizes:
+            known = math.prod(s for s in sizes if s != -1)
+            if devices % known:
+                raise ConfigError(f"mesh sizes {tuple(sizes)}: {devices} devices are not divisible by {known}")
+            sizes[sizes.index(-1)] = devices // known
+        if math.prod(sizes) != devices:
+            raise ConfigError(
+                f"mesh sizes (data, fsdp, tensor) = {tuple(sizes)} need {math.prod(sizes)} devices; there are {devices}"
+            )
+        return dict(zip(MESH_AXES, sizes))
+
+    def make(self, devices: list | None = None) -> Mesh:
+        """This mesh over ``devices`` (default: all)."""
+        return make_mesh(self.data, self.fsdp, self.tensor, devices=devices)
+
+
+def make_mesh(data: int = 1, fsdp: int = 1, tensor: int = 1, *, devices: list | None = None) -> Mesh:
+    """A mesh of ``devices`` (default: all) with axes ("data", "fsdp", "tensor"), sized by ``MeshShape``."""
     devices = list(jax.devices()) if devices is None else list(devices)
-    sizes = [data, fsdp, tensor]
-    if sizes.count(-1) > 1 or any(s == 0 or s < -1 for s in sizes):
-        raise ConfigError(f"mesh sizes (data, fsdp, tensor) = {tuple(sizes)}: each must be >= 1, at most one -1")
-    if -1 in sizes:
-        known = math.prod(s for s in sizes if s != -1)
-        if len(devices) % known:
-            raise ConfigError(f"mesh sizes {tuple(sizes)}: {len(devices)} devices are not divisible by {known}")
-        sizes[sizes.index(-1)] = len(devices) // known
-    if math.prod(sizes) != len(devices):
-        raise ConfigError(
-            f"mesh sizes (data, fsdp, tensor) = {tuple(sizes)} need {math.prod(sizes)} devices; "
-            f"there are {len(devices)}"
-        )
-    return jax.make_mesh(tuple(sizes), MESH_AXES, axis_types=(AxisType.Auto,) * 3, devices=devices)
+    sizes = MeshShape(data, fsdp, tensor).sizes(len(devices))
+    return jax.make_mesh(tuple(sizes.values()), MESH_AXES, axis_types=(AxisType.Auto,) * 3, devices=devices)
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

@@ -33,17 +33,17 @@ import numpy as np
 import optax
 from flax import nnx
 
+from oodjax.data import SEQUENCE_KEYS, TRAIN_ONLY_KEYS
 from oodjax.engine import sharding
 from oodjax.engine.geometry import BatchGeometry
 from oodjax.models.layers import STACKED, segment_positions
 from oodjax.models.lora import LoRAConfig, adapter_tokens, apply_lora
 from oodjax.models.partitioning import param_shardings
+from oodjax.usage_errors import ConfigError
 
 Batch = Mapping[str, Any]
 
 SCHEDULES = ("linear", "cosine", "constant")
-
-_SEQUENCE_KEYS = ("input_ids", "segment_ids")  # [..., S]; a batch's other leaves have no sequence axis
 
 
 @flax.struct.dataclass
@@ -69,33 +69,63 @@ def select_run(tree: Any, index: int) -> Any:
     return jax.tree.map(lambda x: x[index], tree)
 
 
+@dataclasses.dataclass(frozen=True)
+class OptimizerSettings:
+    """A job's optimizer (its train section's learning rate, schedule, weight decay and clipping), built once:
+    ``transformation`` is what the train step applies, ``learning_rate`` the same schedule, read on the host
+    for the log."""
+
+    learning_rate: float  # peak, after warm-up
+    total_steps: int
+    warmup_steps: int = 0
+    weight_decay: float = 0.0
+    max_grad_norm: float | None = None  # None: no clipping
+    schedule: str = "linear"  # after warm-up: one of SCHEDULES
+
+    def __post_init__(self) -> None:
+        if self.schedule not in SCHEDULES:
+            raise ConfigError(f"train.schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
+        if not 0 <= self.warmup_steps <= self.total_steps:
+            raise ConfigError(
+                f"train.warmup_steps must be in [0, train.steps={self.total_steps}], got {self.warmup_steps}"
+            )
+
+    @functools.cached_property
+    def learning_rate_schedule(self) -> optax.Schedule:
+        """The learning rate per optimizer step, as transformers' schedules give it.
+
+        It rises linearly from 0 over ``warmup_steps`` (so, as in a Trainer, the
+        first update uses rate 0 when there is warm-up), then ``linear`` decays to
+        0 at ``total_steps``, ``cosine`` follows a half cosine to 0 and
+        ``constant`` stays at the peak (get_{linear,cosine,constant}_schedule_with_warmup).
+        """
+        peak, warmup = self.learning_rate, self.warmup_steps
+        decay_steps = max(self.total_steps - warmup, 1)
+        if self.schedule == "linear":
+            decay = optax.linear_schedule(peak, 0.0, decay_steps)
+        elif self.schedule == "cosine":
+            decay = optax.cosine_decay_schedule(peak, decay_steps)
+        else:
+            decay = optax.constant_schedule(peak)
+        if not warmup:
+            return decay
+        return optax.join_schedules([optax.linear_schedule(0.0, peak, warmup), decay], [warmup])
+
+    @functools.cached_property
+    def transformation(self) -> optax.GradientTransformation:
+        """torch's AdamW (b1 0.9, b2 0.999, eps 1e-8, decoupled weight decay) after global-norm clipping (none
+        when ``max_grad_norm`` is None or 0), on ``learning_rate_schedule``."""
+        adamw = optax.adamw(self.learning_rate_schedule, b1=0.9, b2=0.999, eps=1e-8, weight_decay=self.weight_decay)
+        if not self.max_grad_norm:
+            return adamw
+        return optax.chain(optax.clip_by_global_norm(self.max_grad_norm), adamw)
+
+
 def make_schedule(
     learning_rate: float, total_steps: int, warmup_steps: int, schedule: str = "linear"
 ) -> optax.Schedule:
-    """The learning rate per optimizer step, as transformers' schedules give it.
-
-    It rises linearly from 0 over ``warmup_steps`` (so, as in a Trainer, the
-    first update uses rate 0 when there is warm-up), then ``linear`` decays to
-    0 at ``total_steps``, ``cosine`` follows a half cosine to 0 and
-    ``constant`` stays at the peak (get_{linear,cosine,constant}_schedule_with_warmup).
-    """
-    if schedule not in SCHEDULES:
-        raise ValueError(f"unknown learning-rate schedule {schedule!r}; choose one of {SCHEDULES}")
-    if total_steps <= 0 or not 0 <= warmup_steps <= total_steps:
-        raise ValueError(
-            f"need total_steps > 0 and 0 <= warmup_steps <= total_steps; got total_steps={total_steps}, "
-            f"warmup_steps={warmup_steps}"
-        )
-    decay_steps = max(total_steps - warmup_steps, 1)
-    if schedule == "linear":
-        decay = optax.linear_schedule(learning_rate, 0.0, decay_steps)
-    elif schedule == "cosine":
-        decay = optax.cosine_decay_schedule(learning_rate, decay_steps)
-    else:
-        decay = optax.constant_schedule(learning_rate)
-    if not warmup_steps:
-        return decay
-    return optax.join_schedules([optax.linear_schedule(0.0, learning_rate, warmup_steps), decay], [warmup_steps])
+    """``OptimizerSettings.learning_rate_schedule`` of these settings."""
+    return OptimizerSettings(learning_rate, total_steps, warmup_steps, schedule=schedule).learning_rate_schedule
 
 
 def make_optimizer(
@@ -106,16 +136,12 @@ def make_optimizer(
     max_grad_norm: float | None,
     schedule: str = "linear",
 ) -> optax.GradientTransformation:
-    """torch's AdamW (b1 0.9, b2 0.999, eps 1e-8, decoupled weight decay) after global-norm
-    clipping (none when ``max_grad_norm`` is None or 0), on ``make_schedule``'s learning rate."""
-    lr = make_schedule(learning_rate, total_steps, warmup_steps, schedule)
-    adamw = optax.adamw(lr, b1=0.9, b2=0.999, eps=1e-8, weight_decay=weight_decay)
-    if not max_grad_norm:
-        return adamw
-    return optax.chain(optax.clip_by_global_norm(max_grad_norm), adamw)
+    """``OptimizerSettings.transformation`` of these settings."""
+    settings = OptimizerSettings(learning_rate, total_steps, warmup_steps, weight_decay, max_grad_norm, schedule)
+    return settings.transformation
 
 
-def init_runs(
+def attach_runs(
     model: nnx.Module,
     seeds: Sequence[int],
     lora_cfg: LoRAConfig,
@@ -123,18 +149,19 @@ def init_runs(
     *,
     mesh: jax.sharding.Mesh | None = None,
 ) -> tuple[nnx.GraphDef, nnx.State, TrainState]:
-    """Attaches adapters to ``model`` and returns (graphdef, frozen base state, stacked runs).
+    """Attaches the runs' adapters to ``model`` (in place: the returned graphdef is the adapted model's) and
+    returns (graphdef, frozen base state, the runs' stacked ``TrainState``).
 
     Run r's adapters and dropout key come from ``nnx.Rngs(seeds[r])`` alone, so
     they are identical to those of a single run with that seed. The base
     state also holds the adapters' shared ``AdapterTokens`` (its stream is the
     same for every run; the train step keys each token's dropout by its
-    run's key). With ``mesh``, base and runs are
+    run's key). With ``mesh``, the base and the runs' state are
     placed on their shardings (in every process of a multi-process mesh:
     each builds the same values from the same seeds and places its blocks).
     """
     if not seeds:
-        raise ValueError("init_runs needs at least one seed")
+        raise ValueError("attach_runs needs at least one seed")
     loras, keys = [], []
     for seed in seeds:
         rngs = nnx.Rngs(seed)
@@ -143,7 +170,7 @@ def init_runs(
         keys.append(jax.random.key_data(rngs.dropout()))
     graphdef, _, base_state = nnx.split(model, nnx.LoRAParam, ...)
     lora = jax.tree.map(lambda *xs: jnp.stack(xs), *loras)
-    runs = TrainState(
+    state = TrainState(
         lora=lora,
         opt_state=jax.vmap(optimizer.init)(lora),
         rng=jnp.stack(keys),
@@ -151,32 +178,32 @@ def init_runs(
     )
     if mesh is not None:
         base_state = sharding.place(base_state, param_shardings(base_state, mesh))
-        runs = sharding.place(runs, sharding.runs_shardings(runs, mesh))
+        state = sharding.place(state, sharding.runs_shardings(state, mesh))
     else:
         # Committed, as the train step's outputs are: an uncommitted first input
         # would give the first call a compilation of its own.
-        runs = jax.device_put(runs, jax.local_devices()[0])
-    return graphdef, base_state, runs
+        state = jax.device_put(state, jax.local_devices()[0])
+    return graphdef, base_state, state
 
 
-def abstract_init_runs(
+def abstract_attach_runs(
     make_model: Callable[[], nnx.Module],
     seeds: Sequence[int],
     lora_cfg: LoRAConfig,
     optimizer: optax.GradientTransformation,
 ) -> tuple[nnx.GraphDef, nnx.State, TrainState]:
-    """``init_runs`` on ``make_model()`` as shapes only (``jax.eval_shape``): the graphdef, and base and runs
-    whose leaves are ShapeDtypeStructs. Nothing is read, initialised or allocated, so a 32B model's steps can
-    be lowered and compiled ahead of time on any machine (the preflight)."""
+    """``attach_runs`` on ``make_model()`` as shapes only (``jax.eval_shape``): the graphdef, and the base and
+    the runs' state, whose leaves are ShapeDtypeStructs. Nothing is read, initialised or allocated, so a 32B
+    model's steps can be lowered and compiled ahead of time on any machine (the preflight)."""
     graphdefs = []
 
     def shapes() -> tuple[nnx.State, TrainState]:
-        graphdef, base_state, runs = init_runs(make_model(), seeds, lora_cfg, optimizer)
+        graphdef, base_state, state = attach_runs(make_model(), seeds, lora_cfg, optimizer)
         graphdefs.append(graphdef)  # static: it leaves the trace as it is
-        return base_state, runs
+        return base_state, state
 
-    base_state, runs = jax.eval_shape(shapes)
-    return graphdefs[0], base_state, runs
+    base_state, state = jax.eval_shape(shapes)
+    return graphdefs[0], base_state, state
 
 
 def _cast_floats(tree: Any, dtype: jnp.dtype | None) -> Any:
@@ -280,7 +307,7 @@ def micro_batch_grads(
     Rows are filled from the left, so the cut drops only padding when
     ``length`` holds the micro-batch's longest row.
     """
-    cut = {k: v[..., :length] if k in _SEQUENCE_KEYS else v for k, v in micro.items()}
+    cut = {k: v[..., :length] if k in SEQUENCE_KEYS else v for k, v in micro.items()}
     return jax.value_and_grad(loss, has_aux=True)(lora, base_state, cut, *rest)
 
 
@@ -316,7 +343,7 @@ def run_update(
 
 def train_step(
     base_state: nnx.State,
-    runs: TrainState,
+    state: TrainState,
     batch: Batch,
     *,
     graphdef: nnx.GraphDef,
@@ -325,17 +352,16 @@ def train_step(
     no_id: int,
     geometry: BatchGeometry,
     compute_dtype: jnp.dtype | None,
-    metrics: bool = False,
-) -> tuple[TrainState, jax.Array | dict[str, jax.Array]]:
+) -> tuple[TrainState, dict[str, jax.Array]]:
     """One optimizer step of every run (``make_train_step`` documents it; this is the function it jits)."""
     micro_batches, rows = geometry.train_rows_shape
     _check_train_batch(batch, micro_batches, rows, geometry.seq_len)
     valid = batch["valid"].astype(jnp.float32)
-    counts = jnp.zeros(runs.num_runs, jnp.float32).at[batch["run"]].add(valid)
+    counts = jnp.zeros(state.num_runs, jnp.float32).at[batch["run"]].add(valid)
     run_weights = 1.0 / jnp.maximum(counts, 1.0)
     # Each run's dropout key for this step: fold_in(run key, step), a function of the run alone.
-    run_keys = jax.vmap(lambda rng: jax.random.key_data(jax.random.fold_in(jax.random.wrap_key_data(rng), runs.step)))(
-        runs.rng
+    run_keys = jax.vmap(lambda rng: jax.random.key_data(jax.random.fold_in(jax.random.wrap_key_data(rng), state.step)))(
+        state.rng
     )
     loss = functools.partial(
         micro_batch_loss, graphdef=graphdef, yes_id=yes_id, no_id=no_id, compute_dtype=compute_dtype
@@ -344,7 +370,7 @@ def train_step(
         functools.partial(micro_batch_grads, length=length, loss=loss) for length in geometry.micro_batch_lengths
     ]
     base_state = _cast_floats(base_state, compute_dtype)
-    lora = runs_inside_layers(runs.lora)
+    lora = runs_inside_layers(state.lora)
 
     def accumulate(carry, xs):
         grads, loss_sums = carry
@@ -352,13 +378,12 @@ def train_step(
         (_, per_run), g = jax.lax.switch(branch, branches, lora, base_state, micro, run_keys, run_weights)
         return (jax.tree.map(jnp.add, grads, g), loss_sums + per_run), None
 
-    init = (jax.tree.map(jnp.zeros_like, lora), jnp.zeros(runs.num_runs, jnp.float32))
+    init = (jax.tree.map(jnp.zeros_like, lora), jnp.zeros(state.num_runs, jnp.float32))
     (grads, loss_sums), _ = jax.lax.scan(accumulate, init, (dict(batch), micro_batch_branches(batch, geometry)))
     update = functools.partial(run_update, optimizer=optimizer)
-    new_lora, opt_state, grad_norms = jax.vmap(update)(runs.lora, runs.opt_state, runs_outside_layers(grads))
-    runs = runs.replace(lora=new_lora, opt_state=opt_state, step=runs.step + 1)
-    losses = loss_sums * run_weights
-    return runs, ({"loss": losses, "grad_norm": grad_norms} if metrics else losses)
+    new_lora, opt_state, grad_norms = jax.vmap(update)(state.lora, state.opt_state, runs_outside_layers(grads))
+    state = state.replace(lora=new_lora, opt_state=opt_state, step=state.step + 1)
+    return state, {"loss": loss_sums * run_weights, "grad_norm": grad_norms}
 
 
 def _check_train_batch(batch: Batch, micro_batches: int, rows: int, seq_len: int) -> None:
@@ -366,7 +391,7 @@ def _check_train_batch(batch: Batch, micro_batches: int, rows: int, seq_len: int
     and clearly."""
     layout = f"[grad_accum={micro_batches}, rows={rows}, seq={seq_len}]"
     _check_batch(batch, layout, (micro_batches, rows, seq_len))
-    for key in ("run", "example"):
+    for key in TRAIN_ONLY_KEYS:
         if key not in batch:
             raise ValueError(f"a training batch needs {key!r} per prompt slot; it has {sorted(batch)}")
         if tuple(batch[key].shape) != tuple(batch["answer_pos"].shape) or batch["answer_pos"].ndim != 3:
@@ -470,13 +495,12 @@ def make_train_step(
     *,
     mesh: jax.sharding.Mesh | None = None,
     base_state: nnx.State | None = None,
-    runs: TrainState | None = None,
+    state: TrainState | None = None,
     compute_dtype: jnp.dtype | None = None,
-    metrics: bool = False,
-) -> Callable[[nnx.State, TrainState, Batch], tuple[TrainState, jax.Array | dict[str, jax.Array]]]:
-    """One jitted optimizer step for all runs: ``train_step(base_state, runs, batch) -> (runs, loss [R])``,
-    or with ``metrics`` ``-> (runs, {"loss": [R], "grad_norm": [R]})``, grad_norm being each run's global
-    gradient norm before clipping (what the run loop logs; the loss alone is what most callers need).
+) -> Callable[[nnx.State, TrainState, Batch], tuple[TrainState, dict[str, jax.Array]]]:
+    """One jitted optimizer step for all runs: ``train_step(base_state, state, batch) -> (state, {"loss": [R],
+    "grad_norm": [R]})``, grad_norm being each run's global gradient norm before clipping (both logged by the
+    run loop).
 
     ``batch`` leaves are [grad_accum, rows, seq_len] for input_ids and
     segment_ids and [grad_accum, rows, prompt slots] for answer_pos, label,
@@ -488,7 +512,7 @@ def make_train_step(
     " Yes" for label 0, " No" otherwise) over its valid prompts of all
     micro-batches; each prompt is weighted by 1 / its run's count before the
     gradients are summed over micro-batches, so accumulation is exact, not an
-    average of averages. ``runs`` is donated.
+    average of averages. ``state`` (the runs' ``TrainState``) is donated.
 
     Each micro-batch runs at the smallest of ``geometry.micro_batch_lengths``
     that holds its longest row (``micro_batch_branches``), and one with no
@@ -498,7 +522,7 @@ def make_train_step(
     ``compute_dtype`` (e.g. bfloat16) casts the base and the adapters for the
     forward/backward pass only; the adapters and optimizer state stay float32.
 
-    With a ``mesh``, pass ``base_state`` and ``runs`` (from ``init_runs``, or
+    With a ``mesh``, pass ``base_state`` and ``state`` (from ``attach_runs``, or
     their abstract shapes) too: the step is jitted with their shardings in
     and out, so each call's output is exactly the next call's input layout
     (XLA might otherwise spell an equivalent sharding differently and
@@ -512,17 +536,18 @@ def make_train_step(
         no_id=no_id,
         geometry=geometry,
         compute_dtype=compute_dtype,
-        metrics=metrics,
     )
     if mesh is None:
         return jax.jit(step, donate_argnums=1)
-    if base_state is None or runs is None:
-        raise ValueError("make_train_step with a mesh needs base_state= and runs= (from init_runs) for its shardings")
-    runs_shardings = sharding.runs_shardings(runs, mesh)
+    if base_state is None or state is None:
+        raise ValueError(
+            "make_train_step with a mesh needs base_state= and state= (from attach_runs) for its shardings"
+        )
+    state_shardings = sharding.runs_shardings(state, mesh)
     jitted = jax.jit(
         step,
-        in_shardings=(param_shardings(base_state, mesh), runs_shardings, sharding.batch_sharding(mesh, 1)),
-        out_shardings=(runs_shardings, sharding.replicated(mesh)),
+        in_shardings=(param_shardings(base_state, mesh), state_shardings, sharding.batch_sharding(mesh, 1)),
+        out_shardings=(state_shardings, sharding.replicated(mesh)),
         donate_argnums=1,
     )
     return MeshStep(jitted, mesh)

@@ -5,7 +5,14 @@ from oodjax.models.config import DecoderConfig
 from oodjax.models.gemma import GemmaConfig, GemmaForCausalLM
 from oodjax.models.layers import REMAT_POLICIES, CausalLM, Linear
 from oodjax.models.llama import LlamaConfig, LlamaForCausalLM
-from oodjax.models.loading import ARCHITECTURES, abstract_model, config_from_dict, from_config, load_pretrained
+from oodjax.models.loading import (
+    ARCHITECTURES,
+    ModelSettings,
+    abstract_model,
+    config_from_dict,
+    from_config,
+    load_pretrained,
+)
 from oodjax.models.olmo2 import Olmo2Config, Olmo2ForCausalLM
 from oodjax.models.opt import OPTConfig, OPTForCausalLM
 from oodjax.models.partitioning import LOGICAL_AXIS_RULES, logical_to_spec, param_sharding, param_shardings
@@ -20,6 +27,7 @@ __all__ = [
     "Linear",
     "LlamaConfig",
     "LlamaForCausalLM",
+    "ModelSettings",
     "OPTConfig",
     "OPTForCausalLM",
     "REMAT_POLICIES",

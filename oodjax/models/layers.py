@@ -43,7 +43,8 @@ MLP_PROJECTION = "mlp_projection"
 ATTENTION_OUTPUT = flash_attention.ATTENTION_OUTPUT
 
 
-# What a decoder layer keeps for the backward pass, by name (as MaxText names its policies):
+# What a decoder layer keeps for the backward pass, by names of our own (MaxText's remat_policy names
+# differ but for "full"; launch.costs.RECOMPUTED says what each recomputes, for the estimator's FLOPs):
 # "none" keeps everything (no recomputation); "full" keeps only the layer's input and
 # recomputes the rest; "save_dots" keeps every projection's output (q/k/v/o and the MLP's)
 # and the attention's output (a fused kernel's with its softmax statistics, so the backward
@@ -484,9 +485,9 @@ def attention(
     within a prompt index and position differences agree, so padding and
     packing change nothing); ``positions`` are then the tokens' positions in
     their prompts (``segment_positions``, which the decoder has computed for
-    its position encoding already). Rows of padded queries see no key at all;
-    ``jax.nn.dot_product_attention`` then spreads them uniformly instead of
-    producing NaNs, so padding never poisons real positions.
+    its position encoding already). Why padding (segment 0, no key of which is
+    seen) changes no prompt's result and makes no NaN on any attention path is
+    said once, where padding is made: ``oodjax.data.batches``.
 
     ``softcap`` (Gemma 2's ``attn_logit_softcapping``) bounds the scaled
     scores to (-cap, cap) with ``cap * tanh(s / cap)`` before masking, as

@@ -304,6 +304,34 @@ def _place(checkpoint: Checkpoint, source: _Source, dtype: jnp.dtype, sharding: 
     return jax.make_array_from_callback(shape, sharding, lambda index: blocks[_bounds(index, shape)])
 
 
+@dataclasses.dataclass(frozen=True)
+class ModelSettings:
+    """The frozen base a job uses (its model section and tokenizer, resolved): where it comes from, the name
+    its runs carry, and how it computes."""
+
+    name: str  # in run names: model.name, else the checkpoint's last path component, else "<model_type>-random"
+    tokenizer: str  # tokenizer directory or hub id: `tokenizer`, else the checkpoint's
+    path: str | None = None  # checkpoint directory or hub id; None: a random model of hf_config
+    hf_config: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    init_seed: int = 0  # of the random model
+    dtype: str = "bfloat16"  # of the frozen base's weights
+    compute_dtype: str | None = None  # the passes' dtype; None: dtype
+    remat: str = "none"  # REMAT_POLICIES
+    attention: str = "auto"  # flash_attention.IMPLEMENTATIONS
+
+    @property
+    def source(self) -> str:
+        """The model as messages and exports name it: its checkpoint, else its name."""
+        return self.path or self.name
+
+    def load(self, mesh: Mesh) -> CausalLM:
+        """The base on ``mesh``: its checkpoint, else a random model of ``hf_config``."""
+        options = dict(dtype=self.dtype, remat=self.remat, attention=self.attention)
+        if self.path:
+            return load_pretrained(self.path, mesh=mesh, **options)
+        return from_config(dict(self.hf_config), seed=self.init_seed, **options)
+
+
 def load_pretrained(
     path: str | pathlib.Path,
     *,

@@ -10,13 +10,19 @@ Where every check of a config lives, in the order a job meets them:
 
 - the command line (``oodjax.config_cli``): unknown fields, values that do
   not parse, list items of the wrong type;
-- here, ``check_config``: each field's range and each path's existence, and
+- here, ``check_config`` (``oodjax.job.resolve`` runs it first): each
+  path's existence, the fields with no piece of the job to hold them, and
   the facts other modules own, asked of them: a declared testset's fields
   (``oodjax.data.testsets.testset_table``), the LoRA config
   (``oodjax.models.lora.LoRAConfig``), the remat policy
   (``oodjax.models.layers.check_remat``) and the attention kernel
-  (``oodjax.models.flash_attention.check_implementation``); and W&B's
+  (``oodjax.models.flash_attention.check_implementation``), the handling
+  of neutral examples (``oodjax.data.testsets.check_neutral``); and W&B's
   login, asked of wandb, when a training job records online;
+- the pieces of the job, as ``oodjax.job.read`` builds them: each checks
+  the ranges of the fields it holds (``results.RunPlan`` the runs,
+  ``loop.Cadence`` steps and intervals, ``steps.OptimizerSettings`` the
+  schedule and warm-up, ``sharding.MeshShape`` the mesh sizes);
 - ``oodjax.engine.geometry.batch_geometry``: whether the batch sizes,
   micro-batches and mesh fit together (it needs the mesh and the few-shot
   sets, so it runs once those exist, still before anything compiles);
@@ -36,8 +42,8 @@ from datasets.naming import camelcase_to_snakecase
 from ml_collections import config_dict
 
 from analysis import schema
-from configs.base import LIST_ITEM_TYPES
-from oodjax.data import answer_token_ids, load_tokenizer
+from oodjax.config_fields import LIST_ITEM_TYPES
+from oodjax.data import answer_token_ids, check_neutral, load_tokenizer
 from oodjax.data.testsets import (
     HUB_ID,
     TestsetSpec,
@@ -50,7 +56,6 @@ from oodjax.data.testsets import (
     training_sets,
 )
 from oodjax.engine.events import WANDB_MODES, installed, setup_wandb
-from oodjax.engine.steps import SCHEDULES
 from oodjax.models.flash_attention import check_implementation
 from oodjax.models.hf_checkpoint import read_json
 from oodjax.models.layers import check_remat
@@ -71,7 +76,6 @@ def check_config(config: config_dict.ConfigDict, *, evaluation: bool = False) ->
     _check_lora(config)
     _check_source("tokenizer", config.tokenizer or config.model.path, "tokenizer_config.json")
     _check_data(config.data, needs_pool=not evaluation or config.eval.in_context)
-    _check_runs_and_training(config)
     _check_trackers(config, evaluation)
     _check_export(config.export)
     _check_vocabulary(config)
@@ -210,7 +214,7 @@ def _check_data(data: config_dict.ConfigDict, *, needs_pool: bool) -> None:
         raise MissingInputError(f"data.data_dir {data.data_dir!r} is not a directory")
     if not data.testsets:
         raise ConfigError("data.testsets is empty: name the testsets to evaluate (at least data.train_set)")
-    table = _testset_table(data)
+    table = declared_testsets(data)
     for name in data.testsets:
         try:
             testset_spec(name, table)
@@ -229,8 +233,10 @@ def _check_data(data: config_dict.ConfigDict, *, needs_pool: bool) -> None:
         )
     if data.eval_cap < 0:
         raise ConfigError(f"data.eval_cap must be >= 0 (0 = no cap), got {data.eval_cap}")
-    if data.neutral not in ("drop", "not_entailment"):
-        raise ConfigError(f"data.neutral must be 'drop' or 'not_entailment', got {data.neutral!r}")
+    try:
+        check_neutral(data.neutral)
+    except ValueError as error:
+        raise ConfigError(f"data.{error}") from None
     answers = list(data.answers)
     if len(answers) != 2 or len(set(answers)) != 2 or not all(answers):
         raise ConfigError(f"data.answers must be two different non-empty words (yes, no), got {answers}")
@@ -242,8 +248,9 @@ def _check_data(data: config_dict.ConfigDict, *, needs_pool: bool) -> None:
         _check_available(data.train_set, pool, root)  # the message names the pool's split
 
 
-def _testset_table(data: config_dict.ConfigDict) -> dict[str, TestsetSpec]:
-    """The built-in and declared testsets; a bad declaration is an error naming it and its field."""
+def declared_testsets(data: config_dict.ConfigDict) -> dict[str, TestsetSpec]:
+    """The built-in and declared testsets of a data section (``testset_table``); a bad declaration is a
+    ``ConfigError`` naming it and its field, a missing file a ``MissingInputError``."""
     if not isinstance(data.extra_testsets, config_dict.ConfigDict):
         raise ConfigError(f"data.extra_testsets must be a dict of testset declarations, got {data.extra_testsets!r}")
     if data.extra_testsets_file and not pathlib.Path(data.extra_testsets_file).expanduser().is_file():
@@ -310,34 +317,6 @@ def _hub_cached(source: str) -> bool:
     return arrow_cache.is_dir() or hub_cache.is_dir()
 
 
-def _check_runs_and_training(config: config_dict.ConfigDict) -> None:
-    runs, train = config.runs, config.train
-    for field in ("seeds", "shots"):
-        values = list(runs[field])
-        if not values or len(set(values)) != len(values):
-            raise ConfigError(f"runs.{field} must be a non-empty list without repeats, got {values}")
-    if min(runs.shots) < 1:
-        raise ConfigError(f"runs.shots must be positive, got {list(runs.shots)}")
-    # The batch sizes are checked where the batch geometry is worked out (oodjax.engine.geometry).
-    positive = {
-        "train.steps": train.steps,
-        "eval.every": config.eval.every,
-        "checkpoint_every": config.checkpoint_every,
-        "log_every": config.log_every,
-    }
-    for field, value in positive.items():
-        if value < 1:
-            raise ConfigError(f"{field} must be >= 1, got {value}")
-    if not 0 <= train.warmup_steps <= train.steps:
-        raise ConfigError(f"train.warmup_steps must be in [0, train.steps={train.steps}], got {train.warmup_steps}")
-    if train.schedule not in SCHEDULES:
-        raise ConfigError(f"train.schedule must be one of {', '.join(SCHEDULES)}, got {train.schedule!r}")
-    if config.checkpoint_keep < 1:
-        raise ConfigError(f"checkpoint_keep must be >= 1 (checkpoints kept per run), got {config.checkpoint_keep}")
-    if not config.output_dir:
-        raise ConfigError("output_dir is empty")
-
-
 def _check_vocabulary(config: config_dict.ConfigDict) -> None:
     """Every id the tokenizer can give, the answer words' among them, has a row in the model's embedding.
 
@@ -380,6 +359,8 @@ def _check_output_dir(output_dir: str) -> None:
     system or a missing permission shows only when writing. Nothing is left
     behind, so a job refused later has written nothing.
     """
+    if not output_dir:
+        raise ConfigError("output_dir is empty")
     existing = pathlib.Path(output_dir).expanduser().absolute()
     while not existing.exists():
         existing = existing.parent

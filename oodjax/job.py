@@ -1,0 +1,161 @@
+"""A job: its config read once, into the typed pieces the engine and the launch tools take.
+
+The command line and config files speak ``ml_collections.ConfigDict`` (its
+fields, defaults and meanings are ``oodjax.config_fields``). ``resolve``
+checks one (``oodjax.config_checks``) and turns it into a frozen ``Job``
+whose pieces are each defined in the module that uses them: the model
+(``oodjax.models.ModelSettings``), the adapters (``LoRAConfig``), the data
+(``run_data.DataSettings``), the batches (``geometry.BatchSettings``), the
+optimizer (``steps.OptimizerSettings``), the runs (``results.RunPlan``), the
+mesh (``sharding.MeshShape``), the cadence of evaluations, checkpoints and
+log lines (``loop.Cadence``), the export (``loop.ExportSettings``) and the
+trackers (``events.TrackerSettings``). Derived values are worked out here,
+once: the model's name, the tokenizer, the testset table, empty strings as
+None. Past here nothing reads a ConfigDict; the config as JSON (``record``)
+is what results and checkpoints store, and what a resumed run is compared by.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+from collections.abc import Mapping
+from typing import Any
+
+from absl import logging
+from ml_collections import config_dict
+
+from oodjax import config_checks, config_cli
+from oodjax.engine.events import TrackerSettings, WandbSettings
+from oodjax.engine.geometry import BatchSettings
+from oodjax.engine.loop import Cadence, ExportSettings
+from oodjax.engine.results import RunPlan, model_name
+from oodjax.engine.run_data import DataSettings
+from oodjax.engine.sharding import MeshShape
+from oodjax.engine.steps import OptimizerSettings
+from oodjax.models.loading import ModelSettings
+from oodjax.models.lora import LoRAConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """One config, resolved: what ``oodjax.main``, ``oodjax.evaluate`` and the launch tools run."""
+
+    model: ModelSettings
+    lora: LoRAConfig
+    data: DataSettings
+    batches: BatchSettings
+    optimizer: OptimizerSettings
+    runs: RunPlan
+    mesh: MeshShape
+    cadence: Cadence
+    export: ExportSettings
+    trackers: TrackerSettings
+    adapters: tuple[pathlib.Path, ...]  # PEFT adapter folders oodjax.evaluate evaluates (model.adapters)
+    in_context: bool  # oodjax.evaluate: the in-context baseline (eval.in_context)
+    record: Mapping[str, Any]  # the config as JSON: what results and checkpoints store
+    description: str  # the config as a job logs it at start (``config_cli.describe_config``)
+
+    def log_config(self) -> None:
+        """Logs the config the job runs, once its runs are locked: a job refused for a bad config or a locked
+        run says so in its one line, with nothing before it."""
+        logging.info("config (command-line overrides applied):\n%s", self.description)
+
+
+def resolve(config: config_dict.ConfigDict, *, evaluation: bool = False) -> Job:
+    """``config`` checked (``config_checks.check_config``; ``evaluation``: for ``oodjax.evaluate``) and read
+    into a ``Job``. A wrong field is a ``ConfigError`` naming it; a missing path a ``MissingInputError``."""
+    config_checks.check_config(config, evaluation=evaluation)
+    return read(config)
+
+
+def read(config: config_dict.ConfigDict) -> Job:
+    """``config`` read into a ``Job`` without the checks that look at files, hubs and logins: what the
+    estimator and the preflight use for configs of machines they are not on."""
+    model, data, train = config.model, config.data, config.train
+    name = model_name(model.name, model.path, model.hf_config.get("model_type", ""))
+    wandb = config.wandb
+    return Job(
+        model=ModelSettings(
+            name=name,
+            tokenizer=config.tokenizer or model.path,
+            path=model.path or None,
+            hf_config=model.hf_config.to_dict(),
+            init_seed=model.init_seed,
+            dtype=model.dtype,
+            compute_dtype=model.compute_dtype or None,
+            remat=model.remat,
+            attention=model.attention,
+        ),
+        lora=LoRAConfig.from_config(config.lora),
+        data=DataSettings(
+            train_set=data.train_set,
+            testsets=tuple(data.testsets),
+            table=config_checks.declared_testsets(data),
+            template=data.template,
+            answers=tuple(data.answers),
+            max_length=data.max_length,
+            pool_split=data.pool_split or None,
+            data_dir=data.data_dir or None,
+            eval_cap=data.eval_cap,
+            eval_seed=data.eval_seed,
+            neutral=data.neutral,
+            cache_dir=data.cache_dir or None,
+        ),
+        batches=BatchSettings(
+            batch_size=train.batch_size,
+            grad_accum=train.grad_accum,
+            pack=train.pack,
+            max_length=data.max_length,
+            total_steps=train.steps,
+            eval_batch_size=config.eval.batch_size,
+            buckets=tuple(data.buckets) or None,
+            eval_row_lengths=tuple(config.eval.row_lengths) or None,
+        ),
+        optimizer=OptimizerSettings(
+            learning_rate=train.learning_rate,
+            total_steps=train.steps,
+            warmup_steps=train.warmup_steps,
+            weight_decay=train.weight_decay,
+            max_grad_norm=train.max_grad_norm or None,
+            schedule=train.schedule,
+        ),
+        runs=RunPlan(
+            model=name,
+            train_set=data.train_set,
+            seeds=tuple(config.runs.seeds),
+            shots=tuple(config.runs.shots),
+            output_dir=pathlib.Path(config.output_dir),
+            skip_locked=config.runs.skip_locked,
+        ),
+        mesh=MeshShape(config.mesh.data, config.mesh.fsdp, config.mesh.tensor),
+        cadence=Cadence(
+            total_steps=train.steps,
+            eval_every=config.eval.every,
+            checkpoint_every=config.checkpoint_every,
+            checkpoint_keep=config.checkpoint_keep,
+            log_every=config.log_every,
+        ),
+        export=ExportSettings(
+            peft=config.export.peft,
+            every_checkpoint=config.export.every_checkpoint,
+            hub_repo=config.export.hub_repo or None,
+        ),
+        trackers=TrackerSettings(
+            wandb=WandbSettings(
+                project=wandb.project,
+                entity=wandb.entity or None,
+                group=wandb.group or f"{name}_{data.train_set}",
+                tags=tuple(wandb.tags),
+                mode=wandb.mode or None,
+            )
+            if wandb.enabled
+            else None,
+            tensorboard=config.tensorboard.enabled,
+        ),
+        adapters=tuple(pathlib.Path(path).expanduser() for path in model.adapters),
+        in_context=config.eval.in_context,
+        record=json.loads(config.to_json()),
+        description=config_cli.describe_config(config),
+    )

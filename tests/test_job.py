@@ -1,0 +1,79 @@
+"""The config read once (oodjax.job): what it derives, and that nothing past it takes a ConfigDict."""
+
+import ast
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from configs import base, demo
+from oodjax.engine import loop
+from oodjax.job import read
+from oodjax.usage_errors import ConfigError
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def test_the_library_imports_no_config_package():
+    """`configs` is the application's: the library's entry points import without it."""
+    code = "import sys, oodjax.main, oodjax.evaluate, oodjax.job; sys.exit('configs' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr or "oodjax imported the configs package"
+
+
+def test_the_engine_models_and_data_never_read_a_config_dict():
+    """Only the command line, the checks and the resolution (oodjax/*.py) touch ml_collections."""
+    readers = []
+    for package in ("engine", "models", "data"):
+        for path in sorted((ROOT / "oodjax" / package).glob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, (ast.Import, ast.ImportFrom)):
+                    names = [getattr(node, "module", None) or ""] + [alias.name for alias in node.names]
+                    if any(name.startswith(("ml_collections", "configs")) for name in names):
+                        readers.append(path.relative_to(ROOT).as_posix())
+    assert readers == []
+
+
+def test_read_derives_names_tokenizer_and_nones_once():
+    config = demo.get_config()
+    assert read(config).model.name == "opt-tiny-random"  # model.name, when given
+    config.model.name = ""
+    job = read(config)
+    assert job.model.name == "opt-random" and job.runs.model == job.model.name
+    assert job.model.path is None and job.model.source == "opt-random"
+    assert job.model.tokenizer == config.tokenizer
+    assert job.data.data_dir == config.data.data_dir and job.data.pool_split is None and job.data.cache_dir is None
+    assert job.export.hub_repo is None and job.model.compute_dtype is None
+    assert job.trackers.wandb is None
+    config.model.hf_config, config.model.path, config.tokenizer = {}, "/ckpt/OPT-2.7b/", ""
+    config.wandb.enabled = True
+    job = read(config)
+    assert job.model.name == "OPT-2.7b" and job.model.tokenizer == "/ckpt/OPT-2.7b/"
+    assert job.model.source == "/ckpt/OPT-2.7b/"
+    assert job.trackers.wandb.group == "OPT-2.7b_mnli" and job.trackers.wandb.entity is None
+    assert [run.name for run in job.runs.runs()] == ["OPT-2.7b_mnli_seed0_shots32", "OPT-2.7b_mnli_seed42_shots32"]
+    assert job.record["model"]["path"] == "/ckpt/OPT-2.7b/"  # what results store: the config as given
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("mesh.fsdp", -1, r"mesh sizes \(data, fsdp, tensor\) = \(-1, -1, 1\): each must be >= 1, at most one -1"),
+        ("runs.shots", (8, 0), r"runs.shots must be positive, got \[8, 0\]"),
+        ("eval.every", 0, "eval.every must be >= 1, got 0"),
+        ("train.warmup_steps", 600, r"train.warmup_steps must be in \[0, train.steps=500\], got 600"),
+    ],
+)
+def test_each_piece_checks_its_own_fields(field, value, message):
+    config = base.get_config()
+    section, _, key = field.rpartition(".")
+    config[section][key] = value
+    with pytest.raises(ConfigError, match=message):
+        read(config)
+
+
+def test_the_cadence_is_the_loop_s_and_the_estimator_s():
+    cadence = loop.Cadence(total_steps=60, eval_every=25, checkpoint_every=40, log_every=10)
+    assert cadence.evaluated_steps() == [0, 25, 50, 60]
+    assert [step for step in range(1, 61) if cadence.checkpoint_due(step)] == [40, 60]
