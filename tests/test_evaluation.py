@@ -28,7 +28,7 @@ from oodjax.data import (
     replay_rows,
     train_steps,
 )
-from oodjax.engine import sharding, steps
+from oodjax.engine import steps
 from oodjax.engine.evaluation import evaluate, make_eval_pool, pool_figures
 from oodjax.engine.geometry import BatchGeometry, batch_geometry
 from oodjax.engine.run_data import few_shot_sets, training_figures
@@ -242,10 +242,11 @@ def test_a_job_compiles_the_micro_batch_lengths_its_streams_take_and_no_other(
     config.train.grad_accum = 2  # unpacked: micro-batches of 4 prompts, 2 a device
     config.mesh.data = 2
     seeds = list(config.runs.seeds)
-    mesh = sharding.make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor, devices=jax.devices()[:2])
-    tokenizer = load_tokenizer(config.tokenizer)
-    train_sets = few_shot_sets(read(config).data, tokenizer, [(seed, 16) for seed in seeds])
-    geometry = batch_geometry(read(config).batches, mesh, train_sets, seeds)
+    job = read(config)
+    mesh = job.mesh.make(devices=jax.devices()[:2])
+    tokenizer = load_tokenizer(job.model.tokenizer)
+    train_sets = few_shot_sets(job.data, tokenizer, [(seed, 16) for seed in seeds])
+    geometry = batch_geometry(job.batches, mesh, train_sets, seeds)
     every_bucket = dataclasses.replace(geometry, buckets=bucket_lengths(geometry.seq_len))
     stream = train_steps(
         train_sets,

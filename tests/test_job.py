@@ -62,6 +62,7 @@ def test_read_derives_names_tokenizer_and_nones_once():
         ("mesh.fsdp", -1, r"mesh sizes \(data, fsdp, tensor\) = \(-1, -1, 1\): each must be >= 1, at most one -1"),
         ("runs.shots", (8, 0), r"runs.shots must be positive, got \[8, 0\]"),
         ("eval.every", 0, "eval.every must be >= 1, got 0"),
+        ("train.steps", 0, "train.steps must be >= 1, got 0"),
         ("train.warmup_steps", 600, r"train.warmup_steps must be in \[0, train.steps=500\], got 600"),
     ],
 )

@@ -72,9 +72,9 @@ def test_a_resumed_run_may_keep_more_checkpoints_but_not_change_its_schedule(tmp
             (config[section] if section else config)[key] = value
         return config
 
-    stored = one_run()
-    (run,) = read(stored).runs.runs()
-    start = resumption.RunStart(run, finished=False, stored_config=resumption.comparable_stored(read(stored).record))
+    stored = read(one_run())
+    (run,) = stored.runs.runs()
+    start = resumption.RunStart(run, finished=False, stored_config=resumption.comparable_stored(stored.record))
     kept, rescheduled = one_run(checkpoint_keep=5), one_run(train__schedule="cosine")
     resumption.refuse_changed_config(read(kept).record, tmp_path, [start])  # no error
     with pytest.raises(ValueError, match="train.schedule 'linear' -> 'cosine'"):

@@ -86,8 +86,8 @@ class Cadence:
     log_every: int = 10
 
     def __post_init__(self) -> None:
+        # train.steps >= 1 is the optimizer's check (steps.OptimizerSettings), the piece whose schedule spans it.
         every = {
-            "train.steps": self.total_steps,
             "eval.every": self.eval_every,
             "checkpoint_every": self.checkpoint_every,
             "log_every": self.log_every,

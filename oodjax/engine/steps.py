@@ -83,6 +83,8 @@ class OptimizerSettings:
     schedule: str = "linear"  # after warm-up: one of SCHEDULES
 
     def __post_init__(self) -> None:
+        if self.total_steps < 1:
+            raise ConfigError(f"train.steps must be >= 1, got {self.total_steps}")
         if self.schedule not in SCHEDULES:
             raise ConfigError(f"train.schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
         if not 0 <= self.warmup_steps <= self.total_steps:
