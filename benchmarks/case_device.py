@@ -29,6 +29,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import flops, harness, oodjax_contenders, settings, torch_contenders
@@ -40,7 +41,7 @@ from oodjax import models
 from oodjax.data import DEFAULT_MAX_LENGTH
 from oodjax.engine import sharding, steps
 from oodjax.engine.console import CompileClock
-from oodjax.engine.evaluation import evaluate
+from oodjax.engine.evaluation import EvalPool, evaluate, make_eval_pool
 
 # Nominal dense bf16 peak FLOP/s by a substring of jax's device_kind (H200 is H100's chip with more memory).
 PEAK_BY_KIND = {
@@ -77,8 +78,10 @@ def run(mode: DeviceMode) -> list[dict[str, Any]]:
     batches = run_orders(len(workload.train_set), seeds, (mode.repeats + 1) * mode.steps, settings.TRAIN_BATCH)
     answers = dict(yes_id=workload.yes_id, no_id=workload.no_id)
 
-    ours, margins, geometry = _oodjax(mode, workload, seeds, batches, answers)
-    oodjax_memory = (device.memory_stats() or {}).get("peak_bytes_in_use")
+    ours, engine, pool, geometry = _oodjax(mode, workload, seeds, batches, answers)
+    oodjax_memory = (device.memory_stats() or {}).get("peak_bytes_in_use")  # before the agreement's float32 copy
+    margins = _agreement(mode, engine, workload, seeds, answers, pool)
+    del engine, pool
     theirs = _pytorch_sequential(mode, workload, seeds, batches, answers, torch_device)
     pytorch_memory = torch.cuda.max_memory_allocated() if torch_device == "cuda" else None
 
@@ -123,7 +126,7 @@ def run(mode: DeviceMode) -> list[dict[str, Any]]:
 
 def _oodjax(
     mode: DeviceMode, workload: Any, seeds: list[int], batches: list[list[np.ndarray]], answers: dict[str, int]
-) -> tuple[dict[str, harness.Timing], dict[str, float], Any]:
+) -> tuple[dict[str, harness.Timing], Engine, EvalPool, Any]:
     """oodjax's 9 runs in one process: per repetition, ``mode.steps`` train steps and one evaluation."""
     engine = build_engine(
         lambda mesh: models.from_config(mode.model, dtype="bfloat16", seed=0, remat=mode.remat),
@@ -133,7 +136,7 @@ def _oodjax(
     )
     tokenized = workload.train_set
     geometry = train_geometry(tokenized, batches, grad_accum=mode.grad_accum, row_length=DEFAULT_MAX_LENGTH)
-    pool = engine.eval_pool(workload.eval_set, batch_tokens=mode.eval_batch_rows * settings.MAX_LENGTH)
+    pool = engine.eval_pool(workload.eval_set, batch_tokens=_eval_batch_tokens(mode))
 
     def train(step: int) -> None:
         engine.train(geometry, tokenized, batches[step])
@@ -142,27 +145,59 @@ def _oodjax(
         engine.margins(pool)
 
     timing = _phases(train, score, mode, warm=lambda: engine.compile_train(geometry, tokenized, batches[0]))
-    return timing, _flash_against_xla(mode, engine, pool, seeds, answers), geometry
+    return timing, engine, pool, geometry
 
 
-def _flash_against_xla(
-    mode: DeviceMode, engine: Engine, pool: Any, seeds: list[int], answers: dict[str, int]
+def _eval_batch_tokens(mode: DeviceMode) -> int:
+    return mode.eval_batch_rows * settings.MAX_LENGTH
+
+
+def _agreement(
+    mode: DeviceMode, engine: Engine, workload: Any, seeds: list[int], answers: dict[str, int], pool: EvalPool
 ) -> dict[str, float]:
-    """The trained runs' margins through the engine's attention (``auto``: fused where the backend has a
-    kernel) and through XLA's, on the same weights: the largest difference and the largest margin."""
-    graphdef, _, _ = steps.abstract_attach_runs(
-        lambda: models.abstract_model(mode.model, dtype="bfloat16", remat=mode.remat, attention="xla"),
-        seeds,
-        lora_config(),
-        steps.make_optimizer(settings.LEARNING_RATE, 1, 1, 0.0, None),
-    )
-    xla_step = steps.make_eval_step(graphdef, answers["yes_id"], answers["no_id"], mesh=engine.mesh)
+    """The trained runs' margins through the engine's attention (``auto``: fused where the backend has a kernel)
+    against three others on the same weights and prompts: XLA's attention in bf16; XLA's in float32 (the same
+    bf16-valued weights, computed in float32: the reference each bf16 path rounds away from); and the fused
+    path mapped over the first run alone, as a one-run job or ``oodjax.evaluate`` of one adapter runs it (JAX's
+    cuDNN batching rule treats a map of one apart), against float32's first run. Two bf16 paths can differ by
+    the sum of their rounding, so each is measured against float32: the largest absolute difference of a
+    margin."""
     place = lambda batch: sharding.shard_batch(batch, engine.mesh, batch_axis=1)  # noqa: E731
-    xla = evaluate(xla_step, engine.base_state, engine.runs.lora, pool, place=place)
-    fused = engine.margins(pool)
-    name = oodjax_contenders.EVAL_SET
-    diff = max(float(np.abs(f[name] - x[name]).max()) for f, x in zip(fused, xla, strict=True))
-    return {"fused_vs_xla_max_abs_margin_diff": diff, "max_abs_margin": max(float(np.abs(x[name]).max()) for x in xla)}
+
+    def margins(dtype: str, attention: str, run_seeds: list[int], base: Any, lora: Any, run_pool: EvalPool) -> list:
+        graphdef, _, _ = steps.abstract_attach_runs(
+            lambda: models.abstract_model(mode.model, dtype=dtype, remat=mode.remat, attention=attention),
+            run_seeds,
+            lora_config(),
+            steps.make_optimizer(settings.LEARNING_RATE, 1, 1, 0.0, None),
+        )
+        eval_step = steps.make_eval_step(graphdef, answers["yes_id"], answers["no_id"], mesh=engine.mesh)
+        return [m[oodjax_contenders.EVAL_SET] for m in evaluate(eval_step, base, lora, run_pool, place=place)]
+
+    def largest_difference(a: list[np.ndarray], b: list[np.ndarray]) -> float:
+        return max(float(np.abs(x - y).max()) for x, y in zip(a, b, strict=True))
+
+    fused = [m[oodjax_contenders.EVAL_SET] for m in engine.margins(pool)]
+    xla = margins("bfloat16", "xla", seeds, engine.base_state, engine.runs.lora, pool)
+    as_float32 = lambda tree: jax.tree.map(  # noqa: E731
+        lambda x: x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree
+    )
+    float32 = margins("float32", "xla", seeds, as_float32(engine.base_state), as_float32(engine.runs.lora), pool)
+    one_pool = make_eval_pool(
+        {oodjax_contenders.EVAL_SET: workload.eval_set}, [{}], batch_tokens=_eval_batch_tokens(mode)
+    )
+    first_run = jax.tree.map(lambda x: x[:1], engine.runs.lora)
+    one_run = margins("bfloat16", "auto", seeds[:1], engine.base_state, first_run, one_pool)
+    return {
+        "fused_vs_xla_max_abs_margin_diff": largest_difference(fused, xla),
+        "fused_vs_float32_max_abs_margin_diff": largest_difference(fused, float32),
+        "xla_vs_float32_max_abs_margin_diff": largest_difference(xla, float32),
+        "one_run_vs_float32_max_abs_margin_diff": largest_difference(one_run, float32[:1]),
+        "max_abs_margin": max(float(np.abs(m).max()) for m in float32),
+        # how far the adapters move margins (float32, run 0 against the others): the one-run check scores the
+        # right adapter where this is well above its rounding
+        "between_runs_max_abs_margin_diff": largest_difference(float32[:1] * (len(float32) - 1), float32[1:]),
+    }
 
 
 def _pytorch_sequential(
