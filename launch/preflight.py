@@ -13,7 +13,8 @@ are shapes only (`steps.abstract_attach_runs`). Settings go in
 `config.tokenizer` (else `model.path`), so offline pass a local one.
 
 It also replays the config's real data as the run loop would see it: 200
-steps of its runs' training streams, for the share of the tokens a train
+steps of its runs' training streams (fewer if the job has fewer:
+`replayed_steps`), for the share of the tokens a train
 step computes that are prompt tokens (`train_real_token_share`) and the host
 time one step's batches take to build (`host_batch_ms`, without the
 background thread that hides it in a run); and the evaluation pool, for its
@@ -99,8 +100,16 @@ _DTYPE_BYTES = {
 # the preflight can report is the estimator's FLOPs (which count what the remat policy recomputes).
 ESTIMATE_DEVICE = "h100"
 ESTIMATE_UTILISATION = 0.4
-DATA_STEPS = 200  # training steps of the real streams replayed for the token share and host time
-DATA_FIGURES = ("train_real_token_share", "host_batch_ms", "eval_real_token_share", "eval_attention_waste")
+# Training steps of the real streams replayed for the token share and host time, at most the job's own: its
+# layout is made for those, and a step after them need not fit it.
+DATA_STEPS = 200
+DATA_FIGURES = (
+    "train_real_token_share",
+    "host_batch_ms",
+    "eval_real_token_share",
+    "eval_attention_waste",
+    "replayed_steps",
+)
 
 
 def preflight(
@@ -118,17 +127,22 @@ def preflight(
     {...}, "estimate_bytes" (the train step's, as this platform allocates), "device_estimate_bytes" (as the
     estimate device's platform does), "memory_limit", "interconnect", "train_step_flops", "estimate_step_s",
     "eval_step_flops", "estimate_eval_step_s" (the largest evaluation batch's), "devices", "layers", "platform",
-    "geometry", "train_real_token_share", "host_batch_ms", "eval_real_token_share",
-    "eval_attention_waste"}, a step's entry being {"lower_s", "compile_s", "memory_bytes": {"argument",
-    "output", "temp", "alias", "total"}, "collectives": {op: {"count",
-    "max_bytes"}}, "communication": {"bytes", "by_op", "loops_without_trip_count", "seconds"}}.
+    "geometry", "train_real_token_share", "host_batch_ms", "eval_real_token_share", "eval_attention_waste",
+    "replayed_steps"}, a step's entry being {"lower_s", "compile_s", "memory_bytes": {"argument", "output",
+    "temp", "alias", "total"}, "collectives": {op: {"count", "max_bytes"}}, "communication": {"bytes", "by_op",
+    "loops_without_trip_count", "seconds"}}.
     ``hlo_dir`` receives each compiled program as text.
     """
     available = jax.devices()
     devices = devices or len(available)
     steps_ = abstract_steps(job, devices=devices, layers=layers)
     geometry, data, arch, longest_rows = steps_.geometry, steps_.data, steps_.arch, steps_.longest_rows
-    figures = {**training_figures(data.train_stream, geometry, steps=DATA_STEPS), **pool_figures(data.eval_pool)}
+    replayed = min(DATA_STEPS, job.batches.total_steps)
+    figures = {
+        **training_figures(data.train_stream, geometry, steps=replayed),
+        **pool_figures(data.eval_pool),
+        "replayed_steps": replayed,
+    }
     hlo_dir = pathlib.Path(hlo_dir) if hlo_dir else None
     train_report = _compile("train", steps_.train_step, steps_.train_args, hlo_dir)
     eval_report = _compile("eval", steps_.eval_step, steps_.eval_args, hlo_dir)
@@ -482,8 +496,9 @@ def describe(report: dict[str, Any]) -> str:
         f"{geometry['eval_batches']} batches in rows of {geometry['eval_row_lengths']} tokens, the largest "
         f"[{geometry['eval_rows']} rows x {geometry['eval_seq_len']}]",
         f"real data: train steps compute {report['train_real_token_share']:.1%} prompt tokens "
-        f"({DATA_STEPS} steps of the runs' streams), their batches take {report['host_batch_ms']:.2f} ms of host "
-        f"time a step; evaluation computes {report['eval_real_token_share']:.1%} prompt tokens and "
+        f"({report['replayed_steps']} steps of the runs' streams), their batches take "
+        f"{report['host_batch_ms']:.2f} ms of host time a step; evaluation computes "
+        f"{report['eval_real_token_share']:.1%} prompt tokens and "
         f"{report['eval_attention_waste']:.2f}x the (causal) attention scores its prompts need",
     ]
     limit = report["memory_limit"]

@@ -123,6 +123,19 @@ def test_olmo13_real_data_figures(fsdp_report):
     assert fsdp_report["host_batch_ms"] <= 10
 
 
+def test_a_job_of_fewer_steps_than_the_replay_replays_its_own(tmp_path):
+    """The replay draws no step the job does not take: its layout is made for the job's steps, and a later one
+    need not fit it. The benchmark grid's 9 runs of 24 steps crashed the preflight at step 25 ("144 prompts of
+    6634 tokens (longest 128) do not fit 54 rows of 128 tokens")."""
+    from benchmarks import grid_config
+
+    config = grid_config.get_config("full")
+    config.data.cache_dir = str(tmp_path)
+    report = preflight.preflight(read(config), devices=1, layers=1)
+    assert report["replayed_steps"] == config.train.steps == 24
+    assert "(24 steps of the runs' streams)" in preflight.describe(report)
+
+
 def test_the_fit_is_tested_against_the_memory_jax_can_use(fsdp_report):
     """The fit is of the estimate device's memory times JAX's memory fraction (``launch.estimate.usable_memory``),
     not the whole device. Compiled on that device's platform, each step's compiled total is judged; compiled on
