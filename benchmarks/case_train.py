@@ -21,7 +21,7 @@ import numpy as np
 from benchmarks import flops, harness, settings
 from benchmarks.settings import Mode
 from benchmarks.workload import Workload, mode_workload, training_order
-from oodjax.data import TokenizedSet, fitting_bucket
+from oodjax.data import TokenizedSet, bucket_lengths, fitting_bucket
 from oodjax.engine.geometry import BatchGeometry
 
 CONTENDERS = ("oodjax", "pytorch-original", "pytorch-tuned")
@@ -53,7 +53,7 @@ def contender(name: str, *, mode: str, checkpoint: str) -> tuple[Callable[[], li
             total_steps=len(order),
             **answers,
         )
-        geometry = train_geometry(tokenized, [[rows] for rows in order], sizes.buckets)
+        geometry = train_geometry(tokenized, [[rows] for rows in order], bucket_lengths(settings.MAX_LENGTH))
         compiled = []
 
         def step(rows: np.ndarray) -> float:
@@ -64,7 +64,11 @@ def contender(name: str, *, mode: str, checkpoint: str) -> tuple[Callable[[], li
 
         real_tokens = sum(int(tokenized.lengths[rows].sum()) for rows in order)
         computed = sum(_computed_tokens(Engine.train_batch(geometry, tokenized, [rows]), geometry) for rows in order)
-        built = {"rows": geometry.rows, "padding_efficiency": real_tokens / computed}
+        built = {
+            "rows": geometry.rows,
+            "lengths": list(geometry.micro_batch_lengths),
+            "padding_efficiency": real_tokens / computed,
+        }
     elif name in CONTENDERS:
         from benchmarks import torch_contenders
 
@@ -119,8 +123,8 @@ def run(
             f"{tokenized.lengths.mean():.0f} tokens, max {tokenized.lengths.max()}). oodjax: engine train step, "
             f"each batch packed into {settings.TRAIN_GRAD_ACCUM} micro-batch(es) of {oodjax['rows']} rows of at "
             f"most {settings.MAX_LENGTH} tokens (the fewest that hold every batch), balanced, each cut to the "
-            "smallest of the "
-            f"buckets {mode.buckets} holding its longest row, empty ones skipped (compiled in the warm-up); "
+            f"smallest of the lengths {oodjax['lengths']} (the loop's default) holding its longest row, empty "
+            "ones skipped (compiled in the warm-up); "
             f"pytorch-original: peft, padded to {settings.MAX_LENGTH}, full logits; "
             "pytorch-tuned: peft, padded to each batch's longest prompt, head at the answer position only."
         ),

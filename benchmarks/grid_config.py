@@ -28,7 +28,6 @@ def get_config(spec: str = "quick") -> config_dict.ConfigDict:
     config.tokenizer = str(tokenizer_dir())
     config.data.data_dir = str(DATA_DIR)
     config.data.max_length = settings.MAX_LENGTH
-    config.data.buckets = mode.buckets
     config.data.eval_cap = mode.grid_eval_cap
     config.runs.seeds = (int(run[0]),) if run else mode.grid_seeds
     config.runs.shots = (int(run[1]),) if run else mode.grid_shots
