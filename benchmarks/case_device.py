@@ -41,7 +41,7 @@ from oodjax import models
 from oodjax.data import DEFAULT_MAX_LENGTH
 from oodjax.engine import sharding, steps
 from oodjax.engine.console import CompileClock
-from oodjax.engine.evaluation import EvalPool, evaluate, make_eval_pool
+from oodjax.engine.evaluation import EvalPool, evaluate
 
 # Nominal dense bf16 peak FLOP/s by a substring of jax's device_kind (H200 is H100's chip with more memory).
 PEAK_BY_KIND = {
@@ -183,9 +183,7 @@ def _agreement(
         lambda x: x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree
     )
     float32 = margins("float32", "xla", seeds, as_float32(engine.base_state), as_float32(engine.runs.lora), pool)
-    one_pool = make_eval_pool(
-        {oodjax_contenders.EVAL_SET: workload.eval_set}, [{}], batch_tokens=_eval_batch_tokens(mode)
-    )
+    one_pool = engine.eval_pool(workload.eval_set, batch_tokens=_eval_batch_tokens(mode), runs=1)
     first_run = jax.tree.map(lambda x: x[:1], engine.runs.lora)
     one_run = margins("bfloat16", "auto", seeds[:1], engine.base_state, first_run, one_pool)
     return {

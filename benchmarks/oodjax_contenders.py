@@ -62,9 +62,11 @@ class Engine:
         self.runs, metrics = step(self.base_state, self.runs, self._placed(self.train_batch(geometry, tokenized, rows)))
         return np.asarray(jax.device_get(metrics["loss"]))
 
-    def eval_pool(self, tokenized: TokenizedSet, *, batch_tokens: int) -> EvalPool:
-        """The loop's evaluation pool of ``tokenized`` as one set (``EVAL_SET``) every run scores, built once."""
-        return make_eval_pool({EVAL_SET: tokenized}, [{}] * self.runs.num_runs, batch_tokens=batch_tokens)
+    def eval_pool(self, tokenized: TokenizedSet, *, batch_tokens: int, runs: int | None = None) -> EvalPool:
+        """The loop's evaluation pool of ``tokenized`` as one set (``EVAL_SET``) every run scores, built once; for
+        the engine's runs, or for the first ``runs`` of them."""
+        runs = self.runs.num_runs if runs is None else runs
+        return make_eval_pool({EVAL_SET: tokenized}, [{}] * runs, batch_tokens=batch_tokens)
 
     def compile_train(self, geometry: BatchGeometry, tokenized: TokenizedSet, rows: Sequence[np.ndarray]) -> None:
         """Compiles the train step (one program, a branch per bucket) without taking a step.
