@@ -169,6 +169,7 @@ class Estimate:
     memory: costs.Memory
     train_step_flops: float
     eval_flops: float
+    first_eval_flops: float  # step 0's evaluation: every run is the base model, so each example is scored once
     evaluations: int
     total_flops: float
     accelerator_hours: float
@@ -184,6 +185,7 @@ class RealPrompts:
     tokenizer: str  # the tokenizer that counted them: the config's own or a stand-in
     geometry: BatchGeometry  # the train step's layout, from the runs' few-shot sets
     eval_rows: Mapping[int, int]  # row length -> rows of it one evaluation computes (every run's lane, empty rows too)
+    first_eval_rows: Mapping[int, int]  # the same for step 0's, which scores each example once for all runs
     eval_prompts: int  # prompts one evaluation scores: every run's testsets and its own few-shot set
     eval_prompt_tokens: int  # their tokens
     eval_real_token_share: float  # eval_prompt_tokens over the tokens of eval_rows (``pool_figures``)
@@ -266,8 +268,9 @@ class PromptCounter:
     evaluation pool of the testsets and those sets (``load_runs_data``),
     whose batches are what every evaluation computes: each row length's
     rows in every run's lane (the eval step maps over the runs, empty rows
-    included). Configs with the same tokenizer and data (the data section,
-    seeds and shots) share the few-shot sets, and those that also share their
+    included), and step 0's pool (``RunsData.first_eval_pool``). Configs
+    with the same tokenizer and data (the data section, seeds and shots)
+    share the few-shot sets, and those that also share their
     evaluation batches' shape (``EvalGeometry``) share the pool: counted
     with one tokenizer, the study's 16 configs draw 2 sets of few-shot sets
     and build 6 pools. Testsets are tokenised once, later pools reading them
@@ -299,24 +302,29 @@ class PromptCounter:
         geometry = batch_geometry(job.batches, geometry_mesh(shards), train_sets, seeds)
         pool = (*data, geometry.evaluation)
         if pool not in self._pools:
-            self._pools[pool] = _evaluation_counts(
-                load_runs_data(job.data, tokenizer, seeds, train_sets, geometry, prefetch=0).eval_pool
-            )
+            pools = load_runs_data(job.data, tokenizer, seeds, train_sets, geometry, prefetch=0)
+            self._pools[pool] = _evaluation_counts(pools.eval_pool, pools.first_eval_pool)
         return RealPrompts(tokenizer=source, geometry=geometry, **self._pools[pool])
 
 
-def _evaluation_counts(pool: EvalPool) -> dict[str, Any]:
-    """``RealPrompts``' evaluation fields, read from the batches of ``pool``."""
-    rows: collections.Counter[int] = collections.Counter()
-    for batch in pool.batches:
-        length = batch["input_ids"].shape[-1]
-        rows[length] += batch["input_ids"].size // length
+def _evaluation_counts(pool: EvalPool, first_pool: EvalPool) -> dict[str, Any]:
+    """``RealPrompts``' evaluation fields, read from the batches of ``pool`` and step 0's ``first_pool``."""
     return dict(
-        eval_rows=dict(sorted(rows.items())),
+        eval_rows=_rows_by_length(pool),
+        first_eval_rows=_rows_by_length(first_pool),
         eval_prompts=sum(int(batch["valid"].sum()) for batch in pool.batches),
         eval_prompt_tokens=sum(int(prompt_lengths(batch).sum()) for batch in pool.batches),
         eval_real_token_share=pool_figures(pool)["eval_real_token_share"],
     )
+
+
+def _rows_by_length(pool: EvalPool) -> dict[int, int]:
+    """Row length -> rows of it ``pool``'s batches compute (every lane's, empty rows too)."""
+    rows: collections.Counter[int] = collections.Counter()
+    for batch in pool.batches:
+        length = batch["input_ids"].shape[-1]
+        rows[length] += batch["input_ids"].size // length
+    return dict(sorted(rows.items()))
 
 
 def estimate(
@@ -382,19 +390,28 @@ def estimate(
         remat=job.model.remat,
     )
     if prompts is not None:
-        evaluation = sum(
-            costs.eval_flops(dims, runs=1, examples=rows, seq_len=length, lora_parameters=lora)
-            for length, rows in prompts.eval_rows.items()
-        )
+
+        def rows_flops(rows_by_length: Mapping[int, int]) -> float:
+            return sum(
+                costs.eval_flops(dims, runs=1, examples=rows, seq_len=length, lora_parameters=lora)
+                for length, rows in rows_by_length.items()
+            )
+
+        evaluation, first_evaluation = rows_flops(prompts.eval_rows), rows_flops(prompts.first_eval_rows)
     else:
         if eval_examples is None:
             eval_examples = count_eval_examples(job.data)
-        # Each run is also evaluated on its own few-shot training set.
+        # Each run is also evaluated on its own few-shot training set; at step 0 the testsets once for all runs.
         training_sets = len(job.runs.seeds) * sum(job.runs.shots)
-        evaluation = costs.eval_flops(dims, runs=runs, examples=eval_examples, seq_len=prompt_len, lora_parameters=lora)
-        evaluation += costs.eval_flops(dims, runs=1, examples=training_sets, seq_len=prompt_len, lora_parameters=lora)
-    evaluations = len(job.cadence.evaluated_steps())
-    total = job.cadence.total_steps * step + evaluations * evaluation
+        own = costs.eval_flops(dims, runs=1, examples=training_sets, seq_len=prompt_len, lora_parameters=lora)
+        evaluation = own + costs.eval_flops(
+            dims, runs=runs, examples=eval_examples, seq_len=prompt_len, lora_parameters=lora
+        )
+        first_evaluation = own + costs.eval_flops(
+            dims, runs=1, examples=eval_examples, seq_len=prompt_len, lora_parameters=lora
+        )
+    evaluations = len(job.cadence.evaluated_steps())  # step 0's among them
+    total = job.cadence.total_steps * step + first_evaluation + (evaluations - 1) * evaluation
     hours = total / (device.peak_flops * utilisation) / 3600
     return Estimate(
         config_path,
@@ -404,6 +421,7 @@ def estimate(
         memory,
         step,
         evaluation,
+        first_evaluation,
         evaluations,
         total,
         hours,
@@ -436,7 +454,8 @@ def describe(result: Estimate, job: Job, device: Device, utilisation: float) -> 
             f"activations {m.activations / GB:.2f}, the larger of a layer's backward {m.layer_transients / GB:.2f} "
             f"and the head's {m.head_transients / GB:.2f}; total {m.total / GB:.2f}; {describe_fit(m.total, device)}",
             describe_prompts(result, job),
-            f"  FLOPs: {result.train_step_flops:.3e} per train step, {result.eval_flops:.3e} per full evaluation",
+            f"  FLOPs: {result.train_step_flops:.3e} per train step, {result.eval_flops:.3e} per full evaluation "
+            f"({result.first_eval_flops:.3e} at step 0, each example once for all runs)",
             f"  whole sweep ({runs} runs, {job.cadence.total_steps} steps, {result.evaluations} evaluations): "
             f"{result.total_flops:.3e} FLOPs = {result.accelerator_hours:,.1f} {device.name}-hours at "
             f"{utilisation:.0%} utilisation",

@@ -35,7 +35,7 @@ from oodjax.engine.run_data import few_shot_sets, training_figures
 from oodjax.engine.steps import micro_batch_branches
 from oodjax.job import read
 from oodjax.models import from_config, load_pretrained
-from oodjax.models.lora import LoRAConfig
+from oodjax.models.lora import LoRAConfig, adds_nothing
 from tests.engine_configs import tiny_config
 
 OPT = dict(
@@ -167,6 +167,62 @@ def test_pooled_margins_are_the_full_models_logit_differences():
             at = np.stack([np.asarray(lora_model(ids, np.ones_like(ids)))[0, -1] for ids in prompts])
             np.testing.assert_allclose(margins[run][name], at[:, YES] - at[:, NO], rtol=0, atol=1e-5)
     assert not np.allclose(margins[0]["a"], margins[1]["a"])
+
+
+def test_a_pool_like_another_scores_each_example_once_in_that_pools_batch_shapes():
+    shared, own = pool_sets()
+    own = [*own, {"train": tokenized([20, 44], first_token=50)}]
+    pool = make_eval_pool(shared, own, batch_tokens=64, row_multiple=2)
+    first = make_eval_pool(shared, own, batch_tokens=64, row_multiple=2, like=pool)
+    assert first.interchangeable and not pool.interchangeable and first.sets == pool.sets
+    assert {b["input_ids"].shape for b in first.batches} <= {b["input_ids"].shape for b in pool.batches}
+    assert {b["answer_pos"].shape for b in first.batches} <= {b["answer_pos"].shape for b in pool.batches}
+    scored = np.concatenate([b["index"][b["valid"]] for b in first.batches])
+    assert sorted(scored.tolist()) == list(range(len(pool.labels)))  # every example once, in some lane
+    assert len(first.batches) < len(pool.batches)
+    lanes = [sum(int(b["valid"][lane].sum()) for b in first.batches) for lane in range(3)]
+    assert max(lanes) - min(lanes) <= 1  # dealt evenly (8 shared + 3 + 1 + 2 own examples over 3 lanes)
+
+    def fake_step(base_state, lora, batch):
+        """Margin = the prompt's marker (first) token: the runs score alike, whichever lane holds it."""
+        positions = batch["answer_pos"]
+        starts = np.concatenate([np.zeros_like(positions[..., :1]), positions[..., :-1] + 1], axis=-1)
+        return np.take_along_axis(batch["input_ids"], starts, axis=-1).astype(np.float32)
+
+    margins = evaluate(fake_step, None, None, first, place=lambda batch: batch)
+    for run in range(3):
+        assert list(margins[run]) == ["a", "b", "train"]
+        for name, tok in {**shared, **own[run]}.items():
+            first_token = {"a": 10, "b": 20, "train": 30 + 10 * run}[name]
+            np.testing.assert_array_equal(margins[run][name], first_token + np.arange(len(tok)))
+    with pytest.raises(ValueError, match="`like` was made from other sets"):
+        make_eval_pool(shared, own[:2], batch_tokens=64, like=pool)
+
+
+def test_a_layout_keeps_its_shapes_and_splits_a_pair_its_one_slot_cannot_hold():
+    # Rows of 64 with one prompt slot: the pair 30 + 30 that the packer makes goes into two rows.
+    batches = list(eval_batches(tokenized([30, 30, 10]), batch_tokens=64, layout={64: (2, 1)}))
+    assert [b["input_ids"].shape for b in batches] == [(2, 64)] * 2
+    assert [b["index"].tolist() for b in batches] == [[[0], [1]], [[2], [-1]]]
+
+
+def test_step_zero_pool_gives_every_run_the_base_models_margins_and_compiles_nothing_new():
+    model = from_config(OPT, dtype="float32", seed=0)
+    graphdef, base, runs = steps.attach_runs(model, [0, 1, 2], LORA, steps.make_optimizer(1e-3, 10, 1, 0.0, 1.0))
+    assert adds_nothing(runs.lora)  # B starts at zero, as peft's; A differs between the runs
+    shared, own = pool_sets()
+    own = [*own, {"train": tokenized([20, 44], first_token=50)}]
+    pool = make_eval_pool(shared, own, batch_tokens=64)
+    first = make_eval_pool(shared, own, batch_tokens=64, like=pool)
+    eval_step = steps.make_eval_step(graphdef, YES, NO)
+    expected = evaluate(eval_step, base, runs.lora, pool, place=lambda batch: batch)
+    compiled = eval_step._cache_size()
+    margins = evaluate(eval_step, base, runs.lora, first, place=lambda batch: batch)
+    assert eval_step._cache_size() == compiled
+    for run in range(3):
+        for name in expected[run]:
+            np.testing.assert_allclose(margins[run][name], expected[run][name], rtol=0, atol=1e-6)
+    assert not adds_nothing(jax.tree.map(lambda x: x + 0.01, runs.lora))  # B no longer zero
 
 
 def test_pool_figures_count_tokens_and_causal_attention_of_every_row():

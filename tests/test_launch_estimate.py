@@ -689,6 +689,18 @@ def test_the_real_prompts_are_those_the_engine_lays_out(tmp_path, gpt2_tokenizer
     assert result.eval_flops == pytest.approx(
         sum(rows * length * (2 * weights + 4 * 2 * length * 64) for length, rows in counted.eval_rows.items())
     )
+    # Step 0 scores each example once for all runs (both are the base model): the testsets' 120 prompts once and
+    # each run's own 16, in the rows of step 0's pool, in the same batch shapes (here as many batches: each row
+    # length's rows fit one batch either way).
+    assert result.first_eval_flops == pytest.approx(
+        sum(rows * length * (2 * weights + 4 * 2 * length * 64) for length, rows in counted.first_eval_rows.items())
+    )
+    once = sum(map(sum, testsets)) + sum(map(sum, own_sets))
+    assert once <= sum(length * rows for length, rows in counted.first_eval_rows.items()) <= computed
+    steps, evaluations = job.cadence.total_steps, len(job.cadence.evaluated_steps())
+    assert result.total_flops == pytest.approx(
+        steps * result.train_step_flops + result.first_eval_flops + (evaluations - 1) * result.eval_flops
+    )
     # Training: the engine's own layout of the runs' few-shot sets.
     tokenized = run_data.few_shot_sets(job.data, tokenizer, runs)
     engine = batch_geometry(job.batches, sharding.make_mesh(8, 1, 1), tokenized, [seed for seed, _ in runs])
@@ -730,10 +742,15 @@ def test_the_output_names_the_prompts_and_prompt_len_overrides_them(tmp_path, ca
     def eval_flops(out):
         return float(out.split(" per train step, ")[1].split(" per full evaluation")[0])
 
+    def first_eval_flops(out):
+        return float(out.split(" per full evaluation (")[1].split(" at step 0")[0])
+
     # Both runs' 60 + 60 testset examples and each run's own 16, each alone in a row of 64 tokens (weights as in
-    # the test above), where the real prompts are packed in rows of their own lengths.
+    # the test above), where the real prompts are packed in rows of their own lengths; at step 0 the testsets'
+    # once for both runs.
     weights = 2 * (4 * 64 * 64 + 2 * 64 * 256) + 2 * 4 * 8 * (64 + 64)
     assert eval_flops(assumed) == pytest.approx((2 * 120 + 32) * 64 * (2 * weights + 4 * 2 * 64 * 64), rel=1e-3)
+    assert first_eval_flops(assumed) == pytest.approx((120 + 32) * 64 * (2 * weights + 4 * 2 * 64 * 64), rel=1e-3)
     assert eval_flops(assumed) != pytest.approx(eval_flops(real), rel=1e-2)
     for wrong in (["--eval_examples", "10"], ["--prompt_len", "64", "--tokenizer", "gpt2"]):
         with pytest.raises(SystemExit):

@@ -155,6 +155,7 @@ def eval_batches(
     pad_id: int = 0,
     lanes: Sequence[Sequence[int]] | None = None,
     row_lengths: Sequence[int] | None = None,
+    layout: Mapping[int, tuple[int, int]] | None = None,
 ) -> grain.MapDataset:
     """One pass over every example exactly once, prompts packed one or two to a row of one of ``row_lengths``.
 
@@ -178,6 +179,14 @@ def eval_batches(
     of lane l's packed rows of that length, with empty rows where lane l has
     fewer than the fullest lane. A row may be in several lanes. Without
     `lanes`: one lane of every row, and no lane axis.
+
+    `layout` ({row length: (rows a batch, prompt slots a row)}, another
+    pool's ``batch_layout``) gives every batch one of that pool's shapes, so
+    a step compiled for it runs these batches without compiling again: rows
+    come only in its lengths (`row_lengths` and `batch_tokens` do not
+    apply), a pair that a length's one slot cannot hold is split (each
+    prompt to the shortest of them that holds it), and a length's last batch
+    is filled up with empty rows.
     """
     if batch_tokens < 1 or row_multiple < 1:
         raise ValueError(f"batch_tokens and row_multiple must be positive, got {batch_tokens} and {row_multiple}")
@@ -187,22 +196,30 @@ def eval_batches(
         raise ValueError("lanes is empty: give at least one lane of rows (or None for every row)")
     else:
         lane_rows = [_lane_rows(tokenized, rows, lane) for lane, rows in enumerate(lanes)]
-    lengths = eval_row_lengths(tokenized.max_length, row_lengths)
+    lengths = tuple(sorted(layout)) if layout else eval_row_lengths(tokenized.max_length, row_lengths)
     # Per row length, each lane's packed rows in packing order, as packed_rows_batch takes them: (0, row of
     # ``tokenized``) per prompt.
     by_length: dict[int, list[list[list[tuple[int, int]]]]] = {length: [[] for _ in lane_rows] for length in lengths}
     for lane, rows in enumerate(lane_rows):
         for length, members in pair_rows(tokenized.lengths[rows], lengths):
-            by_length[length][lane].append([(0, i) for i in rows[members].tolist()])
+            if layout and len(members) > layout[length][1]:
+                split = [(fitting_bucket(lengths, int(tokenized.lengths[rows[m]])), [m]) for m in members]
+            else:
+                split = [(length, members)]
+            for row_length, row_members in split:
+                by_length[row_length][lane].append([(0, i) for i in rows[row_members].tolist()])
     plan = []
     for length, packed in by_length.items():
         most_rows = max(len(rows) for rows in packed)
         if not most_rows:
             continue
-        prompts_per_row = max(len(row) for rows in packed for row in rows)
-        rows = max(row_multiple, batch_tokens // length // row_multiple * row_multiple)
-        per_batch = _ceil_div(most_rows, _ceil_div(most_rows, rows))  # the fewest batches of at most `rows`, evened
-        rows = min(rows, _ceil_div(per_batch, row_multiple) * row_multiple)
+        if layout:
+            rows, prompts_per_row = layout[length]
+        else:
+            prompts_per_row = max(len(row) for rows in packed for row in rows)
+            rows = max(row_multiple, batch_tokens // length // row_multiple * row_multiple)
+            per_batch = _ceil_div(most_rows, _ceil_div(most_rows, rows))  # the fewest batches of at most `rows`, evened
+            rows = min(rows, _ceil_div(per_batch, row_multiple) * row_multiple)
         for first in range(0, most_rows, rows):
             chunks = [lane[first : first + rows] for lane in packed]
             plan.append((length, prompts_per_row, [chunk + [[]] * (rows - len(chunk)) for chunk in chunks]))
@@ -215,6 +232,14 @@ def eval_batches(
         return {key: np.stack([b[key] for b in per_lane]) for key in per_lane[0]}
 
     return grain.MapDataset.source(plan).map(batch)
+
+
+def batch_layout(batches: Sequence[Batch]) -> dict[int, tuple[int, int]]:
+    """{row length: (rows a batch, prompt slots a row)} of ``eval_batches``' batches (one shape per row length):
+    what its ``layout`` takes to make batches of the same shapes."""
+    return {
+        batch["input_ids"].shape[-1]: (batch["input_ids"].shape[-2], batch["answer_pos"].shape[-1]) for batch in batches
+    }
 
 
 def _ceil_div(a: int, b: int) -> int:

@@ -10,8 +10,13 @@ happens once per evaluation rather than once per testset. Batches carry a
 run axis [R, B, ...]: run r's lane holds the examples run r scores, so no
 run computes another run's training set. The batches are built once and
 replayed by every evaluation through the same compiled step (one shape per
-row length): after the first evaluation nothing compiles again.
+row length, compiled by the first evaluation that uses it).
 ``pool_figures`` says how much of what the batches compute is needed.
+While every run's adapters add zero (step 0), the runs are one model, and
+the loop evaluates a second pool of the same examples and batch shapes in
+which each example is scored once, for all runs (``make_eval_pool``'s
+``like``): the shared testsets, most of an evaluation, cost one run's
+share instead of R runs'.
 
 A testset with a margin that is NaN or infinite has accuracy NaN
 (``oodjax.engine.results.accuracy``); when every testset of every run has
@@ -29,7 +34,7 @@ from collections.abc import Callable, Mapping, Sequence
 import jax
 import numpy as np
 
-from oodjax.data import EVAL_KEYS, Batch, TokenizedSet, eval_batches, prompt_lengths
+from oodjax.data import EVAL_KEYS, Batch, TokenizedSet, batch_layout, eval_batches, prompt_lengths
 from oodjax.usage_errors import UsageError
 
 
@@ -58,6 +63,7 @@ class EvalPool:
     sets: tuple[dict[str, slice], ...]  # run r: each set it scores -> that set's rows of the pool
     labels: np.ndarray  # [pool rows] 0 = entailment
     batches: tuple[Batch, ...]  # `index` [R, B, P] is the pool row, -1 on empty prompt slots
+    interchangeable: bool = False  # each row is scored once, in any lane, for every run (make_eval_pool's like)
 
     @property
     def num_runs(self) -> int:
@@ -76,6 +82,7 @@ def make_eval_pool(
     row_multiple: int = 1,
     pad_id: int = 0,
     row_lengths: Sequence[int] | None = None,
+    like: EvalPool | None = None,
 ) -> EvalPool:
     """The pool of the ``shared`` sets (scored by every run) and run r's ``own[r]`` (by run r alone).
 
@@ -85,6 +92,16 @@ def make_eval_pool(
     max_length), a multiple of ``row_multiple`` rows (the devices the batch
     is split over), each row length's rows spread evenly over the fewest
     batches that allows.
+
+    With ``like`` (the pool of the same sets made without it), the runs are
+    taken to score as one model, as they do while every adapter adds zero
+    (``oodjax.models.lora.adds_nothing``: at step 0): each example is scored
+    once, in whichever run's lane it is dealt to, and every run reads its
+    sets' margins from there, so the shared sets cost one run's share, not
+    R runs'. Examples are dealt round robin, longest first, so the lanes
+    stay even, and packed in ``like``'s batch shapes
+    (``oodjax.data.batch_layout``), so the step compiled for ``like`` runs
+    them without compiling again.
     """
     if not own:
         raise ValueError("make_eval_pool needs one mapping in `own` per run (an empty one for a run without sets)")
@@ -100,8 +117,14 @@ def make_eval_pool(
     spans = iter([slice(start, stop) for start, stop in zip(offsets[:-1], offsets[1:])])
     shared_rows = {name: next(spans) for name in shared}
     sets = tuple({**shared_rows, **{name: next(spans) for name in run_sets}} for run_sets in own)
-    rows = np.arange(len(pooled))
-    lanes = [np.concatenate([rows[span] for span in run_sets.values()]) for run_sets in sets]
+    if like is not None and like.sets != sets:
+        raise ValueError("make_eval_pool: `like` was made from other sets than these (its sets' rows differ)")
+    if like is None:
+        rows = np.arange(len(pooled))
+        lanes = [np.concatenate([rows[span] for span in run_sets.values()]) for run_sets in sets]
+    else:
+        longest_first = np.argsort(-pooled.lengths, kind="stable")
+        lanes = [longest_first[lane :: len(own)] for lane in range(len(own))]
     batches = eval_batches(
         pooled,
         batch_tokens=batch_tokens,
@@ -109,8 +132,14 @@ def make_eval_pool(
         pad_id=pad_id,
         lanes=lanes,
         row_lengths=row_lengths,
+        layout=None if like is None else batch_layout(like.batches),
     )
-    return EvalPool(sets=sets, labels=np.asarray(pooled.labels, dtype=np.int32), batches=tuple(batches))
+    return EvalPool(
+        sets=sets,
+        labels=np.asarray(pooled.labels, dtype=np.int32),
+        batches=tuple(batches),
+        interchangeable=like is not None,
+    )
 
 
 def pool_figures(pool: EvalPool) -> dict[str, float]:
@@ -175,6 +204,10 @@ def evaluate(
         runs, rows = np.nonzero(valid)[0], batch["index"][valid]
         margins[runs, rows] = np.asarray(jax.device_get(output))[valid]
         covered[runs, rows] = True
+    if pool.interchangeable:  # each row was scored once, in one lane, for every run
+        lane, rows = covered.argmax(axis=0), np.arange(margins.shape[1])
+        margins = np.repeat(margins[lane, rows][None], pool.num_runs, axis=0)
+        covered = np.repeat(covered[lane, rows][None], pool.num_runs, axis=0)
     for run, run_sets in enumerate(pool.sets):
         for name, span in run_sets.items():
             missing = np.flatnonzero(~covered[run, span])

@@ -65,7 +65,7 @@ from oodjax.engine.resumption import (
     warn_of_shared_checkpoints,
 )
 from oodjax.engine.run_data import RunsData, few_shot_sets, load_runs_data
-from oodjax.models.lora import export_peft
+from oodjax.models.lora import adds_nothing, export_peft
 from oodjax.usage_errors import ConfigError
 
 if TYPE_CHECKING:
@@ -508,10 +508,14 @@ class _Loop:
 
     def _evaluate(self, step: int) -> None:
         """Evaluates every run on every testset and its own training set; rewrites each metrics.npz. At step 0,
-        a model whose margins are NaN or infinite on every testset of every run stops the job first."""
+        a model whose margins are NaN or infinite on every testset of every run stops the job first.
+
+        While no run's adapters add anything (step 0), every run is the base model, and each example is
+        scored once for all of them (``RunsData.first_eval_pool``)."""
         num_runs = len(self.runs)
         start = time.perf_counter()
-        batches = len(self.data.eval_pool.batches)
+        pool = self.data.first_eval_pool if adds_nothing(self.state.lora) else self.data.eval_pool
+        batches = len(pool.batches)
         compiling = console.first_call("evaluation step") if not self.eval_compiled else contextlib.nullcontext()
         with (
             compiling,
@@ -523,11 +527,12 @@ class _Loop:
                 self._eval_step_counted(bar) if not bar.disable else self.eval_step,
                 self.base_state,
                 self.state.lora,
-                self.data.eval_pool,
+                pool,
                 place=lambda batch: sharding.shard_batch(batch, self.mesh, batch_axis=1),
             )
         self.eval_compiled = True
-        logging.info("evaluated step %d (%d batches) in %.1f s", step, batches, time.perf_counter() - start)
+        once = ", each example once for all runs: no adapter adds anything yet" if pool.interchangeable else ""
+        logging.info("evaluated step %d (%d batches%s) in %.1f s", step, batches, once, time.perf_counter() - start)
         train_loss = self.loss_sum / self.loss_steps if self.loss_steps else np.full(num_runs, np.nan)
         accuracies = [
             run_results.add(

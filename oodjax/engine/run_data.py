@@ -28,6 +28,7 @@ a few-shot set), which metrics.npz stores beside its margins
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections.abc import Mapping, Sequence
 
@@ -90,6 +91,7 @@ class IndexedSet(TokenizedSet):
 @dataclasses.dataclass(frozen=True)
 class RunsData:
     eval_pool: EvalPool  # data.testsets in order, then run r's few-shot set as schema.TRAIN_TESTSET
+    first_eval_pool: EvalPool  # the same, each example scored once for all runs: while no adapter adds anything
     train_stream: grain.DatasetIterator  # the runs' training steps (train_steps), this process's rows
     dataset_index: tuple[dict[str, np.ndarray], ...]  # run r: each set of eval_pool.labels_of(r) -> IndexedSet's
 
@@ -127,7 +129,8 @@ def load_runs_data(
     *,
     prefetch: int = TRAIN_PREFETCH,
 ) -> RunsData:
-    """The evaluation pool and the runs' training steps, run r's drawn from ``train_sets[r]`` seeded by ``seeds[r]``.
+    """The evaluation pools (``RunsData``: one for runs that differ, one for step 0's, when every run is the base
+    model) and the runs' training steps, run r's drawn from ``train_sets[r]`` seeded by ``seeds[r]``.
 
     Training steps have ``geometry``'s shape, of which this process feeds
     its ``process_rows``; the stream builds ``prefetch`` steps ahead in a
@@ -147,7 +150,8 @@ def load_runs_data(
         pad_id=pad_id(tokenizer),
         prefetch=prefetch,
     )
-    eval_pool = make_eval_pool(
+    pool = functools.partial(
+        make_eval_pool,
         testsets,
         [{schema.TRAIN_TESTSET: tokenized} for tokenized in train_sets],
         batch_tokens=geometry.evaluation.batch_tokens,
@@ -155,10 +159,16 @@ def load_runs_data(
         pad_id=pad_id(tokenizer),
         row_lengths=geometry.evaluation.row_lengths,
     )
+    eval_pool = pool()
     dataset_index = tuple(
         {**dataset_indices(testsets), schema.TRAIN_TESTSET: train_set.dataset_index} for train_set in train_sets
     )
-    return RunsData(eval_pool=eval_pool, train_stream=train_stream, dataset_index=dataset_index)
+    return RunsData(
+        eval_pool=eval_pool,
+        first_eval_pool=pool(like=eval_pool),
+        train_stream=train_stream,
+        dataset_index=dataset_index,
+    )
 
 
 def load_testsets(data: DataSettings, tokenizer: PreTrainedTokenizerBase) -> dict[str, IndexedSet]:

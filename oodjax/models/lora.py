@@ -316,6 +316,14 @@ class LoRA(nnx.Module):
         return _adapter_delta(x, keep, run_weights, a, b, rate=self.dropout.rate, scale=self.scale)
 
 
+def adds_nothing(lora: nnx.State) -> bool:
+    """Whether every adapter in ``lora`` (any runs, stacked or not) adds exactly zero to its projection: every B
+    factor is zero, as peft initialises it, so every run's model is the base model (evaluation's step 0 then
+    scores each example once for all runs, ``oodjax.engine.evaluation.make_eval_pool``)."""
+    factors = [value[...] for path, value in nnx.to_flat_state(lora) if path[-1] == "lora_b"]
+    return bool(factors) and all(bool(jnp.all(factor == 0)) for factor in factors)
+
+
 def adapter_tokens(model: nnx.Module) -> AdapterTokens | None:
     """The ``AdapterTokens`` the adapters of ``model`` share; None without adapters."""
     return next((module for _, module in nnx.iter_modules(model) if isinstance(module, AdapterTokens)), None)
