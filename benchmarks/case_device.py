@@ -10,7 +10,8 @@ position), then the adapter removed. Each repetition is what the study
 does between two evaluations: ``DeviceMode.steps`` training steps (24: it
 evaluates 21 times in 500 steps) and one evaluation of the real testset
 prompts. oodjax lays a step out as configs/smol3_*.py does: grad_accum 1,
-rows packed to at most the study's data.max_length (512). The models are
+rows packed to at most the study's data.max_length (512), but all on one
+device and so under remat save_dots (``DeviceMode.remat`` says why). The models are
 random (the two sides' weights differ; the CPU cases check that both
 compute the same thing): throughput depends on shapes, not values.
 

@@ -213,7 +213,10 @@ class DeviceMode:
     eval_per_testset: int
     eval_batch_rows: int
     train_shots: int = 128
-    remat: str = "save_dots"  # configs/smol3_*.py's policy and micro-batches
+    # configs/smol3_*.py's one micro-batch, but not its remat policy: the study's SmolLM3 configs keep every
+    # activation (remat none) with rows spread over 8 devices; here all 9 runs' rows are on one device, which
+    # without remat needs 66 GiB (H100, 2026-11-26), more than JAX takes there, so the benchmark keeps save_dots.
+    remat: str = "save_dots"
     grad_accum: int = 1
     changes: tuple[tuple[str, Any], ...] = ()
 
