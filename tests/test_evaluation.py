@@ -100,10 +100,22 @@ def test_bad_lanes_and_buckets_are_named():
         fitting_bucket((32, 64), 65)
 
 
-def pool_sets():
+def pool_sets(runs=2):
+    """Two shared sets, and each of ``runs`` runs' own (2 or 3 runs)."""
     shared = {"a": tokenized([5, 30, 9, 40, 12], first_token=10), "b": tokenized([8, 50, 3], first_token=20)}
-    own = [{"train": tokenized([6, 7, 45], first_token=30)}, {"train": tokenized([33], first_token=40)}]
-    return shared, own
+    own = [
+        {"train": tokenized([6, 7, 45], first_token=30)},
+        {"train": tokenized([33], first_token=40)},
+        {"train": tokenized([20, 44], first_token=50)},
+    ]
+    return shared, own[:runs]
+
+
+def markers(batch):
+    """Each prompt slot's marker, its prompt's first token (``tokenized``'s first_token + its index)."""
+    positions = batch["answer_pos"]
+    starts = np.concatenate([np.zeros_like(positions[..., :1]), positions[..., :-1] + 1], axis=-1)
+    return np.take_along_axis(batch["input_ids"], starts, axis=-1)
 
 
 def test_pool_gives_each_run_the_shared_sets_and_its_own_and_evaluate_places_every_margin():
@@ -118,10 +130,7 @@ def test_pool_gives_each_run_the_shared_sets_and_its_own_and_evaluate_places_eve
 
     def fake_step(base_state, lora, batch):
         """Margin = the prompt's marker (first) token + 1000 * run: known without the pool's bookkeeping."""
-        positions = batch["answer_pos"]
-        starts = np.concatenate([np.zeros_like(positions[..., :1]), positions[..., :-1] + 1], axis=-1)
-        markers = np.take_along_axis(batch["input_ids"], starts, axis=-1)
-        return markers + 1000.0 * np.arange(2)[:, None, None]
+        return markers(batch) + 1000.0 * np.arange(2)[:, None, None]
 
     margins = evaluate(fake_step, None, None, pool, place=lambda batch: batch)
     for run in range(2):
@@ -170,8 +179,7 @@ def test_pooled_margins_are_the_full_models_logit_differences():
 
 
 def test_a_pool_like_another_scores_each_example_once_in_that_pools_batch_shapes():
-    shared, own = pool_sets()
-    own = [*own, {"train": tokenized([20, 44], first_token=50)}]
+    shared, own = pool_sets(runs=3)
     pool = make_eval_pool(shared, own, batch_tokens=64, row_multiple=2)
     first = make_eval_pool(shared, own, batch_tokens=64, row_multiple=2, like=pool)
     assert first.interchangeable and not pool.interchangeable and first.sets == pool.sets
@@ -185,9 +193,7 @@ def test_a_pool_like_another_scores_each_example_once_in_that_pools_batch_shapes
 
     def fake_step(base_state, lora, batch):
         """Margin = the prompt's marker (first) token: the runs score alike, whichever lane holds it."""
-        positions = batch["answer_pos"]
-        starts = np.concatenate([np.zeros_like(positions[..., :1]), positions[..., :-1] + 1], axis=-1)
-        return np.take_along_axis(batch["input_ids"], starts, axis=-1).astype(np.float32)
+        return markers(batch).astype(np.float32)
 
     margins = evaluate(fake_step, None, None, first, place=lambda batch: batch)
     for run in range(3):
@@ -210,8 +216,7 @@ def test_step_zero_pool_gives_every_run_the_base_models_margins_and_compiles_not
     model = from_config(OPT, dtype="float32", seed=0)
     graphdef, base, runs = steps.attach_runs(model, [0, 1, 2], LORA, steps.make_optimizer(1e-3, 10, 1, 0.0, 1.0))
     assert adds_nothing(runs.lora)  # B starts at zero, as peft's; A differs between the runs
-    shared, own = pool_sets()
-    own = [*own, {"train": tokenized([20, 44], first_token=50)}]
+    shared, own = pool_sets(runs=3)
     pool = make_eval_pool(shared, own, batch_tokens=64)
     first = make_eval_pool(shared, own, batch_tokens=64, like=pool)
     eval_step = steps.make_eval_step(graphdef, YES, NO)
