@@ -1,9 +1,13 @@
 """Case 2, training throughput: LoRA r=8 on q/k/v/o, batch 16, AdamW, on an MNLI few-shot set.
 
-Every contender takes the same sequence of batches (one fixed shuffled
-order), in a process of its own (``benchmarks.harness.compare``), from the
-same weights (the run's checkpoint). oodjax runs each batch as the run loop
-does: packed several prompts to a row, balanced over the fewest rows of at
+Every call of every contender (the warm-up and each repetition) takes the
+same batches, the first ``train_steps_per_repeat`` of one fixed shuffled
+order, in a process of its own (``benchmarks.harness.compare``), from the
+same weights (the run's checkpoint). Every repetition thus does the same
+work, and their spread is the machine's: when each took the next batch, a
+batch holding the set's one 128-token prompt cost PyTorch-tuned twice
+another's, and which batch fell at a median moved the ratios by 10% from
+one full run to the next. oodjax runs each batch as the run loop does: packed several prompts to a row, balanced over the fewest rows of at
 most MAX_LENGTH tokens that hold every batch, run at the smallest bucket
 that holds the longest. The first step of each contender (a warm-up step,
 on the same batch, with the adapters' B still zero) must give the same
@@ -27,21 +31,19 @@ from oodjax.engine.geometry import BatchGeometry
 CONTENDERS = ("oodjax", "pytorch-original", "pytorch-tuned")
 
 
-def _order(mode: Mode, tokenized: TokenizedSet) -> list[np.ndarray]:
-    """The rows of every step the case takes, warm-up calls' first: the same for every contender."""
-    steps = (mode.warmup + mode.repeats) * mode.train_steps_per_repeat
-    return training_order(len(tokenized), steps, settings.TRAIN_BATCH)
+def _steps(mode: Mode, tokenized: TokenizedSet) -> list[np.ndarray]:
+    """The rows of each step one call takes: the same for every call and every contender."""
+    return training_order(len(tokenized), mode.train_steps_per_repeat, settings.TRAIN_BATCH)
 
 
 def contender(name: str, *, mode: str, checkpoint: str) -> tuple[Callable[[], list[float]], dict[str, Any]]:
-    """``name``'s training, built in its own process (``benchmarks.worker``): a call takes the next
-    ``train_steps_per_repeat`` steps of the case's order and returns their losses. oodjax reports its rows
+    """``name``'s training, built in its own process (``benchmarks.worker``): a call takes the case's
+    ``train_steps_per_repeat`` steps (``_steps``) and returns their losses. oodjax reports its rows
     per micro-batch and the share of the tokens it computes that are prompt tokens."""
     sizes = settings.MODES[mode]
     workload = mode_workload(sizes)
     tokenized = workload.train_set
-    order = _order(sizes, tokenized)
-    batches = iter(order)
+    steps = _steps(sizes, tokenized)
     answers = dict(yes_id=workload.yes_id, no_id=workload.no_id)
     if name == "oodjax":
         from benchmarks.oodjax_contenders import Engine, build_engine, train_geometry
@@ -50,10 +52,10 @@ def contender(name: str, *, mode: str, checkpoint: str) -> tuple[Callable[[], li
         engine = build_engine(
             lambda mesh: models.load_pretrained(checkpoint, dtype="float32", mesh=mesh),
             seeds=[0],
-            total_steps=len(order),
+            total_steps=(sizes.warmup + sizes.repeats) * len(steps),
             **answers,
         )
-        geometry = train_geometry(tokenized, [[rows] for rows in order], bucket_lengths(settings.MAX_LENGTH))
+        geometry = train_geometry(tokenized, [[rows] for rows in steps], bucket_lengths(settings.MAX_LENGTH))
         compiled = []
 
         def step(rows: np.ndarray) -> float:
@@ -62,8 +64,8 @@ def contender(name: str, *, mode: str, checkpoint: str) -> tuple[Callable[[], li
                 compiled.append(True)
             return float(engine.train(geometry, tokenized, [rows])[0])
 
-        real_tokens = sum(int(tokenized.lengths[rows].sum()) for rows in order)
-        computed = sum(_computed_tokens(Engine.train_batch(geometry, tokenized, [rows]), geometry) for rows in order)
+        real_tokens = sum(int(tokenized.lengths[rows].sum()) for rows in steps)
+        computed = sum(_computed_tokens(Engine.train_batch(geometry, tokenized, [rows]), geometry) for rows in steps)
         built = {
             "rows": geometry.rows,
             "lengths": list(geometry.micro_batch_lengths),
@@ -73,7 +75,9 @@ def contender(name: str, *, mode: str, checkpoint: str) -> tuple[Callable[[], li
         from benchmarks import torch_contenders
 
         model = torch_contenders.attach_lora(torch_contenders.load_model(checkpoint), seed=0)
-        trainer = torch_contenders.Trainer(model, tuned=name == "pytorch-tuned", total_steps=len(order), **answers)
+        trainer = torch_contenders.Trainer(
+            model, tuned=name == "pytorch-tuned", total_steps=(sizes.warmup + sizes.repeats) * len(steps), **answers
+        )
 
         def step(rows: np.ndarray) -> float:
             return trainer.step(tokenized, rows)
@@ -81,7 +85,7 @@ def contender(name: str, *, mode: str, checkpoint: str) -> tuple[Callable[[], li
         built = {}
     else:
         raise ValueError(f"no training contender {name!r}; the contenders are {CONTENDERS}")
-    return (lambda: [step(next(batches)) for _ in range(sizes.train_steps_per_repeat)]), built
+    return (lambda: [step(rows) for rows in steps]), built
 
 
 def run(
@@ -89,8 +93,7 @@ def run(
 ) -> dict[str, Any]:
     tokenized = workload.train_set
     per_repeat = mode.train_steps_per_repeat
-    calls = mode.warmup + mode.repeats
-    order = _order(mode, tokenized)
+    steps = _steps(mode, tokenized)
     comparison = harness.compare(
         "case_train",
         CONTENDERS,
@@ -100,14 +103,10 @@ def run(
         logs=workdir,
     )
     oodjax = comparison.processes["oodjax"]
-    timed_calls = range(mode.warmup, calls)
-    repeat_flops = [
-        sum(
-            flops.train_flops(mode.model, tokenized.lengths[rows], lora_rank=settings.LORA["rank"])
-            for rows in order[call * per_repeat : (call + 1) * per_repeat]
-        )
-        for call in timed_calls
-    ]
+    call_flops = sum(
+        flops.train_flops(mode.model, tokenized.lengths[rows], lora_rank=settings.LORA["rank"]) for rows in steps
+    )
+    repeat_flops = [call_flops] * mode.repeats
     results = {
         name: t.summary(per_repeat * settings.TRAIN_BATCH, flops=repeat_flops, peak_flops=peak_flops)
         for name, t in comparison.timings.items()
@@ -119,8 +118,10 @@ def run(
         "unit": "examples/s",
         "description": (
             f"LoRA r={settings.LORA['rank']} on q/k/v/o, batch {settings.TRAIN_BATCH}, AdamW with clipping, "
-            f"{per_repeat} step(s) per repetition, MNLI few-shot set of {len(tokenized)} (mean "
-            f"{tokenized.lengths.mean():.0f} tokens, max {tokenized.lengths.max()}). oodjax: engine train step, "
+            f"the same {per_repeat} step(s) every repetition, of an MNLI few-shot set of {len(tokenized)} (mean "
+            f"{tokenized.lengths.mean():.0f} tokens, max {tokenized.lengths.max()}; these steps' prompts: mean "
+            f"{np.mean([tokenized.lengths[rows].mean() for rows in steps]):.0f}, max "
+            f"{max(tokenized.lengths[rows].max() for rows in steps)}). oodjax: engine train step, "
             f"each batch packed into {settings.TRAIN_GRAD_ACCUM} micro-batch(es) of {oodjax['rows']} rows of at "
             f"most {settings.MAX_LENGTH} tokens (the fewest that hold every batch), balanced, each cut to the "
             f"smallest of the lengths {oodjax['lengths']} (the loop's default) holding its longest row, empty "

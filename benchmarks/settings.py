@@ -2,10 +2,10 @@
 
 Every size measures the same cases with the same contenders; only the model
 shape, the number of examples and the repetitions change. Full mode takes
-about 17 minutes on the 2-core machine the figures are taken on, most of it
+about 30 minutes on the 2-core machine the figures are taken on, most of it
 the grid's three rounds: enough repetitions for a median (7 of the
-evaluation and training cases, 3 of the grid) whose ratios hold from one
-run to the next. Smoke mode only shows that every case's code runs (CI):
+evaluation and training cases, each the same work, 3 of the grid) whose
+ratios hold from one run to the next. Smoke mode only shows that every case's code runs (CI):
 one timed repetition, a one-run grid, so it takes well under a minute of
 work besides starting its processes.
 """
@@ -115,7 +115,7 @@ MODES: dict[str, Mode] = {
         eval_batch_size=32,
         original_eval_examples=16,
         train_shots=128,
-        train_steps_per_repeat=1,
+        train_steps_per_repeat=2,
         repeats=7,
         warmup=1,
         loading_repeats=5,
