@@ -7,9 +7,10 @@ same weights (the run's checkpoint). Every repetition thus does the same
 work, and their spread is the machine's: when each took the next batch, a
 batch holding the set's one 128-token prompt cost PyTorch-tuned twice
 another's, and which batch fell at a median moved the ratios by 10% from
-one full run to the next. oodjax runs each batch as the run loop does: packed several prompts to a row, balanced over the fewest rows of at
-most MAX_LENGTH tokens that hold every batch, run at the smallest bucket
-that holds the longest. The first step of each contender (a warm-up step,
+one full run to the next. oodjax runs each batch as the run loop does:
+packed several prompts to a row, balanced over the fewest rows of at most
+MAX_LENGTH tokens that hold every batch, run at the smallest bucket that
+holds the longest. The first step of each contender (a warm-up step,
 on the same batch, with the adapters' B still zero) must give the same
 loss: that checks all three compute the same objective.
 """
