@@ -10,7 +10,8 @@ nothing recompiled while being timed, ratios and their per-round spread
 come from the same repetitions, and the markdown and the generated section
 of docs/performance.md are generated from the JSON. The harness's parts
 (turn order, waiting for idle processes, per-round ratios, comparing two
-runs) are checked on their own below.
+runs) and the training case's repetitions (each the same batches) are
+checked on their own below.
 """
 
 from __future__ import annotations
@@ -320,3 +321,24 @@ def test_device_mode_times_both_phases_of_every_run_and_checks_the_attention_pat
     for path in ("fused", "xla", "one_run"):
         assert 0 < agreement[f"{path}_vs_float32_max_abs_margin_diff"] < 0.1 * agreement["max_abs_margin"]
     assert "device-train | oodjax peak fraction | at least 0.35 | not measured" in report.targets_table(results)
+
+
+def test_every_training_repetition_takes_the_same_batches(tmp_path, monkeypatch):
+    """Each call of a training contender (the warm-up and every repetition) steps through the same rows,
+    so repetitions differ only by the machine, not by which batch each drew."""
+    from benchmarks import case_train, torch_contenders
+
+    checkpoint = tmp_path / "checkpoint"
+    torch_contenders.build_model(settings.MODES["smoke"].model, seed=0).save_pretrained(checkpoint)
+    taken = []
+    monkeypatch.setattr(torch_contenders.Trainer, "step", lambda self, tokenized, rows: taken.append(rows) or 0.0)
+    call, _ = case_train.contender("pytorch-tuned", mode="smoke", checkpoint=str(checkpoint))
+    calls = []
+    for _ in range(2):  # smoke mode's warm-up and its one repetition
+        taken.clear()
+        call()
+        calls.append(list(taken))
+    warm_up, repetition = calls
+    assert len(warm_up) == len(repetition) == settings.MODES["smoke"].train_steps_per_repeat
+    assert all(len(rows) == settings.TRAIN_BATCH for rows in warm_up)
+    assert all((a == b).all() for a, b in zip(warm_up, repetition))
