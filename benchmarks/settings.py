@@ -2,12 +2,12 @@
 
 Every size measures the same cases with the same contenders; only the model
 shape, the number of examples and the repetitions change. Full mode takes
-about 30 minutes on the 2-core machine the figures are taken on, most of it
-the grid's three rounds: enough repetitions for a median (7 of the
-evaluation and training cases, each the same work, 3 of the grid) whose
-ratios hold from one run to the next. Smoke mode only shows that every case's code runs (CI):
-one timed repetition, a one-run grid, so it takes well under a minute of
-work besides starting its processes.
+about 29 minutes on the 2-core machine the figures are taken on, most of it
+the grid's three rounds: 7 repetitions of the evaluation and training cases
+(each the same work), 3 of the grid, for medians (how far two full runs
+agree is in docs/performance.md). Smoke mode only shows that every case's
+code runs (CI): one timed repetition, a one-run grid, so it takes well
+under a minute of work besides starting its processes.
 """
 
 from __future__ import annotations
