@@ -45,6 +45,7 @@ def contender(name: str, *, mode: str, checkpoint: str) -> tuple[Callable[[], li
     workload = mode_workload(sizes)
     tokenized = workload.train_set
     steps = _steps(sizes, tokenized)
+    total_steps = (sizes.warmup + sizes.repeats) * len(steps)  # every call the process will make, for the schedule
     answers = dict(yes_id=workload.yes_id, no_id=workload.no_id)
     if name == "oodjax":
         from benchmarks.oodjax_contenders import Engine, build_engine, train_geometry
@@ -53,7 +54,7 @@ def contender(name: str, *, mode: str, checkpoint: str) -> tuple[Callable[[], li
         engine = build_engine(
             lambda mesh: models.load_pretrained(checkpoint, dtype="float32", mesh=mesh),
             seeds=[0],
-            total_steps=(sizes.warmup + sizes.repeats) * len(steps),
+            total_steps=total_steps,
             **answers,
         )
         geometry = train_geometry(tokenized, [[rows] for rows in steps], bucket_lengths(settings.MAX_LENGTH))
@@ -76,9 +77,7 @@ def contender(name: str, *, mode: str, checkpoint: str) -> tuple[Callable[[], li
         from benchmarks import torch_contenders
 
         model = torch_contenders.attach_lora(torch_contenders.load_model(checkpoint), seed=0)
-        trainer = torch_contenders.Trainer(
-            model, tuned=name == "pytorch-tuned", total_steps=(sizes.warmup + sizes.repeats) * len(steps), **answers
-        )
+        trainer = torch_contenders.Trainer(model, tuned=name == "pytorch-tuned", total_steps=total_steps, **answers)
 
         def step(rows: np.ndarray) -> float:
             return trainer.step(tokenized, rows)
