@@ -119,6 +119,7 @@ def run(mode: DeviceMode) -> list[dict[str, Any]]:
                 "contenders": results,
                 "memory": memory,
                 "ratios": harness.ratios(results, "oodjax"),
+                "ratios_of_medians": harness.ratios(results, "oodjax", of="median_s"),
                 **({"agreement": margins} if phase == "eval" else {}),
             }
         )

@@ -109,5 +109,6 @@ def run(
         "oodjax_padding_efficiency": float(tokenized.lengths.sum() / padded_tokens),
         "processes": comparison.processes,
         "ratios": harness.ratios(results, "oodjax"),
+        "ratios_of_medians": harness.ratios(results, "oodjax", of="median_s"),
         "ratios_per_round": harness.ratios_per_round(results, "oodjax"),
     }

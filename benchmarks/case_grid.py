@@ -129,5 +129,6 @@ def run(mode: Mode, workdir: pathlib.Path) -> dict[str, Any]:
         ),
         "contenders": results,
         "ratios": harness.ratios(results, "oodjax-one-process"),
+        "ratios_of_medians": harness.ratios(results, "oodjax-one-process", of="median_s"),
         "ratios_per_round": harness.ratios_per_round(results, "oodjax-one-process"),
     }

@@ -1,4 +1,4 @@
-"""Timing contenders side by side: each in a process of its own, taking turns; medians and per-round ratios.
+"""Timing contenders side by side: each in a process of its own, taking turns; ratios of the fastest repetitions.
 
 Each contender of a case runs in a fresh process of its own
 (``benchmarks.worker``) with the run's fixed environment
@@ -16,9 +16,20 @@ in rounds, each starting one contender later than the last (A B C, B C A,
 C A B, ...), so a slow spell of a shared machine hits them alike and no
 contender always follows the same other. A call's time is taken inside its
 process; the parent records the CPU time the rest of the machine used
-during it, so a repetition disturbed by another program shows. A ratio is
-of medians; the ratios of each round, whose contenders ran one right after
-another, give its spread.
+during it, so a repetition disturbed by another program shows.
+
+A ratio is of each contender's fastest repetition, not of medians. The
+shared machines this runs on have slow spells that no program here causes:
+a plain two-thread OpenBLAS matmul loop, with nothing else running, took
+18% longer for 136 s at a stretch, and spells of 1-20 s come every few
+minutes, with no steal time counted. Work that keeps the cores' arithmetic
+units busy (oodjax's XLA programs) slows by more in them than PyTorch's
+does, so a median of 7 turns moved by 16-22% between two runs with
+whichever of its turns fell in a spell. A spell only ever adds time, so
+each contender's fastest turn is its speed on a quiet machine (the reason
+Python's timeit reports the minimum). Medians, the full range and each
+round's ratio are kept beside it (``ratios_of_medians``,
+``ratios_per_round``).
 """
 
 from __future__ import annotations
@@ -244,10 +255,14 @@ def settle(pids: Sequence[int]) -> None:
         used = now
 
 
-def ratios(results: Mapping[str, Mapping[str, Any]], ours: str) -> dict[str, float]:
-    """``ours``'s median rate over each other contender's (above 1: ours is faster)."""
-    rate = results[ours]["rate_median"]
-    return {f"{ours}/{name}": rate / r["rate_median"] for name, r in results.items() if name != ours}
+def ratios(results: Mapping[str, Mapping[str, Any]], ours: str, *, of: str = "min_s") -> dict[str, float]:
+    """``ours``'s rate over each other contender's (above 1: ours is faster), from the time ``of`` each: its
+    fastest repetition (``min_s``, the headline: see the module's docstring) or its median (``median_s``)."""
+
+    def rate(contender: Mapping[str, Any]) -> float:
+        return contender["work_per_repeat"] / contender[of]
+
+    return {f"{ours}/{name}": rate(results[ours]) / rate(r) for name, r in results.items() if name != ours}
 
 
 def ratios_per_round(results: Mapping[str, Mapping[str, Any]], ours: str) -> dict[str, list[float]]:
