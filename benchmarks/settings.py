@@ -4,8 +4,9 @@ Every size measures the same cases with the same contenders; only the model
 shape, the number of examples and the repetitions change. Full mode takes
 about 29 minutes on the 2-core machine the figures are taken on, most of it
 the grid's three rounds: 7 repetitions of the evaluation and training cases
-(each the same work), 3 of the grid, for medians (how far two full runs
-agree is in docs/performance.md). Smoke mode only shows that every case's
+(each the same work), 3 of the grid: ratios are of each contender's fastest
+repetition (``benchmarks.harness`` says why; how far two full runs agree is
+in docs/performance.md). Smoke mode only shows that every case's
 code runs (CI): one timed repetition, a one-run grid, so it takes well
 under a minute of work besides starting its processes.
 """
