@@ -13,16 +13,16 @@ contender after another; the first holds JAX's tracing and XLA compilation
 A compilation during the timed repetitions is recorded too, so a step that
 recompiles per batch cannot hide in the medians. The timed repetitions run
 in rounds, each starting one contender later than the last (A B C, B C A,
-C A B, ...), so a slow spell of a shared machine hits them alike and no
-contender always follows the same other. A call's time is taken inside its
+C A B, ...), so no contender always follows the same other and a slow
+spell of the machine falls on each in turn. A call's time is taken inside its
 process; the parent records the CPU time the rest of the machine used
 during it, so a repetition disturbed by another program shows.
 
 A ratio is of each contender's fastest repetition, not of medians. The
 shared machines this runs on have slow spells that no program here causes:
 a plain two-thread OpenBLAS matmul loop, with nothing else running, took
-18% longer for 136 s at a stretch, and spells of 1-20 s come every few
-minutes, with no steal time counted. Work that keeps the cores' arithmetic
+18% longer for 136 s at a stretch and for about a second at a time
+elsewhere, with no steal time counted. Work that keeps the cores' arithmetic
 units busy (oodjax's XLA programs) slows by more in them than PyTorch's
 does, so a median of 7 turns moved by 16-22% between two runs with
 whichever of its turns fell in a spell. A spell only ever adds time, so
