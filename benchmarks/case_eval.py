@@ -108,7 +108,5 @@ def run(
         "agreement": agreement,
         "oodjax_padding_efficiency": float(tokenized.lengths.sum() / padded_tokens),
         "processes": comparison.processes,
-        "ratios": harness.ratios(results, "oodjax"),
-        "ratios_of_medians": harness.ratios(results, "oodjax", of="median_s"),
-        "ratios_per_round": harness.ratios_per_round(results, "oodjax"),
+        **harness.ratio_fields(results, "oodjax"),
     }

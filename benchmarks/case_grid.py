@@ -128,7 +128,5 @@ def run(mode: Mode, workdir: pathlib.Path) -> dict[str, Any]:
             "oodjax contender starts from an empty JAX compilation cache of its own, which later processes reuse."
         ),
         "contenders": results,
-        "ratios": harness.ratios(results, "oodjax-one-process"),
-        "ratios_of_medians": harness.ratios(results, "oodjax-one-process", of="median_s"),
-        "ratios_per_round": harness.ratios_per_round(results, "oodjax-one-process"),
+        **harness.ratio_fields(results, "oodjax-one-process"),
     }

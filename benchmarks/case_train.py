@@ -137,9 +137,7 @@ def run(
         },
         "oodjax_padding_efficiency": oodjax["padding_efficiency"],
         "processes": comparison.processes,
-        "ratios": harness.ratios(results, "oodjax"),
-        "ratios_of_medians": harness.ratios(results, "oodjax", of="median_s"),
-        "ratios_per_round": harness.ratios_per_round(results, "oodjax"),
+        **harness.ratio_fields(results, "oodjax"),
     }
 
 

@@ -277,3 +277,13 @@ def ratios_per_round(results: Mapping[str, Mapping[str, Any]], ours: str) -> dic
         for name, r in results.items()
         if name != ours
     }
+
+
+def ratio_fields(results: Mapping[str, Mapping[str, Any]], ours: str) -> dict[str, Any]:
+    """A case's ratio fields, as the report reads them: ``ratios`` (of the fastest repetitions, the
+    headline), ``ratios_of_medians`` and ``ratios_per_round`` beside it."""
+    return {
+        "ratios": ratios(results, ours),
+        "ratios_of_medians": ratios(results, ours, of="median_s"),
+        "ratios_per_round": ratios_per_round(results, ours),
+    }

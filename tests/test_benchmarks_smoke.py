@@ -215,8 +215,10 @@ def test_ratios_are_of_the_fastest_repetitions_with_the_medians_beside():
         "ours": {"work_per_repeat": 4, "seconds": [1.0, 3.0, 3.0], "min_s": 1.0, "median_s": 3.0},
         "theirs": {"work_per_repeat": 2, "seconds": [1.0, 1.0, 2.0], "min_s": 1.0, "median_s": 1.0},
     }
-    assert harness.ratios(results, "ours") == {"ours/theirs": 2.0}
-    assert harness.ratios(results, "ours", of="median_s") == {"ours/theirs": pytest.approx(2 / 3)}
+    fields = harness.ratio_fields(results, "ours")
+    assert fields["ratios"] == {"ours/theirs": 2.0}
+    assert fields["ratios_of_medians"] == {"ours/theirs": pytest.approx(2 / 3)}
+    assert fields["ratios_per_round"] == {"ours/theirs": [2.0, pytest.approx(2 / 3), pytest.approx(4 / 3)]}
 
 
 def test_turns_wait_until_a_spinning_process_is_idle():
