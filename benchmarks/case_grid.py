@@ -1,8 +1,10 @@
 """Case 3, the grid: seeds x shot counts, each run trained N steps and evaluated at step 0 and N, end to end.
 
-N keeps the study's proportions, about 24 training steps per evaluation
-(the study evaluates 21 times in 500 steps), so that compiling and
-evaluating weigh in the grid as they do in a job. Contenders, each timed
+N keeps the study's steps per evaluation, about 24 (the study evaluates
+21 times in 500 steps). Its evaluations are far smaller than the study's
+(a few examples a testset, so the runs' own training sets are most of
+them), so training, compiling and starting weigh much more in the grid
+than in a job (docs/performance.md). Contenders, each timed
 from process start to the last result written: oodjax with every run in one
 process (`python -m oodjax.main`), oodjax with one process per run, one
 after another, and PyTorch running the same runs one after another in one

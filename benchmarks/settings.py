@@ -99,7 +99,8 @@ MAX_GRAD_NORM = 1.0
 
 
 # The study evaluates 21 times in 500 steps: one evaluation about every 24 steps. The full grid trains that
-# many steps between its two evaluations, so that compiling and evaluating weigh as they do in a job.
+# many steps between its two evaluations (its evaluations are far smaller than the study's, which score the
+# full testsets: docs/performance.md).
 GRID_STEPS_PER_EVALUATION = 24
 
 
@@ -231,7 +232,7 @@ class DeviceMode:
 
 
 DEVICE_MODES: dict[str, DeviceMode] = {
-    # The study's proportions: 9 runs, 24 steps between evaluations.
+    # The study's 9 runs and its steps between evaluations (24).
     "gpu": DeviceMode(
         name="gpu",
         needs_gpu=True,
