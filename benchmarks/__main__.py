@@ -1,4 +1,4 @@
-"""`python -m benchmarks [--quick] [--smoke] [--out FILE] [--cases eval,train,...] [--device gpu]`.
+"""`python -m benchmarks [--quick] [--smoke] [--out FILE] [--cases A,B] [--device gpu [--remat P] [--grad-accum N]]`.
 
 Runs the cases against PyTorch + PEFT, each contender in a process of its
 own taking turns (``benchmarks.harness``), and writes FILE (default
@@ -6,12 +6,15 @@ benchmarks/results.json in full mode, results-quick.json / results-smoke.json
 otherwise) and the same report as markdown beside it (FILE with .md).
 ``--device gpu`` runs ``benchmarks.case_device`` instead, the study's 9 runs
 at SmolLM3-3B's shape on one GPU (results-gpu.json; with --smoke, tiny, on
-any backend: results-gpu-smoke.json).
+any backend: results-gpu-smoke.json). ``--remat`` and ``--grad-accum`` change
+its train step's layout (``settings.DeviceMode``'s remat and grad_accum), to
+try another on a machine with the room; give such a run its own --out.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import pathlib
@@ -24,6 +27,9 @@ from benchmarks import environment, report, settings
 
 HERE = pathlib.Path(__file__).resolve().parent
 CASES = ("eval", "train", "loading", "grid")  # the matmul peak always runs: the others are fractions of it
+# oodjax.models.layers.REMAT_POLICIES' names, spelled out: importing it would import JAX before
+# benchmarks.environment configures it (tests/test_benchmarks_smoke.py checks the two agree).
+REMAT_CHOICES = ("full", "none", "save_dots", "save_dots_except_mlp")
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -42,7 +48,23 @@ def parse(argv: list[str]) -> argparse.Namespace:
         default="cpu",
         help="gpu: 9 runs at SmolLM3-3B's shape, bf16, on one GPU (the CPU cases are not run)",
     )
+    parser.add_argument(
+        "--remat",
+        choices=REMAT_CHOICES,
+        default=None,
+        help="with --device gpu: the train step's remat policy (default save_dots: settings.DeviceMode says why)",
+    )
+    parser.add_argument(
+        "--grad-accum",
+        type=int,
+        default=None,
+        help=f"with --device gpu: micro-batches a training step (default 1; must divide {settings.TRAIN_BATCH})",
+    )
     args = parser.parse_args(argv)
+    if args.device != "gpu" and (args.remat is not None or args.grad_accum is not None):
+        parser.error("--remat and --grad-accum apply to --device gpu only")
+    if args.grad_accum is not None and (args.grad_accum < 1 or settings.TRAIN_BATCH % args.grad_accum):
+        parser.error(f"--grad-accum must divide the batch of {settings.TRAIN_BATCH} examples, got {args.grad_accum}")
     args.cases = [c for c in args.cases.split(",") if c]
     unknown = sorted(set(args.cases) - set(CASES))
     if unknown:
@@ -53,11 +75,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str]) -> None:
     args = parse(argv)
     accelerator = args.device == "gpu"
-    mode = (
-        settings.DEVICE_MODES["gpu-smoke" if args.smoke else "gpu"]
-        if accelerator
-        else settings.mode(args.quick, args.smoke)
-    )
+    mode = device_mode(args) if accelerator else settings.mode(args.quick, args.smoke)
     out = args.out or HERE / ("results.json" if mode.name == "full" else f"results-{mode.name}.json")
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="oodjax-bench-") as tmp:
@@ -73,6 +91,13 @@ def main(argv: list[str]) -> None:
     out.with_suffix(".md").write_text(report.markdown(results))
     print(report.markdown(results))
     print(f"wrote {out} and {out.with_suffix('.md')}")
+
+
+def device_mode(args: argparse.Namespace) -> settings.DeviceMode:
+    """The --device gpu mode (--smoke: its tiny one), with the remat policy and micro-batches given."""
+    mode = settings.DEVICE_MODES["gpu-smoke" if args.smoke else "gpu"]
+    given = {"remat": args.remat, "grad_accum": args.grad_accum}
+    return dataclasses.replace(mode, **{field: value for field, value in given.items() if value is not None})
 
 
 def run_device(mode: settings.DeviceMode) -> dict:

@@ -298,7 +298,7 @@ def _describe(
     what = (
         f"{mode.steps} steps of batch {settings.TRAIN_BATCH} per run and repetition; oodjax: one train step for "
         f"all runs, {geometry.grad_accum} micro-batch(es) of {geometry.rows} packed rows of {geometry.seq_len} "
-        f"tokens; PyTorch: each run's tuned loop (dynamic padding, head at the answer position)"
+        f"tokens, remat {mode.remat}; PyTorch: each run's tuned loop (dynamic padding, head at the answer position)"
         if phase == "train"
         else f"{len(lengths)} real testset prompts scored by every run; oodjax: one pool packed into rows, all runs "
         "at once; PyTorch: each run's tuned loop (length-sorted batches, two head columns)"

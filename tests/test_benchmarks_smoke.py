@@ -335,6 +335,25 @@ def test_device_mode_times_both_phases_of_every_run_and_checks_the_attention_pat
     for path in ("fused", "xla", "one_run"):
         assert 0 < agreement[f"{path}_vs_float32_max_abs_margin_diff"] < 0.1 * agreement["max_abs_margin"]
     assert "device-train | oodjax peak fraction | at least 0.35 | not measured" in report.targets_table(results)
+    assert f"remat {mode.remat}" in cases["device-train"]["description"]
+
+
+def test_device_mode_takes_the_remat_policy_and_micro_batches_given():
+    """--remat and --grad-accum replace the device mode's (and only with --device gpu); the CLI's remat names
+    are the model's policies."""
+    from benchmarks import __main__ as cli
+    from oodjax.models.layers import REMAT_POLICIES
+
+    assert sorted(cli.REMAT_CHOICES) == sorted(REMAT_POLICIES)
+    default = cli.device_mode(cli.parse(["--device", "gpu"]))
+    assert default == settings.DEVICE_MODES["gpu"]
+    assert (default.remat, default.grad_accum) == ("save_dots", 1)
+    given = cli.device_mode(cli.parse(["--device", "gpu", "--smoke", "--remat", "none", "--grad-accum", "2"]))
+    assert given.name == "gpu-smoke" and (given.remat, given.grad_accum) == ("none", 2)
+    for wrong in (["--remat", "none"], ["--device", "gpu", "--grad-accum", "3"], ["--device", "gpu", "--remat", "x"]):
+        with pytest.raises(SystemExit) as stopped:
+            cli.parse(wrong)
+        assert stopped.value.code == 2, wrong
 
 
 def test_every_training_repetition_takes_the_same_batches(tmp_path, monkeypatch):
