@@ -22,9 +22,11 @@ layer's hub path and written, every column, as parquet to the mirror that
 ``data.data_dir`` / $OODJAX_DATA_DIR name
 (``<data_dir>/<hub_id>/<config>/<split>.parquet``), each whole or not at all.
 
-It first prints every item, whether it is here already, and what it will
-download and how much (file sizes from the hub's metadata; a testset split's
-from its dataset card, where the card gives one). What is here is not
+It first prints every item it could look up, whether it is here already,
+and what it will download and how much (file sizes from the hub's metadata; a
+testset split's from its dataset card, where the card gives one), then how
+many it could not look up and, where no connection was made, the address it
+could not reach; each failure is said once, in the item's closing line. What is here is not
 downloaded again, so a second run downloads nothing. A run cut short loses
 only the files it was downloading: huggingface_hub keeps every finished file
 (a sharded checkpoint goes on at its next shard), and within a run it takes
@@ -52,7 +54,9 @@ import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import datasets
+import httpx2
 import huggingface_hub
+from huggingface_hub import constants as hub_constants
 from huggingface_hub.errors import HfHubHTTPError
 
 from launch.config_files import experiment_config_paths, load_config
@@ -92,6 +96,8 @@ TOKENIZER_FILES = (
     "config.json",
 )
 Configs = Sequence[tuple[str, Job]]  # (config file, its config read into a job)
+# How an item's failure begins when no connection to the hub could be made (``_why``).
+UNREACHABLE = "could not reach the hub"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -314,7 +320,7 @@ def mirror_dir(data_dir: str | None, configs: Configs) -> pathlib.Path:
 
 def compute_node_environment(root: pathlib.Path) -> list[str]:
     """The variables under which compute nodes read what was fetched here, and nothing from the network."""
-    hub = huggingface_hub.constants
+    hub = hub_constants
     home = os.path.abspath(hub.HF_HOME)
     variables = [("HF_HOME", home)]
     if os.path.abspath(hub.HF_HUB_CACHE) != os.path.join(home, "hub"):
@@ -348,11 +354,11 @@ def fetch(items: Sequence[Item], configs: Configs, root: pathlib.Path) -> int:
 
 
 def _look_up(item: Item) -> Look | str:
-    """The item's ``look_up``, printed as its line of the plan; why it failed, where the hub did not answer."""
+    """The item's ``look_up``, printed as its line of the plan; where the hub did not answer, why, which the item's
+    closing line says (the plan's summary counts it)."""
     try:
         look = item.look_up()
     except Exception as error:  # the hub's answer (not found, no access, no network): the item's line says it
-        print(f"  failed    {item.label}: {_why(error)}", flush=True)
         return _why(error)
     print(f"  {'here' if look.here else 'to fetch':<9} {item.label}: {look.what}", end="")
     print("" if look.here else f" ({_bytes(look.size)})", flush=True)
@@ -373,8 +379,8 @@ def _outcome(item: Item, look: Look | str) -> tuple[str, str]:
 
 
 def _download_summary(looks: list[Look | str]) -> str:
-    """The plan's total: what is to download and its size, or that nothing is; and how many items the hub did not
-    answer for."""
+    """The plan's total: what is to download and its size, or that nothing is; and how many items could not be
+    looked up, naming the hub once where it could not be reached."""
     found = [look for look in looks if isinstance(look, Look)]
     missing = [look for look in found if not look.here]
     if missing:
@@ -383,10 +389,20 @@ def _download_summary(looks: list[Look | str]) -> str:
         line = f"to download: {_count(len(missing), 'item')}, {total}"
         if unknown:
             line += f" and {unknown} of unknown size"
-    else:
-        line = f"nothing to download: everything looked up is here ({_count(len(found), 'item')})"
-    if len(found) < len(looks):
-        line += f"; {_count(len(looks) - len(found), 'item')} could not be looked up"
+    elif len(found) == len(looks):
+        line = f"nothing to download: all {_count(len(found), 'item')} are here"
+    else:  # what could not be looked up may be missing
+        line = f"{len(found)} looked up, all here" if found else "nothing looked up"
+    failures = [look for look in looks if isinstance(look, str)]
+    if failures:
+        unreachable = sum(why.startswith(UNREACHABLE) for why in failures)
+        line += f"; {_count(len(failures), 'item')} could not be looked up"
+        if unreachable:
+            line += (
+                f", {unreachable} because the fetch {_unreachable_text()} (is this machine online? $HF_ENDPOINT names "
+                "another address)"
+            )
+        line += "; each failed line below says why"
     return line
 
 
@@ -414,8 +430,25 @@ def _bytes(size: int | None) -> str:
 
 
 def _why(error: BaseException) -> str:
-    """An error as one line: the hub's messages span several."""
-    return " ".join(f"{type(error).__name__}: {error}".split())
+    """An error as one line (the hub's messages span several), starting with ``UNREACHABLE`` where no connection
+    to the hub could be made."""
+    text = " ".join(f"{type(error).__name__}: {error}".split())
+    return f"{_unreachable_text()}: {text}" if _cannot_connect(error) else text
+
+
+def _unreachable_text() -> str:
+    """``UNREACHABLE`` with the address huggingface_hub asks ($HF_ENDPOINT, else the hub's own)."""
+    return f"{UNREACHABLE} at {hub_constants.ENDPOINT}"
+
+
+def _cannot_connect(error: BaseException | None) -> bool:
+    """Whether ``error``, or one it was raised from, is a connection that could not be made (no network, no
+    route, a name that does not resolve, a connect timeout), rather than an answer of the hub's."""
+    while error is not None:
+        if isinstance(error, (httpx2.ConnectError, httpx2.ConnectTimeout, ConnectionError)):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
 
 
 def _load_configs(patterns: Sequence[str]) -> list[tuple[str, Job]]:

@@ -277,7 +277,7 @@ def test_a_second_run_downloads_nothing_and_says_so(hub, config_file, tmp_path, 
     status, out = run(capsys, config_file, "--data_dir", mirror)
     assert status == 0, out
     assert hub.downloads == [] and hub.dataset_calls == []
-    assert f"nothing to download: everything looked up is here ({ITEMS} items)\n" in out
+    assert f"nothing to download: all {ITEMS} items are here\n" in out
     outcomes = summary(out)
     assert len(outcomes) == ITEMS and all(line.startswith("already here") for line in outcomes.values()), outcomes
 
@@ -344,8 +344,34 @@ def test_a_repo_the_hub_does_not_have_fails_before_downloading(hub, config_file,
     outcomes = summary(out)
     for kind in ("model", "tokenizer"):
         assert outcomes[f"{kind} facebook/opt-nowhere"].startswith("failed: RepositoryNotFoundError"), outcomes
-    assert "; 2 items could not be looked up\n" in out
+    assert "; 2 items could not be looked up; each failed line below says why\n" in out
+    assert out.count("RepositoryNotFoundError") == 2  # each item's failure said once, in its closing line
     assert hub.downloads == []
+
+
+def test_offline_every_item_fails_once_naming_the_hub_it_could_not_reach(hub, config_file, tmp_path, capsys):
+    """No network: no look-up connects. The summary does not call that "here", each item's failure is one line,
+    and that line and the summary name the address the fetch could not reach."""
+
+    def refuse(request: httpx2.Request) -> httpx2.Response:
+        raise httpx2.ConnectError("[Errno 101] Network is unreachable", request=request)
+
+    _http.set_client_factory(lambda: httpx2.Client(transport=httpx2.MockTransport(refuse)))  # `hub` restores it
+    status, out = run(capsys, config_file, "--data_dir", str(tmp_path / "mirror"))
+    assert status == 1
+    unreachable = f"could not reach the hub at {huggingface_hub.constants.ENDPOINT}"
+    assert (
+        f"nothing looked up; {ITEMS} items could not be looked up, {ITEMS} because the fetch {unreachable} (is this "
+        "machine online? $HF_ENDPOINT names another address); each failed line below says why\n"
+    ) in out
+    assert "here" not in out.split("nothing looked up")[0]
+    outcomes = summary(out)
+    assert len(outcomes) == ITEMS, out
+    for label, outcome in outcomes.items():
+        assert outcome == f"failed: {unreachable}: ConnectError: [Errno 101] Network is unreachable", outcome
+        assert out.count(label) == 1, (label, out)  # its closing line only
+    assert f"{ITEMS} of {ITEMS} items failed" in out
+    assert hub.downloads == [] and hub.dataset_calls == []
 
 
 def test_a_pattern_matching_no_config_is_one_line_and_status_2(capsys):
