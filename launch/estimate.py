@@ -31,6 +31,12 @@ such prompts (`assumed_geometry`) unless --seq_len gives their length, and
 evaluation one prompt a row of N tokens, the testsets' examples counted
 (`run_data.capped_testsets`, with the config's neutral handling and caps)
 unless --eval_examples gives their number (then without the data either).
+
+A testset whose local file holds fewer rows than the hub's split
+(`TestsetSpec.hub_rows`: the shared data's HANS, 3,000 of 30,000) is a
+sample: a job reads the hub's split, or the split fetched, so it is counted
+at that size (`study_samples`: the rows it keeps, scaled, then capped), its
+prompts repeated, and the output names it.
 """
 
 from __future__ import annotations
@@ -40,12 +46,14 @@ import collections
 import dataclasses
 import math
 import os
+import pathlib
 import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
 import numpy as np
+import pyarrow.parquet
 from jax.sharding import Mesh
 from transformers import PreTrainedTokenizerBase
 
@@ -53,11 +61,19 @@ from configs.models import architecture
 from launch import costs
 from launch.config_files import experiment_config_paths, load_config
 from oodjax import usage_errors
-from oodjax.data import TokenizedSet, load_tokenizer, prompt_lengths
+from oodjax.data import TokenizedSet, load_testset, load_tokenizer, prompt_lengths
+from oodjax.data.testsets import default_data_dir, local_path
 from oodjax.engine import sharding
 from oodjax.engine.evaluation import EvalPool, pool_figures
 from oodjax.engine.geometry import BatchGeometry, EvalGeometry, batch_geometry
-from oodjax.engine.run_data import DataSettings, capped_testsets, few_shot_sets, load_runs_data
+from oodjax.engine.run_data import (
+    DataSettings,
+    IndexedSet,
+    capped_testsets,
+    few_shot_sets,
+    load_runs_data,
+    load_testsets,
+)
 from oodjax.job import Job, read
 from oodjax.models.loading import ModelSettings
 from oodjax.usage_errors import ConfigError
@@ -176,6 +192,7 @@ class Estimate:
     geometry: BatchGeometry  # the train step's layout the estimate is made for
     prompts: RealPrompts | None  # the real prompts it is made for, else prompts of prompt_len tokens
     prompt_len: int | None  # tokens of every prompt when not the real ones
+    samples: Mapping[str, Sample]  # testsets whose local files are samples, counted at the hub's size
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,6 +206,7 @@ class RealPrompts:
     eval_prompts: int  # prompts one evaluation scores: every run's testsets and its own few-shot set
     eval_prompt_tokens: int  # their tokens
     eval_real_token_share: float  # eval_prompt_tokens over the tokens of eval_rows (``pool_figures``)
+    samples: Mapping[str, Sample]  # testsets whose local files are samples: their prompts repeated to the hub's size
 
     @property
     def mean_length(self) -> float:
@@ -215,10 +233,74 @@ def architecture_of(model: ModelSettings, layers: int | None = None) -> dict:
     return arch
 
 
-def count_eval_examples(data: DataSettings) -> int:
+@dataclasses.dataclass(frozen=True)
+class Sample:
+    """A testset whose local files hold fewer rows than its split on the hub (``TestsetSpec.hub_rows``): a sample
+    (the shared data's HANS), standing in for the split a job reads where the hub is reached or the split fetched."""
+
+    local_rows: int  # rows of the local files
+    hub_rows: int  # rows of the hub's split
+    prompts: int  # what a job reading the hub's split evaluates: the rows the sample keeps, scaled, then capped
+
+
+def study_samples(data: DataSettings) -> dict[str, Sample]:
+    """The testsets of ``data`` whose local files (the mirror of data.data_dir, else $OODJAX_DATA_DIR) are
+    samples, each with the prompts a job reading the hub's split evaluates: the rows the sample keeps after label
+    mapping and neutral handling, times the hub's rows over the sample's (rounded), then the testset's cap (its own,
+    else data.eval_cap). A split read from the hub, or fetched whole, is no sample; nor is one whose hub size the
+    table does not record (a declared testset's)."""
+    root = pathlib.Path(data.data_dir) if data.data_dir is not None else default_data_dir()
+    found = {}
+    for name in data.testsets:
+        spec = data.table[name]
+        parts = spec.split_groups.get(spec.split, (spec.split,))
+        if root is None or spec.is_local_file or not all(part in spec.hub_rows for part in parts):
+            continue
+        try:
+            local = sum(_file_rows(local_path(spec, part, root)) for part in parts)
+        except FileNotFoundError:  # read from the hub: the whole split
+            continue
+        hub = sum(spec.hub_rows[part] for part in parts)
+        if local >= hub:
+            continue
+        kept = len(load_testset(name, data_dir=root, neutral=data.neutral, table=data.table))
+        prompts, cap = round(kept * hub / local), spec.eval_cap(data.eval_cap)
+        found[name] = Sample(local, hub, min(prompts, cap) if cap else prompts)
+    return found
+
+
+def _file_rows(path: pathlib.Path) -> int:
+    """Rows of a mirror's file as the data layer reads it: a JSON-lines file's non-blank lines, a parquet file's
+    rows."""
+    if path.suffix == ".parquet":
+        return pyarrow.parquet.ParquetFile(path).metadata.num_rows
+    with path.open("rb") as f:
+        return sum(1 for line in f if line.strip())
+
+
+def count_eval_examples(data: DataSettings, samples: Mapping[str, Sample] | None = None) -> int:
     """Examples in one full evaluation: every testset as the engine caps it (``run_data.capped_testsets``:
-    after label mapping, each at its own cap or data.eval_cap)."""
-    return sum(len(testset) for testset in capped_testsets(data).values())
+    after label mapping, each at its own cap or data.eval_cap), a local sample at the hub's size (``samples``,
+    default ``study_samples``)."""
+    samples = study_samples(data) if samples is None else samples
+    return sum(
+        samples[name].prompts if name in samples else len(testset) for name, testset in capped_testsets(data).items()
+    )
+
+
+def _repeated(testset: IndexedSet, count: int) -> IndexedSet:
+    """``testset``'s prompts in order, again and again, to ``count`` prompts: a sample standing in for its split."""
+    order = np.arange(count) % len(testset)
+    lengths = np.diff(testset.starts)
+    whole, rest = divmod(count, len(testset))
+    return dataclasses.replace(
+        testset,
+        token_ids=np.concatenate([np.tile(testset.token_ids, whole), testset.token_ids[: testset.starts[rest]]]),
+        starts=np.concatenate([[0], np.cumsum(lengths[order])]).astype(testset.starts.dtype),
+        labels=testset.labels[order],
+        truncated=testset.truncated[order],
+        dataset_index=testset.dataset_index[order],
+    )
 
 
 def assumed_geometry(job: Job, batch_shards: int, prompt_len: int) -> BatchGeometry:
@@ -302,8 +384,11 @@ class PromptCounter:
         geometry = batch_geometry(job.batches, geometry_mesh(shards), train_sets, seeds)
         pool = (*data, geometry.evaluation)
         if pool not in self._pools:
-            pools = load_runs_data(job.data, tokenizer, seeds, train_sets, geometry, prefetch=0)
-            self._pools[pool] = _evaluation_counts(pools.eval_pool, pools.first_eval_pool)
+            samples = study_samples(job.data)
+            testsets = load_testsets(job.data, tokenizer)
+            testsets |= {name: _repeated(testsets[name], sample.prompts) for name, sample in samples.items()}
+            pools = load_runs_data(job.data, tokenizer, seeds, train_sets, geometry, prefetch=0, testsets=testsets)
+            self._pools[pool] = {**_evaluation_counts(pools.eval_pool, pools.first_eval_pool), "samples": samples}
         return RealPrompts(tokenizer=source, geometry=geometry, **self._pools[pool])
 
 
@@ -357,10 +442,12 @@ def estimate(
     runs = len(job.runs.runs())
     mesh = job.mesh.sizes(devices)
     shards = math.prod(mesh[axis] for axis in sharding.BATCH_AXES)
+    samples = {}
     if prompts is not None:
         if prompt_len is not None or eval_examples is not None:
             raise ValueError("real prompts are counted: prompt_len and eval_examples are for assumed ones")
         geometry = geometry or prompts.geometry
+        samples = prompts.samples
     else:
         prompt_len = job.batches.max_length if prompt_len is None else prompt_len
     if geometry is None:
@@ -400,7 +487,8 @@ def estimate(
         evaluation, first_evaluation = rows_flops(prompts.eval_rows), rows_flops(prompts.first_eval_rows)
     else:
         if eval_examples is None:
-            eval_examples = count_eval_examples(job.data)
+            samples = study_samples(job.data)
+            eval_examples = count_eval_examples(job.data, samples)
         # Each run is also evaluated on its own few-shot training set; at step 0 the testsets once for all runs.
         training_sets = len(job.runs.seeds) * sum(job.runs.shots)
         own = costs.eval_flops(dims, runs=1, examples=training_sets, seq_len=prompt_len, lora_parameters=lora)
@@ -428,6 +516,7 @@ def estimate(
         geometry,
         prompts,
         prompt_len,
+        samples,
     )
 
 
@@ -454,6 +543,7 @@ def describe(result: Estimate, job: Job, device: Device, utilisation: float) -> 
             f"activations {m.activations / GB:.2f}, the larger of a layer's backward {m.layer_transients / GB:.2f} "
             f"and the head's {m.head_transients / GB:.2f}; total {m.total / GB:.2f}; {describe_fit(m.total, device)}",
             describe_prompts(result, job),
+            *describe_samples(result),
             f"  FLOPs: {result.train_step_flops:.3e} per train step, {result.eval_flops:.3e} per full evaluation "
             f"({result.first_eval_flops:.3e} at step 0, each example once for all runs)",
             f"  whole sweep ({runs} runs, {job.cadence.total_steps} steps, {result.evaluations} evaluations): "
@@ -477,6 +567,19 @@ def describe_prompts(result: Estimate, job: Job) -> str:
         f"{min(p.eval_rows)}-{max(p.eval_rows)} tokens, {p.eval_real_token_share:.1%} of their tokens; training "
         "rows laid out from the runs' few-shot sets"
     )
+
+
+def describe_samples(result: Estimate) -> list[str]:
+    """A line naming the testsets whose local files are samples and what they were counted as, if any."""
+    if not result.samples:
+        return []
+    counted = "prompts, the sample's repeated" if result.prompts is not None else "examples"
+    each = "; ".join(
+        f"{name} {sample.local_rows:,} of the hub split's {sample.hub_rows:,} rows, counted as {sample.prompts:,} "
+        f"{counted}"
+        for name, sample in result.samples.items()
+    )
+    return [f"  local samples (a job reads the hub's split, or the split fetched): {each}"]
 
 
 def _host_devices(count: int) -> None:

@@ -12,6 +12,7 @@ import pandas as pd
 import pytest
 
 from oodjax.data import TESTSETS, load_testset, training_pool
+from oodjax.data.testsets import local_path
 from oodjax.data.testsets import testset_table as table_with  # a name starting with test_ would be collected
 
 # Written out from each dataset's own documentation, independently of TESTSETS:
@@ -705,3 +706,24 @@ def test_a_declared_hub_source_without_a_config_is_asked_for_without_one(monkeyp
     monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
     assert load_testset("mine", table=table_with({"mine": GOOD_DECLARATION}))["label"][:] == [1]
     assert calls == [(("owner/name",), {"split": "test"})]
+
+
+def test_the_table_records_each_hub_splits_rows_and_the_shared_hans_is_a_sample(hf_data_dir):
+    """Every file of the shared mirror is a split whose size on the hub the table records; all hold the hub's rows
+    but HANS, 3,000 of its 30,000 (../shared/data/README.md), which the cost estimate must scale."""
+    files = {path.relative_to(hf_data_dir) for path in hf_data_dir.rglob("*.jsonl")}
+    assert len(files) == 14
+    recorded, samples = set(), {}
+    for name, spec in TESTSETS.items():
+        for split, hub in spec.hub_rows.items():
+            path = local_path(spec, split, hf_data_dir)
+            recorded.add(path.relative_to(hf_data_dir))
+            local = sum(1 for line in path.open() if line.strip())
+            assert local <= hub, (name, split)
+            if local < hub:
+                samples[name, split] = (local, hub)
+    assert recorded == files
+    assert samples == {("hans", "validation"): (3_000, 30_000)}
+    # The hub's rows of each default evaluation split, as its dataset viewer lists them.
+    hub_rows = dict(snli=10_000, mnli=9_815, scitail=2_126, rte=2_490, wnli=635, paws=8_000, hans=30_000, anli=1_200)
+    assert {name: spec.hub_rows[spec.split] for name, spec in TESTSETS.items()} == hub_rows

@@ -13,6 +13,9 @@ import sys
 import jax
 import jax.numpy as jnp
 import peft
+import pyarrow
+import pyarrow.json
+import pyarrow.parquet
 import pytest
 import torch
 import transformers
@@ -773,3 +776,47 @@ def test_without_the_data_the_estimate_is_one_line_naming_the_fetch_and_prompt_l
     line = _one_line(result.stderr, result.returncode)
     assert "--prompt_len N prices prompts of N tokens" in line
     assert f"`oodjax-fetch {config}`" in line
+
+
+def test_a_local_sample_is_counted_at_the_size_of_the_hubs_split(tmp_path, capsys, hf_data_dir, gpt2_tokenizer_dir):
+    """The shared HANS is 3,000 rows of the hub's 30,000 (../shared/data/README.md): a job that reads the hub, or
+    the fetched split, evaluates 30,000, so the estimate counts as many, the sample's prompts repeated, and says
+    so. A mirror holding the whole split is counted as it is."""
+    config = load_config("configs/demo.py")
+    config.data.testsets, config.data.eval_cap = ("rte", "hans"), 0
+    data = read(config).data
+    assert estimate.study_samples(data) == {"hans": estimate.Sample(3_000, 30_000, 30_000)}
+    assert estimate.count_eval_examples(data) == 2_490 + 30_000
+    for cap, examples in ((500, 500 + 500), (5_000, 2_490 + 5_000)):  # the cap applies to the split a job reads
+        config.data.eval_cap = cap
+        assert estimate.count_eval_examples(read(config).data) == examples
+
+    # The real prompts: both runs score the sample's 3,000 prompts ten times over, and their own 16.
+    path = _small_config(tmp_path, extra="    config.data.testsets = ('hans',)\n    config.data.eval_cap = 0\n")
+    job = read(load_config(path))
+    counted = estimate.PromptCounter()(job, job.mesh.sizes(8))
+    tokenizer = transformers.AutoTokenizer.from_pretrained(gpt2_tokenizer_dir)
+    hans = run_data.capped_testsets(job.data)["hans"]
+    prompts = [job.data.template.format(premise=p, hypothesis=h) for p, h in zip(hans["premise"], hans["hypothesis"])]
+    sample_tokens = sum(min(len(ids), 128) for ids in tokenizer(prompts)["input_ids"])
+    own = run_data.few_shot_sets(job.data, tokenizer, [(run.seed, run.shots) for run in job.runs.runs()])
+    assert counted.eval_prompts == 2 * 30_000 + 32
+    assert counted.eval_prompt_tokens == 2 * 10 * sample_tokens + sum(int(s.lengths.sum()) for s in own)
+    assert estimate.main([str(path), "--device", "h100"]) == 0
+    out = capsys.readouterr().out
+    assert "an evaluation scores 60,032 prompts" in out
+    assert (
+        "  local samples (a job reads the hub's split, or the split fetched): hans 3,000 of the hub split's 30,000 "
+        "rows, counted as 30,000 prompts, the sample's repeated\n"
+    ) in out
+    assert estimate.main([str(path), "--device", "h100", "--prompt_len", "64"]) == 0
+    assert "hans 3,000 of the hub split's 30,000 rows, counted as 30,000 examples\n" in capsys.readouterr().out
+
+    # The whole split fetched (as oodjax-fetch writes it, parquet): no sample, counted as it is.
+    sample = pyarrow.json.read_json(hf_data_dir / "jhu-cogsci/hans/plain_text/validation.jsonl")
+    mirror = tmp_path / "mirror" / "jhu-cogsci/hans/plain_text"
+    mirror.mkdir(parents=True)
+    pyarrow.parquet.write_table(pyarrow.concat_tables([sample] * 10), mirror / "validation.parquet")
+    config.data.data_dir, config.data.testsets, config.data.eval_cap = str(tmp_path / "mirror"), ("hans",), 0
+    assert estimate.study_samples(read(config).data) == {}
+    assert estimate.count_eval_examples(read(config).data) == 30_000

@@ -83,8 +83,10 @@ class TestsetSpec:
     training sets are drawn from, for the two training sets only.
     `hub_data_files`, when set, is read from the hub instead of the repo's
     own loader (HANS). `cap`, when set, replaces `data.eval_cap` for this
-    testset. `origin` says where a declared testset was declared (empty for
-    the built-in table), for error messages.
+    testset. `hub_rows` are the rows of source splits on the hub, so that a
+    local file with fewer (a sample) is known as one and the cost estimate
+    counts the split a job reads from the hub. `origin` says where a declared
+    testset was declared (empty for the built-in table), for error messages.
     """
 
     __test__ = False  # a dataclass named Test* is not a pytest test class
@@ -102,6 +104,7 @@ class TestsetSpec:
     hub_data_files: str | None = None
     label: str = "label"
     cap: int | None = None
+    hub_rows: Mapping[str, int] = dataclasses.field(default_factory=dict)
     origin: str = ""
 
     @property
@@ -125,6 +128,7 @@ TESTSETS: Mapping[str, TestsetSpec] = {
         neutral=(1,),
         unlabelled=(-1,),
         pool_split="validation",
+        hub_rows={"test": 10_000, "validation": 10_000},
     ),
     "mnli": TestsetSpec(
         "nyu-mll/glue",
@@ -136,6 +140,7 @@ TESTSETS: Mapping[str, TestsetSpec] = {
         neutral=(1,),
         unlabelled=(-1,),
         pool_split="validation_mismatched",
+        hub_rows={"validation_matched": 9_815, "validation_mismatched": 9_832},
     ),
     "scitail": TestsetSpec(
         "allenai/scitail",
@@ -144,6 +149,7 @@ TESTSETS: Mapping[str, TestsetSpec] = {
         "premise",
         "hypothesis",
         labels={"entails": ENTAILMENT, "neutral": NOT_ENTAILMENT},
+        hub_rows={"test": 2_126},
     ),
     "rte": TestsetSpec(
         "nyu-mll/glue",
@@ -153,6 +159,7 @@ TESTSETS: Mapping[str, TestsetSpec] = {
         "sentence2",
         labels={0: ENTAILMENT, 1: NOT_ENTAILMENT},
         unlabelled=(-1,),
+        hub_rows={"train": 2_490, "validation": 277},
     ),
     "wnli": TestsetSpec(
         "nyu-mll/glue",
@@ -162,6 +169,7 @@ TESTSETS: Mapping[str, TestsetSpec] = {
         "sentence2",
         labels={1: ENTAILMENT, 0: NOT_ENTAILMENT},
         unlabelled=(-1,),
+        hub_rows={"train": 635, "validation": 71},
     ),
     "paws": TestsetSpec(
         "google-research-datasets/paws",
@@ -170,6 +178,7 @@ TESTSETS: Mapping[str, TestsetSpec] = {
         "sentence1",
         "sentence2",
         labels={1: ENTAILMENT, 0: NOT_ENTAILMENT},
+        hub_rows={"test": 8_000},
     ),
     "hans": TestsetSpec(
         "jhu-cogsci/hans",
@@ -181,6 +190,7 @@ TESTSETS: Mapping[str, TestsetSpec] = {
         # The hub repo only has a loading script, which current `datasets` refuses
         # to run; the hub's own parquet export of it holds the same rows.
         hub_data_files="hf://datasets/jhu-cogsci/hans@refs%2Fconvert%2Fparquet/plain_text/{split}/*.parquet",
+        hub_rows={"validation": 30_000},
     ),
     "anli": TestsetSpec(
         "facebook/anli",
@@ -192,6 +202,7 @@ TESTSETS: Mapping[str, TestsetSpec] = {
         neutral=(1,),
         unlabelled=(-1,),
         split_groups={"test_all": ("test_r1", "test_r2", "test_r3")},
+        hub_rows={"test_r1": 1_000, "test_r2": 1_000, "test_r3": 1_200},
     ),
 }
 
@@ -311,6 +322,7 @@ def declared_testset(
         unlabelled=values["unlabelled"],
         split_groups=built_in.split_groups if same_location else {},
         hub_data_files=built_in.hub_data_files if same_location else None,
+        hub_rows=built_in.hub_rows if same_location else {},
         label=columns["label"],
         cap=cap,
         origin=where,

@@ -128,6 +128,7 @@ def load_runs_data(
     geometry: BatchGeometry,
     *,
     prefetch: int = TRAIN_PREFETCH,
+    testsets: Mapping[str, IndexedSet] | None = None,
 ) -> RunsData:
     """The evaluation pools (``RunsData``: one for runs that differ, one for step 0's, when every run is the base
     model) and the runs' training steps, run r's drawn from ``train_sets[r]`` seeded by ``seeds[r]``.
@@ -136,9 +137,10 @@ def load_runs_data(
     its ``process_rows``; the stream builds ``prefetch`` steps ahead in a
     background thread (0: none). Evaluation batches hold about
     ``geometry.evaluation.batch_tokens`` tokens, in rows of its
-    ``row_lengths`` packed with one or two prompts each.
+    ``row_lengths`` packed with one or two prompts each. ``testsets``
+    replaces ``load_testsets``' (the cost estimate's, at the hub's sizes).
     """
-    testsets = load_testsets(data, tokenizer)
+    testsets = load_testsets(data, tokenizer) if testsets is None else testsets
     train_stream = train_steps(
         train_sets,
         seeds,
