@@ -97,6 +97,11 @@ class Device:
     # its time at best (launch.preflight's communication estimate).
     interconnect_bytes_per_s: float
     interconnect: str  # the links' name, for the reader
+    # Devices of one node, and what one device sends a second over the network between nodes (its NIC's rate):
+    # where a job spread over nodes communicates (launch.preflight). None for TPUs: ICI joins a slice's hosts.
+    node_devices: int | None = None
+    network_bytes_per_s: float | None = None
+    network: str = ""
 
 
 # Interconnect figures, bidirectional per device as published, halved above:
@@ -109,9 +114,12 @@ class Device:
 #   TPU v4: no per-chip figure is published (https://docs.cloud.google.com/tpu/docs/v4); its "All-reduce bandwidth
 #     per Pod", 1.1 PB/s over 4096 chips, is 268 GB/s a chip, taken as its one-way figure as v5e's is.
 # On a TPU torus a collective over one mesh axis uses only that axis's links, so there the figure is an upper bound.
+# Networks between GPU nodes, as NVIDIA's reference nodes have them, one NIC per GPU (a site's may be slower):
+#   DGX A100: 8 GPUs, "8x Single-Port Mellanox ConnectX-6 VPI 200Gb/s HDR InfiniBand": 25 GB/s a GPU each way.
+#   DGX H100: 8 GPUs, "8x single-port NVIDIA ConnectX-7 VPI, 400 Gb/s InfiniBand/Ethernet": 50 GB/s a GPU each way.
 DEVICES: Mapping[str, Device] = {
-    "a100": Device("A100 80GB", 312e12, 80, "gpu", 300e9, "NVLink 3"),
-    "h100": Device("H100 SXM", 989e12, 80, "gpu", 450e9, "NVLink 4"),
+    "a100": Device("A100 80GB", 312e12, 80, "gpu", 300e9, "NVLink 3", 8, 25e9, "InfiniBand HDR"),
+    "h100": Device("H100 SXM", 989e12, 80, "gpu", 450e9, "NVLink 4", 8, 50e9, "InfiniBand NDR"),
     "v4": Device("TPU v4 chip", 275e12, 32, "tpu", 268e9, "ICI"),
     "v5e": Device("TPU v5e chip", 197e12, 16, "tpu", 200e9, "ICI"),
     "v5p": Device("TPU v5p chip", 459e12, 95, "tpu", 600e9, "ICI"),

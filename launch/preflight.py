@@ -39,7 +39,10 @@ computes bf16 matmuls in f32, gathers bf16 weights as f32 and fuses
 differently from a GPU's: on one H200 a CPU's compiled train step took
 2.5-3.4x the GPU's memory), so there the fit is judged by the estimate
 costed for the GPU (`device_estimate_bytes`), which came to 0.97-0.99 of
-the GPU's compiled totals (docs/performance.md).
+the GPU's compiled totals (docs/performance.md). A model cut with `--layers`
+is judged beside the full model's estimate, and a data-parallel job spread
+over nodes (`--node_devices`) is set against one node (``over_nodes``), with
+a warning where one node would be faster.
 """
 
 from __future__ import annotations
@@ -119,16 +122,20 @@ def preflight(
     layers: int | None = None,
     hlo_dir: str | pathlib.Path | None = None,
     config_path: str = "<config>",
+    node_devices: int | None = None,
 ) -> dict[str, Any]:
     """Lowers and compiles ``job``'s train and eval steps on abstract inputs; returns the report.
 
     ``devices``: the first N of ``jax.devices()`` (default all); ``layers``:
-    the model cut to N decoder layers. The report: {"train": {...}, "eval":
+    the model cut to N decoder layers; ``node_devices``: devices of a node
+    (default the estimate device's), for a job spread over nodes
+    (``over_nodes``). The report: {"train": {...}, "eval":
     {...}, "estimate_bytes" (the train step's, as this platform allocates), "device_estimate_bytes" (as the
     estimate device's platform does), "memory_limit", "interconnect", "train_step_flops", "estimate_step_s",
     "eval_step_flops", "estimate_eval_step_s" (the largest evaluation batch's), "devices", "layers", "platform",
     "geometry", "train_real_token_share", "host_batch_ms", "eval_real_token_share", "eval_attention_waste",
-    "replayed_steps"}, a step's entry being {"lower_s", "compile_s", "memory_bytes": {"argument", "output",
+    "replayed_steps", "full_model" (a cut model's: {"layers", "device_estimate_bytes"} at full depth; else None),
+    "nodes" (``over_nodes``)}, a step's entry being {"lower_s", "compile_s", "memory_bytes": {"argument", "output",
     "temp", "alias", "total"}, "collectives": {op: {"count", "max_bytes"}}, "communication": {"bytes", "by_op",
     "loops_without_trip_count", "seconds"}}.
     ``hlo_dir`` receives each compiled program as text.
@@ -163,6 +170,11 @@ def preflight(
     )
     estimate = priced(platform=platform)
     device_estimate = estimate if platform == device.platform else priced(platform=device.platform)
+    full_layers = int(estimator.architecture_of(job.model)["num_hidden_layers"])
+    full_model = None
+    if int(arch["num_hidden_layers"]) != full_layers:  # the verdict must not read as the whole model's
+        full = priced(platform=device.platform, layers=None)
+        full_model = {"layers": full_layers, "device_estimate_bytes": int(full.memory.total)}
     lanes, eval_rows, eval_row_length = longest_rows["input_ids"].shape
     eval_step_flops = costs.eval_flops(
         costs.dimensions(arch),
@@ -173,6 +185,14 @@ def preflight(
     )
     usable, source = estimator.usable_memory(device)
     compute_flops = devices * device.peak_flops * ESTIMATE_UTILISATION
+    steps_s = {
+        "train": (estimate.train_step_flops / compute_flops, train_report["communication"]["bytes"]),
+        "eval": (eval_step_flops / compute_flops, eval_report["communication"]["bytes"]),
+    }
+    runs = {
+        "train": job.cadence.total_steps,
+        "eval": len(job.cadence.evaluated_steps()) * len(data.eval_pool.batches),
+    }
     return {
         **figures,
         "train": train_report,
@@ -196,6 +216,8 @@ def preflight(
         "estimate_eval_step_s": eval_step_flops / compute_flops,
         "devices": devices,
         "layers": int(arch["num_hidden_layers"]),
+        "full_model": full_model,
+        "nodes": over_nodes(job, device, devices, node_devices or device.node_devices, steps_s, runs),
         "platform": platform,
         "geometry": {
             "runs": geometry.runs,
@@ -213,6 +235,53 @@ def preflight(
             "eval_batches": len(data.eval_pool.batches),
         },
     }
+
+
+def over_nodes(
+    job: Job,
+    device: estimator.Device,
+    devices: int,
+    node_devices: int | None,
+    steps_s: dict[str, tuple[float, int]],
+    runs: dict[str, int],
+) -> dict[str, Any] | None:
+    """A job on ``devices`` devices, ``node_devices`` a node, against the same job on one node (None on one node,
+    or where the device has no nodes: a TPU slice's ICI joins its hosts).
+
+    ``steps_s`` are each step's (compute seconds on ``devices``, bytes its
+    collectives move a device), ``runs`` how often the job runs it (the
+    train steps; evaluations times the pool's batches, each priced as its
+    largest). Over nodes a ring collective runs at the network's rate, the
+    slowest link it crosses; on one node at the interconnect's, its compute
+    on fewer devices: ``job_s`` the job's seconds both ways, compute and
+    communication added (not overlapped). Only a data-parallel mesh (fsdp =
+    tensor = 1) is compared: on one node its step is the same, its share of
+    the batch larger (its memory is not checked here), and its collectives
+    move no more than over nodes.
+    """
+    if node_devices is None or devices <= node_devices:
+        return None
+    mesh = job.mesh.sizes(devices)
+    report = {
+        "count": -(-devices // node_devices),
+        "devices_per_node": node_devices,
+        "network": device.network,
+        "network_bytes_per_s": device.network_bytes_per_s,
+        "data_parallel": mesh["fsdp"] == mesh["tensor"] == 1,
+    }
+    if report["data_parallel"]:
+        scale = devices / node_devices
+        report["job_s"] = {
+            "over_nodes": sum(
+                runs[name] * (compute + moved / device.network_bytes_per_s)
+                for name, (compute, moved) in steps_s.items()
+            ),
+            "one_node": sum(
+                runs[name] * (compute * scale + moved / device.interconnect_bytes_per_s)
+                for name, (compute, moved) in steps_s.items()
+            ),
+        }
+    return report
 
 
 @dataclasses.dataclass
@@ -536,6 +605,13 @@ def describe(report: dict[str, Any]) -> str:
             f"the estimate for a {device.platform.upper()} (0.97-0.99x a GPU's compiled total where measured); "
             f"{fit(report['device_estimate_bytes'])}"
         )
+    if report["full_model"] is not None:
+        full = report["full_model"]
+        lines.append(
+            f"the full model, {full['layers']} layers (this compile {report['layers']}): the train step needs "
+            f"{full['device_estimate_bytes'] / gb:.2f} GB per device by the estimate for a {device.platform.upper()}; "
+            f"{fit(full['device_estimate_bytes'])}"
+        )
     on = f"on {report['devices']} {ESTIMATE_DEVICE} at {ESTIMATE_UTILISATION:.0%} utilisation"
     lines.append(
         f"train step: {report['train_step_flops']:.3e} FLOPs (remat recomputation included), "
@@ -545,6 +621,7 @@ def describe(report: dict[str, Any]) -> str:
         f"eval step (its largest batch): {report['eval_step_flops']:.3e} FLOPs, {report['estimate_eval_step_s']:.3f} s "
         f"{on}; {_communication_text(report, 'eval', report['estimate_eval_step_s'])}"
     )
+    lines += _nodes_text(report)
     if report["platform"] == "cpu":
         lines.append(
             "note: CPU figures are indicative only (XLA's CPU backend computes bf16 matmuls in f32, keeps f32 "
@@ -552,6 +629,25 @@ def describe(report: dict[str, Any]) -> str:
             "where measured, its train step took 2.5-3.4x a GPU's memory)"
         )
     return "\n".join(lines)
+
+
+def _nodes_text(report: dict[str, Any]) -> list[str]:
+    """What spreading the job over nodes costs against one node (``over_nodes``), a warning where it is slower."""
+    nodes = report["nodes"]
+    if nodes is None:
+        return []
+    spread = f"{report['devices']} devices on {nodes['count']} nodes of {nodes['devices_per_node']}"
+    network = f"{nodes['network']} at {nodes['network_bytes_per_s'] / 1e9:.0f} GB/s a device"
+    if not nodes["data_parallel"]:
+        return [f"{spread}: collectives cross nodes over {network}; not compared with one node (not data parallel)"]
+    over, one = nodes["job_s"]["over_nodes"], nodes["job_s"]["one_node"]
+    times = (
+        f"the job's steps take {over:,.0f} s of compute and communication (over {network}) against {one:,.0f} s on "
+        f"one node's {nodes['devices_per_node']} (over {report['interconnect']['name']})"
+    )
+    if over > one:
+        return [f"WARNING: data parallel over {spread} is slower than one node: {times}; run it on one node"]
+    return [f"data parallel over {spread}: {times}"]
 
 
 def _communication_text(report: dict[str, Any], name: str, compute_s: float) -> str:
@@ -580,6 +676,9 @@ def _define_flags() -> None:
     module defines none); `--config` and its overrides are `oodjax.config_cli`'s, as for `oodjax.main`."""
     flags.DEFINE_integer("devices", None, "Devices of the mesh (default: all; on CPU, N fake host devices).")
     flags.DEFINE_integer("layers", None, "Compile the model cut to this many decoder layers.")
+    flags.DEFINE_integer(
+        "node_devices", None, f"Devices of one node (default the {ESTIMATE_DEVICE}'s node's): more are over nodes."
+    )
     flags.DEFINE_string("json", None, "Write the report as JSON to this file.")
     flags.DEFINE_string("hlo", None, "Write each compiled step's HLO text into this directory.")
 
@@ -596,6 +695,7 @@ def main(config: config_dict.ConfigDict) -> None:
         layers=options.layers,
         hlo_dir=options.hlo,
         config_path=options[config_cli.CONFIG_FLAG].value.split(":")[0],
+        node_devices=options.node_devices,
     )
     print(describe(report))
     if options.json:

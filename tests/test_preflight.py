@@ -324,3 +324,69 @@ def test_communication_counts_each_collective_as_a_ring_moves_it_as_often_as_it_
         "all-to-all": 1,
         "collective-permute": 1,
     }
+
+
+@pytest.fixture(scope="module")
+def demo_job():
+    """The demo shrunk as SHRUNK_DEMO_ARGS shrinks it: a tiny 2-layer OPT, data parallel over every device."""
+    config = load_config(ROOT / "configs" / "demo.py")
+    config.data.testsets, config.data.eval_cap = ("mnli", "hans", "rte"), 16
+    config.data.max_length, config.data.buckets = 64, (64,)
+    config.train.steps, config.train.warmup_steps, config.eval.every, config.eval.batch_size = 4, 1, 2, 8
+    return read(config)
+
+
+def test_a_cut_models_verdict_names_the_full_models_estimate(demo_job, fsdp_report):
+    """`--layers 2` on OLMo2-32B said "needs 3.49 GB per device ... fits", the 2-layer cut's figure; the full
+    model's is 44.55 GB. A cut compile says the full model's estimate too: the one a compile at full depth gives."""
+    cut = preflight.preflight(demo_job, devices=8, layers=1)
+    whole = preflight.preflight(demo_job, devices=8)
+    assert whole["full_model"] is None and "the full model" not in preflight.describe(whole)
+    assert cut["full_model"] == {"layers": 2, "device_estimate_bytes": whole["device_estimate_bytes"]}
+    assert cut["device_estimate_bytes"] < whole["device_estimate_bytes"]
+
+    full = fsdp_report["full_model"]
+    assert full["layers"] == 40 and full["device_estimate_bytes"] > 5 * fsdp_report["device_estimate_bytes"]
+    h100 = estimator.DEVICES[preflight.ESTIMATE_DEVICE]
+    usable, source = estimator.usable_memory(h100)
+    assert (
+        f"the full model, 40 layers (this compile 2): the train step needs {full['device_estimate_bytes'] / 1e9:.2f} "
+        f"GB per device by the estimate for a GPU; {estimator.fit_text(full['device_estimate_bytes'], h100, usable, source)}"
+    ) in preflight.describe(fsdp_report)
+
+
+def test_data_parallel_over_two_nodes_is_warned_of_where_one_node_is_faster(demo_job, gpt2_tokenizer_dir):
+    """The demo over 2 nodes of 4 devices: its tiny steps' compute is far less than their collectives over the
+    network between nodes, so one node, over NVLink, is faster: a warning. A step whose compute outweighs its
+    communication is faster over nodes: no warning; an fsdp mesh is not compared; one node, nothing said."""
+    report = preflight.preflight(demo_job, devices=8, node_devices=4)
+    h100 = estimator.DEVICES[preflight.ESTIMATE_DEVICE]
+    nodes = report["nodes"]
+    assert {key: nodes[key] for key in ("count", "devices_per_node", "data_parallel")} == {
+        "count": 2,
+        "devices_per_node": 4,
+        "data_parallel": True,
+    }
+    train, evaluation = (report[name]["communication"]["bytes"] for name in ("train", "eval"))
+    assert train > 0
+    evaluations = 3 * report["geometry"]["eval_batches"]  # steps 0, 2 and 4, each the pool's batches
+    over = 4 * (report["estimate_step_s"] + train / 50e9) + evaluations * (
+        report["estimate_eval_step_s"] + evaluation / 50e9
+    )
+    one = 4 * (2 * report["estimate_step_s"] + train / 450e9) + evaluations * (
+        2 * report["estimate_eval_step_s"] + evaluation / 450e9
+    )
+    assert nodes["job_s"] == pytest.approx({"over_nodes": over, "one_node": one}) and over > one
+    text = preflight.describe(report)
+    assert "WARNING: data parallel over 8 devices on 2 nodes of 4 is slower than one node: " in text
+    assert "over InfiniBand NDR at 50 GB/s a device" in text and text.count("WARNING") == 1
+
+    # One second of compute a step and 1 GB of collectives: 0.5 s + 0.02 s over 2 nodes against 1 s + 2 ms.
+    faster = preflight.over_nodes(demo_job, h100, 16, 8, {"train": (0.5, 10**9)}, {"train": 100})
+    assert faster["job_s"] == pytest.approx({"over_nodes": 100 * 0.52, "one_node": 100 * (1 + 1e9 / 450e9)})
+    assert "WARNING" not in preflight._nodes_text({**report, "devices": 16, "nodes": faster})
+    fsdp = olmo13(gpt2_tokenizer_dir, mesh=(1, -1, 1))
+    assert preflight.over_nodes(fsdp, h100, 16, 8, {"train": (0.5, 10**9)}, {"train": 1})["data_parallel"] is False
+    assert preflight.over_nodes(demo_job, h100, 8, 8, {"train": (0.5, 10**9)}, {"train": 1}) is None
+    tpu = estimator.DEVICES["v5p"]
+    assert preflight.over_nodes(demo_job, tpu, 16, tpu.node_devices, {"train": (0.5, 10**9)}, {"train": 1}) is None
