@@ -296,6 +296,16 @@ def count_eval_examples(data: DataSettings, samples: Mapping[str, Sample] | None
     )
 
 
+def study_testsets(
+    data: DataSettings, tokenizer: PreTrainedTokenizerBase, samples: Mapping[str, Sample] | None = None
+) -> dict[str, IndexedSet]:
+    """The testsets a job evaluates, tokenised (``load_testsets``), each local sample's prompts repeated to the
+    prompts it counts for (``samples``, default ``study_samples``): the evaluation pool of the hub's splits."""
+    samples = study_samples(data) if samples is None else samples
+    testsets = load_testsets(data, tokenizer)
+    return testsets | {name: _repeated(testsets[name], sample.prompts) for name, sample in samples.items()}
+
+
 def _repeated(testset: IndexedSet, count: int) -> IndexedSet:
     """``testset``'s prompts in order, again and again, to ``count`` prompts: a sample standing in for its split."""
     order = np.arange(count) % len(testset)
@@ -393,8 +403,7 @@ class PromptCounter:
         pool = (*data, geometry.evaluation)
         if pool not in self._pools:
             samples = study_samples(job.data)
-            testsets = load_testsets(job.data, tokenizer)
-            testsets |= {name: _repeated(testsets[name], sample.prompts) for name, sample in samples.items()}
+            testsets = study_testsets(job.data, tokenizer, samples)
             pools = load_runs_data(job.data, tokenizer, seeds, train_sets, geometry, prefetch=0, testsets=testsets)
             self._pools[pool] = {**_evaluation_counts(pools.eval_pool, pools.first_eval_pool), "samples": samples}
         return RealPrompts(tokenizer=source, geometry=geometry, **self._pools[pool])

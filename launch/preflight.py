@@ -4,7 +4,9 @@ Compiles a config's real train and eval steps ahead of time, on abstract
 inputs, before a GPU-hour is spent: the same step factories, geometry and
 shardings `python -m oodjax.main` uses, on the config's real mesh, with
 training batches of the real few-shot sets' geometry and evaluation batches
-of the real pool's longest rows (its largest shape). Nothing is read or
+of the real pool's longest rows (its largest shape; a local sample's
+prompts repeated to the hub split's size, as the estimate counts it:
+``launch.estimate.study_testsets``). Nothing is read or
 allocated for the model: its architecture comes from
 `configs.models` (the checkpoint's config.json numbers) or the
 config's `model.hf_config`, and its parameters, adapters and optimizer state
@@ -314,7 +316,8 @@ def abstract_steps(job: Job, *, devices: int, layers: int | None) -> AbstractSte
     seeds = [run.seed for run in runs]
     train_sets = few_shot_sets(job.data, tokenizer, [(run.seed, run.shots) for run in runs])
     geometry = batch_geometry(job.batches, mesh, train_sets, seeds)
-    data = load_runs_data(job.data, tokenizer, seeds, train_sets, geometry, prefetch=0)
+    testsets = estimator.study_testsets(job.data, tokenizer)  # a local sample at the hub's size, as a job reads it
+    data = load_runs_data(job.data, tokenizer, seeds, train_sets, geometry, prefetch=0, testsets=testsets)
     longest_rows = max(data.eval_pool.batches, key=lambda batch: batch["input_ids"].shape[-1])
 
     def make_model() -> models.CausalLM:

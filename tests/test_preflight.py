@@ -390,3 +390,16 @@ def test_data_parallel_over_two_nodes_is_warned_of_where_one_node_is_faster(demo
     assert preflight.over_nodes(demo_job, h100, 8, 8, {"train": (0.5, 10**9)}, {"train": 1}) is None
     tpu = estimator.DEVICES["v5p"]
     assert preflight.over_nodes(demo_job, tpu, 16, tpu.node_devices, {"train": (0.5, 10**9)}, {"train": 1}) is None
+
+
+def test_the_preflight_evaluates_a_local_sample_at_the_hub_splits_size():
+    """The shared HANS is 3,000 rows of the hub's 30,000: the pool the preflight replays and counts evaluation
+    batches by holds every run's 30,000 HANS prompts, as a job reading the hub's split does."""
+    config = load_config(ROOT / "configs" / "demo.py")
+    config.data.testsets, config.data.eval_cap = ("hans",), 0
+    job = read(config)
+    pool = preflight.abstract_steps(job, devices=8, layers=None).data.eval_pool
+    runs = job.runs.runs()
+    assert sum(int(batch["valid"].sum()) for batch in pool.batches) == len(runs) * 30_000 + sum(
+        run.shots for run in runs
+    )
