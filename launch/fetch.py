@@ -26,9 +26,10 @@ It first prints every item it could look up, whether it is here already,
 and what it will download and how much (file sizes from the hub's metadata; a
 testset split's from its dataset card, where the card gives one), then how
 many it could not look up and, where no connection was made, the address it
-could not reach; each failure is said once, in the item's closing line. What is here is not
-downloaded again, so a second run downloads nothing. A run cut short loses
-only the files it was downloading: huggingface_hub keeps every finished file
+could not reach; each failure is said once, in the item's closing line.
+What is here is not downloaded again, so a second run downloads nothing. A
+run cut short loses only the files it was downloading: huggingface_hub keeps
+every finished file
 (a sharded checkpoint goes on at its next shard), and within a run it takes
 up a download whose connection closed early or stalled where it stopped.
 Every item is verified before it counts as done: the checkpoint's tensors
