@@ -412,15 +412,24 @@ class PromptCounter:
 def _evaluation_counts(pool: EvalPool, first_pool: EvalPool) -> dict[str, Any]:
     """``RealPrompts``' evaluation fields, read from the batches of ``pool`` and step 0's ``first_pool``."""
     return dict(
-        eval_rows=_rows_by_length(pool),
-        first_eval_rows=_rows_by_length(first_pool),
+        eval_rows=rows_by_length(pool),
+        first_eval_rows=rows_by_length(first_pool),
         eval_prompts=sum(int(batch["valid"].sum()) for batch in pool.batches),
         eval_prompt_tokens=sum(int(prompt_lengths(batch).sum()) for batch in pool.batches),
         eval_real_token_share=pool_figures(pool)["eval_real_token_share"],
     )
 
 
-def _rows_by_length(pool: EvalPool) -> dict[int, int]:
+def rows_flops(dims: costs.Dimensions, rows: Mapping[int, int], lora_parameters: int) -> float:
+    """FLOPs of computing ``rows`` (row length -> rows, ``rows_by_length``) through a model of ``dims`` and one
+    run's adapters of ``lora_parameters`` weights a row."""
+    return sum(
+        costs.eval_flops(dims, runs=1, examples=count, seq_len=length, lora_parameters=lora_parameters)
+        for length, count in rows.items()
+    )
+
+
+def rows_by_length(pool: EvalPool) -> dict[int, int]:
     """Row length -> rows of it ``pool``'s batches compute (every lane's, empty rows too)."""
     rows: collections.Counter[int] = collections.Counter()
     for batch in pool.batches:
@@ -494,14 +503,8 @@ def estimate(
         remat=job.model.remat,
     )
     if prompts is not None:
-
-        def rows_flops(rows_by_length: Mapping[int, int]) -> float:
-            return sum(
-                costs.eval_flops(dims, runs=1, examples=rows, seq_len=length, lora_parameters=lora)
-                for length, rows in rows_by_length.items()
-            )
-
-        evaluation, first_evaluation = rows_flops(prompts.eval_rows), rows_flops(prompts.first_eval_rows)
+        evaluation = rows_flops(dims, prompts.eval_rows, lora)
+        first_evaluation = rows_flops(dims, prompts.first_eval_rows, lora)
     else:
         if eval_examples is None:
             samples = study_samples(job.data)

@@ -57,6 +57,7 @@ import os
 import pathlib
 import re
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -178,23 +179,24 @@ def preflight(
         full = priced(platform=device.platform, layers=None)
         full_model = {"layers": full_layers, "device_estimate_bytes": int(full.memory.total)}
     lanes, eval_rows, eval_row_length = longest_rows["input_ids"].shape
-    eval_step_flops = costs.eval_flops(
-        costs.dimensions(arch),
-        runs=1,
-        examples=lanes * eval_rows,
-        seq_len=eval_row_length,
-        lora_parameters=costs.lora_parameter_count(arch, job.lora.rank, job.lora.targets),
-    )
+    dims, lora = costs.dimensions(arch), costs.lora_parameter_count(arch, job.lora.rank, job.lora.targets)
+    eval_step_flops = estimator.rows_flops(dims, {eval_row_length: lanes * eval_rows}, lora)
     usable, source = estimator.usable_memory(device)
     compute_flops = devices * device.peak_flops * ESTIMATE_UTILISATION
-    steps_s = {
-        "train": (estimate.train_step_flops / compute_flops, train_report["communication"]["bytes"]),
-        "eval": (eval_step_flops / compute_flops, eval_report["communication"]["bytes"]),
-    }
-    runs = {
-        "train": job.cadence.total_steps,
-        "eval": len(job.cadence.evaluated_steps()) * len(data.eval_pool.batches),
-    }
+    # The job's parts: (how often, compute seconds, bytes a device its collectives move), an evaluation's
+    # collectives taken as its largest batch's for each of its batches.
+    moved = eval_report["communication"]["bytes"]
+    parts = [
+        (job.cadence.total_steps, estimate.train_step_flops / compute_flops, train_report["communication"]["bytes"]),
+        *(
+            (
+                count,
+                estimator.rows_flops(dims, estimator.rows_by_length(pool), lora) / compute_flops,
+                moved * len(pool.batches),
+            )
+            for count, pool in ((len(job.cadence.evaluated_steps()) - 1, data.eval_pool), (1, data.first_eval_pool))
+        ),
+    ]
     return {
         **figures,
         "train": train_report,
@@ -219,7 +221,7 @@ def preflight(
         "devices": devices,
         "layers": int(arch["num_hidden_layers"]),
         "full_model": full_model,
-        "nodes": over_nodes(job, device, devices, node_devices or device.node_devices, steps_s, runs),
+        "nodes": over_nodes(job, device, devices, node_devices or device.node_devices, parts),
         "platform": platform,
         "geometry": {
             "runs": geometry.runs,
@@ -244,22 +246,20 @@ def over_nodes(
     device: estimator.Device,
     devices: int,
     node_devices: int | None,
-    steps_s: dict[str, tuple[float, int]],
-    runs: dict[str, int],
+    parts: Sequence[tuple[int, float, float]],
 ) -> dict[str, Any] | None:
     """A job on ``devices`` devices, ``node_devices`` a node, against the same job on one node (None on one node,
     or where the device has no nodes: a TPU slice's ICI joins its hosts).
 
-    ``steps_s`` are each step's (compute seconds on ``devices``, bytes its
-    collectives move a device), ``runs`` how often the job runs it (the
-    train steps; evaluations times the pool's batches, each priced as its
-    largest). Over nodes a ring collective runs at the network's rate, the
-    slowest link it crosses; on one node at the interconnect's, its compute
-    on fewer devices: ``job_s`` the job's seconds both ways, compute and
-    communication added (not overlapped). Only a data-parallel mesh (fsdp =
-    tensor = 1) is compared: on one node its step is the same, its share of
-    the batch larger (its memory is not checked here), and its collectives
-    move no more than over nodes.
+    ``parts`` are what the job runs: (how often, compute seconds on
+    ``devices``, bytes its collectives move a device), its train steps and
+    its evaluations. Over nodes a ring collective runs at the network's
+    rate, the slowest link it crosses; on one node at the interconnect's,
+    its compute on fewer devices: ``job_s`` the job's seconds both ways,
+    compute and communication added (not overlapped). Only a data-parallel
+    mesh (fsdp = tensor = 1) is compared: on one node its step is the same,
+    its share of the batch larger (its memory is not checked here), and its
+    collectives move no more than over nodes.
     """
     if node_devices is None or devices <= node_devices:
         return None
@@ -274,13 +274,9 @@ def over_nodes(
     if report["data_parallel"]:
         scale = devices / node_devices
         report["job_s"] = {
-            "over_nodes": sum(
-                runs[name] * (compute + moved / device.network_bytes_per_s)
-                for name, (compute, moved) in steps_s.items()
-            ),
+            "over_nodes": sum(n * (compute + moved / device.network_bytes_per_s) for n, compute, moved in parts),
             "one_node": sum(
-                runs[name] * (compute * scale + moved / device.interconnect_bytes_per_s)
-                for name, (compute, moved) in steps_s.items()
+                n * (compute * scale + moved / device.interconnect_bytes_per_s) for n, compute, moved in parts
             ),
         }
     return report

@@ -114,12 +114,13 @@ def test_olmo13_at_two_layers_compiles_on_an_fsdp_mesh(fsdp_report):
 def test_olmo13_real_data_figures(fsdp_report):
     """The config's real streams and evaluation pool (GPT-2 tokens): training rows packed with prompts of all
     runs compute at least 80% prompt tokens (one prompt a row computed 31.8%: every micro-batch at the bucket
-    of the longest of 72 rows; rows of one run each, 59.2%), the evaluation pool at least 95% and at most twice
+    of the longest of 72 rows; rows of one run each, 59.2%), the evaluation pool (HANS's short prompts at the
+    hub's 30,000) at least 94% and at most twice
     the causal attention its prompts need (rows of 512 packed as full as possible: 99.2% and 8.8x), and one
     step's batches take a few milliseconds of host time at most (a shuffle per example took about 45)."""
     print({key: fsdp_report[key] for key in preflight.DATA_FIGURES})
     assert fsdp_report["train_real_token_share"] >= 0.80
-    assert fsdp_report["eval_real_token_share"] >= 0.95 and fsdp_report["eval_attention_waste"] <= 2
+    assert fsdp_report["eval_real_token_share"] >= 0.94 and fsdp_report["eval_attention_waste"] <= 2
     assert fsdp_report["host_batch_ms"] <= 10
 
 
@@ -166,7 +167,7 @@ def test_the_fit_is_tested_against_the_memory_jax_can_use(fsdp_report):
     for name in ("train", "eval"):
         total = fsdp_report[name]["memory_bytes"]["total"]
         assert f"; {estimator.fit_text(total, h100, usable, source)}\n" in text.split(f"{name} step:")[1]
-    assert "by the estimate for a GPU" not in text
+    assert "on the H100 SXM: the train step needs" not in text  # the full model's line (a cut compile) stays
     # 75 GB on an H100 at the launcher's default fraction (0.9) does not fit, though 80 GB would hold it: compiled
     # on a GPU, or estimated for one from a CPU's compile.
     default_limit = {
@@ -369,27 +370,34 @@ def test_data_parallel_over_two_nodes_is_warned_of_where_one_node_is_faster(demo
     }
     train, evaluation = (report[name]["communication"]["bytes"] for name in ("train", "eval"))
     assert train > 0
-    evaluations = 3 * report["geometry"]["eval_batches"]  # steps 0, 2 and 4, each the pool's batches
-    over = 4 * (report["estimate_step_s"] + train / 50e9) + evaluations * (
-        report["estimate_eval_step_s"] + evaluation / 50e9
-    )
-    one = 4 * (2 * report["estimate_step_s"] + train / 450e9) + evaluations * (
-        2 * report["estimate_eval_step_s"] + evaluation / 450e9
-    )
+    # 4 train steps; evaluations at steps 2 and 4 and at step 0 (each example once for all runs), computing what
+    # the estimate prices for the same prompts, each batch moving what the largest one's collectives move.
+    counted = estimator.PromptCounter()(demo_job, demo_job.mesh.sizes(8))
+    priced = estimator.estimate("demo", demo_job, devices=8, device=h100, utilisation=0.4, prompts=counted)
+    data = preflight.abstract_steps(demo_job, devices=8, layers=None).data
+    speed = 8 * h100.peak_flops * 0.4
+    parts = [
+        (4, report["estimate_step_s"], train),
+        (2, priced.eval_flops / speed, evaluation * len(data.eval_pool.batches)),
+        (1, priced.first_eval_flops / speed, evaluation * len(data.first_eval_pool.batches)),
+    ]
+    over = sum(n * (compute + moved / 50e9) for n, compute, moved in parts)
+    one = sum(n * (2 * compute + moved / 450e9) for n, compute, moved in parts)
     assert nodes["job_s"] == pytest.approx({"over_nodes": over, "one_node": one}) and over > one
     text = preflight.describe(report)
     assert "WARNING: data parallel over 8 devices on 2 nodes of 4 is slower than one node: " in text
     assert "over InfiniBand NDR at 50 GB/s a device" in text and text.count("WARNING") == 1
 
-    # One second of compute a step and 1 GB of collectives: 0.5 s + 0.02 s over 2 nodes against 1 s + 2 ms.
-    faster = preflight.over_nodes(demo_job, h100, 16, 8, {"train": (0.5, 10**9)}, {"train": 100})
+    # 100 steps of one second of compute and 1 GB of collectives: 0.5 s + 0.02 s over 2 nodes against 1 s + 2 ms.
+    steps = [(100, 0.5, 10**9)]
+    faster = preflight.over_nodes(demo_job, h100, 16, 8, steps)
     assert faster["job_s"] == pytest.approx({"over_nodes": 100 * 0.52, "one_node": 100 * (1 + 1e9 / 450e9)})
     assert "WARNING" not in preflight._nodes_text({**report, "devices": 16, "nodes": faster})
     fsdp = olmo13(gpt2_tokenizer_dir, mesh=(1, -1, 1))
-    assert preflight.over_nodes(fsdp, h100, 16, 8, {"train": (0.5, 10**9)}, {"train": 1})["data_parallel"] is False
-    assert preflight.over_nodes(demo_job, h100, 8, 8, {"train": (0.5, 10**9)}, {"train": 1}) is None
+    assert preflight.over_nodes(fsdp, h100, 16, 8, steps)["data_parallel"] is False
+    assert preflight.over_nodes(demo_job, h100, 8, 8, steps) is None
     tpu = estimator.DEVICES["v5p"]
-    assert preflight.over_nodes(demo_job, tpu, 16, tpu.node_devices, {"train": (0.5, 10**9)}, {"train": 1}) is None
+    assert preflight.over_nodes(demo_job, tpu, 16, tpu.node_devices, steps) is None
 
 
 def test_the_preflight_evaluates_a_local_sample_at_the_hub_splits_size():
