@@ -43,8 +43,8 @@ differently from a GPU's: on one H200 a CPU's compiled train step took
 costed for the GPU (`device_estimate_bytes`), which came to 0.97-0.99 of
 the GPU's compiled totals (docs/performance.md). A model cut with `--layers`
 is judged beside the full model's estimate, and a data-parallel job spread
-over nodes (`--node_devices`) is set against one node (``over_nodes``), with
-a warning where one node would be faster.
+over nodes (`--node_devices`, `--network_gb_s`) is set against one node
+(``over_nodes``), with a warning where one node would be faster.
 """
 
 from __future__ import annotations
@@ -75,6 +75,7 @@ from oodjax.engine.geometry import BatchGeometry, batch_geometry
 from oodjax.engine.run_data import few_shot_sets, load_runs_data, training_figures
 from oodjax.job import Job, read
 from oodjax.models.partitioning import param_shardings
+from oodjax.usage_errors import UsageError
 
 COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
 # One HLO instruction: `[ROOT] %name = <result type> <opcode>(<operands>)...`.
@@ -126,13 +127,15 @@ def preflight(
     hlo_dir: str | pathlib.Path | None = None,
     config_path: str = "<config>",
     node_devices: int | None = None,
+    network_gb_s: float | None = None,
 ) -> dict[str, Any]:
     """Lowers and compiles ``job``'s train and eval steps on abstract inputs; returns the report.
 
     ``devices``: the first N of ``jax.devices()`` (default all); ``layers``:
     the model cut to N decoder layers; ``node_devices``: devices of a node
     (default the estimate device's), for a job spread over nodes
-    (``over_nodes``). The report: {"train": {...}, "eval":
+    (``over_nodes``), whose network sends ``network_gb_s`` GB/s a device
+    each way (default the estimate device's node's). The report: {"train": {...}, "eval":
     {...}, "estimate_bytes" (the train step's, as this platform allocates), "device_estimate_bytes" (as the
     estimate device's platform does), "memory_limit", "interconnect", "train_step_flops", "estimate_step_s",
     "eval_step_flops", "estimate_eval_step_s" (the largest evaluation batch's), "devices", "layers", "platform",
@@ -221,7 +224,13 @@ def preflight(
         "devices": devices,
         "layers": int(arch["num_hidden_layers"]),
         "full_model": full_model,
-        "nodes": over_nodes(job, device, devices, node_devices or device.node_devices, parts),
+        "nodes": over_nodes(
+            job,
+            device if network_gb_s is None else given_network(device, network_gb_s),
+            devices,
+            node_devices or device.node_devices,
+            parts,
+        ),
         "platform": platform,
         "geometry": {
             "runs": geometry.runs,
@@ -239,6 +248,13 @@ def preflight(
             "eval_batches": len(data.eval_pool.batches),
         },
     }
+
+
+def given_network(device: estimator.Device, gb_s: float) -> estimator.Device:
+    """``device`` on a network between nodes of ``gb_s`` GB/s a device each way (a site's, not the table's)."""
+    if not gb_s > 0:
+        raise UsageError(f"--network_gb_s must be > 0, got {gb_s}")
+    return dataclasses.replace(device, network_bytes_per_s=gb_s * 1e9, network="the network given")
 
 
 def over_nodes(
@@ -678,6 +694,12 @@ def _define_flags() -> None:
     flags.DEFINE_integer(
         "node_devices", None, f"Devices of one node (default the {ESTIMATE_DEVICE}'s node's): more are over nodes."
     )
+    flags.DEFINE_float(
+        "network_gb_s",
+        None,
+        f"GB/s one device sends over the network between nodes (default the {ESTIMATE_DEVICE} node's, "
+        "launch.estimate.DEVICES).",
+    )
     flags.DEFINE_string("json", None, "Write the report as JSON to this file.")
     flags.DEFINE_string("hlo", None, "Write each compiled step's HLO text into this directory.")
 
@@ -695,6 +717,7 @@ def main(config: config_dict.ConfigDict) -> None:
         hlo_dir=options.hlo,
         config_path=options[config_cli.CONFIG_FLAG].value.split(":")[0],
         node_devices=options.node_devices,
+        network_gb_s=options.network_gb_s,
     )
     print(describe(report))
     if options.json:
