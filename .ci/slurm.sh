@@ -62,6 +62,8 @@ CONF
 
 pgrep -x slurmctld >/dev/null || $sudo /usr/sbin/slurmctld
 pgrep -x slurmd >/dev/null || $sudo /usr/sbin/slurmd -N localhost
+sleep 1
+$sudo scontrol update NodeName=localhost State=RESUME 2>/dev/null || true  # a node left down or drained
 for _ in $(seq 60); do
     if answering; then
         echo "slurm: up: $(sinfo -h -o '%P %D %T %c CPUs')"

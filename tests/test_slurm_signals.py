@@ -38,7 +38,9 @@ def test_a_warning_while_python_imports_stops_the_job_before_its_first_step(tmp_
         "--config.data.eval_cap=16",
         "--config.data.testsets=mnli",
     ]
-    command = ["bash", "-c", 'trap "" USR1 && exec "$@"', "bash", sys.executable, "-m", "oodjax.main", *arguments]
+    ignoring = tmp_path / "ignoring"  # the wrapper ignores SIGUSR1 from here on, as Python starts
+    wrapper = f'trap "" USR1 && touch {ignoring} && exec "$@"'
+    command = ["bash", "-c", wrapper, "bash", sys.executable, "-m", "oodjax.main", *arguments]
     log_path = tmp_path / "log.txt"
     with log_path.open("w") as log:
         process = subprocess.Popen(
@@ -48,6 +50,8 @@ def test_a_warning_while_python_imports_stops_the_job_before_its_first_step(tmp_
             stdout=log,
             stderr=subprocess.STDOUT,
         )
+        while process.poll() is None and not ignoring.exists():
+            time.sleep(0.01)
         while process.poll() is None and "received SIGUSR1" not in log_path.read_text():
             process.send_signal(signal.SIGUSR1)
             time.sleep(0.3)
