@@ -73,8 +73,9 @@ export JAX_COMPILATION_CACHE_DIR=\${JAX_COMPILATION_CACHE_DIR:-\$PWD/.cache/jax}
 log=\$PWD/.cache/tpu_pod/worker-\$TPU_WORKER_ID.log
 mkdir -p "\${log%/*}"
 rm -f "\$log.status"
-setsid --wait bash -c '"\$@"; echo \$? > "\$0.status"' "\$log" ${OODJAX_VENV}/bin/python -m oodjax.main --config=${arguments# } > "\$log" 2>&1 < /dev/null &
-tail -n +1 -F -s 0.2 --pid=\$! "\$log" 2>/dev/null
+: > "\$log"  # there before tail opens it
+setsid --wait bash -c '"\$@"; echo \$? > "\$0.status"' "\$log" ${OODJAX_VENV}/bin/python -m oodjax.main --config=${arguments# } >> "\$log" 2>&1 < /dev/null &
+tail -n +1 -F -s 0.2 --pid=\$! "\$log"
 exit "\$(cat "\$log.status")"
 REMOTE
 

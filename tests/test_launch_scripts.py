@@ -295,3 +295,38 @@ def test_tpu_script_makes_the_workers_use_the_tpu(tmp_path, given, expected):
     worker = subprocess.run(["bash", "-c", command], env=worker_env, capture_output=True, text=True)
     assert worker.returncode == 0, worker.stderr
     assert worker.stdout.splitlines() == [expected]
+
+
+def test_tpu_workers_outlive_the_ssh_session_that_started_them(tmp_path):
+    """A dropped SSH session sends SIGHUP to its processes: the worker's Python, in a session of its own, goes
+    on (and on its own SIGHUP would checkpoint, oodjax.engine.preemption)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake_command(bin_dir, "gcloud", 'printf "%s\\n" "$@" > "$RECORD"\n')
+    fake_command(bin_dir, "curl", "echo 0\n")
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    fake_command(venv / "bin", "python", 'echo started; sleep 2; echo trained > "$RECORD.outlived"\n')
+    (tmp_path / "launch").mkdir()
+    shutil.copy(ROOT / "launch" / "xla_flags.sh", tmp_path / "launch")
+    env = dict(
+        os.environ,
+        PATH=f"{bin_dir}:{os.environ['PATH']}",
+        RECORD=str(tmp_path / "gcloud.txt"),
+        TPU_NAME="pod",
+        TPU_ZONE="us-central2-b",
+        OODJAX_REPO=str(tmp_path),
+        OODJAX_VENV=str(venv),
+    )
+    assert subprocess.run(["bash", str(SCRIPTS[1]), "configs/demo.py"], env=env).returncode == 0
+    command = (tmp_path / "gcloud.txt").read_text().split("--command=", 1)[1]
+    session = subprocess.Popen(["bash", "-c", command], env=env, stdout=subprocess.PIPE, start_new_session=True)
+    assert session.stdout.readline() == b"started\n"  # the worker's log, followed by the session
+    os.killpg(session.pid, signal.SIGHUP)  # the SSH session drops
+    session.wait(timeout=10)
+    assert session.returncode == -signal.SIGHUP
+    deadline = time.monotonic() + 30
+    while not (tmp_path / "gcloud.txt.outlived").exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert (tmp_path / "gcloud.txt.outlived").read_text() == "trained\n"
+    assert (tmp_path / ".cache" / "tpu_pod" / "worker-0.log").read_text() == "started\n"
