@@ -225,7 +225,7 @@ def test_tpu_script_needs_the_pod_name(tmp_path):
         ),
         ({"SLURM_GPUS_ON_NODE": "8", "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.7"}, ["cuda", "unset", "0.7", "WARN"]),
         (
-            {"SLURM_GPUS_ON_NODE": "8", "SLURM_JOB_NUM_NODES": "2"},
+            {"SLURM_GPUS_ON_NODE": "8", "SLURM_JOB_NUM_NODES": "2", "NCCL_IB_HCA": "mlx5"},
             ["cuda", str(MEMORY_FRACTION_DEFAULT), "unset", "INFO"],
         ),
     ],
@@ -243,6 +243,8 @@ def test_slurm_script_takes_the_platform_from_the_allocation(tmp_path, given, ex
     assert result.returncode == 0, result.stderr
     assert (tmp_path / "record.txt").read_text().splitlines() == expected
     assert f"JAX_PLATFORMS={expected[0]}," in result.stdout
+    if "NCCL_IB_HCA" in given:  # NCCL's settings, logged at start
+        assert "oodjax: NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,NET NCCL_IB_HCA=mlx5\n" in result.stdout
 
 
 def test_slurm_script_on_gpus_without_a_cuda_jax_says_what_to_install(tmp_path):

@@ -30,8 +30,8 @@ from typing import Any
 
 from absl import logging
 
-# EX_TEMPFAIL of sysexits.h, "temporary failure, try again": the exit status of a job stopped by
-# SIGTERM, SIGUSR1 or SIGINT once its runs are checkpointed. launch/slurm.sbatch requeues itself on it.
+# EX_TEMPFAIL of sysexits.h, "temporary failure, try again": the exit status of a job stopped by a stop
+# signal once it trained a step and checkpointed its runs. launch/slurm.sbatch requeues itself on it.
 PREEMPTED_EXIT_CODE = 75
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP, signal.SIGINT)
 # Held from the start of `python -m oodjax.main`: the scheduler's and the session's, not Ctrl-C, which outside
@@ -127,7 +127,8 @@ def _receive(number: int, frame: object) -> None:
     if _NOTED.received is None:
         _NOTED.received = signal.Signals(number).name
         logging.warning(
-            "received %s: finishing the current step, then checkpointing the runs and exiting (status %d)%s",
+            "received %s: finishing the current step, then checkpointing the runs and exiting (status %d once a "
+            "step is trained)%s",
             _NOTED.received,
             PREEMPTED_EXIT_CODE,
             "; Ctrl-C again exits at once, each run to resume from its last complete checkpoint" if interrupt else "",
