@@ -21,17 +21,32 @@ named in a warning and its run counted unfinished.
 (the package's own modules, base.py's defaults) are listed as skipped
 (`launch.config_files.experiment_configs`).
 
+`--config.FIELD=VALUE` overrides (`oodjax.config_cli`) go to every job, and
+the sweep plans with them applied (`--config.train.steps=3` moves every run's
+final step). A job none of whose unfinished runs is free is not submitted: a
+run locked by a live process (`oodjax.engine.run_lock`), or in a job of this
+user that SLURM still lists (queued, running, requeued: the sweep tags each
+job it submits with its output directory, sbatch's --comment).
+
 SLURM options go on sbatch's command line, before the script: --partition,
---time, --account, --qos, and --sbatch_arg=OPTION (repeatable) for any other
-(`--sbatch_arg=--gres=gpu:8`, `--sbatch_arg=--mem=0`); the other backends
-refuse them.
+--time, --account, --qos, --gpus_per_node, --cpus_per_task, and
+--sbatch_arg=OPTION (repeatable) for any other (`--sbatch_arg=--gres=gpu:8`,
+`--sbatch_arg=--mem=0`); the other backends refuse them. launch/slurm.sbatch
+asks for no GPU, CPU count or time itself. With --time, the time-limit warning
+comes a quarter of it ahead, at most 10 minutes (`TIME_LIMIT_WARNING_LEAD`),
+and a --time under 4 minutes is refused. Each job also gets the Python that
+runs the sweep (OODJAX_PYTHON, unless OODJAX_VENV is set) and the directory of
+the launch scripts (OODJAX_LAUNCH_DIR), so a `pip install .` outside a clone
+runs as one.
 
 Backends: `slurm` submits launch/slurm.sbatch with sbatch, `tpu` runs
 launch/tpu_pod.sh once per job (one after another on the pod), `local` runs
 `python -m oodjax.main` here, one job after another; a local or TPU job
 that exits with the preempted status (`oodjax.engine.preemption.PREEMPTED_EXIT_CODE`:
 its runs checkpointed on SIGTERM/SIGUSR1) stops the sweep, to be rerun.
---dry_run prints the commands instead. The last line is always a summary
+--dry_run prints the commands instead, each sbatch line after a `# sbatch`
+line with the options the job gets, the script's `#SBATCH` lines overridden by
+the command's. The last line is always a summary
 like `144 runs in 16 jobs`.
 """
 
@@ -39,16 +54,20 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import pathlib
+import re
 import shlex
+import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Sequence
 
 import oodjax.job
 from launch.config_files import config_stem, experiment_config_paths, load_config
-from oodjax import usage_errors
-from oodjax.engine import results
+from oodjax import config_cli, usage_errors
+from oodjax.engine import results, run_lock
 from oodjax.engine.preemption import PREEMPTED_EXIT_CODE
 from oodjax.engine.results import Run
 
@@ -63,6 +82,7 @@ class Job:
     seeds: tuple[int, ...]
     shots: tuple[int, ...]
     output_dir: str
+    config_overrides: tuple[str, ...] = ()  # the sweep's --config.FIELD=VALUE, before the job's own
 
     @property
     def runs(self) -> int:
@@ -71,6 +91,7 @@ class Job:
     def overrides(self) -> list[str]:
         """Command-line settings that make the config train exactly this job's runs, in its own directory."""
         return [
+            *self.config_overrides,
             f"--config.runs.seeds={_tuple_literal(self.seeds)}",
             f"--config.runs.shots={_tuple_literal(self.shots)}",
             f"--config.output_dir={self.output_dir}",
@@ -78,7 +99,19 @@ class Job:
 
 
 # The sbatch options the sweep passes through: its flag -> sbatch's.
-SBATCH_OPTIONS = {"partition": "--partition", "time": "--time", "account": "--account", "qos": "--qos"}
+SBATCH_OPTIONS = {
+    "partition": "--partition",
+    "time": "--time",
+    "account": "--account",
+    "qos": "--qos",
+    "gpus_per_node": "--gpus-per-node",
+    "cpus_per_task": "--cpus-per-task",
+}
+# The time-limit warning's lead (SIGUSR1 to the batch shell, which checkpoints and requeues): a quarter of
+# --time, at most launch/slurm.sbatch's own 10 minutes, at least SLURM's resolution of a minute.
+TIME_LIMIT_WARNING_LEAD = 600
+MINIMUM_LEAD = 60
+QUEUED_TAG = "oodjax:"  # sbatch --comment=oodjax:<output_dir> names the jobs the sweep submitted
 
 
 def plan_jobs(
@@ -88,17 +121,19 @@ def plan_jobs(
     output_dir: str | None = None,
     *,
     per_run: bool,
+    config_overrides: Sequence[str] = (),
 ) -> list[Job]:
     """The sweep's jobs, in config order; a job is named after its config file (and its run, with --per_run).
 
     ``seeds``, ``shots`` and ``output_dir`` None take each config's own
     (`runs.seeds`, `runs.shots`, its `output_dir` itself); an ``output_dir``
-    given is a root holding one directory per job.
+    given is a root holding one directory per job. ``config_overrides`` apply before any of them.
     """
     jobs = []
+    extra = tuple(config_overrides)
     for path in config_paths:
         stem = config_stem(path)
-        config = None if seeds is not None and shots is not None and output_dir is not None else load_config(path)
+        config = _load(path, extra)
         config_seeds = tuple(seeds) if seeds is not None else tuple(config.runs.seeds)
         config_shots = tuple(shots) if shots is not None else tuple(config.runs.shots)
         own_dir = config.output_dir if output_dir is None else None
@@ -106,16 +141,25 @@ def plan_jobs(
             for seed in config_seeds:
                 for shot in config_shots:
                     name = f"{stem}_seed{seed}_shots{shot}"
-                    jobs.append(Job(name, path, (seed,), (shot,), own_dir or str(pathlib.Path(output_dir) / name)))
+                    directory = own_dir or str(pathlib.Path(output_dir) / name)
+                    jobs.append(Job(name, path, (seed,), (shot,), directory, extra))
         else:
-            jobs.append(Job(stem, path, config_seeds, config_shots, own_dir or str(pathlib.Path(output_dir) / stem)))
+            directory = own_dir or str(pathlib.Path(output_dir) / stem)
+            jobs.append(Job(stem, path, config_seeds, config_shots, directory, extra))
     return jobs
+
+
+def _load(path: str, config_overrides: Sequence[str]):
+    """The config file with the sweep's overrides applied (a bad one is a usage error, one line)."""
+    config = load_config(path)
+    config_cli.apply_overrides(config, config_overrides)
+    return config
 
 
 def job_plan(job: Job) -> oodjax.job.Job:
     """The job as its process will resolve it: its config file with the job's overrides applied, read
     (``oodjax.job.read``) for its runs and their final step."""
-    config = load_config(job.config_path)
+    config = _load(job.config_path, job.config_overrides)
     config.runs.seeds = job.seeds
     config.runs.shots = job.shots
     config.output_dir = job.output_dir
@@ -164,16 +208,45 @@ def unfinished_jobs(job: Job, output_dir: str | None) -> list[Job]:
     ]
 
 
+def busy_runs(job: Job, queued: set[str]) -> str | None:
+    """Why the job must not be submitted now, or None: a job SLURM lists writes into its directory
+    (``queued``: the output directories of this user's listed jobs), or a live process holds a run's lock."""
+    if _tag(job) in queued:
+        return f"a job in {job.output_dir} is queued or running"
+    for run in job_plan(job).runs.runs():
+        holder = run_lock.live_holder(run.directory)
+        if holder is not None:
+            return f"{run.name} is locked by {holder.describe(time.time())}"
+    return None
+
+
+def queued_jobs() -> set[str]:
+    """The tags (sbatch --comment) of this user's jobs that SLURM lists: pending, running, requeued."""
+    listed = subprocess.run(["squeue", "--me", "--noheader", "--format=%k"], capture_output=True, text=True)
+    if listed.returncode != 0:
+        raise usage_errors.UsageError(f"squeue failed, so queued jobs cannot be told apart: {listed.stderr.strip()}")
+    return {line.strip() for line in listed.stdout.splitlines() if line.strip().startswith(QUEUED_TAG)}
+
+
+def _tag(job: Job) -> str:
+    return QUEUED_TAG + str(pathlib.Path(job.output_dir).resolve())
+
+
 def command(job: Job, backend: str, *, nodes: int, sbatch_options: Sequence[str] = ()) -> list[str]:
     """The command that starts the job on the backend; ``sbatch_options`` go to sbatch, before the script."""
     if backend == "local":
         return [sys.executable, "-m", "oodjax.main", f"--config={job.config_path}", *job.overrides()]
     if backend == "slurm":
+        exported = [f"OODJAX_LAUNCH_DIR={LAUNCH_DIR}"]
+        if not os.environ.get("OODJAX_VENV"):
+            exported.append(f"OODJAX_PYTHON={sys.executable}")
         return [
             "sbatch",
             f"--job-name=oodjax-{job.name}",
             f"--nodes={nodes}",
             f"--output={job.output_dir}/slurm-%j.out",
+            f"--comment={_tag(job)}",
+            "--export=" + ",".join(["ALL", *exported]),
             *sbatch_options,
             str(LAUNCH_DIR / "slurm.sbatch"),
             job.config_path,
@@ -182,6 +255,20 @@ def command(job: Job, backend: str, *, nodes: int, sbatch_options: Sequence[str]
     if backend == "tpu":
         return ["bash", str(LAUNCH_DIR / "tpu_pod.sh"), job.config_path, *job.overrides()]
     raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+
+
+def effective_sbatch_options(cmd: Sequence[str]) -> list[str]:
+    """The options an sbatch line gives its job: the script's `#SBATCH` lines, each overridden by the
+    command's option of the same name (sbatch's rule), then the command's others."""
+    script = next(index for index, word in enumerate(cmd) if word.endswith(".sbatch"))
+    options: dict[str, str] = {}
+    for line in pathlib.Path(cmd[script]).read_text().splitlines():
+        if line.startswith("#SBATCH "):
+            option = line.removeprefix("#SBATCH ").strip()
+            options[option.split("=")[0]] = option
+    for option in cmd[1:script]:
+        options[option.split("=")[0]] = option
+    return list(options.values())
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -218,7 +305,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="any other sbatch option, written with = (--sbatch_arg=--gres=gpu:8); repeatable",
     )
     parser.add_argument("--dry_run", action="store_true", help="print the commands, run nothing")
-    args = parser.parse_args(argv)
+    parser.epilog = "--config.FIELD=VALUE (repeatable) is passed to every job, as to python -m oodjax.main."
+    args, config_overrides = parser.parse_known_args(argv)
+    for override in config_overrides:
+        if not re.fullmatch(r"--?(no)?config\..+", override, re.DOTALL):
+            parser.error(f"unrecognized arguments: {override} (config fields are set as --config.FIELD=VALUE)")
     if args.nodes < 1:
         parser.error(f"--nodes must be at least 1, got {args.nodes}")
     try:
@@ -230,24 +321,41 @@ def main(argv: Sequence[str] | None = None) -> int:
         configs = experiment_config_paths(args.configs)
     except ValueError as error:
         parser.error(str(error))
-    jobs = plan_jobs(configs, args.seeds, args.shots, args.output_dir, per_run=args.per_run)
-    pending, skipped_runs = [], 0
+    with usage_errors.reported(parser.prog):  # a config that cannot be read, an override it refuses
+        jobs = plan_jobs(
+            configs, args.seeds, args.shots, args.output_dir, per_run=args.per_run, config_overrides=config_overrides
+        )
+    queued = set()
+    if args.backend == "slurm" and shutil.which("squeue"):
+        with usage_errors.reported(parser.prog):
+            queued = queued_jobs()
+    pending, skipped_runs, busy = [], 0, 0
     for job in jobs:
         with usage_errors.reported(parser.prog, config_spec=job.config_path):  # a config that cannot be read
-            remaining = unfinished_jobs(job, args.output_dir)
-        done = job.runs - sum(part.runs for part in remaining)
+            unfinished = unfinished_jobs(job, args.output_dir)
+            reasons = [busy_runs(part, queued) for part in unfinished]
+        done = job.runs - sum(part.runs for part in unfinished)
         skipped_runs += done
-        if not remaining:
+        if not unfinished:
             print(f"# skip {job.name}: its {done} runs are finished")
             continue
-        if done:
+        remaining = []
+        for part, reason in zip(unfinished, reasons):
+            if reason is None:
+                remaining.append(part)
+            else:
+                print(f"# skip {part.name}: {reason}")
+                busy += part.runs
+        if done and remaining:
             grids = "; ".join(f"seeds {_list(part.seeds)} x shots {_list(part.shots)}" for part in remaining)
-            unfinished = job.runs - done
-            print(f"# {job.name}: {done} of {job.runs} runs finished; submitting the {unfinished} unfinished ({grids})")
+            left = job.runs - done
+            print(f"# {job.name}: {done} of {job.runs} runs finished; submitting the {left} unfinished ({grids})")
         pending += remaining
 
     for job in pending:
         cmd = command(job, args.backend, nodes=args.nodes, sbatch_options=sbatch_options)
+        if args.backend == "slurm":
+            print(f"# sbatch {shlex.join(effective_sbatch_options(cmd))}")
         print(shlex.join(cmd), flush=True)
         if args.dry_run:
             continue
@@ -266,6 +374,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     summary = f"{sum(job.runs for job in pending)} runs in {len(pending)} jobs"
     if skipped_runs:
         summary += f" ({skipped_runs} finished runs skipped)"
+    if busy:
+        summary += f" ({busy} runs queued, running or locked left alone)"
     print(summary)
     return 0
 
@@ -287,7 +397,31 @@ def _sbatch_options(args: argparse.Namespace) -> list[str]:
             f"{', '.join(names)}: SLURM options, passed to sbatch; --backend {args.backend} has no scheduler to "
             "take them (leave them out, or use --backend slurm)"
         )
-    return [f"{SBATCH_OPTIONS[flag]}={getattr(args, flag)}" for flag in given] + list(args.sbatch_arg)
+    options = [f"{SBATCH_OPTIONS[flag]}={getattr(args, flag)}" for flag in given]
+    if args.time is not None:
+        seconds = time_limit_seconds(args.time)
+        if seconds < 4 * MINIMUM_LEAD:
+            raise ValueError(
+                f"--time={args.time}: under 4 minutes, too short for the time-limit warning (a quarter of the "
+                f"limit, at least SLURM's {MINIMUM_LEAD} s) to leave a step trained and checkpointed before it"
+            )
+        options.append(f"--signal=B:USR1@{min(TIME_LIMIT_WARNING_LEAD, seconds // 4)}")
+    return options + list(args.sbatch_arg)
+
+
+def time_limit_seconds(text: str) -> int:
+    """sbatch's --time in seconds: minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS; a ValueError else."""
+    match = re.fullmatch(r"(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?", text.strip())
+    if match is None:
+        raise ValueError(f"--time={text}: not a SLURM time (minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS)")
+    days, first, second, third = (int(group) if group else None for group in match.groups())
+    if days is not None:  # D-HH[:MM[:SS]]
+        return ((days * 24 + first) * 60 + (second or 0)) * 60 + (third or 0)
+    if third is not None:  # HH:MM:SS
+        return (first * 60 + second) * 60 + third
+    if second is not None:  # MM:SS
+        return first * 60 + second
+    return first * 60  # minutes
 
 
 def _int_list(text: str) -> tuple[int, ...]:

@@ -23,13 +23,17 @@
 # Each worker learns its index and the pod's host names from the VM metadata server
 # (agent-worker-number, worker-network-endpoints) and exports them as TPU_WORKER_ID and
 # TPU_WORKER_HOSTNAMES for oodjax.engine.distributed; worker 0 coordinates.
-# --config.output_dir must be on storage every worker reaches (a shared file system, or a
-# bucket mounted as one, e.g. with gcsfuse; gs:// paths are not supported directly):
-# checkpoints are written by all workers, results by worker 0 only.
-# SIGTERM or SIGUSR1 to the workers' processes (a spot or preemptible VM going down sends SIGTERM,
-# with a short grace period) makes them finish their step, checkpoint every run and exit with
-# status 75 (oodjax.engine.preemption.PREEMPTED_EXIT_CODE), if the grace period allows; running this
-# script again resumes each run from its newest checkpoint.
+# --config.output_dir must be a POSIX file system every worker reaches, where renaming a directory is
+# one atomic step: Filestore (NFS) or Managed Lustre. Not a bucket mounted with gcsfuse: orbax commits
+# each checkpoint by renaming its directory, which gcsfuse cannot do (every save fails); gs:// paths are
+# not supported directly either. Checkpoints are written by all workers, results by worker 0 only.
+# Each worker's Python runs in a session of its own (setsid), its output in
+# $OODJAX_REPO/.cache/tpu_pod/worker-<ID>.log, which the SSH session follows: a dropped SSH
+# session (or this script stopped) leaves training running; rerunning this script while it runs is
+# refused by the run locks. SIGTERM, SIGUSR1 or SIGHUP to a worker's Python (a spot or preemptible VM
+# going down sends SIGTERM, with a short grace period) makes every worker finish its step, checkpoint
+# every run and exit with status 75 (oodjax.engine.preemption.PREEMPTED_EXIT_CODE), if the grace
+# period allows; running this script again resumes each run from its newest checkpoint.
 
 set -euo pipefail
 
@@ -66,7 +70,13 @@ export OODJAX_PROCESSES_PER=per_node HF_HUB_OFFLINE=\${HF_HUB_OFFLINE:-1}${forwa
 cd ${OODJAX_REPO}
 source launch/xla_flags.sh
 export JAX_COMPILATION_CACHE_DIR=\${JAX_COMPILATION_CACHE_DIR:-\$PWD/.cache/jax}
-${OODJAX_VENV}/bin/python -m oodjax.main --config=${arguments# }
+log=\$PWD/.cache/tpu_pod/worker-\$TPU_WORKER_ID.log
+mkdir -p "\${log%/*}"
+rm -f "\$log.status"
+: > "\$log"  # there before tail opens it
+setsid --wait bash -c '"\$@"; echo \$? > "\$0.status"' "\$log" ${OODJAX_VENV}/bin/python -m oodjax.main --config=${arguments# } >> "\$log" 2>&1 < /dev/null &
+tail -n +1 -F -s 0.2 --pid=\$! "\$log"
+exit "\$(cat "\$log.status")"
 REMOTE
 
 gcloud compute tpus tpu-vm ssh "$TPU_NAME" --zone="$TPU_ZONE" "${project_flag[@]}" --worker=all --command="$remote"

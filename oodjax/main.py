@@ -17,16 +17,21 @@ and timed, losses and a closing summary of every run's final accuracies
 labelled by run.
 """
 
-import logging as python_logging
-import sys
+from oodjax.engine import preemption
 
-import datasets
-from absl import logging
-from ml_collections import config_dict
+if __name__ == "__main__":  # `python -m oodjax.main`, as the launchers start it (`run` for the oodjax-train command)
+    preemption.hold_stop_signals()  # before the imports below, which take seconds: a warning then is noted
 
-from oodjax import config_cli, storage
-from oodjax.engine import distributed, loop, preemption
-from oodjax.job import resolve
+import logging as python_logging  # noqa: E402
+import sys  # noqa: E402
+
+import datasets  # noqa: E402
+from absl import logging  # noqa: E402
+from ml_collections import config_dict  # noqa: E402
+
+from oodjax import config_cli, storage  # noqa: E402
+from oodjax.engine import distributed, loop  # noqa: E402
+from oodjax.job import resolve  # noqa: E402
 
 
 class _QuietCheckpointing(python_logging.Filter):
@@ -55,14 +60,24 @@ def main(config: config_dict.ConfigDict) -> None:
     """Trains `config` (the command line's, its overrides applied) on this process's share of the devices.
 
     A stop signal exits with ``preemption.PREEMPTED_EXIT_CODE`` (launch/slurm.sbatch
-    requeues on it); a full disk with one line naming the file.
+    requeues on it), or with 128 + the signal's number when it came before a step was trained;
+    a full disk with one line naming the file.
     """
     start_process()
     try:
         loop.train(resolve(config))
     except preemption.Preempted as stopped:
         logging.warning("%s", stopped)
-        sys.exit(preemption.PREEMPTED_EXIT_CODE)
+        if not stopped.trained:
+            logging.warning(
+                "no step was trained before %s: exit status %d, not %d, so that a scheduler does not requeue a job "
+                "that cannot progress (a time-limit warning sooner than loading and compiling take: give the job "
+                "more time, or its warning less lead)",
+                stopped.signal_name,
+                stopped.exit_code,
+                preemption.PREEMPTED_EXIT_CODE,
+            )
+        sys.exit(stopped.exit_code)
     except storage.NoSpaceError as full:
         logging.error("%s", full)
         sys.exit(1)
@@ -70,6 +85,7 @@ def main(config: config_dict.ConfigDict) -> None:
 
 def run() -> None:
     """Entry point of `python -m oodjax.main` and the `oodjax-train` command; parses sys.argv."""
+    preemption.hold_stop_signals()
     config_cli.run(main, __doc__)
 
 

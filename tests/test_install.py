@@ -11,6 +11,7 @@ import importlib.metadata
 import json
 import os
 import pathlib
+import shlex
 import shutil
 import subprocess
 import sys
@@ -153,4 +154,21 @@ def test_packaged_configs_are_named_from_outside_the_repository(installed):
         installed,
     ).stdout.splitlines()
     assert lines[-1] == "72 runs in 8 jobs"
-    assert all(f"{site}/launch/slurm.sbatch oodjax:" in line and "--account=proj" in line for line in lines[:-1])
+    commands = [line for line in lines[:-1] if not line.startswith("#")]
+    assert len(commands) == 8
+    assert all(f"{site}/launch/slurm.sbatch oodjax:" in line and "--account=proj" in line for line in commands)
+    # Each job gets the installed launchers and the sweep's Python: the installed script, run as sbatch
+    # would from this directory outside any clone, finds its flags file and starts that Python.
+    exported = f"--export=ALL,OODJAX_LAUNCH_DIR={site}/launch,OODJAX_PYTHON={sys.executable}"
+    assert all(exported in shlex.split(line) for line in commands)
+    recorder = elsewhere / "python"
+    recorder.write_text('#!/bin/bash\nprintf "%s\\n" "$@" "$XLA_FLAGS" > "$0.args"\n')
+    recorder.chmod(0o755)
+    environment = {key: value for key, value in installed[1].items() if not key.startswith(("SLURM_", "OODJAX_"))}
+    environment.update(OODJAX_LAUNCH_DIR=f"{site}/launch", OODJAX_PYTHON=str(recorder), JAX_PLATFORMS="cpu")
+    subprocess.run(
+        ["bash", site / "launch" / "slurm.sbatch", "oodjax:opt30_mnli"], cwd=elsewhere, env=environment, check=True
+    )
+    recorded = (elsewhere / "python.args").read_text().splitlines()
+    assert recorded[:3] == ["-m", "oodjax.main", "--config=oodjax:opt30_mnli"]
+    assert "--xla_gpu_enable_latency_hiding_scheduler=true" in recorded[3]

@@ -1,10 +1,13 @@
 """Process layout detection for multi-host runs: SLURM, TPU pods and explicit values, set here in the environment."""
 
+import pathlib
+import shutil
+
 import jax
 import pytest
 
 from oodjax.engine import distributed
-from oodjax.engine.distributed import LayoutError, ProcessLayout, detect_layout, expand_nodelist
+from oodjax.engine.distributed import LayoutError, ProcessLayout, detect_layout, expand_nodelist, parse_nodelist
 
 
 def slurm_env(**changes):
@@ -146,15 +149,35 @@ def test_no_cluster_means_a_single_process():
         ("node001,host2", ["node001", "host2"]),
         ("gpu[01-03,07],login2", ["gpu01", "gpu02", "gpu03", "gpu07", "login2"]),
         ("n[8-10]", ["n8", "n9", "n10"]),
+        ("node[1-2]-ib", ["node1-ib", "node2-ib"]),  # a suffix after the brackets
+        ("r[1-2]n[01,03]", ["r1n01", "r1n03", "r2n01", "r2n03"]),
+        ("a[1]-ib,b", ["a1-ib", "b"]),
     ],
 )
-def test_nodelist_expansion(nodelist, hosts):
+def test_nodelist_expansion(nodelist, hosts, monkeypatch):
+    assert parse_nodelist(nodelist) == hosts
+    monkeypatch.setenv("PATH", "/nonexistent")  # no scontrol: the parser's answer
     assert expand_nodelist(nodelist) == hosts
+    if _scontrol:  # the scheduler's own answer, where it is installed, agrees
+        monkeypatch.setenv("PATH", str(pathlib.Path(_scontrol).parent))
+        assert expand_nodelist(nodelist) == hosts
 
 
-def test_unparseable_nodelist_is_an_error():
+_scontrol = shutil.which("scontrol")
+
+
+def test_the_host_list_is_the_schedulers_where_scontrol_answers(tmp_path, monkeypatch):
+    fake = tmp_path / "scontrol"
+    fake.write_text('#!/bin/bash\n[[ "$1 $2" == "show hostnames" ]] && printf "%s\\n" first-ib second-ib\n')
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert expand_nodelist("anything[1-2]") == ["first-ib", "second-ib"]
+
+
+@pytest.mark.parametrize("nodelist", ["gpu[a-c]", "gpu[1-2", "gpu]1["])
+def test_unparseable_nodelist_is_an_error(nodelist):
     with pytest.raises(LayoutError, match="cannot parse SLURM node list"):
-        expand_nodelist("gpu[a-c]")
+        parse_nodelist(nodelist)
 
 
 def test_jax_is_started_without_its_own_sigterm_handler(monkeypatch):

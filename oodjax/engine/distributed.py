@@ -13,7 +13,8 @@ required under SLURM and must be `per_node` on TPU pods (one process per host).
 Sources, first match wins:
   explicit  OODJAX_COORDINATOR_ADDRESS, OODJAX_NUM_PROCESSES, OODJAX_PROCESS_ID
             (or the same values passed as arguments);
-  slurm     SLURM_JOB_ID, SLURM_STEP_NODELIST (or SLURM_JOB_NODELIST),
+  slurm     SLURM_JOB_ID, SLURM_STEP_NODELIST (or SLURM_JOB_NODELIST, its first host the
+            coordinator, expanded by `scontrol show hostnames`),
             SLURM_NTASKS, SLURM_PROCID, SLURM_LOCALID, SLURM_NODEID,
             SLURM_STEP_TASKS_PER_NODE (or SLURM_TASKS_PER_NODE);
   tpu       TPU_WORKER_HOSTNAMES and TPU_WORKER_ID (GKE, or exported by
@@ -26,6 +27,8 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import shutil
+import subprocess
 from collections.abc import Mapping
 from typing import Literal
 
@@ -187,21 +190,45 @@ def _tpu_layout(env: Mapping[str, str], processes_per: ProcessesPer | None) -> P
 
 
 def expand_nodelist(nodelist: str) -> list[str]:
-    """SLURM's compressed host list ("gpu[01-03,07],login2") as host names, in order."""
+    """SLURM's compressed host list ("gpu[01-03,07],login2", "node[1-2]-ib") as host names, in order: the
+    scheduler's own answer (`scontrol show hostnames`) where scontrol is here, else ``parse_nodelist``'s."""
+    scontrol = shutil.which("scontrol")
+    if scontrol is not None:
+        answer = subprocess.run([scontrol, "show", "hostnames", nodelist], capture_output=True, text=True)
+        hosts = answer.stdout.split()
+        if answer.returncode == 0 and hosts:
+            return hosts
+    return parse_nodelist(nodelist)
+
+
+def parse_nodelist(nodelist: str) -> list[str]:
+    """A host list expanded as SLURM writes it: comma-separated names, each with any number of bracketed
+    ranges between a prefix and a suffix ("node[1-2]-ib[0-1]"), zero-padded as written."""
+    names = re.findall(r"(?:[^,\[]|\[[^\]]*\])+", nodelist)
+    if ",".join(names) != nodelist:
+        raise LayoutError(f"cannot parse SLURM node list {nodelist!r}: unbalanced brackets")
     hosts = []
-    for prefix, ranges, plain in re.findall(r"([^,\[]+)\[([^\]]+)\]|([^,\[\]]+)", nodelist):
-        if plain:
-            hosts.append(plain)
-            continue
-        for part in ranges.split(","):
-            first, _, last = part.partition("-")
-            if not first.isdigit() or (last and not last.isdigit()):
-                raise LayoutError(f"cannot parse SLURM node list {nodelist!r} at {part!r}")
-            width = len(first)
-            hosts += [f"{prefix}{number:0{width}d}" for number in range(int(first), int(last or first) + 1)]
+    for name in names:
+        hosts += _expand_name(name, nodelist)
     if not hosts:
         raise LayoutError(f"empty SLURM node list {nodelist!r}")
     return hosts
+
+
+def _expand_name(name: str, nodelist: str) -> list[str]:
+    match = re.fullmatch(r"([^\[\]]*)\[([^\]]*)\](.*)", name)
+    if match is None:
+        if "[" in name or "]" in name:
+            raise LayoutError(f"cannot parse SLURM node list {nodelist!r} at {name!r}")
+        return [name]
+    prefix, ranges, rest = match.groups()
+    numbers = []
+    for part in ranges.split(","):
+        first, _, last = part.partition("-")
+        if not first.isdigit() or (last and not last.isdigit()):
+            raise LayoutError(f"cannot parse SLURM node list {nodelist!r} at {part!r}")
+        numbers += [f"{number:0{len(first)}d}" for number in range(int(first), int(last or first) + 1)]
+    return [f"{prefix}{number}{suffix}" for number in numbers for suffix in _expand_name(rest, nodelist)]
 
 
 def _tasks_on_this_node(env: Mapping[str, str]) -> int:

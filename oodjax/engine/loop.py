@@ -425,6 +425,7 @@ class _Loop:
         self.state, metrics = self.train_step(self.base_state, self.state, self._next_batch())
         self.pending.append((step, metrics))
         self.window_steps += 1
+        self.stop.step_trained()
 
     def _after_train_step(self, step: int) -> None:
         """What is due after ``step``: stopping on a signal, or a log line, an evaluation, a checkpoint (and
