@@ -52,10 +52,12 @@ def run_pairs(run: RunRecord, **options) -> pd.DataFrame:
     """The run's pairwise partial correlations of OOD testsets given in-domain accuracy.
 
     `options` are those of `pairwise_partial_corr` (method, residualiser,
-    padjust, probit, differences); each run's pairs form one family.
+    padjust, probit, differences); each run's pairs form one family. Its
+    evaluation steps are a series, so p and the interval rest on the
+    effective sample size of autocorrelated rows (stats module docstring).
     """
     try:
-        table = pairwise_partial_corr(run.accuracy, run.ood_testsets, run.in_domain, **options)
+        table = pairwise_partial_corr(run.accuracy, run.ood_testsets, run.in_domain, **options, autocorrelation=True)
     except ValueError as error:  # accuracies the options cannot take, e.g. outside [0, 1]
         raise ResultsError(f"{run.path}: {error}") from error
     identity = {

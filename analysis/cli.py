@@ -61,6 +61,7 @@ ACCURACIES_NAME = "accuracies"
 PROGRESS_MIN_GROUPS = 8
 # One row per pair, for every run (level "run") and every model and training
 # set combining its runs (level "group"); columns not used at a level are empty.
+# n_eff: the effective sample size of a run's autocorrelated steps its p rests on.
 CSV_COLUMNS = (
     "level",
     "residualiser",
@@ -72,6 +73,7 @@ CSV_COLUMNS = (
     "x",
     "y",
     "n",
+    "n_eff",
     "n_runs",
     "r",
     "ci_low",

@@ -298,9 +298,18 @@ def test_options_reach_every_run(tmp_path, capsys):
     accuracy, _ = read_accuracy(results / run["run"].iloc[0] / schema.METRICS_FILENAME)
     ood = [t for t in accuracy.columns if t not in ("mnli", "train")]
     expected = pairwise_partial_corr(
-        accuracy, ood, "mnli", residualiser="linear", method="spearman", padjust="fdr_bh", probit=True, differences=True
+        accuracy,
+        ood,
+        "mnli",
+        residualiser="linear",
+        method="spearman",
+        padjust="fdr_bh",
+        probit=True,
+        differences=True,
+        autocorrelation=True,
     )
     assert (run["n"] == 20).all()  # 21 steps, 20 differences
+    np.testing.assert_allclose(run["n_eff"], expected["n_eff"], atol=1e-12, rtol=0)
     np.testing.assert_allclose(run["r"], expected["r"], atol=1e-12, rtol=0)
     np.testing.assert_allclose(run["dof"], expected["dof"], atol=1e-12, rtol=0)
     np.testing.assert_allclose(run["p_adj"], expected["p_adj"], atol=1e-12, rtol=0)
