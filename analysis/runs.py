@@ -40,7 +40,7 @@ from analysis.naming import ModelInfo, model_info
 # holds hundreds of runs on network storage, and a silent minute looks hung.
 PROGRESS_MIN_FILES = 50
 
-ACCURACY_COLUMNS = ("run", "model", "train_set", "seed", "shots", "step", "testset", "accuracy")
+ACCURACY_COLUMNS = ("run", "model", "train_set", "seed", "shots", "kind", "step", "testset", "accuracy")
 
 # The overview's `kind` of a run: trained (no schema.RUN_EVALUATED), or what `oodjax.evaluate` evaluated.
 TRAINED = "trained"
@@ -239,6 +239,7 @@ def accuracy_table(runs: Sequence[RunRecord]) -> pd.DataFrame:
                 train_set=run.train_set,
                 seed=run.seed,
                 shots=run.shots,
+                kind=run.kind,
             )
         )
     return pd.concat(frames, ignore_index=True)[list(ACCURACY_COLUMNS)]
@@ -426,7 +427,8 @@ def _count_copies_once(runs: list[RunRecord]) -> tuple[list[RunRecord], list[Ski
         if any(not filecmp.cmp(first.path, other.path, shallow=False) for other in others):
             places = ", ".join(f"{run.path} ({run.progress})" for run in found)
             raise ResultsError(
-                f"run (model {model!r}, train set {train_set!r}, seed {seed}, {shots} shots, {kind}) "
+                f"run (model {model!r}, train set {train_set!r}, seed {seed}, {shots} shots"
+                f"{'' if kind == TRAINED else ', ' + kind}) "
                 f"found {len(found)} times with different contents: {places}; keep one and "
                 "move the others out of the results root"
             )

@@ -524,7 +524,8 @@ def test_summary_orders_families_and_sizes_read_from_the_configs(shipped):
 def test_accuracies_are_written_in_long_form_as_csv_and_parquet(shipped):
     results, out, _ = shipped
     table = pd.read_csv(out / "accuracies.csv")
-    assert list(table.columns) == ["run", "model", "train_set", "seed", "shots", "step", "testset", "accuracy"]
+    assert list(table.columns) == ["run", "model", "train_set", "seed", "shots", "kind", "step", "testset", "accuracy"]
+    assert set(table["kind"]) == {"trained"}
     pd.testing.assert_frame_equal(pd.read_parquet(out / "accuracies.parquet"), table, check_dtype=False)
     run = table[table["run"] == "opt2.7_snli_seed0_shots64"]
     assert set(run[["model", "train_set", "seed", "shots"]].itertuples(index=False)) == {("opt2.7", "snli", 0, 64)}
@@ -758,3 +759,74 @@ def test_out_where_a_file_is_is_an_error_before_any_work(tmp_path, capsys, make_
     assert main([str(tmp_path / "no-results"), "--out", str(make_out(tmp_path))]) == 2
     assert capsys.readouterr().err == f"error: {message.format(tmp=tmp_path)}\n"
     assert snapshot(tmp_path) == before
+
+
+def test_unfinished_runs_are_named_and_left_out_unless_asked_for(tmp_path, capsys):
+    """Issue 41: `python -m analysis.runs`' definition of finished (here: last step 5 of 10)."""
+    results = tmp_path / "results"
+    two_runs(results)
+    stopped = good_run(
+        results / "job2" / "run2", seed=2, config={"model": {"path": "opt-125m"}, "train": {"steps": 10}}
+    )
+    assert main([str(results), "--out", str(tmp_path / "out")]) == 0
+    captured = capsys.readouterr()
+    assert captured.err.splitlines() == [
+        f"warning: {stopped}: unfinished, last step 5 of 10; left out (--include-unfinished)"
+    ]
+    assert captured.out.startswith(f"analysed 2 runs under {results} (1 unfinished left out, see the warnings); ")
+    table = pd.read_csv(tmp_path / "out" / CSV_NAME)
+    assert set(table["run"].dropna()) == {"run0", "run1"}
+    assert set(pd.read_csv(tmp_path / "out" / "accuracies.csv")["run"]) == {"run0", "run1"}
+    summary = (tmp_path / "out" / "tables" / "summary.tex").read_text()
+    assert "left out, unfinished: run2 (last step 5 of 10)." in summary
+
+    assert main([str(results), "--out", str(tmp_path / "all"), "--include-unfinished"]) == 0
+    captured = capsys.readouterr()
+    assert captured.err.splitlines() == [
+        f"warning: {stopped}: unfinished, last step 5 of 10; analysed (--include-unfinished)"
+    ]
+    assert captured.out.startswith(f"analysed 3 runs under {results}; ")
+    assert set(pd.read_csv(tmp_path / "all" / CSV_NAME)["run"].dropna()) == {"run0", "run1", "run2"}
+    assert "including, unfinished: run2" in (tmp_path / "all" / "tables" / "summary.tex").read_text()
+
+
+def test_a_root_of_unfinished_runs_only_is_one_line(tmp_path, capsys):
+    results = tmp_path / "results"
+    for seed in (0, 1):
+        good_run(results / f"run{seed}", seed=seed, config={"model": {"path": "opt-125m"}, "train": {"steps": 50}})
+    assert main([str(results), "--out", str(tmp_path / "out")]) == 2
+    error = capsys.readouterr().err.splitlines()
+    assert error[-1] == (
+        f"error: no finished trained run under {results} to correlate across steps: "
+        "2 unfinished (--include-unfinished analyses them)"
+    )
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_adapter_evaluated_beside_its_trained_runs_is_analysed_with_them(tmp_path, capsys):
+    """Issue 44: its accuracies go into accuracies.csv (kind named); one evaluation has no correlation across
+    steps, so the trained runs alone make the correlations."""
+    results = tmp_path / "results"
+    trained = two_runs(results)[0]
+    adapter = good_run(results / "eval" / "run0", steps=np.array([0]), accuracy=np.full((1, 3), 0.7))
+    replace_npz_key(
+        adapter,
+        schema.CONFIG,
+        np.asarray(
+            json.dumps(
+                {
+                    "model": {"path": "opt-125m"},
+                    "run": {"model": "opt-125m", "seed": 0, "shots": 32, "evaluated": "adapter"},
+                }
+            )
+        ),
+    )
+    assert main([str(results), "--out", str(tmp_path / "out")]) == 0
+    captured = capsys.readouterr()
+    assert captured.err == ""
+    assert captured.out.startswith(f"analysed 2 runs under {results} (1 evaluation-only in the accuracies only); ")
+    accuracies = pd.read_csv(tmp_path / "out" / "accuracies.csv")
+    assert accuracies.groupby("kind")["step"].count().to_dict() == {"evaluated (adapter)": 3, "trained": 36}
+    table = pd.read_csv(tmp_path / "out" / CSV_NAME)
+    assert set(table["run"].dropna()) == {"run0", "run1"} and trained.parent.name == "run0"
+    assert table.loc[table["level"] == "group", "n_runs"].tolist() == [2]
