@@ -485,9 +485,9 @@ def _write_meta_analysis(
         name = slug(scope)
         caption = (
             f"Random-effects meta-analysis across models of each OOD pair's partial "
-            f"correlation, {tables.latex_escape(where)}: {len(keys)} models"
-            f"{' and training sets' if everything else ''}, each its runs' mean Fisher $z$ "
-            f"with variance $s^2_z/m$ over its $m$ runs; pooled $r$ with {estimator} $\\tau^2$ "
+            f"correlation, {tables.latex_escape(where)}: {len(keys)} models, each its runs' mean Fisher $z$ "
+            f"with variance $s^2_z/m$ over its $m$ runs"
+            f"{', averaged over its training sets' if everything else ''}; pooled $r$ with {estimator} $\\tau^2$ "
             f"(Fisher $z$ scale) and HKSJ 95\\% CI; PI: 95\\% prediction interval for a new "
             f"model; Cochran's $Q$ with its $\\chi^2$ $p$, and Welch's $p$ for equal means; "
             f"Agree: models whose $r$ has the pooled sign; {description}; "
@@ -498,10 +498,7 @@ def _write_meta_analysis(
         table_files[-1].write_text(
             tables.meta_analysis_table(scoped, other_residualiser=other, caption=caption, label=f"tab:meta-{name}")
         )
-        labels = {
-            (model, train_set): models[model].description + (f", {display_name(train_set)}" if everything else "")
-            for model, train_set in keys
-        }
+        labels = {(model, train_set): models[model].description for model, train_set in keys}
         figure = figures.forest_plots(
             scoped,
             scope_members,

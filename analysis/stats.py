@@ -60,8 +60,9 @@ PAIR_COLUMNS = ("x", "y", "n", "r", "ci_low", "ci_high", "p", "p_adj", "n_eff", 
 
 @dataclasses.dataclass(frozen=True)
 class PartialCorrelation:
-    """One partial correlation; `reason` says why r is NaN and is empty otherwise; `n_eff` is the
-    sample size its p and interval assume (n unless corrected for autocorrelation)."""
+    """One partial correlation; `reason` says why r (or, for too few effective points, its p and
+    interval) is NaN and is empty otherwise; `n_eff` is the sample size its p and interval
+    assume (n unless corrected for autocorrelation)."""
 
     n: int
     n_eff: float
@@ -261,15 +262,21 @@ def _partial_corr(
 
     r = float(np.clip(np.corrcoef(residuals[0], residuals[1])[0, 1], -1.0, 1.0))
     effective_k = k if residualiser == LINEAR else max(edfs) - 1.0
+    if n - effective_k - 2.0 <= 1.0:
+        return undefined(f"too few points for the spline's {max(edfs):.1f} effective parameters: n={n}")
     n_eff = effective_sample_size(*residuals) if autocorrelation else float(n)
     dof = n_eff - effective_k - 2.0
-    if dof <= 1.0:
-        if n_eff < n:
-            return undefined(
-                f"too few independent points: n_eff={n_eff:.1f} of n={n} (autocorrelated), "
-                f"{effective_k + 1:.1f} effective parameters"
-            )
-        return undefined(f"too few points for the spline's {max(edfs):.1f} effective parameters: n={n}")
+    if dof <= 1.0:  # r stands; what it would take to test it is missing
+        return PartialCorrelation(
+            n,
+            n_eff,
+            r,
+            np.nan,
+            np.nan,
+            np.nan,
+            dof,
+            f"no test: n_eff={n_eff:.1f} of n={n} (autocorrelated steps), {effective_k + 1:.1f} effective parameters",
+        )
     ci_low, ci_high = fisher_interval(r, 1.0 / np.sqrt(dof - 1.0))
     return PartialCorrelation(n, n_eff, r, ci_low, ci_high, correlation_pvalue(r, dof), dof)
 

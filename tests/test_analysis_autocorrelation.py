@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from fixtures_results import TESTSETS, ar1_noise, autocorrelated_accuracies, write_run
 
-from analysis import pairwise_partial_corr
+from analysis import pairwise_partial_corr, partial_corr
 from analysis.aggregate import all_run_pairs
 from analysis.runs import find_runs
 from analysis.stats import effective_sample_size
@@ -75,3 +75,16 @@ def test_effective_sample_size_is_bartletts_for_two_ar1_series():
     rng = np.random.default_rng(1)
     noise = ar1_noise(rng, 20000, 2, 0.85)
     assert effective_sample_size(*noise.T) == pytest.approx(20000 * (1 - 0.85**2) / (1 + 0.85**2), rel=0.05)
+
+
+def test_too_few_effective_points_keep_r_and_lose_the_test():
+    """Two trends over eight steps (plain p 0.0015) are worth fewer than the four points a test needs: r is the
+    plain partial r, p and its interval are missing, and the reason says why."""
+    steps = np.arange(8.0)
+    covar = np.array([0.1, 0.9, 0.2, 0.8, 0.3, 0.7, 0.4, 0.6])
+    x, y = covar + steps / 8, covar + (steps / 8) ** 2 + 0.05 * np.sin(2 * steps)
+    plain = partial_corr(x, y, covar)
+    corrected = partial_corr(x, y, covar, autocorrelation=True)
+    assert corrected.r == plain.r and not np.isnan(plain.p)
+    assert corrected.n_eff < 4 and np.isnan(corrected.p) and np.isnan(corrected.ci_low)
+    assert corrected.reason.startswith(f"no test: n_eff={corrected.n_eff:.1f} of n=8 (autocorrelated steps)")

@@ -113,7 +113,11 @@ def test_tables_compile_with_pdflatex(analysed, tmp_path):
     assert "ANLI R3" in matrix and "SciTail" in matrix and "anli" not in matrix  # display names
     assert "training set" not in matrix.split(r"\midrule")[1]  # training-set accuracy is not OOD
     meta = (out / "tables" / "meta_analysis_all-training-sets.tex").read_text()
-    assert "REML $\\tau^2$" in meta and "4 models and training sets" in meta
+    assert (
+        "REML $\\tau^2$" in meta
+        and "2 models, each its runs' mean" in meta
+        and "averaged over its training sets" in meta
+    )
     header, body = meta.split(r"\midrule")[0].splitlines()[-1], meta.split(r"\midrule")[1]
     assert header.startswith(r"Pair & $k$ & \multicolumn{2}{c}{$r$} & 95\% CI & 95\% PI & $\tau^2$")
     assert header.endswith(r"& Agree & \multicolumn{2}{c}{$r$ (linear)} \\")
@@ -179,13 +183,15 @@ def test_csv_holds_each_run_and_the_combination_of_runs(analysed):
 
     assert set(table["residualiser"]) == {"spline"}  # the default
 
-    # Run level: the pairwise partial correlations of that run's steps.
+    # Run level: the pairwise partial correlations of that run's steps, tested as a series.
     run = runs[runs["run"] == "SmolLM2-135M_snli_seed42_shots64"]
     accuracy, in_domain = read_accuracy(results / run["run"].iloc[0] / schema.METRICS_FILENAME)
     assert in_domain == "snli"
     ood = [t for t in accuracy.columns if t not in ("snli", "train")]
-    expected = pairwise_partial_corr(accuracy, ood, "snli", residualiser="spline")
+    expected = pairwise_partial_corr(accuracy, ood, "snli", residualiser="spline", autocorrelation=True)
     np.testing.assert_allclose(run["r"], expected["r"], atol=1e-12, rtol=0)
+    np.testing.assert_allclose(run["n_eff"], expected["n_eff"], atol=1e-12, rtol=0)
+    assert (run["n_eff"] <= run["n"]).all() and (run["n_eff"] < run["n"]).any()
     np.testing.assert_allclose(run["p_adj"], expected["p_adj"], atol=1e-12, rtol=0)
 
     # Group level: Fisher-z mean, t interval and t test across runs, holm over pairs.
@@ -212,7 +218,8 @@ def test_csv_holds_each_run_and_the_combination_of_runs(analysed):
 
 def test_meta_analysis_combines_the_models_of_the_csv(analysed):
     """Each pooled row of meta_analysis.csv is the random-effects combination of the model
-    rows of partial_correlations.csv (their z and z_se), per training set and over both."""
+    rows of partial_correlations.csv (their z and z_se), per training set and, each model's
+    training sets averaged into one effect, over both."""
     _, out, _ = analysed
     groups = pd.read_csv(out / CSV_NAME, keep_default_na=False, na_values=[""])
     groups = groups[groups["level"] == "group"]
@@ -226,9 +233,11 @@ def test_meta_analysis_combines_the_models_of_the_csv(analysed):
         pair = scoped[
             ((scoped["x"] == row.x) & (scoped["y"] == row.y)) | ((scoped["x"] == row.y) & (scoped["y"] == row.x))
         ]
-        expected = random_effects(pair["z"].to_numpy(), pair["z_se"].to_numpy() ** 2)
-        in_domain = {"mnli", "snli"} & {row.x, row.y}  # OOD only when trained on the other
-        assert row.k == len(pair) == (4 if row.scope == ALL_TRAIN_SETS and not in_domain else 2)
+        per_model = pair.assign(v=pair["z_se"] ** 2).groupby("model", sort=False)
+        expected = random_effects(
+            per_model["z"].mean().to_numpy(), (per_model["v"].sum() / per_model.size() ** 2).to_numpy()
+        )
+        assert row.k == len(MODELS) == 2
         assert (row.r, row.ci_low, row.ci_high) == pytest.approx(
             tuple(np.tanh([expected.mu, expected.ci_low, expected.ci_high])), abs=1e-9
         )
