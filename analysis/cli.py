@@ -347,6 +347,13 @@ def write_analysis(selection: Selection, args: argparse.Namespace, directory: pa
         name: _analyse(runs, options | {"residualiser": name}, models, args.tau2_estimator) for name in RESIDUALISERS
     }
     per_run, per_group, pooled, members = results[args.residualiser]
+    if per_group["p"].isna().all():
+        print(
+            "warning: nothing can be tested across runs: no pair of any model and training set has two runs "
+            f"with an r that differ (at most {int(per_group['n_runs'].max())}); tables and figures show r "
+            "without significance",
+            file=sys.stderr,
+        )
     group_changes = compare_residualisers({name: result.per_group for name, result in results.items()}, GROUP_KEYS)
     pooled_changes = compare_residualisers({name: result.pooled for name, result in results.items()}, POOLED_KEYS)
     per_group = per_group.merge(group_changes[[*GROUP_KEYS, SENSITIVE]], on=GROUP_KEYS, how="left")
@@ -378,8 +385,8 @@ def write_analysis(selection: Selection, args: argparse.Namespace, directory: pa
         caption = (
             f"Partial correlations of OOD accuracies given {tables.latex_escape(shown_train_set)} "
             f"accuracy, {tables.latex_escape(described_model)} trained on "
-            f"{tables.latex_escape(shown_train_set)}: "
-            f"mean over {_extent(group_runs)} on the Fisher $z$ scale; {description}. "
+            f"{tables.latex_escape(shown_train_set)}, from {_extent(group_runs)}: "
+            f"{tables.runs_per_cell(pairs)[0]}, on the Fisher $z$ scale; {description}. "
             f"{tables.SIGNIFICANCE_NOTE} ({padjust}), t test across runs."
         )
         table_files.append(table_dir / f"matrix_{name}.tex")

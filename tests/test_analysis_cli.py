@@ -328,7 +328,7 @@ def test_options_reach_every_run(tmp_path, capsys):
     meta = pd.read_csv(tmp_path / "out" / META_CSV_NAME)
     assert set(meta["estimator"]) == {"dl"} and set(meta["residualiser"]) == {"linear"}
     assert "DerSimonian-Laird $\\tau^2$" in (tmp_path / "out" / "tables" / "meta_analysis_mnli.tex").read_text()
-    assert "mean over 2 runs of 21 evaluation steps" in caption
+    assert "from 2 runs of 21 evaluation steps: each cell the mean of 2 runs, on the Fisher $z$ scale" in caption
     assert "(Benjamini-Hochberg)" in caption
 
 
@@ -839,3 +839,41 @@ def test_an_adapter_evaluated_beside_its_trained_runs_is_analysed_with_them(tmp_
     table = pd.read_csv(tmp_path / "out" / CSV_NAME)
     assert set(table["run"].dropna()) == {"run0", "run1"} and trained.parent.name == "run0"
     assert table.loc[table["level"] == "group", "n_runs"].tolist() == [2]
+
+
+def test_every_cell_says_how_many_runs_it_rests_on_and_whether_it_is_tested(tmp_path, capsys):
+    """Issue 41: one of two runs never evaluated PAWS, so PAWS's pairs rest on one run (no test) and the other
+    on two; the caption no longer says "mean over 2 runs" of every cell."""
+    results = tmp_path / "results"
+    accuracy = np.random.default_rng(0).uniform(size=(6, 4))
+    good_run(results / "run0", testsets=["mnli", "hans", "rte", "paws"], accuracy=accuracy)
+    accuracy[:, 3] = np.nan
+    good_run(results / "run1", seed=1, testsets=["mnli", "hans", "rte", "paws"], accuracy=accuracy[:, [0, 2, 1, 3]])
+    assert main([str(results), "--out", str(tmp_path / "out")]) == 0
+    assert capsys.readouterr().err == ""
+    groups = pd.read_csv(tmp_path / "out" / CSV_NAME).query("level == 'group'").set_index(["x", "y"])
+    assert groups["n_runs"].to_dict() == {("hans", "rte"): 2, ("hans", "paws"): 1, ("rte", "paws"): 1}
+    matrix = (tmp_path / "out" / "tables" / "matrix_opt-125m_mnli.tex").read_text()
+    assert "each cell the mean of 1 to 2 runs, its count in parentheses where fewer than 2" in matrix
+    body = matrix.split(r"\midrule")[1].split(r"\bottomrule")[0]
+    assert body.count(r"$^{\circ}$\,(1)") == 2 and body.count(r"\,(") == 2
+    assert r"$\circ$ fewer than two runs with an $r$ (or the same $r$ in each): no test across runs." in matrix
+    runs = find_runs(results)
+    pairs = combine_runs(all_run_pairs(runs, residualiser="spline")).assign(**{SENSITIVE: False})
+    heatmap = figures.correlation_heatmap(pairs, ["hans", "rte", "paws"], padjust="holm", title="t", note="n")
+    texts = [text.get_text() for text in heatmap.findobj(matplotlib.text.Text)]
+    assert sum(text.endswith("\u00b0(1)") for text in texts) == 2
+    assert any("each cell the mean of 1 to 2 runs" in text for text in texts)
+    assert any("\u00b0 no test across runs" in text for text in texts)
+
+
+def test_a_root_where_nothing_can_be_tested_says_so_in_one_line(tmp_path, capsys):
+    results = tmp_path / "results"
+    good_run(results / "run0")
+    assert main([str(results), "--out", str(tmp_path / "out")]) == 0
+    assert capsys.readouterr().err.splitlines() == [
+        "warning: nothing can be tested across runs: no pair of any model and training set has two runs with an r "
+        "that differ (at most 1); tables and figures show r without significance"
+    ]
+    matrix = (tmp_path / "out" / "tables" / "matrix_opt-125m_mnli.tex").read_text()
+    assert "each cell the mean of 1 run, on the Fisher" in matrix and r"$^{\circ}$" in matrix
