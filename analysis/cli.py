@@ -239,7 +239,8 @@ def main(argv: list[str] | None = None) -> int:
         if not selection.analysed:
             raise ResultsError(_nothing_to_analyse(args.results_dir, selection))
         with staged_output(args.out) as staging:
-            written = [args.out / path.relative_to(staging) for path in write_analysis(selection, args, staging)]
+            paths, testable = write_analysis(selection, args, staging)
+            written = [args.out / path.relative_to(staging) for path in paths]
     except (ResultsError, OutputError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -249,7 +250,13 @@ def main(argv: list[str] | None = None) -> int:
     if selection.evaluated:
         notes.append(f"{len(selection.evaluated)} evaluation-only in the accuracies only")
     said = ", ".join(filter(None, notes))
-    see = ", see the warnings" if skipped or selection.unfinished else ""
+    if not testable:
+        print(
+            "warning: nothing can be tested across runs: no pair of any model and training set has two runs "
+            "with different r; tables and figures show r without significance",
+            file=sys.stderr,
+        )
+    see = ", see the warnings" if skipped or selection.unfinished or not testable else ""
     left_out = f" ({said}{see})" if said else ""
     print(f"analysed {len(selection.analysed)} runs under {args.results_dir}{left_out}; wrote {len(written)} files:")
     for path in written:
@@ -322,8 +329,11 @@ def _nearest_existing(path: pathlib.Path) -> pathlib.Path:
     return next(candidate for candidate in (path, *path.parents) if candidate.exists())
 
 
-def write_analysis(selection: Selection, args: argparse.Namespace, directory: pathlib.Path) -> list[pathlib.Path]:
-    """Compute everything, write it under `directory`, and return the paths written.
+def write_analysis(
+    selection: Selection, args: argparse.Namespace, directory: pathlib.Path
+) -> tuple[list[pathlib.Path], bool]:
+    """Compute everything, write it under `directory`, and return the paths written and whether
+    any pair of any model and training set could be tested across runs.
 
     File names are checked for collisions before anything is written, so a
     clash is an error, never one model's figure overwriting another's.
@@ -347,13 +357,6 @@ def write_analysis(selection: Selection, args: argparse.Namespace, directory: pa
         name: _analyse(runs, options | {"residualiser": name}, models, args.tau2_estimator) for name in RESIDUALISERS
     }
     per_run, per_group, pooled, members = results[args.residualiser]
-    if per_group["p"].isna().all():
-        print(
-            "warning: nothing can be tested across runs: no pair of any model and training set has two runs "
-            f"with an r that differ (at most {int(per_group['n_runs'].max())}); tables and figures show r "
-            "without significance",
-            file=sys.stderr,
-        )
     group_changes = compare_residualisers({name: result.per_group for name, result in results.items()}, GROUP_KEYS)
     pooled_changes = compare_residualisers({name: result.pooled for name, result in results.items()}, POOLED_KEYS)
     per_group = per_group.merge(group_changes[[*GROUP_KEYS, SENSITIVE]], on=GROUP_KEYS, how="left")
@@ -449,7 +452,7 @@ def write_analysis(selection: Selection, args: argparse.Namespace, directory: pa
     )
     document = table_dir / "tables.tex"
     document.write_text(tables.standalone_document([p.name for p in table_files]))
-    return written + table_files + [document]
+    return written + table_files + [document], per_group["p"].notna().any()
 
 
 class Results(NamedTuple):

@@ -13,7 +13,7 @@ is a straight line (edf = 2).
 
 Successive evaluation steps of a run are autocorrelated, and the t test above
 assumes independent rows: on null data with AR(1) noise of coefficient 0.85
-over 21 steps, 12% of its p are below 0.05. `autocorrelation=True` (what
+over 21 steps, 10% of its p are below 0.05. `autocorrelation=True` (what
 `python -m analysis` uses for its run-level rows) replaces n by an effective
 sample size from the residuals' lag-1 autocorrelations a_x and a_y,
 n_eff = n (1 - a_x a_y) / (1 + a_x a_y), at most n (Bartlett's variance of a

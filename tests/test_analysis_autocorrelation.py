@@ -2,7 +2,7 @@
 
 Issue 41: on null data (OOD testsets independent given in-domain accuracy, AR(1)
 noise of coefficient 0.85 over 21 steps, 72 runs, 8 testsets: 1,512 tests), the
-independent-rows t test puts 12% of p below 0.05; with the effective sample
+independent-rows t test puts 9.9% of p below 0.05; with the effective sample
 size the run-level rows use, at most 8% (6.1% with these seeds), while a real
 shared component is still found.
 """

@@ -157,7 +157,7 @@ def test_marks_sit_beside_the_numbers_so_that_decimal_points_align(analysed):
 
 def test_names_without_a_display_name_are_escaped():
     pairs = pd.DataFrame(
-        [("hans", "my_set", 0.5, 0.01, "", False)], columns=["x", "y", "r", "p_adj", "reason", SENSITIVE]
+        [("hans", "my_set", 0.5, 0.01, "", False, 2)], columns=["x", "y", "r", "p_adj", "reason", SENSITIVE, "n_runs"]
     )
     latex = tables.matrix_table(pairs, ["hans", "my_set"], caption="c", label="l", other_residualiser="linear")
     assert r"my\_set &" in latex and "HANS" in latex
@@ -359,10 +359,12 @@ def test_runs_too_short_for_correlations_give_reasons_not_numbers(tmp_path, caps
 
 
 def good_run(directory: pathlib.Path, **changes) -> pathlib.Path:
+    """A run of 6 steps and 3 testsets, its accuracies drawn with its seed (runs that differ, so that a pair
+    can be tested across them)."""
     arguments = dict(
         steps=np.arange(6),
         testsets=["mnli", "hans", "rte"],
-        accuracy=np.random.default_rng(0).uniform(size=(6, 3)),
+        accuracy=np.random.default_rng(changes.get("seed", 0)).uniform(size=(6, 3)),
         in_domain="mnli",
         model="opt-125m",
         seed=0,
@@ -571,7 +573,9 @@ def test_hub_ids_as_model_names_get_safe_file_names(tmp_path, capsys):
 def test_names_whose_files_would_collide_are_an_error(tmp_path, capsys, names, message):
     results = tmp_path / "results"
     for index, name in enumerate(names):
-        good_run(results / f"run{index}", model=name, config={"model": {"path": "facebook/opt-125m"}})
+        good_run(
+            results / f"run{index}", model=name, config={"model": {"path": "facebook/opt-125m"}, "train": {"steps": 5}}
+        )
     assert main([str(results), "--out", str(tmp_path / "out")]) == 2
     assert re.search(message, capsys.readouterr().err)
     assert not (tmp_path / "out").exists()
@@ -605,7 +609,9 @@ def test_a_column_without_any_accuracy_gives_reasons_and_every_file(tmp_path, ca
     assert set(involved.loc[involved["level"] == "group", "reason"]) == {f"undefined in every run: {reason}"}
     assert table.drop(involved.index)["r"].notna().all()
     matrix = (tmp_path / "out" / "tables" / "matrix_opt-125m_mnli.tex").read_text()
-    assert rf"\footnotesize -- undefined in every run: {reason}.}}" in matrix
+    assert (
+        rf"\footnotesize -- undefined in every run: {reason}. $\circ$ fewer than two runs" in matrix
+    )  # same r in both
     summary = (tmp_path / "out" / "tables" / "summary.tex").read_text()
     assert ("no pair of testsets has a partial correlation in any run" in summary) == (empty == "mnli")
     compiled = subprocess.run(
@@ -624,11 +630,11 @@ def test_the_matrix_note_gives_each_reason_once_and_pairs_never_evaluated():
     empty = "undefined in every run: no value in 'paws': all NaN"
     pairs = pd.DataFrame(
         [
-            ("hans", "rte", 0.5, 0.01, "", False),
-            ("hans", "paws", np.nan, np.nan, empty, False),
-            ("rte", "paws", np.nan, np.nan, empty, False),
+            ("hans", "rte", 0.5, 0.01, "", False, 2),
+            ("hans", "paws", np.nan, np.nan, empty, False, 0),
+            ("rte", "paws", np.nan, np.nan, empty, False, 0),
         ],
-        columns=["x", "y", "r", "p_adj", "reason", SENSITIVE],
+        columns=["x", "y", "r", "p_adj", "reason", SENSITIVE, "n_runs"],
     )  # no run has anli_r3 beside the others
     latex = tables.matrix_table(
         pairs, ["hans", "rte", "paws", "anli_r3"], caption="c", label="l", other_residualiser="linear"
@@ -872,8 +878,8 @@ def test_a_root_where_nothing_can_be_tested_says_so_in_one_line(tmp_path, capsys
     good_run(results / "run0")
     assert main([str(results), "--out", str(tmp_path / "out")]) == 0
     assert capsys.readouterr().err.splitlines() == [
-        "warning: nothing can be tested across runs: no pair of any model and training set has two runs with an r "
-        "that differ (at most 1); tables and figures show r without significance"
+        "warning: nothing can be tested across runs: no pair of any model and training set has two runs with "
+        "different r; tables and figures show r without significance"
     ]
     matrix = (tmp_path / "out" / "tables" / "matrix_opt-125m_mnli.tex").read_text()
     assert "each cell the mean of 1 run, on the Fisher" in matrix and r"$^{\circ}$" in matrix
