@@ -14,8 +14,8 @@ says why).
 Over all training sets together (scope ALL_TRAIN_SETS), a model trained on
 several is still one model: its estimate is the mean of its training sets'
 estimates, with variance sum v_t / T^2 (independent runs) and, for Welch's
-test and its interval, the Welch-Satterthwaite count of runs behind that
-variance; so k counts base models, not (model, training set) groups.
+test and its interval, that variance's Welch-Satterthwaite degrees of
+freedom; so k counts base models, not (model, training set) groups.
 
 Models are then combined on the Fisher z scale, y_i ~ N(mu, v_i + tau^2):
 - tau^2, the variance of the models' true z: restricted maximum likelihood
