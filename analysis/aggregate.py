@@ -6,7 +6,8 @@ their correlations are averaged on the Fisher z scale: r = tanh(mean z), a
 and p from the one-sample t test of mean z = 0 over the m runs. The mean z
 and its standard error sd(z) / sqrt(m) are kept (z, z_se): they are the
 model's estimate and the root of its within-model variance in the
-meta-analysis across models (meta.py). Runs agree in sign when their r have
+meta-analysis across models (meta.py), with that variance's degrees of
+freedom m - 1 (z_dof). Runs agree in sign when their r have
 the same sign; n_positive and n_negative count them. Adjusted p-values treat
 the pairs of one (model, training set) as one family.
 """
@@ -30,6 +31,7 @@ GROUP_STAT_COLUMNS = (
     "r",
     "z",
     "z_se",
+    "z_dof",
     "ci_low",
     "ci_high",
     "p",
@@ -52,10 +54,12 @@ def run_pairs(run: RunRecord, **options) -> pd.DataFrame:
     """The run's pairwise partial correlations of OOD testsets given in-domain accuracy.
 
     `options` are those of `pairwise_partial_corr` (method, residualiser,
-    padjust, probit, differences); each run's pairs form one family.
+    padjust, probit, differences); each run's pairs form one family. Its
+    evaluation steps are a series, so p and the interval rest on the
+    effective sample size of autocorrelated rows (stats module docstring).
     """
     try:
-        table = pairwise_partial_corr(run.accuracy, run.ood_testsets, run.in_domain, **options)
+        table = pairwise_partial_corr(run.accuracy, run.ood_testsets, run.in_domain, **options, autocorrelation=True)
     except ValueError as error:  # accuracies the options cannot take, e.g. outside [0, 1]
         raise ResultsError(f"{run.path}: {error}") from error
     identity = {
@@ -195,6 +199,7 @@ def _combine(r: np.ndarray, reasons: pd.Series) -> dict:
         "r": np.nan,
         "z": np.nan,
         "z_se": np.nan,
+        "z_dof": np.nan,
         "ci_low": np.nan,
         "ci_high": np.nan,
         "p": np.nan,
@@ -210,6 +215,7 @@ def _combine(r: np.ndarray, reasons: pd.Series) -> dict:
     if m < 2:
         return result | {"reason": "one run: no interval across runs"}
     result["z_se"] = se = float(z.std(ddof=1) / np.sqrt(m))
+    result["z_dof"] = m - 1
     if se == 0:
         return result | {"reason": "identical r in every run: no interval across runs"}
     half_width = scipy.stats.t.ppf(0.5 + CONFIDENCE / 2, m - 1) * se

@@ -7,6 +7,11 @@ headline. The per-model results are combined across models by a
 random-effects meta-analysis (analysis/meta.py), the study's answer to
 whether a pair's partial correlation holds across models.
 
+Trained runs that stopped before their last step (`schema.finished`, as
+`python -m analysis.runs` says) are named, one warning each, and left out
+unless --include-unfinished; runs `oodjax.evaluate` wrote (one evaluation
+each, no correlation across steps) go into the accuracies only.
+
 Everything is written into a fresh directory first and moved into OUT_DIR
 only once the whole analysis has succeeded, so a failing analysis leaves
 OUT_DIR exactly as it was: no half-written set of tables and figures that
@@ -61,6 +66,7 @@ ACCURACIES_NAME = "accuracies"
 PROGRESS_MIN_GROUPS = 8
 # One row per pair, for every run (level "run") and every model and training
 # set combining its runs (level "group"); columns not used at a level are empty.
+# n_eff: the effective sample size of a run's autocorrelated steps its p rests on.
 CSV_COLUMNS = (
     "level",
     "residualiser",
@@ -72,6 +78,7 @@ CSV_COLUMNS = (
     "x",
     "y",
     "n",
+    "n_eff",
     "n_runs",
     "r",
     "ci_low",
@@ -182,6 +189,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "every panel of the figure)",
     )
     parser.add_argument(
+        "--include-unfinished",
+        action="store_true",
+        help="analyse trained runs that stopped before their last step too (by default each is "
+        "named in a warning and left out)",
+    )
+    parser.add_argument(
         "--differences",
         action="store_true",
         help="correlate first differences between successive evaluation steps",
@@ -191,6 +204,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 class OutputError(ValueError):
     """An --out path the analysis cannot write into; says which path and why."""
+
+
+class Selection(NamedTuple):
+    """The runs of a results root as the analysis takes them."""
+
+    analysed: list[RunRecord]  # trained runs whose correlations are computed
+    unfinished: list[RunRecord]  # trained runs short of their last step: left out, or in `analysed` when asked
+    evaluated: list[RunRecord]  # evaluation-only runs: in the accuracies, not in the correlations
+
+
+def select_runs(runs: list[RunRecord], *, include_unfinished: bool) -> Selection:
+    """Split `runs` by kind and by `RunRecord.finished` (the definition `python -m analysis.runs` uses)."""
+    trained = [run for run in runs if run.evaluated is None]
+    unfinished = [run for run in trained if not run.finished]
+    analysed = trained if include_unfinished else [run for run in trained if run.finished]
+    return Selection(analysed, unfinished, [run for run in runs if run.evaluated is not None])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -203,16 +232,45 @@ def main(argv: list[str] | None = None) -> int:
             print(f"warning: {skip.message}", file=sys.stderr)
         if not runs:
             raise ResultsError(no_readable_runs_message(args.results_dir, skipped))
+        selection = select_runs(runs, include_unfinished=args.include_unfinished)
+        fate = "analysed (--include-unfinished)" if args.include_unfinished else "left out (--include-unfinished)"
+        for run in selection.unfinished:
+            print(f"warning: {run.path}: unfinished, {run.progress}; {fate}", file=sys.stderr)
+        if not selection.analysed:
+            raise ResultsError(_nothing_to_analyse(args.results_dir, selection))
         with staged_output(args.out) as staging:
-            written = [args.out / path.relative_to(staging) for path in write_analysis(runs, args, staging)]
+            paths, testable = write_analysis(selection, args, staging)
+            written = [args.out / path.relative_to(staging) for path in paths]
     except (ResultsError, OutputError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    left_out = f" ({len(skipped)} {schema.METRICS_FILENAME} skipped, see the warnings)" if skipped else ""
-    print(f"analysed {len(runs)} runs under {args.results_dir}{left_out}; wrote {len(written)} files:")
+    notes = [f"{len(skipped)} {schema.METRICS_FILENAME} skipped" if skipped else ""]
+    if selection.unfinished and not args.include_unfinished:
+        notes.append(f"{len(selection.unfinished)} unfinished left out")
+    if selection.evaluated:
+        notes.append(f"{len(selection.evaluated)} evaluation-only in the accuracies only")
+    said = ", ".join(filter(None, notes))
+    if not testable:
+        print(
+            "warning: nothing can be tested across runs: no pair of any model and training set has two runs "
+            "with different r; tables and figures show r without significance",
+            file=sys.stderr,
+        )
+    see = ", see the warnings" if skipped or selection.unfinished or not testable else ""
+    left_out = f" ({said}{see})" if said else ""
+    print(f"analysed {len(selection.analysed)} runs under {args.results_dir}{left_out}; wrote {len(written)} files:")
     for path in written:
         print(f"  {path}")
     return 0
+
+
+def _nothing_to_analyse(root: pathlib.Path, selection: Selection) -> str:
+    """The error when no trained run is left to correlate."""
+    found = [f"{len(selection.unfinished)} unfinished (--include-unfinished analyses them)"] * bool(
+        selection.unfinished
+    )
+    found += [f"{len(selection.evaluated)} evaluation-only (one evaluation each)"] * bool(selection.evaluated)
+    return f"no finished trained run under {root} to correlate across steps: {', '.join(found)}"
 
 
 def check_out_dir(out: pathlib.Path) -> None:
@@ -271,12 +329,16 @@ def _nearest_existing(path: pathlib.Path) -> pathlib.Path:
     return next(candidate for candidate in (path, *path.parents) if candidate.exists())
 
 
-def write_analysis(runs: list[RunRecord], args: argparse.Namespace, directory: pathlib.Path) -> list[pathlib.Path]:
-    """Compute everything, write it under `directory`, and return the paths written.
+def write_analysis(
+    selection: Selection, args: argparse.Namespace, directory: pathlib.Path
+) -> tuple[list[pathlib.Path], bool]:
+    """Compute everything, write it under `directory`, and return the paths written and whether
+    any pair of any model and training set could be tested across runs.
 
     File names are checked for collisions before anything is written, so a
     clash is an error, never one model's figure overwriting another's.
     """
+    runs = selection.analysed
     groups = _groups(runs)
     try:
         stems = unique_stems(groups)
@@ -308,7 +370,7 @@ def write_analysis(runs: list[RunRecord], args: argparse.Namespace, directory: p
     figure_dir.mkdir()
 
     written = [_write_csv(per_run, per_group, args.residualiser, directory / CSV_NAME)]
-    written += _write_accuracies(runs, directory)
+    written += _write_accuracies(runs + selection.evaluated, directory)
     written.append(_write_meta_csv(pooled, members, args, directory / META_CSV_NAME))
     written.append(_write_sensitivity_csv(group_changes, pooled_changes, directory / SENSITIVITY_CSV_NAME))
     description = _describe(options)
@@ -326,8 +388,8 @@ def write_analysis(runs: list[RunRecord], args: argparse.Namespace, directory: p
         caption = (
             f"Partial correlations of OOD accuracies given {tables.latex_escape(shown_train_set)} "
             f"accuracy, {tables.latex_escape(described_model)} trained on "
-            f"{tables.latex_escape(shown_train_set)}: "
-            f"mean over {_extent(group_runs)} on the Fisher $z$ scale; {description}. "
+            f"{tables.latex_escape(shown_train_set)}, from {_extent(group_runs)}: "
+            f"{tables.runs_per_cell(pairs)[0]}, on the Fisher $z$ scale; {description}. "
             f"{tables.SIGNIFICANCE_NOTE} ({padjust}), t test across runs."
         )
         table_files.append(table_dir / f"matrix_{name}.tex")
@@ -369,7 +431,8 @@ def write_analysis(runs: list[RunRecord], args: argparse.Namespace, directory: p
             summary,
             caption=(
                 "Mean partial correlation over OOD testset pairs (Fisher $z$ scale) by model "
-                f"family, size and training set; {description}; {_extent(runs)}. "
+                f"family, size and training set; {description}; {_extent(runs)}"
+                f"{tables.latex_escape(_unfinished_note(selection, args.include_unfinished))}. "
                 f"Sig.\\ $+/-$: pairs with positive / negative $r$ and adjusted $p<0.05$ "
                 f"({padjust})."
             ),
@@ -389,7 +452,7 @@ def write_analysis(runs: list[RunRecord], args: argparse.Namespace, directory: p
     )
     document = table_dir / "tables.tex"
     document.write_text(tables.standalone_document([p.name for p in table_files]))
-    return written + table_files + [document]
+    return written + table_files + [document], per_group["p"].notna().any()
 
 
 class Results(NamedTuple):
@@ -432,9 +495,9 @@ def _write_meta_analysis(
         name = slug(scope)
         caption = (
             f"Random-effects meta-analysis across models of each OOD pair's partial "
-            f"correlation, {tables.latex_escape(where)}: {len(keys)} models"
-            f"{' and training sets' if everything else ''}, each its runs' mean Fisher $z$ "
-            f"with variance $s^2_z/m$ over its $m$ runs; pooled $r$ with {estimator} $\\tau^2$ "
+            f"correlation, {tables.latex_escape(where)}: {len(keys)} models, each its runs' mean Fisher $z$ "
+            f"with variance $s^2_z/m$ over its $m$ runs"
+            f"{', averaged over its training sets' if everything else ''}; pooled $r$ with {estimator} $\\tau^2$ "
             f"(Fisher $z$ scale) and HKSJ 95\\% CI; PI: 95\\% prediction interval for a new "
             f"model; Cochran's $Q$ with its $\\chi^2$ $p$, and Welch's $p$ for equal means; "
             f"Agree: models whose $r$ has the pooled sign; {description}; "
@@ -445,10 +508,7 @@ def _write_meta_analysis(
         table_files[-1].write_text(
             tables.meta_analysis_table(scoped, other_residualiser=other, caption=caption, label=f"tab:meta-{name}")
         )
-        labels = {
-            (model, train_set): models[model].description + (f", {display_name(train_set)}" if everything else "")
-            for model, train_set in keys
-        }
+        labels = {(model, train_set): models[model].description for model, train_set in keys}
         figure = figures.forest_plots(
             scoped,
             scope_members,
@@ -571,6 +631,14 @@ def _extent(runs: list[RunRecord]) -> str:
     steps = sorted({len(run.steps) for run in runs})
     counted = f"{steps[0]}" if len(steps) == 1 else f"{steps[0]} to {steps[-1]}"
     return f"{len(runs)} runs of {counted} evaluation steps"
+
+
+def _unfinished_note(selection: Selection, included: bool) -> str:
+    """The unfinished runs by name, for the summary table's caption; empty when there are none."""
+    if not selection.unfinished:
+        return ""
+    names = ", ".join(f"{run.name} ({run.progress})" for run in selection.unfinished)
+    return f"; {'including' if included else 'left out'}, unfinished: {names}"
 
 
 def _groups(runs: list[RunRecord]) -> dict[tuple[str, str], list[RunRecord]]:

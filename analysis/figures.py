@@ -35,7 +35,7 @@ from analysis.residualise import fit  # noqa: E402
 from analysis.runs import RunRecord  # noqa: E402
 from analysis.sensitivity import SENSITIVE  # noqa: E402
 from analysis.stats import probit_transform  # noqa: E402
-from analysis.tables import MARKS, significance_mark  # noqa: E402
+from analysis.tables import MARKS, runs_per_cell, significance_mark  # noqa: E402
 
 # Okabe & Ito's palette, safe for the common colour-vision deficiencies, in an
 # order whose first colours stay apart in greyscale too; its yellow, faint on
@@ -70,6 +70,7 @@ HEATMAP_KEY_HEIGHT = 0.45
 TITLE_LINE_HEIGHT = 0.16
 DAGGER = "\u2020"  # marks a result that changes under the other residualiser
 MINUS = "\u2212"  # a minus sign, not the shorter hyphen
+UNTESTED = "\u00b0"  # marks an r without a test across runs (tables.UNTESTED_NOTE)
 POOLED_COLOUR = OKABE_ITO[0]
 # Forest plots: inches per model row, per panel beyond its rows, and panels per figure row; the
 # least width, for the legend under one panel, and the height of the x-axis' ticks and label.
@@ -102,11 +103,15 @@ def correlation_heatmap(pairs: pd.DataFrame, testsets: list[str], *, padjust: st
 
     Diverging map centred at 0 with limits -1 and 1; each cell shows r, its
     significance marks (p adjusted by `padjust`, explained under the
-    triangle) and a dagger where the result changes under the other
-    residualiser (column SENSITIVE); undefined cells are grey. `note` (what
-    the numbers rest on) is printed under the title.
+    triangle), a dagger where the result changes under the other
+    residualiser (column SENSITIVE), UNTESTED where no test across runs
+    exists, and its run count where it rests on fewer runs than others
+    (`tables.runs_per_cell`, said in the note); undefined cells are grey.
+    `note` (what the numbers rest on) is printed under the title.
     """
-    values, p_adj, sensitive = lower_triangle(pairs, testsets, ("r", "p_adj", SENSITIVE))
+    values, p_adj, sensitive, runs = lower_triangle(pairs, testsets, ("r", "p_adj", SENSITIVE, "n_runs"))
+    per_cell, counted_below = runs_per_cell(pairs)
+    note = f"{note}; {per_cell}"
     size = len(values)
     with plt.rc_context(PAPER_STYLE):
         side = 0.9 + 0.5 * size
@@ -115,9 +120,11 @@ def correlation_heatmap(pairs: pd.DataFrame, testsets: list[str], *, padjust: st
         # The triangle, and above and below it the heading's lines and the key to the marks:
         # a figure as small as one cell would otherwise have no room left for the cell.
         fig.set_figheight(side + HEATMAP_KEY_HEIGHT + TITLE_LINE_HEIGHT * (heading.count("\n") + 1))
-        image = _draw_triangle(ax, values, p_adj, testsets, annotate=True, sensitive=sensitive)
+        image = _draw_triangle(
+            ax, values, p_adj, testsets, annotate=True, sensitive=sensitive, runs=runs, counted_below=counted_below
+        )
         _colourbar(fig, image, ax)
-        _significance_legend(fig, padjust)
+        _significance_legend(fig, padjust, untested=_untested(values, p_adj).any())
         fig.suptitle(heading)  # centred on the figure: the axes' own title could run off its edge
     return fig
 
@@ -149,17 +156,18 @@ def comparison_heatmaps(
             squeeze=False,
             layout="constrained",
         )
-        image = None
+        image, untested = None, False
         for row, row_axes in zip(rows, axes):
             for ax in row_axes[len(row) :]:
                 ax.set_visible(False)
             for ax, (model, pairs, testsets) in zip(row_axes, row):
                 values, p_adj = lower_triangle(pairs, testsets)
                 image = _draw_triangle(ax, values, p_adj, testsets, annotate=False)
+                untested |= _untested(values, p_adj).any()
                 ax.set_title(f"{models[model].description}\n({model})")  # one line is wider than a panel
         fig.suptitle(_heading(fig, title, note))
         _colourbar(fig, image, axes.ravel().tolist())
-        _significance_legend(fig, padjust)
+        _significance_legend(fig, padjust, untested=untested)
     return fig
 
 
@@ -500,12 +508,16 @@ def _draw_triangle(
     *,
     annotate: bool,
     sensitive: np.ndarray | None = None,
+    runs: np.ndarray | None = None,
+    counted_below: float = 0,
 ) -> matplotlib.image.AxesImage:
     """One lower triangle of r on `ax`: undefined cells grey ("n/a" when annotated); with
-    `annotate` each cell shows r and its marks (a dagger where `sensitive` is 1), without it
-    only significant cells a mark."""
+    `annotate` each cell shows r and its marks (a dagger where `sensitive` is 1) and, where
+    `runs` is below `counted_below`, its run count in parentheses; without it only marks.
+    A defined r without a test (no p) is marked UNTESTED."""
     size = len(values)
     sensitive = np.zeros_like(values) if sensitive is None else sensitive
+    runs = np.full_like(values, np.inf) if runs is None else runs
     image = ax.imshow(values, cmap=DIVERGING_MAP, vmin=-1.0, vmax=1.0)
     for i, j in zip(*np.tril_indices(size)):
         if np.isnan(values[i, j]):
@@ -513,9 +525,11 @@ def _draw_triangle(
             if annotate:
                 ax.text(j, i, "n/a", ha="center", va="center", color="0.4", fontsize=6)
             continue
-        mark = "" if np.isnan(p_adj[i, j]) else significance_mark(p_adj[i, j])
+        mark = UNTESTED if np.isnan(p_adj[i, j]) else significance_mark(p_adj[i, j])
         if annotate and sensitive[i, j] == 1:
             mark += DAGGER
+        if annotate and runs[i, j] < counted_below:
+            mark += f"({runs[i, j]:.0f})"
         number = f"{values[i, j]:.2f}".replace("-", MINUS)
         text = f"{number}\n{mark}".strip() if annotate else mark
         ax.text(
@@ -542,10 +556,16 @@ def _colourbar(fig: plt.Figure, image: matplotlib.image.AxesImage, ax) -> None:
     colourbar.outline.set_visible(False)
 
 
-def _significance_legend(fig: plt.Figure, padjust: str) -> None:
-    """What the heatmaps' marks mean (tables.MARKS), as a legend under the panels."""
+def _untested(values: np.ndarray, p_adj: np.ndarray) -> np.ndarray:
+    """Cells with an r but no test across runs."""
+    return ~np.isnan(values) & np.isnan(p_adj)
+
+
+def _significance_legend(fig: plt.Figure, padjust: str, *, untested: bool) -> None:
+    """What the heatmaps' marks mean (tables.MARKS, and UNTESTED when a cell has it), as a legend under the panels."""
     blank = plt.Line2D([], [], lw=0)
     labels = [f"{mark} p < {threshold:g}" for threshold, mark in reversed(MARKS)]
+    labels += [f"{UNTESTED} no test across runs"] * int(untested)
     adjusted = "unadjusted" if padjust == "none" else f"{display_name(padjust)}-adjusted"
     fig.legend(
         [blank] * len(labels),

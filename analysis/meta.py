@@ -11,6 +11,12 @@ runs says how far a model's mean could move. A model with one run, or whose
 runs all have the same r, has no such variance and is left out (its row
 says why).
 
+Over all training sets together (scope ALL_TRAIN_SETS), a model trained on
+several is still one model: its estimate is the mean of its training sets'
+estimates, with variance sum v_t / T^2 (independent runs) and, for Welch's
+test and its interval, that variance's Welch-Satterthwaite degrees of
+freedom; so k counts base models, not (model, training set) groups.
+
 Models are then combined on the Fisher z scale, y_i ~ N(mu, v_i + tau^2):
 - tau^2, the variance of the models' true z: restricted maximum likelihood
   (REML, the default), Paule-Mandel (PM) or DerSimonian-Laird (DL). With 8
@@ -205,7 +211,7 @@ def meta_analyse(
     train_sets = list(dict.fromkeys(groups["train_set"]))
     scopes = {name: groups[groups["train_set"] == name] for name in train_sets}
     if len(train_sets) > 1:
-        scopes[ALL_TRAIN_SETS] = groups
+        scopes[ALL_TRAIN_SETS] = per_model(groups)
     pooled, members = [], []
     for scope, scoped in scopes.items():
         rows = []
@@ -220,6 +226,44 @@ def meta_analyse(
         pd.concat(pooled, ignore_index=True)[list(POOLED_COLUMNS)],
         pd.concat(members, ignore_index=True),
     )
+
+
+def per_model(groups: pd.DataFrame) -> pd.DataFrame:
+    """`groups` (combine_runs' rows) with each model's training sets combined into one row per pair,
+    its train_set ALL_TRAIN_SETS (module docstring): z the mean of the training sets' z with a
+    within-model variance, z_se = sqrt(sum z_se^2) / T, whose degrees of freedom z_dof are
+    Welch-Satterthwaite's (sum v)^2 / sum(v^2 / z_dof); n_runs their runs; r and the t
+    interval from them.
+    Training sets without a within-model variance are left out of the mean; a model with none
+    keeps one row without an estimate, its training sets' reasons joined."""
+    rows = []
+    for (model, x, y), sets in groups.groupby(["model", "x", "y"], sort=False):
+        usable = sets[sets["z_se"] > 0]
+        row = {"model": model, "train_set": ALL_TRAIN_SETS, "x": x, "y": y} | dict.fromkeys(
+            ("r", "z", "z_se", "z_dof", "ci_low", "ci_high"), np.nan
+        )
+        row["n_runs"] = int(sets["n_runs"].sum())
+        if usable.empty:
+            reasons = "; ".join(dict.fromkeys(f"{t}: {reason}" for t, reason in zip(sets["train_set"], sets["reason"])))
+            rows.append(row | {"reason": f"no training set with a variance across runs ({reasons})"})
+            continue
+        v, dof = usable["z_se"].to_numpy() ** 2, usable["z_dof"].to_numpy(dtype=float)
+        z, se = float(usable["z"].mean()), float(np.sqrt(v.sum()) / len(v))
+        dof = float(v.sum() ** 2 / np.sum(v**2 / dof))
+        half_width = scipy.stats.t.ppf(0.5 + CONFIDENCE / 2, dof) * se
+        rows.append(
+            row
+            | {
+                "r": np.tanh(z),
+                "z": z,
+                "z_se": se,
+                "z_dof": dof,
+                "ci_low": np.tanh(z - half_width),
+                "ci_high": np.tanh(z + half_width),
+                "reason": "",
+            }
+        )
+    return pd.DataFrame(rows)
 
 
 def _combine_models(pair: pd.DataFrame, estimator: str) -> tuple[dict, np.ndarray]:
@@ -248,7 +292,7 @@ def _combine_models(pair: pd.DataFrame, estimator: str) -> tuple[dict, np.ndarra
         "i2": result.i2,
         "q": result.q,
         "q_p": result.q_p,
-        "welch_p": welch_test(z, variances, pair["n_runs"].to_numpy()[usable]),
+        "welch_p": welch_test(z, variances, pair["z_dof"].to_numpy()[usable] + 1.0),
         "n_agree": int((np.sign(z) == np.sign(result.mu)).sum()),
     }
     if result.k < 3:

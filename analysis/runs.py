@@ -40,7 +40,7 @@ from analysis.naming import ModelInfo, model_info
 # holds hundreds of runs on network storage, and a silent minute looks hung.
 PROGRESS_MIN_FILES = 50
 
-ACCURACY_COLUMNS = ("run", "model", "train_set", "seed", "shots", "step", "testset", "accuracy")
+ACCURACY_COLUMNS = ("run", "model", "train_set", "seed", "shots", "kind", "step", "testset", "accuracy")
 
 # The overview's `kind` of a run: trained (no schema.RUN_EVALUATED), or what `oodjax.evaluate` evaluated.
 TRAINED = "trained"
@@ -121,17 +121,21 @@ class RunRecord:
 
     @property
     def planned_steps(self) -> int | None:
-        """The config's train.steps, None when the config does not say or nothing was trained (its train.steps
-        was the config's, never run)."""
-        steps = (self.config.get("train") or {}).get("steps")
-        return None if steps is None or self.evaluated is not None else int(steps)
+        """The step a trained run ends at (`schema.planned_steps`); None for an evaluation-only run."""
+        return schema.planned_steps(self.config, self.evaluated)
 
     @property
     def finished(self) -> bool:
-        """Whether the last evaluation is at the planned last step; an evaluation-only run always is."""
+        """`schema.finished`: the one definition both commands use."""
+        return schema.finished(self.steps, self.config, self.evaluated)
+
+    @property
+    def progress(self) -> str:
+        """How far it got, in words: `last step 30 of 50`, or its kind for an evaluation-only run."""
         if self.evaluated is not None:
-            return True
-        return self.planned_steps is not None and int(self.steps[-1]) >= self.planned_steps
+            return self.kind
+        planned = "?" if self.planned_steps is None else self.planned_steps
+        return f"last step {int(self.steps[-1])} of {planned}"
 
 
 def find_runs(root: str | pathlib.Path) -> list[RunRecord]:
@@ -150,7 +154,7 @@ def scan_runs(root: str | pathlib.Path) -> tuple[list[RunRecord], list[SkippedFi
     training set, shots and seed, and the files left out.
 
     Unreadable files are left out (see the module docstring). A run found
-    more than once (same model, training set, seed and shots) is counted once
+    more than once (same model, training set, seed, shots and kind) is counted once
     when the copies are byte-identical, the others left out; copies that
     differ are an error naming them all. Runs that share a model name must
     share its family and size.
@@ -217,6 +221,7 @@ def model_order_key(run: RunRecord) -> tuple:
         run.train_set,
         run.shots,
         run.seed,
+        run.evaluated is not None,
         run.name,
     )
 
@@ -234,6 +239,7 @@ def accuracy_table(runs: Sequence[RunRecord]) -> pd.DataFrame:
                 train_set=run.train_set,
                 seed=run.seed,
                 shots=run.shots,
+                kind=run.kind,
             )
         )
     return pd.concat(frames, ignore_index=True)[list(ACCURACY_COLUMNS)]
@@ -408,19 +414,21 @@ def _evaluated(config: dict[str, Any], section: dict[str, Any], shots: int, step
 
 
 def _count_copies_once(runs: list[RunRecord]) -> tuple[list[RunRecord], list[SkippedFile]]:
-    """One run per identity (model, training set, seed, shots): byte-identical copies (a
+    """One run per identity (model, training set, seed, shots, and what was evaluated: an adapter
+    evaluated beside the trained run it came from shares the rest): byte-identical copies (a
     results root copied into itself) count once, the first in path order kept; copies that
     differ are an error, since which one the paper should rest on is the researcher's call."""
     by_identity: dict[tuple, list[RunRecord]] = {}
     for run in runs:
-        by_identity.setdefault((run.model, run.train_set, run.seed, run.shots), []).append(run)
+        by_identity.setdefault((run.model, run.train_set, run.seed, run.shots, run.kind), []).append(run)
     kept, copies = [], []
-    for (model, train_set, seed, shots), found in by_identity.items():
+    for (model, train_set, seed, shots, kind), found in by_identity.items():
         first, *others = found
         if any(not filecmp.cmp(first.path, other.path, shallow=False) for other in others):
-            places = ", ".join(f"{run.path} ({_progress(run)})" for run in found)
+            places = ", ".join(f"{run.path} ({run.progress})" for run in found)
             raise ResultsError(
-                f"run (model {model!r}, train set {train_set!r}, seed {seed}, {shots} shots) "
+                f"run (model {model!r}, train set {train_set!r}, seed {seed}, {shots} shots"
+                f"{'' if kind == TRAINED else ', ' + kind}) "
                 f"found {len(found)} times with different contents: {places}; keep one and "
                 "move the others out of the results root"
             )
@@ -430,13 +438,6 @@ def _count_copies_once(runs: list[RunRecord]) -> tuple[list[RunRecord], list[Ski
             for other in others
         ]
     return kept, copies
-
-
-def _progress(run: RunRecord) -> str:
-    if run.evaluated is not None:
-        return run.kind
-    planned = "?" if run.planned_steps is None else run.planned_steps
-    return f"last step {int(run.steps[-1])} of {planned}"
 
 
 def _check_one_model_per_name(runs: list[RunRecord]) -> None:

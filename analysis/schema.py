@@ -2,8 +2,9 @@
 
 The engine (oodjax/engine/results.py) writes `<output_dir>/<run_name>/metrics.npz`
 with these keys and the analysis reads them, so both import the names from
-here. This module must stay free of any import beyond the standard library:
-the analysis runs on a laptop without JAX.
+here; `finished` is the one definition of a finished run. This module must
+stay free of any import beyond the standard library: the analysis runs on a
+laptop without JAX.
 
 Layout of metrics.npz (S evaluation steps, K testsets, N_t examples of testset t):
 
@@ -50,6 +51,9 @@ metrics.npz stays the record the analysis reads; results.json is derived
 from it (plus the timings, versions and devices), one evaluation behind at
 most if a job dies between the two writes.
 """
+
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 STEP = "step"
 TESTSETS = "testsets"
@@ -106,6 +110,32 @@ EVALUATED_BASE = "base"  # the base model alone
 EVALUATED_ADAPTER = "adapter"  # the base model with one adapter of model.adapters
 EVALUATED_IN_CONTEXT = "in_context"  # the base model prompted with the run's few-shot set
 EVALUATED_KINDS = (EVALUATED_BASE, EVALUATED_ADAPTER, EVALUATED_IN_CONTEXT)
+# A trained run's own number of training steps, when the engine records it (runs of one
+# job may train for different lengths); without it, the config's train.steps.
+RUN_STEPS = "steps"
+TRAIN_SECTION = "train"
+TRAIN_STEPS = "steps"
+
+
+def planned_steps(config: Mapping[str, Any], evaluated: str | None) -> int | None:
+    """The step a trained run ends at: its run section's RUN_STEPS, else the config's train.steps;
+    None when the config says neither or nothing was trained (`evaluated` is one of EVALUATED_KINDS)."""
+    if evaluated is not None:
+        return None
+    steps = (config.get(RUN_SECTION) or {}).get(RUN_STEPS)
+    if steps is None:
+        steps = (config.get(TRAIN_SECTION) or {}).get(TRAIN_STEPS)
+    return None if steps is None else int(steps)
+
+
+def finished(steps: Sequence[int], config: Mapping[str, Any], evaluated: str | None) -> bool:
+    """What "finished" means, for every reader of results (analysis.runs and python -m analysis):
+    a trained run whose last evaluated step is its `planned_steps`; an evaluation-only run
+    (`evaluated` set) that has its evaluation."""
+    if evaluated is not None:
+        return len(steps) > 0
+    planned = planned_steps(config, evaluated)
+    return planned is not None and len(steps) > 0 and int(steps[-1]) == planned
 
 
 def margin_key(testset: str) -> str:

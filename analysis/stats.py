@@ -11,6 +11,15 @@ k + 1 is for least squares), taking the larger of the two fits (x's and
 y's) to stay conservative; it reduces to the linear formula when the spline
 is a straight line (edf = 2).
 
+Successive evaluation steps of a run are autocorrelated, and the t test above
+assumes independent rows: on null data with AR(1) noise of coefficient 0.85
+over 21 steps, 10% of its p are below 0.05. `autocorrelation=True` (what
+`python -m analysis` uses for its run-level rows) replaces n by an effective
+sample size from the residuals' lag-1 autocorrelations a_x and a_y,
+n_eff = n (1 - a_x a_y) / (1 + a_x a_y), at most n (Bartlett's variance of a
+correlation between two AR(1) series), in the degrees of freedom and the
+interval; on the same null data 6% of p fall below 0.05 (tests/test_analysis_autocorrelation.py).
+
 Undefined correlations (a column without any value, too few points, a
 constant column, a variable the covariates explain entirely) are NaN with a
 stated reason, never an error: in a sweep of hundreds of runs some testsets
@@ -46,14 +55,17 @@ PROBIT_CLIP = 1e-3
 
 CONFIDENCE = 0.95
 
-PAIR_COLUMNS = ("x", "y", "n", "r", "ci_low", "ci_high", "p", "p_adj", "dof", "reason")
+PAIR_COLUMNS = ("x", "y", "n", "r", "ci_low", "ci_high", "p", "p_adj", "n_eff", "dof", "reason")
 
 
 @dataclasses.dataclass(frozen=True)
 class PartialCorrelation:
-    """One partial correlation; `reason` says why r is NaN and is empty otherwise."""
+    """One partial correlation; `reason` says why r (or, for too few effective points, its p and
+    interval) is NaN and is empty otherwise; `n_eff` is the sample size its p and interval
+    assume (n unless corrected for autocorrelation)."""
 
     n: int
+    n_eff: float
     r: float
     ci_low: float
     ci_high: float
@@ -71,6 +83,7 @@ def partial_corr(
     residualiser: str = LINEAR,
     probit: bool = False,
     differences: bool = False,
+    autocorrelation: bool = False,
 ) -> PartialCorrelation:
     """Partial correlation of x and y given covar ([n] or [n, k]).
 
@@ -80,6 +93,8 @@ def partial_corr(
     "accuracy on the line" does. `differences=True` correlates first
     differences between successive rows (evaluation steps, in order), which
     removes the shared trend that makes successive steps autocorrelated.
+    `autocorrelation=True` takes rows as a series in step order and tests
+    with an effective sample size (module docstring).
     """
     _check_options(method, residualiser)
     x, y = _vector(x, "x"), _vector(y, "y")
@@ -96,6 +111,7 @@ def partial_corr(
         residualiser=residualiser,
         probit=probit,
         differences=differences,
+        autocorrelation=autocorrelation,
         residual_cache={},
     )
 
@@ -110,15 +126,16 @@ def pairwise_partial_corr(
     padjust: str = "holm",
     probit: bool = False,
     differences: bool = False,
+    autocorrelation: bool = False,
 ) -> pd.DataFrame:
     """Partial correlation of every pair of `columns` given `covar`, adjusted for multiplicity.
 
     `columns=None` takes every numeric column that is not a covariate. Rows
     with a missing value in x, y or a covariate are dropped per pair. Returns
     one row per pair with columns x, y, n, r, ci_low, ci_high, p, p_adj,
-    dof, reason; p_adj adjusts the finite p-values as one family (`padjust`:
-    holm, bonferroni, fdr_bh or none). With `differences=True` the rows of
-    `df` must be in step order.
+    n_eff, dof, reason; p_adj adjusts the finite p-values as one family
+    (`padjust`: holm, bonferroni, fdr_bh or none). With `differences=True`
+    or `autocorrelation=True` the rows of `df` must be in step order.
     """
     _check_options(method, residualiser)
     if not isinstance(df, pd.DataFrame):
@@ -146,6 +163,7 @@ def pairwise_partial_corr(
             residualiser=residualiser,
             probit=probit,
             differences=differences,
+            autocorrelation=autocorrelation,
             residual_cache=residual_cache,
         )
         rows.append({"x": x, "y": y} | dataclasses.asdict(result))
@@ -188,6 +206,7 @@ def _partial_corr(
     residualiser: str,
     probit: bool,
     differences: bool,
+    autocorrelation: bool,
     residual_cache: dict,
 ) -> PartialCorrelation:
     """Core of both public functions; `residual_cache` reuses fits across pairs."""
@@ -203,7 +222,7 @@ def _partial_corr(
     empty = [name for name, column in zip(names, table.T) if np.isnan(column).all()]
     if empty:
         return PartialCorrelation(
-            0, np.nan, np.nan, np.nan, np.nan, np.nan, f"no value in {', '.join(map(repr, empty))}: all NaN"
+            0, np.nan, np.nan, np.nan, np.nan, np.nan, np.nan, f"no value in {', '.join(map(repr, empty))}: all NaN"
         )
     if probit:
         table = np.column_stack([probit_transform(c, n) for c, n in zip(table.T, names)])
@@ -214,7 +233,7 @@ def _partial_corr(
     n, k = len(table), len(covariates)
 
     def undefined(reason: str) -> PartialCorrelation:
-        return PartialCorrelation(n, np.nan, np.nan, np.nan, np.nan, np.nan, reason)
+        return PartialCorrelation(n, np.nan, np.nan, np.nan, np.nan, np.nan, np.nan, reason)
 
     if n < k + 4:
         return undefined(f"too few points: n={n}, needs at least k + 4 = {k + 4}")
@@ -243,11 +262,36 @@ def _partial_corr(
 
     r = float(np.clip(np.corrcoef(residuals[0], residuals[1])[0, 1], -1.0, 1.0))
     effective_k = k if residualiser == LINEAR else max(edfs) - 1.0
-    dof = n - effective_k - 2.0
-    if dof <= 1.0:
+    if n - effective_k - 2.0 <= 1.0:
         return undefined(f"too few points for the spline's {max(edfs):.1f} effective parameters: n={n}")
+    n_eff = effective_sample_size(*residuals) if autocorrelation else float(n)
+    dof = n_eff - effective_k - 2.0
+    if dof <= 1.0:  # r stands; what it would take to test it is missing
+        return PartialCorrelation(
+            n,
+            n_eff,
+            r,
+            np.nan,
+            np.nan,
+            np.nan,
+            dof,
+            f"no test: n_eff={n_eff:.1f} of n={n} (autocorrelated steps), {effective_k + 1:.1f} effective parameters",
+        )
     ci_low, ci_high = fisher_interval(r, 1.0 / np.sqrt(dof - 1.0))
-    return PartialCorrelation(n, r, ci_low, ci_high, correlation_pvalue(r, dof), dof)
+    return PartialCorrelation(n, n_eff, r, ci_low, ci_high, correlation_pvalue(r, dof), dof)
+
+
+def effective_sample_size(x: np.ndarray, y: np.ndarray) -> float:
+    """n (1 - a_x a_y) / (1 + a_x a_y), at most n, with a the lag-1 autocorrelation of each series
+    (rows in order): how many independent pairs the correlation of x and y is worth when both
+    are AR(1) (Bartlett 1946). A negative product would claim more than n, hence the cap."""
+    product = _lag1_autocorrelation(x) * _lag1_autocorrelation(y)
+    return float(len(x) * (1.0 - product) / (1.0 + product)) if product > 0 else float(len(x))
+
+
+def _lag1_autocorrelation(series: np.ndarray) -> float:
+    centred = series - series.mean()
+    return float(centred[1:] @ centred[:-1] / (centred @ centred))
 
 
 def _check_options(method: str, residualiser: str) -> None:

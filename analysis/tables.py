@@ -35,6 +35,9 @@ MARKS = ((0.001, "***"), (0.01, "**"), (SIGNIFICANCE, "*"))
 SIGNIFICANCE_NOTE = "$^{*}p_{\\mathrm{adj}}<0.05$, $^{**}p_{\\mathrm{adj}}<0.01$, $^{***}p_{\\mathrm{adj}}<0.001$"
 # Marks a result whose sign or significance differs under the other residualiser.
 SENSITIVE_MARK = r"\dagger"
+# Marks a combined r without a test across runs: fewer than two runs define it, or all have the same r.
+UNTESTED_MARK = r"\circ"
+UNTESTED_NOTE = "fewer than two runs with an $r$ (or the same $r$ in each): no test across runs"
 # The column pair of a marked correlation (see the module docstring), and what spans it.
 MARKED_COLUMNS = "r@{}l"
 
@@ -49,6 +52,19 @@ def sensitivity_note(other_residualiser: str) -> str:
 
 def latex_escape(text: str) -> str:
     return "".join(_LATEX_SPECIALS.get(char, char) for char in str(text))
+
+
+def runs_per_cell(pairs: pd.DataFrame) -> tuple[str, float]:
+    """How many runs the defined cells of one group's `pairs` rest on, in words ("each cell the
+    mean of 2 runs", or "of 1 to 2 runs, its count in parentheses where fewer than 2"), and the
+    count below which a cell prints its own (0: none does)."""
+    counts = pairs.loc[pairs["r"].notna(), "n_runs"]
+    if counts.empty:
+        return "no cell defined", 0
+    low, high = int(counts.min()), int(counts.max())
+    if low == high:
+        return f"each cell the mean of {high} run{'s' * (high != 1)}", 0
+    return f"each cell the mean of {low} to {high} runs, its count in parentheses where fewer than {high}", high
 
 
 def significance_mark(p_adj: float) -> str:
@@ -74,10 +90,15 @@ def matrix_table(
     that a dash is never read as a zero or a typesetting slip. A dagger marks
     pairs whose result changes under `other_residualiser`.
     """
-    r, p_adj, sensitive = lower_triangle(pairs, testsets, ("r", "p_adj", SENSITIVE))
+    r, p_adj, sensitive, runs = lower_triangle(pairs, testsets, ("r", "p_adj", SENSITIVE, "n_runs"))
+    _, counted_below = runs_per_cell(pairs)
     rows = [
         [_name(name)]
-        + [cell for j in range(i + 1) for cell in _cell(r[i, j], p_adj[i, j], sensitive[i, j] == 1)]
+        + [
+            cell
+            for j in range(i + 1)
+            for cell in _cell(r[i, j], p_adj[i, j], sensitive[i, j] == 1, runs=runs[i, j], counted_below=counted_below)
+        ]
         + [""] * 2 * (len(r) - i - 1)
         for i, name in enumerate(testsets[1:])
     ]
@@ -86,8 +107,10 @@ def matrix_table(
     reasons = dict.fromkeys(reason.removeprefix(UNDEFINED_IN_EVERY_RUN) for reason in undefined["reason"])
     if np.isnan(r[np.tril_indices(len(r))]).sum() > len(undefined):
         reasons["no run evaluated both testsets"] = None
+    untested = pairs["r"].notna() & pairs["p_adj"].isna()
     notes = [
         "-- undefined in every run: " + "; ".join(map(latex_escape, reasons)) + "." if reasons else "",
+        f"${UNTESTED_MARK}$ {UNTESTED_NOTE}." if untested.any() else "",
         sensitivity_note(other_residualiser) if pairs[SENSITIVE].any() else "",
     ]
     return _table(caption, label, "l" + MARKED_COLUMNS * len(r), [_row(header)], rows, " ".join(filter(None, notes)))
@@ -280,13 +303,20 @@ def _spanning(text: str) -> str:
     return rf"\multicolumn{{2}}{{c}}{{{text}}}"
 
 
-def _cell(r: float, p_adj: float, sensitive: bool) -> list[str]:
+def _cell(r: float, p_adj: float, sensitive: bool, *, runs: float = np.nan, counted_below: float = 0) -> list[str]:
     """The two cells (MARKED_COLUMNS) of r: r to two decimals, then its significance marks
-    and, if `sensitive`, a dagger; one en dash over both when r is undefined."""
+    (UNTESTED_MARK where `runs` is given and p_adj is not), a dagger if `sensitive`, and
+    `runs` in parentheses when fewer than `counted_below`; one en dash over both when r is undefined."""
     if np.isnan(r):
         return [_spanning("--")]
-    marks = (significance_mark(p_adj) if not np.isnan(p_adj) else "") + (SENSITIVE_MARK if sensitive else "")
-    return [f"${r:.2f}$", f"$^{{{marks}}}$" if marks else ""]
+    untested = not np.isnan(runs) and np.isnan(p_adj)
+    marks = (
+        (significance_mark(p_adj) if not np.isnan(p_adj) else "")
+        + (UNTESTED_MARK if untested else "")
+        + (SENSITIVE_MARK if sensitive else "")
+    )
+    count = rf"\,({runs:.0f})" if runs < counted_below else ""
+    return [f"${r:.2f}$", (f"$^{{{marks}}}$" if marks else "") + count]
 
 
 def _interval(low: float, high: float) -> str:

@@ -136,6 +136,47 @@ def synthetic_accuracies(
     return np.clip(accuracy, 0.0, 1.0)
 
 
+def ar1_noise(rng: np.random.Generator, steps: int, series: int, coefficient: float) -> np.ndarray:
+    """[steps, series] independent stationary AR(1) series of unit variance."""
+    shocks = rng.normal(size=(steps, series)) * np.sqrt(1.0 - coefficient**2)
+    noise = np.empty_like(shocks)
+    noise[0] = rng.normal(size=series)
+    for t in range(1, steps):
+        noise[t] = coefficient * noise[t - 1] + shocks[t]
+    return noise
+
+
+def autocorrelated_accuracies(
+    rng: np.random.Generator,
+    steps: np.ndarray,
+    testsets: list[str],
+    in_domain: str,
+    *,
+    coefficient: float,
+    shared: float,
+) -> np.ndarray:
+    """[steps, testsets] accuracies whose every noise is AR(1) with `coefficient` over the steps:
+    in-domain a learning curve, each OOD testset a tanh of it plus its own noise, and a share
+    `shared` of that noise's variance common to all OOD testsets (0: OOD testsets independent
+    given in-domain accuracy; then every partial correlation is truly 0)."""
+    progress = 1.0 - np.exp(-steps / (0.3 * steps[-1] + 1.0))
+    in_domain_accuracy = 0.5 + 0.35 * progress + 0.015 * ar1_noise(rng, len(steps), 1, coefficient)[:, 0]
+    ood = [t for t in testsets if t != in_domain]
+    own = ar1_noise(rng, len(steps), len(ood), coefficient)
+    common = ar1_noise(rng, len(steps), 1, coefficient)
+    noise = np.sqrt(1.0 - shared) * own + np.sqrt(shared) * common
+    accuracy = np.empty((len(steps), len(testsets)))
+    for j, name in enumerate(testsets):
+        if name == in_domain:
+            accuracy[:, j] = in_domain_accuracy
+        else:
+            slope = 0.05 + 0.02 * ood.index(name)
+            accuracy[:, j] = (
+                0.55 + slope * np.tanh(8.0 * (in_domain_accuracy - 0.65)) + 0.02 * noise[:, ood.index(name)]
+            )
+    return accuracy
+
+
 def write_results_root(
     root: pathlib.Path,
     *,

@@ -113,7 +113,11 @@ def test_tables_compile_with_pdflatex(analysed, tmp_path):
     assert "ANLI R3" in matrix and "SciTail" in matrix and "anli" not in matrix  # display names
     assert "training set" not in matrix.split(r"\midrule")[1]  # training-set accuracy is not OOD
     meta = (out / "tables" / "meta_analysis_all-training-sets.tex").read_text()
-    assert "REML $\\tau^2$" in meta and "4 models and training sets" in meta
+    assert (
+        "REML $\\tau^2$" in meta
+        and "2 models, each its runs' mean" in meta
+        and "averaged over its training sets" in meta
+    )
     header, body = meta.split(r"\midrule")[0].splitlines()[-1], meta.split(r"\midrule")[1]
     assert header.startswith(r"Pair & $k$ & \multicolumn{2}{c}{$r$} & 95\% CI & 95\% PI & $\tau^2$")
     assert header.endswith(r"& Agree & \multicolumn{2}{c}{$r$ (linear)} \\")
@@ -153,7 +157,7 @@ def test_marks_sit_beside_the_numbers_so_that_decimal_points_align(analysed):
 
 def test_names_without_a_display_name_are_escaped():
     pairs = pd.DataFrame(
-        [("hans", "my_set", 0.5, 0.01, "", False)], columns=["x", "y", "r", "p_adj", "reason", SENSITIVE]
+        [("hans", "my_set", 0.5, 0.01, "", False, 2)], columns=["x", "y", "r", "p_adj", "reason", SENSITIVE, "n_runs"]
     )
     latex = tables.matrix_table(pairs, ["hans", "my_set"], caption="c", label="l", other_residualiser="linear")
     assert r"my\_set &" in latex and "HANS" in latex
@@ -179,13 +183,15 @@ def test_csv_holds_each_run_and_the_combination_of_runs(analysed):
 
     assert set(table["residualiser"]) == {"spline"}  # the default
 
-    # Run level: the pairwise partial correlations of that run's steps.
+    # Run level: the pairwise partial correlations of that run's steps, tested as a series.
     run = runs[runs["run"] == "SmolLM2-135M_snli_seed42_shots64"]
     accuracy, in_domain = read_accuracy(results / run["run"].iloc[0] / schema.METRICS_FILENAME)
     assert in_domain == "snli"
     ood = [t for t in accuracy.columns if t not in ("snli", "train")]
-    expected = pairwise_partial_corr(accuracy, ood, "snli", residualiser="spline")
+    expected = pairwise_partial_corr(accuracy, ood, "snli", residualiser="spline", autocorrelation=True)
     np.testing.assert_allclose(run["r"], expected["r"], atol=1e-12, rtol=0)
+    np.testing.assert_allclose(run["n_eff"], expected["n_eff"], atol=1e-12, rtol=0)
+    assert (run["n_eff"] <= run["n"]).all() and (run["n_eff"] < run["n"]).any()
     np.testing.assert_allclose(run["p_adj"], expected["p_adj"], atol=1e-12, rtol=0)
 
     # Group level: Fisher-z mean, t interval and t test across runs, holm over pairs.
@@ -212,7 +218,8 @@ def test_csv_holds_each_run_and_the_combination_of_runs(analysed):
 
 def test_meta_analysis_combines_the_models_of_the_csv(analysed):
     """Each pooled row of meta_analysis.csv is the random-effects combination of the model
-    rows of partial_correlations.csv (their z and z_se), per training set and over both."""
+    rows of partial_correlations.csv (their z and z_se), per training set and, each model's
+    training sets averaged into one effect, over both."""
     _, out, _ = analysed
     groups = pd.read_csv(out / CSV_NAME, keep_default_na=False, na_values=[""])
     groups = groups[groups["level"] == "group"]
@@ -226,9 +233,11 @@ def test_meta_analysis_combines_the_models_of_the_csv(analysed):
         pair = scoped[
             ((scoped["x"] == row.x) & (scoped["y"] == row.y)) | ((scoped["x"] == row.y) & (scoped["y"] == row.x))
         ]
-        expected = random_effects(pair["z"].to_numpy(), pair["z_se"].to_numpy() ** 2)
-        in_domain = {"mnli", "snli"} & {row.x, row.y}  # OOD only when trained on the other
-        assert row.k == len(pair) == (4 if row.scope == ALL_TRAIN_SETS and not in_domain else 2)
+        per_model = pair.assign(v=pair["z_se"] ** 2).groupby("model", sort=False)
+        expected = random_effects(
+            per_model["z"].mean().to_numpy(), (per_model["v"].sum() / per_model.size() ** 2).to_numpy()
+        )
+        assert row.k == len(MODELS) == 2
         assert (row.r, row.ci_low, row.ci_high) == pytest.approx(
             tuple(np.tanh([expected.mu, expected.ci_low, expected.ci_high])), abs=1e-9
         )
@@ -298,9 +307,18 @@ def test_options_reach_every_run(tmp_path, capsys):
     accuracy, _ = read_accuracy(results / run["run"].iloc[0] / schema.METRICS_FILENAME)
     ood = [t for t in accuracy.columns if t not in ("mnli", "train")]
     expected = pairwise_partial_corr(
-        accuracy, ood, "mnli", residualiser="linear", method="spearman", padjust="fdr_bh", probit=True, differences=True
+        accuracy,
+        ood,
+        "mnli",
+        residualiser="linear",
+        method="spearman",
+        padjust="fdr_bh",
+        probit=True,
+        differences=True,
+        autocorrelation=True,
     )
     assert (run["n"] == 20).all()  # 21 steps, 20 differences
+    np.testing.assert_allclose(run["n_eff"], expected["n_eff"], atol=1e-12, rtol=0)
     np.testing.assert_allclose(run["r"], expected["r"], atol=1e-12, rtol=0)
     np.testing.assert_allclose(run["dof"], expected["dof"], atol=1e-12, rtol=0)
     np.testing.assert_allclose(run["p_adj"], expected["p_adj"], atol=1e-12, rtol=0)
@@ -310,7 +328,7 @@ def test_options_reach_every_run(tmp_path, capsys):
     meta = pd.read_csv(tmp_path / "out" / META_CSV_NAME)
     assert set(meta["estimator"]) == {"dl"} and set(meta["residualiser"]) == {"linear"}
     assert "DerSimonian-Laird $\\tau^2$" in (tmp_path / "out" / "tables" / "meta_analysis_mnli.tex").read_text()
-    assert "mean over 2 runs of 21 evaluation steps" in caption
+    assert "from 2 runs of 21 evaluation steps: each cell the mean of 2 runs, on the Fisher $z$ scale" in caption
     assert "(Benjamini-Hochberg)" in caption
 
 
@@ -341,10 +359,12 @@ def test_runs_too_short_for_correlations_give_reasons_not_numbers(tmp_path, caps
 
 
 def good_run(directory: pathlib.Path, **changes) -> pathlib.Path:
+    """A run of 6 steps and 3 testsets, its accuracies drawn with its seed (runs that differ, so that a pair
+    can be tested across them)."""
     arguments = dict(
         steps=np.arange(6),
         testsets=["mnli", "hans", "rte"],
-        accuracy=np.random.default_rng(0).uniform(size=(6, 3)),
+        accuracy=np.random.default_rng(changes.get("seed", 0)).uniform(size=(6, 3)),
         in_domain="mnli",
         model="opt-125m",
         seed=0,
@@ -469,8 +489,9 @@ def test_no_figure_is_cut_off_and_every_text_is_readable(shipped, tmp_path):
     testsets and a long note (the smallest: a heatmap of one cell), measured as it was saved."""
     _, _, layouts = shipped
     assert len(layouts) == 16 * 3 + 2 + 1 + 3
+    accuracy = np.random.default_rng(0).uniform(size=(6, 3))
     for seed in (0, 1, 2):  # three runs of the same accuracies: daggers, and their note
-        good_run(tmp_path / "results" / f"run{seed}", seed=seed)
+        good_run(tmp_path / "results" / f"run{seed}", seed=seed, accuracy=accuracy)
     smallest_layouts = analyse_and_measure(tmp_path / "results", tmp_path / "out")
     assert (
         r"\dagger$ sign or significance differs"
@@ -515,7 +536,8 @@ def test_summary_orders_families_and_sizes_read_from_the_configs(shipped):
 def test_accuracies_are_written_in_long_form_as_csv_and_parquet(shipped):
     results, out, _ = shipped
     table = pd.read_csv(out / "accuracies.csv")
-    assert list(table.columns) == ["run", "model", "train_set", "seed", "shots", "step", "testset", "accuracy"]
+    assert list(table.columns) == ["run", "model", "train_set", "seed", "shots", "kind", "step", "testset", "accuracy"]
+    assert set(table["kind"]) == {"trained"}
     pd.testing.assert_frame_equal(pd.read_parquet(out / "accuracies.parquet"), table, check_dtype=False)
     run = table[table["run"] == "opt2.7_snli_seed0_shots64"]
     assert set(run[["model", "train_set", "seed", "shots"]].itertuples(index=False)) == {("opt2.7", "snli", 0, 64)}
@@ -552,7 +574,9 @@ def test_hub_ids_as_model_names_get_safe_file_names(tmp_path, capsys):
 def test_names_whose_files_would_collide_are_an_error(tmp_path, capsys, names, message):
     results = tmp_path / "results"
     for index, name in enumerate(names):
-        good_run(results / f"run{index}", model=name, config={"model": {"path": "facebook/opt-125m"}})
+        good_run(
+            results / f"run{index}", model=name, config={"model": {"path": "facebook/opt-125m"}, "train": {"steps": 5}}
+        )
     assert main([str(results), "--out", str(tmp_path / "out")]) == 2
     assert re.search(message, capsys.readouterr().err)
     assert not (tmp_path / "out").exists()
@@ -586,7 +610,9 @@ def test_a_column_without_any_accuracy_gives_reasons_and_every_file(tmp_path, ca
     assert set(involved.loc[involved["level"] == "group", "reason"]) == {f"undefined in every run: {reason}"}
     assert table.drop(involved.index)["r"].notna().all()
     matrix = (tmp_path / "out" / "tables" / "matrix_opt-125m_mnli.tex").read_text()
-    assert rf"\footnotesize -- undefined in every run: {reason}.}}" in matrix
+    # Both runs have the same accuracies: where r is defined (no OOD testset missing), it has no test.
+    untested = r" $\circ$ fewer than two runs" if empty != "mnli" else "}"
+    assert rf"\footnotesize -- undefined in every run: {reason}.{untested}" in matrix
     summary = (tmp_path / "out" / "tables" / "summary.tex").read_text()
     assert ("no pair of testsets has a partial correlation in any run" in summary) == (empty == "mnli")
     compiled = subprocess.run(
@@ -605,11 +631,11 @@ def test_the_matrix_note_gives_each_reason_once_and_pairs_never_evaluated():
     empty = "undefined in every run: no value in 'paws': all NaN"
     pairs = pd.DataFrame(
         [
-            ("hans", "rte", 0.5, 0.01, "", False),
-            ("hans", "paws", np.nan, np.nan, empty, False),
-            ("rte", "paws", np.nan, np.nan, empty, False),
+            ("hans", "rte", 0.5, 0.01, "", False, 2),
+            ("hans", "paws", np.nan, np.nan, empty, False, 0),
+            ("rte", "paws", np.nan, np.nan, empty, False, 0),
         ],
-        columns=["x", "y", "r", "p_adj", "reason", SENSITIVE],
+        columns=["x", "y", "r", "p_adj", "reason", SENSITIVE, "n_runs"],
     )  # no run has anli_r3 beside the others
     latex = tables.matrix_table(
         pairs, ["hans", "rte", "paws", "anli_r3"], caption="c", label="l", other_residualiser="linear"
@@ -749,3 +775,112 @@ def test_out_where_a_file_is_is_an_error_before_any_work(tmp_path, capsys, make_
     assert main([str(tmp_path / "no-results"), "--out", str(make_out(tmp_path))]) == 2
     assert capsys.readouterr().err == f"error: {message.format(tmp=tmp_path)}\n"
     assert snapshot(tmp_path) == before
+
+
+def test_unfinished_runs_are_named_and_left_out_unless_asked_for(tmp_path, capsys):
+    """Issue 41: `python -m analysis.runs`' definition of finished (here: last step 5 of 10)."""
+    results = tmp_path / "results"
+    two_runs(results)
+    stopped = good_run(
+        results / "job2" / "run2", seed=2, config={"model": {"path": "opt-125m"}, "train": {"steps": 10}}
+    )
+    assert main([str(results), "--out", str(tmp_path / "out")]) == 0
+    captured = capsys.readouterr()
+    assert captured.err.splitlines() == [
+        f"warning: {stopped}: unfinished, last step 5 of 10; left out (--include-unfinished)"
+    ]
+    assert captured.out.startswith(f"analysed 2 runs under {results} (1 unfinished left out, see the warnings); ")
+    table = pd.read_csv(tmp_path / "out" / CSV_NAME)
+    assert set(table["run"].dropna()) == {"run0", "run1"}
+    assert set(pd.read_csv(tmp_path / "out" / "accuracies.csv")["run"]) == {"run0", "run1"}
+    summary = (tmp_path / "out" / "tables" / "summary.tex").read_text()
+    assert "left out, unfinished: run2 (last step 5 of 10)." in summary
+
+    assert main([str(results), "--out", str(tmp_path / "all"), "--include-unfinished"]) == 0
+    captured = capsys.readouterr()
+    assert captured.err.splitlines() == [
+        f"warning: {stopped}: unfinished, last step 5 of 10; analysed (--include-unfinished)"
+    ]
+    assert captured.out.startswith(f"analysed 3 runs under {results}; ")
+    assert set(pd.read_csv(tmp_path / "all" / CSV_NAME)["run"].dropna()) == {"run0", "run1", "run2"}
+    assert "including, unfinished: run2" in (tmp_path / "all" / "tables" / "summary.tex").read_text()
+
+
+def test_a_root_of_unfinished_runs_only_is_one_line(tmp_path, capsys):
+    results = tmp_path / "results"
+    for seed in (0, 1):
+        good_run(results / f"run{seed}", seed=seed, config={"model": {"path": "opt-125m"}, "train": {"steps": 50}})
+    assert main([str(results), "--out", str(tmp_path / "out")]) == 2
+    error = capsys.readouterr().err.splitlines()
+    assert error[-1] == (
+        f"error: no finished trained run under {results} to correlate across steps: "
+        "2 unfinished (--include-unfinished analyses them)"
+    )
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_adapter_evaluated_beside_its_trained_runs_is_analysed_with_them(tmp_path, capsys):
+    """Issue 44: its accuracies go into accuracies.csv (kind named); one evaluation has no correlation across
+    steps, so the trained runs alone make the correlations."""
+    results = tmp_path / "results"
+    trained = two_runs(results)[0]
+    adapter = good_run(results / "eval" / "run0", steps=np.array([0]), accuracy=np.full((1, 3), 0.7))
+    replace_npz_key(
+        adapter,
+        schema.CONFIG,
+        np.asarray(
+            json.dumps(
+                {
+                    "model": {"path": "opt-125m"},
+                    "run": {"model": "opt-125m", "seed": 0, "shots": 32, "evaluated": "adapter"},
+                }
+            )
+        ),
+    )
+    assert main([str(results), "--out", str(tmp_path / "out")]) == 0
+    captured = capsys.readouterr()
+    assert captured.err == ""
+    assert captured.out.startswith(f"analysed 2 runs under {results} (1 evaluation-only in the accuracies only); ")
+    accuracies = pd.read_csv(tmp_path / "out" / "accuracies.csv")
+    assert accuracies.groupby("kind")["step"].count().to_dict() == {"evaluated (adapter)": 3, "trained": 36}
+    table = pd.read_csv(tmp_path / "out" / CSV_NAME)
+    assert set(table["run"].dropna()) == {"run0", "run1"} and trained.parent.name == "run0"
+    assert table.loc[table["level"] == "group", "n_runs"].tolist() == [2]
+
+
+def test_every_cell_says_how_many_runs_it_rests_on_and_whether_it_is_tested(tmp_path, capsys):
+    """Issue 41: one of two runs never evaluated PAWS, so PAWS's pairs rest on one run (no test) and the other
+    on two; the caption no longer says "mean over 2 runs" of every cell."""
+    results = tmp_path / "results"
+    accuracy = np.random.default_rng(0).uniform(size=(6, 4))
+    good_run(results / "run0", testsets=["mnli", "hans", "rte", "paws"], accuracy=accuracy)
+    accuracy[:, 3] = np.nan
+    good_run(results / "run1", seed=1, testsets=["mnli", "hans", "rte", "paws"], accuracy=accuracy[:, [0, 2, 1, 3]])
+    assert main([str(results), "--out", str(tmp_path / "out")]) == 0
+    assert capsys.readouterr().err == ""
+    groups = pd.read_csv(tmp_path / "out" / CSV_NAME).query("level == 'group'").set_index(["x", "y"])
+    assert groups["n_runs"].to_dict() == {("hans", "rte"): 2, ("hans", "paws"): 1, ("rte", "paws"): 1}
+    matrix = (tmp_path / "out" / "tables" / "matrix_opt-125m_mnli.tex").read_text()
+    assert "each cell the mean of 1 to 2 runs, its count in parentheses where fewer than 2" in matrix
+    body = matrix.split(r"\midrule")[1].split(r"\bottomrule")[0]
+    assert body.count(r"$^{\circ}$\,(1)") == 2 and body.count(r"\,(") == 2
+    assert r"$\circ$ fewer than two runs with an $r$ (or the same $r$ in each): no test across runs." in matrix
+    runs = find_runs(results)
+    pairs = combine_runs(all_run_pairs(runs, residualiser="spline")).assign(**{SENSITIVE: False})
+    heatmap = figures.correlation_heatmap(pairs, ["hans", "rte", "paws"], padjust="holm", title="t", note="n")
+    texts = [text.get_text() for text in heatmap.findobj(matplotlib.text.Text)]
+    assert sum(text.endswith("\u00b0(1)") for text in texts) == 2
+    assert any("each cell the mean of 1 to 2 runs" in text for text in texts)
+    assert any("\u00b0 no test across runs" in text for text in texts)
+
+
+def test_a_root_where_nothing_can_be_tested_says_so_in_one_line(tmp_path, capsys):
+    results = tmp_path / "results"
+    good_run(results / "run0")
+    assert main([str(results), "--out", str(tmp_path / "out")]) == 0
+    assert capsys.readouterr().err.splitlines() == [
+        "warning: nothing can be tested across runs: no pair of any model and training set has two runs with "
+        "different r; tables and figures show r without significance"
+    ]
+    matrix = (tmp_path / "out" / "tables" / "matrix_opt-125m_mnli.tex").read_text()
+    assert "each cell the mean of 1 run, on the Fisher" in matrix and r"$^{\circ}$" in matrix

@@ -305,15 +305,26 @@ def test_meta_analysis_combines_each_models_runs_with_their_variance():
         chosen = runs[(runs["model"] != "solo") & ((runs["train_set"] == row.scope) | (row.scope == ALL_TRAIN_SETS))]
         chosen = chosen[[{x, y} == {row.x, row.y} for x, y in zip(chosen["x"], chosen["y"])]]
         z = chosen.assign(z=np.arctanh(chosen["r"])).groupby(["model", "train_set"])["z"]
-        expected = random_effects(z.mean().to_numpy(), (z.var(ddof=1) / z.count()).to_numpy())
-        assert row.k == expected.k == (6 if row.scope == ALL_TRAIN_SETS else 3)
-        assert row.n_left_out == (2 if row.scope == ALL_TRAIN_SETS else 1)
+        effects, variances = z.mean(), z.var(ddof=1) / z.count()
+        if row.scope == ALL_TRAIN_SETS:  # one effect per model: its training sets' mean, their variances' mean / 2
+            effects, variances = effects.groupby(level="model").mean(), variances.groupby(level="model").sum() / 4
+            counts = (
+                variances**2 * 16 / ((z.var(ddof=1) / z.count()) ** 2 / (z.count() - 1)).groupby(level="model").sum()
+            )
+            assert row.welch_p == pytest.approx(welch_test(effects, variances, counts + 1), abs=1e-12)
+        expected = random_effects(effects.to_numpy(), variances.to_numpy())
+        assert row.k == expected.k == 3
+        assert row.n_left_out == 1
         assert row.r == pytest.approx(np.tanh(expected.mu), abs=1e-12)
         assert (row.ci_low, row.ci_high, row.pi_low, row.pi_high) == pytest.approx(
             tuple(np.tanh([expected.ci_low, expected.ci_high, expected.pi_low, expected.pi_high])), abs=1e-12
         )
         assert (row.tau2, row.i2, row.q) == pytest.approx((expected.tau2, expected.i2, expected.q), abs=1e-12)
-        assert row.n_agree == np.sum(np.sign(z.mean()) == np.sign(expected.mu))
+        assert row.n_agree == np.sum(np.sign(effects) == np.sign(expected.mu))
+    # Issue 41: over both training sets, k counts the 4 base models (3 pooled, "solo" left out), not 8 groups.
+    everything = members[(members["scope"] == ALL_TRAIN_SETS) & (members["x"] == "hans") & (members["y"] == "paws")]
+    assert list(zip(everything["model"], everything["train_set"])) == [(m, ALL_TRAIN_SETS) for m in mnli["model"]]
+    assert everything["n_runs"].tolist() == [18, 18, 18, 2]
     family = pooled[pooled["scope"] == "mnli"]
     np.testing.assert_allclose(family["p_adj"], pingouin.multicomp(family["p"].to_numpy(), method="holm")[1])
 

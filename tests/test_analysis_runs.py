@@ -373,3 +373,61 @@ def test_evaluation_only_runs_are_listed_as_such_not_as_unfinished(results, caps
     with_run_section(base, **{schema.RUN_EVALUATED: "trained twice"})
     with pytest.raises(runs.ResultsError, match=r"run\.evaluated is 'trained twice', not one of \['base', "):
         runs.load_run(base)
+
+
+def test_an_adapter_evaluated_beside_its_trained_run_is_a_run_of_its_own(results, capsys):
+    """Issue 44: `oodjax.evaluate` of a run's adapter keeps that run's model, seed and shots, in a job folder
+    of its own under the same root; both are listed, neither refused as a copy of the other."""
+    trained = results / "opt-125m_mnli_seed0_shots32" / schema.METRICS_FILENAME
+    adapter = write_run(
+        results / "opt-125m-eval" / "opt-125m_mnli_seed0_shots32",
+        steps=np.array([0]),
+        testsets=["mnli", "hans", "rte"],
+        accuracy=np.full((1, 3), 0.7),
+        in_domain="mnli",
+        model="opt-125m",
+        seed=0,
+        shots=32,
+        config={"model": {"path": "facebook/opt-125m", "adapters": [str(trained.parent / "adapter")]}},
+    )
+    with_run_section(adapter, **{schema.RUN_EVALUATED: schema.EVALUATED_ADAPTER})
+    found, skipped = runs.scan_runs(results)
+    assert skipped == []
+    assert [(run.path, run.kind) for run in found if run.seed == 0] == [
+        (trained, "trained"),
+        (adapter, "evaluated (adapter)"),
+    ]
+    assert runs.main([str(results)]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == "4 runs, 3 finished (1 evaluation-only), 1 not"
+    # Two evaluations of the same adapter that differ are still one run twice: an error naming the kind.
+    write_run(
+        results / "again" / "opt-125m_mnli_seed0_shots32",
+        steps=np.array([0]),
+        testsets=["mnli", "hans", "rte"],
+        accuracy=np.full((1, 3), 0.6),
+        in_domain="mnli",
+        model="opt-125m",
+        seed=0,
+        shots=32,
+    )
+    with_run_section(results / "again" / "opt-125m_mnli_seed0_shots32" / schema.METRICS_FILENAME, evaluated="adapter")
+    with pytest.raises(runs.ResultsError, match=r"seed 0, 32 shots, evaluated \(adapter\)\) found 2 times"):
+        runs.scan_runs(results)
+
+
+@pytest.mark.parametrize(
+    ("train_steps", "run_steps", "finished"),
+    [(50, None, True), (100, None, False), (100, 50, True), (50, 100, False), (25, None, False)],
+)
+def test_finished_is_the_last_step_the_run_itself_planned(tmp_path, train_steps, run_steps, finished):
+    """A run's own total (config run.steps, when runs of a job train for different lengths), else train.steps;
+    a last step past it is no finish either (the run was planned otherwise)."""
+    path = good_metrics(
+        tmp_path / "run", steps=STEPS[:3], accuracy=np.full((3, 3), 0.6), config={"train": {"steps": train_steps}}
+    )
+    if run_steps is not None:
+        with_run_section(path, steps=run_steps)
+    run = runs.load_run(path)
+    assert (run.finished, run.planned_steps) == (finished, run_steps or train_steps)
+    overview = runs.runs_overview([run])
+    assert overview["finished"].tolist() == [finished]
