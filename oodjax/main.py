@@ -24,7 +24,7 @@ import datasets
 from absl import logging
 from ml_collections import config_dict
 
-from oodjax import config_cli, storage
+from oodjax import config_cli, storage, versions
 from oodjax.engine import distributed, loop, preemption
 from oodjax.job import resolve
 
@@ -49,6 +49,7 @@ def start_process() -> None:
         logging.info("process %d of %d (layout from %s)", layout.process_id, layout.num_processes, layout.source)
         if not distributed.is_primary():
             logging.set_verbosity(logging.WARNING)  # process 0 logs progress; the others only problems
+    versions.warn_if_unpinned()
 
 
 def main(config: config_dict.ConfigDict) -> None:
