@@ -96,7 +96,9 @@ def demo_check(runs: int, workdir: pathlib.Path, smoke: bool) -> tuple[str, bool
         for testset in json.loads(path.read_text())[schema.RESULTS_PER_TESTSET].values()
     ]
     complete = all((path.parent / schema.METRICS_FILENAME).is_file() for path in written)
-    ok = len(written) == runs and complete and all(math.isfinite(a) for a in accuracies)
+    ok = (
+        len(written) == runs and complete and all(a is not None and math.isfinite(a) for a in accuracies)
+    )  # NaN is null
     attention = flash_attention.resolve("auto")
     head = config.model.hf_config
     shape = jax.ShapeDtypeStruct(
