@@ -1,14 +1,21 @@
-"""`python -m benchmarks [--quick] [--smoke] [--out FILE] [--cases A,B] [--device gpu [--remat P] [--grad-accum N]]`.
+"""`python -m benchmarks [--quick] [--smoke] [--out FILE] [--cases A,B] [--device gpu [--phases A,B] [...]]`.
 
 Runs the cases against PyTorch + PEFT, each contender in a process of its
 own taking turns (``benchmarks.harness``), and writes FILE (default
 benchmarks/results.json in full mode, results-quick.json / results-smoke.json
 otherwise) and the same report as markdown beside it (FILE with .md).
-``--device gpu`` runs ``benchmarks.case_device`` instead, the study's 9 runs
+``--device gpu [--phases A,B] [--remat P] [--grad-accum N]`` runs ``benchmarks.case_device`` instead, the study's 9 runs
 at SmolLM3-3B's shape on one GPU (results-gpu.json; with --smoke, tiny, on
 any backend: results-gpu-smoke.json). ``--remat`` and ``--grad-accum`` change
 its train step's layout (``settings.DeviceMode``'s remat and grad_accum), to
 try another on a machine with the room; give such a run its own --out.
+``--phases`` (with --device gpu) picks among oodjax (its training and
+evaluation timed), agreement (its attention paths' margins) and pytorch
+(PyTorch's runs, in a process of their own); a line on stderr marks each
+phase's start and end with an estimate of what is left, and FILE is
+rewritten after every phase, so a run cut short keeps what it measured.
+Both modes record the JAX stack's versions against the pins and warn in one
+line where they differ (``oodjax.versions``).
 """
 
 from __future__ import annotations
@@ -24,9 +31,12 @@ import tempfile
 import time
 
 from benchmarks import environment, report, settings
+from oodjax import storage
 
 HERE = pathlib.Path(__file__).resolve().parent
 CASES = ("eval", "train", "loading", "grid")  # the matmul peak always runs: the others are fractions of it
+# benchmarks.case_device.PHASES, spelled out for the same reason as REMAT_CHOICES (the tests check they agree).
+PHASES = ("oodjax", "agreement", "pytorch")
 # oodjax.models.layers.REMAT_POLICIES' names, spelled out: importing it would import JAX before
 # benchmarks.environment configures it (tests/test_benchmarks_smoke.py checks the two agree).
 REMAT_CHOICES = ("full", "none", "save_dots", "save_dots_except_mlp")
@@ -60,9 +70,19 @@ def parse(argv: list[str]) -> argparse.Namespace:
         default=None,
         help=f"with --device gpu: micro-batches a training step (default 1; must divide {settings.TRAIN_BATCH})",
     )
+    parser.add_argument(
+        "--phases",
+        default=None,
+        help=f"with --device gpu: a comma-separated subset of {','.join(PHASES)} (default all; agreement needs oodjax)",
+    )
     args = parser.parse_args(argv)
-    if args.device != "gpu" and (args.remat is not None or args.grad_accum is not None):
-        parser.error("--remat and --grad-accum apply to --device gpu only")
+    if args.device != "gpu" and (args.remat is not None or args.grad_accum is not None or args.phases is not None):
+        parser.error("--remat, --grad-accum and --phases apply to --device gpu only")
+    args.phases = [p for p in (args.phases or ",".join(PHASES)).split(",") if p]
+    if sorted(set(args.phases) - set(PHASES)) or not args.phases:
+        parser.error(f"--phases takes a comma-separated subset of {','.join(PHASES)}, got {','.join(args.phases)!r}")
+    if "agreement" in args.phases and "oodjax" not in args.phases:
+        parser.error("--phases agreement compares the runs the oodjax phase trains: add oodjax")
     if args.grad_accum is not None and (args.grad_accum < 1 or settings.TRAIN_BATCH % args.grad_accum):
         parser.error(f"--grad-accum must divide the batch of {settings.TRAIN_BATCH} examples, got {args.grad_accum}")
     args.cases = [c for c in args.cases.split(",") if c]
@@ -78,17 +98,30 @@ def main(argv: list[str]) -> None:
     mode = device_mode(args) if accelerator else settings.mode(args.quick, args.smoke)
     out = args.out or HERE / ("results.json" if mode.name == "full" else f"results-{mode.name}.json")
     started = time.perf_counter()
+    command = shlex.join(["python", "-m", "benchmarks", *argv])
+
+    def save(results: dict) -> None:
+        """Writes ``results`` as they stand (after every --device gpu phase, and at the end)."""
+        results.update(command=command, finished=datetime.datetime.now().isoformat(timespec="seconds"))
+        results["wall_s"] = time.perf_counter() - started
+        for path, text in (
+            (out, json.dumps(results, indent=1) + "\n"),
+            (out.with_suffix(".md"), report.markdown(results)),
+        ):
+            storage.write_atomic(path, lambda file, text=text: file.write(text.encode()), intact="the earlier file")
+
     with tempfile.TemporaryDirectory(prefix="oodjax-bench-") as tmp:
         workdir = pathlib.Path(tmp)
         environment.configure(workdir / "tokenized-cache", accelerator=accelerator)
-        results = run_device(mode) if accelerator else run(mode, args.cases, workdir)
-    results["command"] = shlex.join(["python", "-m", "benchmarks", *argv])
-    results["finished"] = datetime.datetime.now().isoformat(timespec="seconds")
-    results["wall_s"] = time.perf_counter() - started
+        from oodjax import versions
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=1) + "\n")
-    out.with_suffix(".md").write_text(report.markdown(results))
+        stack = {**versions.running(), "pins": versions.pins(), "differs": versions.warn_if_unpinned()}
+        if accelerator:
+            results = run_device(mode, args.phases, out, lambda partial: save({**partial, "versions": stack}))
+        else:
+            results = run(mode, args.cases, workdir)
+    results["versions"] = stack
+    save(results)
     print(report.markdown(results))
     print(f"wrote {out} and {out.with_suffix('.md')}")
 
@@ -100,15 +133,25 @@ def device_mode(args: argparse.Namespace) -> settings.DeviceMode:
     return dataclasses.replace(mode, **{field: value for field, value in given.items() if value is not None})
 
 
-def run_device(mode: settings.DeviceMode) -> dict:
-    """The --device gpu cases (``benchmarks.case_device``)."""
-    import torch
-
+def run_device(mode: settings.DeviceMode, phases: list[str], out: pathlib.Path, save) -> dict:
+    """The --device gpu phases (``benchmarks.case_device``), ``save``d after each; the time each phase took
+    in an earlier run of the same mode at ``out`` is its estimate."""
     from benchmarks import case_device, machine
 
-    results = {"mode": mode.name, "machine": machine.describe(torch_threads=torch.get_num_threads())}
-    results["cases"] = case_device.run(mode)
-    return results
+    described = {"mode": mode.name, "device_mode": json.loads(json.dumps(dataclasses.asdict(mode))), "phases": phases}
+    earlier = json.loads(out.read_text()) if out.is_file() else {}
+    same = earlier.get("device_mode") == described["device_mode"]
+    described["machine"] = machine.describe(torch_threads=None)  # PyTorch's are its own process's
+
+    def save_with_machine(measured: dict) -> None:
+        if "torch_threads" in measured:
+            described["machine"]["torch_threads"] = measured.pop("torch_threads")
+        save({**described, **measured})
+
+    measured = case_device.run(
+        mode, phases, save=save_with_machine, earlier=earlier.get("phase_seconds") if same else None
+    )
+    return {**described, **measured}
 
 
 def run(mode: settings.Mode, cases: list[str], workdir: pathlib.Path) -> dict:

@@ -36,10 +36,12 @@ def packed_segments(rows: int, length: int, rng: np.random.Generator) -> np.ndar
     return segments
 
 
-def errors(kernel: str, heads: int, kv_heads: int, head_dim: int, *, runs: int | None) -> tuple[float, float]:
-    """(output error, gradient error), each the largest absolute error over the largest reference value."""
+def errors(
+    kernel: str, heads: int, kv_heads: int, head_dim: int, *, runs: int | None, batch: int = 4, length: int = 384
+) -> tuple[float, float]:
+    """(output error, gradient error), each the largest absolute error over the largest reference value, on
+    ``batch`` rows of ``length`` tokens."""
     rng = np.random.default_rng(0)
-    batch, length = 4, 384
     lead = (runs,) if runs else ()
     shapes = [(*lead, batch, length, n, head_dim) for n in (heads, kv_heads, kv_heads)]
     q, k, v = (jnp.asarray(rng.normal(size=shape), jnp.bfloat16) for shape in shapes)

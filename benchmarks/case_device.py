@@ -25,15 +25,20 @@ With --smoke the same code runs tiny on any backend (CI, on CPU).
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import os
+import subprocess
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks import flops, harness, oodjax_contenders, settings, torch_contenders
+from benchmarks import flops, harness, oodjax_contenders, settings
 from benchmarks.oodjax_contenders import Engine, build_engine, lora_config, train_geometry
 from benchmarks.settings import DeviceMode
 from benchmarks.workload import load_workload, run_orders
@@ -52,23 +57,147 @@ PEAK_BY_KIND = {
 }
 
 
-def device_peak_flops(device: jax.Device) -> float | None:
-    """The nominal bf16 peak of ``device``, or None where unknown (then no MFU is reported)."""
-    return next((peak for kind, peak in PEAK_BY_KIND.items() if kind in device.device_kind), None)
+def device_peak_flops(device_kind: str) -> float | None:
+    """The nominal bf16 peak of a device of jax's ``device_kind``, or None where unknown (then no MFU)."""
+    return next((peak for kind, peak in PEAK_BY_KIND.items() if kind in device_kind), None)
 
 
-def run(mode: DeviceMode) -> list[dict[str, Any]]:
-    import torch
+PHASES = ("oodjax", "agreement", "pytorch")  # in the order they run
+# What each phase is, for the progress lines.
+PHASE_WORK = {
+    "oodjax": "oodjax's runs trained and evaluated, timed",
+    "agreement": "the fused attention's margins against XLA's and float32's",
+    "pytorch": "PyTorch's runs one after another, timed, in a process of its own",
+}
 
-    device = jax.devices()[0]
-    cuda = torch.cuda.is_available()
-    if mode.needs_gpu and (device.platform != "gpu" or not cuda):
-        raise SystemExit(
-            f"--device gpu needs JAX's GPU backend and a CUDA PyTorch; found JAX on {device.platform}, "
-            f"torch.cuda.is_available()={cuda} (--smoke runs the same code tiny on any backend)"
+
+def run(
+    mode: DeviceMode,
+    phases: list[str],
+    *,
+    save: Callable[[dict[str, Any]], None],
+    earlier: dict[str, float] | None = None,
+) -> dict[str, Any]:
+    """The ``phases`` asked for (a subset of PHASES): oodjax's and the agreement in one process of their own,
+    PyTorch's in another, so that neither holds the other's device memory. As each phase starts and ends a
+    line on stderr says what it is, its seconds and an estimate of what is left (``earlier``: each phase's
+    seconds in an earlier run of this mode, where known); after each, ``save`` gets what is measured so far
+    (``assemble``'s fields and ``phase_seconds``). Returns the same."""
+    platform = jax.devices()[0].platform
+    if mode.needs_gpu and platform != "gpu":
+        raise SystemExit(f"--device gpu needs JAX's GPU backend; found {platform} (--smoke runs tiny on any backend)")
+    if mode.needs_gpu and "pytorch" in phases:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise SystemExit("--device gpu needs a CUDA PyTorch for its pytorch phase (--phases oodjax runs without)")
+    ordered = [phase for phase in PHASES if phase in phases]
+    progress = _Progress(ordered, earlier or {})
+    measured: dict[str, Any] = {}
+    jax_phases = [phase for phase in ordered if phase != "pytorch"]
+    children = ([["oodjax", *jax_phases]] if jax_phases else []) + ([["pytorch"]] if "pytorch" in ordered else [])
+    for child in children:
+        for phase, result in _child(mode, child, progress):
+            measured[phase] = result
+            results = {**assemble(mode, measured), "phase_seconds": dict(progress.seconds)}
+            save(results)
+            progress.done(phase)
+    return results
+
+
+class _Progress:
+    """The progress lines: a phase started, what it is and what is left; a phase done, its seconds."""
+
+    def __init__(self, phases: list[str], earlier: dict[str, float]):
+        self.phases, self.earlier = phases, earlier
+        self.seconds: dict[str, float] = {}
+        self.clock = time.perf_counter()
+
+    def left(self, phases: list[str]) -> str:
+        if not phases:
+            return "nothing left"
+        if all(phase in self.earlier for phase in phases):
+            return f"about {sum(self.earlier[phase] for phase in phases):.0f} s left ({', '.join(phases)})"
+        return f"left: {', '.join(phases)} (no earlier run of this mode to estimate their time from)"
+
+    def start(self, phase: str) -> None:
+        self.clock = time.perf_counter()
+        ahead = self.phases[self.phases.index(phase) :]
+        print(f"[benchmarks] {phase}: started, {PHASE_WORK[phase]}; {self.left(ahead)}", file=sys.stderr, flush=True)
+
+    def finish(self, phase: str) -> None:
+        self.seconds[phase] = time.perf_counter() - self.clock
+
+    def done(self, phase: str) -> None:
+        after = self.phases[self.phases.index(phase) + 1 :]
+        print(
+            f"[benchmarks] {phase}: done in {self.seconds[phase]:.0f} s, results written; {self.left(after)}",
+            file=sys.stderr,
+            flush=True,
         )
-    torch_device = "cuda" if cuda and device.platform == "gpu" else "cpu"
-    peak = device_peak_flops(device)
+
+
+def _child(mode: DeviceMode, phases: list[str], progress: _Progress) -> Iterator[tuple[str, Any]]:
+    """Runs ``python -m benchmarks.case_device MODE PHASES`` and yields each phase's result as it ends; its
+    stderr is this process's."""
+    command = [sys.executable, "-m", "benchmarks.case_device", json.dumps(dataclasses.asdict(mode)), *phases]
+    with subprocess.Popen(command, cwd=harness.ROOT, stdout=subprocess.PIPE, text=True) as process:
+        for line in process.stdout:
+            message = json.loads(line)
+            if "started" in message:
+                progress.start(message["started"])
+            else:
+                progress.finish(message["phase"])
+                yield message["phase"], message["result"]
+    if process.returncode:
+        raise SystemExit(f"--device gpu: the process of the phases {phases} exited with status {process.returncode}")
+
+
+def child_main(argv: list[str]) -> None:
+    """A child of ``run``: the phases ``argv[1:]`` of the mode ``argv[0]`` (JSON), one JSON line on stdout as
+    each starts and as each ends (with its result); what the libraries print goes to stderr."""
+    fields = json.loads(argv[0])
+    mode = DeviceMode(**{**fields, "changes": tuple(tuple(change) for change in fields["changes"])})
+    phases = argv[1:]
+    channel = os.fdopen(os.dup(sys.stdout.fileno()), "w")
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # a library's print must not break the messages
+
+    def send(message: dict[str, Any]) -> None:
+        channel.write(json.dumps(message) + "\n")
+        channel.flush()
+
+    workload, seeds, batches, answers = inputs(mode)
+    if phases == ["pytorch"]:
+        send({"started": "pytorch"})
+        send({"phase": "pytorch", "result": _pytorch_sequential(mode, workload, seeds, batches, answers)})
+        return
+    send({"started": "oodjax"})
+    result, engine, pool = oodjax_phase(mode, workload, seeds, batches, answers)
+    send({"phase": "oodjax", "result": result})
+    if "agreement" in phases:
+        send({"started": "agreement"})
+        send({"phase": "agreement", "result": _agreement(mode, engine, workload, seeds, answers, pool)})
+
+
+def oodjax_phase(
+    mode: DeviceMode, workload: Any, seeds: list[int], batches: list[list[np.ndarray]], answers: dict[str, int]
+) -> tuple[dict[str, Any], Engine, EvalPool]:
+    """oodjax's runs timed (``_oodjax``): the result ``assemble`` reads (timings, peak device memory, the
+    device, the train step's layout), and the trained engine and its pool for the agreement."""
+    device = jax.devices()[0]
+    timing, engine, pool, geometry = _oodjax(mode, workload, seeds, batches, answers)
+    result = {
+        "timing": {phase: dataclasses.asdict(t) for phase, t in timing.items()},
+        # before the agreement's float32 copy
+        "peak_bytes": (device.memory_stats() or {}).get("peak_bytes_in_use"),
+        "device": {"kind": device.device_kind, "platform": device.platform},
+        "geometry": {"grad_accum": geometry.grad_accum, "rows": geometry.rows, "seq_len": geometry.seq_len},
+    }
+    return result, engine, pool
+
+
+def inputs(mode: DeviceMode) -> tuple[Any, list[int], list[list[np.ndarray]], dict[str, int]]:
+    """The workload, the runs' seeds, each step's batches and the answer tokens, the same in every process."""
     workload = load_workload(
         per_testset=mode.eval_per_testset,
         train_shots=mode.train_shots,
@@ -77,15 +206,16 @@ def run(mode: DeviceMode) -> list[dict[str, Any]]:
     )
     seeds = list(range(mode.runs))
     batches = run_orders(len(workload.train_set), seeds, (mode.repeats + 1) * mode.steps, settings.TRAIN_BATCH)
-    answers = dict(yes_id=workload.yes_id, no_id=workload.no_id)
+    return workload, seeds, batches, dict(yes_id=workload.yes_id, no_id=workload.no_id)
 
-    ours, engine, pool, geometry = _oodjax(mode, workload, seeds, batches, answers)
-    oodjax_memory = (device.memory_stats() or {}).get("peak_bytes_in_use")  # before the agreement's float32 copy
-    margins = _agreement(mode, engine, workload, seeds, answers, pool)
-    del engine, pool
-    theirs = _pytorch_sequential(mode, workload, seeds, batches, answers, torch_device)
-    pytorch_memory = torch.cuda.max_memory_allocated() if torch_device == "cuda" else None
 
+def assemble(mode: DeviceMode, measured: dict[str, Any]) -> dict[str, Any]:
+    """The cases (training, evaluation) of the phases ``measured`` so far: each side's timings, their ratios
+    once both are there, the agreement once it is."""
+    workload, seeds, batches, _ = inputs(mode)
+    ours, theirs = measured.get("oodjax"), measured.get("pytorch")
+    device = ours["device"] if ours else {"kind": "not measured", "platform": "not measured"}
+    peak = device_peak_flops(device["kind"])
     train_lengths = [workload.train_set.lengths[np.concatenate(step)] for step in batches]
     train_flops = [
         sum(
@@ -99,31 +229,48 @@ def run(mode: DeviceMode) -> list[dict[str, Any]]:
         f"{mode.model['num_hidden_layers']} layers, hidden {mode.model['hidden_size']}, "
         f"vocabulary {mode.model['vocab_size']}, bf16"
     )
-    memory = {"oodjax_peak_bytes": oodjax_memory, "pytorch_peak_bytes": pytorch_memory}
-    device_line = f"{device.device_kind} ({device.platform}); PyTorch on {torch_device}"
+    memory = {
+        "oodjax_peak_bytes": ours["peak_bytes"] if ours else None,
+        "pytorch_peak_bytes": theirs["peak_bytes"] if theirs else None,
+    }
+    device_line = f"{device['kind']} ({device['platform']}); PyTorch on {theirs['device'] if theirs else 'not run'}"
+    timings = {
+        name: {phase: _timing(t) for phase, t in side["timing"].items()}
+        for name, side in (("oodjax", ours), ("pytorch-tuned-sequential", theirs))
+        if side
+    }
     cases = []
     for phase, phase_name, work, phase_flops in (
         ("train", "Training", mode.steps * len(seeds) * settings.TRAIN_BATCH, train_flops),
         ("eval", "Evaluation", len(seeds) * len(workload.eval_set), [eval_flops] * mode.repeats),
     ):
         results = {
-            name: timing[phase].summary(work, flops=phase_flops, peak_flops=peak)
-            for name, timing in (("oodjax", ours), ("pytorch-tuned-sequential", theirs))
+            name: timing[phase].summary(work, flops=phase_flops, peak_flops=peak) for name, timing in timings.items()
         }
+        both = len(results) == 2
         cases.append(
             {
                 "case": f"device-{phase}",
-                "title": f"{phase_name} of {len(seeds)} runs on {device.device_kind}",
+                "title": f"{phase_name} of {len(seeds)} runs on {device['kind']}",
                 "unit": "examples/s",
-                "description": _describe(phase, mode, shape, device_line, geometry, workload, len(seeds), peak),
+                "description": _describe(phase, mode, shape, device_line, ours, workload, len(seeds), peak),
                 "contenders": results,
                 "memory": memory,
-                "ratios": harness.ratios(results, "oodjax"),
-                "ratios_of_medians": harness.ratios(results, "oodjax", of="median_s"),
-                **({"agreement": margins} if phase == "eval" else {}),
+                **({"ratios": harness.ratios(results, "oodjax")} if both else {}),
+                **({"ratios_of_medians": harness.ratios(results, "oodjax", of="median_s")} if both else {}),
+                **({"agreement": measured["agreement"]} if phase == "eval" and "agreement" in measured else {}),
             }
         )
-    return cases
+    return {
+        "cases": cases,
+        "phases_done": list(measured),
+        **({"torch_threads": theirs["torch_threads"]} if theirs else {}),
+    }
+
+
+def _timing(fields: dict[str, Any]) -> harness.Timing:
+    """A ``harness.Timing`` from its JSON fields."""
+    return harness.Timing(**{key: tuple(v) if isinstance(v, list) else v for key, v in fields.items()})
 
 
 def _oodjax(
@@ -201,17 +348,17 @@ def _agreement(
 
 
 def _pytorch_sequential(
-    mode: DeviceMode,
-    workload: Any,
-    seeds: list[int],
-    batches: list[list[np.ndarray]],
-    answers: dict[str, int],
-    device: str,
-) -> dict[str, harness.Timing]:
+    mode: DeviceMode, workload: Any, seeds: list[int], batches: list[list[np.ndarray]], answers: dict[str, int]
+) -> dict[str, Any]:
     """The runs one after another, as the study ran them: per run, peft's LoRA attached, a warm-up step and
     evaluation, then per repetition ``mode.steps`` steps and one evaluation, LoRA removed; each repetition's
-    times summed over the runs."""
+    times summed over the runs. On CUDA where PyTorch has it (``run`` has checked a GPU run does), else the
+    CPU; returns the timings' fields, the peak CUDA memory, the device and PyTorch's threads."""
     import torch
+
+    from benchmarks import torch_contenders  # PyTorch, transformers and peft: in this phase's process only
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
 
     def sync() -> None:  # CUDA calls return before their work is done
         if device == "cuda":
@@ -238,9 +385,15 @@ def _pytorch_sequential(
         run_train_s, run_eval_s = _repetitions(train, score, mode, sync)
         train_s, eval_s = train_s + run_train_s, eval_s + run_eval_s
         base = model.unload()  # the base model without this run's adapter, for the next run
-    return {
+    timing = {
         "train": harness.Timing(tuple(train_s.tolist()), first_s, 0.0, 0.0),
         "eval": harness.Timing(tuple(eval_s.tolist()), first_s, 0.0, 0.0),
+    }
+    return {
+        "timing": {phase: dataclasses.asdict(t) for phase, t in timing.items()},
+        "peak_bytes": torch.cuda.max_memory_allocated() if device == "cuda" else None,
+        "device": device,
+        "torch_threads": torch.get_num_threads(),
     }
 
 
@@ -289,7 +442,7 @@ def _describe(
     mode: DeviceMode,
     shape: str,
     device_line: str,
-    geometry: Any,
+    ours: dict[str, Any] | None,
     workload: Any,
     runs: int,
     peak: float | None,
@@ -297,8 +450,8 @@ def _describe(
     lengths = workload.train_set.lengths if phase == "train" else workload.eval_set.lengths
     what = (
         f"{mode.steps} steps of batch {settings.TRAIN_BATCH} per run and repetition; oodjax: one train step for "
-        f"all runs, {geometry.grad_accum} micro-batch(es) of {geometry.rows} packed rows of {geometry.seq_len} "
-        f"tokens, remat {mode.remat}; PyTorch: each run's tuned loop (dynamic padding, head at the answer position)"
+        f"all runs, {_layout(ours['geometry']) if ours else 'not run'}, remat {mode.remat}; "
+        "PyTorch: each run's tuned loop (dynamic padding, head at the answer position)"
         if phase == "train"
         else f"{len(lengths)} real testset prompts scored by every run; oodjax: one pool packed into rows, all runs "
         "at once; PyTorch: each run's tuned loop (length-sorted batches, two head columns)"
@@ -309,3 +462,11 @@ def _describe(
         f"{lengths.mean():.0f} GPT-2 tokens, max {int(lengths.max())}. Model FLOPs count "
         f"real tokens only; {mfu}. Compile time is oodjax's warm-up (train step and evaluation)."
     )
+
+
+def _layout(geometry: dict[str, int]) -> str:
+    return f"{geometry['grad_accum']} micro-batch(es) of {geometry['rows']} packed rows of {geometry['seq_len']} tokens"
+
+
+if __name__ == "__main__":
+    child_main(sys.argv[1:])

@@ -21,6 +21,10 @@ import sys
 from benchmarks import machine
 
 _DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
+# launch.estimate's (importing it would import JAX): the share of a GPU's memory the launchers give JAX, which
+# the estimate fits layouts against (benchmarks.device_check), where the caller's environment sets none.
+MEMORY_FRACTION_VARIABLES = ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION")
+MEMORY_FRACTION = "0.9"
 
 
 def without_device_count(xla_flags: str) -> str:
@@ -30,13 +34,15 @@ def without_device_count(xla_flags: str) -> str:
 
 def configure(cache_dir: pathlib.Path, *, accelerator: bool = False) -> None:
     """Set this process's (and its children's) environment; call before importing jax or torch. With
-    ``accelerator``, JAX takes its default backend and allocates GPU memory as it needs it (PyTorch shares
-    the device), instead of the CPU."""
+    ``accelerator``, JAX takes its default backend and allocates GPU memory as it needs it, up to the
+    launchers' share of it, instead of the CPU."""
     if "jax" in sys.modules:
         raise RuntimeError("benchmarks.environment.configure must run before jax is imported")
     os.environ["XLA_FLAGS"] = without_device_count(os.environ.get("XLA_FLAGS", ""))
     if accelerator:
         os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
+        if not any(os.environ.get(name) for name in MEMORY_FRACTION_VARIABLES):
+            os.environ[MEMORY_FRACTION_VARIABLES[0]] = MEMORY_FRACTION
     else:
         os.environ["JAX_PLATFORMS"] = "cpu"
         threads = str(machine.usable_cores())

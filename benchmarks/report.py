@@ -62,10 +62,10 @@ def _target_value(results: Mapping[str, Any], case: str, quantity: str) -> float
     if found is None:
         return None
     if quantity == "oodjax peak fraction":
-        return found["contenders"]["oodjax"].get(PEAK_FRACTION)
+        return found["contenders"].get("oodjax", {}).get(PEAK_FRACTION)
     if quantity == "oodjax memory / checkpoint bytes":
         return found["contenders"]["oodjax"]["load_rss_growth_over_checkpoint"]
-    return found["ratios"].get(quantity)
+    return found.get("ratios", {}).get(quantity)
 
 
 def _target_spread(results: Mapping[str, Any], case: str, quantity: str) -> str:
@@ -74,7 +74,7 @@ def _target_spread(results: Mapping[str, Any], case: str, quantity: str) -> str:
     if found is None:
         return ""
     if quantity == "oodjax peak fraction":
-        ours = found["contenders"]["oodjax"]
+        ours = found["contenders"].get("oodjax", {})
         return _span(ours["peak_fraction_min"], ours["peak_fraction_max"]) if "peak_fraction_min" in ours else ""
     rounds = found.get("ratios_per_round", {}).get(quantity)
     return _span(min(rounds), max(rounds)) if rounds else ""
@@ -199,15 +199,17 @@ def machine_line(results: Mapping[str, Any]) -> str:
     return (
         f"{m['cpu']} ({', '.join(m['cpu_flags']) or 'no AVX'}), {m['usable_cores']} cores, {m['memory_gib']} GiB RAM; "
         f"JAX {libs['jax']} ({m['jax_threads']}, devices {', '.join(m['jax_devices'])}), PyTorch {libs['torch']} "
-        f"({m['torch_threads']} threads), transformers {libs['transformers']}, peft {libs['peft']}; "
+        f"({m['torch_threads'] or 'not run'} threads), transformers {libs['transformers']}, peft {libs['peft']}; "
         f"load average {m['load_average_1m_at_start']:.1f} at the start" + (f"; {threads}" if threads else "") + "."
     )
 
 
 def markdown(results: Mapping[str, Any]) -> str:
     """The full report: machine, every case's table and checks, the targets."""
+    left = [phase for phase in results.get("phases", []) if phase not in results.get("phases_done", [])]
     parts = [
-        f"Mode `{results['mode']}` (`{results['command']}`), {results['finished']}, {results['wall_s']:.0f} s in all.",
+        f"Mode `{results['mode']}` (`{results['command']}`), {results['finished']}, {results['wall_s']:.0f} s in all"
+        + (f"; partial: {', '.join(left)} not done." if left else "."),
         "",
         f"Machine: {machine_line(results)}",
         "",

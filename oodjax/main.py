@@ -29,7 +29,7 @@ import datasets  # noqa: E402
 from absl import logging  # noqa: E402
 from ml_collections import config_dict  # noqa: E402
 
-from oodjax import config_cli, storage  # noqa: E402
+from oodjax import config_cli, storage, versions  # noqa: E402
 from oodjax.engine import distributed, loop  # noqa: E402
 from oodjax.job import resolve  # noqa: E402
 
@@ -54,6 +54,7 @@ def start_process() -> None:
         logging.info("process %d of %d (layout from %s)", layout.process_id, layout.num_processes, layout.source)
         if not distributed.is_primary():
             logging.set_verbosity(logging.WARNING)  # process 0 logs progress; the others only problems
+    versions.warn_if_unpinned()
 
 
 def main(config: config_dict.ConfigDict) -> None:

@@ -287,27 +287,78 @@ def test_bad_arguments_are_refused():
 
 @pytest.fixture(scope="module")
 def device_smoke_run(tmp_path_factory) -> tuple[dict, str]:
-    """``--device gpu --smoke``: the accelerator mode's code, tiny, on this machine's CPU."""
+    """``--device gpu --smoke``: the accelerator mode's code, tiny, on this machine's CPU. Its results file is
+    read as each phase's "done" line appears on stderr (``snapshots``), and its progress lines kept."""
     out = tmp_path_factory.mktemp("bench-device") / "results.json"
     env = {k: v for k, v in os.environ.items() if k != "OODJAX_CACHE_DIR"}
-    done = subprocess.run(
-        [sys.executable, "-m", "benchmarks", "--device", "gpu", "--smoke", "--out", str(out)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    return json.loads(out.read_text()), out.with_suffix(".md").read_text()
+    snapshots, progress = {}, []
+    with (out.parent / "stdout").open("w") as stdout:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "benchmarks", "--device", "gpu", "--smoke", "--out", str(out)],
+            cwd=ROOT,
+            env=env,
+            stdout=stdout,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        tail = []
+        for line in process.stderr:
+            tail = (tail + [line])[-40:]
+            if line.startswith("[benchmarks] "):
+                progress.append(line.rstrip("\n"))
+                if ": done in " in line:
+                    snapshots[line.split()[1].rstrip(":")] = json.loads(out.read_text())
+        assert process.wait(timeout=600) == 0, "".join(tail)
+    return json.loads(out.read_text()), out.with_suffix(".md").read_text(), snapshots, progress
+
+
+def test_device_mode_reports_each_phase_as_it_goes_and_writes_its_results_after_each(device_smoke_run):
+    """A line as each phase starts and ends (what it is, its seconds, what is left); the results file rewritten
+    after each, holding what that phase measured (oodjax's timings alone, then the agreement, then PyTorch's and
+    the ratios): a run cut short keeps its phases' figures."""
+    results, _, snapshots, progress = device_smoke_run
+    phases = ["oodjax", "agreement", "pytorch"]
+    assert [line.split()[1].rstrip(":") + (" done" if " done in " in line else " started") for line in progress] == [
+        f"{phase} {event}" for phase in phases for event in ("started", "done")
+    ]
+    assert progress[0].startswith("[benchmarks] oodjax: started, oodjax's runs trained and evaluated, timed; left:")
+    assert progress[-1].endswith("results written; nothing left")
+    assert [snapshots[phase]["phases_done"] for phase in phases] == [phases[:1], phases[:2], phases]
+    first = {case["case"]: case for case in snapshots["oodjax"]["cases"]}
+    assert set(first["device-train"]["contenders"]) == {"oodjax"} and "ratios" not in first["device-train"]
+    assert "agreement" not in first["device-eval"] and "agreement" in snapshots["agreement"]["cases"][1]
+    assert "partial: agreement, pytorch not done" in report.markdown(snapshots["oodjax"])
+    assert set(results["phase_seconds"]) == set(phases) and results["phases"] == phases
+    assert results["versions"]["differs"] == [] and results["versions"]["jax"] == "0.10.2"
+
+
+def test_phases_are_chosen_on_the_command_line():
+    """--phases with --device gpu only, among the three, agreement with oodjax; the copies of case_device's and
+    launch.estimate's names agree with them."""
+    from benchmarks import __main__ as cli
+    from benchmarks import case_device, environment
+    from launch import estimate
+
+    assert cli.PHASES == case_device.PHASES
+    assert environment.MEMORY_FRACTION_VARIABLES == estimate.MEMORY_FRACTION_VARIABLES
+    assert float(environment.MEMORY_FRACTION) == estimate.MEMORY_FRACTION_DEFAULT
+    assert cli.parse(["--device", "gpu"]).phases == ["oodjax", "agreement", "pytorch"]
+    assert cli.parse(["--device", "gpu", "--phases", "oodjax"]).phases == ["oodjax"]
+    for wrong in (
+        ["--phases", "oodjax"],
+        ["--device", "gpu", "--phases", "agreement"],
+        ["--device", "gpu", "--phases", "jax"],
+    ):
+        with pytest.raises(SystemExit) as stopped:
+            cli.parse(wrong)
+        assert stopped.value.code == 2, wrong
 
 
 def test_device_mode_times_both_phases_of_every_run_and_checks_the_attention_paths(device_smoke_run):
     """Both phases, both contenders, timed per repetition with work and FLOPs that match the mode; nothing
     compiled while timed; the fused-attention margins checked against XLA's (equal on CPU, where ``auto``
     is XLA); the targets are the accelerator's."""
-    results, markdown = device_smoke_run
+    results, markdown, _, _ = device_smoke_run
     mode = settings.DEVICE_MODES["gpu-smoke"]
     assert results["mode"] == "gpu-smoke" and markdown == report.markdown(results)
     cases = {case["case"]: case for case in results["cases"]}

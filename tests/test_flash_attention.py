@@ -120,6 +120,29 @@ def test_auto_is_the_platforms_kernel_and_xla_on_cpu():
         flash_attention.resolve("flash")
 
 
+def test_the_cudnn_batching_rules_are_replaced_only_on_the_jax_versions_they_were_checked_on(monkeypatch):
+    """On 0.10.2 and 0.11.x the rules are installed; on any other version JAX's own stay, and ``auto`` takes
+    XLA's attention on GPU, so an unchecked rule cannot change a result."""
+    from jax._src.interpreters import batching
+
+    from oodjax.models.flash_attention import cudnn_attention
+
+    primitives = {
+        cudnn_attention._dot_product_attention_fwd_p_wrapper,
+        cudnn_attention._dot_product_attention_bwd_p_wrapper,
+    }
+    assert jax.__version__ == "0.10.2" and flash_attention.BATCHING_RULES_INSTALLED  # the pinned JAX: installed
+    for version, known in (("0.10.2", True), ("0.11.2", True), ("0.10.1", False), ("0.12.0", False)):
+        rules = {}  # what install_batching_rules registers, in place of JAX's table
+        monkeypatch.setattr(batching, "primitive_batchers", rules)
+        assert flash_attention.install_batching_rules(version) is known, version
+        assert set(rules) == (primitives if known else set()), version
+    monkeypatch.setattr(flash_attention, "BATCHING_RULES_INSTALLED", False)
+    assert flash_attention.resolve("auto", "gpu") == "xla"
+    assert flash_attention.resolve("cudnn", "gpu") == "cudnn"  # named: JAX's own rules, with a warning
+    assert flash_attention.resolve("auto", "tpu") == "splash"
+
+
 MODELS = {
     "opt": dict(model_type="opt", ffn_dim=64, max_position_embeddings=128),
     "olmo2": dict(model_type="olmo2", intermediate_size=48, num_key_value_heads=2),

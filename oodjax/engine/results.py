@@ -50,6 +50,7 @@ import numpy as np
 from absl import logging
 
 from analysis import schema
+from oodjax import versions as oodjax_versions
 from oodjax.storage import write_atomic, write_npz_atomic
 from oodjax.usage_errors import ConfigError
 
@@ -380,17 +381,18 @@ def _total(seconds: Sequence[float]) -> float | None:
 
 
 @functools.cache
-def versions() -> dict[str, str | None]:
+def versions() -> dict[str, Any]:
     """Python's version, each of RECORDED_DISTRIBUTIONS' (None: not installed, as oodjax run from a checkout), and
-    the commit of the oodjax checkout this runs from (None when it is not one)."""
-    found: dict[str, str | None] = {"python": platform.python_version()}
+    the commit of the oodjax checkout this runs from (None when it is not one), with the CUDA libraries and
+    the differences from the pins (``oodjax.versions.against_pins``)."""
+    found: dict[str, Any] = {"python": platform.python_version()}
     for distribution in RECORDED_DISTRIBUTIONS:
         try:
             found[distribution] = importlib.metadata.version(distribution)
         except importlib.metadata.PackageNotFoundError:
             found[distribution] = None
     found["oodjax_commit"] = _checkout_commit()
-    return found
+    return found | oodjax_versions.against_pins()
 
 
 def _checkout_commit() -> str | None:

@@ -42,6 +42,11 @@ output, its softmax statistics) that the remat policies cannot see by name;
 that name (``save_dots``) saves them and the backward pass does not run the
 fused forward again.
 
+JAX's batching rules of cuDNN's attention are private and changed between
+versions; ``install_batching_rules`` replaces them only on the versions its
+rule was checked on (0.10.2, 0.11.x). On any other, ``auto`` takes XLA's
+attention on GPU, said in one warning, so no unchecked rule changes a result.
+
 ``target_platform`` makes the choice for a platform other than the one the
 process runs on: lowering for ``cuda`` or ``tpu`` on a CPU host
 (``tests/test_lowering_accelerators.py``).
@@ -124,6 +129,14 @@ def resolve(implementation: str, platform: str | None = None) -> str:
             "skips its test there: precision issues after CUDA 12.8.1) and JAX 0.11 deprecates it; auto uses cuDNN",
             1,
         )
+    if implementation == "cudnn" and not BATCHING_RULES_INSTALLED:
+        logging.log_first_n(
+            logging.WARNING,
+            "attention: cudnn on JAX %s, whose batching rules oodjax has not checked: JAX's own rules map it over "
+            "runs (they may refuse a mask broadcast over heads); model.attention=auto would use XLA's",
+            1,
+            jax.__version__,
+        )
     if implementation != "auto":
         return implementation
     platform = platform or current_platform()
@@ -131,6 +144,15 @@ def resolve(implementation: str, platform: str | None = None) -> str:
     if kernel is None:
         logging.log_first_n(
             logging.INFO, "attention: no fused kernel on %s; using XLA's (model.attention=auto)", 1, platform
+        )
+        return "xla"
+    if kernel == "cudnn" and not BATCHING_RULES_INSTALLED:
+        logging.log_first_n(
+            logging.WARNING,
+            "attention: JAX %s is not a version whose cuDNN batching rules oodjax checked (0.10.2, 0.11.x); "
+            "model.attention=auto uses XLA's attention (model.attention=cudnn: cuDNN with JAX's own rules)",
+            1,
+            jax.__version__,
         )
         return "xla"
     return kernel
@@ -330,11 +352,27 @@ def _folding_head_broadcast_bias(primitive, batcher):
     return rule
 
 
-for _primitive, _batcher in (
-    (cudnn_attention._dot_product_attention_fwd_p_wrapper, cudnn_attention._dot_product_attention_fwd_batcher),
-    (cudnn_attention._dot_product_attention_bwd_p_wrapper, cudnn_attention._dot_product_attention_bwd_batcher),
-):
-    batching.primitive_batchers[_primitive] = _folding_head_broadcast_bias(_primitive, _batcher)
+def batching_rules_checked(version: str) -> bool:
+    """Whether ``_folding_head_broadcast_bias`` is known right for JAX ``version``: it wraps private rules
+    (``jax._src.cudnn``) whose handling of a bias changed between 0.10 and 0.11, checked on 0.10.2 (the pin)
+    and 0.11.2 (an H200's image)."""
+    return version == "0.10.2" or version.startswith("0.11.")
 
+
+def install_batching_rules(version: str) -> bool:
+    """Replaces JAX's batching rules of cuDNN's attention with ``_folding_head_broadcast_bias``'s where
+    ``version`` is one they were checked for; returns whether it did. Elsewhere JAX's own rules stay and
+    ``resolve`` keeps ``auto`` off cuDNN, so no unchecked rule can change a result."""
+    if not batching_rules_checked(version):
+        return False
+    for primitive, batcher in (
+        (cudnn_attention._dot_product_attention_fwd_p_wrapper, cudnn_attention._dot_product_attention_fwd_batcher),
+        (cudnn_attention._dot_product_attention_bwd_p_wrapper, cudnn_attention._dot_product_attention_bwd_batcher),
+    ):
+        batching.primitive_batchers[primitive] = _folding_head_broadcast_bias(primitive, batcher)
+    return True
+
+
+BATCHING_RULES_INSTALLED = install_batching_rules(jax.__version__)
 
 _KERNELS = {"cudnn": _cudnn, "pallas_gpu": _pallas_gpu, "splash": _splash}
