@@ -181,8 +181,17 @@ def test_stop_signals_and_damaged_checkpoints_change_no_result(
         assert expected.keys() == got.keys() and got[schema.STEP].tolist() == [0, 2, 4, 6]
         for key in expected.keys() - {schema.CONFIG}:
             np.testing.assert_array_equal(got[key], expected[key], err_msg=f"{run.name}: {key}")
+        # events.jsonl: every step once, as the uninterrupted run logged it (but for the clocks)
+        assert _events(run.directory) == _events(reference.directory), run.name
     for path in (tmp_path / "stopped").rglob("*"):
         assert stat.S_IMODE(path.stat().st_mode) == (0o755 if path.is_dir() else 0o644), path
+
+
+def _events(run_dir):
+    """events.jsonl's records in order, without what the clocks measure."""
+    lines = (run_dir / "events.jsonl").read_text().splitlines()
+    clocks = ("time", "train/examples_per_s")
+    return [{key: value for key, value in json.loads(line).items() if key not in clocks} for line in lines]
 
 
 def _cut_in_half(paths):

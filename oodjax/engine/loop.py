@@ -333,6 +333,7 @@ class _Loop:
                 EventLog(
                     run.directory,
                     run_name=run.name,
+                    kept_through=self.start if self.resumed else -1,  # the steps the run redoes are dropped
                     wandb=job.trackers.wandb,
                     tensorboard=job.trackers.tensorboard,
                     # the run's identity and training set in a section of their own, for W&B's filters
@@ -431,11 +432,11 @@ class _Loop:
         an export)."""
         evaluation_due, checkpoint_due = self.cadence.evaluation_due(step), self.cadence.checkpoint_due(step)
         waits = evaluation_due or checkpoint_due or self.cadence.log_due(step)  # for the step's losses
-        if self.stop.agreed(synced=waits):
-            self._stop(step, evaluation_pending=evaluation_due)
         if waits:
             self._check_losses()  # before anything is evaluated or saved
-            self._log_window(step)
+            self._log_window(step)  # before a stop too: the resumed run keeps the lines up to its checkpoint
+        if self.stop.agreed(synced=waits):
+            self._stop(step, evaluation_pending=evaluation_due)
         if evaluation_due:
             self._evaluate(step)
         if checkpoint_due:
