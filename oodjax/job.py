@@ -135,6 +135,7 @@ def read(config: config_dict.ConfigDict) -> Job:
             pool_split=data.pool_split or None,
             data_dir=data.data_dir or None,
             eval_cap=data.eval_cap,
+            cap_in_domain=data.cap_in_domain,
             eval_seed=data.eval_seed,
             neutral=data.neutral,
             cache_dir=data.cache_dir or None,

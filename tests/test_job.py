@@ -8,7 +8,8 @@ import sys
 import pytest
 
 from configs import base, demo
-from oodjax.engine import loop
+from oodjax.data import load_testset
+from oodjax.engine import loop, run_data
 from oodjax.job import read
 from oodjax.usage_errors import ConfigError
 
@@ -106,3 +107,20 @@ def test_epochs_give_each_run_its_own_length_schedule_and_evaluations():
     config.train.epochs, config.train.batch_size, config.runs.shots = 1, 32, (32, 64)
     with pytest.raises(ConfigError, match=r"got 50 \(runs of 32 shots train ceil\(train.epochs x shots / "):
         read(config)  # warm-up of 50 steps in a run of 1
+
+
+def test_eval_cap_leaves_the_in_domain_testset_whole_unless_cap_in_domain(hf_data_dir):
+    """The partial correlations control for in-domain accuracy: a subset of it biases them (docs/analysis.md)."""
+    config = base.get_config()
+    config.data.data_dir, config.data.testsets, config.data.eval_cap = str(hf_data_dir), ("mnli", "hans"), 16
+    whole = len(load_testset("mnli", data_dir=str(hf_data_dir)))  # validation_matched, neutral dropped
+    assert whole > 6000
+    sizes = {name: len(testset) for name, testset in run_data.capped_testsets(read(config).data).items()}
+    assert sizes == {"mnli": whole, "hans": 16}
+    config.data.cap_in_domain = True
+    sizes = {name: len(testset) for name, testset in run_data.capped_testsets(read(config).data).items()}
+    assert sizes == {"mnli": 16, "hans": 16}
+    config.data.train_set = "snli"  # then mnli is OOD, capped either way
+    config.data.cap_in_domain = False
+    sizes = {name: len(testset) for name, testset in run_data.capped_testsets(read(config).data).items()}
+    assert sizes == {"mnli": 16, "hans": 16}
