@@ -13,8 +13,8 @@ each stands: finished, part-way or new, and refuses a changed config). Runs
 train in lockstep, so the unfinished ones are trained in groups of one
 length (with `train.epochs`, runs of more shots train more steps:
 ``Job.of_length``) and one resume step, the furthest along first, each group
-with the cadence, schedule, geometry and compiled steps of its own runs; each run ends with the results an
-uninterrupted run would have written (to float32 rounding where its group's
+with the cadence, schedule, geometry and compiled steps of its own runs; each
+run ends with the results an uninterrupted run would have written (to float32 rounding where its group's
 size differs from the uninterrupted job's, as the compiled program does). A
 stop signal ends training at a step boundary with every run checkpointed
 (``oodjax.engine.preemption``). A job holds a lock on each of its runs from
