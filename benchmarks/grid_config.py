@@ -29,6 +29,7 @@ def get_config(spec: str = "quick") -> config_dict.ConfigDict:
     config.data.data_dir = str(DATA_DIR)
     config.data.max_length = settings.MAX_LENGTH
     config.data.eval_cap = mode.grid_eval_cap
+    config.data.cap_in_domain = True  # every testset alike, as the PyTorch grid caps them
     config.runs.seeds = (int(run[0]),) if run else mode.grid_seeds
     config.runs.shots = (int(run[1]),) if run else mode.grid_shots
     config.train.steps = mode.grid_steps

@@ -194,7 +194,7 @@ class Estimate:
     train_step_flops: float
     eval_flops: float
     first_eval_flops: float  # step 0's evaluation: every run is the base model, so each example is scored once
-    evaluations: int
+    evaluations: float  # per run, step 0's among them (a mean over runs of different lengths: train.epochs)
     total_flops: float
     accelerator_hours: float
     geometry: BatchGeometry  # the train step's layout the estimate is made for
@@ -518,8 +518,13 @@ def estimate(
         first_evaluation = own + costs.eval_flops(
             dims, runs=1, examples=eval_examples, seq_len=prompt_len, lora_parameters=lora
         )
-    evaluations = len(job.cadence.evaluated_steps())  # step 0's among them
-    total = job.cadence.total_steps * step + first_evaluation + (evaluations - 1) * evaluation
+    # Each run's own length (train.epochs); a step or an evaluation above is every run's, so each run costs a
+    # share of it. Each length's runs train apart and begin with one step-0 evaluation of their own.
+    lengths = [job.of_length(job.total_steps(run.shots)).cadence for run in job.runs.runs()]
+    steps_per_run = sum(cadence.total_steps for cadence in lengths) / len(lengths)
+    evaluations = sum(len(cadence.evaluated_steps()) for cadence in lengths) / len(lengths)
+    first_evaluations = len({cadence.total_steps for cadence in lengths})
+    total = steps_per_run * step + first_evaluations * first_evaluation + (evaluations - 1) * evaluation
     hours = total / (device.peak_flops * utilisation) / 3600
     return Estimate(
         config_path,
@@ -566,11 +571,19 @@ def describe(result: Estimate, job: Job, device: Device, utilisation: float) -> 
             *describe_samples(result),
             f"  FLOPs: {result.train_step_flops:.3e} per train step, {result.eval_flops:.3e} per full evaluation "
             f"({result.first_eval_flops:.3e} at step 0, each example once for all runs)",
-            f"  whole sweep ({runs} runs, {job.cadence.total_steps} steps, {result.evaluations} evaluations): "
+            f"  whole sweep ({runs} runs, {_steps_per_run(job)} steps, {result.evaluations:g} evaluations): "
             f"{result.total_flops:.3e} FLOPs = {result.accelerator_hours:,.1f} {device.name}-hours at "
             f"{utilisation:.0%} utilisation",
         ]
     )
+
+
+def _steps_per_run(job: Job) -> str:
+    """The runs' steps: one number, or each shot count's with train.epochs."""
+    lengths = {shots: job.total_steps(shots) for shots in job.runs.shots}
+    if len(set(lengths.values())) == 1:
+        return str(next(iter(lengths.values())))
+    return "/".join(map(str, lengths.values())) + f" (shots {'/'.join(map(str, lengths))})"
 
 
 def describe_prompts(result: Estimate, job: Job) -> str:

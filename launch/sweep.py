@@ -194,7 +194,7 @@ def unfinished_jobs(job: Job, output_dir: str | None) -> list[Job]:
     plan = job_plan(job)
     shots_by_seed: dict[int, list[int]] = {}
     for run in plan.runs.runs():
-        if not run_finished(run, plan.cadence.total_steps, output_dir):
+        if not run_finished(run, plan.total_steps(run.shots), output_dir):
             shots_by_seed.setdefault(run.seed, []).append(run.shots)
     seeds_by_shots: dict[tuple[int, ...], list[int]] = {}
     for seed, shots in shots_by_seed.items():

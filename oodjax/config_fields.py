@@ -115,7 +115,13 @@ def get_config() -> config_dict.ConfigDict:
     config.data.extra_testsets_file = ""
     # Cap each testset to this many examples (stratified by label, seeded by
     # `eval_seed`) so dense evaluation stays affordable; 0 = the full split.
+    # The in-domain testset (data.train_set) only with cap_in_domain.
     config.data.eval_cap = 0
+    # Also cap the in-domain testset (by eval_cap, or its own declared cap).
+    # Off: it is evaluated whole, since the partial correlations control for
+    # its accuracy, and a noisy covariate biases them upward (by about +0.09
+    # at a cap of 2,000, +0.28 at 500 in a simulation: docs/analysis.md).
+    config.data.cap_in_domain = False
     config.data.eval_seed = 0  # seed of the `eval_cap` subsets
     # Prompt template; the model scores the next token (data.answers).
     config.data.template = DEFAULT_TEMPLATE
@@ -151,7 +157,12 @@ def get_config() -> config_dict.ConfigDict:
     config.runs.skip_locked = False
 
     config.train = config_dict.ConfigDict()
-    config.train.steps = 500  # optimizer steps per run
+    config.train.steps = 500  # optimizer steps per run (unless train.epochs)
+    # Passes over each run's few-shot set: a run trains ceil(epochs x shots /
+    # batch_size) steps, so runs of more shots train longer (runs of one length
+    # train together, each length after the other, on one loaded model).
+    # 0 = every run trains train.steps.
+    config.train.epochs = 0.0
     config.train.batch_size = 16  # examples per optimizer step, per run
     # Micro-batches per optimizer step (gradients accumulated inside the
     # jitted step); must divide batch_size. Every run's prompts of a step are
@@ -169,6 +180,9 @@ def get_config() -> config_dict.ConfigDict:
     config.train.pack = True
     config.train.learning_rate = 1e-4  # peak, after warm-up
     config.train.warmup_steps = 50  # linear warm-up from 0 to the peak, then train.schedule
+    # Warm-up as a share of each run's own steps, rounded up (transformers'
+    # warmup_ratio); 0 = train.warmup_steps.
+    config.train.warmup_ratio = 0.0
     # The learning rate after warm-up, to train.steps (optax's schedules, as
     # transformers' get_*_schedule_with_warmup): "linear" decays linearly to
     # 0 (the study's), "cosine" follows a half cosine to 0, "constant" stays
@@ -179,6 +193,10 @@ def get_config() -> config_dict.ConfigDict:
 
     config.eval = config_dict.ConfigDict()
     config.eval.every = 25  # steps between evaluations (step 0 always)
+    # Evaluations after step 0 per run, spread evenly over the run's own
+    # steps (floor(k x steps / points), k = 1..points: the last is its final
+    # step), so runs of different lengths get as many; 0 = eval.every.
+    config.eval.points = 0
     # Evaluation batches hold about batch_size x max_length tokens, in rows of
     # one of row_lengths, each holding one or two prompts (little padding,
     # little attention between prompts; one compiled shape per row length).

@@ -11,14 +11,18 @@ mesh (``sharding.MeshShape``), the cadence of evaluations, checkpoints and
 log lines (``loop.Cadence``), the export (``loop.ExportSettings``) and the
 trackers (``events.TrackerSettings``). Derived values are worked out here,
 once: the model's name, the tokenizer, the testset table, empty strings as
-None. Past here nothing reads a ConfigDict; the config as JSON (``record``)
-is what results and checkpoints store, and what a resumed run is compared by.
+None, each run's length (``Job.total_steps``: train.steps, or train.epochs
+over its shots). Past here nothing reads a ConfigDict; the config as JSON
+(``record``) is what results and checkpoints store, and what a resumed run is
+compared by.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import fractions
 import json
+import math
 import pathlib
 from collections.abc import Mapping
 from typing import Any
@@ -36,6 +40,7 @@ from oodjax.engine.sharding import MeshShape
 from oodjax.engine.steps import OptimizerSettings
 from oodjax.models.loading import ModelSettings
 from oodjax.models.lora import LoRAConfig
+from oodjax.usage_errors import ConfigError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +61,27 @@ class Job:
     in_context: bool  # oodjax.evaluate: the in-context baseline (eval.in_context)
     record: Mapping[str, Any]  # the config as JSON: what results and checkpoints store
     description: str  # the config as a job logs it at start (``config_cli.describe_config``)
+    epochs: float = 0.0  # train.epochs; 0: every run trains train.steps (cadence.total_steps)
+    warmup_ratio: float = 0.0  # train.warmup_ratio; 0: train.warmup_steps
+
+    def total_steps(self, shots: int) -> int:
+        """The optimizer steps of a run of ``shots`` examples: train.steps, or with train.epochs, ceil(epochs x
+        shots / batch_size) (epochs read as the decimal it was written as, so 0.1 x 30 / 3 is 1 step, not 2)."""
+        if not self.epochs:
+            return self.cadence.total_steps
+        return math.ceil(fractions.Fraction(str(self.epochs)) * shots / self.batches.batch_size)
+
+    def of_length(self, total_steps: int) -> Job:
+        """This job for its runs of ``total_steps`` steps: the cadence, the learning-rate schedule (its warm-up
+        train.warmup_ratio of them, if set) and the replayed batch layout span them. Runs of one length train
+        together, each length apart, so each run trains exactly as in a job of its length alone."""
+        warmup = math.ceil(self.warmup_ratio * total_steps) if self.warmup_ratio else self.optimizer.warmup_steps
+        return dataclasses.replace(
+            self,
+            cadence=dataclasses.replace(self.cadence, total_steps=total_steps),
+            optimizer=dataclasses.replace(self.optimizer, total_steps=total_steps, warmup_steps=warmup),
+            batches=dataclasses.replace(self.batches, total_steps=total_steps),
+        )
 
     def log_config(self) -> None:
         """Logs the config the job runs, once its runs are locked: a job refused for a bad config or a locked
@@ -70,13 +96,23 @@ def resolve(config: config_dict.ConfigDict, *, evaluation: bool = False) -> Job:
     return read(config)
 
 
+def _warmup_steps(train: config_dict.ConfigDict) -> int:
+    """train.warmup_steps, or with train.warmup_ratio that share of train.steps, rounded up as transformers'
+    ``TrainingArguments.get_warmup_steps`` does."""
+    if not 0 <= train.warmup_ratio <= 1:
+        raise ConfigError(f"train.warmup_ratio must be in [0, 1] (0: train.warmup_steps), got {train.warmup_ratio}")
+    return math.ceil(train.warmup_ratio * train.steps) if train.warmup_ratio else train.warmup_steps
+
+
 def read(config: config_dict.ConfigDict) -> Job:
     """``config`` read into a ``Job`` without the checks that look at files, hubs and logins: what the
     estimator and the preflight use for configs of machines they are not on."""
     model, data, train = config.model, config.data, config.train
     name = model_name(model.name, model.path, model.hf_config.get("model_type", ""))
     wandb = config.wandb
-    return Job(
+    if train.epochs < 0:
+        raise ConfigError(f"train.epochs must be >= 0 (0: train.steps), got {train.epochs}")
+    job = Job(
         model=ModelSettings(
             name=name,
             tokenizer=config.tokenizer or model.path,
@@ -99,6 +135,7 @@ def read(config: config_dict.ConfigDict) -> Job:
             pool_split=data.pool_split or None,
             data_dir=data.data_dir or None,
             eval_cap=data.eval_cap,
+            cap_in_domain=data.cap_in_domain,
             eval_seed=data.eval_seed,
             neutral=data.neutral,
             cache_dir=data.cache_dir or None,
@@ -116,7 +153,7 @@ def read(config: config_dict.ConfigDict) -> Job:
         optimizer=OptimizerSettings(
             learning_rate=train.learning_rate,
             total_steps=train.steps,
-            warmup_steps=train.warmup_steps,
+            warmup_steps=_warmup_steps(train),
             weight_decay=train.weight_decay,
             max_grad_norm=train.max_grad_norm or None,
             schedule=train.schedule,
@@ -133,6 +170,7 @@ def read(config: config_dict.ConfigDict) -> Job:
         cadence=Cadence(
             total_steps=train.steps,
             eval_every=config.eval.every,
+            eval_points=config.eval.points,
             checkpoint_every=config.checkpoint_every,
             checkpoint_keep=config.checkpoint_keep,
             log_every=config.log_every,
@@ -158,4 +196,17 @@ def read(config: config_dict.ConfigDict) -> Job:
         in_context=config.eval.in_context,
         record=json.loads(config.to_json()),
         description=config_cli.describe_config(config),
+        epochs=train.epochs,
+        warmup_ratio=train.warmup_ratio,
     )
+    for shots in job.runs.shots:  # each run length's cadence and schedule checked, errors naming the fields
+        try:
+            job.of_length(job.total_steps(shots))
+        except ConfigError as error:
+            if not job.epochs:
+                raise
+            raise ConfigError(
+                f"{error} (runs of {shots} shots train ceil(train.epochs x shots / train.batch_size) = "
+                f"{job.total_steps(shots)} steps)"
+            ) from None
+    return job

@@ -443,7 +443,7 @@ NOT_REPOSITORY_PATHS = {
 # Spans that read as `section.field` but name something else.
 NOT_CONFIG_FIELDS = {"model.model.layers.self_attn.q_proj.kernel": "a parameter's path in a loaded model"}
 # Fields the docs say are gone or do not exist: they must stay out of configs/base.py, or the docs are wrong.
-ABSENT_FIELDS = {"runs.chunk", "train.epochs"}
+ABSENT_FIELDS = {"runs.chunk"}
 
 
 def config_field_problems(docs: list[Doc]) -> list[str]:

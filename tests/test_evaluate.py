@@ -76,7 +76,13 @@ def test_the_jobs_results_json_has_its_accuracies_and_timings(trained):
         summary = results_json(run.directory)
         with np.load(run.directory / schema.METRICS_FILENAME) as npz:
             steps, testsets, accuracy = npz[schema.STEP].tolist(), npz[schema.TESTSETS].tolist(), npz[schema.ACCURACY]
-        assert summary[schema.RESULTS_RUN] == {"name": run.name, "model": "opt-tiny", "seed": run.seed, "shots": 8}
+        assert summary[schema.RESULTS_RUN] == {
+            "name": run.name,
+            "model": "opt-tiny",
+            "seed": run.seed,
+            "shots": 8,
+            "steps": 4,
+        }
         assert summary[schema.RESULTS_STEPS] == steps == [0, 2, 4]
         for column, name in enumerate(testsets):
             final, best = (summary[schema.RESULTS_PER_TESTSET][name][key] for key in ("final", "best"))

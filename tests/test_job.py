@@ -8,7 +8,8 @@ import sys
 import pytest
 
 from configs import base, demo
-from oodjax.engine import loop
+from oodjax.data import load_testset
+from oodjax.engine import loop, run_data
 from oodjax.job import read
 from oodjax.usage_errors import ConfigError
 
@@ -64,6 +65,9 @@ def test_read_derives_names_tokenizer_and_nones_once():
         ("eval.every", 0, "eval.every must be >= 1, got 0"),
         ("train.steps", 0, "train.steps must be >= 1, got 0"),
         ("train.warmup_steps", 600, r"train.warmup_steps must be in \[0, train.steps=500\], got 600"),
+        ("train.warmup_ratio", 1.5, r"train.warmup_ratio must be in \[0, 1\] \(0: train.warmup_steps\), got 1.5"),
+        ("train.epochs", -1.0, r"train.epochs must be >= 0 \(0: train.steps\), got -1.0"),
+        ("eval.points", 501, r"eval.points must be in \[0, 500\], the steps of a run \(0: eval.every\), got 501"),
     ],
 )
 def test_each_piece_checks_its_own_fields(field, value, message):
@@ -78,3 +82,45 @@ def test_the_cadence_is_the_loop_s_and_the_estimator_s():
     cadence = loop.Cadence(total_steps=60, eval_every=25, checkpoint_every=40, log_every=10)
     assert cadence.evaluated_steps() == [0, 25, 50, 60]
     assert [step for step in range(1, 61) if cadence.checkpoint_due(step)] == [40, 60]
+
+
+def test_eval_points_spread_over_the_run_s_own_steps():
+    """Step 0 and floor(k x 10 / 4), k = 1..4; every step when there are as many points as steps."""
+    assert loop.Cadence(total_steps=10, eval_points=4).evaluated_steps() == [0, 2, 5, 7, 10]
+    assert loop.Cadence(total_steps=3, eval_points=3).evaluated_steps() == [0, 1, 2, 3]
+    assert loop.Cadence(total_steps=7, eval_every=5).evaluated_steps() == [0, 5, 7]  # eval.points 0: eval.every
+
+
+def test_epochs_give_each_run_its_own_length_schedule_and_evaluations():
+    config = base.get_config()
+    config.train.batch_size, config.train.epochs, config.train.warmup_ratio, config.eval.points = 32, 40, 0.1, 20
+    job = read(config)
+    assert [job.total_steps(shots) for shots in (32, 64, 128)] == [40, 80, 160]
+    run_job = job.of_length(80)
+    assert run_job.optimizer.total_steps == run_job.batches.total_steps == run_job.cadence.total_steps == 80
+    assert run_job.optimizer.warmup_steps == 8  # ceil(0.1 x 80)
+    assert run_job.cadence.evaluated_steps() == list(range(0, 81, 4))
+    config.train.epochs, config.train.batch_size, config.runs.shots, config.eval.points = 0.1, 3, (30, 31), 1
+    assert [read(config).total_steps(shots) for shots in (30, 31)] == [1, 2]  # 0.1 as written: 0.1 x 30 / 3 = 1
+    config.train.epochs, config.train.warmup_ratio, config.eval.points = 0, 0, 0
+    assert read(config).total_steps(30) == read(config).total_steps(128) == 500  # train.steps, as before epochs
+    config.train.epochs, config.train.batch_size, config.runs.shots = 1, 32, (32, 64)
+    with pytest.raises(ConfigError, match=r"got 50 \(runs of 32 shots train ceil\(train.epochs x shots / "):
+        read(config)  # warm-up of 50 steps in a run of 1
+
+
+def test_eval_cap_leaves_the_in_domain_testset_whole_unless_cap_in_domain(hf_data_dir):
+    """The partial correlations control for in-domain accuracy: a subset of it biases them (docs/analysis.md)."""
+    config = base.get_config()
+    config.data.data_dir, config.data.testsets, config.data.eval_cap = str(hf_data_dir), ("mnli", "hans"), 16
+    whole = len(load_testset("mnli", data_dir=str(hf_data_dir)))  # validation_matched, neutral dropped
+    assert whole > 6000
+    sizes = {name: len(testset) for name, testset in run_data.capped_testsets(read(config).data).items()}
+    assert sizes == {"mnli": whole, "hans": 16}
+    config.data.cap_in_domain = True
+    sizes = {name: len(testset) for name, testset in run_data.capped_testsets(read(config).data).items()}
+    assert sizes == {"mnli": 16, "hans": 16}
+    config.data.train_set = "snli"  # then mnli is OOD, capped either way
+    config.data.cap_in_domain = False
+    sizes = {name: len(testset) for name, testset in run_data.capped_testsets(read(config).data).items()}
+    assert sizes == {"mnli": 16, "hans": 16}

@@ -181,8 +181,17 @@ def test_stop_signals_and_damaged_checkpoints_change_no_result(
         assert expected.keys() == got.keys() and got[schema.STEP].tolist() == [0, 2, 4, 6]
         for key in expected.keys() - {schema.CONFIG}:
             np.testing.assert_array_equal(got[key], expected[key], err_msg=f"{run.name}: {key}")
+        # events.jsonl: every step once, as the uninterrupted run logged it (but for the clocks)
+        assert _events(run.directory) == _events(reference.directory), run.name
     for path in (tmp_path / "stopped").rglob("*"):
         assert stat.S_IMODE(path.stat().st_mode) == (0o755 if path.is_dir() else 0o644), path
+
+
+def _events(run_dir):
+    """events.jsonl's records in order, without what the clocks measure."""
+    lines = (run_dir / "events.jsonl").read_text().splitlines()
+    clocks = ("time", "train/examples_per_s")
+    return [{key: value for key, value in json.loads(line).items() if key not in clocks} for line in lines]
 
 
 def _cut_in_half(paths):
@@ -201,3 +210,45 @@ def test_a_field_a_later_version_added_is_no_change_at_its_default():
     assert resumption.differing_fields(stored, resumption.comparable_stored(read(config).record), defaults) == [
         "data.answers None -> [' True', ' False']"
     ]
+
+
+def test_runs_of_32_64_and_128_shots_trained_by_epochs_in_one_job_equal_each_trained_alone(
+    tmp_path, gpt2_tokenizer_dir, hf_data_dir, caplog
+):
+    """train.epochs=1 at batch 16: 2, 4 and 8 steps, each run's warm-up a quarter of them and its 2 evaluations
+    after step 0 spread over its own length. The job trains the three lengths one after another on one model;
+    each run's metrics.npz equals that of a job of its shot count alone, and records its own length. Rerun, the
+    job finds every run finished at its own last step."""
+
+    def config(name, shots):
+        config = tiny_config(tmp_path / name, gpt2_tokenizer_dir, hf_data_dir, tmp_path / "cache")
+        config.runs.seeds, config.runs.shots = (0,), shots
+        config.train.batch_size, config.train.epochs, config.train.warmup_ratio = 16, 1.0, 0.25
+        config.eval.points, config.checkpoint_every = 2, 100
+        return config
+
+    together = config("together", (32, 64, 128))
+    loop.train(resolve(together))
+    for run, steps, evaluated in zip(read(together).runs.runs(), (2, 4, 8), ([0, 1, 2], [0, 2, 4], [0, 4, 8])):
+        alone = config(f"alone{run.shots}", (run.shots,))
+        loop.train(resolve(alone))
+        (reference,) = read(alone).runs.runs()
+        expected, got = _results(reference.directory), _results(run.directory)
+        assert got[schema.STEP].tolist() == evaluated, run.name
+        assert expected.keys() == got.keys()
+        for key in expected.keys() - {schema.CONFIG}:
+            np.testing.assert_array_equal(got[key], expected[key], err_msg=f"{run.name}: {key}")
+        assert json.loads(got[schema.CONFIG].item())[schema.RUN_SECTION][schema.RUN_STEPS] == steps
+        summary = json.loads((run.directory / schema.RESULTS_FILENAME).read_text())
+        assert summary[schema.RESULTS_RUN][schema.RUN_STEPS] == steps
+        assert checkpoints.checkpoint_steps(run.directory) == [steps]
+        # its schedule spans its own steps: warm-up over ceil(steps / 4), then linear decay to 0 at its last step
+        warmup = -(-steps // 4)
+        rates = [1e-3 * i / warmup if i < warmup else 1e-3 * (steps - i) / (steps - warmup) for i in range(steps)]
+        logged = [event["train/learning_rate"] for event in _events(run.directory) if "train/learning_rate" in event]
+        np.testing.assert_allclose(logged, rates, rtol=1e-6, err_msg=run.name)
+    written = {path: path.read_bytes() for path in (tmp_path / "together").rglob(schema.METRICS_FILENAME)}
+    with caplog.at_level(logging.INFO):
+        loop.train(resolve(together))
+    assert "finished (step 2), skipped" in caplog.text and "finished (step 8), skipped" in caplog.text
+    assert {path: path.read_bytes() for path in written} == written

@@ -19,6 +19,7 @@ from configs.original import preset
 from oodjax import config_checks
 from oodjax.config_cli import apply_overrides, load_config_file
 from oodjax.data import testsets
+from oodjax.job import read
 from oodjax.models.lora import ATTENTION_PROJECTIONS
 from oodjax.usage_errors import NotFetchedError
 
@@ -37,6 +38,10 @@ CHANGED = {
     "train.learning_rate": 1e-5,
     "train.weight_decay": 0.01,
     "train.batch_size": 32,  # per_device_train_batch_size
+    "train.epochs": 40.0,  # num_train_epochs=40
+    "train.warmup_ratio": 0.1,  # warmup_ratio=0.1, lr_scheduler_type left at the Trainer's "linear"
+    # Not the predecessor's (it evaluated every 2,000 steps): the study configs' 20 evaluations after step 0.
+    "eval.points": 20,
 }
 # Where the predecessor agrees with oodjax's defaults: the presets keep them.
 AGREED = {
@@ -48,7 +53,6 @@ AGREED = {
     "data.neutral": "drop",  # src/data/NLIDataset.py: SNLI and ANLI filter out label 1
     "data.eval_cap": 0,  # the whole test splits
 }
-WARMUP_RATIO = 0.1  # [model.training] warmup_ratio=0.1, lr_scheduler_type left at the Trainer's "linear"
 TARGET_MODULES = {  # [model.LoRA] target_modules
     "opt": ("k_proj", "v_proj", "q_proj", "out_proj"),  # configs/opt.toml
     "olmo": ("q_proj", "k_proj", "v_proj", "o_proj"),  # configs/olmo.toml
@@ -108,7 +112,11 @@ def test_a_preset_changes_exactly_the_protocol_fields_to_the_predecessors_values
         assert defaults[field] != value, f"{field} is oodjax's default already: not a change"
     differing = {field for field in got if got[field] != study[field]}
     assert differing <= set(CHANGED), sorted(differing - set(CHANGED))
-    assert loaded.train.warmup_steps == round(WARMUP_RATIO * loaded.train.steps)
+    job = read(loaded)  # 40 epochs of 32, 64, 128 shots at batch 32; 10% of each, rounded up, to warm up
+    lengths = {shots: job.of_length(job.total_steps(shots)) for shots in (32, 64, 128)}
+    assert {shots: run.optimizer.total_steps for shots, run in lengths.items()} == {32: 40, 64: 80, 128: 160}
+    assert {shots: run.optimizer.warmup_steps for shots, run in lengths.items()} == {32: 4, 64: 8, 128: 16}
+    assert lengths[32].cadence.evaluated_steps() == list(range(0, 41, 2))
     table = testsets.testset_table(loaded.data.extra_testsets.to_dict())
     assert set(loaded.data.testsets) == set(EVALUATED)
     for name, (source, config, split) in EVALUATED.items():

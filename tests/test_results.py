@@ -223,18 +223,24 @@ def test_run_name_is_a_safe_directory_name():
     assert results.run_name("facebook/opt-2.7b", "mnli", 42, 64) == "facebook-opt-2.7b_mnli_seed42_shots64"
 
 
-def test_event_log_appends_json_lines(tmp_path):
-    log = EventLog(tmp_path, run_name="r", config=CONFIG)
-    log.log(1, {"train/loss": 0.5})
+def test_event_log_appends_json_lines_and_a_resumed_run_drops_the_steps_it_redoes(tmp_path):
+    def logged():
+        lines = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+        return [(e["step"], e.get("train/loss"), e.get("accuracy/hans")) for e in lines]
+
+    log = EventLog(tmp_path, run_name="r", config=CONFIG, kept_through=-1)
+    for step in (1, 2, 3):
+        log.log(step, {"train/loss": step / 10})
     log.close()
-    log = EventLog(tmp_path, run_name="r", config=CONFIG)  # a resumed run appends
+    with (tmp_path / "events.jsonl").open("a") as file:
+        file.write('{"step": 4, "train/lo')  # a line a crash cut short
+    log = EventLog(tmp_path, run_name="r", config=CONFIG, kept_through=2)  # resumed from step 2: appends
     log.log(2, {"accuracy/hans": 0.25})
+    log.log(3, {"train/loss": 0.35})
     log.close()
-    lines = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
-    assert [(e["step"], e.get("train/loss"), e.get("accuracy/hans")) for e in lines] == [
-        (1, 0.5, None),
-        (2, None, 0.25),
-    ]
+    assert logged() == [(1, 0.1, None), (2, 0.2, None), (2, None, 0.25), (3, 0.35, None)]
+    EventLog(tmp_path, run_name="r", config=CONFIG, kept_through=-1).close()  # started over: nothing kept
+    assert logged() == []
 
 
 def test_metrics_npz_follows_the_umask(tmp_path):

@@ -127,7 +127,13 @@ def test_wandb_and_tensorboard_get_every_event_of_every_run(tmp_path, gpt2_token
         assert run_record.entity == "a-team" and list(run_record.tags) == ["laptop", "tiny"]
         assert run_record.run_group == "opt-tiny_mnli"  # model and training set
         wandb_config = {item.key: json.loads(item.value_json) for item in run_record.config.update}
-        assert wandb_config["run"] == {"model": "opt-tiny", "seed": run.seed, "shots": 8, "train_set": "mnli"}
+        assert wandb_config["run"] == {
+            "model": "opt-tiny",
+            "seed": run.seed,
+            "shots": 8,
+            "steps": 4,
+            "train_set": "mnli",
+        }
         assert wandb_config["train"]["steps"] == 4
         history = {}
         for record in records:

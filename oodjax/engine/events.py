@@ -4,9 +4,10 @@ metrics.npz is the result; this is what one watches while a sweep runs
 (`tail -f <run_dir>/events.jsonl`, the W&B dashboard the original study
 used, or `tensorboard --logdir <output_dir>`). Every record goes to every
 enabled tracker at the same step. Lines are appended and flushed as they
-come, so a crash keeps all of them; after a resume, steps between the last
-checkpoint and the crash appear twice, the later line being the one the
-results hold.
+come, so a crash keeps all of them; a resumed run first drops the lines of
+the steps after its checkpoint, which it redoes, so events.jsonl holds each
+step once, as the results do (W&B and TensorBoard, whose records cannot be
+taken back, get those steps again).
 
 Trackers are quiet: W&B prints no banner and no footer per run (its
 warnings and errors still show: ``setup_wandb``); the loop logs once where
@@ -23,6 +24,8 @@ import pathlib
 import time
 from collections.abc import Mapping
 from typing import Any
+
+from oodjax.storage import write_atomic
 
 EVENTS_FILE = "events.jsonl"
 TENSORBOARD_DIR = "tensorboard"  # <run_dir>/tensorboard/: the run's TensorBoard event files
@@ -61,14 +64,18 @@ class EventLog:
         *,
         run_name: str,
         config: Mapping[str, Any],
+        kept_through: int,
         wandb: WandbSettings | None = None,
         tensorboard: bool = False,
     ):
-        """`wandb` set: also log to that W&B run, whose config is `config`; `tensorboard`: also write
-        `<run_dir>/tensorboard/`. Each library is imported only when enabled (both are optional)."""
+        """Lines of steps after `kept_through` (the step the run resumes from; -1 for a run that starts at 0)
+        are dropped: the run redoes them. `wandb` set: also log to that W&B run, whose config is `config`;
+        `tensorboard`: also write `<run_dir>/tensorboard/`. Each library is imported only when enabled (both are
+        optional)."""
         run_dir = pathlib.Path(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         self.path = run_dir / EVENTS_FILE
+        _drop_after(self.path, kept_through)
         self._file = self.path.open("a", encoding="utf-8")
         self._wandb_run = None
         self._tensorboard = None
@@ -122,6 +129,23 @@ class EventLog:
             self._wandb_run.finish()
         if self._tensorboard is not None:
             self._tensorboard.close()
+
+
+def _drop_after(path: pathlib.Path, step: int) -> None:
+    """Rewrites the event log at `path` (atomically) without its lines of steps after `step`, and without a
+    line a crash cut short."""
+    if not path.is_file():
+        return
+    kept = []
+    for line in path.read_text(encoding="utf-8").splitlines(keepends=True):
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if line.endswith("\n") and record["step"] <= step:
+            kept.append(line)
+    text = "".join(kept).encode()
+    write_atomic(path, lambda file: file.write(text), intact=f"{path} is as it was")
 
 
 def setup_wandb(mode: str) -> str:

@@ -3,16 +3,18 @@
 `train(job)` (an ``oodjax.job.Job``) loads the model once, attaches one set of adapters per run
 (seeds x shots), and alternates jitted train steps with evaluations of every
 testset (and each run's own training set) at step 0 and every `eval.every`
-steps (``Cadence``). After each evaluation every run's metrics.npz is rewritten; every
-`checkpoint_every` steps each run's adapters, optimizer state, data-iterator
-state and RNG are checkpointed in its own folder (``oodjax.engine.checkpoints``).
+steps, or at `eval.points` steps spread over the run (``Cadence``). After each
+evaluation every run's metrics.npz is rewritten; every `checkpoint_every` steps
+each run's adapters, optimizer state, data-iterator state and RNG are
+checkpointed in its own folder (``oodjax.engine.checkpoints``).
 
 Runs are the unit of resumption (``oodjax.engine.resumption`` says where
 each stands: finished, part-way or new, and refuses a changed config). Runs
 train in lockstep, so the unfinished ones are trained in groups of one
-resume step, the furthest along first, each group with the geometry and
-compiled steps of its own runs; each run ends with the results an
-uninterrupted run would have written (to float32 rounding where its group's
+length (with `train.epochs`, runs of more shots train more steps:
+``Job.of_length``) and one resume step, the furthest along first, each group
+with the cadence, schedule, geometry and compiled steps of its own runs; each
+run ends with the results an uninterrupted run would have written (to float32 rounding where its group's
 size differs from the uninterrupted job's, as the compiled program does). A
 stop signal ends training at a step boundary with every run checkpointed
 (``oodjax.engine.preemption``). A job holds a lock on each of its runs from
@@ -79,8 +81,9 @@ class Cadence:
     """When a job's runs are evaluated, checkpointed and logged: the one home of those rules, which the
     estimator counts evaluations by too."""
 
-    total_steps: int  # optimizer steps per run
+    total_steps: int  # optimizer steps per run (of the runs of one length: ``oodjax.job.Job.of_length``)
     eval_every: int = 25  # step 0, every eval_every steps and the last step are evaluated
+    eval_points: int = 0  # else step 0 and this many steps spread evenly over total_steps, the last among them
     checkpoint_every: int = 100  # and the last step
     checkpoint_keep: int = 2  # the newest checkpoints kept per run
     log_every: int = 10
@@ -97,8 +100,17 @@ class Cadence:
                 raise ConfigError(f"{field} must be >= 1, got {value}")
         if self.checkpoint_keep < 1:
             raise ConfigError(f"checkpoint_keep must be >= 1 (checkpoints kept per run), got {self.checkpoint_keep}")
+        if not 0 <= self.eval_points <= self.total_steps:
+            raise ConfigError(
+                f"eval.points must be in [0, {self.total_steps}], the steps of a run (0: eval.every), "
+                f"got {self.eval_points}"
+            )
 
     def evaluation_due(self, step: int) -> bool:
+        """With eval.points P over T steps: step 0 and the steps floor(k T / P), k = 1..P, the last being T."""
+        if self.eval_points:
+            k = -(-step * self.eval_points // self.total_steps)  # the one k whose floor(k T / P) may be step
+            return k * self.total_steps // self.eval_points == step and 0 <= k <= self.eval_points
         return step % self.eval_every == 0 or step == self.total_steps
 
     def evaluated_steps(self) -> list[int]:
@@ -134,10 +146,10 @@ def train(job: Job) -> list[Run]:
         job.log_config()
         output_dir = job.runs.output_dir
         warn_of_shared_checkpoints(output_dir)
-        starts = [read_start(job.cadence.total_steps, run) for run in runs]
+        starts = [read_start(job.total_steps(run.shots), run) for run in runs]
         # before anything is written (the locks' new folders go with them)
         refuse_changed_config(job.record, output_dir, starts)
-        where = [start.describe(job.cadence.total_steps) for start in starts]
+        where = [start.describe(job.total_steps(start.run.shots)) for start in starts]
         logging.info("%s", console.by_run(f"{len(runs)} runs in {output_dir}", runs, where))
         to_train = [start for start in starts if not start.finished]
         to_export = [start for start in starts if start.finished and job.export.peft]
@@ -151,7 +163,7 @@ def train(job: Job) -> list[Run]:
 
 def _train_runs(job: Job, to_train: list[RunStart], to_export: list[RunStart], stop: StopSignals) -> None:
     """Loads the model once, restores every run's checkpoint, then trains the runs group by group (one resume
-    step each, the furthest along first) and exports the finished runs' adapters if asked."""
+    step and one length each, the furthest along first) and exports the finished runs' adapters if asked."""
     mesh = job.mesh.make()
     tokenizer = load_tokenizer(job.model.tokenizer)
     answer_ids = answer_token_ids(tokenizer, job.data.answers)  # a bad answer word fails before the model loads
@@ -168,19 +180,19 @@ def _train_runs(job: Job, to_train: list[RunStart], to_export: list[RunStart], s
         _export_finished(job, start)
     groups = collections.defaultdict(list)
     for start in to_train:
-        groups[(start.step, start.evaluation_pending)].append(start)
+        groups[(start.step, start.evaluation_pending, job.total_steps(start.run.shots))].append(start)
     for key in sorted(groups, reverse=True):
-        _train_group(job, mesh, tokenizer, answer_ids, model, groups[key], stop)
+        _train_group(job.of_length(key[2]), mesh, tokenizer, answer_ids, model, groups[key], stop)
 
 
 def _export_finished(job: Job, start: RunStart) -> None:
     """A finished run rerun with export.peft: its final checkpoint's adapters, exported."""
-    restored = start.checkpoint
-    if restored is None or restored.step != job.cadence.total_steps:
+    restored, total_steps = start.checkpoint, job.total_steps(start.run.shots)
+    if restored is None or restored.step != total_steps:
         logging.warning(
             "%s: cannot export its adapters: it has no intact checkpoint at its last step %d",
             start.run.name,
-            job.cadence.total_steps,
+            total_steps,
         )
         return
     _export_adapters(job, start.run, restored.state.lora, restored.step)
@@ -196,7 +208,8 @@ def _train_group(
     group: list[RunStart],
     stop: StopSignals,
 ) -> None:
-    """Trains runs that stand at one step together, from their checkpoints (or from scratch at step 0)."""
+    """Trains runs that stand at one step together, from their checkpoints (or from scratch at step 0); ``job``
+    is of their length (``Job.of_length``)."""
     runs = [start.run for start in group]
     logging.info("training %d runs from step %d: %s", len(runs), group[0].step, ", ".join(run.name for run in runs))
     yes_id, no_id = answer_ids
@@ -272,10 +285,11 @@ def _summary(job: Job, runs: Sequence[Run]) -> None:
     """The closing lines: each run's final in-domain and mean OOD accuracy, labelled by run (``console.by_run``:
     a table for many runs; read from the run's metrics.npz, so runs skipped as finished are listed too), and
     where the results are."""
-    in_domain, total_steps = job.data.train_set, job.cadence.total_steps
+    in_domain = job.data.train_set
     ood = [name for name in job.data.testsets if name != in_domain]  # every run's: a changed config is refused
     cells = []
     for run in runs:
+        total_steps = job.total_steps(run.shots)
         path = run.directory / schema.METRICS_FILENAME
         if not path.is_file():
             cells.append("no results yet")
@@ -285,7 +299,9 @@ def _summary(job: Job, runs: Sequence[Run]) -> None:
             step = int(stored[schema.STEP][-1])
         mean_ood = f"{np.mean([final[name] for name in ood]):.3f}" if ood else "n/a"
         cells.append(f"{final[in_domain]:.3f} / {mean_ood}" + (f" (step {step})" if step != total_steps else ""))
-    label = f"final accuracy at step {total_steps}, in-domain {in_domain} / mean OOD ({', '.join(ood)})"
+    lengths = sorted({job.total_steps(run.shots) for run in runs})
+    at = f"step {lengths[0]}" if len(lengths) == 1 else f"each run's last step ({', '.join(map(str, lengths))})"
+    label = f"final accuracy at {at}, in-domain {in_domain} / mean OOD ({', '.join(ood)})"
     logging.info("%s", console.by_run(label, runs, cells))
     logging.info(
         "done: %d runs; results in %s (metrics.npz and events.jsonl per run; `python -m analysis.runs %s` "
@@ -333,6 +349,7 @@ class _Loop:
                 EventLog(
                     run.directory,
                     run_name=run.name,
+                    kept_through=self.start if self.resumed else -1,  # the steps the run redoes are dropped
                     wandb=job.trackers.wandb,
                     tensorboard=job.trackers.tensorboard,
                     # the run's identity and training set in a section of their own, for W&B's filters
@@ -362,8 +379,14 @@ class _Loop:
         self.eval_compiled = False
 
     def _identity(self, run: Run, *, train_set: bool = False) -> dict[str, Any]:
-        """The run's model, seed and shots (metrics.npz's run section), and its training set if asked."""
-        identity = {schema.RUN_MODEL: self.job.model.name, schema.RUN_SEED: run.seed, schema.RUN_SHOTS: run.shots}
+        """The run's model, seed, shots and own total steps (metrics.npz's run section), and its training set if
+        asked."""
+        identity = {
+            schema.RUN_MODEL: self.job.model.name,
+            schema.RUN_SEED: run.seed,
+            schema.RUN_SHOTS: run.shots,
+            schema.RUN_STEPS: self.total_steps,
+        }
         return dict(identity, train_set=self.job.data.train_set) if train_set else identity
 
     def _run_results(self, index: int, run: Run) -> RunResults:
@@ -432,11 +455,11 @@ class _Loop:
         an export)."""
         evaluation_due, checkpoint_due = self.cadence.evaluation_due(step), self.cadence.checkpoint_due(step)
         waits = evaluation_due or checkpoint_due or self.cadence.log_due(step)  # for the step's losses
-        if self.stop.agreed(synced=waits):
-            self._stop(step, evaluation_pending=evaluation_due)
         if waits:
             self._check_losses()  # before anything is evaluated or saved
-            self._log_window(step)
+            self._log_window(step)  # before a stop too: the resumed run keeps the lines up to its checkpoint
+        if self.stop.agreed(synced=waits):
+            self._stop(step, evaluation_pending=evaluation_due)
         if evaluation_due:
             self._evaluate(step)
         if checkpoint_due:

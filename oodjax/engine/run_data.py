@@ -76,6 +76,7 @@ class DataSettings:
     pool_split: str | None = None  # None: the data layer's offline pool
     data_dir: str | None = None  # None: $OODJAX_DATA_DIR, else the hub
     eval_cap: int = 0  # 0: the full split
+    cap_in_domain: bool = False  # the in-domain testset (train_set) capped too
     eval_seed: int = 0
     neutral: str = "drop"
     cache_dir: str | None = None  # None: $OODJAX_CACHE_DIR, else ~/.cache/oodjax
@@ -181,12 +182,13 @@ def load_testsets(data: DataSettings, tokenizer: PreTrainedTokenizerBase) -> dic
 
 def capped_testsets(data: DataSettings) -> dict[str, datasets.Dataset]:
     """``data.testsets``, built-in or declared (data.extra_testsets[_file]), each capped (its own cap, else
-    data.eval_cap), in order, with each example's row in the uncapped split (``DATASET_INDEX``)."""
+    data.eval_cap; the in-domain one only with data.cap_in_domain: the analysis controls for its accuracy, which
+    a subset makes noisy), in order, with each example's row in the uncapped split (``DATASET_INDEX``)."""
     testsets = {}
     for name in data.testsets:
         dataset = load_testset(name, data_dir=data.data_dir, neutral=data.neutral, table=data.table)
         dataset = dataset.add_column(DATASET_INDEX, np.arange(len(dataset)))
-        cap = data.table[name].eval_cap(data.eval_cap)
+        cap = data.table[name].eval_cap(data.eval_cap) if name != data.train_set or data.cap_in_domain else 0
         testsets[name] = stratified_subset(dataset, cap, seed=data.eval_seed) if cap else dataset
     return testsets
 
