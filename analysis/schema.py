@@ -113,9 +113,6 @@ EVALUATED_BASE = "base"  # the base model alone
 EVALUATED_ADAPTER = "adapter"  # the base model with one adapter of model.adapters
 EVALUATED_IN_CONTEXT = "in_context"  # the base model prompted with the run's few-shot set
 EVALUATED_KINDS = (EVALUATED_BASE, EVALUATED_ADAPTER, EVALUATED_IN_CONTEXT)
-# A trained run's own number of training steps, when the engine records it (runs of one
-# job may train for different lengths); without it, the config's train.steps.
-RUN_STEPS = "steps"
 TRAIN_SECTION = "train"
 TRAIN_STEPS = "steps"
 
