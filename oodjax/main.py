@@ -25,8 +25,8 @@ from absl import logging
 from ml_collections import config_dict
 
 from oodjax import config_cli, storage
-from oodjax.engine import distributed, loop, preemption
-from oodjax.job import resolve
+from oodjax.engine import distributed, loop, preemption, results
+from oodjax.job import Job, resolve
 
 
 class _QuietCheckpointing(python_logging.Filter):
@@ -55,17 +55,42 @@ def main(config: config_dict.ConfigDict) -> None:
     """Trains `config` (the command line's, its overrides applied) on this process's share of the devices.
 
     A stop signal exits with ``preemption.PREEMPTED_EXIT_CODE`` (launch/slurm.sbatch
-    requeues on it); a full disk with one line naming the file.
+    requeues on it); a full disk with one line naming the file, status 1, unless
+    every run's results are complete already (the final checkpoint failed): then
+    with a warning, status 0, as a rerun would have nothing to do.
     """
     start_process()
+    job = resolve(config)
     try:
-        loop.train(resolve(config))
+        loop.train(job)
     except preemption.Preempted as stopped:
         logging.warning("%s", stopped)
         sys.exit(preemption.PREEMPTED_EXIT_CODE)
     except storage.NoSpaceError as full:
-        logging.error("%s", full)
-        sys.exit(1)
+        if not _results_complete(job):
+            logging.error("%s", full)
+            sys.exit(1)
+        logging.warning(
+            "the disk filled up while writing %s, a final checkpoint; every run's results are complete (each "
+            "metrics.npz holds step %d), so the job is done",
+            full.path,
+            job.cadence.total_steps,
+        )
+
+
+def _results_complete(job: Job) -> bool:
+    """Whether every run of ``job`` has its final evaluation in its metrics.npz (and, with export.peft, its
+    adapter): all a finished run leaves, its checkpoints aside."""
+    for run in job.runs.runs():
+        try:
+            progress = results.read_progress(run.directory)
+        except results.UnreadableResultsError:
+            return False
+        if progress is None or not progress.finished(job.cadence.total_steps):
+            return False
+        if job.export.peft and not (run.directory / loop.ADAPTER_DIR).is_dir():
+            return False
+    return True
 
 
 def run() -> None:
