@@ -201,12 +201,9 @@ def _check_adapters(model: config_dict.ConfigDict) -> None:
 
 
 def _check_train(train: config_dict.ConfigDict) -> None:
-    """The optimizer's numbers have a sign that trains: a negative learning rate climbs the loss."""
+    """A learning rate that trains: a negative one climbs the loss (and zero trains nothing)."""
     if not train.learning_rate > 0:
         raise ConfigError(f"train.learning_rate must be positive, got {train.learning_rate}")
-    for field in ("weight_decay", "max_grad_norm"):
-        if train[field] < 0:
-            raise ConfigError(f"train.{field} must be >= 0, got {train[field]}")
 
 
 def _check_lora(config: config_dict.ConfigDict) -> None:
