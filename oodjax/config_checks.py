@@ -17,7 +17,12 @@ Where every check of a config lives, in the order a job meets them:
   (``oodjax.models.lora.LoRAConfig``), the remat policy
   (``oodjax.models.layers.check_remat``) and the attention kernel
   (``oodjax.models.flash_attention.check_implementation``), the handling
-  of neutral examples (``oodjax.data.testsets.check_neutral``); and W&B's
+  of neutral examples (``oodjax.data.testsets.check_neutral``), the
+  template (``oodjax.data.prompts.check_template``), a local checkpoint's
+  files from their headers (``oodjax.models.loading.verify_checkpoint``),
+  each adapter folder on the model's shapes (``oodjax.models.lora.read_peft``,
+  ``lora_from_peft``), the few-shot pool's size per label
+  (``oodjax.data.few_shot``) and a declared testset file's rows; and W&B's
   login, asked of wandb, when a training job records online;
 - the pieces of the job, as ``oodjax.job.read`` builds them: each checks
   the ranges of the fields it holds (``results.RunPlan`` the runs,
@@ -27,7 +32,7 @@ Where every check of a config lives, in the order a job meets them:
   micro-batches and mesh fit together (it needs the mesh and the few-shot
   sets, so it runs once those exist, still before anything compiles);
 - ``oodjax.models.loading``: the checkpoint itself (every tensor accounted
-  for).
+  for) as it loads, for a hub id checked only then.
 """
 
 from __future__ import annotations
