@@ -1,14 +1,16 @@
 # Two commands set up everything on a fresh machine: `make test` and `make demo`.
-# Each creates .venv when missing and installs the pinned stack into it.
+# Each creates .venv when missing: `make demo` installs the runtime set (requirements.txt), all the demo
+# runs; `make test` (and `make install`) the test stack too (requirements-dev.txt: torch, peft, pingouin...).
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 OFFLINE := HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
 PYTEST_ARGS ?=
 
-.PHONY: test format demo install install-gpu install-tpu install-bench-gpu system-tools clean
+.PHONY: test format demo install install-runtime install-gpu install-tpu install-bench-gpu system-tools clean
 
 install: $(VENV)/.installed
+install-runtime: $(VENV)/.installed-runtime
 # Accelerator stacks (README, Installation): requirements.txt plus the matching JAX build, pinned, and never
 # PyTorch; each in a venv of its own (VENV=.venv by default, the launchers' OODJAX_VENV).
 install-gpu: $(VENV)/.installed-gpu
@@ -46,12 +48,20 @@ system-tools:
 		$(APT) update -q && $(APT) install -y -q --no-install-recommends texlive-latex-recommended shellcheck; \
 	fi
 
+# The runtime set alone, a part of every stack (so no stack is refused): what the demo needs.
+$(VENV)/.installed-runtime: requirements.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -r requirements.txt
+	touch $@
+
+# The test stack holds the runtime set: one pip call installs both, and the runtime's stamp is kept up to date.
 $(VENV)/.installed: requirements.txt requirements-dev.txt
 	$(call only_stack,installed,$(VENV))
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -r requirements.txt -r requirements-dev.txt
-	touch $@
+	touch $@ $(VENV)/.installed-runtime
 
 $(VENV)/.installed-gpu $(VENV)/.installed-tpu: $(VENV)/.installed-%: requirements.txt requirements-%.txt
 	$(call only_stack,installed-$*,$(VENV))
@@ -80,7 +90,7 @@ format: install
 	$(PY) -m ruff format .
 	$(PY) -m ruff check --fix .
 
-demo: install
+demo: install-runtime
 	$(OFFLINE) $(PY) -m oodjax.main --config configs/demo.py
 	$(PY) -m analysis results/demo --out results/demo-analysis
 

@@ -17,7 +17,12 @@ Where every check of a config lives, in the order a job meets them:
   (``oodjax.models.lora.LoRAConfig``), the remat policy
   (``oodjax.models.layers.check_remat``) and the attention kernel
   (``oodjax.models.flash_attention.check_implementation``), the handling
-  of neutral examples (``oodjax.data.testsets.check_neutral``); and W&B's
+  of neutral examples (``oodjax.data.testsets.check_neutral``), the
+  template (``oodjax.data.prompts.check_template``), a local checkpoint's
+  files from their headers (``oodjax.models.loading.verify_checkpoint``),
+  each adapter folder on the model's shapes (``oodjax.models.lora.read_peft``,
+  ``lora_from_peft``), the few-shot pool's size per label
+  (``oodjax.data.few_shot``) and a declared testset file's rows; and W&B's
   login, asked of wandb, when a training job records online;
 - the pieces of the job, as ``oodjax.job.read`` builds them: each checks
   the ranges of the fields it holds (``results.RunPlan`` the runs,
@@ -27,7 +32,7 @@ Where every check of a config lives, in the order a job meets them:
   micro-batches and mesh fit together (it needs the mesh and the few-shot
   sets, so it runs once those exist, still before anything compiles);
 - ``oodjax.models.loading``: the checkpoint itself (every tensor accounted
-  for).
+  for) as it loads, for a hub id checked only then.
 """
 
 from __future__ import annotations
@@ -35,15 +40,18 @@ from __future__ import annotations
 import dataclasses
 import pathlib
 import tempfile
+from collections.abc import Sequence
 
 import datasets
 import huggingface_hub
 from datasets.naming import camelcase_to_snakecase
+from flax import nnx
 from ml_collections import config_dict
 
 from analysis import schema
 from oodjax.config_fields import LIST_ITEM_TYPES
-from oodjax.data import answer_token_ids, check_neutral, load_tokenizer
+from oodjax.data import answer_token_ids, check_neutral, few_shot, load_testset, load_tokenizer, training_pool
+from oodjax.data.prompts import check_template
 from oodjax.data.testsets import (
     HUB_ID,
     TestsetSpec,
@@ -59,8 +67,9 @@ from oodjax.engine.events import WANDB_MODES, installed, setup_wandb
 from oodjax.models.flash_attention import check_implementation
 from oodjax.models.hf_checkpoint import read_json
 from oodjax.models.layers import check_remat
-from oodjax.models.lora import LoRAConfig
-from oodjax.usage_errors import ConfigError, MissingInputError, NotFetchedError
+from oodjax.models.loading import abstract_model, verify_checkpoint
+from oodjax.models.lora import LoRAConfig, lora_from_peft, read_peft
+from oodjax.usage_errors import ConfigError, DamagedInputError, MissingInputError, NotFetchedError, UsageError
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -74,8 +83,10 @@ def check_config(config: config_dict.ConfigDict, *, evaluation: bool = False) ->
     _check_lists(config)
     _check_model(config.model)
     _check_lora(config)
+    _check_adapters(config.model)
+    _check_train(config.train)
     _check_source("tokenizer", config.tokenizer or config.model.path, "tokenizer_config.json")
-    _check_data(config.data, needs_pool=not evaluation or config.eval.in_context)
+    _check_data(config.data, config.runs.shots, needs_pool=not evaluation or config.eval.in_context)
     _check_trackers(config, evaluation)
     _check_export(config.export)
     _check_vocabulary(config)
@@ -153,6 +164,8 @@ def _check_model(model: config_dict.ConfigDict) -> None:
         raise ConfigError("model.hf_config needs a model_type (e.g. 'opt')")
     if has_path:
         _check_source("model.path", model.path, "config.json")
+        if pathlib.Path(model.path).expanduser().is_dir():
+            _check_checkpoint(pathlib.Path(model.path).expanduser())
     for field in ("dtype", "compute_dtype"):
         value = model[field]
         if value and value not in DTYPES:
@@ -162,6 +175,40 @@ def _check_model(model: config_dict.ConfigDict) -> None:
         check_implementation(model.attention)
     except ValueError as error:
         raise ConfigError(str(error)) from error
+
+
+def _check_checkpoint(directory: pathlib.Path) -> None:
+    """A local checkpoint's files are all there, whole, and fit its config.json, read from their headers
+    (``verify_checkpoint``): a missing or truncated weights file is named now, not after minutes of loading."""
+    try:
+        verify_checkpoint(directory)
+    except UsageError:  # a file missing, truncated or not fitting: the message names it
+        raise
+    except ValueError as error:  # config.json's model_type or a field its family reads
+        raise ConfigError(f"model.path: {error}") from None
+
+
+def _check_adapters(model: config_dict.ConfigDict) -> None:
+    """Each folder of model.adapters is a readable PEFT LoRA adapter that fits the model, checked on the
+    model's shapes alone (``abstract_model``): a wrong folder is one line before anything loads."""
+    if not model.adapters:
+        return
+    hf_config = _model_config(model)
+    abstract: dict[LoRAConfig, nnx.State] = {}
+    for folder in model.adapters:
+        cfg, tensors = read_peft(pathlib.Path(folder).expanduser())
+        if cfg not in abstract:
+            abstract[cfg] = nnx.state(abstract_model(hf_config, dtype="float32", lora=cfg), nnx.LoRAParam)
+        try:
+            lora_from_peft(abstract[cfg], tensors, source=folder)
+        except ConfigError as error:
+            raise ConfigError(f"model.adapters: {error}") from None
+
+
+def _check_train(train: config_dict.ConfigDict) -> None:
+    """A learning rate that trains: a negative one climbs the loss (and zero trains nothing)."""
+    if not train.learning_rate > 0:
+        raise ConfigError(f"train.learning_rate must be positive, got {train.learning_rate}")
 
 
 def _check_lora(config: config_dict.ConfigDict) -> None:
@@ -208,8 +255,9 @@ def _check_export(export: config_dict.ConfigDict) -> None:
         )
 
 
-def _check_data(data: config_dict.ConfigDict, *, needs_pool: bool) -> None:
-    """``needs_pool``: the job draws few-shot sets (training, the in-context baseline) from data.train_set's pool."""
+def _check_data(data: config_dict.ConfigDict, shots: Sequence[int], *, needs_pool: bool) -> None:
+    """``needs_pool``: the job draws few-shot sets of ``shots`` examples (training, the in-context baseline) from
+    data.train_set's pool, which must hold enough of each label."""
     if data.data_dir and not pathlib.Path(data.data_dir).expanduser().is_dir():
         raise MissingInputError(f"data.data_dir {data.data_dir!r} is not a directory")
     if not data.testsets:
@@ -237,15 +285,28 @@ def _check_data(data: config_dict.ConfigDict, *, needs_pool: bool) -> None:
         check_neutral(data.neutral)
     except ValueError as error:
         raise ConfigError(f"data.{error}") from None
+    try:
+        check_template(data.template)
+    except ValueError as error:
+        raise ConfigError(f"data.template: {error}") from None
     answers = list(data.answers)
     if len(answers) != 2 or len(set(answers)) != 2 or not all(answers):
         raise ConfigError(f"data.answers must be two different non-empty words (yes, no), got {answers}")
     root = pathlib.Path(data.data_dir).expanduser() if data.data_dir else default_data_dir()
     for name in data.testsets:
-        _check_available(name, table[name], root)
+        _check_available(name, table[name], root, data.neutral)
     if needs_pool:
-        pool = dataclasses.replace(testset_spec(data.train_set), split=pool_split(data.train_set, data.pool_split))
-        _check_available(data.train_set, pool, root)  # the message names the pool's split
+        split = pool_split(data.train_set, data.pool_split)
+        _check_available(data.train_set, dataclasses.replace(testset_spec(data.train_set), split=split), root)
+        if shots and min(shots) > 0:  # RunPlan names a non-positive count
+            try:
+                pool = training_pool(data.train_set, split=split, data_dir=root)
+            except NotFetchedError:  # offline, the caches hold less than they seemed to: the job names what
+                return
+            try:
+                few_shot(pool, max(shots), seed=0)  # what it needs of each label does not depend on the seed
+            except ValueError as error:
+                raise ConfigError(f"runs.shots: {error} (data.train_set {data.train_set!r}, split {split!r})") from None
 
 
 def declared_testsets(data: config_dict.ConfigDict) -> dict[str, TestsetSpec]:
@@ -267,8 +328,9 @@ def declared_testsets(data: config_dict.ConfigDict) -> dict[str, TestsetSpec]:
     return table
 
 
-def _check_available(name: str, spec: TestsetSpec, root: pathlib.Path | None) -> None:
-    """The testset's data can be read: its file exists, or each split is in the local mirror, or the hub has it.
+def _check_available(name: str, spec: TestsetSpec, root: pathlib.Path | None, neutral: str = "drop") -> None:
+    """The testset's data can be read: its file exists and reads (every row, its labels among those declared:
+    a declared testset's own file is small), or each split is in the local mirror, or the hub has it.
 
     Offline, a split missing from the mirror must be in the `datasets` or hub
     cache (whether its split is there is left to loading). Online, a declared
@@ -279,6 +341,12 @@ def _check_available(name: str, spec: TestsetSpec, root: pathlib.Path | None) ->
     if spec.is_local_file:
         if not pathlib.Path(spec.source).is_file():
             raise MissingInputError(f"{where}, field 'source': file {spec.source} does not exist")
+        try:
+            load_testset(name, table={name: spec}, neutral=neutral)
+        except UsageError:
+            raise
+        except ValueError as error:  # the message names the file, the line and the column
+            raise DamagedInputError(str(error)) from None
         return
     missing = []
     if root is not None:

@@ -30,8 +30,8 @@ from absl import logging  # noqa: E402
 from ml_collections import config_dict  # noqa: E402
 
 from oodjax import config_cli, storage, versions  # noqa: E402
-from oodjax.engine import distributed, loop  # noqa: E402
-from oodjax.job import resolve  # noqa: E402
+from oodjax.engine import distributed, loop, results  # noqa: E402
+from oodjax.job import Job, resolve  # noqa: E402
 
 
 class _QuietCheckpointing(python_logging.Filter):
@@ -62,11 +62,14 @@ def main(config: config_dict.ConfigDict) -> None:
 
     A stop signal exits with ``preemption.PREEMPTED_EXIT_CODE`` (launch/slurm.sbatch
     requeues on it), or with 128 + the signal's number when it came before a step was trained;
-    a full disk with one line naming the file.
+    a full disk with one line naming the file, status 1, unless
+    every run's results are complete already (the final checkpoint failed): then
+    with a warning, status 0, as a rerun would have nothing to do.
     """
     start_process()
+    job = resolve(config)
     try:
-        loop.train(resolve(config))
+        loop.train(job)
     except preemption.Preempted as stopped:
         logging.warning("%s", stopped)
         if not stopped.trained:
@@ -80,8 +83,29 @@ def main(config: config_dict.ConfigDict) -> None:
             )
         sys.exit(stopped.exit_code)
     except storage.NoSpaceError as full:
-        logging.error("%s", full)
-        sys.exit(1)
+        if not _results_complete(job):
+            logging.error("%s", full)
+            sys.exit(1)
+        logging.warning(
+            "the disk filled up while writing %s, a final checkpoint; every run's results are complete (each "
+            "metrics.npz holds its last step), so the job is done",
+            full.path,
+        )
+
+
+def _results_complete(job: Job) -> bool:
+    """Whether every run of ``job`` has its final evaluation in its metrics.npz (and, with export.peft, its
+    adapter): all a finished run leaves, its checkpoints aside."""
+    for run in job.runs.runs():
+        try:
+            progress = results.read_progress(run.directory)
+        except results.UnreadableResultsError:
+            return False
+        if progress is None or not progress.finished(job.total_steps(run.shots)):
+            return False
+        if job.export.peft and not (run.directory / loop.ADAPTER_DIR).is_dir():
+            return False
+    return True
 
 
 def run() -> None:

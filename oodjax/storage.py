@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import logging
 import os
 import pathlib
 import secrets
@@ -27,7 +28,35 @@ _NO_SPACE_TEXT = os.strerror(errno.ENOSPC)  # "No space left on device"
 
 
 class NoSpaceError(OSError):
-    """The device filled up while writing a results file or a checkpoint; what was written before is intact."""
+    """The device filled up while writing a results file or a checkpoint (``path``); what was written before
+    is intact."""
+
+    def __init__(self, path: str | pathlib.Path, intact: str):
+        super().__init__(
+            errno.ENOSPC, f"{_NO_SPACE_TEXT} while writing {path}; {intact}. Free space and rerun to resume"
+        )
+        self.path = pathlib.Path(path)
+
+
+class _LibraryFullDiskReports(logging.Filter):
+    """Drops what a library logs about a full disk: orbax's errors from each of its writing threads (with
+    their tracebacks) and asyncio's "Task exception was never retrieved" for each of its tasks, hundreds of
+    lines around the one ``NoSpaceError`` that says it all. Records of any other failure pass."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        library = record.name == "asyncio" or "/orbax/" in record.pathname
+        error = record.exc_info[1] if record.exc_info else None
+        about_full_disk = (error is not None and is_no_space(error)) or _NO_SPACE_TEXT in record.getMessage()
+        return not (library and about_full_disk)
+
+
+_LIBRARY_REPORTS = _LibraryFullDiskReports()
+
+
+def silence_library_full_disk_reports() -> None:
+    """Installs ``_LibraryFullDiskReports`` on the loggers orbax (absl's) and asyncio log to; once is enough."""
+    for name in ("absl", "asyncio"):
+        logging.getLogger(name).addFilter(_LIBRARY_REPORTS)  # a filter already there is not added twice
 
 
 def is_no_space(error: BaseException) -> bool:
@@ -63,9 +92,7 @@ def reporting_full_disk(path: str | pathlib.Path, intact: Callable[[], str]) -> 
     except Exception as error:
         if not is_no_space(error):
             raise
-        raise NoSpaceError(
-            errno.ENOSPC, f"{_NO_SPACE_TEXT} while writing {path}; {intact()}. Free space and rerun to resume"
-        ) from error
+        raise NoSpaceError(path, intact()) from error
 
 
 def write_atomic(path: str | pathlib.Path, write: Callable[[BinaryIO], None], *, intact: str) -> None:

@@ -36,6 +36,11 @@ class MissingInputError(UsageError, FileNotFoundError):
     """A file or folder the job reads does not exist."""
 
 
+class DamagedInputError(UsageError, ValueError):
+    """A file the job reads exists but cannot be used as it is (truncated, corrupt, or not what reads it
+    expects); the message names the file and what is wrong."""
+
+
 class NotFetchedError(MissingInputError):
     """A model, tokenizer or testset split that must come from the Hugging Face hub, which is not reachable (or
     HF_HUB_OFFLINE is set), and is not on this machine: ``oodjax-fetch`` brings it, on a machine online."""

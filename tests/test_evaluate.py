@@ -8,6 +8,7 @@ import json
 import jax
 import numpy as np
 import pytest
+import safetensors.numpy
 
 from analysis import runs as analysis_runs
 from analysis import schema
@@ -149,9 +150,11 @@ def test_a_second_call_skips_what_is_written_and_mismatched_adapters_are_refused
     evaluate.evaluate_job(resolve(evaluation_config(config, output, adapters), evaluation=True))
     assert {p: p.read_bytes() for p in output.glob(f"*/{schema.METRICS_FILENAME}")} == before
 
-    other = tmp_path / "other" / loop.ADAPTER_DIR
+    other = tmp_path / "other" / loop.ADAPTER_DIR  # an adapter of rank 2: good alone, not beside one of rank 8
     other.mkdir(parents=True)
-    (other / "adapter_model.safetensors").write_bytes((adapters[0] / "adapter_model.safetensors").read_bytes())
+    tensors = safetensors.numpy.load_file(str(adapters[0] / "adapter_model.safetensors"))
+    rank2 = {k: np.ascontiguousarray(v[:2] if ".lora_A." in k else v[:, :2]) for k, v in tensors.items()}
+    safetensors.numpy.save_file(rank2, str(other / "adapter_model.safetensors"))
     settings = (adapters[0] / "adapter_config.json").read_text().replace('"r": 8', '"r": 2')
     (other / "adapter_config.json").write_text(settings)
     with pytest.raises(ValueError, match=r"model.adapters: .*other/adapter has rank 2.* must agree"):

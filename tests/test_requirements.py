@@ -78,6 +78,14 @@ def _make(target: str, tmp_path: pathlib.Path) -> str:
     return result.stdout
 
 
+def test_the_demo_installs_the_runtime_set_alone_and_the_tests_add_theirs(tmp_path):
+    """`make demo` from a bare clone installs only what the demo runs; PyTorch and the rest come with `make test`."""
+    for target, files in (("demo", "-r requirements.txt"), ("test", "-r requirements.txt -r requirements-dev.txt")):
+        commands = _make(target, tmp_path)
+        installs = [line for line in commands.splitlines() if " -m pip install " in line and " -r " in line]
+        assert installs == [f"{tmp_path}/venv/bin/python -m pip install -q {files}"], commands
+
+
 @pytest.mark.parametrize("stack", sorted(RUNTIME_SETS))
 def test_make_installs_each_accelerator_set_alone_and_checks_it(stack, tmp_path):
     commands = _make(f"install-{stack}", tmp_path)

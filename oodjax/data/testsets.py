@@ -35,7 +35,7 @@ import pyarrow.parquet
 import yaml
 from absl import logging
 
-from oodjax.usage_errors import NotFetchedError
+from oodjax.usage_errors import ConfigError, NotFetchedError
 
 ENTAILMENT, NOT_ENTAILMENT = 0, 1
 LABEL_FEATURE = datasets.ClassLabel(names=["entailment", "not_entailment"])
@@ -735,7 +735,7 @@ def _csv_labels(spec: TestsetSpec, raw: _RawSplit) -> _RawSplit:
         try:
             labels.append(int(text))
         except ValueError:
-            raise ValueError(
+            raise ConfigError(
                 f"{raw.locate(row)}: column {spec.label!r} is {text!r}; expected an integer (the declared label "
                 "values are integers)"
             ) from None
@@ -783,7 +783,8 @@ def _to_binary(spec: TestsetSpec, raw: _RawSplit, neutral: Neutral, name: str, s
     unknown = sorted({v for v in labels if v not in mapping and v not in ignored}, key=repr)
     if unknown:
         first = next(row for row, v in enumerate(labels) if v == unknown[0])
-        raise ValueError(
+        # A declared testset's label values are the user's to list; the built-in table's are ours.
+        raise (ConfigError if spec.origin else ValueError)(
             f"{name} split {split!r}: label values {unknown} are not in the label map {sorted(mapping, key=repr)} "
             f"(values found: {sorted(set(labels), key=repr)}; {unknown[0]!r} first at {raw.locate(first)}); a "
             "declared testset lists each value in entailment, not_entailment, neutral or unlabelled"

@@ -39,7 +39,7 @@ from absl import logging
 from jax.sharding import NamedSharding, PartitionSpec
 
 from oodjax.engine.steps import TrainState
-from oodjax.storage import reporting_full_disk
+from oodjax.storage import reporting_full_disk, silence_library_full_disk_reports
 
 CHECKPOINT_DIR = "checkpoints"  # <run_dir>/checkpoints/<step>/
 DAMAGED_SUFFIX = ".damaged"  # a step that failed to restore, set aside as <step>.damaged-<time>
@@ -224,6 +224,7 @@ class RunCheckpointer:
         if max_to_keep < 1:  # orbax reads None as "keep all" and 0 as nothing sensible
             raise ValueError(f"max_to_keep must be at least 1, got {max_to_keep}")
         self.directory = checkpoint_dir(run_dir)
+        silence_library_full_disk_reports()  # a full disk is the NoSpaceError's one line, not orbax's hundreds
         _remove_interrupted_saves(self.directory)
         options = ocp.CheckpointManagerOptions(
             max_to_keep=max_to_keep,
@@ -258,11 +259,12 @@ class RunCheckpointer:
             self._manager.wait_until_finished()
 
     def close(self) -> None:
-        """Waits for pending saves, then releases the manager."""
+        """Waits for pending saves, then releases the manager (whose own wait reports a full disk again)."""
         try:
             self.wait()
         finally:
-            self._manager.close()
+            with reporting_full_disk(self.directory, self._intact):
+                self._manager.close()
 
     def _intact(self) -> str:
         """What a failed save left, read from the disk after the failure."""

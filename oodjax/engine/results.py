@@ -52,7 +52,7 @@ from absl import logging
 from analysis import schema
 from oodjax import versions as oodjax_versions
 from oodjax.storage import write_atomic, write_npz_atomic
-from oodjax.usage_errors import ConfigError
+from oodjax.usage_errors import ConfigError, DamagedInputError
 
 # Accuracy and margins are computed from float32 margins; only the stored
 # per-example margins are rounded to float16 (they are many and small).
@@ -418,7 +418,7 @@ def devices() -> dict[str, Any]:
     }
 
 
-class UnreadableResultsError(ValueError):
+class UnreadableResultsError(DamagedInputError):
     """A metrics.npz exists but cannot be read (truncated, not an npz, a key missing)."""
 
 

@@ -27,6 +27,7 @@ from oodjax import config_fields
 from oodjax.engine import checkpoints, results
 from oodjax.engine.distributed import is_primary
 from oodjax.engine.results import Run
+from oodjax.usage_errors import ConfigError
 
 # Config fields a resumed run may change: they do not affect its results (checkpoint_keep: how
 # many checkpoints are kept; train.schedule, which does, may not). The runs section (seeds,
@@ -79,7 +80,7 @@ def read_start(total_steps: int, run: Run) -> RunStart:
 
 
 def refuse_changed_config(record: Mapping[str, Any], output_dir: pathlib.Path, starts: Sequence[RunStart]) -> None:
-    """Raises a ValueError naming every stored run whose config differs from ``record`` (the job's config as
+    """Raises a ConfigError naming every stored run whose config differs from ``record`` (the job's config as
     JSON) in a field that changes what the run is (learning rate, data, model, ...), and those fields."""
     current = comparable_stored(record)
     defaults = comparable_stored(json.loads(config_fields.get_config().to_json()))
@@ -91,7 +92,7 @@ def refuse_changed_config(record: Mapping[str, Any], output_dir: pathlib.Path, s
                 differing["; ".join(fields)].append(start.run.name)
     if differing:
         details = " | ".join(f"{', '.join(names)}: {fields}" for fields, names in differing.items())
-        raise ValueError(
+        raise ConfigError(
             f"{output_dir} holds runs started with another config (stored -> now: {details}); resume with "
             "the same config or use a new output_dir"
         )

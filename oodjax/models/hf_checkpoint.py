@@ -18,6 +18,10 @@ and the storage classes; our unpickler maps exactly those to stand-ins that
 record where each tensor lies (dtype, shape, stride, offset) and refuses any
 other name before anything is called. The tensors' bytes are then read from
 the file like safetensors' rows.
+
+A file that is missing, truncated or corrupt is the user's to fix (fetch it
+again): ``MissingInputError`` or ``DamagedInputError``, naming the file, which
+the entry points print as one line.
 """
 
 from __future__ import annotations
@@ -38,6 +42,8 @@ from typing import Any, Protocol
 
 import ml_dtypes
 import numpy as np
+
+from oodjax.usage_errors import DamagedInputError, MissingInputError
 
 CONFIG = "config.json"
 SAFETENSORS = "model.safetensors"
@@ -94,7 +100,7 @@ class Checkpoint(Protocol):
     def read(self, name: str, index: Index) -> np.ndarray: ...
 
 
-class UnsafePickleError(ValueError):
+class UnsafePickleError(DamagedInputError):
     """A pickle that asks for something a PyTorch state dict does not contain; nothing it names was called."""
 
 
@@ -106,7 +112,7 @@ def read_json(path: pathlib.Path) -> Any:
     try:
         return json.loads(path.read_bytes())
     except ValueError as error:  # JSONDecodeError, UnicodeDecodeError
-        raise ValueError(f"{path} is not valid JSON (truncated or corrupt?): {error}") from None
+        raise DamagedInputError(f"{path} is not valid JSON (truncated or corrupt?): {error}") from None
 
 
 def weight_map(directory: pathlib.Path, index_file: str) -> dict[str, str]:
@@ -114,10 +120,10 @@ def weight_map(directory: pathlib.Path, index_file: str) -> dict[str, str]:
     index = read_json(directory / index_file)
     shards = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(shards, dict):
-        raise ValueError(f'{directory / index_file} has no "weight_map" object (tensor name -> shard file)')
+        raise DamagedInputError(f'{directory / index_file} has no "weight_map" object (tensor name -> shard file)')
     missing = sorted(shard for shard in set(shards.values()) if not (directory / shard).is_file())
     if missing:
-        raise FileNotFoundError(f"{directory / index_file} lists the shards {missing}, which are not in {directory}")
+        raise MissingInputError(f"{directory / index_file} lists the shards {missing}, which are not in {directory}")
     return shards
 
 
@@ -151,7 +157,7 @@ class TensorFile:
         while done < len(view):
             count = self._file.readinto(view[done:])
             if not count:
-                raise ValueError(f"{self.path} ends inside {what}: the file is truncated")
+                raise DamagedInputError(f"{self.path} ends inside {what}: the file is truncated")
             done += count
 
     def read(self, name: str, index: Index) -> np.ndarray:
@@ -180,7 +186,7 @@ class SafetensorsFile(TensorFile):
         self._read_into(length, 0, "its header length")
         data_start = 8 + int.from_bytes(length, "little")
         if data_start > self.size:
-            raise ValueError(
+            raise DamagedInputError(
                 f"{path} is truncated or not a safetensors file: its header would end at byte {data_start}, "
                 f"the file has {self.size} bytes"
             )
@@ -189,9 +195,9 @@ class SafetensorsFile(TensorFile):
         try:
             header = json.loads(header_bytes)
         except ValueError as error:  # UnicodeDecodeError and JSONDecodeError
-            raise ValueError(f"{path} has a corrupt safetensors header: {error}") from error
+            raise DamagedInputError(f"{path} has a corrupt safetensors header: {error}") from error
         if not isinstance(header, dict):
-            raise ValueError(f"{path} has a corrupt safetensors header: not a JSON object")
+            raise DamagedInputError(f"{path} has a corrupt safetensors header: not a JSON object")
         header.pop("__metadata__", None)
         self.tensors = {name: self._stored(name, entry, data_start) for name, entry in header.items()}
 
@@ -201,17 +207,21 @@ class SafetensorsFile(TensorFile):
             code, shape = entry["dtype"], tuple(int(n) for n in entry["shape"])
             begin, end = (int(n) for n in entry["data_offsets"])
         except (KeyError, TypeError, ValueError) as error:
-            raise ValueError(f"{name!r} in {self.path} has a corrupt safetensors header entry: {entry!r}") from error
+            raise DamagedInputError(
+                f"{name!r} in {self.path} has a corrupt safetensors header entry: {entry!r}"
+            ) from error
         if code not in _DTYPES:
-            raise ValueError(f"{name!r} in {self.path} is stored as {code!r}; readable dtypes: {sorted(_DTYPES)}")
+            raise DamagedInputError(
+                f"{name!r} in {self.path} is stored as {code!r}; readable dtypes: {sorted(_DTYPES)}"
+            )
         dtype = _DTYPES[code]
         if min(shape, default=0) < 0 or not 0 <= begin <= end or end - begin != math.prod(shape) * dtype.itemsize:
-            raise ValueError(
+            raise DamagedInputError(
                 f"{name!r} in {self.path} has a corrupt safetensors header entry: {code} {list(shape)} "
                 f"cannot occupy bytes {begin}..{end}"
             )
         if data_start + end > self.size:
-            raise ValueError(
+            raise DamagedInputError(
                 f"{name!r} in {self.path} ends at byte {data_start + end}, but the file has {self.size} bytes: "
                 "the file is truncated"
             )
@@ -279,9 +289,9 @@ class _RebuildTensor(_StandIn):
         self, storage: Any, storage_offset: Any, size: Any, stride: Any, *autograd_state: Any
     ) -> _PickledTensor:
         if not (isinstance(storage, _Storage) and type(storage_offset) is int and _is_int_tuple(size)):
-            raise ValueError(f"a tensor is rebuilt from {storage!r}, offset {storage_offset!r}, shape {size!r}")
+            raise DamagedInputError(f"a tensor is rebuilt from {storage!r}, offset {storage_offset!r}, shape {size!r}")
         if not (_is_int_tuple(stride) and len(stride) == len(size)):
-            raise ValueError(f"a tensor of shape {size} is rebuilt with strides {stride!r}")
+            raise DamagedInputError(f"a tensor of shape {size} is rebuilt with strides {stride!r}")
         return _PickledTensor(storage, storage_offset, size, stride)
 
 
@@ -323,15 +333,15 @@ class _StateDictUnpickler(pickle.Unpickler):
 
     def persistent_load(self, pid: Any) -> _Storage:
         if not (isinstance(pid, tuple) and len(pid) in (5, 6) and pid[0] == "storage"):
-            raise ValueError(f"the persistent id {pid!r} is not a PyTorch storage's")
+            raise DamagedInputError(f"the persistent id {pid!r} is not a PyTorch storage's")
         _, storage_class, key, _location, numel, *view = pid
         if not (isinstance(storage_class, _StorageClass) and isinstance(key, str) and type(numel) is int):
-            raise ValueError(f"the persistent id {pid!r} is not a PyTorch storage's")
+            raise DamagedInputError(f"the persistent id {pid!r} is not a PyTorch storage's")
         if view not in ([], [None]):
-            raise ValueError(f"storage {key!r} is saved as a view of another storage, which is not read")
+            raise DamagedInputError(f"storage {key!r} is saved as a view of another storage, which is not read")
         storage = self.storages.setdefault(key, _Storage(key, storage_class.dtype, numel))
         if storage != _Storage(key, storage_class.dtype, numel):
-            raise ValueError(f"storage {key!r} is named both as {storage} and by {pid!r}")
+            raise DamagedInputError(f"storage {key!r} is named both as {storage} and by {pid!r}")
         return storage
 
 
@@ -343,7 +353,7 @@ def _unpickle(stream: io.BufferedIOBase, path: pathlib.Path, what: str) -> tuple
     except UnsafePickleError as error:
         raise UnsafePickleError(f"{path} {error}") from None
     except (pickle.UnpicklingError, EOFError, ValueError, TypeError) as error:
-        raise ValueError(
+        raise DamagedInputError(
             f"{path} is truncated or not a PyTorch state dict: unpickling its {what} failed "
             f"({type(error).__name__}: {error})"
         ) from error
@@ -352,10 +362,10 @@ def _unpickle(stream: io.BufferedIOBase, path: pathlib.Path, what: str) -> tuple
 def _state_dict(state: Any, path: pathlib.Path) -> dict[str, _PickledTensor]:
     """The unpickled object, checked to be what ``torch.save(model.state_dict())`` writes: names -> tensors."""
     if not isinstance(state, dict):
-        raise ValueError(f"{path} holds a {type(state).__name__}, not a state dict (tensor name -> tensor)")
+        raise DamagedInputError(f"{path} holds a {type(state).__name__}, not a state dict (tensor name -> tensor)")
     for name, tensor in state.items():
         if not isinstance(name, str) or not isinstance(tensor, _PickledTensor):
-            raise ValueError(f"{path} holds {name!r} as a {type(tensor).__name__}: not a state dict of tensors")
+            raise DamagedInputError(f"{path} holds {name!r} as a {type(tensor).__name__}: not a state dict of tensors")
     return state
 
 
@@ -391,13 +401,13 @@ class PickleFile(TensorFile):
         contiguous = tuple(math.prod(tensor.shape[d + 1 :]) for d in range(len(tensor.shape)))
         layout = zip(tensor.shape, tensor.stride, contiguous)
         if any(size > 1 and stride != row_major for size, stride, row_major in layout):
-            raise ValueError(
+            raise DamagedInputError(
                 f"{name!r} in {self.path} has strides {tensor.stride}, not the row-major {contiguous} of its shape "
                 f"{tensor.shape}: only contiguous tensors are read"
             )
         storage = tensor.storage
         if tensor.offset < 0 or tensor.offset + math.prod(tensor.shape) > storage.numel:
-            raise ValueError(
+            raise DamagedInputError(
                 f"{name!r} in {self.path} ({math.prod(tensor.shape)} elements from element {tensor.offset}) does not "
                 f"fit its storage {storage.key!r} of {storage.numel} elements"
             )
@@ -416,37 +426,41 @@ class PickleFile(TensorFile):
                 members = {info.filename: info for info in archive.infolist()}
                 pickles = [name for name in members if re.fullmatch(r"[^/]+/data\.pkl", name)]
                 if len(pickles) != 1:
-                    raise ValueError(f"{self.path} is a zip file, but not one torch.save wrote: no <name>/data.pkl")
+                    raise DamagedInputError(
+                        f"{self.path} is a zip file, but not one torch.save wrote: no <name>/data.pkl"
+                    )
                 prefix = pickles[0].removesuffix("data.pkl")
                 if f"{prefix}byteorder" in members and archive.read(f"{prefix}byteorder") != b"little":
-                    raise ValueError(f"{self.path} was saved big-endian; only little-endian checkpoints are read")
+                    raise DamagedInputError(
+                        f"{self.path} was saved big-endian; only little-endian checkpoints are read"
+                    )
                 state, storages = _unpickle(io.BytesIO(archive.read(pickles[0])), self.path, "data.pkl")
         except zipfile.BadZipFile as error:
-            raise ValueError(f"{self.path} is truncated or not a PyTorch checkpoint: {error}") from error
+            raise DamagedInputError(f"{self.path} is truncated or not a PyTorch checkpoint: {error}") from error
         state = _state_dict(state, self.path)
         data_offsets = {}
         for key, storage in storages.items():
             member, users = members.get(f"{prefix}data/{key}"), self._users(state, key)
             if member is None:
-                raise ValueError(f"{self.path} has no data/{key} member for the storage of {users}")
+                raise DamagedInputError(f"{self.path} has no data/{key} member for the storage of {users}")
             if member.compress_type != zipfile.ZIP_STORED or member.flag_bits & 0x1:
-                raise ValueError(
+                raise DamagedInputError(
                     f"{self.path} stores {member.filename} ({users}) compressed or encrypted; torch.save stores "
                     "storages uncompressed, and only those are read"
                 )
             if member.file_size != storage.numel * storage.dtype.itemsize:
-                raise ValueError(
+                raise DamagedInputError(
                     f"{self.path}: {member.filename} ({users}) holds {member.file_size} bytes, its storage "
                     f"{storage.numel} elements of {storage.dtype}"
                 )
             header = bytearray(_ZIP_LOCAL_HEADER)
             self._read_into(header, member.header_offset, f"the zip header of {member.filename} ({users})")
             if header[:4] != _ZIP_MAGIC:
-                raise ValueError(f"{self.path} has a corrupt zip header for {member.filename} ({users})")
+                raise DamagedInputError(f"{self.path} has a corrupt zip header for {member.filename} ({users})")
             start = member.header_offset + _ZIP_LOCAL_HEADER + int.from_bytes(header[26:28], "little")
             start += int.from_bytes(header[28:30], "little")
             if start + member.file_size > self.size:
-                raise ValueError(
+                raise DamagedInputError(
                     f"{self.path}: the storage of {users} ends at byte {start + member.file_size}, but the file "
                     f"has {self.size} bytes: the file is truncated"
                 )
@@ -458,31 +472,37 @@ class PickleFile(TensorFile):
         with self.path.open("rb") as stream:
             magic, _ = _unpickle(stream, self.path, "magic number")
             if magic != _LEGACY_MAGIC_NUMBER:
-                raise ValueError(f"{self.path} is neither a zip nor a legacy PyTorch checkpoint (no magic number)")
+                raise DamagedInputError(
+                    f"{self.path} is neither a zip nor a legacy PyTorch checkpoint (no magic number)"
+                )
             version, _ = _unpickle(stream, self.path, "protocol version")
             system, _ = _unpickle(stream, self.path, "system info")
             if version != _LEGACY_PROTOCOL_VERSION or not isinstance(system, dict):
-                raise ValueError(f"{self.path} is a legacy PyTorch checkpoint of protocol {version!r}; 1001 is read")
+                raise DamagedInputError(
+                    f"{self.path} is a legacy PyTorch checkpoint of protocol {version!r}; 1001 is read"
+                )
             if system.get("little_endian") is not True:
-                raise ValueError(f"{self.path} was saved big-endian; only little-endian checkpoints are read")
+                raise DamagedInputError(f"{self.path} was saved big-endian; only little-endian checkpoints are read")
             state, storages = _unpickle(stream, self.path, "state dict")
             keys, _ = _unpickle(stream, self.path, "list of storage keys")
             position = stream.tell()
         state = _state_dict(state, self.path)
         if not (isinstance(keys, list) and sorted(keys) == sorted(storages)):
-            raise ValueError(f"{self.path} lists the storages {keys!r}, but its state dict uses {sorted(storages)}")
+            raise DamagedInputError(
+                f"{self.path} lists the storages {keys!r}, but its state dict uses {sorted(storages)}"
+            )
         data_offsets = {}
         for key in keys:
             storage, users, count = storages[key], self._users(state, key), bytearray(8)
             self._read_into(count, position, f"the element count of the storage of {users}")
             if int.from_bytes(count, "little") != storage.numel:
-                raise ValueError(
+                raise DamagedInputError(
                     f"{self.path}: the storage of {users} holds {int.from_bytes(count, 'little')} elements, "
                     f"its persistent id says {storage.numel}"
                 )
             data_offsets[key], position = position + 8, position + 8 + storage.numel * storage.dtype.itemsize
             if position > self.size:
-                raise ValueError(
+                raise DamagedInputError(
                     f"{self.path}: the storage of {users} ends at byte {position}, but the file has {self.size} "
                     "bytes: the file is truncated"
                 )
@@ -525,13 +545,13 @@ def files_to_download(filenames: Iterable[str]) -> list[str]:
     """
     names = set(filenames)
     if CONFIG not in names:
-        raise FileNotFoundError(f"the files {sorted(names)} include no {CONFIG}")
+        raise MissingInputError(f"the files {sorted(names)} include no {CONFIG}")
     for fmt in WEIGHT_FORMATS:
         if fmt.index in names:
             return [CONFIG, fmt.index, *sorted(name for name in names if fmt.shard.fullmatch(name))]
         if fmt.single in names:
             return [CONFIG, fmt.single]
-    raise FileNotFoundError(f"the files {sorted(names)} hold no weights the loader reads: {_readable_formats()}")
+    raise MissingInputError(f"the files {sorted(names)} hold no weights the loader reads: {_readable_formats()}")
 
 
 class ShardedCheckpoint:
@@ -562,9 +582,9 @@ def open_checkpoint(directory: pathlib.Path, *, stack: contextlib.ExitStack) -> 
             files = {shard: fmt.open_file(directory / shard, stack) for shard in sorted(set(shards.values()))}
             for name, shard in shards.items():
                 if name not in files[shard].tensors:
-                    raise ValueError(f"{directory / fmt.index} puts {name!r} in {shard}, which does not hold it")
+                    raise DamagedInputError(f"{directory / fmt.index} puts {name!r} in {shard}, which does not hold it")
             return ShardedCheckpoint(shards, files)
         if (directory / fmt.single).is_file():
             single = fmt.open_file(directory / fmt.single, stack)
             return ShardedCheckpoint(dict.fromkeys(single.tensors, fmt.single), {fmt.single: single})
-    raise FileNotFoundError(f"{directory} has no weights: expected {_readable_formats()}")
+    raise MissingInputError(f"{directory} has no weights: expected {_readable_formats()}")

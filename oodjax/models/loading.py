@@ -42,10 +42,11 @@ from oodjax.models.hf_checkpoint import (
 )
 from oodjax.models.layers import STACKED, CausalLM, per_layer_paths
 from oodjax.models.llama import LlamaForCausalLM
+from oodjax.models.lora import LoRAConfig, apply_lora
 from oodjax.models.olmo2 import Olmo2ForCausalLM
 from oodjax.models.opt import OPTForCausalLM
 from oodjax.models.partitioning import param_sharding
-from oodjax.usage_errors import MissingInputError, NotFetchedError
+from oodjax.usage_errors import DamagedInputError, MissingInputError, NotFetchedError
 
 # config.json's model_type -> the class that ports it (its ``config_class`` reads the config).
 ARCHITECTURES: dict[str, type[CausalLM]] = {
@@ -108,12 +109,20 @@ def from_config(
 
 
 def abstract_model(
-    config: Mapping[str, Any], *, dtype: Any = "bfloat16", remat: str = "none", attention: str = "auto"
+    config: Mapping[str, Any],
+    *,
+    dtype: Any = "bfloat16",
+    remat: str = "none",
+    attention: str = "auto",
+    lora: LoRAConfig | None = None,
 ) -> CausalLM:
     """The model of a config.json dict with ``jax.ShapeDtypeStruct`` parameters: shapes and logical axes,
-    no memory, no computation. What the preflight compiles and the cost estimator counts."""
+    no memory, no computation. What the preflight compiles and the cost estimator counts; with ``lora``,
+    its adapters attached, the shapes a PEFT adapter must fit (checked before a model loads)."""
     config, dtype = config_from_dict(config, remat=remat, attention=attention), _float_dtype(dtype)
-    return nnx.eval_shape(lambda: _build(config, dtype, 0))
+    if lora is None:
+        return nnx.eval_shape(lambda: _build(config, dtype, 0))
+    return nnx.eval_shape(lambda: apply_lora(_build(config, dtype, 0), lora, rngs=nnx.Rngs(0)))
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
@@ -205,7 +214,7 @@ def _cached_snapshot(repo: str) -> pathlib.Path:
 def _read_config(directory: pathlib.Path) -> dict[str, Any]:
     config_file = directory / "config.json"
     if not config_file.is_file():
-        raise FileNotFoundError(f"{directory} has no config.json")
+        raise MissingInputError(f"{directory} has no config.json")
     return read_json(config_file)
 
 
@@ -261,7 +270,7 @@ def _match(model: CausalLM, checkpoint: Checkpoint, directory: pathlib.Path) -> 
     if misshapen:
         problems.append("wrong shapes: " + "; ".join(misshapen))
     if problems:
-        raise ValueError(f"checkpoint {directory} does not fit its config.json: " + " | ".join(problems))
+        raise DamagedInputError(f"checkpoint {directory} does not fit its config.json: " + " | ".join(problems))
     return sources
 
 

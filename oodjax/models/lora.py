@@ -38,6 +38,7 @@ from flax import nnx
 from jax.extend.random import threefry2x32_p
 
 from oodjax.models.layers import STACKED, Linear, per_layer_paths, recomputed_in_backward
+from oodjax.usage_errors import ConfigError, DamagedInputError, MissingInputError
 
 
 def _peft_a_init(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
@@ -461,35 +462,54 @@ def read_peft(path: str | pathlib.Path) -> tuple[LoRAConfig, dict[str, np.ndarra
     """A PEFT LoRA adapter folder (``export_peft``'s, or peft's ``save_pretrained``): its LoRAConfig and tensors.
 
     The targets are read from the tensors' names (``target_modules`` may be a
-    regex in peft); dropout is kept but evaluation does not use it.
+    regex in peft); dropout is kept but evaluation does not use it. A folder
+    that is missing, is no adapter (a run's folder: its adapter is in
+    ``adapter/``), or holds a damaged file or tensors of another rank than its
+    ``r`` is a ``MissingInputError`` or ``DamagedInputError`` naming it.
     """
     folder = pathlib.Path(path)
+    if not folder.is_dir():
+        raise MissingInputError(f"adapter folder {folder} does not exist")
     config_path, weights_path = folder / "adapter_config.json", folder / "adapter_model.safetensors"
     for required in (config_path, weights_path):
         if not required.is_file():
-            raise FileNotFoundError(f"adapter folder {folder} has no {required.name} (not a PEFT adapter)")
+            inside = folder / "adapter"
+            hint = f"; {inside} is one" if (inside / required.name).is_file() else ""
+            raise MissingInputError(f"adapter folder {folder} has no {required.name} (not a PEFT adapter){hint}")
     try:
         adapter = json.loads(config_path.read_text())
-    except json.JSONDecodeError as error:
-        raise ValueError(f"{config_path}: not valid JSON ({error})") from error
-    if adapter.get("peft_type") != "LORA":
-        raise ValueError(f"{config_path}: peft_type is {adapter.get('peft_type')!r}; only LORA adapters load")
+    except ValueError as error:  # JSONDecodeError, UnicodeDecodeError
+        raise DamagedInputError(f"{config_path}: not valid JSON ({error})") from None
+    if not isinstance(adapter, dict) or adapter.get("peft_type") != "LORA":
+        kind = adapter.get("peft_type") if isinstance(adapter, dict) else None
+        raise DamagedInputError(f"{config_path}: peft_type is {kind!r}; only LORA adapters load")
     for field, default in _PEFT_UNSUPPORTED.items():
         if adapter.get(field, default) not in (default, None, {}, False, "none"):
-            raise ValueError(f"{config_path}: {field}={adapter[field]!r} is not supported (only plain LoRA)")
+            raise DamagedInputError(f"{config_path}: {field}={adapter[field]!r} is not supported (only plain LoRA)")
     try:
         tensors = safetensors.numpy.load_file(str(weights_path))
     except Exception as error:  # safetensors raises its own error types for a damaged file
-        raise ValueError(f"{weights_path}: not a readable safetensors file ({error})") from error
+        raise DamagedInputError(f"{weights_path}: not a readable safetensors file ({error})") from None
     targets = tuple(sorted({name.split(".")[-3] for name in tensors}))
     if not targets:
-        raise ValueError(f"{weights_path} holds no tensors")
-    cfg = LoRAConfig(
-        rank=int(adapter["r"]),
-        alpha=float(adapter["lora_alpha"]),
-        dropout=float(adapter.get("lora_dropout", 0.0)),
-        targets=targets,
-    )
+        raise DamagedInputError(f"{weights_path} holds no tensors")
+    try:
+        cfg = LoRAConfig(
+            rank=int(adapter["r"]),
+            alpha=float(adapter["lora_alpha"]),
+            dropout=float(adapter.get("lora_dropout", 0.0)),
+            targets=targets,
+        )
+    except (KeyError, TypeError, ValueError) as error:
+        raise DamagedInputError(f"{config_path}: no usable r, lora_alpha and lora_dropout ({error!r})") from None
+    ranks = {name: tensor.shape[0 if ".lora_A." in name else -1] for name, tensor in tensors.items()}
+    other = {name: rank for name, rank in ranks.items() if rank != cfg.rank}
+    if other:
+        name, rank = next(iter(other.items()))
+        raise DamagedInputError(
+            f"{folder}: adapter_config.json says r={cfg.rank}, but {len(other)} tensors have another rank "
+            f"({name} has rank {rank})"
+        )
     return cfg, tensors
 
 
@@ -497,8 +517,8 @@ def lora_from_peft(lora_like: nnx.State, tensors: dict[str, np.ndarray], *, sour
     """One run's adapter state, shaped like ``lora_like``, filled from peft's tensors (``peft_tensors``' inverse).
 
     Every tensor is accounted for: an adapter the model lacks, or one of the
-    model's adapters missing from the file, is an error naming it and
-    ``source``, as is a shape that differs.
+    model's adapters missing from the file, is a ``ConfigError`` (the adapter
+    is another model's) naming it and ``source``, as is a shape that differs.
     """
     remaining = dict(tensors)
     flat = []
@@ -510,15 +530,15 @@ def lora_from_peft(lora_like: nnx.State, tensors: dict[str, np.ndarray], *, sour
         for layer_path in per_layer_paths(tuple(module_path), layers):
             name = f"base_model.model.{'.'.join(layer_path)}.{_PEFT_NAMES[factor]}.weight"
             if name not in remaining:
-                raise ValueError(f"{source}: adapter tensor {name} is missing (the model has this adapter)")
+                raise ConfigError(f"{source}: adapter tensor {name} is missing (the model has this adapter)")
             weights.append(remaining.pop(name).T)
         array = np.stack(weights) if stacked else weights[0]
         if array.shape != tuple(value.shape):
-            raise ValueError(
+            raise ConfigError(
                 f"{source}: {'.'.join(map(str, path))} has shape {array.shape} in the file, {tuple(value.shape)} "
-                "in the model (another rank or another model?)"
+                "in the model (an adapter of another model?)"
             )
         flat.append((path, value.replace(jnp.asarray(array, dtype=value.dtype))))
     if remaining:
-        raise ValueError(f"{source}: {len(remaining)} tensors match no adapter of the model: {sorted(remaining)[:4]}")
+        raise ConfigError(f"{source}: {len(remaining)} tensors match no adapter of the model: {sorted(remaining)[:4]}")
     return nnx.from_flat_state(flat)
