@@ -211,7 +211,7 @@ def test_help_lists_fields_with_defaults_and_their_comments_in_base():
         "  runs.seeds = 0,42,99\n      A run's seed draws its few-shot set, its data order, its adapter initialisation"
         in text
     )
-    assert "  train.steps = 500\n      optimizer steps per run\n" in text
+    assert "  train.steps = 500\n      optimizer steps per run (unless train.epochs)\n" in text
     assert "  data.testsets = snli,mnli,scitail,rte,wnli,paws,hans,anli\n      Testsets evaluated at step 0" in text
     assert "\n[mesh]\n  Device mesh axis sizes; -1 = all remaining devices." in text
     assert "  model.hf_config = {}\n" in text
@@ -225,7 +225,7 @@ def test_help_with_a_config_shows_its_values_and_base_defaults_it_changes(capsys
     text = capsys.readouterr().out
     assert "shown with --config's values, (base: X) where configs/base.py's default X differs" in text
     assert "  runs.seeds = 0,42  (base: 0,42,99)\n      A run's seed draws its few-shot set" in text
-    assert "  train.steps = 7  (base: 500)\n      optimizer steps per run\n" in text  # the override applied
+    assert "  train.steps = 7  (base: 500)\n      optimizer steps per run (unless train.epochs)\n" in text  # the override applied
     assert "  lora.rank = 8\n" in text  # as base's: nothing beside it
 
 
