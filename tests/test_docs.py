@@ -34,6 +34,7 @@ the claim that fails. What is read, and how a doc must write it to be read:
   quoted call must name its parameters, with the defaults in a signature
   excerpt, `` `load_testset(..., neutral="drop")` ``;
 - names the docs say are gone (``ABSENT_FIELDS``: `runs.chunk`) must stay gone.
+- the README stays a front page, at most ``README_MAX_LINES`` lines, that links every page of docs/.
 
 Placeholders are not checked: words in capitals (`configs/X.py`, `--seeds N`),
 `<...>`, and `...`. The entry points' flags are read without running them:
@@ -858,6 +859,20 @@ def test_make_targets_paths_and_links_exist(docs):
 def test_environment_variables_and_python_names_exist(docs):
     problems = environment_variable_problems(docs) + python_name_problems(docs)
     assert not problems, "\n".join(problems)
+
+
+README_MAX_LINES = 250  # a front page (issue 43): what a first-time user needs; the rest lives in docs/
+
+
+def test_the_readme_is_a_front_page_that_links_every_doc():
+    readme = read_doc(ROOT / "README.md")
+    lines = len(readme.path.read_text().splitlines())
+    assert lines <= README_MAX_LINES, (
+        f"README.md has {lines} lines; move the details to the docs/ page of their subject"
+    )
+    linked = set(re.findall(r"\]\(docs/([\w-]+\.md)(?:#[^)]*)?\)", readme.prose))
+    unlisted = sorted(path.name for path in (ROOT / "docs").glob("*.md") if path.name not in linked)
+    assert not unlisted, f"docs/ pages the README does not link: {unlisted}"
 
 
 WRONG_DOC = """\
