@@ -11,7 +11,7 @@ PYTEST_ARGS ?=
 
 install: $(VENV)/.installed
 install-runtime: $(VENV)/.installed-runtime
-# Accelerator stacks (README, Installation): requirements.txt plus the matching JAX build, pinned, and never
+# Accelerator stacks (docs/install.md): requirements.txt plus the matching JAX build, pinned, and never
 # PyTorch; each in a venv of its own (VENV=.venv by default, the launchers' OODJAX_VENV).
 install-gpu: $(VENV)/.installed-gpu
 install-tpu: $(VENV)/.installed-tpu

@@ -22,8 +22,9 @@ the claim that fails. What is read, and how a doc must write it to be read:
   `--config`, its absl flags and the config fields for the entry points of
   `oodjax.config_cli`), with a value among the flag's choices where it has
   some; a `--flag` quoted on its own must be a flag of some entry point, of
-  a launch script or of the tools in ``OTHER_TOOLS_FLAGS``; the README's table
-  of commands must pair each command with the module that has its flags;
+  a launch script or of the tools in ``OTHER_TOOLS_FLAGS``; the table of
+  commands in docs/install.md must pair each command with the module that has
+  its flags;
 - `make TARGET` must be a target of the Makefile; repository paths
   (configs/..., launch/..., docs/..., ../shared/...; globs must match a file)
   must exist; links must reach a file and, with `#anchor`, one of its headings;
@@ -33,6 +34,7 @@ the claim that fails. What is read, and how a doc must write it to be read:
   quoted call must name its parameters, with the defaults in a signature
   excerpt, `` `load_testset(..., neutral="drop")` ``;
 - names the docs say are gone (``ABSENT_FIELDS``: `runs.chunk`) must stay gone.
+- the README stays a front page, at most ``README_MAX_LINES`` lines, that links every page of docs/.
 
 Placeholders are not checked: words in capitals (`configs/X.py`, `--seeds N`),
 `<...>`, and `...`. The entry points' flags are read without running them:
@@ -801,14 +803,16 @@ def python_name_problems(docs: list[Doc]) -> list[str]:
     return problems
 
 
-def readme_command_table_problems(doc: Doc) -> list[str]:
-    """The README's rows `oodjax-NAME ...` | `python -m MODULE`: the two must parse the same flags."""
-    problems = []
+def command_table_problems(doc: Doc) -> list[str]:
+    """docs/install.md's rows `oodjax-NAME ...` | `python -m MODULE`: the two must parse the same flags, and
+    every command of pyproject.toml has a row."""
+    problems, listed = [], set()
     for number, line in enumerate(doc.prose.splitlines(), start=1):
         row = re.match(r"\|\s*`(?P<script>oodjax-[a-z]+)[^`]*`\s*\|\s*`python -m (?P<module>[\w.]+)`\s*\|", line)
         if row is None:
             continue
         script, module = row.group("script"), row.group("module")
+        listed.add(script)
         if script not in console_scripts() or module_problem(module):
             continue  # reported by the command check
         if script_entry_point(script).flags.keys() != module_entry_point(module).flags.keys():
@@ -816,6 +820,11 @@ def readme_command_table_problems(doc: Doc) -> list[str]:
                 f"{doc.name}:{number}: {script} ({console_scripts()[script]}) is not "
                 f"`python -m {module}`: they take different flags"
             )
+    problems += [
+        f"{doc.name}: {script} is missing from the table of commands"
+        for script in console_scripts()
+        if script not in listed
+    ]
     return problems
 
 
@@ -838,7 +847,7 @@ def test_stated_defaults_are_the_code_defaults(docs):
 
 
 def test_commands_modules_and_flags_exist(docs):
-    problems = command_line_problems(docs) + readme_command_table_problems(read_doc(ROOT / "README.md"))
+    problems = command_line_problems(docs) + command_table_problems(read_doc(ROOT / "docs" / "install.md"))
     assert not problems, "\n".join(problems)
 
 
@@ -850,6 +859,20 @@ def test_make_targets_paths_and_links_exist(docs):
 def test_environment_variables_and_python_names_exist(docs):
     problems = environment_variable_problems(docs) + python_name_problems(docs)
     assert not problems, "\n".join(problems)
+
+
+README_MAX_LINES = 250  # a front page (issue 43): what a first-time user needs; the rest lives in docs/
+
+
+def test_the_readme_is_a_front_page_that_links_every_doc():
+    readme = read_doc(ROOT / "README.md")
+    lines = len(readme.path.read_text().splitlines())
+    assert lines <= README_MAX_LINES, (
+        f"README.md has {lines} lines; move the details to the docs/ page of their subject"
+    )
+    linked = set(re.findall(r"\]\(docs/([\w-]+\.md)(?:#[^)]*)?\)", readme.prose))
+    unlisted = sorted(path.name for path in (ROOT / "docs").glob("*.md") if path.name not in linked)
+    assert not unlisted, f"docs/ pages the README does not link: {unlisted}"
 
 
 WRONG_DOC = """\
@@ -892,7 +915,7 @@ def test_each_check_reports_a_wrong_claim(tmp_path):
         + default_problems([doc])
         + protocol_default_problems(doc)
         + command_line_problems([doc])
-        + readme_command_table_problems(doc)
+        + command_table_problems(doc)
         + make_problems([doc])
         + path_problems([doc])
         + link_problems([doc])
@@ -928,6 +951,7 @@ def test_each_check_reports_a_wrong_claim(tmp_path):
         "wrong.md:22: `python -m analysis --residualiser nothing` as the default: python -m analysis --residualiser "
         "defaults to ",
         "wrong.md:26: oodjax-fetch (launch.fetch:main) is not `python -m launch.sweep`",
+        "wrong.md: oodjax-train is missing from the table of commands",
     ]
     missing = [claim for claim in expected if claim not in problems]
     assert not missing, f"not reported: {missing}\nreported:\n{problems}"

@@ -1,8 +1,8 @@
 """The install sets agree: the GPU and TPU files pin the JAX of requirements.txt, the GPU set holds one CUDA major,
 no runtime set holds PyTorch, and the Makefile's install targets install exactly these files.
 
-Offline: what pip resolves these files to against the registry was checked with `pip install --dry-run` (README,
-Installation); here only the files themselves and `make -n` are read.
+Offline: what pip resolves these files to against the registry was checked with `pip install --dry-run`
+(docs/install.md); here only the files themselves and `make -n` are read.
 """
 
 import pathlib
