@@ -176,6 +176,14 @@ def test_markdown_and_the_pages_section_come_from_the_json(smoke_run, tmp_path):
     assert page.read_text() == text
 
 
+def test_the_published_page_holds_the_committed_results_figures():
+    """docs/performance.md's tables are benchmarks/results.json's, and the page stays the method and the latest
+    figures (the history of runs lives in git)."""
+    text = (ROOT / "docs" / "performance.md").read_text()
+    assert report.performance_section(report.load(report.DEFAULT_RESULTS)) in text
+    assert len(text.splitlines()) <= 300
+
+
 def test_a_page_without_markers_is_refused(tmp_path):
     page = tmp_path / "performance.md"
     page.write_text("# no markers here\n")
