@@ -26,7 +26,7 @@ Where every check of a config lives, in the order a job meets them:
   login, asked of wandb, when a training job records online;
 - the pieces of the job, as ``oodjax.job.read`` builds them: each checks
   the ranges of the fields it holds (``results.RunPlan`` the runs,
-  ``loop.Cadence`` steps and intervals, ``steps.OptimizerSettings`` the
+  ``cadence.Cadence`` steps and intervals, ``steps.OptimizerSettings`` the
   schedule and warm-up, ``sharding.MeshShape`` the mesh sizes);
 - ``oodjax.engine.geometry.batch_geometry``: whether the batch sizes,
   micro-batches and mesh fit together (it needs the mesh and the few-shot
