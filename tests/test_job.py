@@ -122,6 +122,7 @@ def test_read_derives_names_tokenizer_and_nones_once():
         ("train.warmup_ratio", 1.5, r"train.warmup_ratio must be in \[0, 1\] \(0: train.warmup_steps\), got 1.5"),
         ("train.epochs", -1.0, r"train.epochs must be >= 0 \(0: train.steps\), got -1.0"),
         ("eval.points", 501, r"eval.points must be in \[0, 500\], the steps of a run \(0: eval.every\), got 501"),
+        ("model.attention", "flash", r"model.attention must be one of \('auto', 'xla', .*\), got 'flash'"),
     ],
 )
 def test_each_piece_checks_its_own_fields(field, value, message):
