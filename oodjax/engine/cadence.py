@@ -1,5 +1,4 @@
-"""When a job's runs are evaluated, checkpointed, logged and exported: settings of the run loop that the job,
-the estimator and the preflight read without importing the loop itself."""
+"""The run loop's settings (when it evaluates, checkpoints, logs, exports), which the job reads, not the loop."""
 
 from __future__ import annotations
 
