@@ -15,19 +15,19 @@ Where every check of a config lives, in the order a job meets them:
   the facts other modules own, asked of them: a declared testset's fields
   (``oodjax.data.testsets.testset_table``), the LoRA config
   (``oodjax.models.lora.LoRAConfig``), the remat policy
-  (``oodjax.models.layers.check_remat``) and the attention kernel
-  (``oodjax.models.flash_attention.check_implementation``), the handling
-  of neutral examples (``oodjax.data.testsets.check_neutral``), the
-  template (``oodjax.data.prompts.check_template``), a local checkpoint's
+  (``oodjax.models.layers.check_remat``), the handling of neutral
+  examples (``oodjax.data.testsets.check_neutral``), the template
+  (``oodjax.data.prompts.check_template``), a local checkpoint's
   files from their headers (``oodjax.models.loading.verify_checkpoint``),
   each adapter folder on the model's shapes (``oodjax.models.lora.read_peft``,
   ``lora_from_peft``), the few-shot pool's size per label
   (``oodjax.data.few_shot``) and a declared testset file's rows; and W&B's
   login, asked of wandb, when a training job records online;
 - the pieces of the job, as ``oodjax.job.read`` builds them: each checks
-  the ranges of the fields it holds (``results.RunPlan`` the runs,
-  ``loop.Cadence`` steps and intervals, ``steps.OptimizerSettings`` the
-  schedule and warm-up, ``sharding.MeshShape`` the mesh sizes);
+  the ranges of the fields it holds (``loading.ModelSettings`` the
+  attention kernel, ``results.RunPlan`` the runs, ``cadence.Cadence`` steps
+  and intervals, ``steps.OptimizerSettings`` the schedule and warm-up,
+  ``sharding.MeshShape`` the mesh sizes);
 - ``oodjax.engine.geometry.batch_geometry``: whether the batch sizes,
   micro-batches and mesh fit together (it needs the mesh and the few-shot
   sets, so it runs once those exist, still before anything compiles);
@@ -64,7 +64,6 @@ from oodjax.data.testsets import (
     training_sets,
 )
 from oodjax.engine.events import WANDB_MODES, installed, setup_wandb
-from oodjax.models.flash_attention import check_implementation
 from oodjax.models.hf_checkpoint import read_json
 from oodjax.models.layers import check_remat
 from oodjax.models.loading import abstract_model, verify_checkpoint
@@ -172,7 +171,6 @@ def _check_model(model: config_dict.ConfigDict) -> None:
             raise ConfigError(f"model.{field} must be one of {DTYPES}, got {value!r}")
     try:
         check_remat(model.remat)
-        check_implementation(model.attention)
     except ValueError as error:
         raise ConfigError(str(error)) from error
 

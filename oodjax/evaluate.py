@@ -52,7 +52,7 @@ from ml_collections import config_dict
 from analysis import schema
 from oodjax import config_cli
 from oodjax.data import answer_token_ids, load_tokenizer
-from oodjax.engine import loop, results, run_data, run_lock, sharding, steps
+from oodjax.engine import results, run_data, run_lock, sharding, steps
 from oodjax.engine.distributed import is_primary
 from oodjax.engine.evaluation import evaluate, make_eval_pool, refuse_non_finite_model
 from oodjax.engine.geometry import eval_geometry
@@ -223,7 +223,7 @@ def _shared_adapter_config(adapters: Sequence[tuple[LoRAConfig, Any]], folders: 
 
 def _trained_run_identity(adapter: pathlib.Path) -> tuple[int, int] | None:
     """(seed, shots) of the oodjax run whose `<run_dir>/adapter/` this is, read from its metrics.npz; else None."""
-    if adapter.name != loop.ADAPTER_DIR:
+    if adapter.name != results.ADAPTER_DIR:
         return None
     progress = results.read_progress(adapter.parent)
     if progress is None:

@@ -8,7 +8,7 @@ whose pieces are each defined in the module that uses them: the model
 (``run_data.DataSettings``), the batches (``geometry.BatchSettings``), the
 optimizer (``steps.OptimizerSettings``), the runs (``results.RunPlan``), the
 mesh (``sharding.MeshShape``), the cadence of evaluations, checkpoints and
-log lines (``loop.Cadence``), the export (``loop.ExportSettings``) and the
+log lines (``cadence.Cadence``), the export (``cadence.ExportSettings``) and the
 trackers (``events.TrackerSettings``). Derived values are worked out here,
 once: the model's name, the tokenizer, the testset table, empty strings as
 None, each run's length (``Job.total_steps``: train.steps, or train.epochs
@@ -31,9 +31,9 @@ from absl import logging
 from ml_collections import config_dict
 
 from oodjax import config_checks, config_cli
+from oodjax.engine.cadence import Cadence, ExportSettings
 from oodjax.engine.events import TrackerSettings, WandbSettings
 from oodjax.engine.geometry import BatchSettings
-from oodjax.engine.loop import Cadence, ExportSettings
 from oodjax.engine.results import RunPlan, model_name
 from oodjax.engine.run_data import DataSettings
 from oodjax.engine.sharding import MeshShape

@@ -103,7 +103,7 @@ def _results_complete(job: Job) -> bool:
             return False
         if progress is None or not progress.finished(job.total_steps(run.shots)):
             return False
-        if job.export.peft and not (run.directory / loop.ADAPTER_DIR).is_dir():
+        if job.export.peft and not (run.directory / results.ADAPTER_DIR).is_dir():
             return False
     return True
 

@@ -14,7 +14,7 @@ from analysis import runs as analysis_runs
 from analysis import schema
 from oodjax import evaluate
 from oodjax.data import few_shot, load_testset, stratified_subset, training_pool
-from oodjax.engine import loop
+from oodjax.engine import loop, results
 from oodjax.job import resolve
 from tests.engine_configs import tiny_config
 
@@ -107,7 +107,7 @@ def margins(path):
 
 def test_adapters_give_their_jobs_final_margins_and_the_base_its_step_0(trained):
     config, runs, root = trained
-    adapters = [run.directory / loop.ADAPTER_DIR for run in runs]
+    adapters = [run.directory / results.ADAPTER_DIR for run in runs]
     evaluated = evaluate.evaluate_job(resolve(evaluation_config(config, root / "eval", adapters), evaluation=True))
     assert [run.name for run in evaluated] == [run.name for run in runs]  # named as the runs they came from
     for run, trained_run in zip(evaluated, runs, strict=True):
@@ -145,12 +145,12 @@ def test_adapters_give_their_jobs_final_margins_and_the_base_its_step_0(trained)
 def test_a_second_call_skips_what_is_written_and_mismatched_adapters_are_refused(trained, tmp_path):
     config, runs, root = trained
     output = root / "eval"  # written by the test above, or now
-    adapters = [run.directory / loop.ADAPTER_DIR for run in runs]
+    adapters = [run.directory / results.ADAPTER_DIR for run in runs]
     before = {p: p.read_bytes() for p in output.glob(f"*/{schema.METRICS_FILENAME}")}
     evaluate.evaluate_job(resolve(evaluation_config(config, output, adapters), evaluation=True))
     assert {p: p.read_bytes() for p in output.glob(f"*/{schema.METRICS_FILENAME}")} == before
 
-    other = tmp_path / "other" / loop.ADAPTER_DIR  # an adapter of rank 2: good alone, not beside one of rank 8
+    other = tmp_path / "other" / results.ADAPTER_DIR  # an adapter of rank 2: good alone, not beside one of rank 8
     other.mkdir(parents=True)
     tensors = safetensors.numpy.load_file(str(adapters[0] / "adapter_model.safetensors"))
     rank2 = {k: np.ascontiguousarray(v[:2] if ".lora_A." in k else v[:, :2]) for k, v in tensors.items()}

@@ -11,7 +11,7 @@ import safetensors.numpy
 import transformers
 
 from oodjax import config_checks
-from oodjax.engine import loop, steps
+from oodjax.engine import loop, results, steps
 from oodjax.job import resolve
 from oodjax.models.lora import peft_tensors
 from tests.engine_configs import TINY_OPT, tiny_config
@@ -40,7 +40,7 @@ def test_each_run_exports_its_own_final_adapters_which_peft_loads(config, monkey
     (trained,) = finished
     assert len(exports) == len(runs)  # at the end only (checkpoints at steps 2 and 4)
     for r, run in enumerate(runs):
-        folder = run.directory / loop.ADAPTER_DIR
+        folder = run.directory / results.ADAPTER_DIR
         written = safetensors.numpy.load_file(folder / "adapter_model.safetensors")
         expected = peft_tensors(steps.select_run(trained.state.lora, r))
         assert sorted(written) == sorted(expected)
@@ -50,12 +50,12 @@ def test_each_run_exports_its_own_final_adapters_which_peft_loads(config, monkey
         assert adapter_config["base_model_name_or_path"] == "opt-tiny"
         assert (adapter_config["r"], adapter_config["lora_alpha"]) == (config.lora.rank, config.lora.alpha)
     first, second = (
-        safetensors.numpy.load_file(run.directory / loop.ADAPTER_DIR / "adapter_model.safetensors") for run in runs
+        safetensors.numpy.load_file(run.directory / results.ADAPTER_DIR / "adapter_model.safetensors") for run in runs
     )
     assert any(not np.array_equal(first[name], second[name]) for name in first)  # each run its own
 
     hf_model = transformers.OPTForCausalLM(transformers.OPTConfig(**TINY_OPT)).eval()
-    peft_model = peft.PeftModel.from_pretrained(hf_model, runs[0].directory / loop.ADAPTER_DIR)
+    peft_model = peft.PeftModel.from_pretrained(hf_model, runs[0].directory / results.ADAPTER_DIR)
     loaded = {name: param.detach().numpy() for name, param in peft_model.named_parameters() if "lora_" in name}
     assert len(loaded) == len(first) == 2 * 2 * 4  # A and B, 2 layers, q/k/v/out_proj
     for name, value in loaded.items():
@@ -74,7 +74,7 @@ def test_every_checkpoint_exports_and_pushes_each_time_and_a_finished_rerun_expo
     names = [run.name for run in runs]
     assert [push["path_in_repo"] for push in pushes] == names * 2  # steps 2 and 4
     assert {push["repo_id"] for push in pushes} == {"someone/adapters"}
-    assert [push["folder_path"] for push in pushes[:2]] == [run.directory / loop.ADAPTER_DIR for run in runs]
+    assert [push["folder_path"] for push in pushes[:2]] == [run.directory / results.ADAPTER_DIR for run in runs]
     assert pushes[0]["commit_message"].endswith("step 2") and pushes[-1]["commit_message"].endswith("step 4")
     pushes.clear()
     loop.train(resolve(config))  # finished already: restores step 4 and exports (and pushes) its adapters

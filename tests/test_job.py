@@ -1,4 +1,5 @@
-"""The config read once (oodjax.job): what it derives, and that nothing past it takes a ConfigDict."""
+"""The config read once (oodjax.job): what it derives, that nothing past it takes a ConfigDict, and that no
+module of oodjax imports itself back (the job reads settings, not the run loop)."""
 
 import ast
 import pathlib
@@ -9,7 +10,7 @@ import pytest
 
 from configs import base, demo
 from oodjax.data import load_testset
-from oodjax.engine import loop, run_data
+from oodjax.engine import cadence, run_data
 from oodjax.job import read
 from oodjax.usage_errors import ConfigError
 
@@ -34,6 +35,59 @@ def test_the_engine_models_and_data_never_read_a_config_dict():
                     if any(name.startswith(("ml_collections", "configs")) for name in names):
                         readers.append(path.relative_to(ROOT).as_posix())
     assert readers == []
+
+
+def import_graph(package: pathlib.Path) -> dict[str, set[str]]:
+    """Each module of ``package`` (dotted name) and the modules of it that it imports, read with ``ast``: every
+    import statement, in functions and under TYPE_CHECKING too; ``from a import b`` names the module a.b where
+    there is one (a package's submodule, imported without running into its ``__init__``'s imports), else a."""
+    modules = {}
+    for path in package.rglob("*.py"):
+        parts = path.relative_to(package.parent).with_suffix("").parts
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph = {}
+    for name, path in modules.items():
+        base = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+        graph[name] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                graph[name] |= {alias.name for alias in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                module = (
+                    ".".join(base[: len(base) - node.level + 1] + [node.module or ""]) if node.level else node.module
+                )
+                module = module.strip(".")
+                graph[name] |= {
+                    f"{module}.{alias.name}" if f"{module}.{alias.name}" in modules else module for alias in node.names
+                }
+        graph[name] &= modules.keys() - {name}
+    return graph
+
+
+def import_circle(graph: dict[str, set[str]]) -> list[str]:
+    """One circle of imports in ``graph`` (its modules in order, the first repeated at the end), else []."""
+    done, path = set(), []
+
+    def visit(module):
+        if module in path:
+            return path[path.index(module) :] + [module]
+        if module in done:
+            return []
+        path.append(module)
+        for imported in sorted(graph[module]):
+            if circle := visit(imported):
+                return circle
+        done.add(path.pop())
+        return []
+
+    return next((circle for module in sorted(graph) if (circle := visit(module))), [])
+
+
+def test_no_module_of_oodjax_imports_itself_back():
+    """Settings live apart from what runs them (``cadence.Cadence`` beside the run loop, not in it), so the
+    job, the launch tools and the evaluation read them without importing the loop, and nothing goes round."""
+    assert import_circle(import_graph(ROOT / "oodjax")) == []
+    assert import_circle({"a": {"b"}, "b": {"c"}, "c": {"b"}}) == ["b", "c", "b"]
 
 
 def test_read_derives_names_tokenizer_and_nones_once():
@@ -68,6 +122,7 @@ def test_read_derives_names_tokenizer_and_nones_once():
         ("train.warmup_ratio", 1.5, r"train.warmup_ratio must be in \[0, 1\] \(0: train.warmup_steps\), got 1.5"),
         ("train.epochs", -1.0, r"train.epochs must be >= 0 \(0: train.steps\), got -1.0"),
         ("eval.points", 501, r"eval.points must be in \[0, 500\], the steps of a run \(0: eval.every\), got 501"),
+        ("model.attention", "flash", r"model.attention must be one of \('auto', 'xla', .*\), got 'flash'"),
     ],
 )
 def test_each_piece_checks_its_own_fields(field, value, message):
@@ -79,16 +134,16 @@ def test_each_piece_checks_its_own_fields(field, value, message):
 
 
 def test_the_cadence_is_the_loop_s_and_the_estimator_s():
-    cadence = loop.Cadence(total_steps=60, eval_every=25, checkpoint_every=40, log_every=10)
-    assert cadence.evaluated_steps() == [0, 25, 50, 60]
-    assert [step for step in range(1, 61) if cadence.checkpoint_due(step)] == [40, 60]
+    rules = cadence.Cadence(total_steps=60, eval_every=25, checkpoint_every=40, log_every=10)
+    assert rules.evaluated_steps() == [0, 25, 50, 60]
+    assert [step for step in range(1, 61) if rules.checkpoint_due(step)] == [40, 60]
 
 
 def test_eval_points_spread_over_the_run_s_own_steps():
     """Step 0 and floor(k x 10 / 4), k = 1..4; every step when there are as many points as steps."""
-    assert loop.Cadence(total_steps=10, eval_points=4).evaluated_steps() == [0, 2, 5, 7, 10]
-    assert loop.Cadence(total_steps=3, eval_points=3).evaluated_steps() == [0, 1, 2, 3]
-    assert loop.Cadence(total_steps=7, eval_every=5).evaluated_steps() == [0, 5, 7]  # eval.points 0: eval.every
+    assert cadence.Cadence(total_steps=10, eval_points=4).evaluated_steps() == [0, 2, 5, 7, 10]
+    assert cadence.Cadence(total_steps=3, eval_points=3).evaluated_steps() == [0, 1, 2, 3]
+    assert cadence.Cadence(total_steps=7, eval_every=5).evaluated_steps() == [0, 5, 7]  # eval.points 0: eval.every
 
 
 def test_epochs_give_each_run_its_own_length_schedule_and_evaluations():

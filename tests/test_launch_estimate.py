@@ -26,8 +26,8 @@ from launch import costs, estimate, preflight
 from launch.config_files import load_config
 from oodjax import models, usage_errors
 from oodjax.engine import run_data, sharding, steps
+from oodjax.engine.cadence import Cadence
 from oodjax.engine.geometry import BatchGeometry, batch_geometry
-from oodjax.engine.loop import Cadence
 from oodjax.engine.sharding import MeshShape
 from oodjax.job import read
 from oodjax.models.layers import REMAT_POLICIES

@@ -119,7 +119,6 @@ def test_bad_config_values_are_named(tmp_path, gpt2_tokenizer_dir, hf_data_dir, 
     "field, value, message",
     [
         ("model.remat", "everything", "remat policy 'everything' is not one of"),
-        ("model.attention", "flash", "model.attention must be one of"),
         ("lora.rank", 0, "lora: LoRAConfig.rank must be a positive integer, got 0"),
         ("lora.dropout", 1.0, r"lora: LoRAConfig.dropout must be in \[0, 1\)"),
     ],
@@ -127,8 +126,8 @@ def test_bad_config_values_are_named(tmp_path, gpt2_tokenizer_dir, hf_data_dir, 
 def test_values_other_modules_own_are_checked_with_the_config(
     tmp_path, gpt2_tokenizer_dir, hf_data_dir, field, value, message
 ):
-    """The config checks ask the remat table, the attention kernels and LoRAConfig, so a bad value is refused
-    with the rest, before the model is built."""
+    """The config checks ask the remat table and LoRAConfig, so a bad value is refused with the rest, before
+    the model is built."""
     config = tiny_config(tmp_path / "out", gpt2_tokenizer_dir, hf_data_dir, tmp_path / "cache")
     section, _, key = field.rpartition(".")
     config[section][key] = value

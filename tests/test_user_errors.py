@@ -161,6 +161,10 @@ TRAINING_ERRORS = {
         lambda tmp_path: ["--config.train.learning_rate=-0.001"],
         r"train.learning_rate must be positive, got -0.001$",
     ),
+    "unknown_attention": (
+        lambda tmp_path: ["--config.model.attention=flash"],
+        r"model.attention must be one of \('auto', 'xla', 'cudnn', 'pallas_gpu', 'splash'\), got 'flash'$",
+    ),
     "shots_over_the_pool": (
         lambda tmp_path: ["--config.runs.shots=8000"],
         r"runs.shots: few-shot n=8000 needs 4000 examples of label 0 but the pool \(6703 rows\) has only 3463 "

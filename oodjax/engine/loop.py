@@ -3,7 +3,7 @@
 `train(job)` (an ``oodjax.job.Job``) loads the model once, attaches one set of adapters per run
 (seeds x shots), and alternates jitted train steps with evaluations of every
 testset (and each run's own training set) at step 0 and every `eval.every`
-steps, or at `eval.points` steps spread over the run (``Cadence``). After each
+steps, or at `eval.points` steps spread over the run (``cadence.Cadence``). After each
 evaluation every run's metrics.npz is rewritten; every `checkpoint_every` steps
 each run's adapters, optimizer state, data-iterator state and RNG are
 checkpointed in its own folder (``oodjax.engine.checkpoints``).
@@ -57,7 +57,7 @@ from oodjax.engine.evaluation import evaluate, refuse_non_finite_model
 from oodjax.engine.events import EventLog
 from oodjax.engine.geometry import BatchGeometry, batch_geometry
 from oodjax.engine.preemption import Preempted, StopSignals
-from oodjax.engine.results import Run, RunResults
+from oodjax.engine.results import ADAPTER_DIR, Run, RunResults
 from oodjax.engine.resumption import (
     RunStart,
     comparable_stored,
@@ -68,70 +68,9 @@ from oodjax.engine.resumption import (
 )
 from oodjax.engine.run_data import RunsData, few_shot_sets, load_runs_data
 from oodjax.models.lora import adds_nothing, export_peft
-from oodjax.usage_errors import ConfigError
 
 if TYPE_CHECKING:
     from oodjax.job import Job
-
-ADAPTER_DIR = "adapter"  # <run_dir>/adapter/: the run's adapters in PEFT format
-
-
-@dataclasses.dataclass(frozen=True)
-class Cadence:
-    """When a job's runs are evaluated, checkpointed and logged: the one home of those rules, which the
-    estimator counts evaluations by too."""
-
-    total_steps: int  # optimizer steps per run (of the runs of one length: ``oodjax.job.Job.of_length``)
-    eval_every: int = 25  # step 0, every eval_every steps and the last step are evaluated
-    eval_points: int = 0  # else step 0 and this many steps spread evenly over total_steps, the last among them
-    checkpoint_every: int = 100  # and the last step
-    checkpoint_keep: int = 2  # the newest checkpoints kept per run
-    log_every: int = 10
-
-    def __post_init__(self) -> None:
-        # train.steps >= 1 is the optimizer's check (steps.OptimizerSettings), the piece whose schedule spans it.
-        every = {
-            "eval.every": self.eval_every,
-            "checkpoint_every": self.checkpoint_every,
-            "log_every": self.log_every,
-        }
-        for field, value in every.items():
-            if value < 1:
-                raise ConfigError(f"{field} must be >= 1, got {value}")
-        if self.checkpoint_keep < 1:
-            raise ConfigError(f"checkpoint_keep must be >= 1 (checkpoints kept per run), got {self.checkpoint_keep}")
-        if not 0 <= self.eval_points <= self.total_steps:
-            raise ConfigError(
-                f"eval.points must be in [0, {self.total_steps}], the steps of a run (0: eval.every), "
-                f"got {self.eval_points}"
-            )
-
-    def evaluation_due(self, step: int) -> bool:
-        """With eval.points P over T steps: step 0 and the steps floor(k T / P), k = 1..P, the last being T."""
-        if self.eval_points:
-            k = -(-step * self.eval_points // self.total_steps)  # the one k whose floor(k T / P) may be step
-            return k * self.total_steps // self.eval_points == step and 0 <= k <= self.eval_points
-        return step % self.eval_every == 0 or step == self.total_steps
-
-    def evaluated_steps(self) -> list[int]:
-        """Every step a run is evaluated at, step 0 included."""
-        return [step for step in range(self.total_steps + 1) if self.evaluation_due(step)]
-
-    def checkpoint_due(self, step: int) -> bool:
-        return step % self.checkpoint_every == 0 or step == self.total_steps
-
-    def log_due(self, step: int) -> bool:
-        return step % self.log_every == 0
-
-
-@dataclasses.dataclass(frozen=True)
-class ExportSettings:
-    """Whether a job writes its runs' adapters in PEFT format (<run_dir>/adapter/), when, and where it pushes
-    them."""
-
-    peft: bool = False  # when training ends
-    every_checkpoint: bool = False  # also at every checkpoint
-    hub_repo: str | None = None  # a hub repo the exports are pushed to, a folder per run
 
 
 class NonFiniteLossError(FloatingPointError):

@@ -58,6 +58,8 @@ from oodjax.usage_errors import ConfigError, DamagedInputError
 # per-example margins are rounded to float16 (they are many and small).
 MARGIN_DTYPE = np.float16
 
+ADAPTER_DIR = "adapter"  # <run_dir>/adapter/: the run's adapters in PEFT format (export.peft)
+
 # The distributions whose versions results.json records (the engine's stack; None for one not installed).
 RECORDED_DISTRIBUTIONS = (
     "oodjax",

@@ -12,7 +12,6 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from oodjax.models.flash_attention import check_implementation
 from oodjax.models.layers import check_remat
 
 
@@ -41,7 +40,6 @@ class DecoderConfig:
 
     def __post_init__(self):
         check_remat(self.remat)
-        check_implementation(self.attention)
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "

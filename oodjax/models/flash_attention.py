@@ -112,16 +112,9 @@ def block_and_length(kernel: str, length: int) -> tuple[int, int]:
     return next(block for block in blocks if padded % block == 0), padded
 
 
-def check_implementation(implementation: str) -> str:
-    if implementation not in IMPLEMENTATIONS:
-        raise ValueError(f"model.attention must be one of {IMPLEMENTATIONS}, got {implementation!r}")
-    return implementation
-
-
 def resolve(implementation: str, platform: str | None = None) -> str:
     """The implementation ``implementation`` means on ``platform`` (default: ``target_platform``'s, else JAX's
     default backend). ``cudnn`` may still fall back to XLA for shapes it does not take (``cudnn_unsupported``)."""
-    check_implementation(implementation)
     if implementation == "pallas_gpu":
         logging.log_first_n(
             logging.WARNING,

@@ -31,6 +31,7 @@ from huggingface_hub.utils import validate_repo_id
 from jax.sharding import Mesh, Sharding, SingleDeviceSharding
 
 from oodjax.models.config import DecoderConfig
+from oodjax.models.flash_attention import IMPLEMENTATIONS
 from oodjax.models.gemma import GemmaForCausalLM
 from oodjax.models.hf_checkpoint import (
     CONFIG,
@@ -46,7 +47,7 @@ from oodjax.models.lora import LoRAConfig, apply_lora
 from oodjax.models.olmo2 import Olmo2ForCausalLM
 from oodjax.models.opt import OPTForCausalLM
 from oodjax.models.partitioning import param_sharding
-from oodjax.usage_errors import DamagedInputError, MissingInputError, NotFetchedError
+from oodjax.usage_errors import ConfigError, DamagedInputError, MissingInputError, NotFetchedError
 
 # config.json's model_type -> the class that ports it (its ``config_class`` reads the config).
 ARCHITECTURES: dict[str, type[CausalLM]] = {
@@ -327,6 +328,10 @@ class ModelSettings:
     compute_dtype: str | None = None  # the passes' dtype; None: dtype
     remat: str = "none"  # REMAT_POLICIES
     attention: str = "auto"  # flash_attention.IMPLEMENTATIONS
+
+    def __post_init__(self) -> None:
+        if self.attention not in IMPLEMENTATIONS:
+            raise ConfigError(f"model.attention must be one of {IMPLEMENTATIONS}, got {self.attention!r}")
 
     @property
     def source(self) -> str:
