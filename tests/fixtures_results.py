@@ -126,14 +126,22 @@ def synthetic_accuracies(
     in_domain_accuracy = 0.5 + 0.35 * progress + rng.normal(0.0, 0.015, len(steps))
     ood = [t for t in testsets if t != in_domain]
     residuals = 0.02 * rng.multivariate_normal(np.zeros(len(ood)), correlations, len(steps))
-    accuracy = np.empty((len(steps), len(testsets)))
+    return np.clip(_around_in_domain(in_domain_accuracy, testsets, in_domain, residuals), 0.0, 1.0)
+
+
+def _around_in_domain(
+    in_domain_accuracy: np.ndarray, testsets: list[str], in_domain: str, ood_noise: np.ndarray
+) -> np.ndarray:
+    """[steps, testsets]: in-domain as given, each OOD testset a tanh of it plus its column of `ood_noise`."""
+    ood = [t for t in testsets if t != in_domain]
+    accuracy = np.empty((len(in_domain_accuracy), len(testsets)))
     for j, name in enumerate(testsets):
         if name == in_domain:
             accuracy[:, j] = in_domain_accuracy
         else:
             slope = 0.05 + 0.02 * ood.index(name)
-            accuracy[:, j] = 0.55 + slope * np.tanh(8.0 * (in_domain_accuracy - 0.65)) + residuals[:, ood.index(name)]
-    return np.clip(accuracy, 0.0, 1.0)
+            accuracy[:, j] = 0.55 + slope * np.tanh(8.0 * (in_domain_accuracy - 0.65)) + ood_noise[:, ood.index(name)]
+    return accuracy
 
 
 def ar1_noise(rng: np.random.Generator, steps: int, series: int, coefficient: float) -> np.ndarray:
@@ -165,16 +173,7 @@ def autocorrelated_accuracies(
     own = ar1_noise(rng, len(steps), len(ood), coefficient)
     common = ar1_noise(rng, len(steps), 1, coefficient)
     noise = np.sqrt(1.0 - shared) * own + np.sqrt(shared) * common
-    accuracy = np.empty((len(steps), len(testsets)))
-    for j, name in enumerate(testsets):
-        if name == in_domain:
-            accuracy[:, j] = in_domain_accuracy
-        else:
-            slope = 0.05 + 0.02 * ood.index(name)
-            accuracy[:, j] = (
-                0.55 + slope * np.tanh(8.0 * (in_domain_accuracy - 0.65)) + 0.02 * noise[:, ood.index(name)]
-            )
-    return accuracy
+    return _around_in_domain(in_domain_accuracy, testsets, in_domain, 0.02 * noise)
 
 
 def write_results_root(
