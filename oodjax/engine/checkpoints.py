@@ -20,16 +20,18 @@ write is never listed as a checkpoint (its leftovers are removed when a
 later job starts saving). A checkpoint damaged after the fact (a truncated
 file) fails to restore: ``restore_newest`` names it, warns, and takes the
 next older one. A full disk raises ``NoSpaceError`` naming the checkpoint
-being written, the older ones intact.
+being written, the older ones intact, once the writes still in flight end
+(``_run_sync_via_new_loop``), so nothing else is printed.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import pathlib
 import shutil
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Coroutine, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -37,6 +39,7 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from absl import logging
 from jax.sharding import NamedSharding, PartitionSpec
+from orbax.checkpoint._src import asyncio_utils
 
 from oodjax.engine.steps import TrainState
 from oodjax.storage import reporting_full_disk, silence_library_full_disk_reports
@@ -45,6 +48,34 @@ CHECKPOINT_DIR = "checkpoints"  # <run_dir>/checkpoints/<step>/
 DAMAGED_SUFFIX = ".damaged"  # a step that failed to restore, set aside as <step>.damaged-<time>
 _ARRAYS, _LOOP = "runs", "loop"  # the items of a step
 _TMP_SUFFIX = ".orbax-checkpoint-tmp"  # how orbax names a step being written (a folder it renames when done)
+
+
+def _run_sync_via_new_loop(coro: Coroutine[Any, Any, Any]) -> Any:
+    """orbax's ``asyncio_utils._run_sync_via_new_loop`` (which runs each save's and restore's writes and reads),
+    but a failure waits for the loop's other tasks before the loop is closed.
+
+    orbax gathers its TensorStore writes; a gather raises the first failure
+    (on a full disk, ENOSPC) while the others are in flight, and orbax's own
+    version closes the loop at once: each write ending later calls back into
+    the closed loop, and TensorStore reports that through ``sys.unraisablehook``
+    as a bare "RuntimeError: Event loop is closed" traceback, dozens per failed
+    save. The others' errors are dropped; the first is raised.
+    """
+    loop = asyncio.new_event_loop()
+    try:
+        asyncio.set_event_loop(loop)
+        try:
+            return loop.run_until_complete(coro)
+        except Exception:
+            if in_flight := asyncio.all_tasks(loop):
+                loop.run_until_complete(asyncio.gather(*in_flight, return_exceptions=True))
+            raise
+    finally:
+        asyncio.set_event_loop(None)
+        loop.close()
+
+
+asyncio_utils._run_sync_via_new_loop = _run_sync_via_new_loop  # read by orbax's run_sync at each call
 
 
 class CheckpointsUnusableError(RuntimeError):
