@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import importlib.metadata
 import pathlib
 import shutil
 import time
@@ -75,7 +76,10 @@ def _run_sync_via_new_loop(coro: Coroutine[Any, Any, Any]) -> Any:
         loop.close()
 
 
-asyncio_utils._run_sync_via_new_loop = _run_sync_via_new_loop  # read by orbax's run_sync at each call
+# Replaced only on the orbax it was read against (requirements.txt's pin): elsewhere a full disk may print
+# those tracebacks again, and nothing else changes.
+if importlib.metadata.version("orbax-checkpoint") == "0.12.8":
+    asyncio_utils._run_sync_via_new_loop = _run_sync_via_new_loop  # read by orbax's run_sync at each call
 
 
 class CheckpointsUnusableError(RuntimeError):
