@@ -225,7 +225,9 @@ def test_help_with_a_config_shows_its_values_and_base_defaults_it_changes(capsys
     text = capsys.readouterr().out
     assert "shown with --config's values, (base: X) where configs/base.py's default X differs" in text
     assert "  runs.seeds = 0,42  (base: 0,42,99)\n      A run's seed draws its few-shot set" in text
-    assert "  train.steps = 7  (base: 500)\n      optimizer steps per run (unless train.epochs)\n" in text  # the override applied
+    assert (
+        "  train.steps = 7  (base: 500)\n      optimizer steps per run (unless train.epochs)\n" in text
+    )  # the override applied
     assert "  lora.rank = 8\n" in text  # as base's: nothing beside it
 
 

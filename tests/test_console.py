@@ -54,7 +54,10 @@ def test_a_run_logged_to_a_file_prints_plain_informative_lines(tmp_path):
     for line in log.splitlines():  # time, level, message (or a message's further lines, indented)
         assert re.match(r"\d\d:\d\d:\d\d (INFO|WARNING|ERROR) \S", line) or line.startswith("  "), line
     assert log.count("config (command-line overrides applied):\n") == 1
-    assert "\n  train: steps=4  epochs=0.0  batch_size=8  grad_accum=1  pack=True  learning_rate=0.001  warmup_steps=1" in log
+    assert (
+        "\n  train: steps=4  epochs=0.0  batch_size=8  grad_accum=1  pack=True  learning_rate=0.001  warmup_steps=1"
+        in log
+    )
     assert f"2 runs in {out}: seed0_shots32 starts at step 0, seed42_shots32 starts at step 0" in log
     for what in ("evaluation step", "train step"):
         assert f"compiling the {what} (its first call) ..." in log
