@@ -267,15 +267,17 @@ def test_slurm_script_finds_the_flags_file_beside_the_sweeps_launchers(tmp_path)
     assert "--xla_gpu_enable_latency_hiding_scheduler=true" in (tmp_path / "record.txt").read_text()
 
 
-@pytest.mark.parametrize("given, expected", [(None, "tpu"), ("tpu,cpu", "tpu,cpu")], ids=["default", "exported"])
-def test_tpu_script_makes_the_workers_use_the_tpu(tmp_path, given, expected):
+def fake_tpu_pod(tmp_path: pathlib.Path, python_body: str) -> tuple[pathlib.Path, dict[str, str]]:
+    """launch/tpu_pod.sh's world in `tmp_path`: a gcloud that records its arguments in $RECORD, a curl, a venv
+    whose python runs `python_body`, the flags file; returns the fakes' folder and the script's environment
+    (JAX_PLATFORMS unset)."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     fake_command(bin_dir, "gcloud", 'printf "%s\\n" "$@" > "$RECORD"\n')
     fake_command(bin_dir, "curl", "echo 0\n")
     venv = tmp_path / "venv"
     (venv / "bin").mkdir(parents=True)
-    fake_command(venv / "bin", "python", 'echo "$JAX_PLATFORMS"\n')
+    fake_command(venv / "bin", "python", python_body)
     (tmp_path / "launch").mkdir()
     shutil.copy(ROOT / "launch" / "xla_flags.sh", tmp_path / "launch")
     env = {key: value for key, value in os.environ.items() if key != "JAX_PLATFORMS"}
@@ -287,6 +289,12 @@ def test_tpu_script_makes_the_workers_use_the_tpu(tmp_path, given, expected):
         OODJAX_REPO=str(tmp_path),
         OODJAX_VENV=str(venv),
     )
+    return bin_dir, env
+
+
+@pytest.mark.parametrize("given, expected", [(None, "tpu"), ("tpu,cpu", "tpu,cpu")], ids=["default", "exported"])
+def test_tpu_script_makes_the_workers_use_the_tpu(tmp_path, given, expected):
+    bin_dir, env = fake_tpu_pod(tmp_path, 'echo "$JAX_PLATFORMS"\n')
     if given:
         env["JAX_PLATFORMS"] = given
     result = subprocess.run(["bash", str(SCRIPTS[1]), "configs/demo.py"], env=env, capture_output=True, text=True)
@@ -302,24 +310,7 @@ def test_tpu_script_makes_the_workers_use_the_tpu(tmp_path, given, expected):
 def test_tpu_workers_outlive_the_ssh_session_that_started_them(tmp_path):
     """A dropped SSH session sends SIGHUP to its processes: the worker's Python, in a session of its own, goes
     on (and on its own SIGHUP would checkpoint, oodjax.engine.preemption)."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    fake_command(bin_dir, "gcloud", 'printf "%s\\n" "$@" > "$RECORD"\n')
-    fake_command(bin_dir, "curl", "echo 0\n")
-    venv = tmp_path / "venv"
-    (venv / "bin").mkdir(parents=True)
-    fake_command(venv / "bin", "python", 'echo started; sleep 2; echo trained > "$RECORD.outlived"\n')
-    (tmp_path / "launch").mkdir()
-    shutil.copy(ROOT / "launch" / "xla_flags.sh", tmp_path / "launch")
-    env = dict(
-        os.environ,
-        PATH=f"{bin_dir}:{os.environ['PATH']}",
-        RECORD=str(tmp_path / "gcloud.txt"),
-        TPU_NAME="pod",
-        TPU_ZONE="us-central2-b",
-        OODJAX_REPO=str(tmp_path),
-        OODJAX_VENV=str(venv),
-    )
+    _, env = fake_tpu_pod(tmp_path, 'echo started; sleep 2; echo trained > "$RECORD.outlived"\n')
     assert subprocess.run(["bash", str(SCRIPTS[1]), "configs/demo.py"], env=env).returncode == 0
     command = (tmp_path / "gcloud.txt").read_text().split("--command=", 1)[1]
     session = subprocess.Popen(["bash", "-c", command], env=env, stdout=subprocess.PIPE, start_new_session=True)
