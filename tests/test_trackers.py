@@ -66,8 +66,12 @@ def wandb_records(path: pathlib.Path) -> Iterator[wandb_internal_pb2.Record]:
 def tensorboard_scalars(directory: pathlib.Path) -> dict[int, dict[str, float]]:
     """step -> {tag: value} of the TFRecord event files in ``directory`` (8-byte length, 4-byte crc, an Event
     protobuf, 4-byte crc), parsed with tensorboardX's own Event message."""
+    return tensorboard_scalars_for(sorted(directory.glob("events.out.tfevents.*")))
+
+
+def tensorboard_scalars_for(paths: list[pathlib.Path]) -> dict[int, dict[str, float]]:
     scalars: dict[int, dict[str, float]] = {}
-    for path in sorted(directory.glob("events.out.tfevents.*")):
+    for path in paths:
         data, position = path.read_bytes(), 0
         while position < len(data):
             (length,) = struct.unpack("<Q", data[position : position + 8])
@@ -144,3 +148,74 @@ def test_wandb_and_tensorboard_get_every_event_of_every_run(tmp_path, gpt2_token
                 history[record.history.step.num] = {k: v for k, v in items.items() if not k.startswith("_")}
         assert_same_events(history, events)
     assert grad_norms[0] != grad_norms[1]  # each run its own
+
+
+def test_a_resumed_run_gives_the_trackers_each_step_once(tmp_path, gpt2_tokenizer_dir, hf_data_dir, monkeypatch):
+    """A job that crashes after step 3 was logged (its checkpoint at 2) redoes step 3 when rerun: events.jsonl
+    holds it once, and W&B (one run across both starts) and TensorBoard receive it once, with the same values."""
+    for variable in ("WANDB_DIR", "WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
+        monkeypatch.setenv(variable, str(tmp_path / "wandb-home"))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    config = tiny_config(tmp_path / "out", gpt2_tokenizer_dir, hf_data_dir, tmp_path / "cache")
+    config.wandb.enabled = True
+    config.wandb.mode = "offline"
+    config.tensorboard.enabled = True
+    make_train_step = loop.steps.make_train_step
+
+    def crashing_make_train_step(*args, **kwargs):
+        train_step = make_train_step(*args, **kwargs)
+
+        def crash_at_4(base_state, runs, batch):
+            if int(runs.step) == 3:
+                raise RuntimeError("crash in step 4")
+            return train_step(base_state, runs, batch)
+
+        return crash_at_4
+
+    monkeypatch.setattr(loop.steps, "make_train_step", crashing_make_train_step)
+    with pytest.raises(RuntimeError, match="crash in step 4"):
+        loop.train(resolve(config))
+    monkeypatch.undo()
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    for variable in ("WANDB_DIR", "WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
+        monkeypatch.setenv(variable, str(tmp_path / "wandb-home"))
+    runs = loop.train(resolve(config))
+    for run in runs:
+        events: dict[int, dict[str, float]] = {}
+        for line in (run.directory / "events.jsonl").read_text().splitlines():
+            record = json.loads(line)
+            step = record.pop("step")
+            record.pop("time")
+            assert not set(record) & set(events.get(step, {})), (step, record)  # each metric once
+            events.setdefault(step, {}).update(record)
+        assert sorted(events) == [0, 1, 2, 3, 4]
+
+        scalars: list[tuple[int, str]] = []
+        for path in (run.directory / TENSORBOARD_DIR).glob("events.out.tfevents.*"):
+            scalars += [(step, tag) for step, tags in tensorboard_scalars_for([path]).items() for tag in tags]
+        assert len(scalars) == len(set(scalars))  # no step's metric twice
+        # the same values, but the clock's: the redone step 3 is the first timed after compiling, untimed
+        assert_same_events(without_clock(tensorboard_scalars(run.directory / TENSORBOARD_DIR)), without_clock(events))
+
+        wandb_files = sorted((run.directory / "wandb").glob("offline-run-*/run-*.wandb"))
+        assert len(wandb_files) == 2  # one per start
+        run_ids, history, logged = set(), {}, []
+        for wandb_file in wandb_files:
+            for record in wandb_records(wandb_file):
+                if record.WhichOneof("record_type") == "run":
+                    run_ids.add(record.run.run_id)
+                if record.WhichOneof("record_type") == "history":
+                    items = {
+                        "/".join(item.nested_key) or item.key: json.loads(item.value_json)
+                        for item in record.history.item
+                    }
+                    items = {k: v for k, v in items.items() if not k.startswith("_")}
+                    logged += [(record.history.step.num, key) for key in items]
+                    history.setdefault(record.history.step.num, {}).update(items)
+        assert len(run_ids) == 1  # the resumed start went on in the same W&B run
+        assert sorted(logged) == sorted(set(logged))  # no step's metric twice
+        assert_same_events(without_clock(history), without_clock(events))
+
+
+def without_clock(events: dict[int, dict[str, float]]) -> dict[int, dict[str, float]]:
+    return {step: {k: v for k, v in metrics.items() if k != "train/examples_per_s"} for step, metrics in events.items()}

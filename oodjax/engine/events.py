@@ -6,8 +6,10 @@ used, or `tensorboard --logdir <output_dir>`). Every record goes to every
 enabled tracker at the same step. Lines are appended and flushed as they
 come, so a crash keeps all of them; a resumed run first drops the lines of
 the steps after its checkpoint, which it redoes, so events.jsonl holds each
-step once, as the results do (W&B and TensorBoard, whose records cannot be
-taken back, get those steps again).
+step once, as the results do. W&B and TensorBoard cannot take records back,
+so the redone steps, which resumption makes bit-identical, go only to the
+log, and a resumed run goes on in the same W&B run (its id is kept in
+`<run_dir>/wandb/oodjax-run-id`).
 
 Trackers are quiet: W&B prints no banner and no footer per run (its
 warnings and errors still show: ``setup_wandb``); the loop logs once where
@@ -21,6 +23,7 @@ import dataclasses
 import importlib.util
 import json
 import pathlib
+import secrets
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -75,7 +78,7 @@ class EventLog:
         run_dir = pathlib.Path(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         self.path = run_dir / EVENTS_FILE
-        _drop_after(self.path, kept_through)
+        self._tracked = _drop_after(self.path, kept_through)  # what the trackers have of the steps to redo
         self._file = self.path.open("a", encoding="utf-8")
         self._wandb_run = None
         self._tensorboard = None
@@ -91,6 +94,8 @@ class EventLog:
                 name=run_name,
                 config=dict(config),
                 dir=str(run_dir),
+                id=_wandb_id(run_dir),
+                resume="allow",
                 reinit="create_new",  # several runs live in one process
             )
         if tensorboard:
@@ -116,6 +121,9 @@ class EventLog:
         record = {"step": int(step), "time": time.time(), **values}
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
+        values = {key: value for key, value in values.items() if key not in self._tracked.get(step, ())}
+        if not values:
+            return
         if self._wandb_run is not None:
             self._wandb_run.log(values, step=int(step))
         if self._tensorboard is not None:
@@ -131,11 +139,12 @@ class EventLog:
             self._tensorboard.close()
 
 
-def _drop_after(path: pathlib.Path, step: int) -> None:
+def _drop_after(path: pathlib.Path, step: int) -> dict[int, set[str]]:
     """Rewrites the event log at `path` (atomically) without its lines of steps after `step`, and without a
-    line a crash cut short."""
+    line a crash cut short; returns the metrics of each step it dropped, which the trackers already have."""
+    dropped: dict[int, set[str]] = {}
     if not path.is_file():
-        return
+        return dropped
     kept = []
     for line in path.read_text(encoding="utf-8").splitlines(keepends=True):
         try:
@@ -144,8 +153,20 @@ def _drop_after(path: pathlib.Path, step: int) -> None:
             continue
         if line.endswith("\n") and record["step"] <= step:
             kept.append(line)
+        elif line.endswith("\n"):  # a line cut short never reached the trackers
+            dropped.setdefault(record["step"], set()).update(set(record) - {"step", "time"})
     text = "".join(kept).encode()
     write_atomic(path, lambda file: file.write(text), intact=f"{path} is as it was")
+    return dropped
+
+
+def _wandb_id(run_dir: pathlib.Path) -> str:
+    """The run's W&B id, made at its first start and kept in its folder, so that a resumed run goes on in it."""
+    path = run_dir / "wandb" / "oodjax-run-id"
+    if not path.is_file():
+        run_id = secrets.token_hex(4)
+        write_atomic(path, lambda file: file.write(run_id.encode()), intact=f"{path} is as it was")
+    return path.read_text(encoding="utf-8").strip()
 
 
 def setup_wandb(mode: str) -> str:
