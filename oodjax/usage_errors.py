@@ -43,13 +43,13 @@ class DamagedInputError(UsageError, ValueError):
 
 class NotFetchedError(MissingInputError):
     """A model, tokenizer or testset split that must come from the Hugging Face hub, which is not reachable (or
-    HF_HUB_OFFLINE is set), and is not on this machine: ``oodjax-fetch`` brings it, on a machine online."""
+    HF_HUB_OFFLINE is set), and is not on this machine: ``python -m launch.fetch`` brings it, on a machine online."""
 
 
 def fetch_hint(config_spec: str | None) -> str:
     """What to run, on a machine that reaches the hub, to bring what a config needs."""
     target = config_spec or "CONFIG"
-    return f"on a machine online (a cluster's login node) run `{FETCH_COMMAND} {target}`, then retry"
+    return f"on a machine online (a cluster's login node) run `python -m launch.fetch {target}`, then retry"
 
 
 @contextlib.contextmanager

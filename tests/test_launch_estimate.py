@@ -775,7 +775,7 @@ def test_without_the_data_the_estimate_is_one_line_naming_the_fetch_and_prompt_l
     )
     line = _one_line(result.stderr, result.returncode)
     assert "--prompt_len N prices prompts of N tokens" in line
-    assert f"`oodjax-fetch {config}`" in line
+    assert f"`python -m launch.fetch {config}`" in line
 
 
 def test_a_local_sample_is_counted_at_the_size_of_the_hubs_split(tmp_path, capsys, hf_data_dir, gpt2_tokenizer_dir):

@@ -59,7 +59,7 @@ def test_a_testset_not_fetched_names_it_and_the_fetch_command(tmp_path):
     )
     line = _one_line(result, "python -m oodjax.main")
     assert "testset 'snli'" in line and "is not in its cache" in line
-    assert "`oodjax-fetch configs/demo.py`" in line
+    assert "`python -m launch.fetch configs/demo.py`" in line
 
 
 def test_the_preflight_without_the_tokenizer_is_one_line(tmp_path):
@@ -74,7 +74,7 @@ def test_the_preflight_without_the_tokenizer_is_one_line(tmp_path):
     )
     line = _one_line(result, "python -m launch.preflight")
     assert "tokenizer 'facebook/opt-2.7b' is not a local folder" in line
-    assert "`oodjax-fetch configs/opt2.7_mnli.py`" in line
+    assert "`python -m launch.fetch configs/opt2.7_mnli.py`" in line
 
 
 def test_config_errors_found_by_the_checks_are_config_errors(tmp_path):
@@ -136,7 +136,7 @@ def test_reported_turns_only_usage_errors_into_one_line(capsys):
     assert exit_.value.code == 2
     assert capsys.readouterr().err == (
         "prog: error: testset 'rte': split 'train' missing; on a machine online (a cluster's login node) run "
-        "`oodjax-fetch configs/x.py`, then retry\n"
+        "`python -m launch.fetch configs/x.py`, then retry\n"
     )
     with pytest.raises(KeyError):  # a bug is not the user's to fix: its traceback stays
         with usage_errors.reported("prog"):
