@@ -253,7 +253,10 @@ def _summary(job: Job, runs: Sequence[Run]) -> None:
 
 
 class _Loop:
-    """The loop over steps for one group of runs that stand at one step, and what it keeps between steps."""
+    """Trains one group of runs that stand at one step: a stepper (``_train``) and the hooks it calls after a step
+    when their cadence makes them due (``hooks``: evaluation, checkpoint, export, in that order). Whenever one is
+    due, or a log line is, the step's losses are fetched first, checked and logged (``_log_window``), and a stop
+    signal is acted on (``_stop``: a checkpoint, then ``Preempted``)."""
 
     def __init__(
         self,
@@ -270,73 +273,70 @@ class _Loop:
     ):
         runs = [start.run for start in group]
         self.job, self.runs, self.mesh, self.geometry, self.data = job, runs, mesh, geometry, data
-        self.cadence = job.cadence
+        self.cadence, self.total_steps = job.cadence, job.cadence.total_steps
         self.train_step, self.eval_step = train_step, eval_step
         self.base_state, self.state, self.stop = base_state, state, stop
-        self.total_steps = job.cadence.total_steps
         # The step the group starts from, whether it resumes, and whether that step's evaluation is still to do.
         self.start, self.resumed = group[0].step, group[0].checkpoint is not None
         self.evaluation_pending = group[0].evaluation_pending
+        # After a step, in this order, the hooks whose cadence makes them due.
+        self.hooks = [
+            (self.cadence.evaluation_due, self._evaluate),
+            (self.cadence.checkpoint_due, self._checkpoint),
+            (self._export_due, self._export),
+        ]
         self.checkpointers = [
-            checkpoints.RunCheckpointer(run.directory, name=run.name, max_to_keep=job.cadence.checkpoint_keep)
+            checkpoints.RunCheckpointer(run.directory, name=run.name, max_to_keep=self.cadence.checkpoint_keep)
             for run in runs
         ]
         self.primary = is_primary()  # only process 0 writes results and event logs
-        self.results = [self._run_results(r, run) for r, run in enumerate(runs)]
-        self.events = (
-            [
-                EventLog(
-                    run.directory,
-                    run_name=run.name,
-                    kept_through=self.start if self.resumed else -1,  # the steps the run redoes are dropped
-                    wandb=job.trackers.wandb,
-                    tensorboard=job.trackers.tensorboard,
-                    # the run's identity and training set in a section of their own, for W&B's filters
-                    config=dict(job.record, **{schema.RUN_SECTION: self._identity(run, train_set=True)}),
-                )
-                for run in runs
-            ]
-            if self.primary
-            else []
-        )
+        self.results = [
+            RunResults(
+                run.directory,
+                labels=data.eval_pool.labels_of(r),
+                dataset_index=data.dataset_index[r],
+                in_domain=job.data.train_set,
+                config=self._record(run),
+            )
+            for r, run in enumerate(runs)
+        ]
+        self.events = [
+            EventLog(
+                run.directory,
+                run_name=run.name,
+                kept_through=self.start if self.resumed else -1,  # the steps the run redoes are dropped
+                wandb=job.trackers.wandb,
+                tensorboard=job.trackers.tensorboard,
+                config=self._record(run, train_set=job.data.train_set),  # its training set too, for W&B's filters
+            )
+            for run in (runs if self.primary else [])
+        ]
         if self.events and (wandb_destination := self.events[0].wandb_destination()) is not None:
             logging.info("%s", wandb_destination)  # once, in place of W&B's banner and footer per run
-        # Per-run loss sums since the last evaluation (its train_loss); the
-        # per-run losses and gradient norms since the last log line; the
-        # train step's device metrics not yet checked.
+        # Per-run loss sums since the last evaluation (its train_loss); the per-run losses and gradient norms since
+        # the last log line; the train step's device metrics not yet checked.
         self.loss_sum, self.loss_steps = np.zeros(len(runs)), 0
         if self.resumed:
             self.loss_sum = np.array([start.checkpoint.loop_state["loss_sum"] for start in group], dtype=np.float64)
             self.loss_steps = group[0].checkpoint.loop_state["loss_steps"]
         self.window: list[dict[str, np.ndarray]] = []
         self.pending: list[tuple[int, dict[str, jax.Array]]] = []
-        # The training clock: steps and seconds of training alone (no compiling,
-        # evaluating or checkpointing), for examples/s and the ETA.
+        # The training clock: steps and seconds of training alone (no compiling, evaluating or checkpointing).
         self.window_start, self.window_steps = time.perf_counter(), 0
         self.train_seconds, self.timed_steps = 0.0, 0
         self.bar: tqdm | None = None  # the training progress bar, while it is live
         self.eval_compiled = False
 
-    def _identity(self, run: Run, *, train_set: bool = False) -> dict[str, Any]:
-        """The run's model, seed, shots and own total steps (metrics.npz's run section), and its training set if
-        asked."""
-        identity = {
+    def _record(self, run: Run, **more: Any) -> dict[str, Any]:
+        """The job's record with the run's own section (its metrics.npz's), and ``more`` in that section."""
+        section = {
             schema.RUN_MODEL: self.job.model.name,
             schema.RUN_SEED: run.seed,
             schema.RUN_SHOTS: run.shots,
             schema.RUN_STEPS: self.total_steps,
+            **more,
         }
-        return dict(identity, train_set=self.job.data.train_set) if train_set else identity
-
-    def _run_results(self, index: int, run: Run) -> RunResults:
-        labels = self.data.eval_pool.labels_of(index)
-        return RunResults(
-            run.directory,
-            labels=labels,
-            dataset_index=self.data.dataset_index[index],
-            in_domain=self.job.data.train_set,
-            config=dict(self.job.record, **{schema.RUN_SECTION: self._identity(run)}),
-        )
+        return dict(self.job.record, **{schema.RUN_SECTION: section})
 
     def run(self) -> None:
         with contextlib.ExitStack() as closing:  # every one closed, whatever fails (pending saves waited for)
@@ -363,6 +363,7 @@ class _Loop:
         if self.evaluation_pending:
             self._evaluate(self.start)
 
+    # The stepper.
     def _train(self, start: int) -> None:
         """Steps start+1 .. total. The first step, which compiles, runs before the bar and the training
         clock start, so neither the ETA nor examples/s counts its compilation."""
@@ -384,28 +385,25 @@ class _Loop:
         self.bar = None
 
     def _train_step(self, step: int) -> None:
-        self.state, metrics = self.train_step(self.base_state, self.state, self._next_batch())
+        batch = next(self.data.train_stream)  # this process's rows of the global micro-batches
+        batch = sharding.shard_process_batch(
+            {key: batch[key] for key in TRAIN_KEYS}, self.mesh, batch_axis=1, num_rows=self.geometry.rows
+        )
+        self.state, metrics = self.train_step(self.base_state, self.state, batch)
         self.pending.append((step, metrics))
         self.window_steps += 1
         self.stop.step_trained()
 
     def _after_train_step(self, step: int) -> None:
-        """What is due after ``step``: stopping on a signal, or a log line, an evaluation, a checkpoint (and
-        an export)."""
-        evaluation_due, checkpoint_due = self.cadence.evaluation_due(step), self.cadence.checkpoint_due(step)
-        waits = evaluation_due or checkpoint_due or self.cadence.log_due(step)  # for the step's losses
+        due = [hook for is_due, hook in self.hooks if is_due(step)]
+        waits = bool(due) or self.cadence.log_due(step)  # for the step's losses
         if waits:
-            self._check_losses()  # before anything is evaluated or saved
             self._log_window(step)  # before a stop too: the resumed run keeps the lines up to its checkpoint
         if self.stop.agreed(synced=waits):
-            self._stop(step, evaluation_pending=evaluation_due)
-        if evaluation_due:
-            self._evaluate(step)
-        if checkpoint_due:
-            self._checkpoint(step)
-            if self.job.export.peft and (step == self.total_steps or self.job.export.every_checkpoint):
-                self._export(step)
-        if evaluation_due or checkpoint_due:
+            self._stop(step, evaluation_pending=self.cadence.evaluation_due(step))
+        for hook in due:
+            hook(step)
+        if due:
             self._restart_clock()
 
     def _restart_clock(self) -> None:
@@ -414,14 +412,32 @@ class _Loop:
         if self.bar is not None:
             self.bar.unpause()
 
-    def _next_batch(self) -> dict[str, jax.Array]:
-        """The runs' next step, as [grad_accum, rows, ...] arrays sharded over the rows."""
-        batch = next(self.data.train_stream)
-        # The stream yields this process's rows of the global micro-batches.
-        return sharding.shard_process_batch(
-            {key: batch[key] for key in TRAIN_KEYS}, self.mesh, batch_axis=1, num_rows=self.geometry.rows
+    def _stop(self, step: int, *, evaluation_pending: bool) -> NoReturn:
+        """Checkpoints every run at ``step`` (unless it already is), waits until it is on disk in every process,
+        says so, and raises ``Preempted``."""
+        self._check_losses()
+        if any(checkpointer.latest_step() != step for checkpointer in self.checkpointers):
+            self._checkpoint(step, evaluation_pending=evaluation_pending)
+        for checkpointer in self.checkpointers:
+            checkpointer.wait()
+        signal_name = self.stop.received or "a signal to another process"
+        logging.warning(
+            "stopping after step %d on %s: the checkpoints of %d runs at step %d are saved (<run_dir>/%s/%d under "
+            "%s)%s; rerun the same command to resume",
+            step,
+            signal_name,
+            len(self.runs),
+            step,
+            checkpoints.CHECKPOINT_DIR,
+            step,
+            self.job.runs.output_dir,
+            ", its evaluation left for the resumed run" if evaluation_pending else "",
         )
+        if jax.process_count() > 1:
+            multihost_utils.sync_global_devices("oodjax: checkpoints saved before stopping")
+        raise Preempted(step, [run.name for run in self.runs], signal_name)
 
+    # The hooks: the log line (with the loss check), evaluation, checkpoint, export.
     def _check_losses(self) -> None:
         """Fetches the pending step metrics; stops at the first non-finite loss, naming its step."""
         for step, metrics in self.pending:
@@ -445,9 +461,10 @@ class _Loop:
         self.pending = []
 
     def _log_window(self, step: int) -> None:
-        """Logs the learning rate of the step's update, the training throughput and ETA (from the training clock;
-        none is measured for a window that holds only the compiling first step), and per run, labelled
-        (``console.by_run``), the mean loss and gradient norm since the last log line."""
+        """Checks the losses, then logs the learning rate of the step's update, the training throughput and ETA
+        (from the training clock; none is measured for a window that holds only the compiling first step), and
+        per run, labelled (``console.by_run``), the mean loss and gradient norm since the last log line."""
+        self._check_losses()
         now = time.perf_counter()
         loss, grad_norm = (np.mean([metrics[key] for metrics in self.window], axis=0) for key in ("loss", "grad_norm"))
         # the optimizer's own schedule; step s's update is its (s-1)-th
@@ -470,11 +487,9 @@ class _Loop:
         self.window, self.window_start, self.window_steps = [], now, 0
 
     def _evaluate(self, step: int) -> None:
-        """Evaluates every run on every testset and its own training set; rewrites each metrics.npz. At step 0,
-        a model whose margins are NaN or infinite on every testset of every run stops the job first.
-
-        While no run's adapters add anything (step 0), every run is the base model, and each example is
-        scored once for all of them (``RunsData.first_eval_pool``)."""
+        """Evaluates every run on every testset and its own training set; rewrites each metrics.npz. While no
+        adapter adds anything (step 0), each example is scored once for all runs (``RunsData.first_eval_pool``),
+        and a model whose margins are NaN or infinite on every testset of every run stops the job."""
         num_runs = len(self.runs)
         start = time.perf_counter()
         pool = self.data.first_eval_pool if adds_nothing(self.state.lora) else self.data.eval_pool
@@ -545,30 +560,10 @@ class _Loop:
             }
             checkpointer.save(step, run_state, loop_state)
 
-    def _stop(self, step: int, *, evaluation_pending: bool) -> NoReturn:
-        """Checkpoints every run at ``step`` (unless it already is), waits until it is on disk in every process,
-        says so, and raises ``Preempted``."""
-        self._check_losses()
-        if any(checkpointer.latest_step() != step for checkpointer in self.checkpointers):
-            self._checkpoint(step, evaluation_pending=evaluation_pending)
-        for checkpointer in self.checkpointers:
-            checkpointer.wait()
-        signal_name = self.stop.received or "a signal to another process"
-        logging.warning(
-            "stopping after step %d on %s: the checkpoints of %d runs at step %d are saved (<run_dir>/%s/%d under "
-            "%s)%s; rerun the same command to resume",
-            step,
-            signal_name,
-            len(self.runs),
-            step,
-            checkpoints.CHECKPOINT_DIR,
-            step,
-            self.job.runs.output_dir,
-            ", its evaluation left for the resumed run" if evaluation_pending else "",
-        )
-        if jax.process_count() > 1:
-            multihost_utils.sync_global_devices("oodjax: checkpoints saved before stopping")
-        raise Preempted(step, [run.name for run in self.runs], signal_name)
+    def _export_due(self, step: int) -> bool:
+        """With export.peft: at the last step's checkpoint, or at every checkpoint with export.every_checkpoint."""
+        last_or_every = step == self.total_steps or self.job.export.every_checkpoint
+        return self.job.export.peft and self.cadence.checkpoint_due(step) and last_or_every
 
     def _export(self, step: int) -> None:
         """Writes each run's current adapters to <run_dir>/adapter/ in PEFT format (``_export_adapters``)."""
