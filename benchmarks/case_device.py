@@ -376,9 +376,8 @@ def _pytorch_sequential(
 def _phases(
     train: Callable[[int], None], score: Callable[[], None], mode: DeviceMode, *, warm: Callable[[], None]
 ) -> dict[str, harness.Timing]:
-    """oodjax's phases timed: a warm-up (compiling the train step, one step and one evaluation, compile time
-    counted by the engine's ``console.CompileClock``), then ``_repetitions`` (each step returns its loss to the
-    host, and an evaluation its margins, so a timed phase ends when its work has)."""
+    """oodjax's phases timed after a warm-up; each step returns its loss and each evaluation its margins to
+    the host, so a timed phase ends when its work has."""
     with CompileClock() as warming:
         start = time.perf_counter()
         warm()

@@ -30,9 +30,7 @@ def _steps(mode: Mode, tokenized: TokenizedSet) -> list[np.ndarray]:
 
 
 def contender(name: str, *, mode: str, checkpoint: str) -> tuple[Callable[[], list[float]], dict[str, Any]]:
-    """``name``'s training, built in its own process (``benchmarks.worker``): a call takes the case's
-    ``train_steps_per_repeat`` steps (``_steps``) and returns their losses. oodjax reports its rows
-    per micro-batch and the share of the tokens it computes that are prompt tokens."""
+    """``name``'s training, built in its own process: a call takes the case's steps and returns their losses."""
     sizes = settings.MODES[mode]
     workload = mode_workload(sizes)
     tokenized = workload.train_set

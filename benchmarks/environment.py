@@ -28,9 +28,8 @@ def without_device_count(xla_flags: str) -> str:
 
 
 def configure(cache_dir: pathlib.Path, *, accelerator: bool = False) -> None:
-    """Set this process's (and its children's) environment; call before importing jax or torch. With
-    ``accelerator``, JAX takes its default backend and allocates GPU memory as it needs it, up to the
-    launchers' share of it, instead of the CPU."""
+    """Set this process's (and its children's) environment, before jax or torch is imported; with
+    ``accelerator``, JAX takes its default backend instead of the CPU."""
     if "jax" in sys.modules:
         raise RuntimeError("benchmarks.environment.configure must run before jax is imported")
     os.environ["XLA_FLAGS"] = without_device_count(os.environ.get("XLA_FLAGS", ""))

@@ -168,8 +168,7 @@ def compare(
     logs: pathlib.Path,
 ) -> Comparison:
     """Time the contenders ``names`` of ``benchmarks.<module>`` (its ``contender(name, **kwargs)``), each in
-    a process of its own: built all at once (untimed), ``warmup`` untimed calls each, one contender after
-    another, then ``repeats`` rounds (``alternating``), every call once all the processes are idle."""
+    a process of its own: ``warmup`` untimed calls each, then ``repeats`` rounds (``alternating``)."""
     if repeats < 1 or warmup < 0:
         raise ValueError(f"need repeats >= 1 and warmup >= 0, got repeats={repeats}, warmup={warmup}")
     if not names:

@@ -267,9 +267,8 @@ class _RebuildTensor(_StandIn):
         return _PickledTensor(storage, storage_offset, size, stride)
 
 
-# The globals a state dict's pickle names, each mapped to what stands in for it here: what torch 2.13's
-# torch.save writes for a dict of tensors (zip and legacy format), which are the three "pickle imports" the hub
-# lists for the OPT files of 2022, and _rebuild_tensor, which _v2 succeeded.
+# The globals torch.save writes for a dict of tensors (zip and legacy format; the hub's "pickle imports"), each
+# mapped to its stand-in.
 _ALLOWED_GLOBALS: dict[tuple[str, str], Any] = {
     ("collections", "OrderedDict"): collections.OrderedDict,
     ("torch._utils", "_rebuild_tensor"): _RebuildTensor(),
