@@ -207,7 +207,8 @@ def command(job: Job, backend: str, *, nodes: int, sbatch_options: Sequence[str]
 
 
 def effective_sbatch_options(cmd: Sequence[str]) -> list[str]:
-    """The options an sbatch line gives its job: the command's override the script's `#SBATCH` lines."""
+    """The options an sbatch line gives its job: the command's options override the script's
+    `#SBATCH` lines, as sbatch's do."""
     script = next(index for index, word in enumerate(cmd) if word.endswith(".sbatch"))
     options: dict[str, str] = {}
     for line in pathlib.Path(cmd[script]).read_text().splitlines():

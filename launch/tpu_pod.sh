@@ -12,7 +12,9 @@
 # oodjax.engine.distributed. --config.output_dir must be a POSIX file system every worker reaches where
 # a rename is atomic (Filestore, Managed Lustre): not gcsfuse, since orbax commits a checkpoint by renaming.
 # Each worker's Python runs in a session of its own (setsid), logging to
-# $OODJAX_REPO/.cache/tpu_pod/worker-<ID>.log, so a dropped SSH session leaves training running.
+# $OODJAX_REPO/.cache/tpu_pod/worker-<ID>.log, so a dropped SSH session leaves training running. A spot
+# VM's SIGTERM ends in a checkpoint of every run and exit status 75, if its grace period allows; running
+# this script again resumes each run (while it runs, the run locks refuse a second start).
 
 set -euo pipefail
 

@@ -169,7 +169,7 @@ class RunResults:
         train_clock: float = math.nan,
         evaluation_seconds: float = math.nan,
     ) -> dict[str, float]:
-        """Records the evaluation at `step`; returns its accuracy per testset (every evaluation's, all kinds).
+        """Records the evaluation at `step` (every kind of evaluation scores here); returns its accuracy per testset.
 
         `train_clock` is this process's seconds of training so far; NaN where not measured.
         """
