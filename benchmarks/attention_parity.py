@@ -1,14 +1,10 @@
 """`python -m benchmarks.attention_parity [--kernels cudnn,pallas_gpu]`: each fused attention path against XLA's.
 
-On this machine's accelerator, at the study's head shapes (OPT's 32 heads of
-80; SmolLM3's 16 query heads of 128 over 4 K/V heads), on packed bf16 rows of
-several prompts: the kernel's output and its gradients with respect to the
-query, key and value, against XLA's attention of the same bf16 inputs
-computed in float32, at real tokens; and the same vmapped over runs, as the
-eval step calls it. The tests check these paths on a CPU (interpret mode, or
-XLA standing in for cuDNN); this is the check a GPU or TPU session runs.
-One line per case, the largest error relative to the reference's largest
-value; exit status 1 when one exceeds ``--tolerance``.
+At the study's head shapes, on packed bf16 rows: the kernel's output and
+gradients against XLA's attention of the same inputs in float32, also
+vmapped over runs as the eval step calls it. The tests check these paths on
+a CPU; this is the check a GPU or TPU session runs. Exit status 1 when an
+error relative to the reference's largest value exceeds ``--tolerance``.
 """
 
 from __future__ import annotations

@@ -1,26 +1,12 @@
 """`python -m benchmarks --device gpu`: the study's 9 runs at SmolLM3-3B's shape, bf16, on one accelerator.
 
-oodjax trains and evaluates the 9 runs (adapters seeded 0-8, each run its
-own shuffled order of one MNLI few-shot set of real prompts) in one
-process, as the run loop does: one train step for all runs, one evaluation
-pool scored by all runs. PyTorch runs them as the study did, one after
-another: per run, peft's LoRA attached to the transformers model (bf16,
-SDPA attention), the tuned loops (dynamic padding, the head at the answer
-position), then the adapter removed. Each repetition is what the study
-does between two evaluations: ``DeviceMode.steps`` training steps (24: it
-evaluates 21 times in 500 steps) and one evaluation of the real testset
-prompts. oodjax lays a step out as configs/smol3_*.py does: grad_accum 1,
-rows packed to at most the study's data.max_length (512), but all on one
-device and so under remat save_dots (``DeviceMode.remat`` says why). The models are
-random (the two sides' weights differ; the CPU cases check that both
-compute the same thing): throughput depends on shapes, not values.
-
-Reported per phase: time, examples/s, model FLOP/s (``benchmarks.flops``,
-real tokens only) and its fraction of the device's nominal bf16 peak
-(MFU; none on a device the table does not know), XLA compile time, peak
-device memory of each side, and the margins of oodjax's fused attention
-(``model.attention=auto``) against XLA's on the same weights and prompts.
-With --smoke the same code runs tiny on any backend (CI, on CPU).
+oodjax trains and evaluates the 9 runs in one process, as the run loop does;
+PyTorch runs them as the study did, one after another, peft's LoRA attached
+and removed per run, with the tuned loops. A repetition is what the study
+does between two evaluations: ``DeviceMode.steps`` training steps and one
+evaluation. The models are random (the CPU cases check that both sides
+compute the same thing): throughput depends on shapes, not values. With
+--smoke the same code runs tiny on any backend.
 """
 
 from __future__ import annotations
@@ -78,11 +64,8 @@ def run(
     save: Callable[[dict[str, Any]], None],
     earlier: dict[str, float] | None = None,
 ) -> dict[str, Any]:
-    """The ``phases`` asked for (a subset of PHASES): oodjax's and the agreement in one process of their own,
-    PyTorch's in another, so that neither holds the other's device memory. As each phase starts and ends a
-    line on stderr says what it is, its seconds and an estimate of what is left (``earlier``: each phase's
-    seconds in an earlier run of this mode, where known); after each, ``save`` gets what is measured so far
-    (``assemble``'s fields and ``phase_seconds``). Returns the same."""
+    """The ``phases`` asked for, oodjax's and PyTorch's each in a process of its own, so that neither holds
+    the other's device memory; ``save`` gets what is measured so far after each phase."""
     platform = jax.devices()[0].platform
     if mode.needs_gpu and platform != "gpu":
         raise SystemExit(f"--device gpu needs JAX's GPU backend; found {platform} (--smoke runs tiny on any backend)")
@@ -304,13 +287,9 @@ def _eval_batch_tokens(mode: DeviceMode) -> int:
 def _agreement(
     mode: DeviceMode, engine: Engine, workload: Any, seeds: list[int], answers: dict[str, int], pool: EvalPool
 ) -> dict[str, float]:
-    """The trained runs' margins through the engine's attention (``auto``: fused where the backend has a kernel)
-    against three others on the same weights and prompts: XLA's attention in bf16; XLA's in float32 (the same
-    bf16-valued weights, computed in float32: the reference each bf16 path rounds away from); and the fused
-    path mapped over the first run alone, as a one-run job or ``oodjax.evaluate`` of one adapter runs it (JAX's
-    cuDNN batching rule treats a map of one apart), against float32's first run. Two bf16 paths can differ by
-    the sum of their rounding, so each is measured against float32: the largest absolute difference of a
-    margin."""
+    """The largest margin difference of the engine's attention, XLA's in bf16, and the fused path mapped over
+    one run (JAX's cuDNN batching rule treats a map of one apart), each against XLA's in float32: two bf16
+    paths can differ by the sum of their rounding."""
     place = lambda batch: sharding.shard_batch(batch, engine.mesh, batch_axis=1)  # noqa: E731
 
     def margins(dtype: str, attention: str, run_seeds: list[int], base: Any, lora: Any, run_pool: EvalPool) -> list:
@@ -350,10 +329,7 @@ def _agreement(
 def _pytorch_sequential(
     mode: DeviceMode, workload: Any, seeds: list[int], batches: list[list[np.ndarray]], answers: dict[str, int]
 ) -> dict[str, Any]:
-    """The runs one after another, as the study ran them: per run, peft's LoRA attached, a warm-up step and
-    evaluation, then per repetition ``mode.steps`` steps and one evaluation, LoRA removed; each repetition's
-    times summed over the runs. On CUDA where PyTorch has it (``run`` has checked a GPU run does), else the
-    CPU; returns the timings' fields, the peak CUDA memory, the device and PyTorch's threads."""
+    """The runs one after another, as the study ran them, each repetition's times summed over the runs."""
     import torch
 
     from benchmarks import torch_contenders  # PyTorch, transformers and peft: in this phase's process only
@@ -400,9 +376,8 @@ def _pytorch_sequential(
 def _phases(
     train: Callable[[int], None], score: Callable[[], None], mode: DeviceMode, *, warm: Callable[[], None]
 ) -> dict[str, harness.Timing]:
-    """oodjax's phases timed: a warm-up (compiling the train step, one step and one evaluation, compile time
-    counted by the engine's ``console.CompileClock``), then ``_repetitions`` (each step returns its loss to the
-    host, and an evaluation its margins, so a timed phase ends when its work has)."""
+    """oodjax's phases timed after a warm-up; each step returns its loss and each evaluation its margins to
+    the host, so a timed phase ends when its work has."""
     with CompileClock() as warming:
         start = time.perf_counter()
         warm()

@@ -1,27 +1,14 @@
 """Case 3, the grid: seeds x shot counts, each run trained N steps and evaluated at step 0 and N, end to end.
 
-N keeps the study's steps per evaluation, about 24 (the study evaluates
-21 times in 500 steps). Its evaluations are far smaller than the study's
-(a few examples a testset, so the runs' own training sets are most of
-them), so training, compiling and starting weigh much more in the grid
-than in a job (docs/performance.md). Contenders, each timed
-from process start to the last result written: oodjax with every run in one
-process (`python -m oodjax.main`), oodjax with one process per run, one
-after another, and PyTorch running the same runs one after another in one
-process with the tuned loops (benchmarks.torch_grid; the grid's goal is
-against it). The original study's approach (padded to MAX_LENGTH, full
-logits) is not a grid contender: at these proportions its 9 runs alone
-would take most of the benchmark's 15 minutes, and its cost per step and
-per example is what the training and evaluation cases measure.
-The contenders' processes run one at a time, in rounds that alternate
-the contenders' order (``benchmarks.harness.alternating``); the CPU time
-the rest of the machine used during each is recorded.
-Tokenisation is cached and the cache is filled before timing, for all
-three alike. Each oodjax repetition starts with an empty JAX compilation
-cache of its own, as docs/engine.md advises for sweeps: the first process of the
-one-process-per-run contender compiles, and the eight after it load the same
-programs from the cache. Every contender must have written every run's
-metrics.npz.
+N keeps the study's steps per evaluation; the evaluations are far smaller
+than the study's, so training, compiling and starting weigh more here than
+in a job (docs/performance.md). Contenders, each timed from process start to
+the last result written: oodjax with every run in one process, oodjax with
+one process per run (sharing a fresh compilation cache, as docs/engine.md
+advises for sweeps), and PyTorch's tuned loops one run after another
+(benchmarks.torch_grid). The original study's padded approach is no grid
+contender: its 9 runs alone would take most of the benchmark's time, and the
+training and evaluation cases measure its cost per step.
 """
 
 from __future__ import annotations

@@ -1,18 +1,10 @@
 """Case 2, training throughput: LoRA r=8 on q/k/v/o, batch 16, AdamW, on an MNLI few-shot set.
 
-Every call of every contender (the warm-up and each repetition) takes the
-same batches, the first ``train_steps_per_repeat`` of one fixed shuffled
-order, in a process of its own (``benchmarks.harness.compare``), from the
-same weights (the run's checkpoint). Every repetition thus does the same
-work, and their spread is the machine's: when each took the next batch, a
-batch holding the set's one 128-token prompt cost PyTorch-tuned twice
-another's, and which batch fell at a median moved the ratios by 10% from
-one full run to the next. oodjax runs each batch as the run loop does:
-packed several prompts to a row, balanced over the fewest rows of at most
-MAX_LENGTH tokens that hold every batch, run at the smallest bucket that
-holds the longest. The first step of each contender (a warm-up step,
-on the same batch, with the adapters' B still zero) must give the same
-loss: that checks all three compute the same objective.
+Every call of every contender takes the same batches from the same weights,
+so every repetition does the same work and their spread is the machine's
+(a batch holding the set's longest prompt costs PyTorch twice another's).
+oodjax packs each batch as the run loop does. The first step of each
+contender must give the same loss: all three compute the same objective.
 """
 
 from __future__ import annotations
@@ -38,9 +30,7 @@ def _steps(mode: Mode, tokenized: TokenizedSet) -> list[np.ndarray]:
 
 
 def contender(name: str, *, mode: str, checkpoint: str) -> tuple[Callable[[], list[float]], dict[str, Any]]:
-    """``name``'s training, built in its own process (``benchmarks.worker``): a call takes the case's
-    ``train_steps_per_repeat`` steps (``_steps``) and returns their losses. oodjax reports its rows
-    per micro-batch and the share of the tokens it computes that are prompt tokens."""
+    """``name``'s training, built in its own process: a call takes the case's steps and returns their losses."""
     sizes = settings.MODES[mode]
     workload = mode_workload(sizes)
     tokenized = workload.train_set

@@ -1,25 +1,13 @@
 """`python -m benchmarks.device_check [--smoke] [--json OUT]`: the one prepared check a session lent a GPU runs first.
 
-Device time comes in short loans (15 minutes, start-up included), so what
-a GPU must show is gathered in one command that fits in 5 minutes on one
-H100 and prints one table: the JAX, CUDA and cuDNN versions against the
-pins (``oodjax.versions``); the demo trained in bf16 with one run and with
-two (the attention kernel ``auto`` chose, every run's results written);
-oodjax's training and evaluation MFU at configs/smol3_*.py's layout on one
-device (``benchmarks.case_device``'s oodjax phase, its remat policy and
-micro-batches the first that ``launch.costs``' estimate fits in the
-device's memory: fewest micro-batches, then least recomputation); each
-fused attention path's outputs and gradients against XLA's in float32
-(``benchmarks.attention_parity``); and the preflight's compiled memory of
-configs/smol3_mnli.py on one device beside its estimate. Each check runs
-even when one before it failed; a line on stderr marks each as it starts
-and ends. Exit status 1 when a check failed (a version that differs from
-its pin is said, not failed).
-
-``--smoke`` runs the same code tiny on any backend (the tests run it on
-CPU): the demo for 2 steps on 4 examples a testset, the benchmark's tiny
-mode, the Pallas GPU kernel in interpret mode at a small shape, and the
-preflight of configs/demo.py.
+Device time comes in short loans, so what a GPU must show is one command
+that prints one table: versions against the pins, the demo trained in bf16
+with one run and with two, oodjax's training and evaluation MFU at
+configs/smol3_*.py's layout (``benchmarks.case_device``), each fused
+attention path against XLA's (``benchmarks.attention_parity``), and the
+preflight's compiled memory beside its estimate. Each check runs even when
+one before it failed; exit status 1 when one failed. ``--smoke`` runs the
+same code tiny on any backend (the tests run it on CPU).
 """
 
 from __future__ import annotations
@@ -44,9 +32,8 @@ SHARED_DATA = ROOT.parent / "shared" / "data"
 STUDY_CONFIG = ROOT / "configs" / "smol3_mnli.py"
 # (batch, length) of the attention parity: the study's shapes on a GPU; tiny for the interpret mode on CPU.
 PARITY_SIZES = {"gpu": (4, 384), "smoke": (1, 128)}
-# The share of the memory JAX may use that a layout's estimate must fit in: at the benchmark's layout the
-# estimate put remat none with one micro-batch at 49.6 GiB, which needed 66 GiB on an H100 (2026-11-26,
-# docs/performance.md), 0.75 of it, and XLA then made no progress for minutes instead of failing.
+# The share of the memory JAX may use that a layout's estimate must fit in: an estimate at 0.75 of it needed
+# all of it (docs/performance.md), and XLA then stalled for minutes instead of failing.
 HEADROOM = 0.7
 TOLERANCE = 0.05  # attention_parity's: the largest error relative to the reference's largest value, bf16
 
@@ -114,10 +101,8 @@ def demo_check(runs: int, workdir: pathlib.Path, smoke: bool) -> tuple[str, bool
 
 
 def layouts(mode: settings.DeviceMode, device_kind: str) -> Iterator[tuple[settings.DeviceMode, str]]:
-    """``mode`` with each remat policy and micro-batches (fewest micro-batches, then least recomputation) whose
-    estimated training memory (``launch.costs.train_memory_per_device``) fits in the memory JAX may use on the
-    device (``launch.estimate.usable_memory``; an H100's where the device is not a known GPU) with
-    ``HEADROOM``, in that order, with the estimate in words."""
+    """``mode`` with each remat policy and micro-batches whose estimated training memory fits the device with
+    ``HEADROOM``, fewest micro-batches then least recomputation first, with the estimate in words."""
     from benchmarks import case_device, oodjax_contenders
     from benchmarks.oodjax_contenders import train_geometry
     from launch import costs, estimate

@@ -1,15 +1,10 @@
 """Process settings that must be fixed before JAX or PyTorch is imported.
 
-One JAX CPU device: a forced device count (the test suite's
---xla_force_host_platform_device_count) would split the same two cores
-into several devices. Hubs are offline, and tokenisation is cached in the
-run's own directory so that no earlier run's cache flatters a contender.
-On CPU every process of the run (each contender runs in its own) gets the
-same thread settings whatever the caller's shell holds: one OpenMP and MKL
-thread per usable core, and the OpenMP runtimes' own waiting policy
-(OMP_WAIT_POLICY, GOMP_SPINCOUNT and KMP_BLOCKTIME unset): PyTorch's
-threads spin a moment after each parallel region, as they do for its
-users; the harness waits for that to end before the next contender runs.
+One JAX CPU device (a forced device count would split the same cores), hubs
+offline, and a tokenisation cache of the run's own, so no earlier run's
+cache flatters a contender. On CPU every process gets the same thread
+settings whatever the caller's shell holds, and the OpenMP runtimes' own
+waiting policy, as PyTorch's users get it; the harness waits out the spin.
 """
 
 from __future__ import annotations
@@ -33,9 +28,8 @@ def without_device_count(xla_flags: str) -> str:
 
 
 def configure(cache_dir: pathlib.Path, *, accelerator: bool = False) -> None:
-    """Set this process's (and its children's) environment; call before importing jax or torch. With
-    ``accelerator``, JAX takes its default backend and allocates GPU memory as it needs it, up to the
-    launchers' share of it, instead of the CPU."""
+    """Set this process's (and its children's) environment, before jax or torch is imported; with
+    ``accelerator``, JAX takes its default backend instead of the CPU."""
     if "jax" in sys.modules:
         raise RuntimeError("benchmarks.environment.configure must run before jax is imported")
     os.environ["XLA_FLAGS"] = without_device_count(os.environ.get("XLA_FLAGS", ""))

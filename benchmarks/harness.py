@@ -1,35 +1,18 @@
 """Timing contenders side by side: each in a process of its own, taking turns; ratios of the fastest repetitions.
 
-Each contender of a case runs in a fresh process of its own
-(``benchmarks.worker``) with the run's fixed environment
-(``benchmarks.environment``), so no two share a thread pool, an allocator
-or a compilation cache. The processes take turns, one call at a time, and
-a call starts only once every process of the case has used no CPU for
-``SETTLE_WINDOW_S``: a library whose threads keep spinning after its call
-(PyTorch's OpenMP workers wait actively for a moment, XLA's pool too)
-cannot slow the contender after it. The warm-up calls come first, one
-contender after another; the first holds JAX's tracing and XLA compilation
-(counted exactly through jax.monitoring) and PyTorch's first allocations.
-A compilation during the timed repetitions is recorded too, so a step that
-recompiles per batch cannot hide in the medians. The timed repetitions run
-in rounds, each starting one contender later than the last (A B C, B C A,
-C A B, ...), so no contender always follows the same other and a slow
-spell of the machine falls on each in turn. A call's time is taken inside its
-process; the parent records the CPU time the rest of the machine used
-during it, so a repetition disturbed by another program shows.
+Each contender runs in a fresh process (``benchmarks.worker``), so no two
+share a thread pool, an allocator or a compilation cache. The processes take
+turns, and a call starts only once every process of the case has been idle
+for ``SETTLE_WINDOW_S``: PyTorch's OpenMP workers and XLA's pool spin for a
+moment after a call, which would slow the next contender. Rounds rotate the
+order (A B C, B C A, ...), so a slow spell of the machine falls on each in
+turn; compilations and the CPU time the rest of the machine used are
+recorded per call.
 
-A ratio is of each contender's fastest repetition, not of medians. The
-shared machines this runs on have slow spells that no program here causes:
-a plain two-thread OpenBLAS matmul loop, with nothing else running, took
-18% longer for 136 s at a stretch and for about a second at a time
-elsewhere, with no steal time counted. Work that keeps the cores' arithmetic
-units busy (oodjax's XLA programs) slows by more in them than PyTorch's
-does, so a median of 7 turns moved by 16-22% between two runs with
-whichever of its turns fell in a spell. A spell only ever adds time, so
-each contender's fastest turn is its speed on a quiet machine (the reason
-Python's timeit reports the minimum). Medians, the full range and each
-round's ratio are kept beside it (``ratios_of_medians``,
-``ratios_per_round``).
+A ratio is of each contender's fastest repetition: the shared machines have
+slow spells no program here causes, and a spell only ever adds time, so the
+fastest turn is the speed on a quiet machine (why Python's timeit reports
+the minimum). Medians and each round's ratio are kept beside it.
 """
 
 from __future__ import annotations
@@ -127,10 +110,7 @@ def alternating(names: list[str], repeats: int) -> list[tuple[int, str]]:
 
 
 class Worker:
-    """One contender in a process of its own (``python -m benchmarks.worker``), making one call per request.
-
-    Its stderr (everything the libraries print) goes to ``log``, whose end a
-    failure quotes."""
+    """One contender in a process of its own, making one call per request; a failure quotes its log's end."""
 
     def __init__(self, module: str, name: str, kwargs: Mapping[str, Any], log: pathlib.Path):
         self.name, self.log = name, log
@@ -188,8 +168,7 @@ def compare(
     logs: pathlib.Path,
 ) -> Comparison:
     """Time the contenders ``names`` of ``benchmarks.<module>`` (its ``contender(name, **kwargs)``), each in
-    a process of its own: built all at once (untimed), ``warmup`` untimed calls each, one contender after
-    another, then ``repeats`` rounds (``alternating``), every call once all the processes are idle."""
+    a process of its own: ``warmup`` untimed calls each, then ``repeats`` rounds (``alternating``)."""
     if repeats < 1 or warmup < 0:
         raise ValueError(f"need repeats >= 1 and warmup >= 0, got repeats={repeats}, warmup={warmup}")
     if not names:

@@ -1,16 +1,10 @@
 """`python -m benchmarks.torch_grid MODE {original,tuned} OUTPUT_DIR`: the grid's runs in PyTorch, one by one.
 
 The PyTorch counterpart of `python -m oodjax.main --config
-benchmarks/grid_config.py:MODE`: the same runs (seeds x shots), few-shot sets,
-testsets, steps and evaluations (step 0 and the last step, on the eight
-capped testsets and the run's own training set), with either approach of
-benchmarks.torch_contenders. "original" is the original study's: peft
-training and evaluation with every example padded to MAX_LENGTH and the
-model's full logits (then the answer position's two columns, to evaluate).
-"tuned" is the careful PyTorch user's: dynamic padding, the head at the
-answer position only. Either way this is kinder to PyTorch than the study
-was: one process, the model built once, a fresh peft adapter per run,
-where the original study started a job per run.
+benchmarks/grid_config.py:MODE`: the same runs, sets, steps and evaluations,
+with either approach of benchmarks.torch_contenders. Kinder to PyTorch than
+the study was: one process, the model built once, a fresh peft adapter per
+run, where the study started a job per run.
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
 """Loading experiment configs from their files, the way `--config path.py` does, for tools that plan runs.
 
-A config argument is a path or shell pattern (`configs/*_mnli.py`), or a
-packaged config as `oodjax:NAME` or `oodjax:PATTERN` (`oodjax:*_mnli`): the
-files installed with the package, `configs/NAME.py`, as `--config
-oodjax:NAME` names them (`oodjax.config_cli.PACKAGED_PREFIX`). The sweep,
-the estimate, the fetch and the preflight all read them so; a packaged
-config keeps its `oodjax:NAME` form in the commands the sweep writes, so
-each host resolves it in its own install.
+A config argument is a path, a shell pattern, or a packaged `oodjax:NAME` /
+`oodjax:PATTERN`; a packaged config keeps that form in the commands the
+sweep writes, so each host resolves it in its own install.
 """
 
 from __future__ import annotations
@@ -21,12 +17,7 @@ from oodjax.config_cli import PACKAGED_PREFIX, config_file_path, config_module, 
 
 
 def load_config(path: str | pathlib.Path) -> config_dict.ConfigDict:
-    """The ConfigDict returned by `get_config()` of the file at `path` (or the packaged `oodjax:NAME`).
-
-    File names such as `opt2.7_mnli.py` are not importable module names, so
-    the file is loaded by path; its own imports (`from configs import base`)
-    resolve from the repository root, as they do for `python -m oodjax.main`.
-    """
+    """`get_config()` of the file at `path`, loaded by path: `opt2.7_mnli.py` is no module name."""
     module = _load_module(path)
     if not hasattr(module, "get_config"):
         raise AttributeError(f"config file {path} has no get_config()")
@@ -34,8 +25,7 @@ def load_config(path: str | pathlib.Path) -> config_dict.ConfigDict:
 
 
 def config_stem(path: str | pathlib.Path) -> str:
-    """What jobs and tables call a config: its file's stem (`opt2.7_mnli` for configs/opt2.7_mnli.py and
-    for oodjax:opt2.7_mnli)."""
+    """What jobs and tables call a config: its file's stem, packaged or not."""
     text = str(path)
     if text.startswith(PACKAGED_PREFIX):
         return pathlib.PurePosixPath(text[len(PACKAGED_PREFIX) :].removesuffix(".py")).name
@@ -43,11 +33,7 @@ def config_stem(path: str | pathlib.Path) -> str:
 
 
 def expand_config_paths(patterns: list[str]) -> list[str]:
-    """Config files matching shell-style patterns, sorted, each once; a pattern matching nothing is an error.
-
-    `oodjax:PATTERN` matches the packaged configs (`PATTERN.py` in the
-    installed configs/), each given back as `oodjax:NAME`.
-    """
+    """Config files matching the patterns, sorted, each once; a pattern matching nothing is an error."""
     paths: list[str] = []
     for pattern in patterns:
         if pattern.startswith(PACKAGED_PREFIX):
@@ -65,9 +51,7 @@ def expand_config_paths(patterns: list[str]) -> list[str]:
 
 
 def experiment_config_paths(patterns: list[str]) -> list[str]:
-    """The experiment configs among the files matching ``patterns`` (``expand_config_paths``,
-    ``experiment_configs``), the others named on stdout as a `#` comment; none is an error naming the
-    patterns. How the sweep and the estimate read their config arguments alike."""
+    """The experiment configs among the files matching ``patterns``, the others named in a `#` line."""
     configs, not_experiments = experiment_configs(expand_config_paths(patterns))
     if not_experiments:
         skipped = ", ".join(f"{path} ({why})" for path, why in not_experiments.items())
@@ -80,11 +64,8 @@ def experiment_config_paths(patterns: list[str]) -> list[str]:
 def experiment_configs(paths: list[str]) -> tuple[list[str], dict[str, str]]:
     """The ``paths`` that are experiment configs, and the others with why they are not.
 
-    An experiment config is a file whose `get_config()` names a model to
-    train (`model.path` or `model.hf_config`). So a glob over configs/ can
-    be given as it is: the package's `__init__.py`, the tables and helpers
-    the configs are built from (no `get_config()`), and `base.py`, whose
-    defaults name no model, are left out, whatever they are called.
+    An experiment config names a model, so a glob over configs/ can be given
+    as it is: helpers (no `get_config()`) and base.py (no model) are left out.
     """
     experiments, others = [], {}
     for path in paths:

@@ -2,44 +2,11 @@
 
 Downloads and verifies everything the configs' jobs read, on a machine that
 reaches the Hugging Face hub (a cluster's login node), so that compute nodes
-without network run them.
-
-What a config reads (``plan``): its model's checkpoint (``model.path``, a hub
-id: config.json and the one weight format the loader reads, as
-``hf_checkpoint.files_to_download`` picks them from the repo's files; a local
-folder is verified where it is; a random ``model.hf_config`` model reads
-none), its tokenizer's files (``tokenizer``, else ``model.path``), and every
-source split of the testsets it evaluates (``data.testsets``, declared hub
-testsets included, a split group such as ANLI's test_all as its parts) and of
-the pool its few-shot sets are drawn from (``data.pool_split``, else the
-table's pool split of ``data.train_set``). What several configs read is one
-item.
-
-Checkpoints and tokenizers go to the huggingface_hub cache under $HF_HOME,
-where ``load_pretrained(hub_id)`` and ``AutoTokenizer.from_pretrained(hub_id)``
-find them with HF_HUB_OFFLINE=1. Testset splits are read through the data
-layer's hub path and written, every column, as parquet to the mirror that
-``data.data_dir`` / $OODJAX_DATA_DIR name
-(``<data_dir>/<hub_id>/<config>/<split>.parquet``), each whole or not at all.
-
-It first prints every item it could look up, whether it is here already,
-and what it will download and how much (file sizes from the hub's metadata; a
-testset split's from its dataset card, where the card gives one), then how
-many it could not look up and, where no connection was made, the address it
-could not reach; each failure is said once, in the item's closing line.
-What is here is not downloaded again, so a second run downloads nothing. A
-run cut short loses only the files it was downloading: huggingface_hub keeps
-every finished file
-(a sharded checkpoint goes on at its next shard), and within a run it takes
-up a download whose connection closed early or stalled where it stopped.
-Every item is verified before it counts as done: the checkpoint's tensors
-against its architecture, from the headers (``loading.verify_checkpoint``);
-the tokenizer loads and each config's answer words (``data.answers``) are one
-token of it (``answer_token_ids``); each testset split loads as the jobs load
-it (``load_testset``: rows, label values). The output ends with one line per item (fetched, already here, or
-failed and why) and the environment compute nodes need. Exit status 0 when
-every item is verified, 1 when one is not, 2 for a usage error (a pattern
-that matches no config, no mirror directory, the hub switched off).
+without network run them (docs/clusters.md). Checkpoints and tokenizers go to
+the huggingface_hub cache, where an offline ``from_pretrained(hub_id)`` finds
+them; testset splits go whole or not at all to the parquet mirror
+``local_path`` reads. Each item is verified as the jobs load it. Exit status
+0 when every item is verified, 1 when one is not, 2 for a usage error.
 """
 
 from __future__ import annotations
@@ -79,8 +46,7 @@ from oodjax.models.loading import verify_checkpoint
 from oodjax.storage import write_atomic
 from oodjax.usage_errors import FETCH_COMMAND, ConfigError, MissingInputError, UsageError, reported
 
-# The files a tokenizer of any kind is read from (AutoTokenizer), matched against a repo's top-level files:
-# never weights. config.json names the tokenizer's class where tokenizer_config.json does not.
+# A repo's top-level files AutoTokenizer may read; config.json names the class where tokenizer_config.json does not.
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -97,14 +63,12 @@ TOKENIZER_FILES = (
     "config.json",
 )
 Configs = Sequence[tuple[str, Job]]  # (config file, its config read into a job)
-# How an item's failure begins when no connection to the hub could be made (``_why``).
 UNREACHABLE = "could not reach the hub"
 
 
 @dataclasses.dataclass(frozen=True)
 class Look:
-    """What ``look_up`` found: whether an item is here, what downloading it means (files, a split) and its
-    size in bytes (None: unknown)."""
+    """What ``look_up`` found; ``size`` in bytes, None where unknown."""
 
     here: bool
     what: str
@@ -146,10 +110,8 @@ class Tokenizer:
 class RepoFiles:
     """An item: a checkpoint or a tokenizer (``what``) from a hub repo, or from a local folder (only verified).
 
-    From the hub, the files ``what`` chooses from the repo's listing are
-    fetched one by one into the huggingface_hub cache (``hf_hub_download``:
-    a file is written under its final name only once complete) and verified
-    in the snapshot folder an offline ``from_pretrained(hub_id)`` resolves to.
+    Files go one by one through ``hf_hub_download``, which writes a file under
+    its final name only once complete, so a run cut short keeps what finished.
     """
 
     what: Checkpoint | Tokenizer
@@ -194,11 +156,7 @@ class RepoFiles:
 
 @dataclasses.dataclass(eq=False)
 class TestsetSplit:
-    """An item: one source split of a hub testset, in the mirror as ``local_path`` finds it.
-
-    ``checks`` are the ways the configs' jobs load it (a testset's own label
-    map and neutral handling, or the few-shot pool), each verified.
-    """
+    """An item: one source split of a hub testset; ``checks`` are the ways the configs' jobs load it."""
 
     __test__ = False  # a dataclass named Test* is not a pytest test class
 
@@ -214,7 +172,6 @@ class TestsetSplit:
 
     @property
     def target(self) -> pathlib.Path:
-        """Where the split is written: the parquet file of the mirror layout ``local_path`` reads."""
         return mirror_folder(self.spec, self.root) / f"{self.split}.parquet"
 
     def look_up(self) -> Look:
@@ -236,7 +193,7 @@ Item = RepoFiles | TestsetSplit
 
 
 def plan(configs: Configs, root: pathlib.Path) -> list[Item]:
-    """What the configs' jobs read, each item once: checkpoints, tokenizers, then testset splits, in config order."""
+    """What the configs' jobs read, each item once, in config order."""
     checkpoints: dict[str, RepoFiles] = {}
     tokenizers: dict[str, RepoFiles] = {}
     splits: dict[tuple[str, str, str], TestsetSplit] = {}
@@ -257,7 +214,6 @@ def plan(configs: Configs, root: pathlib.Path) -> list[Item]:
 
 
 def _source(path: str, field: str, source: str) -> str:
-    """A config's checkpoint or tokenizer source: a local folder or a hub id, else an error naming the field."""
     if not pathlib.Path(source).expanduser().is_dir() and not HUB_ID.fullmatch(source):
         raise MissingInputError(f"{path}: {field} {source!r} is neither a local folder nor a hub id")
     return source
@@ -287,8 +243,7 @@ def _testset_reads(
 
 
 def _card_bytes(spec: TestsetSpec, split: str) -> int | None:
-    """The split's size as its dataset card's metadata gives it (``dataset_info``: Arrow bytes, not the download),
-    or None where the card has none."""
+    """The split's Arrow bytes from its dataset card (not the download's), or None where the card has none."""
     try:
         card = huggingface_hub.HfApi().dataset_info(spec.source).card_data
     except HfHubHTTPError:  # no such repo page, or no access: the download will say why
@@ -331,7 +286,7 @@ def compute_node_environment(root: pathlib.Path) -> list[str]:
 
 
 def fetch(items: Sequence[Item], configs: Configs, root: pathlib.Path) -> int:
-    """Looks every item up, prints the plan, downloads what is missing, verifies everything; the exit status."""
+    """Prints the plan, downloads what is missing, verifies everything; returns the exit status."""
     print(f"{FETCH_COMMAND}: {_count(len(items), 'item')} for {_count(len(configs), 'config')}", flush=True)
     looks = {item: _look_up(item) for item in items}
     for path, job in configs:
@@ -355,8 +310,7 @@ def fetch(items: Sequence[Item], configs: Configs, root: pathlib.Path) -> int:
 
 
 def _look_up(item: Item) -> Look | str:
-    """The item's ``look_up``, printed as its line of the plan; where the hub did not answer, why, which the item's
-    closing line says (the plan's summary counts it)."""
+    """The item's ``look_up``, printed as its line of the plan, or why the hub did not answer."""
     try:
         look = item.look_up()
     except Exception as error:  # the hub's answer (not found, no access, no network): the item's line says it
@@ -367,7 +321,7 @@ def _look_up(item: Item) -> Look | str:
 
 
 def _outcome(item: Item, look: Look | str) -> tuple[str, str]:
-    """(fetched, already here or failed; what was verified, or why not) of one item, downloaded if missing."""
+    """(outcome, what was verified or why not) of one item, downloaded if missing."""
     if isinstance(look, str):
         return "failed", look
     try:
@@ -380,8 +334,7 @@ def _outcome(item: Item, look: Look | str) -> tuple[str, str]:
 
 
 def _download_summary(looks: list[Look | str]) -> str:
-    """The plan's total: what is to download and its size, or that nothing is; and how many items could not be
-    looked up, naming the hub once where it could not be reached."""
+    """The plan's total line; an unreachable hub is named once, here, not per item."""
     found = [look for look in looks if isinstance(look, Look)]
     missing = [look for look in found if not look.here]
     if missing:
@@ -431,20 +384,18 @@ def _bytes(size: int | None) -> str:
 
 
 def _why(error: BaseException) -> str:
-    """An error as one line (the hub's messages span several), starting with ``UNREACHABLE`` where no connection
-    to the hub could be made."""
+    """An error as one line (the hub's messages span several)."""
     text = " ".join(f"{type(error).__name__}: {error}".split())
     return f"{_unreachable_text()}: {text}" if _cannot_connect(error) else text
 
 
 def _unreachable_text() -> str:
-    """``UNREACHABLE`` with the address huggingface_hub asks ($HF_ENDPOINT, else the hub's own)."""
+    """``UNREACHABLE`` with the address asked ($HF_ENDPOINT, else the hub's own)."""
     return f"{UNREACHABLE} at {hub_constants.ENDPOINT}"
 
 
 def _cannot_connect(error: BaseException | None) -> bool:
-    """Whether ``error``, or one it was raised from, is a connection that could not be made (no network, no
-    route, a name that does not resolve, a connect timeout), rather than an answer of the hub's."""
+    """Whether ``error`` or its cause is a connection that could not be made, rather than an answer of the hub's."""
     while error is not None:
         if isinstance(error, (httpx2.ConnectError, httpx2.ConnectTimeout, ConnectionError)):
             return True
@@ -453,8 +404,7 @@ def _cannot_connect(error: BaseException | None) -> bool:
 
 
 def _load_configs(patterns: Sequence[str]) -> list[tuple[str, Job]]:
-    """The experiment configs among the files ``patterns`` match, each read into a job (``oodjax.job.read``:
-    what is to be fetched is not here yet, so without the checks of files and hubs)."""
+    """The experiment configs ``patterns`` match, each read into a job without checking files (not here yet)."""
     try:
         paths = experiment_config_paths(list(patterns))
     except FileNotFoundError as error:  # a pattern that matches no file
@@ -465,8 +415,6 @@ def _load_configs(patterns: Sequence[str]) -> list[tuple[str, Job]]:
 
 
 def _read(path: str) -> Job:
-    """The config file at ``path`` read into a job; a field that cannot be read (a declared testset's, the
-    mesh's) is an error naming the file."""
     try:
         return read(load_config(path))
     except FileNotFoundError as error:  # data.extra_testsets_file

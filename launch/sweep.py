@@ -1,53 +1,12 @@
 """`python -m launch.sweep --configs 'configs/*_mnli.py' --backend slurm [--account A --partition P ...]`.
 
-Turns configs x seeds x shot counts into jobs. Each config trains its own
-`runs.seeds` x `runs.shots` into its own `output_dir`, as `python -m
-oodjax.main --config FILE` would; `--seeds`, `--shots` and `--output_dir`
-override them for every config (`--output_dir ROOT` puts each job in a
-directory of its own, `ROOT/<config or job name>/`). By default one job per
-config trains all its (seed, shots) runs together on one copy of the frozen
-base; --per_run makes one job per run instead. Each run has its own folder
-holding its results and its own checkpoints, so rerunning the same sweep
-resumes it run by run: a run with its final step in its metrics.npz (in its
-folder, or with --output_dir in any job directory under ROOT) is finished,
-and a job is submitted for exactly the unfinished runs (those of a config
-that do not form one seeds x shots grid go in several jobs, one grid each),
-which continue from their checkpoints. A metrics.npz that cannot be read is
-named in a warning and its run counted unfinished.
-
---configs takes any glob, and packaged configs as `oodjax:NAME` or
-`oodjax:PATTERN` (`oodjax:*_mnli`: the configs installed with the package,
-`oodjax.config_cli.PACKAGED_PREFIX`); files that are not experiment configs
-(the package's own modules, base.py's defaults) are listed as skipped
-(`launch.config_files.experiment_configs`).
-
-`--config.FIELD=VALUE` overrides (`oodjax.config_cli`) go to every job, and
-the sweep plans with them applied (`--config.train.steps=3` moves every run's
-final step). A job none of whose unfinished runs is free is not submitted: a
-run locked by a live process (`oodjax.engine.run_lock`), or in a job of this
-user that SLURM still lists (queued, running, requeued: the sweep tags each
-job it submits with its output directory, sbatch's --comment).
-
-SLURM options go on sbatch's command line, before the script: --partition,
---time, --account, --qos, --gpus_per_node, --cpus_per_task, and
---sbatch_arg=OPTION (repeatable) for any other (`--sbatch_arg=--gres=gpu:8`,
-`--sbatch_arg=--mem=0`); the other backends refuse them. launch/slurm.sbatch
-asks for no GPU, CPU count or time itself. With --time, the time-limit warning
-comes a quarter of it ahead, at most 10 minutes (`TIME_LIMIT_WARNING_LEAD`),
-and a --time under 4 minutes is refused. Each job also gets the Python that
-runs the sweep (OODJAX_PYTHON, unless OODJAX_VENV is set) and the directory of
-the launch scripts (OODJAX_LAUNCH_DIR), so a `pip install .` outside a clone
-runs as one.
-
-Backends: `slurm` submits launch/slurm.sbatch with sbatch, `tpu` runs
-launch/tpu_pod.sh once per job (one after another on the pod), `local` runs
-`python -m oodjax.main` here, one job after another; a local or TPU job
-that exits with the preempted status (`oodjax.engine.preemption.PREEMPTED_EXIT_CODE`:
-its runs checkpointed on SIGTERM/SIGUSR1) stops the sweep, to be rerun.
---dry_run prints the commands instead, each sbatch line after a `# sbatch`
-line with the options the job gets, the script's `#SBATCH` lines overridden by
-the command's. The last line is always a summary
-like `144 runs in 16 jobs`.
+Turns configs x seeds x shot counts into jobs (docs/clusters.md). A job is
+submitted only for runs that are unfinished (no final step in any
+metrics.npz under the run's folder or the results root, so --per_run and
+grouped sweeps resume each other) and free: not locked by a live process
+(`oodjax.engine.run_lock`) nor in a job SLURM still lists, which the sweep
+tags with its output directory (sbatch's --comment). A local or TPU job that
+exits with `PREEMPTED_EXIT_CODE` stops the sweep, to be rerun.
 """
 
 from __future__ import annotations
@@ -123,11 +82,9 @@ def plan_jobs(
     per_run: bool,
     config_overrides: Sequence[str] = (),
 ) -> list[Job]:
-    """The sweep's jobs, in config order; a job is named after its config file (and its run, with --per_run).
+    """The sweep's jobs, named after their config file (and run, with --per_run); None takes the config's own.
 
-    ``seeds``, ``shots`` and ``output_dir`` None take each config's own
-    (`runs.seeds`, `runs.shots`, its `output_dir` itself); an ``output_dir``
-    given is a root holding one directory per job. ``config_overrides`` apply before any of them.
+    An ``output_dir`` given is a root holding one directory per job.
     """
     jobs = []
     extra = tuple(config_overrides)
@@ -157,8 +114,7 @@ def _load(path: str, config_overrides: Sequence[str]):
 
 
 def job_plan(job: Job) -> oodjax.job.Job:
-    """The job as its process will resolve it: its config file with the job's overrides applied, read
-    (``oodjax.job.read``) for its runs and their final step."""
+    """The job as its process will resolve it (``oodjax.job.read``)."""
     config = _load(job.config_path, job.config_overrides)
     config.runs.seeds = job.seeds
     config.runs.shots = job.shots
@@ -167,13 +123,8 @@ def job_plan(job: Job) -> oodjax.job.Job:
 
 
 def run_finished(run: Run, final_step: int, output_dir: str | None) -> bool:
-    """Whether the run has its final step recorded in a metrics.npz: in its own folder, or in any job
-    directory under the results root `output_dir` (--output_dir; None: none).
-
-    Any job directory, so a sweep resumed with or without --per_run finds
-    the same runs finished. A metrics.npz that cannot be read is named in a
-    warning and does not count.
-    """
+    """Whether a metrics.npz records the run's final step, in its folder or in any job directory under
+    ``output_dir``, so a sweep resumed with or without --per_run finds the same runs finished."""
     candidates = {run.directory}
     if output_dir is not None:
         candidates.update(pathlib.Path(output_dir).glob(f"*/{run.name}"))
@@ -189,8 +140,7 @@ def run_finished(run: Run, final_step: int, output_dir: str | None) -> bool:
 
 
 def unfinished_jobs(job: Job, output_dir: str | None) -> list[Job]:
-    """Jobs that train exactly `job`'s unfinished runs, in its directory: one when they form a seeds x shots
-    grid (all of them, say, or one seed's), else one per group of seeds that lack the same shot counts."""
+    """Jobs for `job`'s unfinished runs: one per seeds x shots grid they form."""
     plan = job_plan(job)
     shots_by_seed: dict[int, list[int]] = {}
     for run in plan.runs.runs():
@@ -209,8 +159,7 @@ def unfinished_jobs(job: Job, output_dir: str | None) -> list[Job]:
 
 
 def busy_runs(job: Job, queued: set[str]) -> str | None:
-    """Why the job must not be submitted now, or None: a job SLURM lists writes into its directory
-    (``queued``: the output directories of this user's listed jobs), or a live process holds a run's lock."""
+    """Why the job must not be submitted now (SLURM lists it in ``queued``, or a run is locked), or None."""
     if _tag(job) in queued:
         return f"a job in {job.output_dir} is queued or running"
     for run in job_plan(job).runs.runs():
@@ -233,7 +182,7 @@ def _tag(job: Job) -> str:
 
 
 def command(job: Job, backend: str, *, nodes: int, sbatch_options: Sequence[str] = ()) -> list[str]:
-    """The command that starts the job on the backend; ``sbatch_options`` go to sbatch, before the script."""
+    """The command that starts the job on the backend."""
     if backend == "local":
         return [sys.executable, "-m", "oodjax.main", f"--config={job.config_path}", *job.overrides()]
     if backend == "slurm":
@@ -258,8 +207,8 @@ def command(job: Job, backend: str, *, nodes: int, sbatch_options: Sequence[str]
 
 
 def effective_sbatch_options(cmd: Sequence[str]) -> list[str]:
-    """The options an sbatch line gives its job: the script's `#SBATCH` lines, each overridden by the
-    command's option of the same name (sbatch's rule), then the command's others."""
+    """The options an sbatch line gives its job: the command's options override the script's
+    `#SBATCH` lines, as sbatch's do."""
     script = next(index for index, word in enumerate(cmd) if word.endswith(".sbatch"))
     options: dict[str, str] = {}
     for line in pathlib.Path(cmd[script]).read_text().splitlines():
@@ -381,9 +330,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _sbatch_options(args: argparse.Namespace) -> list[str]:
-    """The scheduler flags given, as sbatch options, in the order of ``SBATCH_OPTIONS`` then --sbatch_arg's;
-    a ValueError (one line) for an empty value, an --sbatch_arg that is not an option, or a backend other
-    than SLURM."""
+    """The scheduler flags as sbatch options; a ValueError (one line) for one that cannot be passed."""
     given = [flag for flag in SBATCH_OPTIONS if getattr(args, flag) is not None]
     for flag in given:
         if not getattr(args, flag).strip():
@@ -439,8 +386,7 @@ def _list(values: Sequence[int]) -> str:
 
 
 def _tuple_literal(values: Sequence[int]) -> str:
-    """A Python tuple literal without spaces (`(1,2,)`, one item `(1,)`), one of the list forms
-    ``oodjax.config_cli`` reads `--config.runs.seeds=` in, and one word in the commands the sweep prints."""
+    """`(1,2,)`: a tuple ``oodjax.config_cli`` reads, one word in the printed commands."""
     return "(" + ",".join(str(value) for value in values) + ",)"
 
 

@@ -4,36 +4,17 @@
 # Usage (launch/sweep.py writes these lines; see `python -m launch.sweep --backend tpu --dry_run`):
 #   launch/tpu_pod.sh CONFIG [--config.FIELD=VALUE ...]
 #
-# Variables (defaults in brackets):
-#   TPU_NAME         name of the TPU VM pod slice (required)
-#   TPU_ZONE         its zone, e.g. us-central2-b (required)
-#   TPU_PROJECT      Google Cloud project [gcloud's configured project]
-#   OODJAX_REPO      repository path on every worker, same on all [~/oodjax]
-#   OODJAX_VENV      virtualenv with jax[tpu] on every worker [$OODJAX_REPO/.venv]
-#   OODJAX_DATA_DIR  testset mirror on every worker [unset: the hub]
-#   HF_HOME          Hugging Face cache on every worker [unset: ~/.cache/huggingface]
-#   JAX_COMPILATION_CACHE_DIR  compiled programs, reused by later jobs on the same workers
-#                    [$OODJAX_REPO/.cache/jax]
-#   JAX_PLATFORMS    the one backend JAX may start on the workers: a worker whose TPU JAX cannot use
-#                    stops instead of training on its CPUs [tpu]
-# JAX's memory fraction (XLA_CLIENT_MEM_FRACTION) configures its GPU client only: a TPU program may take
-# the whole of each chip's memory, which is what launch.estimate tests TPU fits against.
-# Each worker sources launch/xla_flags.sh (the accelerator XLA flags, LIBTPU_INIT_ARGS here) before
-# it starts; OODJAX_XLA_FLAGS=none on the worker turns them off.
-# Each worker learns its index and the pod's host names from the VM metadata server
-# (agent-worker-number, worker-network-endpoints) and exports them as TPU_WORKER_ID and
-# TPU_WORKER_HOSTNAMES for oodjax.engine.distributed; worker 0 coordinates.
-# --config.output_dir must be a POSIX file system every worker reaches, where renaming a directory is
-# one atomic step: Filestore (NFS) or Managed Lustre. Not a bucket mounted with gcsfuse: orbax commits
-# each checkpoint by renaming its directory, which gcsfuse cannot do (every save fails); gs:// paths are
-# not supported directly either. Checkpoints are written by all workers, results by worker 0 only.
-# Each worker's Python runs in a session of its own (setsid), its output in
-# $OODJAX_REPO/.cache/tpu_pod/worker-<ID>.log, which the SSH session follows: a dropped SSH
-# session (or this script stopped) leaves training running; rerunning this script while it runs is
-# refused by the run locks. SIGTERM, SIGUSR1 or SIGHUP to a worker's Python (a spot or preemptible VM
-# going down sends SIGTERM, with a short grace period) makes every worker finish its step, checkpoint
-# every run and exit with status 75 (oodjax.engine.preemption.PREEMPTED_EXIT_CODE), if the grace
-# period allows; running this script again resumes each run from its newest checkpoint.
+# Variables (docs/clusters.md; defaults in brackets): TPU_NAME and TPU_ZONE (required), TPU_PROJECT,
+# OODJAX_REPO [~/oodjax, the same on every worker], OODJAX_VENV [$OODJAX_REPO/.venv], OODJAX_DATA_DIR,
+# HF_HOME, JAX_COMPILATION_CACHE_DIR [$OODJAX_REPO/.cache/jax], JAX_PLATFORMS [tpu: a worker whose TPU JAX
+# cannot use stops instead of training on its CPUs].
+# Each worker learns its index and the pod's hosts from the VM metadata server, for
+# oodjax.engine.distributed. --config.output_dir must be a POSIX file system every worker reaches where
+# a rename is atomic (Filestore, Managed Lustre): not gcsfuse, since orbax commits a checkpoint by renaming.
+# Each worker's Python runs in a session of its own (setsid), logging to
+# $OODJAX_REPO/.cache/tpu_pod/worker-<ID>.log, so a dropped SSH session leaves training running. A spot
+# VM's SIGTERM ends in a checkpoint of every run and exit status 75, if its grace period allows; running
+# this script again resumes each run (while it runs, the run locks refuse a second start).
 
 set -euo pipefail
 

@@ -3,21 +3,11 @@
 # launch/slurm.sbatch (GPU) and launch/tpu_pod.sh (TPU). Flags already in XLA_FLAGS / LIBTPU_INIT_ARGS
 # come last and so win; OODJAX_XLA_FLAGS=none leaves both untouched.
 #
-# The workload: a scanned decoder, data parallel (its adapter gradients all-reduced) or, for the 30B models,
-# FSDP over pairs of GPUs (docs/clusters.md, Sizing), where each layer's weights are all-gathered before use
-# and its adapter gradients reduced after, so overlap of those collectives with the neighbouring layer's
-# compute is what the flags buy (the JAX GPU performance guide and NVIDIA's JAX
-# toolbox recommend the GPU set; MaxText ships the TPU set).
-#
-# GPU (XLA_FLAGS):
-#   latency_hiding_scheduler         schedule collectives early, so they overlap compute
-#   pipelined_all_gather / _reduce_scatter / _all_reduce
-#                                    move the next scanned layer's collectives into this layer's iteration
-#   while_loop_double_buffering      double-buffer the layer scan's carried weights, which the pipelining needs
-#   *_combine_threshold_bytes=128M   combine the many small per-projection collectives into few large ones
-# TPU (LIBTPU_INIT_ARGS):
-#   async collective fusion (all-gathers included, over several steps), compute/collective overlap,
-#   async all-gather, and the data-parallel all-reduce optimisation.
+# FSDP and data parallelism over a scanned decoder all-gather each layer's weights and reduce its adapter
+# gradients, so overlapping those collectives with the neighbouring layer's compute is what the flags buy:
+# the GPU set is the JAX GPU performance guide's and NVIDIA's JAX toolbox's (double buffering the scan's
+# carried weights is what the pipelining needs; the combine thresholds merge the many small
+# per-projection collectives), the TPU set MaxText's.
 
 if [[ "${OODJAX_XLA_FLAGS:-}" != none ]]; then
   oodjax_gpu_flags=(

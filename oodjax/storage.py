@@ -1,14 +1,9 @@
 """Writes that lose nothing: one atomic npz writer, and a full disk named in one line.
 
-Results (``oodjax.engine.results``), the tokenisation cache
-(``oodjax.data.cache``) and checkpoints (``oodjax.engine.checkpoints``) are
-written so that a failed write leaves the previous file or checkpoint whole
-(npz files through ``write_npz_atomic``). When the failure is a full disk,
-what reaches the user should say so, and where, in one line, rather than
-a library's traceback (TensorStore reports ENOSPC as a ValueError whose
-message holds the system's text, orbax re-raises it from a background
-thread): ``reporting_full_disk`` turns any error caused by ENOSPC into a
-``NoSpaceError`` naming the path being written and what is still intact.
+A failed write leaves the previous file or checkpoint whole. A full disk
+reaches the user as one ``NoSpaceError`` naming the path and what is intact,
+not a library's traceback: TensorStore reports ENOSPC as a ValueError
+holding the system's text, and orbax re-raises it from a background thread.
 """
 
 from __future__ import annotations
@@ -28,8 +23,7 @@ _NO_SPACE_TEXT = os.strerror(errno.ENOSPC)  # "No space left on device"
 
 
 class NoSpaceError(OSError):
-    """The device filled up while writing a results file or a checkpoint (``path``); what was written before
-    is intact."""
+    """The device filled up while writing ``path``; what was written before is intact."""
 
     def __init__(self, path: str | pathlib.Path, intact: str):
         super().__init__(
@@ -39,9 +33,7 @@ class NoSpaceError(OSError):
 
 
 class _LibraryFullDiskReports(logging.Filter):
-    """Drops what a library logs about a full disk: orbax's errors from each of its writing threads (with
-    their tracebacks) and asyncio's "Task exception was never retrieved" for each of its tasks, hundreds of
-    lines around the one ``NoSpaceError`` that says it all. Records of any other failure pass."""
+    """Drops orbax's and asyncio's reports of a full disk, hundreds of lines around the one ``NoSpaceError``."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         library = record.name == "asyncio" or "/orbax/" in record.pathname
@@ -54,17 +46,12 @@ _LIBRARY_REPORTS = _LibraryFullDiskReports()
 
 
 def silence_library_full_disk_reports() -> None:
-    """Installs ``_LibraryFullDiskReports`` on the loggers orbax (absl's) and asyncio log to; once is enough."""
-    for name in ("absl", "asyncio"):
+    for name in ("absl", "asyncio"):  # orbax logs through absl's logger
         logging.getLogger(name).addFilter(_LIBRARY_REPORTS)  # a filter already there is not added twice
 
 
 def is_no_space(error: BaseException) -> bool:
-    """Whether ``error``, or an error it was raised from, is a full device (ENOSPC).
-
-    Libraries that wrap the system error (TensorStore, orbax) keep only its
-    text, so the message is checked too.
-    """
+    """Whether ``error`` or its cause is ENOSPC; the text too, which is all TensorStore and orbax keep."""
     seen: set[int] = set()
     current: BaseException | None = error
     while current is not None and id(current) not in seen:
@@ -79,12 +66,7 @@ def is_no_space(error: BaseException) -> bool:
 
 @contextlib.contextmanager
 def reporting_full_disk(path: str | pathlib.Path, intact: Callable[[], str]) -> Iterator[None]:
-    """Re-raises an error caused by a full device as a one-line ``NoSpaceError`` naming ``path``.
-
-    ``intact()``, called after the failure, says what the failed write left
-    as it was (e.g. "the previous metrics.npz is intact"). Any other error
-    passes through unchanged.
-    """
+    """Re-raises an error caused by a full device as a ``NoSpaceError``; ``intact()`` is read after it."""
     try:
         yield
     except NoSpaceError:
@@ -98,10 +80,7 @@ def reporting_full_disk(path: str | pathlib.Path, intact: Callable[[], str]) -> 
 def write_atomic(path: str | pathlib.Path, write: Callable[[BinaryIO], None], *, intact: str) -> None:
     """Writes `path` through `write(file)` so that it is always either what it was (or absent) or complete.
 
-    The temporary file is created with mode 0666 less the umask, as `open`
-    would (`tempfile` would make it 0600, and the rename would keep that). A
-    full disk raises `NoSpaceError` naming `path` and `intact`, what is left
-    as it was.
+    Not `tempfile`: its 0600 mode would survive the rename; this one is 0666 less the umask, as `open`'s.
     """
     path = pathlib.Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -120,6 +99,5 @@ def write_atomic(path: str | pathlib.Path, write: Callable[[BinaryIO], None], *,
 
 
 def write_npz_atomic(path: str | pathlib.Path, arrays: Mapping[str, np.ndarray]) -> None:
-    """Writes an npz so that `path` is always either the old file or the complete new one (`write_atomic`)."""
     path = pathlib.Path(path)
     write_atomic(path, lambda file: np.savez(file, **arrays), intact=f"the previous {path.name} is intact")

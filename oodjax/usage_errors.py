@@ -1,16 +1,9 @@
 """Errors a user fixes, reported as one line with exit status 2; anything else is a bug and keeps its traceback.
 
-A wrong config value, a path that does not exist, or a model, tokenizer or
-testset split that is not on this machine while the hub is out of reach:
-each is the user's to fix, and a 30-line traceback around the one line that
-matters hides it. The entry points run their work inside ``reported``, which
-prints such an error as ``<program>: error: <message>`` and exits with
-status 2 (the status argparse and absl use for a bad command line). What is
-not a ``UsageError`` propagates untouched, except Ctrl-C: the user's own
-stop, which ends the program with one line and status 130 (128 + SIGINT, a
-shell's status for it). Training handles Ctrl-C itself first, checkpointing
-its runs (``oodjax.engine.preemption``); this covers the rest (loading, an
-evaluation, a download).
+A 30-line traceback hides the one line that matters, so ``reported`` prints
+a ``UsageError`` as ``<program>: error: <message>`` with argparse's status
+2, and Ctrl-C as one line with status 130 (128 + SIGINT); training handles
+Ctrl-C itself first (``oodjax.engine.preemption``).
 """
 
 from __future__ import annotations
@@ -37,13 +30,11 @@ class MissingInputError(UsageError, FileNotFoundError):
 
 
 class DamagedInputError(UsageError, ValueError):
-    """A file the job reads exists but cannot be used as it is (truncated, corrupt, or not what reads it
-    expects); the message names the file and what is wrong."""
+    """A file the job reads exists but cannot be used as it is; the message names the file and what is wrong."""
 
 
 class NotFetchedError(MissingInputError):
-    """A model, tokenizer or testset split that must come from the Hugging Face hub, which is not reachable (or
-    HF_HUB_OFFLINE is set), and is not on this machine: ``python -m launch.fetch`` brings it, on a machine online."""
+    """An input that must come from the unreachable hub and is not here: ``python -m launch.fetch`` brings it."""
 
 
 def fetch_hint(config_spec: str | None) -> str:
@@ -54,12 +45,7 @@ def fetch_hint(config_spec: str | None) -> str:
 
 @contextlib.contextmanager
 def reported(program: str, *, config_spec: str | None = None) -> Iterator[None]:
-    """Runs the body; a ``UsageError`` becomes one line on stderr and exit status 2, Ctrl-C (KeyboardInterrupt)
-    one line and exit status 130.
-
-    ``config_spec`` (the ``--config`` argument) completes the fetch command a
-    ``NotFetchedError`` suggests.
-    """
+    """Runs the body, a ``UsageError`` or Ctrl-C as one line; ``config_spec`` completes the fetch command."""
     try:
         yield
     except UsageError as error:

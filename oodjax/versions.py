@@ -1,12 +1,10 @@
 """The JAX stack this process runs on, against the pins of requirements*.txt.
 
-GPU images carry their own JAX (0.11.2 with CUDA 13 where the pins say
-0.10.2 with CUDA 12), and oodjax leans on internals that changed between
-them (``oodjax.models.flash_attention``'s batching rules). So every job says
-in one warning where its versions differ from the pins, and results.json
-and the benchmarks record them with the differences. The pins are read
-from the checkout's requirements.txt and requirements-gpu.txt; an installed
-package has only its own requirements (the runtime pins, no CUDA ones).
+GPU images carry their own JAX, and oodjax leans on internals that change
+between versions (``oodjax.models.flash_attention``'s batching rules), so
+every job warns where its versions differ from the pins, and results.json
+and the benchmarks record them. An installed package has only its own
+requirements (the runtime pins, no CUDA ones).
 """
 
 from __future__ import annotations
@@ -27,15 +25,13 @@ PINNED = {
     "cuda": "nvidia-cuda-runtime-cu12",
     "cudnn": "nvidia-cudnn-cu12",
 }
-# How many leading components of a pin the running library reports: CUDA's runtime says major.minor, cuDNN
-# major.minor.patch; the pins carry the wheel's build number too.
+# How many leading components of a pin the running library reports (the pins carry the wheel's build too).
 _COMPARED_PARTS = {"cuda": 2, "cudnn": 3}
 _PIN = re.compile(r"^([A-Za-z0-9_.-]+)(?:\[[^\]]*\])?==([^\s;#]+)")
 
 
 def pins(lines: list[str] | None = None) -> dict[str, str]:
-    """PINNED's names and their pinned versions, from ``lines`` of requirements (default: the checkout's
-    files, else this installed package's own requirements)."""
+    """PINNED's names and their pins, from ``lines`` (default: the checkout's files, else the package's)."""
     if lines is None:
         files = [ROOT / name for name in REQUIREMENTS if (ROOT / name).is_file()]
         if files:
@@ -50,8 +46,7 @@ def pins(lines: list[str] | None = None) -> dict[str, str]:
 
 
 def running() -> dict[str, str | None]:
-    """PINNED's names and the versions this process runs: JAX, jaxlib and flax as installed; the CUDA runtime
-    and cuDNN that JAX loaded (None without a CUDA jaxlib)."""
+    """PINNED's names and the versions this process runs; CUDA's are those JAX loaded (None: no CUDA jaxlib)."""
     import flax
     import jax
     import jaxlib
@@ -70,7 +65,6 @@ def running() -> dict[str, str | None]:
 
 
 def differences(found: dict[str, str | None], pinned: dict[str, str]) -> list[str]:
-    """``name version (pinned version)`` for each library found whose version is not its pin's."""
     differ = []
     for name, version in found.items():
         pin = pinned.get(name)
@@ -83,14 +77,12 @@ def differences(found: dict[str, str | None], pinned: dict[str, str]) -> list[st
 
 
 def against_pins() -> dict[str, object]:
-    """What results.json records beside its versions: the CUDA runtime and cuDNN JAX loaded, the pins and
-    where the running stack differs from them."""
+    """What results.json records beside its versions."""
     found, pinned = running(), pins()
     return {"cuda": found["cuda"], "cudnn": found["cudnn"], "pins": pinned, "differs": differences(found, pinned)}
 
 
 def warn_if_unpinned() -> list[str]:
-    """Logs one warning when the running stack differs from the pins; returns the differences."""
     differ = differences(running(), pins())
     if differ:
         logging.warning(

@@ -1,8 +1,7 @@
 """Batches: their layout, the lengths their rows come in, and the one builder of their packed rows.
 
 Every batch is a dict of numpy arrays, its rows packed with one prompt or
-more (``packed_rows_batch``): evaluation's one or two a row
-(``eval_batches``), training steps' one or many (``oodjax.data.train_steps``):
+more (``packed_rows_batch``):
 
     input_ids      [B, S] int32  prompts one after another from the row's start, right-padded with `pad_id`
     segment_ids    [B, S] int32  each token's prompt slot in the row plus 1 (1, 2, ...), 0 on padding:
@@ -12,23 +11,15 @@ more (``packed_rows_batch``): evaluation's one or two a row
     index          [B, P] int32  the prompt's row in its TokenizedSet; -1 on empty slots
     valid          [B, P] bool   False on empty slots, which must be masked out
 
-with P prompt slots a row. A training step adds per slot ``run`` (the
-prompt's run) and ``example`` (its place in its run's batch, which keys its
-dropout), and a leading micro-batch axis; evaluation's batches of several
-lanes a leading lane axis. ``EVAL_KEYS`` and ``TRAIN_KEYS`` are what the
-eval and train steps are given (``index`` stays on the host).
+with P prompt slots a row. A training step adds per slot ``run`` and
+``example`` (its place in its run's batch, which keys its dropout), and a
+leading micro-batch axis; evaluation's batches of several lanes a leading
+lane axis.
 
-Padding is what a batch holds beyond its prompts: the tokens after a row's
-prompts (pad_id, segment 0), and empty prompt slots and rows (answer_pos 0,
-label 0, index -1; only ``valid`` says to ignore them). It changes no
-prompt's result and makes no NaN on any attention path: a token attends only
+Padding changes no prompt's result and makes no NaN: a token attends only
 to earlier tokens of its own non-zero segment (``oodjax.models.layers.attention``),
-so no prompt sees padding; a padded query, which sees no key there, gets
-``jax.nn.dot_product_attention``'s uniform weights (its masked scores are
-finite), and in the fused kernels (``oodjax.models.flash_attention``) padding
-attends to padding; an empty slot's margin or loss is masked by ``valid``. An
-empty row still gives its first position segment 1 (the pad token as a
-one-token prompt that no slot reads), so that no row is all padding.
+an empty slot is masked by ``valid``, and an empty row still gives its first
+position segment 1, so that no row is all padding.
 """
 
 from __future__ import annotations
@@ -54,11 +45,8 @@ MIN_EVAL_ROW = 32  # default evaluation row lengths: 32, 48, 64, 96, 128, 192, .
 def bucket_lengths(max_length: int, buckets: Sequence[int] | None = None) -> tuple[int, ...]:
     """Sorted sequence lengths training micro-batches are cut to; the last is always max_length.
 
-    Default: from 64, four lengths per doubling in equal steps (64, 80, 96,
-    112, 128, 160, 192, 224, 256, 320, ...) below max_length, then
-    max_length itself, so a micro-batch runs at most 25% longer than its
-    longest row (powers of two would allow 100%) and every prompt (at most
-    max_length tokens) fits the last.
+    Four lengths per doubling by default: a micro-batch runs at most 25% longer than its longest row
+    (powers of two would allow 100%).
     """
     steps = [step * MIN_BUCKET // BUCKETS_PER_DOUBLING for step in range(BUCKETS_PER_DOUBLING)]
     return _lengths_up_to(max_length, buckets, MIN_BUCKET, steps, "bucket lengths")
@@ -67,10 +55,8 @@ def bucket_lengths(max_length: int, buckets: Sequence[int] | None = None) -> tup
 def eval_row_lengths(max_length: int, row_lengths: Sequence[int] | None = None) -> tuple[int, ...]:
     """Sorted lengths of evaluation rows; the last is always max_length.
 
-    Default: 32 and 48 times the powers of two (32, 48, 64, 96, 128, 192,
-    256, 384, ...) below max_length, then max_length: fine enough that a row
-    of one or two prompts is nearly full, few enough that evaluation
-    compiles a handful of batch shapes.
+    32 and 48 times the powers of two by default: a row of one or two prompts is nearly full, and
+    evaluation compiles a handful of batch shapes.
     """
     return _lengths_up_to(max_length, row_lengths, MIN_EVAL_ROW, [0, MIN_EVAL_ROW // 2], "evaluation row lengths")
 
@@ -78,8 +64,8 @@ def eval_row_lengths(max_length: int, row_lengths: Sequence[int] | None = None) 
 def _lengths_up_to(
     max_length: int, lengths: Sequence[int] | None, first: int, offsets: Sequence[int], what: str
 ) -> tuple[int, ...]:
-    """``lengths`` below max_length, then max_length, sorted; None: the default ladder, ``first`` times the
-    powers of two, each plus ``offsets`` scaled with it (offsets are fractions of ``first``)."""
+    """``lengths`` below max_length, then max_length; None: ``first`` plus each of ``offsets``, times the
+    powers of two."""
     if max_length < 1:
         raise ValueError(f"max_length must be positive, got {max_length}")
     if lengths is None:
@@ -109,10 +95,8 @@ def packed_rows_batch(
     pad_id: int,
     per_slot: Mapping[str, Sequence[Sequence[int]]] | None = None,
 ) -> Batch:
-    """The batch (module docstring) of ``len(rows)`` rows of ``seq_len`` tokens and ``prompts_per_row`` prompt
-    slots: row r holds the prompts ``rows[r]`` one after another from its start, (s, i) being prompt i of
-    ``sets[s]`` ([] for an empty row). ``per_slot`` adds int32 [B, P] arrays laid out as the prompts are,
-    ``per_slot[key][r][slot]`` (0 on empty slots): a training step's ``run`` and ``example``."""
+    """The batch (module docstring) whose row r holds the prompts ``rows[r]``, (s, i) being prompt i of
+    ``sets[s]``; ``per_slot`` adds [B, P] arrays laid out as the prompts are."""
     per_slot = per_slot or {}
     shape = (len(rows), prompts_per_row)
     input_ids = np.full((len(rows), seq_len), pad_id, dtype=np.int32)
@@ -137,9 +121,8 @@ def packed_rows_batch(
 
 
 def prompt_lengths(batch: Batch) -> np.ndarray:
-    """Each prompt's token count in ``answer_pos``'s shape, 0 on invalid prompts (one prompt a row or packed,
-    with or without leading run and micro-batch axes): a packed row's prompts lie one after another from its
-    start, so each ends at its answer and begins after the previous one's."""
+    """Each prompt's token count in ``answer_pos``'s shape, 0 on invalid prompts: a packed row's prompts lie
+    one after another, so each begins after the previous one's answer."""
     answer_pos = np.asarray(batch["answer_pos"], dtype=np.int64)
     previous = -1
     if answer_pos.ndim == np.ndim(batch["input_ids"]):  # a prompt-slot axis: packed rows
@@ -159,34 +142,15 @@ def eval_batches(
 ) -> grain.MapDataset:
     """One pass over every example exactly once, prompts packed one or two to a row of one of ``row_lengths``.
 
-    Rows of several lengths (``eval_row_lengths``; default its series up to
-    the set's max_length), each holding at most two prompts and filled as
-    fully as the pool allows (``pair_rows``), leave little padding and
-    compute little attention between prompts: a row of two prompts computes
-    at most about twice the attention scores they need, where a row of
-    max_length holding a dozen short prompts computes a dozen times more.
-    A batch is laid out as the module docstring says, S one of the row
-    lengths and P the most prompts a row of that length holds. Each row
-    length has its own batches (so a jitted step compiles once per row
-    length used), of about `batch_tokens` tokens: B rows, a
-    multiple of `row_multiple` (the devices a batch is split over), that
-    length's rows spread evenly over the fewest batches that allows;
-    shorter rows come first.
+    At most two prompts a row: a row of max_length holding a dozen short
+    prompts would compute a dozen times the attention scores they need. Each
+    row length has its own batches of about `batch_tokens` tokens (so a
+    jitted step compiles once per length), B a multiple of `row_multiple`.
 
-    `lanes` batches several lists of rows in lockstep (e.g. one per run, each
-    run scoring its own examples), each lane's rows once: every leaf gains a
-    leading lane axis [L, B, ...] and lane l of batch k holds the k-th chunk
-    of lane l's packed rows of that length, with empty rows where lane l has
-    fewer than the fullest lane. A row may be in several lanes. Without
-    `lanes`: one lane of every row, and no lane axis.
-
-    `layout` ({row length: (rows a batch, prompt slots a row)}, another
-    pool's ``batch_layout``) gives every batch one of that pool's shapes, so
-    a step compiled for it runs these batches without compiling again: rows
-    come only in its lengths (`row_lengths` and `batch_tokens` do not
-    apply), a pair that a length's one slot cannot hold is split (each
-    prompt to the shortest of them that holds it), and a length's last batch
-    is filled up with empty rows.
+    `lanes` batches several lists of rows in lockstep (one per run), adding
+    a leading lane axis. `layout` (another pool's ``batch_layout``) gives
+    every batch one of that pool's shapes, so a step compiled for it runs
+    these without compiling again.
     """
     if batch_tokens < 1 or row_multiple < 1:
         raise ValueError(f"batch_tokens and row_multiple must be positive, got {batch_tokens} and {row_multiple}")
@@ -235,8 +199,7 @@ def eval_batches(
 
 
 def batch_layout(batches: Sequence[Batch]) -> dict[int, tuple[int, int]]:
-    """{row length: (rows a batch, prompt slots a row)} of ``eval_batches``' batches (one shape per row length):
-    what its ``layout`` takes to make batches of the same shapes."""
+    """{row length: (rows a batch, prompt slots a row)} of ``eval_batches``' batches, for its ``layout``."""
     return {
         batch["input_ids"].shape[-1]: (batch["input_ids"].shape[-2], batch["answer_pos"].shape[-1]) for batch in batches
     }
@@ -247,8 +210,7 @@ def _ceil_div(a: int, b: int) -> int:
 
 
 def row_positions(rows: Sequence[int], size: int) -> tuple[np.ndarray, np.ndarray]:
-    """``rows`` (positions in something of ``size`` items) as a flat int array, and those of them outside
-    [0, size), for the caller's error message."""
+    """``rows`` as a flat int array, and those outside [0, size), for the caller's error message."""
     rows = np.asarray(rows, dtype=np.int64).reshape(-1)
     return rows, rows[(rows < 0) | (rows >= size)]
 

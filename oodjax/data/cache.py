@@ -1,8 +1,7 @@
 """A disk cache of numpy arrays keyed by content hashes, so a sweep tokenises each testset once.
 
-Entries are npz files written atomically (``oodjax.storage.write_npz_atomic``),
-so concurrent runs sharing a cache never read a torn file: two writers of one
-key write identical bytes and the last rename wins.
+Entries are written atomically, so runs sharing a cache never read a torn
+file: two writers of one key write identical bytes and the last rename wins.
 """
 
 from __future__ import annotations
@@ -36,12 +35,23 @@ def content_key(parts: Iterable[str | bytes]) -> str:
     return digest.hexdigest()
 
 
-def cached_arrays(path: pathlib.Path, compute: Callable[[], dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
-    """The arrays stored at `path`, computing and storing them first when absent.
+def cached_arrays(
+    folder: str,
+    key_parts: Iterable[str | bytes],
+    compute: Callable[[], dict[str, np.ndarray]],
+    *,
+    cache_dir: str | os.PathLike | None,
+    use_cache: bool,
+) -> dict[str, np.ndarray]:
+    """`compute()`'s arrays, stored under `<cache_dir>/<folder>/<content key>.npz` and read from there once stored.
 
-    An entry that cannot be read (truncated or corrupted on disk, since
-    writes are atomic) is computed and stored again, with a warning naming it.
+    `key_parts` must hold everything the arrays depend on. An entry that
+    cannot be read (damaged on disk) is computed and stored again.
     """
+    if not use_cache:
+        return compute()
+    root = pathlib.Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    path = root / folder / f"{content_key(key_parts)}.npz"
     if path.is_file():
         try:
             with np.load(path, allow_pickle=False) as stored:

@@ -1,15 +1,10 @@
 """In-context prompts: each test prompt preceded by answered demonstrations, as lm-evaluation-harness lays them out.
 
-Demonstration j is the prompt template filled with its premise and
-hypothesis, followed by its answer word (data.answers; label 0, entailment,
-is the first); the demonstrations, in their given order, and then the test
-prompt are joined by a blank line (lm-eval's default fewshot delimiter). The
-whole string is tokenised as an ordinary prompt is (``oodjax.data.prompts``:
-the tokenizer's own special tokens), so the answer is scored after the test
-prompt's last token. A string longer than max_length loses whole
-demonstrations from the front, the farthest from the test prompt, and never
-a token of the test prompt; a test prompt with no room for even one (or whose
-premise had to be cut to fit alone) is its zero-shot tokenisation exactly.
+Demonstrations (template plus answer word) and then the test prompt are
+joined by a blank line, lm-eval's default fewshot delimiter, and tokenised
+as an ordinary prompt. A string longer than max_length loses whole
+demonstrations from the front, never a token of the test prompt; one with
+no room for any is its zero-shot tokenisation exactly.
 """
 
 from __future__ import annotations
@@ -18,14 +13,13 @@ import dataclasses
 import itertools
 import json
 import os
-import pathlib
 from collections.abc import Sequence
 
 import datasets
 import numpy as np
 from transformers import PreTrainedTokenizerBase
 
-from oodjax.data.cache import cached_arrays, content_key, default_cache_dir
+from oodjax.data.cache import cached_arrays
 from oodjax.data.prompts import TOKENIZATION_VERSION, TokenizedSet, format_prompt
 
 SEPARATOR = "\n\n"  # between demonstrations, and before the test prompt
@@ -52,10 +46,7 @@ def tokenize_in_context(
 ) -> InContextSet:
     """Every prompt of ``test_ds`` preceded by as many of ``demonstrations_ds``'s examples as fit, nearest last.
 
-    ``zero_shot`` is ``test_ds`` tokenised alone (``tokenize_testset``, same
-    template and max_length): the prompts that keep no demonstration, and the
-    labels and truncation flags of all. The result is cached like
-    ``tokenize_testset``'s, keyed by everything it depends on.
+    ``zero_shot`` is ``test_ds`` tokenised alone at the same max_length.
     """
     if len(zero_shot) != len(test_ds) or zero_shot.max_length != max_length:
         raise ValueError(
@@ -73,37 +64,26 @@ def tokenize_in_context(
     def compute() -> dict[str, np.ndarray]:
         return _in_context(prompts, demonstrations, zero_shot, tokenizer)
 
-    if not use_cache:
-        arrays = compute()
-    else:
-        key = content_key(
-            [
-                TOKENIZATION_VERSION,
-                "in-context",
-                tokenizer.backend_tokenizer.to_str(),
-                template,
-                json.dumps(list(answers)),
-                SEPARATOR,
-                str(max_length),
-                json.dumps([tests["premise"], tests["hypothesis"], tests["label"]]),
-                json.dumps([shown["premise"], shown["hypothesis"], shown["label"]]),
-            ]
-        )
-        root = pathlib.Path(cache_dir) if cache_dir is not None else default_cache_dir()
-        arrays = cached_arrays(root / "in_context" / f"{key}.npz", compute)
+    key_parts = [
+        TOKENIZATION_VERSION,
+        "in-context",
+        tokenizer.backend_tokenizer.to_str(),
+        template,
+        json.dumps(list(answers)),
+        SEPARATOR,
+        str(max_length),
+        json.dumps([tests["premise"], tests["hypothesis"], tests["label"]]),
+        json.dumps([shown["premise"], shown["hypothesis"], shown["label"]]),
+    ]
+    arrays = cached_arrays("in_context", key_parts, compute, cache_dir=cache_dir, use_cache=use_cache)
     return InContextSet(max_length=max_length, **arrays)
 
 
 def _in_context(
     prompts: list[str], demonstrations: list[str], zero_shot: TokenizedSet, tokenizer: PreTrainedTokenizerBase
 ) -> dict[str, np.ndarray]:
-    """Tokenises each prompt with the most demonstrations that fit, without tokenising the over-long strings.
-
-    How many fit is first estimated from the demonstrations' lengths alone
-    (each with its separator) beside the test prompt's zero-shot length; the
-    strings that still come out too long lose one more demonstration and are
-    tokenised again, until all fit.
-    """
+    """Tokenises each prompt with the most demonstrations that fit: estimated from their lengths alone, then
+    one fewer for each string that still comes out too long."""
     max_length = zero_shot.max_length
     alone = tokenizer([text + SEPARATOR for text in demonstrations], add_special_tokens=False)["input_ids"]
     nearest_first = np.cumsum([len(ids) for ids in reversed(alone)], dtype=np.int64)  # the last 1, 2, ... together

@@ -1,15 +1,10 @@
 """Which prompts share a row: index logic only, the arrays are laid out by ``oodjax.data.batches``.
 
-Two problems, two greedy packers, both deterministic so that every process
-packs the same pool the same way:
-
-- evaluation (``pair_rows``): every prompt once, at most two a row, rows of
-  a few lengths, as full as possible, so that little is padding and little
-  attention is computed between prompts;
-- training (``balance_rows``): one step's prompts spread over a fixed
-  number of rows (its micro-batches' rows, each device holding some of
-  each), as evenly as possible, so that the longest row, the length a
-  micro-batch runs at, is as short as the prompts allow.
+Both packers are greedy and deterministic, so every process packs a pool
+alike: ``pair_rows`` for evaluation (every prompt once, rows as full as
+possible), ``balance_rows`` for training (a step's prompts spread evenly
+over a fixed number of rows, so the longest, which a micro-batch runs at, is
+as short as the prompts allow).
 """
 
 from __future__ import annotations
@@ -28,15 +23,11 @@ EVAL_PROMPTS_PER_ROW = 2
 def pair_rows(
     lengths: np.ndarray, row_lengths: Sequence[int], prompts_per_row: int = EVAL_PROMPTS_PER_ROW
 ) -> list[tuple[int, list[int]]]:
-    """Indices of ``lengths`` grouped into rows of the sorted ``row_lengths``, at most ``prompts_per_row`` a row:
-    (row length, indices) pairs.
+    """(row length, indices) of ``lengths`` packed into rows of the sorted ``row_lengths``.
 
-    Longest prompt first: it opens a row of the length that it and its
-    filling fill most fully (the shortest such), the filling being, one
-    after another, the longest remaining prompts that still fit. With many
-    prompts to choose from, a pair nearly always fills a row to within a few
-    tokens, so rows are almost all prompt while no row holds more than a
-    couple of them. Deterministic, so every process packs a pool the same way.
+    The longest prompt opens the row length that it and the longest
+    remaining prompts that fit fill most fully; with many prompts, a pair
+    nearly always fills a row to within a few tokens.
     """
     lengths = np.asarray(lengths, dtype=np.int64)
     longest = int(row_lengths[-1])
@@ -85,15 +76,7 @@ def pair_rows(
 
 
 def balance_rows(lengths: np.ndarray, *, num_rows: int, row_length: int, prompts_per_row: int) -> list[list[int]]:
-    """Indices of ``lengths`` in ``num_rows`` rows, each at most ``row_length`` tokens and ``prompts_per_row``
-    prompts.
-
-    Longest first, each prompt goes to the least-filled row (the first of
-    equals) that has room for it. A micro-batch runs at the length of its
-    longest row, so spreading the prompts evenly over the rows makes that
-    length as short as the prompts allow. Deterministic, so every process
-    places every prompt alike.
-    """
+    """Indices of ``lengths`` in ``num_rows`` rows: longest first, each to the least-filled row with room."""
     lengths = np.asarray(lengths, dtype=np.int64)
     load, members = [0] * num_rows, [[] for _ in range(num_rows)]
     for item in np.argsort(-lengths, kind="stable").tolist():

@@ -1,14 +1,11 @@
 """Prompts: the template, the answer tokens, and tokenisation with premise-only truncation.
 
-A prompt is tokenised whole, exactly as the model's tokenizer tokenises it with
-its own special tokens (`add_special_tokens=True`): GPT-2 adds nothing, OPT's
-tokenizer prepends its `</s>` BOS, Llama-style tokenizers their `<s>`. Prompts
-longer than `max_length` lose tokens from the end of the premise only, so the
-hypothesis and the question (whose last token is where the answer is scored)
-are never cut. Truncation works on the tokens of the whole prompt (located by
-character offsets), so the kept tokens are the untruncated prompt's own. A
-tokenizer that appends a special token (an EOS) is refused: the answer is
-scored at the last prompt token.
+A prompt is tokenised whole with the tokenizer's own special tokens (OPT's
+`</s>` BOS, Llama's `<s>`). A prompt longer than `max_length` loses tokens
+from the end of the premise only, so the hypothesis and the question, whose
+last token scores the answer, are never cut; the kept tokens are the whole
+prompt's own (located by character offsets). A tokenizer that appends a
+special token (an EOS) is refused: the answer is scored at the last token.
 """
 
 from __future__ import annotations
@@ -24,7 +21,7 @@ import datasets
 import numpy as np
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from oodjax.data.cache import cached_arrays, content_key, default_cache_dir
+from oodjax.data.cache import cached_arrays
 from oodjax.usage_errors import NotFetchedError
 
 DEFAULT_TEMPLATE = "{premise} Question: {hypothesis} Yes or No?"
@@ -37,11 +34,7 @@ TOKENIZATION_VERSION = "1"
 
 @dataclasses.dataclass(frozen=True)
 class TokenizedSet:
-    """A tokenised testset: ragged prompts stored flat, so it caches as one npz.
-
-    Prompt i is `token_ids[starts[i]:starts[i + 1]]`; `labels[i]` is its binary
-    label and `truncated[i]` whether its premise was cut to fit `max_length`.
-    """
+    """A tokenised testset: ragged prompts stored flat, so it caches as one npz."""
 
     token_ids: np.ndarray  # [total tokens] int32
     starts: np.ndarray  # [N + 1] int64
@@ -80,13 +73,7 @@ def format_prompt(premise: str, hypothesis: str, template: str = DEFAULT_TEMPLAT
 
 
 def load_tokenizer(source: str | os.PathLike) -> PreTrainedTokenizerBase:
-    """The tokenizer in a local directory or under a hub id, or an error naming `source`.
-
-    transformers reports a folder holding junk (a half-written tokenizer.json,
-    a corrupt vocabulary, a binary file) as a bare JSON, Unicode or
-    `tokenizers` error that names no file; this says which tokenizer it was,
-    the original error chained.
-    """
+    """The tokenizer in a local directory or under a hub id; transformers' errors for a damaged one name no file."""
     try:
         return AutoTokenizer.from_pretrained(str(source))
     except Exception as error:  # `tokenizers` raises a plain Exception for a corrupt vocabulary
@@ -101,13 +88,8 @@ def load_tokenizer(source: str | os.PathLike) -> PreTrainedTokenizerBase:
 
 
 def answer_token_ids(tokenizer: PreTrainedTokenizerBase, answers: Sequence[str] = DEFAULT_ANSWERS) -> tuple[int, int]:
-    """The token ids of the (yes, no) answer words, where the model's next-token logits are read.
-
-    `answers` is the config's `data.answers`. Each word must be one token of
-    the model's own tokenizer, exactly as written (leading space included:
-    " Yes" and "Yes" are different tokens), and the two must differ: the loss
-    targets one token and the margin compares two logits.
-    """
+    """The token ids of the (yes, no) answer words: one token each, as written (" Yes" is not "Yes"), and
+    different, since the loss targets one token and the margin compares two logits."""
     if len(answers) != 2:
         raise ValueError(f"data.answers must be two words (yes, no), got {list(answers)}")
     ids = []
@@ -136,13 +118,8 @@ def tokenize_testset(
     cache_dir: str | os.PathLike | None = None,
     use_cache: bool = True,
 ) -> TokenizedSet:
-    """Tokenise every example of a binary NLI dataset, truncating inside premises only.
-
-    The result is cached under `cache_dir` (default: $OODJAX_CACHE_DIR or
-    ~/.cache/oodjax) keyed by the tokenizer's full definition (vocabulary,
-    merges, special-token handling), the template, max_length and the rows
-    themselves, so any change to one of them is a new entry, never a stale hit.
-    """
+    """Tokenise every example of a binary NLI dataset, truncating inside premises only; cached, keyed by the
+    tokenizer's full definition, the template, max_length and the rows, so a change is never a stale hit."""
     check_template(template)
     if not getattr(tokenizer, "is_fast", False):
         raise TypeError(f"tokenizer {tokenizer.name_or_path!r} must be a fast tokenizer (premise offsets)")
@@ -154,20 +131,14 @@ def tokenize_testset(
     def compute() -> dict[str, np.ndarray]:
         return _tokenize(premises, hypotheses, labels, tokenizer, template, max_length, _describe(ds))
 
-    if not use_cache:
-        arrays = compute()
-    else:
-        key = content_key(
-            [
-                TOKENIZATION_VERSION,
-                tokenizer.backend_tokenizer.to_str(),
-                template,
-                str(max_length),
-                json.dumps([premises, hypotheses, labels]),
-            ]
-        )
-        root = pathlib.Path(cache_dir) if cache_dir is not None else default_cache_dir()
-        arrays = cached_arrays(root / "tokenized" / f"{key}.npz", compute)
+    key_parts = [
+        TOKENIZATION_VERSION,
+        tokenizer.backend_tokenizer.to_str(),
+        template,
+        str(max_length),
+        json.dumps([premises, hypotheses, labels]),
+    ]
+    arrays = cached_arrays("tokenized", key_parts, compute, cache_dir=cache_dir, use_cache=use_cache)
     return TokenizedSet(max_length=max_length, **arrays)
 
 
@@ -215,7 +186,6 @@ def _truncate_premise(
     max_length: int,
     where: str,
 ) -> list[int]:
-    """Drop the last premise tokens until the prompt fits; error if the premise is not enough."""
     excess = len(ids) - max_length
     if excess <= 0:
         return ids
@@ -232,7 +202,7 @@ def _truncate_premise(
 
 
 def _describe(ds: datasets.Dataset) -> str:
-    """The testset and split `load_testset` recorded on `ds` (kept through `select`), for error messages."""
+    """The testset and split `load_testset` recorded on `ds`, for error messages."""
     name = ds.info.dataset_name
     return f"{name} split {str(ds.split)!r}" if name else "dataset"
 

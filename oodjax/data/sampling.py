@@ -1,8 +1,7 @@
 """Sampling: each run's few-shot training set and the capped evaluation subsets, balanced and seeded.
 
-All randomness comes from numpy Generators seeded explicitly, never from
-Python's hash(), so samples are the same on every machine and in every
-process.
+Randomness comes only from explicitly seeded numpy Generators, so samples
+are the same on every machine and in every process.
 """
 
 from __future__ import annotations
@@ -14,12 +13,7 @@ LABELS = (0, 1)  # 0 = entailment, 1 = not entailment (``load_testset`` maps eve
 
 
 def few_shot(pool: datasets.Dataset, n: int, seed: int) -> datasets.Dataset:
-    """n examples drawn without replacement, balanced across the two labels.
-
-    Label 0 gets ceil(n/2) examples and label 1 floor(n/2) (an odd n gives the
-    extra example to entailment). The draw is shuffled, so the two labels are
-    interleaved in the returned order.
-    """
+    """n examples drawn without replacement, ceil(n/2) of label 0 and floor(n/2) of label 1, shuffled."""
     if n < 1:
         raise ValueError(f"few-shot size n must be positive, got {n}")
     labels = _binary_labels(pool, "few-shot pool")
@@ -38,12 +32,7 @@ def few_shot(pool: datasets.Dataset, n: int, seed: int) -> datasets.Dataset:
 
 
 def stratified_subset(ds: datasets.Dataset, n: int, seed: int) -> datasets.Dataset:
-    """At most n rows, keeping the label proportions; rows stay in their original order.
-
-    Each label gets its proportional share, rounded by largest remainder (ties
-    to label 0), so the subset's counts differ from exact proportions by less
-    than one. A dataset of n rows or fewer is returned whole.
-    """
+    """At most n rows in their original order, each label's share rounded by largest remainder."""
     if n < 1:
         raise ValueError(f"subset size n must be positive, got {n}")
     if n >= len(ds):

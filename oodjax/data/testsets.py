@@ -1,18 +1,14 @@
 """NLI testsets: where they live and how their labels map to binary NLI.
 
-`TESTSETS` is the single source of truth for every fact about the eight
-built-in testsets (hub id, config, default split, column names, label ids).
-Everything else in oodjax reads it; nothing else spells out a hub id or a label
-id. A config may declare more testsets, or override a built-in one, as
-`data.extra_testsets` (or in a JSON or YAML file, `data.extra_testsets_file`);
-`testset_table` returns the built-in table with those declarations applied,
-each checked field by field, and `load_testset(..., table=...)` loads from it.
+`TESTSETS` is the one place a built-in testset's hub id, config, split,
+columns and label ids are written; a config may declare more, or override a
+built-in, and `testset_table` applies the declarations (docs/data.md).
 
-Labels become 0 = entailment (" Yes") and 1 = not entailment (" No"). Three-way
-sets have a neutral class, which is dropped by default (the study's protocol) or
-mapped to 1 on request. SciTail's "neutral" is its only negative class, so it
-is an ordinary not-entailment label there, not a neutral to drop. Rows without a
-gold label (SNLI's -1, hidden test labels) are always dropped.
+Labels become 0 = entailment (" Yes") and 1 = not entailment (" No"). A
+three-way set's neutral class is dropped by default (the study's protocol)
+or mapped to 1 on request; SciTail's "neutral" is its only negative class,
+so it is an ordinary not-entailment label there. Rows without a gold label
+are always dropped.
 """
 
 from __future__ import annotations
@@ -73,20 +69,11 @@ Neutral = Literal["drop", "not_entailment"]  # what to do with a three-way set's
 class TestsetSpec:
     """One testset: where it is, its columns and label values.
 
-    `source` is a hub id (read from the hub or a local mirror of it, as
-    `config`/`split`) or a local .jsonl, .parquet or .csv file (the whole
-    testset; `split` is then the file's name). `labels` maps the source's gold
-    label values to ENTAILMENT / NOT_ENTAILMENT; `neutral` are the values of a
-    three-way set's neutral class; `unlabelled` are values meaning "no gold
-    label". `split_groups` names splits that are the concatenation of several
-    source splits (ANLI's three rounds). `pool_split` is the split few-shot
-    training sets are drawn from, for the two training sets only.
-    `hub_data_files`, when set, is read from the hub instead of the repo's
-    own loader (HANS). `cap`, when set, replaces `data.eval_cap` for this
-    testset. `hub_rows` are the rows of source splits on the hub, so that a
-    local file with fewer (a sample) is known as one and the cost estimate
-    counts the split a job reads from the hub. `origin` says where a declared
-    testset was declared (empty for the built-in table), for error messages.
+    `source` is a hub id or a local file (then the whole testset, `split`
+    its name). `split_groups` names splits that concatenate several source
+    splits (ANLI's rounds). `hub_rows` are the rows of the hub's splits, so
+    that a local sample is known as one and the estimate counts the split a
+    job reads. `origin` says where a testset was declared ("" for built-ins).
     """
 
     __test__ = False  # a dataclass named Test* is not a pytest test class
@@ -109,7 +96,6 @@ class TestsetSpec:
 
     @property
     def is_local_file(self) -> bool:
-        """Whether `source` is a file of its own rather than a hub id."""
         return is_source_file(self.source)
 
     def eval_cap(self, default: int) -> int:
@@ -218,25 +204,13 @@ def testset_table(
     *,
     origin: str = "data.extra_testsets",
 ) -> dict[str, TestsetSpec]:
-    """The built-in table with the declared testsets added (new names) or overriding built-ins (their names).
+    """The built-in table with the declared testsets added or overriding built-ins (docs/data.md).
 
-    `declared` maps names to declarations (the config's `data.extra_testsets`,
-    named `origin` in errors; pass a ConfigDict's `to_dict()`);
-    `declared_file` is a JSON or YAML file holding such a mapping, whose
-    relative `source` paths are relative to the file's folder. A declaration
-    has the fields DECLARATION_FIELDS: `source` (a hub id, or a local .jsonl,
-    .parquet or .csv file), `config` (hub config, optional), `split` (hub
-    sources only), `premise`, `hypothesis`, `label` (column names),
-    `entailment` and `not_entailment` (lists of label values), `neutral`
-    (values of a neutral class, dropped or counted as not entailment by
-    `load_testset`'s `neutral`), `unlabelled` (values dropped always) and
-    `cap` (replaces data.eval_cap). An override of a built-in names only the
-    fields it changes, e.g. {"anli": {"split": "test_r1"}}; one that gives a
-    `source` takes none of the built-in's location (config, split).
-
-    Errors are ValueErrors naming the declaration and the field: a name
-    declared twice (in `declared` and the file), an unknown or missing field,
-    a value of the wrong type, label values in two classes.
+    `declared_file` is a JSON or YAML file of declarations, its relative
+    sources relative to its folder. An override of a built-in names only the
+    fields it changes; one that gives a `source` takes none of the
+    built-in's location. Errors are ValueErrors naming the declaration and
+    the field.
     """
     declarations = [(name, fields, f"{origin}[{name!r}]", None) for name, fields in (declared or {}).items()]
     if declared_file is not None:
@@ -255,8 +229,7 @@ def testset_table(
 def declared_testset(
     name: str, fields: Mapping[str, Any], *, where: str, base_dir: pathlib.Path | None = None
 ) -> TestsetSpec:
-    """The spec of one declaration (see `testset_table`); `where` names it in errors, `base_dir` anchors a relative
-    source file."""
+    """The spec of one declaration; `where` names it in errors."""
     if not isinstance(name, str) or not TESTSET_NAME.fullmatch(name):
         raise ValueError(
             f"{where}: {name!r} is not a testset name: letters, digits, '_', '.' and '-', starting with a letter "
@@ -332,8 +305,7 @@ def declared_testset(
 def _location(
     strings: dict[str, str | None], given: set[str], base_dir: pathlib.Path | None, problem: Any
 ) -> tuple[str, str, str]:
-    """(source, config, split) of a declaration: a local file (its path, anchored at `base_dir`; its name is its
-    split) or a hub id with its split. `given` are the fields the declaration itself sets (not inherited)."""
+    """(source, config, split) of a declaration; `given` are the fields it sets itself (not inherited)."""
     source = strings["source"]
     formats = ", ".join("." + fmt for fmt in SOURCE_FILE_FORMATS)
     path = pathlib.Path(source).expanduser()
@@ -354,11 +326,8 @@ def _location(
 
 
 def read_declarations(path: str | os.PathLike) -> dict[str, dict[str, Any]]:
-    """The testset declarations in a JSON (.json) or YAML (.yaml, .yml) file: a mapping of names to fields.
-
-    A name or a field given twice is an error (both parsers would keep the last
-    silently), as is a file that does not parse, naming the file and the line.
-    """
+    """The testset declarations in a JSON or YAML file; a key given twice is an error, which both parsers
+    would silently resolve to the last."""
     path = pathlib.Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"testset declarations file {path} does not exist")
@@ -390,7 +359,6 @@ def _unique_keys(pairs: list[tuple[str, Any]], path: pathlib.Path) -> dict[str, 
 
 
 def _unique_key_loader(path: pathlib.Path) -> type[yaml.SafeLoader]:
-    """A safe YAML loader that refuses a key given twice in one mapping, naming the line."""
 
     class Loader(yaml.SafeLoader):
         def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
@@ -406,7 +374,6 @@ def _unique_key_loader(path: pathlib.Path) -> type[yaml.SafeLoader]:
 
 
 def _declaration_of(spec: TestsetSpec) -> dict[str, Any]:
-    """A built-in spec as declaration fields, for an override to change some of them."""
     return {
         "source": spec.source,
         "config": spec.config,
@@ -436,7 +403,7 @@ def _label_values(value: Any, field: str, problem: Any) -> tuple[int | str, ...]
 
 
 def _check_label_classes(values: dict[str, tuple[int | str, ...]], problem: Any) -> None:
-    """Label values of one type (a file's labels are all of one type), each in one class only."""
+    """Label values of one type (a file's labels are), each in one class only."""
     everything = [value for field in _LABEL_FIELDS for value in values[field]]
     if len({type(value) for value in everything}) > 1:
         raise problem("entailment", f"label values must be all integers or all strings, got {values}")
@@ -456,16 +423,12 @@ def testset_spec(name: str, table: Mapping[str, TestsetSpec] = TESTSETS) -> Test
 
 
 def default_data_dir() -> pathlib.Path | None:
-    """The local mirror named by OODJAX_DATA_DIR, or None to use the hub."""
     value = os.environ.get(DATA_DIR_ENV)
     return pathlib.Path(value) if value else None
 
 
 def hub_offline() -> bool:
-    """Whether the Hugging Face hub may not be asked (HF_HUB_OFFLINE or HF_DATASETS_OFFLINE).
-
-    huggingface_hub reads HF_HUB_OFFLINE once, at import; the variables may have been set since.
-    """
+    """Whether the hub may not be asked; read now, since huggingface_hub reads HF_HUB_OFFLINE at import only."""
     set_now = any(
         os.environ.get(variable, "").upper() in ("1", "ON", "YES", "TRUE")
         for variable in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
@@ -474,8 +437,7 @@ def hub_offline() -> bool:
 
 
 def check_neutral(neutral: str) -> None:
-    """Raises ValueError unless ``neutral`` is one of ``Neutral``'s values: the rule ``load_testset`` applies, asked
-    here by the config checks too (of data.neutral), before anything loads."""
+    """Raises ValueError unless ``neutral`` is one of ``Neutral``'s values (the config checks ask before loading)."""
     if neutral not in get_args(Neutral):
         raise ValueError(f"neutral must be {' or '.join(map(repr, get_args(Neutral)))}, got {neutral!r}")
 
@@ -490,21 +452,10 @@ def load_testset(
 ) -> datasets.Dataset:
     """Load a testset as binary NLI: columns premise, hypothesis, label (0 = entailment).
 
-    `table` is the built-in `TESTSETS` or `testset_table(...)`'s, holding
-    declared testsets too. `split` defaults to the table's evaluation split; a
-    split group (ANLI's "test_all") concatenates its splits in order. A hub
-    source is read from `data_dir`, a local root laid out as
-    `<hub_id>/<config>/<split>.jsonl|parquet` (defaulting to
-    $OODJAX_DATA_DIR), when the split is there, and otherwise from the Hugging
-    Face hub (an error when the hub is offline); a testset declared as a local
-    file is read from it. Row order follows the source, so row i is the same
-    example on every machine.
-
-    Every row is checked as it is read: an empty file, a line that is not a
-    JSON object (a truncated file), a missing or null column, or a value of
-    the wrong type is an error naming the file, the line (or row) and the
-    column. The returned Dataset's `info.dataset_name` and `split` name the
-    testset, for later errors about its examples.
+    A hub source is read from the mirror `data_dir` (default
+    $OODJAX_DATA_DIR) where the split is there, else from the hub. Row order
+    follows the source, so row i is the same example on every machine. Every
+    row is checked as it is read, an error naming the file, line and column.
     """
     spec = testset_spec(name, table)
     check_neutral(neutral)
@@ -528,19 +479,14 @@ def training_pool(
     split: str | None = None,
     data_dir: str | os.PathLike | None = None,
 ) -> datasets.Dataset:
-    """The pool few-shot training sets of `name` are drawn from, always as the built-in table has it.
-
-    Defaults to the table's `pool_split` (MNLI validation_mismatched, SNLI
-    validation): available offline and disjoint from the evaluation splits. Pass
-    split="train" to draw from the hub's full training split instead.
-    Declarations change what is evaluated, never what is trained on.
-    """
+    """The pool few-shot training sets of `name` are drawn from, as the built-in table has it: declarations
+    change what is evaluated, never what is trained on. The default pool split is disjoint from the
+    evaluation splits."""
     return load_testset(name, split=pool_split(name, split), data_dir=data_dir)
 
 
 def pool_split(name: str, split: str | None = None) -> str:
-    """The split of training set `name` its few-shot sets are drawn from: `split` (a config's data.pool_split),
-    else the table's pool split; an error for a testset that is no training set."""
+    """`split` (data.pool_split), else the table's pool split of training set `name`."""
     spec = testset_spec(name)
     if spec.pool_split is None:
         raise ValueError(f"{name} is not a training set; training pools exist for: {', '.join(training_sets())}")
@@ -548,12 +494,11 @@ def pool_split(name: str, split: str | None = None) -> str:
 
 
 def training_sets() -> list[str]:
-    """The built-in testsets with a few-shot training pool (the possible `data.train_set`s)."""
     return [name for name, spec in TESTSETS.items() if spec.pool_split]
 
 
 def hub_source_name(spec: TestsetSpec, split: str) -> str:
-    """How errors name a split read from the hub: its parquet files' address, or the repo, config and split."""
+    """How errors name a split read from the hub."""
     if spec.hub_data_files is not None:
         return spec.hub_data_files.format(split=split)
     where = f"{spec.source}/{spec.config}" if spec.config else spec.source
@@ -561,9 +506,7 @@ def hub_source_name(spec: TestsetSpec, split: str) -> str:
 
 
 def hub_split(spec: TestsetSpec, split: str) -> datasets.Dataset:
-    """One source split of a hub testset, every column, as the hub publishes it: the table's parquet files
-    where it names them (HANS), else the repo's own loader. What the data layer reads when the local mirror
-    lacks the split, and what ``launch.fetch`` writes into the mirror."""
+    """One source split of a hub testset, every column, as the hub publishes it (and ``launch.fetch`` mirrors)."""
     if spec.hub_data_files is not None:
         arguments, keywords = ("parquet",), {"data_files": spec.hub_data_files.format(split=split), "split": "train"}
     else:
@@ -578,13 +521,12 @@ def hub_split(spec: TestsetSpec, split: str) -> datasets.Dataset:
 
 
 def mirror_folder(spec: TestsetSpec, root: pathlib.Path) -> pathlib.Path:
-    """The folder of the local mirror ``root`` that holds a hub source's splits: ``<hub_id>/<config>``."""
+    """``<root>/<hub_id>/<config>``: where the mirror holds a hub source's splits."""
     return root / spec.source / spec.config if spec.config else root / spec.source
 
 
 def local_path(spec: TestsetSpec, split: str, root: pathlib.Path) -> pathlib.Path:
-    """The file of the local mirror holding `split` of a hub source, or a FileNotFoundError naming the paths looked
-    for."""
+    """The mirror's file holding `split` of a hub source, or a FileNotFoundError naming the paths looked for."""
     folder = mirror_folder(spec, root)
     candidates = [folder / f"{split}.{fmt}" for fmt in LOCAL_FORMATS]
     for path in candidates:
@@ -600,19 +542,13 @@ def local_path(spec: TestsetSpec, split: str, root: pathlib.Path) -> pathlib.Pat
 
 @dataclasses.dataclass(frozen=True)
 class _RawSplit:
-    """One source split's premise, hypothesis and label columns, and where each row came from.
-
-    `lines[i]` is the line of row i in a JSON-lines or CSV file (blank lines
-    are skipped, so rows and lines can differ); None for sources read as
-    tables, whose rows are numbered from 0.
-    """
+    """One source split's three columns; `lines[i]` is row i's line in a text file (None: a table)."""
 
     source: str
     columns: dict[str, list]
     lines: list[int] | None = None
 
     def locate(self, row: int) -> str:
-        """Where row `row` is, for an error message: the file and line, or the source and row."""
         return f"{self.source} line {self.lines[row]}" if self.lines is not None else f"{self.source} row {row}"
 
 
@@ -639,7 +575,7 @@ def _load_raw(spec: TestsetSpec, split: str, root: pathlib.Path | None) -> _RawS
 
 
 def _local_file(spec: TestsetSpec, split: str, root: pathlib.Path | None) -> pathlib.Path | None:
-    """The local file to read `split` from, or None to ask the hub: the mirror is tried first, the hub when online."""
+    """The local file to read `split` from, or None to ask the hub."""
     if spec.is_local_file:
         path = pathlib.Path(spec.source)
         if not path.is_file():
@@ -659,12 +595,8 @@ def _local_file(spec: TestsetSpec, split: str, root: pathlib.Path | None) -> pat
 
 
 def _read_jsonl(path: pathlib.Path, columns: tuple[str, ...]) -> _RawSplit:
-    """Every row of a JSON-lines file, each checked to be an object holding `columns`.
-
-    Read line by line rather than through `datasets`, whose errors name neither
-    the line nor, for an empty file, the file, and which reads a missing
-    column as null.
-    """
+    """Every row of a JSON-lines file; not through `datasets`, whose errors name no line and which reads a
+    missing column as null."""
     values: dict[str, list] = {column: [] for column in columns}
     lines = []
     with path.open("rb") as f:
@@ -689,13 +621,8 @@ def _read_jsonl(path: pathlib.Path, columns: tuple[str, ...]) -> _RawSplit:
 
 
 def _read_csv(path: pathlib.Path, columns: tuple[str, ...]) -> _RawSplit:
-    """Every row of a CSV file with a header line, as text; each row must have the header's number of fields.
-
-    Read with the csv module rather than pandas, which would read a premise
-    "NA" or "null" as a missing value and a column of digits as numbers, and
-    name no line in its errors. Row i's line is the line it starts on (a quoted
-    field may span lines).
-    """
+    """Every row of a CSV file with a header line, as text; not through pandas, which reads a premise "NA" as
+    missing and names no line in its errors."""
     values: dict[str, list] = {column: [] for column in columns}
     lines = []
     try:
@@ -774,7 +701,6 @@ def _check_types(spec: TestsetSpec, raw: _RawSplit) -> None:
 
 
 def _to_binary(spec: TestsetSpec, raw: _RawSplit, neutral: Neutral, name: str, split: str) -> datasets.Dataset:
-    """Map gold labels through the table; drop unlabelled rows and (by default) neutral."""
     premises, hypotheses, labels = (raw.columns[column] for column in (spec.premise, spec.hypothesis, spec.label))
     mapping = dict(spec.labels)
     if neutral == "not_entailment":
@@ -802,6 +728,6 @@ def _to_binary(spec: TestsetSpec, raw: _RawSplit, neutral: Neutral, name: str, s
 
 
 def _named_dataset(columns: dict[str, list], name: str, split: str) -> datasets.Dataset:
-    """The rows as a Dataset that knows its testset and split (kept by `select`), so later errors can name them."""
+    """The rows as a Dataset that knows its testset and split, so later errors can name them."""
     info = datasets.DatasetInfo(dataset_name=name, features=FEATURES)
     return datasets.Dataset.from_dict(columns, features=FEATURES, info=info, split=split)

@@ -1,16 +1,11 @@
 """Training: every run's seeded, resumable stream of examples, laid out step by step in rows built ahead.
 
 Run r's stream is its few-shot set's epochs one after another, each a numpy
-permutation drawn whole (``epoch_permutation``), so drawing a batch costs a
-few slices. A step takes each run's next batch_size examples and lays all
-runs' prompts out together (``step_layout``): one prompt a row, each run's
-by length, or packed, each row holding prompts of any runs, balanced over
-the rows (``oodjax.data.packing.balance_rows``); the train step adapts each
-token with its own run's adapters. ``train_steps`` builds the steps ahead
-in a background thread; ``replay_rows`` works out from prompt lengths alone
-what a job's steps will hold, so the step's shapes are known before it
-compiles, and ``packed_layout`` how many packed rows keep every row within
-a length.
+permutation drawn whole, so drawing a batch costs a few slices. A step lays
+all runs' prompts out together (``step_layout``); the train step adapts each
+token with its own run's adapters. ``replay_rows`` works out from prompt
+lengths alone what a job's steps will hold, so the step's shapes are known
+before it compiles.
 """
 
 from __future__ import annotations
@@ -33,8 +28,7 @@ _UNBOUNDED = 2**62  # no limit on a row's tokens or prompts, for the replay
 
 @dataclasses.dataclass(frozen=True)
 class StepLayout:
-    """How a training step lays its runs' prompts out: ``micro_batches`` blocks of ``rows`` rows (global), one
-    prompt a row (then ``rows`` is every run's share of a micro-batch) or packed (``packed_layout``)."""
+    """How a training step lays its runs' prompts out: ``micro_batches`` blocks of ``rows`` global rows."""
 
     micro_batches: int
     rows: int
@@ -48,17 +42,12 @@ def step_layout(
     row_length: int = _UNBOUNDED,
     prompts_per_row: int = _UNBOUNDED,
 ) -> list[list[tuple[int, int]]]:
-    """The step's rows, micro-batch after micro-batch: each a list of (run, example) pairs, ``example`` being
-    the prompt's place in its run's batch; ``lengths[r]`` are run r's batch's prompt lengths, in order.
+    """The step's rows, micro-batch after micro-batch, each a list of (run, example in its run's batch).
 
-    One prompt a row: micro-batch i holds, run after run, slice i of each
-    run's prompts ordered by length (shortest first, ties in order), so a
-    micro-batch's rows are of similar length, as each run's would be alone.
-    Packed: all runs' prompts, longest first, each to the least-filled row
-    (``balance_rows``) of all micro-batches' rows, so every row, and so every
-    micro-batch's longest, is as short as the prompts allow; rows hold at
-    most ``row_length`` tokens and ``prompts_per_row`` prompts.
-    Deterministic, so every process lays a step out alike.
+    One prompt a row: micro-batch i holds slice i of each run's prompts
+    sorted by length, so its rows are of similar length. Packed: all runs'
+    prompts balanced over all rows (``balance_rows``). Deterministic, so
+    every process lays a step out alike.
     """
     if not layout.packed:
         per_micro = [len(run) // layout.micro_batches for run in lengths]
@@ -91,24 +80,12 @@ def train_steps(
     pad_id: int = 0,
     prefetch: int = TRAIN_PREFETCH,
 ) -> grain.DatasetIterator:
-    """An endless stream of training steps: run r draws its batches from ``sets[r]`` seeded by ``seeds[r]``.
+    """An endless stream of training steps (``oodjax.data.batches``' layout): run r draws from ``sets[r]``.
 
-    Step t holds each run's global batch t (``stream_examples``) laid out by
-    ``step_layout``, as the train step takes it: input_ids and segment_ids
-    [micro_batches, rows, seq_len] (segment ids number a row's prompts 1, 2,
-    ...; 0 on padding), and per prompt slot [micro_batches, rows,
-    prompts_per_row] answer_pos, label, valid, run (the prompt's run),
-    example (its place in its run's batch) and index (its row in its run's
-    set, -1 on an empty slot). Of the rows of each micro-batch, this process
-    keeps positions ``rows`` (None: all): taking positions, not a stride,
-    keeps every prompt on the device and row where a single process puts
-    it.
-
-    A background thread builds the next ``prefetch`` steps ahead (0: each is
-    built when asked for). The returned grain iterator's
-    get_state()/set_state() (``{"next_index": steps handed out}``,
-    JSON-able) count the steps handed out, not those built ahead, and resume
-    the stream exactly.
+    This process keeps positions ``rows`` of each micro-batch (None: all):
+    positions, not a stride, keep every prompt on the device and row where a
+    single process puts it. The iterator's state counts the steps handed
+    out, not those built ahead, and resumes the stream exactly.
     """
     if not sets or len(sets) != len(seeds):
         raise ValueError(f"train_steps needs one set per seed, got {len(sets)} sets and {len(seeds)} seeds")
@@ -158,13 +135,8 @@ def train_steps(
 def replay_rows(
     sets: Sequence[TokenizedSet], seeds: Sequence[int], *, batch_size: int, layout: StepLayout, steps: int
 ) -> tuple[np.ndarray, int]:
-    """What the first ``steps`` steps of ``train_steps`` hold, from the prompts' lengths alone: [steps,
-    micro_batches] tokens of each micro-batch's longest row, and the most prompts any row holds.
-
-    Rows are laid out as ``train_steps`` lays them out, unbounded (it lays
-    them out alike when its bounds are at least these figures: each prompt
-    goes where it would go here). About a millisecond a step for 9 runs.
-    """
+    """From the prompts' lengths alone, the first ``steps`` steps' [steps, micro_batches] longest rows and
+    the most prompts a row holds; ``train_steps`` lays them out alike within bounds at least these."""
     longest = np.zeros((steps, layout.micro_batches), dtype=np.int64)
     most_prompts = 1
     for index in range(steps):
@@ -188,14 +160,9 @@ def packed_layout(
     row_length: int,
     steps: int,
 ) -> tuple[StepLayout, np.ndarray, int]:
-    """The packed layout of the first ``steps`` steps with the fewest rows (the same number on each of
-    ``shards`` devices) that keeps every row within ``row_length`` tokens, and what ``replay_rows`` says of it.
-
-    Rows are bounded, not one a device of whatever length a device's share
-    of the step makes, because a row computes attention between all its
-    prompts. The fewest rows that fit make each as full as the prompts
-    allow.
-    """
+    """The packed layout with the fewest rows (a multiple of ``shards``) that keeps every row of the first
+    ``steps`` steps within ``row_length``, and ``replay_rows``' figures; bounded because a row computes
+    attention between all its prompts."""
     totals = np.zeros(steps, dtype=np.int64)
     for index in range(steps):
         for tokenized, seed in zip(sets, seeds, strict=True):
@@ -214,8 +181,7 @@ def packed_layout(
 
 
 def stream_examples(seed: int, size: int, batch_size: int, index: int) -> np.ndarray:
-    """The examples of global batch ``index`` of a training stream: elements [index * batch_size, (index + 1) *
-    batch_size) of the set's epochs (``epoch_permutation``) one after another; a batch may straddle two epochs."""
+    """The examples of global batch ``index`` of a training stream; a batch may straddle two epochs."""
     positions = np.arange(index * batch_size, (index + 1) * batch_size)
     epochs, offsets = np.divmod(positions, size)
     return np.concatenate([epoch_permutation(seed, size, int(e))[offsets[epochs == e]] for e in np.unique(epochs)])
@@ -223,12 +189,7 @@ def stream_examples(seed: int, size: int, batch_size: int, index: int) -> np.nda
 
 @functools.lru_cache(maxsize=64)
 def epoch_permutation(seed: int, size: int, epoch: int) -> np.ndarray:
-    """Epoch ``epoch``'s order of a training set of ``size`` examples: numpy's permutation, seeded by (seed, epoch).
-
-    Drawn whole, once per epoch (cached, read-only), so a batch costs a few
-    slices, not a shuffle per example; runs seeded s and s + 1 share no
-    epoch order.
-    """
+    """Epoch ``epoch``'s order, seeded by (seed, epoch) so that runs seeded s and s + 1 share none."""
     order = np.random.default_rng([seed, epoch]).permutation(size)
     order.flags.writeable = False
     return order

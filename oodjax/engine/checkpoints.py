@@ -1,27 +1,14 @@
 """Each run's own checkpoints, so that runs resume one by one whatever else a job trains.
 
-`<run_dir>/checkpoints/<step>/` holds one run at one step: its slice of the
-run-stacked ``TrainState`` (adapters, optimizer state, dropout key data, the
-step counter; orbax item ``runs``), and a JSON record of the loop's state
-for it (item ``loop``: its partial loss sum, its data-iterator state, the
-config it was started with, whether the evaluation of that step is still
-to do). The frozen base is never saved: it is reloaded from its source. A
-job that gains runs (seeds, shot counts) resumes its old ones and starts
-the new ones; one that loses runs leaves theirs alone.
+`<run_dir>/checkpoints/<step>/` holds one run's slice of the run-stacked
+``TrainState`` (orbax item ``runs``) and the loop's JSON state for it (item
+``loop``); the frozen base is never saved. The data-iterator state is the
+same in every process (each draws the whole global stream and keeps its own
+rows), so the primary's copy serves every one.
 
-The data-iterator state is grain's count of training steps handed out
-(``{"next_index": k}``). Every process draws the same global stream and
-keeps its own rows of each step (``oodjax.data.train_steps``' ``rows``), so
-the state is the same in all of them and the primary's copy serves every one.
-
-Integrity: orbax writes a step into a temporary directory and renames it
-once every item, arrays and JSON alike, is complete, so an interrupted
-write is never listed as a checkpoint (its leftovers are removed when a
-later job starts saving). A checkpoint damaged after the fact (a truncated
-file) fails to restore: ``restore_newest`` names it, warns, and takes the
-next older one. A full disk raises ``NoSpaceError`` naming the checkpoint
-being written, the older ones intact, once the writes still in flight end
-(``_run_sync_via_new_loop``), so nothing else is printed.
+orbax renames a step into place only once complete, so an interrupted write
+is never listed; a checkpoint damaged later fails to restore and
+``restore_newest`` takes the next older one.
 """
 
 from __future__ import annotations
@@ -52,15 +39,11 @@ _TMP_SUFFIX = ".orbax-checkpoint-tmp"  # how orbax names a step being written (a
 
 
 def _run_sync_via_new_loop(coro: Coroutine[Any, Any, Any]) -> Any:
-    """orbax's ``asyncio_utils._run_sync_via_new_loop`` (which runs each save's and restore's writes and reads),
-    but a failure waits for the loop's other tasks before the loop is closed.
+    """orbax's ``asyncio_utils._run_sync_via_new_loop``, but a failure waits for the loop's other tasks.
 
-    orbax gathers its TensorStore writes; a gather raises the first failure
-    (on a full disk, ENOSPC) while the others are in flight, and orbax's own
-    version closes the loop at once: each write ending later calls back into
-    the closed loop, and TensorStore reports that through ``sys.unraisablehook``
-    as a bare "RuntimeError: Event loop is closed" traceback, dozens per failed
-    save. The others' errors are dropped; the first is raised.
+    orbax closes the loop on the first failed write (a full disk) while the
+    others are in flight; each then calls back into the closed loop, and
+    TensorStore prints "Event loop is closed" tracebacks, dozens per save.
     """
     loop = asyncio.new_event_loop()
     try:
@@ -97,7 +80,7 @@ class Restored:
 
 
 def checkpoint_dir(run_dir: str | pathlib.Path) -> pathlib.Path:
-    """Where a run's checkpoints are: ``<run_dir>/checkpoints``, as an absolute path (orbax wants one)."""
+    """``<run_dir>/checkpoints``, absolute (orbax wants one)."""
     return pathlib.Path(run_dir).resolve() / CHECKPOINT_DIR
 
 
@@ -117,13 +100,9 @@ def _complete_steps(directory: pathlib.Path) -> list[int]:
 
 
 def restore_newest(run_dir: str | pathlib.Path, target: TrainState | None, *, warn: bool = True) -> Restored | None:
-    """The run's newest checkpoint that restores whole; None when it has none.
+    """The run's newest checkpoint that restores whole, older ones tried in turn; None when it has none.
 
-    ``target`` (``run_target``) gives the shapes, dtypes and shardings of
-    the run's slice; None reads the loop state alone (cheap: the config
-    check before anything is loaded). A checkpoint that fails is named in a
-    warning (unless ``warn`` is False) and the next older one is tried; when
-    all fail, ``CheckpointsUnusableError`` names each with its error.
+    ``target`` (``run_target``) None reads the loop state alone, cheaply.
     """
     steps = checkpoint_steps(run_dir)
     if not steps:
@@ -162,8 +141,7 @@ def restore_newest(run_dir: str | pathlib.Path, target: TrainState | None, *, wa
 
 
 def set_aside(run_dir: str | pathlib.Path, step: int) -> pathlib.Path:
-    """Renames a damaged step to ``<step>.damaged-<unix time>``: kept for inspection, no longer a checkpoint,
-    and out of the way of the step's new checkpoint when the run gets there again."""
+    """Renames a damaged step to ``<step>.damaged-<unix time>``: kept for inspection, out of the new one's way."""
     source = checkpoint_dir(run_dir) / str(step)
     destination = source.with_name(f"{step}{DAMAGED_SUFFIX}-{int(time.time())}")
     source.rename(destination)
@@ -171,8 +149,7 @@ def set_aside(run_dir: str | pathlib.Path, step: int) -> pathlib.Path:
 
 
 def run_target(runs: TrainState) -> TrainState:
-    """One run's slice of ``runs`` as shapes, dtypes and shardings (the run axis dropped): what a run's
-    checkpoint restores into, on the current mesh whatever mesh wrote it."""
+    """One run's slice of ``runs`` as abstract arrays on the current mesh, whatever mesh wrote the checkpoint."""
 
     def unstacked(leaf: jax.Array) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct(leaf.shape[1:], leaf.dtype, sharding=_without_run_axis(leaf.sharding))
@@ -186,17 +163,12 @@ def run_target(runs: TrainState) -> TrainState:
 
 
 def split_runs(runs: TrainState) -> list[TrainState]:
-    """Each run's slice of ``runs`` (its leaves without the run axis; the shared step as it is).
-
-    One jitted program (compiled once per run count), which every process
-    runs alike on a multi-process mesh.
-    """
+    """Each run's slice of ``runs``: one jitted program, which every process runs alike."""
     return _split_runs(runs)
 
 
 def stack_runs(slices: Sequence[TrainState], like: TrainState) -> TrainState:
-    """The run-stacked state of ``slices`` (one per run, all at one step: the first's is kept), with
-    ``like``'s shardings."""
+    """The run-stacked state of ``slices`` (all at one step), with ``like``'s shardings."""
     shardings = jax.tree.map(lambda leaf: leaf.sharding, like)
     return jax.jit(_stack_runs, out_shardings=shardings)(tuple(slices))
 
@@ -238,9 +210,8 @@ def _first_line(error: BaseException) -> str:
 
 
 def _remove_interrupted_saves(directory: pathlib.Path) -> None:
-    """Deletes what interrupted saves left (orbax's ``<step>.orbax-checkpoint-tmp*`` folders, never read as
-    checkpoints), before a job saves again. Here rather than through orbax's ``cleanup_tmp_directories``,
-    which deletes in a background thread that nothing waits for. Process 0 deletes; no save is in flight yet."""
+    """Deletes what interrupted saves left, here rather than by orbax's ``cleanup_tmp_directories``, whose
+    background thread nothing waits for."""
     if jax.process_index() != 0 or not directory.is_dir():
         return
     for leftover in directory.glob(f"*{_TMP_SUFFIX}*"):
@@ -248,11 +219,9 @@ def _remove_interrupted_saves(directory: pathlib.Path) -> None:
 
 
 class RunCheckpointer:
-    """Writes one run's checkpoints under ``<run_dir>/checkpoints``, keeping the newest ``max_to_keep``
-    (``config.checkpoint_keep``; at least 1), older ones deleted as new ones are complete.
+    """Writes one run's checkpoints, keeping the newest ``max_to_keep``.
 
-    ``name`` (the run's) keeps the barriers of several runs' managers,
-    saving side by side in a multi-process job, apart.
+    ``name`` keeps apart the barriers of runs saving side by side in a multi-process job.
     """
 
     def __init__(self, run_dir: str | pathlib.Path, *, name: str, max_to_keep: int = 2):
@@ -273,12 +242,7 @@ class RunCheckpointer:
         return self._manager.latest_step()
 
     def save(self, step: int, state: TrainState, loop_state: Mapping[str, Any]) -> None:
-        """Saves the run's slice ``state`` and ``loop_state`` (JSON data) at ``step``.
-
-        The arrays are written asynchronously once copied to host, so
-        training continues; the step becomes visible only when complete. A
-        save also reports the failure of the previous one.
-        """
+        """Saves asynchronously once copied to host; a save also reports the previous one's failure."""
         with reporting_full_disk(self.directory, self._intact):
             self._manager.save(
                 step,
@@ -289,12 +253,10 @@ class RunCheckpointer:
             )
 
     def wait(self) -> None:
-        """Blocks until every started save is complete on disk (raising what failed)."""
         with reporting_full_disk(self.directory, self._intact):
             self._manager.wait_until_finished()
 
     def close(self) -> None:
-        """Waits for pending saves, then releases the manager (whose own wait reports a full disk again)."""
         try:
             self.wait()
         finally:

@@ -1,17 +1,9 @@
 """What a run prints while it trains: progress bars on a terminal, plain lines in a log file.
 
-A researcher watching a terminal gets a training bar whose rate and ETA count
-training only (compilations, evaluations and checkpoints are paused out of
-it) and an evaluation bar; log lines print above the bars, never through
-them. Where stderr is not a terminal (a SLURM log, a pipe) no bar is drawn,
-since redrawn bars fill files with carriage returns; the loop's log lines,
-which carry the step, the ETA and each evaluation's duration, are the
-progress there.
-
-Every log line is short: the time, the level and the message
-(``use_short_log_lines``; a library's lines also name the library). Values
-kept per run are labelled by run (``by_run``): inline for a few runs, a
-table of seeds by shot counts for more.
+The training bar's rate and ETA count training only (compilations,
+evaluations and checkpoints are paused out of it); log lines print above
+the bars. Where stderr is not a terminal no bar is drawn, since redrawn bars
+fill files with carriage returns: the log lines carry the progress there.
 """
 
 from __future__ import annotations
@@ -40,8 +32,7 @@ INLINE_RUNS = 4
 
 
 class _ShortLines(python_logging.Formatter):
-    """`12:04:31 INFO message`, rather than after absl's `I1126 12:04:31.123456 140213 loop.py:312] `; a line
-    of a library (orbax, jax) names it: `12:04:31 WARNING jax._src.xla_bridge: message`."""
+    """`12:04:31 INFO message`, not absl's long prefix; a library's line names the library."""
 
     def __init__(self) -> None:
         super().__init__("%(asctime)s %(levelname)s %(message)s", datefmt=_TIME_FORMAT)
@@ -54,10 +45,7 @@ class _ShortLines(python_logging.Formatter):
 
 
 def use_short_log_lines() -> None:
-    """Makes absl's handler, which every log line of the process goes through, print short lines (``_ShortLines``).
-
-    Called by ``oodjax.config_cli.run``, so every entry point prints alike.
-    """
+    """Makes absl's handler, which every log line of the process goes through, print short lines."""
     logging.get_absl_handler().setFormatter(_ShortLines())
 
 
@@ -69,10 +57,8 @@ class SeededRun(Protocol):
 
 
 def by_run(label: str, runs: Sequence[SeededRun], values: Sequence[str]) -> str:
-    """``label`` and each run's value, labelled by the run's seed and shots: ``loss: seed0_shots32 0.6931,
-    seed42_shots32 0.7012`` for up to ``INLINE_RUNS`` runs; for more, ``label:`` then a table on lines of its own
-    (a row per seed, a column per shot count, blank where there is no such run), so nine runs take four short
-    lines rather than one of nine numbers that only their order identifies."""
+    """Each run's value labelled by seed and shots: inline up to ``INLINE_RUNS`` runs, else a seeds x shots
+    table, so nine runs take four short lines rather than nine numbers only their order identifies."""
     cells = {(run.seed, run.shots): value for run, value in zip(runs, values, strict=True)}
     if len(cells) <= INLINE_RUNS:
         return f"{label}: " + ", ".join(f"seed{seed}_shots{shots} {value}" for (seed, shots), value in cells.items())
@@ -103,8 +89,7 @@ def bar(*, total: int, initial: int = 0, desc: str, unit: str, enabled: bool = T
 def logs_above_bars() -> Iterator[None]:
     """Routes absl's log lines through ``tqdm.write`` while bars are live, so each line prints above them.
 
-    (tqdm's ``logging_redirect_tqdm`` handles only plain StreamHandlers; absl's
-    handler wraps one, whose stream is swapped here.)
+    Not tqdm's ``logging_redirect_tqdm``: it handles only plain StreamHandlers, and absl's wraps one.
     """
     handler = logging.get_absl_handler().python_handler
     original = handler.stream
@@ -116,8 +101,7 @@ def logs_above_bars() -> Iterator[None]:
 
 
 class CompileClock:
-    """Seconds JAX spent compiling (tracing, lowering, XLA) while the ``with`` block ran; persistent-cache hits
-    cost none. Measured from JAX's own monitoring events, so it is the compilation, not the first run."""
+    """Seconds JAX spent compiling while the ``with`` block ran, from its monitoring events."""
 
     def __init__(self) -> None:
         self.seconds = 0.0
@@ -145,5 +129,5 @@ def first_call(what: str) -> Iterator[None]:
 
 
 def duration(seconds: float) -> str:
-    """``seconds`` as H:MM:SS (tqdm's own format, so log lines and bars read alike)."""
+    """H:MM:SS, tqdm's format, so log lines and bars read alike."""
     return tqdm.format_interval(seconds)

@@ -1,25 +1,15 @@
 """Multi-host start: one JAX process per node or per GPU, found from SLURM, a TPU pod or explicit values.
 
-JAX's own auto-detection (`jax.distributed.initialize()` with no arguments)
-binds each SLURM task to the GPU numbered by its local task id. Launched with
-one task per node, that silently trains on one GPU of every node. Here the
-layout is a stated choice, `per_node` (one process drives all of a node's
-devices) or `per_device` (one process per GPU), and a layout that contradicts
-the allocation is an error before any device is touched.
+JAX's own auto-detection binds each SLURM task to the GPU numbered by its
+local task id, so one task per node silently trains on one GPU of each.
+Here the layout is a stated choice, OODJAX_PROCESSES_PER `per_node` or
+`per_device` (required under SLURM, `per_node` on TPU pods), and one that
+contradicts the allocation is an error before any device is touched.
 
-The choice is OODJAX_PROCESSES_PER (or the `processes_per` argument); it is
-required under SLURM and must be `per_node` on TPU pods (one process per host).
-
-Sources, first match wins:
-  explicit  OODJAX_COORDINATOR_ADDRESS, OODJAX_NUM_PROCESSES, OODJAX_PROCESS_ID
-            (or the same values passed as arguments);
-  slurm     SLURM_JOB_ID, SLURM_STEP_NODELIST (or SLURM_JOB_NODELIST, its first host the
-            coordinator, expanded by `scontrol show hostnames`),
-            SLURM_NTASKS, SLURM_PROCID, SLURM_LOCALID, SLURM_NODEID,
-            SLURM_STEP_TASKS_PER_NODE (or SLURM_TASKS_PER_NODE);
-  tpu       TPU_WORKER_HOSTNAMES and TPU_WORKER_ID (GKE, or exported by
-            launch/tpu_pod.sh from the VM's metadata);
-otherwise a single process, and nothing is initialised.
+Sources, first match wins: explicit OODJAX_COORDINATOR_ADDRESS,
+OODJAX_NUM_PROCESSES and OODJAX_PROCESS_ID (or arguments); SLURM's
+variables; a TPU pod's TPU_WORKER_HOSTNAMES and TPU_WORKER_ID; else a
+single process, and nothing is initialised.
 """
 
 from __future__ import annotations
@@ -48,10 +38,7 @@ class LayoutError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class ProcessLayout:
-    """Everything `jax.distributed.initialize` needs, and where it came from.
-
-    `local_device_ids` None means the process uses every device it can see.
-    """
+    """Everything `jax.distributed.initialize` needs; `local_device_ids` None: every device it sees."""
 
     coordinator_address: str
     num_processes: int
@@ -68,12 +55,7 @@ def detect_layout(
     num_processes: int | None = None,
     process_id: int | None = None,
 ) -> ProcessLayout | None:
-    """The layout of this process, or None when it is the only one.
-
-    Explicit arguments take precedence over OODJAX_* variables, which take
-    precedence over SLURM and TPU variables. `processes_per` (or
-    OODJAX_PROCESSES_PER) must be given under SLURM: nothing is assumed.
-    """
+    """The layout of this process, or None when it is the only one; arguments take precedence over variables."""
     env = os.environ if env is None else env
     processes_per = processes_per or env.get("OODJAX_PROCESSES_PER") or None
     if processes_per is not None and processes_per not in PROCESSES_PER:
@@ -91,18 +73,11 @@ def detect_layout(
 
 
 def initialize(env: Mapping[str, str] | None = None, **explicit: str | int | None) -> ProcessLayout | None:
-    """Start JAX's multi-controller runtime for this process (before any device use).
-
-    Takes the arguments of `detect_layout`. Returns the layout, or None for a
-    single process (nothing to start). JAX's own auto-detection is switched
-    off: every value passed is one this module decided and validated.
-    """
+    """Starts JAX's multi-controller runtime (before any device use), its own detection off; None: one process."""
     layout = detect_layout(env, **explicit)  # type: ignore[arg-type]
     if layout is None:
         return None
-    # JAX's preemption service would install XLA's own SIGTERM handler, which hears SIGTERM alone and only for
-    # ``multihost_utils.reached_preemption_sync_point``: a SIGTERM before the loop's handlers
-    # (``oodjax.engine.preemption``) are in place would be swallowed, not end the process.
+    # XLA's SIGTERM handler would swallow a SIGTERM that comes before ``oodjax.engine.preemption``'s are in place.
     jax.config.update("jax_enable_preemption_service", False)
     jax.distributed.initialize(
         coordinator_address=layout.coordinator_address,
@@ -190,8 +165,7 @@ def _tpu_layout(env: Mapping[str, str], processes_per: ProcessesPer | None) -> P
 
 
 def expand_nodelist(nodelist: str) -> list[str]:
-    """SLURM's compressed host list ("gpu[01-03,07],login2", "node[1-2]-ib") as host names, in order: the
-    scheduler's own answer (`scontrol show hostnames`) where scontrol is here, else ``parse_nodelist``'s."""
+    """SLURM's compressed host list as host names: `scontrol show hostnames` where it is here, else ours."""
     scontrol = shutil.which("scontrol")
     if scontrol is not None:
         answer = subprocess.run([scontrol, "show", "hostnames", nodelist], capture_output=True, text=True)
@@ -202,8 +176,7 @@ def expand_nodelist(nodelist: str) -> list[str]:
 
 
 def parse_nodelist(nodelist: str) -> list[str]:
-    """A host list expanded as SLURM writes it: comma-separated names, each with any number of bracketed
-    ranges between a prefix and a suffix ("node[1-2]-ib[0-1]"), zero-padded as written."""
+    """A SLURM host list ("gpu[01-03,07],node[1-2]-ib[0-1]") expanded, zero-padded as written."""
     names = re.findall(r"(?:[^,\[]|\[[^\]]*\])+", nodelist)
     if ",".join(names) != nodelist:
         raise LayoutError(f"cannot parse SLURM node list {nodelist!r}: unbalanced brackets")

@@ -1,24 +1,15 @@
-"""Stopping at a step boundary on SIGTERM or SIGUSR1, what SLURM and TPU pods send ahead of a time limit or a
-preemption, on SIGHUP (the SSH session that started a TPU worker dropped) and on Ctrl-C (SIGINT): every process
-finishes the current step (in a multi-process job, the steps up to the next one whose results the loop waits for
-anyway), all agree on it (``StopSignals.agreed``), the loop checkpoints every run it is training and raises
-``Preempted``, which ``oodjax.main`` turns into exit status ``PREEMPTED_EXIT_CODE`` (launch/slurm.sbatch requeues
-itself on it) once it trained a step, else ``128 + signal`` as a process the signal ended: requeueing a job that
-trained nothing would loop.
+"""Stopping at a step boundary on SIGTERM, SIGUSR1 (a scheduler's time limit or preemption), SIGHUP and Ctrl-C.
 
-The scheduler's signals may come while Python is still importing (seconds): ``hold_stop_signals``, called by
-``oodjax.main`` before its heavy imports, notes them from then on, and the loop's ``StopSignals`` acts on a signal
-noted before it was entered.
+Every process finishes the current step, all agree on it
+(``StopSignals.agreed``), the loop checkpoints its runs and raises
+``Preempted``: exit status ``PREEMPTED_EXIT_CODE`` (launch/slurm.sbatch
+requeues on it) once a step was trained, else ``128 + signal``, since
+requeueing a job that trained nothing would loop. A second Ctrl-C ends the
+process at once; results and checkpoints are atomic, so it loses no more
+than a crash would.
 
-Why not JAX's own preemption sync (``multihost_utils.reached_preemption_sync_point``): it hears SIGTERM alone,
-through a C handler that ``jax.distributed.initialize`` installs (XLA's SigtermNotifier) and that the Python
-handlers here replace, while SLURM warns of a time limit with SIGUSR1 (launch/slurm.sbatch) and a user stops with
-Ctrl-C; and it offers Python no way to post a notice of another signal.
-
-A second Ctrl-C ends the process at once, killed by SIGINT (the first restores the system's default action):
-for someone who will not wait for the checkpoint. Nothing is lost that a crash would not lose: results and
-checkpoints are written atomically, so the next start resumes each run from its last complete checkpoint
-(and takes over the run locks left behind, ``oodjax.engine.run_lock``).
+Not JAX's preemption sync (``reached_preemption_sync_point``): it hears
+SIGTERM alone, while SLURM warns with SIGUSR1 and a user stops with Ctrl-C.
 """
 
 from __future__ import annotations
@@ -30,8 +21,7 @@ from typing import Any
 
 from absl import logging
 
-# EX_TEMPFAIL of sysexits.h, "temporary failure, try again": the exit status of a job stopped by a stop
-# signal once it trained a step and checkpointed its runs. launch/slurm.sbatch requeues itself on it.
+# EX_TEMPFAIL of sysexits.h, "temporary failure, try again".
 PREEMPTED_EXIT_CODE = 75
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP, signal.SIGINT)
 # Held from the start of `python -m oodjax.main`: the scheduler's and the session's, not Ctrl-C, which outside
@@ -65,19 +55,13 @@ class Preempted(Exception):
 
 
 class StopSignals:
-    """While entered, SIGTERM, SIGUSR1 and a first SIGINT are noted rather than fatal, for the loop to stop at a
-    step boundary; a second SIGINT kills the process (see the module).
-
-    Python runs signal handlers in the main thread only, so elsewhere (a
-    thread calling ``train``) the signals keep their handlers.
-    """
+    """While entered, the stop signals are noted rather than fatal (in the main thread: Python's rule)."""
 
     def __init__(self) -> None:
         self._previous: dict[int, Any] = {}
 
     @property
     def received(self) -> str | None:
-        """The name of the first stop signal received (before this was entered too, once held), or None."""
         return _NOTED.received
 
     def __enter__(self) -> StopSignals:
@@ -96,12 +80,12 @@ class StopSignals:
         _NOTED.steps_trained += 1
 
     def agreed(self, *, synced: bool = True) -> bool:
-        """Whether to stop now. In one process: whether it received a stop signal. In a multi-process job: whether
-        any process did, asked (each process's flag all-gathered, a few bytes) only where ``synced``, a step whose
-        results the loop waits for anyway (a log line, an evaluation, a checkpoint; before training): the
-        all-gather waits for the devices to finish the step, so elsewhere it would stop the host from
-        dispatching ahead. Every process passes the same ``synced`` at the same step, so all stop at the same
-        one, the first such step after the signal."""
+        """Whether any process received a stop signal.
+
+        Asked across processes only where ``synced``, a step whose results the
+        loop waits for anyway: the all-gather waits for the devices, so
+        elsewhere it would stop the host from dispatching ahead.
+        """
         import jax  # here, not at the top: oodjax.main holds the signals before it imports JAX
         import numpy as np
         from jax.experimental import multihost_utils
@@ -113,8 +97,7 @@ class StopSignals:
 
 
 def hold_stop_signals() -> None:
-    """Notes SIGTERM, SIGUSR1 and SIGHUP from now on (in the main thread), for the loop to act on once it
-    trains: a scheduler's warning while Python imports or loads would otherwise end the process."""
+    """Notes the scheduler's signals from now on: one while Python imports or loads would otherwise end it."""
     if threading.current_thread() is threading.main_thread():
         for number in HELD_SIGNALS:
             signal.signal(number, _receive)
@@ -138,5 +121,5 @@ def _receive(number: int, frame: object) -> None:
 
 
 def _signal_number(name: str) -> int:
-    """The number of a signal named as ``Preempted`` names it; SIGTERM's for a signal to another process."""
+    """SIGTERM's for a stop that another process received."""
     return signal.Signals[name].value if name in signal.Signals.__members__ else signal.SIGTERM.value

@@ -1,32 +1,12 @@
 """A run's identity and its results: metrics.npz in the schema of analysis/schema.py, and results.json beside it.
 
-A run is one (seed, shots) fine-tuning job of a model on a training set.
-Its name is ``run_name``'s ``<model>_<train_set>_seed<seed>_shots<shots>``,
-its directory ``<output_dir>/<name>/`` (checkpoints under ``checkpoints/``,
-adapters under ``adapter/``), and its identity is also stored inside its
-results, in the config JSON's run section (``schema.RUN_SECTION``: model,
-seed, shots), which is what the analysis (``analysis.runs.RunRecord``) and
-the sweep read: a renamed or moved directory is still the same run.
-
-The file is rewritten after every evaluation through a temporary file and
-`os.replace`, so a reader (or a crash, or a full disk) only ever sees a
-complete file that holds every evaluation finished so far. It is created
-with the process umask like any other file (readable by the group under the
-usual 022), not with the owner-only mode of `tempfile`'s files.
-`read_progress` is how the loop and the sweep tell a finished run from an
-unfinished one.
-
-results.json, rewritten (atomically too) after each metrics.npz, is the run
-at a glance for a reader without numpy: final and best accuracy per testset
-with their steps, the run's identity and config, the package versions and
-devices of the process that wrote it, and timings (layout in
-analysis/schema.py). Timings are the caller's clocks, per evaluation; a
-resumed run reads those of the evaluations it keeps back from the
-results.json it resumes, so they add up over restarts, less the training a
-stopped job did after its last evaluation (what the resumed job redoes is
-counted then; what a checkpoint kept, not at all). metrics.npz holds no
-timings, so a resumed run's metrics.npz stays equal to an uninterrupted
-one's.
+A run's identity is also stored inside its results (the config's
+``schema.RUN_SECTION``), so a renamed or moved directory is still the same
+run. Both files are rewritten after every evaluation by ``write_atomic``, so
+a reader or a crash only ever sees a complete file. Timings go to
+results.json alone, so a resumed run's metrics.npz stays equal to an
+uninterrupted one's; a resumed run carries over those of the evaluations it
+keeps.
 """
 
 from __future__ import annotations
@@ -54,8 +34,7 @@ from oodjax import versions as oodjax_versions
 from oodjax.storage import write_atomic, write_npz_atomic
 from oodjax.usage_errors import ConfigError, DamagedInputError
 
-# Accuracy and margins are computed from float32 margins; only the stored
-# per-example margins are rounded to float16 (they are many and small).
+# Only the stored per-example margins are float16 (they are many); accuracy comes from float32 ones.
 MARGIN_DTYPE = np.float16
 
 ADAPTER_DIR = "adapter"  # <run_dir>/adapter/: the run's adapters in PEFT format (export.peft)
@@ -115,8 +94,7 @@ class RunPlan:
 
 
 def model_name(name: str, path: str, model_type: str) -> str:
-    """A model's name in run names: model.name, else the checkpoint's last path component, else
-    "<model_type>-random"."""
+    """A model's name in run names: model.name, else the checkpoint folder's name, else "<model_type>-random"."""
     if name:
         return name
     if path:
@@ -125,20 +103,19 @@ def model_name(name: str, path: str, model_type: str) -> str:
 
 
 def run_name(model: str, train_set: str, seed: int, shots: int) -> str:
-    """`<model>_<train_set>_seed<seed>_shots<shots>`, with path separators in the model name replaced."""
     return f"{path_safe(model)}_{train_set}_seed{seed}_shots{shots}"
 
 
 def path_safe(name: str) -> str:
-    """``name`` as one path component: runs of characters other than letters, digits, ``._-`` become ``-``
-    (a hub id's ``/`` included)."""
+    """``name`` as one path component (a hub id's ``/`` included)."""
     return re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-")
 
 
 def accuracy(margins: np.ndarray, labels: np.ndarray) -> float:
-    """Fraction of examples whose larger answer logit is the gold one (a tie counts as " No"); NaN when any
-    margin is NaN or infinite: a model whose outputs are not finite has no accuracy (a NaN margin compared
-    as " No" would pass for a plausible one), and the analysis reads NaN as missing."""
+    """Fraction of examples whose larger answer logit is the gold one (a tie counts as " No").
+
+    NaN when any margin is not finite: a NaN margin compared as " No" would pass for a plausible accuracy.
+    """
     margins = np.asarray(margins)
     if not np.isfinite(margins).all():
         return float("nan")
@@ -157,8 +134,7 @@ class RunResults:
         in_domain: str,
         config: Mapping[str, Any],
     ):
-        """`labels` maps each evaluated testset (in column order) to its gold labels, `dataset_index` each to its
-        examples' rows in their dataset (``oodjax.engine.run_data.IndexedSet``), in the same order."""
+        """`labels` and `dataset_index` (``oodjax.engine.run_data.IndexedSet``) per testset, in column order."""
         if in_domain not in labels:
             raise ValueError(f"in-domain testset {in_domain!r} is not among the evaluated {list(labels)}")
         if set(dataset_index) != set(labels):
@@ -193,15 +169,10 @@ class RunResults:
         train_clock: float = math.nan,
         evaluation_seconds: float = math.nan,
     ) -> dict[str, float]:
-        """Records the evaluation at `step` and returns its accuracy per testset; a testset with a margin that is
-        not finite gets accuracy NaN, said in a warning naming the run, the step and the testset.
+        """Records the evaluation at `step` (every kind of evaluation scores here); returns its accuracy per testset.
 
-        Every evaluation (training's, `oodjax.evaluate`'s, the in-context
-        baseline's) computes its accuracies here. `train_clock` is the
-        seconds spent training the run so far by this process (the loop's
-        training clock; results.json records what it advanced since the
-        previous evaluation), `evaluation_seconds` how long this evaluation
-        took; NaN where not measured (no training: `oodjax.evaluate`)."""
+        `train_clock` is this process's seconds of training so far; NaN where not measured.
+        """
         if self.steps and step <= self.steps[-1]:
             raise ValueError(f"evaluation at step {step} after one at step {self.steps[-1]}")
         if set(margins) != set(self.testsets):
@@ -233,7 +204,6 @@ class RunResults:
         return accuracies
 
     def arrays(self) -> dict[str, np.ndarray]:
-        """The metrics.npz content: every key of the schema."""
         arrays = {
             schema.STEP: np.array(self.steps, dtype=np.int64),
             schema.TESTSETS: np.array(self.testsets, dtype=np.str_),
@@ -287,11 +257,10 @@ class RunResults:
 
     @property
     def results_path(self) -> pathlib.Path:
-        """results.json, beside metrics.npz."""
         return self.path.with_name(schema.RESULTS_FILENAME)
 
     def write(self) -> None:
-        """Rewrites metrics.npz, then results.json, each atomically (a reader sees the old file or the new one)."""
+        """Rewrites metrics.npz, then results.json, each atomically."""
         write_npz_atomic(self.path, self.arrays())
         text = json.dumps(self.summary(), indent=2, allow_nan=False) + "\n"
         write_atomic(
@@ -301,11 +270,7 @@ class RunResults:
         )
 
     def resume(self, up_to_step: int, expected_steps: Sequence[int]) -> None:
-        """Reloads the evaluations up to a checkpoint's step from the metrics.npz on disk.
-
-        Evaluations after `up_to_step` are dropped: the resumed run redoes them.
-        `expected_steps` are the evaluation steps that must be there.
-        """
+        """Reloads the evaluations up to a checkpoint's step (`expected_steps`); the resumed run redoes later ones."""
         if not self.path.is_file():
             raise FileNotFoundError(
                 f"{self.path} is missing, but the checkpoint at step {up_to_step} needs the "
@@ -337,8 +302,8 @@ class RunResults:
         self.evaluation_seconds = [timings.get(step, (math.nan, math.nan))[1] for step in steps]
 
     def _stored_timings(self) -> dict[int, tuple[float, float]]:
-        """(train, evaluation) seconds per step from the results.json being resumed; none from a missing one (a run
-        begun before results.json existed) or, with a warning, an unreadable one: timings are not worth a stop."""
+        """(train, evaluation) seconds per step from the results.json being resumed; an unreadable one is only
+        warned of: timings are not worth a stop."""
         try:
             stored = json.loads(self.results_path.read_text())
             return {
@@ -361,7 +326,6 @@ class RunResults:
 
 
 def _at_step(steps: Sequence[int], values: np.ndarray, i: int | None) -> dict[str, Any]:
-    """{step, accuracy} of evaluation `i`; both null for None."""
     return {
         schema.RESULTS_STEP: None if i is None else steps[i],
         schema.RESULTS_ACCURACY: None if i is None else _finite_or_none(values[i]),
@@ -384,9 +348,7 @@ def _total(seconds: Sequence[float]) -> float | None:
 
 @functools.cache
 def versions() -> dict[str, Any]:
-    """Python's version, each of RECORDED_DISTRIBUTIONS' (None: not installed, as oodjax run from a checkout), and
-    the commit of the oodjax checkout this runs from (None when it is not one), with the CUDA libraries and
-    the differences from the pins (``oodjax.versions.against_pins``)."""
+    """The versions results.json records (None: not installed), the checkout's commit, and ``against_pins``."""
     found: dict[str, Any] = {"python": platform.python_version()}
     for distribution in RECORDED_DISTRIBUTIONS:
         try:
@@ -432,17 +394,11 @@ class Progress:
     config: dict[str, Any]
 
     def finished(self, final_step: int) -> bool:
-        """Whether the evaluation at the run's last step is recorded, the mark of a finished run."""
         return final_step in self.steps
 
 
 def read_progress(run_dir: str | pathlib.Path) -> Progress | None:
-    """The steps and config recorded in `<run_dir>/metrics.npz`; None when there is no such file.
-
-    A file that exists but cannot be read raises `UnreadableResultsError`
-    naming it (the loop stops on it; the sweep warns and counts the run
-    unfinished).
-    """
+    """The steps and config recorded in `<run_dir>/metrics.npz`; None when there is no such file."""
     path = pathlib.Path(run_dir) / schema.METRICS_FILENAME
     if not path.is_file():
         return None

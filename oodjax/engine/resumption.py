@@ -1,12 +1,9 @@
 """Where each run of a job stands before it trains, and whether it may go on.
 
-Runs are the unit of resumption: on start each is finished (its metrics.npz
-holds its last step: skipped, its results left as they are), part-way
-(resumed from its newest intact checkpoint) or new (started at step 0)
-(``read_start``). A stored run whose config differs from the job's in
-anything but ``RESUMABLE_CHANGES`` and the runs section is refused, naming
-the fields, before anything is created (``refuse_changed_config``).
-Checkpoints that failed to restore are set aside (``set_aside_damaged``).
+Runs are the unit of resumption: each is finished (skipped), part-way
+(resumed from its newest intact checkpoint) or new. A stored run whose
+config differs from the job's beyond ``RESUMABLE_CHANGES`` and the runs
+section is refused before anything is created.
 """
 
 from __future__ import annotations
@@ -29,9 +26,8 @@ from oodjax.engine.distributed import is_primary
 from oodjax.engine.results import Run
 from oodjax.usage_errors import ConfigError
 
-# Config fields a resumed run may change: they do not affect its results (checkpoint_keep: how
-# many checkpoints are kept; train.schedule, which does, may not). The runs section (seeds,
-# shots) may change too: it says which runs a job trains, not what one is.
+# Config fields a resumed run may change: they do not affect its results. The runs section may change
+# too: it says which runs a job trains, not what one is.
 RESUMABLE_CHANGES = ("output_dir", "log_every", "wandb", "tensorboard", "export", "checkpoint_keep")
 JOB_SECTIONS = ("runs", schema.RUN_SECTION)
 
@@ -63,8 +59,7 @@ class RunStart:
 
 
 def read_start(total_steps: int, run: Run) -> RunStart:
-    """Reads what the run's folder holds (its metrics.npz, its newest readable checkpoint record); writes nothing.
-    A run of ``total_steps`` steps is finished when its metrics.npz holds that step's evaluation."""
+    """Reads what the run's folder holds; writes nothing."""
     try:
         progress = results.read_progress(run.directory)
     except results.UnreadableResultsError as error:
@@ -80,8 +75,7 @@ def read_start(total_steps: int, run: Run) -> RunStart:
 
 
 def refuse_changed_config(record: Mapping[str, Any], output_dir: pathlib.Path, starts: Sequence[RunStart]) -> None:
-    """Raises a ConfigError naming every stored run whose config differs from ``record`` (the job's config as
-    JSON) in a field that changes what the run is (learning rate, data, model, ...), and those fields."""
+    """A ConfigError naming every stored run whose config differs from ``record`` in a field that matters."""
     current = comparable_stored(record)
     defaults = comparable_stored(json.loads(config_fields.get_config().to_json()))
     differing: dict[str, list[str]] = collections.defaultdict(list)
@@ -103,9 +97,7 @@ def differing_fields(
 ) -> list[str]:
     """``"section.field stored -> now"`` for every leaf field that differs between two config dicts.
 
-    A field the stored config lacks (one a later version added) whose current
-    value is its default (``defaults``, oodjax/config_fields.py's) is no difference:
-    at its default it means what the version without it did.
+    A field the stored config lacks is no difference at its default: it means what the version without it did.
     """
     fields = []
     for key in sorted({*stored, *current}):
@@ -132,8 +124,7 @@ def warn_of_shared_checkpoints(output_dir: pathlib.Path) -> None:
 
 
 def set_aside_damaged(starts: Sequence[RunStart]) -> None:
-    """Renames the checkpoints newer than the one each run resumes from (they failed to restore), so that the
-    run's new checkpoints at those steps do not meet them; process 0 renames, the others wait for it."""
+    """Renames the checkpoints that failed to restore, out of the way of the run's new ones at those steps."""
     for start in starts:
         for step in start.checkpoint.damaged if start.checkpoint is not None else ():
             if is_primary():
@@ -147,6 +138,5 @@ def set_aside_damaged(starts: Sequence[RunStart]) -> None:
 
 
 def comparable_stored(config_data: Mapping[str, Any]) -> dict[str, Any]:
-    """A stored config (a checkpoint's, or metrics.npz's with its run section) without what a resumption may
-    change or what says which runs a job trains."""
+    """A stored config without what a resumption may change."""
     return {key: value for key, value in config_data.items() if key not in (*RESUMABLE_CHANGES, *JOB_SECTIONS)}

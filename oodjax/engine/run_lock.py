@@ -1,47 +1,21 @@
-"""One run, one writer: a job locks each of its runs while it trains or evaluates them.
+"""One run, one writer: a job locks each of its runs while it trains or evaluates them (docs/engine.md).
 
-Two jobs on one run corrupt it: a sweep resubmitted while its job still
-runs trained the same runs twice, the second job deleting the first's
-checkpoint in progress, and the first then ended with half its evaluations.
-So ``oodjax.main`` and ``oodjax.evaluate`` lock every run of the job before
-they read where it stands (``locked_runs``), and hold the locks until they
-exit, whatever ends them (the end, a stop signal's exit 75, an error). A
-job that finds a live lock on one of its runs stops before it writes
-anything, naming the run and the holder (``RunLockedError``, one line and
-exit status 2), or, with ``runs.skip_locked``, leaves such runs out.
+Two jobs on one run corrupt it (one deletes the other's checkpoint in
+progress), so ``locked_runs`` is taken before a job reads where its runs
+stand and held until it exits. The lock is ``<run_dir>/run.lock``: JSON
+naming its holder and a heartbeat that a daemon thread rewrites, since a
+checkpoint load, a compile or an evaluation may each outlast the stale
+threshold with no step in between. A lock is stale when its holder is an
+earlier run of the same (requeued) SLURM job, a gone process of this host,
+or its heartbeat is older than ``STALE_AFTER_SECONDS``.
 
-The lock is the file ``<run_dir>/run.lock``: JSON naming its holder (host,
-process id, SLURM job with array task and restart count, when taken) and a
-heartbeat, a time rewritten every ``HEARTBEAT_SECONDS`` by a daemon thread.
-A thread rather than the loop's log steps: loading a 32B checkpoint from a
-network filesystem, compiling, or one evaluation of eight testsets may each
-take longer than the stale threshold, with no step in between. A lock is
-stale, and taken over with a warning naming its holder, when its holder is
-an earlier run of this same SLURM job (requeued: SLURM never runs two at
-once), when it is on this host and its process is gone, or when its
-heartbeat is older than ``STALE_AFTER_SECONDS``. A job killed outright
-(SIGKILL, a second Ctrl-C, a node lost) leaves its lock behind; the next
-job takes it over by these rules.
-
-Taken atomically on network filesystems (NFS, Lustre, GPFS), where
-``flock`` and ``fcntl`` locks are not reliable (NFS's depend on lockd,
-Lustre's on a mount option): the lock is the file's existence, made with the
-classic NFS-safe recipe. The holder writes its record to a file of its own
-(a unique name), links it to ``run.lock`` (a link fails on the server if the
-name exists, so one job wins), and counts the links of its own file: two
-means its link made the lock, whatever the call returned (an NFS retransmit
-can report a link that succeeded as failed). It then reads the lock back and
-checks its token. A reader sees a whole record or none: the record is
-complete before it is linked, and each heartbeat replaces it by a rename.
-Where hard links are not supported (some FUSE filesystems) the lock is
-created with ``O_CREAT | O_EXCL`` instead. Taking over a stale lock is
-serialised by a second lock, ``run.lock.break``, taken the same way: its
-holder reads the stale lock again and deletes it only if it is still the
-one judged stale, so two jobs that both found it stale cannot both win.
-
-In a multi-process job, process 0 alone takes and holds the locks; which
-runs it holds is broadcast to the others (as the loop's stop flag is
-shared), so every process stops, or leaves the same runs out, alike.
+``flock`` and ``fcntl`` are unreliable on NFS and Lustre, so the lock is the
+file's existence, made with the NFS-safe recipe: write a uniquely named
+record, link it to ``run.lock`` (one job wins) and trust the record's link
+count, not the call's result (an NFS retransmit can report a link that
+succeeded as failed). Taking over a stale lock is serialised by a second
+such lock, ``run.lock.break``, so two jobs that judge it stale cannot both
+win. In a multi-process job process 0 alone holds the locks.
 """
 
 from __future__ import annotations
@@ -79,7 +53,7 @@ _NO_HARD_LINKS = (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS)
 
 
 class RunLockedError(UsageError):
-    """A run of the job is locked by another job that trains or evaluates it; nothing was written."""
+    """A run of the job is locked by another live job; nothing was written."""
 
 
 class RunLockContendedError(RuntimeError):
@@ -150,8 +124,7 @@ class RunLock:
         return True
 
     def release(self) -> None:
-        """Deletes the lock if it is still this process's, then the folders taking it created, if still empty
-        (a job refused before it wrote anything leaves no folder behind)."""
+        """Deletes the lock if it is still this process's, then the folders taking it created, if still empty."""
         current = _read(self.path)
         if current is not None and current.token == self.holder.token:
             self.path.unlink(missing_ok=True)
@@ -161,11 +134,7 @@ class RunLock:
 
 
 def try_lock(run_dir: str | pathlib.Path) -> RunLock | Holder:
-    """Locks ``run_dir`` (creating it) for this process, taking a stale lock over; else the live holder.
-
-    Finding a live lock writes nothing: the lock is read before any
-    attempt to create it.
-    """
+    """Locks ``run_dir`` (creating it) for this process, taking a stale lock over; else the live holder."""
     path = pathlib.Path(run_dir).absolute() / LOCK_FILENAME
     created = _make_folders(path.parent)
     try:
@@ -214,12 +183,9 @@ RunT = TypeVar("RunT", bound=_Run)
 
 @contextlib.contextmanager
 def locked_runs(runs: Sequence[RunT], *, skip_locked: bool) -> Iterator[list[RunT]]:
-    """Holds the lock of every run of ``runs`` while the body runs; yields the runs held, in order.
+    """Holds the lock of every run while the body runs; yields the runs held, in order.
 
-    A run locked by another (live) job raises ``RunLockedError`` naming it
-    and its holder, after releasing the locks taken, or with
-    ``skip_locked`` is left out with a warning. Process 0 locks; every
-    process gets the same runs (or the same error).
+    A run locked by a live job raises ``RunLockedError``, or with ``skip_locked`` is left out.
     """
     locks: list[RunLock] = []
     holders: dict[int, Holder] = {}
@@ -316,8 +282,7 @@ def _locked_message(runs: Sequence[_Run], holders: Sequence[Holder | None]) -> s
 
 
 def _read(path: pathlib.Path) -> Holder | None:
-    """The lock's holder; None when there is no lock. A file that is not a lock record is a holder of unknown
-    identity whose heartbeat is the file's modification time."""
+    """The lock's holder, None when there is none; a file that is not a record holds it since its mtime."""
     try:
         text = path.read_text(encoding="utf-8")
         modified = path.stat().st_mtime
@@ -333,14 +298,19 @@ def _read(path: pathlib.Path) -> Holder | None:
 
 
 def _write_record(path: pathlib.Path, holder: Holder) -> pathlib.Path:
-    """Writes ``holder`` to a new file of its own beside ``path`` (a unique name), on disk; returns it."""
+    """Writes ``holder`` to a new file of its own beside ``path``; returns it."""
     record = path.with_name(f".{path.name}.{secrets.token_hex(8)}")
-    descriptor = os.open(record, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    _write_new(record, holder)
+    return record
+
+
+def _write_new(path: pathlib.Path, holder: Holder) -> None:
+    """Creates ``path`` holding ``holder``, on disk; FileExistsError where it exists."""
+    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     with os.fdopen(descriptor, "w", encoding="utf-8") as file:
         json.dump(dataclasses.asdict(holder), file)
         file.flush()
         os.fsync(file.fileno())
-    return record
 
 
 def _create(path: pathlib.Path, holder: Holder) -> bool:
@@ -364,16 +334,12 @@ def _create(path: pathlib.Path, holder: Holder) -> bool:
 
 
 def _create_exclusive(path: pathlib.Path, holder: Holder) -> bool:
-    """``_create`` where hard links are not supported: ``O_CREAT | O_EXCL`` (a reader may see the file empty
-    for a moment: a record it cannot read counts as a live holder until it is old)."""
+    """``_create`` without hard links (some FUSE filesystems); a reader may see the file empty for a moment,
+    which counts as a live holder until it is old."""
     try:
-        descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        _write_new(path, holder)
     except FileExistsError:
         return False
-    with os.fdopen(descriptor, "w", encoding="utf-8") as file:
-        json.dump(dataclasses.asdict(holder), file)
-        file.flush()
-        os.fsync(file.fileno())
     read_back = _read(path)
     return read_back is not None and read_back.token == holder.token
 
@@ -418,7 +384,6 @@ def _remove_created(folder: pathlib.Path, created: pathlib.Path | None) -> None:
 
 
 def _process_alive(pid: int) -> bool:
-    """Whether a process of this host has this id (one of another user counts)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -433,7 +398,7 @@ def _ago(seconds: float) -> str:
 
 
 def _duration(seconds: float) -> str:
-    """``seconds`` in the largest unit that keeps it readable: 12 s, 7 min, 3.5 h."""
+    """12 s, 7 min, 3.5 h."""
     if seconds < 120:
         return f"{seconds:.0f} s"
     if seconds < 7200:

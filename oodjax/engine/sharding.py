@@ -1,22 +1,12 @@
 """The device mesh, and where batches, the frozen base and the runs' state live on it.
 
-The mesh has three axes, ("data", "fsdp", "tensor"). Parameters are placed by
-their logical axis names through the one rules table in
-``oodjax.models.partitioning``; adapters and optimizer moments inherit the
-names of the projection they adapt, behind a replicated run axis. Batches are
-split along their example axis over the axes the table gives "batch".
-
-Everything here works the same in one process and in many
-(``oodjax.engine.distributed``), where a mesh spans devices no single process
-can address: arrays are built with ``jax.make_array_from_callback`` or
-``jax.make_array_from_process_local_data``, each process supplying only the
-blocks its own devices hold. Three cases, one function each:
-
-- ``place``: state every process computed identically (the frozen base from
-  a seed, the runs' initial adapters and optimizer state);
-- ``shard_batch``: a batch every process holds whole (evaluation batches);
-- ``shard_process_batch``: a batch of which each process holds only its own
-  rows, ``process_batch_rows`` of the global batch (training batches).
+Parameters are placed by their logical axis names through the one rules
+table, ``oodjax.models.partitioning``; adapters and optimizer moments take
+their projection's, behind a replicated run axis. In a multi-process job no
+process addresses the whole mesh, so each supplies only its devices' blocks:
+``place`` for state every process computed identically, ``shard_batch`` for
+a batch every process holds whole, ``shard_process_batch`` for one of which
+each holds its own rows.
 """
 
 from __future__ import annotations
@@ -41,9 +31,8 @@ BATCH_AXES: tuple[str, ...] = tuple(dict(LOGICAL_AXIS_RULES)["batch"])
 
 @dataclasses.dataclass(frozen=True)
 class MeshShape:
-    """The mesh a job asks for (its mesh section): axis sizes, one of which may be -1, "whatever the others
-    leave". ``sizes`` resolves it for a number of devices: the one home of that rule, for the engine's mesh
-    and for the estimator's and the preflight's device counts."""
+    """The mesh a job asks for; one size may be -1, "whatever the others leave", which ``sizes`` resolves
+    for the engine, the estimator and the preflight alike."""
 
     data: int = 1
     fsdp: int = 1
@@ -55,8 +44,7 @@ class MeshShape:
             raise ConfigError(f"mesh sizes (data, fsdp, tensor) = {sizes}: each must be >= 1, at most one -1")
 
     def sizes(self, devices: int) -> dict[str, int]:
-        """The axis sizes on ``devices`` devices, -1 filled in. They must use every device, so that a mis-sized
-        config fails here rather than idling hardware."""
+        """The axis sizes on ``devices`` devices; a mesh that leaves devices idle is an error."""
         sizes = list(dataclasses.astuple(self))
         if -1 in sizes:
             known = math.prod(s for s in sizes if s != -1)
@@ -70,12 +58,11 @@ class MeshShape:
         return dict(zip(MESH_AXES, sizes))
 
     def make(self, devices: list | None = None) -> Mesh:
-        """This mesh over ``devices`` (default: all)."""
         return make_mesh(self.data, self.fsdp, self.tensor, devices=devices)
 
 
 def make_mesh(data: int = 1, fsdp: int = 1, tensor: int = 1, *, devices: list | None = None) -> Mesh:
-    """A mesh of ``devices`` (default: all) with axes ("data", "fsdp", "tensor"), sized by ``MeshShape``."""
+    """A mesh of ``devices`` (default: all), sized by ``MeshShape``."""
     devices = list(jax.devices()) if devices is None else list(devices)
     sizes = MeshShape(data, fsdp, tensor).sizes(len(devices))
     return jax.make_mesh(tuple(sizes.values()), MESH_AXES, axis_types=(AxisType.Auto,) * 3, devices=devices)
@@ -86,13 +73,7 @@ def replicated(mesh: Mesh) -> NamedSharding:
 
 
 def place(tree: Any, shardings: Any) -> Any:
-    """Puts every leaf of ``tree`` on its sharding in ``shardings`` (same structure), across processes.
-
-    The leaves must hold the same values in every process (they are built
-    from the same seeds and files), so each process fills its own devices'
-    blocks from its copy. Leaves already committed to their sharding (``load_pretrained``
-    with the mesh) are kept as they are; typed PRNG keys travel as key data.
-    """
+    """Puts every leaf of ``tree``, the same in every process, on its sharding; each process fills its devices."""
 
     def put(leaf: Any, target: NamedSharding) -> jax.Array:
         if isinstance(leaf, jax.Array) and leaf.committed and leaf.sharding.is_equivalent_to(target, leaf.ndim):
@@ -106,7 +87,7 @@ def place(tree: Any, shardings: Any) -> Any:
 
 
 def batch_shards(mesh: Mesh) -> int:
-    """The number of devices a batch's example axis is split over (the mesh axes the rules give "batch")."""
+    """The number of devices a batch's example axis is split over."""
     return math.prod(mesh.shape[axis] for axis in BATCH_AXES)
 
 
@@ -116,12 +97,7 @@ def batch_sharding(mesh: Mesh, batch_axis: int) -> NamedSharding:
 
 
 def shard_batch(batch: Mapping[str, Any], mesh: Mesh, *, batch_axis: int = 0) -> dict[str, jax.Array]:
-    """Puts each array of ``batch``, held whole and identical by every process, on ``mesh``,
-    split along ``batch_axis`` over the batch axes; each process transfers only its devices' rows.
-
-    ``batch_axis`` is 0 for eval batches [B, S] and 1 for training steps
-    [grad_accum, rows, S]. The row count must divide evenly.
-    """
+    """Puts ``batch``, held whole by every process, on ``mesh``, split along ``batch_axis``."""
     ways = batch_shards(mesh)
     out = {}
     for key, value in batch.items():
@@ -136,12 +112,10 @@ def shard_batch(batch: Mapping[str, Any], mesh: Mesh, *, batch_axis: int = 0) ->
 
 
 def process_batch_rows(mesh: Mesh, num_rows: int) -> np.ndarray:
-    """The rows (sorted indices) of a batch axis of ``num_rows`` that this process's devices hold.
+    """The rows of a batch axis of ``num_rows`` that this process's devices hold, sorted.
 
-    A process feeds exactly these rows to ``shard_process_batch``, so the
-    global batch is the one a single process would have built: the same
+    So the global batch is the one a single process would build: the same
     examples on the same devices, hence the same dropout masks and results.
-    In one process: all rows.
     """
     ways = batch_shards(mesh)
     if num_rows < 1 or num_rows % ways:
@@ -155,12 +129,7 @@ def process_batch_rows(mesh: Mesh, num_rows: int) -> np.ndarray:
 def shard_process_batch(
     local_batch: Mapping[str, Any], mesh: Mesh, *, batch_axis: int, num_rows: int
 ) -> dict[str, jax.Array]:
-    """The global batch (``num_rows`` examples along ``batch_axis``) from this process's rows of it.
-
-    ``local_batch`` holds, along ``batch_axis``, the rows
-    ``process_batch_rows(mesh, num_rows)`` in that order; the other axes are
-    whole. Every process calls this with its own rows at the same step.
-    """
+    """The global batch from this process's rows of it (``process_batch_rows``, in order)."""
     rows = len(process_batch_rows(mesh, num_rows))
     out = {}
     for key, value in local_batch.items():
@@ -186,6 +155,5 @@ def _stacked_sharding(leaf: Any, mesh: Mesh) -> Any:
 
 
 def runs_shardings(runs: Any, mesh: Mesh) -> Any:
-    """NamedShardings for a ``TrainState`` (or any run-stacked tree): adapters and optimizer moments
-    sharded like their projection, counters and keys replicated."""
+    """NamedShardings for a run-stacked tree (a ``TrainState``)."""
     return jax.tree.map(lambda x: _stacked_sharding(x, mesh), runs, is_leaf=lambda x: isinstance(x, nnx.Variable))

@@ -1,8 +1,7 @@
 """The configuration every model family shares, read from a Hugging Face ``config.json``.
 
 Configs are frozen (hashable) so a model's config is static under ``jax.jit``.
-Each family subclasses ``DecoderConfig`` and reads its own keys with
-``hf_value``, falling back to the defaults of transformers' config classes, so a
+Each family reads its keys with ``hf_value`` and transformers' defaults, so a
 config.json means here exactly what it means to transformers.
 """
 

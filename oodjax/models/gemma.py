@@ -1,20 +1,12 @@
 """Gemma 2 ("gemma2") and Gemma 3's text model ("gemma3_text"), as transformers' ``modeling_gemma2.py`` /
 ``modeling_gemma3.py`` compute them.
 
-Against Llama: the embeddings are multiplied by sqrt(hidden_size) (rounded to
-the parameters' dtype first, as transformers does); every RMSNorm applies
-``1 + weight`` in float32; each block normalises both branches before and
-after (input / post-attention, pre- / post-feedforward); the MLP is GeGLU
-(``gelu_pytorch_tanh``); attention scales by ``query_pre_attn_scalar ** -0.5``
-rather than head_dim's; the head is tied to the embedding. Layers alternate
-between a sliding window and full attention (``layer_types``; Gemma 2 slides
-every other layer from the first, Gemma 3 all but every
-``sliding_window_pattern``-th). Gemma 2 soft-caps the attention scores and
-the final logits (``cap * tanh(x / cap)``); Gemma 3 instead normalises each
-head of q and k (an RMSNorm over head_dim) and rotates its sliding layers
-with a local RoPE (``rope_local_base_freq``, unscaled) and its full layers
-with the global one (with its scaling). Each layer's window and RoPE choice
-are scanned with the weights.
+Against Llama: embeddings scaled by sqrt(hidden_size), norms of ``1 +
+weight`` before and after each branch, GeGLU, attention scaled by
+``query_pre_attn_scalar ** -0.5``, a tied head, and layers alternating
+between a sliding window and full attention. Gemma 2 soft-caps the
+attention scores and the final logits; Gemma 3 instead normalises each head
+of q and k and rotates its sliding layers with a local, unscaled RoPE.
 """
 
 from __future__ import annotations
@@ -62,8 +54,7 @@ def _nullable(raw: Mapping[str, Any], key: str, default: Any) -> Any:
 
 
 def _layer_windows(raw: Mapping[str, Any], num_layers: int, pattern: int) -> tuple[int | None, ...]:
-    """Each layer's sliding window, None for full attention: ``layer_types``, or as transformers derives it
-    without one, every layer sliding but each ``pattern``-th (Gemma 2: 2, Gemma 3: ``sliding_window_pattern``)."""
+    """Each layer's sliding window, None for full attention: ``layer_types``, else all but each ``pattern``-th."""
     derived = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(num_layers)]
     layer_types = hf_value(raw, "layer_types", derived)
     if len(layer_types) != num_layers:
@@ -75,8 +66,7 @@ def _layer_windows(raw: Mapping[str, Any], num_layers: int, pattern: int) -> tup
 
 
 def _gemma3_ropes(raw: Mapping[str, Any], max_positions: int) -> tuple[RopeConfig, RopeConfig]:
-    """(local, global) RoPE: transformers-5's ``rope_parameters`` per layer type, or the older keys
-    (``rope_local_base_freq`` for the sliding layers; ``rope_theta`` and ``rope_scaling`` for the full ones)."""
+    """(local, global) RoPE: transformers-5's ``rope_parameters`` per layer type, or the older keys."""
     per_type = raw.get("rope_parameters")
     if per_type is None:
         per_type = {
@@ -111,7 +101,6 @@ class GemmaConfig(DecoderConfig):
 
     @classmethod
     def from_hf(cls, raw: Mapping[str, Any], *, remat: str = "none") -> GemmaConfig:
-        """Read a gemma2 or gemma3_text config.json with the matching transformers defaults."""
         model_type = raw["model_type"]
         defaults = _DEFAULTS[model_type]
         if raw.get("use_bidirectional_attention"):
@@ -237,7 +226,6 @@ class GemmaModel(nnx.Module):
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype, unit_offset=True)
 
     def __call__(self, input_ids: jax.Array, segment_ids: jax.Array, *, all_layers: bool):
-        # Positions count from each prompt's first token (see LlamaModel): RoPE sees only their differences.
         positions = segment_positions(segment_ids)
         hidden = self.embed_tokens(input_ids)
         # sqrt(hidden_size) rounded to the embedding's dtype first (55.4256 becomes 55.5 in bf16), as transformers does.

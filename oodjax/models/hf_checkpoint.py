@@ -1,27 +1,16 @@
 """Read tensors, or slices of them, from a Hugging Face checkpoint folder without loading it whole.
 
-Two formats are read, the ones the study's repositories publish on their
-``main`` branch: safetensors (OLMo 2, SmolLM) and PyTorch's pickled
-``pytorch_model*.bin`` (OPT, whose repositories hold no safetensors there).
-Either way, a tensor's rows are read with plain file reads of just the rows a
-slice covers, not memory-mapped: every mapped page that was touched stays
-resident, counted against the process, until the file is closed at the end of
-the load, so a mapped float32 checkpoint costs its full size on top of the
-converted parameters (safetensors' own ``pread`` backend avoids that but
-reads a whole tensor for any slice of it, which an fsdp-sharded load asks for
-once per device block).
+Two formats: safetensors and PyTorch's pickled ``pytorch_model*.bin`` (OPT's
+repositories hold no safetensors). Rows are read with plain file reads, not
+memory-mapped: every touched mapped page stays resident until the file is
+closed, so a mapped float32 checkpoint would cost its full size on top of
+the converted parameters (safetensors' ``pread`` backend reads a whole
+tensor for any slice, once per fsdp device block).
 
 Pickles are read without torch and without running anything from the file:
-a pickle is a program, and ``pickle.load`` runs whatever callable it names.
-A PyTorch state dict names only an ordered dict, the tensor rebuild function
-and the storage classes; our unpickler maps exactly those to stand-ins that
-record where each tensor lies (dtype, shape, stride, offset) and refuses any
-other name before anything is called. The tensors' bytes are then read from
-the file like safetensors' rows.
-
-A file that is missing, truncated or corrupt is the user's to fix (fetch it
-again): ``MissingInputError`` or ``DamagedInputError``, naming the file, which
-the entry points print as one line.
+``pickle.load`` runs whatever callable a pickle names, so our unpickler maps
+the few names a state dict uses to stand-ins that record where each tensor
+lies, and refuses any other name before anything is called.
 """
 
 from __future__ import annotations
@@ -105,10 +94,7 @@ class UnsafePickleError(DamagedInputError):
 
 
 def read_json(path: pathlib.Path) -> Any:
-    """A checkpoint or tokenizer folder's JSON file (config.json, an index), or an error naming it.
-
-    json's own errors ("Expecting value: line 1 column 1") name no file.
-    """
+    """A checkpoint folder's JSON file, or an error naming it (json's own name no file)."""
     try:
         return json.loads(path.read_bytes())
     except ValueError as error:  # JSONDecodeError, UnicodeDecodeError
@@ -137,12 +123,7 @@ class _Stored:
 
 
 class TensorFile:
-    """A file holding each of its tensors whole, row-major, from a known byte: reads of just a slice's rows.
-
-    Subclasses fill ``tensors`` from the file's own description of them (a
-    header, a pickle), checked against the file's size, without reading any
-    tensor's bytes.
-    """
+    """A file holding each of its tensors whole, row-major, from a known byte: reads of just a slice's rows."""
 
     def __init__(self, path: pathlib.Path, stack: contextlib.ExitStack):
         self.path = path
@@ -173,12 +154,7 @@ class TensorFile:
 
 
 class SafetensorsFile(TensorFile):
-    """One safetensors file: its header, checked against the file's size when opened.
-
-    The format is an 8-byte little-endian header length, a JSON header giving
-    each tensor's dtype, shape and byte range in the data that follows, then
-    the data, each tensor in row-major order.
-    """
+    """One safetensors file: its header, checked against the file's size when opened."""
 
     def __init__(self, path: pathlib.Path, stack: contextlib.ExitStack):
         super().__init__(path, stack)
@@ -277,11 +253,7 @@ def _is_int_tuple(value: Any) -> bool:
 
 
 class _RebuildTensor(_StandIn):
-    """The stand-in for ``torch._utils._rebuild_tensor`` and ``_rebuild_tensor_v2``: the tensor's layout.
-
-    v2's arguments after ``stride`` (requires_grad, backward hooks, metadata)
-    are autograd state, which frozen weights do not need.
-    """
+    """The stand-in for ``torch._utils._rebuild_tensor`` and ``_rebuild_tensor_v2``: the tensor's layout."""
 
     __slots__ = ()
 
@@ -295,9 +267,8 @@ class _RebuildTensor(_StandIn):
         return _PickledTensor(storage, storage_offset, size, stride)
 
 
-# The globals a state dict's pickle names, each mapped to what stands in for it here: what torch 2.13's
-# torch.save writes for a dict of tensors (zip and legacy format), which are the three "pickle imports" the hub
-# lists for the OPT files of 2022, and _rebuild_tensor, which _v2 succeeded.
+# The globals torch.save writes for a dict of tensors (zip and legacy format; the hub's "pickle imports"), each
+# mapped to its stand-in.
 _ALLOWED_GLOBALS: dict[tuple[str, str], Any] = {
     ("collections", "OrderedDict"): collections.OrderedDict,
     ("torch._utils", "_rebuild_tensor"): _RebuildTensor(),
@@ -311,12 +282,8 @@ class _StateDictUnpickler(pickle.Unpickler):
 
     ``find_class`` is the only way a pickle reaches a callable (GLOBAL,
     STACK_GLOBAL, INST and the extension registry all go through it), so
-    refusing there refuses before anything is called. BUILD, which could
-    change an object the pickle did not create, the stand-ins refuse too (an
-    ordered dict's BUILD, which sets the ``_metadata`` a module's state dict
-    carries, only sets attributes of that new dict). Persistent ids are
-    torch's ``('storage', storage class, key, location, numel)``, with a sixth
-    entry, a view of another storage or None, in the legacy format.
+    refusing there refuses before anything is called; the stand-ins refuse
+    BUILD, which could change an object the pickle did not create.
     """
 
     def __init__(self, stream: io.BufferedIOBase):
@@ -332,6 +299,7 @@ class _StateDictUnpickler(pickle.Unpickler):
         return _ALLOWED_GLOBALS[module, name]
 
     def persistent_load(self, pid: Any) -> _Storage:
+        """torch's ``('storage', class, key, location, numel)``; the legacy format adds a view, or None."""
         if not (isinstance(pid, tuple) and len(pid) in (5, 6) and pid[0] == "storage"):
             raise DamagedInputError(f"the persistent id {pid!r} is not a PyTorch storage's")
         _, storage_class, key, _location, numel, *view = pid
@@ -378,14 +346,8 @@ _ZIP_LOCAL_HEADER = 30  # bytes before a member's name and extra field
 
 
 class PickleFile(TensorFile):
-    """One ``torch.save``d state dict, zip format (torch >= 1.6) or legacy, read without torch.
-
-    The zip format is ``<name>/data.pkl`` (the state dict, each tensor's
-    storage a persistent id) and ``<name>/data/<key>`` per storage, stored
-    uncompressed: a tensor's rows are read at its member's data offset plus
-    its own offset in the storage. Only row-major contiguous tensors are
-    read, as ``model.state_dict()`` saves them.
-    """
+    """One ``torch.save``d state dict, zip format or legacy; only row-major contiguous tensors, as
+    ``model.state_dict()`` saves them."""
 
     def __init__(self, path: pathlib.Path, stack: contextlib.ExitStack):
         super().__init__(path, stack)
@@ -536,12 +498,9 @@ def _readable_formats() -> str:
 
 
 def files_to_download(filenames: Iterable[str]) -> list[str]:
-    """From a repository's file listing, what the loader reads: config.json and the weights of the first of
-    ``WEIGHT_FORMATS`` it publishes (the index and its shards, or the single file); never flax, TF or ONNX
-    weights, nor a second format.
+    """From a repository's file listing, config.json and the first of ``WEIGHT_FORMATS`` it publishes.
 
-    Shards are picked from the listing by name, since the index is not yet
-    downloaded; loading then checks that every shard the index names is here.
+    Shards are picked by name, the index not being downloaded yet; loading checks them against it.
     """
     names = set(filenames)
     if CONFIG not in names:
@@ -574,8 +533,7 @@ class ShardedCheckpoint:
 
 
 def open_checkpoint(directory: pathlib.Path, *, stack: contextlib.ExitStack) -> Checkpoint:
-    """The checkpoint in ``directory``, in the first of ``WEIGHT_FORMATS`` it holds; opening reads the files'
-    descriptions of their tensors (headers, pickles), no tensor's bytes."""
+    """The checkpoint in ``directory``, in the first of ``WEIGHT_FORMATS`` it holds; reads no tensor's bytes."""
     for fmt in WEIGHT_FORMATS:
         if (directory / fmt.index).is_file():
             shards = weight_map(directory, fmt.index)

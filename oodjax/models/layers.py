@@ -1,16 +1,12 @@
 """Building blocks shared by every model family: projections, norms, RoPE, attention, the layer stack.
 
-Each block reproduces what transformers' PyTorch code computes, including where
-it upcasts to float32, so that the ports match Hugging Face logits exactly.
-Every parameter carries logical axis names (``out_sharding`` metadata, resolved
-by ``partitioning.LOGICAL_AXIS_RULES``); ``eager_sharding=False`` keeps models
-constructible without a mesh, since the loader places parameters itself.
-Activations are constrained with names of the same table (``constrain``).
-
-A family's decoder layers are one module whose parameters are stacked on a
-leading ``layers`` axis (``stacked_layers``), run by one ``jax.lax.scan``
-(``run_layers``): the step compiles one layer whatever the depth, and the
-remat policy (``REMAT_POLICIES``) applies to that one layer.
+Each block reproduces what transformers' PyTorch code computes, including
+where it upcasts to float32, so that the ports match its logits exactly.
+Parameters carry logical axis names (``partitioning.LOGICAL_AXIS_RULES``);
+``eager_sharding=False`` keeps models constructible without a mesh, since
+the loader places parameters itself. A family's decoder layers are one
+module stacked on a leading ``layers`` axis and run by one ``jax.lax.scan``,
+so the step compiles one layer whatever the depth.
 """
 
 from __future__ import annotations
@@ -43,14 +39,9 @@ MLP_PROJECTION = "mlp_projection"
 ATTENTION_OUTPUT = flash_attention.ATTENTION_OUTPUT
 
 
-# What a decoder layer keeps for the backward pass, by names of our own (MaxText's remat_policy names
-# differ but for "full"; launch.costs.RECOMPUTED says what each recomputes, for the estimator's FLOPs):
-# "none" keeps everything (no recomputation); "full" keeps only the layer's input and
-# recomputes the rest; "save_dots" keeps every projection's output (q/k/v/o and the MLP's)
-# and the attention's output (a fused kernel's with its softmax statistics, so the backward
-# pass does not run the fused forward again), and recomputes norms, RoPE, XLA's attention
-# scores and activations; "save_dots_except_mlp" keeps the same less the MLP's projections,
-# the widest.
+# What a decoder layer keeps for the backward pass (launch.costs.RECOMPUTED says what each recomputes).
+# "save_dots" keeps the attention's output with a fused kernel's softmax statistics, so the backward pass
+# does not run the fused forward again.
 REMAT_POLICIES: dict[str, Callable[..., bool] | None] = {
     "none": None,
     "full": jax.checkpoint_policies.nothing_saveable,
@@ -62,19 +53,12 @@ REMAT_POLICIES: dict[str, Callable[..., bool] | None] = {
 def recomputed_in_backward(fn: Callable[..., jax.Array]) -> Callable[..., jax.Array]:
     """``fn`` whose backward pass keeps only its arguments and recomputes the rest from them.
 
-    For the float32 working of a narrow activation: a norm upcasts its bf16
-    input, a LoRA adapter its bf16 input, and left to autodiff the backward
-    pass would keep those float32 intermediates (each twice the bytes of the
-    bf16 input it is computed from). Recomputing them is an elementwise pass
-    over an input the backward pass reads anyway, and the gradients are
-    autodiff's: the backward pass runs ``fn``'s own VJP on the same arguments
-    (equal op by op; under jit XLA may fuse, and so round, differently). The
-    forward pass is unchanged. In float32 (tests, the exact path) the
-    argument is the float32 value itself.
-    ``fn``'s arguments must hold every array it reads (a ``custom_vjp`` may
-    not close over traced values); the remat policies still decide whether
-    the arguments themselves are kept (a ``custom_vjp``, not a nested
-    ``jax.checkpoint``, so a model without a policy has no remat in it).
+    For a norm's or an adapter's float32 working of a bf16 input: autodiff
+    would keep those intermediates, twice the input's bytes, where
+    recomputing is one elementwise pass. ``fn``'s arguments must hold every
+    array it reads (a ``custom_vjp`` may not close over traced values); a
+    ``custom_vjp``, not a nested ``jax.checkpoint``, so a model without a
+    remat policy has no remat in it.
     """
 
     @jax.custom_vjp
@@ -92,7 +76,6 @@ def recomputed_in_backward(fn: Callable[..., jax.Array]) -> Callable[..., jax.Ar
 
 
 def check_remat(name: str) -> str:
-    """``name`` if it is a remat policy; an error listing them otherwise."""
     if name not in REMAT_POLICIES:
         raise ValueError(f"remat policy {name!r} is not one of {sorted(REMAT_POLICIES)}")
     return name
@@ -119,10 +102,8 @@ def _param(value: jax.Array, axes: Axes) -> nnx.Param:
 class Linear(nnx.Module):
     """``y = x @ kernel + bias`` with kernel stored [in, out] (the transpose of torch's weight).
 
-    ``lora`` is an empty slot an adapter module (x -> delta of y's shape) can be
-    assigned to; its delta is cast to y's dtype, as PEFT does, so fp32 adapters
-    on a bf16 base keep the base's dtype flow. ``saved_as`` names the output
-    for the remat policies (``ATTENTION_PROJECTION`` or ``MLP_PROJECTION``).
+    ``lora`` is a slot for an adapter module; its delta is cast to y's dtype,
+    as PEFT does, so fp32 adapters on a bf16 base keep the base's dtype flow.
     """
 
     def __init__(
@@ -163,10 +144,7 @@ class Embed(nnx.Module):
 
 
 class LayerNorm(nnx.Module):
-    """torch ``nn.LayerNorm``: statistics and affine in float32, result in the input dtype.
-
-    The backward pass keeps the input, not its float32 working (``recomputed_in_backward``).
-    """
+    """torch ``nn.LayerNorm``: statistics and affine in float32, result in the input dtype."""
 
     def __init__(self, features: int, *, eps: float, elementwise_affine: bool, dtype: jnp.dtype):
         self.eps = eps
@@ -191,12 +169,9 @@ class LayerNorm(nnx.Module):
 class RMSNorm(nnx.Module):
     """HF's RMSNorm: normalise in float32, then apply the weight.
 
-    Llama-style models cast back to the input dtype *before* multiplying by the
-    weight; OLMo2 multiplies in float32 and casts after (``scale_in_float32``).
-    Gemma stores the weight as an offset from one (``unit_offset``: zeros at
-    init, applied as ``1 + weight``), multiplied in float32 like OLMo2's. The
-    backward pass keeps the input, not its float32 working
-    (``recomputed_in_backward``).
+    Llama casts back to the input dtype *before* the weight; OLMo2 multiplies
+    in float32 (``scale_in_float32``), as Gemma does with its weight stored
+    as an offset from one (``unit_offset``).
     """
 
     def __init__(
@@ -222,12 +197,7 @@ class RMSNorm(nnx.Module):
 
 
 class GatedMLP(nnx.Module):
-    """Gated feed-forward ``down(act(gate(x)) * up(x))``: SwiGLU of Llama and OLMo2, GeGLU of Gemma.
-
-    ``fused`` keeps gate and up as one projection ``gate_up_proj`` whose
-    output is [gate | up], as Phi-3's checkpoints (and peft's adapters on
-    them) have it.
-    """
+    """Gated feed-forward ``down(act(gate(x)) * up(x))``; ``fused``: one ``gate_up_proj`` [gate | up], Phi-3's."""
 
     def __init__(
         self,
@@ -335,13 +305,8 @@ def _factors(values: Any) -> tuple[float, ...] | None:
 
 
 def rope_frequencies(rope: RopeConfig, head_dim: int, seq_len: int | None = None) -> tuple[np.ndarray, float]:
-    """Inverse frequencies [head_dim/2] and the cos/sin scale, computed in float32 as transformers does.
-
-    Mirrors ``modeling_rope_utils`` (default, linear, llama3, yarn, longrope)
-    step by step, so the tables agree with PyTorch's to the last bit where
-    numpy allows. ``seq_len`` matters to longrope alone: its long factors
-    apply to rows longer than ``original_max_position_embeddings``.
-    """
+    """Inverse frequencies [head_dim/2] and the cos/sin scale, mirroring ``modeling_rope_utils`` step by step
+    in float32, so the tables agree with PyTorch's to the last bit; ``seq_len`` matters to longrope alone."""
     exponents = np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim)
     # The float32 power rounded once from float64, as torch's is: numpy's SIMD float32
     # power is off by an ulp on some CPUs (AVX-512), which angles of 1e4 rad magnify.
@@ -414,10 +379,9 @@ def _longrope_inv_freq(rope: RopeConfig, pos_freqs: np.ndarray, seq_len: int | N
 def rope_cos_sin(positions: jax.Array, rope: RopeConfig, head_dim: int) -> tuple[jax.Array, jax.Array]:
     """cos and sin [B, S, head_dim] in float32 for integer ``positions`` [B, S].
 
-    Longrope picks its factors by the row length S, as transformers does from
-    its position ids (0..S-1): a packed row longer than the original context
-    gets the long factors for every prompt in it, where each prompt alone
-    would get the short ones.
+    Longrope picks its factors by the row length S, as transformers does, so
+    a packed row longer than the original context gets the long factors for
+    every prompt in it.
     """
     inv_freq, scale = rope_frequencies(rope, head_dim, seq_len=positions.shape[1])
     freqs = positions[..., None].astype(jnp.float32) * jnp.asarray(inv_freq)
@@ -437,13 +401,8 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 
 
 def segment_positions(segment_ids: jax.Array) -> jax.Array:
-    """Each token's position within its prompt [B, S]: 0 at the prompt's first token.
-
-    ``segment_ids`` number the prompts of a row (0 = padding; each
-    prompt a contiguous run of one positive id, neighbours distinct), so a
-    prompt packed after others, or after left padding, gets the positions it
-    would have alone at the start of a row.
-    """
+    """Each token's position within its prompt [B, S], so a packed or left-padded prompt gets the positions
+    it would have alone."""
     index = jnp.arange(segment_ids.shape[1])[None, :]
     previous = jnp.pad(segment_ids, ((0, 0), (1, 0)))[:, :-1]
     starts = (segment_ids != previous) & (segment_ids != 0)
@@ -476,29 +435,13 @@ def attention(
 ) -> jax.Array:
     """Causal attention within each prompt; query [B,T,N,D], key/value [B,T,K,D] with N % K == 0 (GQA).
 
-    ``segment_ids`` [B, T] number the prompts of a row (0: padding): a 0/1
-    mask is one prompt per row; larger ids pack several prompts into one row, each
-    seeing only its own earlier tokens, so packing changes no prompt's result.
-    With a sliding ``window`` (traced, per scanned layer) a token sees only
-    the ``window`` latest tokens of its prompt, itself included, as
-    transformers' sliding-window mask does (key index > query index - window;
-    within a prompt index and position differences agree, so padding and
-    packing change nothing); ``positions`` are then the tokens' positions in
-    their prompts (``segment_positions``, which the decoder has computed for
-    its position encoding already). Why padding (segment 0, no key of which is
-    seen) changes no prompt's result and makes no NaN on any attention path is
-    said once, where padding is made: ``oodjax.data.batches``.
-
-    ``softcap`` (Gemma 2's ``attn_logit_softcapping``) bounds the scaled
-    scores to (-cap, cap) with ``cap * tanh(s / cap)`` before masking, as
-    transformers' eager attention does. No fused attention kernel caps its
-    scores (transformers refuses sdpa for Gemma 2 for that reason), so a
-    capped model always takes the explicit path (``_softcapped_attention``).
-
-    ``implementation`` is ``model.attention`` (``flash_attention.resolve``
-    says what it means on this platform): with a fused kernel, attention
-    without a window or a cap runs fused, with ``segment_ids`` as its segment
-    ids; windows and caps keep this explicit path.
+    ``segment_ids`` [B, T] number the prompts of a row (0: padding), each
+    seeing only its own earlier tokens, so packing changes no prompt's
+    result; why padding is harmless is said where it is made,
+    ``oodjax.data.batches``. A sliding ``window`` is measured in
+    ``positions`` within the prompt, as transformers' mask is. No fused
+    kernel soft-caps its scores (transformers refuses sdpa for Gemma 2 for
+    that reason), so windows and caps take the explicit path.
     """
     query, key, value = constrain(query, QUERY_HEADS), constrain(key, KV_HEADS), constrain(value, KV_HEADS)
     segment_ids = segment_ids.astype(jnp.int32)
@@ -534,8 +477,7 @@ def soft_cap(x: jax.Array, cap: float) -> jax.Array:
 def _softcapped_attention(
     query: jax.Array, key: jax.Array, value: jax.Array, allowed: jax.Array, *, scale: float, softcap: float
 ) -> jax.Array:
-    """What ``jax.nn.dot_product_attention``'s XLA path computes (float32 scores, float32 softmax, GQA by
-    grouping query heads), with the scores soft-capped between scaling and masking; ``allowed`` [B, T, T]."""
+    """``jax.nn.dot_product_attention``'s XLA path with the scores soft-capped between scaling and masking."""
     batch, length, heads, head_dim = query.shape
     kv_heads = key.shape[2]
     grouped = query.reshape(batch, length, kv_heads, heads // kv_heads, head_dim)
@@ -567,8 +509,7 @@ STACKED = "layers"
 def per_layer_paths(path: tuple[Any, ...], num_layers: int) -> list[tuple[str, ...]]:
     """The Hugging Face module paths of a parameter path's per-layer slices, in layer order.
 
-    ``("model", "layers", "mlp", "up_proj")`` -> ``[("model", "layers", "0", "mlp", "up_proj"), ...]``;
-    a path outside the stacked layers is its own single entry.
+    ``("model", "layers", "mlp", "up_proj")`` -> ``[("model", "layers", "0", "mlp", "up_proj"), ...]``.
     """
     path = tuple(map(str, path))
     if STACKED not in path:
@@ -578,13 +519,7 @@ def per_layer_paths(path: tuple[Any, ...], num_layers: int) -> list[tuple[str, .
 
 
 def stacked_layers(make_layer: Callable[[nnx.Rngs], nnx.Module], num_layers: int, rngs: nnx.Rngs) -> nnx.Module:
-    """``num_layers`` layers as ONE module whose parameters have a leading ``layers`` axis.
-
-    Each layer's parameters are drawn from its own split of ``rngs``, and the
-    axis is named in each parameter's logical axes, so it is placed by the
-    rules table like any other (replicated: every device holds its share of
-    every layer) and the loader fills it from the per-layer tensors.
-    """
+    """``num_layers`` layers as ONE module whose parameters have a leading, named ``layers`` axis."""
 
     @nnx.split_rngs(splits=num_layers)
     @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
@@ -602,15 +537,12 @@ def run_layers(
     per_layer: tuple[jax.Array, ...] = (),
     all_layers: bool = False,
 ) -> tuple[jax.Array, list[jax.Array]]:
-    """Apply the stacked decoder layers in order with one ``jax.lax.scan``; return the output and,
-    with ``all_layers``, every layer's input (else an empty list).
+    """Apply the stacked layers with one ``jax.lax.scan``: layer i is ``layer(hidden, *args, *per_layer[i])``;
+    returns the output and, with ``all_layers``, every layer's input.
 
-    ``layer(hidden, *args, *per_layer[i])`` is layer i: ``args`` are shared by
-    all layers, ``per_layer`` arrays have a leading layer axis. The body is
-    wrapped in the ``remat`` policy. Random streams inside the layers (LoRA
-    dropout) are shared, unstacked state: each layer folds its index into
-    their keys, so layers draw independent masks from one stream, and the
-    whole pass stays a function of the stream's key alone.
+    Each layer folds its index into the shared random streams' keys (LoRA
+    dropout), so layers draw independent masks and the pass stays a function
+    of the stream's key alone.
     """
     graphdef, params, shared = nnx.split(layers, nnx.Param, ...)
     num_layers = jax.tree.leaves(params)[0].shape[0]
@@ -638,12 +570,7 @@ def untied_head(width: int, config: Any, *, dtype: jnp.dtype, rngs: nnx.Rngs) ->
 
 
 class CausalLM(nnx.Module):
-    """What every family shares on top of its decoder: the entry points and the output head.
-
-    Subclasses define ``config``, ``decoder()`` (the module holding
-    ``embed_tokens`` and computing the final hidden states) and, when untied,
-    ``lm_head``.
-    """
+    """What every family shares on top of its decoder: the entry points and the output head."""
 
     config: Any
 
@@ -654,13 +581,7 @@ class CausalLM(nnx.Module):
         return self.decoder().embed_tokens
 
     def hidden_states(self, input_ids: jax.Array, segment_ids: jax.Array, *, all_layers: bool = False):
-        """Final hidden states [B, S, H'] (what the head multiplies).
-
-        With ``all_layers``, HF's ``output_hidden_states`` tuple instead.
-
-        ``segment_ids`` [B, S] number the prompts of each row 1, 2, ... and
-        are 0 on padding; a 0/1 attention mask is the case of one prompt a row.
-        """
+        """Final hidden states [B, S, H']; with ``all_layers``, HF's ``output_hidden_states`` tuple instead."""
         check_inputs(input_ids, segment_ids)
         return self.decoder()(input_ids, segment_ids, all_layers=all_layers)
 
@@ -671,20 +592,12 @@ class CausalLM(nnx.Module):
         return self.lm_head.kernel[...]
 
     def head_logits(self, hidden: jax.Array, head: jax.Array) -> jax.Array:
-        """Logits of ``hidden`` [..., H'] under ``head`` [H', V'] (the head kernel, or some of its columns), in
-        float32, soft-capped where the family caps its output (Gemma 2's ``final_logit_softcapping``).
-
-        The cap applies to each logit alone, so the engine may apply it to
-        the answer positions and columns it computes and get the full model's.
-        """
+        """Float32 logits of ``hidden`` under ``head`` (or some of its columns), soft-capped where the family
+        caps its output: per logit, so the engine may compute only the answer columns."""
         logits = jnp.matmul(hidden, head, preferred_element_type=jnp.float32)
         cap = self.config.final_logit_softcapping
         return logits if cap is None else soft_cap(logits, cap)
 
     def __call__(self, input_ids: jax.Array, attention_mask: jax.Array) -> jax.Array:
-        """Logits [batch, seq, vocab] in float32 (accumulated in float32 even for bf16 parameters).
-
-        ``attention_mask`` is DESIGN.md's 0/1 mask, or segment ids packing
-        several prompts into a row (``hidden_states``).
-        """
+        """Logits [batch, seq, vocab] in float32; ``attention_mask`` is a 0/1 mask or segment ids."""
         return self.head_logits(self.hidden_states(input_ids, attention_mask), self.head_kernel())

@@ -1,20 +1,13 @@
 """The Llama family: Llama, SmolLM2 ("llama"), SmolLM3 ("smollm3"), Qwen2/Qwen2.5 ("qwen2"), Qwen3 ("qwen3"),
 Mistral ("mistral") and Phi-3 ("phi3").
 
-As transformers' ``modeling_llama.py`` / ``modeling_smollm3.py`` /
-``modeling_qwen2.py`` / ``modeling_qwen3.py`` compute them: pre-RMSNorm
-blocks, SwiGLU, grouped-query attention, RoPE with its scaling variants.
-SmolLM3 is Llama except that the layers its ``no_rope_layers`` marks with 0
-use no position encoding at all (NoPE); 1 means the layer uses RoPE. Qwen2
-gives q, k and v (not o) a bias; Qwen3 normalises each head of q and k with an
-RMSNorm over head_dim before RoPE; Mistral is Llama with a sliding window on
-every layer. Phi-3 is Llama with q/k/v fused into one projection
-(``qkv_proj``, output [q | k | v]) and gate/up into another
-(``gate_up_proj``, [gate | up]), kept fused as its checkpoints and peft's
-adapters name them; a sliding window on every layer when its config sets
-one; RoPE default or longrope ("su" and "yarn" mean longrope to Phi-3's
-config). Sliding windows are per layer, as each family's config decides
-them (``layer_windows``), and scanned with the weights.
+As transformers computes them: pre-RMSNorm blocks, SwiGLU, grouped-query
+attention, RoPE with its scaling variants. The variants: SmolLM3's
+``no_rope_layers`` (0: no position encoding); Qwen2's q/k/v bias; Qwen3's
+per-head RMSNorm of q and k; Mistral's sliding window on every layer;
+Phi-3's fused ``qkv_proj`` and ``gate_up_proj``, kept fused as its
+checkpoints and peft's adapters name them. Sliding windows are per layer
+(``layer_windows``), scanned with the weights.
 """
 
 from __future__ import annotations
@@ -85,18 +78,6 @@ _DEFAULTS = {
         rope_theta=10_000.0,
         rms_norm_eps=1e-6,
     ),
-    "qwen3": dict(
-        vocab_size=151936,
-        hidden_size=4096,
-        intermediate_size=22016,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=32,
-        pad_token_id=None,
-        tie_word_embeddings=False,
-        rope_theta=10_000.0,
-        rms_norm_eps=1e-6,
-    ),
     "mistral": dict(
         vocab_size=32000,
         hidden_size=4096,
@@ -122,21 +103,13 @@ _DEFAULTS = {
         rms_norm_eps=1e-5,
     ),
 }
+_DEFAULTS["qwen3"] = _DEFAULTS["qwen2"]  # Qwen3Config's are Qwen2Config's
 # Older names Phi3Config reads as "longrope".
 _PHI3_LONGROPE_ALIASES = ("su", "yarn")
 
 
 def layer_windows(raw: Mapping[str, Any], num_layers: int, rope_layers: tuple[bool, ...]) -> tuple[int | None, ...]:
-    """Each layer's sliding window (a token sees the ``window`` latest tokens of its prompt, itself included),
-    None for full attention, as transformers decides it for the family.
-
-    Mistral slides every layer by ``sliding_window`` (4096 by default), Phi-3
-    every layer by ``sliding_window`` when it is set (no default). The
-    others slide only with ``use_sliding_window`` and only the layers whose
-    ``layer_types`` entry is "sliding_attention"; without that list, as their
-    configs derive it: Qwen from ``max_window_layers`` on, SmolLM3 its NoPE
-    layers.
-    """
+    """Each layer's sliding window, None for full attention, as transformers decides it for the family."""
     model_type = raw["model_type"]
     if model_type == "mistral":
         return (raw.get("sliding_window", 4096),) * num_layers
@@ -157,8 +130,7 @@ def layer_windows(raw: Mapping[str, Any], num_layers: int, rope_layers: tuple[bo
 
 
 def _phi3_rope(raw: Mapping[str, Any]) -> RopeConfig:
-    """Phi-3's RoPE: default or longrope, the latter also under its older names; others are refused, as
-    Phi3Config refuses them."""
+    """Phi-3's RoPE: default or longrope (also under its older names), as Phi3Config accepts."""
     params = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
     rope_type = params.get("rope_type", params.pop("type", "default"))
     params["rope_type"] = "longrope" if rope_type in _PHI3_LONGROPE_ALIASES else rope_type
@@ -192,7 +164,6 @@ class LlamaConfig(DecoderConfig):
 
     @classmethod
     def from_hf(cls, raw: Mapping[str, Any], *, remat: str = "none") -> LlamaConfig:
-        """Read a config.json of one of the family's model types with the matching transformers defaults."""
         model_type = raw["model_type"]
         defaults = _DEFAULTS[model_type]
 
@@ -330,9 +301,6 @@ class LlamaModel(nnx.Module):
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype)
 
     def __call__(self, input_ids: jax.Array, segment_ids: jax.Array, *, all_layers: bool):
-        # Positions count from each prompt's first token: a right-padded row gets
-        # transformers' 0..S-1; left padding or packing shifts a prompt's positions,
-        # which RoPE, seeing only their differences, does not notice.
         positions = segment_positions(segment_ids)
         hidden = self.embed_tokens(input_ids)
         # Llama casts the float32 cos/sin tables to the activations' dtype before rotating.

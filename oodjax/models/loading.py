@@ -1,14 +1,10 @@
 """Hugging Face checkpoints -> NNX models, one parameter at a time, straight onto their devices.
 
-The model is first built abstractly (``nnx.eval_shape``: shapes, no memory);
-each parameter is then filled from its tensors (one per decoder layer for the
-stacked layers' parameters) into the blocks this process's devices hold,
-then placed with ``jax.make_array_from_callback``. Each tensor is read once
-per process, only the rows its devices need, converted to the target dtype
-and transposed for linear layers, whatever the mesh: an fsdp- or
-tensor-sharded block never costs a re-read of the tensor. The host holds at
-most this process's share of one parameter (in the target dtype) and one
-layer's tensor at a time, never a full-precision copy of the model.
+The model is built abstractly, then each parameter is filled from its
+tensors into the blocks this process's devices hold. Each tensor is read
+once per process, only the rows its devices need, so an fsdp- or
+tensor-sharded block never costs a re-read; the host holds at most this
+process's share of one parameter and one layer's tensor at a time.
 """
 
 from __future__ import annotations
@@ -79,8 +75,7 @@ _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 
 
 def config_from_dict(config: Mapping[str, Any], *, remat: str = "none", attention: str = "auto") -> DecoderConfig:
-    """The frozen config of the family ``config["model_type"]`` names, read from a config.json dict, with the
-    engine's choices that change no parameter: the remat policy and the attention implementation."""
+    """The frozen config of a config.json dict's family, with the engine's choices that change no parameter."""
     model_type = config.get("model_type")
     if model_type not in ARCHITECTURES:
         raise ValueError(f"config.json: unknown model_type {model_type!r}; supported: {sorted(ARCHITECTURES)}")
@@ -117,9 +112,7 @@ def abstract_model(
     attention: str = "auto",
     lora: LoRAConfig | None = None,
 ) -> CausalLM:
-    """The model of a config.json dict with ``jax.ShapeDtypeStruct`` parameters: shapes and logical axes,
-    no memory, no computation. What the preflight compiles and the cost estimator counts; with ``lora``,
-    its adapters attached, the shapes a PEFT adapter must fit (checked before a model loads)."""
+    """The model of a config.json dict with ``jax.ShapeDtypeStruct`` parameters (with ``lora``, its adapters)."""
     config, dtype = config_from_dict(config, remat=remat, attention=attention), _float_dtype(dtype)
     if lora is None:
         return nnx.eval_shape(lambda: _build(config, dtype, 0))
@@ -128,30 +121,20 @@ def abstract_model(
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
 def _initial_state(config: DecoderConfig, dtype: jnp.dtype, key: jax.Array) -> nnx.State:
-    """All parameters initialised by one compiled program, compiled once per (config, dtype).
-
-    Built eagerly, every initialiser would be compiled on its own, which is what takes time.
-    """
+    """All parameters initialised by one compiled program: eagerly, every initialiser compiles on its own."""
     return nnx.state(_build(config, dtype, key))
 
 
 def hf_parameter_names(path: tuple[Any, ...], num_layers: int) -> tuple[list[str], bool]:
-    """The checkpoint's names for the tensors of our parameter at ``path``, and whether they are transposed.
-
-    ``("model", "layers", "mlp", "up_proj", "kernel")`` (stacked, [L, in, out])
-    -> ``["model.layers.0.mlp.up_proj.weight", ..., "model.layers.{L-1}..."]``;
-    ``("model", "norm", "scale")`` -> ``["model.norm.weight"]``. Transposed
-    means the checkpoint stores the tensor [out, in].
-    """
+    """The checkpoint's names for the tensors of our parameter at ``path`` (one per layer where stacked), and
+    whether it stores them [out, in]."""
     *modules, leaf = path
     name, transposed = _LEAF_NAMES[leaf]
     return [".".join([*layer_path, name]) for layer_path in per_layer_paths(tuple(modules), num_layers)], transposed
 
 
 def _resolve(path: str | pathlib.Path) -> pathlib.Path:
-    """A local folder as is; anything else is taken for a hub id: what ``files_to_download`` picks from the
-    repository's listing (config.json and one weight format) is downloaded, or, with the hub out of reach,
-    found in the local Hugging Face cache."""
+    """A local folder as is; a hub id's ``files_to_download``, downloaded or, with the hub out of reach, cached."""
     local = pathlib.Path(path).expanduser()
     if local.is_dir():
         return local
@@ -187,12 +170,8 @@ def _hub_listing(repo: str) -> list[str] | None:
 
 
 def _cached_snapshot(repo: str) -> pathlib.Path:
-    """The cached copy of hub repository ``repo``'s main branch, checked to hold what the loader reads.
-
-    Offline the repository's listing is unknown, so ``files_to_download``
-    chooses from the cached folder's own files, and an index's shards must
-    all be there.
-    """
+    """The cached copy of hub repository ``repo``, checked to hold what the loader reads (offline the
+    listing is unknown, so the cached folder's own files are chosen from)."""
     cached_config = try_to_load_from_cache(repo, CONFIG)
     if not isinstance(cached_config, str):
         raise NotFetchedError(
@@ -284,15 +263,8 @@ def _bounds(index: tuple[slice, ...], shape: tuple[int, ...]) -> Bounds:
 
 
 def _place(checkpoint: Checkpoint, source: _Source, dtype: jnp.dtype, sharding: Sharding) -> jax.Array:
-    """One parameter on its devices, each of its tensors read once by this process.
-
-    The distinct blocks this process's devices hold are allocated on the
-    host (devices holding the same block, along replicated dimensions, share
-    it); each tensor (each layer's, for a stacked parameter) is then read
-    once, over the region covering every block that needs it, and copied
-    into those blocks. Reading per device block instead would read an
-    fsdp-sharded tensor once per device.
-    """
+    """One parameter on its devices, each tensor read once over the region covering every block that needs
+    it: read per device block, an fsdp-sharded tensor would be read once per device."""
     shape = tuple(source.variable.shape)
     blocks = {
         bounds: np.empty([stop - start for start, stop in bounds], dtype)
@@ -316,8 +288,7 @@ def _place(checkpoint: Checkpoint, source: _Source, dtype: jnp.dtype, sharding: 
 
 @dataclasses.dataclass(frozen=True)
 class ModelSettings:
-    """The frozen base a job uses (its model section and tokenizer, resolved): where it comes from, the name
-    its runs carry, and how it computes."""
+    """The frozen base a job uses (its model section and tokenizer, resolved)."""
 
     name: str  # in run names: model.name, else the checkpoint's last path component, else "<model_type>-random"
     tokenizer: str  # tokenizer directory or hub id: `tokenizer`, else the checkpoint's
@@ -339,7 +310,6 @@ class ModelSettings:
         return self.path or self.name
 
     def load(self, mesh: Mesh) -> CausalLM:
-        """The base on ``mesh``: its checkpoint, else a random model of ``hf_config``."""
         options = dict(dtype=self.dtype, remat=self.remat, attention=self.attention)
         if self.path:
             return load_pretrained(self.path, mesh=mesh, **options)
@@ -354,15 +324,8 @@ def load_pretrained(
     remat: str = "none",
     attention: str = "auto",
 ) -> CausalLM:
-    """Load a Hugging Face checkpoint (local folder or hub id) as an NNX model.
-
-    The architecture comes from config.json's ``model_type``. Parameters are
-    cast to ``dtype`` and, with a ``mesh`` (axes "data", "fsdp", "tensor"),
-    placed on the shardings ``partitioning.LOGICAL_AXIS_RULES`` gives them;
-    without one, on the default device. ``remat`` names what each decoder
-    layer keeps for the backward pass (``layers.REMAT_POLICIES``), ``attention``
-    the attention implementation (``flash_attention.IMPLEMENTATIONS``).
-    """
+    """Load a Hugging Face checkpoint (local folder or hub id) as an NNX model, cast to ``dtype`` and placed on
+    ``mesh`` (without one, the default device)."""
     dtype = _float_dtype(dtype)
     directory = _resolve(path)
     config = config_from_dict(_read_config(directory), remat=remat, attention=attention)
@@ -377,15 +340,8 @@ def load_pretrained(
 
 
 def verify_checkpoint(directory: str | pathlib.Path) -> int:
-    """Check that the checkpoint in ``directory`` fits its config.json, from the files' headers alone.
-
-    The model is built abstractly (shapes, no memory) and every parameter is
-    paired with its tensors as ``load_pretrained`` pairs them, reading only
-    what describes the tensors (safetensors headers, pickles' state dicts),
-    none of their bytes, so what it reads does not grow with the weights. A
-    missing, unexpected or misshapen tensor is an error naming it. Returns
-    the number of tensors checked.
-    """
+    """Check that the checkpoint in ``directory`` fits its config.json, from the files' headers alone, as
+    ``load_pretrained`` pairs them; returns the number of tensors checked."""
     directory = pathlib.Path(directory)
     config = config_from_dict(_read_config(directory))
     model = nnx.eval_shape(lambda: _build(config, jnp.dtype("bfloat16"), seed=0))

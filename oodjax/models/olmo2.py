@@ -1,9 +1,8 @@
 """OLMo2 (allenai/OLMo-2-*), as transformers' ``modeling_olmo2.py`` computes it.
 
-It differs from Llama in where it normalises: no norm on a block's input, an
-RMSNorm on each branch's output before the residual add, and RMSNorms over the
-full q and k projections (all heads at once) before RoPE. Its RMSNorm applies
-the weight in float32 and casts after, and its RoPE runs in float32.
+Against Llama: no norm on a block's input but one on each branch's output,
+RMSNorms over the full q and k projections before RoPE, the norm weight
+applied in float32, and RoPE in float32.
 """
 
 from __future__ import annotations
@@ -46,7 +45,6 @@ class Olmo2Config(DecoderConfig):
 
     @classmethod
     def from_hf(cls, raw: Mapping[str, Any], *, remat: str = "none") -> Olmo2Config:
-        """Read an OLMo2 config.json with transformers' Olmo2Config defaults."""
         hidden = hf_value(raw, "hidden_size", 4096)
         heads = hf_value(raw, "num_attention_heads", 32)
         return cls(
@@ -120,9 +118,6 @@ class Olmo2Model(nnx.Module):
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype, scale_in_float32=True)
 
     def __call__(self, input_ids: jax.Array, segment_ids: jax.Array, *, all_layers: bool):
-        # Positions count from each prompt's first token: a right-padded row gets
-        # transformers' 0..S-1; left padding or packing shifts a prompt's positions,
-        # which RoPE, seeing only their differences, does not notice.
         positions = segment_positions(segment_ids)
         cos, sin = rope_cos_sin(positions, self.config.rope, self.config.head_dim)
         hidden = self.embed_tokens(input_ids)

@@ -53,7 +53,6 @@ class OPTConfig(DecoderConfig):
 
     @classmethod
     def from_hf(cls, raw: Mapping[str, Any], *, remat: str = "none") -> OPTConfig:
-        """Read an OPT config.json with transformers' OPTConfig defaults."""
         hidden = hf_value(raw, "hidden_size", 768)
         heads = hf_value(raw, "num_attention_heads", 12)
         if hidden % heads:

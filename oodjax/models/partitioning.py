@@ -1,16 +1,10 @@
 """Logical axis names -> mesh axes, in one table (MaxText style), for parameters and activations.
 
-Every parameter is annotated with logical axis names (flax ``out_sharding``
-metadata, e.g. ``("layers", "embed", "mlp")``), and the models constrain
-their activations with names of the same table (``constrain``). The mesh has
-axes ``("data", "fsdp", "tensor")``: weights are split along their model
-dimension over ``fsdp`` and along heads / MLP / vocabulary over ``tensor``;
-activations are split along their batch over ``data`` x ``fsdp`` and along
-heads / MLP over ``tensor``. Constraining the activations is what makes
-``fsdp`` FSDP: each device computes its own rows and all-gathers one layer's
-weights at a time, instead of the compiler gathering activations and
-all-reducing activation-sized partial sums. Changing the parallelism layout
-means changing this table, nothing else.
+Constraining the activations too is what makes ``fsdp`` FSDP: each device
+computes its own rows and all-gathers one layer's weights at a time, instead
+of the compiler gathering activations and all-reducing activation-sized
+partial sums. Changing the parallelism layout means changing this table,
+nothing else.
 """
 
 from __future__ import annotations
@@ -58,9 +52,8 @@ def logical_to_spec(
 ) -> PartitionSpec:
     """The PartitionSpec for an array of ``shape`` whose dimensions carry ``logical_axes``.
 
-    A dimension is replicated instead of split when the mesh axes do not divide
-    it (e.g. a 50257-token vocabulary) or when an earlier dimension already uses
-    the same mesh axis, so any checkpoint loads on any mesh.
+    A dimension the mesh axes do not divide (a 50257-token vocabulary), or whose axis an earlier dimension
+    uses, is replicated, so any checkpoint loads on any mesh.
     """
     rules = dict(LOGICAL_AXIS_RULES)
     used: set[str] = set()
@@ -80,11 +73,7 @@ def logical_to_spec(
 
 
 def check_mesh(mesh: Mesh) -> None:
-    """The models rely on the compiler (GSPMD) to propagate shardings, which needs Auto mesh axes.
-
-    ``jax.make_mesh`` defaults to Explicit axes, under which every op would have
-    to state its output sharding; refuse those with the fix in the message.
-    """
+    """Refuses Explicit mesh axes (``jax.make_mesh``'s default): the models rely on GSPMD, which needs Auto."""
     explicit = [name for name, kind in zip(mesh.axis_names, mesh.axis_types) if kind != AxisType.Auto]
     if explicit:
         raise ValueError(
@@ -103,9 +92,7 @@ def param_sharding(variable: nnx.Variable, mesh: Mesh) -> NamedSharding:
 
 
 def param_shardings(abstract_state: Any, mesh: Mesh) -> Any:
-    """``abstract_state`` (from ``nnx.split``/``nnx.state``, abstract or concrete) with each value replaced
-    by its NamedSharding, so the tree can serve as ``jax.jit``'s in/out shardings or ``jax.device_put``'s target.
-    """
+    """``abstract_state`` with each value replaced by its NamedSharding."""
     return jax.tree.map(
         lambda v: v.replace(param_sharding(v, mesh)),
         abstract_state,
@@ -114,13 +101,7 @@ def param_shardings(abstract_state: Any, mesh: Mesh) -> Any:
 
 
 def constrain(x: jax.Array, logical_axes: tuple[str | None, ...]) -> jax.Array:
-    """``x`` constrained to the sharding its logical axes give on the mesh the step is traced under.
-
-    The mesh comes from ``jax.set_mesh(mesh)`` around the jitted call (the
-    engine's steps do that); with no mesh set (one device, tests of the bare
-    model) this is the identity. Under ``vmap`` (the run axis) the mapped axis
-    stays unconstrained, i.e. replicated, as the rules intend.
-    """
+    """``x`` constrained to the sharding its logical axes give on the ``jax.set_mesh`` mesh; without one, ``x``."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or not set(mesh.axis_names) >= {"data", "fsdp", "tensor"}:
         return x
