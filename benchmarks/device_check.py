@@ -198,11 +198,11 @@ def preflight_check(smoke: bool) -> tuple[str, bool]:
     config.data.data_dir = str(SHARED_DATA / "hf")
     config.data.pool_split = ""  # the offline few-shot pools
     config.mesh.data, config.mesh.fsdp, config.mesh.tensor = 1, 1, 1
-    report = preflight.preflight(read(config), devices=1, config_path=str(path))
-    train, evaluation = (report[step]["memory_bytes"]["total"] / 2**30 for step in ("train", "eval"))
-    estimate = report["device_estimate_bytes"] / 2**30
+    report = preflight.preflight(read(config), devices=1)
+    train, evaluation = (step.memory_bytes.total / 2**30 for step in (report.train, report.eval))
+    estimate = report.device_estimate_bytes / 2**30
     return (
-        f"{path.stem}: train step {train:.2f} GiB compiled ({report['platform']}), estimate for the GPU "
+        f"{path.stem}: train step {train:.2f} GiB compiled ({report.platform}), estimate for the GPU "
         f"{estimate:.2f}; eval step {evaluation:.2f} GiB",
         True,
     )

@@ -1,27 +1,14 @@
 """Parameter counts, memory and FLOPs of a decoder LM from its config.json numbers, without allocating it.
 
-Counts come from the model itself: `abstract_model` builds our NNX port
-abstractly (shapes and dtypes, no memory), and the counts are sums over
-its `nnx.Param` leaves, or its `nnx.LoRAParam` leaves once adapters are
-attached, so they cannot drift from what the engine trains.
-
-Training memory per device follows what the compiled train step holds: the
-frozen base, every run's adapters, gradients and AdamW moments, each split the
-way the logical axis rules shard it; the activations the backward pass saves,
-measured with JAX's own saved-residuals analysis of the train step's loss on
-one micro-batch (its rows' tokens going through all runs' adapters, the remat
-policy, LoRA dropout and the dtypes applied) through an abstract 1- and
-2-layer model; and the working set of the backward pass.
-With platform "cpu" it is what XLA's CPU backend allocates (the preflight's
-compile on a machine without an accelerator), which `python -m
-launch.estimate --platform cpu --layers N` sets beside it. FLOPs are
-closed-form estimates; the assumptions are stated where they are made. The
-benchmarks' model FLOPs are the same model (``forward_flops``,
-``ForwardFlops.backward``) counted on real tokens (``benchmarks.flops``).
+Everything is read from our NNX port built abstractly (`abstract_model`: shapes and dtypes, no memory), so the
+figures cannot drift from what the engine trains: counts are sums over its parameters, FLOPs take a layer's
+matmul weights from its kernels, and the memory the backward pass keeps is JAX's own list of the train step
+loss's residuals. The benchmarks' model FLOPs are the same model counted on real tokens (``benchmarks.flops``).
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import json
@@ -33,15 +20,15 @@ import jax
 import jax.numpy as jnp
 import transformers
 from flax import nnx
-from jax._src.ad_checkpoint import saved_residuals  # the data print_saved_residuals prints; private in JAX 0.10
+from jax.extend.core import Literal
+from jax.extend.core.primitives import reduce_precision_p
 from jax.sharding import AbstractMesh, AxisType
 
 from oodjax import models
 from oodjax.engine import steps
 from oodjax.engine.sharding import MESH_AXES
-from oodjax.models.layers import REMAT_POLICIES
-from oodjax.models.lora import LoRAConfig, apply_lora
-from oodjax.models.opt import OPTConfig
+from oodjax.models.layers import ATTENTION_PROJECTION, MLP_PROJECTION, REMAT_POLICIES, Linear
+from oodjax.models.lora import LoRAConfig
 
 # What each remat policy recomputes in the backward pass, of the forward pass's FLOPs (``ForwardFlops``'
 # fields), keyed by the policies' names (``oodjax.models.layers.REMAT_POLICIES``; tests/test_launch_estimate.py
@@ -60,34 +47,20 @@ PLATFORMS = ("gpu", "tpu", "cpu")
 # layer's activations without remat. Fitted to XLA's compiled train steps (the 8 study models at 2
 # and 4 layers, 128 to 512 tokens, on 8 host devices: 0.3 to 0.85 per config).
 BACKWARD_TEMPORARIES = 0.5
-# Residuals that are not new memory: the differentiated adapters themselves, and the frozen
-# weights and batch the loss closes over (already counted as the step's arguments).
-_NOT_ACTIVATIONS = ("from the argument", "from a constant", "from a literal")
+# The base's parameters without the adapters (a LoRAParam is a Param).
+_FROZEN = nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam))
 
 
 @dataclasses.dataclass(frozen=True)
 class Dimensions:
-    """The sizes that decide FLOPs, normalised across families."""
+    """The sizes that decide FLOPs."""
 
-    model_type: str
     vocab_size: int
     hidden_size: int
     num_layers: int
-    num_heads: int
     q_dim: int  # num_heads * head_dim
-    kv_dim: int  # num_key_value_heads * head_dim
-    ffn_dim: int
-    mlp_matrices: int  # 2 for OPT's fc1/fc2, 3 for a gated MLP
-
-    @property
-    def attention_parameters(self) -> int:
-        """Weights of one decoder layer's attention projections (q, k, v and the output)."""
-        return 2 * self.hidden_size * self.q_dim + 2 * self.hidden_size * self.kv_dim
-
-    @property
-    def mlp_parameters(self) -> int:
-        """Weights of one decoder layer's MLP matrices."""
-        return self.mlp_matrices * self.hidden_size * self.ffn_dim
+    attention_parameters: int  # one decoder layer's attention projection weights (q, k, v and the output)
+    mlp_parameters: int  # one decoder layer's MLP weights
 
     @property
     def layer_matmul_parameters(self) -> int:
@@ -104,43 +77,49 @@ def full_config(architecture: Mapping[str, Any]) -> transformers.PretrainedConfi
     return transformers.AutoConfig.for_model(model_type, **fields)
 
 
+def _key(architecture: Mapping[str, Any]) -> str:
+    """The numbers as JSON: hashable, for the caches (the benchmarks count one model for every step they time)."""
+    return json.dumps(dict(architecture), sort_keys=True)
+
+
 def dimensions(architecture: Mapping[str, Any]) -> Dimensions:
-    """The matmul sizes the FLOP formulas need, as our port reads these numbers (``models.config_from_dict``:
-    the families of ``oodjax.models.ARCHITECTURES``, each with its defaults). OPT's MLP is two matrices (fc1,
-    fc2); every other family's a gated MLP of three (gate, up, down)."""
-    config = models.config_from_dict(full_config(architecture).to_dict())
-    ffn_dim, mlp_matrices = (config.ffn_dim, 2) if isinstance(config, OPTConfig) else (config.intermediate_size, 3)
+    """The model's matmul sizes: a layer's weights are its kernels, split as the remat policies name their
+    outputs (``Linear.saved_as``), so a family's MLP or fused projections need nothing here."""
+    return _dimensions(_key(architecture))
+
+
+@functools.cache
+def _dimensions(architecture: str) -> Dimensions:
+    model = abstract_model(json.loads(architecture))
+    weights: collections.Counter[str] = collections.Counter()
+    for _, linear in nnx.iter_modules(model):
+        if isinstance(linear, Linear) and linear.saved_as:
+            weights[linear.saved_as] += math.prod(linear.kernel.shape)
+    config = model.config
+    layers = config.num_hidden_layers
     return Dimensions(
-        config.model_type,
-        config.vocab_size,
-        config.hidden_size,
-        config.num_hidden_layers,
-        config.num_attention_heads,
-        config.num_attention_heads * config.head_dim,
-        config.num_key_value_heads * config.head_dim,
-        ffn_dim,
-        mlp_matrices,
+        vocab_size=config.vocab_size,
+        hidden_size=config.hidden_size,
+        num_layers=layers,
+        q_dim=config.num_attention_heads * config.head_dim,
+        attention_parameters=weights[ATTENTION_PROJECTION] // layers,
+        mlp_parameters=weights[MLP_PROJECTION] // layers,
     )
 
 
 def abstract_model(
-    architecture: Mapping[str, Any], *, dtype: str = "float32", remat: str = "none", layers: int | None = None
+    architecture: Mapping[str, Any],
+    *,
+    dtype: str = "float32",
+    remat: str = "none",
+    layers: int | None = None,
+    lora: LoRAConfig | None = None,
 ) -> nnx.Module:
-    """Our port of these numbers, abstract (`models.abstract_model`: every parameter a ShapeDtypeStruct).
-
-    Missing fields take transformers' defaults (`full_config`), so the model
-    is the one a checkpoint with this config.json loads into. `layers`
-    overrides the depth (the memory model measures 1 and 2).
-    """
+    """Our port of these numbers (`models.abstract_model`), unspecified fields at transformers' defaults, as a
+    checkpoint with this config.json loads; `layers` overrides the depth, `lora` attaches one run's adapters."""
     if layers is not None:
         architecture = dict(architecture, num_hidden_layers=layers)
-    fields = full_config(architecture).to_dict()
-    return models.abstract_model(fields, dtype=dtype, remat=remat)
-
-
-def with_adapters(model: nnx.Module, lora: LoRAConfig) -> nnx.Module:
-    """`model` (abstract) with one run's adapters attached as `apply_lora` attaches them, abstractly too."""
-    return nnx.eval_shape(lambda m: apply_lora(m, lora, rngs=nnx.Rngs(0)), model)
+    return models.abstract_model(full_config(architecture).to_dict(), dtype=dtype, remat=remat, lora=lora)
 
 
 def _count(model: nnx.Module, kind: type[nnx.Variable]) -> int:
@@ -160,14 +139,12 @@ def lora_parameter_count(architecture: Mapping[str, Any], rank: int, targets: Se
     means the attention projections (q, k, v and the output projection).
     """
     lora = LoRAConfig(rank=rank, targets=tuple(targets) if targets else None)
-    return _lora_parameter_count(json.dumps(dict(architecture), sort_keys=True), lora)
+    return _lora_parameter_count(_key(architecture), lora)
 
 
 @functools.cache
 def _lora_parameter_count(architecture: str, lora: LoRAConfig) -> int:
-    """``lora_parameter_count`` of the numbers as JSON (hashable, for the cache: the benchmarks count one
-    model's FLOPs for every step they time)."""
-    return _count(with_adapters(abstract_model(json.loads(architecture)), lora), nnx.LoRAParam)
+    return _count(abstract_model(json.loads(architecture), lora=lora), nnx.LoRAParam)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,17 +170,9 @@ class ForwardFlops:
 
 
 def forward_flops(d: Dimensions, *, tokens: int, attention_pairs: int, adapter_parameters: int = 0) -> ForwardFlops:
-    """The forward pass of ``tokens`` tokens through the decoder layers, attention computed for
-    ``attention_pairs`` (query, key) pairs, through adapters of ``adapter_parameters`` weights in all (every
-    layer's, of every run a token goes through).
-
-    2 FLOPs per token and weight of every layer matmul and adapter; 4 per
-    (query, key) pair, query feature and layer for QK^T and AV. Embedding
-    lookups cost nothing. The estimator counts what the step computes (a
-    padded row's every position attends to all of it: the masked half of a
-    causal score matrix is computed too); the benchmarks count the real
-    tokens and the causal pairs a prompt needs (``benchmarks.flops``).
-    """
+    """``tokens`` tokens through the decoder layers and adapters of ``adapter_parameters`` weights in all (every
+    run's a token goes through), attention over ``attention_pairs`` (query, key) pairs: 2 FLOPs per token and
+    weight, 4 per pair, query feature and layer (QK^T and AV); embedding lookups cost nothing."""
     return ForwardFlops(
         projections=2.0 * d.num_layers * d.attention_parameters * tokens,
         mlp=2.0 * d.num_layers * d.mlp_parameters * tokens,
@@ -220,18 +189,15 @@ def head_flops(d: Dimensions, columns: int) -> float:
 def train_step_flops(
     d: Dimensions, *, runs: int, rows: int, seq_len: int, prompts: int, lora_parameters: int, remat: str
 ) -> float:
-    """FLOPs of one optimizer step of all runs trained together: ``rows`` rows of ``seq_len`` tokens (every
-    micro-batch's, padding included) holding ``prompts`` prompts; ``lora_parameters`` are one run's.
+    """One optimizer step of all runs: ``rows`` rows of ``seq_len`` tokens (every micro-batch's, padding
+    included) holding ``prompts`` prompts; ``lora_parameters`` are one run's.
 
-    Forward (``forward_flops``): the layers' matmuls; attention over the
-    whole row (prompts packed in a row are masked from each other, not
-    skipped); and the adapters of all ``runs`` on every token (the LoRA
-    multiplies by the runs' A and B concatenated, ``runs`` x rank columns,
-    and keeps each token's own run's). Backward (``ForwardFlops.backward``),
-    after recomputing the adapters' forward (``recomputed_in_backward``:
-    counted whole, an upper bound, as only x @ A is needed). The remat policy
-    recomputes what it does not keep (``RECOMPUTED``). The head (full
-    vocabulary, at each prompt's answer position) is a forward and an
+    Attention covers the whole row (packed prompts are masked, not skipped),
+    and every token goes through all runs' adapters (the LoRA multiplies by
+    the runs' A and B concatenated). The backward pass recomputes the
+    adapters' forward (``recomputed_in_backward``, counted whole: an upper
+    bound) and what the remat policy did not keep (``RECOMPUTED``); the head
+    (full vocabulary, at each answer position) is a forward and an
     input-gradient matmul.
     """
     if remat not in REMAT_POLICIES:
@@ -301,19 +267,13 @@ def saved_activation_bytes(
     compute_dtype: str | None = None,
     platform: str = "gpu",
 ) -> int:
-    """Bytes the backward pass keeps from the forward of one micro-batch of the train step: `rows` rows of
-    `seq_len` tokens and `prompts_per_row` prompt slots, every token through all `runs` runs' adapters, in
-    `model` (abstract, one run's adapters attached).
+    """Bytes the backward pass keeps from the forward of one micro-batch (`rows` rows of `seq_len` tokens and
+    `prompts_per_row` prompt slots, every token through all `runs` runs' adapters) of `model` (abstract, one
+    run's adapters attached), as `platform` stores them.
 
-    JAX's saved-residuals analysis lists every array the VJP of the train
-    step's own loss (`steps.micro_batch_loss`, the runs' adapters stacked as
-    the step stacks them) with respect to the adapters keeps, after the
-    model's remat policy decides what to recompute; dropout masks, the runs'
-    low-rank products, float32 softmax statistics and the head's logits are
-    among them. The adapters, frozen weights and batch are left out: they
-    are the step's arguments, counted apart. Only traced, never computed, so
-    a full-size batch costs nothing to measure. Sizes are as `platform`
-    stores them.
+    The residuals of the VJP of the train step's own loss (`residuals`)
+    after the remat policy chose what to recompute; only traced, so a
+    full-size batch costs nothing to measure.
     """
     graphdef, lora, base = nnx.split(model, nnx.LoRAParam, ...)
     dtype = jnp.dtype(compute_dtype) if compute_dtype else None
@@ -325,7 +285,7 @@ def saved_activation_bytes(
     micro = dict(
         input_ids=tokens, segment_ids=tokens, answer_pos=slots, label=slots, valid=valid, run=slots, example=slots
     )
-    residuals = []
+    kept = []
 
     def measure(base: nnx.State, micro: Mapping[str, jax.Array], stacked: nnx.State) -> jax.Array:
         if dtype is not None:  # the step casts the base once, outside the differentiated loss
@@ -336,15 +296,23 @@ def saved_activation_bytes(
         def all_runs(lora: nnx.State) -> jax.Array:
             return loss(lora, base, micro, run_keys, run_weights)[0]
 
-        residuals.extend(saved_residuals(all_runs, steps.runs_inside_layers(stacked)))
+        kept.extend(residuals(all_runs, steps.runs_inside_layers(stacked)))
         return jnp.zeros(())
 
     jax.eval_shape(measure, base, micro, stacked)
-    return sum(
-        aval.size * stored_itemsize(aval.dtype, platform)
-        for aval, source in residuals
-        if not source.startswith(_NOT_ACTIVATIONS)
-    )
+    return sum(aval.size * stored_itemsize(aval.dtype, platform) for aval in kept)
+
+
+def residuals(f: Any, *args: Any) -> list[jax.core.ShapedArray]:
+    """What `jax.vjp(f, *args)` keeps that is new memory: `print_saved_residuals`' list without the arguments
+    (the adapters), the constants (the frozen weights and batch `f` closes over: the step's arguments, counted
+    apart) and literals."""
+    closed, shapes = jax.make_jaxpr(lambda *args: jax.vjp(f, *args), return_shape=True)(*args)
+    jaxpr = closed.jaxpr
+    given = {*jaxpr.invars, *jaxpr.constvars}
+    through = {eqn.outvars[0]: eqn.invars[0] for eqn in jaxpr.eqns if eqn.primitive is reduce_precision_p}
+    kept = jaxpr.outvars[len(jaxpr.outvars) - len(jax.tree.leaves(shapes[1])) :]
+    return [v.aval for v in kept if not isinstance(v, Literal) and through.get(v, v) not in given]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -396,20 +364,13 @@ def _measure(
     prompts_per_row: int,
     platform: str,
 ) -> _Measured:
-    """`saved_activation_bytes` of the model of these numbers, taken apart.
-
-    `architecture` is the config.json numbers as JSON (hashable, for the
-    cache: the estimator asks for the same model under several meshes).
-    A 2-layer model minus a 1-layer one isolates a layer, scan and remat
-    structure included; the rest (embeddings, final norm, head) is what the
-    1-layer model keeps beyond its layer. Two rows minus one isolates what
-    grows with the batch; what is left is derived from the weights alone.
-    """
+    """`saved_activation_bytes` of the model of these numbers (JSON, ``_key``), taken apart: a 2-layer model
+    minus a 1-layer one isolates a layer (scan and remat structure included), two rows minus one what grows
+    with the batch."""
     whole = abstract_mesh(dict(data=1, fsdp=1, tensor=1))
     saved, weights = {}, {}
     for layers in (1, 2):
-        model = abstract_model(json.loads(architecture), dtype=dtype, remat=remat, layers=layers)
-        adapted = with_adapters(model, lora)
+        adapted = abstract_model(json.loads(architecture), dtype=dtype, remat=remat, layers=layers, lora=lora)
         for rows in (1, 2):
             saved[layers, rows] = saved_activation_bytes(
                 adapted,
@@ -420,7 +381,7 @@ def _measure(
                 compute_dtype=compute_dtype,
                 platform=platform,
             )
-        weights[layers] = bytes_per_device(nnx.state(model, nnx.Param), whole)
+        weights[layers] = bytes_per_device(nnx.state(adapted, _FROZEN), whole)
     per_row = {layers: saved[layers, 2] - saved[layers, 1] for layers in (1, 2)}
     fixed = {layers: saved[layers, 1] - per_row[layers] for layers in (1, 2)}
     return _Measured(
@@ -446,33 +407,24 @@ def train_memory_per_device(
     prompts_per_row: int = 1,
     platform: str = "gpu",
 ) -> Memory:
-    """Training memory of one device for a mesh {"data", "fsdp", "tensor"} (sizes already resolved).
+    """Training memory of one device for a mesh {"data", "fsdp", "tensor"} (sizes resolved); a micro-batch is
+    `rows` rows (all devices') of `seq_len` tokens and `prompts_per_row` prompt slots, split over data x fsdp.
 
-    A micro-batch is `rows` rows (all devices') of `seq_len` tokens and
-    `prompts_per_row` prompt slots, split over data x fsdp, as
-    `oodjax.engine.geometry` lays it out: with train.pack one row per device
-    holding prompts of all `runs` runs, else one prompt a row. Every token
-    goes through all runs' adapters, and every run's adapters, gradients and
-    moments are held. Weights and adapters are split as the logical axis
-    rules split them; with fsdp, the layer being computed is gathered whole.
-    Activations are measured for the rows each device holds; tensor
-    parallelism is taken to split them evenly (an upper bound on its saving:
-    the residual stream is replicated). The backward pass through a layer
-    holds the gradients of its widest activations (BACKWARD_TEMPORARIES of
-    its activations without remat), plus, under remat, the layer recomputed
-    whole, and with fsdp its weights gathered whole. The head's peak holds
-    its weights gathered whole with fsdp (the batch and the hidden dimension
-    are both split over fsdp). On `platform` "cpu" half-precision residuals
-    count as float32, and the weights being multiplied (the layers', the
-    head's) get a float32 copy, as XLA's CPU backend allocates them
-    (`stored_itemsize`).
+    Weights and adapters are split as the logical axis rules split them.
+    Tensor parallelism is taken to split activations evenly (an upper bound
+    on its saving: the residual stream is replicated). The backward pass
+    through a layer holds the gradients of its widest activations
+    (BACKWARD_TEMPORARIES), under remat the layer recomputed, and with fsdp
+    its weights gathered whole, as the head's peak holds the head's. On
+    "cpu" the weights being multiplied get a float32 copy, as XLA's CPU
+    backend allocates them (`stored_itemsize`).
     """
     shards = mesh["data"] * mesh["fsdp"]
     if rows % shards:
         raise ValueError(f"a micro-batch of {rows} rows does not split over data x fsdp = {shards} devices")
     devices = abstract_mesh(mesh)
-    base = abstract_model(architecture, dtype=dtype, remat=remat)
-    adapters = bytes_per_device(nnx.state(with_adapters(base, lora), nnx.LoRAParam), devices, leading=runs)
+    model = abstract_model(architecture, dtype=dtype, remat=remat, lora=lora)
+    adapters = bytes_per_device(nnx.state(model, nnx.LoRAParam), devices, leading=runs)
     layers = full_config(architecture).num_hidden_layers
     measure = dict(
         dtype=dtype,
@@ -482,11 +434,11 @@ def train_memory_per_device(
         prompts_per_row=prompts_per_row,
         platform=platform,
     )
-    key = json.dumps(dict(architecture), sort_keys=True)
+    key = _key(architecture)
     kept = _measure(key, lora, remat=remat, **measure)
     full_layer = _measure(key, lora, remat="none", **measure).per_row_layer
     per_device = rows // shards  # rows of a micro-batch on each device
-    head = nnx.eval_shape(lambda model: model.head_kernel(), base)
+    head = nnx.eval_shape(lambda model: model.head_kernel(), model)
     head_weights = math.prod(head.shape) * jnp.dtype(dtype).itemsize / mesh["tensor"]
     # Weights are multiplied as stored on GPU and TPU; on CPU, from a float32 copy.
     widening = stored_itemsize(dtype, platform) / jnp.dtype(dtype).itemsize
@@ -497,7 +449,7 @@ def train_memory_per_device(
     sharded = mesh["fsdp"] > 1
     recomputed = remat != "none"
     return Memory(
-        frozen_weights=bytes_per_device(nnx.state(base, nnx.Param), devices),
+        frozen_weights=bytes_per_device(nnx.state(model, _FROZEN), devices),
         upcast_weights=layers * kept.layer_weights / (mesh["fsdp"] * mesh["tensor"]) * upcast,
         adapters=adapters,
         gradients=adapters,

@@ -198,9 +198,29 @@ class Estimate:
     total_flops: float
     accelerator_hours: float
     geometry: BatchGeometry  # the train step's layout the estimate is made for
-    prompts: RealPrompts | None  # the real prompts it is made for, else prompts of prompt_len tokens
-    prompt_len: int | None  # tokens of every prompt when not the real ones
+    prompts: RealPrompts | AssumedPrompts  # what it is made for (assumed ones with their length)
     samples: Mapping[str, Sample]  # testsets whose local files are samples, counted at the hub's size
+
+
+@dataclasses.dataclass(frozen=True)
+class AssumedPrompts:
+    """Prompts all of `length` tokens (None: data.max_length, an upper bound), in training rows as the engine lays
+    such prompts out (``assumed_geometry``), evaluated one a row: `eval_examples` a run beside its few-shot set
+    (None: counted from the testsets)."""
+
+    length: int | None = None
+    eval_examples: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """What a job is costed on: `devices` devices of `device`'s kind at `utilisation` of their peak FLOP/s, its
+    memory as `platform` allocates it (None: the device's; "cpu" to set it beside a preflight on a CPU)."""
+
+    devices: int
+    device: Device
+    utilisation: float
+    platform: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -438,86 +458,76 @@ def rows_by_length(pool: EvalPool) -> dict[int, int]:
     return dict(sorted(rows.items()))
 
 
-def estimate(
-    config_path: str,
-    job: Job,
-    *,
-    devices: int,
-    device: Device,
-    utilisation: float,
-    prompts: RealPrompts | None = None,
-    seq_len: int | None = None,
-    prompt_len: int | None = None,
-    geometry: BatchGeometry | None = None,
-    eval_examples: int | None = None,
-    layers: int | None = None,
-    platform: str | None = None,
-) -> Estimate:
-    """The costs of `job` on `devices` devices of `device`'s kind, for its real `prompts`
-    (``PromptCounter``: their train step layout, and their evaluation pool's rows), else for prompts of
-    `prompt_len` tokens (default data.max_length, an upper bound; evaluated one a row, `eval_examples` of them
-    per run, default counted from the testsets, beside each run's few-shot set) in training rows of
-    ``assumed_geometry``. `geometry`, a train step layout (the preflight's, from its real data), replaces
-    either's; `seq_len` replaces its rows' length. `layers` cuts the model to that depth and `platform`
-    (default: the device's) decides how memory is costed, so that the estimate can be compared with the
-    preflight's compile on a CPU."""
-    arch = architecture_of(job.model, layers)
-    dims = costs.dimensions(arch)
-    parameters = costs.parameter_count(arch)
-    lora = costs.lora_parameter_count(arch, job.lora.rank, job.lora.targets)
-    runs = len(job.runs.runs())
-    mesh = job.mesh.sizes(devices)
-    shards = math.prod(mesh[axis] for axis in sharding.BATCH_AXES)
-    samples = {}
-    if prompts is not None:
-        if prompt_len is not None or eval_examples is not None:
-            raise ValueError("real prompts are counted: prompt_len and eval_examples are for assumed ones")
-        geometry = geometry or prompts.geometry
-        samples = prompts.samples
-    else:
-        prompt_len = job.batches.max_length if prompt_len is None else prompt_len
-    if geometry is None:
-        geometry = assumed_geometry(job, shards, prompt_len)
-    if seq_len:
-        geometry = dataclasses.replace(geometry, seq_len=seq_len)
-    memory = costs.train_memory_per_device(
+def train_memory(
+    job: Job, arch: Mapping[str, Any], mesh: Mapping[str, int], geometry: BatchGeometry, platform: str
+) -> costs.Memory:
+    """Memory per device of ``job``'s train step, laid out as ``geometry``, on a mesh of these sizes."""
+    return costs.train_memory_per_device(
         arch,
         job.lora,
         dtype=job.model.dtype,
         compute_dtype=job.model.compute_dtype,
         remat=job.model.remat,
         mesh=mesh,
-        runs=runs,
+        runs=len(job.runs.runs()),
         rows=geometry.rows,
         seq_len=geometry.seq_len,
         prompts_per_row=geometry.prompts_per_row,
-        platform=platform or device.platform,
+        platform=platform,
     )
-    step = costs.train_step_flops(
-        dims,
+
+
+def train_step_flops(job: Job, arch: Mapping[str, Any], geometry: BatchGeometry) -> float:
+    """FLOPs of one optimizer step of ``job``'s runs, laid out as ``geometry``."""
+    runs = len(job.runs.runs())
+    return costs.train_step_flops(
+        costs.dimensions(arch),
         runs=runs,
         rows=geometry.grad_accum * geometry.rows,
         seq_len=geometry.seq_len,
         prompts=runs * geometry.batch_size,
-        lora_parameters=lora,
+        lora_parameters=costs.lora_parameter_count(arch, job.lora.rank, job.lora.targets),
         remat=job.model.remat,
     )
-    if prompts is not None:
+
+
+def estimate(
+    config_path: str,
+    job: Job,
+    prompts: RealPrompts | AssumedPrompts,
+    target: Target,
+    *,
+    layers: int | None = None,
+    seq_len: int | None = None,
+) -> Estimate:
+    """The costs of `job` on `target` for `prompts`, the model cut to `layers` and the training rows to
+    `seq_len` tokens where given (to set the estimate beside a preflight's compile)."""
+    mesh = job.mesh.sizes(target.devices)
+    arch = architecture_of(job.model, layers)
+    dims = costs.dimensions(arch)
+    lora = costs.lora_parameter_count(arch, job.lora.rank, job.lora.targets)
+    runs = len(job.runs.runs())
+    if isinstance(prompts, RealPrompts):
+        geometry, samples = prompts.geometry, prompts.samples
         evaluation = rows_flops(dims, prompts.eval_rows, lora)
         first_evaluation = rows_flops(dims, prompts.first_eval_rows, lora)
     else:
-        if eval_examples is None:
+        length = job.batches.max_length if prompts.length is None else prompts.length
+        prompts = dataclasses.replace(prompts, length=length)
+        geometry = assumed_geometry(job, math.prod(mesh[axis] for axis in sharding.BATCH_AXES), length)
+        examples, samples = prompts.eval_examples, {}
+        if examples is None:
             samples = study_samples(job.data)
-            eval_examples = count_eval_examples(job.data, samples)
+            examples = count_eval_examples(job.data, samples)
         # Each run is also evaluated on its own few-shot training set; at step 0 the testsets once for all runs.
         training_sets = len(job.runs.seeds) * sum(job.runs.shots)
-        own = costs.eval_flops(dims, runs=1, examples=training_sets, seq_len=prompt_len, lora_parameters=lora)
-        evaluation = own + costs.eval_flops(
-            dims, runs=runs, examples=eval_examples, seq_len=prompt_len, lora_parameters=lora
-        )
-        first_evaluation = own + costs.eval_flops(
-            dims, runs=1, examples=eval_examples, seq_len=prompt_len, lora_parameters=lora
-        )
+        own = costs.eval_flops(dims, runs=1, examples=training_sets, seq_len=length, lora_parameters=lora)
+        evaluation = own + costs.eval_flops(dims, runs=runs, examples=examples, seq_len=length, lora_parameters=lora)
+        first_evaluation = own + costs.eval_flops(dims, runs=1, examples=examples, seq_len=length, lora_parameters=lora)
+    if seq_len:
+        geometry = dataclasses.replace(geometry, seq_len=seq_len)
+    memory = train_memory(job, arch, mesh, geometry, target.platform or target.device.platform)
+    step = train_step_flops(job, arch, geometry)
     # Each run's own length (train.epochs); a step or an evaluation above is every run's, so each run costs a
     # share of it. Each length's runs train apart and begin with one step-0 evaluation of their own.
     lengths = [job.of_length(job.total_steps(run.shots)).cadence for run in job.runs.runs()]
@@ -525,11 +535,11 @@ def estimate(
     evaluations = sum(len(cadence.evaluated_steps()) for cadence in lengths) / len(lengths)
     first_evaluations = len({cadence.total_steps for cadence in lengths})
     total = steps_per_run * step + first_evaluations * first_evaluation + (evaluations - 1) * evaluation
-    hours = total / (device.peak_flops * utilisation) / 3600
+    hours = total / (target.device.peak_flops * target.utilisation) / 3600
     return Estimate(
         config_path,
         job.model.source,
-        parameters,
+        costs.parameter_count(arch),
         mesh,
         memory,
         step,
@@ -540,7 +550,6 @@ def estimate(
         hours,
         geometry,
         prompts,
-        prompt_len,
         samples,
     )
 
@@ -589,9 +598,10 @@ def _steps_per_run(job: Job) -> str:
 def describe_prompts(result: Estimate, job: Job) -> str:
     """The line saying which prompts the estimate is made for: the real ones, counted with which tokenizer, or
     ones of a given length."""
-    if result.prompts is None:
-        bound = " = data.max_length: an upper bound" if result.prompt_len == job.batches.max_length else ""
-        return f"  prompts: {result.prompt_len} tokens each (--prompt_len{bound}), evaluated one a row"
+    if isinstance(result.prompts, AssumedPrompts):
+        length = result.prompts.length
+        bound = " = data.max_length: an upper bound" if length == job.batches.max_length else ""
+        return f"  prompts: {length} tokens each (--prompt_len{bound}), evaluated one a row"
     p, own = result.prompts, job.model.tokenizer
     counted = f"its tokenizer {own}" if p.tokenizer == own else f"the tokenizer {p.tokenizer} standing in for {own}"
     return (
@@ -606,7 +616,7 @@ def describe_samples(result: Estimate) -> list[str]:
     """A line naming the testsets whose local files are samples and what they were counted as, if any."""
     if not result.samples:
         return []
-    counted = "prompts, the sample's repeated" if result.prompts is not None else "examples"
+    counted = "prompts, the sample's repeated" if isinstance(result.prompts, RealPrompts) else "examples"
     each = "; ".join(
         f"{name} {sample.local_rows:,} of the hub split's {sample.hub_rows:,} rows, counted as {sample.prompts:,} "
         f"{counted}"
@@ -677,6 +687,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--tokenizer counts the real prompts, which --prompt_len replaces")
     _host_devices(args.devices)
     device = DEVICES[args.device]
+    target = Target(args.devices, device, args.utilisation, args.platform)
     with usage_errors.reported(parser.prog):
         try:
             paths = experiment_config_paths(args.configs)
@@ -696,21 +707,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 if args.offline_pools:
                     config.data.pool_split = ""  # the table's pool split
                 job = read(config)
-                mesh = job.mesh.sizes(args.devices)
-                prompts = None if args.prompt_len is not None else count(job, mesh)
-                result = estimate(
-                    path,
-                    job,
-                    devices=args.devices,
-                    device=device,
-                    utilisation=args.utilisation,
-                    prompts=prompts,
-                    seq_len=args.seq_len,
-                    prompt_len=args.prompt_len,
-                    eval_examples=args.eval_examples,
-                    layers=args.layers,
-                    platform=args.platform,
+                prompts = (
+                    count(job, job.mesh.sizes(args.devices))
+                    if args.prompt_len is None
+                    else AssumedPrompts(args.prompt_len, args.eval_examples)
                 )
+                result = estimate(path, job, prompts, target, layers=args.layers, seq_len=args.seq_len)
             except usage_errors.NotFetchedError as error:
                 raise usage_errors.NotFetchedError(f"{error}; {WITHOUT_DATA}") from error
         print(describe(result, job, device, args.utilisation))

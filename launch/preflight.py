@@ -1,50 +1,25 @@
 """`python -m launch.preflight --config configs/X.py [--devices N] [--layers N] [--json OUT] [--hlo DIR]`.
 
 Compiles a config's real train and eval steps ahead of time, on abstract
-inputs, before a GPU-hour is spent: the same step factories, geometry and
-shardings `python -m oodjax.main` uses, on the config's real mesh, with
-training batches of the real few-shot sets' geometry and evaluation batches
-of the real pool's longest rows (its largest shape; a local sample's
-prompts repeated to the hub split's size, as the estimate counts it:
-``launch.estimate.study_testsets``). Nothing is read or
-allocated for the model: its architecture comes from
-`configs.models` (the checkpoint's config.json numbers) or the
-config's `model.hf_config`, and its parameters, adapters and optimizer state
-are shapes only (`steps.abstract_attach_runs`). Settings go in
+inputs, before a GPU-hour is spent: the step factories, geometry and
+shardings `python -m oodjax.main` uses, on the config's mesh, with training
+batches of the real few-shot sets' geometry and evaluation batches of the
+real pool's longest rows. Nothing of the model is read or allocated: its
+numbers come from `configs.models` or `model.hf_config`. Settings go in
 `--config.<field>=<value>` as for `oodjax.main`; the tokenizer is
 `config.tokenizer` (else `model.path`), so offline pass a local one.
 
-It also replays the config's real data as the run loop would see it: 200
-steps of its runs' training streams (fewer if the job has fewer:
-`replayed_steps`), for the share of the tokens a train
-step computes that are prompt tokens (`train_real_token_share`) and the host
-time one step's batches take to build (`host_batch_ms`, without the
-background thread that hides it in a run); and the evaluation pool, for its
-share of prompt tokens (`eval_real_token_share`) and the attention scores it
-computes over those its prompts need (`eval_attention_waste`, causal on both
-sides, ``oodjax.engine.evaluation.pool_figures``).
-
-Per step it prints XLA's per-device memory (`compiled.memory_analysis()`:
-arguments, outputs, temporaries, and total = argument + output + temp -
-alias, the bytes that live at once when donated inputs are reused for
-outputs), the seconds to lower and to compile, and the collectives of the
-compiled program (count and largest operand per kind), beside the analytic
-estimate of `launch.estimate`. And a communication model beside the FLOPs:
-the bytes the compiled step's collectives move per device per step (each
-as a ring algorithm moves it, loops counted as often as they run,
-``communication``) over the estimate device's interconnect (NVLink, ICI:
-`launch.estimate.DEVICES`), in seconds, against the estimated compute
-seconds of the train step and of the largest evaluation batch: whether a
-step is communication-bound. Without an accelerator, `--devices N` fakes N
-host CPU devices; CPU figures are indicative only (XLA's CPU backend
-computes bf16 matmuls in f32, gathers bf16 weights as f32 and fuses
-differently from a GPU's: on one H200 a CPU's compiled train step took
-2.5-3.4x the GPU's memory), so there the fit is judged by the estimate
-costed for the GPU (`device_estimate_bytes`), which came to 0.97-0.99 of
-the GPU's compiled totals (docs/performance.md). A model cut with `--layers`
-is judged beside the full model's estimate, and a data-parallel job spread
-over nodes (`--node_devices`, `--network_gb_s`) is set against one node
-(``over_nodes``), with a warning where one node would be faster.
+It replays the config's data as the run loop would (`DATA_STEPS` steps) for
+the share of prompt tokens a step computes and the host time its batches
+take, and reports per step XLA's per-device memory, the seconds to lower and
+compile, and the collectives, with the bytes they move per device set
+against the estimated compute seconds (`launch.estimate`, on
+`ESTIMATE_DEVICE`): whether a step is communication-bound. Without an
+accelerator `--devices N` fakes N host CPU devices; CPU figures are
+indicative only (2.5-3.4x a GPU's memory, measured), so there the fit is
+judged by the estimate costed for the GPU. A model cut with `--layers` is
+judged beside the full model's estimate, and a data-parallel job spread
+over nodes (`--node_devices`, `--network_gb_s`) is set against one node.
 """
 
 from __future__ import annotations
@@ -84,22 +59,10 @@ _INSTRUCTION = re.compile(
 )
 _ARRAY_TYPE = re.compile(r"\b([a-z]+[0-9]*(?:e[0-9]m[0-9][a-z]*)?)\[([0-9,]*)\]")
 _DTYPE_BYTES = {
-    "pred": 1,
-    "s4": 1,
-    "u4": 1,
-    "s8": 1,
-    "u8": 1,
-    "bf16": 2,
-    "f16": 2,
-    "s16": 2,
-    "u16": 2,
-    "f32": 4,
-    "s32": 4,
-    "u32": 4,
-    "f64": 8,
-    "s64": 8,
-    "u64": 8,
-    "c64": 8,
+    **dict.fromkeys(("pred", "s4", "u4", "s8", "u8"), 1),
+    **dict.fromkeys(("bf16", "f16", "s16", "u16"), 2),
+    **dict.fromkeys(("f32", "s32", "u32"), 4),
+    **dict.fromkeys(("f64", "s64", "u64", "c64"), 8),
     "c128": 16,
 }
 # The entry of launch.estimate's device table the estimate is made for (its memory does not depend on it),
@@ -119,135 +82,212 @@ DATA_FIGURES = (
 )
 
 
+@dataclasses.dataclass(frozen=True)
+class CompiledMemory:
+    """XLA's per-device bytes of a compiled step (``compiled.memory_analysis()``); ``total`` is what lives at once
+    when donated inputs are reused for outputs."""
+
+    argument: int
+    output: int
+    temp: int
+    alias: int
+    total: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Communication:
+    """What one run of a compiled step's collectives sends per device (``communication``), and in how long over
+    the estimate device's interconnect."""
+
+    bytes: int
+    by_op: dict[str, int]
+    loops_without_trip_count: int
+    seconds: float
+
+
+@dataclasses.dataclass(frozen=True)
+class CompiledStep:
+    lower_s: float
+    compile_s: float
+    memory_bytes: CompiledMemory
+    collectives: dict[str, dict[str, int]]  # ``collectives``
+    communication: Communication
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryLimit:
+    """The memory the fit is judged against: ``usable_bytes`` of the estimate device's ``device_bytes``."""
+
+    device: str
+    device_bytes: int
+    usable_bytes: int
+    source: str  # why that much (``launch.estimate.usable_memory``)
+
+
+@dataclasses.dataclass(frozen=True)
+class Interconnect:
+    device: str
+    name: str
+    bytes_per_s: float
+
+
+@dataclasses.dataclass(frozen=True)
+class FullModel:
+    """A cut compile's model at full depth, so that the verdict does not read as the whole model's."""
+
+    layers: int
+    device_estimate_bytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Nodes:
+    """A job spread over nodes (``over_nodes``)."""
+
+    count: int
+    devices_per_node: int
+    network: str
+    network_bytes_per_s: float
+    data_parallel: bool
+    job_s: dict[str, float] | None = None  # data parallel: {"over_nodes", "one_node"}, compute and communication
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """The shapes the steps were compiled for: the train step's geometry and the evaluation pool's rows."""
+
+    runs: int
+    grad_accum: int
+    rows: int
+    rows_per_device: int
+    seq_len: int
+    packed: bool
+    prompt_slots: int
+    train_lengths: list[int]
+    eval_rows: int
+    eval_seq_len: int
+    eval_prompt_slots: int
+    eval_row_lengths: list[int]
+    eval_batches: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Report:
+    """The preflight's findings; `--json` writes them with these names (``to_json``)."""
+
+    train_real_token_share: float  # of the tokens a train step computes, those of prompts (replayed streams)
+    host_batch_ms: float  # host time one step's batches take to build
+    eval_real_token_share: float
+    eval_attention_waste: float  # attention scores computed over those the prompts need (``pool_figures``)
+    replayed_steps: int
+    train: CompiledStep
+    eval: CompiledStep  # its largest batch's
+    estimate_bytes: int  # the train step's estimate as this platform allocates it
+    device_estimate_bytes: int  # as the estimate device's platform does
+    memory_limit: MemoryLimit
+    interconnect: Interconnect
+    train_step_flops: float
+    estimate_step_s: float
+    eval_step_flops: float  # the largest evaluation batch's
+    estimate_eval_step_s: float
+    devices: int
+    layers: int
+    full_model: FullModel | None  # a cut model's full depth
+    nodes: Nodes | None
+    platform: str
+    geometry: Layout
+
+    def to_json(self) -> str:
+        report = dataclasses.asdict(self)
+        if self.nodes is not None and self.nodes.job_s is None:
+            del report["nodes"]["job_s"]  # compared only for a data-parallel mesh
+        return json.dumps(report, indent=2) + "\n"
+
+
 def preflight(
     job: Job,
     *,
     devices: int | None = None,
     layers: int | None = None,
     hlo_dir: str | pathlib.Path | None = None,
-    config_path: str = "<config>",
     node_devices: int | None = None,
     network_gb_s: float | None = None,
-) -> dict[str, Any]:
-    """Lowers and compiles ``job``'s train and eval steps on abstract inputs; returns the report.
-
-    ``devices``: the first N of ``jax.devices()`` (default all); ``layers``:
-    the model cut to N decoder layers; ``node_devices``: devices of a node
-    (default the estimate device's), for a job spread over nodes
-    (``over_nodes``), whose network sends ``network_gb_s`` GB/s a device
-    each way (default the estimate device's node's). The report: {"train": {...}, "eval":
-    {...}, "estimate_bytes" (the train step's, as this platform allocates), "device_estimate_bytes" (as the
-    estimate device's platform does), "memory_limit", "interconnect", "train_step_flops", "estimate_step_s",
-    "eval_step_flops", "estimate_eval_step_s" (the largest evaluation batch's), "devices", "layers", "platform",
-    "geometry", "train_real_token_share", "host_batch_ms", "eval_real_token_share", "eval_attention_waste",
-    "replayed_steps", "full_model" (a cut model's: {"layers", "device_estimate_bytes"} at full depth; else None),
-    "nodes" (``over_nodes``)}, a step's entry being {"lower_s", "compile_s", "memory_bytes": {"argument", "output",
-    "temp", "alias", "total"}, "collectives": {op: {"count", "max_bytes"}}, "communication": {"bytes", "by_op",
-    "loops_without_trip_count", "seconds"}}.
-    ``hlo_dir`` receives each compiled program as text.
-    """
+) -> Report:
+    """Compiles ``job``'s train and eval steps on the first ``devices`` of ``jax.devices()`` (default all), the
+    model cut to ``layers``, and sets them beside the estimate; ``node_devices`` (default the estimate device's)
+    and ``network_gb_s`` describe a job spread over nodes (``over_nodes``)."""
     available = jax.devices()
     devices = devices or len(available)
     steps_ = abstract_steps(job, devices=devices, layers=layers)
     geometry, data, arch, longest_rows = steps_.geometry, steps_.data, steps_.arch, steps_.longest_rows
     replayed = min(DATA_STEPS, job.batches.total_steps)
-    figures = {
-        **training_figures(data.train_stream, geometry, steps=replayed),
-        **pool_figures(data.eval_pool),
-        "replayed_steps": replayed,
-    }
-    hlo_dir = pathlib.Path(hlo_dir) if hlo_dir else None
-    train_report = _compile("train", steps_.train_step, steps_.train_args, hlo_dir)
-    eval_report = _compile("eval", steps_.eval_step, steps_.eval_args, hlo_dir)
     device = estimator.DEVICES[ESTIMATE_DEVICE]
-    for step in (train_report, eval_report):
-        step["communication"]["seconds"] = step["communication"]["bytes"] / device.interconnect_bytes_per_s
+    hlo_dir = pathlib.Path(hlo_dir) if hlo_dir else None
+    train = _compile("train", steps_.train_step, steps_.train_args, hlo_dir, device.interconnect_bytes_per_s)
+    evaluation = _compile("eval", steps_.eval_step, steps_.eval_args, hlo_dir, device.interconnect_bytes_per_s)
     platform = available[0].platform
-    priced = functools.partial(
-        estimator.estimate,
-        config_path,
-        job,
-        devices=devices,
-        device=device,
-        utilisation=ESTIMATE_UTILISATION,
-        geometry=geometry,
-        eval_examples=0,
-        layers=layers,
-    )
-    estimate = priced(platform=platform)
-    device_estimate = estimate if platform == device.platform else priced(platform=device.platform)
-    full_layers = int(estimator.architecture_of(job.model)["num_hidden_layers"])
-    full_model = None
-    if int(arch["num_hidden_layers"]) != full_layers:  # the verdict must not read as the whole model's
-        full = priced(platform=device.platform, layers=None)
-        full_model = {"layers": full_layers, "device_estimate_bytes": int(full.memory.total)}
+    mesh = job.mesh.sizes(devices)
+
+    def estimate_bytes(arch: dict[str, Any], platform: str) -> int:
+        return int(estimator.train_memory(job, arch, mesh, geometry, platform).total)
+
+    full, full_model = estimator.architecture_of(job.model), None
+    if int(arch["num_hidden_layers"]) != int(full["num_hidden_layers"]):
+        full_model = FullModel(int(full["num_hidden_layers"]), estimate_bytes(full, device.platform))
     lanes, eval_rows, eval_row_length = longest_rows["input_ids"].shape
     dims, lora = costs.dimensions(arch), costs.lora_parameter_count(arch, job.lora.rank, job.lora.targets)
+    train_step_flops = estimator.train_step_flops(job, arch, geometry)
     eval_step_flops = estimator.rows_flops(dims, {eval_row_length: lanes * eval_rows}, lora)
     usable, source = estimator.usable_memory(device)
     compute_flops = devices * device.peak_flops * ESTIMATE_UTILISATION
     # The job's parts: (how often, compute seconds, bytes a device its collectives move), an evaluation's
     # collectives taken as its largest batch's for each of its batches.
-    moved = eval_report["communication"]["bytes"]
     parts = [
-        (job.cadence.total_steps, estimate.train_step_flops / compute_flops, train_report["communication"]["bytes"]),
+        (job.cadence.total_steps, train_step_flops / compute_flops, train.communication.bytes),
         *(
             (
                 count,
                 estimator.rows_flops(dims, estimator.rows_by_length(pool), lora) / compute_flops,
-                moved * len(pool.batches),
+                evaluation.communication.bytes * len(pool.batches),
             )
             for count, pool in ((len(job.cadence.evaluated_steps()) - 1, data.eval_pool), (1, data.first_eval_pool))
         ),
     ]
-    return {
-        **figures,
-        "train": train_report,
-        "eval": eval_report,
-        "estimate_bytes": int(estimate.memory.total),
-        "device_estimate_bytes": int(device_estimate.memory.total),
-        "memory_limit": {
-            "device": ESTIMATE_DEVICE,
-            "device_bytes": int(device.memory_gb * estimator.GB),
-            "usable_bytes": int(usable),
-            "source": source,
-        },
-        "interconnect": {
-            "device": ESTIMATE_DEVICE,
-            "name": device.interconnect,
-            "bytes_per_s": device.interconnect_bytes_per_s,
-        },
-        "train_step_flops": estimate.train_step_flops,
-        "estimate_step_s": estimate.train_step_flops / compute_flops,
-        "eval_step_flops": eval_step_flops,
-        "estimate_eval_step_s": eval_step_flops / compute_flops,
-        "devices": devices,
-        "layers": int(arch["num_hidden_layers"]),
-        "full_model": full_model,
-        "nodes": over_nodes(
-            job,
-            device if network_gb_s is None else given_network(device, network_gb_s),
-            devices,
-            node_devices or device.node_devices,
-            parts,
+    network = device if network_gb_s is None else given_network(device, network_gb_s)
+    return Report(
+        **training_figures(data.train_stream, geometry, steps=replayed),
+        **pool_figures(data.eval_pool),
+        replayed_steps=replayed,
+        train=train,
+        eval=evaluation,
+        estimate_bytes=estimate_bytes(arch, platform),
+        device_estimate_bytes=estimate_bytes(arch, device.platform),
+        memory_limit=MemoryLimit(ESTIMATE_DEVICE, int(device.memory_gb * estimator.GB), int(usable), source),
+        interconnect=Interconnect(ESTIMATE_DEVICE, device.interconnect, device.interconnect_bytes_per_s),
+        train_step_flops=train_step_flops,
+        estimate_step_s=train_step_flops / compute_flops,
+        eval_step_flops=eval_step_flops,
+        estimate_eval_step_s=eval_step_flops / compute_flops,
+        devices=devices,
+        layers=int(arch["num_hidden_layers"]),
+        full_model=full_model,
+        nodes=over_nodes(job, network, devices, node_devices or device.node_devices, parts),
+        platform=platform,
+        geometry=Layout(
+            runs=geometry.runs,
+            grad_accum=geometry.grad_accum,
+            rows=geometry.rows,
+            rows_per_device=geometry.rows_per_device,
+            seq_len=geometry.seq_len,
+            packed=geometry.packed,
+            prompt_slots=geometry.prompts_per_row,
+            train_lengths=list(geometry.micro_batch_lengths),
+            eval_rows=eval_rows,
+            eval_seq_len=eval_row_length,
+            eval_prompt_slots=longest_rows["answer_pos"].shape[-1],
+            eval_row_lengths=sorted({b["input_ids"].shape[-1] for b in data.eval_pool.batches}),
+            eval_batches=len(data.eval_pool.batches),
         ),
-        "platform": platform,
-        "geometry": {
-            "runs": geometry.runs,
-            "grad_accum": geometry.grad_accum,
-            "rows": geometry.rows,
-            "rows_per_device": geometry.rows_per_device,
-            "seq_len": geometry.seq_len,
-            "packed": geometry.packed,
-            "prompt_slots": geometry.prompts_per_row,
-            "train_lengths": list(geometry.micro_batch_lengths),
-            "eval_rows": eval_rows,
-            "eval_seq_len": eval_row_length,
-            "eval_prompt_slots": longest_rows["answer_pos"].shape[-1],
-            "eval_row_lengths": sorted({b["input_ids"].shape[-1] for b in data.eval_pool.batches}),
-            "eval_batches": len(data.eval_pool.batches),
-        },
-    }
+    )
 
 
 def given_network(device: estimator.Device, gb_s: float) -> estimator.Device:
@@ -263,39 +303,33 @@ def over_nodes(
     devices: int,
     node_devices: int | None,
     parts: Sequence[tuple[int, float, float]],
-) -> dict[str, Any] | None:
+) -> Nodes | None:
     """A job on ``devices`` devices, ``node_devices`` a node, against the same job on one node (None on one node,
     or where the device has no nodes: a TPU slice's ICI joins its hosts).
 
     ``parts`` are what the job runs: (how often, compute seconds on
-    ``devices``, bytes its collectives move a device), its train steps and
-    its evaluations. Over nodes a ring collective runs at the network's
-    rate, the slowest link it crosses; on one node at the interconnect's,
-    its compute on fewer devices: ``job_s`` the job's seconds both ways,
-    compute and communication added (not overlapped). Only a data-parallel
-    mesh (fsdp = tensor = 1) is compared: on one node its step is the same,
-    its share of the batch larger (its memory is not checked here), and its
-    collectives move no more than over nodes.
+    ``devices``, bytes its collectives move a device). Over nodes a ring
+    collective runs at the network's rate, on one node at the
+    interconnect's, its compute on fewer devices; compute and communication
+    are added (not overlapped). Only a data-parallel mesh is compared: on
+    one node its step is the same, its share of the batch larger.
     """
     if node_devices is None or devices <= node_devices:
         return None
     mesh = job.mesh.sizes(devices)
-    report = {
-        "count": -(-devices // node_devices),
-        "devices_per_node": node_devices,
-        "network": device.network,
-        "network_bytes_per_s": device.network_bytes_per_s,
-        "data_parallel": mesh["fsdp"] == mesh["tensor"] == 1,
-    }
-    if report["data_parallel"]:
+    data_parallel = mesh["fsdp"] == mesh["tensor"] == 1
+    job_s = None
+    if data_parallel:
         scale = devices / node_devices
-        report["job_s"] = {
+        job_s = {
             "over_nodes": sum(n * (compute + moved / device.network_bytes_per_s) for n, compute, moved in parts),
             "one_node": sum(
                 n * (compute * scale + moved / device.interconnect_bytes_per_s) for n, compute, moved in parts
             ),
         }
-    return report
+    return Nodes(
+        -(-devices // node_devices), node_devices, device.network, device.network_bytes_per_s, data_parallel, job_s
+    )
 
 
 @dataclasses.dataclass
@@ -387,7 +421,9 @@ def _with_shardings(tree: Any, shardings: Any) -> Any:
     return jax.tree.map(abstract, tree, shardings)
 
 
-def _compile(name: str, step: Any, args: tuple[Any, ...], hlo_dir: pathlib.Path | None) -> dict[str, Any]:
+def _compile(
+    name: str, step: Any, args: tuple[Any, ...], hlo_dir: pathlib.Path | None, interconnect_bytes_per_s: float
+) -> CompiledStep:
     """Lowers and compiles ``step`` on ``args``: times, per-device memory, collectives."""
     start = time.perf_counter()
     lowered = step.lower(*args)
@@ -399,20 +435,16 @@ def _compile(name: str, step: Any, args: tuple[Any, ...], hlo_dir: pathlib.Path 
         hlo_dir.mkdir(parents=True, exist_ok=True)
         (hlo_dir / f"{name}_step.hlo.txt").write_text(text)
     stats = compiled.memory_analysis()
-    memory = {
-        "argument": int(stats.argument_size_in_bytes),
-        "output": int(stats.output_size_in_bytes),
-        "temp": int(stats.temp_size_in_bytes),
-        "alias": int(stats.alias_size_in_bytes),
-    }
-    memory["total"] = memory["argument"] + memory["output"] + memory["temp"] - memory["alias"]
-    return {
-        "lower_s": lowered_at - start,
-        "compile_s": compiled_at - lowered_at,
-        "memory_bytes": memory,
-        "collectives": collectives(text),
-        "communication": communication(text),
-    }
+    sizes = [stats.argument_size_in_bytes, stats.output_size_in_bytes, stats.temp_size_in_bytes]
+    alias = int(stats.alias_size_in_bytes)
+    moved = communication(text)
+    return CompiledStep(
+        lower_s=lowered_at - start,
+        compile_s=compiled_at - lowered_at,
+        memory_bytes=CompiledMemory(*map(int, sizes), alias, total=int(sum(sizes)) - alias),
+        collectives=collectives(text),
+        communication=Communication(**moved, seconds=moved["bytes"] / interconnect_bytes_per_s),
+    )
 
 
 def collectives(hlo_text: str) -> dict[str, dict[str, int]]:
@@ -567,43 +599,41 @@ def _array_bytes(dtype: str, dims: str) -> int:
     return int(np.prod([int(d) for d in dims.split(",") if d], dtype=np.int64)) * _DTYPE_BYTES.get(dtype, 1)
 
 
-def describe(report: dict[str, Any]) -> str:
+def describe(report: Report) -> str:
     """The report as lines for a terminal."""
     gb = 1e9
-    geometry = report["geometry"]
-    layout = f"packed, {geometry['prompt_slots']} prompt slots a row" if geometry["packed"] else "one prompt a row"
+    layout = report.geometry
+    rows = f"packed, {layout.prompt_slots} prompt slots a row" if layout.packed else "one prompt a row"
     lines = [
-        f"{report['devices']} {report['platform']} devices, {report['layers']} layers; {geometry['runs']} runs in "
-        f"[{geometry['grad_accum']} x {geometry['rows']} rows x {geometry['seq_len']} tokens] per train step "
-        f"({layout}; "
-        f"micro-batches run at {geometry['train_lengths']} tokens); eval "
-        f"{geometry['eval_batches']} batches in rows of {geometry['eval_row_lengths']} tokens, the largest "
-        f"[{geometry['eval_rows']} rows x {geometry['eval_seq_len']}]",
-        f"real data: train steps compute {report['train_real_token_share']:.1%} prompt tokens "
-        f"({report['replayed_steps']} steps of the runs' streams), their batches take "
-        f"{report['host_batch_ms']:.2f} ms of host time a step; evaluation computes "
-        f"{report['eval_real_token_share']:.1%} prompt tokens and "
-        f"{report['eval_attention_waste']:.2f}x the (causal) attention scores its prompts need",
+        f"{report.devices} {report.platform} devices, {report.layers} layers; {layout.runs} runs in "
+        f"[{layout.grad_accum} x {layout.rows} rows x {layout.seq_len} tokens] per train step ({rows}; "
+        f"micro-batches run at {layout.train_lengths} tokens); eval {layout.eval_batches} batches in rows of "
+        f"{layout.eval_row_lengths} tokens, the largest [{layout.eval_rows} rows x {layout.eval_seq_len}]",
+        f"real data: train steps compute {report.train_real_token_share:.1%} prompt tokens "
+        f"({report.replayed_steps} steps of the runs' streams), their batches take "
+        f"{report.host_batch_ms:.2f} ms of host time a step; evaluation computes "
+        f"{report.eval_real_token_share:.1%} prompt tokens and "
+        f"{report.eval_attention_waste:.2f}x the (causal) attention scores its prompts need",
     ]
-    limit = report["memory_limit"]
-    device = estimator.DEVICES[limit["device"]]
-    compiled_for_device = report["platform"] == device.platform
+    limit = report.memory_limit
+    device = estimator.DEVICES[limit.device]
+    compiled_for_device = report.platform == device.platform
 
     def fit(total: float) -> str:
-        return estimator.fit_text(total, device, limit["usable_bytes"], limit["source"])
+        return estimator.fit_text(total, device, limit.usable_bytes, limit.source)
 
-    for name in ("train", "eval"):
-        step, memory = report[name], report[name]["memory_bytes"]
-        present = {op: c for op, c in step["collectives"].items() if c["count"]}
+    for name, step in (("train", report.train), ("eval", report.eval)):
+        memory = step.memory_bytes
+        present = {op: c for op, c in step.collectives.items() if c["count"]}
         lines += [
-            f"{name} step: lowered in {step['lower_s']:.1f} s, compiled in {step['compile_s']:.1f} s",
-            f"  memory per device (GB): arguments {memory['argument'] / gb:.2f}, "
-            f"outputs {memory['output'] / gb:.2f}, temporaries {memory['temp'] / gb:.2f}, "
-            f"aliased {memory['alias'] / gb:.2f}; total {memory['total'] / gb:.2f}; "
+            f"{name} step: lowered in {step.lower_s:.1f} s, compiled in {step.compile_s:.1f} s",
+            f"  memory per device (GB): arguments {memory.argument / gb:.2f}, "
+            f"outputs {memory.output / gb:.2f}, temporaries {memory.temp / gb:.2f}, "
+            f"aliased {memory.alias / gb:.2f}; total {memory.total / gb:.2f}; "
             + (
-                fit(memory["total"])
+                fit(memory.total)
                 if compiled_for_device
-                else f"as the {report['platform']} backend allocates it, not the {device.name} (the fit is below)"
+                else f"as the {report.platform} backend allocates it, not the {device.name} (the fit is below)"
             ),
             "  collectives: "
             + (
@@ -611,33 +641,34 @@ def describe(report: dict[str, Any]) -> str:
                 or "none"
             ),
         ]
-    lines.append(f"analytic estimate (launch.estimate, train): {report['estimate_bytes'] / gb:.2f} GB per device")
+    lines.append(f"analytic estimate (launch.estimate, train): {report.estimate_bytes / gb:.2f} GB per device")
     if not compiled_for_device:
         # Measured on one H200 (docs/performance.md): for the same train step a CPU's compile allocated 2.5-3.4x
         # a GPU's, and the estimate costed for a GPU came to 0.97-0.99 of the GPU's compiled total.
         lines.append(
-            f"on the {device.name}: the train step needs {report['device_estimate_bytes'] / gb:.2f} GB per device by "
+            f"on the {device.name}: the train step needs {report.device_estimate_bytes / gb:.2f} GB per device by "
             f"the estimate for a {device.platform.upper()} (0.97-0.99x a GPU's compiled total where measured); "
-            f"{fit(report['device_estimate_bytes'])}"
+            f"{fit(report.device_estimate_bytes)}"
         )
-    if report["full_model"] is not None:
-        full = report["full_model"]
+    if (full := report.full_model) is not None:
         lines.append(
-            f"the full model, {full['layers']} layers (this compile {report['layers']}): the train step needs "
-            f"{full['device_estimate_bytes'] / gb:.2f} GB per device by the estimate for a {device.platform.upper()}; "
-            f"{fit(full['device_estimate_bytes'])}"
+            f"the full model, {full.layers} layers (this compile {report.layers}): the train step needs "
+            f"{full.device_estimate_bytes / gb:.2f} GB per device by the estimate for a {device.platform.upper()}; "
+            f"{fit(full.device_estimate_bytes)}"
         )
-    on = f"on {report['devices']} {ESTIMATE_DEVICE} at {ESTIMATE_UTILISATION:.0%} utilisation"
+    on = f"on {report.devices} {ESTIMATE_DEVICE} at {ESTIMATE_UTILISATION:.0%} utilisation"
+    link = report.interconnect
     lines.append(
-        f"train step: {report['train_step_flops']:.3e} FLOPs (remat recomputation included), "
-        f"{report['estimate_step_s']:.3f} s {on}; {_communication_text(report, 'train', report['estimate_step_s'])}"
+        f"train step: {report.train_step_flops:.3e} FLOPs (remat recomputation included), "
+        f"{report.estimate_step_s:.3f} s {on}; "
+        f"{_communication_text(report.train.communication, link, report.estimate_step_s)}"
     )
     lines.append(
-        f"eval step (its largest batch): {report['eval_step_flops']:.3e} FLOPs, {report['estimate_eval_step_s']:.3f} s "
-        f"{on}; {_communication_text(report, 'eval', report['estimate_eval_step_s'])}"
+        f"eval step (its largest batch): {report.eval_step_flops:.3e} FLOPs, {report.estimate_eval_step_s:.3f} s "
+        f"{on}; {_communication_text(report.eval.communication, link, report.estimate_eval_step_s)}"
     )
     lines += _nodes_text(report)
-    if report["platform"] == "cpu":
+    if report.platform == "cpu":
         lines.append(
             "note: CPU figures are indicative only (XLA's CPU backend computes bf16 matmuls in f32, keeps f32 "
             "copies of bf16 weights and gathers them as f32, twice the bytes a GPU's or TPU's collectives move; "
@@ -646,34 +677,32 @@ def describe(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _nodes_text(report: dict[str, Any]) -> list[str]:
+def _nodes_text(report: Report) -> list[str]:
     """What spreading the job over nodes costs against one node (``over_nodes``), a warning where it is slower."""
-    nodes = report["nodes"]
+    nodes = report.nodes
     if nodes is None:
         return []
-    spread = f"{report['devices']} devices on {nodes['count']} nodes of {nodes['devices_per_node']}"
-    network = f"{nodes['network']} at {nodes['network_bytes_per_s'] / 1e9:.0f} GB/s a device"
-    if not nodes["data_parallel"]:
+    spread = f"{report.devices} devices on {nodes.count} nodes of {nodes.devices_per_node}"
+    network = f"{nodes.network} at {nodes.network_bytes_per_s / 1e9:.0f} GB/s a device"
+    if nodes.job_s is None:
         return [f"{spread}: collectives cross nodes over {network}; not compared with one node (not data parallel)"]
-    over, one = nodes["job_s"]["over_nodes"], nodes["job_s"]["one_node"]
+    over, one = nodes.job_s["over_nodes"], nodes.job_s["one_node"]
     times = (
         f"the job's steps take {over:,.0f} s of compute and communication (over {network}) against {one:,.0f} s on "
-        f"one node's {nodes['devices_per_node']} (over {report['interconnect']['name']})"
+        f"one node's {nodes.devices_per_node} (over {report.interconnect.name})"
     )
     if over > one:
         return [f"WARNING: data parallel over {spread} is slower than one node: {times}; run it on one node"]
     return [f"data parallel over {spread}: {times}"]
 
 
-def _communication_text(report: dict[str, Any], name: str, compute_s: float) -> str:
+def _communication_text(moved: Communication, link: Interconnect, compute_s: float) -> str:
     """What a step's collectives move per device and how long that takes against its compute, in words."""
-    moved, link = report[name]["communication"], report["interconnect"]
-    seconds = moved["seconds"]
-    bound = "communication-bound" if seconds > compute_s else "compute-bound"
-    unknown = moved["loops_without_trip_count"]
+    bound = "communication-bound" if moved.seconds > compute_s else "compute-bound"
+    unknown = moved.loops_without_trip_count
     return (
-        f"its collectives move {moved['bytes'] / 1e9:.2f} GB a device, {seconds:.3f} s over {link['name']} at "
-        f"{link['bytes_per_s'] / 1e9:.0f} GB/s: {bound} (communication {seconds / compute_s:.2f}x the compute)"
+        f"its collectives move {moved.bytes / 1e9:.2f} GB a device, {moved.seconds:.3f} s over {link.name} at "
+        f"{link.bytes_per_s / 1e9:.0f} GB/s: {bound} (communication {moved.seconds / compute_s:.2f}x the compute)"
         + (f"; {unknown} loops without a known trip count counted once" if unknown else "")
     )
 
@@ -715,13 +744,12 @@ def main(config: config_dict.ConfigDict) -> None:
         devices=options.devices,
         layers=options.layers,
         hlo_dir=options.hlo,
-        config_path=options[config_cli.CONFIG_FLAG].value.split(":")[0],
         node_devices=options.node_devices,
         network_gb_s=options.network_gb_s,
     )
     print(describe(report))
     if options.json:
-        pathlib.Path(options.json).write_text(json.dumps(report, indent=2) + "\n")
+        pathlib.Path(options.json).write_text(report.to_json())
 
 
 def run() -> None:

@@ -298,7 +298,7 @@ def test_saved_activations_equal_the_vjps_residuals(remat):
     # vjp's leaves are what it keeps; the step's own arguments (base, adapters, batch) are not activations.
     arguments = {id(leaf) for leaf in jax.tree.leaves((lora, base, micro, run_keys, run_weights))}
     kept = sum(leaf.nbytes for leaf in jax.tree.leaves(vjp) if id(leaf) not in arguments)
-    abstract = costs.with_adapters(costs.abstract_model(architecture, remat=remat), LoRAConfig(rank=4))
+    abstract = costs.abstract_model(architecture, remat=remat, lora=LoRAConfig(rank=4))
     measured = costs.saved_activation_bytes(abstract, runs=runs, rows=rows, seq_len=seq_len, prompts_per_row=slots)
     assert measured == pytest.approx(kept, rel=1e-3)  # up to scalar literals, which the trace does not count
 
@@ -426,14 +426,10 @@ def test_estimate_within_a_quarter_of_the_compiled_train_step():
     estimated = estimate.estimate(
         "olmo7",
         job,
-        devices=8,
-        device=estimate.DEVICES["h100"],
-        utilisation=0.4,
-        seq_len=seq_len,
-        prompt_len=80,
-        eval_examples=0,
+        estimate.AssumedPrompts(80, eval_examples=0),
+        estimate.Target(8, estimate.DEVICES["h100"], 0.4, platform="cpu"),
         layers=layers,
-        platform="cpu",
+        seq_len=seq_len,
     )
     assert (estimated.geometry.rows, estimated.geometry.prompts_per_row) == (geometry.rows, geometry.prompts_per_row)
     estimated = estimated.memory.total
@@ -452,11 +448,8 @@ def test_a_packed_step_holds_all_runs_prompts_in_the_fewest_rows_per_device():
         return estimate.estimate(
             "smol3",
             read(config),
-            devices=8,
-            device=estimate.DEVICES["h100"],
-            utilisation=0.4,
-            prompt_len=160,
-            eval_examples=0,
+            estimate.AssumedPrompts(160, eval_examples=0),
+            estimate.Target(8, estimate.DEVICES["h100"], 0.4),
             layers=2,
         )
 
@@ -660,9 +653,7 @@ def test_the_real_prompts_are_those_the_engine_lays_out(tmp_path, gpt2_tokenizer
     config = load_config(_small_config(tmp_path))
     job = read(config)
     counted = estimate.PromptCounter()(job, job.mesh.sizes(8))
-    result = estimate.estimate(
-        "small", job, devices=8, device=estimate.DEVICES["h100"], utilisation=0.4, prompts=counted
-    )
+    result = estimate.estimate("small", job, counted, estimate.Target(8, estimate.DEVICES["h100"], 0.4))
     tokenizer = transformers.AutoTokenizer.from_pretrained(gpt2_tokenizer_dir)
     runs = [(run.seed, run.shots) for run in job.runs.runs()]
 

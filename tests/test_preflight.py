@@ -9,6 +9,7 @@ adapters' gradients). The communication model counts a known HLO's
 collectives as closed forms give them.
 """
 
+import dataclasses
 import json
 import pathlib
 import subprocess
@@ -102,12 +103,12 @@ def tensor_report(gpt2_tokenizer_dir):
 
 
 def test_olmo13_at_two_layers_compiles_on_an_fsdp_mesh(fsdp_report):
-    assert fsdp_report["layers"] == 2 and fsdp_report["devices"] == 8
-    geometry = fsdp_report["geometry"]
+    assert fsdp_report.layers == 2 and fsdp_report.devices == 8
+    geometry = fsdp_report.geometry
     # Packed: the config's one micro-batch is two rows per device holding prompts of all 9 runs.
-    assert (geometry["runs"], geometry["grad_accum"], geometry["rows"], geometry["packed"]) == (9, 1, 16, True)
-    for step in ("train", "eval"):
-        assert fsdp_report[step]["memory_bytes"]["argument"] > 0
+    assert (geometry.runs, geometry.grad_accum, geometry.rows, geometry.packed) == (9, 1, 16, True)
+    for step in (fsdp_report.train, fsdp_report.eval):
+        assert step.memory_bytes.argument > 0
     print(preflight.describe(fsdp_report))
 
 
@@ -118,10 +119,10 @@ def test_olmo13_real_data_figures(fsdp_report):
     hub's 30,000) at least 94% and at most twice
     the causal attention its prompts need (rows of 512 packed as full as possible: 99.2% and 8.8x), and one
     step's batches take a few milliseconds of host time at most (a shuffle per example took about 45)."""
-    print({key: fsdp_report[key] for key in preflight.DATA_FIGURES})
-    assert fsdp_report["train_real_token_share"] >= 0.80
-    assert fsdp_report["eval_real_token_share"] >= 0.94 and fsdp_report["eval_attention_waste"] <= 2
-    assert fsdp_report["host_batch_ms"] <= 10
+    print({key: getattr(fsdp_report, key) for key in preflight.DATA_FIGURES})
+    assert fsdp_report.train_real_token_share >= 0.80
+    assert fsdp_report.eval_real_token_share >= 0.94 and fsdp_report.eval_attention_waste <= 2
+    assert fsdp_report.host_batch_ms <= 10
 
 
 def test_a_job_of_fewer_steps_than_the_replay_replays_its_own(tmp_path):
@@ -133,7 +134,7 @@ def test_a_job_of_fewer_steps_than_the_replay_replays_its_own(tmp_path):
     config = grid_config.get_config("full")
     config.data.cache_dir = str(tmp_path)
     report = preflight.preflight(read(config), devices=1, layers=1)
-    assert report["replayed_steps"] == config.train.steps == 24
+    assert report.replayed_steps == config.train.steps == 24
     assert "(24 steps of the runs' streams)" in preflight.describe(report)
 
 
@@ -143,44 +144,46 @@ def test_the_fit_is_tested_against_the_memory_jax_can_use(fsdp_report):
     a CPU (2.5-3.4x a GPU's allocation, measured), the train step's estimate costed for a GPU is."""
     h100 = estimator.DEVICES[preflight.ESTIMATE_DEVICE]
     usable, source = estimator.usable_memory(h100)
-    assert fsdp_report["memory_limit"] == {
+    assert dataclasses.asdict(fsdp_report.memory_limit) == {
         "device": "h100",
         "device_bytes": 80_000_000_000,
         "usable_bytes": int(usable),
         "source": source,
     }
-    assert fsdp_report["platform"] == "cpu"
+    assert fsdp_report.platform == "cpu"
     # the CPU keeps float32 copies of the bf16 weights it multiplies: the GPU's estimate is well below the CPU's
-    assert 0 < fsdp_report["device_estimate_bytes"] < 0.8 * fsdp_report["estimate_bytes"]
+    assert 0 < fsdp_report.device_estimate_bytes < 0.8 * fsdp_report.estimate_bytes
     text = preflight.describe(fsdp_report)
     for name in ("train", "eval"):
         memory_line = text.split(f"{name} step:")[1].splitlines()[1]
         assert memory_line.endswith("as the cpu backend allocates it, not the H100 SXM (the fit is below)")
-    device_estimate = fsdp_report["device_estimate_bytes"]
+    device_estimate = fsdp_report.device_estimate_bytes
     assert (
         f"on the H100 SXM: the train step needs {device_estimate / 1e9:.2f} GB per device by the estimate for a GPU "
         f"(0.97-0.99x a GPU's compiled total where measured); {estimator.fit_text(device_estimate, h100, usable, source)}"
     ) in text
 
-    on_gpu = {**fsdp_report, "platform": "gpu"}
+    on_gpu = dataclasses.replace(fsdp_report, platform="gpu")
     text = preflight.describe(on_gpu)
     for name in ("train", "eval"):
-        total = fsdp_report[name]["memory_bytes"]["total"]
+        total = getattr(fsdp_report, name).memory_bytes.total
         assert f"; {estimator.fit_text(total, h100, usable, source)}\n" in text.split(f"{name} step:")[1]
     assert "on the H100 SXM: the train step needs" not in text  # the full model's line (a cut compile) stays
     # 75 GB on an H100 at the launcher's default fraction (0.9) does not fit, though 80 GB would hold it: compiled
     # on a GPU, or estimated for one from a CPU's compile.
-    default_limit = {
-        **fsdp_report["memory_limit"],
-        "usable_bytes": int(estimator.usable_memory(h100, {})[0]),
-        "source": estimator.memory_fraction({})[1],
-    }
-    over_on_gpu = {
-        **on_gpu,
-        "memory_limit": default_limit,
-        "train": {**on_gpu["train"], "memory_bytes": {**on_gpu["train"]["memory_bytes"], "total": 75_000_000_000}},
-    }
-    over_on_cpu = {**fsdp_report, "memory_limit": default_limit, "device_estimate_bytes": 75_000_000_000}
+    default_limit = dataclasses.replace(
+        fsdp_report.memory_limit,
+        usable_bytes=int(estimator.usable_memory(h100, {})[0]),
+        source=estimator.memory_fraction({})[1],
+    )
+    over_on_gpu = dataclasses.replace(
+        on_gpu,
+        memory_limit=default_limit,
+        train=dataclasses.replace(
+            on_gpu.train, memory_bytes=dataclasses.replace(on_gpu.train.memory_bytes, total=75_000_000_000)
+        ),
+    )
+    over_on_cpu = dataclasses.replace(fsdp_report, memory_limit=default_limit, device_estimate_bytes=75_000_000_000)
     refused = (
         "DOES NOT FIT in 72 GB of the H100 SXM's 80 GB (XLA_CLIENT_MEM_FRACTION=0.9, launch/slurm.sbatch's default)"
     )
@@ -198,21 +201,21 @@ def _weight_matrix_bytes() -> int:
 
 
 def test_fsdp_train_step_gathers_weights_and_all_reduces_only_adapter_gradients(fsdp_report):
-    found = fsdp_report["train"]["collectives"]
+    found = fsdp_report.train.collectives
     assert found["all-gather"]["count"] > 0
     # Each of the step's micro-batches gathers every layer's weights at least once (7/8 of them come from the
     # other devices; bf16 or wider), which the communication model counts through the micro-batch and layer loops.
-    layer_weights = costs.dimensions(architecture(OLMO13)).layer_matmul_parameters * fsdp_report["layers"]
-    gathered = fsdp_report["train"]["communication"]["by_op"]["all-gather"]
-    assert gathered >= fsdp_report["geometry"]["grad_accum"] * layer_weights * 2 * 7 / 8
+    layer_weights = costs.dimensions(architecture(OLMO13)).layer_matmul_parameters * fsdp_report.layers
+    gathered = fsdp_report.train.communication.by_op["all-gather"]
+    assert gathered >= fsdp_report.geometry.grad_accum * layer_weights * 2 * 7 / 8
     # One layer's activations on one device: its row of the micro-batch x 5120 (bf16).
-    geometry = fsdp_report["geometry"]
-    activation = geometry["rows"] // 8 * geometry["seq_len"] * 5120 * 2
+    geometry = fsdp_report.geometry
+    activation = geometry.rows // 8 * geometry.seq_len * 5120 * 2
     assert found["all-reduce"]["max_bytes"] < min(activation, _weight_matrix_bytes()), found
 
 
 def test_tensor_parallel_train_step_all_reduces_nothing_larger_than_a_weight_matrix(tensor_report):
-    found = tensor_report["train"]["collectives"]
+    found = tensor_report.train.collectives
     assert found["all-gather"]["count"] > 0
     assert found["all-reduce"]["max_bytes"] <= _weight_matrix_bytes(), found
 
@@ -342,17 +345,17 @@ def test_a_cut_models_verdict_names_the_full_models_estimate(demo_job, fsdp_repo
     model's is 44.55 GB. A cut compile says the full model's estimate too: the one a compile at full depth gives."""
     cut = preflight.preflight(demo_job, devices=8, layers=1)
     whole = preflight.preflight(demo_job, devices=8)
-    assert whole["full_model"] is None and "the full model" not in preflight.describe(whole)
-    assert cut["full_model"] == {"layers": 2, "device_estimate_bytes": whole["device_estimate_bytes"]}
-    assert cut["device_estimate_bytes"] < whole["device_estimate_bytes"]
+    assert whole.full_model is None and "the full model" not in preflight.describe(whole)
+    assert dataclasses.asdict(cut.full_model) == {"layers": 2, "device_estimate_bytes": whole.device_estimate_bytes}
+    assert cut.device_estimate_bytes < whole.device_estimate_bytes
 
-    full = fsdp_report["full_model"]
-    assert full["layers"] == 40 and full["device_estimate_bytes"] > 5 * fsdp_report["device_estimate_bytes"]
+    full = fsdp_report.full_model
+    assert full.layers == 40 and full.device_estimate_bytes > 5 * fsdp_report.device_estimate_bytes
     h100 = estimator.DEVICES[preflight.ESTIMATE_DEVICE]
     usable, source = estimator.usable_memory(h100)
     assert (
-        f"the full model, 40 layers (this compile 2): the train step needs {full['device_estimate_bytes'] / 1e9:.2f} "
-        f"GB per device by the estimate for a GPU; {estimator.fit_text(full['device_estimate_bytes'], h100, usable, source)}"
+        f"the full model, 40 layers (this compile 2): the train step needs {full.device_estimate_bytes / 1e9:.2f} "
+        f"GB per device by the estimate for a GPU; {estimator.fit_text(full.device_estimate_bytes, h100, usable, source)}"
     ) in preflight.describe(fsdp_report)
 
 
@@ -362,28 +365,28 @@ def test_data_parallel_over_two_nodes_is_warned_of_where_one_node_is_faster(demo
     communication is faster over nodes: no warning; an fsdp mesh is not compared; one node, nothing said."""
     report = preflight.preflight(demo_job, devices=8, node_devices=4)
     h100 = estimator.DEVICES[preflight.ESTIMATE_DEVICE]
-    nodes = report["nodes"]
-    assert {key: nodes[key] for key in ("count", "devices_per_node", "data_parallel")} == {
+    nodes = report.nodes
+    assert {key: getattr(nodes, key) for key in ("count", "devices_per_node", "data_parallel")} == {
         "count": 2,
         "devices_per_node": 4,
         "data_parallel": True,
     }
-    train, evaluation = (report[name]["communication"]["bytes"] for name in ("train", "eval"))
+    train, evaluation = (step.communication.bytes for step in (report.train, report.eval))
     assert train > 0
     # 4 train steps; evaluations at steps 2 and 4 and at step 0 (each example once for all runs), computing what
     # the estimate prices for the same prompts, each batch moving what the largest one's collectives move.
     counted = estimator.PromptCounter()(demo_job, demo_job.mesh.sizes(8))
-    priced = estimator.estimate("demo", demo_job, devices=8, device=h100, utilisation=0.4, prompts=counted)
+    priced = estimator.estimate("demo", demo_job, counted, estimator.Target(8, h100, 0.4))
     data = preflight.abstract_steps(demo_job, devices=8, layers=None).data
     speed = 8 * h100.peak_flops * 0.4
     parts = [
-        (4, report["estimate_step_s"], train),
+        (4, report.estimate_step_s, train),
         (2, priced.eval_flops / speed, evaluation * len(data.eval_pool.batches)),
         (1, priced.first_eval_flops / speed, evaluation * len(data.first_eval_pool.batches)),
     ]
     over = sum(n * (compute + moved / 50e9) for n, compute, moved in parts)
     one = sum(n * (2 * compute + moved / 450e9) for n, compute, moved in parts)
-    assert nodes["job_s"] == pytest.approx({"over_nodes": over, "one_node": one}) and over > one
+    assert nodes.job_s == pytest.approx({"over_nodes": over, "one_node": one}) and over > one
     text = preflight.describe(report)
     assert "WARNING: data parallel over 8 devices on 2 nodes of 4 is slower than one node: " in text
     assert "over InfiniBand NDR at 50 GB/s a device" in text and text.count("WARNING") == 1
@@ -391,10 +394,10 @@ def test_data_parallel_over_two_nodes_is_warned_of_where_one_node_is_faster(demo
     # 100 steps of one second of compute and 1 GB of collectives: 0.5 s + 0.02 s over 2 nodes against 1 s + 2 ms.
     steps = [(100, 0.5, 10**9)]
     faster = preflight.over_nodes(demo_job, h100, 16, 8, steps)
-    assert faster["job_s"] == pytest.approx({"over_nodes": 100 * 0.52, "one_node": 100 * (1 + 1e9 / 450e9)})
-    assert "WARNING" not in preflight._nodes_text({**report, "devices": 16, "nodes": faster})
+    assert faster.job_s == pytest.approx({"over_nodes": 100 * 0.52, "one_node": 100 * (1 + 1e9 / 450e9)})
+    assert "WARNING" not in preflight._nodes_text(dataclasses.replace(report, devices=16, nodes=faster))
     fsdp = olmo13(gpt2_tokenizer_dir, mesh=(1, -1, 1))
-    assert preflight.over_nodes(fsdp, h100, 16, 8, steps)["data_parallel"] is False
+    assert preflight.over_nodes(fsdp, h100, 16, 8, steps).data_parallel is False
     assert preflight.over_nodes(demo_job, h100, 8, 8, steps) is None
     tpu = estimator.DEVICES["v5p"]
     assert preflight.over_nodes(demo_job, tpu, 16, tpu.node_devices, steps) is None
@@ -417,9 +420,9 @@ def test_a_sites_own_network_between_nodes_is_what_the_comparison_uses(demo_job,
     """`--network_gb_s`: on a network 20,000 times NVLink's the demo over 2 nodes of 4 is faster than on one node
     (no warning), where on the H100 table's InfiniBand it is slower; a rate that is not positive is one line."""
     report = preflight.preflight(demo_job, devices=8, node_devices=4, network_gb_s=9e6)
-    nodes = report["nodes"]
-    assert nodes["network_bytes_per_s"] == 9e15 and nodes["network"] == "the network given"
-    assert nodes["job_s"]["over_nodes"] < nodes["job_s"]["one_node"]
+    nodes = report.nodes
+    assert nodes.network_bytes_per_s == 9e15 and nodes.network == "the network given"
+    assert nodes.job_s["over_nodes"] < nodes.job_s["one_node"]
     assert "WARNING" not in preflight.describe(report)
     result = subprocess.run(
         [
