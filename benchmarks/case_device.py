@@ -307,8 +307,8 @@ def _agreement(
     """The trained runs' margins through the engine's attention (``auto``: fused where the backend has a kernel)
     against three others on the same weights and prompts: XLA's attention in bf16; XLA's in float32 (the same
     bf16-valued weights, computed in float32: the reference each bf16 path rounds away from); and the fused
-    path mapped over the first run alone, as a one-run job or ``oodjax.evaluate`` of one adapter runs it (JAX's
-    cuDNN batching rule treats a map of one apart), against float32's first run. Two bf16 paths can differ by
+    path on the first run alone, as a one-run job or ``oodjax.evaluate`` of one adapter runs it, against
+    float32's first run. Two bf16 paths can differ by
     the sum of their rounding, so each is measured against float32: the largest absolute difference of a
     margin."""
     place = lambda batch: sharding.shard_batch(batch, engine.mesh, batch_axis=1)  # noqa: E731

@@ -1,8 +1,8 @@
 """The JAX stack this process runs on, against the pins of requirements*.txt.
 
 GPU images carry their own JAX (0.11.2 with CUDA 13 where the pins say
-0.10.2 with CUDA 12), and oodjax leans on internals that changed between
-them (``oodjax.models.flash_attention``'s batching rules). So every job says
+0.10.2 with CUDA 12), whose kernels and compiled programs differ from the
+pinned stack's. So every job says
 in one warning where its versions differ from the pins, and results.json
 and the benchmarks record them with the differences. The pins are read
 from the checkout's requirements.txt and requirements-gpu.txt; an installed
