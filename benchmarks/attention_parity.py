@@ -1,10 +1,10 @@
 """`python -m benchmarks.attention_parity [--kernels cudnn,pallas_gpu]`: each fused attention path against XLA's.
 
 At the study's head shapes, on packed bf16 rows: the kernel's output and
-gradients against XLA's attention of the same inputs in float32, also
-vmapped over runs as the eval step calls it. The tests check these paths on
-a CPU; this is the check a GPU or TPU session runs. Exit status 1 when an
-error relative to the reference's largest value exceeds ``--tolerance``.
+gradients against XLA's attention of the same inputs in float32. The tests
+check these paths on a CPU; this is the check a GPU or TPU session runs.
+Exit status 1 when an error relative to the reference's largest value
+exceeds ``--tolerance``.
 """
 
 from __future__ import annotations
@@ -33,15 +33,14 @@ def packed_segments(rows: int, length: int, rng: np.random.Generator) -> np.ndar
 
 
 def errors(
-    kernel: str, heads: int, kv_heads: int, head_dim: int, *, runs: int | None, batch: int = 4, length: int = 384
+    kernel: str, heads: int, kv_heads: int, head_dim: int, *, batch: int = 4, length: int = 384
 ) -> tuple[float, float]:
     """(output error, gradient error), each the largest absolute error over the largest reference value, on
     ``batch`` rows of ``length`` tokens."""
     rng = np.random.default_rng(0)
-    lead = (runs,) if runs else ()
-    shapes = [(*lead, batch, length, n, head_dim) for n in (heads, kv_heads, kv_heads)]
+    shapes = [(batch, length, n, head_dim) for n in (heads, kv_heads, kv_heads)]
     q, k, v = (jnp.asarray(rng.normal(size=shape), jnp.bfloat16) for shape in shapes)
-    segments = jnp.asarray(np.broadcast_to(packed_segments(batch, length, rng), (*lead, batch, length)))
+    segments = jnp.asarray(packed_segments(batch, length, rng))
     weights = jnp.cos(jnp.arange(head_dim, dtype=jnp.float32))
     scale = head_dim**-0.5
 
@@ -55,8 +54,6 @@ def errors(
     def loss(fn, q, k, v, s):
         return jnp.sum(jnp.where((s != 0)[..., None, None], fn(q, k, v, s), 0.0) * weights)
 
-    if runs:
-        fused, reference = jax.vmap(fused), jax.vmap(reference)
     real = np.asarray(segments != 0)
     out, ref = np.asarray(jax.jit(fused)(q, k, v, segments)), np.asarray(jax.jit(reference)(q, k, v, segments))
     output_error = np.abs(out - ref)[real].max() / np.abs(ref[real]).max()
@@ -78,22 +75,15 @@ def main(argv: list[str] | None = None) -> int:
     failed = False
     for kernel in args.kernels.split(","):
         for name, shape in SHAPES.items():
-            for runs in (None, 3):
-                try:
-                    out, grad = errors(kernel, *shape, runs=runs)
-                except Exception as error:  # a kernel that cannot run here: said, and counted as a failure
-                    print(
-                        f"{kernel:10s} {name:26s} {'vmapped' if runs else 'plain':8s} FAILED: "
-                        f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
-                    )
-                    failed = True
-                    continue
-                bad = max(out, grad) > args.tolerance
-                failed |= bad
-                print(
-                    f"{kernel:10s} {name:26s} {'vmapped' if runs else 'plain':8s} output {out:.2e} "
-                    f"gradients {grad:.2e}{'  OVER TOLERANCE' if bad else ''}"
-                )
+            try:
+                out, grad = errors(kernel, *shape)
+            except Exception as error:  # a kernel that cannot run here: said, and counted as a failure
+                print(f"{kernel:10s} {name:26s} FAILED: {type(error).__name__}: {str(error).splitlines()[0][:200]}")
+                failed = True
+                continue
+            bad = max(out, grad) > args.tolerance
+            failed |= bad
+            print(f"{kernel:10s} {name:26s} output {out:.2e} gradients {grad:.2e}{'  OVER TOLERANCE' if bad else ''}")
     return 1 if failed else 0
 
 

@@ -287,9 +287,9 @@ def _eval_batch_tokens(mode: DeviceMode) -> int:
 def _agreement(
     mode: DeviceMode, engine: Engine, workload: Any, seeds: list[int], answers: dict[str, int], pool: EvalPool
 ) -> dict[str, float]:
-    """The largest margin difference of the engine's attention, XLA's in bf16, and the fused path mapped over
-    one run (JAX's cuDNN batching rule treats a map of one apart), each against XLA's in float32: two bf16
-    paths can differ by the sum of their rounding."""
+    """The largest margin difference of the engine's attention, XLA's in bf16, and the fused path on the first
+    run alone (as a one-run job or ``oodjax.evaluate`` of one adapter runs it), each against XLA's in float32:
+    two bf16 paths can differ by the sum of their rounding."""
     place = lambda batch: sharding.shard_batch(batch, engine.mesh, batch_axis=1)  # noqa: E731
 
     def margins(dtype: str, attention: str, run_seeds: list[int], base: Any, lora: Any, run_pool: EvalPool) -> list:

@@ -1,15 +1,16 @@
 """The JAX stack this process runs on, against the pins of requirements*.txt.
 
-GPU images carry their own JAX, and oodjax leans on internals that change
-between versions (``oodjax.models.flash_attention``'s batching rules), so
-every job warns where its versions differ from the pins, and results.json
-and the benchmarks record them. An installed package has only its own
-requirements (the runtime pins, no CUDA ones).
+GPU images carry their own JAX, whose kernels and compiled programs differ
+from the pinned stack's, so every job warns where its versions differ from
+the pins, and results.json and the benchmarks record them. An installed
+package has only its own requirements (the runtime pins, no CUDA ones).
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
+import importlib.util
 import pathlib
 import re
 
@@ -25,7 +26,7 @@ PINNED = {
     "cuda": "nvidia-cuda-runtime-cu12",
     "cudnn": "nvidia-cudnn-cu12",
 }
-# How many leading components of a pin the running library reports (the pins carry the wheel's build too).
+# How many leading components of a version are compared (the pins carry the wheel's build too).
 _COMPARED_PARTS = {"cuda": 2, "cudnn": 3}
 _PIN = re.compile(r"^([A-Za-z0-9_.-]+)(?:\[[^\]]*\])?==([^\s;#]+)")
 
@@ -46,21 +47,21 @@ def pins(lines: list[str] | None = None) -> dict[str, str]:
 
 
 def running() -> dict[str, str | None]:
-    """PINNED's names and the versions this process runs; CUDA's are those JAX loaded (None: no CUDA jaxlib)."""
+    """PINNED's names and the versions this process runs; CUDA's are the pip wheels of JAX's CUDA plugin (None:
+    no CUDA plugin, or CUDA from the system)."""
     import flax
     import jax
     import jaxlib
-    from jax._src.lib import cuda_versions  # private, and the only place JAX says which libraries it loaded
 
     found: dict[str, str | None] = {"jax": jax.__version__, "jaxlib": jaxlib.__version__, "flax": flax.__version__}
     found["cuda"] = found["cudnn"] = None
-    if cuda_versions is not None:
-        try:
-            cuda, cudnn = cuda_versions.cuda_runtime_get_version(), cuda_versions.cudnn_get_version()
-        except RuntimeError:  # a CUDA jaxlib on a machine without a GPU driver
-            return found
-        found["cuda"] = f"{cuda // 1000}.{cuda % 1000 // 10}"
-        found["cudnn"] = f"{cudnn // 10000}.{cudnn % 10000 // 100}.{cudnn % 100}"
+    for major in ("13", "12"):
+        if importlib.util.find_spec(f"jax_cuda{major}_plugin") is None:
+            continue
+        for name, distribution in (("cuda", f"nvidia-cuda-runtime-cu{major}"), ("cudnn", f"nvidia-cudnn-cu{major}")):
+            with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+                found[name] = importlib.metadata.version(distribution)
+        break
     return found
 
 

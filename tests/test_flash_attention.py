@@ -118,29 +118,6 @@ def test_auto_is_the_platforms_kernel_and_xla_on_cpu():
     assert flash_attention.resolve("splash", "cpu") == "splash"  # named: interpret mode on CPU
 
 
-def test_the_cudnn_batching_rules_are_replaced_only_on_the_jax_versions_they_were_checked_on(monkeypatch):
-    """On 0.10.2 and 0.11.x the rules are installed; on any other version JAX's own stay, and ``auto`` takes
-    XLA's attention on GPU, so an unchecked rule cannot change a result."""
-    from jax._src.interpreters import batching
-
-    from oodjax.models.flash_attention import cudnn_attention
-
-    primitives = {
-        cudnn_attention._dot_product_attention_fwd_p_wrapper,
-        cudnn_attention._dot_product_attention_bwd_p_wrapper,
-    }
-    assert jax.__version__ == "0.10.2" and flash_attention.BATCHING_RULES_INSTALLED  # the pinned JAX: installed
-    for version, known in (("0.10.2", True), ("0.11.2", True), ("0.10.1", False), ("0.12.0", False)):
-        rules = {}  # what install_batching_rules registers, in place of JAX's table
-        monkeypatch.setattr(batching, "primitive_batchers", rules)
-        assert flash_attention.install_batching_rules(version) is known, version
-        assert set(rules) == (primitives if known else set()), version
-    monkeypatch.setattr(flash_attention, "BATCHING_RULES_INSTALLED", False)
-    assert flash_attention.resolve("auto", "gpu") == "xla"
-    assert flash_attention.resolve("cudnn", "gpu") == "cudnn"  # named: JAX's own rules, with a warning
-    assert flash_attention.resolve("auto", "tpu") == "splash"
-
-
 MODELS = {
     "opt": dict(model_type="opt", ffn_dim=64, max_position_embeddings=128),
     "olmo2": dict(model_type="olmo2", intermediate_size=48, num_key_value_heads=2),
@@ -187,13 +164,14 @@ FMHA_BACKWARD = re.compile(r"custom_call @__cudnn\$fmhaScaleBiasSoftmaxBackward\
 
 
 @pytest.mark.parametrize("head_dim, kv_heads", [(80, 4), (128, 2)])  # OPT's head size; SmolLM3's, GQA
-def test_cudnn_lowers_for_cuda_with_grouped_heads_vmapped_and_differentiated(on_h100, head_dim, kv_heads):  # noqa: F811
-    """cuDNN's forward and backward custom calls take the K/V heads as they are; the attention maps over a
-    leading axis (as the eval step maps the model over runs) with its bias broadcast over heads."""
-    q = jax.ShapeDtypeStruct((3, 2, 96, 4, head_dim), jnp.bfloat16)
-    kv = jax.ShapeDtypeStruct((3, 2, 96, kv_heads, head_dim), jnp.bfloat16)
-    segments = jax.ShapeDtypeStruct((3, 2, 96), jnp.int32)
-    fused = jax.vmap(lambda q, k, v, s: attention(q, k, v, s, scale=SCALE, implementation="auto"))
+def test_cudnn_lowers_for_cuda_with_grouped_heads_differentiated(on_h100, head_dim, kv_heads):  # noqa: F811
+    """cuDNN's forward and backward custom calls take the K/V heads as they are."""
+    q = jax.ShapeDtypeStruct((6, 96, 4, head_dim), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((6, 96, kv_heads, head_dim), jnp.bfloat16)
+    segments = jax.ShapeDtypeStruct((6, 96), jnp.int32)
+
+    def fused(q, k, v, s):
+        return attention(q, k, v, s, scale=SCALE, implementation="auto")
 
     def grads(q, k, v, s):
         return jax.grad(lambda *x: fused(*x, s).astype(jnp.float32).sum(), argnums=(0, 1, 2))(q, k, v)
@@ -202,7 +180,7 @@ def test_cudnn_lowers_for_cuda_with_grouped_heads_vmapped_and_differentiated(on_
         text = jax.jit(grads).trace(q, kv, kv, segments).lower(lowering_platforms=("cuda",)).as_text()
     calls = [line for line in text.splitlines() if FMHA_FORWARD.search(line) or FMHA_BACKWARD.search(line)]
     assert len(calls) == 2, calls
-    # Rows of the 3 maps x 2 rows folded into 6; K/V with their own heads: [6, 96, kv_heads, head_dim].
+    # K/V with their own heads: [6, 96, kv_heads, head_dim].
     assert all(f"tensor<6x96x{kv_heads}x{head_dim}xbf16>" in line for line in calls), calls
 
 
@@ -218,6 +196,16 @@ def test_cudnn_where_it_does_not_apply(on_h100):  # noqa: F811
             with pytest.raises(ValueError, match="model.attention=cudnn"):
                 attention(x, x, x, segments, scale=0.1, implementation="cudnn")
     assert flash_attention.cudnn_unsupported(*[jnp.ones((1, 32, 2, 128), jnp.bfloat16)] * 2) is None
+
+
+def test_cudnn_bias_is_what_jax_makes_of_a_mask():
+    """The segments' bias holds the large negative number JAX's cuDNN path puts where a boolean mask is False."""
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn_attention
+
+    for dtype in (jnp.bfloat16, jnp.float16):
+        bias = flash_attention._mask_input("cudnn", jnp.asarray([[1, 2]]), dtype)
+        assert bias.dtype == dtype and bias[0, 0, 0, 0] == 0, dtype
+        assert bias[0, 0, 0, 1] == cudnn_attention.get_large_negative_number(dtype), dtype
 
 
 def remat_model(remat: str, attention: str):

@@ -27,7 +27,6 @@ from oodjax.models import flash_attention
 from tests.conftest import ROOT
 
 CONFIGS = {"opt2.7": "opt2.7_mnli.py", "smol3": "smol3_mnli.py", "olmo32": "olmo32_mnli.py"}
-ONE_RUN = "smol3-one-run"  # smol3 with one seed and one number of shots: the steps map the model over one run
 KERNEL_CALLS = {
     "cuda": (r"__cudnn\$fmhaScaleBiasSoftmax\b", r"__cudnn\$fmhaScaleBiasSoftmaxBackward\b"),
     "tpu": (r"tpu_custom_call",),
@@ -55,9 +54,7 @@ def abstract_steps(gpt2_tokenizer_dir):
 
     def get(name):
         if name not in cache:
-            config = load_config(ROOT / "configs" / CONFIGS[name.removesuffix("-one-run")])
-            if name == ONE_RUN:
-                config.runs.seeds, config.runs.shots = (0,), (32,)
+            config = load_config(ROOT / "configs" / CONFIGS[name])
             config.tokenizer = str(gpt2_tokenizer_dir)  # offline: the checkpoints' own tokenizers are not here
             config.data.pool_split = "validation_mismatched"  # nor is MNLI's train split
             cache[name] = preflight.abstract_steps(read(config), devices=8, layers=2)
@@ -73,12 +70,9 @@ def lower(step, args, platform):
 
 
 @pytest.mark.parametrize(
-    "name,platform",
-    [(name, platform) for name in sorted(CONFIGS) for platform in ("cuda", "tpu")] + [(ONE_RUN, "cuda")],
+    "name,platform", [(name, platform) for name in sorted(CONFIGS) for platform in ("cuda", "tpu")]
 )
 def test_steps_lower_with_the_fused_kernel(abstract_steps, on_h100, name, platform):
-    """A map of one run takes its own path through cuDNN's batching rules (``flash_attention``'s rule binds it
-    unmapped), so it is lowered too."""
     steps = abstract_steps(name)
     start = time.perf_counter()
     train = lower(steps.train_step, steps.train_args, platform)

@@ -8,8 +8,8 @@ each token adapted by its own run's adapters and each prompt's loss weighted
 within its run (``micro_batch_loss``), so packing all runs' prompts together
 wastes little on padding while every run gets exactly the update it would
 get alone; the optimizer then updates each run (``vmap``). The eval step
-maps one run's forward pass over the run axis. R runs share one copy of the
-base weights. The batch's shape comes from the job's ``BatchGeometry``; with
+scores every run's rows the same way, in one batch. R runs share one copy of
+the base weights. The batch's shape comes from the job's ``BatchGeometry``; with
 a mesh, the steps are traced and called under it (``MeshStep``), so the
 models' activation sharding constraints apply.
 
@@ -416,22 +416,26 @@ def eval_step(
 ) -> jax.Array:
     """Every run's margins on ``batch`` (``make_eval_step`` documents it; this is the function it jits).
 
-    The runs are vmapped, each scoring with its own adapters: an evaluation
-    keeps no activations for a backward pass, and its memory is set by its
-    batch, eval.batch_size rows of data.max_length tokens per run.
+    As in training, one model holds all runs' adapters and each row goes through its own run's: the runs'
+    rows are one batch [B * R, S], row-major so that it splits over devices as the batch's B axis does.
     """
     num_runs = jax.tree.leaves(lora)[0].shape[0]
     per_run = "input_ids" in batch and batch["input_ids"].ndim == 3
     expected = (num_runs, None, None) if per_run else (None, None)
     _check_batch(batch, f"[batch, seq] or [runs={num_runs}, batch, seq]", expected)
-
-    def one_run(run_lora, shared_base, run_batch):
-        model = nnx.merge(graphdef, shared_base, _cast_floats(run_lora, compute_dtype))
-        return eval_margins(nnx.view(model, only=nnx.Dropout, deterministic=True), run_batch, yes_id, no_id)
-
-    return jax.vmap(one_run, in_axes=(0, None, 0 if per_run else None))(
-        lora, _cast_floats(base_state, compute_dtype), dict(batch)
-    )
+    rows = batch["input_ids"].shape[-2]
+    by_row = {
+        k: (jnp.moveaxis(v, 0, 1) if per_run else jnp.broadcast_to(v[:, None], (rows, num_runs, *v.shape[1:])))
+        for k, v in batch.items()
+    }
+    flat = {k: v.reshape(rows * num_runs, *v.shape[2:]) for k, v in by_row.items()}
+    lora = _cast_floats(runs_inside_layers(lora), compute_dtype)
+    model = nnx.merge(graphdef, _cast_floats(base_state, compute_dtype), lora, copy=True)
+    runs = jnp.broadcast_to(jnp.tile(jnp.arange(num_runs), rows)[:, None], flat["input_ids"].shape)
+    zeros = jnp.zeros_like(runs)  # dropout is off: no token needs an identity
+    adapter_tokens(model).set(runs=runs, examples=zeros, positions=zeros, run_keys=jnp.zeros((num_runs, 2)))
+    margins = eval_margins(nnx.view(model, only=nnx.Dropout, deterministic=True), flat, yes_id, no_id)
+    return jnp.moveaxis(margins.reshape(rows, num_runs, *margins.shape[1:]), 1, 0)
 
 
 def _check_batch(batch: Batch, layout: str, expected: tuple[int | None, ...]) -> None:

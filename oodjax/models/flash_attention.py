@@ -42,11 +42,6 @@ output, its softmax statistics) that the remat policies cannot see by name;
 that name (``save_dots``) saves them and the backward pass does not run the
 fused forward again.
 
-JAX's batching rules of cuDNN's attention are private and changed between
-versions; ``install_batching_rules`` replaces them only on the versions its
-rule was checked on (0.10.2, 0.11.x). On any other, ``auto`` takes XLA's
-attention on GPU, said in one warning, so no unchecked rule changes a result.
-
 ``target_platform`` makes the choice for a platform other than the one the
 process runs on: lowering for ``cuda`` or ``tpu`` on a CPU host
 (``tests/test_lowering_accelerators.py``).
@@ -61,8 +56,6 @@ from collections.abc import Iterator
 import jax
 import jax.numpy as jnp
 from absl import logging
-from jax._src.cudnn import fused_attention_stablehlo as cudnn_attention
-from jax._src.interpreters import batching
 from jax.ad_checkpoint import checkpoint_name
 from jax.experimental.pallas.ops.gpu import attention as gpu_attention
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
@@ -82,6 +75,10 @@ ATTENTION_OUTPUT = "attention_output"
 # blocks of 128 on TPU): a block must divide the sequence. cuDNN takes any even length (JAX's check for a
 # bias in training), so its "block" is 2.
 _BLOCKS = {"pallas_gpu": (128, 64), "splash": (512, 256, 128), "cudnn": (2,)}
+
+# What JAX makes of a boolean mask for cuDNN (get_large_negative_number: cuDNN mishandles the difference of
+# two larger negative numbers).
+_CUDNN_NEGATIVE = {jnp.dtype(jnp.bfloat16): -(2.0**41), jnp.dtype(jnp.float16): -(2.0**15)}
 
 _target: str | None = None
 
@@ -122,14 +119,6 @@ def resolve(implementation: str, platform: str | None = None) -> str:
             "skips its test there: precision issues after CUDA 12.8.1) and JAX 0.11 deprecates it; auto uses cuDNN",
             1,
         )
-    if implementation == "cudnn" and not BATCHING_RULES_INSTALLED:
-        logging.log_first_n(
-            logging.WARNING,
-            "attention: cudnn on JAX %s, whose batching rules oodjax has not checked: JAX's own rules map it over "
-            "runs (they may refuse a mask broadcast over heads); model.attention=auto would use XLA's",
-            1,
-            jax.__version__,
-        )
     if implementation != "auto":
         return implementation
     platform = platform or current_platform()
@@ -139,29 +128,20 @@ def resolve(implementation: str, platform: str | None = None) -> str:
             logging.INFO, "attention: no fused kernel on %s; using XLA's (model.attention=auto)", 1, platform
         )
         return "xla"
-    if kernel == "cudnn" and not BATCHING_RULES_INSTALLED:
-        logging.log_first_n(
-            logging.WARNING,
-            "attention: JAX %s is not a version whose cuDNN batching rules oodjax checked (0.10.2, 0.11.x); "
-            "model.attention=auto uses XLA's attention (model.attention=cudnn: cuDNN with JAX's own rules)",
-            1,
-            jax.__version__,
-        )
-        return "xla"
     return kernel
 
 
 def cudnn_unsupported(query: jax.Array, key: jax.Array) -> str | None:
-    """Why cuDNN's fused attention does not take these shapes here (None when it does), by JAX 0.10.2's own
-    checks at trace time: cuDNN present (its version), bf16/fp16, head size a multiple of 8 up to 256 on
-    Hopper and later (128 before; the GPU's compute capability), an even length for the mask's bias."""
+    """Why cuDNN's fused attention does not take these shapes here (None when it does): JAX's own checks, run by
+    tracing its forward pass for training with the segments' bias (cuDNN present, bf16/fp16, head size a
+    multiple of 8 up to 256 on Hopper and later, 128 before; an even length)."""
     if query.dtype not in (jnp.bfloat16, jnp.float16):
         return f"cuDNN takes bf16/fp16, not {query.dtype}"
+    query, key = (jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (query, key))
+    bias = jax.ShapeDtypeStruct((query.shape[0], 1, query.shape[1], key.shape[1]), query.dtype)
+    attend = functools.partial(_cudnn, block=2, scale=1.0, interpret=False)
     try:
-        version = cudnn_attention.check_cudnn_version()
-        cudnn_attention.check_is_flash_attention(
-            query, key, key, cudnn_attention.AttentionLayout.BTNH.value, version, has_bias=True, is_training=True
-        )
+        jax.eval_shape(lambda q, k, b: jax.vjp(lambda q: attend(q, k, k, b), q)[0], query, key, bias)
     except (NotImplementedError, RuntimeError) as error:
         return str(error)
     return None
@@ -220,7 +200,7 @@ def _mask_input(kernel: str, segment_ids: jax.Array, dtype: jnp.dtype) -> jax.Ar
         return segment_ids
     same = segment_ids[:, None, :, None] == segment_ids[:, None, None, :]
     exact = dtype not in (jnp.bfloat16, jnp.float16)  # float32: only where XLA stands in for cuDNN (tests)
-    negative = jnp.finfo(dtype).min if exact else cudnn_attention.get_large_negative_number(dtype)
+    negative = jnp.finfo(dtype).min if exact else _CUDNN_NEGATIVE[jnp.dtype(dtype)]
     return jnp.where(same, jnp.zeros((), dtype), negative)
 
 
@@ -305,67 +285,5 @@ def _splash(query, key, value, segment_ids, *, block: int, scale: float, interpr
     per_row = lambda q, k, v, s: kernel(q, k, v, splash.SegmentIds(q=s, kv=s))  # noqa: E731
     return jax.vmap(per_row)(query, key, value, segment_ids)
 
-
-def _folding_head_broadcast_bias(primitive, batcher):
-    """JAX 0.10.2's batching rules of cuDNN's attention reshape a batched bias to the query's heads
-    ([B, N, T, S]), so a bias broadcast over the heads ([B, 1, T, S], what a mask becomes) cannot be vmapped
-    (the eval step maps the model over runs). This rule folds such a bias's mapped axis into its rows itself
-    (as the rule folds the query's) and hands it on unmapped; a bias gradient is unfolded again.
-
-    A map of one run (one seed and one number of shots, or one adapter evaluated) binds the primitive
-    unmapped instead: JAX 0.11's rules take an unmapped bias with as many rows as the query for one to
-    broadcast over the map and reshape it to the query's heads, which a folded bias of one run is (seen on an
-    H200 with JAX 0.11.2: "cannot reshape array of shape (1, 19, 1, 32, 32) into shape (19, 16, 32, 32)")."""
-
-    def rule(batched_args, batch_dims, **params):
-        args, dims = list(batched_args), list(batch_dims)
-        if {arg.shape[dim] for arg, dim in zip(args, dims) if dim is not None} == {1}:
-            outs = primitive.bind(
-                *(arg if dim is None else jnp.squeeze(arg, dim) for arg, dim in zip(args, dims)), **params
-            )
-            return [jnp.expand_dims(out, 0) for out in outs], [0] * len(outs)
-        bias = args[3]
-        if not (
-            params["variadic_args"][0]
-            and dims[3] is not None
-            and dims[0] == 0
-            and bias.ndim == 5
-            and bias.shape[-3] == 1
-        ):
-            return batcher(batched_args, batch_dims, **params)
-        bias = jnp.moveaxis(bias, dims[3], 0)
-        mapped = bias.shape[:2]
-        args[3], dims[3] = bias.reshape(mapped[0] * mapped[1], *bias.shape[2:]), None
-        outs, out_dims = batcher(tuple(args), tuple(dims), **params)
-        if len(outs) > 3 and params["variadic_args"][1] and outs[0].ndim == 5 and len(out_dims) > 3:
-            outs = list(outs)  # the backward rule: the bias gradient back to the mapped shape
-            outs[3], out_dims = outs[3].reshape(*mapped, *outs[3].shape[1:]), (*out_dims[:3], 0, *out_dims[4:])
-        return outs, out_dims
-
-    return rule
-
-
-def batching_rules_checked(version: str) -> bool:
-    """Whether ``_folding_head_broadcast_bias`` is known right for JAX ``version``: it wraps private rules
-    (``jax._src.cudnn``) whose handling of a bias changed between 0.10 and 0.11, checked on 0.10.2 (the pin)
-    and 0.11.2 (an H200's image)."""
-    return version == "0.10.2" or version.startswith("0.11.")
-
-
-def install_batching_rules(version: str) -> bool:
-    """Replaces JAX's batching rules of cuDNN's attention with ``_folding_head_broadcast_bias``'s where
-    ``version`` is one they were checked for; returns whether it did. Elsewhere JAX's own rules stay and
-    ``resolve`` keeps ``auto`` off cuDNN, so no unchecked rule can change a result."""
-    if not batching_rules_checked(version):
-        return False
-    for primitive, batcher in (
-        (cudnn_attention._dot_product_attention_fwd_p_wrapper, cudnn_attention._dot_product_attention_fwd_batcher),
-        (cudnn_attention._dot_product_attention_bwd_p_wrapper, cudnn_attention._dot_product_attention_bwd_batcher),
-    ):
-        batching.primitive_batchers[primitive] = _folding_head_broadcast_bias(primitive, batcher)
-    return True
-
-
-BATCHING_RULES_INSTALLED = install_batching_rules(jax.__version__)
 
 _KERNELS = {"cudnn": _cudnn, "pallas_gpu": _pallas_gpu, "splash": _splash}
