@@ -1,6 +1,8 @@
 """The running JAX stack against the pins: read from requirements lines, compared at the precision each library
 reports, recorded in results.json and said in one warning as a job starts."""
 
+import importlib.metadata
+import importlib.util
 import logging
 
 import flax
@@ -70,3 +72,17 @@ def test_a_job_says_in_one_warning_where_its_versions_differ(monkeypatch, caplog
     caplog.clear()
     main.start_process()
     assert not [record for record in caplog.records if "pins" in record.getMessage()]
+
+
+def test_cuda_versions_are_those_of_the_cuda_plugins_wheels(monkeypatch):
+    """A CUDA 12 jax (its plugin importable) reports the CUDA runtime and cuDNN wheels pip installed for it."""
+    wheels = {"nvidia-cuda-runtime-cu12": "12.9.79", "nvidia-cudnn-cu12": "9.28.0.42"}
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name: object() if name == "jax_cuda12_plugin" else find_spec(name)
+    )
+    version = importlib.metadata.version
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: wheels[name] if name in wheels else version(name))
+    found = versions.running()
+    assert (found["cuda"], found["cudnn"]) == ("12.9.79", "9.28.0.42")
+    assert versions.differences(found, PINS) == []
