@@ -17,24 +17,18 @@ import sys
 import numpy as np
 import torch
 from ml_collections import config_dict
-from transformers import AutoTokenizer
 
 from benchmarks import grid_config, machine, settings, torch_contenders
 from benchmarks.workload import training_order
-from oodjax.data import (
-    TokenizedSet,
-    answer_token_ids,
-    few_shot,
-    load_testset,
-    stratified_subset,
-    tokenize_testset,
-    training_pool,
-)
+from oodjax.data import TokenizedSet, answer_token_ids, load_tokenizer
+from oodjax.engine import run_data
+from oodjax.job import read
 
 
 @dataclasses.dataclass(frozen=True)
 class GridData:
-    """Everything the grid's runs read, tokenised as the oodjax loop tokenises it (same cache entries)."""
+    """Everything the grid's runs read, as the oodjax loop loads it (``oodjax.engine.run_data``'s testsets and
+    few-shot sets, its tokenisation cache); no train step geometry, which would start JAX beside torch."""
 
     testsets: dict[str, TokenizedSet]
     train_sets: dict[tuple[int, int], TokenizedSet]  # (seed, shots) -> few-shot set
@@ -43,29 +37,12 @@ class GridData:
 
 
 def grid_data(config: config_dict.ConfigDict) -> GridData:
-    data = config.data
-    tokenizer = AutoTokenizer.from_pretrained(config.tokenizer)
-
-    def tokenize(dataset):
-        return tokenize_testset(
-            dataset, tokenizer, template=data.template, max_length=data.max_length, cache_dir=data.cache_dir or None
-        )
-
-    testsets = {
-        name: tokenize(
-            stratified_subset(
-                load_testset(name, data_dir=data.data_dir, neutral=data.neutral), data.eval_cap, seed=data.eval_seed
-            )
-        )
-        for name in data.testsets
-    }
-    pool = training_pool(data.train_set, data_dir=data.data_dir)
-    train_sets = {
-        (seed, shots): tokenize(few_shot(pool, shots, seed))
-        for seed in config.runs.seeds
-        for shots in config.runs.shots
-    }
-    return GridData(testsets, train_sets, *answer_token_ids(tokenizer))
+    job = read(config)
+    tokenizer = load_tokenizer(job.model.tokenizer)
+    runs = [(run.seed, run.shots) for run in job.runs.runs()]
+    train_sets = dict(zip(runs, run_data.few_shot_sets(job.data, tokenizer, runs), strict=True))
+    testsets = run_data.load_testsets(job.data, tokenizer)
+    return GridData(testsets, train_sets, *answer_token_ids(tokenizer, job.data.answers))
 
 
 def main(argv: list[str]) -> None:

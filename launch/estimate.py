@@ -44,6 +44,7 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
+import functools
 import math
 import os
 import pathlib
@@ -65,15 +66,9 @@ from oodjax.data import TokenizedSet, load_testset, load_tokenizer, prompt_lengt
 from oodjax.data.testsets import default_data_dir, local_path
 from oodjax.engine import sharding
 from oodjax.engine.evaluation import EvalPool, pool_figures
-from oodjax.engine.geometry import BatchGeometry, EvalGeometry, batch_geometry
-from oodjax.engine.run_data import (
-    DataSettings,
-    IndexedSet,
-    capped_testsets,
-    few_shot_sets,
-    load_runs_data,
-    load_testsets,
-)
+from oodjax.engine.geometry import BatchGeometry, EvalGeometry, batch_geometry, eval_geometry
+from oodjax.engine.run_data import DataSettings, IndexedSet, capped_testsets, load_testsets
+from oodjax.engine.setup import set_up
 from oodjax.job import Job, read
 from oodjax.models.loading import ModelSettings
 from oodjax.usage_errors import ConfigError
@@ -382,28 +377,24 @@ class PromptCounter:
     """Configs' real prompts (``RealPrompts``), counted with ``tokenizer`` (a folder or hub id) when given, else
     with each config's own (config.tokenizer, else model.path), loaded as the engine loads it.
 
-    The engine's own calls lay them out, as ``oodjax.engine.loop`` and the
-    preflight make them: the runs' few-shot sets (``few_shot_sets``), the
-    train step's geometry from them (``batch_geometry``), and the
-    evaluation pool of the testsets and those sets (``load_runs_data``),
-    whose batches are what every evaluation computes: each row length's
-    rows in every run's lane (the eval step maps over the runs, empty rows
+    The engine's own set-up (``run_data.set_up``) lays them out, as the loop
+    and the preflight do: the runs' few-shot sets, the train step's geometry
+    from them, and the evaluation pool of the testsets and those sets, whose
+    batches are what every evaluation computes: each row length's rows in
+    every run's lane (the eval step maps over the runs, empty rows
     included), and step 0's pool (``RunsData.first_eval_pool``). Configs
-    with the same tokenizer and data (the data section, seeds and shots)
-    share the few-shot sets, and those that also share their
+    with the same tokenizer, data (the data section, seeds and shots) and
     evaluation batches' shape (``EvalGeometry``) share the pool: counted
-    with one tokenizer, the study's 16 configs draw 2 sets of few-shot sets
-    and build 6 pools. Testsets are tokenised once, later pools reading them
-    from ``oodjax.data``'s tokenisation cache (on disk, so the next estimate
-    or run reads them too).
+    with one tokenizer, the study's 16 configs build 6 pools. Testsets are
+    tokenised once, later pools reading them from ``oodjax.data``'s
+    tokenisation cache (on disk, so the next estimate or run reads them too).
     """
 
     def __init__(self, tokenizer: str | None = None) -> None:
         self.tokenizer = tokenizer
         self._tokenizers: dict[str, PreTrainedTokenizerBase] = {}
-        # Keyed by (tokenizer, the data settings' repr, the runs' (seed, shots)): DataSettings holds the
-        # testset table's dicts, so its repr stands for it.
-        self._few_shot_sets: dict[tuple[str, str, tuple[tuple[int, int], ...]], list[TokenizedSet]] = {}
+        # Keyed by (tokenizer, the data settings' repr, the runs' (seed, shots), the evaluation batches' shape):
+        # DataSettings holds the testset table's dicts, so its repr stands for it.
         self._pools: dict[tuple[str, str, tuple[tuple[int, int], ...], EvalGeometry], dict[str, Any]] = {}
 
     def __call__(self, job: Job, mesh: Mapping[str, int]) -> RealPrompts:
@@ -411,22 +402,16 @@ class PromptCounter:
         source = self.tokenizer or job.model.tokenizer
         if source not in self._tokenizers:
             self._tokenizers[source] = load_tokenizer(source)
-        tokenizer = self._tokenizers[source]
-        runs = [(run.seed, run.shots) for run in job.runs.runs()]
-        seeds = [seed for seed, _ in runs]
-        data = (source, repr(job.data), tuple(runs))
-        if data not in self._few_shot_sets:
-            self._few_shot_sets[data] = few_shot_sets(job.data, tokenizer, runs)
-        train_sets = self._few_shot_sets[data]
         shards = math.prod(mesh[axis] for axis in sharding.BATCH_AXES)
-        geometry = batch_geometry(job.batches, geometry_mesh(shards), train_sets, seeds)
-        pool = (*data, geometry.evaluation)
-        if pool not in self._pools:
-            samples = study_samples(job.data)
-            testsets = study_testsets(job.data, tokenizer, samples)
-            pools = load_runs_data(job.data, tokenizer, seeds, train_sets, geometry, prefetch=0, testsets=testsets)
-            self._pools[pool] = {**_evaluation_counts(pools.eval_pool, pools.first_eval_pool), "samples": samples}
-        return RealPrompts(tokenizer=source, geometry=geometry, **self._pools[pool])
+        runs = tuple((run.seed, run.shots) for run in job.runs.runs())
+        pool = (source, repr(job.data), runs, eval_geometry(job.batches, shards))
+        samples = None if pool in self._pools else study_samples(job.data)
+        testsets = None if samples is None else functools.partial(study_testsets, samples=samples)
+        setup = set_up(job, geometry_mesh(shards), tokenizer=self._tokenizers[source], testsets=testsets, prefetch=0)
+        if setup.data is not None:
+            counts = _evaluation_counts(setup.data.eval_pool, setup.data.first_eval_pool)
+            self._pools[pool] = {**counts, "samples": samples}
+        return RealPrompts(tokenizer=source, geometry=setup.geometry, **self._pools[pool])
 
 
 def _evaluation_counts(pool: EvalPool, first_pool: EvalPool) -> dict[str, Any]:

@@ -43,11 +43,12 @@ from ml_collections import config_dict
 from launch import costs
 from launch import estimate as estimator
 from oodjax import config_cli, models
-from oodjax.data import EVAL_KEYS, TRAIN_KEYS, answer_token_ids, load_tokenizer
+from oodjax.data import EVAL_KEYS, TRAIN_KEYS
 from oodjax.engine import loop, sharding, steps
 from oodjax.engine.evaluation import pool_figures
-from oodjax.engine.geometry import BatchGeometry, batch_geometry
-from oodjax.engine.run_data import few_shot_sets, load_runs_data, training_figures
+from oodjax.engine.geometry import BatchGeometry
+from oodjax.engine.run_data import training_figures
+from oodjax.engine.setup import set_up
 from oodjax.job import Job, read
 from oodjax.models.partitioning import param_shardings
 from oodjax.usage_errors import UsageError
@@ -356,14 +357,10 @@ def abstract_steps(job: Job, *, devices: int, layers: int | None) -> AbstractSte
         raise ValueError(f"--devices {devices}: only {len(available)} {available[0].platform} devices are visible")
     mesh = job.mesh.make(available[:devices])
     arch = estimator.architecture_of(job.model, layers)
-    tokenizer = load_tokenizer(job.model.tokenizer)
-    yes_id, no_id = answer_token_ids(tokenizer, job.data.answers)
-    runs = job.runs.runs()
-    seeds = [run.seed for run in runs]
-    train_sets = few_shot_sets(job.data, tokenizer, [(run.seed, run.shots) for run in runs])
-    geometry = batch_geometry(job.batches, mesh, train_sets, seeds)
-    testsets = estimator.study_testsets(job.data, tokenizer)  # a local sample at the hub's size, as a job reads it
-    data = load_runs_data(job.data, tokenizer, seeds, train_sets, geometry, prefetch=0, testsets=testsets)
+    # a local sample at the hub's size, as a job reads it
+    setup = set_up(job, mesh, prefetch=0, testsets=estimator.study_testsets)
+    geometry, data, (yes_id, no_id) = setup.geometry, setup.data, setup.answer_ids
+    seeds = [run.seed for run in job.runs.runs()]
     longest_rows = max(data.eval_pool.batches, key=lambda batch: batch["input_ids"].shape[-1])
 
     def make_model() -> models.CausalLM:

@@ -10,24 +10,14 @@ Where every check of a config lives, in the order a job meets them:
 
 - the command line (``oodjax.config_cli``): unknown fields, values that do
   not parse, list items of the wrong type;
-- here, ``check_config`` (``oodjax.job.resolve`` runs it first): each
-  path's existence, the fields with no piece of the job to hold them, and
-  the facts other modules own, asked of them: a declared testset's fields
-  (``oodjax.data.testsets.testset_table``), the LoRA config
-  (``oodjax.models.lora.LoRAConfig``), the remat policy
-  (``oodjax.models.layers.check_remat``), the handling of neutral
-  examples (``oodjax.data.testsets.check_neutral``), the template
-  (``oodjax.data.prompts.check_template``), a local checkpoint's
-  files from their headers (``oodjax.models.loading.verify_checkpoint``),
-  each adapter folder on the model's shapes (``oodjax.models.lora.read_peft``,
-  ``lora_from_peft``), the few-shot pool's size per label
-  (``oodjax.data.few_shot``) and a declared testset file's rows; and W&B's
-  login, asked of wandb, when a training job records online;
-- the pieces of the job, as ``oodjax.job.read`` builds them: each checks
-  the ranges of the fields it holds (``loading.ModelSettings`` the
-  attention kernel, ``results.RunPlan`` the runs, ``cadence.Cadence`` steps
-  and intervals, ``steps.OptimizerSettings`` the schedule and warm-up,
-  ``sharding.MeshShape`` the mesh sizes);
+- ``oodjax.config_read.read``: list items' types and the fields no piece
+  holds, then each piece of the job the fields it holds, as it is built,
+  and each declared testset's fields;
+- here, ``check_job``, on the job read: the sources it names (the model
+  and its checkpoint's files, read from their headers, the adapter folders
+  on the model's shapes, the tokenizer and its vocabulary, the testsets and
+  the few-shot pool, W&B's login when a training job records online) and
+  what they hold;
 - ``oodjax.engine.geometry.batch_geometry``: whether the batch sizes,
   micro-batches and mesh fit together (it needs the mesh and the few-shot
   sets, so it runs once those exist, still before anything compiles);
@@ -48,10 +38,8 @@ from datasets.naming import camelcase_to_snakecase
 from flax import nnx
 from ml_collections import config_dict
 
-from analysis import schema
-from oodjax.config_fields import LIST_ITEM_TYPES
-from oodjax.data import answer_token_ids, check_neutral, few_shot, load_testset, load_tokenizer, training_pool
-from oodjax.data.prompts import check_template
+from oodjax.config_read import Job, read
+from oodjax.data import answer_token_ids, few_shot, load_testset, load_tokenizer, training_pool
 from oodjax.data.testsets import (
     HUB_ID,
     TestsetSpec,
@@ -60,77 +48,64 @@ from oodjax.data.testsets import (
     local_path,
     pool_split,
     testset_spec,
-    testset_table,
-    training_sets,
 )
-from oodjax.engine.events import WANDB_MODES, installed, setup_wandb
+from oodjax.engine.cadence import ExportSettings
+from oodjax.engine.events import TrackerSettings, installed, setup_wandb
+from oodjax.engine.run_data import DataSettings
 from oodjax.models.hf_checkpoint import read_json
-from oodjax.models.layers import check_remat
-from oodjax.models.loading import abstract_model, verify_checkpoint
+from oodjax.models.loading import ModelSettings, abstract_model, verify_checkpoint
 from oodjax.models.lora import LoRAConfig, lora_from_peft, read_peft
 from oodjax.usage_errors import ConfigError, DamagedInputError, MissingInputError, NotFetchedError, UsageError
 
-DTYPES = ("float32", "bfloat16", "float16")
+
+def check_config(config: config_dict.ConfigDict, *, evaluation: bool = False) -> Job:
+    """``config`` read into a ``Job`` (``config_read.read``), then its sources checked (``check_job``;
+    ``evaluation``: for ``oodjax.evaluate``): ``oodjax.job.resolve``. Raises a ``ConfigError`` naming the first
+    wrong field and its allowed values, a ``MissingInputError`` naming a path that does not exist, or a
+    ``NotFetchedError`` naming what the offline hub cannot give (``oodjax.usage_errors``: one line each)."""
+    job = read(config)
+    check_job(job, evaluation=evaluation)
+    return job
 
 
-def check_config(config: config_dict.ConfigDict, *, evaluation: bool = False) -> None:
-    """Raises a ``ConfigError`` naming the first wrong field and its allowed values, a ``MissingInputError``
-    naming a path that does not exist, or a ``NotFetchedError`` naming what the offline hub cannot give
-    (``oodjax.usage_errors``: the entry points print each as one line); ``evaluation``: the config is
+def check_job(job: Job, *, evaluation: bool = False) -> None:
+    """The sources ``job`` reads (files, hubs, logins) and what they hold; ``evaluation``: the job is
     ``oodjax.evaluate``'s, not training's."""
-    _check_command(config, evaluation)
-    _check_lists(config)
-    _check_model(config.model)
-    _check_lora(config)
-    _check_adapters(config.model)
-    _check_train(config.train)
-    _check_source("tokenizer", config.tokenizer or config.model.path, "tokenizer_config.json")
-    _check_data(config.data, config.runs.shots, needs_pool=not evaluation or config.eval.in_context)
-    _check_trackers(config, evaluation)
-    _check_export(config.export)
-    _check_vocabulary(config)
-    _check_output_dir(config.output_dir)
+    _check_command(job, evaluation)
+    _check_model(job.model)
+    _check_adapters(job.model, job.adapters)
+    _check_source("tokenizer", job.model.tokenizer, "tokenizer_config.json")
+    _check_data(job.data, job.runs.shots, needs_pool=not evaluation or job.in_context)
+    _check_trackers(job.trackers, evaluation)
+    _check_export(job.export)
+    _check_vocabulary(job.model, job.data.answers)
+    _check_output_dir(str(job.runs.output_dir))
 
 
-def _check_command(config: config_dict.ConfigDict, evaluation: bool) -> None:
+def _check_command(job: Job, evaluation: bool) -> None:
     """The in-context baseline trains nothing, and uses no adapters: each run is the base model, prompted."""
-    if not config.eval.in_context:
+    if not job.in_context:
         return
     if not evaluation:
         raise ConfigError(
             "eval.in_context=True is for evaluation without training: run `python -m oodjax.evaluate` "
             "(oodjax-evaluate), not oodjax.main"
         )
-    if config.model.adapters:
+    if job.adapters:
         raise ConfigError(
             "eval.in_context=True evaluates the base model in context, so model.adapters must be empty; "
             "evaluate the adapters in a call of their own"
         )
 
 
-def _check_lists(config: config_dict.ConfigDict) -> None:
-    """List fields hold items of their declared type: a config file's runs.seeds=("0",) is not seed 0."""
-    for field, item_type in LIST_ITEM_TYPES.items():
-        section, _, key = field.rpartition(".")
-        value = config[section][key]
-        if not isinstance(value, (tuple, list)) or not all(
-            isinstance(item, item_type) and not isinstance(item, bool) for item in value
-        ):
-            raise ConfigError(f"{field} must be a list of {item_type.__name__}, got {value!r}")
-
-
-def _check_trackers(config: config_dict.ConfigDict, evaluation: bool) -> None:
+def _check_trackers(trackers: TrackerSettings, evaluation: bool) -> None:
     """The trackers that are on are installed, and W&B online has a login (evaluation tracks nothing)."""
-    if config.wandb.enabled and not installed("wandb"):
+    if trackers.wandb is not None and not installed("wandb"):
         raise ConfigError("wandb.enabled is True but wandb is not installed (pip install wandb)")
-    if config.wandb.mode and config.wandb.mode not in WANDB_MODES:
-        raise ConfigError(
-            f"wandb.mode must be empty (wandb's default) or one of {WANDB_MODES}, got {config.wandb.mode!r}"
-        )
-    if config.tensorboard.enabled and not installed("tensorboardX"):
+    if trackers.tensorboard and not installed("tensorboardX"):
         raise ConfigError("tensorboard.enabled is True but tensorboardX is not installed (pip install tensorboardX)")
-    if config.wandb.enabled and not evaluation:
-        _check_wandb_login(config.wandb.mode)
+    if trackers.wandb is not None and not evaluation:
+        _check_wandb_login(trackers.wandb.mode or "")
 
 
 def _check_wandb_login(mode: str) -> None:
@@ -152,27 +127,19 @@ def _check_wandb_login(mode: str) -> None:
         raise ConfigError(f"wandb.enabled: W&B online needs a login and this machine has none; {fix}")
 
 
-def _check_model(model: config_dict.ConfigDict) -> None:
-    has_path, has_hf_config = bool(model.path), bool(model.hf_config.to_dict())
-    if has_path == has_hf_config:
+def _check_model(model: ModelSettings) -> None:
+    """The base comes from one source: a checkpoint that is there, or a config.json with a model_type."""
+    if bool(model.path) == bool(model.hf_config):
         raise ConfigError(
             "set exactly one of model.path (a checkpoint) and model.hf_config (a random model); "
-            f"got path={model.path!r} and {'a' if has_hf_config else 'no'} hf_config"
+            f"got path={model.path or ''!r} and {'a' if model.hf_config else 'no'} hf_config"
         )
-    if has_hf_config and "model_type" not in model.hf_config:
+    if model.hf_config and "model_type" not in model.hf_config:
         raise ConfigError("model.hf_config needs a model_type (e.g. 'opt')")
-    if has_path:
+    if model.path:
         _check_source("model.path", model.path, "config.json")
         if pathlib.Path(model.path).expanduser().is_dir():
             _check_checkpoint(pathlib.Path(model.path).expanduser())
-    for field in ("dtype", "compute_dtype"):
-        value = model[field]
-        if value and value not in DTYPES:
-            raise ConfigError(f"model.{field} must be one of {DTYPES}, got {value!r}")
-    try:
-        check_remat(model.remat)
-    except ValueError as error:
-        raise ConfigError(str(error)) from error
 
 
 def _check_checkpoint(directory: pathlib.Path) -> None:
@@ -186,34 +153,21 @@ def _check_checkpoint(directory: pathlib.Path) -> None:
         raise ConfigError(f"model.path: {error}") from None
 
 
-def _check_adapters(model: config_dict.ConfigDict) -> None:
+def _check_adapters(model: ModelSettings, adapters: Sequence[pathlib.Path]) -> None:
     """Each folder of model.adapters is a readable PEFT LoRA adapter that fits the model, checked on the
     model's shapes alone (``abstract_model``): a wrong folder is one line before anything loads."""
-    if not model.adapters:
+    if not adapters:
         return
     hf_config = _model_config(model)
     abstract: dict[LoRAConfig, nnx.State] = {}
-    for folder in model.adapters:
-        cfg, tensors = read_peft(pathlib.Path(folder).expanduser())
+    for folder in adapters:
+        cfg, tensors = read_peft(folder)
         if cfg not in abstract:
             abstract[cfg] = nnx.state(abstract_model(hf_config, dtype="float32", lora=cfg), nnx.LoRAParam)
         try:
-            lora_from_peft(abstract[cfg], tensors, source=folder)
+            lora_from_peft(abstract[cfg], tensors, source=str(folder))
         except ConfigError as error:
             raise ConfigError(f"model.adapters: {error}") from None
-
-
-def _check_train(train: config_dict.ConfigDict) -> None:
-    """A learning rate that trains: a negative one climbs the loss (and zero trains nothing)."""
-    if not train.learning_rate > 0:
-        raise ConfigError(f"train.learning_rate must be positive, got {train.learning_rate}")
-
-
-def _check_lora(config: config_dict.ConfigDict) -> None:
-    try:
-        LoRAConfig.from_config(config.lora)
-    except ValueError as error:
-        raise ConfigError(f"lora: {error}") from error
 
 
 def _check_source(field: str, source: str, marker_file: str) -> None:
@@ -238,7 +192,7 @@ def _check_source(field: str, source: str, marker_file: str) -> None:
         )
 
 
-def _check_export(export: config_dict.ConfigDict) -> None:
+def _check_export(export: ExportSettings) -> None:
     """A push to the hub that cannot happen is refused now, not after the runs have trained."""
     if (export.every_checkpoint or export.hub_repo) and not export.peft:
         raise ConfigError("export.every_checkpoint and export.hub_repo need export.peft=True")
@@ -253,46 +207,19 @@ def _check_export(export: config_dict.ConfigDict) -> None:
         )
 
 
-def _check_data(data: config_dict.ConfigDict, shots: Sequence[int], *, needs_pool: bool) -> None:
-    """``needs_pool``: the job draws few-shot sets of ``shots`` examples (training, the in-context baseline) from
-    data.train_set's pool, which must hold enough of each label."""
-    if data.data_dir and not pathlib.Path(data.data_dir).expanduser().is_dir():
-        raise MissingInputError(f"data.data_dir {data.data_dir!r} is not a directory")
-    if not data.testsets:
-        raise ConfigError("data.testsets is empty: name the testsets to evaluate (at least data.train_set)")
-    table = declared_testsets(data)
-    for name in data.testsets:
-        try:
-            testset_spec(name, table)
-        except KeyError as error:  # an unknown name: the message lists the known ones
-            raise ConfigError(f"data.testsets: {error.args[0]}") from None
-    if len(set(data.testsets)) != len(data.testsets):
-        raise ConfigError(f"data.testsets lists a testset twice: {list(data.testsets)}")
-    if data.train_set not in training_sets():
-        raise ConfigError(
-            f"data.train_set {data.train_set!r} is not a training set; few-shot pools exist for: "
-            f"{', '.join(training_sets())}"
-        )
+def _check_data(data: DataSettings, shots: Sequence[int], *, needs_pool: bool) -> None:
+    """The in-domain testset is evaluated, and the testsets can be read; ``needs_pool``: the job draws few-shot
+    sets of ``shots`` examples (training, the in-context baseline) from data.train_set's pool, which must hold
+    enough of each label."""
     if data.train_set not in data.testsets:
         raise ConfigError(
             f"data.train_set {data.train_set!r} must also be in data.testsets: it is the in-domain testset"
         )
-    if data.eval_cap < 0:
-        raise ConfigError(f"data.eval_cap must be >= 0 (0 = no cap), got {data.eval_cap}")
-    try:
-        check_neutral(data.neutral)
-    except ValueError as error:
-        raise ConfigError(f"data.{error}") from None
-    try:
-        check_template(data.template)
-    except ValueError as error:
-        raise ConfigError(f"data.template: {error}") from None
-    answers = list(data.answers)
-    if len(answers) != 2 or len(set(answers)) != 2 or not all(answers):
-        raise ConfigError(f"data.answers must be two different non-empty words (yes, no), got {answers}")
+    if data.data_dir and not pathlib.Path(data.data_dir).expanduser().is_dir():
+        raise MissingInputError(f"data.data_dir {data.data_dir!r} is not a directory")
     root = pathlib.Path(data.data_dir).expanduser() if data.data_dir else default_data_dir()
     for name in data.testsets:
-        _check_available(name, table[name], root, data.neutral)
+        _check_available(name, data.table[name], root, data.neutral)
     if needs_pool:
         split = pool_split(data.train_set, data.pool_split)
         _check_available(data.train_set, dataclasses.replace(testset_spec(data.train_set), split=split), root)
@@ -305,25 +232,6 @@ def _check_data(data: config_dict.ConfigDict, shots: Sequence[int], *, needs_poo
                 few_shot(pool, max(shots), seed=0)  # what it needs of each label does not depend on the seed
             except ValueError as error:
                 raise ConfigError(f"runs.shots: {error} (data.train_set {data.train_set!r}, split {split!r})") from None
-
-
-def declared_testsets(data: config_dict.ConfigDict) -> dict[str, TestsetSpec]:
-    """The built-in and declared testsets of a data section (``testset_table``); a bad declaration is a
-    ``ConfigError`` naming it and its field, a missing file a ``MissingInputError``."""
-    if not isinstance(data.extra_testsets, config_dict.ConfigDict):
-        raise ConfigError(f"data.extra_testsets must be a dict of testset declarations, got {data.extra_testsets!r}")
-    if data.extra_testsets_file and not pathlib.Path(data.extra_testsets_file).expanduser().is_file():
-        raise MissingInputError(f"data.extra_testsets_file {data.extra_testsets_file!r} is not a file")
-    try:
-        table = testset_table(data.extra_testsets.to_dict(), data.extra_testsets_file or None)
-    except ValueError as error:  # the message names the declaration and its field
-        raise ConfigError(str(error)) from error
-    if schema.TRAIN_TESTSET in table:
-        raise ConfigError(
-            f"{table[schema.TRAIN_TESTSET].origin}: {schema.TRAIN_TESTSET!r} is the results' name for each run's "
-            "own training set; name the testset otherwise"
-        )
-    return table
 
 
 def _check_available(name: str, spec: TestsetSpec, root: pathlib.Path | None, neutral: str = "drop") -> None:
@@ -383,7 +291,7 @@ def _hub_cached(source: str) -> bool:
     return arrow_cache.is_dir() or hub_cache.is_dir()
 
 
-def _check_vocabulary(config: config_dict.ConfigDict) -> None:
+def _check_vocabulary(model: ModelSettings, answers: Sequence[str]) -> None:
     """Every id the tokenizer can give, the answer words' among them, has a row in the model's embedding.
 
     An id past the embedding is not an error inside jit: XLA clamps or
@@ -391,26 +299,26 @@ def _check_vocabulary(config: config_dict.ConfigDict) -> None:
     (another model's, or one with added tokens) would train into NaN or
     score the wrong rows. Checked here, before the model loads.
     """
-    source = config.tokenizer or config.model.path
+    source = model.tokenizer
     tokenizer = load_tokenizer(source)
     try:
-        answer_token_ids(tokenizer, config.data.answers)
+        answer_token_ids(tokenizer, answers)
     except ValueError as error:  # a word of several tokens, or two words of one token: the message says which
         raise ConfigError(str(error)) from None
-    vocab_size = _model_config(config.model).get("vocab_size")
+    vocab_size = _model_config(model).get("vocab_size")
     if isinstance(vocab_size, int) and len(tokenizer) > vocab_size:
-        model = config.model.path or "model.hf_config"
         raise ConfigError(
-            f"tokenizer {source!r} has {len(tokenizer)} tokens (ids 0..{len(tokenizer) - 1}), but {model} embeds "
+            f"tokenizer {source!r} has {len(tokenizer)} tokens (ids 0..{len(tokenizer) - 1}), but "
+            f"{model.path or 'model.hf_config'} embeds "
             f"only {vocab_size} (vocab_size): its ids past {vocab_size - 1} have no embedding; use the model's own "
             "tokenizer (config.tokenizer empty reads model.path's)"
         )
 
 
-def _model_config(model: config_dict.ConfigDict) -> dict:
+def _model_config(model: ModelSettings) -> dict:
     """The model's config.json as a dict: model.hf_config, or the checkpoint's file (local, cached or from the hub)."""
-    if model.hf_config.to_dict():
-        return model.hf_config.to_dict()
+    if model.hf_config:
+        return dict(model.hf_config)
     path = pathlib.Path(model.path).expanduser()
     if path.is_dir():
         return read_json(path / "config.json")
@@ -425,8 +333,6 @@ def _check_output_dir(output_dir: str) -> None:
     system or a missing permission shows only when writing. Nothing is left
     behind, so a job refused later has written nothing.
     """
-    if not output_dir:
-        raise ConfigError("output_dir is empty")
     existing = pathlib.Path(output_dir).expanduser().absolute()
     while not existing.exists():
         existing = existing.parent

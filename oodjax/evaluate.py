@@ -51,11 +51,11 @@ from ml_collections import config_dict
 
 from analysis import schema
 from oodjax import config_cli
-from oodjax.data import answer_token_ids, load_tokenizer
 from oodjax.engine import results, run_data, run_lock, sharding, steps
 from oodjax.engine.distributed import is_primary
 from oodjax.engine.evaluation import evaluate, make_eval_pool, refuse_non_finite_model
 from oodjax.engine.geometry import eval_geometry
+from oodjax.engine.setup import set_up
 from oodjax.job import Job, resolve
 from oodjax.main import start_process
 from oodjax.models.lora import LoRAConfig, apply_lora, lora_from_peft, read_peft
@@ -135,8 +135,8 @@ def _evaluate_runs(job: Job, todo: list[EvaluatedRun]) -> None:
     lora_cfg = _shared_adapter_config(adapters, [run.adapter for run in todo if run.adapter is not None])
 
     mesh = job.mesh.make()
-    tokenizer = load_tokenizer(job.model.tokenizer)
-    yes_id, no_id = answer_token_ids(tokenizer, job.data.answers)
+    setup = set_up(job, mesh, runs=())  # nothing trains: the tokenizer and answer ids
+    tokenizer, (yes_id, no_id) = setup.tokenizer, setup.answer_ids
     model = job.model.load(mesh)
     apply_lora(model, lora_cfg, rngs=nnx.Rngs(0))  # B = 0: the base model's own outputs, exactly
     fresh = nnx.state(model, nnx.LoRAParam)

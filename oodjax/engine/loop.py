@@ -46,16 +46,15 @@ from absl import logging
 from flax import nnx
 from jax.experimental import multihost_utils
 from tqdm import tqdm
-from transformers import PreTrainedTokenizerBase
 
 from analysis import schema
 from oodjax import models
-from oodjax.data import TRAIN_KEYS, answer_token_ids, load_tokenizer
+from oodjax.data import TRAIN_KEYS
 from oodjax.engine import checkpoints, console, run_lock, sharding, steps
 from oodjax.engine.distributed import is_primary
 from oodjax.engine.evaluation import evaluate, refuse_non_finite_model
 from oodjax.engine.events import EventLog
-from oodjax.engine.geometry import BatchGeometry, batch_geometry
+from oodjax.engine.geometry import BatchGeometry
 from oodjax.engine.preemption import Preempted, StopSignals
 from oodjax.engine.results import ADAPTER_DIR, Run, RunResults
 from oodjax.engine.resumption import (
@@ -66,7 +65,8 @@ from oodjax.engine.resumption import (
     set_aside_damaged,
     warn_of_shared_checkpoints,
 )
-from oodjax.engine.run_data import RunsData, few_shot_sets, load_runs_data
+from oodjax.engine.run_data import RunsData
+from oodjax.engine.setup import set_up
 from oodjax.models.lora import adds_nothing, export_peft
 
 if TYPE_CHECKING:
@@ -104,8 +104,6 @@ def _train_runs(job: Job, to_train: list[RunStart], to_export: list[RunStart], s
     """Loads the model once, restores every run's checkpoint, then trains the runs group by group (one resume
     step and one length each, the furthest along first) and exports the finished runs' adapters if asked."""
     mesh = job.mesh.make()
-    tokenizer = load_tokenizer(job.model.tokenizer)
-    answer_ids = answer_token_ids(tokenizer, job.data.answers)  # a bad answer word fails before the model loads
     model = job.model.load(mesh)
     resumed = [start for start in to_train if start.checkpoint is not None] + to_export
     if resumed:
@@ -121,7 +119,7 @@ def _train_runs(job: Job, to_train: list[RunStart], to_export: list[RunStart], s
     for start in to_train:
         groups[(start.step, start.evaluation_pending, job.total_steps(start.run.shots))].append(start)
     for key in sorted(groups, reverse=True):
-        _train_group(job.of_length(key[2]), mesh, tokenizer, answer_ids, model, groups[key], stop)
+        _train_group(job.of_length(key[2]), mesh, model, groups[key], stop)
 
 
 def _export_finished(job: Job, start: RunStart) -> None:
@@ -141,8 +139,6 @@ def _export_finished(job: Job, start: RunStart) -> None:
 def _train_group(
     job: Job,
     mesh: jax.sharding.Mesh,
-    tokenizer: PreTrainedTokenizerBase,
-    answer_ids: tuple[int, int],
     model: models.CausalLM,
     group: list[RunStart],
     stop: StopSignals,
@@ -151,11 +147,9 @@ def _train_group(
     is of their length (``Job.of_length``)."""
     runs = [start.run for start in group]
     logging.info("training %d runs from step %d: %s", len(runs), group[0].step, ", ".join(run.name for run in runs))
-    yes_id, no_id = answer_ids
+    setup = set_up(job, mesh, runs)
+    geometry, data, (yes_id, no_id) = setup.geometry, setup.data, setup.answer_ids
     seeds = [run.seed for run in runs]
-    train_sets = few_shot_sets(job.data, tokenizer, [(run.seed, run.shots) for run in runs])
-    geometry = batch_geometry(job.batches, mesh, train_sets, seeds)
-    data = load_runs_data(job.data, tokenizer, seeds, train_sets, geometry)
     graphdef, base_state, state = steps.attach_runs(model, seeds, job.lora, job.optimizer.transformation, mesh=mesh)
     if group[0].checkpoint is not None:
         state = checkpoints.stack_runs([start.checkpoint.state for start in group], like=state)

@@ -28,7 +28,6 @@ a few-shot set), which metrics.npz stores beside its margins
 from __future__ import annotations
 
 import dataclasses
-import functools
 import time
 from collections.abc import Mapping, Sequence
 
@@ -38,24 +37,25 @@ import numpy as np
 from absl import logging
 from transformers import PreTrainedTokenizerBase
 
-from analysis import schema
 from oodjax.data import (
-    TRAIN_PREFETCH,
     InContextSet,
     TestsetSpec,
     TokenizedSet,
+    check_neutral,
     few_shot,
     load_testset,
     prompt_lengths,
     stratified_subset,
     tokenize_in_context,
     tokenize_testset,
-    train_steps,
     training_pool,
 )
-from oodjax.engine.evaluation import EvalPool, make_eval_pool
+from oodjax.data.prompts import check_template
+from oodjax.data.testsets import testset_spec, training_sets
+from oodjax.engine.evaluation import EvalPool
 from oodjax.engine.geometry import BatchGeometry
 from oodjax.engine.steps import micro_batch_branches
+from oodjax.usage_errors import ConfigError
 
 # The column ``capped_testsets`` and ``few_shot_datasets`` give their datasets: each example's row in the dataset as
 # loaded (``load_testset``'s split before any cap; ``training_pool``'s pool), which the caps and draws carry along.
@@ -80,6 +80,34 @@ class DataSettings:
     eval_seed: int = 0
     neutral: str = "drop"
     cache_dir: str | None = None  # None: $OODJAX_CACHE_DIR, else ~/.cache/oodjax
+
+    def __post_init__(self) -> None:
+        if not self.testsets:
+            raise ConfigError("data.testsets is empty: name the testsets to evaluate (at least data.train_set)")
+        for name in self.testsets:
+            try:
+                testset_spec(name, self.table)
+            except KeyError as error:  # an unknown name: the message lists the known ones
+                raise ConfigError(f"data.testsets: {error.args[0]}") from None
+        if len(set(self.testsets)) != len(self.testsets):
+            raise ConfigError(f"data.testsets lists a testset twice: {list(self.testsets)}")
+        if self.train_set not in training_sets():
+            raise ConfigError(
+                f"data.train_set {self.train_set!r} is not a training set; few-shot pools exist for: "
+                f"{', '.join(training_sets())}"
+            )
+        if self.eval_cap < 0:
+            raise ConfigError(f"data.eval_cap must be >= 0 (0 = no cap), got {self.eval_cap}")
+        try:
+            check_neutral(self.neutral)
+        except ValueError as error:
+            raise ConfigError(f"data.{error}") from None
+        try:
+            check_template(self.template)
+        except ValueError as error:
+            raise ConfigError(f"data.template: {error}") from None
+        if len(self.answers) != 2 or len(set(self.answers)) != 2 or not all(self.answers):
+            raise ConfigError(f"data.answers must be two different non-empty words (yes, no), got {list(self.answers)}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,59 +147,6 @@ def few_shot_datasets(data: DataSettings, runs: Sequence[tuple[int, int]]) -> li
     pool = training_pool(data.train_set, split=data.pool_split, data_dir=data.data_dir)
     pool = pool.add_column(DATASET_INDEX, np.arange(len(pool)))
     return [few_shot(pool, shots, seed) for seed, shots in runs]
-
-
-def load_runs_data(
-    data: DataSettings,
-    tokenizer: PreTrainedTokenizerBase,
-    seeds: Sequence[int],
-    train_sets: Sequence[IndexedSet],
-    geometry: BatchGeometry,
-    *,
-    prefetch: int = TRAIN_PREFETCH,
-    testsets: Mapping[str, IndexedSet] | None = None,
-) -> RunsData:
-    """The evaluation pools (``RunsData``: one for runs that differ, one for step 0's, when every run is the base
-    model) and the runs' training steps, run r's drawn from ``train_sets[r]`` seeded by ``seeds[r]``.
-
-    Training steps have ``geometry``'s shape, of which this process feeds
-    its ``process_rows``; the stream builds ``prefetch`` steps ahead in a
-    background thread (0: none). Evaluation batches hold about
-    ``geometry.evaluation.batch_tokens`` tokens, in rows of its
-    ``row_lengths`` packed with one or two prompts each. ``testsets``
-    replaces ``load_testsets``' (the cost estimate's, at the hub's sizes).
-    """
-    testsets = load_testsets(data, tokenizer) if testsets is None else testsets
-    train_stream = train_steps(
-        train_sets,
-        seeds,
-        batch_size=geometry.batch_size,
-        layout=geometry.layout,
-        seq_len=geometry.seq_len,
-        prompts_per_row=geometry.prompts_per_row,
-        rows=geometry.process_rows,
-        pad_id=pad_id(tokenizer),
-        prefetch=prefetch,
-    )
-    pool = functools.partial(
-        make_eval_pool,
-        testsets,
-        [{schema.TRAIN_TESTSET: tokenized} for tokenized in train_sets],
-        batch_tokens=geometry.evaluation.batch_tokens,
-        row_multiple=geometry.evaluation.batch_shards,
-        pad_id=pad_id(tokenizer),
-        row_lengths=geometry.evaluation.row_lengths,
-    )
-    eval_pool = pool()
-    dataset_index = tuple(
-        {**dataset_indices(testsets), schema.TRAIN_TESTSET: train_set.dataset_index} for train_set in train_sets
-    )
-    return RunsData(
-        eval_pool=eval_pool,
-        first_eval_pool=pool(like=eval_pool),
-        train_stream=train_stream,
-        dataset_index=dataset_index,
-    )
 
 
 def load_testsets(data: DataSettings, tokenizer: PreTrainedTokenizerBase) -> dict[str, IndexedSet]:

@@ -37,7 +37,7 @@ from oodjax.models.hf_checkpoint import (
     read_json,
     weight_map,
 )
-from oodjax.models.layers import STACKED, CausalLM, per_layer_paths
+from oodjax.models.layers import STACKED, CausalLM, check_remat, per_layer_paths
 from oodjax.models.llama import LlamaForCausalLM
 from oodjax.models.lora import LoRAConfig, apply_lora
 from oodjax.models.olmo2 import Olmo2ForCausalLM
@@ -286,6 +286,9 @@ def _place(checkpoint: Checkpoint, source: _Source, dtype: jnp.dtype, sharding: 
     return jax.make_array_from_callback(shape, sharding, lambda index: blocks[_bounds(index, shape)])
 
 
+DTYPES = ("float32", "bfloat16", "float16")  # a job's model.dtype and model.compute_dtype
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelSettings:
     """The frozen base a job uses (its model section and tokenizer, resolved)."""
@@ -301,6 +304,13 @@ class ModelSettings:
     attention: str = "auto"  # flash_attention.IMPLEMENTATIONS
 
     def __post_init__(self) -> None:
+        for field, value in {"model.dtype": self.dtype, "model.compute_dtype": self.compute_dtype}.items():
+            if value and value not in DTYPES:
+                raise ConfigError(f"{field} must be one of {DTYPES}, got {value!r}")
+        try:
+            check_remat(self.remat)
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
         if self.attention not in IMPLEMENTATIONS:
             raise ConfigError(f"model.attention must be one of {IMPLEMENTATIONS}, got {self.attention!r}")
 

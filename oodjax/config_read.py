@@ -1,0 +1,249 @@
+"""A config read once into a ``Job``: the typed pieces the engine and the launch tools take.
+
+``read`` turns the ``ml_collections.ConfigDict`` of the command line and
+config files (``oodjax.config_fields``) into a frozen ``Job`` whose pieces
+are each defined, and check their own fields, in the module that uses them.
+Derived values are worked out here, once: the model's name, the tokenizer,
+the testset table, empty strings as None, each run's length. Past here
+nothing reads a ConfigDict; ``record``, the config as JSON, is what results
+and checkpoints store and what a resumed run is compared by.
+``oodjax.job.resolve`` then checks the sources the job names
+(``oodjax.config_checks``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fractions
+import json
+import math
+import pathlib
+from collections.abc import Mapping
+from typing import Any
+
+from absl import logging
+from ml_collections import config_dict
+
+from analysis import schema
+from oodjax import config_cli
+from oodjax.config_fields import LIST_ITEM_TYPES
+from oodjax.data.testsets import TestsetSpec, testset_table
+from oodjax.engine.cadence import Cadence, ExportSettings
+from oodjax.engine.events import WANDB_MODES, TrackerSettings, WandbSettings
+from oodjax.engine.geometry import BatchSettings
+from oodjax.engine.results import RunPlan, model_name
+from oodjax.engine.run_data import DataSettings
+from oodjax.engine.sharding import MeshShape
+from oodjax.engine.steps import OptimizerSettings
+from oodjax.models.loading import ModelSettings
+from oodjax.models.lora import LoRAConfig
+from oodjax.usage_errors import ConfigError, MissingInputError
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """One config, resolved: what ``oodjax.main``, ``oodjax.evaluate`` and the launch tools run."""
+
+    model: ModelSettings
+    lora: LoRAConfig
+    data: DataSettings
+    batches: BatchSettings
+    optimizer: OptimizerSettings
+    runs: RunPlan
+    mesh: MeshShape
+    cadence: Cadence
+    export: ExportSettings
+    trackers: TrackerSettings
+    adapters: tuple[pathlib.Path, ...]  # PEFT adapter folders oodjax.evaluate evaluates (model.adapters)
+    in_context: bool  # oodjax.evaluate: the in-context baseline (eval.in_context)
+    record: Mapping[str, Any]  # the config as JSON: what results and checkpoints store
+    description: str  # the config as a job logs it at start (``config_cli.describe_config``)
+    epochs: float = 0.0  # train.epochs; 0: every run trains train.steps (cadence.total_steps)
+    warmup_ratio: float = 0.0  # train.warmup_ratio; 0: train.warmup_steps
+
+    def total_steps(self, shots: int) -> int:
+        """The optimizer steps of a run of ``shots`` examples: train.steps, or with train.epochs, ceil(epochs x
+        shots / batch_size) (epochs read as the decimal it was written as, so 0.1 x 30 / 3 is 1 step, not 2)."""
+        if not self.epochs:
+            return self.cadence.total_steps
+        return math.ceil(fractions.Fraction(str(self.epochs)) * shots / self.batches.batch_size)
+
+    def of_length(self, total_steps: int) -> Job:
+        """This job for its runs of ``total_steps`` steps: the cadence, the learning-rate schedule (its warm-up
+        train.warmup_ratio of them, if set) and the replayed batch layout span them. Runs of one length train
+        together, each length apart, so each run trains exactly as in a job of its length alone."""
+        warmup = math.ceil(self.warmup_ratio * total_steps) if self.warmup_ratio else self.optimizer.warmup_steps
+        return dataclasses.replace(
+            self,
+            cadence=dataclasses.replace(self.cadence, total_steps=total_steps),
+            optimizer=dataclasses.replace(self.optimizer, total_steps=total_steps, warmup_steps=warmup),
+            batches=dataclasses.replace(self.batches, total_steps=total_steps),
+        )
+
+    def log_config(self) -> None:
+        """Logs the config the job runs, once its runs are locked: a job refused for a bad config or a locked
+        run says so in its one line, with nothing before it."""
+        logging.info("config (command-line overrides applied):\n%s", self.description)
+
+
+def _warmup_steps(train: config_dict.ConfigDict) -> int:
+    """train.warmup_steps, or with train.warmup_ratio that share of train.steps, rounded up as transformers'
+    ``TrainingArguments.get_warmup_steps`` does."""
+    if not 0 <= train.warmup_ratio <= 1:
+        raise ConfigError(f"train.warmup_ratio must be in [0, 1] (0: train.warmup_steps), got {train.warmup_ratio}")
+    return math.ceil(train.warmup_ratio * train.steps) if train.warmup_ratio else train.warmup_steps
+
+
+def _lora(lora: config_dict.ConfigDict) -> LoRAConfig:
+    try:
+        return LoRAConfig.from_config(lora)
+    except ValueError as error:
+        raise ConfigError(f"lora: {error}") from error
+
+
+def read(config: config_dict.ConfigDict) -> Job:
+    """``config`` read into a ``Job`` without the checks that look at files, hubs and logins: what the
+    estimator and the preflight use for configs of machines they are not on."""
+    _check_fields(config)
+    model, data, train = config.model, config.data, config.train
+    name = model_name(model.name, model.path, model.hf_config.get("model_type", ""))
+    wandb = config.wandb
+    if train.epochs < 0:
+        raise ConfigError(f"train.epochs must be >= 0 (0: train.steps), got {train.epochs}")
+    job = Job(
+        model=ModelSettings(
+            name=name,
+            tokenizer=config.tokenizer or model.path,
+            path=model.path or None,
+            hf_config=model.hf_config.to_dict(),
+            init_seed=model.init_seed,
+            dtype=model.dtype,
+            compute_dtype=model.compute_dtype or None,
+            remat=model.remat,
+            attention=model.attention,
+        ),
+        lora=_lora(config.lora),
+        data=DataSettings(
+            train_set=data.train_set,
+            testsets=tuple(data.testsets),
+            table=declared_testsets(data),
+            template=data.template,
+            answers=tuple(data.answers),
+            max_length=data.max_length,
+            pool_split=data.pool_split or None,
+            data_dir=data.data_dir or None,
+            eval_cap=data.eval_cap,
+            cap_in_domain=data.cap_in_domain,
+            eval_seed=data.eval_seed,
+            neutral=data.neutral,
+            cache_dir=data.cache_dir or None,
+        ),
+        batches=BatchSettings(
+            batch_size=train.batch_size,
+            grad_accum=train.grad_accum,
+            pack=train.pack,
+            max_length=data.max_length,
+            total_steps=train.steps,
+            eval_batch_size=config.eval.batch_size,
+            buckets=tuple(data.buckets) or None,
+            eval_row_lengths=tuple(config.eval.row_lengths) or None,
+        ),
+        optimizer=OptimizerSettings(
+            learning_rate=train.learning_rate,
+            total_steps=train.steps,
+            warmup_steps=_warmup_steps(train),
+            weight_decay=train.weight_decay,
+            max_grad_norm=train.max_grad_norm or None,
+            schedule=train.schedule,
+        ),
+        runs=RunPlan(
+            model=name,
+            train_set=data.train_set,
+            seeds=tuple(config.runs.seeds),
+            shots=tuple(config.runs.shots),
+            output_dir=pathlib.Path(config.output_dir),
+            skip_locked=config.runs.skip_locked,
+        ),
+        mesh=MeshShape(config.mesh.data, config.mesh.fsdp, config.mesh.tensor),
+        cadence=Cadence(
+            total_steps=train.steps,
+            eval_every=config.eval.every,
+            eval_points=config.eval.points,
+            checkpoint_every=config.checkpoint_every,
+            checkpoint_keep=config.checkpoint_keep,
+            log_every=config.log_every,
+        ),
+        export=ExportSettings(
+            peft=config.export.peft,
+            every_checkpoint=config.export.every_checkpoint,
+            hub_repo=config.export.hub_repo or None,
+        ),
+        trackers=TrackerSettings(
+            wandb=WandbSettings(
+                project=wandb.project,
+                entity=wandb.entity or None,
+                group=wandb.group or f"{name}_{data.train_set}",
+                tags=tuple(wandb.tags),
+                mode=wandb.mode or None,
+            )
+            if wandb.enabled
+            else None,
+            tensorboard=config.tensorboard.enabled,
+        ),
+        adapters=tuple(pathlib.Path(path).expanduser() for path in model.adapters),
+        in_context=config.eval.in_context,
+        record=json.loads(config.to_json()),
+        description=config_cli.describe_config(config),
+        epochs=train.epochs,
+        warmup_ratio=train.warmup_ratio,
+    )
+    for shots in job.runs.shots:  # each run length's cadence and schedule checked, errors naming the fields
+        try:
+            job.of_length(job.total_steps(shots))
+        except ConfigError as error:
+            if not job.epochs:
+                raise
+            raise ConfigError(
+                f"{error} (runs of {shots} shots train ceil(train.epochs x shots / train.batch_size) = "
+                f"{job.total_steps(shots)} steps)"
+            ) from None
+    return job
+
+
+def _check_fields(config: config_dict.ConfigDict) -> None:
+    """What ``read`` checks before it builds the pieces: list items' types (a config file's runs.seeds=("0",) is
+    not seed 0), and the fields no piece holds."""
+    for field, item_type in LIST_ITEM_TYPES.items():
+        section, _, key = field.rpartition(".")
+        value = config[section][key]
+        if not isinstance(value, (tuple, list)) or not all(
+            isinstance(item, item_type) and not isinstance(item, bool) for item in value
+        ):
+            raise ConfigError(f"{field} must be a list of {item_type.__name__}, got {value!r}")
+    if not config.train.learning_rate > 0:  # a negative one climbs the loss (and zero trains nothing)
+        raise ConfigError(f"train.learning_rate must be positive, got {config.train.learning_rate}")
+    if config.wandb.mode and config.wandb.mode not in WANDB_MODES:
+        raise ConfigError(
+            f"wandb.mode must be empty (wandb's default) or one of {WANDB_MODES}, got {config.wandb.mode!r}"
+        )
+    if not config.output_dir:
+        raise ConfigError("output_dir is empty")
+
+
+def declared_testsets(data: config_dict.ConfigDict) -> dict[str, TestsetSpec]:
+    """The built-in and declared testsets of a data section (``testset_table``); a bad declaration is a
+    ``ConfigError`` naming it and its field, a missing file a ``MissingInputError``."""
+    if not isinstance(data.extra_testsets, config_dict.ConfigDict):
+        raise ConfigError(f"data.extra_testsets must be a dict of testset declarations, got {data.extra_testsets!r}")
+    if data.extra_testsets_file and not pathlib.Path(data.extra_testsets_file).expanduser().is_file():
+        raise MissingInputError(f"data.extra_testsets_file {data.extra_testsets_file!r} is not a file")
+    try:
+        table = testset_table(data.extra_testsets.to_dict(), data.extra_testsets_file or None)
+    except ValueError as error:  # the message names the declaration and its field
+        raise ConfigError(str(error)) from error
+    if schema.TRAIN_TESTSET in table:
+        raise ConfigError(
+            f"{table[schema.TRAIN_TESTSET].origin}: {schema.TRAIN_TESTSET!r} is the results' name for each run's "
+            "own training set; name the testset otherwise"
+        )
+    return table
