@@ -1,21 +1,11 @@
 """`python -m benchmarks [--quick] [--smoke] [--out FILE] [--cases A,B] [--device gpu [--phases A,B] [...]]`.
 
 Runs the cases against PyTorch + PEFT, each contender in a process of its
-own taking turns (``benchmarks.harness``), and writes FILE (default
-benchmarks/results.json in full mode, results-quick.json / results-smoke.json
-otherwise) and the same report as markdown beside it (FILE with .md).
-``--device gpu [--phases A,B] [--remat P] [--grad-accum N]`` runs ``benchmarks.case_device`` instead, the study's 9 runs
-at SmolLM3-3B's shape on one GPU (results-gpu.json; with --smoke, tiny, on
-any backend: results-gpu-smoke.json). ``--remat`` and ``--grad-accum`` change
-its train step's layout (``settings.DeviceMode``'s remat and grad_accum), to
-try another on a machine with the room; give such a run its own --out.
-``--phases`` (with --device gpu) picks among oodjax (its training and
-evaluation timed), agreement (its attention paths' margins) and pytorch
-(PyTorch's runs, in a process of their own); a line on stderr marks each
-phase's start and end with an estimate of what is left, and FILE is
-rewritten after every phase, so a run cut short keeps what it measured.
-Both modes record the JAX stack's versions against the pins and warn in one
-line where they differ (``oodjax.versions``).
+own taking turns (``benchmarks.harness``), and writes FILE and the same
+report as markdown beside it (FILE with .md). ``--device gpu`` runs
+``benchmarks.case_device`` instead, the study's 9 runs at SmolLM3-3B's shape
+on one GPU; FILE is rewritten after every phase, so a run cut short keeps
+what it measured.
 """
 
 from __future__ import annotations

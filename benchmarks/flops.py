@@ -4,11 +4,9 @@ Padding, full-vocabulary logits nobody reads and other overheads are work a
 contender chooses to do, not work the task needs; so every contender of a
 case is credited with the same model FLOPs, and model FLOP/s divided by the
 machine's measured matmul peak says how close each gets to the hardware.
-The FLOP model is the estimator's (``launch.costs``: multiply-adds count 2;
-norms, activations and softmax, well under 1% here, are left out), applied
-to each prompt's own tokens and the causal (query, key) pairs it needs,
-through one run's adapters (rank ``lora_rank`` on q, k, v and o), with
-nothing recomputed.
+The FLOP model is the estimator's (``launch.costs``), applied to each
+prompt's own tokens and causal (query, key) pairs, through one run's
+adapters, with nothing recomputed.
 """
 
 from __future__ import annotations

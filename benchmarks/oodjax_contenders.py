@@ -69,11 +69,8 @@ class Engine:
         return make_eval_pool({EVAL_SET: tokenized}, [{}] * runs, batch_tokens=batch_tokens)
 
     def compile_train(self, geometry: BatchGeometry, tokenized: TokenizedSet, rows: Sequence[np.ndarray]) -> None:
-        """Compiles the train step (one program, a branch per bucket) without taking a step.
-
-        The loop compiles it at its first step; a timed step must not, so the
-        warm-up compiles it ahead (and is charged).
-        """
+        """Compiles the train step without taking a step: a timed step must not compile, so the warm-up
+        compiles it ahead (and is charged)."""
         batch = self._placed(self.train_batch(geometry, tokenized, rows))
         self.train_step(geometry).lower(self.base_state, self.runs, batch).compile()
 
@@ -113,11 +110,8 @@ def train_geometry(
     grad_accum: int = settings.TRAIN_GRAD_ACCUM,
     row_length: int = settings.MAX_LENGTH,
 ) -> BatchGeometry:
-    """The train step's layout for steps of ``batches`` (each runs' example rows of ``tokenized``), as the
-    loop's ``batch_geometry`` lays its steps out with train.pack on one device: ``grad_accum`` micro-batches
-    of the fewest rows of at most ``row_length`` tokens (data.max_length) that hold every step
-    (``oodjax.data.packed_layout``), as long as the bucket of the longest row; a micro-batch runs at the
-    smallest of ``buckets`` that holds its row (the geometry's ``micro_batch_lengths``)."""
+    """The train step's layout for steps of ``batches``, as the loop's ``batch_geometry`` lays its steps out
+    with train.pack on one device."""
     common = dict(batch_size=settings.TRAIN_BATCH, steps=1)
     steps = [(_in_stream_order(tokenized, rows), [STREAM_SEED] * len(rows)) for rows in batches]
     layouts = [

@@ -1,14 +1,9 @@
 """The three sizes a benchmark run comes in: full (the published figures), quick, and smoke (CI).
 
 Every size measures the same cases with the same contenders; only the model
-shape, the number of examples and the repetitions change. Full mode takes
-about 29 minutes on the 2-core machine the figures are taken on, most of it
-the grid's three rounds: 7 repetitions of the evaluation and training cases
-(each the same work), 3 of the grid: ratios are of each contender's fastest
-repetition (``benchmarks.harness`` says why; how far two full runs agree is
-in docs/performance.md). Smoke mode only shows that every case's
-code runs (CI): one timed repetition, a one-run grid, so it takes well
-under a minute of work besides starting its processes.
+shape, the number of examples and the repetitions change. Ratios are of each
+contender's fastest repetition (``benchmarks.harness`` says why). Smoke mode
+only shows that every case's code runs (CI).
 """
 
 from __future__ import annotations
@@ -51,9 +46,7 @@ def smollm2_shape(**changes: Any) -> dict[str, Any]:
 
 
 # Every prompt is truncated (inside its premise) to this; the original approach pads to it. oodjax's training
-# micro-batches run at the loop's default lengths below it (``oodjax.data.bucket_lengths``: 64, 80, 96, 112,
-# 128): the training case's batch of 16 balanced over 8 rows leaves them 84 tokens long on average, and at
-# 128 alone it computed 65% prompt tokens where the ladder computes 83%.
+# micro-batches run at the loop's default bucket lengths below it (``oodjax.data.bucket_lengths``).
 MAX_LENGTH = 128
 
 
@@ -61,11 +54,7 @@ MAX_LENGTH = 128
 class Mode:
     """How big one benchmark run is.
 
-    ``model`` is the shape of the evaluation, training and loading cases (its
-    checkpoint, written in float32, is the one loading is timed on);
-    ``grid_model`` the shape of the 9-run grid, which runs whole training jobs
-    and so gets a smaller model to fit the time budget. Evaluation packs
-    prompts into rows of ``MAX_LENGTH``.
+    ``grid_model`` is the 9-run grid's, smaller than ``model`` since the grid runs whole training jobs.
     """
 
     name: str
@@ -88,19 +77,16 @@ class Mode:
 
 
 TRAIN_BATCH = 16
-# oodjax's micro-batches per step, with train.pack on (one device), each the
-# fewest rows of MAX_LENGTH tokens that hold its share: two measured faster than
-# one (a micro-batch's working set is halved, and this machine's two cores are
-# shared with PyTorch's contenders) and than eight of one row each (larger matmuls).
+# oodjax's micro-batches per step, with train.pack on (one device): two halve a micro-batch's working set
+# (this machine's cores are shared with PyTorch's contenders) yet keep the matmuls larger than eight would.
 TRAIN_GRAD_ACCUM = 2
 LORA = dict(rank=8, alpha=32.0, dropout=0.1, targets=("q_proj", "k_proj", "v_proj", "o_proj"))
 LEARNING_RATE = 1e-4
 MAX_GRAD_NORM = 1.0
 
 
-# The study evaluates 21 times in 500 steps: one evaluation about every 24 steps. The full grid trains that
-# many steps between its two evaluations (its evaluations are far smaller than the study's, which score the
-# full testsets: docs/performance.md).
+# The study evaluates 21 times in 500 steps: one evaluation about every 24 steps, as many as the full grid
+# trains between its two evaluations.
 GRID_STEPS_PER_EVALUATION = 24
 
 
@@ -203,9 +189,7 @@ def mode(quick: bool, smoke: bool) -> Mode:
 @dataclasses.dataclass(frozen=True)
 class DeviceMode:
     """How big a ``--device gpu`` run is (``benchmarks.case_device``): ``runs`` runs of SmolLM3-3B's shape with
-    ``changes`` (bf16, random weights), each repetition ``steps`` training steps and one evaluation of
-    ``eval_per_testset`` prompts from each testset, in batches of ``eval_batch_rows`` rows (oodjax: of
-    MAX_LENGTH tokens each)."""
+    ``changes``, each repetition ``steps`` training steps and one evaluation."""
 
     name: str
     needs_gpu: bool  # smoke runs the same code tiny on any backend
@@ -215,9 +199,8 @@ class DeviceMode:
     eval_per_testset: int
     eval_batch_rows: int
     train_shots: int = 128
-    # configs/smol3_*.py's one micro-batch, but not its remat policy: the study's SmolLM3 configs keep every
-    # activation (remat none) with rows spread over 8 devices; here all 9 runs' rows are on one device, which
-    # without remat needs 66 GiB (H100, 2026-11-26), more than JAX takes there, so the benchmark keeps save_dots.
+    # configs/smol3_*.py's one micro-batch, but not its remat policy (none, with rows over 8 devices): all 9
+    # runs' rows on one device without remat need more than JAX takes of a GPU, so the benchmark keeps save_dots.
     remat: str = "save_dots"
     grad_accum: int = 1
     changes: tuple[tuple[str, Any], ...] = ()

@@ -1,9 +1,7 @@
 """Parameter counts, memory and FLOPs of a decoder LM from its config.json numbers, without allocating it.
 
-Everything is read from our NNX port built abstractly (`abstract_model`: shapes and dtypes, no memory), so the
-figures cannot drift from what the engine trains: counts are sums over its parameters, FLOPs take a layer's
-matmul weights from its kernels, and the memory the backward pass keeps is JAX's own list of the train step
-loss's residuals. The benchmarks' model FLOPs are the same model counted on real tokens (``benchmarks.flops``).
+Everything is read from our NNX port built abstractly (`abstract_model`), so the figures cannot drift from
+what the engine trains; the memory the backward pass keeps is JAX's own list of the train step loss's residuals.
 """
 
 from __future__ import annotations
@@ -44,8 +42,7 @@ RECOMPUTED: Mapping[str, tuple[str, ...]] = {
 PLATFORMS = ("gpu", "tpu", "cpu")
 # The backward pass through one decoder layer holds the gradients of its widest activations
 # (attention scores, the MLP's inner width) beside what the layer kept: about this fraction of the
-# layer's activations without remat. Fitted to XLA's compiled train steps (the 8 study models at 2
-# and 4 layers, 128 to 512 tokens, on 8 host devices: 0.3 to 0.85 per config).
+# layer's activations without remat, fitted to XLA's compiled train steps of the study models.
 BACKWARD_TEMPORARIES = 0.5
 # The base's parameters without the adapters (a LoRAParam is a Param).
 _FROZEN = nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam))
@@ -133,11 +130,7 @@ def parameter_count(architecture: Mapping[str, Any]) -> int:
 
 
 def lora_parameter_count(architecture: Mapping[str, Any], rank: int, targets: Sequence[str] | None = None) -> int:
-    """Adapter parameters of one run on the model of these numbers.
-
-    `targets` are layer names as in config.lora.targets; None or empty
-    means the attention projections (q, k, v and the output projection).
-    """
+    """Adapter parameters of one run; `targets` None or empty means the attention projections."""
     lora = LoRAConfig(rank=rank, targets=tuple(targets) if targets else None)
     return _lora_parameter_count(_key(architecture), lora)
 
@@ -163,16 +156,14 @@ class ForwardFlops:
 
     @property
     def backward(self) -> float:
-        """The backward pass of LoRA training: gradients only with respect to activations through the frozen
-        weights (one product each, as forward), twice the attention's forward, and the adapters' gradients
-        with respect to their input and their weights (twice their forward)."""
+        """LoRA's backward pass: the frozen weights need only activation gradients (one product each), the
+        attention and the adapters two."""
         return self.projections + self.mlp + 2 * self.attention + 2 * self.adapters
 
 
 def forward_flops(d: Dimensions, *, tokens: int, attention_pairs: int, adapter_parameters: int = 0) -> ForwardFlops:
-    """``tokens`` tokens through the decoder layers and adapters of ``adapter_parameters`` weights in all (every
-    run's a token goes through), attention over ``attention_pairs`` (query, key) pairs: 2 FLOPs per token and
-    weight, 4 per pair, query feature and layer (QK^T and AV); embedding lookups cost nothing."""
+    """``tokens`` tokens through the decoder layers and all runs' adapters, attention over ``attention_pairs``
+    (query, key) pairs: 2 FLOPs per token and weight, 4 per pair, query feature and layer."""
     return ForwardFlops(
         projections=2.0 * d.num_layers * d.attention_parameters * tokens,
         mlp=2.0 * d.num_layers * d.mlp_parameters * tokens,
@@ -189,16 +180,12 @@ def head_flops(d: Dimensions, columns: int) -> float:
 def train_step_flops(
     d: Dimensions, *, runs: int, rows: int, seq_len: int, prompts: int, lora_parameters: int, remat: str
 ) -> float:
-    """One optimizer step of all runs: ``rows`` rows of ``seq_len`` tokens (every micro-batch's, padding
-    included) holding ``prompts`` prompts; ``lora_parameters`` are one run's.
+    """One optimizer step of all runs: ``rows`` rows of ``seq_len`` tokens, padding included; ``lora_parameters``
+    are one run's.
 
-    Attention covers the whole row (packed prompts are masked, not skipped),
-    and every token goes through all runs' adapters (the LoRA multiplies by
-    the runs' A and B concatenated). The backward pass recomputes the
-    adapters' forward (``recomputed_in_backward``, counted whole: an upper
-    bound) and what the remat policy did not keep (``RECOMPUTED``); the head
-    (full vocabulary, at each answer position) is a forward and an
-    input-gradient matmul.
+    Attention covers the whole row (packed prompts are masked, not skipped) and every token goes through all
+    runs' adapters. The backward pass also recomputes the adapters' forward (counted whole: an upper bound)
+    and what the remat policy did not keep.
     """
     if remat not in REMAT_POLICIES:
         raise ValueError(f"unknown remat policy {remat!r}; known: {sorted(REMAT_POLICIES)}")
@@ -228,13 +215,8 @@ def abstract_mesh(mesh: Mapping[str, int]) -> AbstractMesh:
 
 
 def stored_itemsize(dtype: Any, platform: str) -> int:
-    """Bytes an element of `dtype` takes in the compiled step on `platform`.
-
-    XLA's CPU backend has no half-precision arithmetic: its float
-    normalisation computes bfloat16 and float16 in float32, so the residuals
-    it keeps are float32 there, as the preflight's CPU compile reports.
-    GPUs and TPUs keep them as they are.
-    """
+    """Bytes an element of `dtype` takes in the compiled step on `platform`: XLA's CPU backend computes
+    half precision in float32, so it keeps float32 residuals."""
     if platform not in PLATFORMS:
         raise ValueError(f"unknown platform {platform!r}; known: {PLATFORMS}")
     dtype = jnp.dtype(dtype) if isinstance(dtype, str) else dtype  # not PRNG key dtypes: jnp.dtype refuses them
@@ -246,9 +228,8 @@ def stored_itemsize(dtype: Any, platform: str) -> int:
 def bytes_per_device(state: nnx.State, mesh: AbstractMesh, *, leading: int = 1) -> int:
     """Bytes one device holds of `state` placed by the logical axis rules (`models.param_sharding`).
 
-    A dimension the mesh does not divide stays whole, as the loader keeps it.
-    `leading` multiplies every leaf by a replicated leading axis (the runs'
-    stack of adapters and moments, which `engine.sharding` does not split).
+    A dimension the mesh does not divide stays whole, as the loader keeps it. `leading` multiplies every
+    leaf by a replicated leading axis (the runs' stack).
     """
     total = 0
     for variable in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, nnx.Variable)):
@@ -267,13 +248,8 @@ def saved_activation_bytes(
     compute_dtype: str | None = None,
     platform: str = "gpu",
 ) -> int:
-    """Bytes the backward pass keeps from the forward of one micro-batch (`rows` rows of `seq_len` tokens and
-    `prompts_per_row` prompt slots, every token through all `runs` runs' adapters) of `model` (abstract, one
-    run's adapters attached), as `platform` stores them.
-
-    The residuals of the VJP of the train step's own loss (`residuals`)
-    after the remat policy chose what to recompute; only traced, so a
-    full-size batch costs nothing to measure.
+    """Bytes the backward pass keeps from the forward of one micro-batch of `model` (abstract), as `platform`
+    stores them: the residuals of the train step's own loss, only traced, so a full-size batch costs nothing.
     """
     graphdef, lora, base = nnx.split(model, nnx.LoRAParam, ...)
     dtype = jnp.dtype(compute_dtype) if compute_dtype else None
@@ -304,9 +280,8 @@ def saved_activation_bytes(
 
 
 def residuals(f: Any, *args: Any) -> list[jax.core.ShapedArray]:
-    """What `jax.vjp(f, *args)` keeps that is new memory: `print_saved_residuals`' list without the arguments
-    (the adapters), the constants (the frozen weights and batch `f` closes over: the step's arguments, counted
-    apart) and literals."""
+    """What `jax.vjp(f, *args)` keeps that is new memory: not the arguments, the constants (counted apart as
+    the step's arguments) or literals."""
     closed, shapes = jax.make_jaxpr(lambda *args: jax.vjp(f, *args), return_shape=True)(*args)
     jaxpr = closed.jaxpr
     given = {*jaxpr.invars, *jaxpr.constvars}
@@ -319,9 +294,8 @@ def residuals(f: Any, *args: Any) -> list[jax.core.ShapedArray]:
 class Memory:
     """Bytes per device during training, by what holds them.
 
-    The first six are live through the whole step; the two transients are
-    those of its two peaks, of which only the larger counts: the backward
-    pass through one decoder layer, and the head (full-vocabulary logits).
+    The first six are live through the whole step; of the two transients (one layer's backward pass, the
+    head's logits) only the larger counts.
     """
 
     frozen_weights: float  # this device's shard of the base
@@ -364,8 +338,7 @@ def _measure(
     prompts_per_row: int,
     platform: str,
 ) -> _Measured:
-    """`saved_activation_bytes` of the model of these numbers (JSON, ``_key``), taken apart: a 2-layer model
-    minus a 1-layer one isolates a layer (scan and remat structure included), two rows minus one what grows
+    """`saved_activation_bytes` taken apart: 2 layers minus 1 isolates a layer, two rows minus one what grows
     with the batch."""
     whole = abstract_mesh(dict(data=1, fsdp=1, tensor=1))
     saved, weights = {}, {}
@@ -407,17 +380,11 @@ def train_memory_per_device(
     prompts_per_row: int = 1,
     platform: str = "gpu",
 ) -> Memory:
-    """Training memory of one device for a mesh {"data", "fsdp", "tensor"} (sizes resolved); a micro-batch is
-    `rows` rows (all devices') of `seq_len` tokens and `prompts_per_row` prompt slots, split over data x fsdp.
+    """Training memory of one device for a mesh {"data", "fsdp", "tensor"}; a micro-batch's `rows` (all
+    devices') are split over data x fsdp.
 
-    Weights and adapters are split as the logical axis rules split them.
-    Tensor parallelism is taken to split activations evenly (an upper bound
-    on its saving: the residual stream is replicated). The backward pass
-    through a layer holds the gradients of its widest activations
-    (BACKWARD_TEMPORARIES), under remat the layer recomputed, and with fsdp
-    its weights gathered whole, as the head's peak holds the head's. On
-    "cpu" the weights being multiplied get a float32 copy, as XLA's CPU
-    backend allocates them (`stored_itemsize`).
+    Tensor parallelism is taken to split activations evenly (an upper bound on its saving: the residual
+    stream is replicated). With fsdp a layer's backward pass holds its weights gathered whole.
     """
     shards = mesh["data"] * mesh["fsdp"]
     if rows % shards:

@@ -1,42 +1,19 @@
 """`python -m launch.estimate CONFIG [CONFIG ...]`: what a config's job costs before it is submitted.
 
-For each config: parameter count, training memory per device (frozen
-weights, adapters, gradients, optimizer state, saved activations, the
-backward pass's working set; `launch.costs` says how each is measured) for
-its mesh, train step layout (`oodjax.engine.geometry`: train.grad_accum
-micro-batches of all runs' prompts, packed with train.pack into the fewest
-rows per device of at most data.max_length tokens) and remat policy, FLOPs
-per train step and per full evaluation, the prompts they are counted for,
-and the accelerator-hours of all its runs on a stated device at a stated
-utilisation. With several configs a closing line sums the hours. --layers
-cuts the model to that depth and --platform cpu costs memory as XLA's CPU
-backend allocates it, so that the estimate can be set beside `python -m
-launch.preflight --layers N` on a machine without an accelerator.
+For each config: parameter count, training memory per device (`launch.costs`
+says how each part is measured), train step layout, FLOPs per train step and
+per evaluation, and the accelerator-hours of all its runs on a stated device
+at a stated utilisation. The engine's own rules work out the mesh, layout and
+cadence, so the estimate is what a run would do. --layers and --platform cpu
+make it comparable with `python -m launch.preflight --layers N` on a machine
+without an accelerator.
 
-Each config file is read once into a job (`oodjax.job.read`: without the
-checks of files and hubs, since the config may be another machine's), and
-the engine's own rules work out its mesh (`MeshShape.sizes`), its layout
-(`batch_geometry`) and when it is evaluated (`Cadence`).
+By default the prompts are the config's real ones (`RealPrompts`), so it
+needs the tokenizer and the data, as a run does. --prompt_len N prices every
+prompt at N tokens instead (data.max_length: an upper bound), without them.
 
-By default the prompts are the config's real ones, as the engine builds
-them (`RealPrompts`): its tokenizer (config.tokenizer, else model.path; or
---tokenizer, a stand-in) on its runs' few-shot sets gives the train step's
-layout (`batch_geometry`, what the preflight compiles), and on its testsets
-and those sets the evaluation pool, whose packed rows are what an
-evaluation computes. So it needs the tokenizer and the data, as a run does;
-configs sharing them share the work. --prompt_len N instead prices every
-prompt at N tokens (data.max_length: an upper bound, most NLI prompts being
-far shorter), without the tokenizer: training rows as the engine lays out
-such prompts (`assumed_geometry`) unless --seq_len gives their length, and
-evaluation one prompt a row of N tokens, the testsets' examples counted
-(`run_data.capped_testsets`, with the config's neutral handling and caps)
-unless --eval_examples gives their number (then without the data either).
-
-A testset whose local file holds fewer rows than the hub's split
-(`TestsetSpec.hub_rows`: the shared data's HANS, 3,000 of 30,000) is a
-sample: a job reads the hub's split, or the split fetched, so it is counted
-at that size (`study_samples`: the rows it keeps, scaled, then capped), its
-prompts repeated, and the output names it.
+A testset whose local file is a sample of the hub's split (`TestsetSpec.hub_rows`)
+is counted at the size a job reading the hub's split evaluates (`study_samples`).
 """
 
 from __future__ import annotations
@@ -199,9 +176,8 @@ class Estimate:
 
 @dataclasses.dataclass(frozen=True)
 class AssumedPrompts:
-    """Prompts all of `length` tokens (None: data.max_length, an upper bound), in training rows as the engine lays
-    such prompts out (``assumed_geometry``), evaluated one a row: `eval_examples` a run beside its few-shot set
-    (None: counted from the testsets)."""
+    """Prompts all of `length` tokens (None: data.max_length), evaluated one a row; `eval_examples` None counts
+    the testsets."""
 
     length: int | None = None
     eval_examples: int | None = None
@@ -267,11 +243,8 @@ class Sample:
 
 
 def study_samples(data: DataSettings) -> dict[str, Sample]:
-    """The testsets of ``data`` whose local files (the mirror of data.data_dir, else $OODJAX_DATA_DIR) are
-    samples, each with the prompts a job reading the hub's split evaluates: the rows the sample keeps after label
-    mapping and neutral handling, times the hub's rows over the sample's (rounded), then the testset's cap (its own,
-    else data.eval_cap). A split read from the hub, or fetched whole, is no sample; nor is one whose hub size the
-    table does not record (a declared testset's)."""
+    """The testsets of ``data`` whose local files are samples, each with the prompts a job reading the hub's
+    split evaluates: the sample's kept rows scaled to the hub's size, then capped."""
     root = pathlib.Path(data.data_dir) if data.data_dir is not None else default_data_dir()
     found = {}
     for name in data.testsets:
@@ -302,9 +275,7 @@ def _file_rows(path: pathlib.Path) -> int:
 
 
 def count_eval_examples(data: DataSettings, samples: Mapping[str, Sample] | None = None) -> int:
-    """Examples in one full evaluation: every testset as the engine caps it (``run_data.capped_testsets``:
-    after label mapping, each at its own cap or data.eval_cap), a local sample at the hub's size (``samples``,
-    default ``study_samples``)."""
+    """Examples in one full evaluation: every testset as the engine caps it, a local sample at the hub's size."""
     samples = study_samples(data) if samples is None else samples
     return sum(
         samples[name].prompts if name in samples else len(testset) for name, testset in capped_testsets(data).items()
@@ -337,9 +308,8 @@ def _repeated(testset: IndexedSet, count: int) -> IndexedSet:
 
 
 def assumed_geometry(job: Job, batch_shards: int, prompt_len: int) -> BatchGeometry:
-    """The train step's layout for ``job`` on ``batch_shards`` devices (data x fsdp) when every prompt has
-    ``prompt_len`` tokens: the engine's own (``batch_geometry``), of few-shot sets of such prompts. Prompts
-    all alike lay every step out alike, so one step is replayed rather than train.steps."""
+    """The engine's train step layout for ``job`` when every prompt has ``prompt_len`` tokens; prompts all alike
+    lay every step out alike, so one step is replayed rather than train.steps."""
     max_length = job.batches.max_length
     if not 0 < prompt_len <= max_length:
         raise ConfigError(f"prompt length {prompt_len} must be in [1, data.max_length={max_length}]")
@@ -361,9 +331,8 @@ def _prompts_alike(count: int, length: int, max_length: int) -> TokenizedSet:
 
 
 def geometry_mesh(shards: int) -> Mesh:
-    """A mesh of ``shards`` host CPU devices, all on its data axis. A job's batch layout depends on its mesh only
-    through the devices its batch axes span (``sharding.batch_shards``), so it is laid out here for devices this
-    machine does not have."""
+    """A mesh of ``shards`` host CPU devices on its data axis: the batch layout depends only on the batch
+    shards, so it can be worked out for devices this machine does not have."""
     cpus = jax.devices("cpu")
     if len(cpus) < shards:
         raise RuntimeError(
@@ -374,20 +343,10 @@ def geometry_mesh(shards: int) -> Mesh:
 
 
 class PromptCounter:
-    """Configs' real prompts (``RealPrompts``), counted with ``tokenizer`` (a folder or hub id) when given, else
-    with each config's own (config.tokenizer, else model.path), loaded as the engine loads it.
+    """Configs' real prompts, counted with ``tokenizer`` when given, else each config's own.
 
-    The engine's own set-up (``run_data.set_up``) lays them out, as the loop
-    and the preflight do: the runs' few-shot sets, the train step's geometry
-    from them, and the evaluation pool of the testsets and those sets, whose
-    batches are what every evaluation computes: each row length's rows in
-    every run's lane (the eval step maps over the runs, empty rows
-    included), and step 0's pool (``RunsData.first_eval_pool``). Configs
-    with the same tokenizer, data (the data section, seeds and shots) and
-    evaluation batches' shape (``EvalGeometry``) share the pool: counted
-    with one tokenizer, the study's 16 configs build 6 pools. Testsets are
-    tokenised once, later pools reading them from ``oodjax.data``'s
-    tokenisation cache (on disk, so the next estimate or run reads them too).
+    The engine's own set-up (``run_data.set_up``) lays them out, as the loop and the preflight do. Configs
+    with the same tokenizer, data and evaluation batches' shape share one pool.
     """
 
     def __init__(self, tokenizer: str | None = None) -> None:

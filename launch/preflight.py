@@ -213,9 +213,8 @@ def preflight(
     node_devices: int | None = None,
     network_gb_s: float | None = None,
 ) -> Report:
-    """Compiles ``job``'s train and eval steps on the first ``devices`` of ``jax.devices()`` (default all), the
-    model cut to ``layers``, and sets them beside the estimate; ``node_devices`` (default the estimate device's)
-    and ``network_gb_s`` describe a job spread over nodes (``over_nodes``)."""
+    """Compiles ``job``'s train and eval steps on the first ``devices`` devices, the model cut to ``layers``, and
+    sets them beside the estimate."""
     available = jax.devices()
     devices = devices or len(available)
     steps_ = abstract_steps(job, devices=devices, layers=layers)
@@ -308,12 +307,8 @@ def over_nodes(
     """A job on ``devices`` devices, ``node_devices`` a node, against the same job on one node (None on one node,
     or where the device has no nodes: a TPU slice's ICI joins its hosts).
 
-    ``parts`` are what the job runs: (how often, compute seconds on
-    ``devices``, bytes its collectives move a device). Over nodes a ring
-    collective runs at the network's rate, on one node at the
-    interconnect's, its compute on fewer devices; compute and communication
-    are added (not overlapped). Only a data-parallel mesh is compared: on
-    one node its step is the same, its share of the batch larger.
+    ``parts``: (how often, compute seconds, bytes its collectives move a device). Compute and communication
+    are added, not overlapped. Only a data-parallel mesh is compared: on one node its step is the same.
     """
     if node_devices is None or devices <= node_devices:
         return None
@@ -392,9 +387,8 @@ def train_batch(geometry: BatchGeometry, mesh: jax.sharding.Mesh) -> dict[str, j
 
 
 def eval_batch(batch: dict[str, np.ndarray], mesh: jax.sharding.Mesh) -> dict[str, jax.ShapeDtypeStruct]:
-    """An abstract evaluation batch of a real one's shapes [R, rows, row length] ([R, rows, prompt slots]),
-    sharded as the loop shards it. Given the pool's longest rows: its batches share a token budget, so those
-    hold the most attention scores, its largest shape."""
+    """An abstract evaluation batch [R, rows, row length], sharded as the loop shards it. Given the pool's
+    longest rows: batches share a token budget, so those hold the most attention scores."""
     rows = batch["answer_pos"].shape
     return _batch(batch["input_ids"].shape, rows, sharding.batch_sharding(mesh, 1), EVAL_KEYS)
 
@@ -445,11 +439,8 @@ def _compile(
 
 
 def collectives(hlo_text: str) -> dict[str, dict[str, int]]:
-    """{op: {"count", "max_bytes"}} of the collectives in an HLO module's text, every kind listed (count 0
-    when absent): instructions as written, a loop's counted once. Async ones count once, at their -start.
-    ``max_bytes`` is the largest operand of one instruction of that kind (for an all-gather the shard it sends,
-    for an all-reduce the whole buffer reduced), its type read from the instruction that defines it when the
-    operand is printed by name."""
+    """{op: {"count", "max_bytes"}} of the collectives in an HLO module's text, as written (a loop's counted
+    once, async ones at their -start); ``max_bytes`` is one instruction's largest operand."""
     module = _HloModule(hlo_text)
     found = {op: {"count": 0, "max_bytes": 0} for op in COLLECTIVES}
     for instruction in module.instructions():
@@ -464,13 +455,9 @@ def communication(hlo_text: str) -> dict[str, Any]:
     """What one execution of an SPMD-partitioned HLO module sends over the interconnect, per device:
     {"bytes", "by_op": {op: bytes}, "loops_without_trip_count"}.
 
-    Each collective moves, per device, what a ring algorithm over its group of n devices sends (and
-    receives as much): an all-gather (n-1)/n of the array it gathers, (n-1) times the shard each device passes
-    in; a reduce-scatter and an all-to-all (n-1)/n of the array each device passes in; an all-reduce twice
-    that, 2(n-1)/n (a reduce-scatter then an all-gather); a collective-permute its whole operand. A combined
-    (tuple) collective moves the sum of its operands'. Collectives are counted as often as they run: a while
-    loop's body times its trip count (XLA's ``known_trip_count``; a loop without one is counted once and
-    reported), a conditional's costliest branch (the step's longest bucket), other called computations once."""
+    Each collective moves what a ring algorithm over its group sends (``_RING_SHARE``). Collectives are
+    counted as often as they run: a while loop's body times XLA's ``known_trip_count`` (a loop without one
+    is counted once and reported), a conditional's costliest branch."""
     module = _HloModule(hlo_text)
     unknown_trips: set[str] = set()
 
@@ -640,8 +627,7 @@ def describe(report: Report) -> str:
         ]
     lines.append(f"analytic estimate (launch.estimate, train): {report.estimate_bytes / gb:.2f} GB per device")
     if not compiled_for_device:
-        # Measured on one H200 (docs/performance.md): for the same train step a CPU's compile allocated 2.5-3.4x
-        # a GPU's, and the estimate costed for a GPU came to 0.97-0.99 of the GPU's compiled total.
+        # A CPU's compile allocates several times a GPU's; the GPU estimate tracks it (docs/performance.md).
         lines.append(
             f"on the {device.name}: the train step needs {report.device_estimate_bytes / gb:.2f} GB per device by "
             f"the estimate for a {device.platform.upper()} (0.97-0.99x a GPU's compiled total where measured); "
@@ -705,9 +691,7 @@ def _communication_text(moved: Communication, link: Interconnect, compute_s: flo
 
 
 def _fake_host_devices(count: int) -> None:
-    """Gives the host CPU platform ``count`` devices. XLA reads the flag when JAX first initialises a backend
-    (not at import), so this runs before anything asks for a device; on GPU/TPU it changes nothing (the real
-    devices are used)."""
+    """Gives the host CPU platform ``count`` devices; must run before anything asks for a device."""
     flag = f"--xla_force_host_platform_device_count={count}"
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip()
 

@@ -1,28 +1,14 @@
 """Checks of a config that must fail fast: before data is tokenised or anything is compiled.
 
 A sweep job that dies after twenty minutes of loading on a misspelt path
-wastes a cluster slot; these checks look only at the config and the file
-system (and the local Hugging Face cache for hub ids when offline, or the hub
-for the hub id of a declared testset missing from the local mirror, and
-W&B's server for a login when the runs record online).
+wastes a cluster slot; these checks look only at the config, the file system,
+the caches and (online) the hub and W&B.
 
-Where every check of a config lives, in the order a job meets them:
-
-- the command line (``oodjax.config_cli``): unknown fields, values that do
-  not parse, list items of the wrong type;
-- ``oodjax.config_read.read``: list items' types and the fields no piece
-  holds, then each piece of the job the fields it holds, as it is built,
-  and each declared testset's fields;
-- here, ``check_job``, on the job read: the sources it names (the model
-  and its checkpoint's files, read from their headers, the adapter folders
-  on the model's shapes, the tokenizer and its vocabulary, the testsets and
-  the few-shot pool, W&B's login when a training job records online) and
-  what they hold;
-- ``oodjax.engine.geometry.batch_geometry``: whether the batch sizes,
-  micro-batches and mesh fit together (it needs the mesh and the few-shot
-  sets, so it runs once those exist, still before anything compiles);
-- ``oodjax.models.loading``: the checkpoint itself (every tensor accounted
-  for) as it loads, for a hub id checked only then.
+Where every check of a config lives, in the order a job meets them: the
+command line (``oodjax.config_cli``); ``oodjax.config_read.read``, as each
+piece of the job is built; here, ``check_job``, the sources the job names and
+what they hold; ``oodjax.engine.geometry.batch_geometry``, once the mesh and
+few-shot sets exist; ``oodjax.models.loading``, the checkpoint as it loads.
 """
 
 from __future__ import annotations
@@ -59,10 +45,8 @@ from oodjax.usage_errors import ConfigError, DamagedInputError, MissingInputErro
 
 
 def check_config(config: config_dict.ConfigDict, *, evaluation: bool = False) -> Job:
-    """``config`` read into a ``Job`` (``config_read.read``), then its sources checked (``check_job``;
-    ``evaluation``: for ``oodjax.evaluate``): ``oodjax.job.resolve``. Raises a ``ConfigError`` naming the first
-    wrong field and its allowed values, a ``MissingInputError`` naming a path that does not exist, or a
-    ``NotFetchedError`` naming what the offline hub cannot give (``oodjax.usage_errors``: one line each)."""
+    """``config`` read into a ``Job``, then its sources checked (``oodjax.job.resolve``); raises a
+    ``usage_errors.UsageError`` naming the first wrong field or missing input."""
     job = read(config)
     check_job(job, evaluation=evaluation)
     return job
@@ -109,11 +93,8 @@ def _check_trackers(trackers: TrackerSettings, evaluation: bool) -> None:
 
 
 def _check_wandb_login(mode: str) -> None:
-    """W&B online needs a login, which ``wandb.init`` would find missing (or rejected) only once the model and
-    data have loaded. Asked here of wandb itself, set up (quiet) in the mode the runs will have
-    (``events.setup_wandb``): ``wandb.login`` without a prompt finds the login (WANDB_API_KEY, ~/.netrc, wandb's
-    settings) and verifies it with the server. Offline and disabled need none. Every process asks, so all stop
-    together."""
+    """W&B online needs a login, which ``wandb.init`` would find missing only once the model and data have
+    loaded; asked of wandb itself, without a prompt. Every process asks, so all stop together."""
     import wandb
 
     if setup_wandb(mode) in ("offline", "dryrun", "disabled"):
@@ -208,9 +189,8 @@ def _check_export(export: ExportSettings) -> None:
 
 
 def _check_data(data: DataSettings, shots: Sequence[int], *, needs_pool: bool) -> None:
-    """The in-domain testset is evaluated, and the testsets can be read; ``needs_pool``: the job draws few-shot
-    sets of ``shots`` examples (training, the in-context baseline) from data.train_set's pool, which must hold
-    enough of each label."""
+    """The in-domain testset is evaluated, and the testsets can be read; with ``needs_pool``, data.train_set's
+    pool holds enough of each label for ``shots``."""
     if data.train_set not in data.testsets:
         raise ConfigError(
             f"data.train_set {data.train_set!r} must also be in data.testsets: it is the in-domain testset"
@@ -238,10 +218,7 @@ def _check_available(name: str, spec: TestsetSpec, root: pathlib.Path | None, ne
     """The testset's data can be read: its file exists and reads (every row, its labels among those declared:
     a declared testset's own file is small), or each split is in the local mirror, or the hub has it.
 
-    Offline, a split missing from the mirror must be in the `datasets` or hub
-    cache (whether its split is there is left to loading). Online, a declared
-    hub source is looked up on the hub, so a misspelt id fails now; the
-    built-in ones are not.
+    Online, a declared hub source is looked up, so a misspelt id fails now.
     """
     where = spec.origin or f"testset {name!r}"
     if spec.is_local_file:
@@ -294,10 +271,8 @@ def _hub_cached(source: str) -> bool:
 def _check_vocabulary(model: ModelSettings, answers: Sequence[str]) -> None:
     """Every id the tokenizer can give, the answer words' among them, has a row in the model's embedding.
 
-    An id past the embedding is not an error inside jit: XLA clamps or
-    fills an out-of-bounds gather, so a tokenizer larger than the model
-    (another model's, or one with added tokens) would train into NaN or
-    score the wrong rows. Checked here, before the model loads.
+    An id past the embedding is no error inside jit (XLA clamps or fills an out-of-bounds gather), so a
+    larger tokenizer would train into NaN or score the wrong rows.
     """
     source = model.tokenizer
     tokenizer = load_tokenizer(source)
@@ -328,10 +303,8 @@ def _model_config(model: ModelSettings) -> dict:
 def _check_output_dir(output_dir: str) -> None:
     """output_dir can be created and written to, now rather than after the model has loaded and trained.
 
-    Its nearest existing folder (itself, or the parent it would be created
-    in) is probed with a file that is deleted at once: a read-only file
-    system or a missing permission shows only when writing. Nothing is left
-    behind, so a job refused later has written nothing.
+    Its nearest existing folder is probed with a file deleted at once: a read-only file system or a missing
+    permission shows only when writing.
     """
     existing = pathlib.Path(output_dir).expanduser().absolute()
     while not existing.exists():

@@ -3,11 +3,8 @@
     python -m oodjax.main --config configs/demo.py --config.runs.seeds=0,42 --config.data.testsets=snli,hans
 
 `--config FILE[:ARG]` names a config file, whose `get_config([ARG])` returns
-the locked ConfigDict; `--config oodjax:NAME[:ARG]` names one of the configs
-installed with the package, `configs/NAME.py` (`oodjax:opt30_mnli`,
-`oodjax:original/opt30_mnli`; usable after `pip install .` from any directory;
-`PACKAGED_PREFIX`). The prefix
-always means the package: a local file named `oodjax` is `./oodjax`. Each
+the locked ConfigDict; `--config oodjax:NAME[:ARG]` names one installed with
+the package (`PACKAGED_PREFIX`), from any directory. Each
 `--config.<field>=<value>` then sets one field, read by the type the field
 has in that config:
 
@@ -25,20 +22,13 @@ has in that config:
   `--config.data.extra_testsets="{'anli1': {...}}"` declares testsets), and a
   field inside one (`--config.data.extra_testsets.anli1.split=test_r2`).
 
-Given twice, a field takes the last value, lists too: ml_collections' own
-flags appended a repeated list override to the first (a sweep's
-`--config.runs.shots=(32,)` followed by `--config.runs.shots=128` trained
-both). A field that does not exist, a value that does not parse, a list item
-of the wrong type, or an override without `=` for a field that is not a
-boolean is an error naming the argument, before anything loads; whether a
-value is allowed (a list that must not be empty, a path that must exist) is
-`oodjax.config_checks.check_config`'s to say, which training runs first.
+Given twice, a field takes the last value, lists too (ml_collections' flags
+would append a repeated list override to the first). A bad override is an
+error naming the argument, before anything loads; whether a value is allowed
+is `oodjax.config_checks.check_config`'s to say.
 
-`--help` lists every field of oodjax/config_fields.py with its default and what it
-means, read from the comments above each field there: the one place they are
-written; `--config X --help` (overrides too) lists them with X's values,
-and base's default beside each value X changes. `describe_config` is the
-config as the job's log prints it at start.
+`--help` lists every field with its default and the comment above it in
+oodjax/config_fields.py, the one place a field's meaning is written.
 """
 
 from __future__ import annotations
@@ -95,13 +85,8 @@ def define_config_flag(flag_values: flags.FlagValues = flags.FLAGS) -> flags.Fla
 def run(main: Callable[[config_dict.ConfigDict], None], doc: str) -> None:
     """`absl.app.run(main)` for an entry point taking a config: `main` receives the overridden config.
 
-    `doc` (the entry point's docstring) opens `--help`, followed by the
-    flags and every config field. A bad override is reported in one line
-    and exits with status 2, as does a ``usage_errors.UsageError`` that
-    ``main`` raises (a config check, a file or a hub download that is not
-    there); other errors keep their traceback. Defines the `--config` flag
-    (``define_config_flag``) unless it is defined already. Log lines are
-    short (``console.use_short_log_lines``).
+    `doc` (the entry point's docstring) opens `--help`. A bad override or a ``usage_errors.UsageError`` is
+    one line and exit status 2; other errors keep their traceback.
     """
     if CONFIG_FLAG not in flags.FLAGS:
         define_config_flag()
@@ -125,12 +110,8 @@ def _program(argv0: str | None = None) -> str:
 
 
 def parse_command_line(argv: Sequence[str], flag_values: flags.FlagValues = flags.FLAGS) -> config_dict.ConfigDict:
-    """The config that `argv` (program name first) names, with its `--config.<field>` overrides applied.
-
-    The other flags are parsed by `flag_values` as absl would (`--flagfile`
-    included). Raises CommandLineError, or absl's flags.Error for a flag
-    absl rejects.
-    """
+    """The config that `argv` (program name first) names, with its `--config.<field>` overrides applied;
+    other flags are parsed by `flag_values` as absl would."""
     argv = flag_values.read_flags_from_files(list(argv), force_gnu=False)
     overrides, rest = _split_overrides(argv)
     positional = flag_values(rest)[1:]
@@ -165,9 +146,7 @@ def packaged_config_names() -> list[str]:
 
 
 def config_file_path(file: str) -> pathlib.Path:
-    """The file a config argument's FILE part names: `oodjax:NAME` the packaged configs/NAME.py (`.py`
-    optional; `oodjax:original/opt30_mnli` one of a sub-folder), anything else a path. Raises
-    FileNotFoundError naming it when there is no such file."""
+    """The file a config argument's FILE part names: `oodjax:NAME` the packaged configs/NAME.py, else a path."""
     if file.startswith(PACKAGED_PREFIX):
         name = file[len(PACKAGED_PREFIX) :].removesuffix(".py")
         path = packaged_configs_dir() / f"{name}.py"
@@ -201,9 +180,7 @@ def load_config_file(spec: str) -> config_dict.ConfigDict:
     """`get_config([ARG])` of the file `spec` names (`FILE`, `FILE:ARG`, `oodjax:NAME` or `oodjax:NAME:ARG`),
     locked.
 
-    File names such as `opt2.7_mnli.py` are not importable module names, so
-    the file is loaded by path; its own imports (`from configs import base`)
-    resolve from the repository root or the installed package.
+    File names such as `opt2.7_mnli.py` are not importable module names, so the file is loaded by path.
     """
     file, argument = split_config_spec(spec)
     try:
@@ -256,9 +233,8 @@ def config_fields_help(config: config_dict.ConfigDict | None = None) -> str:
 
 
 def describe_config(config: config_dict.ConfigDict) -> str:
-    """``config`` as a job prints it at start, the whole of it: a line per section (wrapped) of ``field=value``,
-    each value as `--config.<field>=` takes it, the fields outside any section first, in
-    oodjax/config_fields.py's order."""
+    """``config`` as a job prints it at start: a line per section of ``field=value``, each value as
+    `--config.<field>=` takes it."""
     sections: dict[str, list[str]] = {"": []}
     for path in field_descriptions():
         if path not in _sections():
@@ -282,8 +258,7 @@ def describe_config(config: config_dict.ConfigDict) -> str:
 def field_descriptions() -> dict[str, str]:
     """Field path -> the comment on it in oodjax/config_fields.py: the comment lines right above it, then any after it.
 
-    Read from the source of `get_config()`, so the meaning of a field is
-    written once, beside its default.
+    Read from the source, so a field's meaning is written once, beside its default.
     """
     source = inspect.getsource(config_fields)
     comments, code_lines = {}, set()

@@ -1,14 +1,9 @@
 """A config read once into a ``Job``: the typed pieces the engine and the launch tools take.
 
-``read`` turns the ``ml_collections.ConfigDict`` of the command line and
-config files (``oodjax.config_fields``) into a frozen ``Job`` whose pieces
-are each defined, and check their own fields, in the module that uses them.
-Derived values are worked out here, once: the model's name, the tokenizer,
-the testset table, empty strings as None, each run's length. Past here
+Each piece of the ``Job`` is defined, and checks its own fields, in the
+module that uses it; derived values are worked out here, once. Past here
 nothing reads a ConfigDict; ``record``, the config as JSON, is what results
 and checkpoints store and what a resumed run is compared by.
-``oodjax.job.resolve`` then checks the sources the job names
-(``oodjax.config_checks``).
 """
 
 from __future__ import annotations

@@ -113,10 +113,7 @@ def evaluate_job(job: Job) -> list[EvaluatedRun]:
     """Evaluates the config's base model, adapters or in-context runs (``plan_evaluation``) and writes their
     metrics.npz; returns its runs (those locked by another job left out, with runs.skip_locked).
 
-    Each run is locked while it is evaluated (``oodjax.engine.run_lock``):
-    one locked by another job raises ``RunLockedError``, nothing written.
-    A model whose margins are NaN or infinite on every testset of every run
-    raises ``NonFiniteModelError``, nothing written.
+    Each run is locked while it is evaluated, as training locks its runs.
     """
     with run_lock.locked_runs(plan_evaluation(job), skip_locked=job.runs.skip_locked) as planned:
         job.log_config()

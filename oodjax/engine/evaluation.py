@@ -1,28 +1,16 @@
 """Batched evaluation of all runs: the margin logit(Yes) - logit(No) of every example each run scores.
 
 An evaluation is one pool of examples: the testsets, which every run
-scores, and each run's own sets (its few-shot training set), which only
-that run scores. The pool's prompts are packed as a whole, one or two to a
-row of one of a few lengths (``oodjax.data.eval_batches``), and cut into
-batches by a token budget, so little is padding, little attention is
-computed between prompts, and the last, partly filled batch of a row length
-happens once per evaluation rather than once per testset. Batches carry a
-run axis [R, B, ...]: run r's lane holds the examples run r scores, so no
-run computes another run's training set. The batches are built once and
-replayed by every evaluation through the same compiled step (one shape per
-row length, compiled by the first evaluation that uses it).
-``pool_figures`` says how much of what the batches compute is needed.
-While every run's adapters add zero (step 0), the runs are one model, and
-the loop evaluates a second pool of the same examples and batch shapes in
-which each example is scored once, for all runs (``make_eval_pool``'s
-``like``): the shared testsets, most of an evaluation, cost one run's
-share instead of R runs'.
+scores, and each run's own few-shot training set. The pool's prompts are
+packed as a whole and cut into batches by a token budget, so little is
+padding and the last, partly filled batch of a row length happens once per
+evaluation rather than once per testset. Batches carry a run axis
+[R, B, ...]: run r's lane holds the examples run r scores. They are built
+once and replayed by every evaluation through the same compiled steps.
 
-A testset with a margin that is NaN or infinite has accuracy NaN
-(``oodjax.engine.results.accuracy``); when every testset of every run has
-one in a model's first evaluation, the model's outputs are not finite (a
-broken checkpoint), and ``refuse_non_finite_model`` stops the job before
-anything is recorded.
+When every testset of every run has a non-finite margin in a model's first
+evaluation, the checkpoint is broken, and ``refuse_non_finite_model`` stops
+the job before anything is recorded.
 """
 
 from __future__ import annotations
@@ -86,22 +74,13 @@ def make_eval_pool(
 ) -> EvalPool:
     """The pool of the ``shared`` sets (scored by every run) and run r's ``own[r]`` (by run r alone).
 
-    ``own`` has one mapping per run (empty when a run has no sets of its
-    own). Batches hold about ``batch_tokens`` tokens at most, in rows of
-    ``row_lengths`` (default ``oodjax.data.eval_row_lengths`` of the sets'
-    max_length), a multiple of ``row_multiple`` rows (the devices the batch
-    is split over), each row length's rows spread evenly over the fewest
-    batches that allows.
+    Batches hold about ``batch_tokens`` tokens at most, a multiple of ``row_multiple`` rows (the devices the
+    batch is split over).
 
-    With ``like`` (the pool of the same sets made without it), the runs are
-    taken to score as one model, as they do while every adapter adds zero
-    (``oodjax.models.lora.adds_nothing``: at step 0): each example is scored
-    once, in whichever run's lane it is dealt to, and every run reads its
-    sets' margins from there, so the shared sets cost one run's share, not
-    R runs'. Examples are dealt round robin, longest first, so the lanes
-    stay even, and packed in ``like``'s batch shapes
-    (``oodjax.data.batch_layout``), so the step compiled for ``like`` runs
-    them without compiling again.
+    With ``like`` (the pool of the same sets made without it), the runs score as one model, as they do while
+    every adapter adds zero (step 0): each example is scored once, in whichever lane it is dealt to, so the
+    shared sets cost one run's share, not R runs'. They are packed in ``like``'s batch shapes, so nothing
+    compiles again.
     """
     if not own:
         raise ValueError("make_eval_pool needs one mapping in `own` per run (an empty one for a run without sets)")
@@ -145,14 +124,9 @@ def make_eval_pool(
 def pool_figures(pool: EvalPool) -> dict[str, float]:
     """What an evaluation of ``pool`` computes against what its prompts need, over every run's lane.
 
-    ``eval_real_token_share``: prompt tokens over the tokens of all rows
-    (empty ones included: they are computed too). ``eval_attention_waste``:
-    the attention scores the rows compute over those the prompts need,
-    causal on both sides, as the fused kernels compute them (a row of L
-    tokens computes L (L + 1) / 2 scores, a prompt of n needs n (n + 1) / 2),
-    so that only attention between prompts of a row, and on padding, counts
-    as waste. XLA's unfused attention computes the full L x L square, twice
-    the causal count.
+    ``eval_real_token_share``: prompt tokens over all rows' tokens (empty rows are computed too).
+    ``eval_attention_waste``: causal attention scores computed over those the prompts need, as the fused
+    kernels compute them, so only attention between prompts, and on padding, counts as waste.
     """
     real = tokens = needed = computed = 0
     for batch in pool.batches:
@@ -191,9 +165,8 @@ def evaluate(
 ) -> list[dict[str, np.ndarray]]:
     """Run r's margins (float32) on each set it scores, in the set's row order: ``[{name: [N]}] * R``.
 
-    All batches are dispatched before any result is fetched, so the host
-    never waits on the device between batches. `place` puts a batch
-    [R, B, ...] on the devices (sharded over the row axis B).
+    All batches are dispatched before any result is fetched, so the host never waits on the device between
+    batches.
     """
     # `index` stays on the host, to place the margins.
     outputs = [eval_step(base_state, lora, place({key: batch[key] for key in EVAL_KEYS})) for batch in pool.batches]

@@ -1,20 +1,11 @@
 """Live metrics of one run: a JSON-lines event log, and Weights & Biases and TensorBoard when enabled.
 
-metrics.npz is the result; this is what one watches while a sweep runs
-(`tail -f <run_dir>/events.jsonl`, the W&B dashboard the original study
-used, or `tensorboard --logdir <output_dir>`). Every record goes to every
-enabled tracker at the same step. Lines are appended and flushed as they
-come, so a crash keeps all of them; a resumed run first drops the lines of
-the steps after its checkpoint, which it redoes, so events.jsonl holds each
+metrics.npz is the result; this is what one watches while a sweep runs.
+Lines are flushed as they come, so a crash keeps all of them; a resumed run
+first drops the lines of the steps it redoes, so events.jsonl holds each
 step once, as the results do. W&B and TensorBoard cannot take records back,
 so the redone steps, which resumption makes bit-identical, go only to the
-log, and a resumed run goes on in the same W&B run (its id is kept in
-`<run_dir>/wandb/oodjax-run-id`).
-
-Trackers are quiet: W&B prints no banner and no footer per run (its
-warnings and errors still show: ``setup_wandb``); the loop logs once where
-the runs go (``EventLog.wandb_destination``). Whether W&B online has a
-login is checked before anything loads (``oodjax.config_checks``).
+log, and a resumed run goes on in the same W&B run.
 """
 
 from __future__ import annotations
@@ -71,10 +62,8 @@ class EventLog:
         wandb: WandbSettings | None = None,
         tensorboard: bool = False,
     ):
-        """Lines of steps after `kept_through` (the step the run resumes from; -1 for a run that starts at 0)
-        are dropped: the run redoes them. `wandb` set: also log to that W&B run, whose config is `config`;
-        `tensorboard`: also write `<run_dir>/tensorboard/`. Each library is imported only when enabled (both are
-        optional)."""
+        """Lines of steps after `kept_through` (the step the run resumes from; -1 for a fresh run) are dropped:
+        the run redoes them. W&B and TensorBoard are imported only when enabled (both are optional)."""
         run_dir = pathlib.Path(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         self.path = run_dir / EVENTS_FILE
@@ -170,10 +159,8 @@ def _wandb_id(run_dir: pathlib.Path) -> str:
 
 
 def setup_wandb(mode: str) -> str:
-    """Sets W&B up for this process, in ``mode`` (empty: wandb's own, from WANDB_MODE or `wandb offline`), with
-    its informational lines off (each run's banner and footer, "logged in as"; its warnings and errors still
-    show); returns the mode its runs will have. Only a process's first setup decides what W&B prints, so the
-    config checks call it, before anything else uses wandb."""
+    """Sets W&B up for this process, in ``mode`` (empty: wandb's own), its informational lines off; returns the
+    mode its runs will have. Only a process's first setup decides what W&B prints, so the config checks call it."""
     import wandb
 
     return wandb.setup(wandb.Settings(show_info=False, **({"mode": mode} if mode else {}))).settings.mode

@@ -1,27 +1,16 @@
 """The shape of every batch a job feeds its steps, worked out once.
 
-How many runs, examples per step, micro-batches, rows per device, training
-row length, buckets, packed prompt slots, evaluation row lengths and the
-rows this process feeds are facts of one job that the data streams, the
-train step, the loop and the preflight must all agree on. ``batch_geometry``
-derives them from the job's ``BatchSettings``, the mesh and the runs' few-shot sets in one
-place and validates them there, so a config that cannot work fails before
-anything is tokenised at length or compiled, with an error naming its
-field; everything else reads the frozen ``BatchGeometry``. Evaluation's
-part, ``EvalGeometry`` (``eval_geometry``), is all ``oodjax.evaluate``
-needs: eval.batch_size is a token budget of that many rows of
-data.max_length, which shorter rows fill with more of them.
+The data streams, the train step, the loop and the preflight must all agree
+on these shapes, so ``batch_geometry`` derives and validates them in one
+place: a config that cannot work fails before anything is tokenised at
+length or compiled, with an error naming its field. eval.batch_size is a
+token budget of that many rows of data.max_length, which shorter rows fill
+with more of them.
 
-A training step holds every run's batch_size prompts in train.grad_accum
-micro-batches. With train.pack (the default), all runs' prompts are balanced
-over all micro-batches' rows, a row mixing runs (the train step adapts each
-token with its own run's adapters); each device holds the same number of
-rows of each micro-batch, the fewest that keep every row of the job within
-data.max_length, as evaluation's rows are. Rows come out nearly equal, so
-little is padding, and bounded, so little attention is computed between a
-row's prompts; train.grad_accum bounds the tokens a device holds at once.
-Without it, a micro-batch holds a grad_accum-th of every run's prompts, one
-a row, each run's by length.
+With train.pack (the default), all runs' prompts are balanced over all
+micro-batches' rows, a row mixing runs; each device holds the fewest rows
+that keep every row within data.max_length, so rows come out nearly equal
+(little padding) and bounded (little attention between a row's prompts).
 """
 
 from __future__ import annotations
@@ -102,10 +91,8 @@ def eval_geometry(batches: BatchSettings, batch_shards: int) -> EvalGeometry:
 
 @dataclasses.dataclass(frozen=True)
 class BatchGeometry:
-    """A job's batch shapes. A training step is [grad_accum, rows, seq_len] (per-prompt leaves [grad_accum,
-    rows, prompts_per_row]): all runs' prompts of the step, one a row (rows = runs x micro-batch) or packed
-    (rows = batch shards x ``packed_rows_per_device``). Its evaluation batches are ``evaluation``'s. Sizes are
-    global (all processes together)."""
+    """A job's batch shapes, global (all processes together). A training step is [grad_accum, rows, seq_len]
+    (per-prompt leaves [grad_accum, rows, prompts_per_row])."""
 
     runs: int  # R: runs trained together (seeds x shots)
     batch_size: int  # examples per optimizer step, per run
@@ -183,16 +170,9 @@ def batch_geometry(
 ) -> BatchGeometry:
     """The job's geometry from its batch settings, its mesh and its runs' tokenised few-shot sets and seeds (one each).
 
-    The streams are seeded, so what every step of the job holds is known
-    before it starts: replaying its steps from the prompts' lengths
-    (``oodjax.data.replay_rows``, about a millisecond a step for 9 runs)
-    gives each micro-batch's longest row and the most prompts a row holds,
-    and packed, how many rows keep every row within data.max_length
-    (``oodjax.data.packed_layout``). Rows are as long as the bucket of the
-    longest, so all steps share one compiled program, and the buckets are
-    those the micro-batches run at (the train step compiles a branch, a
-    whole forward and backward pass, per bucket: the study's configs take
-    three or four).
+    The streams are seeded, so replaying the job's steps from the prompts' lengths (``oodjax.data.replay_rows``)
+    tells before it starts what every step holds. Rows are as long as the bucket of the longest, so all steps
+    share one compiled program (with a branch per bucket the micro-batches run at).
     """
     if not train_sets or len(train_sets) != len(seeds):
         raise ValueError(

@@ -1,33 +1,16 @@
 """The run loop: train a config's runs, evaluate them as they go, keep everything, resume run by run.
 
-`train(job)` (an ``oodjax.job.Job``) loads the model once, attaches one set of adapters per run
-(seeds x shots), and alternates jitted train steps with evaluations of every
-testset (and each run's own training set) at step 0 and every `eval.every`
-steps, or at `eval.points` steps spread over the run (``cadence.Cadence``). After each
-evaluation every run's metrics.npz is rewritten; every `checkpoint_every` steps
-each run's adapters, optimizer state, data-iterator state and RNG are
-checkpointed in its own folder (``oodjax.engine.checkpoints``).
+`train(job)` loads the model once, attaches one set of adapters per run
+(seeds x shots), and alternates jitted train steps with evaluations as
+``cadence.Cadence`` says.
 
-Runs are the unit of resumption (``oodjax.engine.resumption`` says where
-each stands: finished, part-way or new, and refuses a changed config). Runs
-train in lockstep, so the unfinished ones are trained in groups of one
-length (with `train.epochs`, runs of more shots train more steps:
-``Job.of_length``) and one resume step, the furthest along first, each group
-with the cadence, schedule, geometry and compiled steps of its own runs; each
-run ends with the results an uninterrupted run would have written (to float32 rounding where its group's
-size differs from the uninterrupted job's, as the compiled program does). A
-stop signal ends training at a step boundary with every run checkpointed
-(``oodjax.engine.preemption``). A job holds a lock on each of its runs from
-before it reads where the run stands until it exits, so a second job on the
-same runs stops before writing anything (``oodjax.engine.run_lock``). A
-base model whose step-0 margins are all NaN or infinite stops the job
-(``oodjax.engine.evaluation.refuse_non_finite_model``).
-
-With `export.peft`, each run's adapters are written in PEFT format to
-`<run_dir>/adapter/` when training ends (and at every checkpoint with
-`export.every_checkpoint`), and pushed to `export.hub_repo`. What it prints
-(compilations announced and timed, progress, a closing summary) is described
-in `oodjax.engine.console`.
+Runs are the unit of resumption (``oodjax.engine.resumption``). Runs train
+in lockstep, so the unfinished ones are trained in groups of one length
+(``Job.of_length``) and one resume step, each group with its own cadence,
+schedule, geometry and compiled steps; each run ends with the results an
+uninterrupted run would have written (to float32 rounding where its group's
+size differs). A job locks its runs before it reads where they stand
+(``oodjax.engine.run_lock``), so a second job on them writes nothing.
 """
 
 from __future__ import annotations
@@ -78,9 +61,8 @@ class NonFiniteLossError(FloatingPointError):
 
 
 def train(job: Job) -> list[Run]:
-    """Trains and evaluates the job's unfinished runs, each from its own newest intact checkpoint if it has
-    one; returns all its runs (those locked by another job left out, with runs.skip_locked). Raises
-    ``Preempted`` when a stop signal ended it early, ``RunLockedError`` when another job holds one of its runs."""
+    """Trains and evaluates the job's unfinished runs, each from its newest intact checkpoint; returns all its
+    runs (less those another job locks, with runs.skip_locked)."""
     with run_lock.locked_runs(job.runs.runs(), skip_locked=job.runs.skip_locked) as runs:
         job.log_config()
         output_dir = job.runs.output_dir
@@ -172,11 +154,8 @@ def make_steps(
     no_id: int,
     mesh: jax.sharding.Mesh,
 ) -> tuple[Callable[..., Any], Callable[..., Any]]:
-    """The job's (train_step, eval_step): what ``train`` runs and ``launch.preflight`` compiles.
-
-    ``base_state`` and ``state`` may be concrete or abstract (shapes and
-    dtypes); they fix the steps' shardings on ``mesh``.
-    """
+    """The job's (train_step, eval_step): what ``train`` runs and ``launch.preflight`` compiles (so
+    ``base_state`` and ``state`` may be abstract)."""
     compute_dtype = job.model.compute_dtype
     train_step = steps.make_train_step(
         graphdef,
@@ -194,11 +173,8 @@ def make_steps(
 
 
 def _export_adapters(job: Job, run: Run, adapters: nnx.State, step: int) -> None:
-    """Writes one run's adapters (no run axis) to <run_dir>/adapter/ in PEFT format and pushes them to the hub.
-
-    Every process takes part in gathering them (they may be sharded over
-    hosts); only the primary writes and pushes.
-    """
+    """Writes one run's adapters to <run_dir>/adapter/ in PEFT format and pushes them to the hub; every process
+    takes part in gathering them, only the primary writes."""
     adapters = multihost_utils.process_allgather(adapters, tiled=True)
     if not is_primary():
         return
@@ -215,9 +191,8 @@ def _export_adapters(job: Job, run: Run, adapters: nnx.State, step: int) -> None
 
 
 def _summary(job: Job, runs: Sequence[Run]) -> None:
-    """The closing lines: each run's final in-domain and mean OOD accuracy, labelled by run (``console.by_run``:
-    a table for many runs; read from the run's metrics.npz, so runs skipped as finished are listed too), and
-    where the results are."""
+    """The closing lines: each run's final in-domain and mean OOD accuracy (read from its metrics.npz, so runs
+    skipped as finished are listed too), and where the results are."""
     in_domain = job.data.train_set
     ood = [name for name in job.data.testsets if name != in_domain]  # every run's: a changed config is refused
     cells = []
@@ -247,10 +222,8 @@ def _summary(job: Job, runs: Sequence[Run]) -> None:
 
 
 class _Loop:
-    """Trains one group of runs that stand at one step: a stepper (``_train``) and the hooks it calls after a step
-    when their cadence makes them due (``hooks``: evaluation, checkpoint, export, in that order). Whenever one is
-    due, or a log line is, the step's losses are fetched first, checked and logged (``_log_window``), and a stop
-    signal is acted on (``_stop``: a checkpoint, then ``Preempted``)."""
+    """Trains one group of runs that stand at one step: a stepper (``_train``) and the hooks due after a step.
+    Whenever a hook or a log line is due, the step's losses are fetched, checked and logged first."""
 
     def __init__(
         self,
@@ -455,9 +428,8 @@ class _Loop:
         self.pending = []
 
     def _log_window(self, step: int) -> None:
-        """Checks the losses, then logs the learning rate of the step's update, the training throughput and ETA
-        (from the training clock; none is measured for a window that holds only the compiling first step), and
-        per run, labelled (``console.by_run``), the mean loss and gradient norm since the last log line."""
+        """Checks the losses, then logs the learning rate, throughput and ETA (from the training clock), and
+        each run's mean loss and gradient norm since the last log line."""
         self._check_losses()
         now = time.perf_counter()
         loss, grad_norm = (np.mean([metrics[key] for metrics in self.window], axis=0) for key in ("loss", "grad_norm"))
@@ -481,9 +453,7 @@ class _Loop:
         self.window, self.window_start, self.window_steps = [], now, 0
 
     def _evaluate(self, step: int) -> None:
-        """Evaluates every run on every testset and its own training set; rewrites each metrics.npz. While no
-        adapter adds anything (step 0), each example is scored once for all runs (``RunsData.first_eval_pool``),
-        and a model whose margins are NaN or infinite on every testset of every run stops the job."""
+        """Evaluates every run on every testset and its own training set; rewrites each metrics.npz."""
         num_runs = len(self.runs)
         start = time.perf_counter()
         pool = self.data.first_eval_pool if adds_nothing(self.state.lora) else self.data.eval_pool

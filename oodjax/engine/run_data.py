@@ -1,28 +1,12 @@
 """The data of the runs trained together: the evaluation pool, training streams, and each step's batch.
 
-Testsets are loaded, capped and tokenised once (the data layer caches the
-tokenisation on disk) and shared by all runs. Each run draws its own few-shot
-set and data order from its seed. The testsets and the runs' few-shot sets
-are evaluated as one pool (``oodjax.engine.evaluation``), each run scoring
-the testsets and its own few-shot set only. Training steps hold all runs'
-prompts in rows of one length for the whole job, one prompt a row or, with
-train.pack, packed and balanced over the devices' rows, a row mixing runs
-(``oodjax.engine.geometry``); the train step runs each micro-batch at the
-smallest bucket that holds it and skips those that hold no prompt. One
-stream of steps builds the next ones in a background thread.
-
-``training_figures`` replays a job's real streams to measure what the
-preflight reports: the share of the tokens a train step computes that are
-prompt tokens, and the host time one step's batches take to build.
-
-``in_context_sets`` gives the in-context baseline (``oodjax.evaluate``)
-each run's own copy of the testsets, every prompt preceded by the run's
-few-shot set as demonstrations: the same set training would draw.
+Testsets are loaded, capped and tokenised once and shared by all runs; each
+run draws its own few-shot set and data order from its seed, so a run's data
+does not depend on what trains beside it.
 
 Every evaluated example keeps the row it has in its dataset as loaded
-(``DATASET_INDEX``: a testset's split before any cap, the training pool for
-a few-shot set), which metrics.npz stores beside its margins
-(``index/<set>``), so that a result can be joined back to its example.
+(``DATASET_INDEX``), which metrics.npz stores beside its margins, so that a
+result can be joined back to its example.
 """
 
 from __future__ import annotations
@@ -135,8 +119,7 @@ def few_shot_sets(
 ) -> list[IndexedSet]:
     """Each run's tokenised few-shot training set; ``runs`` are (seed, shots) pairs.
 
-    Cheap (a few hundred prompts), so the job's ``BatchGeometry``, which
-    needs their lengths, is known before the testsets are tokenised.
+    Cheap, so the job's ``BatchGeometry``, which needs their lengths, is known before the testsets are tokenised.
     """
     return [_tokenize(data, dataset, tokenizer) for dataset in few_shot_datasets(data, runs)]
 
@@ -205,15 +188,9 @@ def in_context_sets(
 
 
 def training_figures(stream: grain.DatasetIterator, geometry: BatchGeometry, *, steps: int) -> dict[str, float]:
-    """Draws ``steps`` steps from ``stream`` (``train_steps`` with all rows: one process; made with prefetch 0,
-    so that the time is the host's building, not a queue's) and measures:
-
-    ``train_real_token_share``: prompt tokens over the tokens the train step
-    computes, each micro-batch at the length the step picks for it
-    (``steps.micro_batch_branches``, run here on the host), skipped ones at
-    none; ``host_batch_ms``: the mean host time to build one step of every
-    run.
-    """
+    """Draws ``steps`` steps from ``stream`` (made with prefetch 0, so the time is the host's building, not a
+    queue's) and measures ``train_real_token_share``, prompt tokens over those the train step computes, and
+    ``host_batch_ms``, the mean host time to build one step."""
     real = computed = 0
     seconds = 0.0
     lengths = np.asarray((0, *geometry.micro_batch_lengths))  # per branch; branch 0 skips the micro-batch

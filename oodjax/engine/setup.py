@@ -49,10 +49,8 @@ def set_up(
     testsets: Callable[[DataSettings, PreTrainedTokenizerBase], Mapping[str, IndexedSet]] | None = load_testsets,
     prefetch: int = TRAIN_PREFETCH,
 ) -> RunSetup:
-    """The set-up of ``runs`` (default: the job's; none: the tokenizer and answer ids alone) on ``mesh``.
-    ``tokenizer`` replaces the job's (the estimate's stand-in), ``testsets`` loads the evaluated ones (the hub's
-    sizes for the preflight and the estimate; None: no ``RunsData``), and the training stream builds ``prefetch``
-    steps ahead in a background thread (0: none)."""
+    """The set-up of ``runs`` (default: the job's; none: the tokenizer and answer ids alone) on ``mesh``;
+    ``testsets`` None gives no ``RunsData``, and ``prefetch`` steps are built ahead in a background thread."""
     tokenizer = load_tokenizer(job.model.tokenizer) if tokenizer is None else tokenizer
     answer_ids = answer_token_ids(tokenizer, job.data.answers)
     runs = job.runs.runs() if runs is None else runs

@@ -1,22 +1,14 @@
 """The jitted train and eval steps for R runs that share one frozen base.
 
-A "run" is one (seed, shots) fine-tuning job. All runs of a process share the
-base model's state; each has its own adapters, optimizer state and dropout
-key, stacked on a leading run axis (``TrainState``). The train step runs one
-forward and backward pass over rows that may hold prompts of several runs,
-each token adapted by its own run's adapters and each prompt's loss weighted
-within its run (``micro_batch_loss``), so packing all runs' prompts together
-wastes little on padding while every run gets exactly the update it would
-get alone; the optimizer then updates each run (``vmap``). The eval step
-scores every run's rows the same way, in one batch. R runs share one copy of
-the base weights. The batch's shape comes from the job's ``BatchGeometry``; with
-a mesh, the steps are traced and called under it (``MeshStep``), so the
-models' activation sharding constraints apply.
+A "run" is one (seed, shots) fine-tuning job; runs share one copy of the base
+weights and stack their adapters, optimizer state and dropout key on a leading
+run axis (``TrainState``). Each token goes through its own run's adapters and
+each prompt's loss is weighted within its run, so packing all runs' prompts
+into one batch wastes little on padding while every run gets exactly the
+update it would get alone.
 
-Only the answer position matters: the loss and the margins come from the
-final hidden state at ``answer_pos`` (the last prompt token), so the output
-head runs on one position per example, and evaluation multiplies it by just
-the two answer-token columns.
+Only the answer position (the last prompt token) matters, so the output head
+runs on one position per example.
 """
 
 from __future__ import annotations
@@ -71,9 +63,7 @@ def select_run(tree: Any, index: int) -> Any:
 
 @dataclasses.dataclass(frozen=True)
 class OptimizerSettings:
-    """A job's optimizer (its train section's learning rate, schedule, weight decay and clipping), built once:
-    ``transformation`` is what the train step applies, ``learning_rate`` the same schedule, read on the host
-    for the log."""
+    """A job's optimizer, built once; ``learning_rate_schedule`` is also read on the host for the log."""
 
     learning_rate: float  # peak, after warm-up
     total_steps: int
@@ -94,13 +84,8 @@ class OptimizerSettings:
 
     @functools.cached_property
     def learning_rate_schedule(self) -> optax.Schedule:
-        """The learning rate per optimizer step, as transformers' schedules give it.
-
-        It rises linearly from 0 over ``warmup_steps`` (so, as in a Trainer, the
-        first update uses rate 0 when there is warm-up), then ``linear`` decays to
-        0 at ``total_steps``, ``cosine`` follows a half cosine to 0 and
-        ``constant`` stays at the peak (get_{linear,cosine,constant}_schedule_with_warmup).
-        """
+        """The learning rate per optimizer step, as transformers' get_*_schedule_with_warmup give it (so the
+        first update uses rate 0 when there is warm-up)."""
         peak, warmup = self.learning_rate, self.warmup_steps
         decay_steps = max(self.total_steps - warmup, 1)
         if self.schedule == "linear":
@@ -115,8 +100,7 @@ class OptimizerSettings:
 
     @functools.cached_property
     def transformation(self) -> optax.GradientTransformation:
-        """torch's AdamW (b1 0.9, b2 0.999, eps 1e-8, decoupled weight decay) after global-norm clipping (none
-        when ``max_grad_norm`` is None or 0), on ``learning_rate_schedule``."""
+        """torch's AdamW defaults after global-norm clipping (none when ``max_grad_norm`` is None or 0)."""
         adamw = optax.adamw(self.learning_rate_schedule, b1=0.9, b2=0.999, eps=1e-8, weight_decay=self.weight_decay)
         if not self.max_grad_norm:
             return adamw
@@ -151,16 +135,11 @@ def attach_runs(
     *,
     mesh: jax.sharding.Mesh | None = None,
 ) -> tuple[nnx.GraphDef, nnx.State, TrainState]:
-    """Attaches the runs' adapters to ``model`` (in place: the returned graphdef is the adapted model's) and
-    returns (graphdef, frozen base state, the runs' stacked ``TrainState``).
+    """Attaches the runs' adapters to ``model`` in place: (graphdef, frozen base state, the runs' ``TrainState``).
 
     Run r's adapters and dropout key come from ``nnx.Rngs(seeds[r])`` alone, so
-    they are identical to those of a single run with that seed. The base
-    state also holds the adapters' shared ``AdapterTokens`` (its stream is the
-    same for every run; the train step keys each token's dropout by its
-    run's key). With ``mesh``, the base and the runs' state are
-    placed on their shardings (in every process of a multi-process mesh:
-    each builds the same values from the same seeds and places its blocks).
+    they equal a single run's with that seed; every process of a mesh builds the
+    same values and places its own blocks.
     """
     if not seeds:
         raise ValueError("attach_runs needs at least one seed")
@@ -194,9 +173,7 @@ def abstract_attach_runs(
     lora_cfg: LoRAConfig,
     optimizer: optax.GradientTransformation,
 ) -> tuple[nnx.GraphDef, nnx.State, TrainState]:
-    """``attach_runs`` on ``make_model()`` as shapes only (``jax.eval_shape``): the graphdef, and the base and
-    the runs' state, whose leaves are ShapeDtypeStructs. Nothing is read, initialised or allocated, so a 32B
-    model's steps can be lowered and compiled ahead of time on any machine (the preflight)."""
+    """``attach_runs`` as shapes only, so the preflight can compile a large model's steps on any machine."""
     graphdefs = []
 
     def shapes() -> tuple[nnx.State, TrainState]:
@@ -216,11 +193,9 @@ def _cast_floats(tree: Any, dtype: jnp.dtype | None) -> Any:
 
 
 def answer_hidden(model: nnx.Module, batch: Batch) -> jax.Array:
-    """The final hidden state at each prompt's answer position (its last token): [B, H'] or [B, P, H'].
+    """The final hidden state at each prompt's answer position: [B, H'] or [B, P, H'] (P packed prompt slots).
 
-    ``answer_pos`` is [B] (one prompt per row) or [B, P] (P prompt slots of a
-    packed row); the gather stays within each row, so a batch split over
-    devices by rows gathers on each device alone.
+    The gather stays within each row, so a batch split over devices by rows gathers on each device alone.
     """
     hidden = model.hidden_states(batch["input_ids"], batch["segment_ids"])
     positions = batch["answer_pos"]
@@ -230,24 +205,21 @@ def answer_hidden(model: nnx.Module, batch: Batch) -> jax.Array:
 
 
 def answer_losses(model: nnx.Module, batch: Batch, yes_id: int, no_id: int) -> jax.Array:
-    """Each prompt's cross-entropy over the full vocabulary at its answer position (answer_pos's shape), the
-    target " Yes" for label 0 and " No" otherwise; invalid prompts included (the caller masks them)."""
+    """Each prompt's full-vocabulary cross-entropy (target " Yes" for label 0, " No" otherwise), unmasked."""
     logits = model.head_logits(answer_hidden(model, batch), model.head_kernel())
     targets = jnp.where(batch["label"] == 0, yes_id, no_id)
     return optax.softmax_cross_entropy_with_integer_labels(logits, targets)
 
 
 def eval_margins(model: nnx.Module, batch: Batch, yes_id: int, no_id: int) -> jax.Array:
-    """logit(Yes) - logit(No) at the answer positions (answer_pos's shape), from the two head columns only
-    (each soft-capped where the family caps its logits, as the full head would give them)."""
+    """logit(Yes) - logit(No) at the answer positions, from the two head columns only."""
     head = jnp.take(model.head_kernel(), np.asarray([yes_id, no_id], np.int32), axis=1)
     logits = model.head_logits(answer_hidden(model, batch), head)
     return logits[..., 0] - logits[..., 1]
 
 
 def runs_inside_layers(lora: nnx.State) -> nnx.State:
-    """Run-stacked adapters [R, layers, ...] as one model takes them: [layers, R, ...], so that the scanned
-    layers each see their R adapters [R, ...] (``LoRA`` then adapts each token with its own run's)."""
+    """[R, layers, ...] -> [layers, R, ...], so each scanned layer sees its R adapters."""
     return _move_run_axis(lora, 0, 1)
 
 
@@ -276,14 +248,11 @@ def micro_batch_loss(
     no_id: int,
     compute_dtype: jnp.dtype | None,
 ) -> tuple[jax.Array, jax.Array]:
-    """The function differentiated: every run's answer losses on one micro-batch, each prompt weighted by its
-    run's ``run_weights`` (1 / the run's valid prompts in the step), summed; and each run's unweighted sum [R].
+    """The function differentiated: the runs' answer losses weighted by ``run_weights`` [R], summed; and each
+    run's unweighted sum [R].
 
-    ``lora`` holds all runs' adapters ([layers, R, ...]); each token goes
-    through its own run's, and draws its dropout from its run's key in
-    ``run_keys`` [R, 2] at its example's place in the run's batch and its
-    position in the prompt (``AdapterTokens``), so a run's result does not
-    depend on where its prompts sit or what trains beside it.
+    Each token's dropout is keyed by its run, example and position (``AdapterTokens``), so a run's result
+    does not depend on where its prompts sit or what trains beside it.
     """
     # copy: fresh Variables at this trace level, so the adapters' tokens may be set on them.
     model = nnx.merge(graphdef, base_state, _cast_floats(lora, compute_dtype), copy=True)
@@ -303,12 +272,8 @@ def micro_batch_loss(
 def micro_batch_grads(
     lora: nnx.State, base_state: nnx.State, micro: Batch, *rest: jax.Array, length: int, loss: Callable[..., Any]
 ) -> tuple[tuple[jax.Array, jax.Array], nnx.State]:
-    """((weighted loss, per-run loss sums), gradients w.r.t. ``lora``) of ``loss`` on ``micro`` cut to its first
-    ``length`` tokens.
-
-    Rows are filled from the left, so the cut drops only padding when
-    ``length`` holds the micro-batch's longest row.
-    """
+    """``loss``'s value and gradients on ``micro`` cut to ``length`` tokens (rows fill from the left, so the
+    cut drops only padding)."""
     cut = {k: v[..., :length] if k in SEQUENCE_KEYS else v for k, v in micro.items()}
     return jax.value_and_grad(loss, has_aux=True)(lora, base_state, cut, *rest)
 
@@ -322,13 +287,8 @@ def skip_micro_batch(
 
 
 def micro_batch_branches(batch: Batch, geometry: BatchGeometry) -> jax.Array:
-    """Per micro-batch, the ``lax.switch`` branch of the train step: 0 skips it (no valid prompt), b >= 1 runs
-    it at ``geometry.micro_batch_lengths[b - 1]``, the smallest that holds its longest row.
-
-    Taken over all rows of the micro-batch, so every device of every
-    process takes the same branch; rows are filled from the left, so a
-    row's used length is its count of non-padding tokens.
-    """
+    """Per micro-batch, the ``lax.switch`` branch: 0 skips it (no valid prompt), b >= 1 runs it at
+    ``geometry.micro_batch_lengths[b - 1]``. Taken over all rows, so every device takes the same branch."""
     longest = jnp.max(jnp.sum(batch["segment_ids"] != 0, axis=-1), axis=-1)
     branch = 1 + jnp.searchsorted(jnp.asarray(geometry.micro_batch_lengths), longest)
     return jnp.where(jnp.any(batch["valid"], axis=(1, 2)), branch, 0)
@@ -389,8 +349,7 @@ def train_step(
 
 
 def _check_train_batch(batch: Batch, micro_batches: int, rows: int, seq_len: int) -> None:
-    """Trace-time shape check of a training batch (``make_train_step``'s layout), so a malformed one fails once
-    and clearly."""
+    """Trace-time shape check, so a malformed batch fails once and clearly."""
     layout = f"[grad_accum={micro_batches}, rows={rows}, seq={seq_len}]"
     _check_batch(batch, layout, (micro_batches, rows, seq_len))
     for key in TRAIN_ONLY_KEYS:
@@ -414,11 +373,7 @@ def eval_step(
     no_id: int,
     compute_dtype: jnp.dtype | None,
 ) -> jax.Array:
-    """Every run's margins on ``batch`` (``make_eval_step`` documents it; this is the function it jits).
-
-    As in training, one model holds all runs' adapters and each row goes through its own run's: the runs'
-    rows are one batch [B * R, S], row-major so that it splits over devices as the batch's B axis does.
-    """
+    """Every run's margins on ``batch``, as one batch [B * R, S], row-major so it splits over devices as B does."""
     num_runs = jax.tree.leaves(lora)[0].shape[0]
     per_run = "input_ids" in batch and batch["input_ids"].ndim == 3
     expected = (num_runs, None, None) if per_run else (None, None)
@@ -439,12 +394,7 @@ def eval_step(
 
 
 def _check_batch(batch: Batch, layout: str, expected: tuple[int | None, ...]) -> None:
-    """Trace-time shape check (shapes are static), so a malformed batch fails once and clearly.
-
-    ``expected`` is input_ids' shape, None where any size goes. Per-prompt
-    leaves (answer_pos, label, valid) have the rows' shape, with a trailing
-    prompt-slot axis when rows are packed.
-    """
+    """Trace-time shape check; ``expected`` is input_ids' shape, None where any size goes."""
     for key in ("input_ids", "segment_ids", "answer_pos", "label"):
         if key not in batch:
             raise ValueError(f"batch is missing {key!r}; it has {sorted(batch)}")
@@ -469,10 +419,8 @@ def _check_batch(batch: Batch, layout: str, expected: tuple[int | None, ...]) ->
 class MeshStep:
     """A jitted step traced, lowered and called under ``jax.set_mesh(mesh)``.
 
-    The models constrain their activations' shardings only when traced
-    under a mesh (``oodjax.models.partitioning.constrain``), and a jitted
-    function's cache key includes the mesh in context: entering it on every
-    call, not only on the first, keeps the one compiled program hitting.
+    The models constrain activation shardings only under a mesh, and the jit cache key includes the mesh in
+    context: entering it on every call keeps the one compiled program hitting.
     """
 
     jitted: Any  # the jax.jit-wrapped step
@@ -504,35 +452,17 @@ def make_train_step(
     state: TrainState | None = None,
     compute_dtype: jnp.dtype | None = None,
 ) -> Callable[[nnx.State, TrainState, Batch], tuple[TrainState, dict[str, jax.Array]]]:
-    """One jitted optimizer step for all runs: ``train_step(base_state, state, batch) -> (state, {"loss": [R],
-    "grad_norm": [R]})``, grad_norm being each run's global gradient norm before clipping (both logged by the
-    run loop).
+    """One jitted optimizer step for all runs: ``(base_state, state, batch) -> (state, {"loss": [R],
+    "grad_norm": [R]})``; ``state`` is donated.
 
-    ``batch`` leaves are [grad_accum, rows, seq_len] for input_ids and
-    segment_ids and [grad_accum, rows, prompt slots] for answer_pos, label,
-    valid, run (the run a prompt trains) and example (its place in its run's
-    batch, which keys its dropout), as ``geometry`` and
-    ``oodjax.data.train_steps`` lay them out: all runs' prompts of the step,
-    one a row or packed, a row mixing runs. A run's loss is the mean
-    cross-entropy over the full vocabulary at the answer position (target
-    " Yes" for label 0, " No" otherwise) over its valid prompts of all
-    micro-batches; each prompt is weighted by 1 / its run's count before the
-    gradients are summed over micro-batches, so accumulation is exact, not an
-    average of averages. ``state`` (the runs' ``TrainState``) is donated.
+    ``batch`` is laid out by ``oodjax.data.train_steps``: [grad_accum, rows, seq_len] tokens and
+    [grad_accum, rows, prompt slots] per-prompt leaves. Each prompt is weighted by 1 / its run's count before
+    the gradients are summed over micro-batches, so accumulation is exact, not an average of averages. The
+    micro-batch length is chosen inside the step (``lax.switch``), so it compiles once.
 
-    Each micro-batch runs at the smallest of ``geometry.micro_batch_lengths``
-    that holds its longest row (``micro_batch_branches``), and one with no
-    valid prompt is skipped; the choice is made inside the step
-    (``lax.switch``), so the step compiles once.
-
-    ``compute_dtype`` (e.g. bfloat16) casts the base and the adapters for the
-    forward/backward pass only; the adapters and optimizer state stay float32.
-
-    With a ``mesh``, pass ``base_state`` and ``state`` (from ``attach_runs``, or
-    their abstract shapes) too: the step is jitted with their shardings in
-    and out, so each call's output is exactly the next call's input layout
-    (XLA might otherwise spell an equivalent sharding differently and
-    recompile every step), and it runs under the mesh (``MeshStep``).
+    ``compute_dtype`` casts for the forward/backward pass only; adapters and optimizer state stay float32.
+    With a ``mesh``, pass ``base_state`` and ``state`` (or their shapes): pinning the shardings in and out
+    keeps XLA from spelling an equivalent sharding differently and recompiling every step.
     """
     step = functools.partial(
         train_step,
@@ -569,15 +499,8 @@ def make_eval_step(
 ) -> Callable[[nnx.State, nnx.State, Batch], jax.Array]:
     """Jitted ``eval_step(base_state, lora, batch) -> margins [R, B(, P)]`` (float32), dropout off.
 
-    ``lora`` is ``runs.lora`` (stacked); ``batch`` leaves are [B, S] ([B] for
-    answer_pos etc., or [B, P] for rows packed with P prompt slots, as
-    ``eval_batches`` makes them), shared by all runs, or [R, B, ...]: run r
-    scores its own examples ``batch[...][r]``. Margins have answer_pos's
-    shape behind the run axis. The margin is logit(Yes) - logit(No) at the
-    answer position, computed from the two head columns only. It compiles
-    once per batch shape; ``eval_step._cache_size()`` counts them. Inputs
-    keep the shardings they come with (a batch may be [B, ...] or
-    [R, B, ...]); with a ``mesh`` it runs under it (``MeshStep``).
+    ``batch`` leaves are [B, S], shared by all runs, or [R, B, S]: run r scores its own examples. It
+    compiles once per batch shape.
     """
     step = functools.partial(eval_step, graphdef=graphdef, yes_id=yes_id, no_id=no_id, compute_dtype=compute_dtype)
     if mesh is None:

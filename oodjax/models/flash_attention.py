@@ -2,49 +2,25 @@
 
 ``model.attention`` names it:
 
-- ``xla``: ``jax.nn.dot_product_attention`` with an explicit mask
-  (``layers.attention``). Runs everywhere and is the exact reference, but
-  materialises the [B, N, T, T] scores in float32.
-- ``cudnn``: cuDNN's fused flash attention (``jax.nn.dot_product_attention(...,
-  implementation="cudnn")``) on NVIDIA GPUs: grouped-query heads natively
-  (K/V not repeated), causal, and the prompts of a row as a [B, 1, T, T]
-  boolean mask (cuDNN adds it as a bias). bf16/fp16 only, head sizes a
-  multiple of 8 up to 256 on Hopper (128 before), as JAX 0.10.2 checks them
-  (``cudnn_unsupported``); where it does not apply, ``auto`` takes XLA's path.
-- ``pallas_gpu``: the Pallas (Triton) flash-attention kernel of
-  ``jax.experimental.pallas.ops.gpu.attention``, which takes segment ids.
-  Selectable by name only: JAX 0.10.2 skips its backward test on every sm80+
-  GPU ("Precision issues after CUDA 12.8.1 upgrade") and JAX 0.11 deprecates
-  the Triton backend, so its use is logged as a warning.
-- ``splash``: TPU splash attention (``jax.experimental.pallas.ops.tpu``) with
-  a causal mask and segment ids, grouped-query heads natively (splash's MHA
-  kernel takes fewer K/V heads than query heads and groups the queries).
-- ``auto`` (the default): cuDNN on GPU (where it applies), splash on TPU,
-  XLA where there is none (CPU), said once in the log.
+- ``xla``: ``jax.nn.dot_product_attention`` with an explicit mask: runs
+  everywhere and is the exact reference, but materialises the [B, N, T, T]
+  scores in float32.
+- ``cudnn``: cuDNN's fused attention on NVIDIA GPUs, the row's prompts as a
+  [B, 1, T, T] mask; bf16/fp16 and some head sizes only (``cudnn_unsupported``).
+- ``pallas_gpu``: the Pallas (Triton) kernel, which takes segment ids.
+  Selectable by name only, with a warning: JAX skips its backward test on
+  sm80+ GPUs and deprecates the Triton backend.
+- ``splash``: TPU splash attention with segment ids.
+- ``auto`` (the default): cuDNN on GPU where it applies, splash on TPU, else XLA.
 
-The kernels see a row as segments: a token attends to the earlier tokens
-of its own segment (its prompt). Padding is segment 0 and attends to other
-padding, which is harmless: no real token attends to it and its outputs are
-never read (and no query row is fully masked, so nothing is NaN). On CPU a
-Pallas kernel named explicitly runs in Pallas' interpret mode, which is how
-the tests check its parity with XLA; it is slow, and meant for nothing else.
-cuDNN cannot run on CPU: the tests lower it for CUDA instead.
+A token attends to the earlier tokens of its own segment (its prompt).
+Padding is segment 0 and attends to other padding: harmless, since no real
+token reads it, and no query row is fully masked, so nothing is NaN.
 
 Under a mesh each kernel runs per device through ``jax.shard_map``, split as
-the logical-axis rules split the query heads (rows over data x fsdp, heads
-over tensor; K/V heads likewise where the tensor axis divides them, else
-repeated to the query heads), since the compiler cannot partition a Pallas
-call itself.
-
-Each kernel is a ``custom_vjp`` whose forward pass keeps residuals (its
-output, its softmax statistics) that the remat policies cannot see by name;
-``_keeping_residuals`` names them ``ATTENTION_OUTPUT``, so a policy that saves
-that name (``save_dots``) saves them and the backward pass does not run the
-fused forward again.
-
-``target_platform`` makes the choice for a platform other than the one the
-process runs on: lowering for ``cuda`` or ``tpu`` on a CPU host
-(``tests/test_lowering_accelerators.py``).
+the query heads are, since the compiler cannot partition a Pallas call.
+``_keeping_residuals`` names each kernel's residuals so the remat policies
+can keep them rather than run the fused forward again.
 """
 
 from __future__ import annotations
@@ -70,10 +46,8 @@ KERNELS = ("cudnn", "pallas_gpu", "splash")
 # The name of the attention output (and of a fused kernel's residuals) for the remat policies.
 ATTENTION_OUTPUT = "attention_output"
 
-# Each Pallas kernel tiles the sequence in blocks of one of these sizes, the largest that divides the sequence
-# padded to a multiple of the smallest (a bucket of 160 tokens runs in blocks of 64 on GPU, one of 640 in
-# blocks of 128 on TPU): a block must divide the sequence. cuDNN takes any even length (JAX's check for a
-# bias in training), so its "block" is 2.
+# Each Pallas kernel tiles the sequence in the largest of these blocks that divides it padded to a multiple
+# of the smallest; cuDNN takes any even length, so its "block" is 2.
 _BLOCKS = {"pallas_gpu": (128, 64), "splash": (512, 256, 128), "cudnn": (2,)}
 
 # What JAX makes of a boolean mask for cuDNN (get_large_negative_number: cuDNN mishandles the difference of
@@ -85,10 +59,8 @@ _target: str | None = None
 
 @contextlib.contextmanager
 def target_platform(platform: str) -> Iterator[None]:
-    """Within it, ``auto`` and the kernels' interpret mode follow ``platform`` (``cuda``/``gpu``, ``tpu``,
-    ``cpu``), not JAX's default backend: for lowering with ``lowering_platforms=(platform,)`` elsewhere. The
-    choice is made as a function is traced, so a jitted function traced for another platform must be traced
-    anew (``jax.clear_caches()``)."""
+    """Within it, ``auto`` and interpret mode follow ``platform``, not JAX's default backend, to lower for
+    another platform; the choice is made at trace time, so a function traced for another must be traced anew."""
     global _target
     before, _target = _target, platform
     try:
@@ -132,9 +104,7 @@ def resolve(implementation: str, platform: str | None = None) -> str:
 
 
 def cudnn_unsupported(query: jax.Array, key: jax.Array) -> str | None:
-    """Why cuDNN's fused attention does not take these shapes here (None when it does): JAX's own checks, run by
-    tracing its forward pass for training with the segments' bias (cuDNN present, bf16/fp16, head size a
-    multiple of 8 up to 256 on Hopper and later, 128 before; an even length)."""
+    """Why cuDNN's fused attention does not take these shapes here (None when it does), by JAX's own checks."""
     if query.dtype not in (jnp.bfloat16, jnp.float16):
         return f"cuDNN takes bf16/fp16, not {query.dtype}"
     query, key = (jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (query, key))
@@ -193,9 +163,8 @@ def flash_attention(
 
 
 def _mask_input(kernel: str, segment_ids: jax.Array, dtype: jnp.dtype) -> jax.Array:
-    """What ``kernel`` takes for the segments: the segment ids [B, T] (Pallas), or for cuDNN the additive bias
-    [B, 1, T, T] (0 within a segment, cuDNN's large negative number across) that JAX would make of a boolean
-    mask, made here so that it is an argument of the kernel, recomputed, not kept, by the backward pass."""
+    """The segment ids [B, T] (Pallas), or cuDNN's additive bias [B, 1, T, T], made here so the backward pass
+    recomputes it as an argument rather than keeping it."""
     if kernel != "cudnn":
         return segment_ids
     same = segment_ids[:, None, :, None] == segment_ids[:, None, None, :]
@@ -210,13 +179,11 @@ def _repeat_heads(x: jax.Array, heads: int) -> jax.Array:
 
 
 def _keeping_residuals(run):
-    """``run(query, key, value, segment_ids)`` whose backward pass is its own, with the residuals its forward
-    pass computes (besides its arguments) named ``ATTENTION_OUTPUT``, the output among them.
+    """``run`` with the residuals its forward pass computes named ``ATTENTION_OUTPUT``.
 
-    A fused kernel is a ``custom_vjp``; its residuals (output, softmax statistics) are unnamed values inside
-    it, so a remat policy saving names could not keep them, and the backward pass would run the fused forward
-    again to get them (naming the output alone does not help: the kernel's backward reads its own copy). The
-    arguments are left unnamed: the policy recomputes them from what it keeps (the projections).
+    A fused kernel's residuals are unnamed values inside its ``custom_vjp``, so a remat policy could not keep
+    them and the backward pass would run the fused forward again (naming the output alone does not help: the
+    kernel's backward reads its own copy).
     """
 
     @jax.custom_vjp
@@ -265,9 +232,7 @@ def _pallas_gpu(query, key, value, segment_ids, *, block: int, scale: float, int
 
 
 def _splash(query, key, value, segment_ids, *, block: int, scale: float, interpret: bool) -> jax.Array:
-    """Splash works on [heads, length, head_dim] per row, mapped over the rows of [B, heads, T, D], the query
-    already scaled (``flash_attention``). Its MHA kernel takes K/V with fewer heads than the query's and
-    groups the query heads over them."""
+    """Splash per row of [B, heads, T, D], the query already scaled; K/V may have fewer heads."""
     del scale
     heads, length = query.shape[1], query.shape[2]
     mask = splash_mask.MultiHeadMask([splash_mask.CausalMask((length, length)) for _ in range(heads)])

@@ -1,25 +1,14 @@
 """LoRA adapters on a frozen base, and export in Hugging Face PEFT's format.
 
 An adapter adds ``dropout(x) @ A @ B * alpha / rank`` to a projection's output,
-exactly as peft's ``lora.Linear`` does, so an adapter trained here can be
-loaded onto the PyTorch model with ``peft.PeftModel.from_pretrained``. A is
-drawn like peft's default (kaiming-uniform with a = sqrt(5)), B starts at zero,
-so a fresh adapter leaves the model's outputs unchanged.
+initialised and computed as peft's ``lora.Linear`` (float32 whatever the base's
+dtype), so an adapter trained here loads with ``peft.PeftModel.from_pretrained``.
 
-The adapter parameters are ``nnx.LoRAParam`` (a subclass of ``nnx.Param``), so
-``nnx.split(model, nnx.LoRAParam, ...)`` separates them from the frozen base;
-they are kept in float32 whatever the base's dtype, as peft does.
-
-Every adapter of a model shares ONE ``AdapterTokens`` module, which holds
-what adapters need to know about the tokens beyond their activations. In
-training, the train step sets it: which run each token trains (a packed row
-may hold prompts of several runs, each adapted by its own run's adapters:
-``LoRA`` takes adapters with a leading run axis) and each token's identity
-(its example's place in its run's batch, its position in the prompt). The
-dropout masks are a function of (run key, step, layer, adapter, example,
-position, feature) alone, so a run draws the same masks wherever its
-prompts are placed and whatever trains beside it. The masks take a quarter
-of the threefry hashes ``jax.random.bernoulli`` would (``dropout_keep_mask``).
+Every adapter of a model shares one ``AdapterTokens``: which run each token
+trains (a packed row may mix runs) and its identity. Dropout masks are a
+function of (run key, step, layer, adapter, example, position, feature) alone,
+so a run draws the same masks wherever its prompts sit and whatever trains
+beside it.
 """
 
 from __future__ import annotations
@@ -95,12 +84,8 @@ class LoRAConfig:
         return self.alpha / self.rank
 
 
-# Dropout masks draw 16-bit uniforms: a rate is realised in steps of 2**-16 (0.1 as 6554 / 65536, within
-# 2**-17 of it), and four of them come from each threefry2x32 hash (its two 32-bit output words split in
-# halves; the hash is ``jax.extend.random.threefry2x32_p``, the primitive jax.random's threefry binds), where
-# ``jax.random.bernoulli`` hashes once per element and keeps 23 bits of it: a quarter of the hashes, ~5x
-# faster on a CPU for a [16, 256, 4096] mask. (8-bit uniforms would halve the hashes again but realise 0.1 as
-# 26 / 256 = 0.1016; Philox, jax.random's "philox4x32", fails to compile on a sharded array in JAX 0.10.2.)
+# Dropout masks draw 16-bit uniforms, four per threefry2x32 hash: a rate is realised within 2**-17, where
+# 8 bits would realise 0.1 as 0.1016. (Philox fails to compile on a sharded array.)
 DROPOUT_BITS = 16
 _UNIFORMS_PER_HASH = 64 // DROPOUT_BITS
 
@@ -118,10 +103,8 @@ def dropout_threshold(rate: float) -> int:
 
 
 def _threefry(key: jax.Array, counters: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
-    """threefry2x32 of the two uint32 counter arrays under ``key`` [..., 2] (uint32 words, one key per element of
-    the broadcast shape): ``jax.extend.random.threefry2x32_p``, the primitive jax.random's threefry binds.
-    Elementwise, so the SPMD partitioner splits it like any elementwise op and a mesh's layout never changes
-    the values."""
+    """threefry2x32 of two uint32 counter arrays under ``key`` [..., 2], elementwise, so a mesh's layout never
+    changes the values."""
     shape = jnp.broadcast_shapes(key.shape[:-1], counters[0].shape, counters[1].shape)
     words = [jnp.broadcast_to(x.astype(jnp.uint32), shape) for x in (key[..., 0], key[..., 1], *counters)]
     first, second = threefry2x32_p.bind(*words)
@@ -129,15 +112,10 @@ def _threefry(key: jax.Array, counters: tuple[jax.Array, jax.Array]) -> tuple[ja
 
 
 def dropout_keep_mask(token_keys: jax.Array, counters: jax.Array, width: int, rate: float) -> jax.Array:
-    """Which elements dropout keeps: a bool array [..., width] (``counters``' shape, then ``width``), each
-    True with probability ``1 - rate`` (as ``dropout_threshold`` realises it), independently.
+    """Which elements dropout keeps: bool [..., width], each True with probability ``1 - rate``.
 
-    Element (..., j) hashes the counter (counters[...], j // 4) under the
-    key ``token_keys[...]`` ([..., 2] uint32 words): a function of the key,
-    the counter and j alone. Four consecutive elements of the last axis share
-    one hash, one 16-bit quarter each (``DROPOUT_BITS``);
-    ``tests/test_lora.py`` checks the rate and the independence of masks and
-    of neighbours statistically.
+    Element (..., j) is a function of the key, the counter and j alone; four neighbours share one threefry
+    hash, a quarter of what ``jax.random.bernoulli`` would spend.
     """
     threshold = np.uint32(dropout_threshold(rate))
     hashes = -(-width // _UNIFORMS_PER_HASH)
@@ -168,11 +146,7 @@ _POSITION_BITS = 16
 class AdapterTokens(nnx.Module):
     """What the adapters of a model know about the tokens they adapt: one module, shared by every ``LoRA``.
 
-    It holds the dropout stream (one key; each adapter call draws the next,
-    and the scanned layers fold their index into it, so every adapter of
-    every layer draws its own), and, once the train step ``set``s them, each
-    token's run, its dropout counter, and each run's key for this step.
-    Unset (evaluation), the adapters are one run's and dropout needs none.
+    Unset (evaluation), the adapters are one run's and dropout needs no token identity.
     """
 
     def __init__(self) -> None:
@@ -248,14 +222,9 @@ def _adapter_delta(
 ) -> jax.Array:
     """``dropout(x) @ A_r @ B_r * scale`` for each token's run r, in A's dtype, returned in x's.
 
-    ``a`` [R, in, rank] and ``b`` [R, rank, out] are the runs' adapters:
-    every token goes through all R (an extra R x rank columns on the
-    projection, a few percent of it) and ``run_weights`` [..., R] keeps its
-    own run's. Its backward pass keeps x, the mask and the factors, and
-    recomputes the dropped-out float32 input from them
-    (``recomputed_in_backward``): left to autodiff, each adapter would keep
-    its own float32 copy of it, twice the bytes of the bf16 x (which q, k
-    and v share). The recomputation adds ``dropout(x) @ A``, a narrow matmul.
+    Every token goes through all R adapters (R x rank extra columns) and ``run_weights`` [..., R] keeps its
+    own. The backward pass recomputes the dropped-out float32 input: left to autodiff, each adapter would
+    keep its own float32 copy, twice the bytes of the bf16 x that q, k and v share.
     """
 
     def delta(x: jax.Array, keep: jax.Array | None, run_weights: jax.Array, a: jax.Array, b: jax.Array) -> jax.Array:
@@ -269,16 +238,8 @@ def _adapter_delta(
 class LoRA(nnx.Module):
     """The low-rank update of one projection: ``dropout(x) @ A @ B * scale``.
 
-    Merged with one run's adapters ([in, rank] once the layers are scanned)
-    it is that run's; merged with several runs' ([R, in, rank]: the train
-    step's), each token takes its own run's (``AdapterTokens``).
-
-    Computes in the adapter's dtype (float32) and returns the input's dtype, as
-    peft does for a bf16 base. ``kernel_shape`` and ``kernel_axes`` are the
-    adapted kernel's ``[..., in, out]`` (leading axes: the stacked layers);
-    A [..., in, rank] inherits the leading and input axes, B [..., rank, out]
-    the leading and output axes, so adapters are stacked and sharded like the
-    projection they adapt (placed by the engine, hence ``eager_sharding=False``).
+    Merged with several runs' adapters ([R, in, rank]), each token takes its own run's. A [..., in, rank]
+    and B [..., rank, out] inherit the adapted kernel's axes, so they are stacked and sharded like it.
     """
 
     def __init__(
@@ -318,9 +279,8 @@ class LoRA(nnx.Module):
 
 
 def adds_nothing(lora: nnx.State) -> bool:
-    """Whether every adapter in ``lora`` (any runs, stacked or not) adds exactly zero to its projection: every B
-    factor is zero, as peft initialises it, so every run's model is the base model (evaluation's step 0 then
-    scores each example once for all runs, ``oodjax.engine.evaluation.make_eval_pool``)."""
+    """Whether every B factor in ``lora`` is zero, so every run's model is the base model (step 0 then scores
+    each example once for all runs)."""
     factors = [value[...] for path, value in nnx.to_flat_state(lora) if path[-1] == "lora_b"]
     return bool(factors) and all(bool(jnp.all(factor == 0)) for factor in factors)
 
@@ -331,12 +291,8 @@ def adapter_tokens(model: nnx.Module) -> AdapterTokens | None:
 
 
 def find_targets(model: nnx.Module, targets: Sequence[str] | None) -> list[tuple[tuple, Linear]]:
-    """The (path, Linear) pairs an adapter goes on, in the model's module order.
-
-    Each named target must match at least one layer, so a typo (or OPT's
-    ``out_proj`` vs Llama's ``o_proj``) fails loudly instead of silently
-    training fewer adapters than asked for.
-    """
+    """The (path, Linear) pairs an adapter goes on, in module order; a target matching no layer (a typo, or
+    OPT's ``out_proj`` vs Llama's ``o_proj``) fails rather than silently training fewer adapters."""
     linears = [(path, m) for path, m in nnx.iter_modules(model) if isinstance(m, Linear)]
     available = sorted({str(path[-1]) for path, _ in linears})
     if targets is None:
@@ -363,9 +319,7 @@ def _kernel_axes(linear: Linear) -> tuple | None:
 def apply_lora(model: nnx.Module, cfg: LoRAConfig, *, rngs: nnx.Rngs) -> nnx.Module:
     """Attaches fresh adapters (replacing any) to the target layers, in place; returns the model.
 
-    A's are drawn from ``rngs.params()`` in module order, so the same seed
-    gives the same adapters whether a run is trained alone or with others;
-    all adapters share one ``AdapterTokens``.
+    A's are drawn in module order, so a seed gives the same adapters whether a run trains alone or with others.
     """
     tokens = AdapterTokens()
     for _, linear in find_targets(model, cfg.targets):
@@ -461,11 +415,7 @@ _PEFT_UNSUPPORTED = {
 def read_peft(path: str | pathlib.Path) -> tuple[LoRAConfig, dict[str, np.ndarray]]:
     """A PEFT LoRA adapter folder (``export_peft``'s, or peft's ``save_pretrained``): its LoRAConfig and tensors.
 
-    The targets are read from the tensors' names (``target_modules`` may be a
-    regex in peft); dropout is kept but evaluation does not use it. A folder
-    that is missing, is no adapter (a run's folder: its adapter is in
-    ``adapter/``), or holds a damaged file or tensors of another rank than its
-    ``r`` is a ``MissingInputError`` or ``DamagedInputError`` naming it.
+    The targets are read from the tensors' names, since peft's ``target_modules`` may be a regex.
     """
     folder = pathlib.Path(path)
     if not folder.is_dir():
@@ -514,11 +464,9 @@ def read_peft(path: str | pathlib.Path) -> tuple[LoRAConfig, dict[str, np.ndarra
 
 
 def lora_from_peft(lora_like: nnx.State, tensors: dict[str, np.ndarray], *, source: str) -> nnx.State:
-    """One run's adapter state, shaped like ``lora_like``, filled from peft's tensors (``peft_tensors``' inverse).
+    """One run's adapter state, shaped like ``lora_like``, from peft's tensors (``peft_tensors``' inverse).
 
-    Every tensor is accounted for: an adapter the model lacks, or one of the
-    model's adapters missing from the file, is a ``ConfigError`` (the adapter
-    is another model's) naming it and ``source``, as is a shape that differs.
+    Every tensor must match one of the model's adapters and vice versa: a mismatch means another model's adapter.
     """
     remaining = dict(tensors)
     flat = []
