@@ -18,7 +18,7 @@ import sys
 import pytest
 
 from configs.models import architecture
-from launch import costs, preflight
+from launch import costs, hlo, preflight
 from launch import estimate as estimator
 from launch.config_files import load_config
 from oodjax.job import read
@@ -74,7 +74,7 @@ def test_cli_on_the_demo_writes_every_key(tmp_path):
         memory = report[step]["memory_bytes"]
         assert MEMORY_KEYS <= set(memory) and memory["total"] > 0
         assert memory["total"] == memory["argument"] + memory["output"] + memory["temp"] - memory["alias"]
-        assert set(report[step]["collectives"]) == set(preflight.COLLECTIVES)
+        assert set(report[step]["collectives"]) == set(hlo.COLLECTIVES)
         assert all({"count", "max_bytes"} == set(c) for c in report[step]["collectives"].values())
         moved = report[step]["communication"]
         assert set(moved) == {"bytes", "by_op", "loops_without_trip_count", "seconds"}
@@ -230,7 +230,7 @@ def test_collectives_are_read_from_hlo_text():
   %ard = f32[2,3]{1,0} all-reduce-done(%ars)
   ROOT %t = (f32[16]{0}) get-tuple-element(%ar), index=0
 """
-    found = preflight.collectives(text)
+    found = hlo.collectives(text)
     assert found["all-gather"] == {"count": 1, "max_bytes": 64}
     assert found["all-reduce"] == {"count": 2, "max_bytes": 64}
     assert found["reduce-scatter"] == {"count": 0, "max_bytes": 0}
@@ -309,7 +309,7 @@ def test_communication_counts_each_collective_as_a_ring_moves_it_as_often_as_it_
     once (32 f32 in pairs: 2 x 1/2 x 128 B); the loop without a trip count once (its permute, 256 B); an
     all-to-all of two bf16[8] over the mesh axis of 4 (3/4 x 32 B); a reduce-scatter of 64 f32 over all 8
     partitions (7/8 x 256 B)."""
-    moved = preflight.communication(KNOWN_HLO)
+    moved = hlo.communication(KNOWN_HLO)
     expected = {
         "all-gather": 5 * 3 * 64 * 4,
         "all-reduce": 4096 + 128,
@@ -321,7 +321,7 @@ def test_communication_counts_each_collective_as_a_ring_moves_it_as_often_as_it_
     assert moved["bytes"] == sum(expected.values())
     assert moved["loops_without_trip_count"] == 1
     # The instructions as written: the loop's all-gather once, both branches' all-reduces.
-    assert {op: c["count"] for op, c in preflight.collectives(KNOWN_HLO).items()} == {
+    assert {op: c["count"] for op, c in hlo.collectives(KNOWN_HLO).items()} == {
         "all-gather": 1,
         "all-reduce": 3,
         "reduce-scatter": 1,
