@@ -4,7 +4,7 @@
 the study config of `configs.models.model_config` with only the training
 length, learning rate, warm-up and batch below changed, to the recipe of
 uds-lsv/llmft (Mosbach et al. 2023, "Few-shot Fine-tuning vs. In-context
-Learning", the few-shot fine-tuning code of a co-author of the study) at
+Learning", few-shot fine-tuning code by two of the study's authors) at
 commit 3acc3894fa4111d9155190a98a147e3e664ff3da: its LoRA example,
 `experiments/pattern_verbalizer_ft/lora.sh`, runs
 `scripts/pattern_verbalizer_ft/mnli/lora.sh mnli 32 80 0.25 4 8 2e-4
