@@ -98,8 +98,9 @@ def get_config() -> config_dict.ConfigDict:
     # $OODJAX_DATA_DIR, or the Hugging Face hub when that is unset. A split
     # missing from the mirror comes from the hub, unless it is offline.
     config.data.data_dir = ""
-    # Testsets evaluated at step 0 and every `eval.every` steps (the training
-    # set is evaluated too, always): built-in or declared ones.
+    # Testsets evaluated at step 0 and through each run (eval.points or
+    # eval.every; the training set is evaluated too, always): built-in or
+    # declared ones.
     config.data.testsets = EIGHT_TESTSETS
     # Testsets declared here rather than in code, name -> fields: source (a
     # hub id, or a local .jsonl/.parquet/.csv file), config (hub config,
@@ -179,10 +180,15 @@ def get_config() -> config_dict.ConfigDict:
     # and token position, the same within a layout whatever trains beside it.
     config.train.pack = True
     config.train.learning_rate = 1e-4  # peak, after warm-up
-    config.train.warmup_steps = 50  # linear warm-up from 0 to the peak, then train.schedule
-    # Warm-up as a share of each run's own steps, rounded up (transformers'
-    # warmup_ratio); 0 = train.warmup_steps.
-    config.train.warmup_ratio = 0.0
+    # A fixed linear warm-up from 0 to the peak, in steps, then
+    # train.schedule; 0 = train.warmup_ratio (both 0: no warm-up). With
+    # train.epochs, one that would take more than a quarter of a run is
+    # refused: a ratio follows each run's own length.
+    config.train.warmup_steps = 0
+    # The warm-up as a share of each run's own steps, rounded up
+    # (transformers' warmup_ratio), unless train.warmup_steps is set: 0.1 is
+    # DL2024's (docs/protocol.md), 50 steps of 500.
+    config.train.warmup_ratio = 0.1
     # The learning rate after warm-up, to train.steps (optax's schedules, as
     # transformers' get_*_schedule_with_warmup): "linear" decays linearly to
     # 0 (the study's), "cosine" follows a half cosine to 0, "constant" stays
@@ -192,11 +198,15 @@ def get_config() -> config_dict.ConfigDict:
     config.train.max_grad_norm = 1.0  # global-norm clipping; 0 = off
 
     config.eval = config_dict.ConfigDict()
-    config.eval.every = 25  # steps between evaluations (step 0 always)
-    # Evaluations after step 0 per run, spread evenly over the run's own
-    # steps (floor(k x steps / points), k = 1..points: the last is its final
-    # step), so runs of different lengths get as many; 0 = eval.every.
-    config.eval.points = 0
+    # Fixed steps between evaluations (step 0 and the last step always);
+    # 0 = eval.points. With train.epochs, one that would leave a run fewer
+    # than 10 evaluations, step 0's among them, is refused.
+    config.eval.every = 0
+    # Evaluations after step 0 per run, unless eval.every is set, spread
+    # evenly over the run's own steps (floor(k x steps / points), k =
+    # 1..points: the last is its final step; every step of a shorter run), so
+    # runs of every length (train.epochs) get as many: every 25 steps of 500.
+    config.eval.points = 20
     # Evaluation batches hold about batch_size x max_length tokens, in rows of
     # one of row_lengths, each holding one or two prompts (little padding,
     # little attention between prompts; one compiled shape per row length).

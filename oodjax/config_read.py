@@ -54,7 +54,7 @@ class Job:
     record: Mapping[str, Any]  # the config as JSON: what results and checkpoints store
     description: str  # the config as a job logs it at start (``config_cli.describe_config``)
     epochs: float = 0.0  # train.epochs; 0: every run trains train.steps (cadence.total_steps)
-    warmup_ratio: float = 0.0  # train.warmup_ratio; 0: train.warmup_steps
+    warmup_ratio: float = 0.0  # train.warmup_ratio, 0 where train.warmup_steps fixes the warm-up
 
     def total_steps(self, shots: int) -> int:
         """The optimizer steps of a run of ``shots`` examples: train.steps, or with train.epochs, ceil(epochs x
@@ -65,8 +65,9 @@ class Job:
 
     def of_length(self, total_steps: int) -> Job:
         """This job for its runs of ``total_steps`` steps: the cadence, the learning-rate schedule (its warm-up
-        train.warmup_ratio of them, if set) and the replayed batch layout span them. Runs of one length train
-        together, each length apart, so each run trains exactly as in a job of its length alone."""
+        train.warmup_ratio of them, unless train.warmup_steps is set) and the replayed batch layout span them.
+        Runs of one length train together, each length apart, so each run trains exactly as in a job of its
+        length alone."""
         warmup = math.ceil(self.warmup_ratio * total_steps) if self.warmup_ratio else self.optimizer.warmup_steps
         return dataclasses.replace(
             self,
@@ -81,12 +82,12 @@ class Job:
         logging.info("config (command-line overrides applied):\n%s", self.description)
 
 
-def _warmup_steps(train: config_dict.ConfigDict) -> int:
-    """train.warmup_steps, or with train.warmup_ratio that share of train.steps, rounded up as transformers'
-    ``TrainingArguments.get_warmup_steps`` does."""
+def _warmup_ratio(train: config_dict.ConfigDict) -> float:
+    """train.warmup_ratio, or 0 where train.warmup_steps is set: a fixed warm-up wins, as in transformers'
+    ``TrainingArguments.get_warmup_steps``, which also rounds the ratio's steps up (``Job.of_length``)."""
     if not 0 <= train.warmup_ratio <= 1:
-        raise ConfigError(f"train.warmup_ratio must be in [0, 1] (0: train.warmup_steps), got {train.warmup_ratio}")
-    return math.ceil(train.warmup_ratio * train.steps) if train.warmup_ratio else train.warmup_steps
+        raise ConfigError(f"train.warmup_ratio must be in [0, 1] (0: no warm-up), got {train.warmup_ratio}")
+    return 0.0 if train.warmup_steps else train.warmup_ratio
 
 
 def _lora(lora: config_dict.ConfigDict) -> LoRAConfig:
@@ -105,6 +106,7 @@ def read(config: config_dict.ConfigDict) -> Job:
     wandb = config.wandb
     if train.epochs < 0:
         raise ConfigError(f"train.epochs must be >= 0 (0: train.steps), got {train.epochs}")
+    warmup_ratio = _warmup_ratio(train)
     job = Job(
         model=ModelSettings(
             name=name,
@@ -146,7 +148,7 @@ def read(config: config_dict.ConfigDict) -> Job:
         optimizer=OptimizerSettings(
             learning_rate=train.learning_rate,
             total_steps=train.steps,
-            warmup_steps=_warmup_steps(train),
+            warmup_steps=math.ceil(warmup_ratio * train.steps) if warmup_ratio else train.warmup_steps,
             weight_decay=train.weight_decay,
             max_grad_norm=train.max_grad_norm or None,
             schedule=train.schedule,
@@ -163,7 +165,7 @@ def read(config: config_dict.ConfigDict) -> Job:
         cadence=Cadence(
             total_steps=train.steps,
             eval_every=config.eval.every,
-            eval_points=config.eval.points,
+            eval_points=0 if config.eval.every else config.eval.points,  # a fixed eval.every wins
             checkpoint_every=config.checkpoint_every,
             checkpoint_keep=config.checkpoint_keep,
             log_every=config.log_every,
@@ -190,11 +192,13 @@ def read(config: config_dict.ConfigDict) -> Job:
         record=json.loads(config.to_json()),
         description=config_cli.describe_config(config),
         epochs=train.epochs,
-        warmup_ratio=train.warmup_ratio,
+        warmup_ratio=warmup_ratio,
     )
     for shots in job.runs.shots:  # each run length's cadence and schedule checked, errors naming the fields
         try:
-            job.of_length(job.total_steps(shots))
+            run_job = job.of_length(job.total_steps(shots))
+            if job.epochs:
+                _check_fixed_lengths(run_job, config)
         except ConfigError as error:
             if not job.epochs:
                 raise
@@ -203,6 +207,33 @@ def read(config: config_dict.ConfigDict) -> Job:
                 f"{job.total_steps(shots)} steps)"
             ) from None
     return job
+
+
+# With train.epochs, a fixed warm-up or evaluation interval that fits one run length can swamp or starve
+# another: the most of a run a fixed warm-up may take, and the fewest evaluations (step 0's among them) a fixed
+# eval.every may leave it.
+MAX_FIXED_WARMUP_SHARE = 0.25
+MIN_FIXED_EVALUATIONS = 10
+
+
+def _check_fixed_lengths(run_job: Job, config: config_dict.ConfigDict) -> None:
+    """A fixed train.warmup_steps or eval.every, set for one length, refused on a run of another it does not fit
+    (with train.epochs): the ratio and eval.points follow each run's own length instead."""
+    steps = run_job.cadence.total_steps
+    warmup = run_job.optimizer.warmup_steps
+    if config.train.warmup_steps and warmup > MAX_FIXED_WARMUP_SHARE * steps:
+        raise ConfigError(
+            f"train.warmup_steps={warmup} would take {warmup / steps:.0%} of a run of {steps} steps, more than "
+            f"{MAX_FIXED_WARMUP_SHARE:.0%}: set train.warmup_steps=0 for train.warmup_ratio, a share of each run's "
+            "own steps"
+        )
+    evaluations = len(run_job.cadence.evaluated_steps())
+    if config.eval.every and evaluations < MIN_FIXED_EVALUATIONS:
+        raise ConfigError(
+            f"eval.every={config.eval.every} would leave a run of {steps} steps {evaluations} evaluations, step 0's "
+            f"among them, fewer than {MIN_FIXED_EVALUATIONS}: set eval.every=0 for eval.points, evaluations spread "
+            "over each run's own steps"
+        )
 
 
 def _check_fields(config: config_dict.ConfigDict) -> None:

@@ -212,6 +212,8 @@ def test_help_lists_fields_with_defaults_and_their_comments_in_base():
         in text
     )
     assert "  train.steps = 500\n      optimizer steps per run (unless train.epochs)\n" in text
+    assert "  train.warmup_steps = 0\n      A fixed linear warm-up from 0 to the peak, in steps, then" in text
+    assert "  eval.points = 20\n      Evaluations after step 0 per run, unless eval.every is set" in text
     assert "  data.testsets = snli,mnli,scitail,rte,wnli,paws,hans,anli\n      Testsets evaluated at step 0" in text
     assert "\n[mesh]\n  Device mesh axis sizes; -1 = all remaining devices." in text
     assert "  model.hf_config = {}\n" in text

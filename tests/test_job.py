@@ -116,12 +116,12 @@ def test_read_derives_names_tokenizer_and_nones_once():
     [
         ("mesh.fsdp", -1, r"mesh sizes \(data, fsdp, tensor\) = \(-1, -1, 1\): each must be >= 1, at most one -1"),
         ("runs.shots", (8, 0), r"runs.shots must be positive, got \[8, 0\]"),
-        ("eval.every", 0, "eval.every must be >= 1, got 0"),
+        ("eval.every", -1, r"eval.every must be >= 0 \(0: eval.points\), got -1"),
+        ("eval.points", -1, r"eval.points must be >= 0 \(0: eval.every\), got -1"),
         ("train.steps", 0, "train.steps must be >= 1, got 0"),
         ("train.warmup_steps", 600, r"train.warmup_steps must be in \[0, train.steps=500\], got 600"),
-        ("train.warmup_ratio", 1.5, r"train.warmup_ratio must be in \[0, 1\] \(0: train.warmup_steps\), got 1.5"),
+        ("train.warmup_ratio", 1.5, r"train.warmup_ratio must be in \[0, 1\] \(0: no warm-up\), got 1.5"),
         ("train.epochs", -1.0, r"train.epochs must be >= 0 \(0: train.steps\), got -1.0"),
-        ("eval.points", 501, r"eval.points must be in \[0, 500\], the steps of a run \(0: eval.every\), got 501"),
         ("model.attention", "flash", r"model.attention must be one of \('auto', 'xla', .*\), got 'flash'"),
     ],
 )
@@ -143,6 +143,7 @@ def test_eval_points_spread_over_the_run_s_own_steps():
     """Step 0 and floor(k x 10 / 4), k = 1..4; every step when there are as many points as steps."""
     assert cadence.Cadence(total_steps=10, eval_points=4).evaluated_steps() == [0, 2, 5, 7, 10]
     assert cadence.Cadence(total_steps=3, eval_points=3).evaluated_steps() == [0, 1, 2, 3]
+    assert cadence.Cadence(total_steps=3, eval_points=20).evaluated_steps() == [0, 1, 2, 3]  # a run of fewer steps
     assert cadence.Cadence(total_steps=7, eval_every=5).evaluated_steps() == [0, 5, 7]  # eval.points 0: eval.every
 
 
@@ -157,11 +158,70 @@ def test_epochs_give_each_run_its_own_length_schedule_and_evaluations():
     assert run_job.cadence.evaluated_steps() == list(range(0, 81, 4))
     config.train.epochs, config.train.batch_size, config.runs.shots, config.eval.points = 0.1, 3, (30, 31), 1
     assert [read(config).total_steps(shots) for shots in (30, 31)] == [1, 2]  # 0.1 as written: 0.1 x 30 / 3 = 1
-    config.train.epochs, config.train.warmup_ratio, config.eval.points = 0, 0, 0
+    config.train.epochs, config.train.warmup_ratio, config.eval.every = 0, 0, 25
     assert read(config).total_steps(30) == read(config).total_steps(128) == 500  # train.steps, as before epochs
     config.train.epochs, config.train.batch_size, config.runs.shots = 1, 32, (32, 64)
+    config.train.warmup_steps, config.eval.every, config.eval.points = 50, 0, 1
     with pytest.raises(ConfigError, match=r"got 50 \(runs of 32 shots train ceil\(train.epochs x shots / "):
         read(config)  # warm-up of 50 steps in a run of 1
+
+
+def test_by_default_warm_up_and_evaluations_follow_each_run_s_length():
+    """The defaults, train.warmup_ratio 0.1 and eval.points 20: 50 warm-up steps and an evaluation every 25 steps
+    of train.steps=500; with train.epochs=40 at batch 16, runs of 80, 160 and 320 steps warm up over ceil(T / 10)
+    of them and are evaluated at step 0 and floor(k T / 20), k = 1..20."""
+    config = base.get_config()
+    job = read(config)
+    assert job.optimizer.warmup_steps == 50 and job.cadence.evaluated_steps() == list(range(0, 501, 25))
+    config.train.epochs = 40
+    job = read(config)
+    for shots, steps in ((32, 80), (64, 160), (128, 320)):
+        run_job = job.of_length(job.total_steps(shots))
+        assert run_job.optimizer.total_steps == steps
+        assert run_job.optimizer.warmup_steps == -(-steps // 10)
+        assert run_job.cadence.evaluated_steps() == [k * steps // 20 for k in range(21)]
+
+
+def test_a_fixed_warm_up_or_evaluation_interval_wins_over_the_ratio_and_the_points():
+    config = base.get_config()
+    config.train.warmup_steps, config.eval.every = 30, 100
+    job = read(config)  # no train.epochs: fixed values of any share are the user's to choose
+    assert job.optimizer.warmup_steps == 30 and job.cadence.evaluated_steps() == list(range(0, 501, 100))
+    config.train.epochs, config.train.warmup_steps, config.eval.every = 40, 0, 8
+    job = read(config)
+    run_job = job.of_length(job.total_steps(32))
+    assert run_job.optimizer.warmup_steps == 8 and run_job.cadence.evaluated_steps() == list(range(0, 81, 8))
+    config.train.warmup_ratio, config.eval.every, config.eval.points = 0, 0, 20
+    assert read(config).of_length(80).optimizer.warmup_steps == 0  # both 0: no warm-up
+    config.eval.points = 0
+    with pytest.raises(ConfigError, match=r"eval.points and eval.every are both 0: set eval.points"):
+        read(config)
+
+
+@pytest.mark.parametrize(
+    "field, fits, too_much, message",
+    [
+        # a quarter of the 80 steps of 32 shots at batch 16: 20 fits, 21 does not; the issue's 50 is 62%
+        ("train.warmup_steps", 20, 21, r"train.warmup_steps=21 would take 26% of a run of 80 steps, more than 25%"),
+        ("train.warmup_steps", 20, 50, r"train.warmup_steps=50 would take 62% of a run of 80 steps, more than 25%"),
+        # 80 steps every 9: 0, 9, ..., 72 and 80, ten evaluations; every 10: 0, 10, ..., 80, nine
+        ("eval.every", 9, 10, r"eval.every=10 would leave a run of 80 steps 9 evaluations, step 0's among them, "),
+        ("eval.every", 9, 25, r"eval.every=25 would leave a run of 80 steps 5 evaluations, step 0's among them, "),
+    ],
+)
+def test_with_epochs_a_fixed_warm_up_or_interval_that_does_not_fit_a_run_is_refused(field, fits, too_much, message):
+    """With train.epochs=40 at batch 16 the runs of 32 shots train 80 steps: a fixed warm-up of more than a quarter
+    of them, or an interval leaving fewer than 10 evaluations, names the field, the run and the way out."""
+    config = base.get_config()
+    config.train.epochs = 40
+    section, _, key = field.rpartition(".")
+    config[section][key] = fits
+    read(config)
+    config[section][key] = too_much
+    with pytest.raises(ConfigError, match=message + r".*\(runs of 32 shots train .* = 80 steps\)$"):
+        read(config)
+    config.train.epochs = 0  # train.steps=500: the user's fixed choice, not checked
+    read(config)
 
 
 def test_eval_cap_leaves_the_in_domain_testset_whole_unless_cap_in_domain(hf_data_dir):

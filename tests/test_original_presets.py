@@ -1,9 +1,10 @@
-"""configs/original/: each preset is its study config with exactly the predecessor code's protocol choices.
+"""configs/original/ and configs/llmft/: each preset is its study config with exactly its source's choices.
 
-The expected values are written here from the source, ilboglions/DL2024 at
-commit d382ab19319db65acce2cf678638905a78fc825f (the file of each is beside
-it), not read from configs/original; docs/protocol.md has the whole
-comparison.
+The expected values are written here from the sources, not read from the
+presets: ilboglions/DL2024 at commit d382ab19319db65acce2cf678638905a78fc825f
+for configs/original, uds-lsv/llmft at commit
+3acc3894fa4111d9155190a98a147e3e664ff3da for configs/llmft (the file of each
+is beside it); docs/protocol.md has the whole comparison.
 """
 
 import json
@@ -11,11 +12,11 @@ import pathlib
 
 import datasets
 import huggingface_hub
+import numpy as np
 import pytest
 
-from configs import base
+from configs import base, llmft, original
 from configs.models import MODELS, TRAIN_SETS, model_config
-from configs.original import preset
 from oodjax import config_checks
 from oodjax.config_cli import apply_overrides, load_config_file
 from oodjax.data import testsets
@@ -26,7 +27,7 @@ from oodjax.usage_errors import NotFetchedError
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PRESETS = ROOT / "configs" / "original"
 
-# The fields the presets change, and the predecessor's value of each.
+# The fields the original presets change, and the predecessor's value of each.
 CHANGED = {
     # configs/opt.toml, configs/olmo.toml: prompt='{premise}Question: {hypothesis} Yes or No?'
     "data.template": "{premise}Question: {hypothesis} Yes or No?",
@@ -38,13 +39,12 @@ CHANGED = {
     "train.learning_rate": 1e-5,
     "train.weight_decay": 0.01,
     "train.batch_size": 32,  # per_device_train_batch_size
-    "train.epochs": 40.0,  # num_train_epochs=40
-    "train.warmup_ratio": 0.1,  # warmup_ratio=0.1, lr_scheduler_type left at the Trainer's "linear"
-    # Not the predecessor's (it evaluated every 2,000 steps): the study configs' 20 evaluations after step 0.
-    "eval.points": 20,
+    "train.epochs": 40.0,  # num_train_epochs=40 (over the whole training split: a placeholder here)
 }
 # Where the predecessor agrees with oodjax's defaults: the presets keep them.
 AGREED = {
+    "train.warmup_ratio": 0.1,  # warmup_ratio=0.1, lr_scheduler_type left at the Trainer's "linear"
+    "train.schedule": "linear",
     "data.answers": (" Yes", " No"),  # configs/*.toml: answer_tokens=[' Yes', ' No']
     "lora.rank": 8,  # [model.LoRA] r=8
     "lora.alpha": 32.0,  # lora_alpha=32
@@ -77,8 +77,30 @@ STAND_INS = {
     "allenai/scitail/dgem_format/test.jsonl": "allenai/scitail/tsv_format/test.jsonl",
 }
 
+# configs/llmft: experiments/pattern_verbalizer_ft/lora.sh runs scripts/pattern_verbalizer_ft/mnli/lora.sh with
+# "mnli 32 80 0.25 4 8 2e-4 facebook/opt-30b 8 -1": the fields the llmft presets change, and llmft's value of each.
+LLMFT_CHANGED = {
+    "train.learning_rate": 2e-4,  # learning_rate=2e-4
+    "train.batch_size": 32,  # bsz=4 per device x num_gpus=8, gradient_accumulation_steps 1
+    "train.epochs": 80.0,  # epochs=80
+    "train.warmup_ratio": 0.25,  # warmup_ratio=0.25
+}
+LLMFT_AGREED = {
+    "lora.rank": 8,  # adapter_dim=8
+    "train.weight_decay": 0.0,  # --weight_decay 0.0
+    "train.schedule": "linear",  # lr_scheduler_type left at the Trainer's "linear"
+}
+# Each family: its module, the fields it changes and those it keeps as its source has them, and each shot count's
+# steps (epochs x shots / 32) and warm-up (the ratio of them, rounded up).
+FAMILIES = {
+    "original": (original, CHANGED, AGREED, {32: 40, 64: 80, 128: 160}, {32: 4, 64: 8, 128: 16}),
+    "llmft": (llmft, LLMFT_CHANGED, LLMFT_AGREED, {32: 80, 64: 160, 128: 320}, {32: 20, 64: 40, 128: 80}),
+}
+
 GRID = [(model, train_set) for model in MODELS for train_set in TRAIN_SETS]
 IDS = [f"{model}_{train_set}" for model, train_set in GRID]
+FAMILY_GRID = [(family, model, train_set) for family in FAMILIES for model, train_set in GRID]
+FAMILY_IDS = [f"{family}/{model}_{train_set}" for family, model, train_set in FAMILY_GRID]
 
 
 def flat(config) -> dict:
@@ -96,27 +118,36 @@ def flat(config) -> dict:
     return out
 
 
-def test_every_model_and_training_set_has_a_preset_file_and_nothing_else():
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_model_and_training_set_has_a_preset_file_and_nothing_else(family):
     expected = {f"{model}_{train_set}.py" for model, train_set in GRID} | {"__init__.py"}
-    assert {path.name for path in PRESETS.glob("*.py")} == expected
+    assert {path.name for path in (ROOT / "configs" / family).glob("*.py")} == expected
 
 
-@pytest.mark.parametrize(("model", "train_set"), GRID, ids=IDS)
-def test_a_preset_changes_exactly_the_protocol_fields_to_the_predecessors_values(model, train_set):
-    loaded = load_config_file(str(PRESETS / f"{model}_{train_set}.py"))  # what `--config FILE` returns
-    assert loaded.to_dict() == preset(model, train_set).to_dict()
+@pytest.mark.parametrize(("family", "model", "train_set"), FAMILY_GRID, ids=FAMILY_IDS)
+def test_a_preset_changes_exactly_its_source_s_fields_to_its_values(family, model, train_set):
+    module, changed, agreed, steps, warmups = FAMILIES[family]
+    loaded = load_config_file(str(ROOT / "configs" / family / f"{model}_{train_set}.py"))  # `--config FILE`'s
+    assert loaded.to_dict() == module.preset(model, train_set).to_dict()
     got, study, defaults = flat(loaded), flat(model_config(model, train_set)), flat(base.get_config())
-    for field, value in {**CHANGED, **AGREED}.items():
+    for field, value in {**changed, **agreed}.items():
         assert got[field] == value, field
-    for field, value in CHANGED.items():
+    for field, value in changed.items():
         assert defaults[field] != value, f"{field} is oodjax's default already: not a change"
     differing = {field for field in got if got[field] != study[field]}
-    assert differing <= set(CHANGED), sorted(differing - set(CHANGED))
-    job = read(loaded)  # 40 epochs of 32, 64, 128 shots at batch 32; 10% of each, rounded up, to warm up
+    assert differing <= set(changed), sorted(differing - set(changed))
+    job = read(loaded)
     lengths = {shots: job.of_length(job.total_steps(shots)) for shots in (32, 64, 128)}
-    assert {shots: run.optimizer.total_steps for shots, run in lengths.items()} == {32: 40, 64: 80, 128: 160}
-    assert {shots: run.optimizer.warmup_steps for shots, run in lengths.items()} == {32: 4, 64: 8, 128: 16}
-    assert lengths[32].cadence.evaluated_steps() == list(range(0, 41, 2))
+    assert {shots: run.optimizer.total_steps for shots, run in lengths.items()} == steps
+    assert {shots: run.optimizer.warmup_steps for shots, run in lengths.items()} == warmups
+    for shots, run in lengths.items():  # step 0 and 20 more, floor(k T / 20), the last at the run's end
+        assert run.cadence.evaluated_steps() == [k * steps[shots] // 20 for k in range(21)]
+        # Linear warm-up over W steps, linear decay to 0 at T: the rates of steps 0..T-1 sum to peak x T / 2.
+        schedule = run.optimizer.learning_rate_schedule
+        summed = sum(float(schedule(step)) for step in range(steps[shots]))
+        np.testing.assert_allclose(summed, got["train.learning_rate"] * steps[shots] / 2, rtol=1e-5)
+    if family == "llmft":
+        return  # its template, testsets and adapter targets are the study config's, checked above
     table = testsets.testset_table(loaded.data.extra_testsets.to_dict())
     assert set(loaded.data.testsets) == set(EVALUATED)
     for name, (source, config, split) in EVALUATED.items():
@@ -172,8 +203,8 @@ def checkable(config, model: str, tmp_path: pathlib.Path, tokenizer: pathlib.Pat
 
 def test_the_config_checks_accept_every_preset(tmp_path, offline_caches, hf_data_dir, gpt2_tokenizer_dir):
     data_dir = mirror_of(hf_data_dir, tmp_path / "mirror", STAND_INS)
-    for model, train_set in GRID:
-        config = load_config_file(str(PRESETS / f"{model}_{train_set}.py"))
+    for family, model, train_set in FAMILY_GRID:
+        config = load_config_file(str(ROOT / "configs" / family / f"{model}_{train_set}.py"))
         config_checks.check_config(checkable(config, model, tmp_path, gpt2_tokenizer_dir, data_dir))
 
 

@@ -31,6 +31,7 @@ def test_a_packaged_name_loads_the_packaged_file_from_any_directory(spec, tmp_pa
 def test_a_packaged_config_of_a_sub_folder_and_config_files(monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)
     assert parse("oodjax:original/opt30_mnli").model.path == "facebook/opt-30b"
+    assert parse("oodjax:llmft/olmo7_snli").train.learning_rate == 2e-4
     assert config_files.load_config("oodjax:opt30_snli").data.train_set == "snli"
     assert config_files.expand_config_paths(["oodjax:opt30_*", "oodjax:original/opt30_m*"]) == [
         "oodjax:opt30_mnli",

@@ -170,6 +170,11 @@ TRAINING_ERRORS = {
         r"runs.shots: few-shot n=8000 needs 4000 examples of label 0 but the pool \(6703 rows\) has only 3463 "
         r"\(data.train_set 'mnli', split 'validation_mismatched'\)$",
     ),
+    "fixed_eval_every_with_epochs": (  # 2 epochs of 32 shots at batch 8: 8 steps, evaluated at 0, 2, 4, 6, 8
+        lambda tmp_path: ["--config.train.epochs=2"],
+        r"eval.every=2 would leave a run of 8 steps 5 evaluations, step 0's among them, fewer than 10: set "
+        r"eval.every=0 for eval.points, .* \(runs of 32 shots train .* = 8 steps\)$",
+    ),
     "template_without_hypothesis": (
         lambda tmp_path: ["--config.data.template={premise} Yes or No?"],
         r"data.template: prompt template must contain \{premise\} and \{hypothesis\} once each",

@@ -14,7 +14,7 @@ class Cadence:
 
     total_steps: int  # optimizer steps per run (of the runs of one length: ``oodjax.job.Job.of_length``)
     eval_every: int = 25  # step 0, every eval_every steps and the last step are evaluated
-    eval_points: int = 0  # else step 0 and this many steps spread evenly over total_steps, the last among them
+    eval_points: int = 0  # if > 0 instead: step 0 and this many steps spread over total_steps (all of fewer)
     checkpoint_every: int = 100  # and the last step
     checkpoint_keep: int = 2  # the newest checkpoints kept per run
     log_every: int = 10
@@ -22,7 +22,6 @@ class Cadence:
     def __post_init__(self) -> None:
         # train.steps >= 1 is the optimizer's check (steps.OptimizerSettings), the piece whose schedule spans it.
         every = {
-            "eval.every": self.eval_every,
             "checkpoint_every": self.checkpoint_every,
             "log_every": self.log_every,
         }
@@ -31,14 +30,19 @@ class Cadence:
                 raise ConfigError(f"{field} must be >= 1, got {value}")
         if self.checkpoint_keep < 1:
             raise ConfigError(f"checkpoint_keep must be >= 1 (checkpoints kept per run), got {self.checkpoint_keep}")
-        if not 0 <= self.eval_points <= self.total_steps:
+        if self.eval_points < 0:
+            raise ConfigError(f"eval.points must be >= 0 (0: eval.every), got {self.eval_points}")
+        if self.eval_every < 0:
+            raise ConfigError(f"eval.every must be >= 0 (0: eval.points), got {self.eval_every}")
+        if not self.eval_points and not self.eval_every:
             raise ConfigError(
-                f"eval.points must be in [0, {self.total_steps}], the steps of a run (0: eval.every), "
-                f"got {self.eval_points}"
+                "eval.points and eval.every are both 0: set eval.points (evaluations spread over each run) "
+                "or eval.every (steps between evaluations)"
             )
 
     def evaluation_due(self, step: int) -> bool:
-        """With eval.points P over T steps: step 0 and the steps floor(k T / P), k = 1..P, the last being T."""
+        """With eval.points P over T steps: step 0 and the steps floor(k T / P), k = 1..P, the last being T
+        (every step when P >= T)."""
         if self.eval_points:
             k = -(-step * self.eval_points // self.total_steps)  # the one k whose floor(k T / P) may be step
             return k * self.total_steps // self.eval_points == step and 0 <= k <= self.eval_points

@@ -1,0 +1,9 @@
+"""OPT-6.7B trained on few-shot MNLI by llmft's few-shot LoRA recipe (configs/llmft/__init__.py)."""
+
+from ml_collections import config_dict
+
+from configs.llmft import preset
+
+
+def get_config() -> config_dict.ConfigDict:
+    return preset("opt6.7", "mnli")
