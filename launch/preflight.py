@@ -41,7 +41,7 @@ from launch import costs, hlo
 from launch import estimate as estimator
 from oodjax import config_cli, models
 from oodjax.data import EVAL_KEYS, TRAIN_KEYS
-from oodjax.engine import loop, sharding, steps
+from oodjax.engine import sharding, steps
 from oodjax.engine.evaluation import pool_figures
 from oodjax.engine.geometry import BatchGeometry
 from oodjax.engine.run_data import training_figures
@@ -346,7 +346,7 @@ def abstract_steps(job: Job, *, devices: int, layers: int | None) -> AbstractSte
         return models.abstract_model(arch, dtype=job.model.dtype, remat=job.model.remat, attention=job.model.attention)
 
     graphdef, base, state = steps.abstract_attach_runs(make_model, seeds, job.lora, job.optimizer.transformation)
-    train_step, eval_step = loop.make_steps(job, geometry, graphdef, base, state, yes_id, no_id, mesh)
+    train_step, eval_step = steps.make_steps(job, geometry, graphdef, base, state, yes_id, no_id, mesh)
     base_in = _with_shardings(base, param_shardings(base, mesh))
     runs_in = _with_shardings(state, sharding.runs_shardings(state, mesh))
     return AbstractSteps(

@@ -110,8 +110,8 @@ def test_training_rate_leaves_out_evaluation_and_compilation(tmp_path, gpt2_toke
     config = tiny_config(tmp_path / "out", gpt2_tokenizer_dir, hf_data_dir, tmp_path / "cache")
     config.train.steps = 6
     config.checkpoint_every = 5  # evaluations at 2 and 4 are not also checkpoints
-    original = loop._Loop._evaluate
-    monkeypatch.setattr(loop._Loop, "_evaluate", lambda self, step: (original(self, step), time.sleep(4.0)))
+    original = loop.Evaluation.evaluate
+    monkeypatch.setattr(loop.Evaluation, "evaluate", lambda *args: (original(*args), time.sleep(4.0)))
     runs = loop.train(resolve(config))
     events = [json.loads(line) for line in (runs[0].directory / "events.jsonl").read_text().splitlines()]
     rates = {event["step"]: event["train/examples_per_s"] for event in events if "train/examples_per_s" in event}

@@ -47,17 +47,17 @@ def test_nothing_compiles_after_the_first_evaluation_step_and_checkpoint(config,
     config.train.steps = 6
     config.checkpoint_every = 2
     marks = []  # (what, step, compilations before, compilations after)
-    for method in ("_evaluate", "_checkpoint"):
-        original = getattr(loop._Loop, method)
+    for hook, method in ((loop.Evaluation, "evaluate"), (loop.Checkpoints, "save")):
+        original = getattr(hook, method)
 
-        def counting(self, step, original=original, method=method):
+        def counting(self, step, *args, original=original, method=method, **kwargs):
             before = len(compilations)
-            original(self, step)
+            original(self, step, *args, **kwargs)
             marks.append((method, step, before, len(compilations)))
 
-        monkeypatch.setattr(loop._Loop, method, counting)
+        monkeypatch.setattr(hook, method, counting)
     loop.train(resolve(config))
-    evaluations = [(step, before, after) for what, step, before, after in marks if what == "_evaluate"]
+    evaluations = [(step, before, after) for what, step, before, after in marks if what == "evaluate"]
     assert [step for step, _, _ in evaluations] == [0, 2, 4, 6]
     assert evaluations[0][2] > evaluations[0][1]  # the first evaluation compiles (the listener works)
     assert evaluations[1][1] > evaluations[0][2]  # so does the first train step
@@ -65,7 +65,7 @@ def test_nothing_compiles_after_the_first_evaluation_step_and_checkpoint(config,
     # The first checkpoint may compile (orbax slices replicated arrays once per
     # shape and device); after it, neither steps nor evaluations nor later
     # checkpoints compile anything.
-    first_checkpoint = next(mark for mark in marks if mark[0] == "_checkpoint")
+    first_checkpoint = next(mark for mark in marks if mark[0] == "save")
     assert first_checkpoint[1] == 2
     assert len(compilations) == first_checkpoint[3]
 

@@ -58,6 +58,11 @@ class Cadence:
     def log_due(self, step: int) -> bool:
         return step % self.log_every == 0
 
+    def syncs(self, step: int) -> bool:
+        """Whether the loop waits for the step's losses: at a log step, and before evaluating or checkpointing
+        (export's steps are checkpoint steps)."""
+        return self.log_due(step) or self.evaluation_due(step) or self.checkpoint_due(step)
+
 
 @dataclasses.dataclass(frozen=True)
 class ExportSettings:

@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import importlib.metadata
+import functools
 import pathlib
 import shutil
+import sys
 import time
-from collections.abc import Coroutine, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -27,7 +28,6 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from absl import logging
 from jax.sharding import NamedSharding, PartitionSpec
-from orbax.checkpoint._src import asyncio_utils
 
 from oodjax.engine.steps import TrainState
 from oodjax.storage import reporting_full_disk, silence_library_full_disk_reports
@@ -38,31 +38,30 @@ _ARRAYS, _LOOP = "runs", "loop"  # the items of a step
 _TMP_SUFFIX = ".orbax-checkpoint-tmp"  # how orbax names a step being written (a folder it renames when done)
 
 
-def _run_sync_via_new_loop(coro: Coroutine[Any, Any, Any]) -> Any:
-    """orbax's ``asyncio_utils._run_sync_via_new_loop``, but a failure waits for the loop's other tasks.
+def _drop_closed_loop_callbacks(report: Any, previous: Callable[[Any], None]) -> None:
+    """Drops TensorStore's calls into an event loop orbax closed, ``sys.unraisablehook``'s other reports passed on.
 
-    orbax closes the loop on the first failed write (a full disk) while the
-    others are in flight; each then calls back into the closed loop, and
-    TensorStore prints "Event loop is closed" tracebacks, dozens per save.
+    A failed save (a full disk) raises the first failed write of orbax's
+    gather and orbax closes that save's event loop; each write still in flight
+    then calls back into the closed loop from TensorStore's thread, which
+    Python reports as a bare "Event loop is closed" traceback, dozens per save.
+    Only such a report is dropped: that error, raised by ``call_soon_threadsafe``
+    called from native code (no Python frame of a caller).
     """
-    loop = asyncio.new_event_loop()
-    try:
-        asyncio.set_event_loop(loop)
-        try:
-            return loop.run_until_complete(coro)
-        except Exception:
-            if in_flight := asyncio.all_tasks(loop):
-                loop.run_until_complete(asyncio.gather(*in_flight, return_exceptions=True))
-            raise
-    finally:
-        asyncio.set_event_loop(None)
-        loop.close()
+    frame = report.exc_traceback
+    if not (
+        report.exc_type is RuntimeError
+        and str(report.exc_value) == "Event loop is closed"
+        and frame is not None
+        and frame.tb_frame.f_code is asyncio.BaseEventLoop.call_soon_threadsafe.__code__
+    ):
+        previous(report)
 
 
-# Replaced only on the orbax it was read against (requirements.txt's pin): elsewhere a full disk may print
-# those tracebacks again, and nothing else changes.
-if importlib.metadata.version("orbax-checkpoint") == "0.12.8":
-    asyncio_utils._run_sync_via_new_loop = _run_sync_via_new_loop  # read by orbax's run_sync at each call
+def drop_closed_loop_callbacks() -> None:
+    """Installs ``_drop_closed_loop_callbacks`` once in front of the process's ``sys.unraisablehook``."""
+    if getattr(sys.unraisablehook, "func", None) is not _drop_closed_loop_callbacks:
+        sys.unraisablehook = functools.partial(_drop_closed_loop_callbacks, previous=sys.unraisablehook)
 
 
 class CheckpointsUnusableError(RuntimeError):
@@ -229,6 +228,7 @@ class RunCheckpointer:
             raise ValueError(f"max_to_keep must be at least 1, got {max_to_keep}")
         self.directory = checkpoint_dir(run_dir)
         silence_library_full_disk_reports()  # a full disk is the NoSpaceError's one line, not orbax's hundreds
+        drop_closed_loop_callbacks()
         _remove_interrupted_saves(self.directory)
         options = ocp.CheckpointManagerOptions(
             max_to_keep=max_to_keep,

@@ -1,8 +1,10 @@
 """The run loop: train a config's runs, evaluate them as they go, keep everything, resume run by run.
 
 `train(job)` loads the model once, attaches one set of adapters per run
-(seeds x shots), and alternates jitted train steps with evaluations as
-``cadence.Cadence`` says.
+(seeds x shots), and trains them step by step (``_Loop``), each step handed
+to hooks that keep their own state and apply their own rule of
+``cadence.Cadence``: the losses' check and log, a stop, evaluation,
+checkpoint, export.
 
 Runs are the unit of resumption (``oodjax.engine.resumption``). Runs train
 in lockstep, so the unfinished ones are trained in groups of one length
@@ -18,8 +20,10 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import functools
+import itertools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import huggingface_hub
@@ -101,7 +105,7 @@ def _train_runs(job: Job, to_train: list[RunStart], to_export: list[RunStart], s
     for start in to_train:
         groups[(start.step, start.evaluation_pending, job.total_steps(start.run.shots))].append(start)
     for key in sorted(groups, reverse=True):
-        _train_group(job.of_length(key[2]), mesh, model, groups[key], stop)
+        _Loop(job.of_length(key[2]), mesh, model, groups[key], stop).run()
 
 
 def _export_finished(job: Job, start: RunStart) -> None:
@@ -116,60 +120,6 @@ def _export_finished(job: Job, start: RunStart) -> None:
         return
     _export_adapters(job, start.run, restored.state.lora, restored.step)
     start.checkpoint = dataclasses.replace(restored, state=None)  # its memory goes
-
-
-def _train_group(
-    job: Job,
-    mesh: jax.sharding.Mesh,
-    model: models.CausalLM,
-    group: list[RunStart],
-    stop: StopSignals,
-) -> None:
-    """Trains runs that stand at one step together, from their checkpoints (or from scratch at step 0); ``job``
-    is of their length (``Job.of_length``)."""
-    runs = [start.run for start in group]
-    logging.info("training %d runs from step %d: %s", len(runs), group[0].step, ", ".join(run.name for run in runs))
-    setup = set_up(job, mesh, runs)
-    geometry, data, (yes_id, no_id) = setup.geometry, setup.data, setup.answer_ids
-    seeds = [run.seed for run in runs]
-    graphdef, base_state, state = steps.attach_runs(model, seeds, job.lora, job.optimizer.transformation, mesh=mesh)
-    if group[0].checkpoint is not None:
-        state = checkpoints.stack_runs([start.checkpoint.state for start in group], like=state)
-        data.train_stream.set_state(group[0].checkpoint.loop_state["data"])  # the group's runs stand at one step
-    train_step, eval_step = make_steps(job, geometry, graphdef, base_state, state, yes_id, no_id, mesh)
-    loop = _Loop(job, group, mesh, geometry, train_step, eval_step, base_state, state, data, stop)
-    for start in group:  # the restored slices now live in the stacked state
-        if start.checkpoint is not None:
-            start.checkpoint = dataclasses.replace(start.checkpoint, state=None)
-    loop.run()
-
-
-def make_steps(
-    job: Job,
-    geometry: BatchGeometry,
-    graphdef: nnx.GraphDef,
-    base_state: nnx.State,
-    state: steps.TrainState,
-    yes_id: int,
-    no_id: int,
-    mesh: jax.sharding.Mesh,
-) -> tuple[Callable[..., Any], Callable[..., Any]]:
-    """The job's (train_step, eval_step): what ``train`` runs and ``launch.preflight`` compiles (so
-    ``base_state`` and ``state`` may be abstract)."""
-    compute_dtype = job.model.compute_dtype
-    train_step = steps.make_train_step(
-        graphdef,
-        job.optimizer.transformation,
-        yes_id,
-        no_id,
-        geometry,
-        mesh=mesh,
-        base_state=base_state,
-        state=state,
-        compute_dtype=compute_dtype,
-    )
-    eval_step = steps.make_eval_step(graphdef, yes_id, no_id, mesh=mesh, compute_dtype=compute_dtype)
-    return train_step, eval_step
 
 
 def _export_adapters(job: Job, run: Run, adapters: nnx.State, step: int) -> None:
@@ -211,290 +161,216 @@ def _summary(job: Job, runs: Sequence[Run]) -> None:
     at = f"step {lengths[0]}" if len(lengths) == 1 else f"each run's last step ({', '.join(map(str, lengths))})"
     label = f"final accuracy at {at}, in-domain {in_domain} / mean OOD ({', '.join(ood)})"
     logging.info("%s", console.by_run(label, runs, cells))
-    logging.info(
-        "done: %d runs; results in %s (metrics.npz and events.jsonl per run; `python -m analysis.runs %s` "
-        "lists them, `python -m analysis %s --out DIR` analyses them)",
-        len(runs),
-        job.runs.output_dir,
-        job.runs.output_dir,
-        job.runs.output_dir,
-    )
+    out = job.runs.output_dir
+    where = f"{out} (metrics.npz and events.jsonl per run; `python -m analysis.runs {out}` lists them, "
+    logging.info("done: %d runs; results in %s`python -m analysis %s --out DIR` analyses them)", len(runs), where, out)
 
 
-class _Loop:
-    """Trains one group of runs that stand at one step: a stepper (``_train``) and the hooks due after a step.
-    Whenever a hook or a log line is due, the step's losses are fetched, checked and logged first."""
+def _run_record(job: Job, run: Run, **more: Any) -> dict[str, Any]:
+    """The job's record with the run's own section (its metrics.npz's), and ``more`` in that section."""
+    section = {
+        schema.RUN_MODEL: job.model.name,
+        schema.RUN_SEED: run.seed,
+        schema.RUN_SHOTS: run.shots,
+        schema.RUN_STEPS: job.cadence.total_steps,
+        **more,
+    }
+    return dict(job.record, **{schema.RUN_SECTION: section})
+
+
+@dataclasses.dataclass(frozen=True)
+class StepInfo:
+    """A trained step as the hooks see it: its number, the runs' state after it, and its metrics (on device)."""
+
+    step: int
+    state: steps.TrainState
+    metrics: dict[str, jax.Array]
+
+
+class _Clock:
+    """The training clock: steps and seconds of training alone (no compiling, evaluating or checkpointing), and
+    the progress bar whose timer it resumes."""
+
+    def __init__(self) -> None:
+        self.seconds, self.steps = 0.0, 0
+        self.bar: tqdm | None = None
+        self.restart()
+
+    def restart(self) -> None:
+        """A new window, after work that is not training."""
+        self.start, self.window = time.perf_counter(), 0
+        if self.bar is not None:
+            self.bar.unpause()
+
+    def lap(self) -> tuple[int, float]:
+        """The window's steps and seconds, added to the totals; a new window starts now."""
+        now = time.perf_counter()
+        window, seconds = self.window, now - self.start
+        if window:
+            self.seconds, self.steps = self.seconds + seconds, self.steps + window
+        self.start, self.window = now, 0
+        return window, seconds
+
+
+@dataclasses.dataclass(frozen=True)
+class _Group:
+    """What the hooks of one group share and none owns: the job (of the group's length), the runs' starts,
+    their event logs (the primary's; only it writes) and checkpointers, and the training clock."""
+
+    job: Job
+    starts: Sequence[RunStart]
+    events: Sequence[EventLog]
+    checkpointers: Sequence[checkpoints.RunCheckpointer]
+    clock: _Clock
+
+    @property
+    def runs(self) -> list[Run]:
+        return [start.run for start in self.starts]
+
+
+class TrainLosses:
+    """Hook: keeps each step's metrics on device until the cadence waits for them (``Cadence.syncs``), then
+    fetches them, stops at a non-finite loss, and logs the window; sums each run's loss since the last
+    evaluation (its train_loss, which checkpoints keep)."""
+
+    def __init__(self, group: _Group, geometry: BatchGeometry):
+        self.group, self.geometry = group, geometry
+        self.pending: list[tuple[int, dict[str, jax.Array]]] = []  # not yet fetched
+        self.window: list[dict[str, np.ndarray]] = []  # fetched since the last log line
+        self.sum, self.steps = np.zeros(len(group.starts)), 0
+        if (restored := group.starts[0].checkpoint) is not None:
+            self.sum = np.array([start.checkpoint.loop_state["loss_sum"] for start in group.starts])
+            self.steps = restored.loop_state["loss_steps"]
+
+    def __call__(self, info: StepInfo) -> None:
+        self.pending.append((info.step, info.metrics))
+        if self.group.job.cadence.syncs(info.step):
+            self.log(info.step)
+
+    def check(self) -> None:
+        """Fetches the pending step metrics; stops at the first non-finite loss, naming its step."""
+        for step, metrics in self.pending:
+            metrics = {key: np.asarray(value, dtype=np.float64) for key, value in jax.device_get(metrics).items()}
+            if not np.isfinite(values := metrics["loss"]).all():
+                runs = zip(self.group.runs, values)
+                bad = ", ".join(f"{run.name}={value}" for run, value in runs if not np.isfinite(value))
+                for checkpointer in self.group.checkpointers:
+                    checkpointer.wait()
+                raise NonFiniteLossError(
+                    f"non-finite training loss at step {step} ({bad}); stopped. The runs' last good checkpoints are "
+                    f"at step {self.group.checkpointers[0].latest_step()} (<run_dir>/{checkpoints.CHECKPOINT_DIR}/ "
+                    f"under {self.group.job.runs.output_dir}); metrics.npz holds every evaluation up to it"
+                )
+            self.sum, self.steps = self.sum + values, self.steps + 1
+            self.window.append(metrics)
+        self.pending = []
+
+    def log(self, step: int) -> None:
+        """Checks the losses, then logs the learning rate, throughput and ETA (from the training clock), and
+        each run's mean loss and gradient norm since the last log line."""
+        self.check()
+        job, clock = self.group.job, self.group.clock
+        loss, grad_norm = (np.mean([metrics[key] for metrics in self.window], axis=0) for key in ("loss", "grad_norm"))
+        # the optimizer's own schedule; step s's update is its (s-1)-th
+        learning_rate = float(job.optimizer.learning_rate_schedule(step - 1))
+        metrics = {"train/loss": loss, "train/grad_norm": grad_norm, "train/learning_rate": learning_rate}
+        line = f"step {step}/{job.cadence.total_steps}: lr {learning_rate:.3g}"
+        window, seconds = clock.lap()
+        if window:
+            rate = self.geometry.runs * self.geometry.batch_size * window / seconds
+            eta = clock.seconds / clock.steps * (job.cadence.total_steps - step)
+            metrics["train/examples_per_s"] = rate
+            line += f", {rate:.1f} examples/s, training ETA {console.duration(eta)}"
+            if clock.bar is not None:
+                clock.bar.set_postfix(loss=f"{loss.mean():.4f}", examples_per_s=f"{rate:.1f}")
+        per_run = [f"{run_loss:.4f} ({run_norm:.3g})" for run_loss, run_norm in zip(loss, grad_norm)]
+        logging.info("%s; %s", line, console.by_run("loss (grad norm)", self.group.runs, per_run))
+        for r, log in enumerate(self.group.events):
+            log.log(step, {key: value if np.ndim(value) == 0 else value[r] for key, value in metrics.items()})
+        self.window = []
+
+    def since_evaluation(self) -> np.ndarray:
+        """Each run's mean loss since the last evaluation (NaN before any step); the sums start again."""
+        mean = self.sum / self.steps if self.steps else np.full(len(self.sum), np.nan)
+        self.sum, self.steps = np.zeros(len(self.sum)), 0
+        return mean
+
+
+class Evaluation:
+    """Hook: at the cadence's evaluation steps, evaluates every run on every testset and its own training set
+    and rewrites each metrics.npz (``RunResults``)."""
 
     def __init__(
         self,
-        job: Job,
-        group: Sequence[RunStart],
-        mesh: jax.sharding.Mesh,
-        geometry: BatchGeometry,
-        train_step: Callable[..., Any],
+        group: _Group,
+        data: RunsData,
+        losses: TrainLosses,
         eval_step: Callable[..., Any],
         base_state: nnx.State,
-        state: steps.TrainState,
-        data: RunsData,
-        stop: StopSignals,
+        mesh: jax.sharding.Mesh,
     ):
-        runs = [start.run for start in group]
-        self.job, self.runs, self.mesh, self.geometry, self.data = job, runs, mesh, geometry, data
-        self.cadence, self.total_steps = job.cadence, job.cadence.total_steps
-        self.train_step, self.eval_step = train_step, eval_step
-        self.base_state, self.state, self.stop = base_state, state, stop
-        # The step the group starts from, whether it resumes, and whether that step's evaluation is still to do.
-        self.start, self.resumed = group[0].step, group[0].checkpoint is not None
-        self.evaluation_pending = group[0].evaluation_pending
-        # After a step, in this order, the hooks whose cadence makes them due.
-        self.hooks = [
-            (self.cadence.evaluation_due, self._evaluate),
-            (self.cadence.checkpoint_due, self._checkpoint),
-            (self._export_due, self._export),
-        ]
-        self.checkpointers = [
-            checkpoints.RunCheckpointer(run.directory, name=run.name, max_to_keep=self.cadence.checkpoint_keep)
-            for run in runs
-        ]
-        self.primary = is_primary()  # only process 0 writes results and event logs
+        self.group, self.data, self.losses = group, data, losses
+        self.eval_step, self.base_state, self.mesh = eval_step, base_state, mesh
+        self.compiled = False
         self.results = [
             RunResults(
                 run.directory,
                 labels=data.eval_pool.labels_of(r),
                 dataset_index=data.dataset_index[r],
-                in_domain=job.data.train_set,
-                config=self._record(run),
+                in_domain=group.job.data.train_set,
+                config=_run_record(group.job, run),
             )
-            for r, run in enumerate(runs)
+            for r, run in enumerate(group.runs)
         ]
-        self.events = [
-            EventLog(
-                run.directory,
-                run_name=run.name,
-                kept_through=self.start if self.resumed else -1,  # the steps the run redoes are dropped
-                wandb=job.trackers.wandb,
-                tensorboard=job.trackers.tensorboard,
-                config=self._record(run, train_set=job.data.train_set),  # its training set too, for W&B's filters
-            )
-            for run in (runs if self.primary else [])
-        ]
-        if self.events and (wandb_destination := self.events[0].wandb_destination()) is not None:
-            logging.info("%s", wandb_destination)  # once, in place of W&B's banner and footer per run
-        # Per-run loss sums since the last evaluation (its train_loss); the per-run losses and gradient norms since
-        # the last log line; the train step's device metrics not yet checked.
-        self.loss_sum, self.loss_steps = np.zeros(len(runs)), 0
-        if self.resumed:
-            self.loss_sum = np.array([start.checkpoint.loop_state["loss_sum"] for start in group], dtype=np.float64)
-            self.loss_steps = group[0].checkpoint.loop_state["loss_steps"]
-        self.window: list[dict[str, np.ndarray]] = []
-        self.pending: list[tuple[int, dict[str, jax.Array]]] = []
-        # The training clock: steps and seconds of training alone (no compiling, evaluating or checkpointing).
-        self.window_start, self.window_steps = time.perf_counter(), 0
-        self.train_seconds, self.timed_steps = 0.0, 0
-        self.bar: tqdm | None = None  # the training progress bar, while it is live
-        self.eval_compiled = False
 
-    def _record(self, run: Run, **more: Any) -> dict[str, Any]:
-        """The job's record with the run's own section (its metrics.npz's), and ``more`` in that section."""
-        section = {
-            schema.RUN_MODEL: self.job.model.name,
-            schema.RUN_SEED: run.seed,
-            schema.RUN_SHOTS: run.shots,
-            schema.RUN_STEPS: self.total_steps,
-            **more,
-        }
-        return dict(self.job.record, **{schema.RUN_SECTION: section})
+    def __call__(self, info: StepInfo) -> None:
+        if self.group.job.cadence.evaluation_due(info.step):
+            self.evaluate(info.step, info.state)
+            self.group.clock.restart()
 
-    def run(self) -> None:
-        with contextlib.ExitStack() as closing:  # every one closed, whatever fails (pending saves waited for)
-            for closable in (*self.checkpointers, *self.events):
-                closing.callback(closable.close)
-            with console.logs_above_bars():
-                self._resume_or_start()
-                if self.start < self.total_steps:
-                    self._train(self.start)
-                elif self.job.export.peft:  # stopped at the last step before its evaluation, now done
-                    self._export(self.start)
-
-    def _resume_or_start(self) -> None:
+    def begin(self, state: steps.TrainState) -> None:
         """Evaluates step 0 of new runs; reloads resumed runs' evaluations up to their step from their
         metrics.npz, then does that step's evaluation if they were stopped before it."""
-        if not self.resumed:
-            self._evaluate(0)
-            return
-        evaluated = [step for step in self.cadence.evaluated_steps() if step <= self.start]
-        if self.evaluation_pending:
-            evaluated.remove(self.start)
+        first = self.group.starts[0]
+        if first.checkpoint is None:
+            return self.evaluate(0, state)
+        evaluated = [step for step in self.group.job.cadence.evaluated_steps() if step <= first.step]
+        if first.evaluation_pending:
+            evaluated.remove(first.step)
         for run_results in self.results:
-            run_results.resume(self.start, evaluated)
-        if self.evaluation_pending:
-            self._evaluate(self.start)
+            run_results.resume(first.step, evaluated)
+        if first.evaluation_pending:
+            self.evaluate(first.step, state)
 
-    # The stepper.
-    def _train(self, start: int) -> None:
-        """Steps start+1 .. total. The first step, which compiles, runs before the bar and the training
-        clock start, so neither the ETA nor examples/s counts its compilation."""
-        if self.stop.agreed():  # a signal while loading, compiling or evaluating
-            self._stop(start, evaluation_pending=False)
-        first = start + 1
-        with console.first_call("train step"):
-            self._train_step(first)
-            jax.block_until_ready(self.pending[-1][1])
-        self._restart_clock()
-        with console.bar(
-            total=self.total_steps, initial=first, desc="train", unit="step", enabled=self.primary
-        ) as self.bar:
-            self._after_train_step(first)
-            for step in range(first + 1, self.total_steps + 1):
-                self._train_step(step)
-                self.bar.update(1)
-                self._after_train_step(step)
-        self.bar = None
-
-    def _train_step(self, step: int) -> None:
-        batch = next(self.data.train_stream)  # this process's rows of the global micro-batches
-        batch = sharding.shard_process_batch(
-            {key: batch[key] for key in TRAIN_KEYS}, self.mesh, batch_axis=1, num_rows=self.geometry.rows
-        )
-        self.state, metrics = self.train_step(self.base_state, self.state, batch)
-        self.pending.append((step, metrics))
-        self.window_steps += 1
-        self.stop.step_trained()
-
-    def _after_train_step(self, step: int) -> None:
-        due = [hook for is_due, hook in self.hooks if is_due(step)]
-        waits = bool(due) or self.cadence.log_due(step)  # for the step's losses
-        if waits:
-            self._log_window(step)  # before a stop too: the resumed run keeps the lines up to its checkpoint
-        if self.stop.agreed(synced=waits):
-            self._stop(step, evaluation_pending=self.cadence.evaluation_due(step))
-        for hook in due:
-            hook(step)
-        if due:
-            self._restart_clock()
-
-    def _restart_clock(self) -> None:
-        """Restarts the training clock and the bar's timer after work that is not training."""
-        self.window_start, self.window_steps = time.perf_counter(), 0
-        if self.bar is not None:
-            self.bar.unpause()
-
-    def _stop(self, step: int, *, evaluation_pending: bool) -> NoReturn:
-        """Checkpoints every run at ``step`` (unless it already is), waits until it is on disk in every process,
-        says so, and raises ``Preempted``."""
-        self._check_losses()
-        if any(checkpointer.latest_step() != step for checkpointer in self.checkpointers):
-            self._checkpoint(step, evaluation_pending=evaluation_pending)
-        for checkpointer in self.checkpointers:
-            checkpointer.wait()
-        signal_name = self.stop.received or "a signal to another process"
-        logging.warning(
-            "stopping after step %d on %s: the checkpoints of %d runs at step %d are saved (<run_dir>/%s/%d under "
-            "%s)%s; rerun the same command to resume",
-            step,
-            signal_name,
-            len(self.runs),
-            step,
-            checkpoints.CHECKPOINT_DIR,
-            step,
-            self.job.runs.output_dir,
-            ", its evaluation left for the resumed run" if evaluation_pending else "",
-        )
-        if jax.process_count() > 1:
-            multihost_utils.sync_global_devices("oodjax: checkpoints saved before stopping")
-        raise Preempted(step, [run.name for run in self.runs], signal_name)
-
-    # The hooks: the log line (with the loss check), evaluation, checkpoint, export.
-    def _check_losses(self) -> None:
-        """Fetches the pending step metrics; stops at the first non-finite loss, naming its step."""
-        for step, metrics in self.pending:
-            metrics = {key: np.asarray(value, dtype=np.float64) for key, value in jax.device_get(metrics).items()}
-            values = metrics["loss"]
-            if not np.isfinite(values).all():
-                bad = ", ".join(
-                    f"{run.name}={value}" for run, value in zip(self.runs, values) if not np.isfinite(value)
-                )
-                for checkpointer in self.checkpointers:
-                    checkpointer.wait()
-                latest = self.checkpointers[0].latest_step()
-                raise NonFiniteLossError(
-                    f"non-finite training loss at step {step} ({bad}); stopped. The runs' last good checkpoints "
-                    f"are at step {latest} (<run_dir>/{checkpoints.CHECKPOINT_DIR}/ under {self.job.runs.output_dir}); "
-                    "metrics.npz holds every evaluation up to it"
-                )
-            self.loss_sum += values
-            self.loss_steps += 1
-            self.window.append(metrics)
-        self.pending = []
-
-    def _log_window(self, step: int) -> None:
-        """Checks the losses, then logs the learning rate, throughput and ETA (from the training clock), and
-        each run's mean loss and gradient norm since the last log line."""
-        self._check_losses()
-        now = time.perf_counter()
-        loss, grad_norm = (np.mean([metrics[key] for metrics in self.window], axis=0) for key in ("loss", "grad_norm"))
-        # the optimizer's own schedule; step s's update is its (s-1)-th
-        learning_rate = float(self.job.optimizer.learning_rate_schedule(step - 1))
-        metrics = {"train/loss": loss, "train/grad_norm": grad_norm, "train/learning_rate": learning_rate}
-        line = f"step {step}/{self.total_steps}: lr {learning_rate:.3g}"
-        if self.window_steps:
-            rate = self.geometry.runs * self.geometry.batch_size * self.window_steps / (now - self.window_start)
-            self.train_seconds += now - self.window_start
-            self.timed_steps += self.window_steps
-            eta = self.train_seconds / self.timed_steps * (self.total_steps - step)
-            metrics["train/examples_per_s"] = rate
-            line += f", {rate:.1f} examples/s, training ETA {console.duration(eta)}"
-            if self.bar is not None:
-                self.bar.set_postfix(loss=f"{loss.mean():.4f}", examples_per_s=f"{rate:.1f}")
-        per_run = [f"{run_loss:.4f} ({run_norm:.3g})" for run_loss, run_norm in zip(loss, grad_norm)]
-        logging.info("%s; %s", line, console.by_run("loss (grad norm)", self.runs, per_run))
-        for r, log in enumerate(self.events):
-            log.log(step, {key: value if np.ndim(value) == 0 else value[r] for key, value in metrics.items()})
-        self.window, self.window_start, self.window_steps = [], now, 0
-
-    def _evaluate(self, step: int) -> None:
-        """Evaluates every run on every testset and its own training set; rewrites each metrics.npz."""
-        num_runs = len(self.runs)
-        start = time.perf_counter()
-        pool = self.data.first_eval_pool if adds_nothing(self.state.lora) else self.data.eval_pool
-        batches = len(pool.batches)
-        compiling = console.first_call("evaluation step") if not self.eval_compiled else contextlib.nullcontext()
+    def evaluate(self, step: int, state: steps.TrainState) -> None:
+        start, primary = time.perf_counter(), is_primary()
+        pool = self.data.first_eval_pool if adds_nothing(state.lora) else self.data.eval_pool
+        compiling = console.first_call("evaluation step") if not self.compiled else contextlib.nullcontext()
+        desc = f"evaluate step {step}"
         with (
             compiling,
-            console.bar(
-                total=batches, desc=f"evaluate step {step}", unit="batch", enabled=self.primary, leave=False
-            ) as bar,
+            console.bar(total=len(pool.batches), desc=desc, unit="batch", enabled=primary, leave=False) as bar,
         ):
-            margins = evaluate(
-                self._eval_step_counted(bar) if not bar.disable else self.eval_step,
-                self.base_state,
-                self.state.lora,
-                pool,
-                place=lambda batch: sharding.shard_batch(batch, self.mesh, batch_axis=1),
-            )
-        self.eval_compiled = True
+            eval_step = self._eval_step_counted(bar) if not bar.disable else self.eval_step
+            place = functools.partial(sharding.shard_batch, mesh=self.mesh, batch_axis=1)
+            margins = evaluate(eval_step, self.base_state, state.lora, pool, place=place)
+        self.compiled = True
         once = ", each example once for all runs: no adapter adds anything yet" if pool.interchangeable else ""
-        logging.info("evaluated step %d (%d batches%s) in %.1f s", step, batches, once, time.perf_counter() - start)
-        train_loss = self.loss_sum / self.loss_steps if self.loss_steps else np.full(num_runs, np.nan)
+        seconds = time.perf_counter() - start
+        logging.info("evaluated step %d (%d batches%s) in %.1f s", step, len(pool.batches), once, seconds)
+        train_loss, clock = self.losses.since_evaluation(), self.group.clock.seconds
         accuracies = [
-            run_results.add(
-                step,
-                run_margins,
-                train_loss[r],
-                train_clock=self.train_seconds,
-                evaluation_seconds=time.perf_counter() - start,
-            )
-            for r, (run_results, run_margins) in enumerate(zip(self.results, margins))
+            run_results.add(step, margins[r], train_loss[r], train_clock=clock, evaluation_seconds=seconds)
+            for r, run_results in enumerate(self.results)
         ]
         if step == 0:  # the base model's own outputs
-            refuse_non_finite_model(self.job.model.source, accuracies)
-        for r, (run, run_results, run_accuracies) in enumerate(zip(self.runs, self.results, accuracies)):
-            if self.primary:
+            refuse_non_finite_model(self.group.job.model.source, accuracies)
+        for r, (run, run_results, run_accuracies) in enumerate(zip(self.group.runs, self.results, accuracies)):
+            if primary:
                 run_results.write()
-                self.events[r].log(step, {f"accuracy/{name}": value for name, value in run_accuracies.items()})
+                self.group.events[r].log(step, {f"accuracy/{name}": value for name, value in run_accuracies.items()})
             summary = ", ".join(f"{name} {value:.3f}" for name, value in run_accuracies.items())
             logging.info("step %d, %s: %s", step, run.name, summary)
-        self.loss_sum, self.loss_steps = np.zeros(num_runs), 0
 
     def _eval_step_counted(self, bar: tqdm) -> Callable[..., jax.Array]:
         """The eval step, advancing ``bar`` as batches finish: each call first waits for the batch two calls
@@ -510,26 +386,171 @@ class _Loop:
 
         return counted
 
-    def _checkpoint(self, step: int, *, evaluation_pending: bool = False) -> None:
-        """Saves each run's slice of the state and its loop state at ``step`` in the run's own folder."""
-        comparable = comparable_stored(self.job.record)
-        run_states = checkpoints.split_runs(self.state)
-        for r, (checkpointer, run_state) in enumerate(zip(self.checkpointers, run_states, strict=True)):
+
+class Checkpoints:
+    """Hook: at the cadence's checkpoint steps, saves each run's slice of the state and its loop state (the
+    data stream's, its loss sum) in the run's own folder."""
+
+    def __init__(self, group: _Group, data: RunsData, losses: TrainLosses):
+        self.group, self.data, self.losses = group, data, losses
+
+    def __call__(self, info: StepInfo) -> None:
+        if self.group.job.cadence.checkpoint_due(info.step):
+            self.save(info.step, info.state)
+            self.group.clock.restart()
+
+    def save(self, step: int, state: steps.TrainState, *, evaluation_pending: bool = False) -> None:
+        comparable, data = comparable_stored(self.group.job.record), self.data.train_stream.get_state()
+        run_states = checkpoints.split_runs(state)
+        for r, (checkpointer, run_state) in enumerate(zip(self.group.checkpointers, run_states, strict=True)):
             loop_state = {
                 "config": comparable,
-                "loss_sum": float(self.loss_sum[r]),
-                "loss_steps": self.loss_steps,
-                "data": self.data.train_stream.get_state(),
+                "loss_sum": float(self.losses.sum[r]),
+                "loss_steps": self.losses.steps,
+                "data": data,
                 "evaluation_pending": evaluation_pending,
             }
             checkpointer.save(step, run_state, loop_state)
 
-    def _export_due(self, step: int) -> bool:
-        """With export.peft: at the last step's checkpoint, or at every checkpoint with export.every_checkpoint."""
-        last_or_every = step == self.total_steps or self.job.export.every_checkpoint
-        return self.job.export.peft and self.cadence.checkpoint_due(step) and last_or_every
 
-    def _export(self, step: int) -> None:
-        """Writes each run's current adapters to <run_dir>/adapter/ in PEFT format (``_export_adapters``)."""
-        for r, run in enumerate(self.runs):
-            _export_adapters(self.job, run, steps.select_run(self.state.lora, r), step)
+class Export:
+    """Hook: with export.peft, writes each run's adapters to <run_dir>/adapter/ in PEFT format at the last
+    step's checkpoint, or at every checkpoint with export.every_checkpoint."""
+
+    def __init__(self, group: _Group):
+        self.group = group
+
+    def __call__(self, info: StepInfo) -> None:
+        cadence, export = self.group.job.cadence, self.group.job.export
+        last_or_every = info.step == cadence.total_steps or export.every_checkpoint
+        if export.peft and cadence.checkpoint_due(info.step) and last_or_every:
+            self.export(info.step, info.state)
+            self.group.clock.restart()
+
+    def export(self, step: int, state: steps.TrainState) -> None:
+        for r, run in enumerate(self.group.runs):
+            _export_adapters(self.group.job, run, steps.select_run(state.lora, r), step)
+
+
+class Stopping:
+    """Hook: on a stop signal (agreed across processes at the steps the cadence waits for anyway), checkpoints
+    every run at the step unless it already is, waits until that is on disk everywhere, and raises
+    ``Preempted``. Registered after the losses' log (the resumed run keeps the lines up to its checkpoint) and
+    before evaluation (left to the resumed run)."""
+
+    def __init__(self, group: _Group, stop: StopSignals, losses: TrainLosses, saves: Checkpoints):
+        self.group, self.stop, self.losses, self.saves = group, stop, losses, saves
+
+    def __call__(self, info: StepInfo) -> None:
+        cadence = self.group.job.cadence
+        if self.stop.agreed(synced=cadence.syncs(info.step)):
+            self.stop_at(info.step, info.state, evaluation_pending=cadence.evaluation_due(info.step))
+
+    def stop_at(self, step: int, state: steps.TrainState, *, evaluation_pending: bool) -> NoReturn:
+        self.losses.check()
+        if any(checkpointer.latest_step() != step for checkpointer in self.group.checkpointers):
+            self.saves.save(step, state, evaluation_pending=evaluation_pending)
+        for checkpointer in self.group.checkpointers:
+            checkpointer.wait()
+        signal_name = self.stop.received or "a signal to another process"
+        where = f"<run_dir>/{checkpoints.CHECKPOINT_DIR}/{step} under {self.group.job.runs.output_dir}"
+        left = ", its evaluation left for the resumed run" if evaluation_pending else ""
+        runs = len(self.group.starts)
+        message = f"the checkpoints of {runs} runs at step {step} are saved ({where}){left}; rerun the same command"
+        logging.warning("stopping after step %d on %s: %s to resume", step, signal_name, message)
+        if jax.process_count() > 1:
+            multihost_utils.sync_global_devices("oodjax: checkpoints saved before stopping")
+        raise Preempted(step, [run.name for run in self.group.runs], signal_name)
+
+
+class _Loop:
+    """The trainer of one group of runs that stand at one step: a stepper (``_steps``) whose every step's
+    ``StepInfo`` goes to the hooks in the order registered (``hooks``)."""
+
+    def __init__(
+        self, job: Job, mesh: jax.sharding.Mesh, model: models.CausalLM, starts: Sequence[RunStart], stop: StopSignals
+    ):
+        """Sets up the runs that stand at one step, from their checkpoints (or from scratch at step 0); ``job`` is
+        of their length (``Job.of_length``)."""
+        runs = [start.run for start in starts]
+        logging.info(
+            "training %d runs from step %d: %s", len(runs), starts[0].step, ", ".join(run.name for run in runs)
+        )
+        setup = set_up(job, mesh, runs)
+        geometry, data, (yes_id, no_id) = setup.geometry, setup.data, setup.answer_ids
+        seeds = [run.seed for run in runs]
+        graphdef, base_state, state = steps.attach_runs(model, seeds, job.lora, job.optimizer.transformation, mesh=mesh)
+        if starts[0].checkpoint is not None:
+            state = checkpoints.stack_runs([start.checkpoint.state for start in starts], like=state)
+            data.train_stream.set_state(starts[0].checkpoint.loop_state["data"])  # the runs stand at one step
+            for start in starts:  # the restored slices now live in the stacked state
+                start.checkpoint = dataclasses.replace(start.checkpoint, state=None)
+        self.train_step, eval_step = steps.make_steps(job, geometry, graphdef, base_state, state, yes_id, no_id, mesh)
+        self.geometry, self.data, self.mesh, self.stop = geometry, data, mesh, stop
+        self.base_state, self.state = base_state, state
+        kept_through = starts[0].step if starts[0].checkpoint is not None else -1  # the redone steps' lines go
+        events = [
+            EventLog(
+                run.directory,
+                run_name=run.name,
+                kept_through=kept_through,
+                wandb=job.trackers.wandb,
+                tensorboard=job.trackers.tensorboard,
+                config=_run_record(job, run, train_set=job.data.train_set),  # its training set too, for W&B's filters
+            )
+            for run in (runs if is_primary() else [])  # only process 0 writes results and event logs
+        ]
+        if events and (wandb_destination := events[0].wandb_destination()) is not None:
+            logging.info("%s", wandb_destination)  # once, in place of W&B's banner and footer per run
+        keep = job.cadence.checkpoint_keep
+        checkpointers = [checkpoints.RunCheckpointer(run.directory, name=run.name, max_to_keep=keep) for run in runs]
+        self.group = group = _Group(job, starts, events, checkpointers, _Clock())
+        losses = TrainLosses(group, geometry)
+        saves = Checkpoints(group, data, losses)
+        self.evaluation = Evaluation(group, data, losses, eval_step, base_state, mesh)
+        self.export, self.stopping = Export(group), Stopping(group, stop, losses, saves)
+        # After each step, in this order: the losses' check and log line, a stop, evaluation, checkpoint, export.
+        self.hooks: list[Callable[[StepInfo], None]] = [losses, self.stopping, self.evaluation, saves, self.export]
+
+    def run(self) -> None:
+        with contextlib.ExitStack() as closing:  # every one closed, whatever fails (pending saves waited for)
+            for closable in (*self.group.checkpointers, *self.group.events):
+                closing.callback(closable.close)
+            with console.logs_above_bars():
+                self.evaluation.begin(self.state)
+                start = self.group.starts[0].step
+                if start < self.group.job.cadence.total_steps:
+                    self._train(start)
+                elif self.group.job.export.peft:  # stopped at the last step before its evaluation, now done
+                    self.export.export(start, self.state)
+
+    def _train(self, start: int) -> None:
+        """Steps start+1 .. total through the hooks. The first step, which compiles, runs before the bar and
+        the training clock start, so neither the ETA nor examples/s counts its compilation."""
+        if self.stop.agreed():  # a signal while loading, compiling or evaluating
+            self.stopping.stop_at(start, self.state, evaluation_pending=False)
+        stepper, clock = self._steps(start), self.group.clock
+        with console.first_call("train step"):
+            first = next(stepper)
+            jax.block_until_ready(first.metrics)
+        clock.restart()
+        total = self.group.job.cadence.total_steps
+        with console.bar(total=total, initial=first.step, desc="train", unit="step", enabled=is_primary()) as bar:
+            clock.bar = bar
+            for info in itertools.chain([first], stepper):
+                if info is not first:
+                    bar.update(1)
+                for hook in self.hooks:
+                    hook(info)
+        clock.bar = None
+
+    def _steps(self, start: int) -> Iterator[StepInfo]:
+        """The stepper: trains steps start+1 .. total, each when asked for."""
+        for step in range(start + 1, self.group.job.cadence.total_steps + 1):
+            batch = next(self.data.train_stream)  # this process's rows of the global micro-batches
+            batch = {key: batch[key] for key in TRAIN_KEYS}
+            batch = sharding.shard_process_batch(batch, self.mesh, batch_axis=1, num_rows=self.geometry.rows)
+            self.state, metrics = self.train_step(self.base_state, self.state, batch)
+            self.group.clock.window += 1
+            self.stop.step_trained()
+            yield StepInfo(step, self.state, metrics)

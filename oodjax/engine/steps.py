@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import flax.struct
 import jax
@@ -32,6 +32,9 @@ from oodjax.models.layers import STACKED, segment_positions
 from oodjax.models.lora import LoRAConfig, adapter_tokens, apply_lora
 from oodjax.models.partitioning import param_shardings
 from oodjax.usage_errors import ConfigError
+
+if TYPE_CHECKING:
+    from oodjax.job import Job
 
 Batch = Mapping[str, Any]
 
@@ -506,3 +509,30 @@ def make_eval_step(
     if mesh is None:
         return jax.jit(step)
     return MeshStep(jax.jit(step, out_shardings=sharding.replicated(mesh)), mesh)
+
+
+def make_steps(
+    job: Job,
+    geometry: BatchGeometry,
+    graphdef: nnx.GraphDef,
+    base_state: nnx.State,
+    state: TrainState,
+    yes_id: int,
+    no_id: int,
+    mesh: jax.sharding.Mesh,
+) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """The job's (train_step, eval_step): what the loop runs and ``launch.preflight`` compiles (so ``base_state``
+    and ``state`` may be abstract)."""
+    compute_dtype = job.model.compute_dtype
+    train_step = make_train_step(
+        graphdef,
+        job.optimizer.transformation,
+        yes_id,
+        no_id,
+        geometry,
+        mesh=mesh,
+        base_state=base_state,
+        state=state,
+        compute_dtype=compute_dtype,
+    )
+    return train_step, make_eval_step(graphdef, yes_id, no_id, mesh=mesh, compute_dtype=compute_dtype)
