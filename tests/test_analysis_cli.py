@@ -709,6 +709,28 @@ def two_runs(results: pathlib.Path) -> list[pathlib.Path]:
     return [good_run(results / f"job{seed}" / f"run{seed}", seed=seed) for seed in (0, 1)]
 
 
+def test_runs_whose_in_domain_accuracy_barely_moves_are_named_and_counted(tmp_path, capsys):
+    """Issue 48: a run whose in-domain accuracy spans less than 0.02 is named in a warning, counted in the
+    closing lines and in the summary's caption, and still analysed."""
+    results = tmp_path / "results"
+    two_runs(results)
+    accuracy = np.random.default_rng(2).uniform(size=(6, 3))
+    accuracy[:, 0] = 0.6 + 0.003 * np.arange(6)  # spans 0.015
+    flat = good_run(results / "job2" / "run2", seed=2, accuracy=accuracy)
+    assert main([str(results), "--out", str(tmp_path / "out")]) == 0
+    captured = capsys.readouterr()
+    assert captured.err.splitlines() == [
+        f"warning: {flat}: flat, in-domain accuracy spans 0.015 over 6 evaluations (less than 0.02); "
+        "a partial correlation given it measures noise"
+    ]
+    assert captured.out.startswith(f"analysed 3 runs under {results} (1 flat (in-domain accuracy barely moves), see ")
+    summary = (tmp_path / "out" / "tables" / "summary.tex").read_text()
+    assert (
+        "1 of 3 runs are flat (in-domain accuracy spans less than 0.02 or takes fewer than 3 distinct values): run2."
+        in summary
+    )
+
+
 def test_unreadable_files_and_identical_copies_are_named_and_skipped(tmp_path, capsys):
     """The rest is analysed; --out, new and nested here, gets the umask's permissions."""
     results, out = tmp_path / "results", tmp_path / "new" / "paper"
