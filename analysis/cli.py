@@ -10,7 +10,10 @@ whether a pair's partial correlation holds across models.
 Trained runs that stopped before their last step (`schema.finished`, as
 `python -m analysis.runs` says) are named, one warning each, and left out
 unless --include-unfinished; runs `oodjax.evaluate` wrote (one evaluation
-each, no correlation across steps) go into the accuracies only.
+each, no correlation across steps) go into the accuracies only. Flat runs
+(`RunRecord.flat`: in-domain accuracy that barely moves) are analysed but
+named, one warning each, and counted. The output closes with the
+assumptions the results rest on (`assumptions`), as tables/tables.tex opens.
 
 Everything is written into a fresh directory first and moved into OUT_DIR
 only once the whole analysis has succeeded, so a failing analysis leaves
