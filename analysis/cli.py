@@ -10,7 +10,10 @@ whether a pair's partial correlation holds across models.
 Trained runs that stopped before their last step (`schema.finished`, as
 `python -m analysis.runs` says) are named, one warning each, and left out
 unless --include-unfinished; runs `oodjax.evaluate` wrote (one evaluation
-each, no correlation across steps) go into the accuracies only.
+each, no correlation across steps) go into the accuracies only. Flat runs
+(`RunRecord.flat`: in-domain accuracy that barely moves) are analysed but
+named, one warning each, and counted. The output closes with the
+assumptions the results rest on (`assumptions`), as tables/tables.tex opens.
 
 Everything is written into a fresh directory first and moved into OUT_DIR
 only once the whole analysis has succeeded, so a failing analysis leaves
@@ -25,6 +28,7 @@ import pathlib
 import shutil
 import sys
 import tempfile
+import textwrap
 from collections.abc import Iterator
 from typing import NamedTuple
 
@@ -50,8 +54,17 @@ from analysis.meta import (
 from analysis.naming import ModelInfo, display_name, slug, unique_stems
 from analysis.padjust import PADJUST_METHODS
 from analysis.residualise import RESIDUALISERS, SPLINE
-from analysis.runs import ResultsError, RunRecord, accuracy_table, no_readable_runs_message, scan_runs
-from analysis.sensitivity import SENSITIVE, compare_residualisers, summarise_changes
+from analysis.runs import (
+    FLAT_MAX_RANGE,
+    FLAT_MIN_DISTINCT,
+    ResultsError,
+    RunRecord,
+    accuracy_table,
+    flat_warning,
+    no_readable_runs_message,
+    scan_runs,
+)
+from analysis.sensitivity import SENSITIVE, by_shot_count, compare_residualisers, summarise_changes
 from analysis.stats import METHODS
 
 CSV_NAME = "partial_correlations.csv"
@@ -116,15 +129,23 @@ META_CSV_COLUMNS = (
     "tau2",
     "i2",
     "q",
-    "q_p",
     "welch_p",
+    "welch_p_adj",
+    "q_p",
+    "q_p_adj",
     "n_agree",
     "n_left_out",
     "z",
     "z_se",
+    "paired_corr",
     "weight",
     SENSITIVE,
     "reason",
+)
+# How the meta-analysis over every training set pools a model's training sets (analysis/meta.py).
+PAIRED_NOTE = (
+    ", averaged over its training sets (its variance from the averages of runs paired by seed and "
+    "shot count where the training sets share them)"
 )
 GROUP_KEYS = [*GROUP_COLUMNS, "x", "y"]
 POOLED_KEYS = ["scope", "x", "y"]
@@ -236,6 +257,9 @@ def main(argv: list[str] | None = None) -> int:
         fate = "analysed (--include-unfinished)" if args.include_unfinished else "left out (--include-unfinished)"
         for run in selection.unfinished:
             print(f"warning: {run.path}: unfinished, {run.progress}; {fate}", file=sys.stderr)
+        flat = [run for run in selection.analysed if run.flat]
+        for run in flat:
+            print(flat_warning(run), file=sys.stderr)
         if not selection.analysed:
             raise ResultsError(_nothing_to_analyse(args.results_dir, selection))
         with staged_output(args.out) as staging:
@@ -249,6 +273,8 @@ def main(argv: list[str] | None = None) -> int:
         notes.append(f"{len(selection.unfinished)} unfinished left out")
     if selection.evaluated:
         notes.append(f"{len(selection.evaluated)} evaluation-only in the accuracies only")
+    if flat:
+        notes.append(f"{len(flat)} flat (in-domain accuracy barely moves)")
     said = ", ".join(filter(None, notes))
     if not testable:
         print(
@@ -256,12 +282,30 @@ def main(argv: list[str] | None = None) -> int:
             "with different r; tables and figures show r without significance",
             file=sys.stderr,
         )
-    see = ", see the warnings" if skipped or selection.unfinished or not testable else ""
+    see = ", see the warnings" if skipped or selection.unfinished or flat or not testable else ""
     left_out = f" ({said}{see})" if said else ""
     print(f"analysed {len(selection.analysed)} runs under {args.results_dir}{left_out}; wrote {len(written)} files:")
     for path in written:
         print(f"  {path}")
+    print(textwrap.fill("Assumptions: " + assumptions(selection.analysed), width=100))
     return 0
+
+
+def assumptions(runs: list[RunRecord]) -> str:
+    """What the results rest on beyond the data, in words (no LaTeX specials): the paragraph that
+    closes the command's output and opens tables/tables.tex."""
+    seeds, shots = len({run.seed for run in runs}), len({run.shots for run in runs})
+    return (
+        "Run-level p-values are approximate: a run's evaluation steps are taken as AR(1) series, and "
+        "its test uses Bartlett's effective sample size. The runs of a model and training set (here "
+        f"{seeds} seed(s) x {shots} shot count(s)) are treated as exchangeable replicates: their Fisher z are "
+        "averaged and tested across runs (the table by shot count shows whether the shot count moves the "
+        "mean r). Over every training set, a model's training sets are averaged; where their runs are "
+        "paired by seed and shot count, the variance comes from the paired averages (m - 1 degrees of "
+        "freedom), otherwise from the training sets' variances as independent. Cochran's Q's p is "
+        "anti-conservative with within-model variances estimated from runs, so Welch's test of equal "
+        "means is reported beside it and first; both are adjusted across the pairs of a scope."
+    )
 
 
 def _nothing_to_analyse(root: pathlib.Path, selection: Selection) -> str:
@@ -434,9 +478,23 @@ def write_analysis(
                 f"family, size and training set; {description}; {_extent(runs)}"
                 f"{tables.latex_escape(_unfinished_note(selection, args.include_unfinished))}. "
                 f"Sig.\\ $+/-$: pairs with positive / negative $r$ and adjusted $p<0.05$ "
-                f"({padjust})."
+                f"({padjust}). {tables.COUNTS_ARE_NOT_COMPARISONS}{_flat_note(runs)}"
             ),
             label="tab:pcorr-summary",
+        )
+    )
+    table_files.append(table_dir / "summary_by_shots.tex")
+    table_files[-1].write_text(
+        tables.shots_table(
+            summary,
+            by_shot_count(per_run),
+            caption=(
+                "Mean partial correlation over OOD testset pairs (Fisher $z$ scale) over every run (All, as in "
+                f"Table~\\ref{{tab:pcorr-summary}}) and per shot count, each pair's $r$ the mean over that shot "
+                f"count's runs: the runs of a model and training set are treated as exchangeable replicates, "
+                f"and this shows whether the shot count moves the result; {description}; {_extent(runs)}."
+            ),
+            label="tab:pcorr-summary-shots",
         )
     )
     meta_tables, meta_figures = _write_meta_analysis(
@@ -451,7 +509,9 @@ def write_analysis(
         )
     )
     document = table_dir / "tables.tex"
-    document.write_text(tables.standalone_document([p.name for p in table_files]))
+    document.write_text(
+        tables.standalone_document([p.name for p in table_files], tables.latex_escape(assumptions(runs)))
+    )
     return written + table_files + [document], per_group["p"].notna().any()
 
 
@@ -467,7 +527,7 @@ class Results(NamedTuple):
 def _analyse(runs: list[RunRecord], options: dict, models: dict[str, ModelInfo], estimator: str) -> Results:
     per_run = all_run_pairs(runs, **options)
     per_group = combine_runs(per_run, padjust=options["padjust"])
-    pooled, members = meta_analyse(per_group, models, estimator=estimator, padjust=options["padjust"])
+    pooled, members = meta_analyse(per_group, models, per_run, estimator=estimator, padjust=options["padjust"])
     return Results(per_run, per_group, pooled, members)
 
 
@@ -485,6 +545,7 @@ def _write_meta_analysis(
     forest plots. Returns the tables and the figures written."""
     other = _other_residualiser(args.residualiser)
     estimator = ESTIMATOR_NAMES[args.tau2_estimator]
+    padjust = tables.latex_escape(display_name(args.padjust))
     table_files, figure_files = [], []
     for scope, scoped in pooled.groupby("scope", sort=False):
         scope_members = members[members["scope"] == scope]
@@ -497,12 +558,12 @@ def _write_meta_analysis(
             f"Random-effects meta-analysis across models of each OOD pair's partial "
             f"correlation, {tables.latex_escape(where)}: {len(keys)} models, each its runs' mean Fisher $z$ "
             f"with variance $s^2_z/m$ over its $m$ runs"
-            f"{', averaged over its training sets' if everything else ''}; pooled $r$ with {estimator} $\\tau^2$ "
+            f"{PAIRED_NOTE if everything else ''}; pooled $r$ with {estimator} $\\tau^2$ "
             f"(Fisher $z$ scale) and HKSJ 95\\% CI; PI: 95\\% prediction interval for a new "
-            f"model; Cochran's $Q$ with its $\\chi^2$ $p$, and Welch's $p$ for equal means; "
+            f"model; Welch's $p$ for equal means, then Cochran's $Q$ with its $\\chi^2$ $p$ (which runs "
+            f"high with variances estimated from runs), both adjusted over the pairs ({padjust}); "
             f"Agree: models whose $r$ has the pooled sign; {description}; "
-            f"{_extent(scope_runs)}. {tables.SIGNIFICANCE_NOTE} "
-            f"({tables.latex_escape(display_name(args.padjust))} over pairs)."
+            f"{_extent(scope_runs)}. {tables.SIGNIFICANCE_NOTE} ({padjust} over pairs)."
         )
         table_files.append(table_dir / f"meta_analysis_{name}.tex")
         table_files[-1].write_text(
@@ -639,6 +700,18 @@ def _unfinished_note(selection: Selection, included: bool) -> str:
         return ""
     names = ", ".join(f"{run.name} ({run.progress})" for run in selection.unfinished)
     return f"; {'including' if included else 'left out'}, unfinished: {names}"
+
+
+def _flat_note(runs: list[RunRecord]) -> str:
+    """How many runs are flat (`RunRecord.flat`), for the summary table's caption; empty when none is."""
+    flat = [run for run in runs if run.flat]
+    if not flat:
+        return ""
+    names = tables.latex_escape(", ".join(run.name for run in flat))
+    return (
+        f" {len(flat)} of {len(runs)} runs are flat (in-domain accuracy spans less than {FLAT_MAX_RANGE} or takes "
+        f"fewer than {FLAT_MIN_DISTINCT} distinct values): {names}."
+    )
 
 
 def _groups(runs: list[RunRecord]) -> dict[tuple[str, str], list[RunRecord]]:

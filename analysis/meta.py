@@ -13,9 +13,20 @@ says why).
 
 Over all training sets together (scope ALL_TRAIN_SETS), a model trained on
 several is still one model: its estimate is the mean of its training sets'
-estimates, with variance sum v_t / T^2 (independent runs) and, for Welch's
-test and its interval, that variance's Welch-Satterthwaite degrees of
-freedom; so k counts base models, not (model, training set) groups.
+estimates, so k counts base models, not (model, training set) groups. Its
+variance depends on the design. Runs of two training sets with the same
+(seed, shots) share their LoRA initialisation, dropout keys and data order,
+so their z are correlated: where the training sets hold at least
+MIN_PAIRED_RUNS such pairs, the variance is
+(sum v_t + sum_{s != t} rho_st sqrt(v_s v_t) n_st / sqrt(n_s n_t)) / T^2,
+rho_st the correlation of the two sets' z over their n_st common (seed,
+shots), n_s their runs; with every run paired this is exactly var / m of
+the m paired averages (mean over training sets per (seed, shots)), and its
+degrees of freedom are the paired averages' m - 1 (the fewest common runs
+less one). Unpaired designs keep sum v_t / T^2 with Welch-Satterthwaite's
+degrees of freedom. Treating paired runs as independent would understate
+the variance when rho > 0 and make models look heterogeneous
+(tests/test_analysis_meta.py simulates it).
 
 Models are then combined on the Fisher z scale, y_i ~ N(mu, v_i + tau^2):
 - tau^2, the variance of the models' true z: restricted maximum likelihood
@@ -47,10 +58,15 @@ Models are then combined on the Fisher z scale, y_i ~ N(mu, v_i + tau^2):
   Spiegelhalter 2009): mu +- t_{0.975, k-2} sqrt(tau^2 + se^2); needs k >= 3.
 - Agreement: how many models have an r of the pooled r's sign.
 
+p_adj, q_p_adj and welch_p_adj adjust p, q_p and welch_p across the pairs of
+one scope, each column its own family: a heterogeneity test repeated over
+21 pairs finds "differences" by chance unless adjusted.
+
 Everything is reported back on the correlation scale, r = tanh(z).
 """
 
 import dataclasses
+import itertools
 from collections.abc import Mapping
 
 import numpy as np
@@ -58,7 +74,7 @@ import pandas as pd
 import scipy.optimize
 import scipy.stats
 
-from analysis.aggregate import GROUP_COLUMNS, in_first_seen_order
+from analysis.aggregate import _MAX_ABS_R, GROUP_COLUMNS, in_first_seen_order
 from analysis.naming import ModelInfo
 from analysis.padjust import adjust_pvalues
 from analysis.stats import CONFIDENCE
@@ -71,6 +87,12 @@ ESTIMATOR_NAMES = {REML: "REML", PAULE_MANDEL: "Paule-Mandel", DERSIMONIAN_LAIRD
 
 # The scope of a meta-analysis over the models of every training set together.
 ALL_TRAIN_SETS = "all training sets"
+# Fewer common (seed, shots) than this between two training sets of a model estimate no
+# correlation between them: their runs are pooled as unpaired.
+MIN_PAIRED_RUNS = 3
+# What identifies a run within a model and training set: runs of two training sets that
+# share it are paired.
+PAIRING_COLUMNS = ("seed", "shots")
 
 POOLED_COLUMNS = (
     "scope",
@@ -87,8 +109,10 @@ POOLED_COLUMNS = (
     "tau2",
     "i2",
     "q",
-    "q_p",
     "welch_p",
+    "welch_p_adj",
+    "q_p",
+    "q_p_adj",
     "n_agree",
     "n_left_out",
     "reason",
@@ -105,6 +129,7 @@ MEMBER_COLUMNS = (
     "ci_high",
     "z",
     "z_se",
+    "paired_corr",
     "weight",
     "reason",
 )
@@ -194,6 +219,7 @@ def welch_test(effects: np.ndarray, variances: np.ndarray, counts: np.ndarray) -
 def meta_analyse(
     groups: pd.DataFrame,
     models: Mapping[str, ModelInfo],
+    runs: pd.DataFrame,
     *,
     estimator: str = REML,
     padjust: str = "holm",
@@ -202,16 +228,18 @@ def meta_analyse(
     there are several, over all of them (scope ALL_TRAIN_SETS).
 
     `groups` is `combine_runs`' table (its r, z and z_se per model, training
-    set and pair); `models` orders members by family and size. Returns the
-    pooled rows (POOLED_COLUMNS; p_adj adjusts the pairs of one scope as one
-    family) and the member rows (MEMBER_COLUMNS: each model's estimate and
-    its relative weight, NaN with the group's reason where it is left out).
+    set and pair) of the run-level pairs `runs` (`all_run_pairs`: their seed,
+    shots and r pair the training sets' runs); `models` orders members by
+    family and size. Returns the pooled rows (POOLED_COLUMNS; each adjusted
+    column adjusts the pairs of one scope as one family) and the member rows
+    (MEMBER_COLUMNS: each model's estimate and its relative weight, NaN with
+    the group's reason where it is left out).
     """
     groups = in_first_seen_order(groups)
     train_sets = list(dict.fromkeys(groups["train_set"]))
-    scopes = {name: groups[groups["train_set"] == name] for name in train_sets}
+    scopes = {name: groups[groups["train_set"] == name].assign(paired_corr=np.nan) for name in train_sets}
     if len(train_sets) > 1:
-        scopes[ALL_TRAIN_SETS] = per_model(groups)
+        scopes[ALL_TRAIN_SETS] = per_model(groups, runs)
     pooled, members = [], []
     for scope, scoped in scopes.items():
         rows = []
@@ -220,7 +248,8 @@ def meta_analyse(
             rows.append({"scope": scope, "x": x, "y": y} | row)
             members.append(pair.assign(scope=scope, weight=weights)[list(MEMBER_COLUMNS)])
         family = pd.DataFrame(rows)
-        family["p_adj"] = adjust_pvalues(family["p"].to_numpy(), padjust)
+        for column in ("p", "welch_p", "q_p"):
+            family[f"{column}_adj"] = adjust_pvalues(family[column].to_numpy(), padjust)
         pooled.append(family)
     return (
         pd.concat(pooled, ignore_index=True)[list(POOLED_COLUMNS)],
@@ -228,42 +257,83 @@ def meta_analyse(
     )
 
 
-def per_model(groups: pd.DataFrame) -> pd.DataFrame:
+def per_model(groups: pd.DataFrame, runs: pd.DataFrame) -> pd.DataFrame:
     """`groups` (combine_runs' rows) with each model's training sets combined into one row per pair,
-    its train_set ALL_TRAIN_SETS (module docstring): z the mean of the training sets' z with a
-    within-model variance, z_se = sqrt(sum z_se^2) / T, whose degrees of freedom z_dof are
-    Welch-Satterthwaite's (sum v)^2 / sum(v^2 / z_dof); n_runs their runs; r and the t
-    interval from them.
+    its train_set ALL_TRAIN_SETS (module docstring): z the mean of the training sets' z, z_se the
+    root of its paired or unpaired variance with degrees of freedom z_dof, paired_corr the
+    training sets' estimated correlation (the mean over pairs of sets when more than two; NaN
+    when unpaired), n_runs their runs; r and the t interval from them.
+    `runs` are the run-level rows whose seed and shots pair the training sets' runs.
     Training sets without a within-model variance are left out of the mean; a model with none
     keeps one row without an estimate, its training sets' reasons joined."""
+    run_z = _run_z_by_pair(runs)
+    column = {name: groups[name].to_numpy() for name in ("train_set", "z", "z_se", "z_dof", "n_runs", "reason")}
     rows = []
-    for (model, x, y), sets in groups.groupby(["model", "x", "y"], sort=False):
-        usable = sets[sets["z_se"] > 0]
-        row = {"model": model, "train_set": ALL_TRAIN_SETS, "x": x, "y": y} | dict.fromkeys(
-            ("r", "z", "z_se", "z_dof", "ci_low", "ci_high"), np.nan
-        )
-        row["n_runs"] = int(sets["n_runs"].sum())
-        if usable.empty:
-            reasons = "; ".join(dict.fromkeys(f"{t}: {reason}" for t, reason in zip(sets["train_set"], sets["reason"])))
+    indices = groups.groupby(["model", "x", "y"], sort=False).indices
+    for (model, x, y), at in sorted(indices.items(), key=lambda item: item[1][0]):
+        usable = at[column["z_se"][at] > 0]  # NaN (undefined, one run) compares False
+        row = {"model": model, "train_set": ALL_TRAIN_SETS, "x": x, "y": y, "n_runs": int(column["n_runs"][at].sum())}
+        if usable.size == 0:
+            reasons = "; ".join(
+                dict.fromkeys(f"{t}: {why}" for t, why in zip(column["train_set"][at], column["reason"][at]))
+            )
             rows.append(row | {"reason": f"no training set with a variance across runs ({reasons})"})
             continue
-        v, dof = usable["z_se"].to_numpy() ** 2, usable["z_dof"].to_numpy(dtype=float)
-        z, se = float(usable["z"].mean()), float(np.sqrt(v.sum()) / len(v))
-        dof = float(v.sum() ** 2 / np.sum(v**2 / dof))
-        half_width = scipy.stats.t.ppf(0.5 + CONFIDENCE / 2, dof) * se
-        rows.append(
-            row
-            | {
-                "r": np.tanh(z),
-                "z": z,
-                "z_se": se,
-                "z_dof": dof,
-                "ci_low": np.tanh(z - half_width),
-                "ci_high": np.tanh(z + half_width),
-                "reason": "",
-            }
-        )
-    return pd.DataFrame(rows)
+        train_sets, paired = run_z.get((model, *sorted((x, y))), ([], None))
+        if paired is not None:
+            paired = paired[:, [train_sets.index(name) for name in column["train_set"][usable]]]
+        v, dof, corr = _pooled_variance(column["z_se"][usable] ** 2, column["z_dof"][usable].astype(float), paired)
+        row |= {"z": float(column["z"][usable].mean()), "z_se": float(np.sqrt(v)), "z_dof": dof, "paired_corr": corr}
+        rows.append(row | {"reason": ""})
+    combined = pd.DataFrame(
+        rows, columns=["model", "train_set", "x", "y", "n_runs", "z", "z_se", "z_dof", "paired_corr", "reason"]
+    )
+    half_width = scipy.stats.t.ppf(0.5 + CONFIDENCE / 2, combined["z_dof"]) * combined["z_se"]
+    return combined.assign(
+        r=np.tanh(combined["z"]),
+        ci_low=np.tanh(combined["z"] - half_width),
+        ci_high=np.tanh(combined["z"] + half_width),
+    )
+
+
+def _run_z_by_pair(runs: pd.DataFrame) -> dict[tuple[str, str, str], tuple[list[str], np.ndarray]]:
+    """Each (model, x, y)'s run z (as combine_runs takes them): the training sets, and a matrix of one
+    row per (seed, shots) and one column per training set, NaN where a run leaves the pair undefined
+    or is missing; x and y sorted, since r is symmetric."""
+    in_order = runs["x"] <= runs["y"]
+    low, high = runs["x"].where(in_order, runs["y"]), runs["y"].where(in_order, runs["x"])
+    z = np.arctanh(np.clip(runs["r"].to_numpy(dtype=float), -_MAX_ABS_R, _MAX_ABS_R))
+    keys = ["model", "low", "high", *PAIRING_COLUMNS, "train_set"]
+    table = runs.assign(low=low, high=high, z=z).set_index(keys)["z"].unstack("train_set")  # sorted by key
+    codes, uniques = pd.factorize(table.index.droplevel(list(PAIRING_COLUMNS)))
+    starts = np.flatnonzero(np.diff(codes, prepend=-1))
+    values, train_sets = table.to_numpy(), list(table.columns)
+    return {
+        uniques[codes[start]]: (train_sets, values[start:end]) for start, end in zip(starts, [*starts[1:], len(codes)])
+    }
+
+
+def _pooled_variance(v: np.ndarray, dof: np.ndarray, paired: np.ndarray | None) -> tuple[float, float, float]:
+    """The variance of the mean of training sets' z whose variances are `v` on `dof` degrees of
+    freedom, its degrees of freedom, and the training sets' mean paired correlation (module
+    docstring); `paired` holds their run z, one row per (seed, shots), one column per training
+    set. Unpaired (fewer than MIN_PAIRED_RUNS common runs for some two sets, or one set):
+    sum v / T^2 on Welch-Satterthwaite's degrees of freedom, correlation NaN."""
+    t = v.size
+    unpaired = float(v.sum() / t**2), float(v.sum() ** 2 / np.sum(v**2 / dof)), np.nan
+    if t < 2 or paired is None:
+        return unpaired
+    counts = np.isfinite(paired).sum(axis=0)
+    total, correlations, common_counts = v.sum(), [], []
+    for s, u in itertools.combinations(range(t), 2):
+        common = paired[:, [s, u]][np.isfinite(paired[:, [s, u]]).all(axis=1)]
+        if len(common) < MIN_PAIRED_RUNS or np.ptp(common, axis=0).min() == 0:
+            return unpaired
+        corr = float(np.corrcoef(common.T)[0, 1])
+        total += 2 * corr * np.sqrt(v[s] * v[u]) * len(common) / np.sqrt(counts[s] * counts[u])
+        correlations.append(corr)
+        common_counts.append(len(common))
+    return float(total / t**2), float(min(common_counts) - 1), float(np.mean(correlations))
 
 
 def _combine_models(pair: pd.DataFrame, estimator: str) -> tuple[dict, np.ndarray]:

@@ -5,7 +5,9 @@ line per run with its model, training set, seed, shots, kind (trained, or
 evaluated without training by `oodjax.evaluate`: the base model, an adapter,
 in context), last step, whether it finished, and its last in-domain and mean
 OOD accuracy. An evaluation-only run is finished once written: its one
-evaluation, at step 0, is all it has.
+evaluation, at step 0, is all it has. A trained run whose in-domain accuracy
+barely moves (FLAT_MAX_RANGE, FLAT_MIN_DISTINCT) is named in a warning and
+counted in the last line.
 
 What is skipped and what is an error: a metrics.npz whose bytes cannot be read
 as a complete npz (empty, truncated by a job killed while copying it,
@@ -39,6 +41,12 @@ from analysis.naming import ModelInfo, model_info
 # Reading more files than this shows a progress bar (on stderr): a full sweep
 # holds hundreds of runs on network storage, and a silent minute looks hung.
 PROGRESS_MIN_FILES = 50
+
+# A trained run whose in-domain accuracy spans less than FLAT_MAX_RANGE over its evaluations, or
+# takes fewer than FLAT_MIN_DISTINCT distinct values, is flat: it barely trained, and a partial
+# correlation given a covariate that does not move measures noise. Both commands name such runs.
+FLAT_MAX_RANGE = 0.02
+FLAT_MIN_DISTINCT = 3
 
 ACCURACY_COLUMNS = ("run", "model", "train_set", "seed", "shots", "kind", "step", "testset", "accuracy")
 
@@ -128,6 +136,24 @@ class RunRecord:
     def finished(self) -> bool:
         """`schema.finished`: the one definition both commands use."""
         return schema.finished(self.steps, self.config, self.evaluated)
+
+    @property
+    def flat(self) -> str:
+        """Why its in-domain accuracy barely moves (FLAT_MAX_RANGE, FLAT_MIN_DISTINCT), in words;
+        empty when it moves, and for a run of fewer evaluations than FLAT_MIN_DISTINCT (evaluation-only
+        by design, or just started), which no count of distinct values could clear."""
+        if len(self.steps) < FLAT_MIN_DISTINCT:
+            return ""
+        accuracy = self.accuracy[self.in_domain].to_numpy(dtype=float)
+        accuracy = accuracy[np.isfinite(accuracy)]
+        over = f"over {len(self.steps)} evaluations"
+        distinct = np.unique(accuracy).size
+        if distinct < FLAT_MIN_DISTINCT:
+            return f"in-domain accuracy takes {distinct} distinct value(s) {over} (fewer than {FLAT_MIN_DISTINCT})"
+        spread = float(np.ptp(accuracy))
+        if spread < FLAT_MAX_RANGE:
+            return f"in-domain accuracy spans {spread:.3f} {over} (less than {FLAT_MAX_RANGE})"
+        return ""
 
     @property
     def progress(self) -> str:
@@ -261,6 +287,11 @@ OVERVIEW_COLUMNS = (
 )
 
 
+def flat_warning(run: RunRecord) -> str:
+    """The warning line of a flat run (`RunRecord.flat`), as both commands print it."""
+    return f"warning: {run.path}: flat, {run.flat}; a partial correlation given it measures noise"
+
+
 def runs_overview(runs: Sequence[RunRecord], unreadable: Sequence[SkippedFile] = ()) -> pd.DataFrame:
     """One row per run: identity, kind (`RunRecord.kind`), last step, whether it finished, and its accuracies at the
     last step (in-domain, and the mean over OOD testsets with an accuracy there); then one
@@ -310,6 +341,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     for skip in skipped:
         print(f"warning: {skip.message}", file=sys.stderr)
+    flat = [run for run in runs if run.flat]
+    for run in flat:
+        print(flat_warning(run), file=sys.stderr)
     overview = runs_overview(runs, [skip for skip in skipped if skip.unreadable])
     if args.csv:
         overview.to_csv(sys.stdout, index=False)
@@ -325,6 +359,7 @@ def main(argv: list[str] | None = None) -> int:
             + (f" ({evaluated} evaluation-only)" if evaluated else "")
             + f", {len(overview) - finished} not"
             + (f" ({unreadable} unreadable)" if unreadable else "")
+            + (f"; {len(flat)} flat (in-domain accuracy barely moves, see the warnings)" if flat else "")
         )
     return 0
 

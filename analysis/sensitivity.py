@@ -1,4 +1,5 @@
-"""Does the residualiser decide a result? Every result under both residualisers.
+"""Does the residualiser, or the shot count, decide a result? Every result under both residualisers,
+and the summary per shot count.
 
 The linear residualiser leaves in both residuals whatever curvature two OOD
 accuracies share as functions of in-domain accuracy, which inflates r where
@@ -8,6 +9,10 @@ decide a headline, the analysis computes every result under both, reports
 the chosen one, and marks the results that change under the other: r
 changes sign, the result is significant (adjusted p < SIGNIFICANCE) under
 one residualiser only, or it is defined under one only.
+
+The runs of a model and training set (seeds x shot counts) are combined as
+exchangeable replicates; `by_shot_count` shows the mean r per shot count, so
+that a reader sees whether the shot count moves it.
 """
 
 from collections.abc import Mapping, Sequence
@@ -15,7 +20,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import pandas as pd
 
-from analysis.aggregate import SIGNIFICANCE, mean_on_z_scale
+from analysis.aggregate import GROUP_COLUMNS, SIGNIFICANCE, in_first_seen_order, mean_on_z_scale
 
 CHANGES = ("sign_changes", "significance_changes", "definition_changes")
 # True where any of CHANGES holds: the mark (a dagger) in tables and figures.
@@ -65,3 +70,21 @@ def summarise_changes(comparison: pd.DataFrame, by: Sequence[str], residualisers
             row[f"n_sig_negative_{name}"] = int((significant & (r < 0)).sum())
         rows.append(row | {change: int(group[change].sum()) for change in CHANGES})
     return pd.DataFrame(rows)
+
+
+def by_shot_count(per_run: pd.DataFrame) -> pd.DataFrame:
+    """Per model, training set and shot count (first-seen order, shot counts increasing): its runs,
+    the pairs it defines, and mean_r, the mean over pairs of each pair's r over those runs (both
+    means on the Fisher z scale, as summarise_by_model takes them over every run)."""
+    keys = [*GROUP_COLUMNS, "shots"]
+    defined = in_first_seen_order(per_run.dropna(subset=["r"]))
+    pair_r = defined.groupby([*keys, "x", "y"], sort=False)["r"].agg(lambda r: mean_on_z_scale(r.to_numpy()))
+    per_shots = pair_r.groupby(level=keys, sort=False).agg(
+        n_pairs="size", mean_r=lambda r: mean_on_z_scale(r.to_numpy())
+    )
+    runs = per_run.groupby(keys, sort=False)["run"].nunique().rename("n_runs")
+    table = runs.to_frame().join(per_shots).reset_index()
+    table["n_pairs"] = table["n_pairs"].fillna(0).astype(int)
+    order = {key: i for i, key in enumerate(dict.fromkeys(zip(per_run["model"], per_run["train_set"])))}
+    rank = [order[key] for key in zip(table["model"], table["train_set"])]
+    return table.assign(rank=rank).sort_values(["rank", "shots"], kind="stable").drop(columns="rank")

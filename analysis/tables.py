@@ -33,6 +33,12 @@ _LATEX_SPECIALS = {
 MARKS = ((0.001, "***"), (0.01, "**"), (SIGNIFICANCE, "*"))
 
 SIGNIFICANCE_NOTE = "$^{*}p_{\\mathrm{adj}}<0.05$, $^{**}p_{\\mathrm{adj}}<0.01$, $^{***}p_{\\mathrm{adj}}<0.001$"
+# The summary's counts of significant pairs, read as a comparison of models, would be the
+# significant-versus-not-significant fallacy: its caption says where such claims rest.
+COUNTS_ARE_NOT_COMPARISONS = (
+    "Counts of significant pairs do not compare models: a claim that models differ rests on the "
+    "meta-analysis across models (Welch's test of equal means, $\\tau^2$, $I^2$), not on these counts."
+)
 # Marks a result whose sign or significance differs under the other residualiser.
 SENSITIVE_MARK = r"\dagger"
 # Marks a combined r without a test across runs: fewer than two runs define it, or all have the same r.
@@ -123,8 +129,9 @@ def meta_analysis_table(pooled: pd.DataFrame, *, other_residualiser: str, captio
     comparison (sensitivity.compare_residualisers): the pooled r marked by
     adjusted p and by a dagger where it changes under `other_residualiser`,
     its HKSJ interval, the prediction interval for a new model, tau^2 (Fisher
-    z scale), I^2, Cochran's Q with its p, Welch's p, the models agreeing in
-    sign, and the pooled r under the other residualiser.
+    z scale), I^2, Welch's p first (Cochran's Q's p runs high with estimated
+    variances), Q and its p, both p adjusted across the scope's pairs, the
+    models agreeing in sign, and the pooled r under the other residualiser.
     """
     header = [
         "Pair",
@@ -134,9 +141,9 @@ def meta_analysis_table(pooled: pd.DataFrame, *, other_residualiser: str, captio
         r"95\% PI",
         r"$\tau^2$",
         "$I^2$",
+        r"$p^{\mathrm{adj}}_{\mathrm{Welch}}$",
         "$Q$",
-        "$p_Q$",
-        r"$p_{\mathrm{Welch}}$",
+        r"$p^{\mathrm{adj}}_Q$",
         "Agree",
         _spanning(f"$r$ ({_name(other_residualiser)})"),
     ]
@@ -149,9 +156,9 @@ def meta_analysis_table(pooled: pd.DataFrame, *, other_residualiser: str, captio
             _interval(row.pi_low, row.pi_high),
             _number(row.tau2, 3),
             "--" if np.isnan(row.i2) else f"${100 * row.i2:.0f}\\%$",
+            _pvalue(row.welch_p_adj),
             _number(row.q, 1),
-            _pvalue(row.q_p),
-            _pvalue(row.welch_p),
+            _pvalue(row.q_p_adj),
             "--" if np.isnan(row.r) else f"{row.n_agree:.0f}/{row.k}",
             *_cell(getattr(row, f"r_{other_residualiser}"), getattr(row, f"p_adj_{other_residualiser}"), False),
         ]
@@ -240,8 +247,27 @@ def summary_table(summary: pd.DataFrame, *, caption: str, label: str) -> str:
     return _table(caption, label, "lll" + "r" * 5, [_row(header)], rows, note)
 
 
-def standalone_document(table_files: list[str]) -> str:
-    """A document that \\inputs every table, to check they compile and to preview them."""
+def shots_table(summary: pd.DataFrame, shots: pd.DataFrame, *, caption: str, label: str) -> str:
+    """summary_table's mean r beside the same mean per shot count (sensitivity.by_shot_count's rows),
+    one row per model and training set in the summary's order, families apart."""
+    counts = sorted(shots["shots"].unique())
+    by_key = shots.set_index(["model", "train_set", "shots"])["mean_r"]
+    header = ["Family", "Size", "Train", "All", *(f"{count} shots" for count in counts)]
+    rows = []
+    for previous, row in zip([None, *summary["family"]], summary.itertuples()):
+        if previous is not None and row.family != previous:
+            rows.append(None)
+        per_count = [by_key.get((row.model, row.train_set, count), np.nan) for count in counts]
+        rows.append(
+            [_name(row.family), latex_escape(row.size), _name(row.train_set), _number(row.mean_r)]
+            + [_number(value) for value in per_count]
+        )
+    return _table(caption, label, "lll" + "r" * (1 + len(counts)), [_row(header)], rows)
+
+
+def standalone_document(table_files: list[str], assumptions: str = "") -> str:
+    """A document that \\inputs every table, to check they compile and to preview them, after a
+    paragraph stating the `assumptions` (LaTeX) the results rest on."""
     body = "\n".join(rf"\input{{{name}}}" for name in table_files)
     return "\n".join(
         [
@@ -249,6 +275,7 @@ def standalone_document(table_files: list[str]) -> str:
             r"\usepackage[margin=2cm]{geometry}",
             r"\usepackage{booktabs}",
             r"\begin{document}",
+            *([r"\paragraph{Assumptions.} " + assumptions, ""] if assumptions else []),
             body,
             r"\end{document}",
             "",

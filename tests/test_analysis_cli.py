@@ -66,7 +66,12 @@ def read_accuracy(path: pathlib.Path) -> tuple[pd.DataFrame, str]:
 
 def test_cli_writes_tables_figures_and_csv_and_lists_them(analysed):
     _, out, stdout = analysed
-    written = {pathlib.Path(line.strip()) for line in stdout.splitlines()[1:]}
+    listed, closing = stdout.split("\nAssumptions: ")
+    written = {pathlib.Path(line.strip()) for line in listed.splitlines()[1:]}
+    closing = " ".join(closing.split())
+    assert closing.startswith("Run-level p-values are approximate: a run's evaluation steps are taken as AR(1)")
+    for said in ("(here 3 seed(s) x 2 shot count(s)) are treated as exchangeable", "paired averages", "Welch's"):
+        assert said in closing
     assert stdout.startswith(f"analysed {len(GROUPS) * len(SEEDS) * len(SHOTS)} runs")
     figures = {p for p in written if p.parent.name == "figures"}
     tables = {p for p in written if p.parent.name == "tables"}
@@ -80,6 +85,7 @@ def test_cli_writes_tables_figures_and_csv_and_lists_them(analysed):
     assert {p.name for p in tables} == {
         *(f"matrix_{m}_{t}.tex" for m, t in GROUPS),
         "summary.tex",
+        "summary_by_shots.tex",
         "tables.tex",
         *(f"meta_analysis_{scope}.tex" for scope in SCOPES),
         "residualiser_sensitivity.tex",
@@ -123,6 +129,33 @@ def test_tables_compile_with_pdflatex(analysed, tmp_path):
     assert header.endswith(r"& Agree & \multicolumn{2}{c}{$r$ (linear)} \\")
     assert "SNLI--SciTail" in body
     assert body.count(r"\\") == 27  # 21 pairs without mnli or snli, 6 with mnli (from snli)
+    # Issue 48: the adjusted Welch p leads the heterogeneity tests; the summary says where claims of
+    # differences between models rest; the document opens with the assumptions.
+    assert r"$I^2$ & $p^{\mathrm{adj}}_{\mathrm{Welch}}$ & $Q$ & $p^{\mathrm{adj}}_Q$ & Agree" in header
+    assert "not on these counts" in (out / "tables" / "summary.tex").read_text()
+    document = (out / "tables" / "tables.tex").read_text()
+    assert r"\paragraph{Assumptions.} Run-level p-values are approximate" in document
+    assert document.index("Assumptions") < document.index(r"\input{")
+
+
+def test_the_summary_by_shot_count_is_each_shot_counts_runs_averaged(analysed):
+    """tables/summary_by_shots.tex: per model and training set, the mean over pairs of each pair's mean
+    Fisher z over the runs of one shot count, computed here from the run rows of the CSV."""
+    _, out, _ = analysed
+    runs = pd.read_csv(out / CSV_NAME, keep_default_na=False, na_values=[""]).query("level == 'run'")
+    runs = runs.assign(pair=[tuple(sorted(xy)) for xy in zip(runs["x"], runs["y"])], z=np.arctanh(runs["r"]))
+    pair_z = runs.groupby(["model", "train_set", "shots", "pair"])["z"].mean()
+    expected = np.tanh(pair_z.groupby(level=[0, 1, 2]).mean())
+    table = (out / "tables" / "summary_by_shots.tex").read_text()
+    header, body = table.split(r"\midrule")[0].splitlines()[-1], table.split(r"\midrule")[1]
+    assert header == r"Family & Size & Train & All & 32 shots & 64 shots \\"
+    for line in body.split(r"\bottomrule")[0].strip().splitlines():
+        if line == r"\addlinespace":
+            continue
+        family, size, train, _, *per_shots = line.removesuffix(r" \\").split(" & ")
+        model = {("OPT", "125M"): "opt-125m", ("SmolLM2", "135M"): "SmolLM2-135M"}[family, size]
+        for shots, cell in zip(SHOTS, per_shots):
+            assert cell == f"${expected[model, train.lower(), shots]:.2f}$"
 
 
 def marked_cells(latex: str) -> list[tuple[str, str]]:
@@ -218,11 +251,13 @@ def test_csv_holds_each_run_and_the_combination_of_runs(analysed):
 
 def test_meta_analysis_combines_the_models_of_the_csv(analysed):
     """Each pooled row of meta_analysis.csv is the random-effects combination of the model
-    rows of partial_correlations.csv (their z and z_se), per training set and, each model's
-    training sets averaged into one effect, over both."""
+    rows of partial_correlations.csv (their z and z_se), per training set and, over both, each
+    model's runs paired by seed and shots (the same in both training sets) averaged, its variance
+    var / m of the m paired averages."""
     _, out, _ = analysed
-    groups = pd.read_csv(out / CSV_NAME, keep_default_na=False, na_values=[""])
-    groups = groups[groups["level"] == "group"]
+    table = pd.read_csv(out / CSV_NAME, keep_default_na=False, na_values=[""])
+    groups, runs = table[table["level"] == "group"], table[table["level"] == "run"]
+    assert runs["r"].notna().all()  # every run pairs with its twin
     meta = pd.read_csv(out / META_CSV_NAME, keep_default_na=False, na_values=[""])
     assert set(meta["estimator"]) == {"reml"} and set(meta["residualiser"]) == {"spline"}
     pooled, members = meta[meta["level"] == "pooled"], meta[meta["level"] == "model"]
@@ -233,10 +268,14 @@ def test_meta_analysis_combines_the_models_of_the_csv(analysed):
         pair = scoped[
             ((scoped["x"] == row.x) & (scoped["y"] == row.y)) | ((scoped["x"] == row.y) & (scoped["y"] == row.x))
         ]
-        per_model = pair.assign(v=pair["z_se"] ** 2).groupby("model", sort=False)
-        expected = random_effects(
-            per_model["z"].mean().to_numpy(), (per_model["v"].sum() / per_model.size() ** 2).to_numpy()
-        )
+        if row.scope == ALL_TRAIN_SETS:
+            twins = runs[((runs["x"] == row.x) & (runs["y"] == row.y)) | ((runs["x"] == row.y) & (runs["y"] == row.x))]
+            averages = twins.assign(z=np.arctanh(twins["r"])).groupby(["model", "seed", "shots"], sort=False)["z"]
+            assert averages.size().nunique() == 1  # both training sets (or one: a pair with mnli or snli)
+            per_model = averages.mean().groupby(level="model", sort=False)
+            expected = random_effects(per_model.mean().to_numpy(), (per_model.var() / per_model.size()).to_numpy())
+        else:
+            expected = random_effects(pair["z"].to_numpy(), pair["z_se"].to_numpy() ** 2)
         assert row.k == len(MODELS) == 2
         assert (row.r, row.ci_low, row.ci_high) == pytest.approx(
             tuple(np.tanh([expected.mu, expected.ci_low, expected.ci_high])), abs=1e-9
@@ -252,6 +291,14 @@ def test_meta_analysis_combines_the_models_of_the_csv(analysed):
             assert np.isnan(row.pi_low) and "no prediction interval" in row.reason
         weights = members[(members["scope"] == row.scope) & (members["x"] == row.x) & (members["y"] == row.y)]["weight"]
         np.testing.assert_allclose(weights, expected.weights, atol=1e-9)
+    paired = members.loc[members["scope"] == ALL_TRAIN_SETS, "paired_corr"]
+    both = members.loc[members["scope"] == ALL_TRAIN_SETS, "n_runs"] == 12  # a pair with mnli or snli: one set
+    assert paired.notna().tolist() == both.tolist() and both.sum() == 2 * 15 and paired.dropna().between(-1, 1).all()
+    assert members.loc[members["scope"] != ALL_TRAIN_SETS, "paired_corr"].isna().all()
+    for _, family in pooled.groupby("scope"):
+        for column in ("welch_p", "q_p"):
+            expected = pingouin.multicomp(family[column].to_numpy(), method="holm")[1]
+            np.testing.assert_allclose(family[f"{column}_adj"], expected, atol=1e-12)
 
 
 def test_results_that_change_with_the_residualiser_are_marked(analysed):
@@ -661,6 +708,28 @@ def test_the_matrix_note_gives_each_reason_once_and_pairs_never_evaluated():
 def two_runs(results: pathlib.Path) -> list[pathlib.Path]:
     """Two runs of one model and training set, enough steps for partial correlations."""
     return [good_run(results / f"job{seed}" / f"run{seed}", seed=seed) for seed in (0, 1)]
+
+
+def test_runs_whose_in_domain_accuracy_barely_moves_are_named_and_counted(tmp_path, capsys):
+    """Issue 48: a run whose in-domain accuracy spans less than 0.02 is named in a warning, counted in the
+    closing lines and in the summary's caption, and still analysed."""
+    results = tmp_path / "results"
+    two_runs(results)
+    accuracy = np.random.default_rng(2).uniform(size=(6, 3))
+    accuracy[:, 0] = 0.6 + 0.003 * np.arange(6)  # spans 0.015
+    flat = good_run(results / "job2" / "run2", seed=2, accuracy=accuracy)
+    assert main([str(results), "--out", str(tmp_path / "out")]) == 0
+    captured = capsys.readouterr()
+    assert captured.err.splitlines() == [
+        f"warning: {flat}: flat, in-domain accuracy spans 0.015 over 6 evaluations (less than 0.02); "
+        "a partial correlation given it measures noise"
+    ]
+    assert captured.out.startswith(f"analysed 3 runs under {results} (1 flat (in-domain accuracy barely moves), see ")
+    summary = (tmp_path / "out" / "tables" / "summary.tex").read_text()
+    assert (
+        "1 of 3 runs are flat (in-domain accuracy spans less than 0.02 or takes fewer than 3 distinct values): run2."
+        in summary
+    )
 
 
 def test_unreadable_files_and_identical_copies_are_named_and_skipped(tmp_path, capsys):

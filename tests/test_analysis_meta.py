@@ -22,6 +22,7 @@ from analysis.meta import (
     PAULE_MANDEL,
     REML,
     meta_analyse,
+    per_model,
     random_effects,
     welch_test,
 )
@@ -292,9 +293,10 @@ def run_table(seed: int = 0) -> pd.DataFrame:
 
 def test_meta_analysis_combines_each_models_runs_with_their_variance():
     """The path the CLI takes: run r -> per-model mean z and var(z)/m -> random effects, per
-    training set and over both; models in family and size order; a one-run model left out."""
+    training set and over both (each model's runs paired by seed: var / m of its paired
+    averages); models in family and size order; a one-run model left out."""
     runs = run_table()
-    pooled, members = meta_analyse(combine_runs(runs), MODELS)
+    pooled, members = meta_analyse(combine_runs(runs), MODELS, runs)
     assert list(dict.fromkeys(pooled["scope"])) == ["mnli", "snli", ALL_TRAIN_SETS]
     assert set(zip(pooled["x"], pooled["y"])) == {("hans", "rte"), ("hans", "paws"), ("rte", "paws")}
     mnli = members[(members["scope"] == "mnli") & (members["x"] == "hans") & (members["y"] == "paws")]
@@ -306,12 +308,11 @@ def test_meta_analysis_combines_each_models_runs_with_their_variance():
         chosen = chosen[[{x, y} == {row.x, row.y} for x, y in zip(chosen["x"], chosen["y"])]]
         z = chosen.assign(z=np.arctanh(chosen["r"])).groupby(["model", "train_set"])["z"]
         effects, variances = z.mean(), z.var(ddof=1) / z.count()
-        if row.scope == ALL_TRAIN_SETS:  # one effect per model: its training sets' mean, their variances' mean / 2
-            effects, variances = effects.groupby(level="model").mean(), variances.groupby(level="model").sum() / 4
-            counts = (
-                variances**2 * 16 / ((z.var(ddof=1) / z.count()) ** 2 / (z.count() - 1)).groupby(level="model").sum()
-            )
-            assert row.welch_p == pytest.approx(welch_test(effects, variances, counts + 1), abs=1e-12)
+        if row.scope == ALL_TRAIN_SETS:  # one effect per model: the mean of its 9 paired (seed) averages
+            averages = chosen.assign(z=np.arctanh(chosen["r"])).groupby(["model", "seed"])["z"].mean()
+            effects = averages.groupby(level="model").mean()
+            variances = averages.groupby(level="model").var(ddof=1) / 9
+            assert row.welch_p == pytest.approx(welch_test(effects, variances, np.full(3, 9)), abs=1e-12)
         expected = random_effects(effects.to_numpy(), variances.to_numpy())
         assert row.k == expected.k == 3
         assert row.n_left_out == 1
@@ -325,19 +326,105 @@ def test_meta_analysis_combines_each_models_runs_with_their_variance():
     everything = members[(members["scope"] == ALL_TRAIN_SETS) & (members["x"] == "hans") & (members["y"] == "paws")]
     assert list(zip(everything["model"], everything["train_set"])) == [(m, ALL_TRAIN_SETS) for m in mnli["model"]]
     assert everything["n_runs"].tolist() == [18, 18, 18, 2]
-    family = pooled[pooled["scope"] == "mnli"]
-    np.testing.assert_allclose(family["p_adj"], pingouin.multicomp(family["p"].to_numpy(), method="holm")[1])
+    for _, family in pooled.groupby("scope"):  # each scope one family per column (issue 48)
+        for column in ("p", "welch_p", "q_p"):
+            expected = pingouin.multicomp(family[column].to_numpy(), method="holm")[1]
+            np.testing.assert_allclose(family[f"{column}_adj"], expected, atol=1e-12)
+            assert (family[f"{column}_adj"] > family[column]).any()
+    z = runs.assign(z=np.arctanh(runs["r"]))
+    z = z[(z["model"] == "opt-big") & (z["x"] == "hans") & (z["y"] == "paws")].pivot(index="seed", columns="train_set")
+    paired = everything.set_index("model")["paired_corr"]
+    assert paired["opt-big"] == pytest.approx(np.corrcoef(z["z"]["mnli"], z["z"]["snli"])[0, 1], abs=1e-12)
+    assert np.isnan(paired["solo"]) and members.loc[members["scope"] == "mnli", "paired_corr"].isna().all()
+
+
+def paired_study(correlation: float, replicates: int, seed: int = 0) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Homogeneous studies as the study is designed: 8 models x 2 training sets x 9 runs (3 seeds x
+    3 shot counts), every true z 0.3, run z = 0.3 + sd e with sd from 0.1 to 0.3 across models and
+    e of the two training sets' runs with the same (seed, shots) correlated at `correlation`. Each
+    replicate is one pair (a<i>, b<i>). Returns the run rows (all_run_pairs' columns) and their
+    combination per model and training set (combine_runs' z, z_se, z_dof, n_runs), in closed form."""
+    rng = np.random.default_rng(seed)
+    models, keys = list(PAIRED_MODELS), list(itertools.product((0, 42, 99), (32, 64, 128)))
+    sd = np.linspace(0.1, 0.3, len(models))[None, :, None, None]
+    cov = [[1.0, correlation], [correlation, 1.0]]
+    z = 0.3 + sd * rng.multivariate_normal([0.0, 0.0], cov, size=(replicates, len(models), len(keys)))
+    replicate, model, key, train_set = (i.ravel() for i in np.indices(z.shape))
+    seeds, shots = np.array(keys).T
+    runs = pd.DataFrame(
+        {
+            "model": np.array(models)[model],
+            "train_set": np.array(["mnli", "snli"])[train_set],
+            "seed": seeds[key],
+            "shots": shots[key],
+            "x": np.char.add("a", replicate.astype(str)),
+            "y": np.char.add("b", replicate.astype(str)),
+            "r": np.tanh(z.ravel()),
+        }
+    )
+    stats = runs.assign(z=z.ravel()).groupby(["model", "train_set", "x", "y"], sort=False)["z"]
+    groups = pd.concat([stats.mean(), stats.std() / 3], axis=1, keys=["z", "z_se"]).reset_index()
+    return runs, groups.assign(z_dof=8.0, n_runs=9, reason="")
+
+
+PAIRED_MODELS = {f"model{i}": ModelInfo("opt", float(i + 1)) for i in range(8)}
+
+
+def homogeneity_rates(members: pd.DataFrame, count_column: str = "z_dof") -> tuple[float, float]:
+    """Over the replicates of `paired_study`: the share whose Welch test rejects equal models at
+    5%, and the share of the models' 95% intervals that cover the true z 0.3."""
+    rejected = [
+        welch_test(pair["z"], pair["z_se"] ** 2, pair[count_column] + 1) < 0.05 for _, pair in members.groupby("x")
+    ]
+    covered = (np.arctanh(members["ci_low"]) <= 0.3) & (0.3 <= np.arctanh(members["ci_high"]))
+    return float(np.mean(rejected)), float(covered.mean())
+
+
+@pytest.mark.parametrize("correlation", [-0.3, 0.0, 0.7])
+def test_paired_training_sets_keep_heterogeneity_tests_and_intervals_at_their_level(correlation):
+    """Issue 48: runs of two training sets paired by (seed, shots) are correlated; pooled as pairs
+    (var / m of the paired averages), 500 homogeneous studies reject equal models at most 8% of
+    the time and the models' intervals cover 93-97%, and the correlation is recovered. Pooled as
+    independent (sum v / 4, the old formula), they fail at 0.7."""
+    runs, groups = paired_study(correlation, 500)
+    members = per_model(groups, runs)
+    rejected, covered = homogeneity_rates(members)
+    assert rejected <= 0.08 and 0.93 <= covered <= 0.97
+    assert members["paired_corr"].mean() == pytest.approx(correlation, abs=0.05)
+    if correlation == 0.7:  # the old formula: sum v / 4 on Welch-Satterthwaite's degrees of freedom
+        v = groups.assign(v=groups["z_se"] ** 2).groupby(["model", "x"], sort=False)["v"]
+        old = pd.DataFrame({"z": groups.groupby(["model", "x"], sort=False)["z"].mean(), "z_se": np.sqrt(v.sum() / 4)})
+        old["dof"] = (v.sum() ** 2 / v.apply(lambda v: (v**2 / 8).sum())).to_numpy()
+        half_width = scipy.stats.t.ppf(0.975, old["dof"]) * old["z_se"]
+        old = old.assign(ci_low=np.tanh(old["z"] - half_width), ci_high=np.tanh(old["z"] + half_width)).reset_index()
+        old_rejected, old_covered = homogeneity_rates(old, "dof")
+        assert old_rejected > 0.2 and old_covered < 0.9
+
+
+def test_training_sets_without_common_runs_are_pooled_as_independent():
+    """Seeds that differ between training sets pair nothing: the variance is sum v / T^2 with
+    Welch-Satterthwaite's degrees of freedom, and no paired correlation."""
+    runs = run_table()
+    runs = runs.assign(seed=runs["seed"] + 100 * (runs["train_set"] == "snli"))
+    groups = combine_runs(runs)
+    _, members = meta_analyse(groups, MODELS, runs)
+    everything = members[(members["scope"] == ALL_TRAIN_SETS) & (members["model"] != "solo")]
+    for row in everything.itertuples():
+        sets = groups[groups["model"] == row.model]
+        sets = sets[[{x, y} == {row.x, row.y} for x, y in zip(sets["x"], sets["y"])]]
+        assert row.z_se == pytest.approx(np.sqrt((sets["z_se"] ** 2).sum()) / 2, abs=1e-12)
+        assert np.isnan(row.paired_corr)
 
 
 def test_too_few_models_give_reasons_not_numbers():
     runs = run_table()
     two_models = runs[runs["model"].isin(["olmo", "opt-small", "solo"])]
-    pooled, _ = meta_analyse(combine_runs(two_models), MODELS)
+    pooled, _ = meta_analyse(combine_runs(two_models), MODELS, two_models)
     mnli = pooled[pooled["scope"] == "mnli"]
     assert (mnli["k"] == 2).all() and mnli["r"].notna().all() and mnli["pi_low"].isna().all()
     assert set(mnli["reason"]) == {"two models: no prediction interval (needs three)"}
     one_model = runs[runs["model"].isin(["olmo", "solo"]) & (runs["train_set"] == "mnli")]
-    pooled, members = meta_analyse(combine_runs(one_model), MODELS)
+    pooled, members = meta_analyse(combine_runs(one_model), MODELS, one_model)
     assert list(pooled["scope"]) == ["mnli"] * 3  # one training set: no scope over all
     assert pooled[["r", "ci_low", "tau2", "p", "p_adj"]].isna().all().all()
     assert set(pooled["reason"]) == {"1 model(s) with a variance across runs: a meta-analysis needs two"}

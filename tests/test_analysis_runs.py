@@ -431,3 +431,38 @@ def test_finished_is_the_last_step_the_run_itself_planned(tmp_path, train_steps,
     assert (run.finished, run.planned_steps) == (finished, run_steps or train_steps)
     overview = runs.runs_overview([run])
     assert overview["finished"].tolist() == [finished]
+
+
+def test_runs_whose_in_domain_accuracy_barely_moves_are_named_and_counted(results, capsys):
+    """Issue 48: a span below runs.FLAT_MAX_RANGE (0.02), or fewer than runs.FLAT_MIN_DISTINCT (3) distinct
+    values, is flat; a span of 0.021 over five values, or three distinct values, is not."""
+    in_domain = {
+        "narrow": [0.60, 0.605, 0.61, 0.615, 0.619],
+        "two_values": [0.5, 0.9, 0.5, 0.9, 0.5],
+        "just_moves": [0.60, 0.605, 0.61, 0.615, 0.621],
+        "three_values": [0.5, 0.9, 0.5, 0.9, 0.7],
+    }
+    for seed, (name, values) in enumerate(in_domain.items(), start=10):
+        accuracy = np.column_stack([values, np.full((5, 2), 0.6)])
+        write_run(
+            results / name,
+            steps=STEPS,
+            testsets=["mnli", "hans", "rte"],
+            accuracy=accuracy,
+            in_domain="mnli",
+            model="opt-125m",
+            seed=seed,
+            shots=32,
+            config={"model": {"path": "facebook/opt-125m"}, "train": {"steps": 100}},
+        )
+    assert runs.main([str(results)]) == 0
+    captured = capsys.readouterr()
+    warnings = [line for line in captured.err.splitlines() if "flat" in line]
+    assert warnings == [
+        f"warning: {results / 'narrow' / schema.METRICS_FILENAME}: flat, in-domain accuracy spans 0.019 over 5 "
+        "evaluations (less than 0.02); a partial correlation given it measures noise",
+        f"warning: {results / 'two_values' / schema.METRICS_FILENAME}: flat, in-domain accuracy takes 2 distinct "
+        "value(s) over 5 evaluations (fewer than 3); a partial correlation given it measures noise",
+    ]
+    last = captured.out.splitlines()[-1]
+    assert last == "7 runs, 6 finished, 1 not; 2 flat (in-domain accuracy barely moves, see the warnings)"
