@@ -1,8 +1,9 @@
 """How often the run-level test rejects when it should not: `python -m analysis.null_rates`.
 
 Simulated runs shaped like the study's: in-domain accuracy a saturating
-learning curve plus AR(1) noise, two OOD accuracies each a tanh of it plus
-their own AR(1) noise (independent given in-domain accuracy under the null,
+learning curve plus AR(1) noise, two OOD accuracies each a tanh of it (a
+line for the linear residualiser, which a curve would bias) plus their own
+AR(1) noise (independent given in-domain accuracy under the null,
 so every partial correlation is truly 0; with `shared` a share of that
 noise's variance is common, a real residual correlation). Each replicate is
 one run and one test (`partial_corr`, autocorrelation=True, as the
