@@ -1,7 +1,8 @@
 """From runs to results: each run's pairwise partial correlations, then their combination.
 
 Runs of one model and training set (seeds x shot counts) are replicates, so
-their correlations are averaged on the Fisher z scale: r = tanh(mean z), a
+their correlations are averaged on the Fisher z scale, each r capped at
+|r| <= MAX_ABS_R first: r = tanh(mean z), a
 95% t interval across runs, tanh(mean z +- t_{0.975, m-1} sd(z) / sqrt(m)),
 and p from the one-sample t test of mean z = 0 over the m runs. The mean z
 and its standard error sd(z) / sqrt(m) are kept (z, z_se): they are the
@@ -44,10 +45,14 @@ SIGNIFICANCE = 0.05
 # The reason of a combined pair that no run defines starts with this, then the runs' reasons.
 UNDEFINED_IN_EVERY_RUN = "undefined in every run: "
 
-# Correlations of exactly +-1 have an infinite Fisher z; they enter the mean as
-# +-atanh(1 - 1e-12) (about +-14.2) so that one saturated run does not make
-# the average infinite.
-_MAX_ABS_R = 1.0 - 1e-12
+# A run's r enters a mean capped at |r| <= MAX_ABS_R, |z| <= atanh(0.999) = 3.80: a
+# degenerate run (r = +-1, z infinite; a few residual degrees of freedom make it
+# easy) then moves a mean of m runs' z by at most (3.80 + |z| of the run it
+# replaces) / m, where an uncapped z of 14.2 moved a 9-run mean by 1.6. Chosen over
+# leaving out runs with fewer than two residual degrees of freedom: the cap also
+# bounds an r of +-1 that has more (two identical accuracy columns), and every
+# run stays in the count m.
+MAX_ABS_R = 0.999
 
 
 def run_pairs(run: RunRecord, **options) -> pd.DataFrame:
@@ -182,10 +187,10 @@ def in_first_seen_order(pairs: pd.DataFrame) -> pd.DataFrame:
 
 
 def mean_on_z_scale(r: np.ndarray) -> float:
-    """tanh of the mean Fisher z of correlations, NaN for none: the average of correlations."""
+    """tanh of the mean Fisher z of correlations capped at MAX_ABS_R, NaN for none: their average."""
     if r.size == 0:
         return np.nan
-    return float(np.tanh(np.arctanh(np.clip(r, -_MAX_ABS_R, _MAX_ABS_R)).mean()))
+    return float(np.tanh(np.arctanh(np.clip(r, -MAX_ABS_R, MAX_ABS_R)).mean()))
 
 
 def _combine(r: np.ndarray, reasons: pd.Series) -> dict:
@@ -209,7 +214,7 @@ def _combine(r: np.ndarray, reasons: pd.Series) -> dict:
     }
     if m == 0:
         return result | {"reason": UNDEFINED_IN_EVERY_RUN + "; ".join(undefined.index)}
-    z = np.arctanh(np.clip(r, -_MAX_ABS_R, _MAX_ABS_R))
+    z = np.arctanh(np.clip(r, -MAX_ABS_R, MAX_ABS_R))
     result["z"] = mean = float(z.mean())
     result["r"] = float(np.tanh(mean))
     if m < 2:

@@ -20,10 +20,15 @@ RESIDUALISERS = (LINEAR, SPLINE)
 # A natural cubic smoothing spline needs at least this many distinct abscissae.
 MIN_SPLINE_POINTS = 5
 
-# The spline may spend at most this many effective parameters, as mgcv's default
-# basis (k = 10) does. Without a cap, GCV has a well-known degenerate minimum
-# at near-interpolation when two covariate values almost coincide.
+# A spline fit to n points may spend at most n / SPLINE_POINTS_PER_EDF effective
+# parameters, between MIN_SPLINE_EDF (a line and one bend) and MAX_SPLINE_EDF
+# (mgcv's default basis, k = 10): two thirds of a short run's points are left
+# to its residuals (a fixed cap of 10 left 42-60% of 11-evaluation runs without
+# a test). Without a cap, GCV has a well-known degenerate minimum at
+# near-interpolation when two covariate values almost coincide.
 MAX_SPLINE_EDF = 10.0
+MIN_SPLINE_EDF = 3.0
+SPLINE_POINTS_PER_EDF = 3.0
 
 # Smoothing parameters searched by GCV, as log10(lambda) on a covariate rescaled
 # to [0, 1]: from near interpolation to a straight line for any realistic n.
@@ -74,7 +79,7 @@ def fit_spline(covar: np.ndarray, y: np.ndarray) -> Fit:
     The spline minimises sum (y_i - f(x_i))^2 + lambda * integral f''^2
     (scipy's make_smoothing_spline); lambda minimises generalised
     cross-validation, GCV = n RSS / (n - edf)^2, over a log grid refined by
-    bounded Brent search, among fits with at most MAX_SPLINE_EDF effective
+    bounded Brent search, among fits with at most `max_spline_edf(n)` effective
     parameters. The covariate is rescaled to [0, 1] so that the searched range
     of lambda does not depend on its units.
 
@@ -97,12 +102,13 @@ def fit_spline(covar: np.ndarray, y: np.ndarray) -> Fit:
     means = np.bincount(group, weights=y) / counts
     smoother = SplineSmoother(knots, counts.astype(float))
     within_ties = float(np.sum((y - means[group]) ** 2))
+    cap = max_spline_edf(y.size)
 
     def gcv(log_lambda: np.ndarray) -> np.ndarray:
         edf = smoother.edf(log_lambda)
         rss = within_ties + smoother.weighted_rss(means, log_lambda)
         score = y.size * rss / (y.size - edf) ** 2
-        return np.where(edf > MAX_SPLINE_EDF, np.inf, score)
+        return np.where(edf > cap, np.inf, score)
 
     scores = gcv(_LOG_LAMBDA_GRID)
     best = int(np.argmin(scores))
@@ -124,6 +130,11 @@ def fit_spline(covar: np.ndarray, y: np.ndarray) -> Fit:
         predict=lambda c: spline((as_covariate_matrix(c)[:, 0] - low) / span),
         edf=float(smoother.edf(chosen)[0]),
     )
+
+
+def max_spline_edf(n: int) -> float:
+    """The most effective parameters a spline fit to n points may spend (see SPLINE_POINTS_PER_EDF)."""
+    return float(np.clip(n / SPLINE_POINTS_PER_EDF, MIN_SPLINE_EDF, MAX_SPLINE_EDF))
 
 
 class SplineSmoother:

@@ -13,6 +13,7 @@ from fixtures_results import TESTSETS, ar1_noise, autocorrelated_accuracies, wri
 
 from analysis import pairwise_partial_corr, partial_corr
 from analysis.aggregate import all_run_pairs
+from analysis.null_rates import rates
 from analysis.runs import find_runs
 from analysis.stats import effective_sample_size
 
@@ -67,7 +68,8 @@ def test_a_shared_component_is_still_found(tmp_path):
 
 
 def test_effective_sample_size_is_bartletts_for_two_ar1_series():
-    # 1..5: centred -2..2, lag-1 products sum to 4 over squares 10, a = 0.4 in both.
+    # 1..5: centred -2..2, lag-1 products sum to 4 over squares 10, a = 0.4 in both; one lag (5 // 5), whose sum
+    # 5 / (1 + 2 (0.16)) = 3.79 is more than the AR(1) extrapolation.
     line = np.arange(1.0, 6.0)
     assert effective_sample_size(line, line) == pytest.approx(5 * (1 - 0.16) / (1 + 0.16), abs=1e-12)
     # Autocorrelations of opposite signs would claim more than n: capped at n.
@@ -75,6 +77,31 @@ def test_effective_sample_size_is_bartletts_for_two_ar1_series():
     rng = np.random.default_rng(1)
     noise = ar1_noise(rng, 20000, 2, 0.85)
     assert effective_sample_size(*noise.T) == pytest.approx(20000 * (1 - 0.85**2) / (1 + 0.85**2), rel=0.05)
+
+
+def test_negative_lag1_autocorrelations_are_clipped_at_zero():
+    """Two series that alternate (lag-1 autocorrelation -0.8 each, as a smoother's residuals can) are worth all
+    their n = 5 points; their positive product would have claimed 5 (1 - 0.64) / (1 + 0.64) = 1.1."""
+    alternating = np.array([1.0, -1.0, 1.0, -1.0, 1.0])
+    assert effective_sample_size(alternating, alternating) == 5
+
+
+def test_longer_lags_count_where_the_ar1_extrapolation_misses_them():
+    """Lag 1 nearly uncorrelated, lags 2 and 4 strongly: a period-4 wave over n = 20 has autocorrelations 0.05, -0.9,
+    -0.05, 0.8 at lags 1-4 (the n // 5 counted), so n_eff = 20 / (1 + 2 (0.0025 + 0.81 + 0.0025 + 0.64)) = 5.1,
+    where AR(1) alone would say 19.9."""
+    wave = np.tile([1.0, 1.0, -1.0, -1.0], 5)
+    centred = wave - wave.mean()
+    autocorrelation = [centred[k:] @ centred[:-k] / (centred @ centred) for k in (1, 2, 3, 4)]
+    np.testing.assert_allclose(autocorrelation, [0.05, -0.9, -0.05, 0.8], atol=1e-12)
+    assert effective_sample_size(wave, wave) == pytest.approx(20 / (1 + 2 * 1.455), abs=1e-12)
+
+
+def test_41_evaluations_of_ar1_095_noise_keep_the_size():
+    """The edge issue 48 found: spline residuals, 41 evaluations, AR(1) 0.95, 10-12% of null p below 0.05 with
+    the AR(1) extrapolation alone (10.0% of these 300 runs; binomial sd 1.3% at 5%); at most 8% (5.7%)."""
+    rejected, untested = rates("spline", 41, 0.95, replicates=300, seed=48)
+    assert rejected <= 0.08 and untested < 0.05
 
 
 def test_too_few_effective_points_keep_r_and_lose_the_test():

@@ -371,10 +371,12 @@ def test_options_reach_every_run(tmp_path, capsys):
     np.testing.assert_allclose(run["p_adj"], expected["p_adj"], atol=1e-12, rtol=0)
     caption = (tmp_path / "out" / "tables" / "matrix_opt-350m_mnli.tex").read_text()
     assert "Spearman correlation, linear residualiser, probit-transformed" in caption
-    assert "spline residualiser" in caption  # what its daggers compare with
+    # What its daggers compare with, named where there are some; the meta-analysis table's column always names it.
+    assert ("spline residualiser" in caption) == (r"\dagger" in caption)
     meta = pd.read_csv(tmp_path / "out" / META_CSV_NAME)
     assert set(meta["estimator"]) == {"dl"} and set(meta["residualiser"]) == {"linear"}
-    assert "DerSimonian-Laird $\\tau^2$" in (tmp_path / "out" / "tables" / "meta_analysis_mnli.tex").read_text()
+    meta_table = (tmp_path / "out" / "tables" / "meta_analysis_mnli.tex").read_text()
+    assert "DerSimonian-Laird $\\tau^2$" in meta_table and "$r$ (spline)" in meta_table
     assert "from 2 runs of 21 evaluation steps: each cell the mean of 2 runs, on the Fisher $z$ scale" in caption
     assert "(Benjamini-Hochberg)" in caption
 
@@ -537,7 +539,7 @@ def test_no_figure_is_cut_off_and_every_text_is_readable(shipped, tmp_path):
     _, _, layouts = shipped
     assert len(layouts) == 16 * 3 + 2 + 1 + 3
     for seed in (0, 1, 2):  # three runs whose combined r changes sign with the residualiser: daggers, and their note
-        accuracy = np.random.default_rng(60 + seed).uniform(size=(6, 3))
+        accuracy = np.random.default_rng(68 + seed).uniform(size=(6, 3))
         good_run(tmp_path / "results" / f"run{seed}", seed=seed, accuracy=accuracy)
     smallest_layouts = analyse_and_measure(tmp_path / "results", tmp_path / "out")
     assert (

@@ -5,7 +5,7 @@ import pytest
 from scipy.interpolate import make_smoothing_spline
 
 from analysis import partial_corr
-from analysis.residualise import SplineSmoother, fit_linear, fit_spline, roughness_matrix
+from analysis.residualise import SplineSmoother, fit_linear, fit_spline, max_spline_edf, roughness_matrix
 
 
 def spline_data(seed: int, size: int = 30):
@@ -143,3 +143,15 @@ def test_spline_behaves_like_linear_on_a_linear_relation():
     # GCV mostly picks (nearly) a straight line: close to the linear n - 3 dof.
     assert oracle_dof == 25 - 3
     assert oracle_dof - 3.0 <= spline_dof <= oracle_dof + 1e-9
+
+
+def test_the_spline_edf_cap_scales_with_the_number_of_points():
+    """A wiggly curve over 12 points: under a fixed cap of 10 GCV spends 9.9 of them, which leaves the partial
+    correlation 1.1 degrees of freedom; capped at 12 / 3 = 4, it keeps at least 12 - 3 - 2 = 7."""
+    assert [max_spline_edf(n) for n in (6, 12, 21, 41)] == pytest.approx([3.0, 4.0, 7.0, 10.0])
+    x = np.linspace(0.0, 1.0, 12)
+    rng = np.random.default_rng(7)
+    wiggly = np.sin(12 * x) + rng.normal(scale=0.05, size=12)
+    assert 3.5 < fit_spline(x, wiggly).edf <= 4.0
+    result = partial_corr(wiggly + rng.normal(scale=0.1, size=12), wiggly, x, residualiser="spline")
+    assert result.reason == "" and result.dof >= 12 - 3 - 2

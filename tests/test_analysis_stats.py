@@ -8,6 +8,7 @@ import scipy.stats
 from fixtures_results import BERTS_IN_DOMAIN, berts_of_a_feather
 
 from analysis import pairwise_partial_corr, partial_corr
+from analysis.aggregate import combine_runs, mean_on_z_scale
 from analysis.padjust import adjust_pvalues
 from analysis.stats import PROBIT_CLIP
 
@@ -205,3 +206,21 @@ def test_berts_of_a_feather_table_goes_through_unchanged(shared_data):
 def test_bad_input_gets_a_clear_error(call, message):
     with pytest.raises((ValueError, TypeError), match=message):
         call(random_frame(seed=8, nan_fraction=0.0))
+
+
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_a_degenerate_run_moves_its_cells_mean_z_by_a_bounded_amount(sign):
+    """One run of nine at r = +-1 (z infinite) enters the cell's mean as atanh(0.999) = ln(1999) / 2: the mean z moves
+    by that over 9 from where the same run at r = 0 leaves it (uncapped, 14.2 / 9 = 1.6)."""
+    z = np.array([0.1, -0.2, 0.3, 0.05, 0.4, -0.1, 0.2, 0.15])
+
+    def cell_mean_z(degenerate_r: float) -> float:
+        pairs = pd.DataFrame(
+            {"model": "m", "train_set": "t", "x": "a", "y": "b", "r": [*np.tanh(z), degenerate_r], "reason": ""}
+        )
+        return float(combine_runs(pairs)["z"].iloc[0])
+
+    assert cell_mean_z(0.0) == pytest.approx(z.sum() / 9, abs=1e-12)
+    moved = cell_mean_z(sign) - cell_mean_z(0.0)
+    assert moved == pytest.approx(sign * np.log(1999.0) / 2 / 9, abs=1e-12)  # 0.42
+    assert mean_on_z_scale(np.array([*np.tanh(z), sign])) == pytest.approx(np.tanh(cell_mean_z(sign)), abs=1e-12)
