@@ -186,11 +186,16 @@ def in_first_seen_order(pairs: pd.DataFrame) -> pd.DataFrame:
     return pairs.assign(x=pairs["x"].where(x_first, pairs["y"]), y=pairs["y"].where(x_first, pairs["x"]))
 
 
+def fisher_z(r: np.ndarray) -> np.ndarray:
+    """The Fisher z of runs' correlations, each capped at MAX_ABS_R: how every mean over runs takes them."""
+    return np.arctanh(np.clip(r, -MAX_ABS_R, MAX_ABS_R))
+
+
 def mean_on_z_scale(r: np.ndarray) -> float:
     """tanh of the mean Fisher z of correlations capped at MAX_ABS_R, NaN for none: their average."""
     if r.size == 0:
         return np.nan
-    return float(np.tanh(np.arctanh(np.clip(r, -MAX_ABS_R, MAX_ABS_R)).mean()))
+    return float(np.tanh(fisher_z(r).mean()))
 
 
 def _combine(r: np.ndarray, reasons: pd.Series) -> dict:
@@ -214,7 +219,7 @@ def _combine(r: np.ndarray, reasons: pd.Series) -> dict:
     }
     if m == 0:
         return result | {"reason": UNDEFINED_IN_EVERY_RUN + "; ".join(undefined.index)}
-    z = np.arctanh(np.clip(r, -MAX_ABS_R, MAX_ABS_R))
+    z = fisher_z(r)
     result["z"] = mean = float(z.mean())
     result["r"] = float(np.tanh(mean))
     if m < 2:

@@ -296,8 +296,9 @@ def assumptions(runs: list[RunRecord]) -> str:
     closes the command's output and opens tables/tables.tex."""
     seeds, shots = len({run.seed for run in runs}), len({run.shots for run in runs})
     return (
-        "Run-level p-values are approximate: a run's evaluation steps are taken as AR(1) series, and "
-        "its test uses Bartlett's effective sample size. The runs of a model and training set (here "
+        "Run-level p-values are approximate: a run's test uses Bartlett's effective sample size, the "
+        "smaller of its AR(1) form and its sum over the first n/5 lags of the residuals' autocorrelations. "
+        "The runs of a model and training set (here "
         f"{seeds} seed(s) x {shots} shot count(s)) are treated as exchangeable replicates: their Fisher z are "
         "averaged and tested across runs (the table by shot count shows whether the shot count moves the "
         "mean r). Over every training set, a model's training sets are averaged; where their runs are "

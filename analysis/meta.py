@@ -74,7 +74,7 @@ import pandas as pd
 import scipy.optimize
 import scipy.stats
 
-from analysis.aggregate import _MAX_ABS_R, GROUP_COLUMNS, in_first_seen_order
+from analysis.aggregate import GROUP_COLUMNS, fisher_z, in_first_seen_order
 from analysis.naming import ModelInfo
 from analysis.padjust import adjust_pvalues
 from analysis.stats import CONFIDENCE
@@ -302,7 +302,7 @@ def _run_z_by_pair(runs: pd.DataFrame) -> dict[tuple[str, str, str], tuple[list[
     or is missing; x and y sorted, since r is symmetric."""
     in_order = runs["x"] <= runs["y"]
     low, high = runs["x"].where(in_order, runs["y"]), runs["y"].where(in_order, runs["x"])
-    z = np.arctanh(np.clip(runs["r"].to_numpy(dtype=float), -_MAX_ABS_R, _MAX_ABS_R))
+    z = fisher_z(runs["r"].to_numpy(dtype=float))
     keys = ["model", "low", "high", *PAIRING_COLUMNS, "train_set"]
     table = runs.assign(low=low, high=high, z=z).set_index(keys)["z"].unstack("train_set")  # sorted by key
     codes, uniques = pd.factorize(table.index.droplevel(list(PAIRING_COLUMNS)))

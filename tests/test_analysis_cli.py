@@ -69,7 +69,7 @@ def test_cli_writes_tables_figures_and_csv_and_lists_them(analysed):
     listed, closing = stdout.split("\nAssumptions: ")
     written = {pathlib.Path(line.strip()) for line in listed.splitlines()[1:]}
     closing = " ".join(closing.split())
-    assert closing.startswith("Run-level p-values are approximate: a run's evaluation steps are taken as AR(1)")
+    assert closing.startswith("Run-level p-values are approximate: a run's test uses Bartlett's effective sample size")
     for said in ("(here 3 seed(s) x 2 shot count(s)) are treated as exchangeable", "paired averages", "Welch's"):
         assert said in closing
     assert stdout.startswith(f"analysed {len(GROUPS) * len(SEEDS) * len(SHOTS)} runs")
