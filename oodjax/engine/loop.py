@@ -359,7 +359,7 @@ class _Loop:
         self.state, metrics = self.train_step(self.base_state, self.state, batch)
         self.pending.append((step, metrics))
         self.window_steps += 1
-        self.stop.step_trained()
+        self.stop.step_trained(step)
 
     def _after_train_step(self, step: int) -> None:
         due = [hook for is_due, hook in self.hooks if is_due(step)]
