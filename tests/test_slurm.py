@@ -44,6 +44,11 @@ TINY = [
 ]
 
 
+# Each job's processes drive one CPU device (not conftest's 8, which the sweep would pass on): cheaper to
+# compile on a CI machine of two cores, and nothing here depends on the count.
+ONE_DEVICE = "--xla_force_host_platform_device_count=1"
+
+
 def _cluster_up() -> bool:
     if shutil.which("sinfo") is None:
         return False
@@ -62,7 +67,8 @@ def cluster():
 
 def sweep(root: pathlib.Path, *extra: str, job: Sequence[str] = TINY, **env_changes: str) -> subprocess.Popen:
     """The sweep of the tiny job into ``root``, started; ``finish`` waits for its lines."""
-    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", **env_changes)
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", XLA_FLAGS=ONE_DEVICE)
+    env.update(env_changes)
     env.pop("OODJAX_VENV", None)
     command = [sys.executable, "-m", "launch.sweep", *job, "--backend", "slurm", "--output_dir", str(root), *extra]
     return subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
