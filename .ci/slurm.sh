@@ -122,15 +122,15 @@ PartitionName=ci Nodes=localhost Default=YES MaxTime=INFINITE OverSubscribe=FORC
 answering() {  # every node of the config idle, mixed or allocated
     local states
     states=$(timeout 10 sinfo -h -N -o '%N %T' 2>/dev/null) || return 1
-    [[ $(grep -cE ' (idle|mixed|allocated)' <<<"$states") == "$([[ $nodes == 2 ]] && echo 3 || echo 1)" ]]
+    [[ $(grep -cE ' (idle|mixed|allocated|completing)' <<<"$states") == "$([[ $nodes == 2 ]] && echo 3 || echo 1)" ]]
 }
 if [[ -f /etc/slurm/slurm.conf && $(</etc/slurm/slurm.conf) == "$conf" ]] && answering; then
     echo "slurm: already up: $(sinfo -h -o '%P %D %T %c CPUs' | paste -sd ';' -)"
     exit 0
 fi
 
-if [[ -s /etc/slurm/slurm.conf && $(</etc/slurm/slurm.conf) != "$conf" ]] && squeue -h 2>/dev/null | grep -q .; then
-    fail "the cluster runs jobs under another configuration; let them end (squeue) or cancel them, then rerun"
+if squeue -h 2>/dev/null | grep -q .; then  # a restart below would strand them
+    fail "jobs are queued or running (squeue) on a cluster not as asked; let them end or cancel them, then rerun"
 fi
 stop_daemons  # started afresh with this configuration
 remove_nodes
