@@ -301,6 +301,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"# {job.name}: {done} of {job.runs} runs finished; submitting the {left} unfinished ({grids})")
         pending += remaining
 
+    if pending and args.backend == "slurm" and args.nodes > 1:
+        print(multi_node_stop_note(args.nodes, sbatch_options))
     for job in pending:
         cmd = command(job, args.backend, nodes=args.nodes, sbatch_options=sbatch_options)
         if args.backend == "slurm":
@@ -354,6 +356,22 @@ def _sbatch_options(args: argparse.Namespace) -> list[str]:
             )
         options.append(f"--signal=B:USR1@{min(TIME_LIMIT_WARNING_LEAD, seconds // 4)}")
     return options + list(args.sbatch_arg)
+
+
+def multi_node_stop_note(nodes: int, sbatch_options: Sequence[str]) -> str:
+    """The line a multi-node sweep prints first: with more than one task, srun answers a SIGTERM of its own with
+    SIGKILL to the tasks, so the signal forms that reach srun stop the job without a checkpoint."""
+    killing = [
+        option
+        for option in sbatch_options
+        if (match := re.fullmatch(r"--signal=((?:[BR]+:)?)(?:SIG)?(TERM|15)(@\d+)?", option)) and "B" not in match[1]
+    ]
+    given = f"{', '.join(killing)} and " if killing else ""
+    return (
+        f"# {nodes} nodes: srun answers SIGTERM with SIGKILL, so {given}`scancel --signal=TERM --full JOB` stop "
+        "these jobs without a checkpoint; `scancel --signal=TERM --batch JOB` (or USR1, which requeues) and "
+        "--signal=B:USR1@SECONDS checkpoint"
+    )
 
 
 def time_limit_seconds(text: str) -> int:

@@ -23,9 +23,11 @@ if __name__ == "__main__":  # `python -m oodjax.main`, as the launchers start it
     preemption.hold_stop_signals()  # before the imports below, which take seconds: a warning then is noted
 
 import logging as python_logging  # noqa: E402
+import os  # noqa: E402
 import sys  # noqa: E402
 
 import datasets  # noqa: E402
+import jax  # noqa: E402
 from absl import logging  # noqa: E402
 from ml_collections import config_dict  # noqa: E402
 
@@ -64,7 +66,8 @@ def main(config: config_dict.ConfigDict) -> None:
     requeues on it), or with 128 + the signal's number when it came before a step was trained;
     a full disk with one line naming the file, status 1, unless
     every run's results are complete already (the final checkpoint failed): then
-    with a warning, status 0, as a rerun would have nothing to do.
+    with a warning, status 0, as a rerun would have nothing to do. A collective
+    that lost another host's process: one line naming the host and the step, status 1, at once.
     """
     start_process()
     job = resolve(config)
@@ -82,6 +85,19 @@ def main(config: config_dict.ConfigDict) -> None:
                 preemption.PREEMPTED_EXIT_CODE,
             )
         sys.exit(stopped.exit_code)
+    except jax.errors.JaxRuntimeError as error:
+        host = distributed.lost_peer(error)
+        if host is None:
+            raise
+        step = preemption.last_step()
+        logging.error(
+            "lost the process on %s %s (a collective's connection to it broke); this process stops too, its run "
+            "locks released: rerun the same command (or the sweep) to resume from the last checkpoint",
+            host,
+            "before training" if step is None else f"at step {step}",
+        )
+        logging.flush()
+        os._exit(distributed.LOST_PEER_EXIT_CODE)  # not JAX's shutdown at exit, which waits for the lost process
     except storage.NoSpaceError as full:
         if not _results_complete(job):
             logging.error("%s", full)

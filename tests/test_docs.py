@@ -397,10 +397,10 @@ def command_problems(command: Command) -> list[str]:
 
 @functools.cache
 def launch_script_text() -> str:
-    """The launch scripts and the Makefile: their own flags (sbatch's, srun's) are documented from them."""
-    return "\n".join(
-        path.read_text() for path in [*ROOT.glob("launch/*.sh"), *ROOT.glob("launch/*.sbatch"), ROOT / "Makefile"]
-    )
+    """The launch scripts, CI's cluster script and the Makefile: their own flags (sbatch's, srun's, the
+    cluster's) are documented from them."""
+    scripts = [*ROOT.glob("launch/*.sh"), *ROOT.glob("launch/*.sbatch"), *ROOT.glob(".ci/*.sh"), ROOT / "Makefile"]
+    return "\n".join(path.read_text() for path in scripts)
 
 
 def all_entry_points(docs: list[Doc]) -> dict[str, EntryPoint]:

@@ -1,11 +1,16 @@
 """Process layout detection for multi-host runs: SLURM, TPU pods and explicit values, set here in the environment."""
 
+import os
 import pathlib
 import shutil
+import socket
+import subprocess
+import sys
 
 import jax
 import pytest
 
+from launch import sweep
 from oodjax.engine import distributed
 from oodjax.engine.distributed import LayoutError, ProcessLayout, detect_layout, expand_nodelist, parse_nodelist
 
@@ -164,6 +169,7 @@ def test_nodelist_expansion(nodelist, hosts, monkeypatch):
 
 
 _scontrol = shutil.which("scontrol")
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def test_the_host_list_is_the_schedulers_where_scontrol_answers(tmp_path, monkeypatch):
@@ -196,3 +202,108 @@ def test_jax_is_started_without_its_own_sigterm_handler(monkeypatch):
     finally:
         jax.config.update("jax_enable_preemption_service", before)
     assert started["num_processes"] == 2 and started["service"] is False
+
+
+def two_hosts(**changes):
+    """Task 0 of a 2-node job, one task per node."""
+    return slurm_env(
+        SLURM_NTASKS="2",
+        SLURM_PROCID="0",
+        SLURM_LOCALID="0",
+        SLURM_NODEID="0",
+        SLURM_STEP_TASKS_PER_NODE="1(x2)",
+        SLURM_GPUS_ON_NODE=None,
+        **changes,
+    )
+
+
+def resolving(monkeypatch, name, address):
+    monkeypatch.setattr(distributed.socket, "gethostname", lambda: name)
+    monkeypatch.setattr(distributed.socket, "gethostbyname", lambda host: {name: address}[host])
+
+
+def test_a_host_name_resolving_to_loopback_stops_a_cpu_job_across_hosts_before_jax_starts(monkeypatch):
+    """Debian maps the host name to 127.0.1.1: gloo would give the other node that address (issue 49)."""
+    resolving(monkeypatch, "gpu07", "127.0.1.1")
+    started = []
+    monkeypatch.setattr(jax.distributed, "initialize", lambda **arguments: started.append(arguments))
+    with pytest.raises(LayoutError) as raised:
+        distributed.initialize(two_hosts(JAX_PLATFORMS="cpu"), processes_per="per_node")
+    assert str(raised.value) == (
+        "this host's name gpu07 resolves to 127.0.1.1, a loopback address: JAX's CPU collectives (gloo) would "
+        "give the other hosts of the job that address; map gpu07 to the address they reach it at in /etc/hosts "
+        "(Debian maps the host name to 127.0.1.1) or DNS"
+    )
+    assert started == []
+
+
+def test_a_loopback_host_name_is_left_alone_on_one_host_or_off_the_cpu(monkeypatch):
+    resolving(monkeypatch, "gpu07", "127.0.1.1")
+    one_host = ProcessLayout("127.0.0.1:5000", 2, 0, None, "explicit")
+    distributed.check_host_address(one_host, "cpu")  # two processes of one host reach each other at loopback
+    across = detect_layout(two_hosts(), processes_per="per_node")
+    assert across.hosts == ("gpu07", "gpu08")
+    distributed.check_host_address(across, "cuda")  # NCCL chooses its own interfaces
+    resolving(monkeypatch, "gpu07", "10.1.2.7")
+    distributed.check_host_address(across, "cpu")
+
+
+def test_each_process_is_placed_on_its_host_in_slurms_block_order():
+    env = slurm_env(
+        SLURM_NTASKS="5",
+        SLURM_PROCID="4",
+        SLURM_NODEID="2",
+        SLURM_LOCALID="0",
+        SLURM_STEP_TASKS_PER_NODE="2(x2),1",
+        SLURM_STEP_NODELIST="a[1-3]",
+        SLURM_GPUS_ON_NODE=None,
+    )
+    assert detect_layout(env, processes_per="per_device").hosts == ("a1", "a1", "a2", "a2", "a3")
+
+
+def test_a_coordinator_not_reached_ends_the_process_with_one_line_naming_it_and_the_time_waited(tmp_path):
+    with socket.socket() as sock:  # a port nobody listens on
+        sock.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{sock.getsockname()[1]}"
+    env = dict(
+        os.environ,
+        JAX_PLATFORMS="cpu",
+        OODJAX_COORDINATOR_ADDRESS=address,
+        OODJAX_NUM_PROCESSES="2",
+        OODJAX_PROCESS_ID="1",
+        OODJAX_COORDINATOR_TIMEOUT="2",
+    )
+    command = [sys.executable, "-m", "oodjax.main", "--config=configs/demo.py", f"--config.output_dir={tmp_path}"]
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert done.stderr.splitlines()[-1] == (
+        f"oodjax: error: process 1 of 2 waited 2 s for the JAX coordinator at {address} and the other processes: "
+        "check that process 0 runs on 127.0.0.1, that this host reaches that address and port, or raise "
+        "OODJAX_COORDINATOR_TIMEOUT"
+    )
+    assert "Traceback" not in done.stderr and "Fatal" not in done.stderr, done.stderr[-3000:]
+
+
+def test_a_collective_that_lost_its_peer_names_the_peers_host(monkeypatch):
+    monkeypatch.setattr(distributed.socket, "gethostbyaddr", lambda address: ("oodjax-n2", [], [address]))
+    error = RuntimeError(
+        "UNKNOWN: Gloo all-reduce failed: [external/gloo/gloo/transport/tcp/pair.cc:538] Read error "
+        "[10.213.0.12]:59552: Connection reset by peer"
+    )
+    assert distributed.lost_peer(error) == "oodjax-n2 (10.213.0.12)"
+    assert distributed.lost_peer(RuntimeError("RESOURCE_EXHAUSTED: out of memory")) is None
+
+
+def test_a_multi_node_sweep_names_the_stops_it_cannot_survive_before_it_submits(capsys, tmp_path):
+    arguments = ["--configs", "configs/demo.py", "--backend", "slurm", "--output_dir", str(tmp_path), "--dry_run"]
+    assert sweep.main([*arguments, "--nodes", "2", "--sbatch_arg=--signal=TERM@60"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == (
+        "# 2 nodes: srun answers SIGTERM with SIGKILL, so --signal=TERM@60 and `scancel --signal=TERM --full JOB` "
+        "stop these jobs without a checkpoint; `scancel --signal=TERM --batch JOB` (or USR1, which requeues) and "
+        "--signal=B:USR1@SECONDS checkpoint"
+    )
+    assert lines[1].startswith("# sbatch ") and lines[2].startswith("sbatch ")
+    assert "--signal=B:TERM@60" not in sweep.multi_node_stop_note(2, ["--signal=B:TERM@60"])
+    assert sweep.main([*arguments]) == 0
+    assert not any(line.startswith("# 1 nodes") or "SIGKILL" in line for line in capsys.readouterr().out.splitlines())

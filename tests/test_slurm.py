@@ -19,6 +19,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 
 import numpy as np
 import pytest
@@ -43,6 +44,11 @@ TINY = [
 ]
 
 
+# Each job's processes drive one CPU device (not conftest's 8, which the sweep would pass on): cheaper to
+# compile on a CI machine of two cores, and nothing here depends on the count.
+ONE_DEVICE = "--xla_force_host_platform_device_count=1"
+
+
 def _cluster_up() -> bool:
     if shutil.which("sinfo") is None:
         return False
@@ -59,11 +65,12 @@ def cluster():
         pytest.skip(message)
 
 
-def sweep(root: pathlib.Path, *extra: str) -> subprocess.Popen:
+def sweep(root: pathlib.Path, *extra: str, job: Sequence[str] = TINY, **env_changes: str) -> subprocess.Popen:
     """The sweep of the tiny job into ``root``, started; ``finish`` waits for its lines."""
-    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", XLA_FLAGS=ONE_DEVICE)
+    env.update(env_changes)
     env.pop("OODJAX_VENV", None)
-    command = [sys.executable, "-m", "launch.sweep", *TINY, "--backend", "slurm", "--output_dir", str(root), *extra]
+    command = [sys.executable, "-m", "launch.sweep", *job, "--backend", "slurm", "--output_dir", str(root), *extra]
     return subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -112,10 +119,10 @@ def metrics(root: pathlib.Path) -> dict[str, np.ndarray]:
         return {key: stored[key] for key in stored.files}
 
 
-def assert_same_results(reference: pathlib.Path, root: pathlib.Path) -> None:
+def assert_same_results(reference: pathlib.Path, root: pathlib.Path, steps: Sequence[int] = (0, 100, 200, 300, 400)):
     a, b = metrics(reference), metrics(root)
     assert a.keys() == b.keys()
-    assert b[schema.STEP].tolist() == [0, 100, 200, 300, 400]
+    assert b[schema.STEP].tolist() == list(steps)
     for key in a.keys() - {schema.CONFIG}:
         np.testing.assert_array_equal(b[key], a[key], err_msg=f"{root.name}: {key}")
     config_a, config_b = (json.loads(x[schema.CONFIG].item()) for x in (a, b))

@@ -10,19 +10,30 @@ Sources, first match wins: explicit OODJAX_COORDINATOR_ADDRESS,
 OODJAX_NUM_PROCESSES and OODJAX_PROCESS_ID (or arguments); SLURM's
 variables; a TPU pod's TPU_WORKER_HOSTNAMES and TPU_WORKER_ID; else a
 single process, and nothing is initialised.
+
+Failures between hosts are one line, not a traceback after minutes: a
+host name that resolves to loopback on a multi-host CPU run (gloo would
+advertise it), a coordinator not joined within OODJAX_COORDINATOR_TIMEOUT,
+and a process lost mid-run (``lost_peer``; oodjax.main ends the others).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import os
 import re
 import shutil
+import socket
 import subprocess
+import sys
+import threading
 from collections.abc import Mapping
 from typing import Literal
 
 import jax
+
+from oodjax import usage_errors
 
 ProcessesPer = Literal["per_node", "per_device"]
 PROCESSES_PER = ("per_node", "per_device")
@@ -30,10 +41,17 @@ PROCESSES_PER = ("per_node", "per_device")
 # sharing a first node do not collide; TPU pods use JAX's usual 8476.
 SLURM_PORT_BASE, SLURM_PORT_RANGE = 61440, 4096
 TPU_COORDINATOR_PORT = 8476
+# Seconds: how long the processes wait for each other at start (OODJAX_COORDINATOR_TIMEOUT; JAX's own
+# timeout, a fatal-error dump, is set a margin later), and how long a process may send no heartbeat before
+# JAX ends the others (OODJAX_HEARTBEAT_TIMEOUT; JAX's default is 100).
+COORDINATOR_TIMEOUT_S = 300
+HEARTBEAT_TIMEOUT_S = 30
+_JAX_TIMEOUT_MARGIN_S = 60
+LOST_PEER_EXIT_CODE = 1  # a collective lost a process of another host (``lost_peer``)
 
 
-class LayoutError(ValueError):
-    """The process layout cannot be determined, or contradicts the allocation."""
+class LayoutError(usage_errors.UsageError, ValueError):
+    """The process layout cannot be determined, contradicts the allocation, or cannot work on this network."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +63,7 @@ class ProcessLayout:
     process_id: int
     local_device_ids: tuple[int, ...] | None
     source: str
+    hosts: tuple[str, ...] = dataclasses.field(default=(), compare=False)  # each process's host, where known
 
 
 def detect_layout(
@@ -74,19 +93,78 @@ def detect_layout(
 
 def initialize(env: Mapping[str, str] | None = None, **explicit: str | int | None) -> ProcessLayout | None:
     """Starts JAX's multi-controller runtime (before any device use), its own detection off; None: one process."""
+    env = os.environ if env is None else env
     layout = detect_layout(env, **explicit)  # type: ignore[arg-type]
     if layout is None:
         return None
+    check_host_address(layout, jax.config.jax_platforms or env.get("JAX_PLATFORMS", ""))
+    timeout = _seconds(env, "OODJAX_COORDINATOR_TIMEOUT", COORDINATOR_TIMEOUT_S)
     # XLA's SIGTERM handler would swallow a SIGTERM that comes before ``oodjax.engine.preemption``'s are in place.
     jax.config.update("jax_enable_preemption_service", False)
-    jax.distributed.initialize(
-        coordinator_address=layout.coordinator_address,
-        num_processes=layout.num_processes,
-        process_id=layout.process_id,
-        local_device_ids=list(layout.local_device_ids) if layout.local_device_ids is not None else None,
-        cluster_detection_method="deactivate",
-    )
+    # JAX's own timeout ends the process with a fatal-error dump: this one line comes first.
+    waiting = threading.Timer(timeout, _not_joined, (layout, timeout))
+    waiting.daemon = True
+    waiting.start()
+    try:
+        jax.distributed.initialize(
+            coordinator_address=layout.coordinator_address,
+            num_processes=layout.num_processes,
+            process_id=layout.process_id,
+            local_device_ids=list(layout.local_device_ids) if layout.local_device_ids is not None else None,
+            cluster_detection_method="deactivate",
+            initialization_timeout=timeout + _JAX_TIMEOUT_MARGIN_S,
+            heartbeat_timeout_seconds=_seconds(env, "OODJAX_HEARTBEAT_TIMEOUT", HEARTBEAT_TIMEOUT_S),
+        )
+    finally:
+        waiting.cancel()
     return layout
+
+
+def _not_joined(layout: ProcessLayout, timeout: int) -> None:
+    """Ends the process, from the timer thread, while JAX still waits for the coordinator."""
+    host = layout.coordinator_address.rsplit(":", 1)[0]
+    print(
+        f"oodjax: error: process {layout.process_id} of {layout.num_processes} waited {timeout} s for the JAX "
+        f"coordinator at {layout.coordinator_address} and the other processes: check that process 0 runs on "
+        f"{host}, that this host reaches that address and port, or raise OODJAX_COORDINATOR_TIMEOUT",
+        file=sys.stderr,
+        flush=True,
+    )
+    os._exit(usage_errors.EXIT_STATUS)
+
+
+def check_host_address(layout: ProcessLayout, platforms: str) -> None:
+    """Stops a CPU job across hosts whose host name resolves to a loopback address: gloo, JAX's CPU
+    collectives, would give the other hosts that address, and each would time out connecting to itself."""
+    if len(set(layout.hosts)) < 2 or platforms.split(",")[0] not in ("", "cpu"):
+        return
+    name = socket.gethostname()
+    try:
+        address = socket.gethostbyname(name)
+    except OSError as error:
+        raise LayoutError(
+            f"this host's name {name} does not resolve ({error}): JAX's CPU collectives "
+            f"need it to; map {name} to this host's address in /etc/hosts or DNS"
+        ) from None
+    if ipaddress.ip_address(address).is_loopback:
+        raise LayoutError(
+            f"this host's name {name} resolves to {address}, a loopback address: JAX's CPU collectives (gloo) "
+            f"would give the other hosts of the job that address; map {name} to the address they reach it at "
+            "in /etc/hosts (Debian maps the host name to 127.0.1.1) or DNS"
+        )
+
+
+def lost_peer(error: BaseException) -> str | None:
+    """The host whose process a failed CPU collective lost, as "name (address)", or None when ``error`` is not
+    that: gloo names the peer whose connection broke ("Gloo all-reduce failed: ... Read error [ADDRESS]:PORT:
+    Connection reset by peer")."""
+    match = re.search(r"Gloo [\w-]+ failed: .*?\[([^\]]+)\]:\d+", str(error))
+    if match is None:
+        return None
+    try:
+        return f"{socket.gethostbyaddr(match[1])[0]} ({match[1]})"
+    except OSError:
+        return match[1]
 
 
 def is_primary() -> bool:
@@ -131,15 +209,19 @@ def _slurm_layout(env: Mapping[str, str], processes_per: ProcessesPer | None) ->
         )
     nodelist = env.get("SLURM_STEP_NODELIST") or _require(env, "SLURM_JOB_NODELIST")
     port = SLURM_PORT_BASE + int(_require(env, "SLURM_JOB_ID")) % SLURM_PORT_RANGE
-    address = f"{expand_nodelist(nodelist)[0]}:{port}"
-    tasks_here = _tasks_on_this_node(env)
+    nodes = expand_nodelist(nodelist)
+    address = f"{nodes[0]}:{port}"
+    counts = _tasks_per_node(env)
+    tasks_here = counts[_process_index("SLURM_NODEID", env.get("SLURM_NODEID", "0"), len(counts))]
+    # SLURM's default (block) distribution: the first node's tasks first. Only the lost-peer line names them.
+    hosts = tuple(node for node, tasks in zip(nodes, counts) for _ in range(tasks))
     if processes_per == "per_node":
         if tasks_here != 1:
             raise LayoutError(
                 f"processes_per='per_node' but SLURM started {tasks_here} tasks on this node; "
                 "launch with --ntasks-per-node=1, or choose 'per_device'"
             )
-        return ProcessLayout(address, count, index, None, "slurm")
+        return ProcessLayout(address, count, index, None, "slurm", hosts)
     local_id = _process_index("SLURM_LOCALID", _require(env, "SLURM_LOCALID"), tasks_here)
     visible = _visible_gpus(env)
     if visible == 1:
@@ -151,7 +233,7 @@ def _slurm_layout(env: Mapping[str, str], processes_per: ProcessesPer | None) ->
             f"processes_per='per_device' but this node has {tasks_here} task(s) for {visible} visible GPUs; "
             f"launch with --ntasks-per-node={visible}, or choose 'per_node'"
         )
-    return ProcessLayout(address, count, index, device_ids, "slurm")
+    return ProcessLayout(address, count, index, device_ids, "slurm", hosts)
 
 
 def _tpu_layout(env: Mapping[str, str], processes_per: ProcessesPer | None) -> ProcessLayout:
@@ -161,7 +243,7 @@ def _tpu_layout(env: Mapping[str, str], processes_per: ProcessesPer | None) -> P
     if not hosts:
         raise LayoutError("TPU_WORKER_HOSTNAMES is empty")
     index = _process_index("TPU_WORKER_ID", _require(env, "TPU_WORKER_ID"), len(hosts))
-    return ProcessLayout(f"{hosts[0]}:{TPU_COORDINATOR_PORT}", len(hosts), index, None, "tpu")
+    return ProcessLayout(f"{hosts[0]}:{TPU_COORDINATOR_PORT}", len(hosts), index, None, "tpu", tuple(hosts))
 
 
 def expand_nodelist(nodelist: str) -> list[str]:
@@ -204,8 +286,8 @@ def _expand_name(name: str, nodelist: str) -> list[str]:
     return [f"{prefix}{number}{suffix}" for number in numbers for suffix in _expand_name(rest, nodelist)]
 
 
-def _tasks_on_this_node(env: Mapping[str, str]) -> int:
-    """Tasks SLURM placed on this node, from "2(x3),1"-style counts indexed by SLURM_NODEID."""
+def _tasks_per_node(env: Mapping[str, str]) -> list[int]:
+    """Tasks SLURM placed on each node of the step, from its "2(x3),1"-style counts."""
     name = "SLURM_STEP_TASKS_PER_NODE" if "SLURM_STEP_TASKS_PER_NODE" in env else "SLURM_TASKS_PER_NODE"
     counts: list[int] = []
     for item in _require(env, name).split(","):
@@ -213,8 +295,7 @@ def _tasks_on_this_node(env: Mapping[str, str]) -> int:
         if match is None:
             raise LayoutError(f"cannot parse {name}={env[name]!r} at {item!r}")
         counts += [int(match[1])] * int(match[2] or 1)
-    node = _process_index("SLURM_NODEID", env.get("SLURM_NODEID", "0"), len(counts))
-    return counts[node]
+    return counts
 
 
 def _visible_gpus(env: Mapping[str, str]) -> int | None:
@@ -223,6 +304,10 @@ def _visible_gpus(env: Mapping[str, str]) -> int | None:
     if env.get("SLURM_GPUS_ON_NODE"):
         return _positive_int("SLURM_GPUS_ON_NODE", env["SLURM_GPUS_ON_NODE"])
     return None
+
+
+def _seconds(env: Mapping[str, str], name: str, default: int) -> int:
+    return _positive_int(name, env[name]) if env.get(name) else default
 
 
 def _require(env: Mapping[str, str], name: str) -> str:

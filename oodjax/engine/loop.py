@@ -552,5 +552,5 @@ class _Loop:
             batch = sharding.shard_process_batch(batch, self.mesh, batch_axis=1, num_rows=self.geometry.rows)
             self.state, metrics = self.train_step(self.base_state, self.state, batch)
             self.group.clock.window += 1
-            self.stop.step_trained()
+            self.stop.step_trained(step)
             yield StepInfo(step, self.state, metrics)

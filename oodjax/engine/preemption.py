@@ -34,6 +34,7 @@ class _Noted:
 
     received: str | None = None  # the name of the first signal received, until a StopSignals exits
     steps_trained = 0  # steps trained since the StopSignals was entered
+    step: int | None = None  # the step the loop last dispatched, for a line that names where it stopped
 
 
 _NOTED = _Noted()
@@ -75,9 +76,10 @@ class StopSignals:
             signal.signal(number, handler)
         _NOTED.received = None  # acted on: a later job in this process starts afresh
 
-    def step_trained(self) -> None:
+    def step_trained(self, step: int | None = None) -> None:
         """The loop trained a step: a stop from now on exits with ``PREEMPTED_EXIT_CODE``."""
         _NOTED.steps_trained += 1
+        _NOTED.step = step
 
     def agreed(self, *, synced: bool = True) -> bool:
         """Whether any process received a stop signal.
@@ -94,6 +96,11 @@ class StopSignals:
         if jax.process_count() == 1:
             return requested
         return synced and bool(np.any(multihost_utils.process_allgather(np.asarray(requested))))
+
+
+def last_step() -> int | None:
+    """The step the loop last dispatched, if any."""
+    return _NOTED.step
 
 
 def hold_stop_signals() -> None:
