@@ -84,7 +84,7 @@ $(BENCH_VENV)/.installed-bench-gpu: requirements.txt requirements-bench-gpu.txt
 test: install system-tools
 	$(PY) -m ruff format --check --quiet .
 	$(PY) -m ruff check --quiet .
-	$(OFFLINE) $(PY) -m pytest -q $(PYTEST_ARGS) tests
+	$(OFFLINE) $(PY) -m pytest -q --durations=25 $(PYTEST_ARGS) tests
 
 format: install
 	$(PY) -m ruff format .
