@@ -346,7 +346,9 @@ def abstract_steps(job: Job, *, devices: int, layers: int | None) -> AbstractSte
         return models.abstract_model(arch, dtype=job.model.dtype, remat=job.model.remat, attention=job.model.attention)
 
     graphdef, base, state = steps.abstract_attach_runs(make_model, seeds, job.lora, job.optimizer.transformation)
-    train_step, eval_step = steps.make_steps(job, geometry, graphdef, base, state, yes_id, no_id, mesh)
+    train_step, eval_step = steps.make_steps(
+        job.optimizer, job.model.compute_dtype, geometry, graphdef, base, state, yes_id, no_id, mesh
+    )
     base_in = _with_shardings(base, param_shardings(base, mesh))
     runs_in = _with_shardings(state, sharding.runs_shardings(state, mesh))
     return AbstractSteps(

@@ -485,7 +485,9 @@ class _Loop:
             data.train_stream.set_state(starts[0].checkpoint.loop_state["data"])  # the runs stand at one step
             for start in starts:  # the restored slices now live in the stacked state
                 start.checkpoint = dataclasses.replace(start.checkpoint, state=None)
-        self.train_step, eval_step = steps.make_steps(job, geometry, graphdef, base_state, state, yes_id, no_id, mesh)
+        self.train_step, eval_step = steps.make_steps(
+            job.optimizer, job.model.compute_dtype, geometry, graphdef, base_state, state, yes_id, no_id, mesh
+        )
         self.geometry, self.data, self.mesh, self.stop = geometry, data, mesh, stop
         self.base_state, self.state = base_state, state
         kept_through = starts[0].step if starts[0].checkpoint is not None else -1  # the redone steps' lines go

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import flax.struct
 import jax
@@ -32,9 +32,6 @@ from oodjax.models.layers import STACKED, segment_positions
 from oodjax.models.lora import LoRAConfig, adapter_tokens, apply_lora
 from oodjax.models.partitioning import param_shardings
 from oodjax.usage_errors import ConfigError
-
-if TYPE_CHECKING:
-    from oodjax.job import Job
 
 Batch = Mapping[str, Any]
 
@@ -512,7 +509,8 @@ def make_eval_step(
 
 
 def make_steps(
-    job: Job,
+    optimizer: OptimizerSettings,
+    compute_dtype: str | None,
     geometry: BatchGeometry,
     graphdef: nnx.GraphDef,
     base_state: nnx.State,
@@ -521,12 +519,11 @@ def make_steps(
     no_id: int,
     mesh: jax.sharding.Mesh,
 ) -> tuple[Callable[..., Any], Callable[..., Any]]:
-    """The job's (train_step, eval_step): what the loop runs and ``launch.preflight`` compiles (so ``base_state``
+    """A job's (train_step, eval_step): what the loop runs and ``launch.preflight`` compiles (so ``base_state``
     and ``state`` may be abstract)."""
-    compute_dtype = job.model.compute_dtype
     train_step = make_train_step(
         graphdef,
-        job.optimizer.transformation,
+        optimizer.transformation,
         yes_id,
         no_id,
         geometry,
