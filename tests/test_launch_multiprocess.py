@@ -95,6 +95,21 @@ LOSS_ATOL = 1e-5
 MARGIN_RTOL, MARGIN_ATOL = 2.0**-10, LOSS_ATOL
 
 
+def assert_equal_but_for_reduction_order(one, two) -> None:
+    """Two runs' metrics, one computed across processes: accuracies and labels equal, losses and margins within
+    the float32 reduction-order bounds above."""
+    np.testing.assert_array_equal(two[schema.ACCURACY], one[schema.ACCURACY])
+    np.testing.assert_allclose(two[schema.TRAIN_LOSS], one[schema.TRAIN_LOSS], rtol=0, atol=LOSS_ATOL)
+    for name in one[schema.TESTSETS]:
+        np.testing.assert_array_equal(two[schema.label_key(name)], one[schema.label_key(name)])
+        np.testing.assert_allclose(
+            two[schema.margin_key(name)].astype(np.float32),
+            one[schema.margin_key(name)].astype(np.float32),
+            rtol=MARGIN_RTOL,
+            atol=MARGIN_ATOL,
+        )
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -174,16 +189,7 @@ def test_two_processes_train_the_demo_like_one(tmp_path, pack):
             np.load(tmp_path / "two" / run / schema.METRICS_FILENAME) as two,
         ):
             assert one[schema.STEP].tolist() == two[schema.STEP].tolist() == [0, 2, 4]
-            np.testing.assert_array_equal(two[schema.ACCURACY], one[schema.ACCURACY])
-            np.testing.assert_allclose(two[schema.TRAIN_LOSS], one[schema.TRAIN_LOSS], rtol=0, atol=LOSS_ATOL)
-            for name in one[schema.TESTSETS]:
-                np.testing.assert_array_equal(two[schema.label_key(name)], one[schema.label_key(name)])
-                np.testing.assert_allclose(
-                    two[schema.margin_key(name)].astype(np.float32),
-                    one[schema.margin_key(name)].astype(np.float32),
-                    rtol=MARGIN_RTOL,
-                    atol=MARGIN_ATOL,
-                )
+            assert_equal_but_for_reduction_order(one, two)
             margin_diff = max(
                 np.abs(two[schema.margin_key(name)].astype(np.float32) - one[schema.margin_key(name)]).max()
                 for name in one[schema.TESTSETS]

@@ -21,12 +21,11 @@ import signal
 import subprocess
 import time
 
-import numpy as np
 import pytest
 
 from analysis import schema
 from oodjax.engine import run_lock
-from tests.test_launch_multiprocess import LOSS_ATOL, MARGIN_ATOL, MARGIN_RTOL
+from tests.test_launch_multiprocess import assert_equal_but_for_reduction_order
 from tests.test_slurm import (
     assert_same_results,
     checkpointed,
@@ -158,13 +157,4 @@ def test_two_nodes_train_like_one_and_survive_requeues_and_a_lost_node(two_nodes
     # Two nodes of one device each against one node of two: equal but for float32 reduction order.
     one, two = metrics(roots["one_node"]), metrics(roots["two_nodes"])
     assert one[schema.STEP].tolist() == two[schema.STEP].tolist() == list(STEPS)
-    np.testing.assert_array_equal(two[schema.ACCURACY], one[schema.ACCURACY])
-    np.testing.assert_allclose(two[schema.TRAIN_LOSS], one[schema.TRAIN_LOSS], rtol=0, atol=LOSS_ATOL)
-    for name in one[schema.TESTSETS]:
-        np.testing.assert_array_equal(two[schema.label_key(name)], one[schema.label_key(name)])
-        np.testing.assert_allclose(
-            two[schema.margin_key(name)].astype(np.float32),
-            one[schema.margin_key(name)].astype(np.float32),
-            rtol=MARGIN_RTOL,
-            atol=MARGIN_ATOL,
-        )
+    assert_equal_but_for_reduction_order(one, two)
