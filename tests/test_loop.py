@@ -212,6 +212,25 @@ def test_a_field_a_later_version_added_is_no_change_at_its_default():
     ]
 
 
+def test_runs_stored_with_fixed_warmup_and_eval_steps_resume_under_the_ratio_and_points_they_come_to():
+    """Before warm-up and evaluations followed each run's length, the defaults were 50 warm-up steps and an
+    evaluation every 25 steps: at 500 steps that is warmup_ratio 0.1 and 20 eval.points, the same run."""
+    config = base.get_config()
+    config.train.steps, config.train.warmup_steps, config.train.warmup_ratio = 500, 0, 0.1
+    config.eval.every, config.eval.points = 0, 20
+    current = resumption.comparable_stored(read(config).record)
+    stored = json.loads(json.dumps(read(config).record))
+    stored["train"].update(warmup_steps=50, warmup_ratio=0.0)  # as the earlier defaults stored it
+    stored["eval"].update(every=25, points=0)
+    assert resumption.differing_fields(resumption.comparable_stored(stored), current, current) == []
+    config.train.warmup_ratio, config.eval.points = 0.2, 10  # a real change, named as it resolves
+    changed = resumption.comparable_stored(read(config).record)
+    assert resumption.differing_fields(resumption.comparable_stored(stored), changed, changed) == [
+        "eval.every 25 -> 50",
+        "train.warmup_steps 50 -> 100",
+    ]
+
+
 def test_runs_of_32_64_and_128_shots_trained_by_epochs_in_one_job_equal_each_trained_alone(
     tmp_path, gpt2_tokenizer_dir, hf_data_dir, caplog
 ):

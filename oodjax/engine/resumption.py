@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import json
+import math
 import pathlib
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -70,7 +71,7 @@ def read_start(total_steps: int, run: Run) -> RunStart:
     if progress is not None and progress.finished(total_steps):
         return RunStart(run, finished=True, stored_config=comparable_stored(progress.config))
     newest = checkpoints.restore_newest(run.directory, None, warn=False)  # its config; the arrays come later
-    stored = newest.loop_state["config"] if newest is not None else None
+    stored = comparable_stored(newest.loop_state["config"]) if newest is not None else None  # as this version compares
     return RunStart(run, finished=False, stored_config=stored, checkpoint=newest)
 
 
@@ -138,5 +139,27 @@ def set_aside_damaged(starts: Sequence[RunStart]) -> None:
 
 
 def comparable_stored(config_data: Mapping[str, Any]) -> dict[str, Any]:
-    """A stored config without what a resumption may change."""
-    return {key: value for key, value in config_data.items() if key not in (*RESUMABLE_CHANGES, *JOB_SECTIONS)}
+    """A stored config without what a resumption may change, its warm-up and evaluations as they resolve."""
+    comparable = {key: value for key, value in config_data.items() if key not in (*RESUMABLE_CHANGES, *JOB_SECTIONS)}
+    if isinstance(comparable.get("train"), dict) and isinstance(comparable.get("eval"), dict):
+        comparable["train"], comparable["eval"] = _resolved_schedule(comparable["train"], comparable["eval"])
+    return comparable
+
+
+def _resolved_schedule(train: dict[str, Any], evaluation: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The train and eval sections with a ratio or point count written as the fixed steps it comes to where
+    every run has train.steps (no train.epochs), and a setting a fixed one overrides cleared: so a run stored
+    with warmup_steps 50 and eval.every 25 of 500 steps is the same run as one of warmup_ratio 0.1 and 20
+    eval.points, as config_read resolves them."""
+    train, evaluation = dict(train), dict(evaluation)
+    steps, per_run_length = train.get("steps") or 0, bool(train.get("epochs"))
+    if train.get("warmup_steps"):
+        train["warmup_ratio"] = 0.0
+    elif train.get("warmup_ratio") and not per_run_length:
+        train["warmup_steps"], train["warmup_ratio"] = math.ceil(train["warmup_ratio"] * steps), 0.0
+    points = evaluation.get("points") or 0
+    if evaluation.get("every"):
+        evaluation["points"] = 0
+    elif points and not per_run_length and steps % points == 0:  # floor(k T / P) is every T / P steps
+        evaluation["every"], evaluation["points"] = steps // points, 0
+    return train, evaluation
