@@ -76,15 +76,19 @@ def test_slurm_single_task_starts_nothing():
     assert detect_layout(env) is None
 
 
+# The last of 5 tasks placed 2, 2 and 1 on three nodes.
+UNEVEN_TASKS = dict(
+    SLURM_NTASKS="5",
+    SLURM_PROCID="4",
+    SLURM_NODEID="2",
+    SLURM_STEP_TASKS_PER_NODE="2(x2),1",
+    SLURM_STEP_NODELIST="a[1-3]",
+    SLURM_GPUS_ON_NODE=None,
+)
+
+
 def test_slurm_uneven_task_counts_are_read_per_node():
-    env = slurm_env(
-        SLURM_NTASKS="5",
-        SLURM_PROCID="4",
-        SLURM_NODEID="2",
-        SLURM_STEP_TASKS_PER_NODE="2(x2),1",
-        SLURM_STEP_NODELIST="a[1-3]",
-        SLURM_GPUS_ON_NODE=None,
-    )
+    env = slurm_env(**UNEVEN_TASKS)
     assert detect_layout(env, processes_per="per_node").coordinator_address == "a1:61586"
 
 
@@ -249,15 +253,7 @@ def test_a_loopback_host_name_is_left_alone_on_one_host_or_off_the_cpu(monkeypat
 
 
 def test_each_process_is_placed_on_its_host_in_slurms_block_order():
-    env = slurm_env(
-        SLURM_NTASKS="5",
-        SLURM_PROCID="4",
-        SLURM_NODEID="2",
-        SLURM_LOCALID="0",
-        SLURM_STEP_TASKS_PER_NODE="2(x2),1",
-        SLURM_STEP_NODELIST="a[1-3]",
-        SLURM_GPUS_ON_NODE=None,
-    )
+    env = slurm_env(**UNEVEN_TASKS, SLURM_LOCALID="0")
     assert detect_layout(env, processes_per="per_device").hosts == ("a1", "a1", "a2", "a2", "a3")
 
 
