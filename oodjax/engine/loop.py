@@ -38,7 +38,7 @@ from analysis import schema
 from oodjax import models
 from oodjax.data import TRAIN_KEYS
 from oodjax.engine import checkpoints, console, run_lock, sharding, steps
-from oodjax.engine.distributed import is_primary
+from oodjax.engine.distributed import is_primary, lost_peer
 from oodjax.engine.evaluation import evaluate, refuse_non_finite_model
 from oodjax.engine.events import EventLog
 from oodjax.engine.geometry import BatchGeometry
@@ -515,9 +515,10 @@ class _Loop:
         self.hooks: list[Callable[[StepInfo], None]] = [losses, self.stopping, self.evaluation, saves, self.export]
 
     def run(self) -> None:
-        with contextlib.ExitStack() as closing:  # every one closed, whatever fails (pending saves waited for)
-            for closable in (*self.group.checkpointers, *self.group.events):
-                closing.callback(closable.close)
+        with contextlib.ExitStack() as closing:  # every one closed, whatever fails
+            for events in self.group.events:
+                closing.callback(events.close)
+            closing.push(self._close_checkpointers)
             with console.logs_above_bars():
                 self.evaluation.begin(self.state)
                 start = self.group.starts[0].step
@@ -525,6 +526,15 @@ class _Loop:
                     self._train(start)
                 elif self.group.job.export.peft:  # stopped at the last step before its evaluation, now done
                     self.export.export(start, self.state)
+
+    def _close_checkpointers(self, _kind: object, error: BaseException | None, _traceback: object) -> None:
+        """Waits for the pending saves and closes, unless a collective lost another host's process: the
+        saves' barriers would wait for it until JAX's heartbeat timeout aborts this process with a dump."""
+        if error is not None and lost_peer(error) is not None:
+            return
+        with contextlib.ExitStack() as closing:
+            for checkpointer in self.group.checkpointers:
+                closing.callback(checkpointer.close)
 
     def _train(self, start: int) -> None:
         """Steps start+1 .. total through the hooks. The first step, which compiles, runs before the bar and
