@@ -61,8 +61,8 @@ def demo_check(runs: int, workdir: pathlib.Path, smoke: bool) -> tuple[str, bool
 
     from analysis import schema
     from configs import demo
+    from oodjax.config_checks import check_config
     from oodjax.engine import loop
-    from oodjax.job import resolve
     from oodjax.models import flash_attention
 
     config = demo.get_config()
@@ -74,7 +74,7 @@ def demo_check(runs: int, workdir: pathlib.Path, smoke: bool) -> tuple[str, bool
         config.train.warmup_steps = 1
         config.data.eval_cap = 4
     start = time.perf_counter()
-    loop.train(resolve(config))
+    loop.train(check_config(config))
     seconds = time.perf_counter() - start
     written = sorted(pathlib.Path(config.output_dir).glob(f"*/{schema.RESULTS_FILENAME}"))
     accuracies = [
@@ -189,7 +189,7 @@ def preflight_check(smoke: bool) -> tuple[str, bool]:
     """The preflight of configs/smol3_mnli.py (with --smoke configs/demo.py) compiled for one device."""
     from launch import preflight
     from launch.config_files import load_config
-    from oodjax.job import read
+    from oodjax.config_read import read
 
     path = ROOT / "configs" / "demo.py" if smoke else STUDY_CONFIG
     config = load_config(path)

@@ -20,9 +20,9 @@ from ml_collections import config_dict
 
 from benchmarks import grid_config, machine, settings, torch_contenders
 from benchmarks.workload import training_order
+from oodjax.config_read import read
 from oodjax.data import TokenizedSet, answer_token_ids, load_tokenizer
 from oodjax.engine import run_data
-from oodjax.job import read
 
 
 @dataclasses.dataclass(frozen=True)

@@ -39,6 +39,7 @@ from configs.models import architecture
 from launch import costs
 from launch.config_files import experiment_config_paths, load_config
 from oodjax import usage_errors
+from oodjax.config_read import Job, read
 from oodjax.data import TokenizedSet, load_testset, load_tokenizer, prompt_lengths
 from oodjax.data.testsets import default_data_dir, local_path
 from oodjax.engine import sharding
@@ -46,7 +47,6 @@ from oodjax.engine.evaluation import EvalPool, pool_figures
 from oodjax.engine.geometry import BatchGeometry, EvalGeometry, batch_geometry, eval_geometry
 from oodjax.engine.run_data import DataSettings, IndexedSet, capped_testsets, load_testsets
 from oodjax.engine.setup import set_up
-from oodjax.job import Job, read
 from oodjax.models.loading import ModelSettings
 from oodjax.usage_errors import ConfigError
 

@@ -28,6 +28,7 @@ from huggingface_hub import constants as hub_constants
 from huggingface_hub.errors import HfHubHTTPError
 
 from launch.config_files import experiment_config_paths, load_config
+from oodjax.config_read import Job, read
 from oodjax.data import answer_token_ids, load_testset, load_tokenizer, training_pool
 from oodjax.data.testsets import (
     HUB_ID,
@@ -40,7 +41,6 @@ from oodjax.data.testsets import (
     pool_split,
     testset_spec,
 )
-from oodjax.job import Job, read
 from oodjax.models.hf_checkpoint import files_to_download
 from oodjax.models.loading import verify_checkpoint
 from oodjax.storage import write_atomic

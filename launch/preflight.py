@@ -40,13 +40,13 @@ from ml_collections import config_dict
 from launch import costs, hlo
 from launch import estimate as estimator
 from oodjax import config_cli, models
+from oodjax.config_read import Job, read
 from oodjax.data import EVAL_KEYS, TRAIN_KEYS
 from oodjax.engine import sharding, steps
 from oodjax.engine.evaluation import pool_figures
 from oodjax.engine.geometry import BatchGeometry
 from oodjax.engine.run_data import training_figures
 from oodjax.engine.setup import set_up
-from oodjax.job import Job, read
 from oodjax.models.partitioning import param_shardings
 from oodjax.usage_errors import UsageError
 
@@ -557,7 +557,7 @@ def _define_flags() -> None:
 
 def main(config: config_dict.ConfigDict) -> None:
     """Compiles `config` (the command line's, its overrides applied; read without the checks of files and hubs,
-    ``oodjax.job.read``, as the estimate reads it) and prints (and writes) the report."""
+    ``oodjax.config_read.read``, as the estimate reads it) and prints (and writes) the report."""
     options = flags.FLAGS
     if options.devices:
         _fake_host_devices(options.devices)

@@ -23,9 +23,8 @@ import sys
 import time
 from collections.abc import Sequence
 
-import oodjax.job
 from launch.config_files import config_stem, experiment_config_paths, load_config
-from oodjax import config_cli, usage_errors
+from oodjax import config_cli, config_read, usage_errors
 from oodjax.engine import results, run_lock
 from oodjax.engine.preemption import PREEMPTED_EXIT_CODE
 from oodjax.engine.results import Run
@@ -113,13 +112,13 @@ def _load(path: str, config_overrides: Sequence[str]):
     return config
 
 
-def job_plan(job: Job) -> oodjax.job.Job:
-    """The job as its process will resolve it (``oodjax.job.read``)."""
+def job_plan(job: Job) -> config_read.Job:
+    """The job as its process will read it (``oodjax.config_read.read``)."""
     config = _load(job.config_path, job.config_overrides)
     config.runs.seeds = job.seeds
     config.runs.shots = job.shots
     config.output_dir = job.output_dir
-    return oodjax.job.read(config)
+    return config_read.read(config)
 
 
 def run_finished(run: Run, final_step: int, output_dir: str | None) -> bool:

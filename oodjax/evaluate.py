@@ -51,12 +51,13 @@ from ml_collections import config_dict
 
 from analysis import schema
 from oodjax import config_cli
+from oodjax.config_checks import check_config
+from oodjax.config_read import Job
 from oodjax.engine import results, run_data, run_lock, sharding, steps
 from oodjax.engine.distributed import is_primary
 from oodjax.engine.evaluation import evaluate, make_eval_pool, refuse_non_finite_model
 from oodjax.engine.geometry import eval_geometry
 from oodjax.engine.setup import set_up
-from oodjax.job import Job, resolve
 from oodjax.main import start_process
 from oodjax.models.lora import LoRAConfig, apply_lora, lora_from_peft, read_peft
 from oodjax.models.partitioning import param_shardings
@@ -232,7 +233,7 @@ def _trained_run_identity(adapter: pathlib.Path) -> tuple[int, int] | None:
 def main(config: config_dict.ConfigDict) -> None:
     """Evaluates `config` (the command line's, its overrides applied) on this process's share of the devices."""
     start_process()
-    evaluate_job(resolve(config, evaluation=True))
+    evaluate_job(check_config(config, evaluation=True))
 
 
 def run() -> None:

@@ -32,8 +32,9 @@ from absl import logging  # noqa: E402
 from ml_collections import config_dict  # noqa: E402
 
 from oodjax import config_cli, storage, versions  # noqa: E402
+from oodjax.config_checks import check_config  # noqa: E402
+from oodjax.config_read import Job  # noqa: E402
 from oodjax.engine import distributed, loop, results  # noqa: E402
-from oodjax.job import Job, resolve  # noqa: E402
 
 
 class _QuietCheckpointing(python_logging.Filter):
@@ -70,7 +71,7 @@ def main(config: config_dict.ConfigDict) -> None:
     that lost another host's process: one line naming the host and the step, status 1, at once.
     """
     start_process()
-    job = resolve(config)
+    job = check_config(config)
     try:
         loop.train(job)
     except preemption.Preempted as stopped:

@@ -24,6 +24,14 @@ SHRUNK_DEMO_ARGS = (
 )
 
 
+def checkpoint_config():
+    """The defaults with a checkpoint named, which ``read`` does not open: a config that names no model is
+    refused."""
+    config = base.get_config()
+    config.model.path = "facebook/opt-125m"
+    return config
+
+
 def tiny_config(output_dir, tokenizer_dir, data_dir, cache_dir):
     """Two runs (seeds 0 and 1, 8 shots), two testsets of 16 examples, 4 steps, fp32, data parallel on all devices."""
     config = base.get_config()

@@ -9,7 +9,7 @@ from ml_collections import config_dict
 
 from configs import base
 from oodjax import config_checks, config_cli, config_fields
-from oodjax.job import resolve
+from oodjax.config_checks import check_config
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DEMO = ROOT / "configs" / "demo.py"  # runs.seeds (0, 42), runs.shots (32,)
@@ -89,7 +89,7 @@ def test_testsets_declared_on_the_command_line():
 
 def test_an_empty_list_that_must_not_be_empty_is_refused_before_anything_loads():
     with pytest.raises(ValueError, match=r"runs.seeds must be a non-empty list without repeats, got \[\]"):
-        resolve(parse("--config.runs.seeds="))
+        check_config(parse("--config.runs.seeds="))
     with pytest.raises(ValueError, match=r"data.testsets is empty"):
         config_checks.check_config(parse("--config.data.testsets="))
 

@@ -15,8 +15,8 @@ from types import SimpleNamespace
 import jax
 import numpy as np
 
+from oodjax.config_checks import check_config
 from oodjax.engine import console, loop
-from oodjax.job import resolve
 from tests.engine_configs import SHRUNK_DEMO_ARGS, tiny_config
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -112,7 +112,7 @@ def test_training_rate_leaves_out_evaluation_and_compilation(tmp_path, gpt2_toke
     config.checkpoint_every = 5  # evaluations at 2 and 4 are not also checkpoints
     original = loop.Evaluation.evaluate
     monkeypatch.setattr(loop.Evaluation, "evaluate", lambda *args: (original(*args), time.sleep(4.0)))
-    runs = loop.train(resolve(config))
+    runs = loop.train(check_config(config))
     events = [json.loads(line) for line in (runs[0].directory / "events.jsonl").read_text().splitlines()]
     rates = {event["step"]: event["train/examples_per_s"] for event in events if "train/examples_per_s" in event}
     assert sorted(rates) == [2, 3, 4, 5, 6]  # step 1 compiles: no rate

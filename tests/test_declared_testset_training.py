@@ -15,8 +15,8 @@ from analysis.cli import CSV_NAME
 from analysis.cli import main as analyse
 from analysis.runs import load_run
 from oodjax import models
+from oodjax.config_checks import check_config
 from oodjax.engine import loop
-from oodjax.job import resolve
 from tests.engine_configs import TINY_OPT, tiny_config
 
 TEMPLATE = "{premise} Question: {hypothesis} True or False?"
@@ -57,7 +57,7 @@ def trained(tmp_path_factory, gpt2_tokenizer_dir, hf_data_dir):
     config.data.testsets = ("mnli", "hans", "farm")
     config.data.template = TEMPLATE
     config.data.answers = ANSWERS
-    runs = loop.train(resolve(config))
+    runs = loop.train(check_config(config))
     return config, runs, folder
 
 

@@ -13,9 +13,9 @@ import safetensors.numpy
 from analysis import runs as analysis_runs
 from analysis import schema
 from oodjax import evaluate
+from oodjax.config_checks import check_config
 from oodjax.data import few_shot, load_testset, stratified_subset, training_pool
 from oodjax.engine import loop, results
-from oodjax.job import resolve
 from tests.engine_configs import tiny_config
 
 
@@ -25,7 +25,7 @@ def trained(tmp_path_factory, gpt2_tokenizer_dir, hf_data_dir):
     root = tmp_path_factory.mktemp("evaluate")
     config = tiny_config(root / "train", gpt2_tokenizer_dir, hf_data_dir, root / "cache")
     config.export.peft = True
-    return config, loop.train(resolve(config)), root
+    return config, loop.train(check_config(config)), root
 
 
 def evaluation_config(trained_config, output_dir, adapters=()):
@@ -108,7 +108,7 @@ def margins(path):
 def test_adapters_give_their_jobs_final_margins_and_the_base_its_step_0(trained):
     config, runs, root = trained
     adapters = [run.directory / results.ADAPTER_DIR for run in runs]
-    evaluated = evaluate.evaluate_job(resolve(evaluation_config(config, root / "eval", adapters), evaluation=True))
+    evaluated = evaluate.evaluate_job(check_config(evaluation_config(config, root / "eval", adapters), evaluation=True))
     assert [run.name for run in evaluated] == [run.name for run in runs]  # named as the runs they came from
     for run, trained_run in zip(evaluated, runs, strict=True):
         steps, ours = margins(run.directory / schema.METRICS_FILENAME)
@@ -125,7 +125,7 @@ def test_adapters_give_their_jobs_final_margins_and_the_base_its_step_0(trained)
         (evaluation,) = summary[schema.RESULTS_TIMINGS]["evaluations"]
         assert evaluation["train_seconds"] is None and evaluation["evaluation_seconds"] > 0  # nothing trained here
 
-    (base,) = evaluate.evaluate_job(resolve(evaluation_config(config, root / "base"), evaluation=True))
+    (base,) = evaluate.evaluate_job(check_config(evaluation_config(config, root / "base"), evaluation=True))
     assert base.name == "opt-tiny_mnli_base" and base.adapter is None
     assert results_json(base.directory)[schema.RESULTS_RUN][schema.RUN_EVALUATED] == schema.EVALUATED_BASE
     with np.load(runs[0].directory / schema.METRICS_FILENAME) as stored:
@@ -147,7 +147,7 @@ def test_a_second_call_skips_what_is_written_and_mismatched_adapters_are_refused
     output = root / "eval"  # written by the test above, or now
     adapters = [run.directory / results.ADAPTER_DIR for run in runs]
     before = {p: p.read_bytes() for p in output.glob(f"*/{schema.METRICS_FILENAME}")}
-    evaluate.evaluate_job(resolve(evaluation_config(config, output, adapters), evaluation=True))
+    evaluate.evaluate_job(check_config(evaluation_config(config, output, adapters), evaluation=True))
     assert {p: p.read_bytes() for p in output.glob(f"*/{schema.METRICS_FILENAME}")} == before
 
     other = tmp_path / "other" / results.ADAPTER_DIR  # an adapter of rank 2: good alone, not beside one of rank 8
@@ -159,5 +159,5 @@ def test_a_second_call_skips_what_is_written_and_mismatched_adapters_are_refused
     (other / "adapter_config.json").write_text(settings)
     with pytest.raises(ValueError, match=r"model.adapters: .*other/adapter has rank 2.* must agree"):
         evaluate.evaluate_job(
-            resolve(evaluation_config(config, tmp_path / "out", [adapters[0], other]), evaluation=True)
+            check_config(evaluation_config(config, tmp_path / "out", [adapters[0], other]), evaluation=True)
         )

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from oodjax.config_read import read
 from oodjax.data import (
     TRAIN_KEYS,
     TokenizedSet,
@@ -33,7 +34,6 @@ from oodjax.engine.evaluation import evaluate, make_eval_pool, pool_figures
 from oodjax.engine.geometry import BatchGeometry, batch_geometry
 from oodjax.engine.run_data import few_shot_sets, training_figures
 from oodjax.engine.steps import micro_batch_branches
-from oodjax.job import read
 from oodjax.models import from_config, load_pretrained
 from oodjax.models.lora import LoRAConfig, adds_nothing
 from tests.engine_configs import tiny_config

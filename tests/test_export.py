@@ -11,8 +11,8 @@ import safetensors.numpy
 import transformers
 
 from oodjax import config_checks
+from oodjax.config_checks import check_config
 from oodjax.engine import loop, results, steps
-from oodjax.job import resolve
 from oodjax.models.lora import peft_tensors
 from tests.engine_configs import TINY_OPT, tiny_config
 
@@ -36,7 +36,7 @@ def test_each_run_exports_its_own_final_adapters_which_peft_loads(config, monkey
     exports = []
     original_export = loop.export_peft
     monkeypatch.setattr(loop, "export_peft", lambda *a, **k: exports.append(a[2]) or original_export(*a, **k))
-    runs = loop.train(resolve(config))
+    runs = loop.train(check_config(config))
     (trained,) = finished
     assert len(exports) == len(runs)  # at the end only (checkpoints at steps 2 and 4)
     for r, run in enumerate(runs):
@@ -70,14 +70,14 @@ def test_every_checkpoint_exports_and_pushes_each_time_and_a_finished_rerun_expo
     pushes = []
     monkeypatch.setattr(loop.huggingface_hub, "create_repo", lambda repo_id, exist_ok: None)
     monkeypatch.setattr(loop.huggingface_hub, "upload_folder", lambda **kwargs: pushes.append(kwargs))
-    runs = loop.train(resolve(config))
+    runs = loop.train(check_config(config))
     names = [run.name for run in runs]
     assert [push["path_in_repo"] for push in pushes] == names * 2  # steps 2 and 4
     assert {push["repo_id"] for push in pushes} == {"someone/adapters"}
     assert [push["folder_path"] for push in pushes[:2]] == [run.directory / results.ADAPTER_DIR for run in runs]
     assert pushes[0]["commit_message"].endswith("step 2") and pushes[-1]["commit_message"].endswith("step 4")
     pushes.clear()
-    loop.train(resolve(config))  # finished already: restores step 4 and exports (and pushes) its adapters
+    loop.train(check_config(config))  # finished already: restores step 4 and exports (and pushes) its adapters
     assert [push["path_in_repo"] for push in pushes] == names
     assert pushes[0]["commit_message"].endswith("step 4")
 
@@ -85,5 +85,5 @@ def test_every_checkpoint_exports_and_pushes_each_time_and_a_finished_rerun_expo
 def test_a_hub_push_offline_is_refused_before_training(config):
     config.export.hub_repo = "someone/adapters"
     with pytest.raises(ValueError, match="pushes adapters to the Hugging Face hub, but HF_HUB_OFFLINE is set"):
-        loop.train(resolve(config))
+        loop.train(check_config(config))
     assert not pathlib.Path(config.output_dir).exists()

@@ -14,6 +14,8 @@ from transformers import AutoTokenizer
 from analysis import runs as analysis_runs
 from analysis import schema
 from oodjax import evaluate, models
+from oodjax.config_checks import check_config
+from oodjax.config_read import read
 from oodjax.data import (
     DEFAULT_TEMPLATE,
     few_shot,
@@ -25,7 +27,6 @@ from oodjax.data import (
     training_pool,
 )
 from oodjax.engine import loop, results, run_data
-from oodjax.job import read, resolve
 from tests.engine_configs import TINY_OPT, tiny_config
 
 ANSWERS = (" Yes", " No")
@@ -199,7 +200,7 @@ def test_a_runs_demonstrations_are_the_few_shot_set_training_would_draw(icl_conf
 
 @pytest.fixture(scope="module")
 def evaluated(icl_config):
-    return evaluate.evaluate_job(resolve(icl_config, evaluation=True))
+    return evaluate.evaluate_job(check_config(icl_config, evaluation=True))
 
 
 def test_in_context_runs_are_named_and_written_as_trained_runs_of_model_icl(icl_config, evaluated):
@@ -256,9 +257,9 @@ def test_training_and_adapters_refuse_in_context(icl_config, tmp_path):
     config = icl_config.copy_and_resolve_references()
     config.output_dir = str(tmp_path / "train")
     with pytest.raises(ValueError, match=r"^eval.in_context=True is for evaluation without training: run `python -m "):
-        loop.train(resolve(config))
+        loop.train(check_config(config))
     config.output_dir = str(tmp_path / "eval")
     config.model.adapters = (str(tmp_path),)
     with pytest.raises(ValueError, match=r"eval.in_context=True .* model.adapters must be empty"):
-        evaluate.evaluate_job(resolve(config, evaluation=True))
+        evaluate.evaluate_job(check_config(config, evaluation=True))
     assert not (tmp_path / "train").exists() and not (tmp_path / "eval").exists()

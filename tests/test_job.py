@@ -1,25 +1,28 @@
-"""The config read once (oodjax.job): what it derives, that nothing past it takes a ConfigDict, and that no
+"""The config read once (oodjax.config_read): what it derives, that nothing past it takes a ConfigDict, and that no
 module of oodjax imports itself back (the job reads settings, not the run loop)."""
 
 import ast
 import pathlib
+import re
 import subprocess
 import sys
 
 import pytest
 
-from configs import base, demo
+from configs import demo
+from oodjax import usage_errors
+from oodjax.config_read import read
 from oodjax.data import load_testset
 from oodjax.engine import cadence, run_data
-from oodjax.job import read
 from oodjax.usage_errors import ConfigError
+from tests.engine_configs import checkpoint_config
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def test_the_library_imports_no_config_package():
     """`configs` is the application's: the library's entry points import without it."""
-    code = "import sys, oodjax.main, oodjax.evaluate, oodjax.job; sys.exit('configs' in sys.modules)"
+    code = "import sys, oodjax.main, oodjax.evaluate, oodjax.config_checks; sys.exit('configs' in sys.modules)"
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr or "oodjax imported the configs package"
 
@@ -126,11 +129,44 @@ def test_read_derives_names_tokenizer_and_nones_once():
     ],
 )
 def test_each_piece_checks_its_own_fields(field, value, message):
-    config = base.get_config()
+    config = checkpoint_config()
     section, _, key = field.rpartition(".")
     config[section][key] = value
     with pytest.raises(ConfigError, match=message):
         read(config)
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"model.hf_config": {"model_type": "opt"}}, r"set exactly one of model.path .* and model.hf_config"),
+        ({"model.path": "", "model.hf_config": {"vocab_size": 8}}, r"model.hf_config needs a model_type"),
+        ({"model.path": "", "model.hf_config": {"model_type": "opt"}}, r"tokenizer is empty: a random model"),
+        ({"model.remat": "everything"}, r"model.remat: remat policy 'everything' is not one of"),
+        ({"export.every_checkpoint": True}, r"export.every_checkpoint and export.hub_repo need export.peft=True"),
+        ({"export.peft": True, "export.hub_repo": "a b"}, r"export.hub_repo 'a b' is not a hub repo id"),
+        ({"data.testsets": ("hans",)}, r"data.train_set 'mnli' must also be in data.testsets"),
+        ({"eval.in_context": True, "model.adapters": ("a",)}, r"eval.in_context=True .* model.adapters must be empty"),
+        ({"train.learning_rate": 0.0}, r"train.learning_rate must be positive, got 0.0"),
+        ({"wandb.enabled": True, "wandb.mode": "cloud"}, r"wandb.mode must be empty .* got 'cloud'"),
+        ({"train.grad_accum": 3}, r"train.batch_size 16 must be a multiple of train.grad_accum 3"),
+        ({"eval.batch_size": 0}, r"eval.batch_size must be >= 1, got 0"),
+        ({"data.buckets": (0, 64)}, r"data.buckets must be positive lengths, got \[0, 64\]"),
+        ({"eval.row_lengths": (-1,)}, r"eval.row_lengths must be positive lengths, got \[-1\]"),
+    ],
+)
+def test_read_refuses_every_value_the_full_checks_refuse(capsys, changes, message):
+    """A rule on values lives in its piece (or the Job, across pieces), so the estimate, the preflight, the fetch
+    and the sweep, which only read, refuse what the run refuses: one line naming the field, exit status 2."""
+    config = checkpoint_config()
+    for field, value in changes.items():
+        section, _, key = field.rpartition(".")
+        (config[section] if section else config)[key] = value
+    with pytest.raises(SystemExit) as raised, usage_errors.reported("prog"):
+        read(config)
+    err = capsys.readouterr().err
+    assert raised.value.code == usage_errors.EXIT_STATUS and err.count("\n") == 1, err
+    assert re.match(rf"prog: error: {message}", err), err
 
 
 def test_the_cadence_is_the_loop_s_and_the_estimator_s():
@@ -148,7 +184,7 @@ def test_eval_points_spread_over_the_run_s_own_steps():
 
 
 def test_epochs_give_each_run_its_own_length_schedule_and_evaluations():
-    config = base.get_config()
+    config = checkpoint_config()
     config.train.batch_size, config.train.epochs, config.train.warmup_ratio, config.eval.points = 32, 40, 0.1, 20
     job = read(config)
     assert [job.total_steps(shots) for shots in (32, 64, 128)] == [40, 80, 160]
@@ -170,7 +206,7 @@ def test_by_default_warm_up_and_evaluations_follow_each_run_s_length():
     """The defaults, train.warmup_ratio 0.1 and eval.points 20: 50 warm-up steps and an evaluation every 25 steps
     of train.steps=500; with train.epochs=40 at batch 16, runs of 80, 160 and 320 steps warm up over ceil(T / 10)
     of them and are evaluated at step 0 and floor(k T / 20), k = 1..20."""
-    config = base.get_config()
+    config = checkpoint_config()
     job = read(config)
     assert job.optimizer.warmup_steps == 50 and job.cadence.evaluated_steps() == list(range(0, 501, 25))
     config.train.epochs = 40
@@ -183,7 +219,7 @@ def test_by_default_warm_up_and_evaluations_follow_each_run_s_length():
 
 
 def test_a_fixed_warm_up_or_evaluation_interval_wins_over_the_ratio_and_the_points():
-    config = base.get_config()
+    config = checkpoint_config()
     config.train.warmup_steps, config.eval.every = 30, 100
     job = read(config)  # no train.epochs: fixed values of any share are the user's to choose
     assert job.optimizer.warmup_steps == 30 and job.cadence.evaluated_steps() == list(range(0, 501, 100))
@@ -212,7 +248,7 @@ def test_a_fixed_warm_up_or_evaluation_interval_wins_over_the_ratio_and_the_poin
 def test_with_epochs_a_fixed_warm_up_or_interval_that_does_not_fit_a_run_is_refused(field, fits, too_much, message):
     """With train.epochs=40 at batch 16 the runs of 32 shots train 80 steps: a fixed warm-up of more than a quarter
     of them, or an interval leaving fewer than 10 evaluations, names the field, the run and the way out."""
-    config = base.get_config()
+    config = checkpoint_config()
     config.train.epochs = 40
     section, _, key = field.rpartition(".")
     config[section][key] = fits
@@ -226,7 +262,7 @@ def test_with_epochs_a_fixed_warm_up_or_interval_that_does_not_fit_a_run_is_refu
 
 def test_eval_cap_leaves_the_in_domain_testset_whole_unless_cap_in_domain(hf_data_dir):
     """The partial correlations control for in-domain accuracy: a subset of it biases them (docs/analysis.md)."""
-    config = base.get_config()
+    config = checkpoint_config()
     config.data.data_dir, config.data.testsets, config.data.eval_cap = str(hf_data_dir), ("mnli", "hans"), 16
     whole = len(load_testset("mnli", data_dir=str(hf_data_dir)))  # validation_matched, neutral dropped
     assert whole > 6000
@@ -235,7 +271,7 @@ def test_eval_cap_leaves_the_in_domain_testset_whole_unless_cap_in_domain(hf_dat
     config.data.cap_in_domain = True
     sizes = {name: len(testset) for name, testset in run_data.capped_testsets(read(config).data).items()}
     assert sizes == {"mnli": 16, "hans": 16}
-    config.data.train_set = "snli"  # then mnli is OOD, capped either way
+    config.data.train_set, config.data.testsets = "snli", ("mnli", "hans", "snli")  # then mnli is OOD, capped
     config.data.cap_in_domain = False
     sizes = {name: len(testset) for name, testset in run_data.capped_testsets(read(config).data).items()}
-    assert sizes == {"mnli": 16, "hans": 16}
+    assert sizes == {"mnli": 16, "hans": 16, "snli": len(load_testset("snli", data_dir=str(hf_data_dir)))}

@@ -25,11 +25,11 @@ from configs.models import MODELS
 from launch import costs, estimate, preflight
 from launch.config_files import load_config
 from oodjax import models, usage_errors
+from oodjax.config_read import read
 from oodjax.engine import run_data, sharding, steps
 from oodjax.engine.cadence import Cadence
 from oodjax.engine.geometry import BatchGeometry, batch_geometry
 from oodjax.engine.sharding import MeshShape
-from oodjax.job import read
 from oodjax.models.layers import REMAT_POLICIES
 from oodjax.models.lora import LoRAConfig, apply_lora
 
@@ -509,14 +509,22 @@ def test_resolve_mesh_errors(mesh, message):
         MeshShape(**mesh).sizes(8)
 
 
+def beside_mnli(config, testsets):
+    """The examples ``config`` counts of ``testsets``: a job evaluates its training set (MNLI) too, counted alone
+    and taken off."""
+    config.data.testsets = ("mnli",)
+    mnli = estimate.count_eval_examples(read(config).data)
+    config.data.testsets = ("mnli", *testsets)
+    return estimate.count_eval_examples(read(config).data) - mnli
+
+
 def test_eval_examples_counted_from_the_testsets():
     # RTE train (2490 rows) and WNLI train (635 rows) are two-way: nothing dropped.
     config = load_config("configs/demo.py")
-    config.data.testsets, config.data.neutral = ("rte", "wnli"), "drop"
-    config.data.eval_cap = 0
-    assert estimate.count_eval_examples(read(config).data) == 2490 + 635
+    config.data.neutral, config.data.eval_cap = "drop", 0
+    assert beside_mnli(config, ("rte", "wnli")) == 2490 + 635
     config.data.eval_cap = 500
-    assert estimate.count_eval_examples(read(config).data) == 1000
+    assert beside_mnli(config, ("rte", "wnli")) == 1000
 
 
 def test_evaluation_steps():
@@ -774,28 +782,36 @@ def test_a_local_sample_is_counted_at_the_size_of_the_hubs_split(tmp_path, capsy
     the fetched split, evaluates 30,000, so the estimate counts as many, the sample's prompts repeated, and says
     so. A mirror holding the whole split is counted as it is."""
     config = load_config("configs/demo.py")
-    config.data.testsets, config.data.eval_cap = ("rte", "hans"), 0
-    data = read(config).data
-    assert estimate.study_samples(data) == {"hans": estimate.Sample(3_000, 30_000, 30_000)}
-    assert estimate.count_eval_examples(data) == 2_490 + 30_000
+    config.data.testsets, config.data.eval_cap = ("mnli", "rte", "hans"), 0
+    assert estimate.study_samples(read(config).data) == {"hans": estimate.Sample(3_000, 30_000, 30_000)}
+    assert beside_mnli(config, ("rte", "hans")) == 2_490 + 30_000
     for cap, examples in ((500, 500 + 500), (5_000, 2_490 + 5_000)):  # the cap applies to the split a job reads
         config.data.eval_cap = cap
-        assert estimate.count_eval_examples(read(config).data) == examples
+        assert beside_mnli(config, ("rte", "hans")) == examples
 
-    # The real prompts: both runs score the sample's 3,000 prompts ten times over, and their own 16.
-    path = _small_config(tmp_path, extra="    config.data.testsets = ('hans',)\n    config.data.eval_cap = 0\n")
+    # The real prompts: both runs score the sample's 3,000 prompts ten times over, MNLI's (in-domain) once, and
+    # their own 16.
+    path = _small_config(tmp_path, extra="    config.data.testsets = ('mnli', 'hans')\n    config.data.eval_cap = 0\n")
     job = read(load_config(path))
     counted = estimate.PromptCounter()(job, job.mesh.sizes(8))
     tokenizer = transformers.AutoTokenizer.from_pretrained(gpt2_tokenizer_dir)
-    hans = run_data.capped_testsets(job.data)["hans"]
-    prompts = [job.data.template.format(premise=p, hypothesis=h) for p, h in zip(hans["premise"], hans["hypothesis"])]
-    sample_tokens = sum(min(len(ids), 128) for ids in tokenizer(prompts)["input_ids"])
+
+    def tokens(testset):
+        prompts = [
+            job.data.template.format(premise=p, hypothesis=h) for p, h in zip(testset["premise"], testset["hypothesis"])
+        ]
+        return sum(min(len(ids), 128) for ids in tokenizer(prompts)["input_ids"])
+
+    testsets = run_data.capped_testsets(job.data)
     own = run_data.few_shot_sets(job.data, tokenizer, [(run.seed, run.shots) for run in job.runs.runs()])
-    assert counted.eval_prompts == 2 * 30_000 + 32
-    assert counted.eval_prompt_tokens == 2 * 10 * sample_tokens + sum(int(s.lengths.sum()) for s in own)
+    prompts = 2 * (30_000 + len(testsets["mnli"])) + 32
+    assert counted.eval_prompts == prompts
+    assert counted.eval_prompt_tokens == 2 * (10 * tokens(testsets["hans"]) + tokens(testsets["mnli"])) + sum(
+        int(s.lengths.sum()) for s in own
+    )
     assert estimate.main([str(path), "--device", "h100"]) == 0
     out = capsys.readouterr().out
-    assert "an evaluation scores 60,032 prompts" in out
+    assert f"an evaluation scores {prompts:,} prompts" in out
     assert (
         "  local samples (a job reads the hub's split, or the split fetched): hans 3,000 of the hub split's 30,000 "
         "rows, counted as 30,000 prompts, the sample's repeated\n"
@@ -808,6 +824,9 @@ def test_a_local_sample_is_counted_at_the_size_of_the_hubs_split(tmp_path, capsy
     mirror = tmp_path / "mirror" / "jhu-cogsci/hans/plain_text"
     mirror.mkdir(parents=True)
     pyarrow.parquet.write_table(pyarrow.concat_tables([sample] * 10), mirror / "validation.parquet")
-    config.data.data_dir, config.data.testsets, config.data.eval_cap = str(tmp_path / "mirror"), ("hans",), 0
+    (tmp_path / "mirror" / "nyu-mll" / "glue").mkdir(parents=True)
+    (tmp_path / "mirror" / "nyu-mll" / "glue" / "mnli").symlink_to(hf_data_dir / "nyu-mll" / "glue" / "mnli")
+    config.data.data_dir, config.data.eval_cap = str(tmp_path / "mirror"), 0
+    config.data.testsets = ("mnli", "hans")
     assert estimate.study_samples(read(config).data) == {}
-    assert estimate.count_eval_examples(read(config).data) == 30_000
+    assert beside_mnli(config, ("hans",)) == 30_000

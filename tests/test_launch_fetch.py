@@ -31,8 +31,8 @@ from transformers import OPTConfig, OPTForCausalLM
 
 from launch import fetch
 from launch.config_files import load_config
+from oodjax.config_read import read
 from oodjax.data import load_testset
-from oodjax.job import read
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 REPO = "facebook/opt-tiny-fetch"

@@ -10,8 +10,8 @@ import json
 import numpy as np
 
 from analysis import schema
+from oodjax.config_checks import check_config
 from oodjax.engine import loop
-from oodjax.job import resolve
 from tests.engine_configs import tiny_config
 
 FILLER = "the a old new small big red blue green cat dog bird man woman car house tree river city song book".split()
@@ -46,7 +46,7 @@ def test_accuracy_goes_from_chance_to_above_95_percent(tmp_path, gpt2_tokenizer_
     config.eval.every = 50
     config.checkpoint_every = 300
     config.log_every = 50
-    for run in loop.train(resolve(config)):  # seeds 0 and 1
+    for run in loop.train(check_config(config)):  # seeds 0 and 1
         with np.load(run.directory / schema.METRICS_FILENAME) as npz:
             mnli = npz[schema.TESTSETS].tolist().index("mnli")
             accuracy = npz[schema.ACCURACY][:, mnli]

@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 
 from analysis import schema
-from configs import base
+from oodjax.config_checks import check_config
+from oodjax.config_read import read
 from oodjax.engine import checkpoints, loop, preemption, resumption
-from oodjax.job import read, resolve
-from tests.engine_configs import tiny_config
+from tests.engine_configs import checkpoint_config, tiny_config
 
 
 @pytest.fixture
@@ -56,7 +56,7 @@ def test_nothing_compiles_after_the_first_evaluation_step_and_checkpoint(config,
             marks.append((method, step, before, len(compilations)))
 
         monkeypatch.setattr(hook, method, counting)
-    loop.train(resolve(config))
+    loop.train(check_config(config))
     evaluations = [(step, before, after) for what, step, before, after in marks if what == "evaluate"]
     assert [step for step, _, _ in evaluations] == [0, 2, 4, 6]
     assert evaluations[0][2] > evaluations[0][1]  # the first evaluation compiles (the listener works)
@@ -91,7 +91,7 @@ def test_non_finite_loss_stops_naming_the_step_and_keeps_the_last_good_state(con
     monkeypatch.setattr(loop.steps, "make_train_step", poisoned_make_train_step)
     message = r"non-finite training loss at step 3 \(opt-tiny_mnli_seed1_shots8=nan\)"
     with pytest.raises(loop.NonFiniteLossError, match=message):
-        loop.train(resolve(config))
+        loop.train(check_config(config))
     for run in read(config).runs.runs():
         assert checkpoints.checkpoint_steps(run.directory) == [2]  # no checkpoint at step 4
         with np.load(run.directory / schema.METRICS_FILENAME) as npz:
@@ -101,7 +101,7 @@ def test_non_finite_loss_stops_naming_the_step_and_keeps_the_last_good_state(con
     # Resuming those runs under another config would mix two experiments: refused, naming the field.
     config.train.learning_rate = 5e-4
     with pytest.raises(ValueError, match=r"started with another config .*train.learning_rate 0.001 -> 0.0005"):
-        loop.train(resolve(config))
+        loop.train(check_config(config))
 
 
 @pytest.fixture
@@ -132,7 +132,7 @@ def test_stop_signals_and_damaged_checkpoints_change_no_result(
     for config in configs.values():
         config.train.steps = 6
         config.runs.shots = (16,)  # two batches an epoch: a resumed data order shows
-    loop.train(resolve(configs["uninterrupted"]))
+    loop.train(check_config(configs["uninterrupted"]))
     runs = read(configs["stopped"]).runs.runs()
     step_4 = [checkpoints.checkpoint_dir(run.directory) / "4" for run in runs]
 
@@ -154,7 +154,7 @@ def test_stop_signals_and_damaged_checkpoints_change_no_result(
     for attempt in ("first", "after the fallback"):
         caplog.clear()
         with caplog.at_level(logging.WARNING), pytest.raises(preemption.Preempted) as stopped:
-            loop.train(resolve(configs["stopped"]))
+            loop.train(check_config(configs["stopped"]))
         assert stopped.value.step == 4 and signal.getsignal(signal.SIGUSR1) is handler_before, attempt
         assert "stopping after step 4 on SIGUSR1" in caplog.text, attempt
         assert "its evaluation left for the resumed run" in caplog.text, attempt
@@ -174,7 +174,7 @@ def test_stop_signals_and_damaged_checkpoints_change_no_result(
 
     caplog.clear()
     with caplog.at_level(logging.INFO):
-        loop.train(resolve(configs["stopped"]))
+        loop.train(check_config(configs["stopped"]))
     assert "training 2 runs from step 4" in caplog.text and "fails to restore" not in caplog.text
     for reference, run in zip(read(configs["uninterrupted"]).runs.runs(), runs):
         expected, got = _results(reference.directory), _results(run.directory)
@@ -201,8 +201,8 @@ def _cut_in_half(paths):
 
 def test_a_field_a_later_version_added_is_no_change_at_its_default():
     """Runs stored before a field existed resume when it is at its default; a non-default value is a change."""
-    config = base.get_config()
-    defaults = resumption.comparable_stored(read(base.get_config()).record)
+    config = checkpoint_config()
+    defaults = resumption.comparable_stored(read(checkpoint_config()).record)
     stored = resumption.comparable_stored(read(config).record)
     del stored["data"]["answers"], stored["model"]["attention"]  # as a version without them stored it
     assert resumption.differing_fields(stored, resumption.comparable_stored(read(config).record), defaults) == []
@@ -215,7 +215,7 @@ def test_a_field_a_later_version_added_is_no_change_at_its_default():
 def test_runs_stored_with_fixed_warmup_and_eval_steps_resume_under_the_ratio_and_points_they_come_to():
     """Before warm-up and evaluations followed each run's length, the defaults were 50 warm-up steps and an
     evaluation every 25 steps: at 500 steps that is warmup_ratio 0.1 and 20 eval.points, the same run."""
-    config = base.get_config()
+    config = checkpoint_config()
     config.train.steps, config.train.warmup_steps, config.train.warmup_ratio = 500, 0, 0.1
     config.eval.every, config.eval.points = 0, 20
     current = resumption.comparable_stored(read(config).record)
@@ -248,10 +248,10 @@ def test_runs_of_32_64_and_128_shots_trained_by_epochs_in_one_job_equal_each_tra
         return config
 
     together = config("together", (32, 64, 128))
-    loop.train(resolve(together))
+    loop.train(check_config(together))
     for run, steps, evaluated in zip(read(together).runs.runs(), (2, 4, 8), ([0, 1, 2], [0, 2, 4], [0, 4, 8])):
         alone = config(f"alone{run.shots}", (run.shots,))
-        loop.train(resolve(alone))
+        loop.train(check_config(alone))
         (reference,) = read(alone).runs.runs()
         expected, got = _results(reference.directory), _results(run.directory)
         assert got[schema.STEP].tolist() == evaluated, run.name
@@ -269,6 +269,6 @@ def test_runs_of_32_64_and_128_shots_trained_by_epochs_in_one_job_equal_each_tra
         np.testing.assert_allclose(logged, rates, rtol=1e-6, err_msg=run.name)
     written = {path: path.read_bytes() for path in (tmp_path / "together").rglob(schema.METRICS_FILENAME)}
     with caplog.at_level(logging.INFO):
-        loop.train(resolve(together))
+        loop.train(check_config(together))
     assert "finished (step 2), skipped" in caplog.text and "finished (step 8), skipped" in caplog.text
     assert {path: path.read_bytes() for path in written} == written

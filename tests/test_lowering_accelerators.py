@@ -22,7 +22,7 @@ import pytest
 
 from launch import preflight
 from launch.config_files import load_config
-from oodjax.job import read
+from oodjax.config_read import read
 from oodjax.models import flash_attention
 from tests.conftest import ROOT
 

@@ -13,8 +13,8 @@ import pytest
 from analysis import schema
 from configs import base, demo
 from oodjax import config_checks
+from oodjax.config_checks import check_config
 from oodjax.engine import loop
-from oodjax.job import resolve
 from oodjax.usage_errors import ConfigError
 from tests.engine_configs import SHRUNK_DEMO_ARGS, tiny_config
 
@@ -68,7 +68,7 @@ def test_missing_paths_fail_before_any_compilation(tmp_path, gpt2_tokenizer_dir,
     jax.monitoring.register_event_duration_secs_listener(listener)
     try:
         with pytest.raises(FileNotFoundError, match=message.replace("(", r"\(")):
-            loop.train(resolve(config))
+            loop.train(check_config(config))
     finally:
         jax.monitoring.unregister_event_duration_listener(listener)
     assert compilations == []
@@ -88,7 +88,7 @@ def test_a_junk_json_in_a_model_or_tokenizer_folder_is_named_before_anything_loa
     section, _, key = field.rpartition(".")
     (config[section] if section else config)[key] = str(folder)
     with pytest.raises(ValueError, match=rf"^{field}: {re.escape(str(folder / marker))} is not valid JSON"):
-        loop.train(resolve(config))
+        loop.train(check_config(config))
     assert not (tmp_path / "out").exists()
 
 
@@ -111,7 +111,7 @@ def test_bad_config_values_are_named(tmp_path, gpt2_tokenizer_dir, hf_data_dir, 
     section, _, key = field.rpartition(".")
     config[section][key] = value
     with pytest.raises((ValueError, KeyError), match=message):
-        loop.train(resolve(config))
+        loop.train(check_config(config))
     assert not (tmp_path / "out").exists()
 
 
@@ -140,7 +140,7 @@ def test_wandb_enabled_without_wandb_is_an_error(tmp_path, gpt2_tokenizer_dir, h
     config = tiny_config(tmp_path / "out", gpt2_tokenizer_dir, hf_data_dir, tmp_path / "cache")
     config.wandb.enabled = True
     with pytest.raises(ValueError, match="wandb.enabled is True but wandb is not installed"):
-        loop.train(resolve(config))
+        loop.train(check_config(config))
 
 
 def test_wandb_online_without_a_login_is_an_error_before_anything_loads(
@@ -155,7 +155,7 @@ def test_wandb_online_without_a_login_is_an_error_before_anything_loads(
     config.wandb.enabled = True
     config.wandb.mode = "online"
     with pytest.raises(ConfigError, match="wandb.enabled: W&B online needs a login and this machine has none"):
-        loop.train(resolve(config))
+        loop.train(check_config(config))
     assert not (tmp_path / "out").exists()
 
 

@@ -11,9 +11,10 @@ import pytest
 from analysis import runs as analysis_runs
 from analysis import schema
 from oodjax import evaluate, usage_errors
+from oodjax.config_checks import check_config
+from oodjax.config_read import read
 from oodjax.engine import loop, results
 from oodjax.engine.evaluation import NonFiniteModelError
-from oodjax.job import read, resolve
 from tests.engine_configs import TINY_OPT, tiny_config
 
 
@@ -71,7 +72,7 @@ def test_a_checkpoint_with_a_nan_weight_stops_every_evaluation_naming_it(
     config.model.path, config.model.hf_config, config.model.name = str(nan_checkpoint), {}, ""
     message = rf"^model {nan_checkpoint}: its outputs are not finite: in its first evaluation every run \(2\) has "
     with caplog.at_level(logging.WARNING), pytest.raises(NonFiniteModelError, match=message):
-        loop.train(resolve(config))
+        loop.train(check_config(config))
     for run in read(config).runs.runs():
         assert not (run.directory / schema.METRICS_FILENAME).exists()
         for testset, size in (("mnli", 16), ("hans", 16), ("train", 8)):  # one line per run and testset
@@ -79,11 +80,11 @@ def test_a_checkpoint_with_a_nan_weight_stops_every_evaluation_naming_it(
 
     config.output_dir = str(tmp_path / "evaluate")
     with pytest.raises(SystemExit) as exited, usage_errors.reported("python -m oodjax.evaluate"):
-        evaluate.evaluate_job(resolve(config, evaluation=True))  # the base model
+        evaluate.evaluate_job(check_config(config, evaluation=True))  # the base model
     assert exited.value.code == usage_errors.EXIT_STATUS
     (line,) = capsys.readouterr().err.splitlines()
     assert line.startswith(f"python -m oodjax.evaluate: error: model {nan_checkpoint}: its outputs are not finite")
     config.eval.in_context = True
     with pytest.raises(NonFiniteModelError, match=message):
-        evaluate.evaluate_job(resolve(config, evaluation=True))
+        evaluate.evaluate_job(check_config(config, evaluation=True))
     assert not list((tmp_path / "evaluate").rglob(schema.METRICS_FILENAME))

@@ -19,8 +19,8 @@ from configs import base, llmft, original
 from configs.models import MODELS, TRAIN_SETS, model_config
 from oodjax import config_checks
 from oodjax.config_cli import apply_overrides, load_config_file
+from oodjax.config_read import read
 from oodjax.data import testsets
-from oodjax.job import read
 from oodjax.models.lora import ATTENTION_PROJECTIONS
 from oodjax.usage_errors import NotFetchedError
 

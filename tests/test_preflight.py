@@ -21,7 +21,7 @@ from configs.models import architecture
 from launch import costs, hlo, preflight
 from launch import estimate as estimator
 from launch.config_files import load_config
-from oodjax.job import read
+from oodjax.config_read import read
 from tests.engine_configs import SHRUNK_DEMO_ARGS
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

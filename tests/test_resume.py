@@ -27,8 +27,9 @@ import pytest
 
 from analysis import schema
 from configs import demo
+from oodjax.config_checks import check_config
+from oodjax.config_read import read
 from oodjax.engine import checkpoints, loop, preemption, run_lock
-from oodjax.job import read, resolve
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 STEPS = 20
@@ -116,8 +117,8 @@ def test_sigkill_sigterm_and_changed_runs_give_the_uninterrupted_results(tmp_pat
     cache = tmp_path / "cache"
     uninterrupted = demo_config(demo_overrides(tmp_path / "a", cache, (0, 42)))
     alone = demo_config(demo_overrides(tmp_path / "a7", cache, (7,)))  # the added seed, trained alone
-    loop.train(resolve(uninterrupted))
-    loop.train(resolve(alone))
+    loop.train(check_config(uninterrupted))
+    loop.train(check_config(alone))
 
     # SIGKILL once both runs have a checkpoint at one step.
     job = demo_overrides(tmp_path / "b", cache, (0, 42))
@@ -156,21 +157,21 @@ def test_sigkill_sigterm_and_changed_runs_give_the_uninterrupted_results(tmp_pat
     assert any(step in steps for steps in stopped_runs)  # the stop wrote its checkpoint
 
     final = demo_config(job)
-    loop.train(resolve(final))
+    loop.train(check_config(final))
     references = [*read(uninterrupted).runs.runs(), *read(alone).runs.runs()]
     for reference, run in zip(references, read(final).runs.runs(), strict=True):
         assert_same_results(reference, run)
 
     # A job with a run fewer: nothing to train, nothing rewritten.
     written = _metrics_bytes(tmp_path / "b")
-    loop.train(resolve(demo_config(demo_overrides(tmp_path / "b", cache, (0,)))))
+    loop.train(check_config(demo_config(demo_overrides(tmp_path / "b", cache, (0,)))))
     assert _metrics_bytes(tmp_path / "b") == written
 
     # Another learning rate, and a new seed: refused, naming the field, and the new run's folder never made.
     changed = demo_config(demo_overrides(tmp_path / "b", cache, (0, 42, 7, 99)))
     changed.train.learning_rate = 5e-4
     with pytest.raises(ValueError, match=r"train.learning_rate 0.001 -> 0.0005"):
-        loop.train(resolve(changed))
+        loop.train(check_config(changed))
     assert not any("seed99" in path.name for path in (tmp_path / "b").iterdir())
     assert _metrics_bytes(tmp_path / "b") == written
 
@@ -182,7 +183,7 @@ def test_ctrl_c_checkpoints_and_exits_75_and_a_second_ctrl_c_exits_at_once(tmp_p
     checkpoint and ends with the results of a job never interrupted."""
     cache = tmp_path / "cache"
     uninterrupted = demo_config(demo_overrides(tmp_path / "a", cache, (0,)))
-    loop.train(resolve(uninterrupted))
+    loop.train(check_config(uninterrupted))
     job = demo_overrides(tmp_path / "b", cache, (0,))
     (run,) = read(demo_config(job)).runs.runs()
     lock = run.directory / run_lock.LOCK_FILENAME
@@ -221,7 +222,7 @@ def test_ctrl_c_checkpoints_and_exits_75_and_a_second_ctrl_c_exits_at_once(tmp_p
     assert json.loads(lock.read_text())["pid"] == process.pid  # left behind, as by any process killed
 
     with caplog.at_level(logging.INFO):
-        loop.train(resolve(demo_config(job)))
+        loop.train(check_config(demo_config(job)))
     assert f"taking over the stale lock of process {process.pid} on {socket.gethostname()}" in caplog.text
     assert "(its process is gone)" in caplog.text
     assert f"resumes from its checkpoint at step {step}" in caplog.text

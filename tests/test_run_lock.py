@@ -21,8 +21,9 @@ import numpy as np
 import pytest
 
 from oodjax import evaluate
+from oodjax.config_checks import check_config
+from oodjax.config_read import read
 from oodjax.engine import loop, results, run_lock
-from oodjax.job import read, resolve
 from oodjax.usage_errors import EXIT_STATUS
 from tests.engine_configs import tiny_config
 from tests.test_resume import assert_same_results, demo_config, demo_overrides, start_main, wait_until
@@ -36,7 +37,7 @@ def _tree(root):
 def test_a_second_job_on_running_runs_stops_at_once_and_the_first_finishes_as_alone(tmp_path):
     cache = tmp_path / "cache"
     alone = demo_config(demo_overrides(tmp_path / "alone", cache, (0,)))
-    loop.train(resolve(alone))
+    loop.train(check_config(alone))
     job = demo_overrides(tmp_path / "out", cache, (0,))
     (run,) = read(demo_config(job)).runs.runs()
 
@@ -199,7 +200,7 @@ def test_a_job_stops_on_a_locked_run_writing_nothing_or_leaves_it_out_with_skip_
         r"trains or evaluates it: process 4321 on node-elsewhere, SLURM job 987654, heartbeat \d+ s "
         r"ago; wait for that job to end .* or set runs.skip_locked=True",
     ):
-        loop.train(resolve(config))
+        loop.train(check_config(config))
     assert _tree(tmp_path / "out") == before  # the free run's folder, made for its lock, is gone again
 
     evaluation = config.copy_and_resolve_references()
@@ -207,11 +208,11 @@ def test_a_job_stops_on_a_locked_run_writing_nothing_or_leaves_it_out_with_skip_
     icl_run = evaluate.plan_evaluation(read(evaluation))[1]
     _lock_file(icl_run.directory)
     with pytest.raises(run_lock.RunLockedError, match=rf"^run {icl_run.name} "):
-        evaluate.evaluate_job(resolve(evaluation, evaluation=True))
+        evaluate.evaluate_job(check_config(evaluation, evaluation=True))
 
     config.runs.skip_locked = True
     with caplog.at_level(logging.WARNING):
-        assert loop.train(resolve(config)) == [free]
+        assert loop.train(check_config(config)) == [free]
     assert f"left out (runs.skip_locked): run {locked.name}" in caplog.text
     assert sorted(path.name for path in locked.directory.iterdir()) == [run_lock.LOCK_FILENAME]
     assert (free.directory / "metrics.npz").is_file()

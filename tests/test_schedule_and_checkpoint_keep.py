@@ -9,10 +9,11 @@ import pytest
 
 from configs import base
 from oodjax import config_cli
+from oodjax.config_checks import check_config
+from oodjax.config_read import read
 from oodjax.engine import checkpoints, loop, resumption, steps
-from oodjax.job import read, resolve
 from oodjax.usage_errors import ConfigError
-from tests.engine_configs import tiny_config
+from tests.engine_configs import checkpoint_config, tiny_config
 
 
 def test_defaults_are_the_previous_behaviour_and_are_described_in_help():
@@ -28,7 +29,7 @@ def test_defaults_are_the_previous_behaviour_and_are_described_in_help():
 @pytest.mark.parametrize("schedule", steps.SCHEDULES)
 def test_the_optimizer_follows_train_schedule(schedule):
     """With a constant gradient Adam's update is the learning rate itself: read the schedule off the updates."""
-    config = base.get_config()
+    config = checkpoint_config()
     config.train.steps, config.train.warmup_steps, config.train.learning_rate = 10, 2, 1e-2
     config.train.schedule = schedule
     optimizer = read(config).optimizer.transformation
@@ -55,17 +56,17 @@ def test_the_optimizer_follows_train_schedule(schedule):
     ],
 )
 def test_the_config_checks_refuse_an_unknown_schedule_and_keeping_no_checkpoint(field, value, message):
-    config = base.get_config()
+    config = checkpoint_config()
     section, _, key = field.rpartition(".")
     (config[section] if section else config)[key] = value
     with pytest.raises(ConfigError, match=message):
         read(config)
-    read(base.get_config())  # the defaults pass
+    read(checkpoint_config())  # the defaults pass
 
 
 def test_a_resumed_run_may_keep_more_checkpoints_but_not_change_its_schedule(tmp_path):
     def one_run(**changes):
-        config = base.get_config()
+        config = checkpoint_config()
         config.model.name, config.output_dir, config.runs.seeds, config.runs.shots = "m", str(tmp_path), (0,), (8,)
         for field, value in changes.items():
             section, _, key = field.rpartition("__")
@@ -106,7 +107,7 @@ def test_training_keeps_checkpoint_keep_checkpoints_and_logs_its_schedule(tmp_pa
     config.runs.seeds = (0,)
     config.checkpoint_every, config.checkpoint_keep = 1, 3
     config.train.schedule = "constant"
-    loop.train(resolve(config))
+    loop.train(check_config(config))
     (run,) = read(config).runs.runs()
     assert checkpoints.checkpoint_steps(run.directory) == [4, 3, 2]
     events = [json.loads(line) for line in (run.directory / "events.jsonl").read_text().splitlines()]

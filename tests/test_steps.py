@@ -22,7 +22,7 @@ from flax import nnx
 
 from oodjax.data import TRAIN_KEYS, StepLayout, TokenizedSet, train_steps
 from oodjax.engine import steps
-from oodjax.engine.geometry import BatchGeometry, EvalGeometry, micro_batch_lengths
+from oodjax.engine.geometry import BatchGeometry, BatchSettings, EvalGeometry, micro_batch_lengths
 from oodjax.models import from_config
 from oodjax.models.lora import LoRAConfig
 
@@ -388,11 +388,14 @@ def test_malformed_batches_are_clear_errors(together, batches):
 
 
 def test_geometry_errors_name_the_config_field():
-    fields = dict(runs=3, batch_size=8, seq_len=12)
+    settings = dict(batch_size=8, pack=False, max_length=12, total_steps=1, eval_batch_size=4)
     with pytest.raises(ValueError, match="train.grad_accum must be >= 1, got 0"):
-        BatchGeometry(grad_accum=0, **fields)
+        BatchSettings(grad_accum=0, **settings)
     with pytest.raises(ValueError, match="train.batch_size 8 must be a multiple of train.grad_accum 3"):
-        BatchGeometry(grad_accum=3, **fields)
+        BatchSettings(grad_accum=3, **settings)
+    with pytest.raises(ValueError, match=r"eval.row_lengths must be positive lengths, got \[0, 12\]"):
+        BatchSettings(grad_accum=1, eval_row_lengths=(0, 12), **settings)
+    fields = dict(runs=3, batch_size=8, seq_len=12)
     with pytest.raises(
         ValueError,
         match=r"train micro-batch 2 \(train.batch_size / train.grad_accum\) must be a "

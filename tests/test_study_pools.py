@@ -14,9 +14,9 @@ import pytest
 
 from configs import demo
 from launch.config_files import experiment_config_paths, load_config
+from oodjax.config_read import read
 from oodjax.data import load_testset, testsets, training_pool
 from oodjax.engine.run_data import few_shot_datasets
-from oodjax.job import read
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 STUDY_CONFIGS = experiment_config_paths([str(ROOT / "configs" / "*_[ms]nli.py")])

@@ -14,9 +14,9 @@ from tensorboardX.proto import event_pb2
 from test_steps import LORA, NO, OPT, YES, as_step, geometry, make_batches
 from wandb.proto import wandb_internal_pb2
 
+from oodjax.config_checks import check_config
 from oodjax.engine import loop, steps
 from oodjax.engine.events import TENSORBOARD_DIR
-from oodjax.job import resolve
 from oodjax.models import from_config
 from tests.engine_configs import tiny_config
 
@@ -101,7 +101,7 @@ def test_wandb_and_tensorboard_get_every_event_of_every_run(tmp_path, gpt2_token
     config.wandb.entity = "a-team"
     config.wandb.tags = ("laptop", "tiny")
     config.tensorboard.enabled = True
-    runs = loop.train(resolve(config))
+    runs = loop.train(check_config(config))
     # lr 1e-3, one warm-up step, then linear decay to 0 at step 4; step s's update uses the (s-1)-th rate
     expected_lr = {1: 0.0, 2: 1e-3, 3: 1e-3 * 2 / 3, 4: 1e-3 / 3}
     grad_norms = []
@@ -174,12 +174,12 @@ def test_a_resumed_run_gives_the_trackers_each_step_once(tmp_path, gpt2_tokenize
 
     monkeypatch.setattr(loop.steps, "make_train_step", crashing_make_train_step)
     with pytest.raises(RuntimeError, match="crash in step 4"):
-        loop.train(resolve(config))
+        loop.train(check_config(config))
     monkeypatch.undo()
     monkeypatch.setenv("WANDB_SILENT", "true")
     for variable in ("WANDB_DIR", "WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
         monkeypatch.setenv(variable, str(tmp_path / "wandb-home"))
-    runs = loop.train(resolve(config))
+    runs = loop.train(check_config(config))
     for run in runs:
         events: dict[int, dict[str, float]] = {}
         for line in (run.directory / "events.jsonl").read_text().splitlines():

@@ -15,8 +15,8 @@ import pytest
 
 from configs import demo
 from oodjax import config_checks, usage_errors
+from oodjax.config_checks import check_config
 from oodjax.data import load_testset, load_tokenizer
-from oodjax.job import resolve
 from oodjax.usage_errors import ConfigError, NotFetchedError
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -83,11 +83,11 @@ def test_config_errors_found_by_the_checks_are_config_errors(tmp_path):
     config.output_dir = str(tmp_path)
     config.train.steps = 2  # fewer than the default warm-up
     with pytest.raises(ConfigError, match=r"train.warmup_steps must be in \[0, train.steps=2\], got 5"):
-        resolve(config)
+        check_config(config)
     config.train.steps = 50
     config.data.testsets = ("mnli", "nope")
     with pytest.raises(ConfigError, match=r"data.testsets: unknown testset 'nope'; known testsets: snli, mnli"):
-        resolve(config)
+        check_config(config)
 
 
 def test_a_tokenizer_larger_than_the_model_is_refused_before_loading(tmp_path):

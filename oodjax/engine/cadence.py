@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from oodjax.data.testsets import HUB_ID
 from oodjax.usage_errors import ConfigError
 
 
@@ -12,7 +13,7 @@ class Cadence:
     """When a job's runs are evaluated, checkpointed and logged: the one home of those rules, which the
     estimator counts evaluations by too."""
 
-    total_steps: int  # optimizer steps per run (of the runs of one length: ``oodjax.job.Job.of_length``)
+    total_steps: int  # optimizer steps per run (of the runs of one length: ``oodjax.config_read.Job.of_length``)
     eval_every: int = 25  # step 0, every eval_every steps and the last step are evaluated
     eval_points: int = 0  # if > 0 instead: step 0 and this many steps spread over total_steps (all of fewer)
     checkpoint_every: int = 100  # and the last step
@@ -72,3 +73,9 @@ class ExportSettings:
     peft: bool = False  # when training ends
     every_checkpoint: bool = False  # also at every checkpoint
     hub_repo: str | None = None  # a hub repo the exports are pushed to, a folder per run
+
+    def __post_init__(self) -> None:
+        if (self.every_checkpoint or self.hub_repo) and not self.peft:
+            raise ConfigError("export.every_checkpoint and export.hub_repo need export.peft=True")
+        if self.hub_repo and not HUB_ID.fullmatch(self.hub_repo):
+            raise ConfigError(f"export.hub_repo {self.hub_repo!r} is not a hub repo id (user/name)")

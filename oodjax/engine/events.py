@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from oodjax.storage import write_atomic
+from oodjax.usage_errors import ConfigError
 
 EVENTS_FILE = "events.jsonl"
 TENSORBOARD_DIR = "tensorboard"  # <run_dir>/tensorboard/: the run's TensorBoard event files
@@ -39,6 +40,10 @@ class WandbSettings:
     group: str | None = None
     tags: tuple[str, ...] = ()
     mode: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.mode and self.mode not in WANDB_MODES:
+            raise ConfigError(f"wandb.mode must be empty (wandb's default) or one of {WANDB_MODES}, got {self.mode!r}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -49,6 +49,24 @@ class BatchSettings:
     buckets: tuple[int, ...] | None = None  # None: bucket_lengths' default
     eval_row_lengths: tuple[int, ...] | None = None  # None: eval_row_lengths' default
 
+    def __post_init__(self) -> None:
+        positive = {
+            "train.batch_size": self.batch_size,
+            "train.grad_accum": self.grad_accum,
+            "data.max_length": self.max_length,
+            "eval.batch_size": self.eval_batch_size,
+        }
+        for field, value in positive.items():
+            if value < 1:
+                raise ConfigError(f"{field} must be >= 1, got {value}")
+        if self.batch_size % self.grad_accum:
+            raise ConfigError(
+                f"train.batch_size {self.batch_size} must be a multiple of train.grad_accum {self.grad_accum}"
+            )
+        for field, lengths in {"data.buckets": self.buckets, "eval.row_lengths": self.eval_row_lengths}.items():
+            if any(length < 1 for length in lengths or ()):
+                raise ConfigError(f"{field} must be positive lengths, got {list(lengths or ())}")
+
 
 @dataclasses.dataclass(frozen=True)
 class EvalGeometry:
@@ -61,17 +79,12 @@ class EvalGeometry:
     row_lengths: tuple[int, ...]  # lengths of evaluation rows, the last seq_len
     batch_shards: int = 1  # devices a batch's example axis is split over (mesh data x fsdp)
 
-    def __post_init__(self) -> None:
-        for field, value in {"eval.batch_size": self.rows, "data.max_length": self.seq_len}.items():
-            if value < 1:
-                raise ConfigError(f"{field} must be >= 1, got {value}")
+    def __post_init__(self) -> None:  # the config's own values are BatchSettings' to check
         if self.rows % self.batch_shards:
             raise ConfigError(
                 f"eval.batch_size {self.rows} must be a multiple of the {self.batch_shards} batch shards "
                 "(mesh.data x mesh.fsdp)"
             )
-        if any(length < 1 for length in self.row_lengths):
-            raise ConfigError(f"eval.row_lengths must be positive lengths, got {list(self.row_lengths)}")
 
     @property
     def batch_tokens(self) -> int:
@@ -107,10 +120,8 @@ class BatchGeometry:
     evaluation: EvalGeometry | None = None  # the job's evaluation batches (None: a train step alone)
 
     def __post_init__(self) -> None:
-        positive = {
+        positive = {  # the config's own values are BatchSettings' to check
             "runs (runs.seeds x runs.shots)": self.runs,
-            "train.batch_size": self.batch_size,
-            "train.grad_accum": self.grad_accum,
             "training row length": self.seq_len,
             "batch shards": self.batch_shards,
             "training prompt slots": self.prompts_per_row,
@@ -119,17 +130,11 @@ class BatchGeometry:
         for field, value in positive.items():
             if value < 1:
                 raise ConfigError(f"{field} must be >= 1, got {value}")
-        if self.batch_size % self.grad_accum:
-            raise ConfigError(
-                f"train.batch_size {self.batch_size} must be a multiple of train.grad_accum {self.grad_accum}"
-            )
         if not self.packed and self.batch_size // self.grad_accum % self.batch_shards:
             raise ConfigError(
                 f"train micro-batch {self.batch_size // self.grad_accum} (train.batch_size / train.grad_accum) must "
                 f"be a multiple of the {self.batch_shards} batch shards (mesh.data x mesh.fsdp) without train.pack"
             )
-        if any(b < 1 for b in self.buckets):
-            raise ConfigError(f"data.buckets must be positive lengths, got {list(self.buckets)}")
 
     @property
     def layout(self) -> StepLayout:
@@ -186,7 +191,7 @@ def batch_geometry(
         packed=batches.pack,
         batch_shards=sharding.batch_shards(mesh),
         evaluation=eval_geometry(batches, sharding.batch_shards(mesh)),
-    )  # the config's own fields checked, errors naming them
+    )  # its fit on the mesh checked, errors naming the fields
     replay = dict(batch_size=geometry.batch_size, steps=batches.total_steps)
     if geometry.packed:
         layout, longest, prompts_per_row = packed_layout(

@@ -57,7 +57,7 @@ from oodjax.engine.setup import set_up
 from oodjax.models.lora import adds_nothing, export_peft
 
 if TYPE_CHECKING:
-    from oodjax.job import Job
+    from oodjax.config_read import Job
 
 
 class NonFiniteLossError(FloatingPointError):

@@ -80,6 +80,10 @@ class DataSettings:
                 f"data.train_set {self.train_set!r} is not a training set; few-shot pools exist for: "
                 f"{', '.join(training_sets())}"
             )
+        if self.train_set not in self.testsets:
+            raise ConfigError(
+                f"data.train_set {self.train_set!r} must also be in data.testsets: it is the in-domain testset"
+            )
         if self.eval_cap < 0:
             raise ConfigError(f"data.eval_cap must be >= 0 (0 = no cap), got {self.eval_cap}")
         try:

@@ -26,8 +26,8 @@ from oodjax.engine.run_data import (
 )
 
 if TYPE_CHECKING:
+    from oodjax.config_read import Job
     from oodjax.engine.results import Run
-    from oodjax.job import Job
 
 
 @dataclasses.dataclass(frozen=True)

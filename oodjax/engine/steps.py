@@ -73,6 +73,8 @@ class OptimizerSettings:
     schedule: str = "linear"  # after warm-up: one of SCHEDULES
 
     def __post_init__(self) -> None:
+        if not self.learning_rate > 0:  # a negative one climbs the loss (and zero trains nothing)
+            raise ConfigError(f"train.learning_rate must be positive, got {self.learning_rate}")
         if self.total_steps < 1:
             raise ConfigError(f"train.steps must be >= 1, got {self.total_steps}")
         if self.schedule not in SCHEDULES:

@@ -555,9 +555,8 @@ def run_layers(
         out = constrain(layer(carry, *args, *extra), HIDDEN)
         return out, (carry if all_layers else None)
 
-    policy = check_remat(remat)
-    if policy != "none":
-        body = jax.checkpoint(body, policy=REMAT_POLICIES[policy], prevent_cse=False)
+    if remat != "none":  # a name its DecoderConfig checked
+        body = jax.checkpoint(body, policy=REMAT_POLICIES[remat], prevent_cse=False)
     hidden, inputs = jax.lax.scan(body, constrain(hidden, HIDDEN), (params, jnp.arange(num_layers), per_layer))
     return hidden, (list(inputs) if all_layers else [])
 

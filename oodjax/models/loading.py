@@ -304,13 +304,24 @@ class ModelSettings:
     attention: str = "auto"  # flash_attention.IMPLEMENTATIONS
 
     def __post_init__(self) -> None:
+        if bool(self.path) == bool(self.hf_config):
+            raise ConfigError(
+                "set exactly one of model.path (a checkpoint) and model.hf_config (a random model); "
+                f"got path={self.path or ''!r} and {'a' if self.hf_config else 'no'} hf_config"
+            )
+        if self.hf_config and "model_type" not in self.hf_config:
+            raise ConfigError("model.hf_config needs a model_type (e.g. 'opt')")
+        if not self.tokenizer:
+            raise ConfigError(
+                "tokenizer is empty: a random model (model.hf_config) needs a tokenizer directory or hub id"
+            )
         for field, value in {"model.dtype": self.dtype, "model.compute_dtype": self.compute_dtype}.items():
             if value and value not in DTYPES:
                 raise ConfigError(f"{field} must be one of {DTYPES}, got {value!r}")
         try:
             check_remat(self.remat)
         except ValueError as error:
-            raise ConfigError(str(error)) from None
+            raise ConfigError(f"model.remat: {error}") from None
         if self.attention not in IMPLEMENTATIONS:
             raise ConfigError(f"model.attention must be one of {IMPLEMENTATIONS}, got {self.attention!r}")
 
