@@ -80,10 +80,12 @@ $(BENCH_VENV)/.installed-bench-gpu: requirements.txt requirements-bench-gpu.txt
 	$(BENCH_VENV)/bin/python -m pip check
 	touch $@
 
-# The formatter and the linter first (ruff, configured in pyproject.toml; `make format` applies both), then the tests.
+# The formatter, the linter and the type checker first (ruff and mypy, configured in pyproject.toml; `make format`
+# applies ruff's fixes), then the tests.
 test: install system-tools
 	$(PY) -m ruff format --check --quiet .
 	$(PY) -m ruff check --quiet .
+	$(PY) -m mypy
 	$(OFFLINE) $(PY) -m pytest -q --durations=25 $(PYTEST_ARGS) tests
 
 format: install

@@ -367,6 +367,7 @@ class PromptCounter:
         samples = None if pool in self._pools else study_samples(job.data)
         testsets = None if samples is None else functools.partial(study_testsets, samples=samples)
         setup = set_up(job, geometry_mesh(shards), tokenizer=self._tokenizers[source], testsets=testsets, prefetch=0)
+        assert setup.geometry is not None  # set up for the job's runs
         if setup.data is not None:
             counts = _evaluation_counts(setup.data.eval_pool, setup.data.first_eval_pool)
             self._pools[pool] = {**counts, "samples": samples}

@@ -339,6 +339,7 @@ def abstract_steps(job: Job, *, devices: int, layers: int | None) -> AbstractSte
     # a local sample at the hub's size, as a job reads it
     setup = set_up(job, mesh, prefetch=0, testsets=estimator.study_testsets)
     geometry, data, (yes_id, no_id) = setup.geometry, setup.data, setup.answer_ids
+    assert geometry is not None and data is not None  # set up for the job's runs, with their testsets
     seeds = [run.seed for run in job.runs.runs()]
     longest_rows = max(data.eval_pool.batches, key=lambda batch: batch["input_ids"].shape[-1])
 

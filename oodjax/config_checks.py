@@ -19,6 +19,7 @@ import dataclasses
 import pathlib
 import tempfile
 from collections.abc import Sequence
+from typing import Any
 
 import datasets
 import huggingface_hub
@@ -30,6 +31,7 @@ from oodjax.config_read import Job, read
 from oodjax.data import answer_token_ids, few_shot, load_testset, load_tokenizer, training_pool
 from oodjax.data.testsets import (
     HUB_ID,
+    Neutral,
     TestsetSpec,
     default_data_dir,
     hub_offline,
@@ -128,7 +130,7 @@ def _check_adapters(model: ModelSettings, adapters: Sequence[pathlib.Path]) -> N
     if not adapters:
         return
     hf_config = _model_config(model)
-    abstract: dict[LoRAConfig, nnx.State] = {}
+    abstract: dict[LoRAConfig, nnx.State[Any, Any]] = {}
     for folder in adapters:
         cfg, tensors = read_peft(folder)
         if cfg not in abstract:
@@ -190,7 +192,7 @@ def _check_data(data: DataSettings, shots: Sequence[int], *, needs_pool: bool) -
                 raise ConfigError(f"runs.shots: {error} (data.train_set {data.train_set!r}, split {split!r})") from None
 
 
-def _check_available(name: str, spec: TestsetSpec, root: pathlib.Path | None, neutral: str = "drop") -> None:
+def _check_available(name: str, spec: TestsetSpec, root: pathlib.Path | None, neutral: Neutral = "drop") -> None:
     """The testset's data can be read: its file exists and reads (every row, its labels among those declared:
     a declared testset's own file is small), or each split is in the local mirror, or the hub has it.
 
@@ -266,14 +268,14 @@ def _check_vocabulary(model: ModelSettings, answers: Sequence[str]) -> None:
         )
 
 
-def _model_config(model: ModelSettings) -> dict:
+def _model_config(model: ModelSettings) -> dict[str, Any]:
     """The model's config.json as a dict: model.hf_config, or the checkpoint's file (local, cached or from the hub)."""
-    if model.hf_config:
+    if model.hf_config or model.path is None:  # ModelSettings holds one of the two
         return dict(model.hf_config)
     path = pathlib.Path(model.path).expanduser()
     if path.is_dir():
-        return read_json(path / "config.json")
-    return read_json(pathlib.Path(huggingface_hub.hf_hub_download(model.path, "config.json")))
+        return dict(read_json(path / "config.json"))
+    return dict(read_json(pathlib.Path(huggingface_hub.hf_hub_download(model.path, "config.json"))))
 
 
 def _check_output_dir(output_dir: str) -> None:

@@ -117,7 +117,9 @@ def parse_command_line(argv: Sequence[str], flag_values: flags.FlagValues = flag
     positional = flag_values(rest)[1:]
     if positional:
         raise CommandLineError(f"unexpected arguments {positional}; settings go in --config.<field>=<value>")
-    config = load_config_file(flag_values[CONFIG_FLAG].value)
+    spec = flag_values[CONFIG_FLAG].value
+    assert spec is not None  # a required flag: absl refuses a command line without it
+    config = load_config_file(spec)
     apply_overrides(config, overrides)
     return config
 
@@ -126,6 +128,7 @@ def config_module(path: pathlib.Path) -> types.ModuleType:
     """The config file at ``path`` (which exists), executed as a module: by path, since file names such as
     `opt2.7_mnli.py` are not importable module names."""
     module_spec = importlib.util.spec_from_file_location(f"_oodjax_config_{path.stem.replace('.', '_')}", path)
+    assert module_spec is not None and module_spec.loader is not None  # a .py file's path always has both
     module = importlib.util.module_from_spec(module_spec)
     sys.modules[module_spec.name] = module  # as an import would: dataclasses look their module up there
     module_spec.loader.exec_module(module)
@@ -274,7 +277,8 @@ def field_descriptions() -> dict[str, str]:
         path = _config_path(node.targets[0])
         if path is None:
             continue
-        above, line = [], node.lineno - 1
+        above: list[str] = []
+        line = node.lineno - 1
         while line in comments and line not in code_lines:
             above.insert(0, comments[line])
             line -= 1
@@ -285,7 +289,7 @@ def field_descriptions() -> dict[str, str]:
 
 def _config_path(target: ast.expr) -> str | None:
     """`config.a.b` -> "a.b"; None for any other assignment target."""
-    names = []
+    names: list[str] = []
     while isinstance(target, ast.Attribute):
         names.insert(0, target.attr)
         target = target.value
@@ -341,7 +345,8 @@ def _split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
 def _parent_and_key(config: config_dict.ConfigDict, field: str, argument: str) -> tuple[config_dict.ConfigDict, str]:
     """The ConfigDict holding `field` ("a.b.c") and its last key, or an error naming the missing part."""
     *parents, key = field.split(".")
-    node, walked = config, []
+    node: Any = config
+    walked: list[str] = []
     for name in [*parents, key]:
         if not isinstance(node, config_dict.ConfigDict):
             raise CommandLineError(f"{argument}: {'.'.join(walked)} is a value, not a section with fields")
@@ -394,7 +399,7 @@ def _parse_scalar(kind: type, text: str, error: Callable[[str], CommandLineError
     if kind is str:
         return text
     try:
-        value = kind(text.strip())
+        value: int | float = kind(text.strip())
     except ValueError:
         raise error("an integer" if kind is int else "a number") from None
     if kind is float and not math.isfinite(value):
@@ -402,7 +407,7 @@ def _parse_scalar(kind: type, text: str, error: Callable[[str], CommandLineError
     return value
 
 
-def _parse_list(field: str, text: str, argument: str) -> tuple:
+def _parse_list(field: str, text: str, argument: str) -> tuple[Any, ...]:
     """`a,b,c` or a Python tuple/list literal, each item of the field's declared item type."""
     if field not in config_fields.LIST_ITEM_TYPES:
         raise CommandLineError(
@@ -429,16 +434,11 @@ def _parse_list(field: str, text: str, argument: str) -> tuple:
         if "" in items:
             raise CommandLineError(f"{argument}: an empty item in {text!r}; write --{CONFIG_FLAG}.{field}={example}")
         if kind is not str:
-            items = [
-                _parse_scalar(
-                    kind,
-                    item,
-                    lambda expected, item=item: CommandLineError(
-                        f"{argument}: {field} is a list of {what}; {item!r} is not {expected}"
-                    ),
-                )
-                for item in items
-            ]
+
+            def not_a(expected: str, item: str) -> CommandLineError:
+                return CommandLineError(f"{argument}: {field} is a list of {what}; {item!r} is not {expected}")
+
+            items = [_parse_scalar(kind, item, functools.partial(not_a, item=item)) for item in items]
     for item in items:
         if not _is_a(item, kind):
             raise CommandLineError(f"{argument}: {field} is a list of {what}; {item!r} is not one")

@@ -22,6 +22,7 @@ from launch import costs, hlo, preflight
 from launch import estimate as estimator
 from launch.config_files import load_config
 from oodjax.config_read import read
+from oodjax.engine import run_data
 from tests.engine_configs import SHRUNK_DEMO_ARGS
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -405,13 +406,14 @@ def test_data_parallel_over_two_nodes_is_warned_of_where_one_node_is_faster(demo
 
 def test_the_preflight_evaluates_a_local_sample_at_the_hub_splits_size():
     """The shared HANS is 3,000 rows of the hub's 30,000: the pool the preflight replays and counts evaluation
-    batches by holds every run's 30,000 HANS prompts, as a job reading the hub's split does."""
+    batches by holds every run's 30,000 HANS prompts, as a job reading the hub's split does (beside the in-domain
+    MNLI's)."""
     config = load_config(ROOT / "configs" / "demo.py")
-    config.data.testsets, config.data.eval_cap = ("hans",), 0
+    config.data.testsets, config.data.eval_cap = ("mnli", "hans"), 0
     job = read(config)
     pool = preflight.abstract_steps(job, devices=8, layers=None).data.eval_pool
-    runs = job.runs.runs()
-    assert sum(int(batch["valid"].sum()) for batch in pool.batches) == len(runs) * 30_000 + sum(
+    runs, mnli = job.runs.runs(), len(run_data.capped_testsets(job.data)["mnli"])
+    assert sum(int(batch["valid"].sum()) for batch in pool.batches) == len(runs) * (30_000 + mnli) + sum(
         run.shots for run in runs
     )
 

@@ -478,6 +478,7 @@ class _Loop:
         )
         setup = set_up(job, mesh, runs)
         geometry, data, (yes_id, no_id) = setup.geometry, setup.data, setup.answer_ids
+        assert geometry is not None and data is not None  # set up for runs, with their testsets
         seeds = [run.seed for run in runs]
         graphdef, base_state, state = steps.attach_runs(model, seeds, job.lora, job.optimizer.transformation, mesh=mesh)
         if starts[0].checkpoint is not None:

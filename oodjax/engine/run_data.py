@@ -35,7 +35,7 @@ from oodjax.data import (
     training_pool,
 )
 from oodjax.data.prompts import check_template
-from oodjax.data.testsets import testset_spec, training_sets
+from oodjax.data.testsets import Neutral, testset_spec, training_sets
 from oodjax.engine.evaluation import EvalPool
 from oodjax.engine.geometry import BatchGeometry
 from oodjax.engine.steps import micro_batch_branches
@@ -62,7 +62,7 @@ class DataSettings:
     eval_cap: int = 0  # 0: the full split
     cap_in_domain: bool = False  # the in-domain testset (train_set) capped too
     eval_seed: int = 0
-    neutral: str = "drop"
+    neutral: Neutral = "drop"
     cache_dir: str | None = None  # None: $OODJAX_CACHE_DIR, else ~/.cache/oodjax
 
     def __post_init__(self) -> None:

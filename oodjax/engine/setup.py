@@ -73,6 +73,7 @@ def set_up(
         pad_id=pad_id(tokenizer),
         prefetch=prefetch,
     )
+    assert geometry.evaluation is not None  # batch_geometry gives the job's evaluation batches
     pool = functools.partial(
         make_eval_pool,
         evaluated,
