@@ -1,6 +1,6 @@
 """Figures for a paper (matplotlib, Agg): correlation heatmaps, accuracy curves, OOD vs
-in-domain, the models side by side (heatmaps by family and size, mean r against size), and
-forest plots of the meta-analysis across models.
+in-domain, the models side by side (heatmaps by family and size, mean r against size); the
+forest plots of the meta-analysis across models are ``forest``'s, in this module's style.
 
 Each figure is written as PDF (vector, fonts embedded as TrueType so
 journals accept it) and PNG (for a quick look). Colours are safe for the
@@ -17,6 +17,7 @@ import itertools
 import pathlib
 import textwrap
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import matplotlib
 
@@ -43,7 +44,7 @@ from analysis.tables import MARKS, runs_per_cell, significance_mark  # noqa: E40
 OKABE_ITO = ("#0072B2", "#D55E00", "#009E73", "#CC79A7", "#E69F00", "#56B4E9", "#000000", "#F0E442")
 PAPER_STYLE = {
     "font.size": 8,
-    "figure.titlesize": 9,  # headings (_heading)
+    "figure.titlesize": 9,  # headings (`heading`)
     "axes.titlesize": 8,
     "axes.labelsize": 8,
     "legend.fontsize": 7,
@@ -71,15 +72,6 @@ TITLE_LINE_HEIGHT = 0.16
 DAGGER = "\u2020"  # marks a result that changes under the other residualiser
 MINUS = "\u2212"  # a minus sign, not the shorter hyphen
 UNTESTED = "\u00b0"  # marks an r without a test across runs (tables.UNTESTED_NOTE)
-POOLED_COLOUR = OKABE_ITO[0]
-# Forest plots: inches per model row, per panel beyond its rows, and panels per figure row; the
-# least width, for the legend under one panel, and the height of the x-axis' ticks and label.
-FOREST_ROW_HEIGHT = 0.1
-FOREST_PANEL_EXTRA = 0.6
-FOREST_COLUMNS = 4
-FOREST_MIN_WIDTH = 5.0
-FOREST_WIDTH_FOR_3_ENTRIES = 6.5  # legend entries to a row; fewer where the figure is narrower
-FOREST_AXIS_HEIGHT = 0.4
 _BILLIONS = matplotlib.ticker.FuncFormatter(lambda value, _: f"{value:g}B")
 
 
@@ -116,16 +108,16 @@ def correlation_heatmap(pairs: pd.DataFrame, testsets: list[str], *, padjust: st
     with plt.rc_context(PAPER_STYLE):
         side = 0.9 + 0.5 * size
         fig, ax = plt.subplots(figsize=(max(side + 0.9, HEATMAP_MIN_WIDTH), side), layout="constrained")
-        heading = _heading(fig, title, note)
+        top = heading(fig, title, note)
         # The triangle, and above and below it the heading's lines and the key to the marks:
         # a figure as small as one cell would otherwise have no room left for the cell.
-        fig.set_figheight(side + HEATMAP_KEY_HEIGHT + TITLE_LINE_HEIGHT * (heading.count("\n") + 1))
+        fig.set_figheight(side + HEATMAP_KEY_HEIGHT + TITLE_LINE_HEIGHT * (top.count("\n") + 1))
         image = _draw_triangle(
             ax, values, p_adj, testsets, annotate=True, sensitive=sensitive, runs=runs, counted_below=counted_below
         )
         _colourbar(fig, image, ax)
         _significance_legend(fig, padjust, untested=_untested(values, p_adj).any())
-        fig.suptitle(heading)  # centred on the figure: the axes' own title could run off its edge
+        fig.suptitle(top)  # centred on the figure: the axes' own title could run off its edge
     return fig
 
 
@@ -165,7 +157,7 @@ def comparison_heatmaps(
                 image = _draw_triangle(ax, values, p_adj, testsets, annotate=False)
                 untested |= _untested(values, p_adj).any()
                 ax.set_title(f"{models[model].description}\n({model})")  # one line is wider than a panel
-        fig.suptitle(_heading(fig, title, note))
+        fig.suptitle(heading(fig, title, note))
         _colourbar(fig, image, axes.ravel().tolist())
         _significance_legend(fig, padjust, untested=untested)
     return fig
@@ -228,7 +220,7 @@ def correlation_by_size(summary: pd.DataFrame, per_run: pd.DataFrame, *, title: 
             frameon=False,
             title="lines: all runs combined; dots: single runs",
         )
-        fig.suptitle(_heading(fig, title, note + unplaced))
+        fig.suptitle(heading(fig, title, note + unplaced))
     return fig
 
 
@@ -271,20 +263,9 @@ def accuracy_curves(
         axes[0].xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(nbins=4, integer=True))
         _label_lowest(axes, "step")
         fig.supylabel("accuracy")
-        handles = [plt.Line2D([], [], color=c, lw=1.2) for c in colours.values()]
-        labels = [f"{shot} shots" for shot in colours]
-        if any(chance.get(testset) for testset in testsets):
-            handles.insert(0, plt.Line2D([], [], **CHANCE_STYLE))
-            labels.insert(0, CHANCE_LABEL)
-        fig.legend(
-            handles,
-            labels,
-            loc="outside lower center",
-            ncols=len(handles),
-            frameon=False,
-            title="mean over seeds; band: min to max",
-        )
-        fig.suptitle(_heading(fig, title, note))
+        chance_drawn = any(chance.get(testset) for testset in testsets)
+        _shots_legend(fig, colours, chance=chance_drawn, title="mean over seeds; band: min to max", lw=1.2)
+        fig.suptitle(heading(fig, title, note))
     return fig
 
 
@@ -328,156 +309,11 @@ def ood_vs_in_domain(
         # Two lines: one would be wider than a panel and run into the next one or off the figure.
         _label_lowest(axes, f"{display_name(in_domain)} accuracy\n(in-domain)")
         fig.supylabel("OOD accuracy")
-        handles = [plt.Line2D([], [], color=c, marker="o", ms=3, lw=1) for c in colours.values()]
-        labels = [f"{s} shots" for s in colours]
-        if any(chance.get(testset) for testset in [in_domain, *testsets]):
-            handles.insert(0, plt.Line2D([], [], **CHANCE_STYLE))
-            labels.insert(0, CHANCE_LABEL)
-        fig.legend(
-            handles,
-            labels,
-            loc="outside lower center",
-            ncols=len(handles),
-            frameon=False,
-            title=f"one curve per run: {display_name(residualiser)} fit" + (" on the probit scale" if probit else ""),
-        )
-        fig.suptitle(_heading(fig, title, note))
+        key = f"one curve per run: {display_name(residualiser)} fit" + (" on the probit scale" if probit else "")
+        chance_drawn = any(chance.get(testset) for testset in [in_domain, *testsets])
+        _shots_legend(fig, colours, chance=chance_drawn, title=key, marker="o", ms=3, lw=1)
+        fig.suptitle(heading(fig, title, note))
     return fig
-
-
-def forest_plots(
-    pooled: pd.DataFrame,
-    members: pd.DataFrame,
-    labels: Mapping[tuple[str, str], str],
-    *,
-    title: str,
-    note: str,
-) -> plt.Figure:
-    """One forest plot per pair of a meta-analysis across models, in a grid.
-
-    `pooled` and `members` are one scope's rows of meta.meta_analyse (pooled
-    with SENSITIVE); `labels` names each (model, training set) member. In a
-    panel each model is a square at its r (area by its weight in the pooled
-    estimate, hollow when it is left out) with its 95% interval across runs,
-    the diamond spans the pooled r's HKSJ interval, and the line through it
-    the prediction interval for a new model. Every panel has the same rows
-    and the range -1 to 1, so that pairs compare down and across the grid.
-    """
-    keys = list(labels)
-    train_sets = list(dict.fromkeys(train_set for _, train_set in keys))
-    colours = dict(zip(train_sets, (OKABE_ITO[6], *OKABE_ITO[1:6])))
-    columns = min(FOREST_COLUMNS, len(pooled))
-    rows = int(np.ceil(len(pooled) / columns))
-    panel_height = FOREST_ROW_HEIGHT * (len(keys) + 2) + FOREST_PANEL_EXTRA
-    with plt.rc_context(PAPER_STYLE):
-        fig, axes = plt.subplots(
-            rows,
-            columns,
-            figsize=(max(1.9 * columns + 1.0, FOREST_MIN_WIDTH), panel_height * rows),
-            sharex=True,
-            sharey=True,
-            squeeze=False,
-            layout="constrained",
-        )
-        heading = _heading(fig, title, note)
-        handles, names = _forest_legend(colours, members)
-        legend_columns = min(3 if fig.get_figwidth() >= FOREST_WIDTH_FOR_3_ENTRIES else 2, len(handles))
-        key = _wrap(
-            fig,
-            "squares: a model's mean $r$ over its runs with its 95% t interval, area by its weight in the pooled $r$",
-            PAPER_STYLE["legend.fontsize"],
-        )
-        # Lines of the heading, of the legend's title and of its entries, and the x-axis labels.
-        lines = heading.count("\n") + key.count("\n") + 2 + int(np.ceil(len(handles) / legend_columns))
-        fig.set_figheight(panel_height * rows + FOREST_AXIS_HEIGHT + TITLE_LINE_HEIGHT * lines)
-        for ax in axes.ravel()[len(pooled) :]:
-            ax.set_visible(False)
-        for ax, summary in zip(axes.ravel(), pooled.itertuples()):
-            pair = members[(members["x"] == summary.x) & (members["y"] == summary.y)]
-            _draw_forest(ax, summary, pair, keys, colours)
-        ax = axes[0, 0]
-        ax.set_yticks(range(len(keys) + 1), [*labels.values(), "pooled"])
-        ax.set_ylim(len(keys) + 0.8, -0.8)
-        ax.set_xlim(-1.0, 1.0)
-        ax.xaxis.set_major_locator(matplotlib.ticker.FixedLocator([-1.0, -0.5, 0.0, 0.5, 1.0]))
-        for bottom in _lowest_visible(axes, len(pooled)):
-            bottom.set_xlabel("partial $r$")
-            bottom.tick_params(labelbottom=True)
-        fig.legend(handles, names, loc="outside lower center", ncols=legend_columns, frameon=False, title=key)
-        fig.suptitle(heading)
-    return fig
-
-
-def _draw_forest(ax: plt.Axes, summary, pair: pd.DataFrame, keys: list, colours: dict) -> None:
-    """One pair's panel: its models (rows in `keys` order), the pooled diamond and the
-    prediction interval, and a title with the pooled r, I^2 and the models agreeing in sign."""
-    row_of = {key: i for i, key in enumerate(keys)}
-    shown = pair[pair["r"].notna()]
-    rows = [row_of[key] for key in zip(shown["model"], shown["train_set"])]
-    member_colours = [colours[train_set] for train_set in shown["train_set"]]
-    pooled_in = shown["weight"].notna().to_numpy()
-    ax.hlines(rows, shown["ci_low"], shown["ci_high"], colors=member_colours, lw=0.8)
-    ax.scatter(
-        shown["r"],
-        rows,
-        marker="s",
-        s=np.where(pooled_in, 8 + 120 * shown["weight"], 10),
-        c=np.where(pooled_in, member_colours, "white"),
-        edgecolors=member_colours,
-        lw=0.7,
-        zorder=3,
-    )
-    ax.axvline(0.0, color="0.6", lw=0.6, ls="--")
-    row = len(keys)
-    if np.isnan(summary.r):
-        ax.text(0.0, row, "not pooled", ha="center", va="center", fontsize=6, color="0.4")
-        ax.set_title(_pair_name(summary), fontsize=6.5)
-        return
-    if not np.isnan(summary.pi_low):
-        ax.plot([summary.pi_low, summary.pi_high], [row, row], color=POOLED_COLOUR, lw=1.0, marker="|", ms=5)
-    ax.fill(
-        [summary.ci_low, summary.r, summary.ci_high, summary.r],
-        [row, row - 0.45, row, row + 0.45],
-        color=POOLED_COLOUR,
-        lw=0,
-        zorder=3,
-    )
-    dagger = DAGGER if getattr(summary, SENSITIVE) else ""
-    ax.set_title(
-        f"{_pair_name(summary)}{dagger}\nr = {summary.r:.2f} "
-        f"[{summary.ci_low:.2f}, {summary.ci_high:.2f}]\nI\u00b2 = {100 * summary.i2:.0f}%, "
-        f"{summary.n_agree:.0f}/{summary.k} agree in sign",
-        fontsize=6.5,
-    )
-
-
-def _pair_name(summary) -> str:
-    """A pair of testsets as panel titles name it: "SNLI – SciTail"."""
-    return f"{display_name(summary.x)} \u2013 {display_name(summary.y)}"
-
-
-def _forest_legend(colours: dict, members: pd.DataFrame) -> tuple[list, list[str]]:
-    """Legend entries: models (per training set when there are several), a model left out
-    (if any), the pooled diamond and the prediction interval."""
-    several = len(colours) > 1
-    handles = [plt.Line2D([], [], color=c, marker="s", ms=4, lw=0.8) for c in colours.values()]
-    names = [f"model trained on {display_name(train_set)}" if several else "model" for train_set in colours]
-    if (members["r"].notna() & members["weight"].isna()).any():
-        handles.append(plt.Line2D([], [], color="0.2", marker="s", mfc="white", ms=4, lw=0))
-        names.append("not pooled (no variance across runs)")
-    handles += [
-        plt.Line2D([], [], color=POOLED_COLOUR, marker="D", ms=5, lw=0),
-        plt.Line2D([], [], color=POOLED_COLOUR, marker="|", ms=5, lw=1.0),
-    ]
-    names += ["pooled $r$, 95% CI", "95% prediction interval for a new model"]
-    return handles, names
-
-
-def _lowest_visible(axes: np.ndarray, count: int) -> list[plt.Axes]:
-    """The lowest of the first `count` panels in each column of a grid filled row by row:
-    where the x-axis is labelled when the last row is not full."""
-    columns = axes.shape[1]
-    return [axes[(count - 1 - column) // columns, column] for column in range(min(columns, count))]
 
 
 def _draw_fit(ax, points: np.ndarray, *, residualiser: str, probit: bool, colour) -> None:
@@ -580,18 +416,28 @@ def _significance_legend(fig: plt.Figure, padjust: str, *, untested: bool) -> No
     )
 
 
+def _shots_legend(fig: plt.Figure, colours: dict[int, str], *, chance: bool, title: str, **line: Any) -> None:
+    """The legend under the panels: a line drawn as ``line`` per shot count, after the chance line's when
+    ``chance`` (the figure draws one)."""
+    handles = [plt.Line2D([], [], color=colour, **line) for colour in colours.values()]
+    labels = [f"{shot} shots" for shot in colours]
+    if chance:
+        handles, labels = [plt.Line2D([], [], **CHANCE_STYLE), *handles], [CHANCE_LABEL, *labels]
+    fig.legend(handles, labels, loc="outside lower center", ncols=len(handles), frameon=False, title=title)
+
+
 def _shot_colours(runs: list[RunRecord]) -> dict[int, str]:
     """One Okabe-Ito colour per shot count, the same in every figure of a group."""
     return dict(zip(sorted({run.shots for run in runs}), itertools.cycle(OKABE_ITO)))
 
 
-def _heading(fig: plt.Figure, title: str, note: str) -> str:
+def heading(fig: plt.Figure, title: str, note: str) -> str:
     """Title and note, each wrapped to the figure's width: a note longer than a small
     figure is wide would be cut off at its edges."""
-    return "\n".join(_wrap(fig, line, PAPER_STYLE["figure.titlesize"]) for line in (title, note))
+    return "\n".join(wrap(fig, line, PAPER_STYLE["figure.titlesize"]) for line in (title, note))
 
 
-def _wrap(fig: plt.Figure, text: str, points: float) -> str:
+def wrap(fig: plt.Figure, text: str, points: float) -> str:
     """`text` in lines as wide as the figure at a font size of `points` (a character is
     about 0.6 of it wide)."""
     characters = int(fig.get_figwidth() * 72 / (0.6 * points))

@@ -27,7 +27,7 @@ import numpy as np
 from benchmarks import flops, harness, oodjax_contenders, settings
 from benchmarks.oodjax_contenders import Engine, build_engine, lora_config, train_geometry
 from benchmarks.settings import DeviceMode
-from benchmarks.workload import load_workload, run_orders
+from benchmarks.workload import mode_workload, run_orders
 from launch.estimate import DEVICES
 from oodjax import models
 from oodjax.data import DEFAULT_MAX_LENGTH
@@ -170,7 +170,7 @@ def oodjax_phase(
     device = jax.devices()[0]
     timing, engine, pool, geometry = _oodjax(mode, workload, seeds, batches, answers)
     result = {
-        "timing": {phase: dataclasses.asdict(t) for phase, t in timing.items()},
+        "timing": timing,
         # before the agreement's float32 copy
         "peak_bytes": (device.memory_stats() or {}).get("peak_bytes_in_use"),
         "device": {"kind": device.device_kind, "platform": device.platform},
@@ -181,12 +181,7 @@ def oodjax_phase(
 
 def inputs(mode: DeviceMode) -> tuple[Any, list[int], list[list[np.ndarray]], dict[str, int]]:
     """The workload, the runs' seeds, each step's batches and the answer tokens, the same in every process."""
-    workload = load_workload(
-        per_testset=mode.eval_per_testset,
-        train_shots=mode.train_shots,
-        max_length=settings.MAX_LENGTH,
-        vocab_size=mode.model["vocab_size"],
-    )
+    workload = mode_workload(mode)
     seeds = list(range(mode.runs))
     batches = run_orders(len(workload.train_set), seeds, (mode.repeats + 1) * mode.steps, settings.TRAIN_BATCH)
     return workload, seeds, batches, dict(yes_id=workload.yes_id, no_id=workload.no_id)
@@ -258,7 +253,7 @@ def _timing(fields: dict[str, Any]) -> harness.Timing:
 
 def _oodjax(
     mode: DeviceMode, workload: Any, seeds: list[int], batches: list[list[np.ndarray]], answers: dict[str, int]
-) -> tuple[dict[str, harness.Timing], Engine, EvalPool, Any]:
+) -> tuple[dict[str, dict[str, Any]], Engine, EvalPool, Any]:
     """oodjax's 9 runs in one process: per repetition, ``mode.steps`` train steps and one evaluation."""
     engine = build_engine(
         lambda mesh: models.from_config(mode.model, dtype="bfloat16", seed=0, remat=mode.remat),
@@ -361,12 +356,8 @@ def _pytorch_sequential(
         run_train_s, run_eval_s = _repetitions(train, score, mode, sync)
         train_s, eval_s = train_s + run_train_s, eval_s + run_eval_s
         base = model.unload()  # the base model without this run's adapter, for the next run
-    timing = {
-        "train": harness.Timing(tuple(train_s.tolist()), first_s, 0.0, 0.0),
-        "eval": harness.Timing(tuple(eval_s.tolist()), first_s, 0.0, 0.0),
-    }
     return {
-        "timing": {phase: dataclasses.asdict(t) for phase, t in timing.items()},
+        "timing": _timing_fields(train_s, eval_s, first_s),
         "peak_bytes": torch.cuda.max_memory_allocated() if device == "cuda" else None,
         "device": device,
         "torch_threads": torch.get_num_threads(),
@@ -375,7 +366,7 @@ def _pytorch_sequential(
 
 def _phases(
     train: Callable[[int], None], score: Callable[[], None], mode: DeviceMode, *, warm: Callable[[], None]
-) -> dict[str, harness.Timing]:
+) -> dict[str, dict[str, Any]]:
     """oodjax's phases timed after a warm-up; each step returns its loss and each evaluation its margins to
     the host, so a timed phase ends when its work has."""
     with CompileClock() as warming:
@@ -386,10 +377,17 @@ def _phases(
         first_s = time.perf_counter() - start
     with CompileClock() as timing:
         train_s, eval_s = _repetitions(train, score, mode, sync=lambda: None)
-    compile_s, late = warming.seconds, timing.seconds
+    return _timing_fields(train_s, eval_s, first_s, warming.seconds, timing.seconds)
+
+
+def _timing_fields(
+    train_s: np.ndarray, eval_s: np.ndarray, first_s: float, compile_s: float = 0.0, late_s: float = 0.0
+) -> dict[str, dict[str, Any]]:
+    """Both phases' ``harness.Timing`` as JSON fields (the processes send them; ``_timing`` reads them back)."""
+    phases = {"train": train_s, "eval": eval_s}
     return {
-        "train": harness.Timing(tuple(train_s.tolist()), first_s, compile_s, late),
-        "eval": harness.Timing(tuple(eval_s.tolist()), first_s, compile_s, late),
+        phase: dataclasses.asdict(harness.Timing(tuple(s.tolist()), first_s, compile_s, late_s))
+        for phase, s in phases.items()
     }
 
 

@@ -35,16 +35,9 @@ def contender(name: str, *, mode: str, checkpoint: str) -> tuple[Callable[[], li
     tokenized = workload.eval_set
     rows = _examples(sizes, name, len(tokenized))
     if name == "oodjax":
-        from benchmarks.oodjax_contenders import EVAL_SET, build_engine
-        from oodjax import models
+        from benchmarks.oodjax_contenders import EVAL_SET, checkpoint_engine
 
-        engine = build_engine(
-            lambda mesh: models.load_pretrained(checkpoint, dtype="float32", mesh=mesh),
-            seeds=[0],
-            total_steps=1,
-            yes_id=workload.yes_id,
-            no_id=workload.no_id,
-        )
+        engine = checkpoint_engine(checkpoint, total_steps=1, yes_id=workload.yes_id, no_id=workload.no_id)
         pool = engine.eval_pool(tokenized, batch_tokens=_batch_tokens(sizes))
         padded_tokens = sum(int(batch["input_ids"].size) for batch in pool.batches)
         return (lambda: engine.margins(pool)[0][EVAL_SET].tolist()), {"padded_tokens": padded_tokens}

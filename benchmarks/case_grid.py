@@ -16,7 +16,6 @@ from __future__ import annotations
 import os
 import pathlib
 import statistics
-import subprocess
 import sys
 import time
 from typing import Any
@@ -24,15 +23,12 @@ from typing import Any
 from benchmarks import grid_config, harness, machine, torch_grid
 from benchmarks.settings import Mode
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 CONFIG_FILE = "benchmarks/grid_config.py"
 
 
 def _run(command: list[str], compilation_cache: pathlib.Path) -> None:
     env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(compilation_cache))
-    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        raise RuntimeError(f"{' '.join(command)} failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    harness.run_command(command, what=" ".join(command), env=env)
 
 
 def _oodjax(spec: str, output: pathlib.Path) -> list[str]:
@@ -92,11 +88,7 @@ def run(mode: Mode, workdir: pathlib.Path) -> dict[str, Any]:
         if any(n != num_runs for n in completed[name]):
             raise RuntimeError(f"{name} wrote results for {completed[name]} runs per repetition, not {num_runs}")
         results[name] = {
-            "repeats": len(times),
-            "seconds": times,
-            "median_s": statistics.median(times),
-            "min_s": min(times),
-            "max_s": max(times),
+            **harness.time_fields(times),
             "work_per_repeat": num_runs,
             "rate_median": num_runs / statistics.median(times),
             "other_cpu_s": other_cpu[name],

@@ -10,10 +10,8 @@ reported apart) and its peak resident memory during the load.
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 import statistics
-import subprocess
 import sys
 from typing import Any
 
@@ -21,25 +19,15 @@ from benchmarks import harness
 from benchmarks.load_child import LOADERS
 from benchmarks.settings import Mode
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-
 
 def checkpoint_bytes(checkpoint: pathlib.Path) -> int:
     return sum(f.stat().st_size for f in checkpoint.glob("*.safetensors"))
 
 
 def _load_in_child(loader: str, checkpoint: pathlib.Path) -> dict[str, float]:
-    done = subprocess.run(
-        [sys.executable, "-m", "benchmarks.load_child", loader, str(checkpoint)],
-        cwd=ROOT,
-        env=os.environ,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    if done.returncode != 0:
-        raise RuntimeError(f"loading {checkpoint} with {loader} failed ({done.returncode}):\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    command = [sys.executable, "-m", "benchmarks.load_child", loader, str(checkpoint)]
+    stdout = harness.run_command(command, what=f"loading {checkpoint} with {loader}")
+    return json.loads(stdout.strip().splitlines()[-1])
 
 
 def run(mode: Mode, checkpoint: pathlib.Path) -> dict[str, Any]:
@@ -52,11 +40,7 @@ def run(mode: Mode, checkpoint: pathlib.Path) -> dict[str, Any]:
         load_s = [r["load_s"] for r in runs]
         growth = [(r["peak_rss_mib"] - r["rss_before_mib"]) * 2**20 for r in runs]
         results[loader] = {
-            "repeats": len(runs),
-            "seconds": load_s,
-            "median_s": statistics.median(load_s),
-            "min_s": min(load_s),
-            "max_s": max(load_s),
+            **harness.time_fields(load_s),
             "import_s_median": statistics.median(r["import_s"] for r in runs),
             "peak_rss_mib_median": statistics.median(r["peak_rss_mib"] for r in runs),
             "load_rss_growth_mib_median": statistics.median(growth) / 2**20,

@@ -38,15 +38,9 @@ def contender(name: str, *, mode: str, checkpoint: str) -> tuple[Callable[[], li
     total_steps = (sizes.warmup + sizes.repeats) * len(steps)  # every call the process will make, for the schedule
     answers = dict(yes_id=workload.yes_id, no_id=workload.no_id)
     if name == "oodjax":
-        from benchmarks.oodjax_contenders import Engine, build_engine, train_geometry
-        from oodjax import models
+        from benchmarks.oodjax_contenders import Engine, checkpoint_engine, train_geometry
 
-        engine = build_engine(
-            lambda mesh: models.load_pretrained(checkpoint, dtype="float32", mesh=mesh),
-            seeds=[0],
-            total_steps=total_steps,
-            **answers,
-        )
+        engine = checkpoint_engine(checkpoint, total_steps=total_steps, **answers)
         geometry = train_geometry(tokenized, [[rows] for rows in steps], bucket_lengths(settings.MAX_LENGTH))
         compiled = []
 

@@ -46,32 +46,21 @@ class Timing:
     other_cpu_s: tuple[float, ...] = ()  # per repetition: CPU seconds the rest of the machine used meanwhile
 
     @property
-    def median_s(self) -> float:
-        return statistics.median(self.seconds)
-
-    @property
     def min_s(self) -> float:
         return min(self.seconds)
-
-    @property
-    def max_s(self) -> float:
-        return max(self.seconds)
 
     def summary(
         self, work: float, *, flops: Sequence[float] | None = None, peak_flops: float | None = None
     ) -> dict[str, Any]:
         """Times, the rate of ``work`` per second (median and range over repetitions) and, given each
         repetition's model ``flops``, the model FLOP/s and its fraction of ``peak_flops``."""
+        times = time_fields(self.seconds)
         out = {
-            "repeats": len(self.seconds),
-            "seconds": list(self.seconds),
-            "median_s": self.median_s,
-            "min_s": self.min_s,
-            "max_s": self.max_s,
+            **times,
             "work_per_repeat": work,
-            "rate_median": work / self.median_s,
-            "rate_min": work / self.max_s,
-            "rate_max": work / self.min_s,
+            "rate_median": work / times["median_s"],
+            "rate_min": work / times["max_s"],
+            "rate_max": work / times["min_s"],
             "first_call_s": self.first_call_s,
             "compile_s": self.compile_s,
             "compile_during_timing_s": self.compile_during_timing_s,
@@ -88,6 +77,26 @@ class Timing:
                 out["peak_fraction_min"] = min(rates) / peak_flops
                 out["peak_fraction_max"] = max(rates) / peak_flops
         return out
+
+
+def time_fields(seconds: Sequence[float]) -> dict[str, Any]:
+    """The fields every contender's results open with: its repetitions' seconds, their median and range."""
+    return {
+        "repeats": len(seconds),
+        "seconds": list(seconds),
+        "median_s": statistics.median(seconds),
+        "min_s": min(seconds),
+        "max_s": max(seconds),
+    }
+
+
+def run_command(command: list[str], *, what: str, env: Mapping[str, str] | None = None) -> str:
+    """The standard output of ``command``, run in the repository root; a failure is a RuntimeError quoting the
+    end of its standard error, ``what`` naming it."""
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"{what} failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    return done.stdout
 
 
 def timed(fn: Callable[[], Any]) -> tuple[Any, float, float]:

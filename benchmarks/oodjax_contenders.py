@@ -194,3 +194,13 @@ def build_engine(
         eval_step=steps.make_eval_step(graphdef, yes_id, no_id, mesh=mesh),
         make_train_step=make_train_step,
     )
+
+
+def checkpoint_engine(checkpoint: str, *, total_steps: int, yes_id: int, no_id: int) -> Engine:
+    """One run (seed 0) on the CPU cases' float32 checkpoint, as their oodjax contenders score and train it."""
+    from oodjax import models
+
+    def load(mesh: jax.sharding.Mesh) -> nnx.Module:
+        return models.load_pretrained(checkpoint, dtype="float32", mesh=mesh)
+
+    return build_engine(load, seeds=[0], total_steps=total_steps, yes_id=yes_id, no_id=no_id)

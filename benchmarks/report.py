@@ -57,20 +57,26 @@ def _num(value: float, digits: int = 3) -> str:
     return f"{value:,.{max(digits - len(str(int(abs(value)))), 0)}f}" if abs(value) >= 1 else f"{value:.{digits}g}"
 
 
+# The quantities read off oodjax's contender rather than the case's ratios, and its field holding each.
+OURS = {"oodjax peak fraction": PEAK_FRACTION, "oodjax memory / checkpoint bytes": "load_rss_growth_over_checkpoint"}
+
+
+def _case(results: Mapping[str, Any], case: str) -> Mapping[str, Any] | None:
+    return next((c for c in results["cases"] if c["case"] == case), None)
+
+
 def _target_value(results: Mapping[str, Any], case: str, quantity: str) -> float | None:
-    found = next((c for c in results["cases"] if c["case"] == case), None)
+    found = _case(results, case)
     if found is None:
         return None
-    if quantity == "oodjax peak fraction":
-        return found["contenders"].get("oodjax", {}).get(PEAK_FRACTION)
-    if quantity == "oodjax memory / checkpoint bytes":
-        return found["contenders"]["oodjax"]["load_rss_growth_over_checkpoint"]
+    if quantity in OURS:
+        return found["contenders"].get("oodjax", {}).get(OURS[quantity])
     return found.get("ratios", {}).get(quantity)
 
 
 def _target_spread(results: Mapping[str, Any], case: str, quantity: str) -> str:
     """A target's smallest and largest value over the case's repetitions ("" where not recorded)."""
-    found = next((c for c in results["cases"] if c["case"] == case), None)
+    found = _case(results, case)
     if found is None:
         return ""
     if quantity == "oodjax peak fraction":
@@ -105,17 +111,13 @@ def targets_table(results: Mapping[str, Any]) -> str:
 def compared_ratios(results: Mapping[str, Any], other: Mapping[str, Any]) -> list[tuple[str, str, float, float]]:
     """(case, quantity, value in ``results``, value in ``other``) for every ratio, oodjax peak fraction and
     oodjax memory over checkpoint bytes that both hold."""
-    fractions = {
-        "oodjax peak fraction": PEAK_FRACTION,
-        "oodjax memory / checkpoint bytes": "load_rss_growth_over_checkpoint",
-    }
 
     def quantities(run: Mapping[str, Any]) -> dict[tuple[str, str], float]:
         found = {}
         for case in run["cases"]:
             found.update({(case["case"], name): value for name, value in case.get("ratios", {}).items()})
             ours = case["contenders"].get("oodjax", {})
-            found.update({(case["case"], quantity): ours[key] for quantity, key in fractions.items() if key in ours})
+            found.update({(case["case"], quantity): ours[key] for quantity, key in OURS.items() if key in ours})
         return found
 
     ours, theirs = quantities(results), quantities(other)
@@ -149,7 +151,7 @@ def case_table(case: Mapping[str, Any]) -> str:
         ]
         for name, c in case["contenders"].items():
             rows.append(
-                f"| {name} | {_num(c['median_s'])} ({_num(c['min_s'])}-{_num(c['max_s'])}) | "
+                f"| {name} | {_times(c)} | "
                 f"{_num(c['import_s_median'])} | {_num(c['peak_rss_mib_median'])} | "
                 f"{_num(c['load_rss_growth_mib_median'])} ({_num(c['load_rss_growth_over_checkpoint'])}) |"
             )
@@ -158,10 +160,7 @@ def case_table(case: Mapping[str, Any]) -> str:
     if unit == "s":  # whole jobs: only their wall times
         rows = ["| contender | median s (min-max) | reps | other CPU s, most in one |", "|---|---|---|---|"]
         for name, c in case["contenders"].items():
-            rows.append(
-                f"| {name} | {_num(c['median_s'])} ({_num(c['min_s'])}-{_num(c['max_s'])}) | {c['repeats']} | "
-                f"{_other_cpu(c)} |"
-            )
+            rows.append(f"| {name} | {_times(c)} | {c['repeats']} | {_other_cpu(c)} |")
         return "\n".join(rows)
     rows = [
         f"| contender | median s (min-max) | {unit} median (min-max) | first call s | XLA compile s | "
@@ -171,13 +170,18 @@ def case_table(case: Mapping[str, Any]) -> str:
     for name, c in case["contenders"].items():
         rate = f"{_num(c['rate_median'])} ({_num(c['rate_min'])}-{_num(c['rate_max'])})"
         rows.append(
-            f"| {name} | {_num(c['median_s'])} ({_num(c['min_s'])}-{_num(c['max_s'])}) | {rate} | "
+            f"| {name} | {_times(c)} | {rate} | "
             f"{_num(c['first_call_s']) if 'first_call_s' in c else ''} | "
             f"{_num(c['compile_s']) if c.get('compile_s') else ''} | "
             f"{_num(c['model_gflops_median']) if 'model_gflops_median' in c else ''} | "
             f"{_of_peak(c)} | {c['repeats']} | {_other_cpu(c)} |"
         )
     return "\n".join(rows)
+
+
+def _times(contender: Mapping[str, Any]) -> str:
+    """The median repetition's seconds, and the fastest's to the slowest's."""
+    return f"{_num(contender['median_s'])} ({_span(contender['min_s'], contender['max_s'])})"
 
 
 def _of_peak(contender: Mapping[str, Any]) -> str:

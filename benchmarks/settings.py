@@ -45,6 +45,16 @@ def smollm2_shape(**changes: Any) -> dict[str, Any]:
     return {**SMOLLM2_135M, **changes}
 
 
+# The smoke modes' width: every case's code runs, in seconds.
+TINY = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+)
+
 # Every prompt is truncated (inside its premise) to this; the original approach pads to it. oodjax's training
 # micro-batches run at the loop's default bucket lengths below it (``oodjax.data.bucket_lengths``).
 MAX_LENGTH = 128
@@ -145,15 +155,7 @@ MODES: dict[str, Mode] = {
     "smoke": Mode(
         name="smoke",
         # a small vocabulary (it still holds " Yes" 3363 and " No" 1400) keeps the full-logits contender quick
-        model=smollm2_shape(
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=16,
-            vocab_size=4096,
-        ),
+        model=smollm2_shape(**TINY, vocab_size=4096),
         eval_per_testset=2,
         eval_batch_size=8,
         original_eval_examples=8,
@@ -162,15 +164,7 @@ MODES: dict[str, Mode] = {
         repeats=1,
         warmup=1,
         loading_repeats=1,
-        grid_model=smollm2_shape(
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=1,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=16,
-            vocab_size=GPT2_VOCAB,
-        ),
+        grid_model=smollm2_shape(**{**TINY, "num_hidden_layers": 1}, vocab_size=GPT2_VOCAB),
         grid_seeds=(0,),
         grid_shots=(8,),
         grid_steps=1,
@@ -234,15 +228,6 @@ DEVICE_MODES: dict[str, DeviceMode] = {
         eval_per_testset=2,
         eval_batch_rows=8,
         train_shots=32,
-        changes=(
-            ("hidden_size", 64),
-            ("intermediate_size", 128),
-            ("num_hidden_layers", 2),
-            ("num_attention_heads", 4),
-            ("num_key_value_heads", 2),
-            ("head_dim", 16),
-            ("vocab_size", 4096),
-            ("pad_token_id", 0),
-        ),
+        changes=(*TINY.items(), ("vocab_size", 4096), ("pad_token_id", 0)),
     ),
 }

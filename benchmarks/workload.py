@@ -17,7 +17,7 @@ import numpy as np
 from transformers import AutoTokenizer
 
 from benchmarks import settings
-from benchmarks.settings import Mode
+from benchmarks.settings import DeviceMode, Mode
 from oodjax.data import (
     TESTSETS,
     TokenizedSet,
@@ -68,30 +68,25 @@ def fold_vocabulary(tokenized: TokenizedSet, vocab_size: int) -> TokenizedSet:
     return dataclasses.replace(tokenized, token_ids=tokenized.token_ids % vocab_size)
 
 
-def load_workload(*, per_testset: int, train_shots: int, max_length: int, vocab_size: int) -> Workload:
-    """``per_testset`` examples from each of the eight testsets (stratified, seed 0) and an MNLI few-shot set."""
+def mode_workload(mode: Mode | DeviceMode) -> Workload:
+    """The prompts at ``mode``'s sizes, what each process of the evaluation and training cases, or of
+    ``--device gpu``, loads: ``mode.eval_per_testset`` examples from each of the eight testsets (stratified,
+    seed 0) and an MNLI few-shot set of ``mode.train_shots``."""
+    vocab_size = mode.model["vocab_size"]
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir())
     yes_id, no_id = answer_token_ids(tokenizer)
     if max(yes_id, no_id) >= vocab_size:
         raise ValueError(f"answer ids {yes_id}, {no_id} do not fit a vocabulary of {vocab_size}")
-    parts = [stratified_subset(load_testset(name, data_dir=DATA_DIR), per_testset, seed=SEED) for name in TESTSETS]
+    parts = [
+        stratified_subset(load_testset(name, data_dir=DATA_DIR), mode.eval_per_testset, seed=SEED) for name in TESTSETS
+    ]
     eval_rows = datasets.concatenate_datasets(parts)
-    train_rows = few_shot(training_pool("mnli", data_dir=DATA_DIR), train_shots, seed=SEED)
+    train_rows = few_shot(training_pool("mnli", data_dir=DATA_DIR), mode.train_shots, seed=SEED)
     eval_set, train_set = (
-        fold_vocabulary(tokenize_testset(rows, tokenizer, max_length=max_length), vocab_size)
+        fold_vocabulary(tokenize_testset(rows, tokenizer, max_length=settings.MAX_LENGTH), vocab_size)
         for rows in (eval_rows, train_rows)
     )
     return Workload(eval_set=eval_set, train_set=train_set, yes_id=yes_id, no_id=no_id)
-
-
-def mode_workload(mode: Mode) -> Workload:
-    """The evaluation and training cases' prompts at ``mode``'s sizes: what each of their processes loads."""
-    return load_workload(
-        per_testset=mode.eval_per_testset,
-        train_shots=mode.train_shots,
-        max_length=settings.MAX_LENGTH,
-        vocab_size=mode.model["vocab_size"],
-    )
 
 
 def run_orders(num_examples: int, seeds: list[int], steps: int, batch_size: int) -> list[list[np.ndarray]]:

@@ -26,8 +26,9 @@ from fixtures_results import (
 
 from analysis import figures, pairwise_partial_corr, schema, tables
 from analysis.aggregate import all_run_pairs, combine_runs
-from analysis.cli import CSV_NAME, META_CSV_NAME, SENSITIVITY_CSV_NAME, main
+from analysis.cli import main
 from analysis.meta import ALL_TRAIN_SETS, random_effects
+from analysis.outputs import CSV_NAME, META_CSV_NAME, SENSITIVITY_CSV_NAME
 from analysis.runs import find_runs
 from analysis.sensitivity import SENSITIVE
 

@@ -11,8 +11,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from analysis import schema
-from analysis.cli import CSV_NAME
 from analysis.cli import main as analyse
+from analysis.outputs import CSV_NAME
 from analysis.runs import load_run
 from oodjax import models
 from oodjax.config_checks import check_config

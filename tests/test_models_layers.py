@@ -17,15 +17,13 @@ from oodjax.models.layers import (
     LayerNorm,
     Linear,
     RMSNorm,
-    RopeConfig,
     attention,
-    rope_cos_sin,
-    rope_frequencies,
     run_layers,
     segment_positions,
     stacked_layers,
 )
 from oodjax.models.lora import AdapterTokens, LoRAConfig, LoRADropout, adapter_tokens, apply_lora
+from oodjax.models.rope import RopeConfig, rope_cos_sin, rope_frequencies
 
 # Real-size head dims and contexts, so every band of the scaled RoPE variants is populated.
 ROPE_CASES = {

@@ -31,8 +31,9 @@ from test_models_parity import LAYOUTS, assert_matches_hf, tiny_hf_model
 
 from configs.models import LAPTOP_PUBLISHED_FILES, MODELS
 from oodjax.models import load_pretrained, loading
-from oodjax.models.hf_checkpoint import PickleFile, TensorFile, UnsafePickleError, files_to_download
+from oodjax.models.hf_checkpoint import PickleFile, TensorFile, files_to_download
 from oodjax.models.loading import hf_parameter_names, verify_checkpoint
+from oodjax.models.torch_pickle import UnsafePickleError
 from oodjax.usage_errors import MissingInputError, NotFetchedError
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

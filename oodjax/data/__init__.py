@@ -26,15 +26,8 @@ from oodjax.data.prompts import (
     tokenize_testset,
 )
 from oodjax.data.sampling import few_shot, stratified_subset
-from oodjax.data.testsets import (
-    TESTSETS,
-    TestsetSpec,
-    check_neutral,
-    load_testset,
-    testset_spec,
-    testset_table,
-    training_pool,
-)
+from oodjax.data.testset_rows import load_testset, training_pool
+from oodjax.data.testsets import TESTSETS, TestsetSpec, check_neutral, testset_spec, testset_table
 from oodjax.data.training_stream import (
     TRAIN_PREFETCH,
     StepLayout,

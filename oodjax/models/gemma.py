@@ -27,17 +27,14 @@ from oodjax.models.layers import (
     GatedMLP,
     Linear,
     RMSNorm,
-    RopeConfig,
-    apply_rope,
     attention,
-    rope_cos_sin,
     run_layers,
     scanned_windows,
     segment_positions,
     stacked_layers,
-    untied_head,
 )
 from oodjax.models.partitioning import HIDDEN, constrain
+from oodjax.models.rope import RopeConfig, apply_rope, rope_cos_sin
 
 # transformers' Gemma2Config / Gemma3TextConfig defaults for keys a config.json may omit.
 _DEFAULTS = {
@@ -257,11 +254,4 @@ class GemmaModel(nnx.Module):
 
 class GemmaForCausalLM(CausalLM):
     config_class = GemmaConfig
-
-    def __init__(self, config: GemmaConfig, *, dtype: jnp.dtype, rngs: nnx.Rngs):
-        self.config = config
-        self.model = GemmaModel(config, dtype=dtype, rngs=rngs)
-        self.lm_head = nnx.data(untied_head(config.hidden_size, config, dtype=dtype, rngs=rngs))
-
-    def decoder(self) -> nnx.Module:
-        return self.model
+    model_class = GemmaModel

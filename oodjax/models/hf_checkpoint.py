@@ -1,21 +1,16 @@
 """Read tensors, or slices of them, from a Hugging Face checkpoint folder without loading it whole.
 
 Two formats: safetensors and PyTorch's pickled ``pytorch_model*.bin`` (OPT's
-repositories hold no safetensors). Rows are read with plain file reads, not
-memory-mapped: every touched mapped page stays resident until the file is
-closed, so a mapped float32 checkpoint would cost its full size on top of
-the converted parameters (safetensors' ``pread`` backend reads a whole
-tensor for any slice, once per fsdp device block).
-
-Pickles are read without torch and without running anything from the file:
-``pickle.load`` runs whatever callable a pickle names, so our unpickler maps
-the few names a state dict uses to stand-ins that record where each tensor
-lies, and refuses any other name before anything is called.
+repositories hold no safetensors; ``torch_pickle`` unpickles them safely).
+Rows are read with plain file reads, not memory-mapped: every touched mapped
+page stays resident until the file is closed, so a mapped float32 checkpoint
+would cost its full size on top of the converted parameters (safetensors'
+``pread`` backend reads a whole tensor for any slice, once per fsdp device
+block).
 """
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import dataclasses
 import io
@@ -23,7 +18,6 @@ import json
 import math
 import os
 import pathlib
-import pickle
 import re
 import zipfile
 from collections.abc import Callable, Iterable
@@ -32,6 +26,7 @@ from typing import Any, Protocol
 import ml_dtypes
 import numpy as np
 
+from oodjax.models.torch_pickle import PickledTensor, state_dict, unpickle
 from oodjax.usage_errors import DamagedInputError, MissingInputError
 
 CONFIG = "config.json"
@@ -63,34 +58,12 @@ _DTYPES: dict[str, np.dtype] = {
     }.items()
 }
 
-# torch's typed storage classes, as torch.save names them for a state dict of tensors of these dtypes
-# (torch 2.13 names the same ones; uint16 and float8 tensors it saves another way, which is refused).
-_STORAGE_DTYPES: dict[str, np.dtype] = {
-    f"{kind}Storage": np.dtype(dtype)
-    for kind, dtype in {
-        "Double": np.float64,
-        "Float": np.float32,
-        "Half": np.float16,
-        "BFloat16": ml_dtypes.bfloat16,
-        "Long": np.int64,
-        "Int": np.int32,
-        "Short": np.int16,
-        "Char": np.int8,
-        "Byte": np.uint8,
-        "Bool": np.bool_,
-    }.items()
-}
-
 
 class Checkpoint(Protocol):
     def names(self) -> set[str]: ...
     def shape(self, name: str) -> tuple[int, ...]: ...
     def file(self, name: str) -> str: ...
     def read(self, name: str, index: Index) -> np.ndarray: ...
-
-
-class UnsafePickleError(DamagedInputError):
-    """A pickle that asks for something a PyTorch state dict does not contain; nothing it names was called."""
 
 
 def read_json(path: pathlib.Path) -> Any:
@@ -204,139 +177,6 @@ class SafetensorsFile(TensorFile):
         return _Stored(dtype, shape, data_start + begin)
 
 
-# ----------------------------------------------------------------------------- PyTorch pickles
-
-
-class _StandIn:
-    """What the unpickler gives instead of torch's objects, holding only what the reader recorded. A pickle
-    may not set their state (BUILD calls ``__setstate__``): the globals' stand-ins are shared by every load in
-    the process, and the others are checked as built."""
-
-    __slots__ = ()
-
-    def __setstate__(self, state: Any) -> None:
-        raise UnsafePickleError(
-            f"sets the state of a {type(self).__name__.lstrip('_')}, which a PyTorch state dict does not do; "
-            "refusing to unpickle it"
-        )
-
-
-@dataclasses.dataclass(frozen=True)
-class _StorageClass(_StandIn):
-    """What the unpickler gives for ``torch.HalfStorage`` and its kin: the dtype, nothing callable."""
-
-    name: str
-    dtype: np.dtype
-
-
-@dataclasses.dataclass(frozen=True)
-class _Storage(_StandIn):
-    """One storage a persistent id names: its key (the zip member or legacy record holding its bytes)."""
-
-    key: str
-    dtype: np.dtype
-    numel: int
-
-
-@dataclasses.dataclass(frozen=True)
-class _PickledTensor(_StandIn):
-    """Where ``torch._utils._rebuild_tensor(_v2)`` would have put a tensor: its storage and layout in it."""
-
-    storage: _Storage
-    offset: int  # in elements of the storage's dtype
-    shape: tuple[int, ...]
-    stride: tuple[int, ...]
-
-
-def _is_int_tuple(value: Any) -> bool:
-    return isinstance(value, tuple) and all(type(n) is int and n >= 0 for n in value)
-
-
-class _RebuildTensor(_StandIn):
-    """The stand-in for ``torch._utils._rebuild_tensor`` and ``_rebuild_tensor_v2``: the tensor's layout."""
-
-    __slots__ = ()
-
-    def __call__(
-        self, storage: Any, storage_offset: Any, size: Any, stride: Any, *autograd_state: Any
-    ) -> _PickledTensor:
-        if not (isinstance(storage, _Storage) and type(storage_offset) is int and _is_int_tuple(size)):
-            raise DamagedInputError(f"a tensor is rebuilt from {storage!r}, offset {storage_offset!r}, shape {size!r}")
-        if not (_is_int_tuple(stride) and len(stride) == len(size)):
-            raise DamagedInputError(f"a tensor of shape {size} is rebuilt with strides {stride!r}")
-        return _PickledTensor(storage, storage_offset, size, stride)
-
-
-# The globals torch.save writes for a dict of tensors (zip and legacy format; the hub's "pickle imports"), each
-# mapped to its stand-in.
-_ALLOWED_GLOBALS: dict[tuple[str, str], Any] = {
-    ("collections", "OrderedDict"): collections.OrderedDict,
-    ("torch._utils", "_rebuild_tensor"): _RebuildTensor(),
-    ("torch._utils", "_rebuild_tensor_v2"): _RebuildTensor(),
-    **{("torch", name): _StorageClass(name, dtype) for name, dtype in _STORAGE_DTYPES.items()},
-}
-
-
-class _StateDictUnpickler(pickle.Unpickler):
-    """Unpickles a state dict into stand-ins; any global outside ``_ALLOWED_GLOBALS`` is refused by name.
-
-    ``find_class`` is the only way a pickle reaches a callable (GLOBAL,
-    STACK_GLOBAL, INST and the extension registry all go through it), so
-    refusing there refuses before anything is called; the stand-ins refuse
-    BUILD, which could change an object the pickle did not create.
-    """
-
-    def __init__(self, stream: io.BufferedIOBase):
-        super().__init__(stream)
-        self.storages: dict[str, _Storage] = {}
-
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) not in _ALLOWED_GLOBALS:
-            raise UnsafePickleError(
-                f"names the global '{module}.{name}', which a PyTorch state dict does not contain; refusing to "
-                "unpickle it"
-            )
-        return _ALLOWED_GLOBALS[module, name]
-
-    def persistent_load(self, pid: Any) -> _Storage:
-        """torch's ``('storage', class, key, location, numel)``; the legacy format adds a view, or None."""
-        if not (isinstance(pid, tuple) and len(pid) in (5, 6) and pid[0] == "storage"):
-            raise DamagedInputError(f"the persistent id {pid!r} is not a PyTorch storage's")
-        _, storage_class, key, _location, numel, *view = pid
-        if not (isinstance(storage_class, _StorageClass) and isinstance(key, str) and type(numel) is int):
-            raise DamagedInputError(f"the persistent id {pid!r} is not a PyTorch storage's")
-        if view not in ([], [None]):
-            raise DamagedInputError(f"storage {key!r} is saved as a view of another storage, which is not read")
-        storage = self.storages.setdefault(key, _Storage(key, storage_class.dtype, numel))
-        if storage != _Storage(key, storage_class.dtype, numel):
-            raise DamagedInputError(f"storage {key!r} is named both as {storage} and by {pid!r}")
-        return storage
-
-
-def _unpickle(stream: io.BufferedIOBase, path: pathlib.Path, what: str) -> tuple[Any, dict[str, _Storage]]:
-    """One pickle from ``stream`` and the storages it names; a corrupt or truncated one is an error naming ``path``."""
-    unpickler = _StateDictUnpickler(stream)
-    try:
-        return unpickler.load(), unpickler.storages
-    except UnsafePickleError as error:
-        raise UnsafePickleError(f"{path} {error}") from None
-    except (pickle.UnpicklingError, EOFError, ValueError, TypeError) as error:
-        raise DamagedInputError(
-            f"{path} is truncated or not a PyTorch state dict: unpickling its {what} failed "
-            f"({type(error).__name__}: {error})"
-        ) from error
-
-
-def _state_dict(state: Any, path: pathlib.Path) -> dict[str, _PickledTensor]:
-    """The unpickled object, checked to be what ``torch.save(model.state_dict())`` writes: names -> tensors."""
-    if not isinstance(state, dict):
-        raise DamagedInputError(f"{path} holds a {type(state).__name__}, not a state dict (tensor name -> tensor)")
-    for name, tensor in state.items():
-        if not isinstance(name, str) or not isinstance(tensor, _PickledTensor):
-            raise DamagedInputError(f"{path} holds {name!r} as a {type(tensor).__name__}: not a state dict of tensors")
-    return state
-
-
 # torch.save's legacy (non-zip) format: these three pickles, the state dict's, the list of storage keys, then
 # each storage as an 8-byte little-endian element count and its bytes (torch/serialization.py, _legacy_save).
 _LEGACY_MAGIC_NUMBER = 0x1950A86A20F9469CFC6C
@@ -358,7 +198,7 @@ class PickleFile(TensorFile):
             name: self._stored(name, tensor, data_offsets[tensor.storage.key]) for name, tensor in state.items()
         }
 
-    def _stored(self, name: str, tensor: _PickledTensor, data_offset: int) -> _Stored:
+    def _stored(self, name: str, tensor: PickledTensor, data_offset: int) -> _Stored:
         """One tensor's place in the file, checked so that reading it can only return its own bytes."""
         contiguous = tuple(math.prod(tensor.shape[d + 1 :]) for d in range(len(tensor.shape)))
         layout = zip(tensor.shape, tensor.stride, contiguous)
@@ -376,12 +216,12 @@ class PickleFile(TensorFile):
         return _Stored(storage.dtype, tensor.shape, data_offset + tensor.offset * storage.dtype.itemsize)
 
     @staticmethod
-    def _users(state: dict[str, _PickledTensor], key: str) -> str:
+    def _users(state: dict[str, PickledTensor], key: str) -> str:
         """For messages: the tensors stored in storage ``key``."""
         names = [name for name, tensor in state.items() if tensor.storage.key == key]
         return f"tensor {names[0]!r}" if len(names) == 1 else f"tensors {names}"
 
-    def _read_zip(self) -> tuple[dict[str, _PickledTensor], dict[str, int]]:
+    def _read_zip(self) -> tuple[dict[str, PickledTensor], dict[str, int]]:
         """The state dict, and the byte each of its storages' data starts at."""
         try:
             with zipfile.ZipFile(self.path) as archive:
@@ -396,10 +236,10 @@ class PickleFile(TensorFile):
                     raise DamagedInputError(
                         f"{self.path} was saved big-endian; only little-endian checkpoints are read"
                     )
-                state, storages = _unpickle(io.BytesIO(archive.read(pickles[0])), self.path, "data.pkl")
+                state, storages = unpickle(io.BytesIO(archive.read(pickles[0])), self.path, "data.pkl")
         except zipfile.BadZipFile as error:
             raise DamagedInputError(f"{self.path} is truncated or not a PyTorch checkpoint: {error}") from error
-        state = _state_dict(state, self.path)
+        state = state_dict(state, self.path)
         data_offsets = {}
         for key, storage in storages.items():
             member, users = members.get(f"{prefix}data/{key}"), self._users(state, key)
@@ -429,26 +269,26 @@ class PickleFile(TensorFile):
             data_offsets[key] = start
         return state, data_offsets
 
-    def _read_legacy(self) -> tuple[dict[str, _PickledTensor], dict[str, int]]:
+    def _read_legacy(self) -> tuple[dict[str, PickledTensor], dict[str, int]]:
         """As ``_read_zip``, for the legacy format: the storages follow the pickles, one after another."""
         with self.path.open("rb") as stream:
-            magic, _ = _unpickle(stream, self.path, "magic number")
+            magic, _ = unpickle(stream, self.path, "magic number")
             if magic != _LEGACY_MAGIC_NUMBER:
                 raise DamagedInputError(
                     f"{self.path} is neither a zip nor a legacy PyTorch checkpoint (no magic number)"
                 )
-            version, _ = _unpickle(stream, self.path, "protocol version")
-            system, _ = _unpickle(stream, self.path, "system info")
+            version, _ = unpickle(stream, self.path, "protocol version")
+            system, _ = unpickle(stream, self.path, "system info")
             if version != _LEGACY_PROTOCOL_VERSION or not isinstance(system, dict):
                 raise DamagedInputError(
                     f"{self.path} is a legacy PyTorch checkpoint of protocol {version!r}; 1001 is read"
                 )
             if system.get("little_endian") is not True:
                 raise DamagedInputError(f"{self.path} was saved big-endian; only little-endian checkpoints are read")
-            state, storages = _unpickle(stream, self.path, "state dict")
-            keys, _ = _unpickle(stream, self.path, "list of storage keys")
+            state, storages = unpickle(stream, self.path, "state dict")
+            keys, _ = unpickle(stream, self.path, "list of storage keys")
             position = stream.tell()
-        state = _state_dict(state, self.path)
+        state = state_dict(state, self.path)
         if not (isinstance(keys, list) and sorted(keys) == sorted(storages)):
             raise DamagedInputError(
                 f"{self.path} lists the storages {keys!r}, but its state dict uses {sorted(storages)}"

@@ -28,80 +28,37 @@ from oodjax.models.layers import (
     GatedMLP,
     Linear,
     RMSNorm,
-    RopeConfig,
-    apply_rope,
     attention,
-    rope_cos_sin,
     run_layers,
     scanned_windows,
     segment_positions,
     stacked_layers,
-    untied_head,
 )
 from oodjax.models.partitioning import HIDDEN, constrain
+from oodjax.models.rope import RopeConfig, apply_rope, rope_cos_sin
 
 # transformers' LlamaConfig / SmolLM3Config defaults for keys a config.json may omit.
+_DEFAULT_KEYS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "pad_token_id",
+    "tie_word_embeddings",
+    "rope_theta",
+    "rms_norm_eps",
+)
 _DEFAULTS = {
-    "llama": dict(
-        vocab_size=32000,
-        hidden_size=4096,
-        intermediate_size=11008,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=None,
-        pad_token_id=None,
-        tie_word_embeddings=False,
-        rope_theta=10_000.0,
-        rms_norm_eps=1e-6,
-    ),
-    "smollm3": dict(
-        vocab_size=128256,
-        hidden_size=2048,
-        intermediate_size=11008,
-        num_hidden_layers=36,
-        num_attention_heads=16,
-        num_key_value_heads=4,
-        pad_token_id=128004,
-        tie_word_embeddings=True,
-        rope_theta=2_000_000.0,
-        rms_norm_eps=1e-6,
-    ),
-    "qwen2": dict(
-        vocab_size=151936,
-        hidden_size=4096,
-        intermediate_size=22016,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=32,
-        pad_token_id=None,
-        tie_word_embeddings=False,
-        rope_theta=10_000.0,
-        rms_norm_eps=1e-6,
-    ),
-    "mistral": dict(
-        vocab_size=32000,
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        pad_token_id=None,
-        tie_word_embeddings=False,
-        rope_theta=10_000.0,
-        rms_norm_eps=1e-6,
-    ),
-    "phi3": dict(
-        vocab_size=32064,
-        hidden_size=3072,
-        intermediate_size=8192,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=None,
-        pad_token_id=32000,
-        tie_word_embeddings=False,
-        rope_theta=10_000.0,
-        rms_norm_eps=1e-5,
-    ),
+    model_type: dict(zip(_DEFAULT_KEYS, values, strict=True))
+    for model_type, values in {
+        "llama": (32000, 4096, 11008, 32, 32, None, None, False, 10_000.0, 1e-6),
+        "smollm3": (128256, 2048, 11008, 36, 16, 4, 128004, True, 2_000_000.0, 1e-6),
+        "qwen2": (151936, 4096, 22016, 32, 32, 32, None, False, 10_000.0, 1e-6),
+        "mistral": (32000, 4096, 14336, 32, 32, 8, None, False, 10_000.0, 1e-6),
+        "phi3": (32064, 3072, 8192, 32, 32, None, 32000, False, 10_000.0, 1e-5),
+    }.items()
 }
 _DEFAULTS["qwen3"] = _DEFAULTS["qwen2"]  # Qwen3Config's are Qwen2Config's
 # Older names Phi3Config reads as "longrope".
@@ -323,11 +280,4 @@ class LlamaModel(nnx.Module):
 
 class LlamaForCausalLM(CausalLM):
     config_class = LlamaConfig
-
-    def __init__(self, config: LlamaConfig, *, dtype: jnp.dtype, rngs: nnx.Rngs):
-        self.config = config
-        self.model = LlamaModel(config, dtype=dtype, rngs=rngs)
-        self.lm_head = nnx.data(untied_head(config.hidden_size, config, dtype=dtype, rngs=rngs))
-
-    def decoder(self) -> nnx.Module:
-        return self.model
+    model_class = LlamaModel

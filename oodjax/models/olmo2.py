@@ -23,16 +23,13 @@ from oodjax.models.layers import (
     GatedMLP,
     Linear,
     RMSNorm,
-    RopeConfig,
-    apply_rope,
     attention,
-    rope_cos_sin,
     run_layers,
     segment_positions,
     stacked_layers,
-    untied_head,
 )
 from oodjax.models.partitioning import HIDDEN, constrain
+from oodjax.models.rope import RopeConfig, apply_rope, rope_cos_sin
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -130,11 +127,4 @@ class Olmo2Model(nnx.Module):
 
 class Olmo2ForCausalLM(CausalLM):
     config_class = Olmo2Config
-
-    def __init__(self, config: Olmo2Config, *, dtype: jnp.dtype, rngs: nnx.Rngs):
-        self.config = config
-        self.model = Olmo2Model(config, dtype=dtype, rngs=rngs)
-        self.lm_head = nnx.data(untied_head(config.hidden_size, config, dtype=dtype, rngs=rngs))
-
-    def decoder(self) -> nnx.Module:
-        return self.model
+    model_class = Olmo2Model

@@ -32,7 +32,6 @@ from oodjax.models.layers import (
     run_layers,
     segment_positions,
     stacked_layers,
-    untied_head,
 )
 from oodjax.models.partitioning import HIDDEN, constrain
 
@@ -177,11 +176,8 @@ class OPTModel(nnx.Module):
 
 class OPTForCausalLM(CausalLM):
     config_class = OPTConfig
-
-    def __init__(self, config: OPTConfig, *, dtype: jnp.dtype, rngs: nnx.Rngs):
-        self.config = config
-        self.model = OPTModel(config, dtype=dtype, rngs=rngs)
-        self.lm_head = nnx.data(untied_head(config.word_embed_proj_dim, config, dtype=dtype, rngs=rngs))
+    model_class = OPTModel
+    head_width = "word_embed_proj_dim"
 
     def decoder(self) -> nnx.Module:
         return self.model.decoder

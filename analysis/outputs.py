@@ -1,0 +1,490 @@
+"""What `python -m analysis` writes: the CSVs, the LaTeX tables and the figures of a selection of runs.
+
+Every result is computed under both residualisers: the chosen one
+(--residualiser) is reported, and what changes under the other is marked
+and counted (analysis/sensitivity.py), since the choice can decide a
+headline. The per-model results are combined across models by a
+random-effects meta-analysis (analysis/meta.py), the study's answer to
+whether a pair's partial correlation holds across models.
+"""
+
+import argparse
+import pathlib
+import sys
+from typing import NamedTuple
+
+import pandas as pd
+from tqdm import tqdm
+
+from analysis import figures, forest, tables
+from analysis.aggregate import (
+    GROUP_COLUMNS,
+    all_run_pairs,
+    combine_runs,
+    majority_class_rates,
+    run_means,
+    summarise_by_model,
+)
+from analysis.meta import ALL_TRAIN_SETS, ESTIMATOR_NAMES, meta_analyse
+from analysis.naming import ModelInfo, display_name, slug, unique_stems
+from analysis.residualise import RESIDUALISERS
+from analysis.runs import FLAT_MAX_RANGE, FLAT_MIN_DISTINCT, ResultsError, RunRecord, accuracy_table
+from analysis.sensitivity import SENSITIVE, by_shot_count, compare_residualisers, summarise_changes
+
+CSV_NAME = "partial_correlations.csv"
+META_CSV_NAME = "meta_analysis.csv"
+SENSITIVITY_CSV_NAME = "residualiser_sensitivity.csv"
+TABLE_DIR = "tables"
+FIGURE_DIR = "figures"
+# accuracies.csv and accuracies.parquet: every accuracy of every run, long form.
+ACCURACIES_NAME = "accuracies"
+# More (model, training set) groups than this show a progress bar while their
+# figures are drawn (a few seconds each).
+PROGRESS_MIN_GROUPS = 8
+# One row per pair, for every run (level "run") and every model and training
+# set combining its runs (level "group"); columns not used at a level are empty.
+# n_eff: the effective sample size of a run's autocorrelated steps its p rests on.
+CSV_COLUMNS = (
+    *"level residualiser model train_set seed shots run x y n n_eff n_runs r ci_low ci_high p p_adj dof".split(),
+    *"n_positive n_negative z z_se".split(),
+    SENSITIVE,
+    "reason",
+)
+# One row per pair and scope of the meta-analysis (level "pooled") and per member of it
+# (level "model"), under the chosen residualiser and tau^2 estimator.
+META_CSV_COLUMNS = (
+    *"level residualiser estimator scope model train_set x y k n_runs r ci_low ci_high p p_adj pi_low".split(),
+    *"pi_high tau2 i2 q welch_p welch_p_adj q_p q_p_adj n_agree n_left_out z z_se paired_corr weight".split(),
+    SENSITIVE,
+    "reason",
+)
+# How the meta-analysis over every training set pools a model's training sets (analysis/meta.py).
+PAIRED_NOTE = (
+    ", averaged over its training sets (its variance from the averages of runs paired by seed and "
+    "shot count where the training sets share them)"
+)
+GROUP_KEYS = [*GROUP_COLUMNS, "x", "y"]
+POOLED_KEYS = ["scope", "x", "y"]
+
+
+class Selection(NamedTuple):
+    """The runs of a results root as the analysis takes them."""
+
+    analysed: list[RunRecord]  # trained runs whose correlations are computed
+    unfinished: list[RunRecord]  # trained runs short of their last step: left out, or in `analysed` when asked
+    evaluated: list[RunRecord]  # evaluation-only runs: in the accuracies, not in the correlations
+
+
+def select_runs(runs: list[RunRecord], *, include_unfinished: bool) -> Selection:
+    """Split `runs` by kind and by `RunRecord.finished` (the definition `python -m analysis.runs` uses)."""
+    trained = [run for run in runs if run.evaluated is None]
+    unfinished = [run for run in trained if not run.finished]
+    analysed = trained if include_unfinished else [run for run in trained if run.finished]
+    return Selection(analysed, unfinished, [run for run in runs if run.evaluated is not None])
+
+
+def assumptions(runs: list[RunRecord]) -> str:
+    """What the results rest on beyond the data, in words (no LaTeX specials): the paragraph that
+    closes the command's output and opens tables/tables.tex."""
+    seeds, shots = len({run.seed for run in runs}), len({run.shots for run in runs})
+    return (
+        "Run-level p-values are approximate: a run's test uses Bartlett's effective sample size, the "
+        "smaller of its AR(1) form and its sum over the first n/5 lags of the residuals' autocorrelations. "
+        "The runs of a model and training set (here "
+        f"{seeds} seed(s) x {shots} shot count(s)) are treated as exchangeable replicates: their Fisher z are "
+        "averaged and tested across runs (the table by shot count shows whether the shot count moves the "
+        "mean r). Over every training set, a model's training sets are averaged; where their runs are "
+        "paired by seed and shot count, the variance comes from the paired averages (m - 1 degrees of "
+        "freedom), otherwise from the training sets' variances as independent. Cochran's Q's p is "
+        "anti-conservative with within-model variances estimated from runs, so Welch's test of equal "
+        "means is reported beside it and first; both are adjusted across the pairs of a scope."
+    )
+
+
+def write_analysis(
+    selection: Selection, args: argparse.Namespace, directory: pathlib.Path
+) -> tuple[list[pathlib.Path], bool]:
+    """Compute everything, write it under `directory`, and return the paths written and whether
+    any pair of any model and training set could be tested across runs.
+
+    File names are checked for collisions before anything is written, so a
+    clash is an error, never one model's figure overwriting another's.
+    """
+    runs = selection.analysed
+    groups = _groups(runs)
+    try:
+        stems = unique_stems(groups)
+    except ValueError as error:
+        raise ResultsError(f"{error}; give the models distinct config.model.name values") from error
+    models = {run.model: run.model_info for run in runs}
+    options = {
+        "method": args.method,
+        "residualiser": args.residualiser,
+        "padjust": args.padjust,
+        "probit": args.probit,
+        "differences": args.differences,
+    }
+    other = _other_residualiser(args.residualiser)
+    results = {
+        name: _analyse(runs, options | {"residualiser": name}, models, args.tau2_estimator) for name in RESIDUALISERS
+    }
+    per_run, per_group, pooled, members = results[args.residualiser]
+    group_changes = compare_residualisers({name: result.per_group for name, result in results.items()}, GROUP_KEYS)
+    pooled_changes = compare_residualisers({name: result.pooled for name, result in results.items()}, POOLED_KEYS)
+    per_group = per_group.merge(group_changes[[*GROUP_KEYS, SENSITIVE]], on=GROUP_KEYS, how="left")
+    pooled = pooled.merge(
+        pooled_changes.drop(columns=[f"r_{args.residualiser}", f"p_adj_{args.residualiser}"]),
+        on=POOLED_KEYS,
+        how="left",
+    )
+    table_dir, figure_dir = directory / TABLE_DIR, directory / FIGURE_DIR
+    table_dir.mkdir()
+    figure_dir.mkdir()
+
+    written = _write_csvs(
+        directory, runs + selection.evaluated, per_run, per_group, pooled, members, group_changes, pooled_changes, args
+    )
+    description = _describe(options)
+    padjust = tables.latex_escape(display_name(args.padjust))
+    table_files = []
+    progress = tqdm(
+        groups.items(), desc="writing groups", unit="group", file=sys.stderr, disable=len(groups) <= PROGRESS_MIN_GROUPS
+    )
+    for (model, train_set), group_runs in progress:
+        name = stems[model, train_set]
+        pairs = _group_pairs(per_group, model, train_set)
+        testsets = _ood_testsets(group_runs)
+        described_model = f"{model} ({models[model].description})"
+        shown_train_set = display_name(train_set)
+        caption = (
+            f"Partial correlations of OOD accuracies given {tables.latex_escape(shown_train_set)} "
+            f"accuracy, {tables.latex_escape(described_model)} trained on "
+            f"{tables.latex_escape(shown_train_set)}, from {_extent(group_runs)}: "
+            f"{tables.runs_per_cell(pairs)[0]}, on the Fisher $z$ scale; {description}. "
+            f"{tables.SIGNIFICANCE_NOTE} ({padjust}), t test across runs."
+        )
+        table_files.append(table_dir / f"matrix_{name}.tex")
+        table_files[-1].write_text(
+            tables.matrix_table(pairs, testsets, caption=caption, label=f"tab:pcorr-{name}", other_residualiser=other)
+        )
+        title = f"{described_model}, trained on {shown_train_set}"
+        note = f"{description}; {_extent(group_runs)}"
+        written += _write_figures(group_runs, pairs, testsets, figure_dir, name, title, note, args, other)
+
+    summary = summarise_by_model(per_group, models)
+    for train_set in dict.fromkeys(run.train_set for run in runs):
+        note = f"{description}; {_extent([r for r in runs if r.train_set == train_set])}"
+        side_by_side = [
+            (model, _group_pairs(per_group, model, train_set), _ood_testsets(group_runs))
+            for (model, group_train_set), group_runs in groups.items()
+            if group_train_set == train_set
+        ]
+        figure = figures.comparison_heatmaps(
+            side_by_side,
+            models,
+            padjust=args.padjust,
+            title=f"Partial correlations, trained on {display_name(train_set)}",
+            note=note,
+        )
+        written += figures.save(figure, figure_dir / f"comparison_heatmaps_{slug(train_set)}")
+    by_size = figures.correlation_by_size(
+        summary,
+        run_means(per_run),
+        title="Mean partial correlation by model size",
+        note=f"{description}; {_extent(runs)}",
+    )
+    if by_size is not None:
+        written += figures.save(by_size, figure_dir / "correlation_by_size")
+
+    table_files.append(table_dir / "summary.tex")
+    table_files[-1].write_text(
+        tables.summary_table(
+            summary,
+            caption=(
+                "Mean partial correlation over OOD testset pairs (Fisher $z$ scale) by model "
+                f"family, size and training set; {description}; {_extent(runs)}"
+                f"{tables.latex_escape(_unfinished_note(selection, args.include_unfinished))}. "
+                f"Sig.\\ $+/-$: pairs with positive / negative $r$ and adjusted $p<0.05$ "
+                f"({padjust}). {tables.COUNTS_ARE_NOT_COMPARISONS}{_flat_note(runs)}"
+            ),
+            label="tab:pcorr-summary",
+        )
+    )
+    table_files.append(table_dir / "summary_by_shots.tex")
+    table_files[-1].write_text(
+        tables.shots_table(
+            summary,
+            by_shot_count(per_run),
+            caption=(
+                "Mean partial correlation over OOD testset pairs (Fisher $z$ scale) over every run (All, as in "
+                f"Table~\\ref{{tab:pcorr-summary}}) and per shot count, each pair's $r$ the mean over that shot "
+                f"count's runs: the runs of a model and training set are treated as exchangeable replicates, "
+                f"and this shows whether the shot count moves the result; {description}; {_extent(runs)}."
+            ),
+            label="tab:pcorr-summary-shots",
+        )
+    )
+    meta_tables, meta_figures = _write_meta_analysis(
+        pooled, members, models, runs, args, description, table_dir, figure_dir
+    )
+    table_files += meta_tables
+    written += meta_figures
+    table_files.append(table_dir / "residualiser_sensitivity.tex")
+    table_files[-1].write_text(
+        _sensitivity_table(
+            group_changes, pooled_changes, models, runs, args, _describe(options | {"residualiser": None})
+        )
+    )
+    document = table_dir / "tables.tex"
+    document.write_text(
+        tables.standalone_document([p.name for p in table_files], tables.latex_escape(assumptions(runs)))
+    )
+    return written + table_files + [document], per_group["p"].notna().any()
+
+
+class Results(NamedTuple):
+    """Everything computed under one residualiser."""
+
+    per_run: pd.DataFrame  # each run's pairs
+    per_group: pd.DataFrame  # their combination per model and training set
+    pooled: pd.DataFrame  # the meta-analysis across models, per pair and scope
+    members: pd.DataFrame  # the models in it
+
+
+def _analyse(runs: list[RunRecord], options: dict, models: dict[str, ModelInfo], estimator: str) -> Results:
+    per_run = all_run_pairs(runs, **options)
+    per_group = combine_runs(per_run, padjust=options["padjust"])
+    pooled, members = meta_analyse(per_group, models, per_run, estimator=estimator, padjust=options["padjust"])
+    return Results(per_run, per_group, pooled, members)
+
+
+def _write_meta_analysis(
+    pooled: pd.DataFrame,
+    members: pd.DataFrame,
+    models: dict[str, ModelInfo],
+    runs: list[RunRecord],
+    args: argparse.Namespace,
+    description: str,
+    table_dir: pathlib.Path,
+    figure_dir: pathlib.Path,
+) -> tuple[list[pathlib.Path], list[pathlib.Path]]:
+    """Per scope (each training set, then all of them): the meta-analysis table and its
+    forest plots. Returns the tables and the figures written."""
+    other = _other_residualiser(args.residualiser)
+    estimator = ESTIMATOR_NAMES[args.tau2_estimator]
+    padjust = tables.latex_escape(display_name(args.padjust))
+    table_files, figure_files = [], []
+    for scope, scoped in pooled.groupby("scope", sort=False):
+        scope_members = members[members["scope"] == scope]
+        keys = list(dict.fromkeys(zip(scope_members["model"], scope_members["train_set"])))
+        everything = scope == ALL_TRAIN_SETS
+        scope_runs = [run for run in runs if everything or run.train_set == scope]
+        where = "over every training set" if everything else f"trained on {display_name(scope)}"
+        name = slug(scope)
+        caption = (
+            f"Random-effects meta-analysis across models of each OOD pair's partial "
+            f"correlation, {tables.latex_escape(where)}: {len(keys)} models, each its runs' mean Fisher $z$ "
+            f"with variance $s^2_z/m$ over its $m$ runs"
+            f"{PAIRED_NOTE if everything else ''}; pooled $r$ with {estimator} $\\tau^2$ "
+            f"(Fisher $z$ scale) and HKSJ 95\\% CI; PI: 95\\% prediction interval for a new "
+            f"model; Welch's $p$ for equal means, then Cochran's $Q$ with its $\\chi^2$ $p$ (which runs "
+            f"high with variances estimated from runs), both adjusted over the pairs ({padjust}); "
+            f"Agree: models whose $r$ has the pooled sign; {description}; "
+            f"{_extent(scope_runs)}. {tables.SIGNIFICANCE_NOTE} ({padjust} over pairs)."
+        )
+        table_files.append(table_dir / f"meta_analysis_{name}.tex")
+        table_files[-1].write_text(
+            tables.meta_analysis_table(scoped, other_residualiser=other, caption=caption, label=f"tab:meta-{name}")
+        )
+        labels = {(model, train_set): models[model].description for model, train_set in keys}
+        figure = forest.forest_plots(
+            scoped,
+            scope_members,
+            labels,
+            title=f"Partial correlations across models, {where}",
+            note=f"{description}, {estimator} tau\u00b2; {_extent(scope_runs)}" + _dagger_note(scoped, other),
+        )
+        figure_files += figures.save(figure, figure_dir / f"forest_{name}")
+    return table_files, figure_files
+
+
+def _sensitivity_table(
+    group_changes: pd.DataFrame,
+    pooled_changes: pd.DataFrame,
+    models: dict[str, ModelInfo],
+    runs: list[RunRecord],
+    args: argparse.Namespace,
+    description: str,
+) -> str:
+    """The table of how many pairs change between the residualisers, per model and training
+    set and per scope of the meta-analysis."""
+    per_group = summarise_changes(group_changes, GROUP_COLUMNS, RESIDUALISERS)
+    per_scope = summarise_changes(pooled_changes, ["scope"], RESIDUALISERS).rename(columns={"scope": "train_set"})
+    blocks = [
+        ([models[model].description for model in per_group["model"]], per_group),
+        (["pooled over models"] * len(per_scope), per_scope),
+    ]
+    caption = (
+        f"How much the residualiser decides the results: pairs defined under both "
+        f"residualisers, their mean $r$ (Fisher $z$ scale), pairs with positive / negative $r$ "
+        f"and adjusted $p<0.05$ ({tables.latex_escape(display_name(args.padjust))}), and the pairs whose "
+        f"sign or significance changes, or that are defined under one residualiser only; "
+        f"per model and training set, then for the meta-analysis across models. The other "
+        f"tables report the {display_name(args.residualiser)} residualiser and mark these pairs with "
+        f"${tables.SENSITIVE_MARK}$; {description}; {_extent(runs)}."
+    )
+    return tables.sensitivity_table(blocks, RESIDUALISERS, caption=caption, label="tab:residualiser-sensitivity")
+
+
+def _write_accuracies(runs: list[RunRecord], out: pathlib.Path) -> list[pathlib.Path]:
+    """Every accuracy in long form, as CSV and as Parquet (typed, fast to load)."""
+    accuracies = accuracy_table(runs)
+    paths = [out / f"{ACCURACIES_NAME}.csv", out / f"{ACCURACIES_NAME}.parquet"]
+    accuracies.to_csv(paths[0], index=False)
+    accuracies.to_parquet(paths[1], index=False)
+    return paths
+
+
+def _write_csvs(
+    directory: pathlib.Path,
+    runs: list[RunRecord],
+    per_run: pd.DataFrame,
+    per_group: pd.DataFrame,
+    pooled: pd.DataFrame,
+    members: pd.DataFrame,
+    group_changes: pd.DataFrame,
+    pooled_changes: pd.DataFrame,
+    args: argparse.Namespace,
+) -> list[pathlib.Path]:
+    """The pairs of every run and group, every accuracy of ``runs``, the meta-analysis, and what changes
+    between the residualisers."""
+    return [
+        _write_levels(
+            directory / CSV_NAME,
+            {"run": per_run, "group": per_group},
+            CSV_COLUMNS,
+            ("seed", "shots", "n", "n_runs", "n_positive", "n_negative"),
+            residualiser=args.residualiser,
+        ),
+        *_write_accuracies(runs, directory),
+        _write_levels(
+            directory / META_CSV_NAME,
+            {"pooled": pooled, "model": members},
+            META_CSV_COLUMNS,
+            ("k", "n_runs", "n_agree", "n_left_out"),
+            residualiser=args.residualiser,
+            estimator=args.tau2_estimator,
+        ),
+        _write_levels(directory / SENSITIVITY_CSV_NAME, {"group": group_changes, "pooled": pooled_changes}),
+    ]
+
+
+def _write_levels(
+    path: pathlib.Path,
+    levels: dict[str, pd.DataFrame],
+    columns: tuple[str, ...] = (),
+    counts: tuple[str, ...] = (),
+    **same: str,
+) -> pathlib.Path:
+    """The frames stacked into one CSV, each row's ``level`` the key of its frame and the ``same`` columns
+    constant; ``counts`` as nullable integers; ``columns`` in order (default: level, then the frames' own)."""
+    tidy = pd.concat([frame.assign(level=level) for level, frame in levels.items()], ignore_index=True).assign(**same)
+    tidy = tidy.astype({column: "Int64" for column in counts})
+    tidy[list(columns) or ["level", *tidy.columns.drop("level")]].to_csv(path, index=False)
+    return path
+
+
+def _write_figures(
+    group_runs: list[RunRecord],
+    pairs: pd.DataFrame,
+    testsets: list[str],
+    directory: pathlib.Path,
+    name: str,
+    title: str,
+    note: str,
+    args: argparse.Namespace,
+    other: str,
+) -> list[pathlib.Path]:
+    heatmap = figures.correlation_heatmap(
+        pairs, testsets, padjust=args.padjust, title=title, note=note + _dagger_note(pairs, other)
+    )
+    chance = majority_class_rates(group_runs)
+    curves = figures.accuracy_curves(group_runs, chance=chance, title=title, note=note, ylim=args.curves_ylim)
+    scatter = figures.ood_vs_in_domain(
+        group_runs,
+        chance=chance,
+        residualiser=args.residualiser,
+        probit=args.probit,
+        title=title,
+        note=note,
+    )
+    return [
+        *figures.save(heatmap, directory / f"heatmap_{name}"),
+        *figures.save(curves, directory / f"curves_{name}"),
+        *figures.save(scatter, directory / f"ood_vs_in_domain_{name}"),
+    ]
+
+
+def _group_pairs(per_group: pd.DataFrame, model: str, train_set: str) -> pd.DataFrame:
+    return per_group[(per_group["model"] == model) & (per_group["train_set"] == train_set)]
+
+
+def _ood_testsets(group_runs: list[RunRecord]) -> list[str]:
+    return list(dict.fromkeys(t for run in group_runs for t in run.ood_testsets))
+
+
+def _extent(runs: list[RunRecord]) -> str:
+    """How many runs and evaluation steps a result rests on, for captions and figure notes."""
+    steps = sorted({len(run.steps) for run in runs})
+    counted = f"{steps[0]}" if len(steps) == 1 else f"{steps[0]} to {steps[-1]}"
+    return f"{len(runs)} runs of {counted} evaluation steps"
+
+
+def _unfinished_note(selection: Selection, included: bool) -> str:
+    """The unfinished runs by name, for the summary table's caption; empty when there are none."""
+    if not selection.unfinished:
+        return ""
+    names = ", ".join(f"{run.name} ({run.progress})" for run in selection.unfinished)
+    return f"; {'including' if included else 'left out'}, unfinished: {names}"
+
+
+def _flat_note(runs: list[RunRecord]) -> str:
+    """How many runs are flat (`RunRecord.flat`), for the summary table's caption; empty when none is."""
+    flat = [run for run in runs if run.flat]
+    if not flat:
+        return ""
+    names = tables.latex_escape(", ".join(run.name for run in flat))
+    return (
+        f" {len(flat)} of {len(runs)} runs are flat (in-domain accuracy spans less than {FLAT_MAX_RANGE} or takes "
+        f"fewer than {FLAT_MIN_DISTINCT} distinct values): {names}."
+    )
+
+
+def _groups(runs: list[RunRecord]) -> dict[tuple[str, str], list[RunRecord]]:
+    groups: dict[tuple[str, str], list[RunRecord]] = {}
+    for run in runs:
+        groups.setdefault((run.model, run.train_set), []).append(run)
+    return groups
+
+
+def _other_residualiser(residualiser: str) -> str:
+    return next(name for name in RESIDUALISERS if name != residualiser)
+
+
+def _dagger_note(results: pd.DataFrame, other: str) -> str:
+    """What a figure's daggers mean, when it has any."""
+    if not results[SENSITIVE].any():
+        return ""
+    return f"; {figures.DAGGER} changes sign or significance with the {display_name(other)} residualiser"
+
+
+def _describe(options: dict) -> str:
+    """The options in words (display names); a residualiser of None is left out."""
+    parts = [f"{display_name(options['method'])} correlation"]
+    if options["residualiser"] is not None:
+        parts.append(f"{display_name(options['residualiser'])} residualiser")
+    if options["probit"]:
+        parts.append("probit-transformed accuracies")
+    if options["differences"]:
+        parts.append("first differences between steps")
+    return ", ".join(parts)
