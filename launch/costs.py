@@ -47,7 +47,8 @@ RECOMPUTED: Mapping[str, tuple[str, ...]] = {
 PLATFORMS = ("gpu", "tpu", "cpu")
 # The backward pass through one decoder layer holds the gradients of its widest activations
 # (attention scores, the MLP's inner width) beside what the layer kept: about this fraction of the
-# layer's activations without remat, fitted to XLA's compiled train steps of the study models.
+# layer's activations without remat, fitted to XLA's compiled train steps of the study models (a trace gives
+# what the forward keeps, not the peak of XLA's fused backward; only a compile for the device does).
 BACKWARD_TEMPORARIES = 0.5
 # The base's parameters without the adapters (a LoRAParam is a Param).
 _FROZEN = nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam))
