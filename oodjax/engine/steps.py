@@ -303,6 +303,32 @@ def run_update(
     return optax.apply_updates(lora, updates), opt_state, optax.global_norm(grads)
 
 
+def step_loss(
+    base_state: nnx.State,
+    state: TrainState,
+    batch: Batch,
+    *,
+    graphdef: nnx.GraphDef,
+    yes_id: int,
+    no_id: int,
+    compute_dtype: jnp.dtype | None,
+) -> tuple[Callable[..., tuple[jax.Array, jax.Array]], tuple[Any, ...]]:
+    """What ``train_step`` differentiates on each micro-batch, and its arguments but the micro-batch: (loss,
+    (adapters [layers, R, ...], base in ``compute_dtype``, run keys, run weights)). ``launch.costs`` traces the
+    same for the activations the backward pass keeps."""
+    valid = batch["valid"].astype(jnp.float32)
+    counts = jnp.zeros(state.num_runs, jnp.float32).at[batch["run"]].add(valid)
+    run_weights = 1.0 / jnp.maximum(counts, 1.0)
+    # Each run's dropout key for this step: fold_in(run key, step), a function of the run alone.
+    run_keys = jax.vmap(lambda rng: jax.random.key_data(jax.random.fold_in(jax.random.wrap_key_data(rng), state.step)))(
+        state.rng
+    )
+    loss = functools.partial(
+        micro_batch_loss, graphdef=graphdef, yes_id=yes_id, no_id=no_id, compute_dtype=compute_dtype
+    )
+    return loss, (runs_inside_layers(state.lora), _cast_floats(base_state, compute_dtype), run_keys, run_weights)
+
+
 def train_step(
     base_state: nnx.State,
     state: TrainState,
@@ -318,21 +344,12 @@ def train_step(
     """One optimizer step of every run (``make_train_step`` documents it; this is the function it jits)."""
     micro_batches, rows = geometry.train_rows_shape
     _check_train_batch(batch, micro_batches, rows, geometry.seq_len)
-    valid = batch["valid"].astype(jnp.float32)
-    counts = jnp.zeros(state.num_runs, jnp.float32).at[batch["run"]].add(valid)
-    run_weights = 1.0 / jnp.maximum(counts, 1.0)
-    # Each run's dropout key for this step: fold_in(run key, step), a function of the run alone.
-    run_keys = jax.vmap(lambda rng: jax.random.key_data(jax.random.fold_in(jax.random.wrap_key_data(rng), state.step)))(
-        state.rng
-    )
-    loss = functools.partial(
-        micro_batch_loss, graphdef=graphdef, yes_id=yes_id, no_id=no_id, compute_dtype=compute_dtype
+    loss, (lora, base_state, run_keys, run_weights) = step_loss(
+        base_state, state, batch, graphdef=graphdef, yes_id=yes_id, no_id=no_id, compute_dtype=compute_dtype
     )
     branches = [skip_micro_batch] + [
         functools.partial(micro_batch_grads, length=length, loss=loss) for length in geometry.micro_batch_lengths
     ]
-    base_state = _cast_floats(base_state, compute_dtype)
-    lora = runs_inside_layers(state.lora)
 
     def accumulate(carry, xs):
         grads, loss_sums = carry
