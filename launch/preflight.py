@@ -42,6 +42,7 @@ from launch import estimate as estimator
 from oodjax import config_cli, models
 from oodjax.data import EVAL_KEYS, TRAIN_KEYS
 from oodjax.engine import sharding, steps
+from oodjax.engine.cadence import RunGroup
 from oodjax.engine.evaluation import pool_figures
 from oodjax.engine.geometry import BatchGeometry
 from oodjax.engine.run_data import training_figures
@@ -164,6 +165,8 @@ class Report:
     eval_real_token_share: float
     eval_attention_waste: float  # attention scores computed over those the prompts need (``pool_figures``)
     replayed_steps: int
+    group_steps: int  # the steps of the run group compiled: the largest (most runs, then longest)
+    groups: int  # the job's run groups, which train apart, each as the one compiled
     train: CompiledStep
     eval: CompiledStep  # its largest batch's
     estimate_bytes: int  # the train step's estimate as this platform allocates it
@@ -201,9 +204,10 @@ def preflight(
     sets them beside the estimate."""
     available = jax.devices()
     devices = devices or len(available)
+    group = largest_group(job)
     steps_ = abstract_steps(job, devices=devices, layers=layers)
     geometry, data, arch, longest_rows = steps_.geometry, steps_.data, steps_.arch, steps_.longest_rows
-    replayed = min(DATA_STEPS, job.batches.total_steps)
+    replayed = min(DATA_STEPS, group.total_steps)
     device = estimator.DEVICES[ESTIMATE_DEVICE]
     hlo_dir = pathlib.Path(hlo_dir) if hlo_dir else None
     train = _compile("train", steps_.train_step, steps_.train_args, hlo_dir, device.interconnect_bytes_per_s)
@@ -226,14 +230,14 @@ def preflight(
     # The job's parts: (how often, compute seconds, bytes a device its collectives move), an evaluation's
     # collectives taken as its largest batch's for each of its batches.
     parts = [
-        (job.cadence.total_steps, train_step_flops / compute_flops, train.communication.bytes),
+        (group.total_steps, train_step_flops / compute_flops, train.communication.bytes),
         *(
             (
                 count,
                 estimator.rows_flops(dims, estimator.rows_by_length(pool), lora) / compute_flops,
                 evaluation.communication.bytes * len(pool.batches),
             )
-            for count, pool in ((len(job.cadence.evaluated_steps()) - 1, data.eval_pool), (1, data.first_eval_pool))
+            for count, pool in ((len(group.cadence.evaluated_steps()) - 1, data.eval_pool), (1, data.first_eval_pool))
         ),
     ]
     network = device if network_gb_s is None else given_network(device, network_gb_s)
@@ -241,6 +245,8 @@ def preflight(
         **training_figures(data.train_stream, geometry, steps=replayed),
         **pool_figures(data.eval_pool),
         replayed_steps=replayed,
+        group_steps=group.total_steps,
+        groups=len(job.groups),
         train=train,
         eval=evaluation,
         estimate_bytes=estimate_bytes(arch, platform),
@@ -328,6 +334,11 @@ class AbstractSteps:
     longest_rows: dict[str, np.ndarray]
 
 
+def largest_group(job: Job) -> RunGroup:
+    """The run group the preflight compiles: the most runs (the most memory), then the longest."""
+    return max(job.groups, key=lambda group: (len(group.runs), group.total_steps))
+
+
 def abstract_steps(job: Job, *, devices: int, layers: int | None) -> AbstractSteps:
     """The steps ``preflight`` compiles, on the first ``devices`` of ``jax.devices()`` and the model cut to
     ``layers``; also lowered for other platforms (``tests/test_lowering_accelerators.py``)."""
@@ -337,17 +348,18 @@ def abstract_steps(job: Job, *, devices: int, layers: int | None) -> AbstractSte
     mesh = job.mesh.make(available[:devices])
     arch = estimator.architecture_of(job.model, layers)
     # a local sample at the hub's size, as a job reads it
-    setup = set_up(job, mesh, prefetch=0, testsets=estimator.study_testsets)
+    group = largest_group(job)
+    setup = set_up(job, mesh, group.runs, group.total_steps, prefetch=0, testsets=estimator.study_testsets)
     geometry, data, (yes_id, no_id) = setup.geometry, setup.data, setup.answer_ids
-    seeds = [run.seed for run in job.runs.runs()]
+    seeds = [run.seed for run in group.runs]
     longest_rows = max(data.eval_pool.batches, key=lambda batch: batch["input_ids"].shape[-1])
 
     def make_model() -> models.CausalLM:
         return models.abstract_model(arch, dtype=job.model.dtype, remat=job.model.remat, attention=job.model.attention)
 
-    graphdef, base, state = steps.abstract_attach_runs(make_model, seeds, job.lora, job.optimizer.transformation)
+    graphdef, base, state = steps.abstract_attach_runs(make_model, seeds, job.lora, group.optimizer.transformation)
     train_step, eval_step = steps.make_steps(
-        job.optimizer, job.model.compute_dtype, geometry, graphdef, base, state, yes_id, no_id, mesh
+        group.optimizer, job.model.compute_dtype, geometry, graphdef, base, state, yes_id, no_id, mesh
     )
     base_in = _with_shardings(base, param_shardings(base, mesh))
     runs_in = _with_shardings(state, sharding.runs_shardings(state, mesh))
@@ -430,7 +442,8 @@ def describe(report: Report) -> str:
     layout = report.geometry
     rows = f"packed, {layout.prompt_slots} prompt slots a row" if layout.packed else "one prompt a row"
     lines = [
-        f"{report.devices} {report.platform} devices, {report.layers} layers; {layout.runs} runs in "
+        f"{report.devices} {report.platform} devices, {report.layers} layers; {layout.runs} runs of "
+        f"{report.group_steps} steps (the largest of {report.groups} run groups, which train apart) in "
         f"[{layout.grad_accum} x {layout.rows} rows x {layout.seq_len} tokens] per train step ({rows}; "
         f"micro-batches run at {layout.train_lengths} tokens); eval {layout.eval_batches} batches in rows of "
         f"{layout.eval_row_lengths} tokens, the largest [{layout.eval_rows} rows x {layout.eval_seq_len}]",

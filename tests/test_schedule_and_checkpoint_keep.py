@@ -31,7 +31,7 @@ def test_the_optimizer_follows_train_schedule(schedule):
     config = base.get_config()
     config.train.steps, config.train.warmup_steps, config.train.learning_rate = 10, 2, 1e-2
     config.train.schedule = schedule
-    optimizer = read(config).optimizer.transformation
+    optimizer = read(config).groups[0].optimizer.transformation
     params = {"w": jnp.zeros(())}
     state = optimizer.init(params)
     rates = []
@@ -74,7 +74,9 @@ def test_a_resumed_run_may_keep_more_checkpoints_but_not_change_its_schedule(tmp
 
     stored = read(one_run())
     (run,) = stored.runs.runs()
-    start = resumption.RunStart(run, finished=False, stored_config=resumption.comparable_stored(stored.record))
+    start = resumption.RunStart(
+        run, stored.groups[0], finished=False, stored_config=resumption.comparable_stored(stored.record)
+    )
     kept, rescheduled = one_run(checkpoint_keep=5), one_run(train__schedule="cosine")
     resumption.refuse_changed_config(read(kept).record, tmp_path, [start])  # no error
     with pytest.raises(ValueError, match="train.schedule 'linear' -> 'cosine'"):
@@ -83,11 +85,13 @@ def test_a_resumed_run_may_keep_more_checkpoints_but_not_change_its_schedule(tmp
     # A run stored before the field existed resumes at its default, and only there.
     older = {**start.stored_config, "train": {k: v for k, v in start.stored_config["train"].items() if k != "schedule"}}
     resumption.refuse_changed_config(
-        read(kept).record, tmp_path, [resumption.RunStart(run, finished=False, stored_config=older)]
+        read(kept).record, tmp_path, [resumption.RunStart(run, stored.groups[0], finished=False, stored_config=older)]
     )
     with pytest.raises(ValueError, match="train.schedule None -> 'cosine'"):
         resumption.refuse_changed_config(
-            read(rescheduled).record, tmp_path, [resumption.RunStart(run, finished=False, stored_config=older)]
+            read(rescheduled).record,
+            tmp_path,
+            [resumption.RunStart(run, stored.groups[0], finished=False, stored_config=older)],
         )
 
 
