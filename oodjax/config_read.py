@@ -27,10 +27,10 @@ from oodjax.data.testsets import TestsetSpec, testset_table
 from oodjax.engine.cadence import CadenceSettings, ExportSettings, RunGroup
 from oodjax.engine.events import WANDB_MODES, TrackerSettings, WandbSettings
 from oodjax.engine.geometry import BatchSettings
+from oodjax.engine.optimizer import OptimizerSettings
 from oodjax.engine.results import RunPlan, model_name
 from oodjax.engine.run_data import DataSettings
 from oodjax.engine.sharding import MeshShape
-from oodjax.engine.steps import OptimizerSettings
 from oodjax.models.loading import ModelSettings
 from oodjax.models.lora import LoRAConfig
 from oodjax.usage_errors import ConfigError, MissingInputError

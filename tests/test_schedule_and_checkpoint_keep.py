@@ -9,7 +9,8 @@ import pytest
 
 from configs import base
 from oodjax import config_cli
-from oodjax.engine import checkpoints, loop, resumption, steps
+from oodjax.engine import checkpoints, loop, resumption
+from oodjax.engine.optimizer import SCHEDULES, make_schedule
 from oodjax.job import read, resolve
 from oodjax.usage_errors import ConfigError
 from tests.engine_configs import tiny_config
@@ -25,7 +26,7 @@ def test_defaults_are_the_previous_behaviour_and_are_described_in_help():
     assert "train.schedule = 'linear'" in help_text and "checkpoint_keep = 2" in help_text
 
 
-@pytest.mark.parametrize("schedule", steps.SCHEDULES)
+@pytest.mark.parametrize("schedule", SCHEDULES)
 def test_the_optimizer_follows_train_schedule(schedule):
     """With a constant gradient Adam's update is the learning rate itself: read the schedule off the updates."""
     config = base.get_config()
@@ -38,7 +39,7 @@ def test_the_optimizer_follows_train_schedule(schedule):
     for _ in range(10):
         updates, state = optimizer.update({"w": jnp.ones(())}, state, params)
         rates.append(-float(updates["w"]))
-    expected = [float(steps.make_schedule(1e-2, 10, 2, schedule)(i)) for i in range(10)]
+    expected = [float(make_schedule(1e-2, 10, 2, schedule)(i)) for i in range(10)]
     np.testing.assert_allclose(rates, expected, rtol=1e-4, atol=1e-9)
     after_warmup = rates[2:]
     if schedule == "constant":

@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING
 from oodjax.usage_errors import ConfigError
 
 if TYPE_CHECKING:
+    from oodjax.engine.optimizer import Optimizer
     from oodjax.engine.results import Run
-    from oodjax.engine.steps import Optimizer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,7 +25,7 @@ class CadenceSettings:
     log_every: int = 10
 
     def __post_init__(self) -> None:
-        # train.steps >= 1 is the optimizer's check (steps.OptimizerSettings), the piece whose schedule spans it.
+        # train.steps >= 1 is the optimizer's check (optimizer.Optimizer), the piece whose schedule spans it.
         every = {
             "checkpoint_every": self.checkpoint_every,
             "log_every": self.log_every,
@@ -96,9 +96,10 @@ class ExportSettings:
 class RunGroup:
     """The runs of one length, which train together (each length apart, so each run trains as in a job of its
     length alone), and what their length fixes: the optimizer's schedule and warm-up, the cadence's
-    evaluations and checkpoints, and the batch layout replayed over their steps (``set_up``)."""
+    evaluations and checkpoints, and the batch layout replayed over their steps (``set_up``). A zero-step
+    run (``oodjax.evaluate``) is evaluated once, at step 0, and has no optimizer."""
 
     total_steps: int  # optimizer steps of each run
     runs: tuple[Run, ...]
-    optimizer: Optimizer  # built for total_steps (``OptimizerSettings.build``)
+    optimizer: Optimizer | None  # built for total_steps (``OptimizerSettings.build``); None: zero steps
     cadence: Cadence  # built for total_steps (``CadenceSettings.build``)

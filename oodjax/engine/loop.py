@@ -67,9 +67,8 @@ def train(job: Job) -> list[Run]:
         job.log_config()
         output_dir = job.runs.output_dir
         warn_of_shared_checkpoints(output_dir)
-        locked = set(runs)
-        starts = [read_start(group, run) for group in job.groups for run in group.runs if run in locked]
-        starts.sort(key=lambda start: runs.index(start.run))  # the runs' order
+        group_of = {run: group for group in job.groups for run in group.runs}
+        starts = [read_start(group_of[run], run) for run in runs]
         # before anything is written (the locks' new folders go with them)
         refuse_changed_config(job.record, output_dir, starts)
         where = [start.describe() for start in starts]
@@ -127,8 +126,8 @@ def _summary(job: Job, starts: Sequence[RunStart]) -> None:
     in_domain = job.data.train_set
     ood = [name for name in job.data.testsets if name != in_domain]  # every run's: a changed config is refused
     cells, runs = [], [start.run for start in starts]
-    for run, total_steps in ((start.run, start.group.total_steps) for start in starts):
-        path = run.directory / schema.METRICS_FILENAME
+    for start in starts:
+        path = start.run.directory / schema.METRICS_FILENAME
         if not path.is_file():
             cells.append("no results yet")
             continue
@@ -136,7 +135,8 @@ def _summary(job: Job, starts: Sequence[RunStart]) -> None:
             final = dict(zip(stored[schema.TESTSETS].tolist(), stored[schema.ACCURACY][-1].tolist()))
             step = int(stored[schema.STEP][-1])
         mean_ood = f"{np.mean([final[name] for name in ood]):.3f}" if ood else "n/a"
-        cells.append(f"{final[in_domain]:.3f} / {mean_ood}" + (f" (step {step})" if step != total_steps else ""))
+        last = f" (step {step})" if step != start.group.total_steps else ""
+        cells.append(f"{final[in_domain]:.3f} / {mean_ood}{last}")
     lengths = sorted({start.group.total_steps for start in starts})
     at = f"step {lengths[0]}" if len(lengths) == 1 else f"each run's last step ({', '.join(map(str, lengths))})"
     label = f"final accuracy at {at}, in-domain {in_domain} / mean OOD ({', '.join(ood)})"
@@ -155,7 +155,8 @@ class _Loop:
     ):
         """Sets up the runs that stand at one step, from their checkpoints (or from scratch at step 0); they are
         of one length, their group's."""
-        runs, plan = [start.run for start in starts], starts[0].group
+        runs = [start.run for start in starts]
+        plan = dataclasses.replace(starts[0].group, runs=tuple(runs))  # those of its runs that stand here
         logging.info(
             "training %d runs from step %d: %s", len(runs), starts[0].step, ", ".join(run.name for run in runs)
         )

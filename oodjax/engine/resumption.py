@@ -24,8 +24,8 @@ from oodjax import config_fields
 from oodjax.engine import checkpoints, results
 from oodjax.engine.cadence import RunGroup
 from oodjax.engine.distributed import is_primary
+from oodjax.engine.optimizer import warmup_steps
 from oodjax.engine.results import Run
-from oodjax.engine.steps import warmup_steps
 from oodjax.usage_errors import ConfigError
 
 # Config fields a resumed run may change: they do not affect its results. The runs section may change

@@ -19,8 +19,8 @@ from transformers import PreTrainedTokenizerBase
 from analysis import schema
 from oodjax.data import TRAIN_PREFETCH, answer_token_ids, load_tokenizer, train_steps
 from oodjax.engine import sharding, steps
-from oodjax.engine.evaluation import make_eval_pool
-from oodjax.engine.geometry import BatchGeometry, batch_geometry, eval_geometry
+from oodjax.engine.evaluation import EvalPool, make_eval_pool
+from oodjax.engine.geometry import BatchGeometry, EvalGeometry, batch_geometry, eval_geometry
 from oodjax.engine.run_data import (
     DataSettings,
     IndexedSet,
@@ -81,15 +81,8 @@ def set_up(
         pad_id=pad_id(tokenizer),
         prefetch=prefetch,
     )
-    pool = functools.partial(
-        make_eval_pool,
-        evaluated,
-        [{schema.TRAIN_TESTSET: tokenized} for tokenized in train_sets],
-        batch_tokens=geometry.evaluation.batch_tokens,
-        row_multiple=geometry.evaluation.batch_shards,
-        pad_id=pad_id(tokenizer),
-        row_lengths=geometry.evaluation.row_lengths,
-    )
+    own = [{schema.TRAIN_TESTSET: tokenized} for tokenized in train_sets]
+    pool = _pool(evaluated, own, geometry.evaluation, tokenizer)
     eval_pool = pool()
     dataset_index = tuple(
         {**dataset_indices(evaluated), schema.TRAIN_TESTSET: train_set.dataset_index} for train_set in train_sets
@@ -98,6 +91,18 @@ def set_up(
         eval_pool, first_eval_pool=pool(like=eval_pool), train_stream=train_stream, dataset_index=dataset_index
     )
     return RunSetup(tokenizer, answer_ids, geometry, data)
+
+
+def _pool(
+    shared: Mapping[str, IndexedSet],
+    own: Sequence[Mapping[str, IndexedSet]],
+    layout: EvalGeometry,
+    tokenizer: PreTrainedTokenizerBase,
+) -> Callable[..., EvalPool]:
+    """``make_eval_pool`` of the sets every run scores and each run's own, in ``layout``'s batches; called with
+    ``like=`` for step 0's pool."""
+    batches = dict(batch_tokens=layout.batch_tokens, row_multiple=layout.batch_shards, row_lengths=layout.row_lengths)
+    return functools.partial(make_eval_pool, shared, own, pad_id=pad_id(tokenizer), **batches)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,21 +135,20 @@ def prepare(
     set beside the testsets). A zero-step run (``oodjax.evaluate``) trains nothing: its pool is the testsets,
     or with eval.in_context each run's copy of them preceded by its few-shot set's demonstrations.
     """
-    seeds = [run.seed for run in group.runs]
-    trains = group.optimizer is not None
-    optimizer = group.optimizer.transformation if group.optimizer is not None else optax.identity()
-    graphdef, base_state, state = steps.attach_runs(model, seeds, lora or job.lora, optimizer, mesh=mesh)
+    seeds, optimizer = [run.seed for run in group.runs], group.optimizer
+    transformation = optimizer.transformation if optimizer is not None else optax.identity()  # zero steps: no state
+    graphdef, base_state, state = steps.attach_runs(model, seeds, lora or job.lora, transformation, mesh=mesh)
     if adapters:
         template = nnx.state(model, nnx.LoRAParam)
         loaded = [lora_from_peft(template, tensors, source=folder) for folder, tensors in adapters]
         stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *loaded)
         state = state.replace(lora=sharding.place(stacked, sharding.runs_shardings(stacked, mesh)))
     compute_dtype = job.model.compute_dtype
-    if trains:
+    if optimizer is not None:
         setup = set_up(job, mesh, group.runs, group.total_steps)
         yes_id, no_id = setup.answer_ids
         train_step, eval_step = steps.make_steps(
-            group.optimizer, compute_dtype, setup.geometry, graphdef, base_state, state, yes_id, no_id, mesh
+            optimizer, compute_dtype, setup.geometry, graphdef, base_state, state, yes_id, no_id, mesh
         )
         return Prepared(graphdef, base_state, state, train_step, eval_step, setup.data, setup.geometry)
     tokenizer = load_tokenizer(job.model.tokenizer)
@@ -155,15 +159,7 @@ def prepare(
     else:
         shared, own = load_testsets(job.data, tokenizer), [{} for _ in group.runs]
         index = dataset_indices(shared)
-    layout = eval_geometry(job.batches, sharding.batch_shards(mesh))
-    pool = make_eval_pool(
-        shared,
-        own,
-        batch_tokens=layout.batch_tokens,
-        row_multiple=layout.batch_shards,
-        pad_id=pad_id(tokenizer),
-        row_lengths=layout.row_lengths,
-    )
+    pool = _pool(shared, own, eval_geometry(job.batches, sharding.batch_shards(mesh)), tokenizer)()
     data = RunsData(pool, first_eval_pool=pool, train_stream=None, dataset_index=(index,) * len(group.runs))
     eval_step = steps.make_eval_step(graphdef, yes_id, no_id, mesh=mesh, compute_dtype=compute_dtype)
     return Prepared(graphdef, base_state, state, None, eval_step, data, None)
