@@ -20,6 +20,7 @@ from launch.prompts import study_testsets
 from oodjax import models
 from oodjax.data import EVAL_KEYS, TRAIN_KEYS
 from oodjax.engine import sharding, steps
+from oodjax.engine.cadence import RunGroup
 from oodjax.engine.geometry import BatchGeometry
 from oodjax.engine.setup import set_up
 from oodjax.job import Job
@@ -74,6 +75,11 @@ class AbstractSteps:
     longest_rows: dict[str, np.ndarray]
 
 
+def largest_group(job: Job) -> RunGroup:
+    """The run group the preflight compiles: the most runs (the most memory), then the longest."""
+    return max(job.groups, key=lambda group: (len(group.runs), group.total_steps))
+
+
 def abstract_steps(job: Job, *, devices: int, layers: int | None) -> AbstractSteps:
     """The steps ``preflight`` compiles, on the first ``devices`` of ``jax.devices()`` and the model cut to
     ``layers``; also lowered for other platforms (``tests/test_lowering_accelerators.py``)."""
@@ -83,9 +89,10 @@ def abstract_steps(job: Job, *, devices: int, layers: int | None) -> AbstractSte
     mesh = job.mesh.make(available[:devices])
     arch = costs.architecture_of(job.model, layers)
     # a local sample at the hub's size, as a job reads it
-    setup = set_up(job, mesh, prefetch=0, testsets=study_testsets)
+    group = largest_group(job)
+    setup = set_up(job, mesh, group.runs, group.total_steps, prefetch=0, testsets=study_testsets)
     geometry, data, (yes_id, no_id) = setup.geometry, setup.data, setup.answer_ids
-    seeds = [run.seed for run in job.runs.runs()]
+    seeds = [run.seed for run in group.runs]
     # The evaluation batch [R, rows, row length] compiled is the pool's longest rows': batches share a token
     # budget, so those hold the most attention scores.
     longest_rows = max(data.eval_pool.batches, key=lambda batch: batch["input_ids"].shape[-1])
@@ -96,9 +103,9 @@ def abstract_steps(job: Job, *, devices: int, layers: int | None) -> AbstractSte
     def make_model() -> models.CausalLM:
         return models.abstract_model(arch, dtype=job.model.dtype, remat=job.model.remat, attention=job.model.attention)
 
-    graphdef, base, state = steps.abstract_attach_runs(make_model, seeds, job.lora, job.optimizer.transformation)
+    graphdef, base, state = steps.abstract_attach_runs(make_model, seeds, job.lora, group.optimizer.transformation)
     train_step, eval_step = steps.make_steps(
-        job.optimizer, job.model.compute_dtype, geometry, graphdef, base, state, yes_id, no_id, mesh
+        group.optimizer, job.model.compute_dtype, geometry, graphdef, base, state, yes_id, no_id, mesh
     )
     base_in = _with_shardings(base, param_shardings(base, mesh))
     runs_in = _with_shardings(state, sharding.runs_shardings(state, mesh))

@@ -79,7 +79,8 @@ class Target:
 def train_memory(
     job: Job, arch: Mapping[str, Any], mesh: Mapping[str, int], geometry: BatchGeometry, platform: str
 ) -> costs.Memory:
-    """Memory per device of ``job``'s train step, laid out as ``geometry``, on a mesh of these sizes."""
+    """Memory per device of the train step of the runs laid out as ``geometry`` (the job's, or a run group's),
+    on a mesh of these sizes."""
     return costs.train_memory_per_device(
         arch,
         job.lora,
@@ -87,7 +88,7 @@ def train_memory(
         compute_dtype=job.model.compute_dtype,
         remat=job.model.remat,
         mesh=mesh,
-        runs=len(job.runs.runs()),
+        runs=geometry.runs,
         rows=geometry.rows,
         seq_len=geometry.seq_len,
         prompts_per_row=geometry.prompts_per_row,
@@ -96,8 +97,8 @@ def train_memory(
 
 
 def train_step_flops(job: Job, arch: Mapping[str, Any], geometry: BatchGeometry) -> float:
-    """FLOPs of one optimizer step of ``job``'s runs, laid out as ``geometry``."""
-    runs = len(job.runs.runs())
+    """FLOPs of one optimizer step of the runs laid out as ``geometry`` (the job's, or a run group's)."""
+    runs = geometry.runs
     return costs.train_step_flops(
         costs.dimensions(arch),
         runs=runs,
@@ -148,10 +149,9 @@ def estimate(
     step = train_step_flops(job, arch, geometry)
     # Each run's own length (train.epochs); a step or an evaluation above is every run's, so each run costs a
     # share of it. Each length's runs train apart and begin with one step-0 evaluation of their own.
-    lengths = [job.of_length(job.total_steps(run.shots)).cadence for run in job.runs.runs()]
-    steps_per_run = sum(cadence.total_steps for cadence in lengths) / len(lengths)
-    evaluations = sum(len(cadence.evaluated_steps()) for cadence in lengths) / len(lengths)
-    first_evaluations = len({cadence.total_steps for cadence in lengths})
+    steps_per_run = sum(len(group.runs) * group.total_steps for group in job.groups) / runs
+    evaluations = sum(len(group.runs) * len(group.cadence.evaluated_steps()) for group in job.groups) / runs
+    first_evaluations = len(job.groups)
     total = steps_per_run * step + first_evaluations * first_evaluation + (evaluations - 1) * evaluation
     hours = total / (target.device.peak_flops * target.utilisation) / 3600
     return Estimate(
@@ -208,7 +208,7 @@ def describe(result: Estimate, job: Job, device: Device, utilisation: float) -> 
 
 def _steps_per_run(job: Job) -> str:
     """The runs' steps: one number, or each shot count's with train.epochs."""
-    lengths = {shots: job.total_steps(shots) for shots in job.runs.shots}
+    lengths = {run.shots: group.total_steps for group in job.groups for run in group.runs}
     if len(set(lengths.values())) == 1:
         return str(next(iter(lengths.values())))
     return "/".join(map(str, lengths.values())) + f" (shots {'/'.join(map(str, lengths))})"

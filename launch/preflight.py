@@ -36,7 +36,7 @@ from ml_collections import config_dict
 
 from launch import costs
 from launch import estimate as estimator
-from launch.compiled import Communication, CompiledStep, abstract_steps, compile_step
+from launch.compiled import Communication, CompiledStep, abstract_steps, compile_step, largest_group
 from launch.devices import DEVICES, GB, Device, fit_text, host_devices, usable_memory
 from launch.prompts import rows_by_length
 from oodjax import config_cli
@@ -127,6 +127,8 @@ class Report:
     eval_real_token_share: float
     eval_attention_waste: float  # attention scores computed over those the prompts need (``pool_figures``)
     replayed_steps: int
+    group_steps: int  # the steps of the run group compiled: the largest (most runs, then longest)
+    groups: int  # the job's run groups, which train apart, each as the one compiled
     train: CompiledStep
     eval: CompiledStep  # its largest batch's
     estimate_bytes: int  # the train step's estimate as this platform allocates it
@@ -164,9 +166,10 @@ def preflight(
     sets them beside the estimate."""
     available = jax.devices()
     devices = devices or len(available)
+    group = largest_group(job)
     steps_ = abstract_steps(job, devices=devices, layers=layers)
     geometry, data, arch, longest_rows = steps_.geometry, steps_.data, steps_.arch, steps_.longest_rows
-    replayed = min(DATA_STEPS, job.batches.total_steps)
+    replayed = min(DATA_STEPS, group.total_steps)
     device = DEVICES[ESTIMATE_DEVICE]
     hlo_dir = pathlib.Path(hlo_dir) if hlo_dir else None
     train = compile_step("train", steps_.train_step, steps_.train_args, hlo_dir, device.interconnect_bytes_per_s)
@@ -190,14 +193,14 @@ def preflight(
     # The job's parts: (how often, compute seconds, bytes a device its collectives move), an evaluation's
     # collectives taken as its largest batch's for each of its batches.
     parts = [
-        (job.cadence.total_steps, train_step_flops / compute_flops, train.communication.bytes),
+        (group.total_steps, train_step_flops / compute_flops, train.communication.bytes),
         *(
             (
                 count,
                 costs.eval_flops(dims, rows_by_length(pool), adapters) / compute_flops,
                 evaluation.communication.bytes * len(pool.batches),
             )
-            for count, pool in ((len(job.cadence.evaluated_steps()) - 1, data.eval_pool), (1, data.first_eval_pool))
+            for count, pool in ((len(group.cadence.evaluated_steps()) - 1, data.eval_pool), (1, data.first_eval_pool))
         ),
     ]
     network = device if network_gb_s is None else given_network(device, network_gb_s)
@@ -205,6 +208,8 @@ def preflight(
         **training_figures(data.train_stream, geometry, steps=replayed),
         **pool_figures(data.eval_pool),
         replayed_steps=replayed,
+        group_steps=group.total_steps,
+        groups=len(job.groups),
         train=train,
         eval=evaluation,
         estimate_bytes=estimate_bytes(arch, platform),
@@ -282,7 +287,8 @@ def describe(report: Report) -> str:
     layout = report.geometry
     rows = f"packed, {layout.prompt_slots} prompt slots a row" if layout.packed else "one prompt a row"
     lines = [
-        f"{report.devices} {report.platform} devices, {report.layers} layers; {layout.runs} runs in "
+        f"{report.devices} {report.platform} devices, {report.layers} layers; {layout.runs} runs of "
+        f"{report.group_steps} steps (the largest of {report.groups} run groups, which train apart) in "
         f"[{layout.grad_accum} x {layout.rows} rows x {layout.seq_len} tokens] per train step ({rows}; "
         f"micro-batches run at {layout.train_lengths} tokens); eval {layout.eval_batches} batches in rows of "
         f"{layout.eval_row_lengths} tokens, the largest [{layout.eval_rows} rows x {layout.eval_seq_len}]",

@@ -143,8 +143,7 @@ def assumed_geometry(job: Job, batch_shards: int, prompt_len: int) -> BatchGeome
         raise ConfigError(f"prompt length {prompt_len} must be in [1, data.max_length={max_length}]")
     runs = job.runs.runs()
     train_sets = [_prompts_alike(run.shots, prompt_len, max_length) for run in runs]
-    batches = dataclasses.replace(job.batches, total_steps=1)
-    return batch_geometry(batches, geometry_mesh(batch_shards), train_sets, [run.seed for run in runs])
+    return batch_geometry(job.batches, geometry_mesh(batch_shards), train_sets, [run.seed for run in runs], 1)
 
 
 def _prompts_alike(count: int, length: int, max_length: int) -> TokenizedSet:
@@ -194,7 +193,16 @@ class PromptCounter:
         pool = (source, repr(job.data), runs, eval_geometry(job.batches, shards))
         samples = None if pool in self._pools else study_samples(job.data)
         testsets = None if samples is None else functools.partial(study_testsets, samples=samples)
-        setup = set_up(job, geometry_mesh(shards), tokenizer=self._tokenizers[source], testsets=testsets, prefetch=0)
+        longest = job.groups[-1].total_steps  # all runs laid out together, over the longest run's steps
+        setup = set_up(
+            job,
+            geometry_mesh(shards),
+            job.runs.runs(),
+            longest,
+            tokenizer=self._tokenizers[source],
+            testsets=testsets,
+            prefetch=0,
+        )
         if setup.data is not None:
             counts = _evaluation_counts(setup.data.eval_pool, setup.data.first_eval_pool)
             self._pools[pool] = {**counts, "samples": samples}

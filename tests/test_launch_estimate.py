@@ -443,7 +443,7 @@ def test_estimate_within_a_quarter_of_the_compiled_train_step():
         lambda: models.abstract_model(architecture, dtype=config.model.dtype, remat=config.model.remat),
         [run.seed for run in job.runs.runs()],
         job.lora,
-        job.optimizer.transformation,
+        job.groups[0].optimizer.transformation,
     )
     # What batch_geometry makes of it: 2 micro-batches of 9 x 16 / (2 x 8) = 9 prompts a device, in two rows of
     # at most data.max_length (512) each, 5 slots for the fuller.
@@ -459,7 +459,7 @@ def test_estimate_within_a_quarter_of_the_compiled_train_step():
     )
     assert (config.train.pack, config.data.max_length) == (True, 512)
     train_step = steps.make_train_step(
-        graphdef, job.optimizer.transformation, 1, 2, geometry, mesh=mesh, base_state=base, state=runs
+        graphdef, job.groups[0].optimizer.transformation, 1, 2, geometry, mesh=mesh, base_state=base, state=runs
     )
     memory = train_step.lower(base, runs, compiled.train_batch(geometry, mesh)).compile().memory_analysis()
     compiled_bytes = (
@@ -741,13 +741,16 @@ def test_the_real_prompts_are_those_the_engine_lays_out(tmp_path, gpt2_tokenizer
     )
     once = sum(map(sum, testsets)) + sum(map(sum, own_sets))
     assert once <= sum(length * rows for length, rows in counted.first_eval_rows.items()) <= computed
-    steps, evaluations = job.cadence.total_steps, len(job.cadence.evaluated_steps())
+    (group,) = job.groups
+    steps, evaluations = group.total_steps, len(group.cadence.evaluated_steps())
     assert result.total_flops == pytest.approx(
         steps * result.train_step_flops + result.first_eval_flops + (evaluations - 1) * result.eval_flops
     )
     # Training: the engine's own layout of the runs' few-shot sets.
     tokenized = run_data.few_shot_sets(job.data, tokenizer, runs)
-    engine = batch_geometry(job.batches, sharding.make_mesh(8, 1, 1), tokenized, [seed for seed, _ in runs])
+    engine = batch_geometry(
+        job.batches, sharding.make_mesh(8, 1, 1), tokenized, [seed for seed, _ in runs], group.total_steps
+    )
     assert result.geometry == counted.geometry
     assert (engine.rows, engine.seq_len, engine.prompts_per_row) == (
         result.geometry.rows,
