@@ -11,22 +11,27 @@ import dataclasses
 import functools
 import json
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import optax
 import transformers
 from flax import nnx
 from jax.extend.core import Literal
 from jax.extend.core.primitives import reduce_precision_p
 from jax.sharding import AbstractMesh, AxisType
 
+from configs.models import architecture as listed_architecture
 from oodjax import models
+from oodjax.data import TRAIN_KEYS
 from oodjax.engine import steps
 from oodjax.engine.sharding import MESH_AXES
 from oodjax.models.layers import ATTENTION_PROJECTION, MLP_PROJECTION, REMAT_POLICIES, Linear
+from oodjax.models.loading import ModelSettings
 from oodjax.models.lora import LoRAConfig
+from oodjax.usage_errors import ConfigError
 
 # What each remat policy recomputes in the backward pass, of the forward pass's FLOPs (``ForwardFlops``'
 # fields), keyed by the policies' names (``oodjax.models.layers.REMAT_POLICIES``; tests/test_launch_estimate.py
@@ -42,7 +47,8 @@ RECOMPUTED: Mapping[str, tuple[str, ...]] = {
 PLATFORMS = ("gpu", "tpu", "cpu")
 # The backward pass through one decoder layer holds the gradients of its widest activations
 # (attention scores, the MLP's inner width) beside what the layer kept: about this fraction of the
-# layer's activations without remat, fitted to XLA's compiled train steps of the study models.
+# layer's activations without remat, fitted to XLA's compiled train steps of the study models (a trace gives
+# what the forward keeps, not the peak of XLA's fused backward; only a compile for the device does).
 BACKWARD_TEMPORARIES = 0.5
 # The base's parameters without the adapters (a LoRAParam is a Param).
 _FROZEN = nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam))
@@ -63,6 +69,25 @@ class Dimensions:
     def layer_matmul_parameters(self) -> int:
         """Weights of one decoder layer's matrix multiplies (what costs FLOPs per token)."""
         return self.attention_parameters + self.mlp_parameters
+
+
+def architecture_of(model: ModelSettings, layers: int | None = None) -> dict:
+    """config.json numbers: the table's for a listed checkpoint, else the config's own random-model fields;
+    ``layers`` replaces the decoder depth (what the estimate and the preflight cut a model to)."""
+    if model.path:
+        try:
+            arch = dict(listed_architecture(model.path))
+        except KeyError as error:  # a checkpoint configs/models.py does not list
+            raise ConfigError(f"model.path: {error.args[0]}") from error
+    elif model.hf_config:
+        arch = dict(model.hf_config)
+    else:
+        raise ConfigError("config names neither model.path nor model.hf_config")
+    if layers is not None:
+        if layers < 1:
+            raise ConfigError(f"layers must be >= 1, got {layers}")
+        arch["num_hidden_layers"] = layers
+    return arch
 
 
 def full_config(architecture: Mapping[str, Any]) -> transformers.PretrainedConfig:
@@ -198,11 +223,14 @@ def train_step_flops(
     return forward.total + forward.backward + forward.adapters + recomputed + head
 
 
-def eval_flops(d: Dimensions, *, runs: int, examples: int, seq_len: int, lora_parameters: int) -> float:
-    """FLOPs of evaluating every run (each with its own adapters) on `examples` examples of `seq_len` tokens
-    (the head reads two columns: negligible)."""
-    row = forward_flops(d, tokens=seq_len, attention_pairs=seq_len * seq_len, adapter_parameters=lora_parameters)
-    return runs * examples * row.total
+def eval_flops(d: Dimensions, rows: Mapping[int, int], adapter_parameters: int) -> float:
+    """FLOPs of scoring ``rows`` (row length -> rows), every row through ``adapter_parameters`` adapter weights:
+    all runs', as the eval step computes every run's adapters on each row and keeps its own
+    (``oodjax.models.lora``). The head reads two columns: negligible."""
+    return sum(
+        count * forward_flops(d, tokens=n, attention_pairs=n * n, adapter_parameters=adapter_parameters).total
+        for n, count in rows.items()
+    )
 
 
 # --------------------------------------------------------------------------- memory
@@ -239,7 +267,8 @@ def bytes_per_device(state: nnx.State, mesh: AbstractMesh, *, leading: int = 1) 
 
 
 def saved_activation_bytes(
-    model: nnx.Module,
+    make_model: Callable[[], nnx.Module],
+    lora: LoRAConfig,
     *,
     runs: int,
     rows: int,
@@ -248,35 +277,36 @@ def saved_activation_bytes(
     compute_dtype: str | None = None,
     platform: str = "gpu",
 ) -> int:
-    """Bytes the backward pass keeps from the forward of one micro-batch of `model` (abstract), as `platform`
-    stores them: the residuals of the train step's own loss, only traced, so a full-size batch costs nothing.
-    """
-    graphdef, lora, base = nnx.split(model, nnx.LoRAParam, ...)
+    """Bytes the backward pass keeps from the forward of one micro-batch, as `platform` stores them: the
+    residuals of the train step's own loss on its own arguments (``steps.step_loss``), with `runs` runs'
+    adapters attached as the engine attaches them (``steps.abstract_attach_runs``); only traced, so a full-size
+    batch costs nothing."""
+    graphdef, base, state = steps.abstract_attach_runs(make_model, range(runs), lora, optax.identity())
+    batch = abstract_batch((1, rows, seq_len), (1, rows, prompts_per_row), TRAIN_KEYS)
     dtype = jnp.dtype(compute_dtype) if compute_dtype else None
-    loss = functools.partial(steps.micro_batch_loss, graphdef=graphdef, yes_id=0, no_id=1, compute_dtype=dtype)
-    stacked = jax.tree.map(lambda x: jax.ShapeDtypeStruct((runs, *x.shape), x.dtype), lora)
-    tokens = jax.ShapeDtypeStruct((rows, seq_len), jnp.int32)
-    slots = jax.ShapeDtypeStruct((rows, prompts_per_row), jnp.int32)
-    valid = jax.ShapeDtypeStruct((rows, prompts_per_row), jnp.bool_)
-    micro = dict(
-        input_ids=tokens, segment_ids=tokens, answer_pos=slots, label=slots, valid=valid, run=slots, example=slots
-    )
     kept = []
 
-    def measure(base: nnx.State, micro: Mapping[str, jax.Array], stacked: nnx.State) -> jax.Array:
-        if dtype is not None:  # the step casts the base once, outside the differentiated loss
-            base = jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, base)
-        run_keys = jnp.zeros((runs, 2), jnp.uint32)
-        run_weights = jnp.ones((runs,), jnp.float32)
-
-        def all_runs(lora: nnx.State) -> jax.Array:
-            return loss(lora, base, micro, run_keys, run_weights)[0]
-
-        kept.extend(residuals(all_runs, steps.runs_inside_layers(stacked)))
+    def measure(base: nnx.State, state: steps.TrainState, batch: Mapping[str, jax.Array]) -> jax.Array:
+        loss, (lora, base, *rest) = steps.step_loss(
+            base, state, batch, graphdef=graphdef, yes_id=0, no_id=1, compute_dtype=dtype
+        )
+        micro = {key: value[0] for key, value in batch.items()}
+        kept.extend(residuals(lambda lora: loss(lora, base, micro, *rest)[0], lora))
         return jnp.zeros(())
 
-    jax.eval_shape(measure, base, micro, stacked)
+    jax.eval_shape(measure, base, state, batch)
     return sum(aval.size * stored_itemsize(aval.dtype, platform) for aval in kept)
+
+
+def abstract_batch(
+    tokens: tuple[int, ...], prompts: tuple[int, ...], keys: Sequence[str], placed: Any = None
+) -> dict[str, jax.ShapeDtypeStruct]:
+    """A batch of shapes only: token leaves of shape `tokens`, per-prompt ones of `prompts`, on `placed`."""
+    shapes = {"input_ids": tokens, "segment_ids": tokens}
+    return {
+        key: jax.ShapeDtypeStruct(shapes.get(key, prompts), jnp.bool_ if key == "valid" else jnp.int32, sharding=placed)
+        for key in keys
+    }
 
 
 def residuals(f: Any, *args: Any) -> list[jax.core.ShapedArray]:
@@ -343,10 +373,11 @@ def _measure(
     whole = abstract_mesh(dict(data=1, fsdp=1, tensor=1))
     saved, weights = {}, {}
     for layers in (1, 2):
-        adapted = abstract_model(json.loads(architecture), dtype=dtype, remat=remat, layers=layers, lora=lora)
+        make = functools.partial(abstract_model, json.loads(architecture), dtype=dtype, remat=remat, layers=layers)
         for rows in (1, 2):
             saved[layers, rows] = saved_activation_bytes(
-                adapted,
+                make,
+                lora,
                 runs=runs,
                 rows=rows,
                 seq_len=seq_len,
@@ -354,7 +385,7 @@ def _measure(
                 compute_dtype=compute_dtype,
                 platform=platform,
             )
-        weights[layers] = bytes_per_device(nnx.state(adapted, _FROZEN), whole)
+        weights[layers] = bytes_per_device(nnx.state(make(), nnx.Param), whole)
     per_row = {layers: saved[layers, 2] - saved[layers, 1] for layers in (1, 2)}
     fixed = {layers: saved[layers, 1] - per_row[layers] for layers in (1, 2)}
     return _Measured(

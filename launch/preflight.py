@@ -26,31 +26,26 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import pathlib
-import time
 from collections.abc import Sequence
 from typing import Any
 
 import jax
-import numpy as np
 from absl import flags
 from ml_collections import config_dict
 
-from launch import costs, hlo
+from launch import costs
 from launch import estimate as estimator
-from oodjax import config_cli, models
+from launch.compiled import Communication, CompiledStep, abstract_steps, compile_step, largest_group
+from launch.devices import DEVICES, GB, Device, fit_text, host_devices, usable_memory
+from launch.prompts import rows_by_length
+from oodjax import config_cli
 from oodjax.config_read import Job, read
-from oodjax.data import EVAL_KEYS, TRAIN_KEYS
-from oodjax.engine import sharding, steps
 from oodjax.engine.evaluation import pool_figures
-from oodjax.engine.geometry import BatchGeometry
 from oodjax.engine.run_data import training_figures
-from oodjax.engine.setup import set_up
-from oodjax.models.partitioning import param_shardings
 from oodjax.usage_errors import UsageError
 
-# The entry of launch.estimate's device table the estimate is made for (its memory does not depend on it),
+# The entry of launch.devices' table the estimate is made for (its memory does not depend on it),
 # and the utilisation its step time assumes: compiling on abstract inputs runs nothing, so the step time
 # the preflight can report is the estimator's FLOPs (which count what the remat policy recomputes).
 ESTIMATE_DEVICE = "h100"
@@ -68,45 +63,13 @@ DATA_FIGURES = (
 
 
 @dataclasses.dataclass(frozen=True)
-class CompiledMemory:
-    """XLA's per-device bytes of a compiled step (``compiled.memory_analysis()``); ``total`` is what lives at once
-    when donated inputs are reused for outputs."""
-
-    argument: int
-    output: int
-    temp: int
-    alias: int
-    total: int
-
-
-@dataclasses.dataclass(frozen=True)
-class Communication:
-    """What one run of a compiled step's collectives sends per device (``communication``), and in how long over
-    the estimate device's interconnect."""
-
-    bytes: int
-    by_op: dict[str, int]
-    loops_without_trip_count: int
-    seconds: float
-
-
-@dataclasses.dataclass(frozen=True)
-class CompiledStep:
-    lower_s: float
-    compile_s: float
-    memory_bytes: CompiledMemory
-    collectives: dict[str, dict[str, int]]  # ``collectives``
-    communication: Communication
-
-
-@dataclasses.dataclass(frozen=True)
 class MemoryLimit:
     """The memory the fit is judged against: ``usable_bytes`` of the estimate device's ``device_bytes``."""
 
     device: str
     device_bytes: int
     usable_bytes: int
-    source: str  # why that much (``launch.estimate.usable_memory``)
+    source: str  # why that much (``launch.devices.usable_memory``)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,6 +127,8 @@ class Report:
     eval_real_token_share: float
     eval_attention_waste: float  # attention scores computed over those the prompts need (``pool_figures``)
     replayed_steps: int
+    group_steps: int  # the steps of the run group compiled: the largest (most runs, then longest)
+    groups: int  # the job's run groups, which train apart, each as the one compiled
     train: CompiledStep
     eval: CompiledStep  # its largest batch's
     estimate_bytes: int  # the train step's estimate as this platform allocates it
@@ -201,39 +166,41 @@ def preflight(
     sets them beside the estimate."""
     available = jax.devices()
     devices = devices or len(available)
+    group = largest_group(job)
     steps_ = abstract_steps(job, devices=devices, layers=layers)
     geometry, data, arch, longest_rows = steps_.geometry, steps_.data, steps_.arch, steps_.longest_rows
-    replayed = min(DATA_STEPS, job.batches.total_steps)
-    device = estimator.DEVICES[ESTIMATE_DEVICE]
+    replayed = min(DATA_STEPS, group.total_steps)
+    device = DEVICES[ESTIMATE_DEVICE]
     hlo_dir = pathlib.Path(hlo_dir) if hlo_dir else None
-    train = _compile("train", steps_.train_step, steps_.train_args, hlo_dir, device.interconnect_bytes_per_s)
-    evaluation = _compile("eval", steps_.eval_step, steps_.eval_args, hlo_dir, device.interconnect_bytes_per_s)
+    train = compile_step("train", steps_.train_step, steps_.train_args, hlo_dir, device.interconnect_bytes_per_s)
+    evaluation = compile_step("eval", steps_.eval_step, steps_.eval_args, hlo_dir, device.interconnect_bytes_per_s)
     platform = available[0].platform
     mesh = job.mesh.sizes(devices)
 
     def estimate_bytes(arch: dict[str, Any], platform: str) -> int:
         return int(estimator.train_memory(job, arch, mesh, geometry, platform).total)
 
-    full, full_model = estimator.architecture_of(job.model), None
+    full, full_model = costs.architecture_of(job.model), None
     if int(arch["num_hidden_layers"]) != int(full["num_hidden_layers"]):
         full_model = FullModel(int(full["num_hidden_layers"]), estimate_bytes(full, device.platform))
     lanes, eval_rows, eval_row_length = longest_rows["input_ids"].shape
-    dims, lora = costs.dimensions(arch), costs.lora_parameter_count(arch, job.lora.rank, job.lora.targets)
+    dims = costs.dimensions(arch)
+    adapters = geometry.runs * costs.lora_parameter_count(arch, job.lora.rank, job.lora.targets)
     train_step_flops = estimator.train_step_flops(job, arch, geometry)
-    eval_step_flops = estimator.rows_flops(dims, {eval_row_length: lanes * eval_rows}, lora)
-    usable, source = estimator.usable_memory(device)
+    eval_step_flops = costs.eval_flops(dims, {eval_row_length: lanes * eval_rows}, adapters)
+    usable, source = usable_memory(device)
     compute_flops = devices * device.peak_flops * ESTIMATE_UTILISATION
     # The job's parts: (how often, compute seconds, bytes a device its collectives move), an evaluation's
     # collectives taken as its largest batch's for each of its batches.
     parts = [
-        (job.cadence.total_steps, train_step_flops / compute_flops, train.communication.bytes),
+        (group.total_steps, train_step_flops / compute_flops, train.communication.bytes),
         *(
             (
                 count,
-                estimator.rows_flops(dims, estimator.rows_by_length(pool), lora) / compute_flops,
+                costs.eval_flops(dims, rows_by_length(pool), adapters) / compute_flops,
                 evaluation.communication.bytes * len(pool.batches),
             )
-            for count, pool in ((len(job.cadence.evaluated_steps()) - 1, data.eval_pool), (1, data.first_eval_pool))
+            for count, pool in ((len(group.cadence.evaluated_steps()) - 1, data.eval_pool), (1, data.first_eval_pool))
         ),
     ]
     network = device if network_gb_s is None else given_network(device, network_gb_s)
@@ -241,11 +208,13 @@ def preflight(
         **training_figures(data.train_stream, geometry, steps=replayed),
         **pool_figures(data.eval_pool),
         replayed_steps=replayed,
+        group_steps=group.total_steps,
+        groups=len(job.groups),
         train=train,
         eval=evaluation,
         estimate_bytes=estimate_bytes(arch, platform),
         device_estimate_bytes=estimate_bytes(arch, device.platform),
-        memory_limit=MemoryLimit(ESTIMATE_DEVICE, int(device.memory_gb * estimator.GB), int(usable), source),
+        memory_limit=MemoryLimit(ESTIMATE_DEVICE, int(device.memory_gb * GB), int(usable), source),
         interconnect=Interconnect(ESTIMATE_DEVICE, device.interconnect, device.interconnect_bytes_per_s),
         train_step_flops=train_step_flops,
         estimate_step_s=train_step_flops / compute_flops,
@@ -274,7 +243,7 @@ def preflight(
     )
 
 
-def given_network(device: estimator.Device, gb_s: float) -> estimator.Device:
+def given_network(device: Device, gb_s: float) -> Device:
     """``device`` on a network between nodes of ``gb_s`` GB/s a device each way (a site's, not the table's)."""
     if not gb_s > 0:
         raise UsageError(f"--network_gb_s must be > 0, got {gb_s}")
@@ -283,7 +252,7 @@ def given_network(device: estimator.Device, gb_s: float) -> estimator.Device:
 
 def over_nodes(
     job: Job,
-    device: estimator.Device,
+    device: Device,
     devices: int,
     node_devices: int | None,
     parts: Sequence[tuple[int, float, float]],
@@ -312,126 +281,14 @@ def over_nodes(
     )
 
 
-@dataclasses.dataclass
-class AbstractSteps:
-    """A job's real train and eval steps (``steps.MeshStep``s) and the abstract arguments of their real
-    geometry, with what they were made from."""
-
-    train_step: Any
-    eval_step: Any
-    train_args: tuple[Any, ...]
-    eval_args: tuple[Any, ...]
-    mesh: jax.sharding.Mesh
-    geometry: BatchGeometry
-    data: Any
-    arch: dict[str, Any]
-    longest_rows: dict[str, np.ndarray]
-
-
-def abstract_steps(job: Job, *, devices: int, layers: int | None) -> AbstractSteps:
-    """The steps ``preflight`` compiles, on the first ``devices`` of ``jax.devices()`` and the model cut to
-    ``layers``; also lowered for other platforms (``tests/test_lowering_accelerators.py``)."""
-    available = jax.devices()
-    if devices > len(available):
-        raise ValueError(f"--devices {devices}: only {len(available)} {available[0].platform} devices are visible")
-    mesh = job.mesh.make(available[:devices])
-    arch = estimator.architecture_of(job.model, layers)
-    # a local sample at the hub's size, as a job reads it
-    setup = set_up(job, mesh, prefetch=0, testsets=estimator.study_testsets)
-    geometry, data, (yes_id, no_id) = setup.geometry, setup.data, setup.answer_ids
-    assert geometry is not None and data is not None  # set up for the job's runs, with their testsets
-    seeds = [run.seed for run in job.runs.runs()]
-    longest_rows = max(data.eval_pool.batches, key=lambda batch: batch["input_ids"].shape[-1])
-
-    def make_model() -> models.CausalLM:
-        return models.abstract_model(arch, dtype=job.model.dtype, remat=job.model.remat, attention=job.model.attention)
-
-    graphdef, base, state = steps.abstract_attach_runs(make_model, seeds, job.lora, job.optimizer.transformation)
-    train_step, eval_step = steps.make_steps(
-        job.optimizer, job.model.compute_dtype, geometry, graphdef, base, state, yes_id, no_id, mesh
-    )
-    base_in = _with_shardings(base, param_shardings(base, mesh))
-    runs_in = _with_shardings(state, sharding.runs_shardings(state, mesh))
-    return AbstractSteps(
-        train_step,
-        eval_step,
-        (base_in, runs_in, train_batch(geometry, mesh)),
-        (base_in, runs_in.lora, eval_batch(longest_rows, mesh)),
-        mesh,
-        geometry,
-        data,
-        arch,
-        longest_rows,
-    )
-
-
-def train_batch(geometry: BatchGeometry, mesh: jax.sharding.Mesh) -> dict[str, jax.ShapeDtypeStruct]:
-    """An abstract training batch of ``geometry``'s shape, sharded as the loop shards it (rows over the batch
-    axes)."""
-    rows = geometry.train_rows_shape
-    placed = sharding.batch_sharding(mesh, 1)
-    return _batch((*rows, geometry.seq_len), (*rows, geometry.prompts_per_row), placed, TRAIN_KEYS)
-
-
-def eval_batch(batch: dict[str, np.ndarray], mesh: jax.sharding.Mesh) -> dict[str, jax.ShapeDtypeStruct]:
-    """An abstract evaluation batch [R, rows, row length], sharded as the loop shards it. Given the pool's
-    longest rows: batches share a token budget, so those hold the most attention scores."""
-    rows = batch["answer_pos"].shape
-    return _batch(batch["input_ids"].shape, rows, sharding.batch_sharding(mesh, 1), EVAL_KEYS)
-
-
-def _batch(
-    tokens: tuple[int, ...], prompts: tuple[int, ...], placed: jax.sharding.Sharding, keys: tuple[str, ...]
-) -> dict[str, Any]:
-    shapes = {"input_ids": tokens, "segment_ids": tokens}
-    dtypes = {"valid": np.bool_}
-    return {
-        key: jax.ShapeDtypeStruct(shapes.get(key, prompts), dtypes.get(key, np.int32), sharding=placed) for key in keys
-    }
-
-
-def _with_shardings(tree: Any, shardings: Any) -> Any:
-    """Abstract leaves carrying their shardings, as lowering takes them."""
-
-    def abstract(leaf: Any, where: jax.sharding.Sharding) -> jax.ShapeDtypeStruct:
-        return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=where)
-
-    return jax.tree.map(abstract, tree, shardings)
-
-
-def _compile(
-    name: str, step: Any, args: tuple[Any, ...], hlo_dir: pathlib.Path | None, interconnect_bytes_per_s: float
-) -> CompiledStep:
-    """Lowers and compiles ``step`` on ``args``: times, per-device memory, collectives."""
-    start = time.perf_counter()
-    lowered = step.lower(*args)
-    lowered_at = time.perf_counter()
-    compiled = lowered.compile()
-    compiled_at = time.perf_counter()
-    text = compiled.as_text()
-    if hlo_dir is not None:
-        hlo_dir.mkdir(parents=True, exist_ok=True)
-        (hlo_dir / f"{name}_step.hlo.txt").write_text(text)
-    stats = compiled.memory_analysis()
-    sizes = [stats.argument_size_in_bytes, stats.output_size_in_bytes, stats.temp_size_in_bytes]
-    alias = int(stats.alias_size_in_bytes)
-    moved = hlo.communication(text)
-    return CompiledStep(
-        lower_s=lowered_at - start,
-        compile_s=compiled_at - lowered_at,
-        memory_bytes=CompiledMemory(*map(int, sizes), alias, total=int(sum(sizes)) - alias),
-        collectives=hlo.collectives(text),
-        communication=Communication(**moved, seconds=moved["bytes"] / interconnect_bytes_per_s),
-    )
-
-
 def describe(report: Report) -> str:
     """The report as lines for a terminal."""
     gb = 1e9
     layout = report.geometry
     rows = f"packed, {layout.prompt_slots} prompt slots a row" if layout.packed else "one prompt a row"
     lines = [
-        f"{report.devices} {report.platform} devices, {report.layers} layers; {layout.runs} runs in "
+        f"{report.devices} {report.platform} devices, {report.layers} layers; {layout.runs} runs of "
+        f"{report.group_steps} steps (the largest of {report.groups} run groups, which train apart) in "
         f"[{layout.grad_accum} x {layout.rows} rows x {layout.seq_len} tokens] per train step ({rows}; "
         f"micro-batches run at {layout.train_lengths} tokens); eval {layout.eval_batches} batches in rows of "
         f"{layout.eval_row_lengths} tokens, the largest [{layout.eval_rows} rows x {layout.eval_seq_len}]",
@@ -442,11 +299,11 @@ def describe(report: Report) -> str:
         f"{report.eval_attention_waste:.2f}x the (causal) attention scores its prompts need",
     ]
     limit = report.memory_limit
-    device = estimator.DEVICES[limit.device]
+    device = DEVICES[limit.device]
     compiled_for_device = report.platform == device.platform
 
     def fit(total: float) -> str:
-        return estimator.fit_text(total, device, limit.usable_bytes, limit.source)
+        return fit_text(total, device, limit.usable_bytes, limit.source)
 
     for name, step in (("train", report.train), ("eval", report.eval)):
         memory = step.memory_bytes
@@ -532,12 +389,6 @@ def _communication_text(moved: Communication, link: Interconnect, compute_s: flo
     )
 
 
-def _fake_host_devices(count: int) -> None:
-    """Gives the host CPU platform ``count`` devices; must run before anything asks for a device."""
-    flag = f"--xla_force_host_platform_device_count={count}"
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip()
-
-
 def _define_flags() -> None:
     """The command line's flags besides `--config` (defined only when run as a program, so importing this
     module defines none); `--config` and its overrides are `oodjax.config_cli`'s, as for `oodjax.main`."""
@@ -549,8 +400,7 @@ def _define_flags() -> None:
     flags.DEFINE_float(
         "network_gb_s",
         None,
-        f"GB/s one device sends over the network between nodes (default the {ESTIMATE_DEVICE} node's, "
-        "launch.estimate.DEVICES).",
+        f"GB/s one device sends over the network between nodes (default the {ESTIMATE_DEVICE} node's, launch.DEVICES).",
     )
     flags.DEFINE_string("json", None, "Write the report as JSON to this file.")
     flags.DEFINE_string("hlo", None, "Write each compiled step's HLO text into this directory.")
@@ -561,7 +411,7 @@ def main(config: config_dict.ConfigDict) -> None:
     ``oodjax.config_read.read``, as the estimate reads it) and prints (and writes) the report."""
     options = flags.FLAGS
     if options.devices:
-        _fake_host_devices(options.devices)
+        host_devices(options.devices)
     report = preflight(
         read(config),
         devices=options.devices,

@@ -142,8 +142,11 @@ def unfinished_jobs(job: Job, output_dir: str | None) -> list[Job]:
     """Jobs for `job`'s unfinished runs: one per seeds x shots grid they form."""
     plan = job_plan(job)
     shots_by_seed: dict[int, list[int]] = {}
+    unfinished = {
+        run for group in plan.groups for run in group.runs if not run_finished(run, group.total_steps, output_dir)
+    }
     for run in plan.runs.runs():
-        if not run_finished(run, plan.total_steps(run.shots), output_dir):
+        if run in unfinished:
             shots_by_seed.setdefault(run.seed, []).append(run.shots)
     seeds_by_shots: dict[tuple[int, ...], list[int]] = {}
     for seed, shots in shots_by_seed.items():

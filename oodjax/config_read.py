@@ -8,6 +8,7 @@ and checkpoints store and what a resumed run is compared by.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import fractions
 import json
@@ -23,13 +24,13 @@ from analysis import schema
 from oodjax import config_cli
 from oodjax.config_fields import LIST_ITEM_TYPES
 from oodjax.data.testsets import TestsetSpec, testset_table
-from oodjax.engine.cadence import Cadence, ExportSettings
+from oodjax.engine.cadence import CadenceSettings, ExportSettings, RunGroup
 from oodjax.engine.events import TrackerSettings, WandbSettings
 from oodjax.engine.geometry import BatchSettings
+from oodjax.engine.optimizer import OptimizerSettings
 from oodjax.engine.results import RunPlan, model_name
 from oodjax.engine.run_data import DataSettings
 from oodjax.engine.sharding import MeshShape
-from oodjax.engine.steps import OptimizerSettings
 from oodjax.models.loading import ModelSettings
 from oodjax.models.lora import LoRAConfig
 from oodjax.usage_errors import ConfigError, MissingInputError
@@ -46,15 +47,14 @@ class Job:
     optimizer: OptimizerSettings
     runs: RunPlan
     mesh: MeshShape
-    cadence: Cadence
+    cadence: CadenceSettings
     export: ExportSettings
     trackers: TrackerSettings
     adapters: tuple[pathlib.Path, ...]  # PEFT adapter folders oodjax.evaluate evaluates (model.adapters)
     in_context: bool  # oodjax.evaluate: the in-context baseline (eval.in_context)
     record: Mapping[str, Any]  # the config as JSON: what results and checkpoints store
     description: str  # the config as a job logs it at start (``config_cli.describe_config``)
-    epochs: float = 0.0  # train.epochs; 0: every run trains train.steps (cadence.total_steps)
-    warmup_ratio: float = 0.0  # train.warmup_ratio, 0 where train.warmup_steps fixes the warm-up
+    groups: tuple[RunGroup, ...]  # the runs by length, shortest first: what trains together
 
     def __post_init__(self) -> None:
         if self.in_context and self.adapters:
@@ -63,38 +63,10 @@ class Job:
                 "evaluate the adapters in a call of their own"
             )
 
-    def total_steps(self, shots: int) -> int:
-        """The optimizer steps of a run of ``shots`` examples: train.steps, or with train.epochs, ceil(epochs x
-        shots / batch_size) (epochs read as the decimal it was written as, so 0.1 x 30 / 3 is 1 step, not 2)."""
-        if not self.epochs:
-            return self.cadence.total_steps
-        return math.ceil(fractions.Fraction(str(self.epochs)) * shots / self.batches.batch_size)
-
-    def of_length(self, total_steps: int) -> Job:
-        """This job for its runs of ``total_steps`` steps: the cadence, the learning-rate schedule (its warm-up
-        train.warmup_ratio of them, unless train.warmup_steps is set) and the replayed batch layout span them.
-        Runs of one length train together, each length apart, so each run trains exactly as in a job of its
-        length alone."""
-        warmup = math.ceil(self.warmup_ratio * total_steps) if self.warmup_ratio else self.optimizer.warmup_steps
-        return dataclasses.replace(
-            self,
-            cadence=dataclasses.replace(self.cadence, total_steps=total_steps),
-            optimizer=dataclasses.replace(self.optimizer, total_steps=total_steps, warmup_steps=warmup),
-            batches=dataclasses.replace(self.batches, total_steps=total_steps),
-        )
-
     def log_config(self) -> None:
         """Logs the config the job runs, once its runs are locked: a job refused for a bad config or a locked
         run says so in its one line, with nothing before it."""
         logging.info("config (command-line overrides applied):\n%s", self.description)
-
-
-def _warmup_ratio(train: config_dict.ConfigDict) -> float:
-    """train.warmup_ratio, or 0 where train.warmup_steps is set: a fixed warm-up wins, as in transformers'
-    ``TrainingArguments.get_warmup_steps``, which also rounds the ratio's steps up (``Job.of_length``)."""
-    if not 0 <= train.warmup_ratio <= 1:
-        raise ConfigError(f"train.warmup_ratio must be in [0, 1] (0: no warm-up), got {train.warmup_ratio}")
-    return 0.0 if train.warmup_steps else train.warmup_ratio
 
 
 def _lora(lora: config_dict.ConfigDict) -> LoRAConfig:
@@ -113,8 +85,30 @@ def read(config: config_dict.ConfigDict) -> Job:
     wandb = config.wandb
     if train.epochs < 0:
         raise ConfigError(f"train.epochs must be >= 0 (0: train.steps), got {train.epochs}")
-    warmup_ratio = _warmup_ratio(train)
-    job = Job(
+    runs = RunPlan(
+        model=name,
+        train_set=data.train_set,
+        seeds=tuple(config.runs.seeds),
+        shots=tuple(config.runs.shots),
+        output_dir=pathlib.Path(config.output_dir),
+        skip_locked=config.runs.skip_locked,
+    )
+    optimizer = OptimizerSettings(
+        learning_rate=train.learning_rate,
+        warmup_steps=train.warmup_steps,
+        warmup_ratio=train.warmup_ratio,
+        weight_decay=train.weight_decay,
+        max_grad_norm=train.max_grad_norm or None,
+        schedule=train.schedule,
+    )
+    cadence = CadenceSettings(
+        eval_every=config.eval.every,
+        eval_points=0 if config.eval.every else config.eval.points,  # a fixed eval.every wins
+        checkpoint_every=config.checkpoint_every,
+        checkpoint_keep=config.checkpoint_keep,
+        log_every=config.log_every,
+    )
+    return Job(
         model=ModelSettings(
             name=name,
             tokenizer=config.tokenizer or model.path,
@@ -147,36 +141,14 @@ def read(config: config_dict.ConfigDict) -> Job:
             grad_accum=train.grad_accum,
             pack=train.pack,
             max_length=data.max_length,
-            total_steps=train.steps,
             eval_batch_size=config.eval.batch_size,
             buckets=tuple(data.buckets) or None,
             eval_row_lengths=tuple(config.eval.row_lengths) or None,
         ),
-        optimizer=OptimizerSettings(
-            learning_rate=train.learning_rate,
-            total_steps=train.steps,
-            warmup_steps=math.ceil(warmup_ratio * train.steps) if warmup_ratio else train.warmup_steps,
-            weight_decay=train.weight_decay,
-            max_grad_norm=train.max_grad_norm or None,
-            schedule=train.schedule,
-        ),
-        runs=RunPlan(
-            model=name,
-            train_set=data.train_set,
-            seeds=tuple(config.runs.seeds),
-            shots=tuple(config.runs.shots),
-            output_dir=pathlib.Path(config.output_dir),
-            skip_locked=config.runs.skip_locked,
-        ),
+        optimizer=optimizer,
+        runs=runs,
         mesh=MeshShape(config.mesh.data, config.mesh.fsdp, config.mesh.tensor),
-        cadence=Cadence(
-            total_steps=train.steps,
-            eval_every=config.eval.every,
-            eval_points=0 if config.eval.every else config.eval.points,  # a fixed eval.every wins
-            checkpoint_every=config.checkpoint_every,
-            checkpoint_keep=config.checkpoint_keep,
-            log_every=config.log_every,
-        ),
+        cadence=cadence,
         export=ExportSettings(
             peft=config.export.peft,
             every_checkpoint=config.export.every_checkpoint,
@@ -198,22 +170,36 @@ def read(config: config_dict.ConfigDict) -> Job:
         in_context=config.eval.in_context,
         record=json.loads(config.to_json()),
         description=config_cli.describe_config(config),
-        epochs=train.epochs,
-        warmup_ratio=warmup_ratio,
+        groups=_run_groups(config, runs, optimizer, cadence),
     )
-    for shots in job.runs.shots:  # each run length's cadence and schedule checked, errors naming the fields
+
+
+def _run_groups(
+    config: config_dict.ConfigDict, plan: RunPlan, optimizer: OptimizerSettings, cadence: CadenceSettings
+) -> tuple[RunGroup, ...]:
+    """The runs by length, each group's optimizer and cadence built for it: train.steps, or with train.epochs
+    ceil(epochs x shots / batch_size) (epochs read as the decimal it was written as, so 0.1 x 30 / 3 is 1 step,
+    not 2). Runs of one length train together, each length apart, so each run trains exactly as in a job of its
+    length alone. Each group's pieces are checked, errors naming the fields (and the runs, with train.epochs)."""
+    train, by_length = config.train, collections.defaultdict(list)
+    for run in plan.runs():
+        epochs = fractions.Fraction(str(train.epochs)) * run.shots / train.batch_size
+        by_length[math.ceil(epochs) if train.epochs else train.steps].append(run)
+    groups = []
+    for total_steps, runs in sorted(by_length.items()):
         try:
-            run_job = job.of_length(job.total_steps(shots))
-            if job.epochs:
-                _check_fixed_lengths(run_job, config)
+            groups.append(RunGroup(total_steps, tuple(runs), optimizer.build(total_steps), cadence.build(total_steps)))
+            if train.epochs:
+                _check_fixed_lengths(groups[-1], config)
         except ConfigError as error:
-            if not job.epochs:
+            if not train.epochs:
                 raise
+            shots = ", ".join(map(str, sorted({run.shots for run in runs})))
             raise ConfigError(
                 f"{error} (runs of {shots} shots train ceil(train.epochs x shots / train.batch_size) = "
-                f"{job.total_steps(shots)} steps)"
+                f"{total_steps} steps)"
             ) from None
-    return job
+    return tuple(groups)
 
 
 # With train.epochs, a fixed warm-up or evaluation interval that fits one run length can swamp or starve
@@ -223,18 +209,18 @@ MAX_FIXED_WARMUP_SHARE = 0.25
 MIN_FIXED_EVALUATIONS = 10
 
 
-def _check_fixed_lengths(run_job: Job, config: config_dict.ConfigDict) -> None:
+def _check_fixed_lengths(group: RunGroup, config: config_dict.ConfigDict) -> None:
     """A fixed train.warmup_steps or eval.every, set for one length, refused on a run of another it does not fit
     (with train.epochs): the ratio and eval.points follow each run's own length instead."""
-    steps = run_job.cadence.total_steps
-    warmup = run_job.optimizer.warmup_steps
+    steps = group.total_steps
+    warmup = group.optimizer.warmup_steps
     if config.train.warmup_steps and warmup > MAX_FIXED_WARMUP_SHARE * steps:
         raise ConfigError(
             f"train.warmup_steps={warmup} would take {warmup / steps:.0%} of a run of {steps} steps, more than "
             f"{MAX_FIXED_WARMUP_SHARE:.0%}: set train.warmup_steps=0 for train.warmup_ratio, a share of each run's "
             "own steps"
         )
-    evaluations = len(run_job.cadence.evaluated_steps())
+    evaluations = len(group.cadence.evaluated_steps())
     if config.eval.every and evaluations < MIN_FIXED_EVALUATIONS:
         raise ConfigError(
             f"eval.every={config.eval.every} would leave a run of {steps} steps {evaluations} evaluations, step 0's "

@@ -38,44 +38,36 @@ run) is refused with one line, nothing written.
 from __future__ import annotations
 
 import dataclasses
+import math
 import pathlib
-import time
 from collections.abc import Sequence
 from typing import Any
 
-import jax
-import jax.numpy as jnp
 from absl import logging
-from flax import nnx
 from ml_collections import config_dict
 
 from analysis import schema
 from oodjax import config_cli
 from oodjax.config_checks import check_config
 from oodjax.config_read import Job
-from oodjax.engine import results, run_data, run_lock, sharding, steps
-from oodjax.engine.distributed import is_primary
-from oodjax.engine.evaluation import evaluate, make_eval_pool, refuse_non_finite_model
-from oodjax.engine.geometry import eval_geometry
-from oodjax.engine.setup import set_up
+from oodjax.engine import hooks, results, run_lock
+from oodjax.engine.cadence import RunGroup
+from oodjax.engine.results import Run
+from oodjax.engine.resumption import RunStart
+from oodjax.engine.setup import prepare
 from oodjax.main import start_process
-from oodjax.models.lora import LoRAConfig, apply_lora, lora_from_peft, read_peft
-from oodjax.models.partitioning import param_shardings
+from oodjax.models.lora import LoRAConfig, read_peft
 from oodjax.usage_errors import ConfigError
 
 BASE_RUN_SUFFIX = "base"
 IN_CONTEXT_SUFFIX = "-icl"  # of the model name of in-context runs: the analysis groups them apart
 
 
-@dataclasses.dataclass(frozen=True)
-class EvaluatedRun:
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EvaluatedRun(Run):
     """One model (the base, the base with one adapter, or the base in context) evaluated as a run."""
 
-    name: str
     model: str  # its run section's model: the config's, or "<model>-icl" in context
-    seed: int
-    shots: int
-    directory: pathlib.Path
     adapter: pathlib.Path | None  # None: the base model alone (or in context)
 
 
@@ -88,11 +80,11 @@ def plan_evaluation(job: Job) -> list[EvaluatedRun]:
         planned = []
         for run in job.runs.runs():  # the grid training would run, in its order
             name = results.run_name(model, train_set, run.seed, run.shots)
-            planned.append(EvaluatedRun(name, model, run.seed, run.shots, output / name, None))
+            planned.append(EvaluatedRun(run.seed, run.shots, name, output / name, model=model, adapter=None))
         return planned
     if not job.adapters:
         name = f"{results.path_safe(model)}_{train_set}_{BASE_RUN_SUFFIX}"
-        return [EvaluatedRun(name, model, 0, 0, output / name, None)]
+        return [EvaluatedRun(0, 0, name, output / name, model=model, adapter=None)]
     planned = []
     for index, folder in enumerate(job.adapters):
         identity = _trained_run_identity(folder)
@@ -102,7 +94,7 @@ def plan_evaluation(job: Job) -> list[EvaluatedRun]:
         else:
             seed, shots = index, 0
             name = f"{results.path_safe(model)}_{train_set}_{results.path_safe(folder.name)}"
-        planned.append(EvaluatedRun(name, model, seed, shots, output / name, folder))
+        planned.append(EvaluatedRun(seed, shots, name, output / name, model=model, adapter=folder))
     names = [run.name for run in planned]
     repeated = sorted({name for name in names if names.count(name) > 1})
     if repeated:
@@ -128,80 +120,47 @@ def evaluate_job(job: Job) -> list[EvaluatedRun]:
 
 
 def _evaluate_runs(job: Job, todo: list[EvaluatedRun]) -> None:
-    """Evaluates ``todo`` together on one copy of the base and writes each run's metrics.npz."""
-    adapters = [read_peft(run.adapter) for run in todo if run.adapter is not None]
-    lora_cfg = _shared_adapter_config(adapters, [run.adapter for run in todo if run.adapter is not None])
-
+    """Evaluates ``todo`` together on one copy of the base, as a zero-step run: the evaluation hook once, at
+    step 0, writing each run's metrics.npz."""
+    adapters = [(run.adapter, read_peft(run.adapter)) for run in todo if run.adapter is not None]
+    lora = _shared_adapter_config([peft for _, peft in adapters], [folder for folder, _ in adapters])
     mesh = job.mesh.make()
-    setup = set_up(job, mesh, runs=())  # nothing trains: the tokenizer and answer ids
-    tokenizer, (yes_id, no_id) = setup.tokenizer, setup.answer_ids
-    model = job.model.load(mesh)
-    apply_lora(model, lora_cfg, rngs=nnx.Rngs(0))  # B = 0: the base model's own outputs, exactly
-    fresh = nnx.state(model, nnx.LoRAParam)
-    per_run = [
-        lora_from_peft(fresh, tensors, source=str(run.adapter)) if run.adapter is not None else fresh
-        for run, (_, tensors) in zip(todo, adapters or [(None, None)] * len(todo), strict=True)
-    ]
-    graphdef, _, base_state = nnx.split(model, nnx.LoRAParam, ...)
-    base_state = sharding.place(base_state, param_shardings(base_state, mesh))
-    lora = jax.tree.map(lambda *xs: jnp.stack(xs), *per_run)
-    lora = sharding.place(lora, sharding.runs_shardings(lora, mesh))
-
-    if job.in_context:  # each run scores its own in-context copy of the testsets
-        shared = {}
-        dataset_index, own = run_data.in_context_sets(job.data, tokenizer, [(run.seed, run.shots) for run in todo])
-    else:
-        shared, own = run_data.load_testsets(job.data, tokenizer), [{} for _ in todo]
-        dataset_index = run_data.dataset_indices(shared)
-    layout = eval_geometry(job.batches, sharding.batch_shards(mesh))
-    pool = make_eval_pool(
-        shared,
-        own,
-        batch_tokens=layout.batch_tokens,
-        row_multiple=layout.batch_shards,
-        pad_id=run_data.pad_id(tokenizer),
-        row_lengths=layout.row_lengths,
-    )
-    eval_step = steps.make_eval_step(graphdef, yes_id, no_id, mesh=mesh, compute_dtype=job.model.compute_dtype)
-    evaluation_start = time.perf_counter()
-    margins = evaluate(
-        eval_step, base_state, lora, pool, place=lambda batch: sharding.shard_batch(batch, mesh, batch_axis=1)
-    )
-    evaluation_seconds = time.perf_counter() - evaluation_start
-    evaluated = []
-    for r, run in enumerate(todo):
-        kind = (
-            schema.EVALUATED_IN_CONTEXT
-            if job.in_context
-            else schema.EVALUATED_ADAPTER
-            if run.adapter is not None
-            else schema.EVALUATED_BASE
-        )
-        identity = {
-            schema.RUN_MODEL: run.model,
-            schema.RUN_SEED: run.seed,
-            schema.RUN_SHOTS: run.shots,
-            schema.RUN_EVALUATED: kind,
-        }
-        run_results = results.RunResults(
-            run.directory,
-            labels=pool.labels_of(r),
-            dataset_index=dataset_index,
-            in_domain=job.data.train_set,
-            config=dict(job.record, **{schema.RUN_SECTION: identity}),
-        )
-        evaluated.append(
-            (run, run_results, run_results.add(0, margins[r], float("nan"), evaluation_seconds=evaluation_seconds))
-        )
+    group = RunGroup(total_steps=0, runs=tuple(todo), optimizer=None, cadence=job.cadence.build(0))
+    loaded = [(str(folder), tensors) for folder, (_, tensors) in adapters]
+    prepared = prepare(job, group, mesh, job.model.load(mesh), lora=lora, adapters=loaded)
+    start = [RunStart(run, group, finished=False, stored_config=None) for run in todo]
+    shared = hooks.Shared(job, group, start, events=[], checkpointers=[], clock=hooks.Clock(math.nan))
+    records = [dict(job.record, **{schema.RUN_SECTION: _run_section(job, run)}) for run in todo]
     base = job.model.source
-    refuse_non_finite_model(
-        f"{base} with its adapters" if adapters else base, [accuracies for _, _, accuracies in evaluated]
+    evaluation = hooks.Evaluation(
+        shared,
+        prepared.data,
+        None,
+        prepared.eval_step,
+        prepared.base_state,
+        mesh,
+        records=records,
+        model=f"{base} with its adapters" if adapters else base,
     )
-    for run, run_results, accuracies in evaluated:
-        if is_primary():
-            run_results.write()
-        logging.info("%s: %s", run.name, ", ".join(f"{name} {value:.3f}" for name, value in accuracies.items()))
+    evaluation.begin(prepared.state)
     logging.info("done: %d runs evaluated; results in %s", len(todo), job.runs.output_dir)
+
+
+def _run_section(job: Job, run: EvaluatedRun) -> dict[str, Any]:
+    """The run section of an evaluated run's metrics.npz: its model, seed, shots and what was evaluated."""
+    kind = (
+        schema.EVALUATED_IN_CONTEXT
+        if job.in_context
+        else schema.EVALUATED_ADAPTER
+        if run.adapter is not None
+        else schema.EVALUATED_BASE
+    )
+    return {
+        schema.RUN_MODEL: run.model,
+        schema.RUN_SEED: run.seed,
+        schema.RUN_SHOTS: run.shots,
+        schema.RUN_EVALUATED: kind,
+    }
 
 
 def _shared_adapter_config(adapters: Sequence[tuple[LoRAConfig, Any]], folders: Sequence[pathlib.Path]) -> LoRAConfig:

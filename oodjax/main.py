@@ -113,15 +113,16 @@ def main(config: config_dict.ConfigDict) -> None:
 def _results_complete(job: Job) -> bool:
     """Whether every run of ``job`` has its final evaluation in its metrics.npz (and, with export.peft, its
     adapter): all a finished run leaves, its checkpoints aside."""
-    for run in job.runs.runs():
-        try:
-            progress = results.read_progress(run.directory)
-        except results.UnreadableResultsError:
-            return False
-        if progress is None or not progress.finished(job.total_steps(run.shots)):
-            return False
-        if job.export.peft and not (run.directory / results.ADAPTER_DIR).is_dir():
-            return False
+    for group in job.groups:
+        for run in group.runs:
+            try:
+                progress = results.read_progress(run.directory)
+            except results.UnreadableResultsError:
+                return False
+            if progress is None or not progress.finished(group.total_steps):
+                return False
+            if job.export.peft and not (run.directory / results.ADAPTER_DIR).is_dir():
+                return False
     return True
 
 

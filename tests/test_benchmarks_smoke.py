@@ -345,11 +345,11 @@ def test_phases_are_chosen_on_the_command_line():
     launch.estimate's names agree with them."""
     from benchmarks import __main__ as cli
     from benchmarks import case_device, environment
-    from launch import estimate
+    from launch import devices
 
     assert cli.PHASES == case_device.PHASES
-    assert environment.MEMORY_FRACTION_VARIABLES == estimate.MEMORY_FRACTION_VARIABLES
-    assert float(environment.MEMORY_FRACTION) == estimate.MEMORY_FRACTION_DEFAULT
+    assert environment.MEMORY_FRACTION_VARIABLES == devices.MEMORY_FRACTION_VARIABLES
+    assert float(environment.MEMORY_FRACTION) == devices.MEMORY_FRACTION_DEFAULT
     assert cli.parse(["--device", "gpu"]).phases == ["oodjax", "agreement", "pytorch"]
     assert cli.parse(["--device", "gpu", "--phases", "oodjax"]).phases == ["oodjax"]
     for wrong in (

@@ -307,7 +307,7 @@ def test_a_job_compiles_the_micro_batch_lengths_its_streams_take_and_no_other(
     mesh = job.mesh.make(devices=jax.devices()[:2])
     tokenizer = load_tokenizer(job.model.tokenizer)
     train_sets = few_shot_sets(job.data, tokenizer, [(seed, 16) for seed in seeds])
-    geometry = batch_geometry(job.batches, mesh, train_sets, seeds)
+    geometry = batch_geometry(job.batches, mesh, train_sets, seeds, job.groups[0].total_steps)
     every_bucket = dataclasses.replace(geometry, buckets=bucket_lengths(geometry.seq_len))
     stream = train_steps(
         train_sets,

@@ -12,7 +12,7 @@ import transformers
 
 from oodjax import config_checks
 from oodjax.config_checks import check_config
-from oodjax.engine import loop, results, steps
+from oodjax.engine import hooks, loop, results, steps
 from oodjax.models.lora import peft_tensors
 from tests.engine_configs import TINY_OPT, tiny_config
 
@@ -34,8 +34,8 @@ def test_each_run_exports_its_own_final_adapters_which_peft_loads(config, monkey
 
     monkeypatch.setattr(loop._Loop, "run", keep_loop)
     exports = []
-    original_export = loop.export_peft
-    monkeypatch.setattr(loop, "export_peft", lambda *a, **k: exports.append(a[2]) or original_export(*a, **k))
+    original_export = hooks.export_peft
+    monkeypatch.setattr(hooks, "export_peft", lambda *a, **k: exports.append(a[2]) or original_export(*a, **k))
     runs = loop.train(check_config(config))
     (trained,) = finished
     assert len(exports) == len(runs)  # at the end only (checkpoints at steps 2 and 4)
@@ -68,8 +68,8 @@ def test_every_checkpoint_exports_and_pushes_each_time_and_a_finished_rerun_expo
     config.export.hub_repo = "someone/adapters"
     monkeypatch.setattr(config_checks, "hub_offline", lambda: False)
     pushes = []
-    monkeypatch.setattr(loop.huggingface_hub, "create_repo", lambda repo_id, exist_ok: None)
-    monkeypatch.setattr(loop.huggingface_hub, "upload_folder", lambda **kwargs: pushes.append(kwargs))
+    monkeypatch.setattr(hooks.huggingface_hub, "create_repo", lambda repo_id, exist_ok: None)
+    monkeypatch.setattr(hooks.huggingface_hub, "upload_folder", lambda **kwargs: pushes.append(kwargs))
     runs = loop.train(check_config(config))
     names = [run.name for run in runs]
     assert [push["path_in_repo"] for push in pushes] == names * 2  # steps 2 and 4

@@ -183,19 +183,30 @@ def test_eval_points_spread_over_the_run_s_own_steps():
     assert cadence.Cadence(total_steps=7, eval_every=5).evaluated_steps() == [0, 5, 7]  # eval.points 0: eval.every
 
 
+def lengths(job):
+    """Each shot count's run length, read from the job's run groups."""
+    return {run.shots: group.total_steps for group in job.groups for run in group.runs}
+
+
+def group_of(job, shots):
+    """The run group of the runs of ``shots``."""
+    (group,) = {group for group in job.groups for run in group.runs if run.shots == shots}
+    return group
+
+
 def test_epochs_give_each_run_its_own_length_schedule_and_evaluations():
     config = checkpoint_config()
     config.train.batch_size, config.train.epochs, config.train.warmup_ratio, config.eval.points = 32, 40, 0.1, 20
     job = read(config)
-    assert [job.total_steps(shots) for shots in (32, 64, 128)] == [40, 80, 160]
-    run_job = job.of_length(80)
-    assert run_job.optimizer.total_steps == run_job.batches.total_steps == run_job.cadence.total_steps == 80
+    assert [lengths(job)[shots] for shots in (32, 64, 128)] == [40, 80, 160]
+    run_job = group_of(job, 64)
+    assert run_job.optimizer.total_steps == run_job.cadence.total_steps == run_job.total_steps == 80
     assert run_job.optimizer.warmup_steps == 8  # ceil(0.1 x 80)
     assert run_job.cadence.evaluated_steps() == list(range(0, 81, 4))
     config.train.epochs, config.train.batch_size, config.runs.shots, config.eval.points = 0.1, 3, (30, 31), 1
-    assert [read(config).total_steps(shots) for shots in (30, 31)] == [1, 2]  # 0.1 as written: 0.1 x 30 / 3 = 1
+    assert [lengths(read(config))[shots] for shots in (30, 31)] == [1, 2]  # 0.1 as written: 0.1 x 30 / 3 = 1
     config.train.epochs, config.train.warmup_ratio, config.eval.every = 0, 0, 25
-    assert read(config).total_steps(30) == read(config).total_steps(128) == 500  # train.steps, as before epochs
+    assert lengths(read(config)) == {30: 500, 31: 500}  # train.steps, as before epochs
     config.train.epochs, config.train.batch_size, config.runs.shots = 1, 32, (32, 64)
     config.train.warmup_steps, config.eval.every, config.eval.points = 50, 0, 1
     with pytest.raises(ConfigError, match=r"got 50 \(runs of 32 shots train ceil\(train.epochs x shots / "):
@@ -207,28 +218,50 @@ def test_by_default_warm_up_and_evaluations_follow_each_run_s_length():
     of train.steps=500; with train.epochs=40 at batch 16, runs of 80, 160 and 320 steps warm up over ceil(T / 10)
     of them and are evaluated at step 0 and floor(k T / 20), k = 1..20."""
     config = checkpoint_config()
-    job = read(config)
+    (job,) = read(config).groups
     assert job.optimizer.warmup_steps == 50 and job.cadence.evaluated_steps() == list(range(0, 501, 25))
     config.train.epochs = 40
     job = read(config)
     for shots, steps in ((32, 80), (64, 160), (128, 320)):
-        run_job = job.of_length(job.total_steps(shots))
+        run_job = group_of(job, shots)
         assert run_job.optimizer.total_steps == steps
         assert run_job.optimizer.warmup_steps == -(-steps // 10)
         assert run_job.cadence.evaluated_steps() == [k * steps // 20 for k in range(21)]
 
 
+def test_run_groups_are_the_plan_each_built_for_its_length():
+    """train.epochs=40 at batch 16: the runs of 32, 64 and 128 shots (two seeds each, listed out of order) form
+    three groups of 40 x shots / 16 = 80, 160 and 320 steps, shortest first; each group's optimizer and cadence
+    are built for its length: warm-up ceil(T / 10) (train.warmup_ratio 0.1), evaluations at floor(k T / 20),
+    k = 0..20 (eval.points 20), the learning rate at its peak when warm-up ends and 0 at step T."""
+    config = checkpoint_config()
+    config.runs.seeds, config.runs.shots, config.train.epochs = (0, 1), (128, 32, 64), 40
+    job = read(config)
+    assert [(group.total_steps, [(run.seed, run.shots) for run in group.runs]) for group in job.groups] == [
+        (80, [(0, 32), (1, 32)]),
+        (160, [(0, 64), (1, 64)]),
+        (320, [(0, 128), (1, 128)]),
+    ]
+    for group in job.groups:
+        steps = group.total_steps
+        assert group.optimizer.total_steps == group.cadence.total_steps == steps
+        assert group.optimizer.warmup_steps == steps // 10  # 8, 16, 32: ceil of a whole number
+        assert group.cadence.evaluated_steps() == [k * steps // 20 for k in range(21)]
+        schedule = group.optimizer.learning_rate_schedule
+        assert float(schedule(steps // 10)) == pytest.approx(config.train.learning_rate)
+        assert float(schedule(steps)) == 0.0
+
+
 def test_a_fixed_warm_up_or_evaluation_interval_wins_over_the_ratio_and_the_points():
     config = checkpoint_config()
     config.train.warmup_steps, config.eval.every = 30, 100
-    job = read(config)  # no train.epochs: fixed values of any share are the user's to choose
+    (job,) = read(config).groups  # no train.epochs: fixed values of any share are the user's to choose
     assert job.optimizer.warmup_steps == 30 and job.cadence.evaluated_steps() == list(range(0, 501, 100))
     config.train.epochs, config.train.warmup_steps, config.eval.every = 40, 0, 8
-    job = read(config)
-    run_job = job.of_length(job.total_steps(32))
+    run_job = group_of(read(config), 32)
     assert run_job.optimizer.warmup_steps == 8 and run_job.cadence.evaluated_steps() == list(range(0, 81, 8))
     config.train.warmup_ratio, config.eval.every, config.eval.points = 0, 0, 20
-    assert read(config).of_length(80).optimizer.warmup_steps == 0  # both 0: no warm-up
+    assert group_of(read(config), 32).optimizer.warmup_steps == 0  # both 0: no warm-up
     config.eval.points = 0
     with pytest.raises(ConfigError, match=r"eval.points and eval.every are both 0: set eval.points"):
         read(config)

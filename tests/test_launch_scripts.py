@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from launch.estimate import MEMORY_FRACTION_DEFAULT
+from launch.devices import MEMORY_FRACTION_DEFAULT
 from oodjax.engine.preemption import PREEMPTED_EXIT_CODE
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

@@ -1,6 +1,6 @@
 """The real train and eval steps lower for NVIDIA GPUs and TPUs on this CPU host, with the fused kernels in.
 
-The preflight's steps (``launch.preflight.abstract_steps``: the real step factories, geometry, batch
+The preflight's steps (``launch.compiled.abstract_steps``: the real step factories, geometry, batch
 shapes and mesh on 8 fake devices, the model cut to 2 layers) of three configs are lowered (not compiled)
 with ``lowering_platforms=("cuda",)`` and ``("tpu",)`` inside ``flash_attention.target_platform``: OPT-2.7B
 (head size 80), SmolLM3-3B (grouped-query heads, 16 over 4, and NoPE layers) and OLMo-2 32B (its fsdp mesh,
@@ -20,7 +20,7 @@ import time
 import jax
 import pytest
 
-from launch import preflight
+from launch import compiled
 from launch.config_files import load_config
 from oodjax.config_read import read
 from oodjax.models import flash_attention
@@ -57,7 +57,7 @@ def abstract_steps(gpt2_tokenizer_dir):
             config = load_config(ROOT / "configs" / CONFIGS[name])
             config.tokenizer = str(gpt2_tokenizer_dir)  # offline: the checkpoints' own tokenizers are not here
             config.data.pool_split = "validation_mismatched"  # nor is MNLI's train split
-            cache[name] = preflight.abstract_steps(read(config), devices=8, layers=2)
+            cache[name] = compiled.abstract_steps(read(config), devices=8, layers=2)
         return cache[name]
 
     return get

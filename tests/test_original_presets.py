@@ -137,7 +137,7 @@ def test_a_preset_changes_exactly_its_source_s_fields_to_its_values(family, mode
     differing = {field for field in got if got[field] != study[field]}
     assert differing <= set(changed), sorted(differing - set(changed))
     job = read(loaded)
-    lengths = {shots: job.of_length(job.total_steps(shots)) for shots in (32, 64, 128)}
+    lengths = {run.shots: group for group in job.groups for run in group.runs}
     assert {shots: run.optimizer.total_steps for shots, run in lengths.items()} == steps
     assert {shots: run.optimizer.warmup_steps for shots, run in lengths.items()} == warmups
     for shots, run in lengths.items():  # step 0 and 20 more, floor(k T / 20), the last at the run's end

@@ -18,8 +18,8 @@ import sys
 import pytest
 
 from configs.models import architecture
-from launch import costs, hlo, preflight
-from launch import estimate as estimator
+from launch import compiled, costs, devices, estimate, hlo, preflight
+from launch import prompts as launch_prompts
 from launch.config_files import load_config
 from oodjax.config_read import read
 from oodjax.engine import run_data
@@ -65,7 +65,7 @@ def test_cli_on_the_demo_writes_every_key(tmp_path):
     } <= set(report)
     assert report["train_step_flops"] > 0 and report["estimate_step_s"] > 0
     assert report["eval_step_flops"] > 0 and report["estimate_eval_step_s"] > 0
-    h100 = estimator.DEVICES[preflight.ESTIMATE_DEVICE]
+    h100 = devices.DEVICES[preflight.ESTIMATE_DEVICE]
     assert report["interconnect"]["bytes_per_s"] == h100.interconnect_bytes_per_s
     assert report["devices"] == 8 and report["layers"] == 2 and report["estimate_bytes"] > 0
     assert 0 < report["train_real_token_share"] <= 1 and 0 < report["eval_real_token_share"] <= 1
@@ -140,11 +140,11 @@ def test_a_job_of_fewer_steps_than_the_replay_replays_its_own(tmp_path):
 
 
 def test_the_fit_is_tested_against_the_memory_jax_can_use(fsdp_report):
-    """The fit is of the estimate device's memory times JAX's memory fraction (``launch.estimate.usable_memory``),
+    """The fit is of the estimate device's memory times JAX's memory fraction (``launch.devices.usable_memory``),
     not the whole device. Compiled on that device's platform, each step's compiled total is judged; compiled on
     a CPU (2.5-3.4x a GPU's allocation, measured), the train step's estimate costed for a GPU is."""
-    h100 = estimator.DEVICES[preflight.ESTIMATE_DEVICE]
-    usable, source = estimator.usable_memory(h100)
+    h100 = devices.DEVICES[preflight.ESTIMATE_DEVICE]
+    usable, source = devices.usable_memory(h100)
     assert dataclasses.asdict(fsdp_report.memory_limit) == {
         "device": "h100",
         "device_bytes": 80_000_000_000,
@@ -161,21 +161,21 @@ def test_the_fit_is_tested_against_the_memory_jax_can_use(fsdp_report):
     device_estimate = fsdp_report.device_estimate_bytes
     assert (
         f"on the H100 SXM: the train step needs {device_estimate / 1e9:.2f} GB per device by the estimate for a GPU "
-        f"(0.97-0.99x a GPU's compiled total where measured); {estimator.fit_text(device_estimate, h100, usable, source)}"
+        f"(0.97-0.99x a GPU's compiled total where measured); {devices.fit_text(device_estimate, h100, usable, source)}"
     ) in text
 
     on_gpu = dataclasses.replace(fsdp_report, platform="gpu")
     text = preflight.describe(on_gpu)
     for name in ("train", "eval"):
         total = getattr(fsdp_report, name).memory_bytes.total
-        assert f"; {estimator.fit_text(total, h100, usable, source)}\n" in text.split(f"{name} step:")[1]
+        assert f"; {devices.fit_text(total, h100, usable, source)}\n" in text.split(f"{name} step:")[1]
     assert "on the H100 SXM: the train step needs" not in text  # the full model's line (a cut compile) stays
     # 75 GB on an H100 at the launcher's default fraction (0.9) does not fit, though 80 GB would hold it: compiled
     # on a GPU, or estimated for one from a CPU's compile.
     default_limit = dataclasses.replace(
         fsdp_report.memory_limit,
-        usable_bytes=int(estimator.usable_memory(h100, {})[0]),
-        source=estimator.memory_fraction({})[1],
+        usable_bytes=int(devices.usable_memory(h100, {})[0]),
+        source=devices.memory_fraction({})[1],
     )
     over_on_gpu = dataclasses.replace(
         on_gpu,
@@ -352,11 +352,11 @@ def test_a_cut_models_verdict_names_the_full_models_estimate(demo_job, fsdp_repo
 
     full = fsdp_report.full_model
     assert full.layers == 40 and full.device_estimate_bytes > 5 * fsdp_report.device_estimate_bytes
-    h100 = estimator.DEVICES[preflight.ESTIMATE_DEVICE]
-    usable, source = estimator.usable_memory(h100)
+    h100 = devices.DEVICES[preflight.ESTIMATE_DEVICE]
+    usable, source = devices.usable_memory(h100)
     assert (
         f"the full model, 40 layers (this compile 2): the train step needs {full.device_estimate_bytes / 1e9:.2f} "
-        f"GB per device by the estimate for a GPU; {estimator.fit_text(full.device_estimate_bytes, h100, usable, source)}"
+        f"GB per device by the estimate for a GPU; {devices.fit_text(full.device_estimate_bytes, h100, usable, source)}"
     ) in preflight.describe(fsdp_report)
 
 
@@ -365,7 +365,7 @@ def test_data_parallel_over_two_nodes_is_warned_of_where_one_node_is_faster(demo
     network between nodes, so one node, over NVLink, is faster: a warning. A step whose compute outweighs its
     communication is faster over nodes: no warning; an fsdp mesh is not compared; one node, nothing said."""
     report = preflight.preflight(demo_job, devices=8, node_devices=4)
-    h100 = estimator.DEVICES[preflight.ESTIMATE_DEVICE]
+    h100 = devices.DEVICES[preflight.ESTIMATE_DEVICE]
     nodes = report.nodes
     assert {key: getattr(nodes, key) for key in ("count", "devices_per_node", "data_parallel")} == {
         "count": 2,
@@ -376,9 +376,9 @@ def test_data_parallel_over_two_nodes_is_warned_of_where_one_node_is_faster(demo
     assert train > 0
     # 4 train steps; evaluations at steps 2 and 4 and at step 0 (each example once for all runs), computing what
     # the estimate prices for the same prompts, each batch moving what the largest one's collectives move.
-    counted = estimator.PromptCounter()(demo_job, demo_job.mesh.sizes(8))
-    priced = estimator.estimate("demo", demo_job, counted, estimator.Target(8, h100, 0.4))
-    data = preflight.abstract_steps(demo_job, devices=8, layers=None).data
+    counted = launch_prompts.PromptCounter()(demo_job, demo_job.mesh.sizes(8))
+    priced = estimate.estimate("demo", demo_job, counted, estimate.Target(8, h100, 0.4))
+    data = compiled.abstract_steps(demo_job, devices=8, layers=None).data
     speed = 8 * h100.peak_flops * 0.4
     parts = [
         (4, report.estimate_step_s, train),
@@ -400,7 +400,7 @@ def test_data_parallel_over_two_nodes_is_warned_of_where_one_node_is_faster(demo
     fsdp = olmo13(gpt2_tokenizer_dir, mesh=(1, -1, 1))
     assert preflight.over_nodes(fsdp, h100, 16, 8, steps).data_parallel is False
     assert preflight.over_nodes(demo_job, h100, 8, 8, steps) is None
-    tpu = estimator.DEVICES["v5p"]
+    tpu = devices.DEVICES["v5p"]
     assert preflight.over_nodes(demo_job, tpu, 16, tpu.node_devices, steps) is None
 
 
@@ -411,7 +411,7 @@ def test_the_preflight_evaluates_a_local_sample_at_the_hub_splits_size():
     config = load_config(ROOT / "configs" / "demo.py")
     config.data.testsets, config.data.eval_cap = ("mnli", "hans"), 0
     job = read(config)
-    pool = preflight.abstract_steps(job, devices=8, layers=None).data.eval_pool
+    pool = compiled.abstract_steps(job, devices=8, layers=None).data.eval_pool
     runs, mnli = job.runs.runs(), len(run_data.capped_testsets(job.data)["mnli"])
     assert sum(int(batch["valid"].sum()) for batch in pool.batches) == len(runs) * (30_000 + mnli) + sum(
         run.shots for run in runs

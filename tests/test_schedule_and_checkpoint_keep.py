@@ -11,7 +11,8 @@ from configs import base
 from oodjax import config_cli
 from oodjax.config_checks import check_config
 from oodjax.config_read import read
-from oodjax.engine import checkpoints, loop, resumption, steps
+from oodjax.engine import checkpoints, loop, resumption
+from oodjax.engine.optimizer import SCHEDULES, make_schedule
 from oodjax.usage_errors import ConfigError
 from tests.engine_configs import checkpoint_config, tiny_config
 
@@ -26,20 +27,20 @@ def test_defaults_are_the_previous_behaviour_and_are_described_in_help():
     assert "train.schedule = 'linear'" in help_text and "checkpoint_keep = 2" in help_text
 
 
-@pytest.mark.parametrize("schedule", steps.SCHEDULES)
+@pytest.mark.parametrize("schedule", SCHEDULES)
 def test_the_optimizer_follows_train_schedule(schedule):
     """With a constant gradient Adam's update is the learning rate itself: read the schedule off the updates."""
     config = checkpoint_config()
     config.train.steps, config.train.warmup_steps, config.train.learning_rate = 10, 2, 1e-2
     config.train.schedule = schedule
-    optimizer = read(config).optimizer.transformation
+    optimizer = read(config).groups[0].optimizer.transformation
     params = {"w": jnp.zeros(())}
     state = optimizer.init(params)
     rates = []
     for _ in range(10):
         updates, state = optimizer.update({"w": jnp.ones(())}, state, params)
         rates.append(-float(updates["w"]))
-    expected = [float(steps.make_schedule(1e-2, 10, 2, schedule)(i)) for i in range(10)]
+    expected = [float(make_schedule(1e-2, 10, 2, schedule)(i)) for i in range(10)]
     np.testing.assert_allclose(rates, expected, rtol=1e-4, atol=1e-9)
     after_warmup = rates[2:]
     if schedule == "constant":
@@ -75,7 +76,9 @@ def test_a_resumed_run_may_keep_more_checkpoints_but_not_change_its_schedule(tmp
 
     stored = read(one_run())
     (run,) = stored.runs.runs()
-    start = resumption.RunStart(run, finished=False, stored_config=resumption.comparable_stored(stored.record))
+    start = resumption.RunStart(
+        run, stored.groups[0], finished=False, stored_config=resumption.comparable_stored(stored.record)
+    )
     kept, rescheduled = one_run(checkpoint_keep=5), one_run(train__schedule="cosine")
     resumption.refuse_changed_config(read(kept).record, tmp_path, [start])  # no error
     with pytest.raises(ValueError, match="train.schedule 'linear' -> 'cosine'"):
@@ -84,11 +87,13 @@ def test_a_resumed_run_may_keep_more_checkpoints_but_not_change_its_schedule(tmp
     # A run stored before the field existed resumes at its default, and only there.
     older = {**start.stored_config, "train": {k: v for k, v in start.stored_config["train"].items() if k != "schedule"}}
     resumption.refuse_changed_config(
-        read(kept).record, tmp_path, [resumption.RunStart(run, finished=False, stored_config=older)]
+        read(kept).record, tmp_path, [resumption.RunStart(run, stored.groups[0], finished=False, stored_config=older)]
     )
     with pytest.raises(ValueError, match="train.schedule None -> 'cosine'"):
         resumption.refuse_changed_config(
-            read(rescheduled).record, tmp_path, [resumption.RunStart(run, finished=False, stored_config=older)]
+            read(rescheduled).record,
+            tmp_path,
+            [resumption.RunStart(run, stored.groups[0], finished=False, stored_config=older)],
         )
 
 

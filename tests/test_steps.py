@@ -23,6 +23,7 @@ from flax import nnx
 from oodjax.data import TRAIN_KEYS, StepLayout, TokenizedSet, train_steps
 from oodjax.engine import steps
 from oodjax.engine.geometry import BatchGeometry, BatchSettings, EvalGeometry, micro_batch_lengths
+from oodjax.engine.optimizer import SCHEDULES, make_schedule
 from oodjax.models import from_config
 from oodjax.models.lora import LoRAConfig
 
@@ -416,7 +417,7 @@ def test_geometry_errors_name_the_config_field():
     assert EvalGeometry(rows=8, seq_len=12, row_lengths=(12,), batch_shards=2).batch_tokens == 96
 
 
-@pytest.mark.parametrize("schedule", steps.SCHEDULES)
+@pytest.mark.parametrize("schedule", SCHEDULES)
 def test_schedule_is_transformers(schedule):
     total, warmup, peak = 12, 3, 1e-3
     torch_opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=peak)
@@ -431,9 +432,9 @@ def test_schedule_is_transformers(schedule):
         theirs.append(scheduler.get_last_lr()[0])
         torch_opt.step()
         scheduler.step()
-    ours = [float(steps.make_schedule(peak, total, warmup, schedule)(i)) for i in range(total)]
+    ours = [float(make_schedule(peak, total, warmup, schedule)(i)) for i in range(total)]
     np.testing.assert_allclose(ours, theirs, rtol=1e-6, atol=1e-12)
     with pytest.raises(ValueError, match="train.schedule must be one of linear, cosine, constant, got 'step'"):
-        steps.make_schedule(peak, total, warmup, "step")
+        make_schedule(peak, total, warmup, "step")
     with pytest.raises(ValueError, match=r"train.warmup_steps must be in \[0, train.steps="):
-        steps.make_schedule(peak, total, total + 1, schedule)
+        make_schedule(peak, total, total + 1, schedule)

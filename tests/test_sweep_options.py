@@ -108,7 +108,7 @@ def test_a_run_finished_in_the_configs_own_output_dir_is_skipped(capsys, tmp_pat
     np.savez(
         finished.directory / schema.METRICS_FILENAME,
         **{
-            schema.STEP: np.array([0, sweep.job_plan(job).cadence.total_steps]),
+            schema.STEP: np.array([0, sweep.job_plan(job).groups[0].total_steps]),
             schema.TESTSETS: np.array(["mnli"]),
             schema.ACCURACY: np.full((2, 1), 0.5),
             schema.TRAIN_LOSS: np.ones(2),

@@ -1,19 +1,24 @@
-"""The run loop's settings (when it evaluates, checkpoints, logs, exports), which the job reads, not the loop."""
+"""The run loop's settings (when it evaluates, checkpoints, logs, exports), which the job reads, not the loop,
+and the run groups the job's runs train in, each with the cadence and optimizer of its length."""
 
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 from oodjax.data.testsets import HUB_ID
 from oodjax.usage_errors import ConfigError
 
+if TYPE_CHECKING:
+    from oodjax.engine.optimizer import Optimizer
+    from oodjax.engine.results import Run
+
 
 @dataclasses.dataclass(frozen=True)
-class Cadence:
-    """When a job's runs are evaluated, checkpointed and logged: the one home of those rules, which the
-    estimator counts evaluations by too."""
+class CadenceSettings:
+    """When a job's runs are evaluated, checkpointed and logged, as the config says it; ``build`` gives the
+    ``Cadence`` of a run length."""
 
-    total_steps: int  # optimizer steps per run (of the runs of one length: ``oodjax.config_read.Job.of_length``)
     eval_every: int = 25  # step 0, every eval_every steps and the last step are evaluated
     eval_points: int = 0  # if > 0 instead: step 0 and this many steps spread over total_steps (all of fewer)
     checkpoint_every: int = 100  # and the last step
@@ -21,7 +26,7 @@ class Cadence:
     log_every: int = 10
 
     def __post_init__(self) -> None:
-        # train.steps >= 1 is the optimizer's check (steps.OptimizerSettings), the piece whose schedule spans it.
+        # train.steps >= 1 is the optimizer's check (optimizer.Optimizer), the piece whose schedule spans it.
         every = {
             "checkpoint_every": self.checkpoint_every,
             "log_every": self.log_every,
@@ -40,6 +45,19 @@ class Cadence:
                 "eval.points and eval.every are both 0: set eval.points (evaluations spread over each run) "
                 "or eval.every (steps between evaluations)"
             )
+
+    def build(self, total_steps: int) -> Cadence:
+        """The cadence of runs of ``total_steps`` steps."""
+        fields = {field.name: getattr(self, field.name) for field in dataclasses.fields(CadenceSettings)}
+        return Cadence(total_steps=total_steps, **fields)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Cadence(CadenceSettings):
+    """The cadence of runs of one length: the one home of the rules of when they are evaluated, checkpointed
+    and logged, which the estimator counts evaluations by too."""
+
+    total_steps: int  # optimizer steps per run
 
     def evaluation_due(self, step: int) -> bool:
         """With eval.points P over T steps: step 0 and the steps floor(k T / P), k = 1..P, the last being T
@@ -79,3 +97,16 @@ class ExportSettings:
             raise ConfigError("export.every_checkpoint and export.hub_repo need export.peft=True")
         if self.hub_repo and not HUB_ID.fullmatch(self.hub_repo):
             raise ConfigError(f"export.hub_repo {self.hub_repo!r} is not a hub repo id (user/name)")
+
+
+@dataclasses.dataclass(frozen=True)
+class RunGroup:
+    """The runs of one length, which train together (each length apart, so each run trains as in a job of its
+    length alone), and what their length fixes: the optimizer's schedule and warm-up, the cadence's
+    evaluations and checkpoints, and the batch layout replayed over their steps (``set_up``). A zero-step
+    run (``oodjax.evaluate``) is evaluated once, at step 0, and has no optimizer."""
+
+    total_steps: int  # optimizer steps of each run
+    runs: tuple[Run, ...]
+    optimizer: Optimizer | None  # built for total_steps (``OptimizerSettings.build``); None: zero steps
+    cadence: Cadence  # built for total_steps (``CadenceSettings.build``)

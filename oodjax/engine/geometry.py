@@ -37,14 +37,13 @@ from oodjax.usage_errors import ConfigError
 @dataclasses.dataclass(frozen=True)
 class BatchSettings:
     """What a job asks of its batches (train.batch_size, grad_accum, pack; data.max_length, buckets;
-    eval.batch_size, row_lengths; train.steps, which the layout is replayed over): ``batch_geometry`` and
-    ``eval_geometry`` work the shapes out from them."""
+    eval.batch_size, row_lengths): ``batch_geometry`` and ``eval_geometry`` work the shapes out from them, the
+    former for a run length."""
 
     batch_size: int  # examples per optimizer step, per run
     grad_accum: int  # micro-batches per optimizer step
     pack: bool  # all runs' prompts packed into shared rows, else one prompt a row
     max_length: int  # the longest training and evaluation row
-    total_steps: int  # optimizer steps per run
     eval_batch_size: int  # evaluation rows of max_length a batch (a token budget)
     buckets: tuple[int, ...] | None = None  # None: bucket_lengths' default
     eval_row_lengths: tuple[int, ...] | None = None  # None: eval_row_lengths' default
@@ -171,11 +170,12 @@ def micro_batch_lengths(buckets: Sequence[int] | None, seq_len: int) -> tuple[in
 
 
 def batch_geometry(
-    batches: BatchSettings, mesh: Mesh, train_sets: Sequence[TokenizedSet], seeds: Sequence[int]
+    batches: BatchSettings, mesh: Mesh, train_sets: Sequence[TokenizedSet], seeds: Sequence[int], total_steps: int
 ) -> BatchGeometry:
-    """The job's geometry from its batch settings, its mesh and its runs' tokenised few-shot sets and seeds (one each).
+    """The geometry of runs of ``total_steps`` from the batch settings, the mesh and the runs' tokenised few-shot
+    sets and seeds (one each).
 
-    The streams are seeded, so replaying the job's steps from the prompts' lengths (``oodjax.data.replay_rows``)
+    The streams are seeded, so replaying the runs' steps from the prompts' lengths (``oodjax.data.replay_rows``)
     tells before it starts what every step holds. Rows are as long as the bucket of the longest, so all steps
     share one compiled program (with a branch per bucket the micro-batches run at).
     """
@@ -192,7 +192,7 @@ def batch_geometry(
         batch_shards=sharding.batch_shards(mesh),
         evaluation=eval_geometry(batches, sharding.batch_shards(mesh)),
     )  # its fit on the mesh checked, errors naming the fields
-    replay = dict(batch_size=geometry.batch_size, steps=batches.total_steps)
+    replay = dict(batch_size=geometry.batch_size, steps=total_steps)
     if geometry.packed:
         layout, longest, prompts_per_row = packed_layout(
             train_sets,

@@ -11,7 +11,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import json
-import math
 import pathlib
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -23,7 +22,9 @@ from jax.experimental import multihost_utils
 from analysis import schema
 from oodjax import config_fields
 from oodjax.engine import checkpoints, results
+from oodjax.engine.cadence import RunGroup
 from oodjax.engine.distributed import is_primary
+from oodjax.engine.optimizer import warmup_steps
 from oodjax.engine.results import Run
 from oodjax.usage_errors import ConfigError
 
@@ -38,6 +39,7 @@ class RunStart:
     """Where one run stands before a job trains it."""
 
     run: Run
+    group: RunGroup  # the job's runs of its length
     finished: bool  # its metrics.npz holds the evaluation at its last step
     stored_config: dict[str, Any] | None  # comparable config it was trained with (None: new)
     checkpoint: checkpoints.Restored | None = None  # the one it resumes from (None: it starts at 0)
@@ -51,16 +53,16 @@ class RunStart:
         """Whether it was stopped at a step whose evaluation is still to do."""
         return self.checkpoint is not None and bool(self.checkpoint.loop_state.get("evaluation_pending"))
 
-    def describe(self, total_steps: int) -> str:
+    def describe(self) -> str:
         if self.finished:
-            return f"finished (step {total_steps}), skipped"
+            return f"finished (step {self.group.total_steps}), skipped"
         if self.checkpoint is not None:
             return f"resumes from its checkpoint at step {self.step}"
         return "starts at step 0"
 
 
-def read_start(total_steps: int, run: Run) -> RunStart:
-    """Reads what the run's folder holds; writes nothing."""
+def read_start(group: RunGroup, run: Run) -> RunStart:
+    """Reads what the folder of ``run``, one of ``group``'s, holds; writes nothing."""
     try:
         progress = results.read_progress(run.directory)
     except results.UnreadableResultsError as error:
@@ -68,11 +70,11 @@ def read_start(total_steps: int, run: Run) -> RunStart:
             f"{error}; {run.name} cannot be resumed or skipped without it: move it (or {run.directory}) away to "
             "start the run over"
         ) from error
-    if progress is not None and progress.finished(total_steps):
-        return RunStart(run, finished=True, stored_config=comparable_stored(progress.config))
+    if progress is not None and progress.finished(group.total_steps):
+        return RunStart(run, group, finished=True, stored_config=comparable_stored(progress.config))
     newest = checkpoints.restore_newest(run.directory, None, warn=False)  # its config; the arrays come later
     stored = comparable_stored(newest.loop_state["config"]) if newest is not None else None  # as this version compares
-    return RunStart(run, finished=False, stored_config=stored, checkpoint=newest)
+    return RunStart(run, group, finished=False, stored_config=stored, checkpoint=newest)
 
 
 def refuse_changed_config(record: Mapping[str, Any], output_dir: pathlib.Path, starts: Sequence[RunStart]) -> None:
@@ -156,7 +158,7 @@ def _resolved_schedule(train: dict[str, Any], evaluation: dict[str, Any]) -> tup
     if train.get("warmup_steps"):
         train["warmup_ratio"] = 0.0
     elif train.get("warmup_ratio") and not per_run_length:
-        train["warmup_steps"], train["warmup_ratio"] = math.ceil(train["warmup_ratio"] * steps), 0.0
+        train["warmup_steps"], train["warmup_ratio"] = warmup_steps(steps, 0, train["warmup_ratio"]), 0.0
     points = evaluation.get("points") or 0
     if evaluation.get("every"):
         evaluation["points"] = 0

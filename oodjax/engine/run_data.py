@@ -109,7 +109,8 @@ class IndexedSet(TokenizedSet):
 class RunsData:
     eval_pool: EvalPool  # data.testsets in order, then run r's few-shot set as schema.TRAIN_TESTSET
     first_eval_pool: EvalPool  # the same, each example scored once for all runs: while no adapter adds anything
-    train_stream: grain.DatasetIterator  # the runs' training steps (train_steps), this process's rows
+    train_stream: grain.DatasetIterator | None  # the runs' training steps (train_steps), this process's rows;
+    # None: a zero-step run's (oodjax.evaluate)
     dataset_index: tuple[dict[str, np.ndarray], ...]  # run r: each set of eval_pool.labels_of(r) -> IndexedSet's
 
 

@@ -1,32 +1,41 @@
-"""A job's set-up (tokenizer, answer ids, few-shot sets, geometry, data), one function for the loop,
-``oodjax.evaluate``, the preflight and the estimate: what they lay out is what a job lays out."""
+"""A run group made ready to run: ``prepare`` gives its model split into base and adapters, its compiled steps
+and its data, for the loop and ``oodjax.evaluate`` (a zero-step run: evaluated once, at step 0); ``set_up``, its
+data alone, is also what the preflight and the estimate lay out, so what they lay out is what a job lays out."""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
 from jax.sharding import Mesh
 from transformers import PreTrainedTokenizerBase
 
 from analysis import schema
 from oodjax.data import TRAIN_PREFETCH, answer_token_ids, load_tokenizer, train_steps
-from oodjax.engine.evaluation import make_eval_pool
-from oodjax.engine.geometry import BatchGeometry, batch_geometry
+from oodjax.engine import sharding, steps
+from oodjax.engine.evaluation import EvalPool, make_eval_pool
+from oodjax.engine.geometry import BatchGeometry, EvalGeometry, batch_geometry, eval_geometry
 from oodjax.engine.run_data import (
     DataSettings,
     IndexedSet,
     RunsData,
     dataset_indices,
     few_shot_sets,
+    in_context_sets,
     load_testsets,
     pad_id,
 )
+from oodjax.models.lora import LoRAConfig, lora_from_peft
 
 if TYPE_CHECKING:
     from oodjax.config_read import Job
+    from oodjax.engine.cadence import RunGroup
     from oodjax.engine.results import Run
 
 
@@ -36,29 +45,28 @@ class RunSetup:
 
     tokenizer: PreTrainedTokenizerBase
     answer_ids: tuple[int, int]  # the (entailment, not entailment) answer words' token ids
-    geometry: BatchGeometry | None  # None: no runs
-    data: RunsData | None  # None: no runs, or no testsets asked for
+    geometry: BatchGeometry
+    data: RunsData | None  # None: no testsets asked for
 
 
 def set_up(
     job: Job,
     mesh: Mesh,
-    runs: Sequence[Run] | None = None,
+    runs: Sequence[Run],
+    total_steps: int,
     *,
     tokenizer: PreTrainedTokenizerBase | None = None,
     testsets: Callable[[DataSettings, PreTrainedTokenizerBase], Mapping[str, IndexedSet]] | None = load_testsets,
     prefetch: int = TRAIN_PREFETCH,
 ) -> RunSetup:
-    """The set-up of ``runs`` (default: the job's; none: the tokenizer and answer ids alone) on ``mesh``;
-    ``testsets`` None gives no ``RunsData``, and ``prefetch`` steps are built ahead in a background thread."""
+    """The set-up of ``runs`` training ``total_steps`` together on ``mesh`` (a ``RunGroup``'s); ``testsets``
+    None gives no ``RunsData`` (the estimate's, counting a pool it has), and ``prefetch`` steps are built ahead
+    in a background thread."""
     tokenizer = load_tokenizer(job.model.tokenizer) if tokenizer is None else tokenizer
     answer_ids = answer_token_ids(tokenizer, job.data.answers)
-    runs = job.runs.runs() if runs is None else runs
-    if not runs:
-        return RunSetup(tokenizer, answer_ids, None, None)
     seeds = [run.seed for run in runs]
     train_sets = few_shot_sets(job.data, tokenizer, [(run.seed, run.shots) for run in runs])
-    geometry = batch_geometry(job.batches, mesh, train_sets, seeds)
+    geometry = batch_geometry(job.batches, mesh, train_sets, seeds, total_steps)
     if testsets is None:
         return RunSetup(tokenizer, answer_ids, geometry, None)
     evaluated = testsets(job.data, tokenizer)
@@ -73,16 +81,8 @@ def set_up(
         pad_id=pad_id(tokenizer),
         prefetch=prefetch,
     )
-    assert geometry.evaluation is not None  # batch_geometry gives the job's evaluation batches
-    pool = functools.partial(
-        make_eval_pool,
-        evaluated,
-        [{schema.TRAIN_TESTSET: tokenized} for tokenized in train_sets],
-        batch_tokens=geometry.evaluation.batch_tokens,
-        row_multiple=geometry.evaluation.batch_shards,
-        pad_id=pad_id(tokenizer),
-        row_lengths=geometry.evaluation.row_lengths,
-    )
+    own = [{schema.TRAIN_TESTSET: tokenized} for tokenized in train_sets]
+    pool = _pool(evaluated, own, geometry.evaluation, tokenizer)
     eval_pool = pool()
     dataset_index = tuple(
         {**dataset_indices(evaluated), schema.TRAIN_TESTSET: train_set.dataset_index} for train_set in train_sets
@@ -91,3 +91,75 @@ def set_up(
         eval_pool, first_eval_pool=pool(like=eval_pool), train_stream=train_stream, dataset_index=dataset_index
     )
     return RunSetup(tokenizer, answer_ids, geometry, data)
+
+
+def _pool(
+    shared: Mapping[str, IndexedSet],
+    own: Sequence[Mapping[str, IndexedSet]],
+    layout: EvalGeometry,
+    tokenizer: PreTrainedTokenizerBase,
+) -> Callable[..., EvalPool]:
+    """``make_eval_pool`` of the sets every run scores and each run's own, in ``layout``'s batches; called with
+    ``like=`` for step 0's pool."""
+    batches = dict(batch_tokens=layout.batch_tokens, row_multiple=layout.batch_shards, row_lengths=layout.row_lengths)
+    return functools.partial(make_eval_pool, shared, own, pad_id=pad_id(tokenizer), **batches)
+
+
+@dataclasses.dataclass(frozen=True)
+class Prepared:
+    """A run group ready to run: the model split into its frozen base and the runs' stacked adapters
+    (``TrainState``), its compiled steps and its data."""
+
+    graphdef: nnx.GraphDef
+    base_state: nnx.State
+    state: steps.TrainState  # the runs' adapters, optimizer state and dropout keys
+    train_step: Callable[..., Any] | None  # None: a zero-step run
+    eval_step: Callable[..., Any]
+    data: RunsData
+    geometry: BatchGeometry | None  # the training batches' (None: a zero-step run)
+
+
+def prepare(
+    job: Job,
+    group: RunGroup,
+    mesh: Mesh,
+    model: nnx.Module,
+    *,
+    lora: LoRAConfig | None = None,
+    adapters: Sequence[tuple[str, Mapping[str, Any]]] = (),
+) -> Prepared:
+    """``group`` on ``mesh``, its adapters attached to ``model`` (in place; ``lora``, default the job's) from
+    each run's seed, or loaded from ``adapters`` ((folder, PEFT tensors) a run).
+
+    A group of runs that train gets its few-shot sets' training stream and evaluation pool (each run's own
+    set beside the testsets). A zero-step run (``oodjax.evaluate``) trains nothing: its pool is the testsets,
+    or with eval.in_context each run's copy of them preceded by its few-shot set's demonstrations.
+    """
+    seeds, optimizer = [run.seed for run in group.runs], group.optimizer
+    transformation = optimizer.transformation if optimizer is not None else optax.identity()  # zero steps: no state
+    graphdef, base_state, state = steps.attach_runs(model, seeds, lora or job.lora, transformation, mesh=mesh)
+    if adapters:
+        template = nnx.state(model, nnx.LoRAParam)
+        loaded = [lora_from_peft(template, tensors, source=folder) for folder, tensors in adapters]
+        stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *loaded)
+        state = state.replace(lora=sharding.place(stacked, sharding.runs_shardings(stacked, mesh)))
+    compute_dtype = job.model.compute_dtype
+    if optimizer is not None:
+        setup = set_up(job, mesh, group.runs, group.total_steps)
+        yes_id, no_id = setup.answer_ids
+        train_step, eval_step = steps.make_steps(
+            optimizer, compute_dtype, setup.geometry, graphdef, base_state, state, yes_id, no_id, mesh
+        )
+        return Prepared(graphdef, base_state, state, train_step, eval_step, setup.data, setup.geometry)
+    tokenizer = load_tokenizer(job.model.tokenizer)
+    yes_id, no_id = answer_token_ids(tokenizer, job.data.answers)
+    if job.in_context:  # each run scores its own in-context copy of the testsets
+        shared: Mapping[str, IndexedSet] = {}
+        index, own = in_context_sets(job.data, tokenizer, [(run.seed, run.shots) for run in group.runs])
+    else:
+        shared, own = load_testsets(job.data, tokenizer), [{} for _ in group.runs]
+        index = dataset_indices(shared)
+    pool = _pool(shared, own, eval_geometry(job.batches, sharding.batch_shards(mesh)), tokenizer)()
+    data = RunsData(pool, first_eval_pool=pool, train_stream=None, dataset_index=(index,) * len(group.runs))
+    eval_step = steps.make_eval_step(graphdef, yes_id, no_id, mesh=mesh, compute_dtype=compute_dtype)
+    return Prepared(graphdef, base_state, state, None, eval_step, data, None)

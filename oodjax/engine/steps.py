@@ -28,14 +28,13 @@ from flax import nnx
 from oodjax.data import SEQUENCE_KEYS, TRAIN_ONLY_KEYS
 from oodjax.engine import sharding
 from oodjax.engine.geometry import BatchGeometry
+from oodjax.engine.optimizer import Optimizer
+from oodjax.engine.optimizer import make_optimizer as make_optimizer  # the benchmarks' name for it
 from oodjax.models.layers import STACKED, segment_positions
 from oodjax.models.lora import LoRAConfig, adapter_tokens, apply_lora
 from oodjax.models.partitioning import param_shardings
-from oodjax.usage_errors import ConfigError
 
 Batch = Mapping[str, Any]
-
-SCHEDULES = ("linear", "cosine", "constant")
 
 
 @flax.struct.dataclass
@@ -59,74 +58,6 @@ class TrainState:
 def select_run(tree: Any, index: int) -> Any:
     """Run ``index``'s slice of a run-stacked pytree (e.g. ``runs.lora`` for ``export_peft``)."""
     return jax.tree.map(lambda x: x[index], tree)
-
-
-@dataclasses.dataclass(frozen=True)
-class OptimizerSettings:
-    """A job's optimizer, built once; ``learning_rate_schedule`` is also read on the host for the log."""
-
-    learning_rate: float  # peak, after warm-up
-    total_steps: int
-    warmup_steps: int = 0
-    weight_decay: float = 0.0
-    max_grad_norm: float | None = None  # None: no clipping
-    schedule: str = "linear"  # after warm-up: one of SCHEDULES
-
-    def __post_init__(self) -> None:
-        if not self.learning_rate > 0:  # a negative one climbs the loss (and zero trains nothing)
-            raise ConfigError(f"train.learning_rate must be positive, got {self.learning_rate}")
-        if self.total_steps < 1:
-            raise ConfigError(f"train.steps must be >= 1, got {self.total_steps}")
-        if self.schedule not in SCHEDULES:
-            raise ConfigError(f"train.schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
-        if not 0 <= self.warmup_steps <= self.total_steps:
-            raise ConfigError(
-                f"train.warmup_steps must be in [0, train.steps={self.total_steps}], got {self.warmup_steps}"
-            )
-
-    @functools.cached_property
-    def learning_rate_schedule(self) -> optax.Schedule:
-        """The learning rate per optimizer step, as transformers' get_*_schedule_with_warmup give it (so the
-        first update uses rate 0 when there is warm-up)."""
-        peak, warmup = self.learning_rate, self.warmup_steps
-        decay_steps = max(self.total_steps - warmup, 1)
-        if self.schedule == "linear":
-            decay = optax.linear_schedule(peak, 0.0, decay_steps)
-        elif self.schedule == "cosine":
-            decay = optax.cosine_decay_schedule(peak, decay_steps)
-        else:
-            decay = optax.constant_schedule(peak)
-        if not warmup:
-            return decay
-        return optax.join_schedules([optax.linear_schedule(0.0, peak, warmup), decay], [warmup])
-
-    @functools.cached_property
-    def transformation(self) -> optax.GradientTransformation:
-        """torch's AdamW defaults after global-norm clipping (none when ``max_grad_norm`` is None or 0)."""
-        adamw = optax.adamw(self.learning_rate_schedule, b1=0.9, b2=0.999, eps=1e-8, weight_decay=self.weight_decay)
-        if not self.max_grad_norm:
-            return adamw
-        return optax.chain(optax.clip_by_global_norm(self.max_grad_norm), adamw)
-
-
-def make_schedule(
-    learning_rate: float, total_steps: int, warmup_steps: int, schedule: str = "linear"
-) -> optax.Schedule:
-    """``OptimizerSettings.learning_rate_schedule`` of these settings."""
-    return OptimizerSettings(learning_rate, total_steps, warmup_steps, schedule=schedule).learning_rate_schedule
-
-
-def make_optimizer(
-    learning_rate: float,
-    total_steps: int,
-    warmup_steps: int,
-    weight_decay: float,
-    max_grad_norm: float | None,
-    schedule: str = "linear",
-) -> optax.GradientTransformation:
-    """``OptimizerSettings.transformation`` of these settings."""
-    settings = OptimizerSettings(learning_rate, total_steps, warmup_steps, weight_decay, max_grad_norm, schedule)
-    return settings.transformation
 
 
 def attach_runs(
@@ -305,6 +236,32 @@ def run_update(
     return optax.apply_updates(lora, updates), opt_state, optax.global_norm(grads)
 
 
+def step_loss(
+    base_state: nnx.State,
+    state: TrainState,
+    batch: Batch,
+    *,
+    graphdef: nnx.GraphDef,
+    yes_id: int,
+    no_id: int,
+    compute_dtype: jnp.dtype | None,
+) -> tuple[Callable[..., tuple[jax.Array, jax.Array]], tuple[Any, ...]]:
+    """What ``train_step`` differentiates on each micro-batch, and its arguments but the micro-batch: (loss,
+    (adapters [layers, R, ...], base in ``compute_dtype``, run keys, run weights)). ``launch.costs`` traces the
+    same for the activations the backward pass keeps."""
+    valid = batch["valid"].astype(jnp.float32)
+    counts = jnp.zeros(state.num_runs, jnp.float32).at[batch["run"]].add(valid)
+    run_weights = 1.0 / jnp.maximum(counts, 1.0)
+    # Each run's dropout key for this step: fold_in(run key, step), a function of the run alone.
+    run_keys = jax.vmap(lambda rng: jax.random.key_data(jax.random.fold_in(jax.random.wrap_key_data(rng), state.step)))(
+        state.rng
+    )
+    loss = functools.partial(
+        micro_batch_loss, graphdef=graphdef, yes_id=yes_id, no_id=no_id, compute_dtype=compute_dtype
+    )
+    return loss, (runs_inside_layers(state.lora), _cast_floats(base_state, compute_dtype), run_keys, run_weights)
+
+
 def train_step(
     base_state: nnx.State,
     state: TrainState,
@@ -320,21 +277,12 @@ def train_step(
     """One optimizer step of every run (``make_train_step`` documents it; this is the function it jits)."""
     micro_batches, rows = geometry.train_rows_shape
     _check_train_batch(batch, micro_batches, rows, geometry.seq_len)
-    valid = batch["valid"].astype(jnp.float32)
-    counts = jnp.zeros(state.num_runs, jnp.float32).at[batch["run"]].add(valid)
-    run_weights = 1.0 / jnp.maximum(counts, 1.0)
-    # Each run's dropout key for this step: fold_in(run key, step), a function of the run alone.
-    run_keys = jax.vmap(lambda rng: jax.random.key_data(jax.random.fold_in(jax.random.wrap_key_data(rng), state.step)))(
-        state.rng
-    )
-    loss = functools.partial(
-        micro_batch_loss, graphdef=graphdef, yes_id=yes_id, no_id=no_id, compute_dtype=compute_dtype
+    loss, (lora, base_state, run_keys, run_weights) = step_loss(
+        base_state, state, batch, graphdef=graphdef, yes_id=yes_id, no_id=no_id, compute_dtype=compute_dtype
     )
     branches = [skip_micro_batch] + [
         functools.partial(micro_batch_grads, length=length, loss=loss) for length in geometry.micro_batch_lengths
     ]
-    base_state = _cast_floats(base_state, compute_dtype)
-    lora = runs_inside_layers(state.lora)
 
     def accumulate(carry, xs):
         grads, loss_sums = carry
@@ -511,7 +459,7 @@ def make_eval_step(
 
 
 def make_steps(
-    optimizer: OptimizerSettings,
+    optimizer: Optimizer,
     compute_dtype: str | None,
     geometry: BatchGeometry,
     graphdef: nnx.GraphDef,
