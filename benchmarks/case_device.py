@@ -28,7 +28,7 @@ from benchmarks import flops, harness, oodjax_contenders, settings
 from benchmarks.oodjax_contenders import Engine, build_engine, lora_config, train_geometry
 from benchmarks.settings import DeviceMode
 from benchmarks.workload import mode_workload, run_orders
-from launch.estimate import DEVICES
+from launch.devices import DEVICES
 from oodjax import models
 from oodjax.data import DEFAULT_MAX_LENGTH
 from oodjax.engine import sharding, steps

@@ -105,11 +105,11 @@ def layouts(mode: settings.DeviceMode, device_kind: str) -> Iterator[tuple[setti
     ``HEADROOM``, fewest micro-batches then least recomputation first, with the estimate in words."""
     from benchmarks import case_device, oodjax_contenders
     from benchmarks.oodjax_contenders import train_geometry
-    from launch import costs, estimate
+    from launch import costs, devices
     from oodjax.data import DEFAULT_MAX_LENGTH
 
-    device = estimate.DEVICES["a100" if "A100" in device_kind else "h100"]
-    usable, _ = estimate.usable_memory(device)
+    device = devices.DEVICES["a100" if "A100" in device_kind else "h100"]
+    usable, _ = devices.usable_memory(device)
     workload, seeds, batches, _ = case_device.inputs(mode)
     for grad_accum in (n for n in (1, 2, 4, 8, 16) if settings.TRAIN_BATCH % n == 0):
         geometry = train_geometry(workload.train_set, batches, grad_accum=grad_accum, row_length=DEFAULT_MAX_LENGTH)

@@ -92,6 +92,7 @@ def abstract_steps(job: Job, *, devices: int, layers: int | None) -> AbstractSte
     group = largest_group(job)
     setup = set_up(job, mesh, group.runs, group.total_steps, prefetch=0, testsets=study_testsets)
     geometry, data, (yes_id, no_id) = setup.geometry, setup.data, setup.answer_ids
+    assert geometry is not None and data is not None  # set up for the group's runs, with their testsets
     seeds = [run.seed for run in group.runs]
     # The evaluation batch [R, rows, row length] compiled is the pool's longest rows': batches share a token
     # budget, so those hold the most attention scores.
@@ -103,6 +104,7 @@ def abstract_steps(job: Job, *, devices: int, layers: int | None) -> AbstractSte
     def make_model() -> models.CausalLM:
         return models.abstract_model(arch, dtype=job.model.dtype, remat=job.model.remat, attention=job.model.attention)
 
+    assert group.optimizer is not None  # a group read from a config trains
     graphdef, base, state = steps.abstract_attach_runs(make_model, seeds, job.lora, group.optimizer.transformation)
     train_step, eval_step = steps.make_steps(
         group.optimizer, job.model.compute_dtype, geometry, graphdef, base, state, yes_id, no_id, mesh

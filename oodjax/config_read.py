@@ -213,6 +213,7 @@ def _check_fixed_lengths(group: RunGroup, config: config_dict.ConfigDict) -> Non
     """A fixed train.warmup_steps or eval.every, set for one length, refused on a run of another it does not fit
     (with train.epochs): the ratio and eval.points follow each run's own length instead."""
     steps = group.total_steps
+    assert group.optimizer is not None  # a group read from a config trains
     warmup = group.optimizer.warmup_steps
     if config.train.warmup_steps and warmup > MAX_FIXED_WARMUP_SHARE * steps:
         raise ConfigError(

@@ -172,6 +172,7 @@ class TrainLosses:
         plan, clock = self.group.plan, self.group.clock
         loss, grad_norm = (np.mean([metrics[key] for metrics in self.window], axis=0) for key in ("loss", "grad_norm"))
         # the optimizer's own schedule; step s's update is its (s-1)-th
+        assert plan.optimizer is not None  # a group that trains steps
         learning_rate = float(plan.optimizer.learning_rate_schedule(step - 1))
         metrics = {"train/loss": loss, "train/grad_norm": grad_norm, "train/learning_rate": learning_rate}
         line = f"step {step}/{plan.total_steps}: lr {learning_rate:.3g}"

@@ -82,6 +82,7 @@ def set_up(
         prefetch=prefetch,
     )
     own = [{schema.TRAIN_TESTSET: tokenized} for tokenized in train_sets]
+    assert geometry.evaluation is not None  # batch_geometry gives the job's evaluation batches
     pool = _pool(evaluated, own, geometry.evaluation, tokenizer)
     eval_pool = pool()
     dataset_index = tuple(
