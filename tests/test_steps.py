@@ -389,7 +389,7 @@ def test_malformed_batches_are_clear_errors(together, batches):
 
 
 def test_geometry_errors_name_the_config_field():
-    settings = dict(batch_size=8, pack=False, max_length=12, total_steps=1, eval_batch_size=4)
+    settings = dict(batch_size=8, pack=False, max_length=12, eval_batch_size=4)
     with pytest.raises(ValueError, match="train.grad_accum must be >= 1, got 0"):
         BatchSettings(grad_accum=0, **settings)
     with pytest.raises(ValueError, match="train.batch_size 8 must be a multiple of train.grad_accum 3"):
