@@ -68,9 +68,9 @@ def test_layouts_are_those_the_estimate_fits_fewest_micro_batches_then_least_rec
     """SmolLM3-3B's 9 runs on one device: the estimate puts remat none with one micro-batch at 49.6 GiB, save_dots
     at 22.1, full at 9.0, and none with two micro-batches at 29.6; with 44 GiB usable, 30.8 after the headroom,
     the first is skipped (as it must be on an H100, where it needed 66 GiB)."""
-    from launch import estimate
+    from launch import devices
 
-    monkeypatch.setattr(estimate, "usable_memory", lambda device: (44 * 2**30, "given"))
+    monkeypatch.setattr(devices, "usable_memory", lambda device: (44 * 2**30, "given"))
     found = device_check.layouts(settings.DEVICE_MODES["gpu"], "NVIDIA H100 80GB HBM3")
     first = [next(found) for _ in range(4)]
     assert [(mode.remat, mode.grad_accum) for mode, _ in first] == [
