@@ -286,9 +286,10 @@ def describe(report: Report) -> str:
     gb = 1e9
     layout = report.geometry
     rows = f"packed, {layout.prompt_slots} prompt slots a row" if layout.packed else "one prompt a row"
+    group = f" (the largest of {report.groups} run groups, which train apart)" if report.groups > 1 else ""
     lines = [
         f"{report.devices} {report.platform} devices, {report.layers} layers; {layout.runs} runs of "
-        f"{report.group_steps} steps (the largest of {report.groups} run groups, which train apart) in "
+        f"{report.group_steps} steps{group} in "
         f"[{layout.grad_accum} x {layout.rows} rows x {layout.seq_len} tokens] per train step ({rows}; "
         f"micro-batches run at {layout.train_lengths} tokens); eval {layout.eval_batches} batches in rows of "
         f"{layout.eval_row_lengths} tokens, the largest [{layout.eval_rows} rows x {layout.eval_seq_len}]",
