@@ -85,7 +85,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str]) -> None:
     args = parse(argv)
     accelerator = args.device == "gpu"
-    mode = device_mode(args) if accelerator else settings.mode(args.quick, args.smoke)
+    # --smoke wins over --quick: it is the smallest size, the one CI runs
+    size = "smoke" if args.smoke else "quick" if args.quick else "full"
+    mode = device_mode(args) if accelerator else settings.MODES[size]
     out = args.out or HERE / ("results.json" if mode.name == "full" else f"results-{mode.name}.json")
     started = time.perf_counter()
     command = shlex.join(["python", "-m", "benchmarks", *argv])

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import subprocess
 import sys
 import time
@@ -24,28 +23,23 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks import flops, harness, oodjax_contenders, settings
-from benchmarks.oodjax_contenders import Engine, build_engine, lora_config, train_geometry
+from benchmarks import flops, harness, settings
+from benchmarks.oodjax_contenders import EVAL_SET, Engine, build_engine, lora_config, train_geometry
 from benchmarks.settings import DeviceMode
 from benchmarks.workload import mode_workload, run_orders
-from launch.devices import DEVICES
+from launch.devices import DEVICES, Device
 from oodjax import models
 from oodjax.data import DEFAULT_MAX_LENGTH
 from oodjax.engine import sharding, steps
-from oodjax.engine.console import CompileClock
 from oodjax.engine.evaluation import EvalPool, evaluate
 
-# Nominal dense bf16 peak FLOP/s by a substring of jax's device_kind (H200 is H100's chip with more memory).
-PEAK_BY_KIND = {
-    "H100": DEVICES["h100"].peak_flops,
-    "H200": DEVICES["h100"].peak_flops,
-    "A100": DEVICES["a100"].peak_flops,
-}
+# The launch tools' device by a substring of jax's device_kind (H200 is H100's chip with more memory).
+DEVICE_BY_KIND = {"H100": DEVICES["h100"], "H200": DEVICES["h100"], "A100": DEVICES["a100"]}
 
 
-def device_peak_flops(device_kind: str) -> float | None:
-    """The nominal bf16 peak of a device of jax's ``device_kind``, or None where unknown (then no MFU)."""
-    return next((peak for kind, peak in PEAK_BY_KIND.items() if kind in device_kind), None)
+def device_of(device_kind: str) -> Device | None:
+    """The device of jax's ``device_kind`` (its nominal bf16 peak for the MFU), or None where unknown."""
+    return next((device for kind, device in DEVICE_BY_KIND.items() if kind in device_kind), None)
 
 
 PHASES = ("oodjax", "agreement", "pytorch")  # in the order they run
@@ -75,63 +69,42 @@ def run(
         if not torch.cuda.is_available():
             raise SystemExit("--device gpu needs a CUDA PyTorch for its pytorch phase (--phases oodjax runs without)")
     ordered = [phase for phase in PHASES if phase in phases]
-    progress = _Progress(ordered, earlier or {})
+    children = [[phase for phase in ordered if phase != "pytorch"], [phase for phase in ordered if phase == "pytorch"]]
     measured: dict[str, Any] = {}
-    jax_phases = [phase for phase in ordered if phase != "pytorch"]
-    children = ([["oodjax", *jax_phases]] if jax_phases else []) + ([["pytorch"]] if "pytorch" in ordered else [])
-    for child in children:
-        for phase, result in _child(mode, child, progress):
-            measured[phase] = result
-            results = {**assemble(mode, measured), "phase_seconds": dict(progress.seconds)}
+    seconds: dict[str, float] = {}
+    for child in filter(None, children):
+        for message in _messages(mode, child):
+            phase = message.get("started") or message["phase"]
+            at = ordered.index(phase)
+            if "started" in message:
+                clock = time.perf_counter()
+                left = _left(ordered[at:], earlier or {})
+                print(f"[benchmarks] {phase}: started, {PHASE_WORK[phase]}; {left}", file=sys.stderr, flush=True)
+                continue
+            seconds[phase] = time.perf_counter() - clock
+            measured[phase] = message["result"]
+            results = {**assemble(mode, measured), "phase_seconds": dict(seconds)}
             save(results)
-            progress.done(phase)
+            left = _left(ordered[at + 1 :], earlier or {})
+            print(f"[benchmarks] {phase}: done in {seconds[phase]:.0f} s, results written; {left}", file=sys.stderr)
     return results
 
 
-class _Progress:
-    """The progress lines: a phase started, what it is and what is left; a phase done, its seconds."""
-
-    def __init__(self, phases: list[str], earlier: dict[str, float]):
-        self.phases, self.earlier = phases, earlier
-        self.seconds: dict[str, float] = {}
-        self.clock = time.perf_counter()
-
-    def left(self, phases: list[str]) -> str:
-        if not phases:
-            return "nothing left"
-        if all(phase in self.earlier for phase in phases):
-            return f"about {sum(self.earlier[phase] for phase in phases):.0f} s left ({', '.join(phases)})"
-        return f"left: {', '.join(phases)} (no earlier run of this mode to estimate their time from)"
-
-    def start(self, phase: str) -> None:
-        self.clock = time.perf_counter()
-        ahead = self.phases[self.phases.index(phase) :]
-        print(f"[benchmarks] {phase}: started, {PHASE_WORK[phase]}; {self.left(ahead)}", file=sys.stderr, flush=True)
-
-    def finish(self, phase: str) -> None:
-        self.seconds[phase] = time.perf_counter() - self.clock
-
-    def done(self, phase: str) -> None:
-        after = self.phases[self.phases.index(phase) + 1 :]
-        print(
-            f"[benchmarks] {phase}: done in {self.seconds[phase]:.0f} s, results written; {self.left(after)}",
-            file=sys.stderr,
-            flush=True,
-        )
+def _left(phases: list[str], earlier: dict[str, float]) -> str:
+    """What is left for the progress lines, with the time an earlier run of the mode took for it."""
+    if not phases:
+        return "nothing left"
+    if all(phase in earlier for phase in phases):
+        return f"about {sum(earlier[phase] for phase in phases):.0f} s left ({', '.join(phases)})"
+    return f"left: {', '.join(phases)} (no earlier run of this mode to estimate their time from)"
 
 
-def _child(mode: DeviceMode, phases: list[str], progress: _Progress) -> Iterator[tuple[str, Any]]:
-    """Runs ``python -m benchmarks.case_device MODE PHASES`` and yields each phase's result as it ends; its
-    stderr is this process's."""
+def _messages(mode: DeviceMode, phases: list[str]) -> Iterator[dict[str, Any]]:
+    """Runs ``python -m benchmarks.case_device MODE PHASES`` and yields its messages (``child_main``) as they
+    come; its stderr is this process's."""
     command = [sys.executable, "-m", "benchmarks.case_device", json.dumps(dataclasses.asdict(mode)), *phases]
     with subprocess.Popen(command, cwd=harness.ROOT, stdout=subprocess.PIPE, text=True) as process:
-        for line in process.stdout:
-            message = json.loads(line)
-            if "started" in message:
-                progress.start(message["started"])
-            else:
-                progress.finish(message["phase"])
-                yield message["phase"], message["result"]
+        yield from map(json.loads, process.stdout)
     if process.returncode:
         raise SystemExit(f"--device gpu: the process of the phases {phases} exited with status {process.returncode}")
 
@@ -142,13 +115,7 @@ def child_main(argv: list[str]) -> None:
     fields = json.loads(argv[0])
     mode = DeviceMode(**{**fields, "changes": tuple(tuple(change) for change in fields["changes"])})
     phases = argv[1:]
-    channel = os.fdopen(os.dup(sys.stdout.fileno()), "w")
-    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # a library's print must not break the messages
-
-    def send(message: dict[str, Any]) -> None:
-        channel.write(json.dumps(message) + "\n")
-        channel.flush()
-
+    send = harness.json_channel()
     workload, seeds, batches, answers = inputs(mode)
     if phases == ["pytorch"]:
         send({"started": "pytorch"})
@@ -162,23 +129,6 @@ def child_main(argv: list[str]) -> None:
         send({"phase": "agreement", "result": _agreement(mode, engine, workload, seeds, answers, pool)})
 
 
-def oodjax_phase(
-    mode: DeviceMode, workload: Any, seeds: list[int], batches: list[list[np.ndarray]], answers: dict[str, int]
-) -> tuple[dict[str, Any], Engine, EvalPool]:
-    """oodjax's runs timed (``_oodjax``): the result ``assemble`` reads (timings, peak device memory, the
-    device, the train step's layout), and the trained engine and its pool for the agreement."""
-    device = jax.devices()[0]
-    timing, engine, pool, geometry = _oodjax(mode, workload, seeds, batches, answers)
-    result = {
-        "timing": timing,
-        # before the agreement's float32 copy
-        "peak_bytes": (device.memory_stats() or {}).get("peak_bytes_in_use"),
-        "device": {"kind": device.device_kind, "platform": device.platform},
-        "geometry": {"grad_accum": geometry.grad_accum, "rows": geometry.rows, "seq_len": geometry.seq_len},
-    }
-    return result, engine, pool
-
-
 def inputs(mode: DeviceMode) -> tuple[Any, list[int], list[list[np.ndarray]], dict[str, int]]:
     """The workload, the runs' seeds, each step's batches and the answer tokens, the same in every process."""
     workload = mode_workload(mode)
@@ -187,25 +137,55 @@ def inputs(mode: DeviceMode) -> tuple[Any, list[int], list[list[np.ndarray]], di
     return workload, seeds, batches, dict(yes_id=workload.yes_id, no_id=workload.no_id)
 
 
+def oodjax_phase(
+    mode: DeviceMode, workload: Any, seeds: list[int], batches: list[list[np.ndarray]], answers: dict[str, int]
+) -> tuple[dict[str, Any], Engine, EvalPool]:
+    """oodjax's runs in one process, timed: the result ``assemble`` reads (timings, peak device memory, the
+    device, the train step's layout), and the trained engine and its pool for the agreement."""
+    engine = build_engine(
+        lambda mesh: models.from_config(mode.model, dtype="bfloat16", seed=0, remat=mode.remat),
+        seeds=seeds,
+        total_steps=len(batches),
+        **answers,
+    )
+    tokenized, device = workload.train_set, jax.devices()[0]
+    geometry = train_geometry(tokenized, batches, grad_accum=mode.grad_accum, row_length=DEFAULT_MAX_LENGTH)
+    pool = engine.eval_pool(workload.eval_set, batch_tokens=mode.eval_batch_rows * settings.MAX_LENGTH)
+    timing = _timings(
+        lambda step: engine.train(geometry, tokenized, batches[step]),
+        lambda: engine.margins(pool),
+        mode,
+        warm=lambda: engine.compile_train(geometry, tokenized, batches[0]),
+    )
+    result = {
+        "timing": {phase: dataclasses.asdict(t) for phase, t in timing.items()},
+        "peak_bytes": (device.memory_stats() or {}).get("peak_bytes_in_use"),  # before the agreement's float32 copy
+        "device": {"kind": device.device_kind, "platform": device.platform},
+        "geometry": {"grad_accum": geometry.grad_accum, "rows": geometry.rows, "seq_len": geometry.seq_len},
+    }
+    return result, engine, pool
+
+
 def assemble(mode: DeviceMode, measured: dict[str, Any]) -> dict[str, Any]:
     """The cases (training, evaluation) of the phases ``measured`` so far: each side's timings, their ratios
     once both are there, the agreement once it is."""
     workload, seeds, batches, _ = inputs(mode)
     ours, theirs = measured.get("oodjax"), measured.get("pytorch")
     device = ours["device"] if ours else {"kind": "not measured", "platform": "not measured"}
-    peak = device_peak_flops(device["kind"])
-    train_lengths = [workload.train_set.lengths[np.concatenate(step)] for step in batches]
+    known = device_of(device["kind"])
+    peak = known.peak_flops if known else None
+    model, rank, runs, train_lengths = mode.model, settings.LORA["rank"], len(seeds), workload.train_set.lengths
     train_flops = [
         sum(
-            flops.train_flops(mode.model, train_lengths[(r + 1) * mode.steps + s], lora_rank=settings.LORA["rank"])
+            flops.train_flops(model, train_lengths[np.concatenate(batches[(r + 1) * mode.steps + s])], lora_rank=rank)
             for s in range(mode.steps)
         )
         for r in range(mode.repeats)
     ]
-    eval_flops = len(seeds) * flops.eval_flops(mode.model, workload.eval_set.lengths, lora_rank=settings.LORA["rank"])
+    eval_lengths = workload.eval_set.lengths
+    eval_flops = runs * flops.eval_flops(model, eval_lengths, lora_rank=rank)
     shape = (
-        f"{mode.model['num_hidden_layers']} layers, hidden {mode.model['hidden_size']}, "
-        f"vocabulary {mode.model['vocab_size']}, bf16"
+        f"{model['num_hidden_layers']} layers, hidden {model['hidden_size']}, vocabulary {model['vocab_size']}, bf16"
     )
     memory = {
         "oodjax_peak_bytes": ours["peak_bytes"] if ours else None,
@@ -217,25 +197,36 @@ def assemble(mode: DeviceMode, measured: dict[str, Any]) -> dict[str, Any]:
         for name, side in (("oodjax", ours), ("pytorch-tuned-sequential", theirs))
         if side
     }
+    layout = ours["geometry"] if ours else None
+    train_what = (
+        f"{mode.steps} steps of batch {settings.TRAIN_BATCH} per run and repetition; oodjax: one train step for "
+        f"all runs, {_layout(layout) if layout else 'not run'}, remat {mode.remat}; "
+        "PyTorch: each run's tuned loop (dynamic padding, head at the answer position)"
+    )
+    eval_what = (
+        f"{len(workload.eval_set)} real testset prompts scored by every run; oodjax: one pool packed into rows, all "
+        "runs at once; PyTorch: each run's tuned loop (length-sorted batches, two head columns)"
+    )
+    mfu = f"of peak = MFU against {peak / 1e12:.0f} TFLOP/s bf16" if peak else "no MFU (device peak unknown)"
     cases = []
-    for phase, phase_name, work, phase_flops in (
-        ("train", "Training", mode.steps * len(seeds) * settings.TRAIN_BATCH, train_flops),
-        ("eval", "Evaluation", len(seeds) * len(workload.eval_set), [eval_flops] * mode.repeats),
+    for phase, title, work, phase_flops, what, lengths in (
+        ("train", "Training", mode.steps * runs * settings.TRAIN_BATCH, train_flops, train_what, train_lengths),
+        ("eval", "Evaluation", runs * len(workload.eval_set), [eval_flops] * mode.repeats, eval_what, eval_lengths),
     ):
-        results = {
-            name: timing[phase].summary(work, flops=phase_flops, peak_flops=peak) for name, timing in timings.items()
-        }
-        both = len(results) == 2
+        results = {name: t[phase].summary(work, flops=phase_flops, peak_flops=peak) for name, t in timings.items()}
         cases.append(
             {
                 "case": f"device-{phase}",
-                "title": f"{phase_name} of {len(seeds)} runs on {device['kind']}",
+                "title": f"{title} of {runs} runs on {device['kind']}",
                 "unit": "examples/s",
-                "description": _describe(phase, mode, shape, device_line, ours, workload, len(seeds), peak),
+                "description": (
+                    f"{runs} runs, SmolLM3-3B's shape ({shape}; random weights), {device_line}; {what}. Prompts: "
+                    f"mean {lengths.mean():.0f} GPT-2 tokens, max {int(lengths.max())}. Model FLOPs count real "
+                    f"tokens only; {mfu}. Compile time is oodjax's warm-up (train step and evaluation)."
+                ),
                 "contenders": results,
                 "memory": memory,
-                **({"ratios": harness.ratios(results, "oodjax")} if both else {}),
-                **({"ratios_of_medians": harness.ratios(results, "oodjax", of="median_s")} if both else {}),
+                **(_ratios(results) if len(results) == 2 else {}),
                 **({"agreement": measured["agreement"]} if phase == "eval" and "agreement" in measured else {}),
             }
         )
@@ -246,37 +237,20 @@ def assemble(mode: DeviceMode, measured: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _ratios(results: dict[str, dict[str, Any]]) -> dict[str, dict[str, float]]:
+    return {
+        "ratios": harness.ratios(results, "oodjax"),
+        "ratios_of_medians": harness.ratios(results, "oodjax", of="median_s"),
+    }
+
+
+def _layout(geometry: dict[str, int]) -> str:
+    return f"{geometry['grad_accum']} micro-batch(es) of {geometry['rows']} packed rows of {geometry['seq_len']} tokens"
+
+
 def _timing(fields: dict[str, Any]) -> harness.Timing:
     """A ``harness.Timing`` from its JSON fields."""
     return harness.Timing(**{key: tuple(v) if isinstance(v, list) else v for key, v in fields.items()})
-
-
-def _oodjax(
-    mode: DeviceMode, workload: Any, seeds: list[int], batches: list[list[np.ndarray]], answers: dict[str, int]
-) -> tuple[dict[str, dict[str, Any]], Engine, EvalPool, Any]:
-    """oodjax's 9 runs in one process: per repetition, ``mode.steps`` train steps and one evaluation."""
-    engine = build_engine(
-        lambda mesh: models.from_config(mode.model, dtype="bfloat16", seed=0, remat=mode.remat),
-        seeds=seeds,
-        total_steps=len(batches),
-        **answers,
-    )
-    tokenized = workload.train_set
-    geometry = train_geometry(tokenized, batches, grad_accum=mode.grad_accum, row_length=DEFAULT_MAX_LENGTH)
-    pool = engine.eval_pool(workload.eval_set, batch_tokens=_eval_batch_tokens(mode))
-
-    def train(step: int) -> None:
-        engine.train(geometry, tokenized, batches[step])
-
-    def score() -> None:
-        engine.margins(pool)
-
-    timing = _phases(train, score, mode, warm=lambda: engine.compile_train(geometry, tokenized, batches[0]))
-    return timing, engine, pool, geometry
-
-
-def _eval_batch_tokens(mode: DeviceMode) -> int:
-    return mode.eval_batch_rows * settings.MAX_LENGTH
 
 
 def _agreement(
@@ -295,18 +269,18 @@ def _agreement(
             steps.make_optimizer(settings.LEARNING_RATE, 1, 1, 0.0, None),
         )
         eval_step = steps.make_eval_step(graphdef, answers["yes_id"], answers["no_id"], mesh=engine.mesh)
-        return [m[oodjax_contenders.EVAL_SET] for m in evaluate(eval_step, base, lora, run_pool, place=place)]
+        return [m[EVAL_SET] for m in evaluate(eval_step, base, lora, run_pool, place=place)]
 
     def largest_difference(a: list[np.ndarray], b: list[np.ndarray]) -> float:
         return max(float(np.abs(x - y).max()) for x, y in zip(a, b, strict=True))
 
-    fused = [m[oodjax_contenders.EVAL_SET] for m in engine.margins(pool)]
+    fused = [m[EVAL_SET] for m in engine.margins(pool)]
     xla = margins("bfloat16", "xla", seeds, engine.base_state, engine.runs.lora, pool)
     as_float32 = lambda tree: jax.tree.map(  # noqa: E731
         lambda x: x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree
     )
     float32 = margins("float32", "xla", seeds, as_float32(engine.base_state), as_float32(engine.runs.lora), pool)
-    one_pool = engine.eval_pool(workload.eval_set, batch_tokens=_eval_batch_tokens(mode), runs=1)
+    one_pool = engine.eval_pool(workload.eval_set, batch_tokens=mode.eval_batch_rows * settings.MAX_LENGTH, runs=1)
     first_run = jax.tree.map(lambda x: x[:1], engine.runs.lora)
     one_run = margins("bfloat16", "auto", seeds[:1], engine.base_state, first_run, one_pool)
     return {
@@ -330,115 +304,76 @@ def _pytorch_sequential(
     from benchmarks import torch_contenders  # PyTorch, transformers and peft: in this phase's process only
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-
-    def sync() -> None:  # CUDA calls return before their work is done
-        if device == "cuda":
-            torch.cuda.synchronize()
-
+    sync = torch.cuda.synchronize if device == "cuda" else lambda: None  # CUDA calls return before their work is done
     base = torch_contenders.build_model(mode.model, seed=0, dtype=torch.bfloat16, device=device)
     rows = np.arange(len(workload.eval_set))
-    train_s, eval_s, first_s = np.zeros(mode.repeats), np.zeros(mode.repeats), 0.0
+    per_run = []
     for run, seed in enumerate(seeds):
         model = torch_contenders.attach_lora(base, seed=seed)
         trainer = torch_contenders.Trainer(model, tuned=True, total_steps=len(batches), **answers)
-
-        def train(step: int) -> None:
-            trainer.step(workload.train_set, batches[step][run])
-
-        def score() -> None:
-            torch_contenders.margins_tuned(model, workload.eval_set, rows, batch_size=mode.eval_batch_rows, **answers)
-
-        start = time.perf_counter()
-        train(0)
-        score()
-        sync()
-        first_s += time.perf_counter() - start
-        run_train_s, run_eval_s = _repetitions(train, score, mode, sync)
-        train_s, eval_s = train_s + run_train_s, eval_s + run_eval_s
+        per_run.append(
+            _timings(
+                lambda step: trainer.step(workload.train_set, batches[step][run]),
+                lambda: torch_contenders.margins_tuned(
+                    model, workload.eval_set, rows, batch_size=mode.eval_batch_rows, **answers
+                ),
+                mode,
+                sync=sync,
+            )
+        )
         base = model.unload()  # the base model without this run's adapter, for the next run
+    timing = {
+        phase: harness.Timing(
+            tuple(np.sum([t[phase].seconds for t in per_run], axis=0).tolist()),
+            sum(t[phase].first_call_s for t in per_run),
+            0.0,
+            0.0,
+        )
+        for phase in ("train", "eval")
+    }
     return {
-        "timing": _timing_fields(train_s, eval_s, first_s),
+        "timing": {phase: dataclasses.asdict(t) for phase, t in timing.items()},
         "peak_bytes": torch.cuda.max_memory_allocated() if device == "cuda" else None,
         "device": device,
         "torch_threads": torch.get_num_threads(),
     }
 
 
-def _phases(
-    train: Callable[[int], None], score: Callable[[], None], mode: DeviceMode, *, warm: Callable[[], None]
-) -> dict[str, dict[str, Any]]:
-    """oodjax's phases timed after a warm-up; each step returns its loss and each evaluation its margins to
-    the host, so a timed phase ends when its work has."""
-    with CompileClock() as warming:
-        start = time.perf_counter()
+def _timings(
+    train: Callable[[int], Any],
+    score: Callable[[], Any],
+    mode: DeviceMode,
+    *,
+    sync: Callable[[], None] = lambda: None,
+    warm: Callable[[], None] = lambda: None,
+) -> dict[str, harness.Timing]:
+    """Both phases timed: a first call (``warm``, step 0 and one evaluation: what compiles), then per repetition
+    ``mode.steps`` training steps (repetition r takes steps (r + 1) x steps on) and one evaluation, each ended
+    by ``sync`` (oodjax's steps return their loss and its evaluation its margins to the host: a timed phase ends
+    when its work has). JAX's compile seconds during the repetitions are the two phases' together."""
+
+    def first() -> None:
         warm()
         train(0)
         score()
-        first_s = time.perf_counter() - start
-    with CompileClock() as timing:
-        train_s, eval_s = _repetitions(train, score, mode, sync=lambda: None)
-    return _timing_fields(train_s, eval_s, first_s, warming.seconds, timing.seconds)
+        sync()
 
-
-def _timing_fields(
-    train_s: np.ndarray, eval_s: np.ndarray, first_s: float, compile_s: float = 0.0, late_s: float = 0.0
-) -> dict[str, dict[str, Any]]:
-    """Both phases' ``harness.Timing`` as JSON fields (the processes send them; ``_timing`` reads them back)."""
-    phases = {"train": train_s, "eval": eval_s}
-    return {
-        phase: dataclasses.asdict(harness.Timing(tuple(s.tolist()), first_s, compile_s, late_s))
-        for phase, s in phases.items()
-    }
-
-
-def _repetitions(
-    train: Callable[[int], None], score: Callable[[], None], mode: DeviceMode, sync: Callable[[], None]
-) -> tuple[np.ndarray, np.ndarray]:
-    """Seconds of each repetition's two phases: ``mode.steps`` training steps (repetition r takes steps
-    (r + 1) x steps on: step 0 is the warm-up's) and one evaluation, each ended by ``sync``."""
-    train_s, eval_s = np.zeros(mode.repeats), np.zeros(mode.repeats)
-    for r in range(mode.repeats):
-        start = time.perf_counter()
+    def steps(r: int) -> None:
         for s in range(mode.steps):
             train((r + 1) * mode.steps + s)
         sync()
-        train_s[r] = time.perf_counter() - start
-        start = time.perf_counter()
+
+    def evaluation() -> None:
         score()
         sync()
-        eval_s[r] = time.perf_counter() - start
-    return train_s, eval_s
 
-
-def _describe(
-    phase: str,
-    mode: DeviceMode,
-    shape: str,
-    device_line: str,
-    ours: dict[str, Any] | None,
-    workload: Any,
-    runs: int,
-    peak: float | None,
-) -> str:
-    lengths = workload.train_set.lengths if phase == "train" else workload.eval_set.lengths
-    what = (
-        f"{mode.steps} steps of batch {settings.TRAIN_BATCH} per run and repetition; oodjax: one train step for "
-        f"all runs, {_layout(ours['geometry']) if ours else 'not run'}, remat {mode.remat}; "
-        "PyTorch: each run's tuned loop (dynamic padding, head at the answer position)"
-        if phase == "train"
-        else f"{len(lengths)} real testset prompts scored by every run; oodjax: one pool packed into rows, all runs "
-        "at once; PyTorch: each run's tuned loop (length-sorted batches, two head columns)"
-    )
-    mfu = f"of peak = MFU against {peak / 1e12:.0f} TFLOP/s bf16" if peak else "no MFU (device peak unknown)"
-    return (
-        f"{runs} runs, SmolLM3-3B's shape ({shape}; random weights), {device_line}; {what}. Prompts: mean "
-        f"{lengths.mean():.0f} GPT-2 tokens, max {int(lengths.max())}. Model FLOPs count "
-        f"real tokens only; {mfu}. Compile time is oodjax's warm-up (train step and evaluation)."
-    )
-
-
-def _layout(geometry: dict[str, int]) -> str:
-    return f"{geometry['grad_accum']} micro-batch(es) of {geometry['rows']} packed rows of {geometry['seq_len']} tokens"
+    _, first_s, compile_s = harness.timed(first)
+    repetitions = [(harness.timed(lambda: steps(r)), harness.timed(evaluation)) for r in range(mode.repeats)]
+    late_s = sum(t[2] for repetition in repetitions for t in repetition)
+    return {
+        phase: harness.Timing(tuple(repetition[i][1] for repetition in repetitions), first_s, compile_s, late_s)
+        for i, phase in enumerate(("train", "eval"))
+    }
 
 
 if __name__ == "__main__":

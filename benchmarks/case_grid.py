@@ -26,38 +26,26 @@ from benchmarks.settings import Mode
 CONFIG_FILE = "benchmarks/grid_config.py"
 
 
-def _run(command: list[str], compilation_cache: pathlib.Path) -> None:
-    env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(compilation_cache))
-    harness.run_command(command, what=" ".join(command), env=env)
+def grid_runs(mode: Mode) -> list[tuple[int, int]]:
+    """The grid's runs, (seed, shots), seeds outermost."""
+    return [(seed, shots) for seed in mode.grid_seeds for shots in mode.grid_shots]
 
 
 def _oodjax(spec: str, output: pathlib.Path) -> list[str]:
     return [sys.executable, "-m", "oodjax.main", f"--config={CONFIG_FILE}:{spec}", f"--config.output_dir={output}"]
 
 
-def grid_runs(mode: Mode) -> list[tuple[int, int]]:
-    """The grid's runs, (seed, shots), seeds outermost."""
-    return [(seed, shots) for seed in mode.grid_seeds for shots in mode.grid_shots]
-
-
 def commands(mode: Mode, output: pathlib.Path) -> dict[str, list[list[str]]]:
     """The command lines of each contender (several for the one-process-per-run contender)."""
+    per_run = output / "oodjax-process-per-run"
+    pytorch = [sys.executable, "-m", "benchmarks.torch_grid", mode.name, "tuned"]
     return {
         "oodjax-one-process": [_oodjax(mode.name, output / "oodjax-one-process")],
         "oodjax-process-per-run": [
-            _oodjax(f"{mode.name},{seed},{shots}", output / "oodjax-process-per-run" / f"seed{seed}_shots{shots}")
+            _oodjax(f"{mode.name},{seed},{shots}", per_run / f"seed{seed}_shots{shots}")
             for seed, shots in grid_runs(mode)
         ],
-        "pytorch-tuned-sequential": [
-            [
-                sys.executable,
-                "-m",
-                "benchmarks.torch_grid",
-                mode.name,
-                "tuned",
-                str(output / "pytorch-tuned-sequential"),
-            ]
-        ],
+        "pytorch-tuned-sequential": [[*pytorch, str(output / "pytorch-tuned-sequential")]],
     }
 
 
@@ -69,30 +57,29 @@ def runs_written(directory: pathlib.Path, runs: list[tuple[int, int]]) -> int:
 def run(mode: Mode, workdir: pathlib.Path) -> dict[str, Any]:
     torch_grid.grid_data(grid_config.get_config(mode.name))  # fills the tokenisation cache
     runs = grid_runs(mode)
-    num_runs = len(runs)
-    seconds: dict[str, list[float]] = {}
-    completed: dict[str, list[int]] = {}
-    other_cpu: dict[str, list[float]] = {}
+    measured: dict[str, list[tuple[float, float, int]]] = {}  # per repetition: seconds, other CPU s, runs written
     for repeat, name in harness.alternating(list(commands(mode, workdir)), mode.grid_repeats):
         output = workdir / f"repeat{repeat}"
+        env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(output / name / "jax-compilation-cache"))
         busy, children = machine.busy_cpu_seconds(), machine.children_cpu_seconds()
         start = time.perf_counter()
         for command in commands(mode, output)[name]:
-            _run(command, compilation_cache=output / name / "jax-compilation-cache")
-        seconds.setdefault(name, []).append(time.perf_counter() - start)
+            harness.run_command(command, what=" ".join(command), env=env)
+        seconds = time.perf_counter() - start
         used_elsewhere = machine.busy_cpu_seconds() - busy - (machine.children_cpu_seconds() - children)
-        other_cpu.setdefault(name, []).append(max(used_elsewhere, 0.0))  # the counters' ticks can differ by one
-        completed.setdefault(name, []).append(runs_written(output / name, runs))
+        # the counters' ticks can differ by one
+        measured.setdefault(name, []).append((seconds, max(used_elsewhere, 0.0), runs_written(output / name, runs)))
     results = {}
-    for name, times in seconds.items():
-        if any(n != num_runs for n in completed[name]):
-            raise RuntimeError(f"{name} wrote results for {completed[name]} runs per repetition, not {num_runs}")
+    for name, repetitions in measured.items():
+        times, other_cpu, completed = (list(column) for column in zip(*repetitions))
+        if any(n != len(runs) for n in completed):
+            raise RuntimeError(f"{name} wrote results for {completed} runs per repetition, not {len(runs)}")
         results[name] = {
             **harness.time_fields(times),
-            "work_per_repeat": num_runs,
-            "rate_median": num_runs / statistics.median(times),
-            "other_cpu_s": other_cpu[name],
-            "runs_completed": completed[name],
+            "work_per_repeat": len(runs),
+            "rate_median": len(runs) / statistics.median(times),
+            "other_cpu_s": other_cpu,
+            "runs_completed": completed,
         }
     model = mode.grid_model
     return {

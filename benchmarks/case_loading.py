@@ -20,21 +20,13 @@ from benchmarks.load_child import LOADERS
 from benchmarks.settings import Mode
 
 
-def checkpoint_bytes(checkpoint: pathlib.Path) -> int:
-    return sum(f.stat().st_size for f in checkpoint.glob("*.safetensors"))
-
-
-def _load_in_child(loader: str, checkpoint: pathlib.Path) -> dict[str, float]:
-    command = [sys.executable, "-m", "benchmarks.load_child", loader, str(checkpoint)]
-    stdout = harness.run_command(command, what=f"loading {checkpoint} with {loader}")
-    return json.loads(stdout.strip().splitlines()[-1])
-
-
 def run(mode: Mode, checkpoint: pathlib.Path) -> dict[str, Any]:
-    size = checkpoint_bytes(checkpoint)
+    size = sum(f.stat().st_size for f in checkpoint.glob("*.safetensors"))
     measured: dict[str, list[dict[str, float]]] = {name: [] for name in LOADERS}
     for _, loader in harness.alternating(list(LOADERS), mode.loading_repeats):
-        measured[loader].append(_load_in_child(loader, checkpoint))
+        command = [sys.executable, "-m", "benchmarks.load_child", loader, str(checkpoint)]
+        stdout = harness.run_command(command, what=f"loading {checkpoint} with {loader}")
+        measured[loader].append(json.loads(stdout.strip().splitlines()[-1]))
     results = {}
     for loader, runs in measured.items():
         load_s = [r["load_s"] for r in runs]
@@ -46,6 +38,7 @@ def run(mode: Mode, checkpoint: pathlib.Path) -> dict[str, Any]:
             "load_rss_growth_mib_median": statistics.median(growth) / 2**20,
             "load_rss_growth_over_checkpoint": statistics.median(growth) / size,
         }
+    fields = harness.ratio_fields({name: {**r, "work_per_repeat": 1} for name, r in results.items()}, "oodjax")
     return {
         "case": "loading",
         "title": "Checkpoint loading (to bfloat16)",
@@ -57,16 +50,6 @@ def run(mode: Mode, checkpoint: pathlib.Path) -> dict[str, Any]:
         ),
         "checkpoint_bytes": size,
         "contenders": results,
-        "ratios": {  # of the fastest loads, as harness.ratios takes them; the medians' beside
-            "transformers/oodjax time": results["transformers"]["min_s"] / results["oodjax"]["min_s"],
-        },
-        "ratios_of_medians": {
-            "transformers/oodjax time": results["transformers"]["median_s"] / results["oodjax"]["median_s"],
-        },
-        "ratios_per_round": {
-            "transformers/oodjax time": [
-                theirs / ours
-                for theirs, ours in zip(results["transformers"]["seconds"], results["oodjax"]["seconds"], strict=True)
-            ],
-        },
+        # of the fastest loads, as harness.ratios takes them, beside the medians' and each round's
+        **{key: {"transformers/oodjax time": ratios["oodjax/transformers"]} for key, ratios in fields.items()},
     }

@@ -23,10 +23,9 @@ import time
 import traceback
 from collections.abc import Callable, Iterator
 
-from benchmarks import environment, settings
+from benchmarks import environment, report, settings
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-SHARED_DATA = ROOT.parent / "shared" / "data"
 # The study config whose compiled memory is checked, read offline: GPT-2's tokenizer and the shared testsets
 # and few-shot pools standing in for the hub's (the shapes, not the values, decide the memory).
 STUDY_CONFIG = ROOT / "configs" / "smol3_mnli.py"
@@ -83,9 +82,7 @@ def demo_check(runs: int, workdir: pathlib.Path, smoke: bool) -> tuple[str, bool
         for testset in json.loads(path.read_text())[schema.RESULTS_PER_TESTSET].values()
     ]
     complete = all((path.parent / schema.METRICS_FILENAME).is_file() for path in written)
-    ok = (
-        len(written) == runs and complete and all(a is not None and math.isfinite(a) for a in accuracies)
-    )  # NaN is null
+    ok = len(written) == runs and complete and all(a is not None and math.isfinite(a) for a in accuracies)  # NaN: null
     attention = flash_attention.resolve("auto")
     head = config.model.hf_config
     shape = jax.ShapeDtypeStruct(
@@ -108,7 +105,7 @@ def layouts(mode: settings.DeviceMode, device_kind: str) -> Iterator[tuple[setti
     from launch import costs, devices
     from oodjax.data import DEFAULT_MAX_LENGTH
 
-    device = devices.DEVICES["a100" if "A100" in device_kind else "h100"]
+    device = case_device.device_of(device_kind) or devices.DEVICES["h100"]
     usable, _ = devices.usable_memory(device)
     workload, seeds, batches, _ = case_device.inputs(mode)
     for grad_accum in (n for n in (1, 2, 4, 8, 16) if settings.TRAIN_BATCH % n == 0):
@@ -187,21 +184,21 @@ def attention_check(kernel: str, smoke: bool) -> tuple[str, bool]:
 
 def preflight_check(smoke: bool) -> tuple[str, bool]:
     """The preflight of configs/smol3_mnli.py (with --smoke configs/demo.py) compiled for one device."""
+    from benchmarks.workload import DATA_DIR, GPT2_TOKENIZER
     from launch import preflight
     from launch.config_files import load_config
     from oodjax.config_read import read
 
     path = ROOT / "configs" / "demo.py" if smoke else STUDY_CONFIG
     config = load_config(path)
-    config.tokenizer = str(SHARED_DATA / "tokenizers" / "gpt2")
-    config.data.data_dir = str(SHARED_DATA / "hf")
+    config.tokenizer, config.data.data_dir = str(GPT2_TOKENIZER), str(DATA_DIR)
     config.data.pool_split = ""  # the offline few-shot pools
     config.mesh.data, config.mesh.fsdp, config.mesh.tensor = 1, 1, 1
-    report = preflight.preflight(read(config), devices=1)
-    train, evaluation = (step.memory_bytes.total / 2**30 for step in (report.train, report.eval))
-    estimate = report.device_estimate_bytes / 2**30
+    measured = preflight.preflight(read(config), devices=1)
+    train, evaluation = (step.memory_bytes.total / 2**30 for step in (measured.train, measured.eval))
+    estimate = measured.device_estimate_bytes / 2**30
     return (
-        f"{path.stem}: train step {train:.2f} GiB compiled ({report.platform}), estimate for the GPU "
+        f"{path.stem}: train step {train:.2f} GiB compiled ({measured.platform}), estimate for the GPU "
         f"{estimate:.2f}; eval step {evaluation:.2f} GiB",
         True,
     )
@@ -217,12 +214,6 @@ def checks(smoke: bool, workdir: pathlib.Path) -> list[tuple[str, Callable[[], t
         *((f"attention {kernel}", lambda kernel=kernel: attention_check(kernel, smoke)) for kernel in kernels),
         ("preflight memory", lambda: preflight_check(smoke)),
     ]
-
-
-def table(rows: list[Row], device: str) -> str:
-    lines = [f"device check on {device}", "| check | result | ok | s |", "|---|---|---|---|"]
-    lines += [f"| {r.check} | {r.result} | {'yes' if r.ok else 'NO'} | {r.seconds:.0f} |" for r in rows]
-    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -251,7 +242,13 @@ def main(argv: list[str] | None = None) -> int:
                 result, ok = f"FAILED: {type(error).__name__}: {str(error).splitlines()[0][:200]}", False
             rows.append(Row(name, result, ok, time.perf_counter() - start))
             print(f"[device_check] {name}: done in {rows[-1].seconds:.0f} s", file=sys.stderr, flush=True)
-    print(table(rows, device))
+    print(f"device check on {device}")
+    print(
+        report.table(
+            ["check", "result", "ok", "s"],
+            [[r.check, r.result, "yes" if r.ok else "NO", f"{r.seconds:.0f}"] for r in rows],
+        )
+    )
     if args.json:
         args.json.write_text(json.dumps({"device": device, "rows": [dataclasses.asdict(r) for r in rows]}, indent=1))
     return 0 if all(row.ok for row in rows) else 1

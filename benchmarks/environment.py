@@ -22,17 +22,13 @@ MEMORY_FRACTION_VARIABLES = ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_F
 MEMORY_FRACTION = "0.9"
 
 
-def without_device_count(xla_flags: str) -> str:
-    """XLA_FLAGS minus any forced host device count."""
-    return " ".join(flag for flag in xla_flags.split() if not flag.startswith(_DEVICE_COUNT_FLAG))
-
-
 def configure(cache_dir: pathlib.Path, *, accelerator: bool = False) -> None:
     """Set this process's (and its children's) environment, before jax or torch is imported; with
     ``accelerator``, JAX takes its default backend instead of the CPU."""
     if "jax" in sys.modules:
         raise RuntimeError("benchmarks.environment.configure must run before jax is imported")
-    os.environ["XLA_FLAGS"] = without_device_count(os.environ.get("XLA_FLAGS", ""))
+    flags = os.environ.get("XLA_FLAGS", "").split()
+    os.environ["XLA_FLAGS"] = " ".join(flag for flag in flags if not flag.startswith(_DEVICE_COUNT_FLAG))
     if accelerator:
         os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
         if not any(os.environ.get(name) for name in MEMORY_FRACTION_VARIABLES):
@@ -43,7 +39,6 @@ def configure(cache_dir: pathlib.Path, *, accelerator: bool = False) -> None:
         os.environ.update(OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads)
         for name in machine.OPENMP_WAITING:
             os.environ.pop(name, None)
-    os.environ["HF_HUB_OFFLINE"] = "1"
-    os.environ["HF_DATASETS_OFFLINE"] = "1"
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    os.environ["OODJAX_CACHE_DIR"] = str(cache_dir)
+    os.environ.update(
+        HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false", OODJAX_CACHE_DIR=str(cache_dir)
+    )

@@ -36,8 +36,4 @@ def train_flops(config: Mapping[str, Any], lengths: Iterable[int], *, lora_rank:
     forward and backward."""
     dims, adapters = costs.dimensions(config), costs.lora_parameter_count(config, lora_rank)
     head = costs.head_flops(dims, dims.vocab_size)
-    total = 0.0
-    for n in lengths:
-        forward = _forward(dims, n, adapters)
-        total += forward.total + forward.backward + 2 * head
-    return total
+    return sum(f.total + f.backward + 2 * head for f in (_forward(dims, n, adapters) for n in lengths))

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import pathlib
 import statistics
 import subprocess
@@ -109,6 +110,19 @@ def timed(fn: Callable[[], Any]) -> tuple[Any, float, float]:
     return returned, seconds, compiling.seconds
 
 
+def json_channel() -> Callable[[dict[str, Any]], None]:
+    """A sender of one-line JSON messages on this process's stdout, which from now on sends anything else
+    printed to stderr: a library's print must not break the messages (``benchmarks.worker``, a device phase)."""
+    channel = os.fdopen(os.dup(sys.stdout.fileno()), "w")
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
+
+    def send(message: dict[str, Any]) -> None:
+        channel.write(json.dumps(message) + "\n")
+        channel.flush()
+
+    return send
+
+
 def alternating(names: list[str], repeats: int) -> list[tuple[int, str]]:
     """(repeat, contender) in timing order: each repeat starts one contender later than the last."""
     order = []
@@ -188,34 +202,24 @@ def compare(
         for name in names:
             workers[name] = Worker(module, name, kwargs, logs / f"{module}-{name}.log")
         processes = {name: worker.receive() for name, worker in workers.items()}
-        returned: dict[str, list[Any]] = {name: [] for name in names}
-        first_call, compile_s = {}, {}
-        for name in names:
-            first_call[name], compile_s[name] = float("nan"), 0.0
-            for call in range(warmup):
-                answer = _turn(workers, name)
-                returned[name].append(answer["returned"])
-                compile_s[name] += answer["compile_s"]
-                if not call:
-                    first_call[name] = answer["seconds"]
-        seconds: dict[str, list[float]] = {name: [] for name in names}
-        other_cpu: dict[str, list[float]] = {name: [] for name in names}
-        late_compile = dict.fromkeys(names, 0.0)
+        warm = {name: [_turn(workers, name) for _ in range(warmup)] for name in names}
+        timed: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
         for _, name in alternating(list(names), repeats):
-            answer = _turn(workers, name)
-            returned[name].append(answer["returned"])
-            seconds[name].append(answer["seconds"])
-            other_cpu[name].append(answer["other_cpu_s"])
-            late_compile[name] += answer["compile_s"]
+            timed[name].append(_turn(workers, name))
     finally:
         for worker in workers.values():
             worker.close()
     timings = {
         name: Timing(
-            tuple(seconds[name]), first_call[name], compile_s[name], late_compile[name], tuple(other_cpu[name])
+            seconds=tuple(answer["seconds"] for answer in timed[name]),
+            first_call_s=warm[name][0]["seconds"] if warm[name] else float("nan"),
+            compile_s=sum((answer["compile_s"] for answer in warm[name]), 0.0),
+            compile_during_timing_s=sum((answer["compile_s"] for answer in timed[name]), 0.0),
+            other_cpu_s=tuple(answer["other_cpu_s"] for answer in timed[name]),
         )
         for name in names
     }
+    returned = {name: [answer["returned"] for answer in warm[name] + timed[name]] for name in names}
     return Comparison(timings, returned, processes)
 
 

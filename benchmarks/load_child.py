@@ -24,53 +24,34 @@ def _status_kib(field: str) -> int:
     raise KeyError(f"/proc/self/status has no {field}")
 
 
-def _load_oodjax(path: str) -> None:
-    import jax
-    from flax import nnx
-
-    from oodjax import models
-
-    jax.block_until_ready(nnx.state(models.load_pretrained(path, dtype="bfloat16")))
-
-
-def _load_transformers(path: str) -> None:
-    import torch
-    import transformers
-
-    transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
-
-
 def main(argv: list[str]) -> None:
     if len(argv) != 2 or argv[0] not in LOADERS:
         raise SystemExit(f"usage: python -m benchmarks.load_child {{{','.join(LOADERS)}}} CHECKPOINT_DIR; got {argv}")
     loader, path = argv
     start = time.perf_counter()
     if loader == "oodjax":
-        import jax  # noqa: F401
+        import jax
+        from flax import nnx
 
-        from oodjax import models  # noqa: F401
+        from oodjax import models
 
-        load = _load_oodjax
+        def load() -> None:
+            jax.block_until_ready(nnx.state(models.load_pretrained(path, dtype="bfloat16")))
+
     else:
-        import torch  # noqa: F401
-        import transformers  # noqa: F401
+        import torch
+        import transformers
 
-        load = _load_transformers
+        def load() -> None:
+            transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+
     imported = time.perf_counter()
     pathlib.Path("/proc/self/clear_refs").write_text("5")
     before = _status_kib("VmRSS")
-    load(path)
+    load()
     loaded = time.perf_counter()
-    print(
-        json.dumps(
-            {
-                "import_s": imported - start,
-                "load_s": loaded - imported,
-                "rss_before_mib": before / 1024,
-                "peak_rss_mib": _status_kib("VmHWM") / 1024,
-            }
-        )
-    )
+    measured = {"import_s": imported - start, "load_s": loaded - imported, "rss_before_mib": before / 1024}
+    print(json.dumps({**measured, "peak_rss_mib": _status_kib("VmHWM") / 1024}))
 
 
 if __name__ == "__main__":

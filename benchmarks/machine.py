@@ -53,32 +53,11 @@ def children_cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def cpu_model(cpuinfo: str | None = None) -> str:
-    """The processor's name from /proc/cpuinfo ("model name"), or the platform's answer elsewhere."""
-    if cpuinfo is None:
-        path = pathlib.Path("/proc/cpuinfo")
-        cpuinfo = path.read_text() if path.exists() else ""
-    match = re.search(r"^model name\s*:\s*(.+)$", cpuinfo, flags=re.MULTILINE)
-    return match.group(1).strip() if match else (platform.processor() or "unknown")
-
-
-def cpu_flags(cpuinfo: str | None = None) -> list[str]:
-    """The vector extensions that decide matmul speed (AVX2, AVX-512, AMX), as /proc/cpuinfo lists them."""
-    if cpuinfo is None:
-        path = pathlib.Path("/proc/cpuinfo")
-        cpuinfo = path.read_text() if path.exists() else ""
-    match = re.search(r"^flags\s*:\s*(.+)$", cpuinfo, flags=re.MULTILINE)
-    flags = match.group(1).split() if match else []
-    return sorted(f for f in set(flags) if f.startswith(("avx", "amx", "fma")))
-
-
-def total_memory_gib(meminfo: str | None = None) -> float:
-    if meminfo is None:
-        meminfo = pathlib.Path("/proc/meminfo").read_text()
-    match = re.search(r"^MemTotal:\s*(\d+)\s*kB", meminfo, flags=re.MULTILINE)
-    if not match:
-        raise ValueError("/proc/meminfo has no MemTotal line")
-    return int(match.group(1)) / 2**20
+def _proc_field(name: str, field: str) -> str:
+    """The value on ``field``'s first line of /proc/``name`` (cpuinfo, meminfo), or "" where there is none."""
+    path = pathlib.Path("/proc", name)
+    match = re.search(rf"^{field}\s*:\s*(.+)$", path.read_text() if path.exists() else "", flags=re.MULTILINE)
+    return match.group(1).strip() if match else ""
 
 
 def describe(torch_threads: int) -> dict[str, Any]:
@@ -86,11 +65,14 @@ def describe(torch_threads: int) -> dict[str, Any]:
     import jax
 
     return {
-        "cpu": cpu_model(),
-        "cpu_flags": cpu_flags(),
+        "cpu": _proc_field("cpuinfo", "model name") or platform.processor() or "unknown",
+        # the vector extensions that decide matmul speed (AVX2, AVX-512, AMX)
+        "cpu_flags": sorted(
+            f for f in set(_proc_field("cpuinfo", "flags").split()) if f.startswith(("avx", "amx", "fma"))
+        ),
         "cores": os.cpu_count(),
         "usable_cores": usable_cores(),
-        "memory_gib": round(total_memory_gib(), 1),
+        "memory_gib": round(int(_proc_field("meminfo", "MemTotal").removesuffix(" kB")) / 2**20, 1),
         "python": platform.python_version(),
         "libraries": {name: metadata.version(name) for name in LIBRARIES},
         "jax_devices": [str(d) for d in jax.devices()],

@@ -61,29 +61,23 @@ def _num(value: float, digits: int = 3) -> str:
 OURS = {"oodjax peak fraction": PEAK_FRACTION, "oodjax memory / checkpoint bytes": "load_rss_growth_over_checkpoint"}
 
 
-def _case(results: Mapping[str, Any], case: str) -> Mapping[str, Any] | None:
-    return next((c for c in results["cases"] if c["case"] == case), None)
+def table(header: list[str], rows: list[list[str]]) -> str:
+    """A markdown table."""
+    lines = [f"| {' | '.join(row)} |" for row in (header, *rows)]
+    return "\n".join([lines[0], "|" + "---|" * len(header), *lines[1:]])
 
 
-def _target_value(results: Mapping[str, Any], case: str, quantity: str) -> float | None:
-    found = _case(results, case)
+def _target(results: Mapping[str, Any], case: str, quantity: str) -> tuple[float | None, str]:
+    """A target's value and its smallest and largest over the case's repetitions ("" where not recorded)."""
+    found = next((c for c in results["cases"] if c["case"] == case), None)
     if found is None:
-        return None
+        return None, ""
+    ours = found["contenders"].get("oodjax", {})
     if quantity in OURS:
-        return found["contenders"].get("oodjax", {}).get(OURS[quantity])
-    return found.get("ratios", {}).get(quantity)
-
-
-def _target_spread(results: Mapping[str, Any], case: str, quantity: str) -> str:
-    """A target's smallest and largest value over the case's repetitions ("" where not recorded)."""
-    found = _case(results, case)
-    if found is None:
-        return ""
-    if quantity == "oodjax peak fraction":
-        ours = found["contenders"].get("oodjax", {})
-        return _span(ours["peak_fraction_min"], ours["peak_fraction_max"]) if "peak_fraction_min" in ours else ""
+        spread = "peak_fraction_min" in ours and quantity == "oodjax peak fraction"
+        return ours.get(OURS[quantity]), _span(ours["peak_fraction_min"], ours[PEAK_FRACTION]) if spread else ""
     rounds = found.get("ratios_per_round", {}).get(quantity)
-    return _span(min(rounds), max(rounds)) if rounds else ""
+    return found.get("ratios", {}).get(quantity), _span(min(rounds), max(rounds)) if rounds else ""
 
 
 def _span(low: float, high: float) -> str:
@@ -91,21 +85,20 @@ def _span(low: float, high: float) -> str:
 
 
 def targets_table(results: Mapping[str, Any]) -> str:
-    rows = ["| case | quantity | goal | measured | per repetition | met |", "|---|---|---|---|---|---|"]
+    rows = []
     device = any(case["case"].startswith("device-") for case in results["cases"])
     for case, quantity, direction, bound in DEVICE_TARGETS if device else TARGETS:
-        value = _target_value(results, case, quantity)
+        value, spread = _target(results, case, quantity)
         goal = "none (for information)" if bound is None else f"{direction} {bound}"
         if value is None:
-            rows.append(f"| {case} | {quantity} | {goal} | not measured | | |")
+            rows.append([case, quantity, goal, "not measured", "", ""])
             continue
         met = ""
         if bound is not None:
             met = "yes" if (value >= bound if direction == "at least" else value <= bound) else "no"
         # One digit more than elsewhere, so a value just short of its bound does not print as the bound.
-        spread = _target_spread(results, case, quantity)
-        rows.append(f"| {case} | {quantity} | {goal} | {_num(value, digits=4)} | {spread} | {met} |")
-    return "\n".join(rows)
+        rows.append([case, quantity, goal, _num(value, digits=4), spread, met])
+    return table(["case", "quantity", "goal", "measured", "per repetition", "met"], rows)
 
 
 def compared_ratios(results: Mapping[str, Any], other: Mapping[str, Any]) -> list[tuple[str, str, float, float]]:
@@ -127,68 +120,63 @@ def compared_ratios(results: Mapping[str, Any], other: Mapping[str, Any]) -> lis
 def agreement_table(results: Mapping[str, Any], other: Mapping[str, Any]) -> tuple[str, bool]:
     """The markdown table of ``compared_ratios`` with each pair's difference (the larger over the smaller,
     minus 1), and whether every pair agrees within ``AGREEMENT``."""
-    rows = [
-        f"| case | quantity | {results['finished']} | {other['finished']} | difference | within {AGREEMENT:.0%} |",
-        "|---|---|---|---|---|---|",
-    ]
-    agree = True
+    rows = []
     for case, quantity, ours, theirs in compared_ratios(results, other):
         difference = max(ours, theirs) / min(ours, theirs) - 1
-        agree &= difference <= AGREEMENT
-        rows.append(
-            f"| {case} | {quantity} | {_num(ours)} | {_num(theirs)} | {difference:.1%} | "
-            f"{'yes' if difference <= AGREEMENT else 'no'} |"
-        )
-    return "\n".join(rows), agree
+        agrees = "yes" if difference <= AGREEMENT else "no"
+        rows.append([case, quantity, _num(ours), _num(theirs), f"{difference:.1%}", agrees])
+    header = ["case", "quantity", results["finished"], other["finished"], "difference", f"within {AGREEMENT:.0%}"]
+    return table(header, rows), all(row[-1] == "yes" for row in rows)
 
 
 def case_table(case: Mapping[str, Any]) -> str:
     """One case's contenders: median time, range, rate and, where counted, compile time and FLOP/s."""
+    contenders = case["contenders"].items()
     if case["case"] == "loading":
-        rows = [
-            "| loader | load median s (min-max) | imports s | peak RSS MiB | load RSS growth MiB (x checkpoint) |",
-            "|---|---|---|---|---|",
+        header = [
+            "loader",
+            "load median s (min-max)",
+            "imports s",
+            "peak RSS MiB",
+            "load RSS growth MiB (x checkpoint)",
         ]
-        for name, c in case["contenders"].items():
-            rows.append(
-                f"| {name} | {_times(c)} | "
-                f"{_num(c['import_s_median'])} | {_num(c['peak_rss_mib_median'])} | "
-                f"{_num(c['load_rss_growth_mib_median'])} ({_num(c['load_rss_growth_over_checkpoint'])}) |"
-            )
-        return "\n".join(rows)
-    unit = case["unit"]
-    if unit == "s":  # whole jobs: only their wall times
-        rows = ["| contender | median s (min-max) | reps | other CPU s, most in one |", "|---|---|---|---|"]
-        for name, c in case["contenders"].items():
-            rows.append(f"| {name} | {_times(c)} | {c['repeats']} | {_other_cpu(c)} |")
-        return "\n".join(rows)
-    rows = [
-        f"| contender | median s (min-max) | {unit} median (min-max) | first call s | XLA compile s | "
-        "model GFLOP/s | of peak median (fastest) | reps | other CPU s, most in one |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    for name, c in case["contenders"].items():
-        rate = f"{_num(c['rate_median'])} ({_num(c['rate_min'])}-{_num(c['rate_max'])})"
-        rows.append(
-            f"| {name} | {_times(c)} | {rate} | "
-            f"{_num(c['first_call_s']) if 'first_call_s' in c else ''} | "
-            f"{_num(c['compile_s']) if c.get('compile_s') else ''} | "
-            f"{_num(c['model_gflops_median']) if 'model_gflops_median' in c else ''} | "
-            f"{_of_peak(c)} | {c['repeats']} | {_other_cpu(c)} |"
+        return table(
+            header,
+            [
+                [
+                    name,
+                    _times(c),
+                    _num(c["import_s_median"]),
+                    _num(c["peak_rss_mib_median"]),
+                    f"{_num(c['load_rss_growth_mib_median'])} ({_num(c['load_rss_growth_over_checkpoint'])})",
+                ]
+                for name, c in contenders
+            ],
         )
-    return "\n".join(rows)
+    if case["unit"] == "s":  # whole jobs: only their wall times
+        header = ["contender", "median s (min-max)", "reps", "other CPU s, most in one"]
+        return table(header, [[name, _times(c), str(c["repeats"]), _other_cpu(c)] for name, c in contenders])
+    rows = [
+        [
+            name,
+            _times(c),
+            f"{_num(c['rate_median'])} ({_span(c['rate_min'], c['rate_max'])})",
+            _num(c["first_call_s"]) if "first_call_s" in c else "",
+            _num(c["compile_s"]) if c.get("compile_s") else "",
+            _num(c["model_gflops_median"]) if "model_gflops_median" in c else "",
+            f"{c['peak_fraction']:.0%} ({c[PEAK_FRACTION]:.0%})" if "peak_fraction" in c else "",
+            str(c["repeats"]),
+            _other_cpu(c),
+        ]
+        for name, c in contenders
+    ]
+    header = ["contender", "median s (min-max)", f"{case['unit']} median (min-max)", "first call s", "XLA compile s"]
+    return table(header + ["model GFLOP/s", "of peak median (fastest)", "reps", "other CPU s, most in one"], rows)
 
 
 def _times(contender: Mapping[str, Any]) -> str:
     """The median repetition's seconds, and the fastest's to the slowest's."""
     return f"{_num(contender['median_s'])} ({_span(contender['min_s'], contender['max_s'])})"
-
-
-def _of_peak(contender: Mapping[str, Any]) -> str:
-    """The median repetition's fraction of the matmul peak, and the fastest's."""
-    if "peak_fraction" not in contender:
-        return ""
-    return f"{contender['peak_fraction']:.0%} ({contender[PEAK_FRACTION]:.0%})"
 
 
 def _other_cpu(contender: Mapping[str, Any]) -> str:
@@ -208,55 +196,45 @@ def machine_line(results: Mapping[str, Any]) -> str:
     )
 
 
+def _case_lines(case: Mapping[str, Any]) -> list[str]:
+    """The lines under a case's table: its agreement, padding efficiency, device memory and ratios, where held."""
+    lines = []
+    if "agreement" in case:
+        agreement = (f"{k} {_num(v) if isinstance(v, float) else v}" for k, v in case["agreement"].items())
+        lines.append("Same computation: " + ", ".join(agreement))
+    if "oodjax_padding_efficiency" in case:
+        efficiency = case["oodjax_padding_efficiency"]
+        lines.append(f"oodjax padding efficiency (real tokens / tokens computed): {efficiency:.0%}")
+    if case.get("memory"):
+        memory = (
+            f"{k.removesuffix('_peak_bytes')} " + (f"{v / 2**30:.1f} GiB" if v else "not reported")
+            for k, v in case["memory"].items()
+        )
+        lines.append("Peak device memory: " + ", ".join(memory))
+    if case.get("ratios"):
+        rounds, medians = case.get("ratios_per_round", {}), case.get("ratios_of_medians", {})
+        label = "Ratios of the fastest repetitions" + (" (each round's lowest-highest)" if rounds else "")
+        ratios = (
+            f"{k} {_num(v)}" + (f" ({_span(min(rounds[k]), max(rounds[k]))})" if rounds.get(k) else "")
+            for k, v in case["ratios"].items()
+        )
+        of_medians = "; of medians: " + ", ".join(f"{k} {_num(v)}" for k, v in medians.items()) if medians else ""
+        lines.append(f"{label}: " + ", ".join(ratios) + of_medians)
+    return lines
+
+
 def markdown(results: Mapping[str, Any]) -> str:
     """The full report: machine, every case's table and checks, the targets."""
     left = [phase for phase in results.get("phases", []) if phase not in results.get("phases_done", [])]
     parts = [
         f"Mode `{results['mode']}` (`{results['command']}`), {results['finished']}, {results['wall_s']:.0f} s in all"
         + (f"; partial: {', '.join(left)} not done." if left else "."),
-        "",
         f"Machine: {machine_line(results)}",
-        "",
     ]
     for case in results["cases"]:
-        parts += [f"#### {case['title']}", "", case["description"], "", case_table(case), ""]
-        if "agreement" in case:
-            parts += [
-                "Same computation: "
-                + ", ".join(f"{k} {_num(v) if isinstance(v, float) else v}" for k, v in case["agreement"].items()),
-                "",
-            ]
-        if "oodjax_padding_efficiency" in case:
-            parts += [
-                f"oodjax padding efficiency (real tokens / tokens computed): {case['oodjax_padding_efficiency']:.0%}",
-                "",
-            ]
-        if case.get("memory"):
-            parts += [
-                "Peak device memory: "
-                + ", ".join(
-                    f"{k.removesuffix('_peak_bytes')} {v / 2**30:.1f} GiB"
-                    if v
-                    else f"{k.removesuffix('_peak_bytes')} not reported"
-                    for k, v in case["memory"].items()
-                ),
-                "",
-            ]
-        if case.get("ratios"):
-            rounds = case.get("ratios_per_round", {})
-            label = "Ratios of the fastest repetitions" + (" (each round's lowest-highest)" if rounds else "")
-            medians = case.get("ratios_of_medians", {})
-            parts += [
-                f"{label}: "
-                + ", ".join(
-                    f"{k} {_num(v)}" + (f" ({_span(min(rounds[k]), max(rounds[k]))})" if rounds.get(k) else "")
-                    for k, v in case["ratios"].items()
-                )
-                + ("; of medians: " + ", ".join(f"{k} {_num(v)}" for k, v in medians.items()) if medians else ""),
-                "",
-            ]
-    parts += ["#### Targets", "", targets_table(results), ""]
-    return "\n".join(parts)
+        parts += [f"#### {case['title']}", case["description"], case_table(case), *_case_lines(case)]
+    parts += ["#### Targets", targets_table(results)]
+    return "\n\n".join(parts) + "\n"
 
 
 def performance_section(results: Mapping[str, Any]) -> str:

@@ -59,19 +59,16 @@ def padded(
     tokenized: TokenizedSet, rows: Sequence[int], seq_len: int | None, device: torch.device | str = "cpu"
 ) -> dict[str, torch.Tensor]:
     """Right-padded input_ids / attention_mask for ``rows`` (to ``seq_len``, or to the longest row), on ``device``."""
-    lengths = tokenized.lengths[np.asarray(rows)]
-    width = int(lengths.max()) if seq_len is None else seq_len
-    input_ids = np.zeros((len(rows), width), dtype=np.int64)
-    mask = np.zeros((len(rows), width), dtype=np.int64)
-    for r, i in enumerate(rows):
-        prompt = tokenized.prompt(i)
-        input_ids[r, : len(prompt)] = prompt
-        mask[r, : len(prompt)] = 1
+    index = np.asarray(rows)
+    lengths = tokenized.lengths[index]
+    mask = np.arange(int(lengths.max()) if seq_len is None else seq_len) < lengths[:, None]
+    input_ids = np.zeros(mask.shape, dtype=np.int64)
+    input_ids[mask] = np.concatenate([tokenized.prompt(i) for i in index])  # row by row, each from its start
     arrays = {
         "input_ids": input_ids,
-        "attention_mask": mask,
+        "attention_mask": mask.astype(np.int64),
         "answer_pos": lengths - 1,
-        "label": tokenized.labels[np.asarray(rows)].astype(np.int64),
+        "label": tokenized.labels[index].astype(np.int64),
     }
     return {key: torch.from_numpy(value).to(device) for key, value in arrays.items()}
 
@@ -112,14 +109,12 @@ def margins_tuned(
 ) -> np.ndarray:
     """The same margins, from length-sorted, dynamically padded batches and the two head rows only."""
     model.eval()
-    order = rows[np.argsort(tokenized.lengths[rows], kind="stable")]
+    order = np.argsort(tokenized.lengths[rows], kind="stable")
     head = model.get_base_model().get_output_embeddings().weight[[yes_id, no_id]]  # [2, H]
     margins = np.empty(len(rows), dtype=np.float32)
-    position = {int(row): k for k, row in enumerate(rows)}
     for chunk in _batches(order, batch_size):
-        logits = _answer_hidden(model, padded(tokenized, chunk, None, model.device)) @ head.T
-        for row, margin in zip(chunk, (logits[:, 0] - logits[:, 1]).float().cpu().numpy()):
-            margins[position[int(row)]] = margin
+        logits = _answer_hidden(model, padded(tokenized, rows[chunk], None, model.device)) @ head.T
+        margins[chunk] = (logits[:, 0] - logits[:, 1]).float().cpu().numpy()
     return margins
 
 

@@ -62,21 +62,17 @@ def main(argv: list[str]) -> None:
     tuned = args.approach == "tuned"
     margins_of = torch_contenders.margins_tuned if tuned else torch_contenders.margins_original
     grid = grid_data(config)
-    yes_id, no_id = grid.yes_id, grid.no_id
+    answers = dict(yes_id=grid.yes_id, no_id=grid.no_id)
+    scoring = dict(answers, batch_size=config.eval.batch_size)
     model = torch_contenders.build_model(config.model.hf_config.to_dict(), seed=config.model.init_seed)
     steps = config.train.steps
     for (seed, shots), train_set in grid.train_sets.items():
         peft_model = torch_contenders.attach_lora(model, seed=seed)
-        trainer = torch_contenders.Trainer(peft_model, tuned=tuned, yes_id=yes_id, no_id=no_id, total_steps=steps)
+        trainer = torch_contenders.Trainer(peft_model, tuned=tuned, total_steps=steps, **answers)
 
         def evaluate() -> dict[str, np.ndarray]:
             sets = {**grid.testsets, "train": train_set}
-            return {
-                name: margins_of(
-                    peft_model, t, np.arange(len(t)), yes_id=yes_id, no_id=no_id, batch_size=config.eval.batch_size
-                )
-                for name, t in sets.items()
-            }
+            return {name: margins_of(peft_model, t, np.arange(len(t)), **scoring) for name, t in sets.items()}
 
         margins = {0: evaluate()}
         losses = [

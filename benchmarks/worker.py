@@ -17,39 +17,25 @@ import json
 import os
 import sys
 import time
-from typing import Any, TextIO
 
 from benchmarks import harness
-
-
-def _answer(channel: TextIO, message: dict[str, Any]) -> None:
-    channel.write(json.dumps(message) + "\n")
-    channel.flush()
 
 
 def main(argv: list[str]) -> None:
     if len(argv) != 3:
         raise SystemExit(f"usage: python -m benchmarks.worker MODULE CONTENDER KWARGS_JSON; got {argv}")
     module, name, kwargs = argv
-    channel = os.fdopen(os.dup(sys.stdout.fileno()), "w")
-    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # a library's print must not break the answers
+    answer = harness.json_channel()
     start = time.perf_counter()
     call, built = importlib.import_module(f"benchmarks.{module}").contender(name, **json.loads(kwargs))
     torch = sys.modules.get("torch")
-    _answer(
-        channel,
-        {
-            "pid": os.getpid(),
-            "setup_s": time.perf_counter() - start,
-            "torch_threads": torch.get_num_threads() if torch else None,
-            **built,
-        },
-    )
+    threads = torch.get_num_threads() if torch else None
+    answer({"pid": os.getpid(), "setup_s": time.perf_counter() - start, "torch_threads": threads, **built})
     for request in sys.stdin:
         if request.strip() != "call":
             raise ValueError(f"benchmarks.worker takes only 'call' requests, got {request!r}")
         returned, seconds, compile_s = harness.timed(call)
-        _answer(channel, {"seconds": seconds, "compile_s": compile_s, "returned": returned})
+        answer({"seconds": seconds, "compile_s": compile_s, "returned": returned})
 
 
 if __name__ == "__main__":
