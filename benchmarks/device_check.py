@@ -108,20 +108,17 @@ def layouts(mode: settings.DeviceMode, device_kind: str) -> Iterator[tuple[setti
     device = case_device.device_of(device_kind) or devices.DEVICES["h100"]
     usable, _ = devices.usable_memory(device)
     workload, seeds, batches, _ = case_device.inputs(mode)
+    one_device, lora = {"data": 1, "fsdp": 1, "tensor": 1}, oodjax_contenders.lora_config()
     for grad_accum in (n for n in (1, 2, 4, 8, 16) if settings.TRAIN_BATCH % n == 0):
         geometry = train_geometry(workload.train_set, batches, grad_accum=grad_accum, row_length=DEFAULT_MAX_LENGTH)
+        shape = dict(
+            runs=len(seeds), rows=geometry.rows, seq_len=geometry.seq_len, prompts_per_row=geometry.prompts_per_row
+        )
         for remat in ("none", "save_dots", "full"):
-            memory = costs.train_memory_per_device(
-                mode.model,
-                oodjax_contenders.lora_config(),
-                dtype="bfloat16",
-                remat=remat,
-                mesh={"data": 1, "fsdp": 1, "tensor": 1},
-                runs=len(seeds),
-                rows=geometry.rows,
-                seq_len=geometry.seq_len,
-                prompts_per_row=geometry.prompts_per_row,
-            ).total
+            per_device = costs.train_memory_per_device(
+                mode.model, lora, dtype="bfloat16", remat=remat, mesh=one_device, **shape
+            )
+            memory = per_device.total
             if memory <= HEADROOM * usable:
                 fits = (
                     f"estimate {memory / 2**30:.1f} of {HEADROOM * usable / 2**30:.1f} GiB, {HEADROOM} of the "
@@ -152,15 +149,12 @@ def mfu_check(smoke: bool) -> tuple[str, bool]:
         break
     else:
         return "; ".join(tried) or "no layout fits by the estimate", False
-    cases = case_device.assemble(mode, {"oodjax": result})["cases"]
     figures = []
-    for case in cases:
+    for case in case_device.assemble(mode, {"oodjax": result})["cases"]:
         ours = case["contenders"]["oodjax"]
         fraction = f"MFU {ours['peak_fraction']:.0%}" if "peak_fraction" in ours else "MFU: peak unknown"
-        figures.append(
-            f"{case['case'].removeprefix('device-')} {ours['rate_median']:.1f} examples/s, "
-            f"{ours['model_gflops_median']:.3g} GFLOP/s, {fraction}"
-        )
+        rate = f"{ours['rate_median']:.1f} examples/s, {ours['model_gflops_median']:.3g} GFLOP/s"
+        figures.append(f"{case['case'].removeprefix('device-')} {rate}, {fraction}")
     memory = result["peak_bytes"]
     peak = f", peak {memory / 2**30:.1f} GiB" if memory else ""
     layout = f"remat {mode.remat}, {mode.grad_accum} micro-batch(es) ({fits}{peak})"
