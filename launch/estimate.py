@@ -299,10 +299,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     device = DEVICES[args.device]
     target = Target(args.devices, device, args.utilisation, args.platform)
     with usage_errors.reported(parser.prog):
-        try:
-            paths = experiment_config_paths(args.configs)
-        except (ValueError, FileNotFoundError) as error:  # no experiment config among the files; no file
-            raise usage_errors.UsageError(str(error)) from error
+        paths = experiment_config_paths(args.configs)
     count = PromptCounter(args.tokenizer)
     if args.offline_pools:
         print(

@@ -403,17 +403,6 @@ def _cannot_connect(error: BaseException | None) -> bool:
     return False
 
 
-def _load_configs(patterns: Sequence[str]) -> list[tuple[str, Job]]:
-    """The experiment configs ``patterns`` match, each read into a job without checking files (not here yet)."""
-    try:
-        paths = experiment_config_paths(list(patterns))
-    except FileNotFoundError as error:  # a pattern that matches no file
-        raise MissingInputError(str(error)) from None
-    except ValueError as error:  # files, but no experiment config among them
-        raise ConfigError(str(error)) from None
-    return [(path, _read(path)) for path in paths]
-
-
 def _read(path: str) -> Job:
     try:
         return read(load_config(path))
@@ -431,7 +420,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     with reported(FETCH_COMMAND):
-        configs = _load_configs(args.configs)
+        configs = [(path, _read(path)) for path in experiment_config_paths(args.configs)]  # files not checked
         root = mirror_dir(args.data_dir, configs)
         if hub_offline():
             raise UsageError(

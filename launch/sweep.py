@@ -92,16 +92,14 @@ def plan_jobs(
         config = _load(path, extra)
         config_seeds = tuple(seeds) if seeds is not None else tuple(config.runs.seeds)
         config_shots = tuple(shots) if shots is not None else tuple(config.runs.shots)
-        own_dir = config.output_dir if output_dir is None else None
-        if per_run:
-            for seed in config_seeds:
-                for shot in config_shots:
-                    name = f"{stem}_seed{seed}_shots{shot}"
-                    directory = own_dir or str(pathlib.Path(output_dir) / name)
-                    jobs.append(Job(name, path, (seed,), (shot,), directory, extra))
-        else:
-            directory = own_dir or str(pathlib.Path(output_dir) / stem)
-            jobs.append(Job(stem, path, config_seeds, config_shots, directory, extra))
+        grids = (
+            [(f"{stem}_seed{seed}_shots{shot}", (seed,), (shot,)) for seed in config_seeds for shot in config_shots]
+            if per_run
+            else [(stem, config_seeds, config_shots)]
+        )
+        for name, job_seeds, job_shots in grids:
+            directory = config.output_dir if output_dir is None else str(pathlib.Path(output_dir) / name)
+            jobs.append(Job(name, path, job_seeds, job_shots, directory, extra))
     return jobs
 
 
@@ -230,16 +228,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         required=True,
         help="config files or shell patterns; oodjax:NAME or oodjax:PATTERN for packaged configs",
     )
-    parser.add_argument(
-        "--seeds", type=_int_list, default=None, help="comma-separated; default: each config's runs.seeds"
-    )
-    parser.add_argument(
-        "--shots", type=_int_list, default=None, help="comma-separated; default: each config's runs.shots"
-    )
+    parser.add_argument("--seeds", type=_int_list, help="comma-separated; default: each config's runs.seeds")
+    parser.add_argument("--shots", type=_int_list, help="comma-separated; default: each config's runs.shots")
     parser.add_argument("--backend", choices=BACKENDS, required=True)
     parser.add_argument(
         "--output_dir",
-        default=None,
         help="results root holding one directory per job, on storage every host reaches; "
         "default: each config's output_dir",
     )
@@ -247,7 +240,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--nodes", type=int, default=1, help="SLURM nodes per job (default 1)")
     scheduler = parser.add_argument_group("SLURM options, passed to sbatch before the script (--backend slurm)")
     for flag, option in SBATCH_OPTIONS.items():
-        scheduler.add_argument(f"--{flag}", default=None, help=f"sbatch {option}")
+        scheduler.add_argument(f"--{flag}", help=f"sbatch {option}")
     scheduler.add_argument(
         "--sbatch_arg",
         action="append",
@@ -313,16 +306,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.dry_run:
             continue
         pathlib.Path(job.output_dir).mkdir(parents=True, exist_ok=True)
-        completed = subprocess.run(cmd)
-        if completed.returncode == PREEMPTED_EXIT_CODE:
-            print(
-                f"job {job.name} was stopped by a signal with its runs checkpointed; rerun the sweep to resume",
-                file=sys.stderr,
-            )
-            return completed.returncode
-        if completed.returncode != 0:
-            print(f"job {job.name} failed with exit code {completed.returncode}", file=sys.stderr)
-            return completed.returncode
+        status = subprocess.run(cmd).returncode
+        if status:
+            checkpointed = "was stopped by a signal with its runs checkpointed; rerun the sweep to resume"
+            why = checkpointed if status == PREEMPTED_EXIT_CODE else f"failed with exit code {status}"
+            print(f"job {job.name} {why}", file=sys.stderr)
+            return status
 
     summary = f"{sum(job.runs for job in pending)} runs in {len(pending)} jobs"
     if skipped_runs:
