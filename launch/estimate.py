@@ -50,7 +50,6 @@ WITHOUT_DATA = (
 @dataclasses.dataclass(frozen=True)
 class Estimate:
     config_path: str
-    model: str
     parameters: int
     mesh: Mapping[str, int]
     memory: costs.Memory
@@ -98,13 +97,12 @@ def train_memory(
 
 def train_step_flops(job: Job, arch: Mapping[str, Any], geometry: BatchGeometry) -> float:
     """FLOPs of one optimizer step of the runs laid out as ``geometry`` (the job's, or a run group's)."""
-    runs = geometry.runs
     return costs.train_step_flops(
         costs.dimensions(arch),
-        runs=runs,
+        runs=geometry.runs,
         rows=geometry.grad_accum * geometry.rows,
         seq_len=geometry.seq_len,
-        prompts=runs * geometry.batch_size,
+        prompts=geometry.runs * geometry.batch_size,
         lora_parameters=costs.lora_parameter_count(arch, job.lora.rank, job.lora.targets),
         remat=job.model.remat,
     )
@@ -156,7 +154,6 @@ def estimate(
     hours = total / (target.device.peak_flops * target.utilisation) / 3600
     return Estimate(
         config_path,
-        job.model.source,
         costs.parameter_count(arch),
         mesh,
         memory,
@@ -187,7 +184,7 @@ def describe(result: Estimate, job: Job, device: Device, utilisation: float) -> 
     )
     return "\n".join(
         [
-            f"{result.config_path}: {result.model}, {result.parameters:,} parameters",
+            f"{result.config_path}: {job.model.source}, {result.parameters:,} parameters",
             f"  mesh data={mesh['data']} fsdp={mesh['fsdp']} tensor={mesh['tensor']}; {runs} runs x batch "
             f"{g.batch_size} in {g.grad_accum} micro-batch{'es' if g.grad_accum > 1 else ''} of {rows}; "
             f"{job.model.dtype}, remat {job.model.remat}",

@@ -258,21 +258,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--nodes must be at least 1, got {args.nodes}")
     try:
         sbatch_options = _sbatch_options(args)
-    except ValueError as error:
-        parser.error(str(error))
-
-    try:
         configs = experiment_config_paths(args.configs)
     except ValueError as error:
         parser.error(str(error))
-    with usage_errors.reported(parser.prog):  # a config that cannot be read, an override it refuses
+    with usage_errors.reported(parser.prog):  # a config that cannot be read, an override it refuses, squeue failing
         jobs = plan_jobs(
             configs, args.seeds, args.shots, args.output_dir, per_run=args.per_run, config_overrides=config_overrides
         )
-    queued = set()
-    if args.backend == "slurm" and shutil.which("squeue"):
-        with usage_errors.reported(parser.prog):
-            queued = queued_jobs()
+        queued = queued_jobs() if args.backend == "slurm" and shutil.which("squeue") else set()
     pending, skipped_runs, busy = [], 0, 0
     for job in jobs:
         with usage_errors.reported(parser.prog, config_spec=job.config_path):  # a config that cannot be read
