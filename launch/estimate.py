@@ -149,8 +149,7 @@ def estimate(
     # share of it. Each length's runs train apart and begin with one step-0 evaluation of their own.
     steps_per_run = sum(len(group.runs) * group.total_steps for group in job.groups) / runs
     evaluations = sum(len(group.runs) * len(group.cadence.evaluated_steps()) for group in job.groups) / runs
-    first_evaluations = len(job.groups)
-    total = steps_per_run * step + first_evaluations * first_evaluation + (evaluations - 1) * evaluation
+    total = steps_per_run * step + len(job.groups) * first_evaluation + (evaluations - 1) * evaluation
     hours = total / (target.device.peak_flops * target.utilisation) / 3600
     return Estimate(
         config_path,

@@ -181,8 +181,7 @@ class TestsetSplit:
             return Look(False, f"to {self.target}", _card_bytes(self.spec, self.split))
 
     def download(self) -> None:
-        dataset = hub_split(self.spec, self.split)
-        write_atomic(self.target, dataset.to_parquet, intact="nothing was written there")
+        write_atomic(self.target, hub_split(self.spec, self.split).to_parquet, intact="nothing was written there")
 
     def verify(self) -> str:
         local_path(self.spec, self.split, self.root)  # the jobs find it (else load_testset would ask the hub)

@@ -302,24 +302,21 @@ def describe(report: Report) -> str:
     def fit(total: float) -> str:
         return fit_text(total, device, limit.usable_bytes, limit.source)
 
+    elsewhere = f"as the {report.platform} backend allocates it, not the {device.name} (the fit is below)"
     for name, step in (("train", report.train), ("eval", report.eval)):
         memory = step.memory_bytes
-        present = {op: c for op, c in step.collectives.items() if c["count"]}
+        present = [
+            f"{op} x{c['count']} (largest {c['max_bytes'] / 1e6:.1f} MB)"
+            for op, c in step.collectives.items()
+            if c["count"]
+        ]
         lines += [
             f"{name} step: lowered in {step.lower_s:.1f} s, compiled in {step.compile_s:.1f} s",
             f"  memory per device (GB): arguments {memory.argument / GB:.2f}, "
             f"outputs {memory.output / GB:.2f}, temporaries {memory.temp / GB:.2f}, "
             f"aliased {memory.alias / GB:.2f}; total {memory.total / GB:.2f}; "
-            + (
-                fit(memory.total)
-                if compiled_for_device
-                else f"as the {report.platform} backend allocates it, not the {device.name} (the fit is below)"
-            ),
-            "  collectives: "
-            + (
-                ", ".join(f"{op} x{c['count']} (largest {c['max_bytes'] / 1e6:.1f} MB)" for op, c in present.items())
-                or "none"
-            ),
+            f"{fit(memory.total) if compiled_for_device else elsewhere}",
+            f"  collectives: {', '.join(present) or 'none'}",
         ]
     lines.append(f"analytic estimate (launch.estimate, train): {report.estimate_bytes / GB:.2f} GB per device")
     if not compiled_for_device:
