@@ -276,13 +276,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not unfinished:
             print(f"# skip {job.name}: its {done} runs are finished")
             continue
-        remaining = []
         for part, reason in zip(unfinished, reasons):
-            if reason is None:
-                remaining.append(part)
-            else:
+            if reason is not None:
                 print(f"# skip {part.name}: {reason}")
                 busy += part.runs
+        remaining = [part for part, reason in zip(unfinished, reasons) if reason is None]
         if done and remaining:
             grids = "; ".join(f"seeds {_list(part.seeds)} x shots {_list(part.shots)}" for part in remaining)
             left = job.runs - done
