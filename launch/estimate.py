@@ -292,8 +292,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.prompt_len is not None and args.tokenizer:
         parser.error("--tokenizer counts the real prompts, which --prompt_len replaces")
     host_devices(args.devices)
-    device = DEVICES[args.device]
-    target = Target(args.devices, device, args.utilisation, args.platform)
+    target = Target(args.devices, DEVICES[args.device], args.utilisation, args.platform)
     with usage_errors.reported(parser.prog):
         paths = experiment_config_paths(args.configs)
     count = PromptCounter(args.tokenizer)
@@ -318,12 +317,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 result = estimate(path, job, prompts, target, layers=args.layers, seq_len=args.seq_len)
             except usage_errors.NotFetchedError as error:
                 raise usage_errors.NotFetchedError(f"{error}; {WITHOUT_DATA}") from error
-        print(describe(result, job, device, args.utilisation))
+        print(describe(result, job, target.device, args.utilisation))
         total_hours += result.accelerator_hours
         total_runs += len(job.runs.runs())
     if len(paths) > 1:
         print(
-            f"total: {total_runs} runs in {len(paths)} configs, {total_hours:,.0f} {device.name}-hours "
+            f"total: {total_runs} runs in {len(paths)} configs, {total_hours:,.0f} {target.device.name}-hours "
             f"at {args.utilisation:.0%} utilisation"
         )
     return 0

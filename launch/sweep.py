@@ -210,14 +210,10 @@ def effective_sbatch_options(cmd: Sequence[str]) -> list[str]:
     """The options an sbatch line gives its job: the command's options override the script's
     `#SBATCH` lines, as sbatch's do."""
     script = next(index for index, word in enumerate(cmd) if word.endswith(".sbatch"))
-    options: dict[str, str] = {}
-    for line in pathlib.Path(cmd[script]).read_text().splitlines():
-        if line.startswith("#SBATCH "):
-            option = line.removeprefix("#SBATCH ").strip()
-            options[option.split("=")[0]] = option
-    for option in cmd[1:script]:
-        options[option.split("=")[0]] = option
-    return list(options.values())
+    lines = pathlib.Path(cmd[script]).read_text().splitlines()
+    in_script = [line.removeprefix("#SBATCH ").strip() for line in lines if line.startswith("#SBATCH ")]
+    # One option a name, the command's after the script's replacing them.
+    return list({option.split("=")[0]: option for option in [*in_script, *cmd[1:script]]}.values())
 
 
 def main(argv: Sequence[str] | None = None) -> int:
