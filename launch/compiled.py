@@ -68,7 +68,6 @@ class AbstractSteps:
     eval_step: Any
     train_args: tuple[Any, ...]
     eval_args: tuple[Any, ...]
-    mesh: jax.sharding.Mesh
     geometry: BatchGeometry
     data: Any
     arch: dict[str, Any]
@@ -116,7 +115,6 @@ def abstract_steps(job: Job, *, devices: int, layers: int | None) -> AbstractSte
         eval_step,
         (base_in, runs_in, train_batch(geometry, mesh)),
         (base_in, runs_in.lora, eval_batch),
-        mesh,
         geometry,
         data,
         arch,

@@ -14,6 +14,7 @@ import types
 from ml_collections import config_dict
 
 from oodjax.config_cli import PACKAGED_PREFIX, config_file_path, config_module, packaged_configs_dir
+from oodjax.usage_errors import ConfigError, MissingInputError
 
 
 def load_config(path: str | pathlib.Path) -> config_dict.ConfigDict:
@@ -45,38 +46,31 @@ def expand_config_paths(patterns: list[str]) -> list[str]:
         else:
             matches = sorted(glob.glob(pattern))
         if not matches:
-            raise FileNotFoundError(f"no config file matches {pattern!r}")
+            raise MissingInputError(f"no config file matches {pattern!r}")
         paths += [match for match in matches if match not in paths]
     return paths
 
 
 def experiment_config_paths(patterns: list[str]) -> list[str]:
-    """The experiment configs among the files matching ``patterns``, the others named in a `#` line."""
-    configs, not_experiments = experiment_configs(expand_config_paths(patterns))
-    if not_experiments:
-        skipped = ", ".join(f"{path} ({why})" for path, why in not_experiments.items())
-        print(f"# not experiment configs, skipped: {skipped}")
-    if not configs:
-        raise ValueError(f"no experiment config among {list(patterns)}")
-    return configs
-
-
-def experiment_configs(paths: list[str]) -> tuple[list[str], dict[str, str]]:
-    """The ``paths`` that are experiment configs, and the others with why they are not.
+    """The experiment configs among the files matching ``patterns``, the others named in a `#` line.
 
     An experiment config names a model, so a glob over configs/ can be given
     as it is: helpers (no `get_config()`) and base.py (no model) are left out.
     """
-    experiments, others = [], {}
-    for path in paths:
+    configs, skipped = [], []
+    for path in expand_config_paths(patterns):
         module = _load_module(path)
         if not hasattr(module, "get_config"):
-            others[path] = "no get_config()"
-        elif not _names_a_model(module.get_config()):
-            others[path] = "its config names no model"
+            skipped.append(f"{path} (no get_config())")
+        elif _names_a_model(module.get_config()):
+            configs.append(path)
         else:
-            experiments.append(path)
-    return experiments, others
+            skipped.append(f"{path} (its config names no model)")
+    if skipped:
+        print(f"# not experiment configs, skipped: {', '.join(skipped)}")
+    if not configs:
+        raise ConfigError(f"no experiment config among {list(patterns)}")
+    return configs
 
 
 def _names_a_model(config: config_dict.ConfigDict) -> bool:
@@ -91,5 +85,5 @@ def _load_module(path: str | pathlib.Path) -> types.ModuleType:
     try:
         file = config_file_path(str(path))
     except FileNotFoundError as error:
-        raise FileNotFoundError(f"config file {path} does not exist ({error})") from None
+        raise MissingInputError(f"config file {path} does not exist ({error})") from None
     return config_module(file)

@@ -356,35 +356,15 @@ class _Measured:
 
 
 @functools.cache
-def _measure(
-    architecture: str,
-    lora: LoRAConfig,
-    *,
-    dtype: str,
-    compute_dtype: str | None,
-    remat: str,
-    runs: int,
-    seq_len: int,
-    prompts_per_row: int,
-    platform: str,
-) -> _Measured:
+def _measure(architecture: str, lora: LoRAConfig, *, dtype: str, remat: str, **shape: Any) -> _Measured:
     """`saved_activation_bytes` taken apart: 2 layers minus 1 isolates a layer, two rows minus one what grows
-    with the batch."""
+    with the batch; ``shape`` is its other keywords (runs, seq_len, prompts_per_row, compute_dtype, platform)."""
     whole = abstract_mesh(dict(data=1, fsdp=1, tensor=1))
     saved, weights = {}, {}
     for layers in (1, 2):
         make = functools.partial(abstract_model, json.loads(architecture), dtype=dtype, remat=remat, layers=layers)
         for rows in (1, 2):
-            saved[layers, rows] = saved_activation_bytes(
-                make,
-                lora,
-                runs=runs,
-                rows=rows,
-                seq_len=seq_len,
-                prompts_per_row=prompts_per_row,
-                compute_dtype=compute_dtype,
-                platform=platform,
-            )
+            saved[layers, rows] = saved_activation_bytes(make, lora, rows=rows, **shape)
         weights[layers] = bytes_per_device(nnx.state(make(), nnx.Param), whole)
     per_row = {layers: saved[layers, 2] - saved[layers, 1] for layers in (1, 2)}
     fixed = {layers: saved[layers, 1] - per_row[layers] for layers in (1, 2)}
@@ -424,17 +404,12 @@ def train_memory_per_device(
     model = abstract_model(architecture, dtype=dtype, remat=remat, lora=lora)
     adapters = bytes_per_device(nnx.state(model, nnx.LoRAParam), devices, leading=runs)
     layers = full_config(architecture).num_hidden_layers
-    measure = dict(
-        dtype=dtype,
-        compute_dtype=compute_dtype,
-        runs=runs,
-        seq_len=seq_len,
-        prompts_per_row=prompts_per_row,
-        platform=platform,
+    shape = dict(
+        runs=runs, seq_len=seq_len, prompts_per_row=prompts_per_row, compute_dtype=compute_dtype, platform=platform
     )
     key = _key(architecture)
-    kept = _measure(key, lora, remat=remat, **measure)
-    full_layer = _measure(key, lora, remat="none", **measure).per_row_layer
+    kept = _measure(key, lora, dtype=dtype, remat=remat, **shape)
+    full_layer = _measure(key, lora, dtype=dtype, remat="none", **shape).per_row_layer
     per_device = rows // shards  # rows of a micro-batch on each device
     head = nnx.eval_shape(lambda model: model.head_kernel(), model)
     head_weights = math.prod(head.shape) * jnp.dtype(dtype).itemsize / mesh["tensor"]

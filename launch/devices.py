@@ -6,6 +6,7 @@ figures, each from its vendor's published data (sources beside the table).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -115,7 +116,5 @@ def _gb(size: float) -> str:
 def host_devices(count: int) -> None:
     """Gives JAX's CPU backend ``count`` devices (the meshes of devices this machine lacks). Only before JAX
     starts; a program that has started it (the tests, with eight devices) keeps the devices it has."""
-    try:
+    with contextlib.suppress(RuntimeError):  # JAX's backends have started
         jax.config.update("jax_num_cpu_devices", count)
-    except RuntimeError:  # JAX's backends have started
-        pass

@@ -50,7 +50,6 @@ WITHOUT_DATA = (
 @dataclasses.dataclass(frozen=True)
 class Estimate:
     config_path: str
-    model: str
     parameters: int
     mesh: Mapping[str, int]
     memory: costs.Memory
@@ -98,13 +97,12 @@ def train_memory(
 
 def train_step_flops(job: Job, arch: Mapping[str, Any], geometry: BatchGeometry) -> float:
     """FLOPs of one optimizer step of the runs laid out as ``geometry`` (the job's, or a run group's)."""
-    runs = geometry.runs
     return costs.train_step_flops(
         costs.dimensions(arch),
-        runs=runs,
+        runs=geometry.runs,
         rows=geometry.grad_accum * geometry.rows,
         seq_len=geometry.seq_len,
-        prompts=runs * geometry.batch_size,
+        prompts=geometry.runs * geometry.batch_size,
         lora_parameters=costs.lora_parameter_count(arch, job.lora.rank, job.lora.targets),
         remat=job.model.remat,
     )
@@ -151,12 +149,10 @@ def estimate(
     # share of it. Each length's runs train apart and begin with one step-0 evaluation of their own.
     steps_per_run = sum(len(group.runs) * group.total_steps for group in job.groups) / runs
     evaluations = sum(len(group.runs) * len(group.cadence.evaluated_steps()) for group in job.groups) / runs
-    first_evaluations = len(job.groups)
-    total = steps_per_run * step + first_evaluations * first_evaluation + (evaluations - 1) * evaluation
+    total = steps_per_run * step + len(job.groups) * first_evaluation + (evaluations - 1) * evaluation
     hours = total / (target.device.peak_flops * target.utilisation) / 3600
     return Estimate(
         config_path,
-        job.model.source,
         costs.parameter_count(arch),
         mesh,
         memory,
@@ -187,7 +183,7 @@ def describe(result: Estimate, job: Job, device: Device, utilisation: float) -> 
     )
     return "\n".join(
         [
-            f"{result.config_path}: {result.model}, {result.parameters:,} parameters",
+            f"{result.config_path}: {job.model.source}, {result.parameters:,} parameters",
             f"  mesh data={mesh['data']} fsdp={mesh['fsdp']} tensor={mesh['tensor']}; {runs} runs x batch "
             f"{g.batch_size} in {g.grad_accum} micro-batch{'es' if g.grad_accum > 1 else ''} of {rows}; "
             f"{job.model.dtype}, remat {job.model.remat}",
@@ -296,13 +292,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.prompt_len is not None and args.tokenizer:
         parser.error("--tokenizer counts the real prompts, which --prompt_len replaces")
     host_devices(args.devices)
-    device = DEVICES[args.device]
-    target = Target(args.devices, device, args.utilisation, args.platform)
+    target = Target(args.devices, DEVICES[args.device], args.utilisation, args.platform)
     with usage_errors.reported(parser.prog):
-        try:
-            paths = experiment_config_paths(args.configs)
-        except (ValueError, FileNotFoundError) as error:  # no experiment config among the files; no file
-            raise usage_errors.UsageError(str(error)) from error
+        paths = experiment_config_paths(args.configs)
     count = PromptCounter(args.tokenizer)
     if args.offline_pools:
         print(
@@ -325,12 +317,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 result = estimate(path, job, prompts, target, layers=args.layers, seq_len=args.seq_len)
             except usage_errors.NotFetchedError as error:
                 raise usage_errors.NotFetchedError(f"{error}; {WITHOUT_DATA}") from error
-        print(describe(result, job, device, args.utilisation))
+        print(describe(result, job, target.device, args.utilisation))
         total_hours += result.accelerator_hours
         total_runs += len(job.runs.runs())
     if len(paths) > 1:
         print(
-            f"total: {total_runs} runs in {len(paths)} configs, {total_hours:,.0f} {device.name}-hours "
+            f"total: {total_runs} runs in {len(paths)} configs, {total_hours:,.0f} {target.device.name}-hours "
             f"at {args.utilisation:.0%} utilisation"
         )
     return 0

@@ -181,8 +181,7 @@ class TestsetSplit:
             return Look(False, f"to {self.target}", _card_bytes(self.spec, self.split))
 
     def download(self) -> None:
-        dataset = hub_split(self.spec, self.split)
-        write_atomic(self.target, dataset.to_parquet, intact="nothing was written there")
+        write_atomic(self.target, hub_split(self.spec, self.split).to_parquet, intact="nothing was written there")
 
     def verify(self) -> str:
         local_path(self.spec, self.split, self.root)  # the jobs find it (else load_testset would ask the hub)
@@ -198,16 +197,15 @@ def plan(configs: Configs, root: pathlib.Path) -> list[Item]:
     tokenizers: dict[str, RepoFiles] = {}
     splits: dict[tuple[str, str, str], TestsetSplit] = {}
     for path, job in configs:
-        model = job.model.path
-        if model:
-            checkpoints.setdefault(model, RepoFiles(Checkpoint(), _source(path, "model.path", model)))
+        if job.model.path:
+            checkpoints.setdefault(job.model.path, RepoFiles(Checkpoint(), _source(path, "model.path", job.model.path)))
         source = job.model.tokenizer
         if not source:
             raise ConfigError(f"{path}: tokenizer is empty and model.path names no checkpoint to take it from")
         tokenizer = tokenizers.setdefault(source, RepoFiles(Tokenizer(), _source(path, "tokenizer", source)))
         if job.data.answers not in tokenizer.what.answers:
             tokenizer.what.answers.append(job.data.answers)
-        for spec, split, name, check in _testset_reads(path, job, root):
+        for spec, split, name, check in _testset_reads(job, root):
             item = splits.setdefault((spec.source, spec.config, split), TestsetSplit(spec, split, root))
             item.checks.setdefault(name, check)
     return [*checkpoints.values(), *tokenizers.values(), *splits.values()]
@@ -220,16 +218,12 @@ def _source(path: str, field: str, source: str) -> str:
 
 
 def _testset_reads(
-    path: str, job: Job, root: pathlib.Path
+    job: Job, root: pathlib.Path
 ) -> Iterator[tuple[TestsetSpec, str, str, Callable[[], datasets.Dataset]]]:
     """(spec, source split, who reads it, how the job loads it) for every hub split the config reads."""
-    data = job.data
-    try:
-        specs = {name: testset_spec(name, data.table) for name in data.testsets}
-        pool, split = testset_spec(data.train_set), pool_split(data.train_set, data.pool_split)
-    except (KeyError, ValueError) as error:  # an unknown name, named in the message
-        raise ConfigError(f"{path}: {error.args[0]}") from None
-    for name, spec in specs.items():
+    data = job.data  # its names are known (``DataSettings`` refuses others)
+    for name in data.testsets:
+        spec = data.table[name]
         if spec.is_local_file:  # the user's own file: nothing to fetch
             continue
         reader = name if data.neutral == "drop" else f"{name} (neutral {data.neutral})"
@@ -238,8 +232,9 @@ def _testset_reads(
                 load_testset, name, split=part, data_dir=root, neutral=data.neutral, table={name: spec}
             )
             yield spec, part, reader, load
+    split = pool_split(data.train_set, data.pool_split)
     load = functools.partial(training_pool, data.train_set, split=split, data_dir=root)
-    yield pool, split, f"the {data.train_set} pool", load
+    yield testset_spec(data.train_set), split, f"the {data.train_set} pool", load
 
 
 def _card_bytes(spec: TestsetSpec, split: str) -> int | None:
@@ -276,11 +271,10 @@ def mirror_dir(data_dir: str | None, configs: Configs) -> pathlib.Path:
 
 def compute_node_environment(root: pathlib.Path) -> list[str]:
     """The variables under which compute nodes read what was fetched here, and nothing from the network."""
-    hub = hub_constants
-    home = os.path.abspath(hub.HF_HOME)
+    home = os.path.abspath(hub_constants.HF_HOME)
     variables = [("HF_HOME", home)]
-    if os.path.abspath(hub.HF_HUB_CACHE) != os.path.join(home, "hub"):
-        variables.append(("HF_HUB_CACHE", os.path.abspath(hub.HF_HUB_CACHE)))
+    if os.path.abspath(hub_constants.HF_HUB_CACHE) != os.path.join(home, "hub"):
+        variables.append(("HF_HUB_CACHE", os.path.abspath(hub_constants.HF_HUB_CACHE)))
     variables += [("HF_HUB_OFFLINE", "1"), ("HF_DATASETS_OFFLINE", "1"), ("OODJAX_DATA_DIR", str(root.resolve()))]
     return [f"export {name}={shlex.quote(value)}" for name, value in variables]
 
@@ -403,17 +397,6 @@ def _cannot_connect(error: BaseException | None) -> bool:
     return False
 
 
-def _load_configs(patterns: Sequence[str]) -> list[tuple[str, Job]]:
-    """The experiment configs ``patterns`` match, each read into a job without checking files (not here yet)."""
-    try:
-        paths = experiment_config_paths(list(patterns))
-    except FileNotFoundError as error:  # a pattern that matches no file
-        raise MissingInputError(str(error)) from None
-    except ValueError as error:  # files, but no experiment config among them
-        raise ConfigError(str(error)) from None
-    return [(path, _read(path)) for path in paths]
-
-
 def _read(path: str) -> Job:
     try:
         return read(load_config(path))
@@ -431,7 +414,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     with reported(FETCH_COMMAND):
-        configs = _load_configs(args.configs)
+        configs = [(path, _read(path)) for path in experiment_config_paths(args.configs)]  # files not checked
         root = mirror_dir(args.data_dir, configs)
         if hub_offline():
             raise UsageError(

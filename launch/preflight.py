@@ -226,10 +226,7 @@ def preflight(
         nodes=over_nodes(job, network, devices, node_devices or device.node_devices, parts),
         platform=platform,
         geometry=Layout(
-            runs=geometry.runs,
-            grad_accum=geometry.grad_accum,
-            rows=geometry.rows,
-            rows_per_device=geometry.rows_per_device,
+            **{field: getattr(geometry, field) for field in ("runs", "grad_accum", "rows", "rows_per_device")},
             seq_len=geometry.seq_len,
             packed=geometry.packed,
             prompt_slots=geometry.prompts_per_row,
@@ -283,7 +280,6 @@ def over_nodes(
 
 def describe(report: Report) -> str:
     """The report as lines for a terminal."""
-    gb = 1e9
     layout = report.geometry
     rows = f"packed, {layout.prompt_slots} prompt slots a row" if layout.packed else "one prompt a row"
     group = f" (the largest of {report.groups} run groups, which train apart)" if report.groups > 1 else ""
@@ -306,37 +302,34 @@ def describe(report: Report) -> str:
     def fit(total: float) -> str:
         return fit_text(total, device, limit.usable_bytes, limit.source)
 
+    elsewhere = f"as the {report.platform} backend allocates it, not the {device.name} (the fit is below)"
     for name, step in (("train", report.train), ("eval", report.eval)):
         memory = step.memory_bytes
-        present = {op: c for op, c in step.collectives.items() if c["count"]}
+        present = [
+            f"{op} x{c['count']} (largest {c['max_bytes'] / 1e6:.1f} MB)"
+            for op, c in step.collectives.items()
+            if c["count"]
+        ]
         lines += [
             f"{name} step: lowered in {step.lower_s:.1f} s, compiled in {step.compile_s:.1f} s",
-            f"  memory per device (GB): arguments {memory.argument / gb:.2f}, "
-            f"outputs {memory.output / gb:.2f}, temporaries {memory.temp / gb:.2f}, "
-            f"aliased {memory.alias / gb:.2f}; total {memory.total / gb:.2f}; "
-            + (
-                fit(memory.total)
-                if compiled_for_device
-                else f"as the {report.platform} backend allocates it, not the {device.name} (the fit is below)"
-            ),
-            "  collectives: "
-            + (
-                ", ".join(f"{op} x{c['count']} (largest {c['max_bytes'] / 1e6:.1f} MB)" for op, c in present.items())
-                or "none"
-            ),
+            f"  memory per device (GB): arguments {memory.argument / GB:.2f}, "
+            f"outputs {memory.output / GB:.2f}, temporaries {memory.temp / GB:.2f}, "
+            f"aliased {memory.alias / GB:.2f}; total {memory.total / GB:.2f}; "
+            f"{fit(memory.total) if compiled_for_device else elsewhere}",
+            f"  collectives: {', '.join(present) or 'none'}",
         ]
-    lines.append(f"analytic estimate (launch.estimate, train): {report.estimate_bytes / gb:.2f} GB per device")
+    lines.append(f"analytic estimate (launch.estimate, train): {report.estimate_bytes / GB:.2f} GB per device")
     if not compiled_for_device:
         # A CPU's compile allocates several times a GPU's; the GPU estimate tracks it (docs/performance.md).
         lines.append(
-            f"on the {device.name}: the train step needs {report.device_estimate_bytes / gb:.2f} GB per device by "
+            f"on the {device.name}: the train step needs {report.device_estimate_bytes / GB:.2f} GB per device by "
             f"the estimate for a {device.platform.upper()} (0.97-0.99x a GPU's compiled total where measured); "
             f"{fit(report.device_estimate_bytes)}"
         )
     if (full := report.full_model) is not None:
         lines.append(
             f"the full model, {full.layers} layers (this compile {report.layers}): the train step needs "
-            f"{full.device_estimate_bytes / gb:.2f} GB per device by the estimate for a {device.platform.upper()}; "
+            f"{full.device_estimate_bytes / GB:.2f} GB per device by the estimate for a {device.platform.upper()}; "
             f"{fit(full.device_estimate_bytes)}"
         )
     on = f"on {report.devices} {ESTIMATE_DEVICE} at {ESTIMATE_UTILISATION:.0%} utilisation"

@@ -178,7 +178,7 @@ class PromptCounter:
 
     def __init__(self, tokenizer: str | None = None) -> None:
         self.tokenizer = tokenizer
-        self._tokenizers: dict[str, PreTrainedTokenizerBase] = {}
+        self._load_tokenizer = functools.cache(load_tokenizer)
         # Keyed by (tokenizer, the data settings' repr, the runs' (seed, shots), the evaluation batches' shape):
         # DataSettings holds the testset table's dicts, so its repr stands for it.
         self._pools: dict[tuple[str, str, tuple[tuple[int, int], ...], EvalGeometry], dict[str, Any]] = {}
@@ -186,20 +186,17 @@ class PromptCounter:
     def __call__(self, job: Job, mesh: Mapping[str, int]) -> RealPrompts:
         """``job``'s real prompts on a mesh of these axis sizes (resolved)."""
         source = self.tokenizer or job.model.tokenizer
-        if source not in self._tokenizers:
-            self._tokenizers[source] = load_tokenizer(source)
         shards = math.prod(mesh[axis] for axis in sharding.BATCH_AXES)
         runs = tuple((run.seed, run.shots) for run in job.runs.runs())
         pool = (source, repr(job.data), runs, eval_geometry(job.batches, shards))
         samples = None if pool in self._pools else study_samples(job.data)
         testsets = None if samples is None else functools.partial(study_testsets, samples=samples)
-        longest = job.groups[-1].total_steps  # all runs laid out together, over the longest run's steps
         setup = set_up(
             job,
             geometry_mesh(shards),
             job.runs.runs(),
-            longest,
-            tokenizer=self._tokenizers[source],
+            job.groups[-1].total_steps,  # all runs laid out together, over the longest run's steps
+            tokenizer=self._load_tokenizer(source),
             testsets=testsets,
             prefetch=0,
         )

@@ -92,16 +92,14 @@ def plan_jobs(
         config = _load(path, extra)
         config_seeds = tuple(seeds) if seeds is not None else tuple(config.runs.seeds)
         config_shots = tuple(shots) if shots is not None else tuple(config.runs.shots)
-        own_dir = config.output_dir if output_dir is None else None
-        if per_run:
-            for seed in config_seeds:
-                for shot in config_shots:
-                    name = f"{stem}_seed{seed}_shots{shot}"
-                    directory = own_dir or str(pathlib.Path(output_dir) / name)
-                    jobs.append(Job(name, path, (seed,), (shot,), directory, extra))
-        else:
-            directory = own_dir or str(pathlib.Path(output_dir) / stem)
-            jobs.append(Job(stem, path, config_seeds, config_shots, directory, extra))
+        grids = (
+            [(f"{stem}_seed{seed}_shots{shot}", (seed,), (shot,)) for seed in config_seeds for shot in config_shots]
+            if per_run
+            else [(stem, config_seeds, config_shots)]
+        )
+        for name, job_seeds, job_shots in grids:
+            directory = config.output_dir if output_dir is None else str(pathlib.Path(output_dir) / name)
+            jobs.append(Job(name, path, job_seeds, job_shots, directory, extra))
     return jobs
 
 
@@ -212,14 +210,10 @@ def effective_sbatch_options(cmd: Sequence[str]) -> list[str]:
     """The options an sbatch line gives its job: the command's options override the script's
     `#SBATCH` lines, as sbatch's do."""
     script = next(index for index, word in enumerate(cmd) if word.endswith(".sbatch"))
-    options: dict[str, str] = {}
-    for line in pathlib.Path(cmd[script]).read_text().splitlines():
-        if line.startswith("#SBATCH "):
-            option = line.removeprefix("#SBATCH ").strip()
-            options[option.split("=")[0]] = option
-    for option in cmd[1:script]:
-        options[option.split("=")[0]] = option
-    return list(options.values())
+    lines = pathlib.Path(cmd[script]).read_text().splitlines()
+    in_script = [line.removeprefix("#SBATCH ").strip() for line in lines if line.startswith("#SBATCH ")]
+    # One option a name, the command's after the script's replacing them.
+    return list({option.split("=")[0]: option for option in [*in_script, *cmd[1:script]]}.values())
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -230,16 +224,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         required=True,
         help="config files or shell patterns; oodjax:NAME or oodjax:PATTERN for packaged configs",
     )
-    parser.add_argument(
-        "--seeds", type=_int_list, default=None, help="comma-separated; default: each config's runs.seeds"
-    )
-    parser.add_argument(
-        "--shots", type=_int_list, default=None, help="comma-separated; default: each config's runs.shots"
-    )
+    parser.add_argument("--seeds", type=_int_list, help="comma-separated; default: each config's runs.seeds")
+    parser.add_argument("--shots", type=_int_list, help="comma-separated; default: each config's runs.shots")
     parser.add_argument("--backend", choices=BACKENDS, required=True)
     parser.add_argument(
         "--output_dir",
-        default=None,
         help="results root holding one directory per job, on storage every host reaches; "
         "default: each config's output_dir",
     )
@@ -247,7 +236,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--nodes", type=int, default=1, help="SLURM nodes per job (default 1)")
     scheduler = parser.add_argument_group("SLURM options, passed to sbatch before the script (--backend slurm)")
     for flag, option in SBATCH_OPTIONS.items():
-        scheduler.add_argument(f"--{flag}", default=None, help=f"sbatch {option}")
+        scheduler.add_argument(f"--{flag}", help=f"sbatch {option}")
     scheduler.add_argument(
         "--sbatch_arg",
         action="append",
@@ -265,21 +254,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--nodes must be at least 1, got {args.nodes}")
     try:
         sbatch_options = _sbatch_options(args)
-    except ValueError as error:
-        parser.error(str(error))
-
-    try:
         configs = experiment_config_paths(args.configs)
     except ValueError as error:
         parser.error(str(error))
-    with usage_errors.reported(parser.prog):  # a config that cannot be read, an override it refuses
+    with usage_errors.reported(parser.prog):  # a config that cannot be read, an override it refuses, squeue failing
         jobs = plan_jobs(
             configs, args.seeds, args.shots, args.output_dir, per_run=args.per_run, config_overrides=config_overrides
         )
-    queued = set()
-    if args.backend == "slurm" and shutil.which("squeue"):
-        with usage_errors.reported(parser.prog):
-            queued = queued_jobs()
+        queued = queued_jobs() if args.backend == "slurm" and shutil.which("squeue") else set()
     pending, skipped_runs, busy = [], 0, 0
     for job in jobs:
         with usage_errors.reported(parser.prog, config_spec=job.config_path):  # a config that cannot be read
@@ -290,13 +272,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not unfinished:
             print(f"# skip {job.name}: its {done} runs are finished")
             continue
-        remaining = []
         for part, reason in zip(unfinished, reasons):
-            if reason is None:
-                remaining.append(part)
-            else:
+            if reason is not None:
                 print(f"# skip {part.name}: {reason}")
                 busy += part.runs
+        remaining = [part for part, reason in zip(unfinished, reasons) if reason is None]
         if done and remaining:
             grids = "; ".join(f"seeds {_list(part.seeds)} x shots {_list(part.shots)}" for part in remaining)
             left = job.runs - done
@@ -313,16 +293,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.dry_run:
             continue
         pathlib.Path(job.output_dir).mkdir(parents=True, exist_ok=True)
-        completed = subprocess.run(cmd)
-        if completed.returncode == PREEMPTED_EXIT_CODE:
-            print(
-                f"job {job.name} was stopped by a signal with its runs checkpointed; rerun the sweep to resume",
-                file=sys.stderr,
-            )
-            return completed.returncode
-        if completed.returncode != 0:
-            print(f"job {job.name} failed with exit code {completed.returncode}", file=sys.stderr)
-            return completed.returncode
+        status = subprocess.run(cmd).returncode
+        if status:
+            checkpointed = "was stopped by a signal with its runs checkpointed; rerun the sweep to resume"
+            why = checkpointed if status == PREEMPTED_EXIT_CODE else f"failed with exit code {status}"
+            print(f"job {job.name} {why}", file=sys.stderr)
+            return status
 
     summary = f"{sum(job.runs for job in pending)} runs in {len(pending)} jobs"
     if skipped_runs:
