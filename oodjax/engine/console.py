@@ -13,7 +13,7 @@ import logging as python_logging
 import sys
 import time
 from collections.abc import Iterator, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 import jax
 from absl import logging
@@ -71,18 +71,10 @@ def by_run(label: str, runs: Sequence[SeededRun], values: Sequence[str]) -> str:
     return "\n".join([f"{label}:", *lines])
 
 
-def bar(*, total: int, initial: int = 0, desc: str, unit: str, enabled: bool = True, leave: bool = True) -> tqdm:
-    """A tqdm bar on stderr, drawn only where stderr is a terminal (``disable=None``) and ``enabled``."""
-    return tqdm(
-        total=total,
-        initial=initial,
-        desc=desc,
-        unit=unit,
-        leave=leave,
-        dynamic_ncols=True,
-        disable=None if enabled else True,
-        file=sys.stderr,
-    )
+def bar(*, enabled: bool = True, **options: Any) -> tqdm:
+    """A tqdm bar (``options``: total, initial, desc, unit, leave...) on stderr, drawn only where stderr is a
+    terminal (``disable=None``) and ``enabled``."""
+    return tqdm(**options, dynamic_ncols=True, disable=None if enabled else True, file=sys.stderr)
 
 
 @contextlib.contextmanager

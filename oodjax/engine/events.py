@@ -80,11 +80,7 @@ class EventLog:
             import wandb as wandb_lib
 
             self._wandb_run = wandb_lib.init(
-                project=wandb.project,
-                entity=wandb.entity,
-                group=wandb.group,
-                tags=list(wandb.tags) or None,
-                mode=wandb.mode,
+                **dataclasses.asdict(wandb) | {"tags": list(wandb.tags) or None},
                 name=run_name,
                 config=dict(config),
                 dir=str(run_dir),

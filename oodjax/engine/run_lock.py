@@ -115,8 +115,7 @@ class RunLock:
 
     def refresh(self) -> bool:
         """Rewrites the heartbeat; False when the lock is no longer this process's (taken over as stale)."""
-        current = _read(self.path)
-        if current is None or current.token != self.holder.token:
+        if not _holds(self.path, self.holder):
             return False
         self.holder = dataclasses.replace(self.holder, heartbeat=time.time())
         record = _write_record(self.path, self.holder)
@@ -125,8 +124,7 @@ class RunLock:
 
     def release(self) -> None:
         """Deletes the lock if it is still this process's, then the folders taking it created, if still empty."""
-        current = _read(self.path)
-        if current is not None and current.token == self.holder.token:
+        if _holds(self.path, self.holder):
             self.path.unlink(missing_ok=True)
         else:
             logging.warning("%s: not released, it is no longer this job's lock (taken over as stale)", self.path)
@@ -185,10 +183,13 @@ RunT = TypeVar("RunT", bound=_Run)
 def locked_runs(runs: Sequence[RunT], *, skip_locked: bool) -> Iterator[list[RunT]]:
     """Holds the lock of every run while the body runs; yields the runs held, in order.
 
-    A run locked by a live job raises ``RunLockedError``, or with ``skip_locked`` is left out.
+    A run locked by a live job raises ``RunLockedError``, or with ``skip_locked`` is left out. While the body
+    runs, a daemon thread refreshes the locks' heartbeats (``_beat``).
     """
     locks: list[RunLock] = []
     holders: dict[int, Holder] = {}
+    stop = threading.Event()
+    heartbeat = threading.Thread(target=_beat, args=(locks, stop), name="oodjax-run-locks", daemon=True)
     try:
         if is_primary():
             # Read first: a job that will stop on a locked run writes nothing, not even the other runs' locks.
@@ -215,49 +216,38 @@ def locked_runs(runs: Sequence[RunT], *, skip_locked: bool) -> Iterator[list[Run
                     "without the locked runs"
                 )
             logging.warning("left out (runs.skip_locked): %s", message)
-        with _Heartbeat(locks):
-            yield [run for run, run_held in zip(runs, held) if run_held]
+        if locks:
+            heartbeat.start()
+        yield [run for run, run_held in zip(runs, held) if run_held]
     finally:
+        stop.set()
+        if heartbeat.is_alive():
+            heartbeat.join()
         for lock in reversed(locks):  # the last taken first: a folder made for the first may hold the others'
             lock.release()
 
 
-class _Heartbeat:
-    """While entered, a daemon thread refreshes the locks' heartbeats every ``HEARTBEAT_SECONDS``."""
-
-    def __init__(self, locks: Sequence[RunLock]):
-        self._locks = list(locks)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._beat, name="oodjax-run-locks", daemon=True)
-
-    def __enter__(self) -> _Heartbeat:
-        if self._locks:
-            self._thread.start()
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join()
-
-    def _beat(self) -> None:
-        while not self._stop.wait(HEARTBEAT_SECONDS):
-            for lock in list(self._locks):
-                try:
-                    if lock.refresh():
-                        continue
-                except OSError as error:  # a network filesystem's hiccup: the next beat retries
-                    logging.warning(
-                        "%s: heartbeat not written (%s); retrying in %.0f s", lock.path, error, HEARTBEAT_SECONDS
-                    )
+def _beat(held: Sequence[RunLock], stop: threading.Event) -> None:
+    """Refreshes the heartbeat of each of ``held`` every ``HEARTBEAT_SECONDS`` until ``stop``; a lock taken
+    over as stale is dropped."""
+    locks = list(held)
+    while not stop.wait(HEARTBEAT_SECONDS):
+        for lock in list(locks):
+            try:
+                if lock.refresh():
                     continue
-                holder = _read(lock.path)
-                logging.error(
-                    "%s: this job's lock was taken over as stale by %s; another job may now write this run",
-                    lock.path,
-                    holder.describe(time.time()) if holder else "nobody (it was deleted)",
+            except OSError as error:  # a network filesystem's hiccup: the next beat retries
+                logging.warning(
+                    "%s: heartbeat not written (%s); retrying in %.0f s", lock.path, error, HEARTBEAT_SECONDS
                 )
-                self._locks.remove(lock)
+                continue
+            holder = _read(lock.path)
+            logging.error(
+                "%s: this job's lock was taken over as stale by %s; another job may now write this run",
+                lock.path,
+                holder.describe(time.time()) if holder else "nobody (it was deleted)",
+            )
+            locks.remove(lock)
 
 
 def _agreed(held: np.ndarray) -> np.ndarray:
@@ -297,6 +287,12 @@ def _read(path: pathlib.Path) -> Holder | None:
         )
 
 
+def _holds(path: pathlib.Path, holder: Holder) -> bool:
+    """Whether the lock file ``path`` is ``holder``'s record (the same taking of the lock: its token)."""
+    current = _read(path)
+    return current is not None and current.token == holder.token
+
+
 def _write_record(path: pathlib.Path, holder: Holder) -> pathlib.Path:
     """Writes ``holder`` to a new file of its own beside ``path``; returns it."""
     record = path.with_name(f".{path.name}.{secrets.token_hex(8)}")
@@ -329,8 +325,7 @@ def _create(path: pathlib.Path, holder: Holder) -> bool:
             return False
     finally:
         record.unlink(missing_ok=True)
-    read_back = _read(path)
-    return read_back is not None and read_back.token == holder.token
+    return _holds(path, holder)
 
 
 def _create_exclusive(path: pathlib.Path, holder: Holder) -> bool:
@@ -340,8 +335,7 @@ def _create_exclusive(path: pathlib.Path, holder: Holder) -> bool:
         _write_new(path, holder)
     except FileExistsError:
         return False
-    read_back = _read(path)
-    return read_back is not None and read_back.token == holder.token
+    return _holds(path, holder)
 
 
 def _break(path: pathlib.Path, stale: Holder) -> bool:
