@@ -35,13 +35,11 @@ class _ShortLines(python_logging.Formatter):
     """`12:04:31 INFO message`, not absl's long prefix; a library's line names the library."""
 
     def __init__(self) -> None:
-        super().__init__("%(asctime)s %(levelname)s %(message)s", datefmt=_TIME_FORMAT)
-        self._library = python_logging.Formatter(
-            "%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt=_TIME_FORMAT
-        )
+        super().__init__("%(asctime)s %(levelname)s %(source)s%(message)s", datefmt=_TIME_FORMAT)
 
     def format(self, record: python_logging.LogRecord) -> str:
-        return super().format(record) if record.name == "absl" else self._library.format(record)
+        record.source = "" if record.name == "absl" else f"{record.name}: "
+        return super().format(record)
 
 
 def use_short_log_lines() -> None:

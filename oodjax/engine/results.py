@@ -11,6 +11,7 @@ keeps.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import importlib.metadata
@@ -86,20 +87,14 @@ class RunPlan:
 
     def runs(self) -> list[Run]:
         """Every (seed, shots) pair, seeds outermost."""
-        runs = []
-        for seed, shots in itertools.product(self.seeds, self.shots):
-            name = run_name(self.model, self.train_set, seed, shots)
-            runs.append(Run(seed=seed, shots=shots, name=name, directory=self.output_dir / name))
-        return runs
+        pairs = list(itertools.product(self.seeds, self.shots))
+        names = [run_name(self.model, self.train_set, seed, shots) for seed, shots in pairs]
+        return [Run(seed, shots, name, self.output_dir / name) for (seed, shots), name in zip(pairs, names)]
 
 
 def model_name(name: str, path: str, model_type: str) -> str:
     """A model's name in run names: model.name, else the checkpoint folder's name, else "<model_type>-random"."""
-    if name:
-        return name
-    if path:
-        return pathlib.Path(path.rstrip("/")).name
-    return f"{model_type}-random"
+    return name or (pathlib.Path(path.rstrip("/")).name if path else f"{model_type}-random")
 
 
 def run_name(model: str, train_set: str, seed: int, shots: int) -> str:
@@ -286,8 +281,9 @@ def _summary(run: RunResults, accuracy: np.ndarray) -> dict[str, Any]:
         schema.RESULTS_STEPS: list(run.steps),
         schema.RESULTS_PER_TESTSET: per_testset,
         schema.RESULTS_TIMINGS: {
-            schema.RESULTS_TRAIN_SECONDS: _total([train for train, _ in run.timings]),
-            schema.RESULTS_EVALUATION_SECONDS: _total([evaluation for _, evaluation in run.timings]),
+            # Null when any evaluation's is not measured: a sum of part of them would pass for the whole.
+            schema.RESULTS_TRAIN_SECONDS: _finite_or_none(math.fsum(train for train, _ in run.timings)),
+            schema.RESULTS_EVALUATION_SECONDS: _finite_or_none(math.fsum(evaluation for _, evaluation in run.timings)),
             schema.RESULTS_EVALUATIONS: evaluations,
         },
         schema.RESULTS_VERSIONS: versions(),
@@ -336,20 +332,13 @@ def _none_as_nan(value: float | None) -> float:
     return math.nan if value is None else float(value)
 
 
-def _total(seconds: Sequence[float]) -> float | None:
-    """The sum over evaluations; null when any is not measured (a sum of part of them would pass for the whole)."""
-    return _finite_or_none(math.fsum(seconds))
-
-
 @functools.cache
 def versions() -> dict[str, Any]:
     """The versions results.json records (None: not installed), the checkout's commit, and ``against_pins``."""
-    found: dict[str, Any] = {"python": platform.python_version()}
+    found: dict[str, Any] = {"python": platform.python_version(), **dict.fromkeys(RECORDED_DISTRIBUTIONS)}
     for distribution in RECORDED_DISTRIBUTIONS:
-        try:
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
             found[distribution] = importlib.metadata.version(distribution)
-        except importlib.metadata.PackageNotFoundError:
-            found[distribution] = None
     found["oodjax_commit"] = _checkout_commit()
     return found | oodjax_versions.against_pins()
 

@@ -60,17 +60,18 @@ class RunLockContendedError(RuntimeError):
     """A run's lock changed hands ``_ATTEMPTS`` times while this job tried to take it."""
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Holder:
-    """Who holds a lock, as its file says; ``token`` tells one taking of a lock from any other."""
+    """Who holds a lock, as its file says (the defaults: unknown); ``token`` tells one taking of a lock from any
+    other."""
 
-    host: str | None
-    pid: int | None
-    slurm_job: str | None  # SLURM_JOB_ID, with the array task if any ("123 (array 120_3)")
-    slurm_restart: int  # SLURM_RESTART_COUNT: how often SLURM requeued the job
+    host: str | None = None
+    pid: int | None = None
+    slurm_job: str | None = None  # SLURM_JOB_ID, with the array task if any ("123 (array 120_3)")
+    slurm_restart: int = 0  # SLURM_RESTART_COUNT: how often SLURM requeued the job
     taken: float  # unix time
     heartbeat: float  # unix time of the last refresh
-    token: str  # "" for a file that is not a lock record
+    token: str = ""  # "" for a file that is not a lock record
 
     def describe(self, now: float) -> str:
         if not self.token:
@@ -118,8 +119,7 @@ class RunLock:
         if not _holds(self.path, self.holder):
             return False
         self.holder = dataclasses.replace(self.holder, heartbeat=time.time())
-        record = _write_record(self.path, self.holder)
-        os.replace(record, self.path)
+        os.replace(_write_record(self.path, self.holder), self.path)
         return True
 
     def release(self) -> None:
@@ -161,9 +161,7 @@ def try_lock(run_dir: str | pathlib.Path) -> RunLock | Holder:
 def live_holder(run_dir: str | pathlib.Path) -> Holder | None:
     """The holder of the run folder's lock if it is live (not stale); reads only."""
     holder = _read(pathlib.Path(run_dir).absolute() / LOCK_FILENAME)
-    if holder is None or holder.stale_reason(time.time(), this_process()) is not None:
-        return None
-    return holder
+    return holder if holder is not None and holder.stale_reason(time.time(), this_process()) is None else None
 
 
 class _Run(Protocol):
@@ -282,9 +280,7 @@ def _read(path: pathlib.Path) -> Holder | None:
         record = json.loads(text)
         return Holder(**{field.name: record[field.name] for field in dataclasses.fields(Holder)})
     except (ValueError, TypeError, KeyError):
-        return Holder(
-            host=None, pid=None, slurm_job=None, slurm_restart=0, taken=modified, heartbeat=modified, token=""
-        )
+        return Holder(taken=modified, heartbeat=modified)
 
 
 def _holds(path: pathlib.Path, holder: Holder) -> bool:
