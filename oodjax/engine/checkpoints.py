@@ -139,9 +139,7 @@ def restore_newest(run_dir: str | pathlib.Path, target: TrainState | None, *, wa
 def set_aside(run_dir: str | pathlib.Path, step: int) -> pathlib.Path:
     """Renames a damaged step to ``<step>.damaged-<unix time>``: kept for inspection, out of the new one's way."""
     source = checkpoint_dir(run_dir) / str(step)
-    destination = source.with_name(f"{step}{DAMAGED_SUFFIX}-{int(time.time())}")
-    source.rename(destination)
-    return destination
+    return source.rename(source.with_name(f"{step}{DAMAGED_SUFFIX}-{int(time.time())}"))
 
 
 def run_target(runs: TrainState) -> TrainState:

@@ -13,12 +13,14 @@ import logging as python_logging
 import sys
 import time
 from collections.abc import Iterator, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import jax
 from absl import logging
 from tqdm import tqdm
 from tqdm.contrib import DummyTqdmFile
+
+from oodjax.engine.results import Run
 
 # jax.monitoring events whose durations add up to a compilation: tracing, lowering, XLA.
 _COMPILE_EVENTS = (
@@ -47,14 +49,7 @@ def use_short_log_lines() -> None:
     logging.get_absl_handler().setFormatter(_ShortLines())
 
 
-class SeededRun(Protocol):
-    """What ``by_run`` labels a value with: a run's seed and shot count (``oodjax.engine.results.Run``'s)."""
-
-    seed: int
-    shots: int
-
-
-def by_run(label: str, runs: Sequence[SeededRun], values: Sequence[str]) -> str:
+def by_run(label: str, runs: Sequence[Run], values: Sequence[str]) -> str:
     """Each run's value labelled by seed and shots: inline up to ``INLINE_RUNS`` runs, else a seeds x shots
     table, so nine runs take four short lines rather than nine numbers only their order identifies."""
     cells = {(run.seed, run.shots): value for run, value in zip(runs, values, strict=True)}

@@ -31,7 +31,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from typing import Protocol, TypeVar
+from typing import TypeVar
 
 import jax
 import numpy as np
@@ -39,6 +39,7 @@ from absl import logging
 from jax.experimental import multihost_utils
 
 from oodjax.engine.distributed import is_primary
+from oodjax.engine.results import Run
 from oodjax.usage_errors import UsageError
 
 LOCK_FILENAME = "run.lock"  # <run_dir>/run.lock while a job trains or evaluates the run
@@ -164,17 +165,7 @@ def live_holder(run_dir: str | pathlib.Path) -> Holder | None:
     return holder if holder is not None and holder.stale_reason(time.time(), this_process()) is None else None
 
 
-class _Run(Protocol):
-    """What is locked: a run's name (for the messages) and its folder."""
-
-    @property
-    def name(self) -> str: ...
-
-    @property
-    def directory(self) -> pathlib.Path: ...
-
-
-RunT = TypeVar("RunT", bound=_Run)
+RunT = TypeVar("RunT", bound=Run)  # a job's runs, or those ``oodjax.evaluate`` plans
 
 
 @contextlib.contextmanager
@@ -255,7 +246,7 @@ def _agreed(held: np.ndarray) -> np.ndarray:
     return np.asarray(multihost_utils.broadcast_one_to_all(held.astype(np.int32))).astype(bool)
 
 
-def _locked_message(runs: Sequence[_Run], holders: Sequence[Holder | None]) -> str:
+def _locked_message(runs: Sequence[Run], holders: Sequence[Holder | None]) -> str:
     """The locked runs grouped by holder, in one line (process 0 knows the holders; the others say so)."""
     now = time.time()
     groups: dict[str, list[str]] = {}
