@@ -29,7 +29,7 @@ import orbax.checkpoint as ocp
 from absl import logging
 from jax.sharding import NamedSharding, PartitionSpec
 
-from oodjax.engine.steps import TrainState
+from oodjax.engine.steps import TrainState, select_run
 from oodjax.storage import reporting_full_disk, silence_library_full_disk_reports
 
 CHECKPOINT_DIR = "checkpoints"  # <run_dir>/checkpoints/<step>/
@@ -85,10 +85,7 @@ def checkpoint_dir(run_dir: str | pathlib.Path) -> pathlib.Path:
 
 def checkpoint_steps(run_dir: str | pathlib.Path) -> list[int]:
     """The steps the run has a complete checkpoint of, newest first; [] without any (nothing is created)."""
-    return _complete_steps(checkpoint_dir(run_dir))
-
-
-def _complete_steps(directory: pathlib.Path) -> list[int]:
+    directory = checkpoint_dir(run_dir)
     if not directory.is_dir():
         return []
     manager = ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(create=False))
@@ -142,9 +139,7 @@ def restore_newest(run_dir: str | pathlib.Path, target: TrainState | None, *, wa
 def set_aside(run_dir: str | pathlib.Path, step: int) -> pathlib.Path:
     """Renames a damaged step to ``<step>.damaged-<unix time>``: kept for inspection, out of the new one's way."""
     source = checkpoint_dir(run_dir) / str(step)
-    destination = source.with_name(f"{step}{DAMAGED_SUFFIX}-{int(time.time())}")
-    source.rename(destination)
-    return destination
+    return source.rename(source.with_name(f"{step}{DAMAGED_SUFFIX}-{int(time.time())}"))
 
 
 def run_target(runs: TrainState) -> TrainState:
@@ -153,17 +148,15 @@ def run_target(runs: TrainState) -> TrainState:
     def unstacked(leaf: jax.Array) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct(leaf.shape[1:], leaf.dtype, sharding=_without_run_axis(leaf.sharding))
 
-    return runs.replace(
-        lora=jax.tree.map(unstacked, runs.lora),
-        opt_state=jax.tree.map(unstacked, runs.opt_state),
-        rng=unstacked(runs.rng),
-        step=jax.ShapeDtypeStruct(runs.step.shape, runs.step.dtype, sharding=runs.step.sharding),
-    )
+    step = jax.ShapeDtypeStruct(runs.step.shape, runs.step.dtype, sharding=runs.step.sharding)
+    return jax.tree.map(unstacked, runs.replace(step=None)).replace(step=step)
 
 
+@jax.jit
 def split_runs(runs: TrainState) -> list[TrainState]:
-    """Each run's slice of ``runs``: one jitted program, which every process runs alike."""
-    return _split_runs(runs)
+    """Each run's slice of ``runs`` (the step is shared): one jitted program, which every process runs alike."""
+    per_run = runs.replace(step=None)
+    return [select_run(per_run, r).replace(step=runs.step) for r in range(runs.num_runs)]
 
 
 def stack_runs(slices: Sequence[TrainState], like: TrainState) -> TrainState:
@@ -172,28 +165,9 @@ def stack_runs(slices: Sequence[TrainState], like: TrainState) -> TrainState:
     return jax.jit(_stack_runs, out_shardings=shardings)(tuple(slices))
 
 
-@jax.jit
-def _split_runs(runs: TrainState) -> list[TrainState]:
-    return [
-        runs.replace(
-            lora=jax.tree.map(lambda leaf: leaf[r], runs.lora),
-            opt_state=jax.tree.map(lambda leaf: leaf[r], runs.opt_state),
-            rng=runs.rng[r],
-        )
-        for r in range(runs.num_runs)
-    ]
-
-
 def _stack_runs(slices: tuple[TrainState, ...]) -> TrainState:
-    def stacked(*leaves: jax.Array) -> jax.Array:
-        return jnp.stack(leaves)
-
-    first = slices[0]
-    return first.replace(
-        lora=jax.tree.map(stacked, *(piece.lora for piece in slices)),
-        opt_state=jax.tree.map(stacked, *(piece.opt_state for piece in slices)),
-        rng=jnp.stack([piece.rng for piece in slices]),
-    )
+    per_run = (piece.replace(step=None) for piece in slices)
+    return jax.tree.map(lambda *leaves: jnp.stack(leaves), *per_run).replace(step=slices[0].step)
 
 
 def _without_run_axis(sharding: jax.sharding.Sharding) -> jax.sharding.Sharding:
@@ -226,7 +200,7 @@ class RunCheckpointer:
     def __init__(self, run_dir: str | pathlib.Path, *, name: str, max_to_keep: int = 2):
         if max_to_keep < 1:  # orbax reads None as "keep all" and 0 as nothing sensible
             raise ValueError(f"max_to_keep must be at least 1, got {max_to_keep}")
-        self.directory = checkpoint_dir(run_dir)
+        self.run_dir, self.directory = run_dir, checkpoint_dir(run_dir)
         silence_library_full_disk_reports()  # a full disk is the NoSpaceError's one line, not orbax's hundreds
         drop_closed_loop_callbacks()
         _remove_interrupted_saves(self.directory)
@@ -265,5 +239,5 @@ class RunCheckpointer:
 
     def _intact(self) -> str:
         """What a failed save left, read from the disk after the failure."""
-        steps = sorted(_complete_steps(self.directory))
+        steps = sorted(checkpoint_steps(self.run_dir))
         return f"the checkpoints at steps {steps} are intact" if steps else "there is no earlier checkpoint"

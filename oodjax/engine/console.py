@@ -13,12 +13,14 @@ import logging as python_logging
 import sys
 import time
 from collections.abc import Iterator, Sequence
-from typing import Protocol
+from typing import Any
 
 import jax
 from absl import logging
 from tqdm import tqdm
 from tqdm.contrib import DummyTqdmFile
+
+from oodjax.engine.results import Run
 
 # jax.monitoring events whose durations add up to a compilation: tracing, lowering, XLA.
 _COMPILE_EVENTS = (
@@ -35,13 +37,11 @@ class _ShortLines(python_logging.Formatter):
     """`12:04:31 INFO message`, not absl's long prefix; a library's line names the library."""
 
     def __init__(self) -> None:
-        super().__init__("%(asctime)s %(levelname)s %(message)s", datefmt=_TIME_FORMAT)
-        self._library = python_logging.Formatter(
-            "%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt=_TIME_FORMAT
-        )
+        super().__init__("%(asctime)s %(levelname)s %(source)s%(message)s", datefmt=_TIME_FORMAT)
 
     def format(self, record: python_logging.LogRecord) -> str:
-        return super().format(record) if record.name == "absl" else self._library.format(record)
+        record.source = "" if record.name == "absl" else f"{record.name}: "
+        return super().format(record)
 
 
 def use_short_log_lines() -> None:
@@ -49,14 +49,7 @@ def use_short_log_lines() -> None:
     logging.get_absl_handler().setFormatter(_ShortLines())
 
 
-class SeededRun(Protocol):
-    """What ``by_run`` labels a value with: a run's seed and shot count (``oodjax.engine.results.Run``'s)."""
-
-    seed: int
-    shots: int
-
-
-def by_run(label: str, runs: Sequence[SeededRun], values: Sequence[str]) -> str:
+def by_run(label: str, runs: Sequence[Run], values: Sequence[str]) -> str:
     """Each run's value labelled by seed and shots: inline up to ``INLINE_RUNS`` runs, else a seeds x shots
     table, so nine runs take four short lines rather than nine numbers only their order identifies."""
     cells = {(run.seed, run.shots): value for run, value in zip(runs, values, strict=True)}
@@ -71,18 +64,10 @@ def by_run(label: str, runs: Sequence[SeededRun], values: Sequence[str]) -> str:
     return "\n".join([f"{label}:", *lines])
 
 
-def bar(*, total: int, initial: int = 0, desc: str, unit: str, enabled: bool = True, leave: bool = True) -> tqdm:
-    """A tqdm bar on stderr, drawn only where stderr is a terminal (``disable=None``) and ``enabled``."""
-    return tqdm(
-        total=total,
-        initial=initial,
-        desc=desc,
-        unit=unit,
-        leave=leave,
-        dynamic_ncols=True,
-        disable=None if enabled else True,
-        file=sys.stderr,
-    )
+def bar(*, enabled: bool = True, **options: Any) -> tqdm:
+    """A tqdm bar (``options``: total, initial, desc, unit, leave...) on stderr, drawn only where stderr is a
+    terminal (``disable=None``) and ``enabled``."""
+    return tqdm(**options, dynamic_ncols=True, disable=None if enabled else True, file=sys.stderr)
 
 
 @contextlib.contextmanager

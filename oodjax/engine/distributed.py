@@ -79,16 +79,12 @@ def detect_layout(
     processes_per = processes_per or env.get("OODJAX_PROCESSES_PER") or None
     if processes_per is not None and processes_per not in PROCESSES_PER:
         raise LayoutError(f"processes_per (OODJAX_PROCESSES_PER) must be one of {PROCESSES_PER}, got {processes_per!r}")
-    explicit = _explicit_layout(env, coordinator_address, num_processes, process_id)
-    if explicit is not None:
-        layout = explicit
-    elif "SLURM_JOB_ID" in env and "SLURM_PROCID" in env:
+    layout = _explicit_layout(env, coordinator_address, num_processes, process_id)
+    if layout is None and "SLURM_JOB_ID" in env and "SLURM_PROCID" in env:
         layout = _slurm_layout(env, processes_per)
-    elif "TPU_WORKER_HOSTNAMES" in env:
+    elif layout is None and "TPU_WORKER_HOSTNAMES" in env:
         layout = _tpu_layout(env, processes_per)
-    else:
-        return None
-    return layout if layout.num_processes > 1 else None
+    return layout if layout is not None and layout.num_processes > 1 else None
 
 
 def initialize(env: Mapping[str, str] | None = None, **explicit: str | int | None) -> ProcessLayout | None:
@@ -262,9 +258,7 @@ def parse_nodelist(nodelist: str) -> list[str]:
     names = re.findall(r"(?:[^,\[]|\[[^\]]*\])+", nodelist)
     if ",".join(names) != nodelist:
         raise LayoutError(f"cannot parse SLURM node list {nodelist!r}: unbalanced brackets")
-    hosts = []
-    for name in names:
-        hosts += _expand_name(name, nodelist)
+    hosts = [host for name in names for host in _expand_name(name, nodelist)]
     if not hosts:
         raise LayoutError(f"empty SLURM node list {nodelist!r}")
     return hosts
@@ -317,20 +311,21 @@ def _require(env: Mapping[str, str], name: str) -> str:
 
 
 def _positive_int(name: str, value: object) -> int:
-    try:
-        number = int(value)  # type: ignore[call-overload]
-    except (TypeError, ValueError):
-        raise LayoutError(f"{name} must be an integer, got {value!r}") from None
+    number = _integer(name, value)
     if number < 1:
         raise LayoutError(f"{name} must be at least 1, got {number}")
     return number
 
 
 def _process_index(name: str, value: object, count: int) -> int:
-    try:
-        index = int(value)  # type: ignore[call-overload]
-    except (TypeError, ValueError):
-        raise LayoutError(f"{name} must be an integer, got {value!r}") from None
+    index = _integer(name, value)
     if not 0 <= index < count:
         raise LayoutError(f"{name}={index} is outside 0..{count - 1}")
     return index
+
+
+def _integer(name: str, value: object) -> int:
+    try:
+        return int(value)  # type: ignore[call-overload]
+    except (TypeError, ValueError):
+        raise LayoutError(f"{name} must be an integer, got {value!r}") from None

@@ -80,11 +80,7 @@ class EventLog:
             import wandb as wandb_lib
 
             self._wandb_run = wandb_lib.init(
-                project=wandb.project,
-                entity=wandb.entity,
-                group=wandb.group,
-                tags=list(wandb.tags) or None,
-                mode=wandb.mode,
+                **dataclasses.asdict(wandb) | {"tags": list(wandb.tags) or None},
                 name=run_name,
                 config=dict(config),
                 dir=str(run_dir),
@@ -112,8 +108,7 @@ class EventLog:
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
         """Records metrics such as {"train/loss": 0.7} or {"accuracy/hans": 0.5} at `step`."""
         values = {key: float(value) for key, value in metrics.items()}
-        record = {"step": int(step), "time": time.time(), **values}
-        self._file.write(json.dumps(record) + "\n")
+        self._file.write(json.dumps({"step": int(step), "time": time.time(), **values}) + "\n")
         self._file.flush()
         values = {key: value for key, value in values.items() if key not in self._tracked.get(step, ())}
         if not values:

@@ -29,17 +29,6 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP, signal.SIGINT)
 HELD_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP)
 
 
-class _Noted:
-    """The process's stop signals: shared by ``hold_stop_signals`` and the ``StopSignals`` entered later."""
-
-    received: str | None = None  # the name of the first signal received, until a StopSignals exits
-    steps_trained = 0  # steps trained since the StopSignals was entered
-    step: int | None = None  # the step the loop last dispatched, for a line that names where it stopped
-
-
-_NOTED = _Noted()
-
-
 class Preempted(Exception):
     """A stop signal stopped training after ``step``; the runs then training are checkpointed at it."""
 
@@ -47,8 +36,9 @@ class Preempted(Exception):
         self.step = step
         self.runs = tuple(runs)
         self.signal_name = signal_name
-        self.trained = _NOTED.steps_trained > 0  # whether this process trained a step before it stopped
-        self.exit_code = PREEMPTED_EXIT_CODE if self.trained else 128 + _signal_number(signal_name)
+        self.trained = StopSignals.steps_trained > 0  # whether this process trained a step before it stopped
+        number = getattr(signal.Signals, signal_name, signal.SIGTERM)  # SIGTERM's for another process's stop
+        self.exit_code = PREEMPTED_EXIT_CODE if self.trained else 128 + number
         super().__init__(
             f"stopped by {signal_name} after step {step}: {len(self.runs)} runs checkpointed at step {step} "
             f"({', '.join(self.runs)}); rerun the same command to resume"
@@ -56,17 +46,20 @@ class Preempted(Exception):
 
 
 class StopSignals:
-    """While entered, the stop signals are noted rather than fatal (in the main thread: Python's rule)."""
+    """While entered, the stop signals are noted rather than fatal (in the main thread: Python's rule).
+
+    What was noted is the process's, in class attributes: ``hold_stop_signals`` notes before any is entered.
+    """
+
+    received: str | None = None  # the name of the first signal received, until a StopSignals exits
+    steps_trained = 0  # steps trained since the StopSignals was entered
+    step: int | None = None  # the step the loop last dispatched, for a line that names where it stopped
 
     def __init__(self) -> None:
         self._previous: dict[int, Any] = {}
 
-    @property
-    def received(self) -> str | None:
-        return _NOTED.received
-
     def __enter__(self) -> StopSignals:
-        _NOTED.steps_trained = 0
+        StopSignals.steps_trained = 0
         if threading.current_thread() is threading.main_thread():
             self._previous = {number: signal.signal(number, _receive) for number in STOP_SIGNALS}
         return self
@@ -74,12 +67,12 @@ class StopSignals:
     def __exit__(self, *exc_info: object) -> None:
         for number, handler in self._previous.items():
             signal.signal(number, handler)
-        _NOTED.received = None  # acted on: a later job in this process starts afresh
+        StopSignals.received = None  # acted on: a later job in this process starts afresh
 
     def step_trained(self, step: int | None = None) -> None:
         """The loop trained a step: a stop from now on exits with ``PREEMPTED_EXIT_CODE``."""
-        _NOTED.steps_trained += 1
-        _NOTED.step = step
+        StopSignals.steps_trained += 1
+        StopSignals.step = step
 
     def agreed(self, *, synced: bool = True) -> bool:
         """Whether any process received a stop signal.
@@ -100,7 +93,7 @@ class StopSignals:
 
 def last_step() -> int | None:
     """The step the loop last dispatched, if any."""
-    return _NOTED.step
+    return StopSignals.step
 
 
 def hold_stop_signals() -> None:
@@ -114,19 +107,14 @@ def _receive(number: int, frame: object) -> None:
     interrupt = number == signal.SIGINT
     if interrupt:  # the system's action, not Python's KeyboardInterrupt: it acts even inside a device call
         signal.signal(signal.SIGINT, signal.SIG_DFL)
-    if _NOTED.received is None:
-        _NOTED.received = signal.Signals(number).name
+    if StopSignals.received is None:
+        StopSignals.received = signal.Signals(number).name
         logging.warning(
             "received %s: finishing the current step, then checkpointing the runs and exiting (status %d once a "
             "step is trained)%s",
-            _NOTED.received,
+            StopSignals.received,
             PREEMPTED_EXIT_CODE,
             "; Ctrl-C again exits at once, each run to resume from its last complete checkpoint" if interrupt else "",
         )
     elif interrupt:
-        logging.warning("received SIGINT after %s: Ctrl-C again exits at once", _NOTED.received)
-
-
-def _signal_number(name: str) -> int:
-    """SIGTERM's for a stop that another process received."""
-    return signal.Signals[name].value if name in signal.Signals.__members__ else signal.SIGTERM.value
+        logging.warning("received SIGINT after %s: Ctrl-C again exits at once", StopSignals.received)

@@ -11,6 +11,7 @@ keeps.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import importlib.metadata
@@ -86,20 +87,14 @@ class RunPlan:
 
     def runs(self) -> list[Run]:
         """Every (seed, shots) pair, seeds outermost."""
-        runs = []
-        for seed, shots in itertools.product(self.seeds, self.shots):
-            name = run_name(self.model, self.train_set, seed, shots)
-            runs.append(Run(seed=seed, shots=shots, name=name, directory=self.output_dir / name))
-        return runs
+        pairs = list(itertools.product(self.seeds, self.shots))
+        names = [run_name(self.model, self.train_set, seed, shots) for seed, shots in pairs]
+        return [Run(seed, shots, name, self.output_dir / name) for (seed, shots), name in zip(pairs, names)]
 
 
 def model_name(name: str, path: str, model_type: str) -> str:
     """A model's name in run names: model.name, else the checkpoint folder's name, else "<model_type>-random"."""
-    if name:
-        return name
-    if path:
-        return pathlib.Path(path.rstrip("/")).name
-    return f"{model_type}-random"
+    return name or (pathlib.Path(path.rstrip("/")).name if path else f"{model_type}-random")
 
 
 def run_name(model: str, train_set: str, seed: int, shots: int) -> str:
@@ -123,7 +118,7 @@ def accuracy(margins: np.ndarray, labels: np.ndarray) -> float:
 
 
 class RunResults:
-    """One run's evaluations so far, and the metrics.npz that holds them."""
+    """One run's evaluations so far, and the metrics.npz that holds them (results.json: ``_summary``)."""
 
     def __init__(
         self,
@@ -140,25 +135,26 @@ class RunResults:
         if set(dataset_index) != set(labels):
             raise ValueError(f"dataset indices of {sorted(dataset_index)}, labels of {sorted(labels)}")
         self.path = pathlib.Path(run_dir) / schema.METRICS_FILENAME
+        self.results_path = self.path.with_name(schema.RESULTS_FILENAME)
         self.testsets = tuple(labels)
         self.labels = {name: np.asarray(value, dtype=np.int32) for name, value in labels.items()}
         self.dataset_index = {name: np.asarray(dataset_index[name], dtype=np.int64) for name in self.testsets}
         for name in self.testsets:
-            if self.dataset_index[name].shape != self.labels[name].shape:
-                raise ValueError(
-                    f"{name}: {self.dataset_index[name].shape[0]} dataset indices for {self.labels[name].shape[0]} "
-                    "labelled examples"
-                )
+            self._check_count(name, self.dataset_index[name], "dataset indices")
         self.in_domain = in_domain
         self.config_json = json.dumps(config, sort_keys=True)
         self.steps: list[int] = []
         self.accuracy: list[np.ndarray] = []
         self.train_loss: list[float] = []
         self.margins: dict[str, list[np.ndarray]] = {name: [] for name in self.testsets}
-        # Per evaluation, results.json's timings (NaN: not measured); the training clock's reading at the last one.
-        self.train_seconds: list[float] = []
-        self.evaluation_seconds: list[float] = []
+        # Per evaluation, results.json's (train, evaluation) seconds (NaN: not measured); the training clock's
+        # reading at the last one.
+        self.timings: list[tuple[float, float]] = []
         self.train_clock = 0.0
+
+    def _check_count(self, name: str, values: np.ndarray, what: str) -> None:
+        if values.shape != self.labels[name].shape:
+            raise ValueError(f"{name}: {values.shape[0]} {what} for {self.labels[name].shape[0]} labelled examples")
 
     def add(
         self,
@@ -180,10 +176,7 @@ class RunResults:
         accuracies = {}
         for name in self.testsets:
             values = np.asarray(margins[name], dtype=np.float32)
-            if values.shape != self.labels[name].shape:
-                raise ValueError(
-                    f"{name}: {values.shape[0]} margins for {self.labels[name].shape[0]} labelled examples"
-                )
+            self._check_count(name, values, "margins")
             accuracies[name] = accuracy(values, self.labels[name])
             if np.isnan(accuracies[name]):
                 logging.warning(
@@ -198,9 +191,8 @@ class RunResults:
         self.steps.append(int(step))
         self.accuracy.append(np.array([accuracies[name] for name in self.testsets]))
         self.train_loss.append(float(train_loss))
-        self.train_seconds.append(float(train_clock) - self.train_clock)
+        self.timings.append((float(train_clock) - self.train_clock, float(evaluation_seconds)))
         self.train_clock = float(train_clock)
-        self.evaluation_seconds.append(float(evaluation_seconds))
         return accuracies
 
     def arrays(self) -> dict[str, np.ndarray]:
@@ -219,50 +211,11 @@ class RunResults:
             arrays[schema.index_key(name)] = self.dataset_index[name]
         return arrays
 
-    def summary(self) -> dict[str, Any]:
-        """The results.json content (layout in analysis/schema.py): JSON data, NaN as null."""
-        config = json.loads(self.config_json)
-        accuracy = np.array(self.accuracy, dtype=np.float64).reshape(len(self.steps), len(self.testsets))
-        per_testset = {}
-        for column, name in enumerate(self.testsets):
-            values = accuracy[:, column]
-            best = int(np.nanargmax(values)) if np.isfinite(values).any() else None  # the first of equal ones
-            per_testset[name] = {
-                schema.RESULTS_EXAMPLES: len(self.labels[name]),
-                schema.RESULTS_FINAL: _at_step(self.steps, values, len(values) - 1),
-                schema.RESULTS_BEST: _at_step(self.steps, values, best),
-            }
-        evaluations = [
-            {
-                schema.RESULTS_STEP: step,
-                schema.RESULTS_TRAIN_SECONDS: _finite_or_none(train),
-                schema.RESULTS_EVALUATION_SECONDS: _finite_or_none(evaluation),
-            }
-            for step, train, evaluation in zip(self.steps, self.train_seconds, self.evaluation_seconds, strict=True)
-        ]
-        return {
-            schema.RESULTS_RUN: {schema.RESULTS_NAME: self.path.parent.name, **config[schema.RUN_SECTION]},
-            schema.RESULTS_IN_DOMAIN: self.in_domain,
-            schema.RESULTS_STEPS: list(self.steps),
-            schema.RESULTS_PER_TESTSET: per_testset,
-            schema.RESULTS_TIMINGS: {
-                schema.RESULTS_TRAIN_SECONDS: _total(self.train_seconds),
-                schema.RESULTS_EVALUATION_SECONDS: _total(self.evaluation_seconds),
-                schema.RESULTS_EVALUATIONS: evaluations,
-            },
-            schema.RESULTS_VERSIONS: versions(),
-            schema.RESULTS_DEVICES: devices(),
-            schema.RESULTS_CONFIG: config,
-        }
-
-    @property
-    def results_path(self) -> pathlib.Path:
-        return self.path.with_name(schema.RESULTS_FILENAME)
-
     def write(self) -> None:
         """Rewrites metrics.npz, then results.json, each atomically."""
-        write_npz_atomic(self.path, self.arrays())
-        text = json.dumps(self.summary(), indent=2, allow_nan=False) + "\n"
+        arrays = self.arrays()
+        write_npz_atomic(self.path, arrays)
+        text = json.dumps(_summary(self, arrays[schema.ACCURACY]), indent=2, allow_nan=False) + "\n"
         write_atomic(
             self.results_path,
             lambda file: file.write(text.encode()),
@@ -297,32 +250,70 @@ class RunResults:
             self.accuracy = list(stored[schema.ACCURACY][keep])
             self.train_loss = stored[schema.TRAIN_LOSS][keep].tolist()
             self.margins = {name: list(stored[schema.margin_key(name)][keep]) for name in self.testsets}
-        timings = self._stored_timings()
-        self.train_seconds = [timings.get(step, (math.nan, math.nan))[0] for step in steps]
-        self.evaluation_seconds = [timings.get(step, (math.nan, math.nan))[1] for step in steps]
+        timings = _stored_timings(self.results_path)
+        self.timings = [timings.get(step, (math.nan, math.nan)) for step in steps]
 
-    def _stored_timings(self) -> dict[int, tuple[float, float]]:
-        """(train, evaluation) seconds per step from the results.json being resumed; an unreadable one is only
-        warned of: timings are not worth a stop."""
-        try:
-            stored = json.loads(self.results_path.read_text())
-            return {
-                int(evaluation[schema.RESULTS_STEP]): (
-                    _none_as_nan(evaluation[schema.RESULTS_TRAIN_SECONDS]),
-                    _none_as_nan(evaluation[schema.RESULTS_EVALUATION_SECONDS]),
-                )
-                for evaluation in stored[schema.RESULTS_TIMINGS][schema.RESULTS_EVALUATIONS]
-            }
-        except FileNotFoundError:
-            return {}
-        except (OSError, ValueError, KeyError, TypeError) as error:
-            logging.warning(
-                "%s is unreadable (%s: %s); the timings of its evaluations are recorded as unknown",
-                self.results_path,
-                type(error).__name__,
-                error,
+
+def _summary(run: RunResults, accuracy: np.ndarray) -> dict[str, Any]:
+    """The results.json content (layout in analysis/schema.py) of ``run``, its accuracy [evaluation, testset]
+    given: JSON data, NaN as null."""
+    config = json.loads(run.config_json)
+    per_testset = {}
+    for column, name in enumerate(run.testsets):
+        values = accuracy[:, column]
+        best = int(np.nanargmax(values)) if np.isfinite(values).any() else None  # the first of equal ones
+        per_testset[name] = {
+            schema.RESULTS_EXAMPLES: len(run.labels[name]),
+            schema.RESULTS_FINAL: _at_step(run.steps, values, len(values) - 1),
+            schema.RESULTS_BEST: _at_step(run.steps, values, best),
+        }
+    evaluations = [
+        {
+            schema.RESULTS_STEP: step,
+            schema.RESULTS_TRAIN_SECONDS: _finite_or_none(train),
+            schema.RESULTS_EVALUATION_SECONDS: _finite_or_none(evaluation),
+        }
+        for step, (train, evaluation) in zip(run.steps, run.timings, strict=True)
+    ]
+    return {
+        schema.RESULTS_RUN: {schema.RESULTS_NAME: run.path.parent.name, **config[schema.RUN_SECTION]},
+        schema.RESULTS_IN_DOMAIN: run.in_domain,
+        schema.RESULTS_STEPS: list(run.steps),
+        schema.RESULTS_PER_TESTSET: per_testset,
+        schema.RESULTS_TIMINGS: {
+            # Null when any evaluation's is not measured: a sum of part of them would pass for the whole.
+            schema.RESULTS_TRAIN_SECONDS: _finite_or_none(math.fsum(train for train, _ in run.timings)),
+            schema.RESULTS_EVALUATION_SECONDS: _finite_or_none(math.fsum(evaluation for _, evaluation in run.timings)),
+            schema.RESULTS_EVALUATIONS: evaluations,
+        },
+        schema.RESULTS_VERSIONS: versions(),
+        schema.RESULTS_DEVICES: devices(),
+        schema.RESULTS_CONFIG: config,
+    }
+
+
+def _stored_timings(path: pathlib.Path) -> dict[int, tuple[float, float]]:
+    """(train, evaluation) seconds per step from the results.json at ``path`` being resumed; an unreadable one is
+    only warned of: timings are not worth a stop."""
+    try:
+        stored = json.loads(path.read_text())
+        return {
+            int(evaluation[schema.RESULTS_STEP]): (
+                _none_as_nan(evaluation[schema.RESULTS_TRAIN_SECONDS]),
+                _none_as_nan(evaluation[schema.RESULTS_EVALUATION_SECONDS]),
             )
-            return {}
+            for evaluation in stored[schema.RESULTS_TIMINGS][schema.RESULTS_EVALUATIONS]
+        }
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        logging.warning(
+            "%s is unreadable (%s: %s); the timings of its evaluations are recorded as unknown",
+            path,
+            type(error).__name__,
+            error,
+        )
+        return {}
 
 
 def _at_step(steps: Sequence[int], values: np.ndarray, i: int | None) -> dict[str, Any]:
@@ -341,20 +332,13 @@ def _none_as_nan(value: float | None) -> float:
     return math.nan if value is None else float(value)
 
 
-def _total(seconds: Sequence[float]) -> float | None:
-    """The sum over evaluations; null when any is not measured (a sum of part of them would pass for the whole)."""
-    return _finite_or_none(math.fsum(seconds))
-
-
 @functools.cache
 def versions() -> dict[str, Any]:
     """The versions results.json records (None: not installed), the checkout's commit, and ``against_pins``."""
-    found: dict[str, Any] = {"python": platform.python_version()}
+    found: dict[str, Any] = {"python": platform.python_version(), **dict.fromkeys(RECORDED_DISTRIBUTIONS)}
     for distribution in RECORDED_DISTRIBUTIONS:
-        try:
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
             found[distribution] = importlib.metadata.version(distribution)
-        except importlib.metadata.PackageNotFoundError:
-            found[distribution] = None
     found["oodjax_commit"] = _checkout_commit()
     return found | oodjax_versions.against_pins()
 

@@ -83,10 +83,8 @@ def refuse_changed_config(record: Mapping[str, Any], output_dir: pathlib.Path, s
     defaults = comparable_stored(json.loads(config_fields.get_config().to_json()))
     differing: dict[str, list[str]] = collections.defaultdict(list)
     for start in starts:
-        if start.stored_config is not None:
-            fields = differing_fields(start.stored_config, current, defaults)
-            if fields:
-                differing["; ".join(fields)].append(start.run.name)
+        if start.stored_config is not None and (fields := differing_fields(start.stored_config, current, defaults)):
+            differing["; ".join(fields)].append(start.run.name)
     if differing:
         details = " | ".join(f"{', '.join(names)}: {fields}" for fields, names in differing.items())
         raise ConfigError(
@@ -131,11 +129,8 @@ def set_aside_damaged(starts: Sequence[RunStart]) -> None:
     for start in starts:
         for step in start.checkpoint.damaged if start.checkpoint is not None else ():
             if is_primary():
-                logging.warning(
-                    "%s: set aside the damaged checkpoint as %s",
-                    start.run.name,
-                    checkpoints.set_aside(start.run.directory, step),
-                )
+                aside = checkpoints.set_aside(start.run.directory, step)
+                logging.warning("%s: set aside the damaged checkpoint as %s", start.run.name, aside)
     if jax.process_count() > 1:
         multihost_utils.sync_global_devices("oodjax: damaged checkpoints set aside")
 

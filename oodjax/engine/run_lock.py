@@ -31,7 +31,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from typing import Protocol, TypeVar
+from typing import TypeVar
 
 import jax
 import numpy as np
@@ -39,6 +39,7 @@ from absl import logging
 from jax.experimental import multihost_utils
 
 from oodjax.engine.distributed import is_primary
+from oodjax.engine.results import Run
 from oodjax.usage_errors import UsageError
 
 LOCK_FILENAME = "run.lock"  # <run_dir>/run.lock while a job trains or evaluates the run
@@ -60,17 +61,18 @@ class RunLockContendedError(RuntimeError):
     """A run's lock changed hands ``_ATTEMPTS`` times while this job tried to take it."""
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Holder:
-    """Who holds a lock, as its file says; ``token`` tells one taking of a lock from any other."""
+    """Who holds a lock, as its file says (the defaults: unknown); ``token`` tells one taking of a lock from any
+    other."""
 
-    host: str | None
-    pid: int | None
-    slurm_job: str | None  # SLURM_JOB_ID, with the array task if any ("123 (array 120_3)")
-    slurm_restart: int  # SLURM_RESTART_COUNT: how often SLURM requeued the job
+    host: str | None = None
+    pid: int | None = None
+    slurm_job: str | None = None  # SLURM_JOB_ID, with the array task if any ("123 (array 120_3)")
+    slurm_restart: int = 0  # SLURM_RESTART_COUNT: how often SLURM requeued the job
     taken: float  # unix time
     heartbeat: float  # unix time of the last refresh
-    token: str  # "" for a file that is not a lock record
+    token: str = ""  # "" for a file that is not a lock record
 
     def describe(self, now: float) -> str:
         if not self.token:
@@ -115,18 +117,15 @@ class RunLock:
 
     def refresh(self) -> bool:
         """Rewrites the heartbeat; False when the lock is no longer this process's (taken over as stale)."""
-        current = _read(self.path)
-        if current is None or current.token != self.holder.token:
+        if not _holds(self.path, self.holder):
             return False
         self.holder = dataclasses.replace(self.holder, heartbeat=time.time())
-        record = _write_record(self.path, self.holder)
-        os.replace(record, self.path)
+        os.replace(_write_record(self.path, self.holder), self.path)
         return True
 
     def release(self) -> None:
         """Deletes the lock if it is still this process's, then the folders taking it created, if still empty."""
-        current = _read(self.path)
-        if current is not None and current.token == self.holder.token:
+        if _holds(self.path, self.holder):
             self.path.unlink(missing_ok=True)
         else:
             logging.warning("%s: not released, it is no longer this job's lock (taken over as stale)", self.path)
@@ -163,32 +162,23 @@ def try_lock(run_dir: str | pathlib.Path) -> RunLock | Holder:
 def live_holder(run_dir: str | pathlib.Path) -> Holder | None:
     """The holder of the run folder's lock if it is live (not stale); reads only."""
     holder = _read(pathlib.Path(run_dir).absolute() / LOCK_FILENAME)
-    if holder is None or holder.stale_reason(time.time(), this_process()) is not None:
-        return None
-    return holder
+    return holder if holder is not None and holder.stale_reason(time.time(), this_process()) is None else None
 
 
-class _Run(Protocol):
-    """What is locked: a run's name (for the messages) and its folder."""
-
-    @property
-    def name(self) -> str: ...
-
-    @property
-    def directory(self) -> pathlib.Path: ...
-
-
-RunT = TypeVar("RunT", bound=_Run)
+RunT = TypeVar("RunT", bound=Run)  # a job's runs, or those ``oodjax.evaluate`` plans
 
 
 @contextlib.contextmanager
 def locked_runs(runs: Sequence[RunT], *, skip_locked: bool) -> Iterator[list[RunT]]:
     """Holds the lock of every run while the body runs; yields the runs held, in order.
 
-    A run locked by a live job raises ``RunLockedError``, or with ``skip_locked`` is left out.
+    A run locked by a live job raises ``RunLockedError``, or with ``skip_locked`` is left out. While the body
+    runs, a daemon thread refreshes the locks' heartbeats (``_beat``).
     """
     locks: list[RunLock] = []
     holders: dict[int, Holder] = {}
+    stop = threading.Event()
+    heartbeat = threading.Thread(target=_beat, args=(locks, stop), name="oodjax-run-locks", daemon=True)
     try:
         if is_primary():
             # Read first: a job that will stop on a locked run writes nothing, not even the other runs' locks.
@@ -215,49 +205,38 @@ def locked_runs(runs: Sequence[RunT], *, skip_locked: bool) -> Iterator[list[Run
                     "without the locked runs"
                 )
             logging.warning("left out (runs.skip_locked): %s", message)
-        with _Heartbeat(locks):
-            yield [run for run, run_held in zip(runs, held) if run_held]
+        if locks:
+            heartbeat.start()
+        yield [run for run, run_held in zip(runs, held) if run_held]
     finally:
+        stop.set()
+        if heartbeat.is_alive():
+            heartbeat.join()
         for lock in reversed(locks):  # the last taken first: a folder made for the first may hold the others'
             lock.release()
 
 
-class _Heartbeat:
-    """While entered, a daemon thread refreshes the locks' heartbeats every ``HEARTBEAT_SECONDS``."""
-
-    def __init__(self, locks: Sequence[RunLock]):
-        self._locks = list(locks)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._beat, name="oodjax-run-locks", daemon=True)
-
-    def __enter__(self) -> _Heartbeat:
-        if self._locks:
-            self._thread.start()
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join()
-
-    def _beat(self) -> None:
-        while not self._stop.wait(HEARTBEAT_SECONDS):
-            for lock in list(self._locks):
-                try:
-                    if lock.refresh():
-                        continue
-                except OSError as error:  # a network filesystem's hiccup: the next beat retries
-                    logging.warning(
-                        "%s: heartbeat not written (%s); retrying in %.0f s", lock.path, error, HEARTBEAT_SECONDS
-                    )
+def _beat(held: Sequence[RunLock], stop: threading.Event) -> None:
+    """Refreshes the heartbeat of each of ``held`` every ``HEARTBEAT_SECONDS`` until ``stop``; a lock taken
+    over as stale is dropped."""
+    locks = list(held)
+    while not stop.wait(HEARTBEAT_SECONDS):
+        for lock in list(locks):
+            try:
+                if lock.refresh():
                     continue
-                holder = _read(lock.path)
-                logging.error(
-                    "%s: this job's lock was taken over as stale by %s; another job may now write this run",
-                    lock.path,
-                    holder.describe(time.time()) if holder else "nobody (it was deleted)",
+            except OSError as error:  # a network filesystem's hiccup: the next beat retries
+                logging.warning(
+                    "%s: heartbeat not written (%s); retrying in %.0f s", lock.path, error, HEARTBEAT_SECONDS
                 )
-                self._locks.remove(lock)
+                continue
+            holder = _read(lock.path)
+            logging.error(
+                "%s: this job's lock was taken over as stale by %s; another job may now write this run",
+                lock.path,
+                holder.describe(time.time()) if holder else "nobody (it was deleted)",
+            )
+            locks.remove(lock)
 
 
 def _agreed(held: np.ndarray) -> np.ndarray:
@@ -267,7 +246,7 @@ def _agreed(held: np.ndarray) -> np.ndarray:
     return np.asarray(multihost_utils.broadcast_one_to_all(held.astype(np.int32))).astype(bool)
 
 
-def _locked_message(runs: Sequence[_Run], holders: Sequence[Holder | None]) -> str:
+def _locked_message(runs: Sequence[Run], holders: Sequence[Holder | None]) -> str:
     """The locked runs grouped by holder, in one line (process 0 knows the holders; the others say so)."""
     now = time.time()
     groups: dict[str, list[str]] = {}
@@ -292,9 +271,13 @@ def _read(path: pathlib.Path) -> Holder | None:
         record = json.loads(text)
         return Holder(**{field.name: record[field.name] for field in dataclasses.fields(Holder)})
     except (ValueError, TypeError, KeyError):
-        return Holder(
-            host=None, pid=None, slurm_job=None, slurm_restart=0, taken=modified, heartbeat=modified, token=""
-        )
+        return Holder(taken=modified, heartbeat=modified)
+
+
+def _holds(path: pathlib.Path, holder: Holder) -> bool:
+    """Whether the lock file ``path`` is ``holder``'s record (the same taking of the lock: its token)."""
+    current = _read(path)
+    return current is not None and current.token == holder.token
 
 
 def _write_record(path: pathlib.Path, holder: Holder) -> pathlib.Path:
@@ -329,8 +312,7 @@ def _create(path: pathlib.Path, holder: Holder) -> bool:
             return False
     finally:
         record.unlink(missing_ok=True)
-    read_back = _read(path)
-    return read_back is not None and read_back.token == holder.token
+    return _holds(path, holder)
 
 
 def _create_exclusive(path: pathlib.Path, holder: Holder) -> bool:
@@ -340,8 +322,7 @@ def _create_exclusive(path: pathlib.Path, holder: Holder) -> bool:
         _write_new(path, holder)
     except FileExistsError:
         return False
-    read_back = _read(path)
-    return read_back is not None and read_back.token == holder.token
+    return _holds(path, holder)
 
 
 def _break(path: pathlib.Path, stale: Holder) -> bool:
