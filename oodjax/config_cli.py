@@ -62,6 +62,7 @@ PACKAGED_PREFIX = "oodjax:"
 _OVERRIDE = re.compile(rf"--?(?P<no>no)?{CONFIG_FLAG}\.(?P<field>[^=]*)(?:=(?P<value>.*))?", re.DOTALL)
 _HELP_ARGUMENTS = ("-h", "-help", "--help", "-?", "-helpshort", "--helpshort")
 _TRUE, _FALSE = ("true", "1"), ("false", "0")
+_FIELD_ASSIGNMENT = re.compile(r"\s*config\.(?P<path>[\w.]+) = ")  # a line of config_fields.get_config setting a field
 _LINE_WIDTH = 120  # of describe_config's lines, which wrap between fields
 
 
@@ -264,36 +265,18 @@ def field_descriptions() -> dict[str, str]:
     Read from the source, so a field's meaning is written once, beside its default.
     """
     source = inspect.getsource(config_fields)
-    comments, code_lines = {}, set()
-    for token in tokenize.generate_tokens(io.StringIO(source).readline):
-        if token.type == tokenize.COMMENT:
-            comments[token.start[0]] = token.string.lstrip("#").strip()
-        elif token.type not in (tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT):
-            code_lines.add(token.start[0])
+    lines = source.splitlines()
+    tokens = tokenize.generate_tokens(io.StringIO(source).readline)
+    comments = {token.start[0]: token.string.lstrip("#").strip() for token in tokens if token.type == tokenize.COMMENT}
     descriptions = {}
-    for node in ast.walk(ast.parse(source)):
-        if not (isinstance(node, ast.Assign) and len(node.targets) == 1):
-            continue
-        path = _config_path(node.targets[0])
-        if path is None:
-            continue
-        above: list[str] = []
-        line = node.lineno - 1
-        while line in comments and line not in code_lines:
-            above.insert(0, comments[line])
-            line -= 1
-        inline = [comments[node.end_lineno]] if node.end_lineno in comments else []
-        descriptions[path] = " ".join(above + inline)
+    for number, line in enumerate(lines, start=1):
+        if match := _FIELD_ASSIGNMENT.match(line):
+            first = number
+            while first - 1 in comments and lines[first - 2].lstrip().startswith("#"):  # a comment line above
+                first -= 1
+            inline = [comments[number]] if number in comments else []
+            descriptions[match["path"]] = " ".join([comments[n] for n in range(first, number)] + inline)
     return descriptions
-
-
-def _config_path(target: ast.expr) -> str | None:
-    """`config.a.b` -> "a.b"; None for any other assignment target."""
-    names: list[str] = []
-    while isinstance(target, ast.Attribute):
-        names.insert(0, target.attr)
-        target = target.value
-    return ".".join(names) if isinstance(target, ast.Name) and target.id == "config" and names else None
 
 
 def _parse_or_exit(argv: list[str], doc: str, flag_values: flags.FlagValues = flags.FLAGS) -> config_dict.ConfigDict:

@@ -15,7 +15,6 @@ import pathlib
 from collections.abc import Mapping
 
 import datasets
-import numpy as np
 import pyarrow
 import pyarrow.parquet
 from absl import logging
@@ -36,9 +35,10 @@ from oodjax.data.testsets import (
 )
 from oodjax.usage_errors import ConfigError, NotFetchedError
 
-LABEL_FEATURE = datasets.ClassLabel(names=["entailment", "not_entailment"])
 FEATURES = datasets.Features(
-    {"premise": datasets.Value("string"), "hypothesis": datasets.Value("string"), "label": LABEL_FEATURE}
+    premise=datasets.Value("string"),
+    hypothesis=datasets.Value("string"),
+    label=datasets.ClassLabel(names=["entailment", "not_entailment"]),
 )
 
 
@@ -101,12 +101,7 @@ def _load_raw(spec: TestsetSpec, split: str, root: pathlib.Path | None) -> _RawS
     columns = (spec.premise, spec.hypothesis, spec.label)
     path = _local_file(spec, split, root)
     if path is not None:
-        if path.suffix == ".jsonl":
-            raw = _read_jsonl(path, columns)
-        elif path.suffix == ".csv":
-            raw = _read_csv(path, columns)
-        else:
-            raw = _read_parquet(path, columns)
+        raw = {".jsonl": _read_jsonl, ".csv": _read_csv}.get(path.suffix, _read_parquet)(path, columns)
     else:
         source, table = hub_source_name(spec, split), hub_split(spec, split)
         _check_columns(source, columns, table.column_names)
@@ -178,11 +173,9 @@ def _read_csv(path: pathlib.Path, columns: tuple[str, ...]) -> _RawSplit:
                 raise ValueError(f"{path} has no rows: an empty or truncated file?")
             _check_columns(f"{path} (its header line)", columns, header)
             positions = [header.index(column) for column in columns]
-            while True:
-                start = reader.line_num + 1
-                row = next(reader, None)
-                if row is None:
-                    break
+            end = reader.line_num
+            for row in reader:
+                start, end = end + 1, reader.line_num  # the lines a row spans (a quoted text may hold several)
                 if not row:  # a blank line
                     continue
                 if len(row) != len(header):
@@ -260,19 +253,9 @@ def _to_binary(spec: TestsetSpec, raw: _RawSplit, neutral: Neutral, name: str, s
             f"(values found: {sorted(set(labels), key=repr)}; {unknown[0]!r} first at {raw.locate(first)}); a "
             "declared testset lists each value in entailment, not_entailment, neutral or unlabelled"
         )
-    keep = np.flatnonzero([v in mapping for v in labels])
-    return _named_dataset(
-        {
-            "premise": [premises[i] for i in keep],
-            "hypothesis": [hypotheses[i] for i in keep],
-            "label": [mapping[labels[i]] for i in keep],
-        },
-        name,
-        split,
-    )
-
-
-def _named_dataset(columns: dict[str, list], name: str, split: str) -> datasets.Dataset:
-    """The rows as a Dataset that knows its testset and split, so later errors can name them."""
+    keep = [i for i, v in enumerate(labels) if v in mapping]
+    columns = {"premise": [premises[i] for i in keep], "hypothesis": [hypotheses[i] for i in keep]}
+    columns["label"] = [mapping[labels[i]] for i in keep]
+    # The Dataset knows its testset and split, so that later errors can name them.
     info = datasets.DatasetInfo(dataset_name=name, features=FEATURES)
     return datasets.Dataset.from_dict(columns, features=FEATURES, info=info, split=split)

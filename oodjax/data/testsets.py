@@ -29,6 +29,7 @@ import yaml
 from oodjax.usage_errors import NotFetchedError
 
 ENTAILMENT, NOT_ENTAILMENT = 0, 1
+_BINARY = (("entailment", ENTAILMENT), ("not_entailment", NOT_ENTAILMENT))  # a declaration's field of each label
 DATA_DIR_ENV = "OODJAX_DATA_DIR"
 LOCAL_FORMATS = ("jsonl", "parquet")  # of the local mirror of the hub
 SOURCE_FILE_FORMATS = ("jsonl", "parquet", "csv")  # of a declared testset's own file
@@ -38,21 +39,10 @@ HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
 # comma-separated lists on the command line: no slashes, commas or spaces.
 TESTSET_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 # The fields of a testset declaration, and those a new (not built-in) testset must have.
-DECLARATION_FIELDS = (
-    "source",
-    "config",
-    "split",
-    "premise",
-    "hypothesis",
-    "label",
-    "entailment",
-    "not_entailment",
-    "neutral",
-    "unlabelled",
-    "cap",
-)
-REQUIRED_FIELDS = ("source", "premise", "hypothesis", "label", "entailment", "not_entailment")
+_STRING_FIELDS = ("source", "config", "split", "premise", "hypothesis", "label")
 _LABEL_FIELDS = ("entailment", "not_entailment", "neutral", "unlabelled")
+DECLARATION_FIELDS = (*_STRING_FIELDS, *_LABEL_FIELDS, "cap")
+REQUIRED_FIELDS = ("source", "premise", "hypothesis", "label", "entailment", "not_entailment")
 Neutral = Literal["drop", "not_entailment"]  # what to do with a three-way set's neutral class (``load_testset``)
 
 
@@ -249,7 +239,7 @@ def declared_testset(
         return ValueError(f"{where}, field {field!r}: {text}")
 
     strings = {}
-    for field in ("source", "config", "split", "premise", "hypothesis", "label"):
+    for field in _STRING_FIELDS:
         value = merged.get(field)
         if value is not None and not isinstance(value, str):
             raise problem(field, f"must be a string, got {value!r} ({type(value).__name__})")
@@ -276,8 +266,7 @@ def declared_testset(
         split,
         columns["premise"],
         columns["hypothesis"],
-        labels={value: ENTAILMENT for value in values["entailment"]}
-        | {value: NOT_ENTAILMENT for value in values["not_entailment"]},
+        labels={value: label for name, label in _BINARY for value in values[name]},
         neutral=values["neutral"],
         unlabelled=values["unlabelled"],
         split_groups=built_in.split_groups if same_location else {},
@@ -361,19 +350,8 @@ def _unique_key_loader(path: pathlib.Path) -> type[yaml.SafeLoader]:
 
 
 def _declaration_of(spec: TestsetSpec) -> dict[str, Any]:
-    return {
-        "source": spec.source,
-        "config": spec.config,
-        "split": spec.split,
-        "premise": spec.premise,
-        "hypothesis": spec.hypothesis,
-        "label": spec.label,
-        "entailment": [value for value, binary in spec.labels.items() if binary == ENTAILMENT],
-        "not_entailment": [value for value, binary in spec.labels.items() if binary == NOT_ENTAILMENT],
-        "neutral": list(spec.neutral),
-        "unlabelled": list(spec.unlabelled),
-        "cap": spec.cap,
-    }
+    labels = {name: [value for value, binary in spec.labels.items() if binary == label] for name, label in _BINARY}
+    return {field: getattr(spec, field) for field in (*_STRING_FIELDS, "neutral", "unlabelled", "cap")} | labels
 
 
 def _label_values(value: Any, field: str, problem: Any) -> tuple[int | str, ...]:
