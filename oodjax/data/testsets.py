@@ -178,8 +178,6 @@ def is_source_file(source: str) -> bool:
 def testset_table(
     declared: Mapping[str, Mapping[str, Any]] | None = None,
     declared_file: str | os.PathLike | None = None,
-    *,
-    origin: str = "data.extra_testsets",
 ) -> dict[str, TestsetSpec]:
     """The built-in table with the declared testsets added or overriding built-ins (docs/data.md).
 
@@ -189,6 +187,7 @@ def testset_table(
     built-in's location. Errors are ValueErrors naming the declaration and
     the field.
     """
+    origin = "data.extra_testsets"
     declarations = [(name, fields, f"{origin}[{name!r}]", None) for name, fields in (declared or {}).items()]
     if declared_file is not None:
         path = pathlib.Path(declared_file).expanduser()
@@ -222,12 +221,10 @@ def declared_testset(
             f"{where}: unknown field {unknown[0]!r}{hint}; a declaration's fields are {', '.join(DECLARATION_FIELDS)}"
         )
     built_in = TESTSETS.get(name)
-    merged = dict(fields)
-    if built_in is not None:
-        inherited = _declaration_of(built_in)
-        if "source" in fields:  # a new location: none of the built-in's config or split
-            del inherited["config"], inherited["split"]
-        merged = inherited | dict(fields)
+    inherited = _declaration_of(built_in) if built_in is not None else {}
+    if "source" in fields:  # a new location: none of the built-in's config or split
+        inherited = {field: value for field, value in inherited.items() if field not in ("config", "split")}
+    merged = inherited | dict(fields)
     missing = [field for field in REQUIRED_FIELDS if merged.get(field) is None]
     if missing:
         raise ValueError(
@@ -238,12 +235,10 @@ def declared_testset(
     def problem(field: str, text: str) -> ValueError:
         return ValueError(f"{where}, field {field!r}: {text}")
 
-    strings = {}
-    for field in _STRING_FIELDS:
-        value = merged.get(field)
+    strings = {field: merged.get(field) for field in _STRING_FIELDS}
+    for field, value in strings.items():
         if value is not None and not isinstance(value, str):
             raise problem(field, f"must be a string, got {value!r} ({type(value).__name__})")
-        strings[field] = value
     source, config, split = _location(strings, set(fields), base_dir, problem)
     columns = {field: strings[field] for field in ("premise", "hypothesis", "label")}
     for field, column in columns.items():
@@ -260,6 +255,7 @@ def declared_testset(
     if cap is not None and (not isinstance(cap, int) or isinstance(cap, bool) or cap < 0):
         raise problem("cap", f"must be an integer >= 0 (0 = the full testset), got {cap!r}")
     same_location = built_in is not None and (source, config) == (built_in.source, built_in.config)
+    hub_facts = ("split_groups", "hub_data_files", "hub_rows")  # the built-in's, where the location is its own
     return TestsetSpec(
         source,
         config,
@@ -269,9 +265,7 @@ def declared_testset(
         labels={value: label for name, label in _BINARY for value in values[name]},
         neutral=values["neutral"],
         unlabelled=values["unlabelled"],
-        split_groups=built_in.split_groups if same_location else {},
-        hub_data_files=built_in.hub_data_files if same_location else None,
-        hub_rows=built_in.hub_rows if same_location else {},
+        **({field: getattr(built_in, field) for field in hub_facts} if same_location else {}),
         label=columns["label"],
         cap=cap,
         origin=where,
