@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import itertools
 import json
 import os
 import pathlib
@@ -366,11 +367,10 @@ def _check_label_classes(values: dict[str, tuple[int | str, ...]], problem: Any)
     everything = [value for field in _LABEL_FIELDS for value in values[field]]
     if len({type(value) for value in everything}) > 1:
         raise problem("entailment", f"label values must be all integers or all strings, got {values}")
-    for i, first in enumerate(_LABEL_FIELDS):
-        for second in _LABEL_FIELDS[i + 1 :]:
-            shared = [value for value in values[first] if value in values[second]]
-            if shared:
-                raise problem(second, f"label values {shared} are also in {first!r}; each value is in one class")
+    for first, second in itertools.combinations(_LABEL_FIELDS, 2):
+        shared = [value for value in values[first] if value in values[second]]
+        if shared:
+            raise problem(second, f"label values {shared} are also in {first!r}; each value is in one class")
 
 
 def testset_spec(name: str, table: Mapping[str, TestsetSpec] = TESTSETS) -> TestsetSpec:
