@@ -144,11 +144,6 @@ def packaged_configs_dir() -> pathlib.Path:
     return pathlib.Path(next(iter(spec.submodule_search_locations))).resolve()
 
 
-def packaged_config_names() -> list[str]:
-    """The names `oodjax:NAME` takes: the packaged config files' stems, sorted."""
-    return sorted(path.stem for path in packaged_configs_dir().glob("*.py") if not path.stem.startswith("_"))
-
-
 def config_file_path(file: str) -> pathlib.Path:
     """The file a config argument's FILE part names: `oodjax:NAME` the packaged configs/NAME.py, else a path."""
     if file.startswith(PACKAGED_PREFIX):
@@ -156,9 +151,10 @@ def config_file_path(file: str) -> pathlib.Path:
         path = packaged_configs_dir() / f"{name}.py"
         outside = name.startswith("/") or "\\" in name or ".." in pathlib.PurePosixPath(name).parts
         if not name or outside or not path.is_file():
+            names = sorted(file.stem for file in packaged_configs_dir().glob("*.py") if not file.stem.startswith("_"))
             raise FileNotFoundError(
                 f"there is no packaged config {name!r} (in {packaged_configs_dir()}); "
-                f"{PACKAGED_PREFIX}NAME takes one of {', '.join(packaged_config_names())}"
+                f"{PACKAGED_PREFIX}NAME takes one of {', '.join(names)}"
             )
         return path
     path = pathlib.Path(file)

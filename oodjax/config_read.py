@@ -103,13 +103,8 @@ def read(config: config_dict.ConfigDict) -> Job:
         RunPlan, config.runs, model=name, train_set=data.train_set, output_dir=pathlib.Path(config.output_dir)
     )
     optimizer = _piece(OptimizerSettings, train)
-    cadence = CadenceSettings(
-        eval_every=config.eval.every,
-        eval_points=0 if config.eval.every else config.eval.points,  # a fixed eval.every wins
-        checkpoint_every=config.checkpoint_every,
-        checkpoint_keep=config.checkpoint_keep,
-        log_every=config.log_every,
-    )
+    eval_points = 0 if config.eval.every else config.eval.points  # a fixed eval.every wins
+    cadence = _piece(CadenceSettings, config, eval_every=config.eval.every, eval_points=eval_points)
     return Job(
         model=_piece(
             ModelSettings,
@@ -120,10 +115,9 @@ def read(config: config_dict.ConfigDict) -> Job:
         ),
         lora=_lora(config.lora),
         data=_piece(DataSettings, data, table=declared_testsets(data)),
-        batches=BatchSettings(
-            batch_size=train.batch_size,
-            grad_accum=train.grad_accum,
-            pack=train.pack,
+        batches=_piece(
+            BatchSettings,
+            train,
             max_length=data.max_length,
             eval_batch_size=config.eval.batch_size,
             buckets=tuple(data.buckets) or None,

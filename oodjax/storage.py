@@ -51,9 +51,7 @@ def is_no_space(error: BaseException) -> bool:
     current: BaseException | None = error
     while current is not None and id(current) not in seen:
         seen.add(id(current))
-        if isinstance(current, OSError) and current.errno == errno.ENOSPC:
-            return True
-        if _NO_SPACE_TEXT in str(current):
+        if (isinstance(current, OSError) and current.errno == errno.ENOSPC) or _NO_SPACE_TEXT in str(current):
             return True
         current = current.__cause__ or current.__context__
     return False
