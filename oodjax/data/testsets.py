@@ -445,9 +445,8 @@ def local_path(spec: TestsetSpec, split: str, root: pathlib.Path) -> pathlib.Pat
     """The mirror's file holding `split` of a hub source, or a FileNotFoundError naming the paths looked for."""
     folder = mirror_folder(spec, root)
     candidates = [folder / f"{split}.{fmt}" for fmt in LOCAL_FORMATS]
-    for path in candidates:
-        if path.is_file():
-            return path
+    if found := next((path for path in candidates if path.is_file()), None):
+        return found
     present = sorted({p.stem for fmt in LOCAL_FORMATS for p in folder.glob(f"*.{fmt}")})
     where = f"{spec.source}/{spec.config}" if spec.config else spec.source
     raise FileNotFoundError(
