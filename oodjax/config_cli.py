@@ -362,10 +362,7 @@ def _parse_value(field: str, current: Any, text: str | None, *, negated: bool, a
     if isinstance(current, config_dict.ConfigDict):
         if field in _sections():
             raise error(f"no value: it is a section; set its fields one by one (--{CONFIG_FLAG}.{field}.<field>=...)")
-        try:
-            value = ast.literal_eval(text) if text.strip() else {}
-        except (ValueError, SyntaxError):
-            value = None
+        value = _literal(text) if text.strip() else {}
         if not isinstance(value, dict):
             raise error(f"a dict literal such as {{}} or {{'key': 1}}, got {text!r}")
         return config_dict.ConfigDict(value)
@@ -399,10 +396,7 @@ def _parse_list(field: str, text: str, argument: str) -> tuple[Any, ...]:
     if stripped in ("", "()", "[]"):
         return ()
     if stripped[0] in "([":
-        try:
-            items = ast.literal_eval(stripped)
-        except (ValueError, SyntaxError):
-            items = None
+        items = _literal(stripped)
         if not isinstance(items, (tuple, list)):
             raise CommandLineError(
                 f"{argument}: {stripped!r} is not a Python tuple or list literal (strings quoted); "
@@ -422,6 +416,14 @@ def _parse_list(field: str, text: str, argument: str) -> tuple[Any, ...]:
         if not _is_a(item, kind):
             raise CommandLineError(f"{argument}: {field} is a list of {what}; {item!r} is not one")
     return tuple(kind(item) for item in items)
+
+
+def _literal(text: str) -> Any:
+    """The Python literal ``text`` writes, or None where it writes none."""
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return None
 
 
 def _is_a(item: Any, kind: type) -> bool:

@@ -13,6 +13,7 @@ are always dropped.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import difflib
 import itertools
@@ -322,8 +323,7 @@ def read_declarations(path: str | os.PathLike) -> dict[str, dict[str, Any]]:
 
 
 def _unique_keys(pairs: list[tuple[str, Any]], path: pathlib.Path) -> dict[str, Any]:
-    keys = [key for key, _ in pairs]
-    twice = sorted({key for key in keys if keys.count(key) > 1})
+    twice = sorted(key for key, count in collections.Counter(key for key, _ in pairs).items() if count > 1)
     if twice:
         raise ValueError(f"{path}: {twice} given twice in one object")
     return dict(pairs)
