@@ -12,10 +12,4 @@ import logging as _logging
 # for all of them; its other warnings still show.
 TORCH_NOT_FOUND_NOTICE = "PyTorch was not found."
 
-
-class _NoTorchNotice(_logging.Filter):
-    def filter(self, record: _logging.LogRecord) -> bool:
-        return not str(record.msg).startswith(TORCH_NOT_FOUND_NOTICE)
-
-
-_logging.getLogger("transformers").addFilter(_NoTorchNotice())
+_logging.getLogger("transformers").addFilter(lambda record: not str(record.msg).startswith(TORCH_NOT_FOUND_NOTICE))

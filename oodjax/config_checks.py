@@ -39,7 +39,6 @@ from oodjax.data.testsets import (
     pool_split,
     testset_spec,
 )
-from oodjax.engine.cadence import ExportSettings
 from oodjax.engine.events import TrackerSettings, installed, setup_wandb
 from oodjax.engine.run_data import DataSettings
 from oodjax.models.hf_checkpoint import read_json
@@ -59,24 +58,26 @@ def check_config(config: config_dict.ConfigDict, *, evaluation: bool = False) ->
 def check_job(job: Job, *, evaluation: bool = False) -> None:
     """The sources ``job`` reads (files, hubs, logins) and what they hold; ``evaluation``: the job is
     ``oodjax.evaluate``'s, not training's."""
-    _check_command(job, evaluation)
-    _check_model(job.model)
-    _check_adapters(job.model, job.adapters)
-    _check_source("tokenizer", job.model.tokenizer, "tokenizer_config.json")
-    _check_data(job.data, job.runs.shots, needs_pool=not evaluation or job.in_context)
-    _check_trackers(job.trackers, evaluation)
-    _check_export(job.export)
-    _check_vocabulary(job.model, job.data.answers)
-    _check_output_dir(str(job.runs.output_dir))
-
-
-def _check_command(job: Job, evaluation: bool) -> None:
-    """The in-context baseline trains nothing: it is ``oodjax.evaluate``'s."""
-    if job.in_context and not evaluation:
+    if job.in_context and not evaluation:  # the in-context baseline trains nothing
         raise ConfigError(
             "eval.in_context=True is for evaluation without training: run `python -m oodjax.evaluate` "
             "(oodjax-evaluate), not oodjax.main"
         )
+    if job.model.path:  # a checkpoint named by model.path is there and whole
+        _check_source("model.path", job.model.path, "config.json")
+        if pathlib.Path(job.model.path).expanduser().is_dir():
+            _check_checkpoint(pathlib.Path(job.model.path).expanduser())
+    _check_adapters(job.model, job.adapters)
+    _check_source("tokenizer", job.model.tokenizer, "tokenizer_config.json")
+    _check_data(job.data, job.runs.shots, needs_pool=not evaluation or job.in_context)
+    _check_trackers(job.trackers, evaluation)
+    if job.export.hub_repo and hub_offline():  # a push that cannot happen, refused before the runs train
+        raise ConfigError(
+            f"export.hub_repo={job.export.hub_repo!r} pushes adapters to the Hugging Face hub, but HF_HUB_OFFLINE is "
+            "set; unset it, or leave export.hub_repo empty and upload <run_dir>/adapter/ later"
+        )
+    _check_vocabulary(job.model, job.data.answers)
+    _check_output_dir(str(job.runs.output_dir))
 
 
 def _check_trackers(trackers: TrackerSettings, evaluation: bool) -> None:
@@ -103,14 +104,6 @@ def _check_wandb_login(mode: str) -> None:
         raise ConfigError(f"wandb.enabled: W&B online could not verify this machine's login ({error}); {fix}") from None
     if not logged_in:
         raise ConfigError(f"wandb.enabled: W&B online needs a login and this machine has none; {fix}")
-
-
-def _check_model(model: ModelSettings) -> None:
-    """A checkpoint named by model.path is there and whole."""
-    if model.path:
-        _check_source("model.path", model.path, "config.json")
-        if pathlib.Path(model.path).expanduser().is_dir():
-            _check_checkpoint(pathlib.Path(model.path).expanduser())
 
 
 def _check_checkpoint(directory: pathlib.Path) -> None:
@@ -158,15 +151,6 @@ def _check_source(field: str, source: str, marker_file: str) -> None:
         raise NotFetchedError(
             f"{field}: {source!r} is not a local directory, and with HF_HUB_OFFLINE set the hub id "
             "is not in the local cache either"
-        )
-
-
-def _check_export(export: ExportSettings) -> None:
-    """A push to the hub that cannot happen is refused now, not after the runs have trained."""
-    if export.hub_repo and hub_offline():
-        raise ConfigError(
-            f"export.hub_repo={export.hub_repo!r} pushes adapters to the Hugging Face hub, but HF_HUB_OFFLINE is "
-            "set; unset it, or leave export.hub_repo empty and upload <run_dir>/adapter/ later"
         )
 
 

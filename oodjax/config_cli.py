@@ -62,6 +62,7 @@ PACKAGED_PREFIX = "oodjax:"
 _OVERRIDE = re.compile(rf"--?(?P<no>no)?{CONFIG_FLAG}\.(?P<field>[^=]*)(?:=(?P<value>.*))?", re.DOTALL)
 _HELP_ARGUMENTS = ("-h", "-help", "--help", "-?", "-helpshort", "--helpshort")
 _TRUE, _FALSE = ("true", "1"), ("false", "0")
+_FIELD_ASSIGNMENT = re.compile(r"\s*config\.(?P<path>[\w.]+) = ")  # a line of config_fields.get_config setting a field
 _LINE_WIDTH = 120  # of describe_config's lines, which wrap between fields
 
 
@@ -143,11 +144,6 @@ def packaged_configs_dir() -> pathlib.Path:
     return pathlib.Path(next(iter(spec.submodule_search_locations))).resolve()
 
 
-def packaged_config_names() -> list[str]:
-    """The names `oodjax:NAME` takes: the packaged config files' stems, sorted."""
-    return sorted(path.stem for path in packaged_configs_dir().glob("*.py") if not path.stem.startswith("_"))
-
-
 def config_file_path(file: str) -> pathlib.Path:
     """The file a config argument's FILE part names: `oodjax:NAME` the packaged configs/NAME.py, else a path."""
     if file.startswith(PACKAGED_PREFIX):
@@ -155,9 +151,10 @@ def config_file_path(file: str) -> pathlib.Path:
         path = packaged_configs_dir() / f"{name}.py"
         outside = name.startswith("/") or "\\" in name or ".." in pathlib.PurePosixPath(name).parts
         if not name or outside or not path.is_file():
+            names = sorted(file.stem for file in packaged_configs_dir().glob("*.py") if not file.stem.startswith("_"))
             raise FileNotFoundError(
                 f"there is no packaged config {name!r} (in {packaged_configs_dir()}); "
-                f"{PACKAGED_PREFIX}NAME takes one of {', '.join(packaged_config_names())}"
+                f"{PACKAGED_PREFIX}NAME takes one of {', '.join(names)}"
             )
         return path
     path = pathlib.Path(file)
@@ -264,36 +261,18 @@ def field_descriptions() -> dict[str, str]:
     Read from the source, so a field's meaning is written once, beside its default.
     """
     source = inspect.getsource(config_fields)
-    comments, code_lines = {}, set()
-    for token in tokenize.generate_tokens(io.StringIO(source).readline):
-        if token.type == tokenize.COMMENT:
-            comments[token.start[0]] = token.string.lstrip("#").strip()
-        elif token.type not in (tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT):
-            code_lines.add(token.start[0])
+    lines = source.splitlines()
+    tokens = tokenize.generate_tokens(io.StringIO(source).readline)
+    comments = {token.start[0]: token.string.lstrip("#").strip() for token in tokens if token.type == tokenize.COMMENT}
     descriptions = {}
-    for node in ast.walk(ast.parse(source)):
-        if not (isinstance(node, ast.Assign) and len(node.targets) == 1):
-            continue
-        path = _config_path(node.targets[0])
-        if path is None:
-            continue
-        above: list[str] = []
-        line = node.lineno - 1
-        while line in comments and line not in code_lines:
-            above.insert(0, comments[line])
-            line -= 1
-        inline = [comments[node.end_lineno]] if node.end_lineno in comments else []
-        descriptions[path] = " ".join(above + inline)
+    for number, line in enumerate(lines, start=1):
+        if match := _FIELD_ASSIGNMENT.match(line):
+            first = number
+            while first - 1 in comments and lines[first - 2].lstrip().startswith("#"):  # a comment line above
+                first -= 1
+            inline = [comments[number]] if number in comments else []
+            descriptions[match["path"]] = " ".join([comments[n] for n in range(first, number)] + inline)
     return descriptions
-
-
-def _config_path(target: ast.expr) -> str | None:
-    """`config.a.b` -> "a.b"; None for any other assignment target."""
-    names: list[str] = []
-    while isinstance(target, ast.Attribute):
-        names.insert(0, target.attr)
-        target = target.value
-    return ".".join(names) if isinstance(target, ast.Name) and target.id == "config" and names else None
 
 
 def _parse_or_exit(argv: list[str], doc: str, flag_values: flags.FlagValues = flags.FLAGS) -> config_dict.ConfigDict:
@@ -383,10 +362,7 @@ def _parse_value(field: str, current: Any, text: str | None, *, negated: bool, a
     if isinstance(current, config_dict.ConfigDict):
         if field in _sections():
             raise error(f"no value: it is a section; set its fields one by one (--{CONFIG_FLAG}.{field}.<field>=...)")
-        try:
-            value = ast.literal_eval(text) if text.strip() else {}
-        except (ValueError, SyntaxError):
-            value = None
+        value = _literal(text) if text.strip() else {}
         if not isinstance(value, dict):
             raise error(f"a dict literal such as {{}} or {{'key': 1}}, got {text!r}")
         return config_dict.ConfigDict(value)
@@ -420,10 +396,7 @@ def _parse_list(field: str, text: str, argument: str) -> tuple[Any, ...]:
     if stripped in ("", "()", "[]"):
         return ()
     if stripped[0] in "([":
-        try:
-            items = ast.literal_eval(stripped)
-        except (ValueError, SyntaxError):
-            items = None
+        items = _literal(stripped)
         if not isinstance(items, (tuple, list)):
             raise CommandLineError(
                 f"{argument}: {stripped!r} is not a Python tuple or list literal (strings quoted); "
@@ -443,6 +416,14 @@ def _parse_list(field: str, text: str, argument: str) -> tuple[Any, ...]:
         if not _is_a(item, kind):
             raise CommandLineError(f"{argument}: {field} is a list of {what}; {item!r} is not one")
     return tuple(kind(item) for item in items)
+
+
+def _literal(text: str) -> Any:
+    """The Python literal ``text`` writes, or None where it writes none."""
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return None
 
 
 def _is_a(item: Any, kind: type) -> bool:

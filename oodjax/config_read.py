@@ -15,7 +15,7 @@ import json
 import math
 import pathlib
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 from absl import logging
 from ml_collections import config_dict
@@ -34,6 +34,8 @@ from oodjax.engine.sharding import MeshShape
 from oodjax.models.loading import ModelSettings
 from oodjax.models.lora import LoRAConfig
 from oodjax.usage_errors import ConfigError, MissingInputError
+
+_Piece = TypeVar("_Piece")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +78,18 @@ def _lora(lora: config_dict.ConfigDict) -> LoRAConfig:
         raise ConfigError(f"lora: {error}") from error
 
 
+def _piece(cls: type[_Piece], section: config_dict.ConfigDict, **given: Any) -> _Piece:
+    """``cls`` built from the fields of a config section named as its own, lists as tuples, an empty value as
+    None where the field's default is None (model.path "" is no checkpoint); ``given`` sets the others."""
+    values = {}
+    for field in dataclasses.fields(cls):  # type: ignore[arg-type]  # every piece is a dataclass
+        if field.name in section and field.name not in given:
+            value = section[field.name]
+            value = tuple(value) if isinstance(value, (list, tuple)) else value
+            values[field.name] = None if field.default is None and not value else value
+    return cls(**values, **given)
+
+
 def read(config: config_dict.ConfigDict) -> Job:
     """``config`` read into a ``Job`` without the checks that look at files, hubs and logins: what the
     estimator and the preflight use for configs of machines they are not on."""
@@ -85,61 +99,25 @@ def read(config: config_dict.ConfigDict) -> Job:
     wandb = config.wandb
     if train.epochs < 0:
         raise ConfigError(f"train.epochs must be >= 0 (0: train.steps), got {train.epochs}")
-    runs = RunPlan(
-        model=name,
-        train_set=data.train_set,
-        seeds=tuple(config.runs.seeds),
-        shots=tuple(config.runs.shots),
-        output_dir=pathlib.Path(config.output_dir),
-        skip_locked=config.runs.skip_locked,
+    runs = _piece(
+        RunPlan, config.runs, model=name, train_set=data.train_set, output_dir=pathlib.Path(config.output_dir)
     )
-    optimizer = OptimizerSettings(
-        learning_rate=train.learning_rate,
-        warmup_steps=train.warmup_steps,
-        warmup_ratio=train.warmup_ratio,
-        weight_decay=train.weight_decay,
-        max_grad_norm=train.max_grad_norm or None,
-        schedule=train.schedule,
-    )
-    cadence = CadenceSettings(
-        eval_every=config.eval.every,
-        eval_points=0 if config.eval.every else config.eval.points,  # a fixed eval.every wins
-        checkpoint_every=config.checkpoint_every,
-        checkpoint_keep=config.checkpoint_keep,
-        log_every=config.log_every,
-    )
+    optimizer = _piece(OptimizerSettings, train)
+    eval_points = 0 if config.eval.every else config.eval.points  # a fixed eval.every wins
+    cadence = _piece(CadenceSettings, config, eval_every=config.eval.every, eval_points=eval_points)
     return Job(
-        model=ModelSettings(
+        model=_piece(
+            ModelSettings,
+            model,
             name=name,
             tokenizer=config.tokenizer or model.path,
-            path=model.path or None,
             hf_config=model.hf_config.to_dict(),
-            init_seed=model.init_seed,
-            dtype=model.dtype,
-            compute_dtype=model.compute_dtype or None,
-            remat=model.remat,
-            attention=model.attention,
         ),
         lora=_lora(config.lora),
-        data=DataSettings(
-            train_set=data.train_set,
-            testsets=tuple(data.testsets),
-            table=declared_testsets(data),
-            template=data.template,
-            answers=tuple(data.answers),
-            max_length=data.max_length,
-            pool_split=data.pool_split or None,
-            data_dir=data.data_dir or None,
-            eval_cap=data.eval_cap,
-            cap_in_domain=data.cap_in_domain,
-            eval_seed=data.eval_seed,
-            neutral=data.neutral,
-            cache_dir=data.cache_dir or None,
-        ),
-        batches=BatchSettings(
-            batch_size=train.batch_size,
-            grad_accum=train.grad_accum,
-            pack=train.pack,
+        data=_piece(DataSettings, data, table=declared_testsets(data)),
+        batches=_piece(
+            BatchSettings,
+            train,
             max_length=data.max_length,
             eval_batch_size=config.eval.batch_size,
             buckets=tuple(data.buckets) or None,
@@ -149,19 +127,9 @@ def read(config: config_dict.ConfigDict) -> Job:
         runs=runs,
         mesh=MeshShape(config.mesh.data, config.mesh.fsdp, config.mesh.tensor),
         cadence=cadence,
-        export=ExportSettings(
-            peft=config.export.peft,
-            every_checkpoint=config.export.every_checkpoint,
-            hub_repo=config.export.hub_repo or None,
-        ),
+        export=_piece(ExportSettings, config.export),
         trackers=TrackerSettings(
-            wandb=WandbSettings(
-                project=wandb.project,
-                entity=wandb.entity or None,
-                group=wandb.group or f"{name}_{data.train_set}",
-                tags=tuple(wandb.tags),
-                mode=wandb.mode or None,
-            )
+            wandb=_piece(WandbSettings, wandb, group=wandb.group or f"{name}_{data.train_set}")
             if wandb.enabled
             else None,
             tensorboard=config.tensorboard.enabled,

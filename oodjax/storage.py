@@ -32,22 +32,17 @@ class NoSpaceError(OSError):
         self.path = pathlib.Path(path)
 
 
-class _LibraryFullDiskReports(logging.Filter):
+def _not_a_library_full_disk_report(record: logging.LogRecord) -> bool:
     """Drops orbax's and asyncio's reports of a full disk, hundreds of lines around the one ``NoSpaceError``."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        library = record.name == "asyncio" or "/orbax/" in record.pathname
-        error = record.exc_info[1] if record.exc_info else None
-        about_full_disk = (error is not None and is_no_space(error)) or _NO_SPACE_TEXT in record.getMessage()
-        return not (library and about_full_disk)
-
-
-_LIBRARY_REPORTS = _LibraryFullDiskReports()
+    library = record.name == "asyncio" or "/orbax/" in record.pathname
+    error = record.exc_info[1] if record.exc_info else None
+    about_full_disk = (error is not None and is_no_space(error)) or _NO_SPACE_TEXT in record.getMessage()
+    return not (library and about_full_disk)
 
 
 def silence_library_full_disk_reports() -> None:
     for name in ("absl", "asyncio"):  # orbax logs through absl's logger
-        logging.getLogger(name).addFilter(_LIBRARY_REPORTS)  # a filter already there is not added twice
+        logging.getLogger(name).addFilter(_not_a_library_full_disk_report)  # one already there is not added twice
 
 
 def is_no_space(error: BaseException) -> bool:
@@ -56,9 +51,7 @@ def is_no_space(error: BaseException) -> bool:
     current: BaseException | None = error
     while current is not None and id(current) not in seen:
         seen.add(id(current))
-        if isinstance(current, OSError) and current.errno == errno.ENOSPC:
-            return True
-        if _NO_SPACE_TEXT in str(current):
+        if (isinstance(current, OSError) and current.errno == errno.ENOSPC) or _NO_SPACE_TEXT in str(current):
             return True
         current = current.__cause__ or current.__context__
     return False

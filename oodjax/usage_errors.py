@@ -37,12 +37,6 @@ class NotFetchedError(MissingInputError):
     """An input that must come from the unreachable hub and is not here: ``python -m launch.fetch`` brings it."""
 
 
-def fetch_hint(config_spec: str | None) -> str:
-    """What to run, on a machine that reaches the hub, to bring what a config needs."""
-    target = config_spec or "CONFIG"
-    return f"on a machine online (a cluster's login node) run `python -m launch.fetch {target}`, then retry"
-
-
 @contextlib.contextmanager
 def reported(program: str, *, config_spec: str | None = None) -> Iterator[None]:
     """Runs the body, a ``UsageError`` or Ctrl-C as one line; ``config_spec`` completes the fetch command."""
@@ -50,8 +44,9 @@ def reported(program: str, *, config_spec: str | None = None) -> Iterator[None]:
         yield
     except UsageError as error:
         message = " ".join(str(error).split("\n"))  # one line, whatever a library's message held
-        if isinstance(error, NotFetchedError):
-            message = f"{message}; {fetch_hint(config_spec)}"
+        if isinstance(error, NotFetchedError):  # what to run, on a machine that reaches the hub, to bring it
+            fetch = f"python -m launch.fetch {config_spec or 'CONFIG'}"
+            message += f"; on a machine online (a cluster's login node) run `{fetch}`, then retry"
         print(f"{program}: error: {message}", file=sys.stderr, flush=True)
         sys.exit(EXIT_STATUS)
     except KeyboardInterrupt:

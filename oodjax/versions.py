@@ -39,10 +39,7 @@ def pins(lines: list[str] | None = None) -> dict[str, str]:
             lines = [line for file in files for line in file.read_text().splitlines()]
         else:
             lines = importlib.metadata.requires("oodjax") or []
-    pinned = {}
-    for line in lines:
-        if match := _PIN.match(line.strip()):
-            pinned[match.group(1).lower()] = match.group(2)
+    pinned = {match[1].lower(): match[2] for line in lines if (match := _PIN.match(line.strip()))}
     return {name: pinned[distribution] for name, distribution in PINNED.items() if distribution in pinned}
 
 

@@ -1,83 +1,43 @@
 """The eight NLI testsets, few-shot sampling, prompts and batches (see DESIGN.md)."""
 
-from oodjax.data.batches import (
-    EVAL_KEYS,
-    SEQUENCE_KEYS,
-    TRAIN_KEYS,
-    TRAIN_ONLY_KEYS,
-    Batch,
-    batch_layout,
-    bucket_lengths,
-    eval_batches,
-    eval_row_lengths,
-    fitting_bucket,
-    prompt_lengths,
-)
-from oodjax.data.in_context import InContextSet, tokenize_in_context
-from oodjax.data.packing import balance_rows, pair_rows
-from oodjax.data.prompts import (
-    DEFAULT_ANSWERS,
-    DEFAULT_MAX_LENGTH,
-    DEFAULT_TEMPLATE,
-    TokenizedSet,
-    answer_token_ids,
-    format_prompt,
-    load_tokenizer,
-    tokenize_testset,
-)
-from oodjax.data.sampling import few_shot, stratified_subset
-from oodjax.data.testset_rows import load_testset, training_pool
-from oodjax.data.testsets import TESTSETS, TestsetSpec, check_neutral, testset_spec, testset_table
-from oodjax.data.training_stream import (
-    TRAIN_PREFETCH,
-    StepLayout,
-    epoch_permutation,
-    packed_layout,
-    replay_rows,
-    step_layout,
-    stream_examples,
-    train_steps,
-)
-
-__all__ = [
-    "Batch",
-    "EVAL_KEYS",
-    "SEQUENCE_KEYS",
-    "TRAIN_KEYS",
-    "TRAIN_ONLY_KEYS",
-    "DEFAULT_ANSWERS",
-    "DEFAULT_MAX_LENGTH",
-    "DEFAULT_TEMPLATE",
-    "InContextSet",
-    "TESTSETS",
-    "TRAIN_PREFETCH",
-    "StepLayout",
-    "TestsetSpec",
-    "TokenizedSet",
-    "answer_token_ids",
-    "bucket_lengths",
-    "check_neutral",
-    "eval_batches",
-    "eval_row_lengths",
-    "few_shot",
-    "fitting_bucket",
-    "format_prompt",
-    "load_testset",
-    "load_tokenizer",
-    "balance_rows",
-    "batch_layout",
-    "epoch_permutation",
-    "pair_rows",
-    "prompt_lengths",
-    "packed_layout",
-    "replay_rows",
-    "step_layout",
-    "stream_examples",
-    "stratified_subset",
-    "testset_spec",
-    "testset_table",
-    "tokenize_in_context",
-    "tokenize_testset",
-    "train_steps",
-    "training_pool",
-]
+# Each name is re-exported as `name as name` (PEP 484), so no __all__ repeats the list.
+from oodjax.data.batches import EVAL_KEYS as EVAL_KEYS
+from oodjax.data.batches import SEQUENCE_KEYS as SEQUENCE_KEYS
+from oodjax.data.batches import TRAIN_KEYS as TRAIN_KEYS
+from oodjax.data.batches import TRAIN_ONLY_KEYS as TRAIN_ONLY_KEYS
+from oodjax.data.batches import Batch as Batch
+from oodjax.data.batches import batch_layout as batch_layout
+from oodjax.data.batches import bucket_lengths as bucket_lengths
+from oodjax.data.batches import eval_batches as eval_batches
+from oodjax.data.batches import eval_row_lengths as eval_row_lengths
+from oodjax.data.batches import fitting_bucket as fitting_bucket
+from oodjax.data.batches import prompt_lengths as prompt_lengths
+from oodjax.data.in_context import InContextSet as InContextSet
+from oodjax.data.in_context import tokenize_in_context as tokenize_in_context
+from oodjax.data.packing import balance_rows as balance_rows
+from oodjax.data.packing import pair_rows as pair_rows
+from oodjax.data.prompts import DEFAULT_ANSWERS as DEFAULT_ANSWERS
+from oodjax.data.prompts import DEFAULT_MAX_LENGTH as DEFAULT_MAX_LENGTH
+from oodjax.data.prompts import DEFAULT_TEMPLATE as DEFAULT_TEMPLATE
+from oodjax.data.prompts import TokenizedSet as TokenizedSet
+from oodjax.data.prompts import answer_token_ids as answer_token_ids
+from oodjax.data.prompts import format_prompt as format_prompt
+from oodjax.data.prompts import load_tokenizer as load_tokenizer
+from oodjax.data.prompts import tokenize_testset as tokenize_testset
+from oodjax.data.sampling import few_shot as few_shot
+from oodjax.data.sampling import stratified_subset as stratified_subset
+from oodjax.data.testset_rows import load_testset as load_testset
+from oodjax.data.testset_rows import training_pool as training_pool
+from oodjax.data.testsets import TESTSETS as TESTSETS
+from oodjax.data.testsets import TestsetSpec as TestsetSpec
+from oodjax.data.testsets import check_neutral as check_neutral
+from oodjax.data.testsets import testset_spec as testset_spec
+from oodjax.data.testsets import testset_table as testset_table
+from oodjax.data.training_stream import TRAIN_PREFETCH as TRAIN_PREFETCH
+from oodjax.data.training_stream import StepLayout as StepLayout
+from oodjax.data.training_stream import epoch_permutation as epoch_permutation
+from oodjax.data.training_stream import packed_layout as packed_layout
+from oodjax.data.training_stream import replay_rows as replay_rows
+from oodjax.data.training_stream import step_layout as step_layout
+from oodjax.data.training_stream import stream_examples as stream_examples
+from oodjax.data.training_stream import train_steps as train_steps

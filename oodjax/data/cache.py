@@ -20,11 +20,6 @@ from oodjax.storage import write_npz_atomic
 CACHE_DIR_ENV = "OODJAX_CACHE_DIR"
 
 
-def default_cache_dir() -> pathlib.Path:
-    """$OODJAX_CACHE_DIR, else ~/.cache/oodjax."""
-    return pathlib.Path(os.environ.get(CACHE_DIR_ENV) or pathlib.Path.home() / ".cache" / "oodjax")
-
-
 def content_key(parts: Iterable[str | bytes]) -> str:
     """A sha256 over the parts, each length-prefixed so that no two part lists collide."""
     digest = hashlib.sha256()
@@ -50,7 +45,7 @@ def cached_arrays(
     """
     if not use_cache:
         return compute()
-    root = pathlib.Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    root = pathlib.Path(cache_dir or os.environ.get(CACHE_DIR_ENV) or pathlib.Path.home() / ".cache" / "oodjax")
     path = root / folder / f"{content_key(key_parts)}.npz"
     if path.is_file():
         try:

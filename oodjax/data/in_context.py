@@ -10,6 +10,7 @@ no room for any is its zero-shot tokenisation exactly.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import json
 import os
@@ -61,9 +62,7 @@ def tokenize_in_context(
         for p, h, label in zip(shown["premise"], shown["hypothesis"], shown["label"])
     ]
 
-    def compute() -> dict[str, np.ndarray]:
-        return _in_context(prompts, demonstrations, zero_shot, tokenizer)
-
+    compute = functools.partial(_in_context, prompts, demonstrations, zero_shot, tokenizer)
     key_parts = [
         TOKENIZATION_VERSION,
         "in-context",

@@ -81,22 +81,15 @@ def balance_rows(lengths: np.ndarray, *, num_rows: int, row_length: int, prompts
     load, members = [0] * num_rows, [[] for _ in range(num_rows)]
     for item in np.argsort(-lengths, kind="stable").tolist():
         need = int(lengths[item])
-        row = _least_filled(load, members, need, row_length, prompts_per_row)
-        if row is None:
+        room = [row for row, filled in enumerate(load) if filled + need <= row_length]
+        room = [row for row in room if len(members[row]) < prompts_per_row]  # and a free prompt slot
+        if not room:
             raise ValueError(
                 f"{len(lengths)} prompts of {int(lengths.sum())} tokens (longest {int(lengths.max())}) do not fit "
                 f"{num_rows} rows of {row_length} tokens and {prompts_per_row} prompt slots; at prompt {item} "
                 f"({need} tokens)"
             )
+        row = min(room, key=load.__getitem__)  # the least filled; the first of equals
         load[row] += need
         members[row].append(item)
     return members
-
-
-def _least_filled(load: list[int], members: list[list[int]], need: int, row_length: int, slots: int) -> int | None:
-    """The least-filled row with room for ``need`` more tokens and another prompt, or None."""
-    best = None
-    for row, filled in enumerate(load):
-        if filled + need <= row_length and len(members[row]) < slots and (best is None or filled < load[best]):
-            best = row
-    return best

@@ -11,6 +11,7 @@ special token (an EOS) is refused: the answer is scored at the last token.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import pathlib
@@ -128,9 +129,7 @@ def tokenize_testset(
     columns = ds.select_columns(["premise", "hypothesis", "label"]).to_dict()
     premises, hypotheses, labels = columns["premise"], columns["hypothesis"], columns["label"]
 
-    def compute() -> dict[str, np.ndarray]:
-        return _tokenize(premises, hypotheses, labels, tokenizer, template, max_length, _describe(ds))
-
+    compute = functools.partial(_tokenize, premises, hypotheses, labels, tokenizer, template, max_length, _describe(ds))
     key_parts = [
         TOKENIZATION_VERSION,
         tokenizer.backend_tokenizer.to_str(),

@@ -12,10 +12,9 @@ import dataclasses
 import json
 import os
 import pathlib
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 import datasets
-import numpy as np
 import pyarrow
 import pyarrow.parquet
 from absl import logging
@@ -36,9 +35,10 @@ from oodjax.data.testsets import (
 )
 from oodjax.usage_errors import ConfigError, NotFetchedError
 
-LABEL_FEATURE = datasets.ClassLabel(names=["entailment", "not_entailment"])
 FEATURES = datasets.Features(
-    {"premise": datasets.Value("string"), "hypothesis": datasets.Value("string"), "label": LABEL_FEATURE}
+    premise=datasets.Value("string"),
+    hypothesis=datasets.Value("string"),
+    label=datasets.ClassLabel(names=["entailment", "not_entailment"]),
 )
 
 
@@ -96,17 +96,20 @@ class _RawSplit:
     def locate(self, row: int) -> str:
         return f"{self.source} line {self.lines[row]}" if self.lines is not None else f"{self.source} row {row}"
 
+    @classmethod
+    def of_lines(cls, path: pathlib.Path, columns: tuple[str, ...], rows: Iterator[tuple[int, dict]]) -> _RawSplit:
+        """The split of a text file's (line, row) pairs."""
+        numbered = list(rows)
+        values = {column: [row[column] for _, row in numbered] for column in columns}
+        return cls(str(path), values, [line for line, _ in numbered])
+
 
 def _load_raw(spec: TestsetSpec, split: str, root: pathlib.Path | None) -> _RawSplit:
     columns = (spec.premise, spec.hypothesis, spec.label)
     path = _local_file(spec, split, root)
     if path is not None:
-        if path.suffix == ".jsonl":
-            raw = _read_jsonl(path, columns)
-        elif path.suffix == ".csv":
-            raw = _read_csv(path, columns)
-        else:
-            raw = _read_parquet(path, columns)
+        read = {".jsonl": _read_jsonl, ".csv": _read_csv}.get(path.suffix)
+        raw = _RawSplit.of_lines(path, columns, read(path, columns)) if read else _read_parquet(path, columns)
     else:
         source, table = hub_source_name(spec, split), hub_split(spec, split)
         _check_columns(source, columns, table.column_names)
@@ -139,11 +142,9 @@ def _local_file(spec: TestsetSpec, split: str, root: pathlib.Path | None) -> pat
         return None
 
 
-def _read_jsonl(path: pathlib.Path, columns: tuple[str, ...]) -> _RawSplit:
-    """Every row of a JSON-lines file; not through `datasets`, whose errors name no line and which reads a
-    missing column as null."""
-    values: dict[str, list] = {column: [] for column in columns}
-    lines = []
+def _read_jsonl(path: pathlib.Path, columns: tuple[str, ...]) -> Iterator[tuple[int, dict]]:
+    """Every row of a JSON-lines file and its line; not through `datasets`, whose errors name no line and which
+    reads a missing column as null."""
     with path.open("rb") as f:
         for number, line in enumerate(f, start=1):
             if not line.strip():
@@ -159,17 +160,12 @@ def _read_jsonl(path: pathlib.Path, columns: tuple[str, ...]) -> _RawSplit:
             missing = [column for column in columns if column not in row]
             if missing:
                 raise ValueError(f"{path} line {number} lacks columns {missing}; it has {list(row)}")
-            for column in columns:
-                values[column].append(row[column])
-            lines.append(number)
-    return _RawSplit(str(path), values, lines)
+            yield number, row
 
 
-def _read_csv(path: pathlib.Path, columns: tuple[str, ...]) -> _RawSplit:
-    """Every row of a CSV file with a header line, as text; not through pandas, which reads a premise "NA" as
-    missing and names no line in its errors."""
-    values: dict[str, list] = {column: [] for column in columns}
-    lines = []
+def _read_csv(path: pathlib.Path, columns: tuple[str, ...]) -> Iterator[tuple[int, dict]]:
+    """Every row of a CSV file with a header line, as text, and its first line; not through pandas, which reads
+    a premise "NA" as missing and names no line in its errors."""
     try:
         with path.open(newline="", encoding="utf-8") as f:
             reader = csv.reader(f)
@@ -178,11 +174,9 @@ def _read_csv(path: pathlib.Path, columns: tuple[str, ...]) -> _RawSplit:
                 raise ValueError(f"{path} has no rows: an empty or truncated file?")
             _check_columns(f"{path} (its header line)", columns, header)
             positions = [header.index(column) for column in columns]
-            while True:
-                start = reader.line_num + 1
-                row = next(reader, None)
-                if row is None:
-                    break
+            end = reader.line_num
+            for row in reader:
+                start, end = end + 1, reader.line_num  # the lines a row spans (a quoted text may hold several)
                 if not row:  # a blank line
                     continue
                 if len(row) != len(header):
@@ -190,12 +184,9 @@ def _read_csv(path: pathlib.Path, columns: tuple[str, ...]) -> _RawSplit:
                         f"{path} line {start} has {len(row)} fields, the header {len(header)}: a stray or "
                         "unquoted comma?"
                     )
-                for column, position in zip(columns, positions):
-                    values[column].append(row[position])
-                lines.append(start)
+                yield start, {column: row[position] for column, position in zip(columns, positions)}
     except (UnicodeDecodeError, csv.Error) as error:
         raise ValueError(f"{path} is not a readable UTF-8 CSV file: {error}") from None
-    return _RawSplit(str(path), values, lines)
 
 
 def _csv_labels(spec: TestsetSpec, raw: _RawSplit) -> _RawSplit:
@@ -260,19 +251,9 @@ def _to_binary(spec: TestsetSpec, raw: _RawSplit, neutral: Neutral, name: str, s
             f"(values found: {sorted(set(labels), key=repr)}; {unknown[0]!r} first at {raw.locate(first)}); a "
             "declared testset lists each value in entailment, not_entailment, neutral or unlabelled"
         )
-    keep = np.flatnonzero([v in mapping for v in labels])
-    return _named_dataset(
-        {
-            "premise": [premises[i] for i in keep],
-            "hypothesis": [hypotheses[i] for i in keep],
-            "label": [mapping[labels[i]] for i in keep],
-        },
-        name,
-        split,
-    )
-
-
-def _named_dataset(columns: dict[str, list], name: str, split: str) -> datasets.Dataset:
-    """The rows as a Dataset that knows its testset and split, so later errors can name them."""
+    keep = [i for i, v in enumerate(labels) if v in mapping]
+    columns = {"premise": [premises[i] for i in keep], "hypothesis": [hypotheses[i] for i in keep]}
+    columns["label"] = [mapping[labels[i]] for i in keep]
+    # The Dataset knows its testset and split, so that later errors can name them.
     info = datasets.DatasetInfo(dataset_name=name, features=FEATURES)
     return datasets.Dataset.from_dict(columns, features=FEATURES, info=info, split=split)

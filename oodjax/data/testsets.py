@@ -13,8 +13,10 @@ are always dropped.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import difflib
+import itertools
 import json
 import os
 import pathlib
@@ -29,6 +31,7 @@ import yaml
 from oodjax.usage_errors import NotFetchedError
 
 ENTAILMENT, NOT_ENTAILMENT = 0, 1
+_BINARY = (("entailment", ENTAILMENT), ("not_entailment", NOT_ENTAILMENT))  # a declaration's field of each label
 DATA_DIR_ENV = "OODJAX_DATA_DIR"
 LOCAL_FORMATS = ("jsonl", "parquet")  # of the local mirror of the hub
 SOURCE_FILE_FORMATS = ("jsonl", "parquet", "csv")  # of a declared testset's own file
@@ -38,21 +41,10 @@ HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
 # comma-separated lists on the command line: no slashes, commas or spaces.
 TESTSET_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 # The fields of a testset declaration, and those a new (not built-in) testset must have.
-DECLARATION_FIELDS = (
-    "source",
-    "config",
-    "split",
-    "premise",
-    "hypothesis",
-    "label",
-    "entailment",
-    "not_entailment",
-    "neutral",
-    "unlabelled",
-    "cap",
-)
-REQUIRED_FIELDS = ("source", "premise", "hypothesis", "label", "entailment", "not_entailment")
+_STRING_FIELDS = ("source", "config", "split", "premise", "hypothesis", "label")
 _LABEL_FIELDS = ("entailment", "not_entailment", "neutral", "unlabelled")
+DECLARATION_FIELDS = (*_STRING_FIELDS, *_LABEL_FIELDS, "cap")
+REQUIRED_FIELDS = ("source", "premise", "hypothesis", "label", "entailment", "not_entailment")
 Neutral = Literal["drop", "not_entailment"]  # what to do with a three-way set's neutral class (``load_testset``)
 
 
@@ -188,8 +180,6 @@ def is_source_file(source: str) -> bool:
 def testset_table(
     declared: Mapping[str, Mapping[str, Any]] | None = None,
     declared_file: str | os.PathLike | None = None,
-    *,
-    origin: str = "data.extra_testsets",
 ) -> dict[str, TestsetSpec]:
     """The built-in table with the declared testsets added or overriding built-ins (docs/data.md).
 
@@ -199,6 +189,7 @@ def testset_table(
     built-in's location. Errors are ValueErrors naming the declaration and
     the field.
     """
+    origin = "data.extra_testsets"
     declarations = [(name, fields, f"{origin}[{name!r}]", None) for name, fields in (declared or {}).items()]
     if declared_file is not None:
         path = pathlib.Path(declared_file).expanduser()
@@ -232,12 +223,10 @@ def declared_testset(
             f"{where}: unknown field {unknown[0]!r}{hint}; a declaration's fields are {', '.join(DECLARATION_FIELDS)}"
         )
     built_in = TESTSETS.get(name)
-    merged = dict(fields)
-    if built_in is not None:
-        inherited = _declaration_of(built_in)
-        if "source" in fields:  # a new location: none of the built-in's config or split
-            del inherited["config"], inherited["split"]
-        merged = inherited | dict(fields)
+    inherited = _declaration_of(built_in) if built_in is not None else {}
+    if "source" in fields:  # a new location: none of the built-in's config or split
+        inherited = {field: value for field, value in inherited.items() if field not in ("config", "split")}
+    merged = inherited | dict(fields)
     missing = [field for field in REQUIRED_FIELDS if merged.get(field) is None]
     if missing:
         raise ValueError(
@@ -248,12 +237,10 @@ def declared_testset(
     def problem(field: str, text: str) -> ValueError:
         return ValueError(f"{where}, field {field!r}: {text}")
 
-    strings = {}
-    for field in ("source", "config", "split", "premise", "hypothesis", "label"):
-        value = merged.get(field)
+    strings = {field: merged.get(field) for field in _STRING_FIELDS}
+    for field, value in strings.items():
         if value is not None and not isinstance(value, str):
             raise problem(field, f"must be a string, got {value!r} ({type(value).__name__})")
-        strings[field] = value
     source, config, split = _location(strings, set(fields), base_dir, problem)
     columns = {field: strings[field] for field in ("premise", "hypothesis", "label")}
     for field, column in columns.items():
@@ -270,19 +257,17 @@ def declared_testset(
     if cap is not None and (not isinstance(cap, int) or isinstance(cap, bool) or cap < 0):
         raise problem("cap", f"must be an integer >= 0 (0 = the full testset), got {cap!r}")
     same_location = built_in is not None and (source, config) == (built_in.source, built_in.config)
+    hub_facts = ("split_groups", "hub_data_files", "hub_rows")  # the built-in's, where the location is its own
     return TestsetSpec(
         source,
         config,
         split,
         columns["premise"],
         columns["hypothesis"],
-        labels={value: ENTAILMENT for value in values["entailment"]}
-        | {value: NOT_ENTAILMENT for value in values["not_entailment"]},
+        labels={value: label for name, label in _BINARY for value in values[name]},
         neutral=values["neutral"],
         unlabelled=values["unlabelled"],
-        split_groups=built_in.split_groups if same_location else {},
-        hub_data_files=built_in.hub_data_files if same_location else None,
-        hub_rows=built_in.hub_rows if same_location else {},
+        **({field: getattr(built_in, field) for field in hub_facts} if same_location else {}),
         label=columns["label"],
         cap=cap,
         origin=where,
@@ -338,8 +323,7 @@ def read_declarations(path: str | os.PathLike) -> dict[str, dict[str, Any]]:
 
 
 def _unique_keys(pairs: list[tuple[str, Any]], path: pathlib.Path) -> dict[str, Any]:
-    keys = [key for key, _ in pairs]
-    twice = sorted({key for key in keys if keys.count(key) > 1})
+    twice = sorted(key for key, count in collections.Counter(key for key, _ in pairs).items() if count > 1)
     if twice:
         raise ValueError(f"{path}: {twice} given twice in one object")
     return dict(pairs)
@@ -361,19 +345,8 @@ def _unique_key_loader(path: pathlib.Path) -> type[yaml.SafeLoader]:
 
 
 def _declaration_of(spec: TestsetSpec) -> dict[str, Any]:
-    return {
-        "source": spec.source,
-        "config": spec.config,
-        "split": spec.split,
-        "premise": spec.premise,
-        "hypothesis": spec.hypothesis,
-        "label": spec.label,
-        "entailment": [value for value, binary in spec.labels.items() if binary == ENTAILMENT],
-        "not_entailment": [value for value, binary in spec.labels.items() if binary == NOT_ENTAILMENT],
-        "neutral": list(spec.neutral),
-        "unlabelled": list(spec.unlabelled),
-        "cap": spec.cap,
-    }
+    labels = {name: [value for value, binary in spec.labels.items() if binary == label] for name, label in _BINARY}
+    return {field: getattr(spec, field) for field in (*_STRING_FIELDS, "neutral", "unlabelled", "cap")} | labels
 
 
 def _label_values(value: Any, field: str, problem: Any) -> tuple[int | str, ...]:
@@ -394,11 +367,10 @@ def _check_label_classes(values: dict[str, tuple[int | str, ...]], problem: Any)
     everything = [value for field in _LABEL_FIELDS for value in values[field]]
     if len({type(value) for value in everything}) > 1:
         raise problem("entailment", f"label values must be all integers or all strings, got {values}")
-    for i, first in enumerate(_LABEL_FIELDS):
-        for second in _LABEL_FIELDS[i + 1 :]:
-            shared = [value for value in values[first] if value in values[second]]
-            if shared:
-                raise problem(second, f"label values {shared} are also in {first!r}; each value is in one class")
+    for first, second in itertools.combinations(_LABEL_FIELDS, 2):
+        shared = [value for value in values[first] if value in values[second]]
+        if shared:
+            raise problem(second, f"label values {shared} are also in {first!r}; each value is in one class")
 
 
 def testset_spec(name: str, table: Mapping[str, TestsetSpec] = TESTSETS) -> TestsetSpec:
@@ -473,9 +445,8 @@ def local_path(spec: TestsetSpec, split: str, root: pathlib.Path) -> pathlib.Pat
     """The mirror's file holding `split` of a hub source, or a FileNotFoundError naming the paths looked for."""
     folder = mirror_folder(spec, root)
     candidates = [folder / f"{split}.{fmt}" for fmt in LOCAL_FORMATS]
-    for path in candidates:
-        if path.is_file():
-            return path
+    if found := next((path for path in candidates if path.is_file()), None):
+        return found
     present = sorted({p.stem for fmt in LOCAL_FORMATS for p in folder.glob(f"*.{fmt}")})
     where = f"{spec.source}/{spec.config}" if spec.config else spec.source
     raise FileNotFoundError(

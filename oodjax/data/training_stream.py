@@ -97,17 +97,16 @@ def train_steps(
         raise ValueError(f"prefetch must be >= 0 steps, got {prefetch}")
     if any(len(tokenized) == 0 for tokenized in sets):
         raise ValueError("cannot train on an empty set")
-    num_rows = layout.rows
-    if not layout.packed and num_rows * layout.micro_batches != len(sets) * batch_size:
+    if not layout.packed and layout.rows * layout.micro_batches != len(sets) * batch_size:
         raise ValueError(
             f"one prompt a row, {layout.micro_batches} micro-batches of {len(sets)} runs' batches of {batch_size} "
-            f"need {len(sets) * batch_size // layout.micro_batches} rows each, not {num_rows}"
+            f"need {len(sets) * batch_size // layout.micro_batches} rows each, not {layout.rows}"
         )
-    keep, outside = row_positions(range(num_rows) if rows is None else rows, num_rows)
+    keep, outside = row_positions(range(layout.rows) if rows is None else rows, layout.rows)
     if outside.size or len(np.unique(keep)) != len(keep) or not len(keep):
         raise ValueError(
-            f"rows must be distinct positions in a micro-batch of {num_rows} rows; got {keep[:8].tolist()}"
-            + (f" (outside [0, {num_rows}): {outside[:5].tolist()})" if outside.size else "")
+            f"rows must be distinct positions in a micro-batch of {layout.rows} rows; got {keep[:8].tolist()}"
+            + (f" (outside [0, {layout.rows}): {outside[:5].tolist()})" if outside.size else "")
         )
     longest = max(int(tokenized.lengths.max()) for tokenized in sets)
     if seq_len < longest:
@@ -124,7 +123,7 @@ def train_steps(
         }
         batch = packed_rows_batch(sets, prompts, prompts_per_row, seq_len, pad_id=pad_id, per_slot=per_slot)
         return {
-            key: value.reshape(layout.micro_batches, num_rows, *value.shape[1:])[:, keep]
+            key: value.reshape(layout.micro_batches, layout.rows, *value.shape[1:])[:, keep]
             for key, value in batch.items()
         }
 
