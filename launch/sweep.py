@@ -254,10 +254,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--nodes must be at least 1, got {args.nodes}")
     try:
         sbatch_options = _sbatch_options(args)
-        configs = experiment_config_paths(args.configs)
     except ValueError as error:
         parser.error(str(error))
-    with usage_errors.reported(parser.prog):  # a config that cannot be read, an override it refuses, squeue failing
+    with usage_errors.reported(parser.prog):  # no config matches, one cannot be read or refuses an override, squeue
+        configs = experiment_config_paths(args.configs)
         jobs = plan_jobs(
             configs, args.seeds, args.shots, args.output_dir, per_run=args.per_run, config_overrides=config_overrides
         )

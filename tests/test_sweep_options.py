@@ -202,8 +202,11 @@ def test_packaged_configs_by_name_and_pattern_keep_their_name_in_the_commands(ca
     assert [command[7] for command in commands] == ["oodjax:opt30_mnli", "oodjax:opt30_snli", "oodjax:opt13_mnli"]
     assert commands[0][1] == "--job-name=oodjax-opt30_mnli"
     assert overrides(commands[0])[-1] == f"--config.output_dir={tmp_path}/opt30_mnli"
-    with pytest.raises(FileNotFoundError, match=re.escape("no config file matches 'oodjax:nothing_*'")):
+    with pytest.raises(SystemExit) as exit_info:
         sweep.main(["--configs", "oodjax:nothing_*", "--backend", "local", "--dry_run"])
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and "no config file matches 'oodjax:nothing_*'" in error
 
 
 def test_config_overrides_go_to_every_job_and_the_plan_reads_them(capsys, tmp_path):
