@@ -54,8 +54,7 @@ from oodjax.engine import hooks, results, run_lock
 from oodjax.engine.cadence import RunGroup
 from oodjax.engine.results import Run
 from oodjax.engine.resumption import RunStart
-from oodjax.engine.setup import prepare
-from oodjax.main import start_process
+from oodjax.engine.setup import prepare, start_process
 from oodjax.models.lora import LoRAConfig, read_peft
 from oodjax.usage_errors import ConfigError
 
@@ -130,37 +129,17 @@ def _evaluate_runs(job: Job, todo: list[EvaluatedRun]) -> None:
     prepared = prepare(job, group, mesh, job.model.load(mesh), lora=lora, adapters=loaded)
     start = [RunStart(run, group, finished=False, stored_config=None) for run in todo]
     shared = hooks.Shared(job, group, start, events=[], checkpointers=[], clock=hooks.Clock(math.nan))
-    records = [dict(job.record, **{schema.RUN_SECTION: _run_section(job, run)}) for run in todo]
-    base = job.model.source
-    evaluation = hooks.Evaluation(
-        shared,
-        prepared.data,
-        None,
-        prepared.eval_step,
-        prepared.base_state,
-        mesh,
-        records=records,
-        model=f"{base} with its adapters" if adapters else base,
-    )
-    evaluation.begin(prepared.state)
+    records = [hooks.run_record(job, run, run.model, **{schema.RUN_EVALUATED: _evaluated(job, run)}) for run in todo]
+    model = f"{job.model.source} with its adapters" if adapters else job.model.source
+    hooks.Evaluation(shared, prepared, None, records, model).begin(prepared.state)
     logging.info("done: %d runs evaluated; results in %s", len(todo), job.runs.output_dir)
 
 
-def _run_section(job: Job, run: EvaluatedRun) -> dict[str, Any]:
-    """The run section of an evaluated run's metrics.npz: its model, seed, shots and what was evaluated."""
-    kind = (
-        schema.EVALUATED_IN_CONTEXT
-        if job.in_context
-        else schema.EVALUATED_ADAPTER
-        if run.adapter is not None
-        else schema.EVALUATED_BASE
-    )
-    return {
-        schema.RUN_MODEL: run.model,
-        schema.RUN_SEED: run.seed,
-        schema.RUN_SHOTS: run.shots,
-        schema.RUN_EVALUATED: kind,
-    }
+def _evaluated(job: Job, run: EvaluatedRun) -> str:
+    """What an evaluated run is, in its run section (``schema.RUN_EVALUATED``): base, adapter or in context."""
+    if job.in_context:
+        return schema.EVALUATED_IN_CONTEXT
+    return schema.EVALUATED_ADAPTER if run.adapter is not None else schema.EVALUATED_BASE
 
 
 def _shared_adapter_config(adapters: Sequence[tuple[LoRAConfig, Any]], folders: Sequence[pathlib.Path]) -> LoRAConfig:

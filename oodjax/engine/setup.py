@@ -1,24 +1,29 @@
 """A run group made ready to run: ``prepare`` gives its model split into base and adapters, its compiled steps
 and its data, for the loop and ``oodjax.evaluate`` (a zero-step run: evaluated once, at step 0); ``set_up``, its
-data alone, is also what the preflight and the estimate lay out, so what they lay out is what a job lays out."""
+data alone, is also what the preflight and the estimate lay out, so what they lay out is what a job lays out.
+``start_process`` is what the entry points that compute (``oodjax.main``, ``oodjax.evaluate``) do first."""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import logging as python_logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+import datasets
 import jax
 import jax.numpy as jnp
 import optax
+from absl import logging
 from flax import nnx
 from jax.sharding import Mesh
 from transformers import PreTrainedTokenizerBase
 
 from analysis import schema
+from oodjax import versions
 from oodjax.data import TRAIN_PREFETCH, answer_token_ids, load_tokenizer, train_steps
-from oodjax.engine import sharding, steps
+from oodjax.engine import distributed, sharding, steps
 from oodjax.engine.evaluation import EvalPool, make_eval_pool
 from oodjax.engine.geometry import BatchGeometry, EvalGeometry, batch_geometry, eval_geometry
 from oodjax.engine.run_data import (
@@ -118,6 +123,7 @@ class Prepared:
     eval_step: Callable[..., Any]
     data: RunsData
     geometry: BatchGeometry | None  # the training batches' (None: a zero-step run)
+    mesh: Mesh
 
 
 def prepare(
@@ -147,13 +153,11 @@ def prepare(
     compute_dtype = job.model.compute_dtype
     if optimizer is not None:
         setup = set_up(job, mesh, group.runs, group.total_steps)
-        yes_id, no_id = setup.answer_ids
         train_step, eval_step = steps.make_steps(
-            optimizer, compute_dtype, setup.geometry, graphdef, base_state, state, yes_id, no_id, mesh
+            optimizer, compute_dtype, setup.geometry, graphdef, base_state, state, *setup.answer_ids, mesh
         )
-        return Prepared(graphdef, base_state, state, train_step, eval_step, setup.data, setup.geometry)
+        return Prepared(graphdef, base_state, state, train_step, eval_step, setup.data, setup.geometry, mesh)
     tokenizer = load_tokenizer(job.model.tokenizer)
-    yes_id, no_id = answer_token_ids(tokenizer, job.data.answers)
     if job.in_context:  # each run scores its own in-context copy of the testsets
         shared: Mapping[str, IndexedSet] = {}
         index, own = in_context_sets(job.data, tokenizer, [(run.seed, run.shots) for run in group.runs])
@@ -162,5 +166,29 @@ def prepare(
         index = dataset_indices(shared)
     pool = _pool(shared, own, eval_geometry(job.batches, sharding.batch_shards(mesh)), tokenizer)()
     data = RunsData(pool, first_eval_pool=pool, train_stream=None, dataset_index=(index,) * len(group.runs))
-    eval_step = steps.make_eval_step(graphdef, yes_id, no_id, mesh=mesh, compute_dtype=compute_dtype)
-    return Prepared(graphdef, base_state, state, None, eval_step, data, None)
+    answers = answer_token_ids(tokenizer, job.data.answers)
+    eval_step = steps.make_eval_step(graphdef, *answers, mesh=mesh, compute_dtype=compute_dtype)
+    return Prepared(graphdef, base_state, state, None, eval_step, data, None, mesh)
+
+
+class _QuietCheckpointing(python_logging.Filter):
+    """Drops orbax's INFO chatter (dozens of lines per checkpoint), so the run's own log stays readable."""
+
+    def filter(self, record: python_logging.LogRecord) -> bool:
+        return record.levelno >= python_logging.WARNING or "/orbax/" not in record.pathname
+
+
+def start_process() -> None:
+    """What every entry point that computes does first: quiet the libraries' logs, join the job's other
+    processes (before anything touches a device), and leave INFO logging to process 0."""
+    logging.get_absl_handler().addFilter(_QuietCheckpointing())
+    # No noise by default: JAX's INFO line for every backend it could not start
+    # ("Unable to initialize backend 'tpu'"), and datasets' bars per split read.
+    python_logging.getLogger("jax._src.xla_bridge").setLevel(python_logging.WARNING)
+    datasets.disable_progress_bars()
+    layout = distributed.initialize()  # before anything touches a device
+    if layout is not None:
+        logging.info("process %d of %d (layout from %s)", layout.process_id, layout.num_processes, layout.source)
+        if not distributed.is_primary():
+            logging.set_verbosity(logging.WARNING)  # process 0 logs progress; the others only problems
+    versions.warn_if_unpinned()

@@ -156,11 +156,6 @@ def runs_inside_layers(lora: nnx.State) -> nnx.State:
     return _move_run_axis(lora, 0, 1)
 
 
-def runs_outside_layers(lora: nnx.State) -> nnx.State:
-    """``runs_inside_layers``' inverse: [layers, R, ...] back to the run-stacked [R, layers, ...]."""
-    return _move_run_axis(lora, 1, 0)
-
-
 def _move_run_axis(lora: nnx.State, source: int, destination: int) -> nnx.State:
     def move(path: tuple[Any, ...], x: jax.Array) -> jax.Array:
         stacked = any(getattr(key, "key", None) == STACKED for key in path)
@@ -227,15 +222,6 @@ def micro_batch_branches(batch: Batch, geometry: BatchGeometry) -> jax.Array:
     return jnp.where(jnp.any(batch["valid"], axis=(1, 2)), branch, 0)
 
 
-def run_update(
-    lora: nnx.State, opt_state: optax.OptState, grads: nnx.State, *, optimizer: optax.GradientTransformation
-) -> tuple[nnx.State, optax.OptState, jax.Array]:
-    """One run's optimizer step from its (already averaged) gradients: (lora, opt_state, the gradients'
-    global norm before clipping)."""
-    updates, opt_state = optimizer.update(grads, opt_state, lora)
-    return optax.apply_updates(lora, updates), opt_state, optax.global_norm(grads)
-
-
 def step_loss(
     base_state: nnx.State,
     state: TrainState,
@@ -292,8 +278,14 @@ def train_step(
 
     init = (jax.tree.map(jnp.zeros_like, lora), jnp.zeros(state.num_runs, jnp.float32))
     (grads, loss_sums), _ = jax.lax.scan(accumulate, init, (dict(batch), micro_batch_branches(batch, geometry)))
-    update = functools.partial(run_update, optimizer=optimizer)
-    new_lora, opt_state, grad_norms = jax.vmap(update)(state.lora, state.opt_state, runs_outside_layers(grads))
+
+    def update(lora: nnx.State, opt_state: optax.OptState, grads: nnx.State) -> tuple[Any, ...]:
+        """One run's optimizer step; its gradients' global norm before clipping too."""
+        updates, opt_state = optimizer.update(grads, opt_state, lora)
+        return optax.apply_updates(lora, updates), opt_state, optax.global_norm(grads)
+
+    # the gradients back from [layers, R, ...] to the run-stacked [R, layers, ...]
+    new_lora, opt_state, grad_norms = jax.vmap(update)(state.lora, state.opt_state, _move_run_axis(grads, 1, 0))
     state = state.replace(lora=new_lora, opt_state=opt_state, step=state.step + 1)
     return state, {"loss": loss_sums * run_weights, "grad_norm": grad_norms}
 
@@ -471,15 +463,8 @@ def make_steps(
 ) -> tuple[Callable[..., Any], Callable[..., Any]]:
     """A job's (train_step, eval_step): what the loop runs and ``launch.preflight`` compiles (so ``base_state``
     and ``state`` may be abstract)."""
-    train_step = make_train_step(
-        graphdef,
-        optimizer.transformation,
-        yes_id,
-        no_id,
-        geometry,
-        mesh=mesh,
-        base_state=base_state,
-        state=state,
-        compute_dtype=compute_dtype,
+    on = dict(mesh=mesh, compute_dtype=compute_dtype)
+    train = make_train_step(
+        graphdef, optimizer.transformation, yes_id, no_id, geometry, base_state=base_state, state=state, **on
     )
-    return train_step, make_eval_step(graphdef, yes_id, no_id, mesh=mesh, compute_dtype=compute_dtype)
+    return train, make_eval_step(graphdef, yes_id, no_id, **on)
