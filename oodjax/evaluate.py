@@ -73,27 +73,27 @@ class EvaluatedRun(Run):
 def plan_evaluation(job: Job) -> list[EvaluatedRun]:
     """The runs ``evaluate_job`` evaluates: the base model, one per adapter folder, or one per (seed, shots)
     in context (see the module)."""
-    model, train_set, output = job.model.name, job.data.train_set, job.runs.output_dir
-    if job.in_context:
-        model = f"{model}{IN_CONTEXT_SUFFIX}"
-        planned = []
-        for run in job.runs.runs():  # the grid training would run, in its order
-            name = results.run_name(model, train_set, run.seed, run.shots)
-            planned.append(EvaluatedRun(run.seed, run.shots, name, output / name, model=model, adapter=None))
-        return planned
+    train_set, output = job.data.train_set, job.runs.output_dir
+    model = f"{job.model.name}{IN_CONTEXT_SUFFIX}" if job.in_context else job.model.name
+
+    def run(seed: int, shots: int, adapter: pathlib.Path | None, suffix: str | None = None) -> EvaluatedRun:
+        """Named as a trained run of its seed and shots, or by its name's ``suffix``."""
+        trained = suffix is None
+        name = (
+            results.run_name(model, train_set, seed, shots)
+            if trained
+            else f"{results.path_safe(model)}_{train_set}_{suffix}"
+        )
+        return EvaluatedRun(seed, shots, name, output / name, model=model, adapter=adapter)
+
+    if job.in_context:  # the grid training would run, in its order
+        return [run(grid.seed, grid.shots, None) for grid in job.runs.runs()]
     if not job.adapters:
-        name = f"{results.path_safe(model)}_{train_set}_{BASE_RUN_SUFFIX}"
-        return [EvaluatedRun(0, 0, name, output / name, model=model, adapter=None)]
+        return [run(0, 0, None, BASE_RUN_SUFFIX)]
     planned = []
     for index, folder in enumerate(job.adapters):
         identity = _trained_run_identity(folder)
-        if identity is not None:
-            seed, shots = identity
-            name = results.run_name(model, train_set, seed, shots)
-        else:
-            seed, shots = index, 0
-            name = f"{results.path_safe(model)}_{train_set}_{results.path_safe(folder.name)}"
-        planned.append(EvaluatedRun(seed, shots, name, output / name, model=model, adapter=folder))
+        planned.append(run(*identity, folder) if identity else run(index, 0, folder, results.path_safe(folder.name)))
     names = [run.name for run in planned]
     repeated = sorted({name for name in names if names.count(name) > 1})
     if repeated:

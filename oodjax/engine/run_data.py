@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import datasets
 import grain
@@ -164,19 +165,13 @@ def in_context_sets(
     (``few_shot_datasets``) that fit in data.max_length (``oodjax.data.tokenize_in_context``)."""
     testsets = capped_testsets(data)
     zero_shot = {name: _tokenize_testset(data, name, dataset, tokenizer) for name, dataset in testsets.items()}
+    prompts: dict[str, Any] = dict(template=data.template, answers=data.answers, max_length=data.max_length)
     per_run = []
     for (seed, shots), demonstrations in zip(runs, few_shot_datasets(data, runs), strict=True):
         sets = {}
         for name, dataset in testsets.items():
             sets[name] = tokenize_in_context(
-                dataset,
-                demonstrations,
-                tokenizer,
-                template=data.template,
-                answers=data.answers,
-                max_length=data.max_length,
-                zero_shot=zero_shot[name],
-                cache_dir=data.cache_dir,
+                dataset, demonstrations, tokenizer, zero_shot=zero_shot[name], cache_dir=data.cache_dir, **prompts
             )
             kept = sets[name].demonstrations
             logging.info(

@@ -6,14 +6,15 @@ data alone, is also what the preflight and the estimate lay out, so what they la
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging as python_logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import datasets
+import grain
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from absl import logging
 from flax import nnx
@@ -24,7 +25,7 @@ from analysis import schema
 from oodjax import versions
 from oodjax.data import TRAIN_PREFETCH, answer_token_ids, load_tokenizer, train_steps
 from oodjax.engine import distributed, sharding, steps
-from oodjax.engine.evaluation import EvalPool, make_eval_pool
+from oodjax.engine.evaluation import make_eval_pool
 from oodjax.engine.geometry import BatchGeometry, EvalGeometry, batch_geometry, eval_geometry
 from oodjax.engine.run_data import (
     DataSettings,
@@ -87,28 +88,28 @@ def set_up(
         prefetch=prefetch,
     )
     own = [{schema.TRAIN_TESTSET: tokenized} for tokenized in train_sets]
+    index = [{**dataset_indices(evaluated), schema.TRAIN_TESTSET: tokenized.dataset_index} for tokenized in train_sets]
     assert geometry.evaluation is not None  # batch_geometry gives the job's evaluation batches
-    pool = _pool(evaluated, own, geometry.evaluation, tokenizer)
-    eval_pool = pool()
-    dataset_index = tuple(
-        {**dataset_indices(evaluated), schema.TRAIN_TESTSET: train_set.dataset_index} for train_set in train_sets
-    )
-    data = RunsData(
-        eval_pool, first_eval_pool=pool(like=eval_pool), train_stream=train_stream, dataset_index=dataset_index
-    )
+    data = _runs_data(evaluated, own, index, geometry.evaluation, tokenizer, train_stream)
     return RunSetup(tokenizer, answer_ids, geometry, data)
 
 
-def _pool(
+def _runs_data(
     shared: Mapping[str, IndexedSet],
     own: Sequence[Mapping[str, IndexedSet]],
+    index: Sequence[dict[str, np.ndarray]],
     layout: EvalGeometry,
     tokenizer: PreTrainedTokenizerBase,
-) -> Callable[..., EvalPool]:
-    """``make_eval_pool`` of the sets every run scores and each run's own, in ``layout``'s batches; called with
-    ``like=`` for step 0's pool."""
+    train_stream: grain.DatasetIterator | None,
+) -> RunsData:
+    """The pool of the sets every run scores and each run's own, in ``layout``'s batches. Runs that train also
+    get step 0's pool (``make_eval_pool``'s ``like``); a zero-step run's adapters may be loaded, so it has one."""
     batches = dict(batch_tokens=layout.batch_tokens, row_multiple=layout.batch_shards, row_lengths=layout.row_lengths)
-    return functools.partial(make_eval_pool, shared, own, pad_id=pad_id(tokenizer), **batches)
+    pool = make_eval_pool(shared, own, pad_id=pad_id(tokenizer), **batches)
+    first = (
+        pool if train_stream is None else make_eval_pool(shared, own, pad_id=pad_id(tokenizer), like=pool, **batches)
+    )
+    return RunsData(pool, first_eval_pool=first, train_stream=train_stream, dataset_index=tuple(index))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,8 +165,8 @@ def prepare(
     else:
         shared, own = load_testsets(job.data, tokenizer), [{} for _ in group.runs]
         index = dataset_indices(shared)
-    pool = _pool(shared, own, eval_geometry(job.batches, sharding.batch_shards(mesh)), tokenizer)()
-    data = RunsData(pool, first_eval_pool=pool, train_stream=None, dataset_index=(index,) * len(group.runs))
+    layout = eval_geometry(job.batches, sharding.batch_shards(mesh))
+    data = _runs_data(shared, own, [index] * len(group.runs), layout, tokenizer, None)
     answers = answer_token_ids(tokenizer, job.data.answers)
     eval_step = steps.make_eval_step(graphdef, *answers, mesh=mesh, compute_dtype=compute_dtype)
     return Prepared(graphdef, base_state, state, None, eval_step, data, None, mesh)

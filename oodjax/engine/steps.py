@@ -262,7 +262,8 @@ def train_step(
 ) -> tuple[TrainState, dict[str, jax.Array]]:
     """One optimizer step of every run (``make_train_step`` documents it; this is the function it jits)."""
     micro_batches, rows = geometry.train_rows_shape
-    _check_train_batch(batch, micro_batches, rows, geometry.seq_len)
+    layout = f"[grad_accum={micro_batches}, rows={rows}, seq={geometry.seq_len}]"
+    _check_batch(batch, layout, (micro_batches, rows, geometry.seq_len), TRAIN_ONLY_KEYS)
     loss, (lora, base_state, run_keys, run_weights) = step_loss(
         base_state, state, batch, graphdef=graphdef, yes_id=yes_id, no_id=no_id, compute_dtype=compute_dtype
     )
@@ -288,21 +289,6 @@ def train_step(
     new_lora, opt_state, grad_norms = jax.vmap(update)(state.lora, state.opt_state, _move_run_axis(grads, 1, 0))
     state = state.replace(lora=new_lora, opt_state=opt_state, step=state.step + 1)
     return state, {"loss": loss_sums * run_weights, "grad_norm": grad_norms}
-
-
-def _check_train_batch(batch: Batch, micro_batches: int, rows: int, seq_len: int) -> None:
-    """Trace-time shape check, so a malformed batch fails once and clearly."""
-    layout = f"[grad_accum={micro_batches}, rows={rows}, seq={seq_len}]"
-    _check_batch(batch, layout, (micro_batches, rows, seq_len))
-    for key in TRAIN_ONLY_KEYS:
-        if key not in batch:
-            raise ValueError(f"a training batch needs {key!r} per prompt slot; it has {sorted(batch)}")
-        if tuple(batch[key].shape) != tuple(batch["answer_pos"].shape) or batch["answer_pos"].ndim != 3:
-            raise ValueError(
-                f"batch[{key!r}] has shape {tuple(batch[key].shape)} "
-                f"and answer_pos {tuple(batch['answer_pos'].shape)}; "
-                f"both must be [grad_accum={micro_batches}, rows={rows}, prompt slots]"
-            )
 
 
 def eval_step(
@@ -335,9 +321,12 @@ def eval_step(
     return jnp.moveaxis(margins.reshape(rows, num_runs, *margins.shape[1:]), 1, 0)
 
 
-def _check_batch(batch: Batch, layout: str, expected: tuple[int | None, ...]) -> None:
-    """Trace-time shape check; ``expected`` is input_ids' shape, None where any size goes."""
-    for key in ("input_ids", "segment_ids", "answer_pos", "label"):
+def _check_batch(batch: Batch, layout: str, expected: tuple[int | None, ...], train_keys: tuple[str, ...] = ()) -> None:
+    """Trace-time shape check, so a malformed batch fails once and clearly. ``expected`` is input_ids' shape,
+    None where any size goes; label, ``train_keys`` (a training batch's) and valid, if there, are shaped as
+    answer_pos, which has a prompt-slot axis if packed, and always in a training batch."""
+    per_prompt, slots = ("label", *train_keys), bool(train_keys)
+    for key in ("input_ids", "segment_ids", "answer_pos", *per_prompt):
         if key not in batch:
             raise ValueError(f"batch is missing {key!r}; it has {sorted(batch)}")
     ids = batch["input_ids"]
@@ -347,12 +336,10 @@ def _check_batch(batch: Batch, layout: str, expected: tuple[int | None, ...]) ->
     if mask != tuple(ids.shape):
         raise ValueError(f"batch['segment_ids'] has shape {mask}; expected {tuple(ids.shape)}")
     answers = tuple(batch["answer_pos"].shape)
-    if answers[: ids.ndim - 1] != tuple(ids.shape[:-1]) or len(answers) > ids.ndim:
-        raise ValueError(
-            f"batch['answer_pos'] has shape {answers}; expected {tuple(ids.shape[:-1])} "
-            "(+ a prompt-slot axis if packed)"
-        )
-    for key in ("label",) + (("valid",) if "valid" in batch else ()):
+    if answers[: ids.ndim - 1] != tuple(ids.shape[:-1]) or not ids.ndim - 1 + slots <= len(answers) <= ids.ndim:
+        slot = "+ a prompt-slot axis" if slots else "(+ a prompt-slot axis if packed)"
+        raise ValueError(f"batch['answer_pos'] has shape {answers}; expected {tuple(ids.shape[:-1])} {slot}")
+    for key in (*per_prompt, "valid") if "valid" in batch else per_prompt:
         if tuple(batch[key].shape) != answers:
             raise ValueError(f"batch[{key!r}] has shape {tuple(batch[key].shape)}; expected {answers} (answer_pos's)")
 
