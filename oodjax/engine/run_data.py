@@ -230,7 +230,4 @@ def _tokenize_testset(
 
 def pad_id(tokenizer: PreTrainedTokenizerBase) -> int:
     """Padding is masked, so any valid id serves; GPT-2's tokenizer has no pad token."""
-    for token_id in (tokenizer.pad_token_id, tokenizer.eos_token_id):
-        if token_id is not None:
-            return int(token_id)
-    return 0
+    return int(next((token for token in (tokenizer.pad_token_id, tokenizer.eos_token_id) if token is not None), 0))

@@ -117,7 +117,6 @@ class Prepared:
     """A run group ready to run: the model split into its frozen base and the runs' stacked adapters
     (``TrainState``), its compiled steps and its data."""
 
-    graphdef: nnx.GraphDef
     base_state: nnx.State
     state: steps.TrainState  # the runs' adapters, optimizer state and dropout keys
     train_step: Callable[..., Any] | None  # None: a zero-step run
@@ -157,7 +156,7 @@ def prepare(
         train_step, eval_step = steps.make_steps(
             optimizer, compute_dtype, setup.geometry, graphdef, base_state, state, *setup.answer_ids, mesh
         )
-        return Prepared(graphdef, base_state, state, train_step, eval_step, setup.data, setup.geometry, mesh)
+        return Prepared(base_state, state, train_step, eval_step, setup.data, setup.geometry, mesh)
     tokenizer = load_tokenizer(job.model.tokenizer)
     if job.in_context:  # each run scores its own in-context copy of the testsets
         shared: Mapping[str, IndexedSet] = {}
@@ -169,7 +168,7 @@ def prepare(
     data = _runs_data(shared, own, [index] * len(group.runs), layout, tokenizer, None)
     answers = answer_token_ids(tokenizer, job.data.answers)
     eval_step = steps.make_eval_step(graphdef, *answers, mesh=mesh, compute_dtype=compute_dtype)
-    return Prepared(graphdef, base_state, state, None, eval_step, data, None, mesh)
+    return Prepared(base_state, state, None, eval_step, data, None, mesh)
 
 
 class _QuietCheckpointing(python_logging.Filter):
