@@ -76,24 +76,23 @@ def plan_evaluation(job: Job) -> list[EvaluatedRun]:
     train_set, output = job.data.train_set, job.runs.output_dir
     model = f"{job.model.name}{IN_CONTEXT_SUFFIX}" if job.in_context else job.model.name
 
-    def run(seed: int, shots: int, adapter: pathlib.Path | None, suffix: str | None = None) -> EvaluatedRun:
+    def planned_run(seed: int, shots: int, adapter: pathlib.Path | None, suffix: str | None = None) -> EvaluatedRun:
         """Named as a trained run of its seed and shots, or by its name's ``suffix``."""
-        trained = suffix is None
-        name = (
-            results.run_name(model, train_set, seed, shots)
-            if trained
-            else f"{results.path_safe(model)}_{train_set}_{suffix}"
-        )
+        if suffix is None:
+            name = results.run_name(model, train_set, seed, shots)
+        else:
+            name = f"{results.path_safe(model)}_{train_set}_{suffix}"
         return EvaluatedRun(seed, shots, name, output / name, model=model, adapter=adapter)
 
     if job.in_context:  # the grid training would run, in its order
-        return [run(grid.seed, grid.shots, None) for grid in job.runs.runs()]
+        return [planned_run(run.seed, run.shots, None) for run in job.runs.runs()]
     if not job.adapters:
-        return [run(0, 0, None, BASE_RUN_SUFFIX)]
+        return [planned_run(0, 0, None, BASE_RUN_SUFFIX)]
     planned = []
     for index, folder in enumerate(job.adapters):
         identity = _trained_run_identity(folder)
-        planned.append(run(*identity, folder) if identity else run(index, 0, folder, results.path_safe(folder.name)))
+        suffix = None if identity else results.path_safe(folder.name)
+        planned.append(planned_run(*(identity or (index, 0)), folder, suffix))
     names = [run.name for run in planned]
     repeated = sorted({name for name in names if names.count(name) > 1})
     if repeated:
