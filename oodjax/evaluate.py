@@ -54,8 +54,7 @@ from oodjax.engine import hooks, results, run_lock
 from oodjax.engine.cadence import RunGroup
 from oodjax.engine.results import Run
 from oodjax.engine.resumption import RunStart
-from oodjax.engine.setup import prepare
-from oodjax.main import start_process
+from oodjax.engine.setup import prepare, start_process
 from oodjax.models.lora import LoRAConfig, read_peft
 from oodjax.usage_errors import ConfigError
 
@@ -74,27 +73,26 @@ class EvaluatedRun(Run):
 def plan_evaluation(job: Job) -> list[EvaluatedRun]:
     """The runs ``evaluate_job`` evaluates: the base model, one per adapter folder, or one per (seed, shots)
     in context (see the module)."""
-    model, train_set, output = job.model.name, job.data.train_set, job.runs.output_dir
-    if job.in_context:
-        model = f"{model}{IN_CONTEXT_SUFFIX}"
-        planned = []
-        for run in job.runs.runs():  # the grid training would run, in its order
-            name = results.run_name(model, train_set, run.seed, run.shots)
-            planned.append(EvaluatedRun(run.seed, run.shots, name, output / name, model=model, adapter=None))
-        return planned
+    train_set, output = job.data.train_set, job.runs.output_dir
+    model = f"{job.model.name}{IN_CONTEXT_SUFFIX}" if job.in_context else job.model.name
+
+    def planned_run(seed: int, shots: int, adapter: pathlib.Path | None, suffix: str | None = None) -> EvaluatedRun:
+        """Named as a trained run of its seed and shots, or by its name's ``suffix``."""
+        if suffix is None:
+            name = results.run_name(model, train_set, seed, shots)
+        else:
+            name = f"{results.path_safe(model)}_{train_set}_{suffix}"
+        return EvaluatedRun(seed, shots, name, output / name, model=model, adapter=adapter)
+
+    if job.in_context:  # the grid training would run, in its order
+        return [planned_run(run.seed, run.shots, None) for run in job.runs.runs()]
     if not job.adapters:
-        name = f"{results.path_safe(model)}_{train_set}_{BASE_RUN_SUFFIX}"
-        return [EvaluatedRun(0, 0, name, output / name, model=model, adapter=None)]
+        return [planned_run(0, 0, None, BASE_RUN_SUFFIX)]
     planned = []
     for index, folder in enumerate(job.adapters):
         identity = _trained_run_identity(folder)
-        if identity is not None:
-            seed, shots = identity
-            name = results.run_name(model, train_set, seed, shots)
-        else:
-            seed, shots = index, 0
-            name = f"{results.path_safe(model)}_{train_set}_{results.path_safe(folder.name)}"
-        planned.append(EvaluatedRun(seed, shots, name, output / name, model=model, adapter=folder))
+        suffix = None if identity else results.path_safe(folder.name)
+        planned.append(planned_run(*(identity or (index, 0)), folder, suffix))
     names = [run.name for run in planned]
     repeated = sorted({name for name in names if names.count(name) > 1})
     if repeated:
@@ -130,37 +128,17 @@ def _evaluate_runs(job: Job, todo: list[EvaluatedRun]) -> None:
     prepared = prepare(job, group, mesh, job.model.load(mesh), lora=lora, adapters=loaded)
     start = [RunStart(run, group, finished=False, stored_config=None) for run in todo]
     shared = hooks.Shared(job, group, start, events=[], checkpointers=[], clock=hooks.Clock(math.nan))
-    records = [dict(job.record, **{schema.RUN_SECTION: _run_section(job, run)}) for run in todo]
-    base = job.model.source
-    evaluation = hooks.Evaluation(
-        shared,
-        prepared.data,
-        None,
-        prepared.eval_step,
-        prepared.base_state,
-        mesh,
-        records=records,
-        model=f"{base} with its adapters" if adapters else base,
-    )
-    evaluation.begin(prepared.state)
+    records = [hooks.run_record(job, run, run.model, **{schema.RUN_EVALUATED: _evaluated(job, run)}) for run in todo]
+    model = f"{job.model.source} with its adapters" if adapters else job.model.source
+    hooks.Evaluation(shared, prepared, None, records, model).begin(prepared.state)
     logging.info("done: %d runs evaluated; results in %s", len(todo), job.runs.output_dir)
 
 
-def _run_section(job: Job, run: EvaluatedRun) -> dict[str, Any]:
-    """The run section of an evaluated run's metrics.npz: its model, seed, shots and what was evaluated."""
-    kind = (
-        schema.EVALUATED_IN_CONTEXT
-        if job.in_context
-        else schema.EVALUATED_ADAPTER
-        if run.adapter is not None
-        else schema.EVALUATED_BASE
-    )
-    return {
-        schema.RUN_MODEL: run.model,
-        schema.RUN_SEED: run.seed,
-        schema.RUN_SHOTS: run.shots,
-        schema.RUN_EVALUATED: kind,
-    }
+def _evaluated(job: Job, run: EvaluatedRun) -> str:
+    """What an evaluated run is, in its run section (``schema.RUN_EVALUATED``): base, adapter or in context."""
+    if job.in_context:
+        return schema.EVALUATED_IN_CONTEXT
+    return schema.EVALUATED_ADAPTER if run.adapter is not None else schema.EVALUATED_BASE
 
 
 def _shared_adapter_config(adapters: Sequence[tuple[LoRAConfig, Any]], folders: Sequence[pathlib.Path]) -> LoRAConfig:

@@ -22,42 +22,18 @@ from oodjax.engine import preemption
 if __name__ == "__main__":  # `python -m oodjax.main`, as the launchers start it (`run` for the oodjax-train command)
     preemption.hold_stop_signals()  # before the imports below, which take seconds: a warning then is noted
 
-import logging as python_logging  # noqa: E402
 import os  # noqa: E402
 import sys  # noqa: E402
 
-import datasets  # noqa: E402
 import jax  # noqa: E402
 from absl import logging  # noqa: E402
 from ml_collections import config_dict  # noqa: E402
 
-from oodjax import config_cli, storage, versions  # noqa: E402
+from oodjax import config_cli, storage  # noqa: E402
 from oodjax.config_checks import check_config  # noqa: E402
 from oodjax.config_read import Job  # noqa: E402
 from oodjax.engine import distributed, loop, results  # noqa: E402
-
-
-class _QuietCheckpointing(python_logging.Filter):
-    """Drops orbax's INFO chatter (dozens of lines per checkpoint), so the run's own log stays readable."""
-
-    def filter(self, record: python_logging.LogRecord) -> bool:
-        return record.levelno >= python_logging.WARNING or "/orbax/" not in record.pathname
-
-
-def start_process() -> None:
-    """What every entry point that computes does first: quiet the libraries' logs, join the job's other
-    processes (before anything touches a device), and leave INFO logging to process 0."""
-    logging.get_absl_handler().addFilter(_QuietCheckpointing())
-    # No noise by default: JAX's INFO line for every backend it could not start
-    # ("Unable to initialize backend 'tpu'"), and datasets' bars per split read.
-    python_logging.getLogger("jax._src.xla_bridge").setLevel(python_logging.WARNING)
-    datasets.disable_progress_bars()
-    layout = distributed.initialize()  # before anything touches a device
-    if layout is not None:
-        logging.info("process %d of %d (layout from %s)", layout.process_id, layout.num_processes, layout.source)
-        if not distributed.is_primary():
-            logging.set_verbosity(logging.WARNING)  # process 0 logs progress; the others only problems
-    versions.warn_if_unpinned()
+from oodjax.engine.setup import start_process  # noqa: E402
 
 
 def main(config: config_dict.ConfigDict) -> None:

@@ -12,7 +12,7 @@ from oodjax import config_cli
 from oodjax.config_checks import check_config
 from oodjax.config_read import read
 from oodjax.engine import checkpoints, loop, resumption
-from oodjax.engine.optimizer import SCHEDULES, make_schedule
+from oodjax.engine.optimizer import SCHEDULES, OptimizerSettings
 from oodjax.usage_errors import ConfigError
 from tests.engine_configs import checkpoint_config, tiny_config
 
@@ -40,7 +40,9 @@ def test_the_optimizer_follows_train_schedule(schedule):
     for _ in range(10):
         updates, state = optimizer.update({"w": jnp.ones(())}, state, params)
         rates.append(-float(updates["w"]))
-    expected = [float(make_schedule(1e-2, 10, 2, schedule)(i)) for i in range(10)]
+    expected = [
+        float(OptimizerSettings(1e-2, 2, schedule=schedule).build(10).learning_rate_schedule(i)) for i in range(10)
+    ]
     np.testing.assert_allclose(rates, expected, rtol=1e-4, atol=1e-9)
     after_warmup = rates[2:]
     if schedule == "constant":

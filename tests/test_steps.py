@@ -23,7 +23,7 @@ from flax import nnx
 from oodjax.data import TRAIN_KEYS, StepLayout, TokenizedSet, train_steps
 from oodjax.engine import steps
 from oodjax.engine.geometry import BatchGeometry, BatchSettings, EvalGeometry, micro_batch_lengths
-from oodjax.engine.optimizer import SCHEDULES, make_schedule
+from oodjax.engine.optimizer import SCHEDULES, OptimizerSettings
 from oodjax.models import from_config
 from oodjax.models.lora import LoRAConfig
 
@@ -432,9 +432,12 @@ def test_schedule_is_transformers(schedule):
         theirs.append(scheduler.get_last_lr()[0])
         torch_opt.step()
         scheduler.step()
-    ours = [float(make_schedule(peak, total, warmup, schedule)(i)) for i in range(total)]
+    ours = [
+        float(OptimizerSettings(peak, warmup, schedule=schedule).build(total).learning_rate_schedule(i))
+        for i in range(total)
+    ]
     np.testing.assert_allclose(ours, theirs, rtol=1e-6, atol=1e-12)
     with pytest.raises(ValueError, match="train.schedule must be one of linear, cosine, constant, got 'step'"):
-        make_schedule(peak, total, warmup, "step")
+        OptimizerSettings(peak, warmup, schedule="step").build(total)
     with pytest.raises(ValueError, match=r"train.warmup_steps must be in \[0, train.steps="):
-        make_schedule(peak, total, total + 1, schedule)
+        OptimizerSettings(peak, total + 1, schedule=schedule).build(total)

@@ -27,11 +27,7 @@ class CadenceSettings:
 
     def __post_init__(self) -> None:
         # train.steps >= 1 is the optimizer's check (optimizer.Optimizer), the piece whose schedule spans it.
-        every = {
-            "checkpoint_every": self.checkpoint_every,
-            "log_every": self.log_every,
-        }
-        for field, value in every.items():
+        for field, value in {"checkpoint_every": self.checkpoint_every, "log_every": self.log_every}.items():
             if value < 1:
                 raise ConfigError(f"{field} must be >= 1, got {value}")
         if self.checkpoint_keep < 1:
@@ -48,8 +44,7 @@ class CadenceSettings:
 
     def build(self, total_steps: int) -> Cadence:
         """The cadence of runs of ``total_steps`` steps."""
-        fields = {field.name: getattr(self, field.name) for field in dataclasses.fields(CadenceSettings)}
-        return Cadence(total_steps=total_steps, **fields)
+        return Cadence(total_steps=total_steps, **dataclasses.asdict(self))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -74,13 +69,10 @@ class Cadence(CadenceSettings):
     def checkpoint_due(self, step: int) -> bool:
         return step % self.checkpoint_every == 0 or step == self.total_steps
 
-    def log_due(self, step: int) -> bool:
-        return step % self.log_every == 0
-
     def syncs(self, step: int) -> bool:
         """Whether the loop waits for the step's losses: at a log step, and before evaluating or checkpointing
         (export's steps are checkpoint steps)."""
-        return self.log_due(step) or self.evaluation_due(step) or self.checkpoint_due(step)
+        return step % self.log_every == 0 or self.evaluation_due(step) or self.checkpoint_due(step)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -99,8 +99,7 @@ def make_eval_pool(
     if like is not None and like.sets != sets:
         raise ValueError("make_eval_pool: `like` was made from other sets than these (its sets' rows differ)")
     if like is None:
-        rows = np.arange(len(pooled))
-        lanes = [np.concatenate([rows[span] for span in run_sets.values()]) for run_sets in sets]
+        lanes = [np.concatenate([np.arange(span.start, span.stop) for span in run_sets.values()]) for run_sets in sets]
     else:
         longest_first = np.argsort(-pooled.lengths, kind="stable")
         lanes = [longest_first[lane :: len(own)] for lane in range(len(own))]

@@ -209,11 +209,10 @@ def batch_geometry(
     seq_len = fitting_bucket(buckets, max(int(longest.max()), max(int(t.lengths.max()) for t in train_sets)))
     lengths = micro_batch_lengths(buckets, seq_len)
     used = tuple(sorted({fitting_bucket(lengths, int(tokens)) for tokens in np.unique(longest) if tokens > 0}))
-    rows = sharding.process_batch_rows(mesh, geometry.rows)
     return dataclasses.replace(
         geometry,
         seq_len=seq_len,
         buckets=used,
         prompts_per_row=prompts_per_row,
-        process_rows=tuple(int(row) for row in rows),
+        process_rows=tuple(sharding.process_batch_rows(mesh, geometry.rows).tolist()),
     )

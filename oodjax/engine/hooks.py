@@ -26,7 +26,6 @@ from oodjax.engine import checkpoints, console, sharding, steps
 from oodjax.engine.distributed import is_primary
 from oodjax.engine.evaluation import evaluate, refuse_non_finite_model
 from oodjax.engine.events import EventLog
-from oodjax.engine.geometry import BatchGeometry
 from oodjax.engine.preemption import Preempted, StopSignals
 from oodjax.engine.results import ADAPTER_DIR, Run, RunResults
 from oodjax.engine.resumption import RunStart, comparable_stored
@@ -36,6 +35,7 @@ from oodjax.models.lora import adds_nothing, export_peft
 if TYPE_CHECKING:
     from oodjax.config_read import Job
     from oodjax.engine.cadence import Cadence, RunGroup
+    from oodjax.engine.setup import Prepared
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -60,15 +60,9 @@ def export_adapters(job: Job, run: Run, adapters: nnx.State, step: int) -> None:
         )
 
 
-def run_record(job: Job, run: Run, total_steps: int, **more: Any) -> dict[str, Any]:
-    """The job's record with the run's own section (its metrics.npz's), and ``more`` in that section."""
-    section = {
-        schema.RUN_MODEL: job.model.name,
-        schema.RUN_SEED: run.seed,
-        schema.RUN_SHOTS: run.shots,
-        schema.RUN_STEPS: total_steps,
-        **more,
-    }
+def run_record(job: Job, run: Run, model: str, **more: Any) -> dict[str, Any]:
+    """The job's record with the run's own section (its metrics.npz's): its model, seed and shots, then ``more``."""
+    section = {schema.RUN_MODEL: model, schema.RUN_SEED: run.seed, schema.RUN_SHOTS: run.shots, **more}
     return dict(job.record, **{schema.RUN_SECTION: section})
 
 
@@ -133,8 +127,8 @@ class TrainLosses:
     fetches them, stops at a non-finite loss, and logs the window; sums each run's loss since the last
     evaluation (its train_loss, which checkpoints keep)."""
 
-    def __init__(self, group: Shared, geometry: BatchGeometry):
-        self.group, self.geometry = group, geometry
+    def __init__(self, group: Shared):
+        self.group = group
         self.pending: list[tuple[int, dict[str, jax.Array]]] = []  # not yet fetched
         self.window: list[dict[str, np.ndarray]] = []  # fetched since the last log line
         self.sum, self.steps = np.zeros(len(group.starts)), 0
@@ -178,7 +172,7 @@ class TrainLosses:
         line = f"step {step}/{plan.total_steps}: lr {learning_rate:.3g}"
         window, seconds = clock.lap()
         if window:
-            rate = self.geometry.runs * self.geometry.batch_size * window / seconds
+            rate = len(self.group.starts) * self.group.job.batches.batch_size * window / seconds
             eta = clock.seconds / clock.steps * (plan.total_steps - step)
             metrics["train/examples_per_s"] = rate
             line += f", {rate:.1f} examples/s, training ETA {console.duration(eta)}"
@@ -205,18 +199,15 @@ class Evaluation:
     def __init__(
         self,
         group: Shared,
-        data: RunsData,
+        prepared: Prepared,
         losses: TrainLosses | None,
-        eval_step: Callable[..., Any],
-        base_state: nnx.State,
-        mesh: jax.sharding.Mesh,
-        *,
         records: Sequence[dict[str, Any]],
-        model: str,  # what a first evaluation with no finite output names
+        model: str,
     ):
-        self.group, self.data, self.losses, self.model = group, data, losses, model
-        self.eval_step, self.base_state, self.mesh = eval_step, base_state, mesh
+        """``model`` is what a first evaluation with no finite output names."""
+        self.group, self.prepared, self.losses, self.model = group, prepared, losses, model
         self.compiled = False
+        data = prepared.data
         self.results = [
             RunResults(
                 run.directory,
@@ -249,16 +240,17 @@ class Evaluation:
 
     def evaluate(self, step: int, state: steps.TrainState) -> None:
         start, primary = time.perf_counter(), is_primary()
-        pool = self.data.first_eval_pool if adds_nothing(state.lora) else self.data.eval_pool
+        prepared = self.prepared
+        pool = prepared.data.first_eval_pool if adds_nothing(state.lora) else prepared.data.eval_pool
         compiling = console.first_call("evaluation step") if not self.compiled else contextlib.nullcontext()
         desc = f"evaluate step {step}"
         with (
             compiling,
             console.bar(total=len(pool.batches), desc=desc, unit="batch", enabled=primary, leave=False) as bar,
         ):
-            eval_step = self._eval_step_counted(bar) if not bar.disable else self.eval_step
-            place = functools.partial(sharding.shard_batch, mesh=self.mesh, batch_axis=1)
-            margins = evaluate(eval_step, self.base_state, state.lora, pool, place=place)
+            eval_step = self._eval_step_counted(bar) if not bar.disable else prepared.eval_step
+            place = functools.partial(sharding.shard_batch, mesh=prepared.mesh, batch_axis=1)
+            margins = evaluate(eval_step, prepared.base_state, state.lora, pool, place=place)
         self.compiled = True
         once = ", each example once for all runs: no adapter adds anything yet" if pool.interchangeable else ""
         seconds = time.perf_counter() - start
@@ -289,7 +281,7 @@ class Evaluation:
             if len(in_flight) == 2:
                 jax.block_until_ready(in_flight.popleft())
                 bar.update(1)
-            in_flight.append(self.eval_step(*args))
+            in_flight.append(self.prepared.eval_step(*args))
             return in_flight[-1]
 
         return counted

@@ -160,21 +160,14 @@ class _Loop:
         logging.info(
             "training %d runs from step %d: %s", len(runs), starts[0].step, ", ".join(run.name for run in runs)
         )
-        prepared = prepare(job, plan, mesh, model)
-        state, data = prepared.state, prepared.data
+        self.prepared = prepared = prepare(job, plan, mesh, model)
+        self.state, self.stop = prepared.state, stop
         if starts[0].checkpoint is not None:
-            state = checkpoints.stack_runs([start.checkpoint.state for start in starts], like=state)
-            data.train_stream.set_state(starts[0].checkpoint.loop_state["data"])  # the runs stand at one step
+            self.state = checkpoints.stack_runs([start.checkpoint.state for start in starts], like=self.state)
+            prepared.data.train_stream.set_state(starts[0].checkpoint.loop_state["data"])  # the runs stand at one step
             for start in starts:  # the restored slices now live in the stacked state
                 start.checkpoint = dataclasses.replace(start.checkpoint, state=None)
-        self.train_step, self.geometry, self.data, self.mesh, self.stop = (
-            prepared.train_step,
-            prepared.geometry,
-            data,
-            mesh,
-            stop,
-        )
-        self.base_state, self.state = prepared.base_state, state
+        length = {schema.RUN_STEPS: plan.total_steps}  # in each run's section
         kept_through = starts[0].step if starts[0].checkpoint is not None else -1  # the redone steps' lines go
         events = [
             EventLog(
@@ -184,7 +177,7 @@ class _Loop:
                 wandb=job.trackers.wandb,
                 tensorboard=job.trackers.tensorboard,
                 # its training set too, for W&B's filters
-                config=hooks.run_record(job, run, plan.total_steps, train_set=job.data.train_set),
+                config=hooks.run_record(job, run, job.model.name, **length, train_set=job.data.train_set),
             )
             for run in (runs if is_primary() else [])  # only process 0 writes results and event logs
         ]
@@ -193,12 +186,10 @@ class _Loop:
         keep = plan.cadence.checkpoint_keep
         checkpointers = [checkpoints.RunCheckpointer(run.directory, name=run.name, max_to_keep=keep) for run in runs]
         self.group = group = hooks.Shared(job, plan, starts, events, checkpointers, hooks.Clock())
-        losses = TrainLosses(group, prepared.geometry)
-        saves = Checkpoints(group, data, losses)
-        records = [hooks.run_record(job, run, plan.total_steps) for run in runs]
-        self.evaluation = Evaluation(
-            group, data, losses, prepared.eval_step, prepared.base_state, mesh, records=records, model=job.model.source
-        )
+        losses = TrainLosses(group)
+        saves = Checkpoints(group, prepared.data, losses)
+        records = [hooks.run_record(job, run, job.model.name, **length) for run in runs]
+        self.evaluation = Evaluation(group, prepared, losses, records, job.model.source)
         self.export, self.stopping = Export(group), Stopping(group, stop, losses, saves)
         # After each step, in this order: the losses' check and log line, a stop, evaluation, checkpoint, export.
         self.hooks: list[Callable[[StepInfo], None]] = [losses, self.stopping, self.evaluation, saves, self.export]
@@ -247,11 +238,12 @@ class _Loop:
 
     def _steps(self, start: int) -> Iterator[StepInfo]:
         """The stepper: trains steps start+1 .. total, each when asked for."""
+        prepared = self.prepared
         for step in range(start + 1, self.group.plan.total_steps + 1):
-            batch = next(self.data.train_stream)  # this process's rows of the global micro-batches
+            batch = next(prepared.data.train_stream)  # this process's rows of the global micro-batches
             batch = {key: batch[key] for key in TRAIN_KEYS}
-            batch = sharding.shard_process_batch(batch, self.mesh, batch_axis=1, num_rows=self.geometry.rows)
-            self.state, metrics = self.train_step(self.base_state, self.state, batch)
+            batch = sharding.shard_process_batch(batch, prepared.mesh, batch_axis=1, num_rows=prepared.geometry.rows)
+            self.state, metrics = prepared.train_step(prepared.base_state, self.state, batch)
             self.group.clock.window += 1
             self.stop.step_trained(step)
             yield StepInfo(step, self.state, metrics)

@@ -87,14 +87,6 @@ class Optimizer:
         return optax.chain(optax.clip_by_global_norm(settings.max_grad_norm), adamw)
 
 
-def make_schedule(
-    learning_rate: float, total_steps: int, warmup_steps: int, schedule: str = "linear"
-) -> optax.Schedule:
-    """``Optimizer.learning_rate_schedule`` of these settings."""
-    settings = OptimizerSettings(learning_rate, warmup_steps, schedule=schedule)
-    return settings.build(total_steps).learning_rate_schedule
-
-
 def make_optimizer(
     learning_rate: float,
     total_steps: int,

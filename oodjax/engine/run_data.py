@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import datasets
 import grain
@@ -164,19 +165,13 @@ def in_context_sets(
     (``few_shot_datasets``) that fit in data.max_length (``oodjax.data.tokenize_in_context``)."""
     testsets = capped_testsets(data)
     zero_shot = {name: _tokenize_testset(data, name, dataset, tokenizer) for name, dataset in testsets.items()}
+    prompts: dict[str, Any] = dict(template=data.template, answers=data.answers, max_length=data.max_length)
     per_run = []
     for (seed, shots), demonstrations in zip(runs, few_shot_datasets(data, runs), strict=True):
         sets = {}
         for name, dataset in testsets.items():
             sets[name] = tokenize_in_context(
-                dataset,
-                demonstrations,
-                tokenizer,
-                template=data.template,
-                answers=data.answers,
-                max_length=data.max_length,
-                zero_shot=zero_shot[name],
-                cache_dir=data.cache_dir,
+                dataset, demonstrations, tokenizer, zero_shot=zero_shot[name], cache_dir=data.cache_dir, **prompts
             )
             kept = sets[name].demonstrations
             logging.info(
@@ -235,7 +230,4 @@ def _tokenize_testset(
 
 def pad_id(tokenizer: PreTrainedTokenizerBase) -> int:
     """Padding is masked, so any valid id serves; GPT-2's tokenizer has no pad token."""
-    for token_id in (tokenizer.pad_token_id, tokenizer.eos_token_id):
-        if token_id is not None:
-            return int(token_id)
-    return 0
+    return int(next((token for token in (tokenizer.pad_token_id, tokenizer.eos_token_id) if token is not None), 0))

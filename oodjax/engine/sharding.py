@@ -98,17 +98,19 @@ def batch_sharding(mesh: Mesh, batch_axis: int) -> NamedSharding:
 
 def shard_batch(batch: Mapping[str, Any], mesh: Mesh, *, batch_axis: int = 0) -> dict[str, jax.Array]:
     """Puts ``batch``, held whole by every process, on ``mesh``, split along ``batch_axis``."""
-    ways = batch_shards(mesh)
-    out = {}
-    for key, value in batch.items():
-        value = np.asarray(value)
-        if value.ndim <= batch_axis or value.shape[batch_axis] % ways:
-            raise ValueError(
-                f"batch[{key!r}] has shape {value.shape}: axis {batch_axis} must exist and be divisible by "
-                f"{ways} (mesh axes {BATCH_AXES})"
-            )
-        out[key] = jax.make_array_from_callback(value.shape, batch_sharding(mesh, batch_axis), value.__getitem__)
-    return out
+    ways, where = batch_shards(mesh), batch_sharding(mesh, batch_axis)
+    must = f"exist and be divisible by {ways} (mesh axes {BATCH_AXES})"
+    arrays = _arrays(batch, batch_axis, lambda rows: rows % ways == 0, "batch", must)
+    return {key: jax.make_array_from_callback(value.shape, where, value.__getitem__) for key, value in arrays.items()}
+
+
+def _arrays(batch: Mapping[str, Any], axis: int, fits: Any, name: str, must: str) -> dict[str, np.ndarray]:
+    """``batch``'s leaves as numpy arrays, each checked to have an ``axis`` whose size ``fits``."""
+    arrays = {key: np.asarray(value) for key, value in batch.items()}
+    for key, value in arrays.items():
+        if value.ndim <= axis or not fits(value.shape[axis]):
+            raise ValueError(f"{name}[{key!r}] has shape {value.shape}: axis {axis} must {must}")
+    return arrays
 
 
 def process_batch_rows(mesh: Mesh, num_rows: int) -> np.ndarray:
@@ -130,18 +132,15 @@ def shard_process_batch(
     local_batch: Mapping[str, Any], mesh: Mesh, *, batch_axis: int, num_rows: int
 ) -> dict[str, jax.Array]:
     """The global batch from this process's rows of it (``process_batch_rows``, in order)."""
-    rows = len(process_batch_rows(mesh, num_rows))
-    out = {}
-    for key, value in local_batch.items():
-        value = np.asarray(value)
-        if value.ndim <= batch_axis or value.shape[batch_axis] != rows:
-            raise ValueError(
-                f"local batch[{key!r}] has shape {value.shape}: axis {batch_axis} must hold this process's "
-                f"{rows} of {num_rows} rows (process {jax.process_index()} of {jax.process_count()})"
-            )
-        global_shape = (*value.shape[:batch_axis], num_rows, *value.shape[batch_axis + 1 :])
-        out[key] = jax.make_array_from_process_local_data(batch_sharding(mesh, batch_axis), value, global_shape)
-    return out
+    rows, where = len(process_batch_rows(mesh, num_rows)), batch_sharding(mesh, batch_axis)
+    must = f"hold this process's {rows} of {num_rows} rows (process {jax.process_index()} of {jax.process_count()})"
+    arrays = _arrays(local_batch, batch_axis, lambda local: local == rows, "local batch", must)
+    return {
+        key: jax.make_array_from_process_local_data(
+            where, value, (*value.shape[:batch_axis], num_rows, *value.shape[batch_axis + 1 :])
+        )
+        for key, value in arrays.items()
+    }
 
 
 def _stacked_sharding(leaf: Any, mesh: Mesh) -> Any:

@@ -156,11 +156,6 @@ def runs_inside_layers(lora: nnx.State) -> nnx.State:
     return _move_run_axis(lora, 0, 1)
 
 
-def runs_outside_layers(lora: nnx.State) -> nnx.State:
-    """``runs_inside_layers``' inverse: [layers, R, ...] back to the run-stacked [R, layers, ...]."""
-    return _move_run_axis(lora, 1, 0)
-
-
 def _move_run_axis(lora: nnx.State, source: int, destination: int) -> nnx.State:
     def move(path: tuple[Any, ...], x: jax.Array) -> jax.Array:
         stacked = any(getattr(key, "key", None) == STACKED for key in path)
@@ -227,15 +222,6 @@ def micro_batch_branches(batch: Batch, geometry: BatchGeometry) -> jax.Array:
     return jnp.where(jnp.any(batch["valid"], axis=(1, 2)), branch, 0)
 
 
-def run_update(
-    lora: nnx.State, opt_state: optax.OptState, grads: nnx.State, *, optimizer: optax.GradientTransformation
-) -> tuple[nnx.State, optax.OptState, jax.Array]:
-    """One run's optimizer step from its (already averaged) gradients: (lora, opt_state, the gradients'
-    global norm before clipping)."""
-    updates, opt_state = optimizer.update(grads, opt_state, lora)
-    return optax.apply_updates(lora, updates), opt_state, optax.global_norm(grads)
-
-
 def step_loss(
     base_state: nnx.State,
     state: TrainState,
@@ -262,92 +248,17 @@ def step_loss(
     return loss, (runs_inside_layers(state.lora), _cast_floats(base_state, compute_dtype), run_keys, run_weights)
 
 
-def train_step(
-    base_state: nnx.State,
-    state: TrainState,
-    batch: Batch,
-    *,
-    graphdef: nnx.GraphDef,
-    optimizer: optax.GradientTransformation,
-    yes_id: int,
-    no_id: int,
-    geometry: BatchGeometry,
-    compute_dtype: jnp.dtype | None,
-) -> tuple[TrainState, dict[str, jax.Array]]:
-    """One optimizer step of every run (``make_train_step`` documents it; this is the function it jits)."""
-    micro_batches, rows = geometry.train_rows_shape
-    _check_train_batch(batch, micro_batches, rows, geometry.seq_len)
-    loss, (lora, base_state, run_keys, run_weights) = step_loss(
-        base_state, state, batch, graphdef=graphdef, yes_id=yes_id, no_id=no_id, compute_dtype=compute_dtype
-    )
-    branches = [skip_micro_batch] + [
-        functools.partial(micro_batch_grads, length=length, loss=loss) for length in geometry.micro_batch_lengths
-    ]
-
-    def accumulate(carry, xs):
-        grads, loss_sums = carry
-        micro, branch = xs
-        (_, per_run), g = jax.lax.switch(branch, branches, lora, base_state, micro, run_keys, run_weights)
-        return (jax.tree.map(jnp.add, grads, g), loss_sums + per_run), None
-
-    init = (jax.tree.map(jnp.zeros_like, lora), jnp.zeros(state.num_runs, jnp.float32))
-    (grads, loss_sums), _ = jax.lax.scan(accumulate, init, (dict(batch), micro_batch_branches(batch, geometry)))
-    update = functools.partial(run_update, optimizer=optimizer)
-    new_lora, opt_state, grad_norms = jax.vmap(update)(state.lora, state.opt_state, runs_outside_layers(grads))
-    state = state.replace(lora=new_lora, opt_state=opt_state, step=state.step + 1)
-    return state, {"loss": loss_sums * run_weights, "grad_norm": grad_norms}
-
-
-def _check_train_batch(batch: Batch, micro_batches: int, rows: int, seq_len: int) -> None:
-    """Trace-time shape check, so a malformed batch fails once and clearly."""
-    layout = f"[grad_accum={micro_batches}, rows={rows}, seq={seq_len}]"
-    _check_batch(batch, layout, (micro_batches, rows, seq_len))
-    for key in TRAIN_ONLY_KEYS:
+def _check_batch(batch: Batch, layout: str, expected: tuple[int | None, ...], train_keys: tuple[str, ...] = ()) -> None:
+    """Trace-time shape check, so a malformed batch fails once and clearly. ``expected`` is input_ids' shape,
+    None where any size goes; label, ``train_keys`` (a training batch's) and valid, if there, are shaped as
+    answer_pos, which has a prompt-slot axis if packed, and always in a training batch."""
+    per_prompt, slots = ("label", *train_keys), bool(train_keys)
+    for key in ("input_ids", "segment_ids", "answer_pos", *per_prompt):
         if key not in batch:
-            raise ValueError(f"a training batch needs {key!r} per prompt slot; it has {sorted(batch)}")
-        if tuple(batch[key].shape) != tuple(batch["answer_pos"].shape) or batch["answer_pos"].ndim != 3:
-            raise ValueError(
-                f"batch[{key!r}] has shape {tuple(batch[key].shape)} "
-                f"and answer_pos {tuple(batch['answer_pos'].shape)}; "
-                f"both must be [grad_accum={micro_batches}, rows={rows}, prompt slots]"
+            missing = (
+                f"a training batch needs {key!r} per prompt slot" if key in train_keys else f"batch is missing {key!r}"
             )
-
-
-def eval_step(
-    base_state: nnx.State,
-    lora: nnx.State,
-    batch: Batch,
-    *,
-    graphdef: nnx.GraphDef,
-    yes_id: int,
-    no_id: int,
-    compute_dtype: jnp.dtype | None,
-) -> jax.Array:
-    """Every run's margins on ``batch``, as one batch [B * R, S], row-major so it splits over devices as B does."""
-    num_runs = jax.tree.leaves(lora)[0].shape[0]
-    per_run = "input_ids" in batch and batch["input_ids"].ndim == 3
-    expected = (num_runs, None, None) if per_run else (None, None)
-    _check_batch(batch, f"[batch, seq] or [runs={num_runs}, batch, seq]", expected)
-    rows = batch["input_ids"].shape[-2]
-    by_row = {
-        k: (jnp.moveaxis(v, 0, 1) if per_run else jnp.broadcast_to(v[:, None], (rows, num_runs, *v.shape[1:])))
-        for k, v in batch.items()
-    }
-    flat = {k: v.reshape(rows * num_runs, *v.shape[2:]) for k, v in by_row.items()}
-    lora = _cast_floats(runs_inside_layers(lora), compute_dtype)
-    model = nnx.merge(graphdef, _cast_floats(base_state, compute_dtype), lora, copy=True)
-    runs = jnp.broadcast_to(jnp.tile(jnp.arange(num_runs), rows)[:, None], flat["input_ids"].shape)
-    zeros = jnp.zeros_like(runs)  # dropout is off: no token needs an identity
-    adapter_tokens(model).set(runs=runs, examples=zeros, positions=zeros, run_keys=jnp.zeros((num_runs, 2)))
-    margins = eval_margins(nnx.view(model, only=nnx.Dropout, deterministic=True), flat, yes_id, no_id)
-    return jnp.moveaxis(margins.reshape(rows, num_runs, *margins.shape[1:]), 1, 0)
-
-
-def _check_batch(batch: Batch, layout: str, expected: tuple[int | None, ...]) -> None:
-    """Trace-time shape check; ``expected`` is input_ids' shape, None where any size goes."""
-    for key in ("input_ids", "segment_ids", "answer_pos", "label"):
-        if key not in batch:
-            raise ValueError(f"batch is missing {key!r}; it has {sorted(batch)}")
+            raise ValueError(f"{missing}; it has {sorted(batch)}")
     ids = batch["input_ids"]
     if ids.ndim != len(expected) or any(e is not None and e != n for e, n in zip(expected, ids.shape)):
         raise ValueError(f"batch['input_ids'] has shape {tuple(ids.shape)}; expected {layout}")
@@ -355,12 +266,10 @@ def _check_batch(batch: Batch, layout: str, expected: tuple[int | None, ...]) ->
     if mask != tuple(ids.shape):
         raise ValueError(f"batch['segment_ids'] has shape {mask}; expected {tuple(ids.shape)}")
     answers = tuple(batch["answer_pos"].shape)
-    if answers[: ids.ndim - 1] != tuple(ids.shape[:-1]) or len(answers) > ids.ndim:
-        raise ValueError(
-            f"batch['answer_pos'] has shape {answers}; expected {tuple(ids.shape[:-1])} "
-            "(+ a prompt-slot axis if packed)"
-        )
-    for key in ("label",) + (("valid",) if "valid" in batch else ()):
+    if answers[: ids.ndim - 1] != tuple(ids.shape[:-1]) or not ids.ndim - 1 + slots <= len(answers) <= ids.ndim:
+        slot = "+ a prompt-slot axis" if slots else "(+ a prompt-slot axis if packed)"
+        raise ValueError(f"batch['answer_pos'] has shape {answers}; expected {tuple(ids.shape[:-1])} {slot}")
+    for key in (*per_prompt, "valid") if "valid" in batch else per_prompt:
         if tuple(batch[key].shape) != answers:
             raise ValueError(f"batch[{key!r}] has shape {tuple(batch[key].shape)}; expected {answers} (answer_pos's)")
 
@@ -414,15 +323,37 @@ def make_train_step(
     With a ``mesh``, pass ``base_state`` and ``state`` (or their shapes): pinning the shardings in and out
     keeps XLA from spelling an equivalent sharding differently and recompiling every step.
     """
-    step = functools.partial(
-        train_step,
-        graphdef=graphdef,
-        optimizer=optimizer,
-        yes_id=yes_id,
-        no_id=no_id,
-        geometry=geometry,
-        compute_dtype=compute_dtype,
-    )
+
+    def step(base_state: nnx.State, state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
+        micro_batches, rows = geometry.train_rows_shape
+        layout = f"[grad_accum={micro_batches}, rows={rows}, seq={geometry.seq_len}]"
+        _check_batch(batch, layout, (micro_batches, rows, geometry.seq_len), TRAIN_ONLY_KEYS)
+        loss, (lora, base_state, run_keys, run_weights) = step_loss(
+            base_state, state, batch, graphdef=graphdef, yes_id=yes_id, no_id=no_id, compute_dtype=compute_dtype
+        )
+        branches = [skip_micro_batch] + [
+            functools.partial(micro_batch_grads, length=length, loss=loss) for length in geometry.micro_batch_lengths
+        ]
+
+        def accumulate(carry, xs):
+            grads, loss_sums = carry
+            micro, branch = xs
+            (_, per_run), g = jax.lax.switch(branch, branches, lora, base_state, micro, run_keys, run_weights)
+            return (jax.tree.map(jnp.add, grads, g), loss_sums + per_run), None
+
+        init = (jax.tree.map(jnp.zeros_like, lora), jnp.zeros(state.num_runs, jnp.float32))
+        (grads, loss_sums), _ = jax.lax.scan(accumulate, init, (dict(batch), micro_batch_branches(batch, geometry)))
+
+        def update(lora: nnx.State, opt_state: optax.OptState, grads: nnx.State) -> tuple[Any, ...]:
+            """One run's optimizer step; its gradients' global norm before clipping too."""
+            updates, opt_state = optimizer.update(grads, opt_state, lora)
+            return optax.apply_updates(lora, updates), opt_state, optax.global_norm(grads)
+
+        # the gradients back from [layers, R, ...] to the run-stacked [R, layers, ...]
+        new_lora, opt_state, grad_norms = jax.vmap(update)(state.lora, state.opt_state, _move_run_axis(grads, 1, 0))
+        state = state.replace(lora=new_lora, opt_state=opt_state, step=state.step + 1)
+        return state, {"loss": loss_sums * run_weights, "grad_norm": grad_norms}
+
     if mesh is None:
         return jax.jit(step, donate_argnums=1)
     if base_state is None or state is None:
@@ -452,7 +383,27 @@ def make_eval_step(
     ``batch`` leaves are [B, S], shared by all runs, or [R, B, S]: run r scores its own examples. It
     compiles once per batch shape.
     """
-    step = functools.partial(eval_step, graphdef=graphdef, yes_id=yes_id, no_id=no_id, compute_dtype=compute_dtype)
+
+    def step(base_state: nnx.State, lora: nnx.State, batch: Batch) -> jax.Array:
+        """Every run's margins on ``batch``, as one batch [B * R, S], row-major so it splits over devices as B does."""
+        num_runs = jax.tree.leaves(lora)[0].shape[0]
+        per_run = "input_ids" in batch and batch["input_ids"].ndim == 3
+        expected = (num_runs, None, None) if per_run else (None, None)
+        _check_batch(batch, f"[batch, seq] or [runs={num_runs}, batch, seq]", expected)
+        rows = batch["input_ids"].shape[-2]
+        by_row = {
+            k: (jnp.moveaxis(v, 0, 1) if per_run else jnp.broadcast_to(v[:, None], (rows, num_runs, *v.shape[1:])))
+            for k, v in batch.items()
+        }
+        flat = {k: v.reshape(rows * num_runs, *v.shape[2:]) for k, v in by_row.items()}
+        lora = _cast_floats(runs_inside_layers(lora), compute_dtype)
+        model = nnx.merge(graphdef, _cast_floats(base_state, compute_dtype), lora, copy=True)
+        runs = jnp.broadcast_to(jnp.tile(jnp.arange(num_runs), rows)[:, None], flat["input_ids"].shape)
+        zeros = jnp.zeros_like(runs)  # dropout is off: no token needs an identity
+        adapter_tokens(model).set(runs=runs, examples=zeros, positions=zeros, run_keys=jnp.zeros((num_runs, 2)))
+        margins = eval_margins(nnx.view(model, only=nnx.Dropout, deterministic=True), flat, yes_id, no_id)
+        return jnp.moveaxis(margins.reshape(rows, num_runs, *margins.shape[1:]), 1, 0)
+
     if mesh is None:
         return jax.jit(step)
     return MeshStep(jax.jit(step, out_shardings=sharding.replicated(mesh)), mesh)
@@ -471,15 +422,8 @@ def make_steps(
 ) -> tuple[Callable[..., Any], Callable[..., Any]]:
     """A job's (train_step, eval_step): what the loop runs and ``launch.preflight`` compiles (so ``base_state``
     and ``state`` may be abstract)."""
-    train_step = make_train_step(
-        graphdef,
-        optimizer.transformation,
-        yes_id,
-        no_id,
-        geometry,
-        mesh=mesh,
-        base_state=base_state,
-        state=state,
-        compute_dtype=compute_dtype,
+    on = dict(mesh=mesh, compute_dtype=compute_dtype)
+    train = make_train_step(
+        graphdef, optimizer.transformation, yes_id, no_id, geometry, base_state=base_state, state=state, **on
     )
-    return train_step, make_eval_step(graphdef, yes_id, no_id, mesh=mesh, compute_dtype=compute_dtype)
+    return train, make_eval_step(graphdef, yes_id, no_id, **on)
