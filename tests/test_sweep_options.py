@@ -4,7 +4,6 @@ packaged configs named as oodjax:NAME or oodjax:PATTERN."""
 
 import json
 import os
-import re
 import shlex
 import sys
 import textwrap
