@@ -274,6 +274,79 @@ def _check_batch(batch: Batch, layout: str, expected: tuple[int | None, ...], tr
             raise ValueError(f"batch[{key!r}] has shape {tuple(batch[key].shape)}; expected {answers} (answer_pos's)")
 
 
+def train_step(
+    base_state: nnx.State,
+    state: TrainState,
+    batch: Batch,
+    *,
+    graphdef: nnx.GraphDef,
+    optimizer: optax.GradientTransformation,
+    yes_id: int,
+    no_id: int,
+    geometry: BatchGeometry,
+    compute_dtype: jnp.dtype | None,
+) -> tuple[TrainState, dict[str, jax.Array]]:
+    """One optimizer step of every run (``make_train_step`` documents it; this is the function it jits)."""
+    micro_batches, rows = geometry.train_rows_shape
+    layout = f"[grad_accum={micro_batches}, rows={rows}, seq={geometry.seq_len}]"
+    _check_batch(batch, layout, (micro_batches, rows, geometry.seq_len), TRAIN_ONLY_KEYS)
+    loss, (lora, base_state, run_keys, run_weights) = step_loss(
+        base_state, state, batch, graphdef=graphdef, yes_id=yes_id, no_id=no_id, compute_dtype=compute_dtype
+    )
+    branches = [skip_micro_batch] + [
+        functools.partial(micro_batch_grads, length=length, loss=loss) for length in geometry.micro_batch_lengths
+    ]
+
+    def accumulate(carry, xs):
+        grads, loss_sums = carry
+        micro, branch = xs
+        (_, per_run), g = jax.lax.switch(branch, branches, lora, base_state, micro, run_keys, run_weights)
+        return (jax.tree.map(jnp.add, grads, g), loss_sums + per_run), None
+
+    init = (jax.tree.map(jnp.zeros_like, lora), jnp.zeros(state.num_runs, jnp.float32))
+    (grads, loss_sums), _ = jax.lax.scan(accumulate, init, (dict(batch), micro_batch_branches(batch, geometry)))
+
+    def update(lora: nnx.State, opt_state: optax.OptState, grads: nnx.State) -> tuple[Any, ...]:
+        """One run's optimizer step; its gradients' global norm before clipping too."""
+        updates, opt_state = optimizer.update(grads, opt_state, lora)
+        return optax.apply_updates(lora, updates), opt_state, optax.global_norm(grads)
+
+    # the gradients back from [layers, R, ...] to the run-stacked [R, layers, ...]
+    new_lora, opt_state, grad_norms = jax.vmap(update)(state.lora, state.opt_state, _move_run_axis(grads, 1, 0))
+    state = state.replace(lora=new_lora, opt_state=opt_state, step=state.step + 1)
+    return state, {"loss": loss_sums * run_weights, "grad_norm": grad_norms}
+
+
+def eval_step(
+    base_state: nnx.State,
+    lora: nnx.State,
+    batch: Batch,
+    *,
+    graphdef: nnx.GraphDef,
+    yes_id: int,
+    no_id: int,
+    compute_dtype: jnp.dtype | None,
+) -> jax.Array:
+    """Every run's margins on ``batch``, as one batch [B * R, S], row-major so it splits over devices as B does."""
+    num_runs = jax.tree.leaves(lora)[0].shape[0]
+    per_run = "input_ids" in batch and batch["input_ids"].ndim == 3
+    expected = (num_runs, None, None) if per_run else (None, None)
+    _check_batch(batch, f"[batch, seq] or [runs={num_runs}, batch, seq]", expected)
+    rows = batch["input_ids"].shape[-2]
+    by_row = {
+        k: (jnp.moveaxis(v, 0, 1) if per_run else jnp.broadcast_to(v[:, None], (rows, num_runs, *v.shape[1:])))
+        for k, v in batch.items()
+    }
+    flat = {k: v.reshape(rows * num_runs, *v.shape[2:]) for k, v in by_row.items()}
+    lora = _cast_floats(runs_inside_layers(lora), compute_dtype)
+    model = nnx.merge(graphdef, _cast_floats(base_state, compute_dtype), lora, copy=True)
+    runs = jnp.broadcast_to(jnp.tile(jnp.arange(num_runs), rows)[:, None], flat["input_ids"].shape)
+    zeros = jnp.zeros_like(runs)  # dropout is off: no token needs an identity
+    adapter_tokens(model).set(runs=runs, examples=zeros, positions=zeros, run_keys=jnp.zeros((num_runs, 2)))
+    margins = eval_margins(nnx.view(model, only=nnx.Dropout, deterministic=True), flat, yes_id, no_id)
+    return jnp.moveaxis(margins.reshape(rows, num_runs, *margins.shape[1:]), 1, 0)
+
+
 @dataclasses.dataclass(frozen=True)
 class MeshStep:
     """A jitted step traced, lowered and called under ``jax.set_mesh(mesh)``.
@@ -324,36 +397,15 @@ def make_train_step(
     keeps XLA from spelling an equivalent sharding differently and recompiling every step.
     """
 
-    def step(base_state: nnx.State, state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
-        micro_batches, rows = geometry.train_rows_shape
-        layout = f"[grad_accum={micro_batches}, rows={rows}, seq={geometry.seq_len}]"
-        _check_batch(batch, layout, (micro_batches, rows, geometry.seq_len), TRAIN_ONLY_KEYS)
-        loss, (lora, base_state, run_keys, run_weights) = step_loss(
-            base_state, state, batch, graphdef=graphdef, yes_id=yes_id, no_id=no_id, compute_dtype=compute_dtype
-        )
-        branches = [skip_micro_batch] + [
-            functools.partial(micro_batch_grads, length=length, loss=loss) for length in geometry.micro_batch_lengths
-        ]
-
-        def accumulate(carry, xs):
-            grads, loss_sums = carry
-            micro, branch = xs
-            (_, per_run), g = jax.lax.switch(branch, branches, lora, base_state, micro, run_keys, run_weights)
-            return (jax.tree.map(jnp.add, grads, g), loss_sums + per_run), None
-
-        init = (jax.tree.map(jnp.zeros_like, lora), jnp.zeros(state.num_runs, jnp.float32))
-        (grads, loss_sums), _ = jax.lax.scan(accumulate, init, (dict(batch), micro_batch_branches(batch, geometry)))
-
-        def update(lora: nnx.State, opt_state: optax.OptState, grads: nnx.State) -> tuple[Any, ...]:
-            """One run's optimizer step; its gradients' global norm before clipping too."""
-            updates, opt_state = optimizer.update(grads, opt_state, lora)
-            return optax.apply_updates(lora, updates), opt_state, optax.global_norm(grads)
-
-        # the gradients back from [layers, R, ...] to the run-stacked [R, layers, ...]
-        new_lora, opt_state, grad_norms = jax.vmap(update)(state.lora, state.opt_state, _move_run_axis(grads, 1, 0))
-        state = state.replace(lora=new_lora, opt_state=opt_state, step=state.step + 1)
-        return state, {"loss": loss_sums * run_weights, "grad_norm": grad_norms}
-
+    step = functools.partial(
+        train_step,
+        graphdef=graphdef,
+        optimizer=optimizer,
+        yes_id=yes_id,
+        no_id=no_id,
+        geometry=geometry,
+        compute_dtype=compute_dtype,
+    )
     if mesh is None:
         return jax.jit(step, donate_argnums=1)
     if base_state is None or state is None:
@@ -384,26 +436,7 @@ def make_eval_step(
     compiles once per batch shape.
     """
 
-    def step(base_state: nnx.State, lora: nnx.State, batch: Batch) -> jax.Array:
-        """Every run's margins on ``batch``, as one batch [B * R, S], row-major so it splits over devices as B does."""
-        num_runs = jax.tree.leaves(lora)[0].shape[0]
-        per_run = "input_ids" in batch and batch["input_ids"].ndim == 3
-        expected = (num_runs, None, None) if per_run else (None, None)
-        _check_batch(batch, f"[batch, seq] or [runs={num_runs}, batch, seq]", expected)
-        rows = batch["input_ids"].shape[-2]
-        by_row = {
-            k: (jnp.moveaxis(v, 0, 1) if per_run else jnp.broadcast_to(v[:, None], (rows, num_runs, *v.shape[1:])))
-            for k, v in batch.items()
-        }
-        flat = {k: v.reshape(rows * num_runs, *v.shape[2:]) for k, v in by_row.items()}
-        lora = _cast_floats(runs_inside_layers(lora), compute_dtype)
-        model = nnx.merge(graphdef, _cast_floats(base_state, compute_dtype), lora, copy=True)
-        runs = jnp.broadcast_to(jnp.tile(jnp.arange(num_runs), rows)[:, None], flat["input_ids"].shape)
-        zeros = jnp.zeros_like(runs)  # dropout is off: no token needs an identity
-        adapter_tokens(model).set(runs=runs, examples=zeros, positions=zeros, run_keys=jnp.zeros((num_runs, 2)))
-        margins = eval_margins(nnx.view(model, only=nnx.Dropout, deterministic=True), flat, yes_id, no_id)
-        return jnp.moveaxis(margins.reshape(rows, num_runs, *margins.shape[1:]), 1, 0)
-
+    step = functools.partial(eval_step, graphdef=graphdef, yes_id=yes_id, no_id=no_id, compute_dtype=compute_dtype)
     if mesh is None:
         return jax.jit(step)
     return MeshStep(jax.jit(step, out_shardings=sharding.replicated(mesh)), mesh)
