@@ -22,8 +22,7 @@ import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from oodjax.models import flash_attention
-from oodjax.models.flash_attention import attention, soft_cap
+from oodjax.models.flash_attention import ATTENTION_OUTPUT, attention, soft_cap
 from oodjax.models.partitioning import HIDDEN, MLP_HIDDEN, constrain
 from oodjax.models.rope import apply_rope
 
@@ -34,11 +33,10 @@ LayerInputs = tuple[tuple[Any, ...], dict[str, jax.Array]]
 # Hugging Face initialises weights with normal(0, initializer_range=0.02).
 _INIT_STD = 0.02
 
-# Names of the projection outputs the remat policies may keep (``Linear(saved_as=...)``), and of the
-# attention's output (with a fused kernel, its residuals too: ``flash_attention._keeping_residuals``).
+# Names of the projection outputs the remat policies may keep (``Linear(saved_as=...)``); the attention's
+# output is ``ATTENTION_OUTPUT`` (with a fused kernel, its residuals too: ``flash_attention._keeping_residuals``).
 ATTENTION_PROJECTION = "attention_projection"
 MLP_PROJECTION = "mlp_projection"
-ATTENTION_OUTPUT = flash_attention.ATTENTION_OUTPUT
 
 
 # What a decoder layer keeps for the backward pass (launch.costs.RECOMPUTED says what each recomputes).
@@ -394,9 +392,9 @@ class Decoder(nnx.Module):
     """HF's ``LlamaModel``, ``Olmo2Model`` and ``Gemma2Model``: ``embed_tokens``, the stacked ``layers``, ``norm``.
 
     A family names its ``layer_class``, its RMSNorms' ``norm_options`` and
-    the RoPE tables ``layer_inputs`` gives every layer (with what differs per
-    layer); layer i is called as ``layer(hidden, segment_ids, positions,
-    cos, sin, **per_layer[i])``, its sliding window in ``window``.
+    the RoPE ``tables`` its ``layer_inputs`` gives every layer, with what
+    differs per layer; layer i is called as ``layer(hidden, segment_ids,
+    positions, *tables, **per_layer[i])``, its sliding window in ``window``.
     """
 
     layer_class: Any
