@@ -26,8 +26,10 @@ can keep them rather than run the fused forward again.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 from collections.abc import Iterator
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -37,7 +39,7 @@ from jax.experimental.pallas.ops.gpu import attention as gpu_attention
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as splash_mask
 
-from oodjax.models.partitioning import KV_HEADS, QUERY_HEADS, TOKENS, logical_to_spec
+from oodjax.models.partitioning import KV_HEADS, QUERY_HEADS, TOKENS, constrain, logical_to_spec
 
 IMPLEMENTATIONS = ("auto", "xla", "cudnn", "pallas_gpu", "splash")
 KERNEL_OF_PLATFORM = {"gpu": "cudnn", "cuda": "cudnn", "tpu": "splash"}
@@ -162,6 +164,76 @@ def flash_attention(
     return out[:, :length]
 
 
+def attention(
+    query: jax.Array,
+    key: jax.Array,
+    value: jax.Array,
+    segment_ids: jax.Array,
+    *,
+    scale: float,
+    window: int | jax.Array | None = None,
+    positions: jax.Array | None = None,
+    softcap: float | None = None,
+    implementation: str = "xla",
+) -> jax.Array:
+    """Causal attention within each prompt; query [B,T,N,D], key/value [B,T,K,D] with N % K == 0 (GQA).
+
+    ``segment_ids`` [B, T] number the prompts of a row (0: padding), each
+    seeing only its own earlier tokens, so packing changes no prompt's
+    result; why padding is harmless is said where it is made,
+    ``oodjax.data.batches``. A sliding ``window`` is measured in
+    ``positions`` within the prompt, as transformers' mask is. No fused
+    kernel soft-caps its scores (transformers refuses sdpa for Gemma 2 for
+    that reason), so windows and caps take the explicit path.
+    """
+    query, key, value = constrain(query, QUERY_HEADS), constrain(key, KV_HEADS), constrain(value, KV_HEADS)
+    segment_ids = segment_ids.astype(jnp.int32)
+    kernel = resolve(implementation)
+    if kernel == "cudnn" and (unsupported := cudnn_unsupported(query, key)):
+        if implementation == "cudnn":
+            raise ValueError(f"model.attention=cudnn: {unsupported}")
+        logging.log_first_n(logging.INFO, "attention: cuDNN does not apply (%s); using XLA's", 1, unsupported)
+        kernel = "xla"
+    if kernel != "xla":
+        if window is None and softcap is None:
+            # Named inside (with the kernel's residuals), where the backward pass reads it.
+            out = flash_attention(query, key, value, segment_ids, scale=scale, kernel=kernel)
+            return constrain(out, QUERY_HEADS)
+        logging.log_first_n(logging.INFO, "attention: sliding windows and soft caps take XLA's path, not %s", 1, kernel)
+    allowed = (segment_ids[:, :, None] == segment_ids[:, None, :]) & (segment_ids[:, None, :] != 0)
+    if window is not None:
+        if positions is None:
+            raise ValueError("a sliding window needs the tokens' positions in their prompts")
+        allowed &= positions[:, :, None] - positions[:, None, :] < window
+    if softcap is not None:
+        out = _softcapped_attention(query, key, value, allowed, scale=scale, softcap=softcap)
+    else:
+        out = jax.nn.dot_product_attention(query, key, value, mask=allowed[:, None], scale=scale, is_causal=True)
+    return constrain(checkpoint_name(out, ATTENTION_OUTPUT), QUERY_HEADS)
+
+
+def soft_cap(x: jax.Array, cap: float) -> jax.Array:
+    """``cap * tanh(x / cap)``, in transformers' order of operations: x unchanged near 0, bounded by +-cap."""
+    return jnp.tanh(x / cap) * cap
+
+
+def _softcapped_attention(
+    query: jax.Array, key: jax.Array, value: jax.Array, allowed: jax.Array, *, scale: float, softcap: float
+) -> jax.Array:
+    """``jax.nn.dot_product_attention``'s XLA path with the scores soft-capped between scaling and masking."""
+    batch, length, heads, head_dim = query.shape
+    kv_heads = key.shape[2]
+    grouped = query.reshape(batch, length, kv_heads, heads // kv_heads, head_dim)
+    scores = jnp.einsum("btkgd,bskd->bkgts", grouped, key, preferred_element_type=jnp.float32) * scale
+    scores = soft_cap(scores, softcap)
+    causal = jnp.tril(jnp.ones((length, length), bool))
+    # A fully masked row (a padded query) gets uniform weights, as dot_product_attention gives it.
+    scores = jnp.where((allowed & causal)[:, None, None], scores, jnp.finfo(jnp.float32).min)
+    weights = jax.nn.softmax(scores, axis=-1).astype(value.dtype)
+    out = jnp.einsum("bkgts,bskd->btkgd", weights, value)
+    return out.reshape(batch, length, heads, head_dim)
+
+
 def _mask_input(kernel: str, segment_ids: jax.Array, dtype: jnp.dtype) -> jax.Array:
     """The segment ids [B, T] (Pallas), or cuDNN's additive bias [B, 1, T, T], made here so the backward pass
     recomputes it as an argument rather than keeping it."""
@@ -236,17 +308,12 @@ def _splash(query, key, value, segment_ids, *, block: int, scale: float, interpr
     del scale
     heads, length = query.shape[1], query.shape[2]
     mask = splash_mask.MultiHeadMask([splash_mask.CausalMask((length, length)) for _ in range(heads)])
-    sizes = splash.BlockSizes(
-        block_q=block,
-        block_kv=block,
-        block_kv_compute=block,
-        block_q_dkv=block,
-        block_kv_dkv=block,
-        block_kv_dkv_compute=block,
-        block_q_dq=block,
-        block_kv_dq=block,
-    )
-    kernel = splash.make_splash_mha(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1, interpret=interpret)
+    # Every block size, forward and backward, is the one block.
+    sizes: dict[str, Any] = {
+        f.name: block for f in dataclasses.fields(splash.BlockSizes) if f.name.startswith("block_")
+    }
+    blocks = splash.BlockSizes(**sizes)
+    kernel = splash.make_splash_mha(mask, block_sizes=blocks, head_shards=1, q_seq_shards=1, interpret=interpret)
     per_row = lambda q, k, v, s: kernel(q, k, v, splash.SegmentIds(q=s, kv=s))  # noqa: E731
     return jax.vmap(per_row)(query, key, value, segment_ids)
 

@@ -21,7 +21,7 @@ import pathlib
 import re
 import zipfile
 from collections.abc import Callable, Iterable
-from typing import Any, Protocol
+from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -39,31 +39,15 @@ Index = tuple[slice, ...]
 
 # safetensors' dtype codes -> numpy's: HF weights are F32, F16 or BF16 (numpy's bfloat16 is ml_dtypes');
 # the integer and bool codes are buffers some checkpoints also store.
-_DTYPES: dict[str, np.dtype] = {
-    code: np.dtype(dtype)
-    for code, dtype in {
-        "F64": np.float64,
-        "F32": np.float32,
-        "F16": np.float16,
-        "BF16": ml_dtypes.bfloat16,
-        "I64": np.int64,
-        "I32": np.int32,
-        "I16": np.int16,
-        "I8": np.int8,
-        "U64": np.uint64,
-        "U32": np.uint32,
-        "U16": np.uint16,
-        "U8": np.uint8,
-        "BOOL": np.bool_,
-    }.items()
+_DTYPES: dict[str, np.dtype] = {"BF16": np.dtype(ml_dtypes.bfloat16), "BOOL": np.dtype(np.bool_)} | {
+    f"{code}{bits}": np.dtype(f"{kind}{bits}")
+    for code, kind, sizes in (
+        ("F", "float", (16, 32, 64)),
+        ("I", "int", (8, 16, 32, 64)),
+        ("U", "uint", (8, 16, 32, 64)),
+    )
+    for bits in sizes
 }
-
-
-class Checkpoint(Protocol):
-    def names(self) -> set[str]: ...
-    def shape(self, name: str) -> tuple[int, ...]: ...
-    def file(self, name: str) -> str: ...
-    def read(self, name: str, index: Index) -> np.ndarray: ...
 
 
 def read_json(path: pathlib.Path) -> Any:
@@ -353,23 +337,18 @@ def files_to_download(filenames: Iterable[str]) -> list[str]:
     raise MissingInputError(f"the files {sorted(names)} hold no weights the loader reads: {_readable_formats()}")
 
 
-class ShardedCheckpoint:
+@dataclasses.dataclass(frozen=True)
+class Checkpoint:
     """The tensors of one weight format: the shards of its index, or its single file."""
 
-    def __init__(self, shards: dict[str, str], files: dict[str, TensorFile]):
-        self._weight_map, self._files = shards, files
-
-    def names(self) -> set[str]:
-        return set(self._weight_map)
+    weight_map: dict[str, str]  # tensor name -> the file holding it
+    files: dict[str, TensorFile]
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return self._files[self._weight_map[name]].tensors[name].shape
-
-    def file(self, name: str) -> str:
-        return self._weight_map[name]
+        return self.files[self.weight_map[name]].tensors[name].shape
 
     def read(self, name: str, index: Index) -> np.ndarray:
-        return self._files[self._weight_map[name]].read(name, index)
+        return self.files[self.weight_map[name]].read(name, index)
 
 
 def open_checkpoint(directory: pathlib.Path, *, stack: contextlib.ExitStack) -> Checkpoint:
@@ -381,8 +360,8 @@ def open_checkpoint(directory: pathlib.Path, *, stack: contextlib.ExitStack) -> 
             for name, shard in shards.items():
                 if name not in files[shard].tensors:
                     raise DamagedInputError(f"{directory / fmt.index} puts {name!r} in {shard}, which does not hold it")
-            return ShardedCheckpoint(shards, files)
+            return Checkpoint(shards, files)
         if (directory / fmt.single).is_file():
             single = fmt.open_file(directory / fmt.single, stack)
-            return ShardedCheckpoint(dict.fromkeys(single.tensors, fmt.single), {fmt.single: single})
+            return Checkpoint(dict.fromkeys(single.tensors, fmt.single), {fmt.single: single})
     raise MissingInputError(f"{directory} has no weights: expected {_readable_formats()}")

@@ -12,29 +12,32 @@ so the step compiles one layer whatever the depth.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from types import MappingProxyType
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import logging
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from oodjax.models import flash_attention
-from oodjax.models.partitioning import HIDDEN, KV_HEADS, MLP_HIDDEN, QUERY_HEADS, constrain
+from oodjax.models.flash_attention import ATTENTION_OUTPUT, soft_cap
+from oodjax.models.flash_attention import attention as attention  # also imported from here
+from oodjax.models.partitioning import HIDDEN, MLP_HIDDEN, constrain
+from oodjax.models.rope import apply_rope
 
 Axes = tuple[str | None, ...]
+# What a ``Decoder``'s layers get besides the hidden states: the RoPE tables, and ``run_layers``' ``per_layer``.
+LayerInputs = tuple[tuple[Any, ...], dict[str, jax.Array]]
 
 # Hugging Face initialises weights with normal(0, initializer_range=0.02).
 _INIT_STD = 0.02
 
-# Names of the projection outputs the remat policies may keep (``Linear(saved_as=...)``), and of the
-# attention's output (with a fused kernel, its residuals too: ``flash_attention._keeping_residuals``).
+# Names of the projection outputs the remat policies may keep (``Linear(saved_as=...)``); the attention's
+# output is ``ATTENTION_OUTPUT`` (with a fused kernel, its residuals too: ``flash_attention._keeping_residuals``).
 ATTENTION_PROJECTION = "attention_projection"
 MLP_PROJECTION = "mlp_projection"
-ATTENTION_OUTPUT = flash_attention.ATTENTION_OUTPUT
 
 
 # What a decoder layer keeps for the backward pass (launch.costs.RECOMPUTED says what each recomputes).
@@ -197,26 +200,17 @@ class RMSNorm(nnx.Module):
 class GatedMLP(nnx.Module):
     """Gated feed-forward ``down(act(gate(x)) * up(x))``; ``fused``: one ``gate_up_proj`` [gate | up], Phi-3's."""
 
-    def __init__(
-        self,
-        hidden_size: int,
-        intermediate_size: int,
-        *,
-        act: str,
-        use_bias: bool,
-        dtype: jnp.dtype,
-        rngs: nnx.Rngs,
-        fused: bool = False,
-    ):
-        self.act_fn = activation(act)
+    def __init__(self, config: Any, *, use_bias: bool, dtype: jnp.dtype, rngs: nnx.Rngs, fused: bool = False):
+        width, inner = config.hidden_size, config.intermediate_size
+        self.act_fn = activation(config.hidden_act)
         self.fused = fused
         linear = dict(use_bias=use_bias, dtype=dtype, rngs=rngs, saved_as=MLP_PROJECTION)
         if fused:
-            self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, axes=("embed", "mlp"), **linear)
+            self.gate_up_proj = Linear(width, 2 * inner, axes=("embed", "mlp"), **linear)
         else:
-            self.gate_proj = Linear(hidden_size, intermediate_size, axes=("embed", "mlp"), **linear)
-            self.up_proj = Linear(hidden_size, intermediate_size, axes=("embed", "mlp"), **linear)
-        self.down_proj = Linear(intermediate_size, hidden_size, axes=("mlp", "embed"), **linear)
+            self.gate_proj = Linear(width, inner, axes=("embed", "mlp"), **linear)
+            self.up_proj = Linear(width, inner, axes=("embed", "mlp"), **linear)
+        self.down_proj = Linear(inner, width, axes=("mlp", "embed"), **linear)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         if self.fused:
@@ -242,93 +236,98 @@ def segment_positions(segment_ids: jax.Array) -> jax.Array:
 FULL_ATTENTION = np.iinfo(np.int32).max
 
 
-def scanned_windows(layer_windows: Sequence[int | None]) -> tuple[jax.Array, ...]:
-    """Each layer's sliding window (None: full attention) as a ``per_layer`` array for ``run_layers``, full
-    layers at ``FULL_ATTENTION``; () when no layer slides, so a model without windows builds no window mask."""
+def scanned_windows(layer_windows: Sequence[int | None]) -> dict[str, jax.Array]:
+    """Each layer's sliding window (None: full attention) as ``run_layers``' ``per_layer`` ``window``, full
+    layers at ``FULL_ATTENTION``; none when no layer slides, so a model without windows builds no window mask."""
     if all(window is None for window in layer_windows):
-        return ()
-    return (jnp.asarray([FULL_ATTENTION if window is None else window for window in layer_windows], jnp.int32),)
+        return {}
+    return {
+        "window": jnp.asarray([FULL_ATTENTION if window is None else window for window in layer_windows], jnp.int32)
+    }
 
 
-def attention(
-    query: jax.Array,
-    key: jax.Array,
-    value: jax.Array,
-    segment_ids: jax.Array,
-    *,
-    scale: float,
-    window: int | jax.Array | None = None,
-    positions: jax.Array | None = None,
-    softcap: float | None = None,
-    implementation: str = "xla",
-) -> jax.Array:
-    """Causal attention within each prompt; query [B,T,N,D], key/value [B,T,K,D] with N % K == 0 (GQA).
+class Attention(nnx.Module):
+    """Self-attention with RoPE as the Llama family, OLMo2 and Gemma compute it.
 
-    ``segment_ids`` [B, T] number the prompts of a row (0: padding), each
-    seeing only its own earlier tokens, so packing changes no prompt's
-    result; why padding is harmless is said where it is made,
-    ``oodjax.data.batches``. A sliding ``window`` is measured in
-    ``positions`` within the prompt, as transformers' mask is. No fused
-    kernel soft-caps its scores (transformers refuses sdpa for Gemma 2 for
-    that reason), so windows and caps take the explicit path.
+    The families differ in the projections' biases, Phi-3's ``fused`` one
+    ``qkv_proj`` (split into q, k, v after the projection; on a
+    tensor-sharded mesh that split moves activations), the RMSNorms of q and
+    k (``qk_norm``: their options; per head, or OLMo2's over the whole
+    projection), the scores' ``scale`` and Gemma 2's ``softcap``.
     """
-    query, key, value = constrain(query, QUERY_HEADS), constrain(key, KV_HEADS), constrain(value, KV_HEADS)
-    segment_ids = segment_ids.astype(jnp.int32)
-    kernel = flash_attention.resolve(implementation)
-    if kernel == "cudnn" and (unsupported := flash_attention.cudnn_unsupported(query, key)):
-        if implementation == "cudnn":
-            raise ValueError(f"model.attention=cudnn: {unsupported}")
-        logging.log_first_n(logging.INFO, "attention: cuDNN does not apply (%s); using XLA's", 1, unsupported)
-        kernel = "xla"
-    if kernel != "xla":
-        if window is None and softcap is None:
-            # Named inside (with the kernel's residuals), where the backward pass reads it.
-            out = flash_attention.flash_attention(query, key, value, segment_ids, scale=scale, kernel=kernel)
-            return constrain(out, QUERY_HEADS)
-        logging.log_first_n(logging.INFO, "attention: sliding windows and soft caps take XLA's path, not %s", 1, kernel)
-    allowed = (segment_ids[:, :, None] == segment_ids[:, None, :]) & (segment_ids[:, None, :] != 0)
-    if window is not None:
-        if positions is None:
-            raise ValueError("a sliding window needs the tokens' positions in their prompts")
-        allowed &= positions[:, :, None] - positions[:, None, :] < window
-    if softcap is not None:
-        out = _softcapped_attention(query, key, value, allowed, scale=scale, softcap=softcap)
-    else:
-        out = jax.nn.dot_product_attention(query, key, value, mask=allowed[:, None], scale=scale, is_causal=True)
-    return constrain(checkpoint_name(out, ATTENTION_OUTPUT), QUERY_HEADS)
 
+    def __init__(
+        self,
+        config: Any,
+        *,
+        qkv_bias: bool,
+        o_bias: bool,
+        dtype: jnp.dtype,
+        rngs: nnx.Rngs,
+        scale: float | None = None,
+        softcap: float | None = None,
+        fused: bool = False,
+        qk_norm: dict[str, Any] | None = None,
+        norm_per_head: bool = True,
+    ):
+        width, self.head_dim = config.hidden_size, config.head_dim
+        self.q_width = config.num_attention_heads * config.head_dim
+        self.kv_width = config.num_key_value_heads * config.head_dim
+        self.scale = config.head_dim**-0.5 if scale is None else scale
+        self.softcap, self.fused, self.norm_per_head = softcap, fused, norm_per_head
+        self.implementation = config.attention
+        linear = dict(use_bias=qkv_bias, dtype=dtype, rngs=rngs, saved_as=ATTENTION_PROJECTION)
+        if fused:
+            self.qkv_proj = Linear(width, self.q_width + 2 * self.kv_width, axes=("embed", "heads"), **linear)
+        else:
+            self.q_proj = Linear(width, self.q_width, axes=("embed", "heads"), **linear)
+            self.k_proj = Linear(width, self.kv_width, axes=("embed", "kv_heads"), **linear)
+            self.v_proj = Linear(width, self.kv_width, axes=("embed", "kv_heads"), **linear)
+        self.o_proj = Linear(self.q_width, width, axes=("heads", "embed"), **{**linear, "use_bias": o_bias})
+        q_norm, k_norm = (config.head_dim,) * 2 if norm_per_head else (self.q_width, self.kv_width)
+        self.q_norm = nnx.data(None if qk_norm is None else RMSNorm(q_norm, dtype=dtype, **qk_norm))
+        self.k_norm = nnx.data(None if qk_norm is None else RMSNorm(k_norm, dtype=dtype, **qk_norm))
 
-def soft_cap(x: jax.Array, cap: float) -> jax.Array:
-    """``cap * tanh(x / cap)``, in transformers' order of operations: x unchanged near 0, bounded by +-cap."""
-    return jnp.tanh(x / cap) * cap
-
-
-def _softcapped_attention(
-    query: jax.Array, key: jax.Array, value: jax.Array, allowed: jax.Array, *, scale: float, softcap: float
-) -> jax.Array:
-    """``jax.nn.dot_product_attention``'s XLA path with the scores soft-capped between scaling and masking."""
-    batch, length, heads, head_dim = query.shape
-    kv_heads = key.shape[2]
-    grouped = query.reshape(batch, length, kv_heads, heads // kv_heads, head_dim)
-    scores = jnp.einsum("btkgd,bskd->bkgts", grouped, key, preferred_element_type=jnp.float32) * scale
-    scores = soft_cap(scores, softcap)
-    causal = jnp.tril(jnp.ones((length, length), bool))
-    # A fully masked row (a padded query) gets uniform weights, as dot_product_attention gives it.
-    scores = jnp.where((allowed & causal)[:, None, None], scores, jnp.finfo(jnp.float32).min)
-    weights = jax.nn.softmax(scores, axis=-1).astype(value.dtype)
-    out = jnp.einsum("bkgts,bskd->btkgd", weights, value)
-    return out.reshape(batch, length, heads, head_dim)
+    def __call__(
+        self,
+        x: jax.Array,
+        segment_ids: jax.Array,
+        positions: jax.Array,
+        cos: jax.Array,
+        sin: jax.Array,
+        *,
+        window: jax.Array | None = None,
+        use_rope: jax.Array | None = None,
+    ) -> jax.Array:
+        """``use_rope``: a traced per-layer flag (the layers are scanned); SmolLM3's NoPE layers keep q and k."""
+        batch, seq, _ = x.shape
+        if self.fused:
+            query, key, value = jnp.split(self.qkv_proj(x), [self.q_width, self.q_width + self.kv_width], axis=-1)
+        else:
+            query, key, value = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.q_norm is not None and not self.norm_per_head:
+            query, key = self.q_norm(query), self.k_norm(key)
+        heads = (batch, seq, -1, self.head_dim)
+        query, key, value = query.reshape(heads), key.reshape(heads), value.reshape(heads)
+        if self.q_norm is not None and self.norm_per_head:
+            query, key = self.q_norm(query), self.k_norm(key)
+        rotated = apply_rope(query, cos, sin), apply_rope(key, cos, sin)
+        if use_rope is not None:
+            rotated = jnp.where(use_rope, rotated[0], query), jnp.where(use_rope, rotated[1], key)
+        out = attention(
+            *rotated,
+            value,
+            segment_ids,
+            scale=self.scale,
+            window=window,
+            positions=positions,
+            softcap=self.softcap,
+            implementation=self.implementation,
+        )
+        return constrain(self.o_proj(out.reshape(batch, seq, -1)), HIDDEN)
 
 
 # --------------------------------------------------------------------------- the decoder stack
-
-
-def check_inputs(input_ids: jax.Array, segment_ids: jax.Array) -> None:
-    """Shapes are static under jit, so a mismatch is caught once, at trace time, with a readable message."""
-    if input_ids.ndim != 2 or segment_ids.shape != input_ids.shape:
-        raise ValueError(
-            f"input_ids and attention_mask must both be [batch, seq]; got {input_ids.shape} and {segment_ids.shape}"
-        )
 
 
 # The attribute holding a decoder's stacked layers; Hugging Face names layer i ``...layers.{i}....``.
@@ -363,11 +362,11 @@ def run_layers(
     hidden: jax.Array,
     *args: Any,
     remat: str,
-    per_layer: tuple[jax.Array, ...] = (),
+    per_layer: dict[str, jax.Array] | None = None,
     all_layers: bool = False,
 ) -> tuple[jax.Array, list[jax.Array]]:
-    """Apply the stacked layers with one ``jax.lax.scan``: layer i is ``layer(hidden, *args, *per_layer[i])``;
-    returns the output and, with ``all_layers``, every layer's input.
+    """Apply the stacked layers with one ``jax.lax.scan``: layer i is ``layer(hidden, *args, **per_layer[i])``
+    (``per_layer``'s arrays sliced at i); returns the output and, with ``all_layers``, every layer's input.
 
     Each layer folds its index into the shared random streams' keys (LoRA
     dropout), so layers draw independent masks and the pass stays a function
@@ -376,18 +375,66 @@ def run_layers(
     graphdef, params, shared = nnx.split(layers, nnx.Param, ...)
     num_layers = jax.tree.leaves(params)[0].shape[0]
 
-    def body(carry: jax.Array, xs: tuple[Any, jax.Array, tuple[jax.Array, ...]]):
+    def body(carry: jax.Array, xs: tuple[Any, jax.Array, dict[str, jax.Array]]):
         layer_params, index, extra = xs
         layer = nnx.merge(graphdef, layer_params, shared, copy=True)
         keys = nnx.state(layer, nnx.RngKey)
         nnx.update(layer, jax.tree.map(lambda key: jax.random.fold_in(key, index), keys))
-        out = constrain(layer(carry, *args, *extra), HIDDEN)
+        out = constrain(layer(carry, *args, **extra), HIDDEN)
         return out, (carry if all_layers else None)
 
     if remat != "none":  # a name its DecoderConfig checked
         body = jax.checkpoint(body, policy=REMAT_POLICIES[remat], prevent_cse=False)
-    hidden, inputs = jax.lax.scan(body, constrain(hidden, HIDDEN), (params, jnp.arange(num_layers), per_layer))
+    hidden, inputs = jax.lax.scan(body, constrain(hidden, HIDDEN), (params, jnp.arange(num_layers), per_layer or {}))
     return hidden, (list(inputs) if all_layers else [])
+
+
+class Decoder(nnx.Module):
+    """HF's ``LlamaModel``, ``Olmo2Model`` and ``Gemma2Model``: ``embed_tokens``, the stacked ``layers``, ``norm``.
+
+    A family names its ``layer_class``, its RMSNorms' ``norm_options`` and
+    the RoPE ``tables`` its ``layer_inputs`` gives every layer, with what
+    differs per layer; layer i is called as ``layer(hidden, segment_ids,
+    positions, *tables, **per_layer[i])``, its sliding window in ``window``.
+    """
+
+    layer_class: Any
+    norm_options: Mapping[str, Any] = MappingProxyType({})
+
+    def __init__(self, config: Any, *, dtype: jnp.dtype, rngs: nnx.Rngs):
+        self.config = config
+        self.embed_tokens = Embed(
+            config.vocab_size, config.hidden_size, axes=("vocab", "embed"), dtype=dtype, rngs=rngs
+        )
+        layer_class = self.layer_class
+        self.layers = stacked_layers(
+            lambda rngs: layer_class(config, dtype=dtype, rngs=rngs), config.num_hidden_layers, rngs
+        )
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype, **self.norm_options)
+
+    def embed(self, input_ids: jax.Array) -> jax.Array:
+        return self.embed_tokens(input_ids)
+
+    def layer_inputs(self, positions: jax.Array, dtype: jnp.dtype) -> LayerInputs:
+        """The (cos, sin) tables of ``positions`` every layer gets, and ``run_layers``' ``per_layer``."""
+        raise NotImplementedError
+
+    def __call__(self, input_ids: jax.Array, segment_ids: jax.Array, *, all_layers: bool):
+        positions = segment_positions(segment_ids)
+        hidden = self.embed(input_ids)
+        tables, per_layer = self.layer_inputs(positions, hidden.dtype)
+        hidden, layer_inputs = run_layers(
+            self.layers,
+            hidden,
+            segment_ids,
+            positions,
+            *tables,
+            remat=self.config.remat,
+            per_layer=per_layer | scanned_windows(self.config.layer_windows),
+            all_layers=all_layers,
+        )
+        hidden = self.norm(hidden)
+        return (*layer_inputs, hidden) if all_layers else hidden
 
 
 class CausalLM(nnx.Module):
@@ -406,11 +453,8 @@ class CausalLM(nnx.Module):
         self.config = config
         self.model = self.model_class(config, dtype=dtype, rngs=rngs)
         width, vocab = getattr(config, self.head_width), config.vocab_size
-        head = (
-            None
-            if config.tie_word_embeddings
-            else Linear(width, vocab, use_bias=False, axes=("embed", "vocab"), dtype=dtype, rngs=rngs)
-        )
+        linear = dict(use_bias=False, axes=("embed", "vocab"), dtype=dtype, rngs=rngs)
+        head = None if config.tie_word_embeddings else Linear(width, vocab, **linear)
         self.lm_head = nnx.data(head)  # None: the head reuses the input embedding
 
     def decoder(self) -> nnx.Module:
@@ -421,7 +465,10 @@ class CausalLM(nnx.Module):
 
     def hidden_states(self, input_ids: jax.Array, segment_ids: jax.Array, *, all_layers: bool = False):
         """Final hidden states [B, S, H']; with ``all_layers``, HF's ``output_hidden_states`` tuple instead."""
-        check_inputs(input_ids, segment_ids)
+        if input_ids.ndim != 2 or segment_ids.shape != input_ids.shape:  # static shapes: checked once, when traced
+            raise ValueError(
+                f"input_ids and attention_mask must both be [batch, seq]; got {input_ids.shape} and {segment_ids.shape}"
+            )
         return self.decoder()(input_ids, segment_ids, all_layers=all_layers)
 
     def head_kernel(self) -> jax.Array:

@@ -49,14 +49,8 @@ from oodjax.usage_errors import ConfigError, DamagedInputError, MissingInputErro
 ARCHITECTURES: dict[str, type[CausalLM]] = {
     "opt": OPTForCausalLM,
     "olmo2": Olmo2ForCausalLM,
-    "llama": LlamaForCausalLM,
-    "smollm3": LlamaForCausalLM,
-    "qwen2": LlamaForCausalLM,
-    "qwen3": LlamaForCausalLM,
-    "mistral": LlamaForCausalLM,
-    "phi3": LlamaForCausalLM,
-    "gemma2": GemmaForCausalLM,
-    "gemma3_text": GemmaForCausalLM,
+    **dict.fromkeys(("llama", "smollm3", "qwen2", "qwen3", "mistral", "phi3"), LlamaForCausalLM),
+    **dict.fromkeys(("gemma2", "gemma3_text"), GemmaForCausalLM),
 }
 
 # Our parameter leaf name -> (HF's, whether HF stores it transposed).
@@ -192,7 +186,7 @@ def _cached_snapshot(repo: str) -> pathlib.Path:
 
 
 def _read_config(directory: pathlib.Path) -> dict[str, Any]:
-    config_file = directory / "config.json"
+    config_file = directory / CONFIG
     if not config_file.is_file():
         raise MissingInputError(f"{directory} has no config.json")
     return read_json(config_file)
@@ -200,7 +194,7 @@ def _read_config(directory: pathlib.Path) -> dict[str, Any]:
 
 def _checkpoint_names(checkpoint: Checkpoint) -> dict[str, str]:
     """Our (prefixed) name -> the checkpoint's name for every tensor it holds."""
-    names = checkpoint.names()
+    names = checkpoint.weight_map
     add_prefix = not any(name.startswith(_BASE_PREFIX) for name in names)
     return {(_BASE_PREFIX + name if add_prefix and not name.startswith("lm_head.") else name): name for name in names}
 
@@ -218,7 +212,9 @@ class _Source:
 def _match(model: CausalLM, checkpoint: Checkpoint, directory: pathlib.Path) -> list[_Source]:
     """Pair every parameter with its tensors; fail naming each missing, unexpected or misshapen tensor."""
     available = _checkpoint_names(checkpoint)
-    sources, missing, misshapen = [], [], []
+    sources: list[_Source] = []
+    missing: list[str] = []
+    misshapen: list[str] = []
     for path, variable in nnx.iter_graph(model):
         if not isinstance(variable, nnx.Param):
             continue
@@ -226,29 +222,27 @@ def _match(model: CausalLM, checkpoint: Checkpoint, directory: pathlib.Path) -> 
         stacked = STACKED in map(str, path)
         shape = tuple(variable.shape[1:] if stacked else variable.shape)
         expected = shape[::-1] if transposed else shape
-        stored_names = []
-        for name in names:
-            if name not in available:
-                missing.append(name)
-                continue
-            stored = available.pop(name)
-            if checkpoint.shape(stored) != expected:
-                misshapen.append(
-                    f"{stored!r} in {checkpoint.file(stored)} has shape {checkpoint.shape(stored)}, expected {expected}"
-                )
-            stored_names.append(stored)
+        missing += [name for name in names if name not in available]
+        stored_names = [available.pop(name) for name in names if name in available]
+        misshapen += [
+            f"{stored!r} in {checkpoint.weight_map[stored]} has shape {checkpoint.shape(stored)}, expected {expected}"
+            for stored in stored_names
+            if checkpoint.shape(stored) != expected
+        ]
         sources.append(_Source(variable, stored_names, transposed, stacked))
     ignorable = ("lm_head.weight",) if model.config.tie_word_embeddings else ()  # HF ties after loading
     unexpected = sorted(
         stored for name, stored in available.items() if name not in ignorable and not name.endswith(_IGNORED_SUFFIXES)
     )
-    problems = []
-    if missing:
-        problems.append(f"missing tensors: {missing}")
-    if unexpected:
-        problems.append(f"unexpected tensors (not used by model_type {model.config.model_type!r}): {unexpected}")
-    if misshapen:
-        problems.append("wrong shapes: " + "; ".join(misshapen))
+    problems = [
+        f"{what}: {found}"
+        for what, found in [
+            ("missing tensors", missing),
+            (f"unexpected tensors (not used by model_type {model.config.model_type!r})", unexpected),
+            ("wrong shapes", "; ".join(misshapen)),
+        ]
+        if found
+    ]
     if problems:
         raise DamagedInputError(f"checkpoint {directory} does not fit its config.json: " + " | ".join(problems))
     return sources
@@ -349,8 +343,7 @@ def load_pretrained(
     ``mesh`` (without one, the default device)."""
     dtype = _float_dtype(dtype)
     directory = _resolve(path)
-    config = config_from_dict(_read_config(directory), remat=remat, attention=attention)
-    model = nnx.eval_shape(lambda: _build(config, dtype, seed=0))
+    model = abstract_model(_read_config(directory), dtype=dtype, remat=remat, attention=attention)
     default_sharding = SingleDeviceSharding(jax.local_devices()[0])
     with contextlib.ExitStack() as stack:
         checkpoint = open_checkpoint(directory, stack=stack)
@@ -364,8 +357,6 @@ def verify_checkpoint(directory: str | pathlib.Path) -> int:
     """Check that the checkpoint in ``directory`` fits its config.json, from the files' headers alone, as
     ``load_pretrained`` pairs them; returns the number of tensors checked."""
     directory = pathlib.Path(directory)
-    config = config_from_dict(_read_config(directory))
-    model = nnx.eval_shape(lambda: _build(config, jnp.dtype("bfloat16"), seed=0))
     with contextlib.ExitStack() as stack:
-        sources = _match(model, open_checkpoint(directory, stack=stack), directory)
+        sources = _match(abstract_model(_read_config(directory)), open_checkpoint(directory, stack=stack), directory)
     return sum(len(source.names) for source in sources)

@@ -255,16 +255,10 @@ class LoRA(nnx.Module):
     ):
         *lead, in_features, out_features = kernel_shape
         *lead_axes, in_axis, out_axis = kernel_axes if kernel_axes else (None,) * len(kernel_shape)
-        self.lora_a = nnx.LoRAParam(
-            _peft_a_init(rngs.params(), (*lead, in_features, rank)),
-            out_sharding=(*lead_axes, in_axis, None),
-            eager_sharding=False,
-        )
-        self.lora_b = nnx.LoRAParam(
-            jnp.zeros((*lead, rank, out_features), jnp.float32),
-            out_sharding=(*lead_axes, None, out_axis),
-            eager_sharding=False,
-        )
+        a = _peft_a_init(rngs.params(), (*lead, in_features, rank))
+        self.lora_a = nnx.LoRAParam(a, out_sharding=(*lead_axes, in_axis, None), eager_sharding=False)
+        b = jnp.zeros((*lead, rank, out_features), jnp.float32)
+        self.lora_b = nnx.LoRAParam(b, out_sharding=(*lead_axes, None, out_axis), eager_sharding=False)
         self.scale = scale
         self.dropout = LoRADropout(dropout)
         self.tokens = tokens
@@ -321,24 +315,20 @@ def apply_lora(model: nnx.Module, cfg: LoRAConfig, *, rngs: nnx.Rngs) -> nnx.Mod
 
     A's are drawn in module order, so a seed gives the same adapters whether a run trains alone or with others.
     """
-    tokens = AdapterTokens()
+    options: dict[str, Any] = dict(
+        rank=cfg.rank, scale=cfg.scale, dropout=cfg.dropout, tokens=AdapterTokens(), rngs=rngs
+    )
     for _, linear in find_targets(model, cfg.targets):
-        linear.lora = nnx.data(
-            LoRA(
-                tuple(linear.kernel.shape),
-                rank=cfg.rank,
-                scale=cfg.scale,
-                dropout=cfg.dropout,
-                tokens=tokens,
-                kernel_axes=_kernel_axes(linear),
-                rngs=rngs,
-            )
-        )
+        linear.lora = nnx.data(LoRA(tuple(linear.kernel.shape), kernel_axes=_kernel_axes(linear), **options))
     return model
 
 
 # peft names the two factors lora_A / lora_B and stores torch Linear weights [out, in].
 _PEFT_NAMES = {"lora_a": "lora_A", "lora_b": "lora_B"}
+
+
+def _peft_name(layer_path: Sequence[str], factor: Any) -> str:
+    return f"base_model.model.{'.'.join(layer_path)}.{_PEFT_NAMES[factor]}.weight"
 
 
 def peft_tensors(lora: nnx.State) -> dict[str, np.ndarray]:
@@ -361,8 +351,7 @@ def peft_tensors(lora: nnx.State) -> dict[str, np.ndarray]:
             )
         layer_paths = per_layer_paths(tuple(module_path), array.shape[0] if stacked else 1)
         for layer_path, weight in zip(layer_paths, array if stacked else array[None], strict=True):
-            name = ".".join(layer_path)
-            tensors[f"base_model.model.{name}.{_PEFT_NAMES[factor]}.weight"] = np.ascontiguousarray(weight.T)
+            tensors[_peft_name(layer_path, factor)] = np.ascontiguousarray(weight.T)
     return tensors
 
 
@@ -476,7 +465,7 @@ def lora_from_peft(lora_like: nnx.State, tensors: dict[str, np.ndarray], *, sour
         layers = value.shape[0] if stacked else 1
         weights = []
         for layer_path in per_layer_paths(tuple(module_path), layers):
-            name = f"base_model.model.{'.'.join(layer_path)}.{_PEFT_NAMES[factor]}.weight"
+            name = _peft_name(layer_path, factor)
             if name not in remaining:
                 raise ConfigError(f"{source}: adapter tensor {name} is missing (the model has this adapter)")
             weights.append(remaining.pop(name).T)

@@ -16,20 +16,20 @@ import jax.numpy as jnp
 from flax import nnx
 
 from oodjax.models.config import DecoderConfig, hf_value
-from oodjax.models.layers import (
-    ATTENTION_PROJECTION,
-    CausalLM,
-    Embed,
-    GatedMLP,
-    Linear,
-    RMSNorm,
-    attention,
-    run_layers,
-    segment_positions,
-    stacked_layers,
+from oodjax.models.layers import Attention, CausalLM, Decoder, GatedMLP, LayerInputs, RMSNorm
+from oodjax.models.rope import RopeConfig, rope_cos_sin
+
+# transformers' Olmo2Config defaults for keys a config.json may omit.
+_DEFAULTS = dict(
+    vocab_size=50304,
+    hidden_size=4096,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    pad_token_id=1,
+    tie_word_embeddings=False,
 )
-from oodjax.models.partitioning import HIDDEN, constrain
-from oodjax.models.rope import RopeConfig, apply_rope, rope_cos_sin
+# OLMo2's RMSNorms apply their weight in float32.
+_NORM = dict(scale_in_float32=True)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -42,19 +42,8 @@ class Olmo2Config(DecoderConfig):
 
     @classmethod
     def from_hf(cls, raw: Mapping[str, Any], *, remat: str = "none") -> Olmo2Config:
-        hidden = hf_value(raw, "hidden_size", 4096)
-        heads = hf_value(raw, "num_attention_heads", 32)
         return cls(
-            model_type="olmo2",
-            vocab_size=hf_value(raw, "vocab_size", 50304),
-            hidden_size=hidden,
-            num_hidden_layers=hf_value(raw, "num_hidden_layers", 32),
-            num_attention_heads=heads,
-            num_key_value_heads=hf_value(raw, "num_key_value_heads", heads),
-            head_dim=hf_value(raw, "head_dim", hidden // heads),
-            pad_token_id=raw.get("pad_token_id", 1),
-            tie_word_embeddings=hf_value(raw, "tie_word_embeddings", False),
-            remat=remat,
+            **DecoderConfig.hf_fields(raw, _DEFAULTS, remat=remat),
             intermediate_size=hf_value(raw, "intermediate_size", 11008),
             hidden_act=hf_value(raw, "hidden_act", "silu"),
             rms_norm_eps=hf_value(raw, "rms_norm_eps", 1e-5),
@@ -63,66 +52,28 @@ class Olmo2Config(DecoderConfig):
         )
 
 
-class Olmo2Attention(nnx.Module):
-    def __init__(self, config: Olmo2Config, *, dtype: jnp.dtype, rngs: nnx.Rngs):
-        width, bias = config.hidden_size, config.attention_bias
-        q_width = config.num_attention_heads * config.head_dim
-        kv_width = config.num_key_value_heads * config.head_dim
-        self.head_dim = config.head_dim
-        self.implementation = config.attention
-        linear = dict(use_bias=bias, dtype=dtype, rngs=rngs, saved_as=ATTENTION_PROJECTION)
-        self.q_proj = Linear(width, q_width, axes=("embed", "heads"), **linear)
-        self.k_proj = Linear(width, kv_width, axes=("embed", "kv_heads"), **linear)
-        self.v_proj = Linear(width, kv_width, axes=("embed", "kv_heads"), **linear)
-        self.o_proj = Linear(q_width, width, axes=("heads", "embed"), **linear)
-        self.q_norm = RMSNorm(q_width, eps=config.rms_norm_eps, dtype=dtype, scale_in_float32=True)
-        self.k_norm = RMSNorm(kv_width, eps=config.rms_norm_eps, dtype=dtype, scale_in_float32=True)
-
-    def __call__(self, x: jax.Array, segment_ids: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-        batch, seq, _ = x.shape
-        heads = (batch, seq, -1, self.head_dim)
-        query = apply_rope(self.q_norm(self.q_proj(x)).reshape(heads), cos, sin)
-        key = apply_rope(self.k_norm(self.k_proj(x)).reshape(heads), cos, sin)
-        value = self.v_proj(x).reshape(heads)
-        out = attention(query, key, value, segment_ids, scale=self.head_dim**-0.5, implementation=self.implementation)
-        return constrain(self.o_proj(out.reshape(batch, seq, -1)), HIDDEN)
-
-
 class Olmo2DecoderLayer(nnx.Module):
     def __init__(self, config: Olmo2Config, *, dtype: jnp.dtype, rngs: nnx.Rngs):
-        norm = dict(eps=config.rms_norm_eps, dtype=dtype, scale_in_float32=True)
-        self.self_attn = Olmo2Attention(config, dtype=dtype, rngs=rngs)
-        self.mlp = GatedMLP(
-            config.hidden_size, config.intermediate_size, act=config.hidden_act, use_bias=False, dtype=dtype, rngs=rngs
+        norm = dict(eps=config.rms_norm_eps, **_NORM)
+        bias = config.attention_bias
+        self.self_attn = Attention(
+            config, qkv_bias=bias, o_bias=bias, qk_norm=norm, norm_per_head=False, dtype=dtype, rngs=rngs
         )
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, **norm)
-        self.post_feedforward_layernorm = RMSNorm(config.hidden_size, **norm)
+        self.mlp = GatedMLP(config, use_bias=False, dtype=dtype, rngs=rngs)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, dtype=dtype, **norm)
+        self.post_feedforward_layernorm = RMSNorm(config.hidden_size, dtype=dtype, **norm)
 
-    def __call__(self, hidden: jax.Array, segment_ids: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-        hidden = hidden + self.post_attention_layernorm(self.self_attn(hidden, segment_ids, cos, sin))
+    def __call__(self, hidden: jax.Array, *inputs: jax.Array) -> jax.Array:
+        hidden = hidden + self.post_attention_layernorm(self.self_attn(hidden, *inputs))
         return hidden + self.post_feedforward_layernorm(self.mlp(hidden))
 
 
-class Olmo2Model(nnx.Module):
-    def __init__(self, config: Olmo2Config, *, dtype: jnp.dtype, rngs: nnx.Rngs):
-        self.config = config
-        self.embed_tokens = Embed(
-            config.vocab_size, config.hidden_size, axes=("vocab", "embed"), dtype=dtype, rngs=rngs
-        )
-        self.layers = stacked_layers(
-            lambda rngs: Olmo2DecoderLayer(config, dtype=dtype, rngs=rngs), config.num_hidden_layers, rngs
-        )
-        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype, scale_in_float32=True)
+class Olmo2Model(Decoder):
+    layer_class = Olmo2DecoderLayer
+    norm_options = _NORM
 
-    def __call__(self, input_ids: jax.Array, segment_ids: jax.Array, *, all_layers: bool):
-        positions = segment_positions(segment_ids)
-        cos, sin = rope_cos_sin(positions, self.config.rope, self.config.head_dim)
-        hidden = self.embed_tokens(input_ids)
-        hidden, layer_inputs = run_layers(
-            self.layers, hidden, segment_ids, cos, sin, remat=self.config.remat, all_layers=all_layers
-        )
-        hidden = self.norm(hidden)
-        return (*layer_inputs, hidden) if all_layers else hidden
+    def layer_inputs(self, positions: jax.Array, dtype: jnp.dtype) -> LayerInputs:
+        return rope_cos_sin(positions, self.config.rope, self.config.head_dim), {}  # OLMo2 rotates in float32
 
 
 class Olmo2ForCausalLM(CausalLM):

@@ -11,7 +11,7 @@ several prompts into a row does not shift them.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -37,6 +37,15 @@ from oodjax.models.partitioning import HIDDEN, constrain
 
 # OPT's learned position table has two extra rows (a fairseq legacy).
 POSITION_OFFSET = 2
+# transformers' OPTConfig defaults for keys a config.json may omit.
+_DEFAULTS = dict(
+    vocab_size=50272,
+    hidden_size=768,
+    num_hidden_layers=12,
+    num_attention_heads=12,
+    pad_token_id=1,
+    tie_word_embeddings=True,
+)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -52,21 +61,12 @@ class OPTConfig(DecoderConfig):
 
     @classmethod
     def from_hf(cls, raw: Mapping[str, Any], *, remat: str = "none") -> OPTConfig:
-        hidden = hf_value(raw, "hidden_size", 768)
-        heads = hf_value(raw, "num_attention_heads", 12)
+        base = DecoderConfig.hf_fields(raw, _DEFAULTS, remat=remat)
+        hidden, heads = base["hidden_size"], base["num_attention_heads"]
         if hidden % heads:
             raise ValueError(f"config.json: hidden_size ({hidden}) must be divisible by num_attention_heads ({heads})")
         return cls(
-            model_type="opt",
-            vocab_size=hf_value(raw, "vocab_size", 50272),
-            hidden_size=hidden,
-            num_hidden_layers=hf_value(raw, "num_hidden_layers", 12),
-            num_attention_heads=heads,
-            num_key_value_heads=heads,
-            head_dim=hidden // heads,
-            pad_token_id=raw.get("pad_token_id", 1),
-            tie_word_embeddings=hf_value(raw, "tie_word_embeddings", True),
-            remat=remat,
+            **base | dict(num_key_value_heads=heads, head_dim=hidden // heads),
             ffn_dim=hf_value(raw, "ffn_dim", 3072),
             max_position_embeddings=hf_value(raw, "max_position_embeddings", 2048),
             word_embed_proj_dim=hf_value(raw, "word_embed_proj_dim", hidden),
@@ -114,20 +114,17 @@ class OPTDecoderLayer(nnx.Module):
         self.final_layer_norm = LayerNorm(width, **norm)
 
     def __call__(self, hidden: jax.Array, segment_ids: jax.Array) -> jax.Array:
-        residual = hidden
-        if self.norm_before:
-            hidden = self.self_attn_layer_norm(hidden)
-        hidden = residual + self.self_attn(hidden, segment_ids)
-        if not self.norm_before:
-            hidden = self.self_attn_layer_norm(hidden)
+        hidden = self._residual(hidden, self.self_attn_layer_norm, lambda h: self.self_attn(h, segment_ids))
+        return self._residual(hidden, self.final_layer_norm, self._mlp)
 
-        residual = hidden
+    def _mlp(self, hidden: jax.Array) -> jax.Array:
+        return constrain(self.fc2(constrain(self.act_fn(self.fc1(hidden)), MLP_HIDDEN)), HIDDEN)
+
+    def _residual(self, hidden: jax.Array, norm: LayerNorm, branch: Callable[[jax.Array], jax.Array]) -> jax.Array:
+        """``hidden + branch(...)``, normed before the branch (pre-LN) or after the sum (opt-350m)."""
         if self.norm_before:
-            hidden = self.final_layer_norm(hidden)
-        hidden = residual + constrain(self.fc2(constrain(self.act_fn(self.fc1(hidden)), MLP_HIDDEN)), HIDDEN)
-        if not self.norm_before:
-            hidden = self.final_layer_norm(hidden)
-        return hidden
+            return hidden + branch(norm(hidden))
+        return norm(hidden + branch(hidden))
 
 
 class OPTDecoder(nnx.Module):
@@ -143,11 +140,8 @@ class OPTDecoder(nnx.Module):
         self.project_in = nnx.data(Linear(proj, width, axes=("word_embed", "embed"), **linear) if projected else None)
         self.project_out = nnx.data(Linear(width, proj, axes=("embed", "word_embed"), **linear) if projected else None)
         has_final_norm = config.do_layer_norm_before and not config.remove_final_layer_norm
-        self.final_layer_norm = nnx.data(
-            LayerNorm(width, eps=1e-5, elementwise_affine=config.layer_norm_elementwise_affine, dtype=dtype)
-            if has_final_norm
-            else None
-        )
+        norm = LayerNorm(width, eps=1e-5, elementwise_affine=config.layer_norm_elementwise_affine, dtype=dtype)
+        self.final_layer_norm = nnx.data(norm if has_final_norm else None)
         self.layers = stacked_layers(
             lambda rngs: OPTDecoderLayer(config, dtype=dtype, rngs=rngs), config.num_hidden_layers, rngs
         )

@@ -161,8 +161,11 @@ def _longrope_inv_freq(rope: RopeConfig, pos_freqs: np.ndarray, seq_len: int | N
     return np.float32(1.0) / (np.asarray(factors, np.float32) * pos_freqs), attention_factor
 
 
-def rope_cos_sin(positions: jax.Array, rope: RopeConfig, head_dim: int) -> tuple[jax.Array, jax.Array]:
-    """cos and sin [B, S, head_dim] in float32 for integer ``positions`` [B, S].
+def rope_cos_sin(
+    positions: jax.Array, rope: RopeConfig, head_dim: int, dtype: jnp.dtype = jnp.float32
+) -> tuple[jax.Array, jax.Array]:
+    """cos and sin [B, S, head_dim] for integer ``positions`` [B, S], computed in float32 and cast to ``dtype``
+    (Llama and Gemma rotate in the activations' dtype, OLMo2 in float32).
 
     Longrope picks its factors by the row length S, as transformers does, so
     a packed row longer than the original context gets the long factors for
@@ -171,7 +174,7 @@ def rope_cos_sin(positions: jax.Array, rope: RopeConfig, head_dim: int) -> tuple
     inv_freq, scale = rope_frequencies(rope, head_dim, seq_len=positions.shape[1])
     freqs = positions[..., None].astype(jnp.float32) * jnp.asarray(inv_freq)
     angles = jnp.concatenate([freqs, freqs], axis=-1)
-    return jnp.cos(angles) * scale, jnp.sin(angles) * scale
+    return (jnp.cos(angles) * scale).astype(dtype), (jnp.sin(angles) * scale).astype(dtype)
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
