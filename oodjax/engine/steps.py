@@ -455,8 +455,15 @@ def make_steps(
 ) -> tuple[Callable[..., Any], Callable[..., Any]]:
     """A job's (train_step, eval_step): what the loop runs and ``launch.preflight`` compiles (so ``base_state``
     and ``state`` may be abstract)."""
-    on = dict(mesh=mesh, compute_dtype=compute_dtype)
     train = make_train_step(
-        graphdef, optimizer.transformation, yes_id, no_id, geometry, base_state=base_state, state=state, **on
+        graphdef,
+        optimizer.transformation,
+        yes_id,
+        no_id,
+        geometry,
+        mesh=mesh,
+        base_state=base_state,
+        state=state,
+        compute_dtype=compute_dtype,
     )
-    return train, make_eval_step(graphdef, yes_id, no_id, **on)
+    return train, make_eval_step(graphdef, yes_id, no_id, mesh=mesh, compute_dtype=compute_dtype)
