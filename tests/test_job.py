@@ -181,6 +181,7 @@ def test_eval_points_spread_over_the_run_s_own_steps():
     assert cadence.Cadence(total_steps=3, eval_points=3).evaluated_steps() == [0, 1, 2, 3]
     assert cadence.Cadence(total_steps=3, eval_points=20).evaluated_steps() == [0, 1, 2, 3]  # a run of fewer steps
     assert cadence.Cadence(total_steps=7, eval_every=5).evaluated_steps() == [0, 5, 7]  # eval.points 0: eval.every
+    assert cadence.Cadence(total_steps=0, eval_points=20).evaluated_steps() == [0]  # oodjax.evaluate's runs
 
 
 def lengths(job):

@@ -63,3 +63,22 @@ def test_a_warning_while_python_imports_stops_the_job_before_its_first_step(tmp_
     (run_dir,) = (tmp_path / "results").iterdir()
     assert (run_dir / "checkpoints" / "0").is_dir()
     assert not (run_dir / "run.lock").exists()
+
+
+def test_a_warning_while_python_shuts_down_does_not_end_a_finished_job(tmp_path):
+    """SIGUSR1 after the work is done, while Python tears down what it holds (JAX's backends take seconds),
+    after it has given every signal with a Python handler back its default, fatal action: the process still
+    exits 0, where it used to die with 128 + 10 and launch/slurm.sbatch reported a finished job as failed."""
+    script = tmp_path / "finished.py"
+    script.write_text(
+        "import os, signal\n"
+        "from oodjax.engine import preemption\n"
+        "preemption.hold_stop_signals()\n"
+        "class Teardown:  # torn down with the module, as the backends are: after Python's signal handling ends\n"
+        "    def __del__(self, kill=os.kill, pid=os.getpid()):\n"
+        "        kill(pid, signal.SIGUSR1)\n"
+        "teardown = Teardown()\n"
+    )
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    finished = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=60)
+    assert finished.returncode == 0, finished.stderr

@@ -56,11 +56,13 @@ class Cadence(CadenceSettings):
 
     def evaluation_due(self, step: int) -> bool:
         """With eval.points P over T steps: step 0 and the steps floor(k T / P), k = 1..P, the last being T
-        (every step when P >= T)."""
+        (every step when P >= T). A zero-step run (``oodjax.evaluate``): step 0 alone."""
+        if step in (0, self.total_steps):
+            return True
         if self.eval_points:
             k = -(-step * self.eval_points // self.total_steps)  # the one k whose floor(k T / P) may be step
-            return k * self.total_steps // self.eval_points == step and 0 <= k <= self.eval_points
-        return step % self.eval_every == 0 or step == self.total_steps
+            return k * self.total_steps // self.eval_points == step
+        return step % self.eval_every == 0
 
     def evaluated_steps(self) -> list[int]:
         """Every step a run is evaluated at, step 0 included."""

@@ -14,6 +14,7 @@ SIGTERM alone, while SLURM warns with SIGUSR1 and a user stops with Ctrl-C.
 
 from __future__ import annotations
 
+import atexit
 import signal
 import threading
 from collections.abc import Sequence
@@ -97,10 +98,22 @@ def last_step() -> int | None:
 
 
 def hold_stop_signals() -> None:
-    """Notes the scheduler's signals from now on: one while Python imports or loads would otherwise end it."""
+    """Notes the scheduler's signals from now on: one while Python imports or loads would otherwise end it.
+
+    Ignored once Python exits: its shutdown gives every signal with a Python handler back its default,
+    fatal action before JAX's backends are torn down (seconds), so a time-limit warning then would turn a
+    finished job into one killed with status 128 + 10, which launch/slurm.sbatch reports as failed.
+    """
     if threading.current_thread() is threading.main_thread():
         for number in HELD_SIGNALS:
             signal.signal(number, _receive)
+        atexit.unregister(_ignore_held_signals)  # registered once, however often this is called
+        atexit.register(_ignore_held_signals)
+
+
+def _ignore_held_signals() -> None:
+    for number in HELD_SIGNALS:
+        signal.signal(number, signal.SIG_IGN)
 
 
 def _receive(number: int, frame: object) -> None:
