@@ -19,6 +19,7 @@ import numpy as np
 import pandas as pd
 
 from analysis import schema
+from analysis.null_rates import ar1_noise
 
 # The eight testsets as the engine names them, plus accuracy on the training set.
 TESTSETS = ("snli", "mnli", "scitail", "rte", "wnli", "paws", "hans", "anli_r3", schema.TRAIN_TESTSET)
@@ -144,16 +145,6 @@ def _around_in_domain(
     return accuracy
 
 
-def ar1_noise(rng: np.random.Generator, steps: int, series: int, coefficient: float) -> np.ndarray:
-    """[steps, series] independent stationary AR(1) series of unit variance."""
-    shocks = rng.normal(size=(steps, series)) * np.sqrt(1.0 - coefficient**2)
-    noise = np.empty_like(shocks)
-    noise[0] = rng.normal(size=series)
-    for t in range(1, steps):
-        noise[t] = coefficient * noise[t - 1] + shocks[t]
-    return noise
-
-
 def autocorrelated_accuracies(
     rng: np.random.Generator,
     steps: np.ndarray,
@@ -168,10 +159,10 @@ def autocorrelated_accuracies(
     `shared` of that noise's variance common to all OOD testsets (0: OOD testsets independent
     given in-domain accuracy; then every partial correlation is truly 0)."""
     progress = 1.0 - np.exp(-steps / (0.3 * steps[-1] + 1.0))
-    in_domain_accuracy = 0.5 + 0.35 * progress + 0.015 * ar1_noise(rng, len(steps), 1, coefficient)[:, 0]
+    in_domain_accuracy = 0.5 + 0.35 * progress + 0.015 * ar1_noise(rng, (), len(steps), coefficient)
     ood = [t for t in testsets if t != in_domain]
-    own = ar1_noise(rng, len(steps), len(ood), coefficient)
-    common = ar1_noise(rng, len(steps), 1, coefficient)
+    own = ar1_noise(rng, (len(ood),), len(steps), coefficient).T
+    common = ar1_noise(rng, (1,), len(steps), coefficient).T
     noise = np.sqrt(1.0 - shared) * own + np.sqrt(shared) * common
     return _around_in_domain(in_domain_accuracy, testsets, in_domain, 0.02 * noise)
 

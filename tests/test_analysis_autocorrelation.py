@@ -9,11 +9,11 @@ shared component is still found.
 
 import numpy as np
 import pytest
-from fixtures_results import TESTSETS, ar1_noise, autocorrelated_accuracies, write_run
+from fixtures_results import TESTSETS, autocorrelated_accuracies, write_run
 
 from analysis import pairwise_partial_corr, partial_corr
 from analysis.aggregate import all_run_pairs
-from analysis.null_rates import rates
+from analysis.null_rates import ar1_noise, rates
 from analysis.runs import find_runs
 from analysis.stats import effective_sample_size
 
@@ -75,8 +75,8 @@ def test_effective_sample_size_is_bartletts_for_two_ar1_series():
     # Autocorrelations of opposite signs would claim more than n: capped at n.
     assert effective_sample_size(line, np.array([1.0, -1.0, 1.0, -1.0, 1.0])) == 5
     rng = np.random.default_rng(1)
-    noise = ar1_noise(rng, 20000, 2, 0.85)
-    assert effective_sample_size(*noise.T) == pytest.approx(20000 * (1 - 0.85**2) / (1 + 0.85**2), rel=0.05)
+    noise = ar1_noise(rng, (2,), 20000, 0.85)
+    assert effective_sample_size(*noise) == pytest.approx(20000 * (1 - 0.85**2) / (1 + 0.85**2), rel=0.05)
 
 
 def test_negative_lag1_autocorrelations_are_clipped_at_zero():
