@@ -115,8 +115,9 @@ TASK = (
         ("TERM", str(PREEMPTED_EXIT_CODE), False),  # scancel --batch/--full, a CANCEL-mode preemption
         ("HUP", str(PREEMPTED_EXIT_CODE), False),
         ("USR1", "1", False),  # a failure is not retried
+        ("USR1", "137", False),  # killed (out of memory, say) after the warning: not said to have trained no step
     ],
-    ids=["warning", "warning_no_step", "sigterm", "sighup", "failure"],
+    ids=["warning", "warning_no_step", "sigterm", "sighup", "failure", "killed"],
 )
 def test_slurm_script_forwards_signals_and_requeues_after_the_time_limit_warning_only(
     tmp_path, sent, exit_status, requeued
@@ -137,8 +138,7 @@ def test_slurm_script_forwards_signals_and_requeues_after_the_time_limit_warning
     assert scontrol.exists() == requeued
     if requeued:
         assert scontrol.read_text().splitlines() == ["requeue", "7"]
-    if not exit_status:
-        assert "the time-limit warning came but the job trained no step" in stderr
+    assert ("the time-limit warning came but the job trained no step" in stderr) == (not exit_status), stderr
     directives = [line for line in SCRIPTS[0].read_text().splitlines() if line.startswith("#SBATCH")]
     assert {"#SBATCH --signal=B:USR1@600", "#SBATCH --requeue", "#SBATCH --open-mode=append"} <= set(directives)
     assert not [line for line in directives if re.search(r"--(gpus|cpus|gres|time|mem)", line)]
