@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from oodjax.models import flash_attention
-from oodjax.models.layers import attention
+from oodjax.models.flash_attention import attention
 
 SHAPES = {"opt (32 x 80)": (32, 32, 80), "smollm3 (16 x 128, 4 kv)": (16, 4, 128)}
 

@@ -18,7 +18,7 @@ from flax import nnx
 from oodjax import models
 from oodjax.engine import sharding
 from oodjax.models import flash_attention, layers
-from oodjax.models.layers import attention
+from oodjax.models.flash_attention import attention
 from tests.test_lowering_accelerators import on_h100  # noqa: F401  (a fixture)
 
 B, T, N, K, D = 4, 96, 4, 2, 16  # T not a multiple of the kernels' block: padded inside

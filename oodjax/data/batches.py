@@ -17,7 +17,7 @@ leading micro-batch axis; evaluation's batches of several lanes a leading
 lane axis.
 
 Padding changes no prompt's result and makes no NaN: a token attends only
-to earlier tokens of its own non-zero segment (``oodjax.models.layers.attention``),
+to earlier tokens of its own non-zero segment (``oodjax.models.flash_attention.attention``),
 an empty slot is masked by ``valid``, and an empty row still gives its first
 position segment 1, so that no row is all padding.
 """

@@ -104,11 +104,14 @@ def _runs_data(
 ) -> RunsData:
     """The pool of the sets every run scores and each run's own, in ``layout``'s batches. Runs that train also
     get step 0's pool (``make_eval_pool``'s ``like``); a zero-step run's adapters may be loaded, so it has one."""
-    batches = dict(batch_tokens=layout.batch_tokens, row_multiple=layout.batch_shards, row_lengths=layout.row_lengths)
-    pool = make_eval_pool(shared, own, pad_id=pad_id(tokenizer), **batches)
-    first = (
-        pool if train_stream is None else make_eval_pool(shared, own, pad_id=pad_id(tokenizer), like=pool, **batches)
+    batches = dict(
+        batch_tokens=layout.batch_tokens,
+        row_multiple=layout.batch_shards,
+        row_lengths=layout.row_lengths,
+        pad_id=pad_id(tokenizer),
     )
+    pool = make_eval_pool(shared, own, **batches)
+    first = pool if train_stream is None else make_eval_pool(shared, own, like=pool, **batches)
     return RunsData(pool, first_eval_pool=first, train_stream=train_stream, dataset_index=tuple(index))
 
 

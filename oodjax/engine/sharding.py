@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -104,7 +104,9 @@ def shard_batch(batch: Mapping[str, Any], mesh: Mesh, *, batch_axis: int = 0) ->
     return {key: jax.make_array_from_callback(value.shape, where, value.__getitem__) for key, value in arrays.items()}
 
 
-def _arrays(batch: Mapping[str, Any], axis: int, fits: Any, name: str, must: str) -> dict[str, np.ndarray]:
+def _arrays(
+    batch: Mapping[str, Any], axis: int, fits: Callable[[int], bool], name: str, must: str
+) -> dict[str, np.ndarray]:
     """``batch``'s leaves as numpy arrays, each checked to have an ``axis`` whose size ``fits``."""
     arrays = {key: np.asarray(value) for key, value in batch.items()}
     for key, value in arrays.items():

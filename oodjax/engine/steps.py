@@ -396,7 +396,6 @@ def make_train_step(
     With a ``mesh``, pass ``base_state`` and ``state`` (or their shapes): pinning the shardings in and out
     keeps XLA from spelling an equivalent sharding differently and recompiling every step.
     """
-
     step = functools.partial(
         train_step,
         graphdef=graphdef,
@@ -435,7 +434,6 @@ def make_eval_step(
     ``batch`` leaves are [B, S], shared by all runs, or [R, B, S]: run r scores its own examples. It
     compiles once per batch shape.
     """
-
     step = functools.partial(eval_step, graphdef=graphdef, yes_id=yes_id, no_id=no_id, compute_dtype=compute_dtype)
     if mesh is None:
         return jax.jit(step)

@@ -22,8 +22,7 @@ import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from oodjax.models.flash_attention import ATTENTION_OUTPUT, soft_cap
-from oodjax.models.flash_attention import attention as attention  # also imported from here
+from oodjax.models.flash_attention import ATTENTION_OUTPUT, attention, soft_cap
 from oodjax.models.partitioning import HIDDEN, MLP_HIDDEN, constrain
 from oodjax.models.rope import apply_rope
 

@@ -140,8 +140,8 @@ class OPTDecoder(nnx.Module):
         self.project_in = nnx.data(Linear(proj, width, axes=("word_embed", "embed"), **linear) if projected else None)
         self.project_out = nnx.data(Linear(width, proj, axes=("embed", "word_embed"), **linear) if projected else None)
         has_final_norm = config.do_layer_norm_before and not config.remove_final_layer_norm
-        norm = LayerNorm(width, eps=1e-5, elementwise_affine=config.layer_norm_elementwise_affine, dtype=dtype)
-        self.final_layer_norm = nnx.data(norm if has_final_norm else None)
+        norm = dict(eps=1e-5, elementwise_affine=config.layer_norm_elementwise_affine, dtype=dtype)
+        self.final_layer_norm = nnx.data(LayerNorm(width, **norm) if has_final_norm else None)
         self.layers = stacked_layers(
             lambda rngs: OPTDecoderLayer(config, dtype=dtype, rngs=rngs), config.num_hidden_layers, rngs
         )
