@@ -2,13 +2,15 @@
 
 Runs of one model and training set (seeds x shot counts) are replicates, so
 their correlations are averaged on the Fisher z scale, each r capped at
-|r| <= MAX_ABS_R first: r = tanh(mean z), a
-95% t interval across runs, tanh(mean z +- t_{0.975, m-1} sd(z) / sqrt(m)),
-and p from the one-sample t test of mean z = 0 over the m runs. The mean z
-and its standard error sd(z) / sqrt(m) are kept (z, z_se): they are the
-model's estimate and the root of its within-model variance in the
-meta-analysis across models (meta.py), with that variance's degrees of
-freedom m - 1 (z_dof). Runs agree in sign when their r have
+|r| <= MAX_ABS_R first: r = tanh(mean z). Runs of one seed are correlated
+(they share their LoRA initialisation and dropout keys): the mean's variance
+is seeds.clustered_variance of the runs' z with the within-seed correlation
+rho pooled over every pair, model and training set (seed_corr, seeds.py),
+on its degrees of freedom z_dof (m - 1 when rho is 0 or every seed has one
+run); a 95% t interval tanh(mean z +- t_{0.975, z_dof} z_se) and p from the
+t test of mean z = 0 on it. The mean z and its standard error are kept (z,
+z_se): the model's estimate and the root of its within-model variance in
+the meta-analysis across models (meta.py). Runs agree in sign when their r have
 the same sign; n_positive and n_negative count them. Adjusted p-values treat
 the pairs of one (model, training set) as one family.
 """
@@ -23,6 +25,7 @@ from analysis import schema
 from analysis.naming import ModelInfo
 from analysis.padjust import adjust_pvalues
 from analysis.runs import ResultsError, RunRecord, read_metrics
+from analysis.seeds import anova_tables, clustered_variance, seed_correlation
 from analysis.stats import CONFIDENCE, PAIR_COLUMNS, pairwise_partial_corr
 
 RUN_ID_COLUMNS = ("model", "train_set", "seed", "shots", "run")
@@ -33,6 +36,7 @@ GROUP_STAT_COLUMNS = (
     "z",
     "z_se",
     "z_dof",
+    "seed_corr",
     "ci_low",
     "ci_high",
     "p",
@@ -84,20 +88,27 @@ def all_run_pairs(runs: list[RunRecord], **options) -> pd.DataFrame:
 
 def combine_runs(pairs: pd.DataFrame, padjust: str = "holm") -> pd.DataFrame:
     """One row per (model, training set, pair) combining its runs' r (see module docstring)."""
+    rho = seed_correlation(within_seed_tables(pairs))
     rows = []
     for (model, train_set), group in pairs.groupby(list(GROUP_COLUMNS), sort=False):
         group = in_first_seen_order(group)
         family = []
         for (x, y), runs in group.groupby(["x", "y"], sort=False):
             family.append(
-                {"model": model, "train_set": train_set, "x": x, "y": y}
-                | _combine(runs["r"].to_numpy(), runs["reason"])
+                {"model": model, "train_set": train_set, "x": x, "y": y, "seed_corr": rho}
+                | _combine(runs["r"].to_numpy(), runs["seed"].to_numpy(), runs["reason"], rho)
             )
         family = pd.DataFrame(family)
         family["p_adj"] = adjust_pvalues(family["p"].to_numpy(), padjust)
         rows.append(family)
     combined = pd.concat(rows, ignore_index=True)
     return combined[list(GROUP_COLUMNS) + ["x", "y"] + list(GROUP_STAT_COLUMNS)]
+
+
+def within_seed_tables(pairs: pd.DataFrame) -> pd.DataFrame:
+    """seeds.anova_tables of the runs' z per model, training set and pair (either order of x and y)."""
+    ordered = in_first_seen_order(pairs)
+    return anova_tables(ordered.assign(z=fisher_z(ordered["r"].to_numpy(dtype=float))), [*GROUP_COLUMNS, "x", "y"])
 
 
 def summarise_by_model(groups: pd.DataFrame, models: Mapping[str, ModelInfo]) -> pd.DataFrame:
@@ -198,10 +209,11 @@ def mean_on_z_scale(r: np.ndarray) -> float:
     return float(np.tanh(fisher_z(r).mean()))
 
 
-def _combine(r: np.ndarray, reasons: pd.Series) -> dict:
-    """The combination of one pair's r over runs; `reasons` are the runs' reasons for NaN r,
-    repeated in the pair's reason when no run has an r."""
+def _combine(r: np.ndarray, seeds: np.ndarray, reasons: pd.Series, rho: float) -> dict:
+    """The combination of one pair's r over runs of `seeds`, runs of one seed correlated at `rho`;
+    `reasons` are the runs' reasons for NaN r, repeated in the pair's reason when no run has an r."""
     undefined = reasons[np.isnan(r)].value_counts()
+    seeds = seeds[~np.isnan(r)]
     r = r[~np.isnan(r)]
     m = r.size
     result = {
@@ -224,12 +236,13 @@ def _combine(r: np.ndarray, reasons: pd.Series) -> dict:
     result["r"] = float(np.tanh(mean))
     if m < 2:
         return result | {"reason": "one run: no interval across runs"}
-    result["z_se"] = se = float(z.std(ddof=1) / np.sqrt(m))
-    result["z_dof"] = m - 1
+    variance, dof = clustered_variance(z, seeds, rho)
+    result["z_se"] = se = float(np.sqrt(variance))
+    result["z_dof"] = dof
     if se == 0:
         return result | {"reason": "identical r in every run: no interval across runs"}
-    half_width = scipy.stats.t.ppf(0.5 + CONFIDENCE / 2, m - 1) * se
+    half_width = scipy.stats.t.ppf(0.5 + CONFIDENCE / 2, dof) * se
     result["ci_low"] = float(np.tanh(mean - half_width))
     result["ci_high"] = float(np.tanh(mean + half_width))
-    result["p"] = float(scipy.stats.ttest_1samp(z, 0.0).pvalue)
+    result["p"] = float(2.0 * scipy.stats.t.sf(abs(mean) / se, dof))
     return result

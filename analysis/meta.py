@@ -77,6 +77,7 @@ import scipy.stats
 from analysis.aggregate import GROUP_COLUMNS, fisher_z, in_first_seen_order
 from analysis.naming import ModelInfo
 from analysis.padjust import adjust_pvalues
+from analysis.seeds import SEED, anova_tables, clustered_variance, seed_correlation
 from analysis.stats import CONFIDENCE
 
 REML = "reml"
@@ -87,12 +88,21 @@ ESTIMATOR_NAMES = {REML: "REML", PAULE_MANDEL: "Paule-Mandel", DERSIMONIAN_LAIRD
 
 # The scope of a meta-analysis over the models of every training set together.
 ALL_TRAIN_SETS = "all training sets"
+# The parametric bootstrap of the heterogeneity statistics: draws per pair, and the seed of every pair's draws.
+BOOTSTRAP_DRAWS = 999
+BOOTSTRAP_SEED = 20240601
+# The |r| below which a pooled or predicted correlation is no trend: an interval within
+# (-TREND_MARGIN, TREND_MARGIN) excludes a trend, one beyond 0 shows one (`trend`).
+TREND_MARGIN = 0.1
+TRENDS = ("positive", "negative", "none", "undetermined")
 # Fewer common (seed, shots) than this between two training sets of a model estimate no
 # correlation between them: their runs are pooled as unpaired.
 MIN_PAIRED_RUNS = 3
 # What identifies a run within a model and training set: runs of two training sets that
 # share it are paired.
 PAIRING_COLUMNS = ("seed", "shots")
+# A paired variance resting on fewer common (seed, shots) than this says so in the member's reason.
+MIN_SOLID_PAIRS = 6
 
 POOLED_COLUMNS = (
     "scope",
@@ -112,8 +122,10 @@ POOLED_COLUMNS = (
     "welch_p",
     "welch_p_adj",
     "q_p",
-    "q_p_adj",
     "n_agree",
+    "trend",
+    "trend_new_model",
+    "primary",
     "n_left_out",
     "reason",
 )
@@ -130,6 +142,7 @@ MEMBER_COLUMNS = (
     "z",
     "z_se",
     "paired_corr",
+    "seed_corr",
     "weight",
     "reason",
 )
@@ -208,12 +221,45 @@ def welch_test(effects: np.ndarray, variances: np.ndarray, counts: np.ndarray) -
     L = sum (1 - w_i / sum w)^2 / (m_i - 1), on k - 1 and (k^2 - 1) / (3 L) degrees of
     freedom, Q weighted by w_i = 1 / v_i about the weighted mean."""
     y, v = np.asarray(effects, dtype=float), np.asarray(variances, dtype=float)
-    m = np.asarray(counts, dtype=float)
-    k, w = y.size, 1.0 / v
-    spread = _weighted_squares(y, w) / (k - 1)
-    uncertainty = np.sum((1.0 - w / w.sum()) ** 2 / (m - 1.0))
-    statistic = spread / (1.0 + 2.0 * (k - 2) * uncertainty / (k**2 - 1))
+    k = y.size
+    statistic, uncertainty = _welch_statistic(y, v, np.asarray(counts, dtype=float) - 1.0)
     return float(scipy.stats.f.sf(statistic, k - 1, (k**2 - 1) / (3.0 * uncertainty)))
+
+
+def bootstrap_heterogeneity(
+    effects: np.ndarray, variances: np.ndarray, dof: np.ndarray, *, draws: int = BOOTSTRAP_DRAWS
+) -> tuple[float, float]:
+    """Welch's p by a parametric bootstrap, and Q's expectation under homogeneity, for effects whose
+    variances are estimated on `dof` degrees of freedom each.
+
+    Each draw makes the models equal (every effect the fixed-effect mean, plus normal noise of its
+    variance) and re-estimates each variance as v chi^2_dof / dof: p is the share of draws, the
+    observed counted in, whose Welch statistic reaches the observed one (Welch's F approximation
+    rejects about 1.8 times too often at Holm's first threshold 0.05 / 21). Seeded
+    (BOOTSTRAP_SEED), so an analysis gives the same p every time; vectorised over draws.
+    """
+    y, v, d = (np.asarray(a, dtype=float) for a in (effects, variances, dof))
+    rng = np.random.default_rng(BOOTSTRAP_SEED)
+    w = 1.0 / v
+    centre = w @ y / w.sum()
+    drawn_y = centre + np.sqrt(v) * rng.standard_normal((draws, y.size))
+    drawn_v = v * rng.chisquare(d, size=(draws, y.size)) / d
+    observed, _ = _welch_statistic(y, v, d)
+    statistics, _ = _welch_statistic(drawn_y, drawn_v, d)
+    drawn_w = 1.0 / drawn_v
+    drawn_mu = np.sum(drawn_w * drawn_y, axis=-1, keepdims=True) / drawn_w.sum(axis=-1, keepdims=True)
+    drawn_q = np.sum(drawn_w * (drawn_y - drawn_mu) ** 2, axis=-1)
+    return float((1 + np.sum(statistics >= observed)) / (draws + 1)), float(drawn_q.mean())
+
+
+def _welch_statistic(y: np.ndarray, v: np.ndarray, dof: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Welch's F statistic over the last axis of effects `y` with variances `v` on `dof` degrees of
+    freedom (welch_test), and its L."""
+    k, w = y.shape[-1], 1.0 / v
+    mu = np.sum(w * y, axis=-1, keepdims=True) / w.sum(axis=-1, keepdims=True)
+    spread = np.sum(w * (y - mu) ** 2, axis=-1) / (k - 1)
+    uncertainty = np.sum((1.0 - w / w.sum(axis=-1, keepdims=True)) ** 2 / dof, axis=-1)
+    return spread / (1.0 + 2.0 * (k - 2) * uncertainty / (k**2 - 1)), uncertainty
 
 
 def meta_analyse(
@@ -238,17 +284,19 @@ def meta_analyse(
     groups = in_first_seen_order(groups)
     train_sets = list(dict.fromkeys(groups["train_set"]))
     scopes = {name: groups[groups["train_set"] == name].assign(paired_corr=np.nan) for name in train_sets}
-    if len(train_sets) > 1:
-        scopes[ALL_TRAIN_SETS] = per_model(groups, runs)
+    shared = groups.groupby(["x", "y"], sort=False)["train_set"].transform("nunique") == len(train_sets)
+    if len(train_sets) > 1 and shared.any():
+        scopes[ALL_TRAIN_SETS] = per_model(groups[shared], runs)
+    primary = primary_scope(train_sets)
     pooled, members = [], []
     for scope, scoped in scopes.items():
         rows = []
         for (x, y), pair in _ordered(scoped, models).groupby(["x", "y"], sort=False):
             row, weights = _combine_models(pair, estimator)
-            rows.append({"scope": scope, "x": x, "y": y} | row)
+            rows.append({"scope": scope, "x": x, "y": y} | row | {"primary": scope == primary})
             members.append(pair.assign(scope=scope, weight=weights)[list(MEMBER_COLUMNS)])
         family = pd.DataFrame(rows)
-        for column in ("p", "welch_p", "q_p"):
+        for column in ("p", "welch_p"):
             family[f"{column}_adj"] = adjust_pvalues(family[column].to_numpy(), padjust)
         pooled.append(family)
     return (
@@ -257,21 +305,72 @@ def meta_analyse(
     )
 
 
+def primary_scope(train_sets: list[str]) -> str:
+    """The scope whose pairs are the study's one family of tests: every training set together
+    (ALL_TRAIN_SETS, the pairs that every training set defines) when there are several, else the one."""
+    return ALL_TRAIN_SETS if len(train_sets) > 1 else train_sets[0]
+
+
+def trend(low: float, high: float) -> str:
+    """What an interval of r says of a trend (TRENDS): positive or negative where it excludes 0,
+    none where it lies within +-TREND_MARGIN, undetermined otherwise (or undefined)."""
+    if low > 0.0:
+        return "positive"
+    if high < 0.0:
+        return "negative"
+    if -TREND_MARGIN < low and high < TREND_MARGIN:
+        return "none"
+    return "undetermined"
+
+
+def trend_summary(pooled: pd.DataFrame) -> str:
+    """One sentence on the primary scope's pairs: how many show a trend, or exclude one, by their
+    pooled and prediction intervals (never by a p above a threshold)."""
+    primary = pooled[pooled["primary"]]
+    if primary.empty:
+        return ""
+    pooled_counts = primary["trend"].value_counts()
+    new_counts = primary["trend_new_model"].value_counts()
+
+    def counted(counts: pd.Series) -> str:
+        return ", ".join(f"{counts.get(name, 0)} {name}" for name in TRENDS)
+
+    return (
+        f"Primary scope ({primary['scope'].iloc[0]}, {len(primary)} pairs, adjusted together): by the pooled "
+        f"95% interval, {counted(pooled_counts)} (none: every |r| of {TREND_MARGIN} or more excluded, "
+        f"the only ground for 'no overarching trend'); by the 95% prediction interval for a new model, "
+        f"{counted(new_counts)}."
+    )
+
+
 def per_model(groups: pd.DataFrame, runs: pd.DataFrame) -> pd.DataFrame:
     """`groups` (combine_runs' rows) with each model's training sets combined into one row per pair,
     its train_set ALL_TRAIN_SETS (module docstring): z the mean of the training sets' z, z_se the
     root of its paired or unpaired variance with degrees of freedom z_dof, paired_corr the
     training sets' estimated correlation (the mean over pairs of sets when more than two; NaN
-    when unpaired), n_runs their runs; r and the t interval from them.
+    when unpaired), seed_corr the within-seed correlation of the paired averages (pooled over
+    models and pairs), n_runs their runs; r and the t interval from them.
     `runs` are the run-level rows whose seed and shots pair the training sets' runs.
     Training sets without a within-model variance are left out of the mean; a model with none
     keeps one row without an estimate, its training sets' reasons joined."""
     run_z = _run_z_by_pair(runs)
     column = {name: groups[name].to_numpy() for name in ("train_set", "z", "z_se", "z_dof", "n_runs", "reason")}
-    rows = []
     indices = groups.groupby(["model", "x", "y"], sort=False).indices
+    members = []
     for (model, x, y), at in sorted(indices.items(), key=lambda item: item[1][0]):
         usable = at[column["z_se"][at] > 0]  # NaN (undefined, one run) compares False
+        train_sets, keys, paired = run_z.get((model, *sorted((x, y))), ([], None, None))
+        if paired is not None and usable.size:
+            paired = paired[:, [train_sets.index(name) for name in column["train_set"][usable]]]
+        members.append((model, x, y, at, usable, keys, paired))
+    averages = [
+        pd.DataFrame({"model": model, "x": x, "y": y, "z": paired.mean(axis=1)}, index=keys).reset_index()
+        for model, x, y, _, usable, keys, paired in members
+        if _fully_paired(usable, paired)
+    ]
+    rho = seed_correlation(anova_tables(pd.concat(averages), ["model", "x", "y"])) if averages else np.nan
+    rows = []
+    for model, x, y, at, usable, keys, paired in members:
         row = {"model": model, "train_set": ALL_TRAIN_SETS, "x": x, "y": y, "n_runs": int(column["n_runs"][at].sum())}
         if usable.size == 0:
             reasons = "; ".join(
@@ -279,15 +378,18 @@ def per_model(groups: pd.DataFrame, runs: pd.DataFrame) -> pd.DataFrame:
             )
             rows.append(row | {"reason": f"no training set with a variance across runs ({reasons})"})
             continue
-        train_sets, paired = run_z.get((model, *sorted((x, y))), ([], None))
-        if paired is not None:
-            paired = paired[:, [train_sets.index(name) for name in column["train_set"][usable]]]
-        v, dof, corr = _pooled_variance(column["z_se"][usable] ** 2, column["z_dof"][usable].astype(float), paired)
-        row |= {"z": float(column["z"][usable].mean()), "z_se": float(np.sqrt(v)), "z_dof": dof, "paired_corr": corr}
-        rows.append(row | {"reason": ""})
-    combined = pd.DataFrame(
-        rows, columns=["model", "train_set", "x", "y", "n_runs", "z", "z_se", "z_dof", "paired_corr", "reason"]
-    )
+        v, dof = column["z_se"][usable] ** 2, column["z_dof"][usable].astype(float)
+        if _fully_paired(usable, paired):
+            assert paired is not None and keys is not None
+            variance, dof_total = clustered_variance(paired.mean(axis=1), keys.get_level_values(SEED).to_numpy(), rho)
+            corr, common = _mean_paired_correlation(paired), len(paired)
+            row |= {"seed_corr": rho}
+        else:
+            variance, dof_total, corr, common = _pooled_variance(v, dof, paired)
+        row |= {"z": float(column["z"][usable].mean()), "z_se": float(np.sqrt(variance)), "z_dof": dof_total}
+        few = f"variance from {common} paired runs (fewer than {MIN_SOLID_PAIRS})" if common < MIN_SOLID_PAIRS else ""
+        rows.append(row | {"paired_corr": corr, "reason": few})
+    combined = pd.DataFrame(rows, columns=["model", "train_set", "x", "y", "n_runs", *_PER_MODEL_STATS, "reason"])
     half_width = scipy.stats.t.ppf(0.5 + CONFIDENCE / 2, combined["z_dof"]) * combined["z_se"]
     return combined.assign(
         r=np.tanh(combined["z"]),
@@ -296,10 +398,27 @@ def per_model(groups: pd.DataFrame, runs: pd.DataFrame) -> pd.DataFrame:
     )
 
 
-def _run_z_by_pair(runs: pd.DataFrame) -> dict[tuple[str, str, str], tuple[list[str], np.ndarray]]:
-    """Each (model, x, y)'s run z (as combine_runs takes them): the training sets, and a matrix of one
-    row per (seed, shots) and one column per training set, NaN where a run leaves the pair undefined
-    or is missing; x and y sorted, since r is symmetric."""
+_PER_MODEL_STATS = ("z", "z_se", "z_dof", "paired_corr", "seed_corr")
+
+
+def _fully_paired(usable: np.ndarray, paired: np.ndarray | None) -> bool:
+    """Whether every run of two or more training sets has its (seed, shots) in each of them."""
+    return paired is not None and usable.size >= 2 and bool(np.isfinite(paired).all()) and len(paired) >= 2
+
+
+def _mean_paired_correlation(paired: np.ndarray) -> float:
+    """The mean over pairs of training sets of their run z's correlation (NaN where one is constant)."""
+    correlations = [
+        float(np.corrcoef(paired[:, s], paired[:, u])[0, 1]) if np.ptp(paired[:, [s, u]], axis=0).min() > 0 else np.nan
+        for s, u in itertools.combinations(range(paired.shape[1]), 2)
+    ]
+    return float(np.mean(correlations))
+
+
+def _run_z_by_pair(runs: pd.DataFrame) -> dict[tuple[str, str, str], tuple[list[str], pd.MultiIndex, np.ndarray]]:
+    """Each (model, x, y)'s run z (as combine_runs takes them): the training sets, the (seed, shots) of
+    each row, and a matrix of one row per (seed, shots) and one column per training set, NaN where a
+    run leaves the pair undefined or is missing; x and y sorted, since r is symmetric."""
     in_order = runs["x"] <= runs["y"]
     low, high = runs["x"].where(in_order, runs["y"]), runs["y"].where(in_order, runs["x"])
     z = fisher_z(runs["r"].to_numpy(dtype=float))
@@ -308,19 +427,24 @@ def _run_z_by_pair(runs: pd.DataFrame) -> dict[tuple[str, str, str], tuple[list[
     codes, uniques = pd.factorize(table.index.droplevel(list(PAIRING_COLUMNS)))
     starts = np.flatnonzero(np.diff(codes, prepend=-1))
     values, train_sets = table.to_numpy(), list(table.columns)
+    pairing = table.index.droplevel(["model", "low", "high"])
     return {
-        uniques[codes[start]]: (train_sets, values[start:end]) for start, end in zip(starts, [*starts[1:], len(codes)])
+        uniques[codes[start]]: (train_sets, pairing[start:end], values[start:end])
+        for start, end in zip(starts, [*starts[1:], len(codes)])
     }
 
 
-def _pooled_variance(v: np.ndarray, dof: np.ndarray, paired: np.ndarray | None) -> tuple[float, float, float]:
+def _pooled_variance(
+    v: np.ndarray, dof: np.ndarray, paired: np.ndarray | None
+) -> tuple[float, float, float, float]:
     """The variance of the mean of training sets' z whose variances are `v` on `dof` degrees of
-    freedom, its degrees of freedom, and the training sets' mean paired correlation (module
-    docstring); `paired` holds their run z, one row per (seed, shots), one column per training
-    set. Unpaired (fewer than MIN_PAIRED_RUNS common runs for some two sets, or one set):
-    sum v / T^2 on Welch-Satterthwaite's degrees of freedom, correlation NaN."""
+    freedom where their runs are partly paired, its degrees of freedom, the training sets' mean
+    paired correlation and the fewest common runs (module docstring); `paired` holds their run z,
+    one row per (seed, shots), one column per training set. Unpaired (fewer than MIN_PAIRED_RUNS
+    common runs for some two sets, or one set): sum v / T^2 on Welch-Satterthwaite's degrees of
+    freedom, correlation NaN, and inf common runs."""
     t = v.size
-    unpaired = float(v.sum() / t**2), float(v.sum() ** 2 / np.sum(v**2 / dof)), np.nan
+    unpaired = float(v.sum() / t**2), float(v.sum() ** 2 / np.sum(v**2 / dof)), np.nan, np.inf
     if t < 2 or paired is None:
         return unpaired
     counts = np.isfinite(paired).sum(axis=0)
@@ -333,7 +457,7 @@ def _pooled_variance(v: np.ndarray, dof: np.ndarray, paired: np.ndarray | None) 
         total += 2 * corr * np.sqrt(v[s] * v[u]) * len(common) / np.sqrt(counts[s] * counts[u])
         correlations.append(corr)
         common_counts.append(len(common))
-    return float(total / t**2), float(min(common_counts) - 1), float(np.mean(correlations))
+    return float(total / t**2), float(min(common_counts) - 1), float(np.mean(correlations)), min(common_counts)
 
 
 def _combine_models(pair: pd.DataFrame, estimator: str) -> tuple[dict, np.ndarray]:
@@ -342,6 +466,8 @@ def _combine_models(pair: pd.DataFrame, estimator: str) -> tuple[dict, np.ndarra
     usable = (pair["z_se"] > 0).to_numpy()  # NaN (undefined, one run) compares False
     weights = np.full(len(pair), np.nan)
     row = dict.fromkeys(POOLED_COLUMNS[3:], np.nan) | {
+        "trend": "undetermined",
+        "trend_new_model": "undetermined",
         "k": int(usable.sum()),
         "n_left_out": int((~usable).sum()),
         "reason": "",
@@ -350,6 +476,7 @@ def _combine_models(pair: pd.DataFrame, estimator: str) -> tuple[dict, np.ndarra
         return row | {"reason": f"{row['k']} model(s) with a variance across runs: a meta-analysis needs two"}, weights
     z, variances = pair["z"].to_numpy()[usable], pair["z_se"].to_numpy()[usable] ** 2
     result = random_effects(z, variances, estimator=estimator)
+    welch_p, expected_q = bootstrap_heterogeneity(z, variances, pair["z_dof"].to_numpy()[usable])
     weights[usable] = result.weights
     row |= {
         "r": np.tanh(result.mu),
@@ -359,11 +486,13 @@ def _combine_models(pair: pd.DataFrame, estimator: str) -> tuple[dict, np.ndarra
         "pi_low": np.tanh(result.pi_low),
         "pi_high": np.tanh(result.pi_high),
         "tau2": result.tau2,
-        "i2": result.i2,
+        "i2": max(0.0, (result.q - expected_q) / result.q) if result.q > 0 else 0.0,
         "q": result.q,
         "q_p": result.q_p,
-        "welch_p": welch_test(z, variances, pair["z_dof"].to_numpy()[usable] + 1.0),
+        "welch_p": welch_p,
         "n_agree": int((np.sign(z) == np.sign(result.mu)).sum()),
+        "trend": trend(np.tanh(result.ci_low), np.tanh(result.ci_high)),
+        "trend_new_model": trend(np.tanh(result.pi_low), np.tanh(result.pi_high)),
     }
     if result.k < 3:
         row["reason"] = "two models: no prediction interval (needs three)"

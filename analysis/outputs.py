@@ -25,15 +25,16 @@ from analysis.aggregate import (
     run_means,
     summarise_by_model,
 )
-from analysis.meta import ALL_TRAIN_SETS, ESTIMATOR_NAMES, meta_analyse
+from analysis.meta import ALL_TRAIN_SETS, ESTIMATOR_NAMES, meta_analyse, trend_summary
 from analysis.naming import ModelInfo, display_name, slug, unique_stems
 from analysis.residualise import RESIDUALISERS
 from analysis.runs import FLAT_MAX_RANGE, FLAT_MIN_DISTINCT, ResultsError, RunRecord, accuracy_table
-from analysis.sensitivity import SENSITIVE, by_shot_count, compare_residualisers, summarise_changes
+from analysis.sensitivity import SENSITIVE, by_shot_count, compare_residualisers, shot_counts, summarise_changes
 
 CSV_NAME = "partial_correlations.csv"
 META_CSV_NAME = "meta_analysis.csv"
 SENSITIVITY_CSV_NAME = "residualiser_sensitivity.csv"
+SHOT_COUNTS_CSV_NAME = "shot_counts.csv"
 TABLE_DIR = "tables"
 FIGURE_DIR = "figures"
 # accuracies.csv and accuracies.parquet: every accuracy of every run, long form.
@@ -54,7 +55,8 @@ CSV_COLUMNS = (
 # (level "model"), under the chosen residualiser and tau^2 estimator.
 META_CSV_COLUMNS = (
     *"level residualiser estimator scope model train_set x y k n_runs r ci_low ci_high p p_adj pi_low".split(),
-    *"pi_high tau2 i2 q welch_p welch_p_adj q_p q_p_adj n_agree n_left_out z z_se paired_corr weight".split(),
+    *"pi_high tau2 i2 q welch_p welch_p_adj q_p n_agree trend trend_new_model primary n_left_out z z_se".split(),
+    *"z_dof paired_corr seed_corr weight".split(),
     SENSITIVE,
     "reason",
 )
@@ -91,13 +93,14 @@ def assumptions(runs: list[RunRecord]) -> str:
         "Run-level p-values are approximate: a run's test uses Bartlett's effective sample size, the "
         "smaller of its AR(1) form and its sum over the first n/5 lags of the residuals' autocorrelations. "
         "The runs of a model and training set (here "
-        f"{seeds} seed(s) x {shots} shot count(s)) are treated as exchangeable replicates: their Fisher z are "
-        "averaged and tested across runs (the table by shot count shows whether the shot count moves the "
-        "mean r). Over every training set, a model's training sets are averaged; where their runs are "
-        "paired by seed and shot count, the variance comes from the paired averages (m - 1 degrees of "
-        "freedom), otherwise from the training sets' variances as independent. Cochran's Q's p is "
-        "anti-conservative with within-model variances estimated from runs, so Welch's test of equal "
-        "means is reported beside it and first; both are adjusted across the pairs of a scope."
+        f"{seeds} seed(s) x {shots} shot count(s)) are averaged on the Fisher z scale, runs of one seed "
+        "correlated (they start alike): the mean's variance allows for the within-seed correlation, pooled "
+        "over pairs and models (seed_corr in meta_analysis.csv); shot_counts.csv tests the shot effect per "
+        "pair. Over every training set, a model's training sets are averaged; where their runs are "
+        "paired by seed and shot count, the variance comes from the paired averages, otherwise from the "
+        "training sets' variances as independent. Welch's test of equal models takes its p from a "
+        "parametric bootstrap, adjusted across the pairs of a scope; Cochran's Q is descriptive. The primary "
+        "scope is every training set together, over the pairs every training set defines."
     )
 
 
@@ -237,7 +240,9 @@ def write_analysis(
     )
     document = table_dir / "tables.tex"
     document.write_text(
-        tables.standalone_document([p.name for p in table_files], tables.latex_escape(assumptions(runs)))
+        tables.standalone_document(
+            [p.name for p in table_files], tables.latex_escape(" ".join([assumptions(runs), trend_summary(pooled)]))
+        )
     )
     return written + table_files + [document], per_group["p"].notna().any()
 
@@ -284,11 +289,11 @@ def _write_meta_analysis(
         caption = (
             f"Random-effects meta-analysis across models of each OOD pair's partial "
             f"correlation, {tables.latex_escape(where)}: {len(keys)} models, each its runs' mean Fisher $z$ "
-            f"with variance $s^2_z/m$ over its $m$ runs"
+            f"with the variance of a mean over its $m$ runs, runs of one seed correlated"
             f"{PAIRED_NOTE if everything else ''}; pooled $r$ with {estimator} $\\tau^2$ "
             f"(Fisher $z$ scale) and HKSJ 95\\% CI; PI: 95\\% prediction interval for a new "
-            f"model; Welch's $p$ for equal means, then Cochran's $Q$ with its $\\chi^2$ $p$ (which runs "
-            f"high with variances estimated from runs), both adjusted over the pairs ({padjust}); "
+            f"model; Welch's bootstrap $p$ for equal models adjusted over the pairs ({padjust}); "
+            f"$I^2$ from $Q$ against its bootstrap expectation under equal models; "
             f"Agree: models whose $r$ has the pooled sign; {description}; "
             f"{_extent(scope_runs)}. {tables.SIGNIFICANCE_NOTE} ({padjust} over pairs)."
         )
@@ -376,6 +381,12 @@ def _write_csvs(
             estimator=args.tau2_estimator,
         ),
         _write_levels(directory / SENSITIVITY_CSV_NAME, {"group": group_changes, "pooled": pooled_changes}),
+        _write_levels(
+            directory / SHOT_COUNTS_CSV_NAME,
+            {"shots": shot_counts(per_run, args.padjust)},
+            counts=("shots", "n_runs"),
+            residualiser=args.residualiser,
+        ),
     ]
 
 

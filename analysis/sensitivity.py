@@ -10,17 +10,32 @@ the chosen one, and marks the results that change under the other: r
 changes sign, the result is significant (adjusted p < SIGNIFICANCE) under
 one residualiser only, or it is defined under one only.
 
-The runs of a model and training set (seeds x shot counts) are combined as
-exchangeable replicates; `by_shot_count` shows the mean r per shot count, so
-that a reader sees whether the shot count moves it.
+The runs of a model and training set (seeds x shot counts) are combined over
+shot counts; `by_shot_count` shows the mean r per shot count, so that a reader
+sees whether the shot count moves it, and `shot_counts` gives every pair's r
+per shot count with its interval across seeds beside a test of the shot
+effect within the model: the F test of shots in the seeds x shots analysis
+of variance of run z (seeds.anova_tables; seeds a block, so same-seed runs
+being alike does not count as a shot effect), adjusted across the pairs of
+a model and training set. A mean over pairs (the per-shot table) lets a shot
+effect that flips some pairs cancel; this does not.
 """
 
 from collections.abc import Mapping, Sequence
 
 import numpy as np
 import pandas as pd
+import scipy.stats
 
-from analysis.aggregate import GROUP_COLUMNS, SIGNIFICANCE, in_first_seen_order, mean_on_z_scale
+from analysis.aggregate import GROUP_COLUMNS, SIGNIFICANCE, fisher_z, in_first_seen_order, mean_on_z_scale
+from analysis.padjust import adjust_pvalues
+from analysis.seeds import anova_tables
+from analysis.stats import CONFIDENCE
+
+SHOT_COUNT_COLUMNS = (
+    *GROUP_COLUMNS,
+    *"x y shots n_runs r ci_low ci_high shot_f shot_dof_error shot_p shot_p_adj".split(),
+)
 
 CHANGES = ("sign_changes", "significance_changes", "definition_changes")
 # True where any of CHANGES holds: the mark (a dagger) in tables and figures.
@@ -88,3 +103,31 @@ def by_shot_count(per_run: pd.DataFrame) -> pd.DataFrame:
     order = {key: i for i, key in enumerate(dict.fromkeys(zip(per_run["model"], per_run["train_set"])))}
     rank = [order[key] for key in zip(table["model"], table["train_set"])]
     return table.assign(rank=rank).sort_values(["rank", "shots"], kind="stable").drop(columns="rank")
+
+
+def shot_counts(per_run: pd.DataFrame, padjust: str = "holm") -> pd.DataFrame:
+    """Per model, training set, pair and shot count (SHOT_COUNT_COLUMNS): the runs, r = tanh of their
+    mean z with its 95% t interval across seeds (NaN with fewer than two), and the pair's test of the
+    shot effect (module docstring; NaN where the runs fill no complete seeds x shots table), its p
+    adjusted (`padjust`) across the pairs of the model and training set."""
+    keys = [*GROUP_COLUMNS, "x", "y"]
+    defined = in_first_seen_order(per_run.dropna(subset=["r"]))
+    defined = defined.assign(z=fisher_z(defined["r"].to_numpy(dtype=float)))
+    cells = defined.groupby([*keys, "shots"], sort=False)["z"].agg(["size", "mean", "std"]).reset_index()
+    half_width = scipy.stats.t.ppf(0.5 + CONFIDENCE / 2, cells["size"] - 1) * cells["std"] / np.sqrt(cells["size"])
+    cells = cells.assign(
+        n_runs=cells["size"],
+        r=np.tanh(cells["mean"]),
+        ci_low=np.tanh(cells["mean"] - half_width),
+        ci_high=np.tanh(cells["mean"] + half_width),
+    )
+    tables = anova_tables(defined, keys)
+    error_dof = (tables["n_seeds"] - 1) * (tables["n_shots"] - 1)
+    ratio = (tables["ss_shots"] / (tables["n_shots"] - 1)) / (tables["ss_error"] / error_dof)
+    tests = tables[keys].assign(
+        shot_f=ratio, shot_dof_error=error_dof, shot_p=scipy.stats.f.sf(ratio, tables["n_shots"] - 1, error_dof)
+    )
+    tests["shot_p_adj"] = tests.groupby(list(GROUP_COLUMNS), sort=False)["shot_p"].transform(
+        lambda p: adjust_pvalues(p.to_numpy(), padjust)
+    )
+    return cells.merge(tests, on=keys, how="left")[list(SHOT_COUNT_COLUMNS)]

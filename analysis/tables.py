@@ -44,6 +44,13 @@ SENSITIVE_MARK = r"\dagger"
 # Marks a combined r without a test across runs: fewer than two runs define it, or all have the same r.
 UNTESTED_MARK = r"\circ"
 UNTESTED_NOTE = "fewer than two runs with an $r$ (or the same $r$ in each): no test across runs"
+# The Trend column of the meta-analysis table: what the pooled / prediction interval says (meta.trend).
+TREND_MARKS = {"positive": "$+$", "negative": "$-$", "none": "0", "undetermined": "?"}
+TREND_NOTE = (
+    "Trend: pooled / new model, $+$ or $-$ where the 95\\% interval excludes 0, 0 where it lies within "
+    "$\\pm 0.1$ (no trend), ? otherwise; a pair without a trend is one whose interval excludes $|r| \\geq 0.1$, "
+    "never one that is not significant. $Q$ is descriptive."
+)
 # The column pair of a marked correlation (see the module docstring), and what spans it.
 MARKED_COLUMNS = "r@{}l"
 
@@ -128,10 +135,11 @@ def meta_analysis_table(pooled: pd.DataFrame, *, other_residualiser: str, captio
     `pooled` holds meta.meta_analyse's pooled rows joined with their
     comparison (sensitivity.compare_residualisers): the pooled r marked by
     adjusted p and by a dagger where it changes under `other_residualiser`,
-    its HKSJ interval, the prediction interval for a new model, tau^2 (Fisher
-    z scale), I^2, Welch's p first (Cochran's Q's p runs high with estimated
-    variances), Q and its p, both p adjusted across the scope's pairs, the
-    models agreeing in sign, and the pooled r under the other residualiser.
+    its HKSJ interval, the prediction interval for a new model, what they say of
+    a trend (pooled / new model, meta.trend), tau^2 (Fisher z scale), I^2,
+    Welch's bootstrap p adjusted across the scope's pairs, Q as a description
+    only (its chi^2 p runs high with estimated variances), the models
+    agreeing in sign, and the pooled r under the other residualiser.
     """
     header = [
         "Pair",
@@ -139,11 +147,11 @@ def meta_analysis_table(pooled: pd.DataFrame, *, other_residualiser: str, captio
         _spanning("$r$"),
         r"95\% CI",
         r"95\% PI",
+        "Trend",
         r"$\tau^2$",
         "$I^2$",
         r"$p^{\mathrm{adj}}_{\mathrm{Welch}}$",
         "$Q$",
-        r"$p^{\mathrm{adj}}_Q$",
         "Agree",
         _spanning(f"$r$ ({_name(other_residualiser)})"),
     ]
@@ -154,11 +162,11 @@ def meta_analysis_table(pooled: pd.DataFrame, *, other_residualiser: str, captio
             *_cell(row.r, row.p_adj, getattr(row, SENSITIVE)),
             _interval(row.ci_low, row.ci_high),
             _interval(row.pi_low, row.pi_high),
+            f"{TREND_MARKS[row.trend]}/{TREND_MARKS[row.trend_new_model]}",
             _number(row.tau2, 3),
             "--" if np.isnan(row.i2) else f"${100 * row.i2:.0f}\\%$",
             _pvalue(row.welch_p_adj),
             _number(row.q, 1),
-            _pvalue(row.q_p_adj),
             "--" if np.isnan(row.r) else f"{row.n_agree:.0f}/{row.k}",
             *_cell(getattr(row, f"r_{other_residualiser}"), getattr(row, f"p_adj_{other_residualiser}"), False),
         ]
@@ -166,10 +174,11 @@ def meta_analysis_table(pooled: pd.DataFrame, *, other_residualiser: str, captio
     ]
     reasons = dict.fromkeys(reason for reason in pooled["reason"] if reason)
     notes = [
+        TREND_NOTE,
         "-- " + "; ".join(map(latex_escape, reasons)) + "." if reasons else "",
         sensitivity_note(other_residualiser) if pooled[SENSITIVE].any() else "",
     ]
-    columns = "lr" + MARKED_COLUMNS + "r" * 8 + MARKED_COLUMNS
+    columns = "lr" + MARKED_COLUMNS + "rrc" + "r" * 5 + MARKED_COLUMNS
     return _table(
         caption,
         label,
