@@ -151,6 +151,11 @@ def get_config() -> config_dict.ConfigDict:
     config.runs.seeds = (0, 42, 99)
     # Sizes of the few-shot training sets (label-balanced draws from the pool).
     config.runs.shots = (32, 64, 128)
+    # What a run's LoRA initialisation and dropout keys come from: "seed", the
+    # study's way (a seed's runs of every shot count and training set start
+    # alike, so their results are correlated), or "seed_shots_train_set"
+    # (each run its own keys; a departure from the study, for new sweeps).
+    config.runs.key_source = "seed"
     # A job locks each of its runs (<run_dir>/run.lock) while it trains or
     # evaluates them. A run locked by another live job stops this one before
     # it writes anything, naming the run and that job; True leaves such runs

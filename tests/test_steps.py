@@ -9,6 +9,7 @@ schedule is transformers'.
 """
 
 import dataclasses
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +25,7 @@ from oodjax.data import TRAIN_KEYS, StepLayout, TokenizedSet, train_steps
 from oodjax.engine import steps
 from oodjax.engine.geometry import BatchGeometry, BatchSettings, EvalGeometry, micro_batch_lengths
 from oodjax.engine.optimizer import SCHEDULES, OptimizerSettings
+from oodjax.engine.results import KEY_SOURCES, RunPlan
 from oodjax.models import from_config
 from oodjax.models.lora import LoRAConfig
 
@@ -441,3 +443,22 @@ def test_schedule_is_transformers(schedule):
         OptimizerSettings(peak, warmup, schedule="step").build(total)
     with pytest.raises(ValueError, match=r"train.warmup_steps must be in \[0, train.steps="):
         OptimizerSettings(peak, total + 1, schedule=schedule).build(total)
+
+
+@pytest.mark.parametrize("key_source", KEY_SOURCES)
+def test_run_keys_come_from_the_seed_alone_unless_key_source_says_otherwise(tmp_path, key_source):
+    """runs.key_source "seed" (the study's): a seed's runs of every shot count and training set get identical
+    adapters and dropout keys; "seed_shots_train_set": every run its own, seeds still told apart."""
+    plans = [
+        RunPlan("m", train_set, (0, 42), (32, 64), tmp_path, key_source=key_source) for train_set in ("mnli", "snli")
+    ]
+    runs = [(plan, run) for plan in plans for run in plan.runs()]
+    _, _, state = steps.attach_runs(
+        from_config(OPT, seed=0), [plan.key_seed(run) for plan, run in runs], LORA, make_optimizer()
+    )
+    adapters = [np.concatenate([leaf[i].ravel() for leaf in jax.tree.leaves(state.lora)]) for i in range(len(runs))]
+    dropout = np.asarray(state.rng)
+    for (i, (plan_i, run_i)), (j, (plan_j, run_j)) in itertools.combinations(enumerate(runs), 2):
+        same = run_i.seed == run_j.seed if key_source == "seed" else i == j
+        assert np.array_equal(adapters[i], adapters[j]) == same, (plan_i.train_set, run_i, plan_j.train_set, run_j)
+        assert np.array_equal(dropout[i], dropout[j]) == same

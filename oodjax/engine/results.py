@@ -23,6 +23,7 @@ import platform
 import re
 import subprocess
 import zipfile
+import zlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -56,6 +57,10 @@ RECORDED_DISTRIBUTIONS = (
 )
 
 
+# runs.key_source: keys from the seed alone (the study), or from (seed, shots, training set).
+KEY_SOURCES = ("seed", "seed_shots_train_set")
+
+
 @dataclasses.dataclass(frozen=True)
 class Run:
     """One (seed, shots) fine-tuning job of the config."""
@@ -76,14 +81,24 @@ class RunPlan:
     shots: tuple[int, ...]
     output_dir: pathlib.Path
     skip_locked: bool = False  # runs another job holds are left out, not an error
+    key_source: str = "seed"  # KEY_SOURCES: what a run's adapter and dropout keys come from
 
     def __post_init__(self) -> None:
+        if self.key_source not in KEY_SOURCES:
+            raise ConfigError(f"runs.key_source must be one of {KEY_SOURCES}, got {self.key_source!r}")
         for field in ("seeds", "shots"):
             values = list(getattr(self, field))
             if not values or len(set(values)) != len(values):
                 raise ConfigError(f"runs.{field} must be a non-empty list without repeats, got {values}")
         if min(self.shots) < 1:
             raise ConfigError(f"runs.shots must be positive, got {list(self.shots)}")
+
+    def key_seed(self, run: Run) -> int:
+        """The integer a run's LoRA initialisation and dropout keys are drawn from (nnx.Rngs): its seed
+        (key_source "seed", as the study did), or a 31-bit digest of its seed, shots and training set."""
+        if self.key_source == "seed":
+            return run.seed
+        return zlib.crc32(f"{run.seed}/{run.shots}/{self.train_set}".encode()) & 0x7FFFFFFF
 
     def runs(self) -> list[Run]:
         """Every (seed, shots) pair, seeds outermost."""

@@ -139,13 +139,13 @@ def prepare(
     adapters: Sequence[tuple[str, Mapping[str, Any]]] = (),
 ) -> Prepared:
     """``group`` on ``mesh``, its adapters attached to ``model`` (in place; ``lora``, default the job's) from
-    each run's seed, or loaded from ``adapters`` ((folder, PEFT tensors) a run).
+    each run's keys (``RunPlan.key_seed``), or loaded from ``adapters`` ((folder, PEFT tensors) a run).
 
     A group of runs that train gets its few-shot sets' training stream and evaluation pool (each run's own
     set beside the testsets). A zero-step run (``oodjax.evaluate``) trains nothing: its pool is the testsets,
     or with eval.in_context each run's copy of them preceded by its few-shot set's demonstrations.
     """
-    seeds, optimizer = [run.seed for run in group.runs], group.optimizer
+    seeds, optimizer = [job.runs.key_seed(run) for run in group.runs], group.optimizer
     transformation = optimizer.transformation if optimizer is not None else optax.identity()  # zero steps: no state
     graphdef, base_state, state = steps.attach_runs(model, seeds, lora or job.lora, transformation, mesh=mesh)
     if adapters:
