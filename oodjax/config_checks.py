@@ -16,6 +16,7 @@ exist; ``oodjax.models.loading``, the checkpoint as it loads.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import pathlib
 import tempfile
 from collections.abc import Sequence
@@ -27,7 +28,7 @@ from datasets.naming import camelcase_to_snakecase
 from flax import nnx
 from ml_collections import config_dict
 
-from oodjax.config_read import Job, read
+from oodjax.config_read import MIN_FIXED_EVALUATIONS, Job, read
 from oodjax.data import answer_token_ids, few_shot, load_testset, load_tokenizer, training_pool
 from oodjax.data.testsets import (
     HUB_ID,
@@ -78,6 +79,28 @@ def check_job(job: Job, *, evaluation: bool = False) -> None:
         )
     _check_vocabulary(job.model, job.data.answers)
     _check_output_dir(str(job.runs.output_dir))
+    if not evaluation and (warning := few_evaluations_warning(job)):
+        logging.warning("%s", warning)
+
+
+
+def few_evaluations_warning(job: Job) -> str:
+    """One line naming the run lengths evaluated fewer than MIN_FIXED_EVALUATIONS times (step 0 counted), as
+    train.epochs makes the runs of few shots short, a small eval.points or a run of a few steps does (a fixed
+    eval.every that does is refused by ``read``): their partial correlations rest on few steps. Empty when
+    every run has enough."""
+    short = [
+        f"{group.total_steps} steps ({'/'.join(str(shots) for shots in sorted({run.shots for run in group.runs}))} shots): "
+        f"{len(group.cadence.evaluated_steps())} evaluations"
+        for group in job.groups
+        if len(group.cadence.evaluated_steps()) < MIN_FIXED_EVALUATIONS
+    ]
+    if not short:
+        return ""
+    return (
+        f"runs evaluated fewer than {MIN_FIXED_EVALUATIONS} times, so their partial correlations rest on few steps: "
+        f"{'; '.join(short)} (raise eval.points, train.steps or train.epochs)"
+    )
 
 
 def _check_trackers(trackers: TrackerSettings, evaluation: bool) -> None:
