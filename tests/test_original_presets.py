@@ -84,6 +84,8 @@ LLMFT_CHANGED = {
     "train.batch_size": 32,  # bsz=4 per device x num_gpus=8, gradient_accumulation_steps 1
     "train.epochs": 80.0,  # epochs=80
     "train.warmup_ratio": 0.25,  # warmup_ratio=0.25
+    "lora.alpha": 8.0,  # lora_alpha=-1: a trainable output scale starting at 1 (models/opt_wrapper.py), alpha / rank = 1
+    "eval.points": 80,  # --evaluation_strategy epoch: one evaluation per epoch
 }
 LLMFT_AGREED = {
     "lora.rank": 8,  # adapter_dim=8
@@ -91,10 +93,10 @@ LLMFT_AGREED = {
     "train.schedule": "linear",  # lr_scheduler_type left at the Trainer's "linear"
 }
 # Each family: its module, the fields it changes and those it keeps as its source has them, and each shot count's
-# steps (epochs x shots / 32) and warm-up (the ratio of them, rounded up).
+# steps (epochs x shots / 32), warm-up (the ratio of them, rounded up) and evaluations after step 0.
 FAMILIES = {
-    "original": (original, CHANGED, AGREED, {32: 40, 64: 80, 128: 160}, {32: 4, 64: 8, 128: 16}),
-    "llmft": (llmft, LLMFT_CHANGED, LLMFT_AGREED, {32: 80, 64: 160, 128: 320}, {32: 20, 64: 40, 128: 80}),
+    "original": (original, CHANGED, AGREED, {32: 40, 64: 80, 128: 160}, {32: 4, 64: 8, 128: 16}, 20),
+    "llmft": (llmft, LLMFT_CHANGED, LLMFT_AGREED, {32: 80, 64: 160, 128: 320}, {32: 20, 64: 40, 128: 80}, 80),
 }
 
 GRID = [(model, train_set) for model in MODELS for train_set in TRAIN_SETS]
@@ -126,7 +128,7 @@ def test_every_model_and_training_set_has_a_preset_file_and_nothing_else(family)
 
 @pytest.mark.parametrize(("family", "model", "train_set"), FAMILY_GRID, ids=FAMILY_IDS)
 def test_a_preset_changes_exactly_its_source_s_fields_to_its_values(family, model, train_set):
-    module, changed, agreed, steps, warmups = FAMILIES[family]
+    module, changed, agreed, steps, warmups, points = FAMILIES[family]
     loaded = load_config_file(str(ROOT / "configs" / family / f"{model}_{train_set}.py"))  # `--config FILE`'s
     assert loaded.to_dict() == module.preset(model, train_set).to_dict()
     got, study, defaults = flat(loaded), flat(model_config(model, train_set)), flat(base.get_config())
@@ -140,8 +142,8 @@ def test_a_preset_changes_exactly_its_source_s_fields_to_its_values(family, mode
     lengths = {run.shots: group for group in job.groups for run in group.runs}
     assert {shots: run.optimizer.total_steps for shots, run in lengths.items()} == steps
     assert {shots: run.optimizer.warmup_steps for shots, run in lengths.items()} == warmups
-    for shots, run in lengths.items():  # step 0 and 20 more, floor(k T / 20), the last at the run's end
-        assert run.cadence.evaluated_steps() == [k * steps[shots] // 20 for k in range(21)]
+    for shots, run in lengths.items():  # step 0 and P more, floor(k T / P), the last at the run's end
+        assert run.cadence.evaluated_steps() == [k * steps[shots] // points for k in range(points + 1)]
         # Linear warm-up over W steps, linear decay to 0 at T: the rates of steps 0..T-1 sum to peak x T / 2.
         schedule = run.optimizer.learning_rate_schedule
         summed = sum(float(schedule(step)) for step in range(steps[shots]))

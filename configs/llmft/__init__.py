@@ -16,14 +16,22 @@ batch 4 on each of 8 GPUs, learning rate 2e-4, adapter dimension 8.
 A sensitivity, not the study's protocol (which no source gives: docs/protocol.md):
 a trajectory long and fast enough to train, against which the original presets'
 (configs/original/) can be judged. llmft's adapter is not oodjax's LoRA (a ReLU
-between its two matrices, biases, a trainable output scale starting at 1, on
-the query and value projections only) and is not reproduced: the presets keep
-the study configs' LoRA (rank 8, as llmft's dimension), template, answer words,
-weight decay (0.0, as llmft's) and evaluations (20 after step 0 over each
-run's own length; llmft evaluates every epoch). As the original presets, they
-keep the study configs' run names and resources: train them into their own
-results root, and run the preflight, since batch 32 puts twice the study
-configs' prompts in each step (raise `train.grad_accum` if it does not fit).
+between its two matrices, biases, on the query and value projections only) and
+is not reproduced, but its effective scale is: lora.sh's lora_alpha=-1 makes
+its output scale a trainable parameter starting at 1 (models/opt_wrapper.py,
+LoRAAdapter), so the presets set lora.alpha to the rank (alpha / rank = 1, the
+study configs' 4), a fixed scale since oodjax's has no trainable one. They
+evaluate every epoch as llmft does (`--evaluation_strategy epoch`: eval.points
+= epochs). llmft fixes the model seed (`--seed 0`: every run's adapter starts
+alike) and varies the data seed; the presets keep oodjax's runs.seeds, which
+draw each run's few-shot set and its keys together, because with one model
+seed every run would start alike and the analysis would count runs that share
+their start as independent seeds. They keep the study configs' template,
+answer words, weight decay (0.0, as llmft's) and rank (8, as llmft's
+dimension). As the original presets, they keep the study configs' run names
+and resources: train them into their own results root, and run the
+preflight, since batch 32 puts twice the study configs' prompts in each step
+(raise `train.grad_accum` if it does not fit).
 """
 
 from __future__ import annotations
@@ -45,4 +53,8 @@ def preset(model: str, train_set: str) -> config_dict.ConfigDict:
     config.train.epochs = 80.0
     # warmup_ratio=0.25 (`--warmup_ratio`), the Trainer's linear schedule: a quarter of each run's steps.
     config.train.warmup_ratio = 0.25
+    # lora_alpha=-1 (lora.sh's 10th argument): LoRAAdapter's output scale, a parameter initialised to 1.
+    config.lora.alpha = float(config.lora.rank)
+    # --evaluation_strategy epoch: eval.points spreads one evaluation per epoch over each run's own steps.
+    config.eval.points = int(config.train.epochs)
     return config
