@@ -88,7 +88,7 @@ ESTIMATOR_NAMES = {REML: "REML", PAULE_MANDEL: "Paule-Mandel", DERSIMONIAN_LAIRD
 
 # The scope of a meta-analysis over the models of every training set together.
 ALL_TRAIN_SETS = "all training sets"
-# The parametric bootstrap of the heterogeneity statistics: draws per pair, and the seed of every pair's draws.
+# The parametric bootstrap of the heterogeneity statistics: draws per pair, and the seed their draws start from.
 BOOTSTRAP_DRAWS = 999
 BOOTSTRAP_SEED = 20240601
 # The |r| below which a pooled or predicted correlation is no trend: an interval within
@@ -235,11 +235,13 @@ def bootstrap_heterogeneity(
     Each draw makes the models equal (every effect the fixed-effect mean, plus normal noise of its
     variance) and re-estimates each variance as v chi^2_dof / dof: p is the share of draws, the
     observed counted in, whose Welch statistic reaches the observed one (Welch's F approximation
-    rejects about 1.8 times too often at Holm's first threshold 0.05 / 21). Seeded
-    (BOOTSTRAP_SEED), so an analysis gives the same p every time; vectorised over draws.
+    rejects about 1.8 times too often at Holm's first threshold 0.05 / 21). Seeded by
+    BOOTSTRAP_SEED and the inputs' bytes, so the same inputs give the same p every time while
+    pairs and studies draw afresh (one set of draws for every pair would share its Monte Carlo
+    error in the tail Holm reads, 0.05 / 21); vectorised over draws.
     """
-    y, v, d = (np.asarray(a, dtype=float) for a in (effects, variances, dof))
-    rng = np.random.default_rng(BOOTSTRAP_SEED)
+    y, v, d = (np.ascontiguousarray(a, dtype=float) for a in (effects, variances, dof))
+    rng = np.random.default_rng([BOOTSTRAP_SEED, *np.frombuffer(y.tobytes() + v.tobytes(), dtype=np.uint32)])
     w = 1.0 / v
     centre = w @ y / w.sum()
     drawn_y = centre + np.sqrt(v) * rng.standard_normal((draws, y.size))

@@ -21,6 +21,7 @@ from analysis.meta import (
     DERSIMONIAN_LAIRD,
     PAULE_MANDEL,
     REML,
+    bootstrap_heterogeneity,
     meta_analyse,
     per_model,
     random_effects,
@@ -312,22 +313,30 @@ def test_meta_analysis_combines_each_models_runs_with_their_variance():
             averages = chosen.assign(z=np.arctanh(chosen["r"])).groupby(["model", "seed"])["z"].mean()
             effects = averages.groupby(level="model").mean()
             variances = averages.groupby(level="model").var(ddof=1) / 9
-            assert row.welch_p == pytest.approx(welch_test(effects, variances, np.full(3, 9)), abs=1e-12)
+        members_order = ["olmo", "opt-small", "opt-big"]  # family, then size: the draws follow the members' order
+        effects, variances = (
+            (s.droplevel("train_set") if "train_set" in s.index.names else s).loc[members_order]
+            for s in (effects, variances)
+        )
         expected = random_effects(effects.to_numpy(), variances.to_numpy())
+        welch_p, expected_q = bootstrap_heterogeneity(effects.to_numpy(), variances.to_numpy(), np.full(3, 8.0))
+        assert row.welch_p == welch_p
+        assert row.i2 == pytest.approx(max(0.0, 1.0 - expected_q / expected.q), abs=1e-12)
         assert row.k == expected.k == 3
         assert row.n_left_out == 1
         assert row.r == pytest.approx(np.tanh(expected.mu), abs=1e-12)
         assert (row.ci_low, row.ci_high, row.pi_low, row.pi_high) == pytest.approx(
             tuple(np.tanh([expected.ci_low, expected.ci_high, expected.pi_low, expected.pi_high])), abs=1e-12
         )
-        assert (row.tau2, row.i2, row.q) == pytest.approx((expected.tau2, expected.i2, expected.q), abs=1e-12)
+        assert (row.tau2, row.q) == pytest.approx((expected.tau2, expected.q), abs=1e-12)
         assert row.n_agree == np.sum(np.sign(effects) == np.sign(expected.mu))
     # Issue 41: over both training sets, k counts the 4 base models (3 pooled, "solo" left out), not 8 groups.
     everything = members[(members["scope"] == ALL_TRAIN_SETS) & (members["x"] == "hans") & (members["y"] == "paws")]
     assert list(zip(everything["model"], everything["train_set"])) == [(m, ALL_TRAIN_SETS) for m in mnli["model"]]
     assert everything["n_runs"].tolist() == [18, 18, 18, 2]
-    for _, family in pooled.groupby("scope"):  # each scope one family per column (issue 48)
-        for column in ("p", "welch_p", "q_p"):
+    for _, family in pooled.groupby("scope"):  # each scope one family per column (issue 48); Q descriptive
+        assert "q_p_adj" not in family
+        for column in ("p", "welch_p"):
             expected = pingouin.multicomp(family[column].to_numpy(), method="holm")[1]
             np.testing.assert_allclose(family[f"{column}_adj"], expected, atol=1e-12)
             assert (family[f"{column}_adj"] > family[column]).any()
