@@ -236,12 +236,13 @@ def bootstrap_heterogeneity(
     variance) and re-estimates each variance as v chi^2_dof / dof: p is the share of draws, the
     observed counted in, whose Welch statistic reaches the observed one (Welch's F approximation
     rejects about 1.8 times too often at Holm's first threshold 0.05 / 21). Seeded by
-    BOOTSTRAP_SEED and the inputs' bytes, so the same inputs give the same p every time while
+    BOOTSTRAP_SEED and the inputs (to 9 decimals of z and log v), so the same inputs give the same p every time while
     pairs and studies draw afresh (one set of draws for every pair would share its Monte Carlo
     error in the tail Holm reads, 0.05 / 21); vectorised over draws.
     """
     y, v, d = (np.ascontiguousarray(a, dtype=float) for a in (effects, variances, dof))
-    rng = np.random.default_rng([BOOTSTRAP_SEED, *np.frombuffer(y.tobytes() + v.tobytes(), dtype=np.uint32)])
+    digest = np.round(np.concatenate([y, np.log(v)]), 9)  # its last bits, which the order of a sum moves, left out
+    rng = np.random.default_rng([BOOTSTRAP_SEED, *np.frombuffer(digest.tobytes(), dtype=np.uint32)])
     w = 1.0 / v
     centre = w @ y / w.sum()
     drawn_y = centre + np.sqrt(v) * rng.standard_normal((draws, y.size))
@@ -364,15 +365,18 @@ def per_model(groups: pd.DataFrame, runs: pd.DataFrame) -> pd.DataFrame:
         train_sets, keys, paired = run_z.get((model, *sorted((x, y))), ([], None, None))
         if paired is not None and usable.size:
             paired = paired[:, [train_sets.index(name) for name in column["train_set"][usable]]]
-        members.append((model, x, y, at, usable, keys, paired))
+        full = None  # every run of two or more training sets paired: their run z and (seed, shots)
+        if paired is not None and keys is not None and usable.size >= 2 and len(paired) >= 2:
+            full = (paired, keys) if np.isfinite(paired).all() else None
+        members.append((model, x, y, at, usable, paired, full))
     averages = [
-        pd.DataFrame({"model": model, "x": x, "y": y, "z": paired.mean(axis=1)}, index=keys).reset_index()
-        for model, x, y, _, usable, keys, paired in members
-        if _fully_paired(usable, paired)
+        pd.DataFrame({"model": model, "x": x, "y": y, "z": full[0].mean(axis=1)}, index=full[1]).reset_index()
+        for model, x, y, _, _, _, full in members
+        if full is not None
     ]
     rho = seed_correlation(anova_tables(pd.concat(averages), ["model", "x", "y"])) if averages else np.nan
     rows = []
-    for model, x, y, at, usable, keys, paired in members:
+    for model, x, y, at, usable, paired, full in members:
         row = {"model": model, "train_set": ALL_TRAIN_SETS, "x": x, "y": y, "n_runs": int(column["n_runs"][at].sum())}
         if usable.size == 0:
             reasons = "; ".join(
@@ -380,15 +384,15 @@ def per_model(groups: pd.DataFrame, runs: pd.DataFrame) -> pd.DataFrame:
             )
             rows.append(row | {"reason": f"no training set with a variance across runs ({reasons})"})
             continue
-        v, dof = column["z_se"][usable] ** 2, column["z_dof"][usable].astype(float)
-        if _fully_paired(usable, paired):
-            assert paired is not None and keys is not None
-            variance, dof_total = clustered_variance(paired.mean(axis=1), keys.get_level_values(SEED).to_numpy(), rho)
-            corr, common = _mean_paired_correlation(paired), len(paired)
+        common: float
+        if full is not None:
+            variance, dof = clustered_variance(full[0].mean(axis=1), full[1].get_level_values(SEED).to_numpy(), rho)
+            corr, common = _mean_paired_correlation(full[0]), len(full[0])
             row |= {"seed_corr": rho}
         else:
-            variance, dof_total, corr, common = _pooled_variance(v, dof, paired)
-        row |= {"z": float(column["z"][usable].mean()), "z_se": float(np.sqrt(variance)), "z_dof": dof_total}
+            v, dofs = column["z_se"][usable] ** 2, column["z_dof"][usable].astype(float)
+            variance, dof, corr, common = _pooled_variance(v, dofs, paired)
+        row |= {"z": float(column["z"][usable].mean()), "z_se": float(np.sqrt(variance)), "z_dof": dof}
         few = f"variance from {common} paired runs (fewer than {MIN_SOLID_PAIRS})" if common < MIN_SOLID_PAIRS else ""
         rows.append(row | {"paired_corr": corr, "reason": few})
     combined = pd.DataFrame(rows, columns=["model", "train_set", "x", "y", "n_runs", *_PER_MODEL_STATS, "reason"])
@@ -401,11 +405,6 @@ def per_model(groups: pd.DataFrame, runs: pd.DataFrame) -> pd.DataFrame:
 
 
 _PER_MODEL_STATS = ("z", "z_se", "z_dof", "paired_corr", "seed_corr")
-
-
-def _fully_paired(usable: np.ndarray, paired: np.ndarray | None) -> bool:
-    """Whether every run of two or more training sets has its (seed, shots) in each of them."""
-    return paired is not None and usable.size >= 2 and bool(np.isfinite(paired).all()) and len(paired) >= 2
 
 
 def _mean_paired_correlation(paired: np.ndarray) -> float:
@@ -436,9 +435,7 @@ def _run_z_by_pair(runs: pd.DataFrame) -> dict[tuple[str, str, str], tuple[list[
     }
 
 
-def _pooled_variance(
-    v: np.ndarray, dof: np.ndarray, paired: np.ndarray | None
-) -> tuple[float, float, float, float]:
+def _pooled_variance(v: np.ndarray, dof: np.ndarray, paired: np.ndarray | None) -> tuple[float, float, float, float]:
     """The variance of the mean of training sets' z whose variances are `v` on `dof` degrees of
     freedom where their runs are partly paired, its degrees of freedom, the training sets' mean
     paired correlation and the fewest common runs (module docstring); `paired` holds their run z,

@@ -83,7 +83,6 @@ def check_job(job: Job, *, evaluation: bool = False) -> None:
         logging.warning("%s", warning)
 
 
-
 def few_evaluations_warning(job: Job) -> str:
     """One line naming the run lengths evaluated fewer than MIN_FIXED_EVALUATIONS times (step 0 counted), as
     train.epochs makes the runs of few shots short, a small eval.points or a run of a few steps does (a fixed
