@@ -141,6 +141,7 @@ MEMBER_COLUMNS = (
     "ci_high",
     "z",
     "z_se",
+    "z_dof",
     "paired_corr",
     "seed_corr",
     "weight",

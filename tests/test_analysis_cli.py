@@ -25,11 +25,12 @@ from fixtures_results import (
 )
 
 from analysis import figures, pairwise_partial_corr, schema, tables
-from analysis.aggregate import all_run_pairs, combine_runs
+from analysis.aggregate import all_run_pairs, combine_runs, within_seed_tables
 from analysis.cli import main
-from analysis.meta import ALL_TRAIN_SETS, random_effects
-from analysis.outputs import CSV_NAME, META_CSV_NAME, SENSITIVITY_CSV_NAME
+from analysis.meta import ALL_TRAIN_SETS, bootstrap_heterogeneity, random_effects
+from analysis.outputs import CSV_NAME, META_CSV_NAME, SENSITIVITY_CSV_NAME, SHOT_COUNTS_CSV_NAME
 from analysis.runs import find_runs
+from analysis.seeds import clustered_variance, seed_correlation
 from analysis.sensitivity import SENSITIVE
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -71,7 +72,7 @@ def test_cli_writes_tables_figures_and_csv_and_lists_them(analysed):
     written = {pathlib.Path(line.strip()) for line in listed.splitlines()[1:]}
     closing = " ".join(closing.split())
     assert closing.startswith("Run-level p-values are approximate: a run's test uses Bartlett's effective sample size")
-    for said in ("(here 3 seed(s) x 2 shot count(s)) are treated as exchangeable", "paired averages", "Welch's"):
+    for said in ("(here 3 seed(s) x 2 shot count(s)) are averaged", "runs of one seed", "paired averages", "Welch's"):
         assert said in closing
     assert stdout.startswith(f"analysed {len(GROUPS) * len(SEEDS) * len(SHOTS)} runs")
     figures = {p for p in written if p.parent.name == "figures"}
@@ -97,6 +98,7 @@ def test_cli_writes_tables_figures_and_csv_and_lists_them(analysed):
         out / "accuracies.parquet",
         out / META_CSV_NAME,
         out / SENSITIVITY_CSV_NAME,
+        out / SHOT_COUNTS_CSV_NAME,
     } <= written
     assert all(path.is_file() for path in written)
 
@@ -126,16 +128,18 @@ def test_tables_compile_with_pdflatex(analysed, tmp_path):
         and "averaged over its training sets" in meta
     )
     header, body = meta.split(r"\midrule")[0].splitlines()[-1], meta.split(r"\midrule")[1]
-    assert header.startswith(r"Pair & $k$ & \multicolumn{2}{c}{$r$} & 95\% CI & 95\% PI & $\tau^2$")
+    assert header.startswith(r"Pair & $k$ & \multicolumn{2}{c}{$r$} & 95\% CI & 95\% PI & Trend & $\tau^2$")
     assert header.endswith(r"& Agree & \multicolumn{2}{c}{$r$ (linear)} \\")
-    assert "SNLI--SciTail" in body
-    assert body.count(r"\\") == 27  # 21 pairs without mnli or snli, 6 with mnli (from snli)
-    # Issue 48: the adjusted Welch p leads the heterogeneity tests; the summary says where claims of
-    # differences between models rest; the document opens with the assumptions.
-    assert r"$I^2$ & $p^{\mathrm{adj}}_{\mathrm{Welch}}$ & $Q$ & $p^{\mathrm{adj}}_Q$ & Agree" in header
+    assert "SNLI--SciTail" not in body  # a pair one training set alone defines: not in the primary scope
+    assert body.count(r"\\") == 15  # the pairs without mnli or snli
+    # Issue 48: the adjusted Welch p is the heterogeneity test; issue 54: Q without a p, trends from intervals;
+    # the summary says where claims of differences between models rest; the document opens with the assumptions.
+    assert r"$I^2$ & $p^{\mathrm{adj}}_{\mathrm{Welch}}$ & $Q$ & Agree" in header
+    assert "never one that is not significant" in meta
     assert "not on these counts" in (out / "tables" / "summary.tex").read_text()
     document = (out / "tables" / "tables.tex").read_text()
     assert r"\paragraph{Assumptions.} Run-level p-values are approximate" in document
+    assert "Primary scope (all training sets, 15 pairs, adjusted together)" in document
     assert document.index("Assumptions") < document.index(r"\input{")
 
 
@@ -183,7 +187,7 @@ def test_marks_sit_beside_the_numbers_so_that_decimal_points_align(analysed):
     for name in ("matrix_opt-125m_mnli.tex", "meta_analysis_all-training-sets.tex"):
         cells = marked_cells((out / "tables" / name).read_text())
         numbers = [number for number, _ in cells if number]  # the matrix's upper triangle is empty
-        assert len(numbers) == (21 if name.startswith("matrix") else 2 * 27), name
+        assert len(numbers) == (21 if name.startswith("matrix") else 2 * 15), name
         assert all(re.fullmatch(r"\$-?\d\.\d\d\$", number) for number in numbers), name
         marks = [mark for _, mark in cells if mark]
         assert marks and all(re.fullmatch(r"\$\^\{\**(\\dagger)?\}\$", mark) for mark in marks)
@@ -228,20 +232,23 @@ def test_csv_holds_each_run_and_the_combination_of_runs(analysed):
     assert (run["n_eff"] <= run["n"]).all() and (run["n_eff"] < run["n"]).any()
     np.testing.assert_allclose(run["p_adj"], expected["p_adj"], atol=1e-12, rtol=0)
 
-    # Group level: Fisher-z mean, t interval and t test across runs, holm over pairs.
+    # Group level: Fisher-z mean, its variance over runs clustered by seed (the within-seed correlation pooled
+    # over every group and pair), t interval and t test on its degrees of freedom, holm over pairs.
+    rho = seed_correlation(within_seed_tables(runs))
     for (model, train_set), group in groups.groupby(["model", "train_set"]):
         members = runs[(runs["model"] == model) & (runs["train_set"] == train_set)]
         for pair in group.itertuples():
-            r = members[(members["x"] == pair.x) & (members["y"] == pair.y)]["r"].to_numpy()
+            chosen = members[(members["x"] == pair.x) & (members["y"] == pair.y)]
+            r = chosen["r"].to_numpy()
             assert r.size == len(SEEDS) * len(SHOTS) == pair.n_runs
             z = np.arctanh(r)
-            test = scipy.stats.ttest_1samp(z, 0.0)
-            interval = np.tanh(test.confidence_interval(0.95))
+            variance, dof = clustered_variance(z, chosen["seed"].to_numpy(), rho)
+            t = scipy.stats.t(dof, loc=z.mean(), scale=np.sqrt(variance))
             assert pair.r == pytest.approx(np.tanh(z.mean()), abs=1e-12)
             assert pair.z == pytest.approx(z.mean(), abs=1e-12)
-            assert pair.z_se == pytest.approx(z.std(ddof=1) / np.sqrt(z.size), abs=1e-12)
-            assert (pair.ci_low, pair.ci_high) == pytest.approx(tuple(interval), abs=1e-12)
-            assert pair.p == pytest.approx(test.pvalue, abs=1e-12)
+            assert pair.z_se == pytest.approx(np.sqrt(variance), abs=1e-12)
+            assert (pair.ci_low, pair.ci_high) == pytest.approx(tuple(np.tanh(t.interval(0.95))), abs=1e-12)
+            assert pair.p == pytest.approx(2 * min(t.cdf(0.0), t.sf(0.0)), abs=1e-12)
             assert (pair.n_positive, pair.n_negative) == ((r > 0).sum(), (r < 0).sum())
         np.testing.assert_allclose(
             group["p_adj"],
@@ -252,9 +259,10 @@ def test_csv_holds_each_run_and_the_combination_of_runs(analysed):
 
 def test_meta_analysis_combines_the_models_of_the_csv(analysed):
     """Each pooled row of meta_analysis.csv is the random-effects combination of the model
-    rows of partial_correlations.csv (their z and z_se), per training set and, over both, each
-    model's runs paired by seed and shots (the same in both training sets) averaged, its variance
-    var / m of the m paired averages."""
+    rows of partial_correlations.csv (their z and z_se), per training set and, over both (the pairs both
+    define), each model's runs paired by seed and shots (the same in both training sets) averaged, its
+    variance that of a mean of the m paired averages clustered by seed; Welch's p and I^2 from the
+    bootstrap of the members' z, z_se and z_dof; Q descriptive (no adjusted p)."""
     _, out, _ = analysed
     table = pd.read_csv(out / CSV_NAME, keep_default_na=False, na_values=[""])
     groups, runs = table[table["level"] == "group"], table[table["level"] == "run"]
@@ -263,7 +271,8 @@ def test_meta_analysis_combines_the_models_of_the_csv(analysed):
     assert set(meta["estimator"]) == {"reml"} and set(meta["residualiser"]) == {"spline"}
     pooled, members = meta[meta["level"] == "pooled"], meta[meta["level"] == "model"]
     assert list(dict.fromkeys(pooled["scope"])) == [*TRAIN_SETS, ALL_TRAIN_SETS]
-    assert len(pooled) == 2 * 21 + 27
+    assert len(pooled) == 2 * 21 + 15  # over both: the 15 pairs without mnli or snli
+    assert pooled["primary"].tolist() == (pooled["scope"] == ALL_TRAIN_SETS).tolist()
     for row in pooled.itertuples():
         scoped = groups if row.scope == ALL_TRAIN_SETS else groups[groups["train_set"] == row.scope]
         pair = scoped[
@@ -272,18 +281,26 @@ def test_meta_analysis_combines_the_models_of_the_csv(analysed):
         if row.scope == ALL_TRAIN_SETS:
             twins = runs[((runs["x"] == row.x) & (runs["y"] == row.y)) | ((runs["x"] == row.y) & (runs["y"] == row.x))]
             averages = twins.assign(z=np.arctanh(twins["r"])).groupby(["model", "seed", "shots"], sort=False)["z"]
-            assert averages.size().nunique() == 1  # both training sets (or one: a pair with mnli or snli)
-            per_model = averages.mean().groupby(level="model", sort=False)
-            expected = random_effects(per_model.mean().to_numpy(), (per_model.var() / per_model.size()).to_numpy())
+            assert (averages.size() == 2).all()  # both training sets
+            per_model = averages.mean().reset_index().groupby("model", sort=False)
+            scoped_members = members[(members["scope"] == ALL_TRAIN_SETS) & (members["x"] == row.x)]
+            scoped_members = scoped_members[scoped_members["y"] == row.y].set_index("model")
+            variances = [
+                clustered_variance(model_runs["z"].to_numpy(), model_runs["seed"].to_numpy(), corr)[0]
+                for (model, model_runs), corr in zip(per_model, scoped_members["seed_corr"])
+            ]
+            assert scoped_members["seed_corr"].nunique() == 1  # pooled over models and pairs
+            expected = random_effects(per_model["z"].mean().to_numpy(), np.array(variances))
         else:
             expected = random_effects(pair["z"].to_numpy(), pair["z_se"].to_numpy() ** 2)
         assert row.k == len(MODELS) == 2
         assert (row.r, row.ci_low, row.ci_high) == pytest.approx(
             tuple(np.tanh([expected.mu, expected.ci_low, expected.ci_high])), abs=1e-9
         )
-        assert (row.tau2, row.i2, row.q, row.q_p) == pytest.approx(
-            (expected.tau2, expected.i2, expected.q, expected.q_p), abs=1e-9
-        )
+        assert (row.tau2, row.q, row.q_p) == pytest.approx((expected.tau2, expected.q, expected.q_p), abs=1e-9)
+        in_pair = members[(members["scope"] == row.scope) & (members["x"] == row.x) & (members["y"] == row.y)]
+        welch_p, expected_q = bootstrap_heterogeneity(in_pair["z"], in_pair["z_se"] ** 2, in_pair["z_dof"])
+        assert (row.welch_p, row.i2) == pytest.approx((welch_p, max(0.0, 1.0 - expected_q / row.q)), abs=1e-9)
         if row.k >= 3:
             assert (row.pi_low, row.pi_high) == pytest.approx(
                 tuple(np.tanh([expected.pi_low, expected.pi_high])), abs=1e-9
@@ -293,11 +310,11 @@ def test_meta_analysis_combines_the_models_of_the_csv(analysed):
         weights = members[(members["scope"] == row.scope) & (members["x"] == row.x) & (members["y"] == row.y)]["weight"]
         np.testing.assert_allclose(weights, expected.weights, atol=1e-9)
     paired = members.loc[members["scope"] == ALL_TRAIN_SETS, "paired_corr"]
-    both = members.loc[members["scope"] == ALL_TRAIN_SETS, "n_runs"] == 12  # a pair with mnli or snli: one set
-    assert paired.notna().tolist() == both.tolist() and both.sum() == 2 * 15 and paired.dropna().between(-1, 1).all()
+    assert len(paired) == 2 * 15 and paired.between(-1, 1).all()
     assert members.loc[members["scope"] != ALL_TRAIN_SETS, "paired_corr"].isna().all()
     for _, family in pooled.groupby("scope"):
-        for column in ("welch_p", "q_p"):
+        assert "q_p_adj" not in family
+        for column in ("welch_p",):
             expected = pingouin.multicomp(family[column].to_numpy(), method="holm")[1]
             np.testing.assert_allclose(family[f"{column}_adj"], expected, atol=1e-12)
 
