@@ -216,7 +216,8 @@ def test_a_degenerate_run_moves_its_cells_mean_z_by_a_bounded_amount(sign):
 
     def cell_mean_z(degenerate_r: float) -> float:
         pairs = pd.DataFrame(
-            {"model": "m", "train_set": "t", "x": "a", "y": "b", "r": [*np.tanh(z), degenerate_r], "reason": ""}
+            {"model": "m", "train_set": "t", "seed": range(9), "shots": 32, "x": "a", "y": "b"}
+            | {"r": [*np.tanh(z), degenerate_r], "reason": ""}
         )
         return float(combine_runs(pairs)["z"].iloc[0])
 
