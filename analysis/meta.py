@@ -3,8 +3,8 @@
 The study asks whether a pair of OOD testsets co-varies the same way in
 every model. Each model (per training set) contributes one estimate per
 pair, the mean Fisher z of its m runs (aggregate.combine_runs), with the
-within-model variance v = var(z over runs) / m of that mean, estimated from
-the runs. The textbook variance of a single correlation, 1 / (n - k - 3),
+within-model variance v of that mean estimated from the runs, runs of one
+seed correlated (seeds.py). The textbook variance of a single correlation, 1 / (n - k - 3),
 would not do: a model's runs differ in seed and shot count, and successive
 evaluation steps of one run are autocorrelated, so only the spread of the
 runs says how far a model's mean could move. A model with one run, or whose
@@ -16,14 +16,17 @@ several is still one model: its estimate is the mean of its training sets'
 estimates, so k counts base models, not (model, training set) groups. Its
 variance depends on the design. Runs of two training sets with the same
 (seed, shots) share their LoRA initialisation, dropout keys and data order,
-so their z are correlated: where the training sets hold at least
-MIN_PAIRED_RUNS such pairs, the variance is
+so their z are correlated. With every run paired, the variance is that of
+the mean of the m paired averages (mean over training sets per (seed,
+shots)), clustered by seed with the within-seed correlation of the paired
+averages pooled over models and pairs (seed_corr), as seeds.clustered_variance
+takes it. Where the training sets hold at least MIN_PAIRED_RUNS such pairs
+but not every run is paired, the variance is
 (sum v_t + sum_{s != t} rho_st sqrt(v_s v_t) n_st / sqrt(n_s n_t)) / T^2,
 rho_st the correlation of the two sets' z over their n_st common (seed,
-shots), n_s their runs; with every run paired this is exactly var / m of
-the m paired averages (mean over training sets per (seed, shots)), and its
-degrees of freedom are the paired averages' m - 1 (the fewest common runs
-less one). Unpaired designs keep sum v_t / T^2 with Welch-Satterthwaite's
+shots), n_s their runs, on the fewest common runs less one degrees of
+freedom. A paired variance from fewer than MIN_SOLID_PAIRS paired runs says
+so in the member's reason. Unpaired designs keep sum v_t / T^2 with Welch-Satterthwaite's
 degrees of freedom. Treating paired runs as independent would understate
 the variance when rho > 0 and make models look heterogeneous
 (tests/test_analysis_meta.py simulates it).
@@ -43,24 +46,31 @@ Models are then combined on the Fisher z scale, y_i ~ N(mu, v_i + tau^2):
   HKSJ from being narrower than the t interval on se^2 when the models
   happen to agree more than their variances imply.
 - Cochran's Q = sum (y_i - mu_FE)^2 / v_i about the fixed-effect mean, with p
-  from chi^2 with k - 1 degrees of freedom. That p assumes known v_i; with v_i
-  estimated from 9 runs it rejects homogeneity about three times too often
-  (tests/test_analysis_meta.py), so Welch's (1951) test of equal means with
-  variances estimated from m_i observations each is reported beside it
-  (welch_p): the same weighted spread, scaled and referred to an F
-  distribution so as to account for the estimated variances.
-- I^2 = tau^2 / (tau^2 + s^2), the share of the models' spread that is
-  between models, with s^2 = (k - 1) sum(1/v) / ((sum 1/v)^2 - sum(1/v^2)) the
-  typical within-model variance (Higgins and Thompson 2002). It reflects the
-  chosen tau^2 estimator, as metafor and RevMan report it; with DL it equals
-  (Q - (k - 1)) / Q.
+  from chi^2 with k - 1 degrees of freedom: descriptive only. That p assumes
+  known v_i; with v_i estimated from 9 runs it rejects homogeneity about three
+  times too often (tests/test_analysis_meta.py).
+- Welch's (1951) test of equal means with variances estimated on d_i degrees
+  of freedom (welch_p), its p from a parametric bootstrap
+  (bootstrap_heterogeneity): Welch's F approximation rejects 1.8 times too
+  often at Holm's first threshold over 21 pairs.
+- I^2 = max(0, (Q - E*[Q]) / Q), E*[Q] Q's mean over the same bootstrap's
+  homogeneous draws: Higgins and Thompson's (2002) (Q - (k - 1)) / Q with the
+  expectation of Q under homogeneity as the variances are estimated in place of
+  k - 1; with variances taken as known it averaged 0.20 on homogeneous studies.
+  random_effects' own i2 is the textbook tau^2 / (tau^2 + s^2) with s^2 the
+  typical within-model variance (as metafor reports it; with DL it equals
+  (Q - (k - 1)) / Q).
 - Prediction interval for the true z of a new model (Higgins, Thompson and
   Spiegelhalter 2009): mu +- t_{0.975, k-2} sqrt(tau^2 + se^2); needs k >= 3.
 - Agreement: how many models have an r of the pooled r's sign.
 
-p_adj, q_p_adj and welch_p_adj adjust p, q_p and welch_p across the pairs of
-one scope, each column its own family: a heterogeneity test repeated over
-21 pairs finds "differences" by chance unless adjusted.
+p_adj and welch_p_adj adjust p and welch_p across the pairs of one scope,
+each column its own family: a heterogeneity test repeated over 21 pairs
+finds "differences" by chance unless adjusted. The scope over every
+training set holds the pairs every training set defines (a pair one set
+alone defines would be a copy of its result there) and is the primary one
+(primary_scope). Whether a pair shows a trend is read from its pooled and
+prediction intervals (trend), never from a p above a threshold.
 
 Everything is reported back on the correlation scale, r = tanh(z).
 """

@@ -89,7 +89,7 @@ def few_evaluations_warning(job: Job) -> str:
     eval.every that does is refused by ``read``): their partial correlations rest on few steps. Empty when
     every run has enough."""
     short = [
-        f"{group.total_steps} steps ({'/'.join(str(shots) for shots in sorted({run.shots for run in group.runs}))} shots): "
+        f"{group.total_steps} steps ({'/'.join(map(str, sorted({run.shots for run in group.runs})))} shots): "
         f"{len(group.cadence.evaluated_steps())} evaluations"
         for group in job.groups
         if len(group.cadence.evaluated_steps()) < MIN_FIXED_EVALUATIONS

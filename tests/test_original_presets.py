@@ -84,7 +84,7 @@ LLMFT_CHANGED = {
     "train.batch_size": 32,  # bsz=4 per device x num_gpus=8, gradient_accumulation_steps 1
     "train.epochs": 80.0,  # epochs=80
     "train.warmup_ratio": 0.25,  # warmup_ratio=0.25
-    "lora.alpha": 8.0,  # lora_alpha=-1: a trainable output scale starting at 1 (models/opt_wrapper.py), alpha / rank = 1
+    "lora.alpha": 8.0,  # lora_alpha=-1: a trainable scale starting at 1 (models/opt_wrapper.py): alpha / rank = 1
     "eval.points": 80,  # --evaluation_strategy epoch: one evaluation per epoch
 }
 LLMFT_AGREED = {
