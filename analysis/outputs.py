@@ -218,11 +218,14 @@ def write_analysis(
         tables.shots_table(
             summary,
             by_shot_count(per_run),
+            shot_counts(per_run, args.padjust),
             caption=(
                 "Mean partial correlation over OOD testset pairs (Fisher $z$ scale) over every run (All, as in "
                 f"Table~\\ref{{tab:pcorr-summary}}) and per shot count, each pair's $r$ the mean over that shot "
-                f"count's runs: the runs of a model and training set are treated as exchangeable replicates, "
-                f"and this shows whether the shot count moves the result; {description}; {_extent(runs)}."
+                f"count's runs, which shows whether the shot count moves the mean; Shot effect: pairs whose "
+                f"within-model test of the shot count (seeds x shots analysis of variance, {padjust} over pairs) "
+                f"has adjusted $p<0.05$, of those tested, since an effect that flips between pairs cancels in "
+                f"the mean (each pair in shot\\_counts.csv); {description}; {_extent(runs)}."
             ),
             label="tab:pcorr-summary-shots",
         )

@@ -13,6 +13,7 @@ import numpy as np
 import pandas as pd
 
 from analysis.aggregate import SIGNIFICANCE, UNDEFINED_IN_EVERY_RUN, lower_triangle
+from analysis.meta import TREND_MARGIN
 from analysis.naming import display_name
 from analysis.sensitivity import CHANGES, SENSITIVE
 
@@ -47,9 +48,9 @@ UNTESTED_NOTE = "fewer than two runs with an $r$ (or the same $r$ in each): no t
 # The Trend column of the meta-analysis table: what the pooled / prediction interval says (meta.trend).
 TREND_MARKS = {"positive": "$+$", "negative": "$-$", "none": "0", "undetermined": "?"}
 TREND_NOTE = (
-    "Trend: pooled / new model, $+$ or $-$ where the 95\\% interval excludes 0, 0 where it lies within "
-    "$\\pm 0.1$ (no trend), ? otherwise; a pair without a trend is one whose interval excludes $|r| \\geq 0.1$, "
-    "never one that is not significant. $Q$ is descriptive."
+    f"Trend: pooled / new model, $+$ or $-$ where the 95\\% interval excludes 0, 0 where it lies within "
+    f"$\\pm {TREND_MARGIN}$ (no trend), ? otherwise; a pair without a trend is one whose interval excludes "
+    f"$|r| \\geq {TREND_MARGIN}$, never one that is not significant. $Q$ is descriptive."
 )
 # The column pair of a marked correlation (see the module docstring), and what spans it.
 MARKED_COLUMNS = "r@{}l"
@@ -256,12 +257,18 @@ def summary_table(summary: pd.DataFrame, *, caption: str, label: str) -> str:
     return _table(caption, label, "lll" + "r" * 5, [_row(header)], rows, note)
 
 
-def shots_table(summary: pd.DataFrame, shots: pd.DataFrame, *, caption: str, label: str) -> str:
+def shots_table(
+    summary: pd.DataFrame, shots: pd.DataFrame, shot_tests: pd.DataFrame, *, caption: str, label: str
+) -> str:
     """summary_table's mean r beside the same mean per shot count (sensitivity.by_shot_count's rows),
-    one row per model and training set in the summary's order, families apart."""
+    one row per model and training set in the summary's order, families apart, and the pairs whose
+    within-model test finds a shot effect (adjusted p < SIGNIFICANCE) of those tested
+    (sensitivity.shot_counts' rows): a mean over pairs hides an effect that flips between pairs."""
     counts = sorted(shots["shots"].unique())
     by_key = shots.set_index(["model", "train_set", "shots"])["mean_r"]
-    header = ["Family", "Size", "Train", "All", *(f"{count} shots" for count in counts)]
+    tested = shot_tests.drop_duplicates(["model", "train_set", "x", "y"]).dropna(subset=["shot_p_adj"])
+    found = tested.groupby(["model", "train_set"])["shot_p_adj"].agg(lambda p: f"{(p < SIGNIFICANCE).sum()}/{p.size}")
+    header = ["Family", "Size", "Train", "All", *(f"{count} shots" for count in counts), "Shot effect"]
     rows = []
     for previous, row in zip([None, *summary["family"]], summary.itertuples()):
         if previous is not None and row.family != previous:
@@ -270,8 +277,9 @@ def shots_table(summary: pd.DataFrame, shots: pd.DataFrame, *, caption: str, lab
         rows.append(
             [_name(row.family), latex_escape(row.size), _name(row.train_set), _number(row.mean_r)]
             + [_number(value) for value in per_count]
+            + [found.get((row.model, row.train_set), "--")]
         )
-    return _table(caption, label, "lll" + "r" * (1 + len(counts)), [_row(header)], rows)
+    return _table(caption, label, "lll" + "r" * (2 + len(counts)), [_row(header)], rows)
 
 
 def standalone_document(table_files: list[str], assumptions: str = "") -> str:

@@ -153,7 +153,8 @@ def test_the_summary_by_shot_count_is_each_shot_counts_runs_averaged(analysed):
     expected = np.tanh(pair_z.groupby(level=[0, 1, 2]).mean())
     table = (out / "tables" / "summary_by_shots.tex").read_text()
     header, body = table.split(r"\midrule")[0].splitlines()[-1], table.split(r"\midrule")[1]
-    assert header == r"Family & Size & Train & All & 32 shots & 64 shots \\"
+    assert header == r"Family & Size & Train & All & 32 shots & 64 shots & Shot effect \\"
+    shot_tests = pd.read_csv(out / SHOT_COUNTS_CSV_NAME).drop_duplicates(["model", "train_set", "x", "y"])
     for line in body.split(r"\bottomrule")[0].strip().splitlines():
         if line == r"\addlinespace":
             continue
@@ -161,6 +162,8 @@ def test_the_summary_by_shot_count_is_each_shot_counts_runs_averaged(analysed):
         model = {("OPT", "125M"): "opt-125m", ("SmolLM2", "135M"): "SmolLM2-135M"}[family, size]
         for shots, cell in zip(SHOTS, per_shots):
             assert cell == f"${expected[model, train.lower(), shots]:.2f}$"
+        found = shot_tests[(shot_tests["model"] == model) & (shot_tests["train_set"] == train.lower())]["shot_p_adj"]
+        assert per_shots[-1] == f"{(found < 0.05).sum()}/21"
 
 
 def marked_cells(latex: str) -> list[tuple[str, str]]:

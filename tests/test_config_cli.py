@@ -235,7 +235,7 @@ def test_help_with_a_config_shows_its_values_and_base_defaults_it_changes(capsys
 
 def test_the_config_a_job_prints_at_start_holds_every_field_by_section():
     lines = config_cli.describe_config(parse("--config.train.steps=7")).splitlines()
-    assert "  runs: seeds=0,42  shots=32  skip_locked=False" in lines
+    assert "  runs: seeds=0,42  shots=32  key_source='seed'  skip_locked=False" in lines
     assert all(len(line) <= 120 for line in lines if "hf_config=" not in line)  # a dict longer than a line stays whole
     printed, section = {}, ""  # section -> its fields' text; "" the fields outside any section, printed first
     for line in lines:
