@@ -110,7 +110,7 @@ def same_seed_rates(studies: int) -> tuple[float, float, pd.Series]:
 def test_same_seed_runs_keep_welch_and_the_models_intervals_at_their_level(monkeypatch):
     """Issue 54: a seed's runs share 30% of their noise across shot counts and training sets (paired runs 90%).
     With the within-seed correlation modelled, Welch rejects equal models for at most 10% of the primary
-    scope's pairs (6 studies x 21 pairs; 5.0% over 40 studies) and the models' intervals cover 93-97%
+    scope's pairs (6 studies x 21 pairs; 4.9% over 40 studies) and the models' intervals cover 93-97%
     (95.5%); the correlation is recovered (0.3 per training set; 0.3 / 0.95 = 0.32 for the paired
     averages). Taken as 0 (runs exchangeable, as before), Welch rejects over 15% (19% in these 3 studies;
     29.8% over 40 with the F approximation) and the intervals cover under 92% (87%)."""
