@@ -387,18 +387,18 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         runs, skipped = scan_runs(args.results_dir)
+        flat = [run for run in runs if run.flat]  # reads each run's in-domain labels: a ResultsError without them
+        overview = runs_overview(runs, [skip for skip in skipped if skip.unreadable])
     except ResultsError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     for skip in skipped:
         print(f"warning: {skip.message}", file=sys.stderr)
-    flat = [run for run in runs if run.flat]
     for run in flat:
         print(flat_warning(run), file=sys.stderr)
     for run in runs:
         if run.near_constant:
             print(near_constant_warning(run), file=sys.stderr)
-    overview = runs_overview(runs, [skip for skip in skipped if skip.unreadable])
     if args.csv:
         overview.to_csv(sys.stdout, index=False)
     else:

@@ -542,3 +542,15 @@ def test_near_constant_ood_series_are_named(results, capsys):
         f"warning: {stuck / schema.METRICS_FILENAME}: near-constant OOD accuracy, 'hans' at 0.560 in 3 of 5 "
         "evaluations; its partial correlations rest on the other evaluations"
     ]
+
+
+def test_a_run_without_its_in_domain_labels_is_a_clear_error(tmp_path, capsys):
+    """Its reliability needs N, the stored in-domain labels' count: one line and exit status 2, no traceback."""
+    path = good_metrics(tmp_path / "run")
+    with np.load(path) as npz:
+        arrays = {key: npz[key] for key in npz.files if key != schema.label_key("mnli")}
+    np.savez(path, **arrays)
+    assert runs.main([str(tmp_path)]) == 2
+    assert capsys.readouterr().err == (
+        f"error: {path}: not a run's metrics (schema in analysis/schema.py): missing keys ['label/mnli']\n"
+    )
