@@ -86,9 +86,10 @@ def all_run_pairs(runs: list[RunRecord], **options) -> pd.DataFrame:
 
 def corrected_run_pairs(run: RunRecord, **options) -> pd.DataFrame:
     """`run_pairs` with each r corrected for the in-domain accuracy's binomial measurement error on the
-    run's `in_domain_examples` (`measurement_error.simex` on the Fisher z scale, its draws seeded by the
-    run's identity, so that reruns agree). A run-level test of a SIMEX estimate would need its own
-    variance: p and the interval are left out, and only r goes on to `combine_runs`."""
+    run's `in_domain_examples` (`measurement_error.simex` on the Fisher z scale with the run's
+    `in_domain_reliability`, left as it is where that is unknown: fewer than 3 evaluations after step 0;
+    its draws seeded by the run's identity, so that reruns agree). A run-level test of a SIMEX estimate would
+    need its own variance: p and the interval are left out, and only r goes on to `combine_runs`."""
     naive = run_pairs(run, **options)
     in_domain = run.accuracy[run.in_domain].to_numpy(dtype=float)
 
@@ -101,6 +102,7 @@ def corrected_run_pairs(run: RunRecord, **options) -> pd.DataFrame:
         z_given,
         in_domain,
         binomial_variance(in_domain, run.in_domain_examples),
+        1.0 if np.isnan(run.in_domain_reliability) else run.in_domain_reliability,
         np.random.default_rng(zlib.crc32(identity)),
     )
     lost = np.isnan(z) & naive["r"].notna().to_numpy()
