@@ -39,7 +39,7 @@ import pandas as pd
 from tqdm import tqdm
 
 from analysis import schema
-from analysis.measurement_error import reliability
+from analysis.measurement_error import MIN_RELIABILITY, reliability
 from analysis.naming import ModelInfo, model_info
 
 # Reading more files than this shows a progress bar (on stderr): a full sweep
@@ -54,7 +54,7 @@ PROGRESS_MIN_FILES = 50
 # its expectation (chi^2_19 / 19 > 2: 0.5% of runs; 41 evaluations: under 0.01%); a plateau with
 # true reliability 0.7 is named in about 10% of runs (docs/analysis.md). A run needs at least
 # FLAT_MIN_EVALUATIONS evaluations after step 0 to be judged.
-FLAT_MAX_RELIABILITY = 0.5
+FLAT_MAX_RELIABILITY = MIN_RELIABILITY  # the same floor below which SIMEX corrects only in part
 FLAT_MIN_EVALUATIONS = 3
 # An OOD testset whose accuracy takes one value (its mode) at NEAR_CONSTANT_SHARE of a run's
 # evaluations or more is near-constant: a model answering one class, or a saturated testset. Half
