@@ -121,8 +121,8 @@ def _reliability_sentence(runs: list[RunRecord]) -> str:
         f"over its variance) is {spread} over the runs; it is a lower bound where a fixed example set's "
         "predictions barely change between evaluations (the binomial variance then overstates the noise). "
         "Its noise biases each partial covariance by the product of the two OOD slopes on in-domain accuracy "
-        "times (1 - reliability), so the meta-analysis is repeated with it corrected (SIMEX, quadratic "
-        "extrapolant) and the findings that do not survive are named."
+        "times (1 - reliability), so the meta-analysis is repeated with it corrected (SIMEX, its extrapolant's "
+        "pole set by each run's reliability) and the findings that do not survive are named."
     )
 
 
