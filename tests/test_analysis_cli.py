@@ -727,27 +727,45 @@ def two_runs(results: pathlib.Path) -> list[pathlib.Path]:
     return [good_run(results / f"job{seed}" / f"run{seed}", seed=seed) for seed in (0, 1)]
 
 
-def test_runs_whose_in_domain_accuracy_barely_moves_are_named_and_counted(tmp_path, capsys):
+def test_flat_runs_near_constant_series_and_capped_r_are_named_and_counted(tmp_path, capsys):
     """Issues 48 and 54: a run whose in-domain accuracy moves less than its binomial noise on the fixtures' 1,000
     examples (reliability after step 0 below 0.5) is named in a warning, counted in the closing lines and in the
-    summary's caption, and still analysed."""
+    summary's caption, and still analysed; so are a run with a near-constant OOD series (5 of 9 evaluations at
+    one value) and one whose r was capped at |r| = 0.999 (two identical OOD series: r = 1), named in its reason
+    in partial_correlations.csv too."""
     results = tmp_path / "results"
     two_runs(results)
     accuracy = np.random.default_rng(2).uniform(size=(6, 3))
     accuracy[:, 0] = 0.6 + 0.003 * np.arange(6)  # spans 0.015
     flat = good_run(results / "job2" / "run2", seed=2, accuracy=accuracy)
+    stuck_series = [0.5, 0.56, 0.56, 0.56, 0.56, 0.56, 0.62, 0.7, 0.65]
+    stuck = good_run(
+        results / "job3" / "run3",
+        seed=3,
+        steps=np.arange(9),
+        accuracy=np.column_stack([np.linspace(0.5, 0.9, 9), stuck_series, stuck_series]),
+    )
     assert main([str(results), "--out", str(tmp_path / "out")]) == 0
     captured = capsys.readouterr()
     assert captured.err.splitlines() == [
         f"warning: {flat}: flat, in-domain reliability 0.00 over 5 evaluations after step 0 (below 0.5: more "
-        "binomial noise on 1000 examples than movement); a partial correlation given it measures noise"
+        "binomial noise on 1000 examples than movement); a partial correlation given it measures noise",
+        f"warning: {stuck}: near-constant OOD accuracy, 'hans' at 0.560 in 5 of 9 evaluations; 'rte' at 0.560 in 5 "
+        "of 9 evaluations; its partial correlations rest on the other evaluations",
+        f"warning: {stuck}: r capped at |r| = 0.999 where runs are averaged: hans-rte r=+1.0000 (a degenerate run: "
+        "too few residual degrees of freedom, or two identical series)",
     ]
-    assert captured.out.startswith(f"analysed 3 runs under {results} (1 flat (in-domain accuracy barely moves), see ")
+    assert captured.out.startswith(
+        f"analysed 4 runs under {results} (1 flat (in-domain accuracy barely moves), 1 with a near-constant OOD "
+        "series, 1 with an r capped at |r| = 0.999, see "
+    )
     summary = (tmp_path / "out" / "tables" / "summary.tex").read_text()
     assert (
-        "1 of 3 runs are flat (in-domain reliability after step 0 below 0.5: more binomial noise than movement): run2."
+        "1 of 4 runs are flat (in-domain reliability after step 0 below 0.5: more binomial noise than movement): run2."
         in summary
     )
+    table = pd.read_csv(tmp_path / "out" / CSV_NAME, keep_default_na=False)
+    assert table.loc[table["run"] == "run3", "reason"].tolist() == ["r capped at |r| = 0.999 where runs are averaged"]
 
 
 def test_unreadable_files_and_identical_copies_are_named_and_skipped(tmp_path, capsys):
