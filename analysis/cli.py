@@ -6,8 +6,11 @@ Trained runs that stopped before their last step (`schema.finished`, as
 unless --include-unfinished; runs `oodjax.evaluate` wrote (one evaluation
 each, no correlation across steps) go into the accuracies only. Flat runs
 (`RunRecord.flat`: in-domain accuracy that barely moves) are analysed but
-named, one warning each, and counted. The output closes with the
-assumptions the results rest on (`assumptions`), as tables/tables.tex opens.
+named, one warning each, and counted, as are runs with a near-constant OOD
+series and runs whose r was capped at |r| = MAX_ABS_R. The output closes with
+the assumptions the results rest on (`assumptions`), as tables/tables.tex
+opens, and the findings that do not survive the correction for in-domain
+accuracy's measurement error.
 
 Everything is written into a fresh directory first and moved into OUT_DIR
 only once the whole analysis has succeeded, so a failing analysis leaves

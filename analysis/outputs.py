@@ -5,7 +5,10 @@ Every result is computed under both residualisers: the chosen one
 and counted (analysis/sensitivity.py), since the choice can decide a
 headline. The per-model results are combined across models by a
 random-effects meta-analysis (analysis/meta.py), the study's answer to
-whether a pair's partial correlation holds across models.
+whether a pair's partial correlation holds across models; it is repeated
+with each run's in-domain accuracy's measurement error corrected
+(analysis/measurement_error.py), and the findings that do not survive are
+named.
 """
 
 import argparse
