@@ -6,8 +6,11 @@ Trained runs that stopped before their last step (`schema.finished`, as
 unless --include-unfinished; runs `oodjax.evaluate` wrote (one evaluation
 each, no correlation across steps) go into the accuracies only. Flat runs
 (`RunRecord.flat`: in-domain accuracy that barely moves) are analysed but
-named, one warning each, and counted. The output closes with the
-assumptions the results rest on (`assumptions`), as tables/tables.tex opens.
+named, one warning each, and counted, as are runs with a near-constant OOD
+series and runs whose r was capped at |r| = MAX_ABS_R. The output closes with
+the assumptions the results rest on (`assumptions`), as tables/tables.tex
+opens, and the findings that do not survive the correction for in-domain
+accuracy's measurement error.
 
 Everything is written into a fresh directory first and moved into OUT_DIR
 only once the whole analysis has succeeded, so a failing analysis leaves
@@ -26,11 +29,12 @@ import textwrap
 from collections.abc import Iterator
 
 from analysis import schema
+from analysis.aggregate import MAX_ABS_R
 from analysis.meta import REML, TAU2_ESTIMATORS
 from analysis.outputs import FIGURE_DIR, TABLE_DIR, Selection, assumptions, select_runs, write_analysis
 from analysis.padjust import PADJUST_METHODS
 from analysis.residualise import RESIDUALISERS, SPLINE
-from analysis.runs import ResultsError, flat_warning, no_readable_runs_message, scan_runs
+from analysis.runs import ResultsError, flat_warning, near_constant_warning, no_readable_runs_message, scan_runs
 from analysis.stats import METHODS
 
 
@@ -127,11 +131,14 @@ def main(argv: list[str] | None = None) -> int:
         flat = [run for run in selection.analysed if run.flat]
         for run in flat:
             print(flat_warning(run), file=sys.stderr)
+        near_constant = [run for run in selection.analysed if run.near_constant]
+        for run in near_constant:
+            print(near_constant_warning(run), file=sys.stderr)
         if not selection.analysed:
             raise ResultsError(_nothing_to_analyse(args.results_dir, selection))
         with staged_output(args.out) as staging:
-            paths, testable = write_analysis(selection, args, staging)
-            written = [args.out / path.relative_to(staging) for path in paths]
+            found = write_analysis(selection, args, staging)
+            written = [args.out / path.relative_to(staging) for path in found.paths]
     except (ResultsError, OutputError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -142,19 +149,32 @@ def main(argv: list[str] | None = None) -> int:
         notes.append(f"{len(selection.evaluated)} evaluation-only in the accuracies only")
     if flat:
         notes.append(f"{len(flat)} flat (in-domain accuracy barely moves)")
+    if near_constant:
+        notes.append(f"{len(near_constant)} with a near-constant OOD series")
+    for line in found.capped:
+        print(line, file=sys.stderr)
+    if found.capped:
+        notes.append(f"{len(found.capped)} with an r capped at |r| = {MAX_ABS_R}")
     said = ", ".join(filter(None, notes))
-    if not testable:
+    if not found.testable:
         print(
             "warning: nothing can be tested across runs: no pair of any model and training set has two runs "
             "with different r; tables and figures show r without significance",
             file=sys.stderr,
         )
-    see = ", see the warnings" if skipped or selection.unfinished or flat or not testable else ""
+    warned = skipped or selection.unfinished or flat or near_constant or found.capped or not found.testable
+    see = ", see the warnings" if warned else ""
     left_out = f" ({said}{see})" if said else ""
     print(f"analysed {len(selection.analysed)} runs under {args.results_dir}{left_out}; wrote {len(written)} files:")
     for path in written:
         print(f"  {path}")
     print(textwrap.fill("Assumptions: " + assumptions(selection.analysed), width=100))
+    if found.not_surviving:
+        print("Findings that do not survive the correction for in-domain accuracy's measurement error:")
+        for line in found.not_surviving:
+            print(textwrap.fill(line, width=100, initial_indent="  ", subsequent_indent="    "))
+    else:
+        print("Every heterogeneity and pooled finding survives the correction for in-domain accuracy's noise.")
     return 0
 
 

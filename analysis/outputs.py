@@ -5,7 +5,10 @@ Every result is computed under both residualisers: the chosen one
 and counted (analysis/sensitivity.py), since the choice can decide a
 headline. The per-model results are combined across models by a
 random-effects meta-analysis (analysis/meta.py), the study's answer to
-whether a pair's partial correlation holds across models.
+whether a pair's partial correlation holds across models; it is repeated
+with each run's in-domain accuracy's measurement error corrected
+(analysis/measurement_error.py), and the findings that do not survive are
+named.
 """
 
 import argparse
@@ -13,22 +16,27 @@ import pathlib
 import sys
 from typing import NamedTuple
 
+import numpy as np
 import pandas as pd
 from tqdm import tqdm
 
 from analysis import figures, forest, tables
 from analysis.aggregate import (
     GROUP_COLUMNS,
+    MAX_ABS_R,
+    RUN_ID_COLUMNS,
     all_run_pairs,
     combine_runs,
+    corrected_run_pairs,
     majority_class_rates,
     run_means,
     summarise_by_model,
 )
+from analysis.measurement_error import not_surviving
 from analysis.meta import ALL_TRAIN_SETS, ESTIMATOR_NAMES, meta_analyse, trend_summary
 from analysis.naming import ModelInfo, display_name, slug, unique_stems
 from analysis.residualise import RESIDUALISERS
-from analysis.runs import FLAT_MAX_RANGE, FLAT_MIN_DISTINCT, ResultsError, RunRecord, accuracy_table
+from analysis.runs import FLAT_MAX_RELIABILITY, ResultsError, RunRecord, accuracy_table
 from analysis.sensitivity import SENSITIVE, by_shot_count, compare_residualisers, shot_counts, summarise_changes
 
 CSV_NAME = "partial_correlations.csv"
@@ -44,19 +52,23 @@ ACCURACIES_NAME = "accuracies"
 PROGRESS_MIN_GROUPS = 8
 # One row per pair, for every run (level "run") and every model and training
 # set combining its runs (level "group"); columns not used at a level are empty.
-# n_eff: the effective sample size of a run's autocorrelated steps its p rests on.
+# n_eff: the effective sample size of a run's autocorrelated steps its p rests on; in_domain_reliability:
+# the run's (RunRecord.in_domain_reliability).
 CSV_COLUMNS = (
     *"level residualiser model train_set seed shots run x y n n_eff n_runs r ci_low ci_high p p_adj dof".split(),
+    "in_domain_reliability",
     *"n_positive n_negative z z_se".split(),
     SENSITIVE,
     "reason",
 )
 # One row per pair and scope of the meta-analysis (level "pooled") and per member of it
-# (level "model"), under the chosen residualiser and tau^2 estimator.
+# (level "model"), under the chosen residualiser and tau^2 estimator, with the in-domain accuracy's
+# measurement error ignored and corrected (in_domain_noise: IN_DOMAIN_NOISE).
+IN_DOMAIN_NOISE = ("ignored", "corrected")
 META_CSV_COLUMNS = (
-    *"level residualiser estimator scope model train_set x y k n_runs r ci_low ci_high p p_adj pi_low".split(),
-    *"pi_high tau2 i2 q welch_p welch_p_adj q_p n_agree trend trend_new_model primary n_left_out z z_se".split(),
-    *"z_dof paired_corr seed_corr weight".split(),
+    *"level residualiser estimator in_domain_noise scope model train_set x y k n_runs r ci_low ci_high p".split(),
+    *"p_adj pi_low pi_high tau2 i2 q welch_p welch_p_adj q_p n_agree trend trend_new_model primary".split(),
+    *"n_left_out z z_se z_dof paired_corr seed_corr weight".split(),
     SENSITIVE,
     "reason",
 )
@@ -100,15 +112,36 @@ def assumptions(runs: list[RunRecord]) -> str:
         "paired by seed and shot count, the variance comes from the paired averages, otherwise from the "
         "training sets' variances as independent. Welch's test of equal models takes its p from a "
         "parametric bootstrap, adjusted across the pairs of a scope; Cochran's Q is descriptive. The primary "
-        "scope is every training set together, over the pairs every training set defines."
+        "scope is every training set together, over the pairs every training set defines. "
+        f"{_reliability_sentence(runs)}"
     )
 
 
-def write_analysis(
-    selection: Selection, args: argparse.Namespace, directory: pathlib.Path
-) -> tuple[list[pathlib.Path], bool]:
-    """Compute everything, write it under `directory`, and return the paths written and whether
-    any pair of any model and training set could be tested across runs.
+def _reliability_sentence(runs: list[RunRecord]) -> str:
+    """The in-domain covariate's reliability over `runs`, and what it means for the results, in words."""
+    known = sorted(run.in_domain_reliability for run in runs if not np.isnan(run.in_domain_reliability))
+    spread = f"from {known[0]:.2f} to {known[-1]:.2f}, median {np.median(known):.2f}" if known else "not known"
+    return (
+        "In-domain accuracy is measured with binomial noise: its reliability after step 0 (1 - mean p(1 - p)/N "
+        f"over its variance) is {spread} over the runs; it is a lower bound where a fixed example set's "
+        "predictions barely change between evaluations (the binomial variance then overstates the noise). "
+        "Its noise biases each partial covariance by the product of the two OOD slopes on in-domain accuracy "
+        "times (1 - reliability), so the meta-analysis is repeated with it corrected (SIMEX, its extrapolant's "
+        "pole set by each run's reliability) and the findings that do not survive are named."
+    )
+
+
+class Written(NamedTuple):
+    """What `write_analysis` wrote and found."""
+
+    paths: list[pathlib.Path]
+    testable: bool  # whether any pair of any model and training set could be tested across runs
+    capped: list[str]  # warning lines: runs whose r was capped at |r| = MAX_ABS_R
+    not_surviving: list[str]  # closing lines: findings that do not survive the in-domain noise's correction
+
+
+def write_analysis(selection: Selection, args: argparse.Namespace, directory: pathlib.Path) -> Written:
+    """Compute everything, write it under `directory`, and return what was written and found (`Written`).
 
     File names are checked for collisions before anything is written, so a
     clash is an error, never one model's figure overwriting another's.
@@ -135,6 +168,12 @@ def write_analysis(
     group_changes = compare_residualisers({name: result.per_group for name, result in results.items()}, GROUP_KEYS)
     pooled_changes = compare_residualisers({name: result.pooled for name, result in results.items()}, POOLED_KEYS)
     per_group = per_group.merge(group_changes[[*GROUP_KEYS, SENSITIVE]], on=GROUP_KEYS, how="left")
+    per_run = per_run.merge(_reliabilities(runs), on=list(RUN_ID_COLUMNS), how="left")
+    per_run["reason"] = per_run["reason"].mask(
+        per_run["r"].abs() > MAX_ABS_R, f"r capped at |r| = {MAX_ABS_R} where runs are averaged"
+    )
+    corrected = _analyse(runs, options, models, args.tau2_estimator, corrected=True)
+    lost = not_surviving(pooled, corrected.pooled)
     pooled = pooled.merge(
         pooled_changes.drop(columns=[f"r_{args.residualiser}", f"p_adj_{args.residualiser}"]),
         on=POOLED_KEYS,
@@ -145,7 +184,14 @@ def write_analysis(
     figure_dir.mkdir()
 
     written = _write_csvs(
-        directory, runs + selection.evaluated, per_run, per_group, pooled, members, group_changes, pooled_changes, args
+        directory,
+        runs + selection.evaluated,
+        per_run,
+        per_group,
+        {"ignored": (pooled, members), "corrected": (corrected.pooled, corrected.members)},
+        group_changes,
+        pooled_changes,
+        args,
     )
     description = _describe(options)
     padjust = tables.latex_escape(display_name(args.padjust))
@@ -231,7 +277,7 @@ def write_analysis(
         )
     )
     meta_tables, meta_figures = _write_meta_analysis(
-        pooled, members, models, runs, args, description, table_dir, figure_dir
+        pooled, members, lost, models, runs, args, description, table_dir, figure_dir
     )
     table_files += meta_tables
     written += meta_figures
@@ -247,7 +293,12 @@ def write_analysis(
             [p.name for p in table_files], tables.latex_escape(" ".join([assumptions(runs), trend_summary(pooled)]))
         )
     )
-    return written + table_files + [document], per_group["p"].notna().any()
+    return Written(
+        written + table_files + [document],
+        bool(per_group["p"].notna().any()),
+        _capped_warnings(runs, per_run),
+        [f"{scope}: {_findings(found)}" for scope, found in lost.groupby("scope", sort=False)],
+    )
 
 
 class Results(NamedTuple):
@@ -259,8 +310,15 @@ class Results(NamedTuple):
     members: pd.DataFrame  # the models in it
 
 
-def _analyse(runs: list[RunRecord], options: dict, models: dict[str, ModelInfo], estimator: str) -> Results:
-    per_run = all_run_pairs(runs, **options)
+def _analyse(
+    runs: list[RunRecord], options: dict, models: dict[str, ModelInfo], estimator: str, *, corrected: bool = False
+) -> Results:
+    """The analysis under `options`; `corrected`: each run's r corrected for its in-domain accuracy's
+    measurement error (`aggregate.corrected_run_pairs`)."""
+    if corrected:
+        per_run = pd.concat([corrected_run_pairs(run, **options) for run in runs], ignore_index=True)
+    else:
+        per_run = all_run_pairs(runs, **options)
     per_group = combine_runs(per_run, padjust=options["padjust"])
     pooled, members = meta_analyse(per_group, models, per_run, estimator=estimator, padjust=options["padjust"])
     return Results(per_run, per_group, pooled, members)
@@ -269,6 +327,7 @@ def _analyse(runs: list[RunRecord], options: dict, models: dict[str, ModelInfo],
 def _write_meta_analysis(
     pooled: pd.DataFrame,
     members: pd.DataFrame,
+    lost: pd.DataFrame,
     models: dict[str, ModelInfo],
     runs: list[RunRecord],
     args: argparse.Namespace,
@@ -298,7 +357,8 @@ def _write_meta_analysis(
             f"model; Welch's bootstrap $p$ for equal models adjusted over the pairs ({padjust}); "
             f"$I^2$ from $Q$ against its bootstrap expectation under equal models; "
             f"Agree: models whose $r$ has the pooled sign; {description}; "
-            f"{_extent(scope_runs)}. {tables.SIGNIFICANCE_NOTE} ({padjust} over pairs)."
+            f"{_extent(scope_runs)}. {tables.SIGNIFICANCE_NOTE} ({padjust} over pairs). "
+            f"{tables.latex_escape(_survival_note(lost[lost['scope'] == scope]))}"
         )
         table_files.append(table_dir / f"meta_analysis_{name}.tex")
         table_files[-1].write_text(
@@ -358,14 +418,17 @@ def _write_csvs(
     runs: list[RunRecord],
     per_run: pd.DataFrame,
     per_group: pd.DataFrame,
-    pooled: pd.DataFrame,
-    members: pd.DataFrame,
+    meta: dict[str, tuple[pd.DataFrame, pd.DataFrame]],
     group_changes: pd.DataFrame,
     pooled_changes: pd.DataFrame,
     args: argparse.Namespace,
 ) -> list[pathlib.Path]:
-    """The pairs of every run and group, every accuracy of ``runs``, the meta-analysis, and what changes
-    between the residualisers."""
+    """The pairs of every run and group, every accuracy of ``runs``, the meta-analysis (``meta``: its pooled
+    and model rows with the in-domain noise ignored and corrected), and what changes between the residualisers."""
+    pooled, members = (
+        pd.concat([frames[level].assign(in_domain_noise=noise) for noise, frames in meta.items()], ignore_index=True)
+        for level in (0, 1)
+    )
     return [
         _write_levels(
             directory / CSV_NAME,
@@ -469,8 +532,52 @@ def _flat_note(runs: list[RunRecord]) -> str:
         return ""
     names = tables.latex_escape(", ".join(run.name for run in flat))
     return (
-        f" {len(flat)} of {len(runs)} runs are flat (in-domain accuracy spans less than {FLAT_MAX_RANGE} or takes "
-        f"fewer than {FLAT_MIN_DISTINCT} distinct values): {names}."
+        f" {len(flat)} of {len(runs)} runs are flat (in-domain reliability after step 0 below "
+        f"{FLAT_MAX_RELIABILITY}: more binomial noise than movement): {names}."
+    )
+
+
+def _reliabilities(runs: list[RunRecord]) -> pd.DataFrame:
+    """Each run's identity (RUN_ID_COLUMNS) and `in_domain_reliability`."""
+    return pd.DataFrame(
+        [(run.model, run.train_set, run.seed, run.shots, run.name, run.in_domain_reliability) for run in runs],
+        columns=[*RUN_ID_COLUMNS, "in_domain_reliability"],
+    )
+
+
+def _capped_warnings(runs: list[RunRecord], per_run: pd.DataFrame) -> list[str]:
+    """One warning line per run with a pair whose |r| exceeds MAX_ABS_R, capped where runs are averaged."""
+    lines = []
+    for run in runs:
+        rows = per_run[(per_run["run"] == run.name) & (per_run["model"] == run.model)]
+        capped = rows[rows["r"].abs() > MAX_ABS_R]
+        if not capped.empty:
+            pairs = ", ".join(f"{x}-{y} r={r:+.4f}" for x, y, r in capped[["x", "y", "r"]].itertuples(index=False))
+            lines.append(
+                f"warning: {run.path}: r capped at |r| = {MAX_ABS_R} where runs are averaged: {pairs} "
+                "(a degenerate run: too few residual degrees of freedom, or two identical series)"
+            )
+    return lines
+
+
+def _findings(found: pd.DataFrame) -> str:
+    """The findings of `measurement_error.not_surviving` in one scope, in words."""
+    return "; ".join(
+        f"{what} of {', '.join(f'{x}-{y}' for x, y in rows[['x', 'y']].itertuples(index=False))}"
+        for what, rows in found.groupby("finding", sort=False)
+    )
+
+
+def _survival_note(lost: pd.DataFrame) -> str:
+    """The meta-analysis table's note on the in-domain noise's correction, for one scope."""
+    if lost.empty:
+        return (
+            "Every heterogeneity (Welch) and pooled finding survives the correction for in-domain accuracy's "
+            "measurement error (SIMEX, meta_analysis.csv in_domain_noise=corrected)."
+        )
+    return (
+        "Not surviving the correction for in-domain accuracy's measurement error (SIMEX, meta_analysis.csv "
+        f"in_domain_noise=corrected): {_findings(lost)}."
     )
 
 

@@ -3,11 +3,13 @@
 `python -m analysis.runs RESULTS_DIR [--csv]` lists the runs at a glance: one
 line per run with its model, training set, seed, shots, kind (trained, or
 evaluated without training by `oodjax.evaluate`: the base model, an adapter,
-in context), last step, whether it finished, and its last in-domain and mean
-OOD accuracy. An evaluation-only run is finished once written: its one
-evaluation, at step 0, is all it has. A trained run whose in-domain accuracy
-barely moves (FLAT_MAX_RANGE, FLAT_MIN_DISTINCT) is named in a warning and
-counted in the last line.
+in context), last step, whether it finished, its last in-domain and mean
+OOD accuracy, and its in-domain reliability (`in_domain_reliability`). An
+evaluation-only run is finished once written: its one evaluation, at step 0,
+is all it has. A trained run whose in-domain accuracy is mostly measurement
+noise (reliability below FLAT_MAX_RELIABILITY) is flat: named in a warning
+and counted in the last line; so is a near-constant OOD series
+(NEAR_CONSTANT_SHARE).
 
 What is skipped and what is an error: a metrics.npz whose bytes cannot be read
 as a complete npz (empty, truncated by a job killed while copying it,
@@ -20,6 +22,7 @@ error: those come from a bug or a mix-up that no analysis should paper over.
 import argparse
 import dataclasses
 import filecmp
+import functools
 import json
 import math
 import os
@@ -36,17 +39,28 @@ import pandas as pd
 from tqdm import tqdm
 
 from analysis import schema
+from analysis.measurement_error import MIN_RELIABILITY, reliability
 from analysis.naming import ModelInfo, model_info
 
 # Reading more files than this shows a progress bar (on stderr): a full sweep
 # holds hundreds of runs on network storage, and a silent minute looks hung.
 PROGRESS_MIN_FILES = 50
 
-# A trained run whose in-domain accuracy spans less than FLAT_MAX_RANGE over its evaluations, or
-# takes fewer than FLAT_MIN_DISTINCT distinct values, is flat: it barely trained, and a partial
-# correlation given a covariate that does not move measures noise. Both commands name such runs.
-FLAT_MAX_RANGE = 0.02
-FLAT_MIN_DISTINCT = 3
+# A trained run whose in-domain reliability after step 0 (`in_domain_reliability`) is below
+# FLAT_MAX_RELIABILITY is flat: more of its in-domain accuracy's variance is binomial measurement
+# noise than movement, so it barely trained, and a partial correlation given it measures noise.
+# 0.5 ("more noise than signal"): a run that never moves has a reliability of 0 in expectation, and
+# its estimate over 20 evaluations stays below 0.5 unless the sample variance of pure noise doubles
+# its expectation (chi^2_19 / 19 > 2: 0.5% of runs; 41 evaluations: under 0.01%); a plateau with
+# true reliability 0.7 is named in about 10% of runs (docs/analysis.md). A run needs at least
+# FLAT_MIN_EVALUATIONS evaluations after step 0 to be judged.
+FLAT_MAX_RELIABILITY = MIN_RELIABILITY  # the same floor below which SIMEX corrects only in part
+FLAT_MIN_EVALUATIONS = 3
+# An OOD testset whose accuracy takes one value (its mode) at NEAR_CONSTANT_SHARE of a run's
+# evaluations or more is near-constant: a model answering one class, or a saturated testset. Half
+# the steps: its partial correlations then rest on the other half, and a binomial accuracy on the
+# study's hundreds of examples repeats its value at a fraction of the steps at most.
+NEAR_CONSTANT_SHARE = 0.5
 
 ACCURACY_COLUMNS = ("run", "model", "train_set", "seed", "shots", "kind", "step", "testset", "accuracy")
 
@@ -137,23 +151,50 @@ class RunRecord:
         """`schema.finished`: the one definition both commands use."""
         return schema.finished(self.steps, self.config, self.evaluated)
 
+    @functools.cached_property
+    def in_domain_examples(self) -> int:
+        """N, the in-domain testset's examples, from its stored labels (`label/<in-domain>`)."""
+        key = schema.label_key(self.in_domain)
+        return int(read_metrics(self.path, [key])[key].size)
+
+    @functools.cached_property
+    def in_domain_reliability(self) -> float:
+        """`measurement_error.reliability` of its in-domain accuracy after step 0; NaN for fewer than
+        FLAT_MIN_EVALUATIONS evaluations there."""
+        accuracy = self.accuracy[self.in_domain].to_numpy(dtype=float)[self.steps > 0]
+        accuracy = accuracy[np.isfinite(accuracy)]
+        if accuracy.size < FLAT_MIN_EVALUATIONS:
+            return np.nan
+        return reliability(accuracy, self.in_domain_examples)
+
     @property
     def flat(self) -> str:
-        """Why its in-domain accuracy barely moves (FLAT_MAX_RANGE, FLAT_MIN_DISTINCT), in words;
-        empty when it moves, and for a run of fewer evaluations than FLAT_MIN_DISTINCT (evaluation-only
-        by design, or just started), which no count of distinct values could clear."""
-        if len(self.steps) < FLAT_MIN_DISTINCT:
+        """Why its in-domain accuracy is mostly noise (`in_domain_reliability` below FLAT_MAX_RELIABILITY), in
+        words; empty when it moves, and for a run of fewer than FLAT_MIN_EVALUATIONS evaluations after step 0
+        (evaluation-only by design, or just started), which cannot be judged."""
+        if not self.in_domain_reliability < FLAT_MAX_RELIABILITY:
             return ""
-        accuracy = self.accuracy[self.in_domain].to_numpy(dtype=float)
-        accuracy = accuracy[np.isfinite(accuracy)]
-        over = f"over {len(self.steps)} evaluations"
-        distinct = np.unique(accuracy).size
-        if distinct < FLAT_MIN_DISTINCT:
-            return f"in-domain accuracy takes {distinct} distinct value(s) {over} (fewer than {FLAT_MIN_DISTINCT})"
-        spread = float(np.ptp(accuracy))
-        if spread < FLAT_MAX_RANGE:
-            return f"in-domain accuracy spans {spread:.3f} {over} (less than {FLAT_MAX_RANGE})"
-        return ""
+        evaluations = int((self.steps > 0).sum())
+        return (
+            f"in-domain reliability {self.in_domain_reliability:.2f} over {evaluations} evaluations after step 0 "
+            f"(below {FLAT_MAX_RELIABILITY}: more binomial noise on {self.in_domain_examples} examples than movement)"
+        )
+
+    @property
+    def near_constant(self) -> str:
+        """The OOD testsets whose accuracy sits at its mode at NEAR_CONSTANT_SHARE of the evaluations or more,
+        in words; empty when none does or the run has fewer than FLAT_MIN_EVALUATIONS evaluations."""
+        if len(self.steps) < FLAT_MIN_EVALUATIONS:
+            return ""
+        found = []
+        for testset in self.ood_testsets:
+            accuracy = self.accuracy[testset].dropna()
+            if accuracy.empty:
+                continue
+            counts = accuracy.value_counts()
+            if counts.iloc[0] > 1 and counts.iloc[0] >= NEAR_CONSTANT_SHARE * len(accuracy):  # a value repeats
+                found.append(f"{testset!r} at {counts.index[0]:.3f} in {counts.iloc[0]} of {len(accuracy)} evaluations")
+        return "; ".join(found)
 
     @property
     def progress(self) -> str:
@@ -283,6 +324,7 @@ OVERVIEW_COLUMNS = (
     "finished",
     "in_domain_accuracy",
     "mean_ood_accuracy",
+    "in_domain_reliability",
     "problem",
 )
 
@@ -290,6 +332,14 @@ OVERVIEW_COLUMNS = (
 def flat_warning(run: RunRecord) -> str:
     """The warning line of a flat run (`RunRecord.flat`), as both commands print it."""
     return f"warning: {run.path}: flat, {run.flat}; a partial correlation given it measures noise"
+
+
+def near_constant_warning(run: RunRecord) -> str:
+    """The warning line of a run with a near-constant OOD series (`RunRecord.near_constant`)."""
+    return (
+        f"warning: {run.path}: near-constant OOD accuracy, {run.near_constant}; "
+        "its partial correlations rest on the other evaluations"
+    )
 
 
 def runs_overview(runs: Sequence[RunRecord], unreadable: Sequence[SkippedFile] = ()) -> pd.DataFrame:
@@ -312,6 +362,7 @@ def runs_overview(runs: Sequence[RunRecord], unreadable: Sequence[SkippedFile] =
                 "finished": run.finished,
                 "in_domain_accuracy": last[run.in_domain],
                 "mean_ood_accuracy": last[run.ood_testsets].mean(),
+                "in_domain_reliability": run.in_domain_reliability,
                 "problem": "",
             }
         )
@@ -336,15 +387,18 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         runs, skipped = scan_runs(args.results_dir)
+        flat = [run for run in runs if run.flat]  # reads each run's in-domain labels: a ResultsError without them
+        overview = runs_overview(runs, [skip for skip in skipped if skip.unreadable])
     except ResultsError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     for skip in skipped:
         print(f"warning: {skip.message}", file=sys.stderr)
-    flat = [run for run in runs if run.flat]
     for run in flat:
         print(flat_warning(run), file=sys.stderr)
-    overview = runs_overview(runs, [skip for skip in skipped if skip.unreadable])
+    for run in runs:
+        if run.near_constant:
+            print(near_constant_warning(run), file=sys.stderr)
     if args.csv:
         overview.to_csv(sys.stdout, index=False)
     else:

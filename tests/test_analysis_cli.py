@@ -74,6 +74,10 @@ def test_cli_writes_tables_figures_and_csv_and_lists_them(analysed):
     assert closing.startswith("Run-level p-values are approximate: a run's test uses Bartlett's effective sample size")
     for said in ("(here 3 seed(s) x 2 shot count(s)) are averaged", "runs of one seed", "paired averages", "Welch's"):
         assert said in closing
+    # Issue 54: the in-domain reliability, and the findings the correction for its noise leaves standing.
+    assert "its reliability after step 0 (1 - mean p(1 - p)/N over its variance) is from 0." in closing
+    assert "lower bound where a fixed example set's predictions barely change" in closing
+    assert "survive" in closing.split("are named.")[-1]
     assert stdout.startswith(f"analysed {len(GROUPS) * len(SEEDS) * len(SHOTS)} runs")
     figures = {p for p in written if p.parent.name == "figures"}
     tables = {p for p in written if p.parent.name == "tables"}
@@ -272,6 +276,16 @@ def test_meta_analysis_combines_the_models_of_the_csv(analysed):
     assert runs["r"].notna().all()  # every run pairs with its twin
     meta = pd.read_csv(out / META_CSV_NAME, keep_default_na=False, na_values=[""])
     assert set(meta["estimator"]) == {"reml"} and set(meta["residualiser"]) == {"spline"}
+    # Issue 54: the same rows with the in-domain noise corrected, each pooled row its members' combination.
+    corrected = meta[meta["in_domain_noise"] == "corrected"]
+    assert meta["in_domain_noise"].value_counts().to_dict() == {"ignored": len(corrected), "corrected": len(corrected)}
+    for (scope, x, y), members in corrected[corrected["level"] == "model"].groupby(["scope", "x", "y"]):
+        if scope != ALL_TRAIN_SETS:
+            row = corrected[(corrected["level"] == "pooled") & (corrected["scope"] == scope)]
+            row = row[(row["x"] == x) & (row["y"] == y)].iloc[0]
+            expected = random_effects(members["z"].to_numpy(), members["z_se"].to_numpy() ** 2)
+            assert row["r"] == pytest.approx(np.tanh(expected.mu), abs=1e-9)
+    meta = meta[meta["in_domain_noise"] == "ignored"]
     pooled, members = meta[meta["level"] == "pooled"], meta[meta["level"] == "model"]
     assert list(dict.fromkeys(pooled["scope"])) == [*TRAIN_SETS, ALL_TRAIN_SETS]
     assert len(pooled) == 2 * 21 + 15  # over both: the 15 pairs without mnli or snli
@@ -733,26 +747,45 @@ def two_runs(results: pathlib.Path) -> list[pathlib.Path]:
     return [good_run(results / f"job{seed}" / f"run{seed}", seed=seed) for seed in (0, 1)]
 
 
-def test_runs_whose_in_domain_accuracy_barely_moves_are_named_and_counted(tmp_path, capsys):
-    """Issue 48: a run whose in-domain accuracy spans less than 0.02 is named in a warning, counted in the
-    closing lines and in the summary's caption, and still analysed."""
+def test_flat_runs_near_constant_series_and_capped_r_are_named_and_counted(tmp_path, capsys):
+    """Issues 48 and 54: a run whose in-domain accuracy moves less than its binomial noise on the fixtures' 1,000
+    examples (reliability after step 0 below 0.5) is named in a warning, counted in the closing lines and in the
+    summary's caption, and still analysed; so are a run with a near-constant OOD series (5 of 9 evaluations at
+    one value) and one whose r was capped at |r| = 0.999 (two identical OOD series: r = 1), named in its reason
+    in partial_correlations.csv too."""
     results = tmp_path / "results"
     two_runs(results)
     accuracy = np.random.default_rng(2).uniform(size=(6, 3))
     accuracy[:, 0] = 0.6 + 0.003 * np.arange(6)  # spans 0.015
     flat = good_run(results / "job2" / "run2", seed=2, accuracy=accuracy)
+    stuck_series = [0.5, 0.56, 0.56, 0.56, 0.56, 0.56, 0.62, 0.7, 0.65]
+    stuck = good_run(
+        results / "job3" / "run3",
+        seed=3,
+        steps=np.arange(9),
+        accuracy=np.column_stack([np.linspace(0.5, 0.9, 9), stuck_series, stuck_series]),
+    )
     assert main([str(results), "--out", str(tmp_path / "out")]) == 0
     captured = capsys.readouterr()
     assert captured.err.splitlines() == [
-        f"warning: {flat}: flat, in-domain accuracy spans 0.015 over 6 evaluations (less than 0.02); "
-        "a partial correlation given it measures noise"
+        f"warning: {flat}: flat, in-domain reliability 0.00 over 5 evaluations after step 0 (below 0.5: more "
+        "binomial noise on 1000 examples than movement); a partial correlation given it measures noise",
+        f"warning: {stuck}: near-constant OOD accuracy, 'hans' at 0.560 in 5 of 9 evaluations; 'rte' at 0.560 in 5 "
+        "of 9 evaluations; its partial correlations rest on the other evaluations",
+        f"warning: {stuck}: r capped at |r| = 0.999 where runs are averaged: hans-rte r=+1.0000 (a degenerate run: "
+        "too few residual degrees of freedom, or two identical series)",
     ]
-    assert captured.out.startswith(f"analysed 3 runs under {results} (1 flat (in-domain accuracy barely moves), see ")
+    assert captured.out.startswith(
+        f"analysed 4 runs under {results} (1 flat (in-domain accuracy barely moves), 1 with a near-constant OOD "
+        "series, 1 with an r capped at |r| = 0.999, see "
+    )
     summary = (tmp_path / "out" / "tables" / "summary.tex").read_text()
     assert (
-        "1 of 3 runs are flat (in-domain accuracy spans less than 0.02 or takes fewer than 3 distinct values): run2."
+        "1 of 4 runs are flat (in-domain reliability after step 0 below 0.5: more binomial noise than movement): run2."
         in summary
     )
+    table = pd.read_csv(tmp_path / "out" / CSV_NAME, keep_default_na=False)
+    assert table.loc[table["run"] == "run3", "reason"].tolist() == ["r capped at |r| = 0.999 where runs are averaged"]
 
 
 def test_unreadable_files_and_identical_copies_are_named_and_skipped(tmp_path, capsys):

@@ -13,7 +13,7 @@ import zipfile
 import numpy as np
 import pandas as pd
 import pytest
-from fixtures_results import cut_short, write_results_root, write_run
+from fixtures_results import IN_DOMAIN_EXAMPLES, cut_short, write_results_root, write_run
 
 from analysis import figures, runs, schema
 from analysis.aggregate import majority_class_rates
@@ -31,7 +31,8 @@ def results(tmp_path):
     )
     accuracy = np.full((3, 4), 0.6)
     accuracy[:, 0] = [0.5, 0.7, 0.8]  # in-domain
-    accuracy[:, 3] = [0.5, 0.5, np.nan]  # not evaluated at the last step: left out of the mean
+    accuracy[:, 1:3] = [[0.6, 0.58], [0.62, 0.6], [0.65, 0.55]]  # moving: no near-constant OOD series
+    accuracy[:, 3] = [0.5, 0.52, np.nan]  # not evaluated at the last step: left out of the mean
     write_run(
         root / "stopped",
         steps=STEPS[:3],
@@ -67,6 +68,7 @@ def test_lists_each_run_with_its_progress_and_last_accuracies(results):
         "finished",
         "in_domain_accuracy",
         "mean_ood_accuracy",
+        "in_domain_reliability",
         "problem",
     ]
     assert table["finished"].to_dict() == {
@@ -82,6 +84,12 @@ def test_lists_each_run_with_its_progress_and_last_accuracies(results):
     finished = runs.load_run(results / "opt-125m_mnli_seed42_shots32" / "metrics.npz")
     last = finished.accuracy.iloc[-1]
     assert table.loc[finished.name, "mean_ood_accuracy"] == pytest.approx(last[finished.ood_testsets].mean())
+    # Issue 54: 1 - mean binomial variance on the stored in-domain labels' count / sample variance, after step 0.
+    in_domain = finished.accuracy["mnli"].to_numpy()[1:]
+    examples = np.load(finished.path)[schema.label_key("mnli")].size
+    expected = 1.0 - np.mean(in_domain * (1.0 - in_domain) / examples) / np.var(in_domain, ddof=1)
+    assert table.loc[finished.name, "in_domain_reliability"] == pytest.approx(expected, rel=1e-5)
+    assert np.isnan(stopped["in_domain_reliability"])  # 2 evaluations after step 0: not judged
 
 
 def test_the_plain_table_is_aligned_and_counts_unfinished_runs(results, capsys):
@@ -99,6 +107,7 @@ def test_the_plain_table_is_aligned_and_counts_unfinished_runs(results, capsys):
         "finished",
         "in_domain_accuracy",
         "mean_ood_accuracy",
+        "in_domain_reliability",
         "problem",
     ]
     assert len({len(line) for line in lines[:-1]}) == 1  # one width: aligned columns
@@ -219,7 +228,7 @@ def test_a_truncated_file_is_listed_as_an_unfinished_unreadable_run(results, cap
     assert lines[-1] == "4 runs, 2 finished, 2 not (1 unreadable)"
     assert len({len(line) for line in lines[:-1]}) == 1
     assert [line.split() for line in lines if line.lstrip().startswith("killed")] == [
-        ["killed", *["-"] * 7, "False", "-", "-", "unreadable"]
+        ["killed", *["-"] * 7, "False", "-", "-", "-", "unreadable"]
     ]
 
 
@@ -433,36 +442,115 @@ def test_finished_is_the_last_step_the_run_itself_planned(tmp_path, train_steps,
     assert overview["finished"].tolist() == [finished]
 
 
-def test_runs_whose_in_domain_accuracy_barely_moves_are_named_and_counted(results, capsys):
-    """Issue 48: a span below runs.FLAT_MAX_RANGE (0.02), or fewer than runs.FLAT_MIN_DISTINCT (3) distinct
-    values, is flat; a span of 0.021 over five values, or three distinct values, is not."""
-    in_domain = {
-        "narrow": [0.60, 0.605, 0.61, 0.615, 0.619],
-        "two_values": [0.5, 0.9, 0.5, 0.9, 0.5],
-        "just_moves": [0.60, 0.605, 0.61, 0.615, 0.621],
-        "three_values": [0.5, 0.9, 0.5, 0.9, 0.7],
-    }
-    for seed, (name, values) in enumerate(in_domain.items(), start=10):
-        accuracy = np.column_stack([values, np.full((5, 2), 0.6)])
-        write_run(
-            results / name,
-            steps=STEPS,
+def _binomial_runs(root: pathlib.Path, name: str, true_in_domain: np.ndarray, seed: int) -> list[runs.RunRecord]:
+    """One run per row of `true_in_domain` ([runs, evaluations], steps 0, 25, ...), its in-domain accuracy
+    measured on the fixtures' IN_DOMAIN_EXAMPLES (binomial), two moving OOD testsets beside it."""
+    rng = np.random.default_rng(seed)
+    found = []
+    for index, true in enumerate(true_in_domain):
+        steps = 25 * np.arange(true.size)
+        measured = rng.binomial(IN_DOMAIN_EXAMPLES, true) / IN_DOMAIN_EXAMPLES
+        accuracy = np.column_stack([measured, rng.uniform(0.4, 0.6, (true.size, 2))])
+        path = write_run(
+            root / f"{name}{index}",
+            steps=steps,
             testsets=["mnli", "hans", "rte"],
             accuracy=accuracy,
             in_domain="mnli",
             model="opt-125m",
-            seed=seed,
+            seed=index,
             shots=32,
-            config={"model": {"path": "facebook/opt-125m"}, "train": {"steps": 100}},
+            config={"model": {"path": "facebook/opt-125m"}, "train": {"steps": int(steps[-1])}},
         )
+        found.append(runs.load_run(path))
+    return found
+
+
+def test_runs_that_never_learn_are_named_by_their_in_domain_reliability(tmp_path):
+    """Issue 54: a run whose in-domain accuracy never moves (binomial noise on 1,000 examples about a constant
+    0.8: a range of about 0.045 over 21 evaluations, which the range rule of issue 48 let through in most runs),
+    at 21 and 41 evaluations, and one that jumps at its first evaluation and then stays flat, are named in at
+    least 90% of runs (the reliability's estimate stays below 0.5 unless 19 or 39 degrees of freedom of pure
+    noise double their expected variance: under 1% of runs); a run that learns never is, and a plateau whose
+    true sd 0.02 makes a reliability of 0.71 is named in at most 25% (about 10% expected; 60 runs)."""
+    count = 60
+    never_21 = _binomial_runs(tmp_path, "never21_", np.full((count, 21), 0.8), seed=1)
+    never_41 = _binomial_runs(tmp_path, "never41_", np.full((count, 41), 0.8), seed=2)
+    jumps = _binomial_runs(tmp_path, "jump", np.column_stack([np.full(count, 0.5), np.full((count, 20), 0.8)]), 3)
+    curve = 0.5 + 0.35 * (1.0 - np.exp(-np.arange(21) / 5.0))
+    learns = _binomial_runs(tmp_path, "learns", np.tile(curve, (count, 1)), seed=4)
+    plateau = np.column_stack([np.full(count, 0.5), 0.8 + 0.02 * np.random.default_rng(5).normal(size=(count, 20))])
+    signal = _binomial_runs(tmp_path, "plateau", plateau, seed=6)
+
+    def named(found: list[runs.RunRecord]) -> float:
+        return float(np.mean([bool(run.flat) for run in found]))
+
+    assert min(named(never_21), named(never_41), named(jumps)) >= 0.9
+    assert named(learns) == 0.0
+    assert named(signal) <= 0.25
+
+
+def test_flat_runs_are_named_and_counted_in_one_warning_each(results, capsys):
+    """The warning line of a flat run (`RunRecord.flat`) and the count in the last line; a run with fewer than
+    runs.FLAT_MIN_EVALUATIONS evaluations after step 0 (`stopped`, 2) is not judged."""
+    flat = results / "flat"
+    write_run(
+        flat,
+        steps=STEPS,
+        testsets=["mnli", "hans", "rte"],
+        accuracy=np.column_stack(
+            [[0.5, 0.80, 0.81, 0.80, 0.81], [0.5, 0.55, 0.6, 0.58, 0.62], np.linspace(0.3, 0.5, 5)]
+        ),
+        in_domain="mnli",
+        model="opt-125m",
+        seed=10,
+        shots=32,
+        config={"model": {"path": "facebook/opt-125m"}, "train": {"steps": 100}},
+    )
     assert runs.main([str(results)]) == 0
     captured = capsys.readouterr()
-    warnings = [line for line in captured.err.splitlines() if "flat" in line]
-    assert warnings == [
-        f"warning: {results / 'narrow' / schema.METRICS_FILENAME}: flat, in-domain accuracy spans 0.019 over 5 "
-        "evaluations (less than 0.02); a partial correlation given it measures noise",
-        f"warning: {results / 'two_values' / schema.METRICS_FILENAME}: flat, in-domain accuracy takes 2 distinct "
-        "value(s) over 5 evaluations (fewer than 3); a partial correlation given it measures noise",
+    # 1 - mean(p (1 - p) / 1000) / var([0.80, 0.81, 0.80, 0.81], ddof=1) < 0, clipped to 0.
+    assert [line for line in captured.err.splitlines() if "flat" in line] == [
+        f"warning: {flat / schema.METRICS_FILENAME}: flat, in-domain reliability 0.00 over 4 evaluations after "
+        "step 0 (below 0.5: more binomial noise on 1000 examples than movement); a partial correlation given it "
+        "measures noise"
     ]
-    last = captured.out.splitlines()[-1]
-    assert last == "7 runs, 6 finished, 1 not; 2 flat (in-domain accuracy barely moves, see the warnings)"
+    assert captured.out.splitlines()[-1] == (
+        "4 runs, 3 finished, 1 not; 1 flat (in-domain accuracy barely moves, see the warnings)"
+    )
+
+
+def test_near_constant_ood_series_are_named(results, capsys):
+    """Issue 54: an OOD testset whose accuracy sits at one value at half the evaluations or more (a model
+    answering one class) is named in a warning; one whose values all differ is not."""
+    stuck = results / "stuck"
+    write_run(
+        stuck,
+        steps=STEPS,
+        testsets=["mnli", "hans", "rte"],
+        accuracy=np.column_stack(
+            [[0.5, 0.6, 0.7, 0.8, 0.85], [0.5, 0.56, 0.56, 0.56, 0.6], [0.5, 0.52, 0.53, 0.6, 0.7]]
+        ),
+        in_domain="mnli",
+        model="opt-125m",
+        seed=10,
+        shots=32,
+        config={"model": {"path": "facebook/opt-125m"}, "train": {"steps": 100}},
+    )
+    assert runs.main([str(results)]) == 0
+    assert [line for line in capsys.readouterr().err.splitlines() if "near-constant" in line] == [
+        f"warning: {stuck / schema.METRICS_FILENAME}: near-constant OOD accuracy, 'hans' at 0.560 in 3 of 5 "
+        "evaluations; its partial correlations rest on the other evaluations"
+    ]
+
+
+def test_a_run_without_its_in_domain_labels_is_a_clear_error(tmp_path, capsys):
+    """Its reliability needs N, the stored in-domain labels' count: one line and exit status 2, no traceback."""
+    path = good_metrics(tmp_path / "run")
+    with np.load(path) as npz:
+        arrays = {key: npz[key] for key in npz.files if key != schema.label_key("mnli")}
+    np.savez(path, **arrays)
+    assert runs.main([str(tmp_path)]) == 2
+    assert capsys.readouterr().err == (
+        f"error: {path}: not a run's metrics (schema in analysis/schema.py): missing keys ['label/mnli']\n"
+    )
