@@ -27,6 +27,7 @@ from oodjax.engine.geometry import BatchGeometry
 from oodjax.engine.setup import set_up
 from oodjax.models import flash_attention
 from oodjax.models.partitioning import param_shardings
+from oodjax.usage_errors import UsageError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +76,10 @@ class AbstractSteps:
     data: Any
     arch: dict[str, Any]
     longest_rows: dict[str, np.ndarray]
+
+
+class OutOfMemory(UsageError):
+    """The compiler refused a step for want of the device's memory: the preflight's verdict, in one line."""
 
 
 def largest_group(job: Job) -> RunGroup:
@@ -145,7 +150,13 @@ def compile_step(
     with flash_attention.target_platform(step.mesh.devices.flat[0].platform):
         lowered = step.lower(*args)
     lowered_at = time.perf_counter()
-    compiled = lowered.compile()
+    try:
+        compiled = lowered.compile()
+    except jax.errors.JaxRuntimeError as error:
+        # The TPU compiler refuses a program larger than the chip's memory, where other backends compile it.
+        if not str(error).startswith("RESOURCE_EXHAUSTED"):
+            raise
+        raise OutOfMemory(f"the {name} step DOES NOT FIT: {str(error).removeprefix('RESOURCE_EXHAUSTED: ')}") from None
     compiled_at = time.perf_counter()
     text = compiled.as_text()
     if hlo_dir is not None:
