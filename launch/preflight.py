@@ -259,7 +259,7 @@ def compiler_of(device: jax.Device, topology: str | None) -> str:
     if topology is not None:
         kind = device.device_kind
         return f"the TPU compiler (libtpu {topologies.compiler_version()}) for a {topology} of {kind} chips"
-    return f"XLA's {device.platform.upper()} compiler (jaxlib {jax.lib.__version__}) on this machine"
+    return f"XLA's {device.platform.upper()} compiler (JAX {jax.__version__}) on this machine"
 
 
 def given_network(device: Device, gb_s: float) -> Device:
