@@ -72,9 +72,18 @@ def slices() -> dict[str, Slice]:
     return known
 
 
+# Why GPUs have no --topology: what JAX 0.10.2 lacks to compile the study's steps without a GPU.
+GPU_REFUSAL = (
+    "compiles for TPU slices only; JAX does not support compiling for a GPU without one (jax-ml/jax#23971, open): "
+    "run the preflight on a GPU node, with --devices"
+)
+
+
 def find(name: str) -> Slice:
-    """The slice called ``name``, or a usage error listing the names there are."""
+    """The slice called ``name``, or a usage error listing the names there are (a GPU's: why there is none)."""
     known = slices()
+    if name.lower().startswith(("h100", "h200", "a100", "b200", "gpu")):
+        raise UsageError(f"--topology {name!r}: {GPU_REFUSAL}")
     if name not in known:
         raise UsageError(f"--topology {name!r}: not a TPU slice this preflight knows; it knows {', '.join(known)}")
     return known[name]

@@ -139,6 +139,11 @@ def test_an_unknown_slice_is_one_line_naming_those_there_are():
     assert "'v5e-8': not a TPU slice" in line and "v5litepod-8" in line and "v5p-64" in line
 
 
+def test_a_gpu_is_one_line_naming_the_jax_issue():
+    line = _refusal("-m", "launch.preflight", "--config=configs/demo.py", "--topology=h100-8")
+    assert "'h100-8': compiles for TPU slices only" in line and "jax-ml/jax#23971" in line
+
+
 def test_without_libtpu_it_is_one_line_saying_what_to_install(tmp_path):
     program = (
         "import pathlib, sys; from launch import preflight, topologies; "
