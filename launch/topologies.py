@@ -116,6 +116,9 @@ def devices(target: Slice) -> list[jax.Device]:
     os.environ.setdefault("TPU_LIBRARY_PATH", compiler_path())
     with contextlib.suppress(RuntimeError):  # JAX's backends have started (the tests'): they stay as they are
         jax.config.update("jax_platforms", "cpu")  # this machine's backend: no TPU one tried beside the slice's
+    # A program compiled for compile-only devices cannot be loaded back from JAX's persistent cache (no client to
+    # load it into: a warning and a compile again), so none is written there from now on.
+    jax.config.update("jax_enable_compilation_cache", False)
     for variable, value in (
         ("TPU_SKIP_MDS_QUERY", "1"),
         ("TPU_ACCELERATOR_TYPE", target.name),
