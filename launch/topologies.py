@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib.util
+import math
 import os
 import pathlib
 import re
@@ -44,29 +45,16 @@ _GENERATIONS = {
     "v5litepod": ("v5e", "v5e", 1),
     "v6e": ("v6e", "v6e", 1),
 }
-_GRIDS_3D = ("1x1x1", "2x2x1", "2x2x2", "2x2x4", "2x4x4", "4x4x4", "4x4x8", "4x8x8", "8x8x8", "8x8x16", "8x16x16")
+_GRIDS_3D = ("2x2x1", "2x2x2", "2x2x4", "2x4x4", "4x4x4", "4x4x8", "4x8x8", "8x8x8", "8x8x16", "8x16x16")
 _GRIDS_2D = ("1x1", "2x2", "2x4", "4x4", "4x8", "8x8", "8x16", "16x16")
-
-
-def _grids(dimensions: int) -> dict[int, str]:
-    grids = _GRIDS_3D if dimensions == 3 else _GRIDS_2D
-    return {_product(grid): grid for grid in grids}
-
-
-def _product(grid: str) -> int:
-    chips = 1
-    for size in grid.split("x"):
-        chips *= int(size)
-    return chips
 
 
 def slices() -> dict[str, Slice]:
     """Every slice the preflight knows, by gcloud name."""
     known = {}
     for prefix, (device, topology, cores) in _GENERATIONS.items():
-        for chips, grid in _grids(3 if cores == 2 else 2).items():
-            if chips == 1 and cores == 2:
-                continue  # gcloud has no single-chip v4 or v5p
+        for grid in _GRIDS_3D if cores == 2 else _GRIDS_2D:
+            chips = math.prod(int(size) for size in grid.split("x"))
             name = f"{prefix}-{chips * cores}"
             known[name] = Slice(name, device, f"{topology}:{grid}", chips, "megacore" if cores == 2 else "default")
     return known

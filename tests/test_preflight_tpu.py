@@ -182,3 +182,17 @@ ENTRY %main (p: f32[8,128]) -> f32[8,128] {
 """
     assert hlo.kernels(text) == 2
     assert hlo.collectives(text)["all-reduce"]["count"] == 1
+
+
+def test_make_test_installs_the_pinned_compiler_outside_the_venv(tmp_path):
+    """`make test` (CI's entry) runs `make install-tpu-compiler`, which unpacks requirements-tpu.txt's libtpu pin
+    (its one pin) into .tpu-compiler/ with the venv's pip, never into the venv."""
+    make = ["make", "-n", "-B", f"VENV={tmp_path / 'venv'}"]
+    install = subprocess.run([*make, "install-tpu-compiler"], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert (
+        f"{tmp_path / 'venv'}/bin/python -m pip install -q --no-deps --target .tpu-compiler "
+        "$(grep '^libtpu==' requirements-tpu.txt)"
+    ) in install.stdout
+    test = subprocess.run([*make, "test"], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert "--target .tpu-compiler" in test.stdout
+    assert sum(line.startswith("libtpu==") for line in (ROOT / "requirements-tpu.txt").read_text().splitlines()) == 1
