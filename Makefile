@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 OFFLINE := HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
 PYTEST_ARGS ?=
 
-.PHONY: test format demo install install-runtime install-gpu install-tpu install-bench-gpu system-tools clean
+.PHONY: test format demo install install-runtime install-gpu install-tpu install-tpu-compiler install-bench-gpu system-tools clean
 
 install: $(VENV)/.installed
 install-runtime: $(VENV)/.installed-runtime
@@ -15,6 +15,11 @@ install-runtime: $(VENV)/.installed-runtime
 # PyTorch; each in a venv of its own (VENV=.venv by default, the launchers' OODJAX_VENV).
 install-gpu: $(VENV)/.installed-gpu
 install-tpu: $(VENV)/.installed-tpu
+# The TPU compiler alone, for `python -m launch.preflight --topology` on a machine without a TPU: requirements-tpu.txt's
+# libtpu unpacked into TPU_COMPILER, outside the venv, so that JAX never looks for a TPU on start-up (a TPU VM's
+# stack, install-tpu, has it in the venv). Needs only the venv's pip, of the venv's Python.
+TPU_COMPILER := .tpu-compiler
+install-tpu-compiler: $(TPU_COMPILER)/.installed
 # The GPU benchmark (PyTorch beside JAX, one CUDA major) in a venv of its own; TORCH_CUDA names PyTorch's
 # CUDA 12 build and index.
 BENCH_VENV ?= .venv-bench
@@ -71,6 +76,12 @@ $(VENV)/.installed-gpu $(VENV)/.installed-tpu: $(VENV)/.installed-%: requirement
 	$(call check_stack,$(if $(filter gpu,$*),cu12),$(PY))
 	touch $@
 
+$(TPU_COMPILER)/.installed: requirements-tpu.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	rm -rf $(TPU_COMPILER)
+	$(PY) -m pip install -q --no-deps --target $(TPU_COMPILER) $$(grep '^libtpu==' requirements-tpu.txt)
+	touch $@
+
 $(BENCH_VENV)/.installed-bench-gpu: requirements.txt requirements-bench-gpu.txt
 	$(call only_stack,installed-bench-gpu,$(BENCH_VENV))
 	test -x $(BENCH_VENV)/bin/python || $(PYTHON) -m venv $(BENCH_VENV)
@@ -81,8 +92,8 @@ $(BENCH_VENV)/.installed-bench-gpu: requirements.txt requirements-bench-gpu.txt
 	touch $@
 
 # The formatter, the linter and the type checker first (ruff and mypy, configured in pyproject.toml; `make format`
-# applies ruff's fixes), then the tests.
-test: install system-tools
+# applies ruff's fixes), then the tests (those of TPU slices with the TPU compiler).
+test: install system-tools install-tpu-compiler
 	$(PY) -m ruff format --check --quiet .
 	$(PY) -m ruff check --quiet .
 	$(PY) -m mypy
@@ -97,4 +108,4 @@ demo: install-runtime
 	$(PY) -m analysis results/demo --out results/demo-analysis
 
 clean:
-	rm -rf $(VENV) $(BENCH_VENV) .pytest_cache
+	rm -rf $(VENV) $(BENCH_VENV) $(TPU_COMPILER) .pytest_cache

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import pathlib
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -24,7 +25,9 @@ from oodjax.engine import sharding, steps
 from oodjax.engine.cadence import RunGroup
 from oodjax.engine.geometry import BatchGeometry
 from oodjax.engine.setup import set_up
+from oodjax.models import flash_attention
 from oodjax.models.partitioning import param_shardings
+from oodjax.usage_errors import UsageError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +60,7 @@ class CompiledStep:
     memory_bytes: CompiledMemory
     collectives: dict[str, dict[str, int]]  # ``collectives``
     communication: Communication
+    kernels: int  # Pallas kernels compiled into the program (Mosaic's on a TPU: ``hlo.kernels``)
 
 
 @dataclasses.dataclass
@@ -74,18 +78,20 @@ class AbstractSteps:
     longest_rows: dict[str, np.ndarray]
 
 
+class OutOfMemory(UsageError):
+    """The compiler refused a step for want of the device's memory: the preflight's verdict, in one line."""
+
+
 def largest_group(job: Job) -> RunGroup:
     """The run group the preflight compiles: the most runs (the most memory), then the longest."""
     return max(job.groups, key=lambda group: (len(group.runs), group.total_steps))
 
 
-def abstract_steps(job: Job, *, devices: int, layers: int | None) -> AbstractSteps:
-    """The steps ``preflight`` compiles, on the first ``devices`` of ``jax.devices()`` and the model cut to
-    ``layers``; also lowered for other platforms (``tests/test_lowering_accelerators.py``)."""
-    available = jax.devices()
-    if devices > len(available):
-        raise ValueError(f"--devices {devices}: only {len(available)} {available[0].platform} devices are visible")
-    mesh = job.mesh.make(available[:devices])
+def abstract_steps(job: Job, *, devices: Sequence[jax.Device], layers: int | None) -> AbstractSteps:
+    """The steps ``preflight`` compiles, on ``devices`` (this machine's, or a TPU slice's compile-only ones:
+    ``launch.topologies``) and the model cut to ``layers``; also lowered for other platforms
+    (``tests/test_lowering_accelerators.py``)."""
+    mesh = job.mesh.make(list(devices))
     arch = costs.architecture_of(job.model, layers)
     # a local sample at the hub's size, as a job reads it
     group = largest_group(job)
@@ -138,11 +144,19 @@ def _with_shardings(tree: Any, shardings: Any) -> Any:
 def compile_step(
     name: str, step: Any, args: tuple[Any, ...], hlo_dir: pathlib.Path | None, interconnect_bytes_per_s: float
 ) -> CompiledStep:
-    """Lowers and compiles ``step`` on ``args``: times, per-device memory, collectives."""
+    """Lowers and compiles ``step`` on ``args`` for their devices' platform (``model.attention=auto`` picks that
+    platform's kernel, not this machine's): times, per-device memory, collectives, kernels."""
     start = time.perf_counter()
-    lowered = step.lower(*args)
+    with flash_attention.target_platform(step.mesh.devices.flat[0].platform):
+        lowered = step.lower(*args)
     lowered_at = time.perf_counter()
-    compiled = lowered.compile()
+    try:
+        compiled = lowered.compile()
+    except jax.errors.JaxRuntimeError as error:
+        # The TPU compiler refuses a program larger than the chip's memory, where other backends compile it.
+        if not str(error).startswith("RESOURCE_EXHAUSTED"):
+            raise
+        raise OutOfMemory(f"the {name} step DOES NOT FIT: {str(error).removeprefix('RESOURCE_EXHAUSTED: ')}") from None
     compiled_at = time.perf_counter()
     text = compiled.as_text()
     if hlo_dir is not None:
@@ -158,4 +172,5 @@ def compile_step(
         memory_bytes=CompiledMemory(*map(int, sizes), alias, total=int(sum(sizes)) - alias),
         collectives=hlo.collectives(text),
         communication=Communication(**moved, seconds=moved["bytes"] / interconnect_bytes_per_s),
+        kernels=hlo.kernels(text),
     )

@@ -41,8 +41,9 @@ class Device:
 #   A100 SXM: NVLink 3, 600 GB/s (12 links of 50 GB/s; e.g. AWS's p4d instance table, "NVLink gen 3 (600 GB/s)").
 #   H100 SXM: NVLink 4, 900 GB/s (18 links of 50 GB/s; MLCommons' H100/H200 SXM system descriptions,
 #     "18x 4th Gen NVLink, 900GB/s"; Scaleway's H100 SXM notes, "900 GB/s of bidirectional bandwidth").
-#   TPU v5e: ICI 400 GB/s per chip, v5p: 1200 GB/s per chip ("Bidirectional inter-chip interconnect (ICI) bandwidth
-#     (per chip)", https://docs.cloud.google.com/tpu/docs/v5e and /v5p); v5e's "All-reduce bandwidth per Pod" of
+#   TPU v5e: ICI 400 GB/s per chip, v5p: 1200 GB/s per chip, v6e: 800 GB/s per chip ("Bidirectional inter-chip
+#     interconnect (ICI) bandwidth (per chip)", https://docs.cloud.google.com/tpu/docs/v5e, /v5p and /v6e, whose
+#     tables give v6e's 918 TFLOP/s bf16 and 32 GB of HBM too); v5e's "All-reduce bandwidth per Pod" of
 #     51.2 TB/s over its 256 chips is the same 200 GB/s one way.
 #   TPU v4: no per-chip figure is published (https://docs.cloud.google.com/tpu/docs/v4); its "All-reduce bandwidth
 #     per Pod", 1.1 PB/s over 4096 chips, is 268 GB/s a chip, taken as its one-way figure as v5e's is.
@@ -56,6 +57,7 @@ DEVICES: Mapping[str, Device] = {
     "v4": Device("TPU v4 chip", 275e12, 32, "tpu", 268e9, "ICI"),
     "v5e": Device("TPU v5e chip", 197e12, 16, "tpu", 200e9, "ICI"),
     "v5p": Device("TPU v5p chip", 459e12, 95, "tpu", 600e9, "ICI"),
+    "v6e": Device("TPU v6e chip", 918e12, 32, "tpu", 400e9, "ICI"),
 }
 
 # The share of a GPU's memory JAX's allocator takes: JAX reads XLA_CLIENT_MEM_FRACTION (or its deprecated name

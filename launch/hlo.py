@@ -84,6 +84,20 @@ def communication(hlo_text: str) -> dict[str, Any]:
     }
 
 
+# The custom call a Pallas kernel compiles to: Mosaic's on a TPU, Triton's on a GPU.
+_KERNEL_TARGETS = ("tpu_custom_call", "__gpu$xla.gpu.triton")
+
+
+def kernels(hlo_text: str) -> int:
+    """The Pallas kernels (custom calls to Mosaic or Triton) in an HLO module's text, as written (a loop's
+    counted once): the fused attention compiled into a step, where XLA's own would count none."""
+    return sum(
+        instruction["op"] == "custom-call"
+        and any(f'custom_call_target="{t}"' in instruction.string for t in _KERNEL_TARGETS)
+        for instruction in _HloModule(hlo_text).instructions()
+    )
+
+
 # The share of the buffer a device passes to a collective that it sends, ring algorithm, n devices in its group
 # (``communication``).
 _RING_SHARE = {
@@ -123,7 +137,7 @@ class _HloModule:
             if header:
                 current = self.computations.setdefault(header["name"], [])
                 self.entry = header["name"] if header["entry"] else self.entry
-            elif line.startswith("}"):
+            elif line.rstrip() == "}":  # a computation's end (a multi-line attribute may close with "}}")
                 current = None
             elif current is not None and (instruction := _INSTRUCTION.match(line)):
                 current.append(instruction)

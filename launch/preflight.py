@@ -34,7 +34,7 @@ import jax
 from absl import flags
 from ml_collections import config_dict
 
-from launch import costs
+from launch import costs, topologies
 from launch import estimate as estimator
 from launch.compiled import Communication, CompiledStep, abstract_steps, compile_step, largest_group
 from launch.devices import DEVICES, GB, Device, fit_text, host_devices, usable_memory
@@ -144,6 +144,8 @@ class Report:
     full_model: FullModel | None  # a cut model's full depth
     nodes: Nodes | None
     platform: str
+    compiler: str  # what compiled the steps, so what their memory and collectives are of (``compiler_of``)
+    topology: str | None  # the TPU slice compiled for (``launch.topologies``), else None: this machine's devices
     geometry: Layout
 
     def to_json(self) -> str:
@@ -157,20 +159,30 @@ def preflight(
     job: Job,
     *,
     devices: int | None = None,
+    topology: str | None = None,
     layers: int | None = None,
     hlo_dir: str | pathlib.Path | None = None,
     node_devices: int | None = None,
     network_gb_s: float | None = None,
 ) -> Report:
-    """Compiles ``job``'s train and eval steps on the first ``devices`` devices, the model cut to ``layers``, and
-    sets them beside the estimate."""
-    available = jax.devices()
+    """Compiles ``job``'s train and eval steps on the first ``devices`` devices, or for the TPU slice named
+    ``topology`` (all its chips, by the TPU compiler: ``launch.topologies``), the model cut to ``layers``, and
+    sets them beside the estimate (costed for that slice's chip, else ``ESTIMATE_DEVICE``)."""
+    if topology is None:
+        available, device_name = jax.devices(), ESTIMATE_DEVICE
+    elif devices is not None:
+        raise UsageError("--devices and --topology: a TPU slice's devices are all its chips; give one of them")
+    else:
+        target = topologies.find(topology)
+        available, device_name = topologies.devices(target), target.device
     devices = devices or len(available)
+    if devices > len(available):
+        raise UsageError(f"--devices {devices}: only {len(available)} {available[0].platform} devices are visible")
     group = largest_group(job)
-    steps_ = abstract_steps(job, devices=devices, layers=layers)
+    steps_ = abstract_steps(job, devices=available[:devices], layers=layers)
     geometry, data, arch, longest_rows = steps_.geometry, steps_.data, steps_.arch, steps_.longest_rows
     replayed = min(DATA_STEPS, group.total_steps)
-    device = DEVICES[ESTIMATE_DEVICE]
+    device = DEVICES[device_name]
     hlo_dir = pathlib.Path(hlo_dir) if hlo_dir else None
     train = compile_step("train", steps_.train_step, steps_.train_args, hlo_dir, device.interconnect_bytes_per_s)
     evaluation = compile_step("eval", steps_.eval_step, steps_.eval_args, hlo_dir, device.interconnect_bytes_per_s)
@@ -214,8 +226,8 @@ def preflight(
         eval=evaluation,
         estimate_bytes=estimate_bytes(arch, platform),
         device_estimate_bytes=estimate_bytes(arch, device.platform),
-        memory_limit=MemoryLimit(ESTIMATE_DEVICE, int(device.memory_gb * GB), int(usable), source),
-        interconnect=Interconnect(ESTIMATE_DEVICE, device.interconnect, device.interconnect_bytes_per_s),
+        memory_limit=MemoryLimit(device_name, int(device.memory_gb * GB), int(usable), source),
+        interconnect=Interconnect(device_name, device.interconnect, device.interconnect_bytes_per_s),
         train_step_flops=train_step_flops,
         estimate_step_s=train_step_flops / compute_flops,
         eval_step_flops=eval_step_flops,
@@ -225,6 +237,8 @@ def preflight(
         full_model=full_model,
         nodes=over_nodes(job, network, devices, node_devices or device.node_devices, parts),
         platform=platform,
+        compiler=compiler_of(available[0], topology),
+        topology=topology,
         geometry=Layout(
             **{field: getattr(geometry, field) for field in ("runs", "grad_accum", "rows", "rows_per_device")},
             seq_len=geometry.seq_len,
@@ -238,6 +252,14 @@ def preflight(
             eval_batches=len(data.eval_pool.batches),
         ),
     )
+
+
+def compiler_of(device: jax.Device, topology: str | None) -> str:
+    """What compiles for ``device``, with its version: the figures of a compile are that compiler's."""
+    if topology is not None:
+        kind = device.device_kind
+        return f"the TPU compiler (libtpu {topologies.compiler_version()}) for a {topology} of {kind} chips"
+    return f"XLA's {device.platform.upper()} compiler (JAX {jax.__version__}) on this machine"
 
 
 def given_network(device: Device, gb_s: float) -> Device:
@@ -284,6 +306,7 @@ def describe(report: Report) -> str:
     rows = f"packed, {layout.prompt_slots} prompt slots a row" if layout.packed else "one prompt a row"
     group = f" (the largest of {report.groups} run groups, which train apart)" if report.groups > 1 else ""
     lines = [
+        f"compiled by {report.compiler}; FLOPs, step times and the estimate are launch.estimate's (analytic)",
         f"{report.devices} {report.platform} devices, {report.layers} layers; {layout.runs} runs of "
         f"{report.group_steps} steps{group} in "
         f"[{layout.grad_accum} x {layout.rows} rows x {layout.seq_len} tokens] per train step ({rows}; "
@@ -316,7 +339,7 @@ def describe(report: Report) -> str:
             f"outputs {memory.output / GB:.2f}, temporaries {memory.temp / GB:.2f}, "
             f"aliased {memory.alias / GB:.2f}; total {memory.total / GB:.2f}; "
             f"{fit(memory.total) if compiled_for_device else elsewhere}",
-            f"  collectives: {', '.join(present) or 'none'}",
+            f"  collectives: {', '.join(present) or 'none'}; Pallas kernels: {step.kernels}",
         ]
     lines.append(f"analytic estimate (launch.estimate, train): {report.estimate_bytes / GB:.2f} GB per device")
     if not compiled_for_device:
@@ -332,7 +355,7 @@ def describe(report: Report) -> str:
             f"{full.device_estimate_bytes / GB:.2f} GB per device by the estimate for a {device.platform.upper()}; "
             f"{fit(full.device_estimate_bytes)}"
         )
-    on = f"on {report.devices} {ESTIMATE_DEVICE} at {ESTIMATE_UTILISATION:.0%} utilisation"
+    on = f"on {report.devices} {limit.device} at {ESTIMATE_UTILISATION:.0%} utilisation"
     link = report.interconnect
     lines.append(
         f"train step: {report.train_step_flops:.3e} FLOPs (remat recomputation included), "
@@ -387,6 +410,12 @@ def _define_flags() -> None:
     """The command line's flags besides `--config` (defined only when run as a program, so importing this
     module defines none); `--config` and its overrides are `oodjax.config_cli`'s, as for `oodjax.main`."""
     flags.DEFINE_integer("devices", None, "Devices of the mesh (default: all; on CPU, N fake host devices).")
+    flags.DEFINE_string(
+        "topology",
+        None,
+        "Compile for this Cloud TPU slice, a gcloud accelerator type (v5litepod-8, v5p-64), with the TPU compiler "
+        "(make install-tpu-compiler) on any machine.",
+    )
     flags.DEFINE_integer("layers", None, "Compile the model cut to this many decoder layers.")
     flags.DEFINE_integer(
         "node_devices", None, f"Devices of one node (default the {ESTIMATE_DEVICE}'s node's): more are over nodes."
@@ -409,6 +438,7 @@ def main(config: config_dict.ConfigDict) -> None:
     report = preflight(
         read(config),
         devices=options.devices,
+        topology=options.topology,
         layers=options.layers,
         hlo_dir=options.hlo,
         node_devices=options.node_devices,

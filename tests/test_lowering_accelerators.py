@@ -57,7 +57,7 @@ def abstract_steps(gpt2_tokenizer_dir):
             config = load_config(ROOT / "configs" / CONFIGS[name])
             config.tokenizer = str(gpt2_tokenizer_dir)  # offline: the checkpoints' own tokenizers are not here
             config.data.pool_split = "validation_mismatched"  # nor is MNLI's train split
-            cache[name] = compiled.abstract_steps(read(config), devices=8, layers=2)
+            cache[name] = compiled.abstract_steps(read(config), devices=jax.devices()[:8], layers=2)
         return cache[name]
 
     return get

@@ -15,6 +15,7 @@ import pathlib
 import subprocess
 import sys
 
+import jax
 import pytest
 
 from configs.models import architecture
@@ -378,7 +379,7 @@ def test_data_parallel_over_two_nodes_is_warned_of_where_one_node_is_faster(demo
     # the estimate prices for the same prompts, each batch moving what the largest one's collectives move.
     counted = launch_prompts.PromptCounter()(demo_job, demo_job.mesh.sizes(8))
     priced = estimate.estimate("demo", demo_job, counted, estimate.Target(8, h100, 0.4))
-    data = compiled.abstract_steps(demo_job, devices=8, layers=None).data
+    data = compiled.abstract_steps(demo_job, devices=jax.devices()[:8], layers=None).data
     speed = 8 * h100.peak_flops * 0.4
     parts = [
         (4, report.estimate_step_s, train),
@@ -411,7 +412,7 @@ def test_the_preflight_evaluates_a_local_sample_at_the_hub_splits_size():
     config = load_config(ROOT / "configs" / "demo.py")
     config.data.testsets, config.data.eval_cap = ("mnli", "hans"), 0
     job = read(config)
-    pool = compiled.abstract_steps(job, devices=8, layers=None).data.eval_pool
+    pool = compiled.abstract_steps(job, devices=jax.devices()[:8], layers=None).data.eval_pool
     runs, mnli = job.runs.runs(), len(run_data.capped_testsets(job.data)["mnli"])
     assert sum(int(batch["valid"].sum()) for batch in pool.batches) == len(runs) * (30_000 + mnli) + sum(
         run.shots for run in runs
