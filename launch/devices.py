@@ -17,6 +17,7 @@ import jax
 from oodjax.usage_errors import ConfigError
 
 GB = 1e9
+GIB = 2**30
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,6 +36,12 @@ class Device:
     node_devices: int | None = None
     network_bytes_per_s: float | None = None
     network: str = ""
+
+    @property
+    def memory_bytes(self) -> float:
+        """A TPU's HBM as published is binary (the TPU compiler refuses a v5e program over 15.75 GiB, a v6e
+        one over 31.25 GiB: 16 and 32 GiB less its reserve); a GPU's is counted as before, in 10^9 bytes."""
+        return self.memory_gb * (GIB if self.platform == "tpu" else GB)
 
 
 # Interconnect figures, bidirectional per device as published, halved above:
@@ -96,9 +103,9 @@ def usable_memory(device: Device, environ: Mapping[str, str] | None = None) -> t
     """(bytes of one ``device`` a job's arrays may take, why): a GPU's memory times ``memory_fraction``, a TPU's
     whole memory."""
     if device.platform != "gpu":
-        return device.memory_gb * GB, "TPU: the whole memory"
+        return device.memory_bytes, "TPU: the whole memory"
     fraction, source = memory_fraction(environ)
-    return device.memory_gb * GB * fraction, source
+    return device.memory_bytes * fraction, source
 
 
 def fit_text(total_bytes: float, device: Device, usable: float, source: str) -> str:
@@ -107,8 +114,8 @@ def fit_text(total_bytes: float, device: Device, usable: float, source: str) -> 
     default)"."""
     verdict = "fits in" if total_bytes <= usable else "DOES NOT FIT in"
     if device.platform != "gpu":
-        return f"{verdict} the {_gb(usable)} GB of a {device.name}"
-    return f"{verdict} {_gb(usable)} GB of the {device.name}'s {_gb(device.memory_gb * GB)} GB ({source})"
+        return f"{verdict} the {usable / GIB:.0f} GiB of a {device.name}"
+    return f"{verdict} {_gb(usable)} GB of the {device.name}'s {_gb(device.memory_bytes)} GB ({source})"
 
 
 def _gb(size: float) -> str:

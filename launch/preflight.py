@@ -226,7 +226,7 @@ def preflight(
         eval=evaluation,
         estimate_bytes=estimate_bytes(arch, platform),
         device_estimate_bytes=estimate_bytes(arch, device.platform),
-        memory_limit=MemoryLimit(device_name, int(device.memory_gb * GB), int(usable), source),
+        memory_limit=MemoryLimit(device_name, int(device.memory_bytes), int(usable), source),
         interconnect=Interconnect(device_name, device.interconnect, device.interconnect_bytes_per_s),
         train_step_flops=train_step_flops,
         estimate_step_s=train_step_flops / compute_flops,

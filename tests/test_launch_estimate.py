@@ -642,7 +642,7 @@ def test_the_fit_is_tested_against_the_memory_jax_can_use(capsys):
     )
     deprecated = {"XLA_PYTHON_CLIENT_MEM_FRACTION": ".5"}
     assert fit(75e9, h100, deprecated).startswith("DOES NOT FIT in 40 GB")
-    assert fit(90e9, v5p, {"XLA_CLIENT_MEM_FRACTION": "0.5"}) == "fits in the 95 GB of a TPU v5p chip"
+    assert fit(90e9, v5p, {"XLA_CLIENT_MEM_FRACTION": "0.5"}) == "fits in the 95 GiB of a TPU v5p chip"
     for wrong in (
         {"XLA_CLIENT_MEM_FRACTION": "1.5"},
         {"XLA_CLIENT_MEM_FRACTION": "most"},

@@ -72,11 +72,11 @@ def test_the_demo_compiles_for_a_v5e_slice(demo_report):
         f"the TPU compiler (libtpu {topologies.compiler_version()}) for a v5litepod-8 of TPU v5 lite chips"
     )
     assert topologies.compiler_version() in (ROOT / "requirements-tpu.txt").read_text()
-    assert (report.memory_limit.device, report.memory_limit.device_bytes) == ("v5e", 16e9)
+    assert (report.memory_limit.device, report.memory_limit.device_bytes) == ("v5e", 16 * 2**30)
     assert report.interconnect.bytes_per_s == v5e.interconnect_bytes_per_s
     text = preflight.describe(report)
     assert text.startswith(f"compiled by {report.compiler};")
-    assert "fits in the 16 GB of a TPU v5e chip" in text and "on the H100" not in text
+    assert "fits in the 16 GiB of a TPU v5e chip" in text and "on the H100" not in text
     report_json = json.loads(report.to_json())
     assert report_json["compiler"] == report.compiler and report_json["topology"] == "v5litepod-8"
     # Two micro-batch lengths (the demo's buckets), each with splash's forward and two backward kernels.
