@@ -16,7 +16,6 @@ exist; ``oodjax.models.loading``, the checkpoint as it loads.
 from __future__ import annotations
 
 import dataclasses
-import logging
 import pathlib
 import tempfile
 from collections.abc import Sequence
@@ -24,6 +23,7 @@ from typing import Any
 
 import datasets
 import huggingface_hub
+from absl import logging
 from datasets.naming import camelcase_to_snakecase
 from flax import nnx
 from ml_collections import config_dict
