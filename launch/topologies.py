@@ -107,14 +107,15 @@ def devices(target: Slice) -> list[jax.Device]:
     # A program compiled for compile-only devices cannot be loaded back from JAX's persistent cache (no client to
     # load it into: a warning and a compile again), so none is written there from now on.
     jax.config.update("jax_enable_compilation_cache", False)
-    for variable, value in (
-        ("TPU_SKIP_MDS_QUERY", "1"),
-        ("TPU_ACCELERATOR_TYPE", target.name),
-        ("TPU_WORKER_HOSTNAMES", "localhost"),
-        ("ALLOW_MULTIPLE_LIBTPU_LOAD", "1"),
-    ):
-        os.environ.setdefault(variable, value)
-    with _quiet_stderr():
+    loading = {
+        "TPU_SKIP_MDS_QUERY": "1",
+        "TPU_ACCELERATOR_TYPE": target.name,
+        "TPU_WORKER_HOSTNAMES": "localhost",
+        "ALLOW_MULTIPLE_LIBTPU_LOAD": "1",
+    }
+    # Only while libtpu loads: left set, a TPU pod's variables would make any process this one starts
+    # (a job, a test's) take itself for a pod worker (oodjax.engine.distributed).
+    with _quiet_stderr(), _environ(loading):
         return list(
             topologies.get_topology_desc(
                 topology_name=target.topology,
@@ -124,6 +125,18 @@ def devices(target: Slice) -> list[jax.Device]:
                 num_slices=1,
             ).devices
         )
+
+
+@contextlib.contextmanager
+def _environ(values: dict[str, str]) -> Iterator[None]:
+    """``values`` set in ``os.environ`` where unset, and those unset again on exit."""
+    added = {name: value for name, value in values.items() if name not in os.environ}
+    os.environ.update(added)
+    try:
+        yield
+    finally:
+        for name in added:
+            os.environ.pop(name, None)
 
 
 @contextlib.contextmanager

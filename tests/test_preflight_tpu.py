@@ -11,6 +11,7 @@ slice are each one line and exit status 2.
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 
@@ -119,11 +120,14 @@ def test_a_model_past_a_v5e_chip_is_said_not_to_fit():
     ],
 )
 def test_gcloud_names_are_the_slices_chips(name, chips, grid, kind):
-    """gcloud counts a v4's or v5p's TensorCores (two a chip, one JAX device: megacore), a v5e's or v6e's chips."""
+    """gcloud counts a v4's or v5p's TensorCores (two a chip, one JAX device: megacore), a v5e's or v6e's chips.
+    The pod variables libtpu loads with are gone afterwards: a process started later would take itself for a
+    pod worker (oodjax.engine.distributed)."""
     target = topologies.find(name)
     assert (target.chips, target.topology) == (chips, grid)
     found = topologies.devices(target)
     assert len(found) == chips and {device.device_kind for device in found} == {kind}
+    assert "TPU_WORKER_HOSTNAMES" not in os.environ and "TPU_ACCELERATOR_TYPE" not in os.environ
 
 
 def _refusal(*args, program="python -m launch.preflight"):
