@@ -56,8 +56,8 @@ def test_a_second_job_on_running_runs_stops_at_once_and_the_first_finishes_as_al
             os.kill(a.pid, signal.SIGCONT)
         a.wait(timeout=300)
 
-    lines = b_log.read_text().strip().splitlines()
-    assert b.returncode == EXIT_STATUS and len(lines) == 1, b_log.read_text()[-3000:]
+    lines = [line for line in b_log.read_text().strip().splitlines() if "evaluated fewer than" not in line]
+    assert b.returncode == EXIT_STATUS and len(lines) == 1, b_log.read_text()[-3000:]  # beside a 20-step job's warning
     assert lines[0].startswith(f"python -m oodjax.main: error: run {run.name} (")
     assert (
         f"is locked by another job that trains or evaluates it: process {a.pid} on {socket.gethostname()}" in (lines[0])
