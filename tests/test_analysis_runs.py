@@ -494,18 +494,8 @@ def test_flat_runs_are_named_and_counted_in_one_warning_each(results, capsys):
     """The warning line of a flat run (`RunRecord.flat`) and the count in the last line; a run with fewer than
     runs.FLAT_MIN_EVALUATIONS evaluations after step 0 (`stopped`, 2) is not judged."""
     flat = results / "flat"
-    write_run(
-        flat,
-        steps=STEPS,
-        testsets=["mnli", "hans", "rte"],
-        accuracy=np.column_stack(
-            [[0.5, 0.80, 0.81, 0.80, 0.81], [0.5, 0.55, 0.6, 0.58, 0.62], np.linspace(0.3, 0.5, 5)]
-        ),
-        in_domain="mnli",
-        model="opt-125m",
-        seed=10,
-        shots=32,
-        config={"model": {"path": "facebook/opt-125m"}, "train": {"steps": 100}},
+    _write_mnli_run(
+        flat, np.column_stack([[0.5, 0.80, 0.81, 0.80, 0.81], [0.5, 0.55, 0.6, 0.58, 0.62], np.linspace(0.3, 0.5, 5)])
     )
     assert runs.main([str(results)]) == 0
     captured = capsys.readouterr()
@@ -524,18 +514,8 @@ def test_near_constant_ood_series_are_named(results, capsys):
     """Issue 54: an OOD testset whose accuracy sits at one value at half the evaluations or more (a model
     answering one class) is named in a warning; one whose values all differ is not."""
     stuck = results / "stuck"
-    write_run(
-        stuck,
-        steps=STEPS,
-        testsets=["mnli", "hans", "rte"],
-        accuracy=np.column_stack(
-            [[0.5, 0.6, 0.7, 0.8, 0.85], [0.5, 0.56, 0.56, 0.56, 0.6], [0.5, 0.52, 0.53, 0.6, 0.7]]
-        ),
-        in_domain="mnli",
-        model="opt-125m",
-        seed=10,
-        shots=32,
-        config={"model": {"path": "facebook/opt-125m"}, "train": {"steps": 100}},
+    _write_mnli_run(
+        stuck, np.column_stack([[0.5, 0.6, 0.7, 0.8, 0.85], [0.5, 0.56, 0.56, 0.56, 0.6], [0.5, 0.52, 0.53, 0.6, 0.7]])
     )
     assert runs.main([str(results)]) == 0
     assert [line for line in capsys.readouterr().err.splitlines() if "near-constant" in line] == [
@@ -553,4 +533,19 @@ def test_a_run_without_its_in_domain_labels_is_a_clear_error(tmp_path, capsys):
     assert runs.main([str(tmp_path)]) == 2
     assert capsys.readouterr().err == (
         f"error: {path}: not a run's metrics (schema in analysis/schema.py): missing keys ['label/mnli']\n"
+    )
+
+
+def _write_mnli_run(directory: pathlib.Path, accuracy: np.ndarray) -> None:
+    """One finished opt-125m run on MNLI with the OOD testsets hans and rte, `accuracy` [STEPS, 3]."""
+    write_run(
+        directory,
+        steps=STEPS,
+        testsets=["mnli", "hans", "rte"],
+        accuracy=accuracy,
+        in_domain="mnli",
+        model="opt-125m",
+        seed=10,
+        shots=32,
+        config={"model": {"path": "facebook/opt-125m"}, "train": {"steps": 100}},
     )
