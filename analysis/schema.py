@@ -97,13 +97,17 @@ TRAIN_TESTSET = "train"
 # The run's identity inside the config JSON: config[RUN_SECTION] is an object
 # {RUN_MODEL: short model name (e.g. "opt-2.7b"), RUN_SEED: int, RUN_SHOTS: int,
 # RUN_STEPS: int, the run's own total steps (train.steps, or from train.epochs;
-# absent from runs written before it and from oodjax.evaluate's)}.
+# absent from runs written before it and from oodjax.evaluate's), RUN_WARMUP_STEPS
+# and RUN_EVALUATED_STEPS: its warm-up and the steps it is evaluated at, as its
+# length resolves them (absent from runs written before them)}.
 # The training set is `in_domain`.
 RUN_SECTION = "run"
 RUN_MODEL = "model"
 RUN_SEED = "seed"
 RUN_SHOTS = "shots"
 RUN_STEPS = "steps"
+RUN_WARMUP_STEPS = "warmup_steps"
+RUN_EVALUATED_STEPS = "evaluated_steps"
 # Runs written by `python -m oodjax.evaluate` (one evaluation, at step 0, no
 # training) say so in their run section: RUN_EVALUATED is one of
 # EVALUATED_KINDS. A trained run has no such field. (Files written before the

@@ -15,7 +15,7 @@ has in that config:
   `--config.data.testsets=snli,hans`) or as a Python literal
   (`--config.runs.seeds=(0,42)`, `--config.data.testsets="('snli','hans')"`);
   `--config.runs.seeds=` or `()` is the empty list. The item type of each
-  list is `oodjax.config_fields.LIST_ITEM_TYPES`; items are stripped of spaces,
+  list is its annotation's (`oodjax.config_fields.list_item_types`); items are stripped of spaces,
   except those of `oodjax.config_fields.VERBATIM_LIST_ITEMS` (`--config.data.answers=" yes"," no"`);
 - a dict literal for a field that is itself a ConfigDict
   (`--config.model.hf_config={}` empties it;
@@ -27,8 +27,8 @@ would append a repeated list override to the first). A bad override is an
 error naming the argument, before anything loads; whether a value is allowed
 is `oodjax.config_checks.check_config`'s to say.
 
-`--help` lists every field with its default and the comment above it in
-oodjax/config_fields.py, the one place a field's meaning is written.
+`--help` lists every field with its default and the comment above its
+declaration on its piece (``oodjax.settings``), the one place a field's meaning is written.
 """
 
 from __future__ import annotations
@@ -37,14 +37,11 @@ import ast
 import difflib
 import functools
 import importlib.util
-import inspect
-import io
 import math
 import pathlib
 import re
 import sys
 import textwrap
-import tokenize
 import types
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -62,7 +59,6 @@ PACKAGED_PREFIX = "oodjax:"
 _OVERRIDE = re.compile(rf"--?(?P<no>no)?{CONFIG_FLAG}\.(?P<field>[^=]*)(?:=(?P<value>.*))?", re.DOTALL)
 _HELP_ARGUMENTS = ("-h", "-help", "--help", "-?", "-helpshort", "--helpshort")
 _TRUE, _FALSE = ("true", "1"), ("false", "0")
-_FIELD_ASSIGNMENT = re.compile(r"\s*config\.(?P<path>[\w.]+) = ")  # a line of config_fields.get_config setting a field
 _LINE_WIDTH = 120  # of describe_config's lines, which wrap between fields
 
 
@@ -211,7 +207,7 @@ def apply_overrides(config: config_dict.ConfigDict, overrides: Sequence[str]) ->
 
 
 def config_fields_help(config: config_dict.ConfigDict | None = None) -> str:
-    """Every field of oodjax/config_fields.py with the comment on it there, section by section, and its value: base's
+    """Every field of the config with its meaning, section by section, and its value: base's
     default, or ``config``'s (the one `--config` names) with base's default beside each value it changes."""
     defaults = config_fields.get_config()
     if config is None:
@@ -219,14 +215,14 @@ def config_fields_help(config: config_dict.ConfigDict | None = None) -> str:
     else:
         shown = "shown with --config's values, (base: X) where configs/base.py's default X differs"
     lines = [f"config fields (--{CONFIG_FLAG}.<field>=<value> sets one; {shown}):"]
-    for path, description in field_descriptions().items():  # in the order oodjax/config_fields.py sets them
+    for path, description in config_fields.field_descriptions().items():
         if path in _sections():
             lines += ["", f"[{path}]", *_wrapped(description, indent="  ")]
             continue
         if "." not in path:
             lines.append("")  # a field outside any section
-        default = _display(_value_at(defaults, path))
-        value = default if config is None else _display(_value_at(config, path))
+        default = _display(config_fields.value_at(defaults, path))
+        value = default if config is None else _display(config_fields.value_at(config, path))
         changed = f"  (base: {default})" if value != default else ""
         lines += [f"  {path} = {value}{changed}", *_wrapped(description, indent="      ")]
     return "\n".join(lines)
@@ -236,10 +232,10 @@ def describe_config(config: config_dict.ConfigDict) -> str:
     """``config`` as a job prints it at start: a line per section of ``field=value``, each value as
     `--config.<field>=` takes it."""
     sections: dict[str, list[str]] = {"": []}
-    for path in field_descriptions():
+    for path in config_fields.field_descriptions():
         if path not in _sections():
             section, _, field = path.rpartition(".")
-            sections.setdefault(section, []).append(f"{field}={_display(_value_at(config, path))}")
+            sections.setdefault(section, []).append(f"{field}={_display(config_fields.value_at(config, path))}")
     lines = []
     for section, items in sections.items():
         head = f"  {section}: " if section else "  "
@@ -252,27 +248,6 @@ def describe_config(config: config_dict.ConfigDict) -> str:
             row.append(item)
         lines += [(head if i == 0 else " " * len(head)) + "  ".join(row) for i, row in enumerate(rows)]
     return "\n".join(lines)
-
-
-@functools.cache
-def field_descriptions() -> dict[str, str]:
-    """Field path -> the comment on it in oodjax/config_fields.py: the comment lines right above it, then any after it.
-
-    Read from the source, so a field's meaning is written once, beside its default.
-    """
-    source = inspect.getsource(config_fields)
-    lines = source.splitlines()
-    tokens = tokenize.generate_tokens(io.StringIO(source).readline)
-    comments = {token.start[0]: token.string.lstrip("#").strip() for token in tokens if token.type == tokenize.COMMENT}
-    descriptions = {}
-    for number, line in enumerate(lines, start=1):
-        if match := _FIELD_ASSIGNMENT.match(line):
-            first = number
-            while first - 1 in comments and lines[first - 2].lstrip().startswith("#"):  # a comment line above
-                first -= 1
-            inline = [comments[number]] if number in comments else []
-            descriptions[match["path"]] = " ".join([comments[n] for n in range(first, number)] + inline)
-    return descriptions
 
 
 def _parse_or_exit(argv: list[str], doc: str, flag_values: flags.FlagValues = flags.FLAGS) -> config_dict.ConfigDict:
@@ -385,11 +360,9 @@ def _parse_scalar(kind: type, text: str, error: Callable[[str], CommandLineError
 
 def _parse_list(field: str, text: str, argument: str) -> tuple[Any, ...]:
     """`a,b,c` or a Python tuple/list literal, each item of the field's declared item type."""
-    if field not in config_fields.LIST_ITEM_TYPES:
-        raise CommandLineError(
-            f"{argument}: {field} is a list whose item type oodjax/config_fields.py's LIST_ITEM_TYPES does not declare"
-        )
-    kind = config_fields.LIST_ITEM_TYPES[field]
+    if field not in config_fields.list_item_types():
+        raise CommandLineError(f"{argument}: {field} is a list no piece declares (a tuple field's annotation)")
+    kind = config_fields.list_item_types()[field]
     what = {int: "integers", float: "numbers", str: "strings"}[kind]
     example = {int: "0,42", float: "0.1,0.2", str: "snli,hans"}[kind]
     stripped = text.strip()
@@ -435,18 +408,8 @@ def _is_a(item: Any, kind: type) -> bool:
 
 @functools.cache
 def _sections() -> frozenset[str]:
-    """The ConfigDicts of oodjax/config_fields.py that group fields (model, train, ...), unlike `model.hf_config`,
-    a value."""
-    config = config_fields.get_config()
-    return frozenset(
-        path
-        for path in field_descriptions()
-        if isinstance(value := _value_at(config, path), config_dict.ConfigDict) and len(value) > 0
-    )
-
-
-def _value_at(config: config_dict.ConfigDict, path: str) -> Any:
-    return functools.reduce(lambda node, key: node[key], path.split("."), config)
+    """The config's sections (model, train, ...), unlike `model.hf_config`, a value that is a ConfigDict."""
+    return frozenset(section for section, meaning in config_fields.LAYOUT.items() if meaning is not None)
 
 
 def _display(value: Any) -> str:

@@ -191,12 +191,12 @@ def _base_fields(config, prefix=""):
 
 def test_list_item_types_cover_every_list_field_of_the_base_config():
     lists = {path for path, value in _base_fields(base.get_config()) if isinstance(value, tuple)}
-    assert lists == set(config_fields.LIST_ITEM_TYPES)
+    assert lists == set(config_fields.list_item_types())
 
 
 def test_every_base_field_has_a_description():
     """A field added to configs/base.py without a comment would show in --help without a meaning."""
-    descriptions = config_cli.field_descriptions()
+    descriptions = config_fields.field_descriptions()
     fields = {path for path, value in _base_fields(base.get_config())}
     assert set(descriptions) == fields
     sections = {path for path, value in _base_fields(base.get_config()) if isinstance(value, config_dict.ConfigDict)}

@@ -199,17 +199,21 @@ def _cut_in_half(paths):
         path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
 
 
+def _changes(stored_record, config):
+    """What resuming a run stored with ``stored_record`` under ``config`` would name as changed."""
+    job = read(config)
+    start = resumption.RunStart(job.runs.runs()[0], job.groups[0], finished=False, stored_config=stored_record)
+    return resumption.changes(start, job.record, job.settings)
+
+
 def test_a_field_a_later_version_added_is_no_change_at_its_default():
     """Runs stored before a field existed resume when it is at its default; a non-default value is a change."""
     config = checkpoint_config()
-    defaults = resumption.comparable_stored(read(checkpoint_config()).record)
-    stored = resumption.comparable_stored(read(config).record)
+    stored = json.loads(json.dumps(read(config).record))
     del stored["data"]["answers"], stored["model"]["attention"]  # as a version without them stored it
-    assert resumption.differing_fields(stored, resumption.comparable_stored(read(config).record), defaults) == []
+    assert _changes(stored, config) == []
     config.data.answers = (" True", " False")
-    assert resumption.differing_fields(stored, resumption.comparable_stored(read(config).record), defaults) == [
-        "data.answers None -> [' True', ' False']"
-    ]
+    assert _changes(stored, config) == ["data.answers [' Yes', ' No'] -> [' True', ' False']"]
 
 
 def test_runs_stored_with_fixed_warmup_and_eval_steps_resume_under_the_ratio_and_points_they_come_to():
@@ -218,16 +222,26 @@ def test_runs_stored_with_fixed_warmup_and_eval_steps_resume_under_the_ratio_and
     config = checkpoint_config()
     config.train.steps, config.train.warmup_steps, config.train.warmup_ratio = 500, 0, 0.1
     config.eval.every, config.eval.points = 0, 20
-    current = resumption.comparable_stored(read(config).record)
     stored = json.loads(json.dumps(read(config).record))
     stored["train"].update(warmup_steps=50, warmup_ratio=0.0)  # as the earlier defaults stored it
     stored["eval"].update(every=25, points=0)
-    assert resumption.differing_fields(resumption.comparable_stored(stored), current, current) == []
+    assert _changes(stored, config) == []
     config.train.warmup_ratio, config.eval.points = 0.2, 10  # a real change, named as it resolves
-    changed = resumption.comparable_stored(read(config).record)
-    assert resumption.differing_fields(resumption.comparable_stored(stored), changed, changed) == [
-        "eval.every 25 -> 50",
-        "train.warmup_steps 50 -> 100",
+    assert _changes(stored, config) == [
+        "run.warmup_steps 50 -> 100",
+        f"run.evaluated_steps {list(range(0, 501, 25))} -> {list(range(0, 501, 50))}",
+    ]
+
+
+def test_a_stored_plan_is_compared_as_stored():
+    """A run's section holds the plan its length resolved to; a job whose plan differs is named by it."""
+    config = checkpoint_config()
+    job = read(config)
+    stored = {**json.loads(json.dumps(job.record)), schema.RUN_SECTION: job.groups[0].plan()}
+    assert _changes(stored, config) == []
+    stored[schema.RUN_SECTION][schema.RUN_WARMUP_STEPS] += 1
+    assert _changes(stored, config) == [
+        f"run.warmup_steps {job.groups[0].optimizer.warmup_steps + 1} -> {job.groups[0].optimizer.warmup_steps}"
     ]
 
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from configs import base
-from oodjax import config_cli
+from oodjax import config_cli, config_fields
 from oodjax.config_checks import check_config
 from oodjax.config_read import read
 from oodjax.engine import checkpoints, loop, resumption
@@ -20,7 +20,7 @@ from tests.engine_configs import checkpoint_config, tiny_config
 def test_defaults_are_the_previous_behaviour_and_are_described_in_help():
     config = base.get_config()
     assert config.train.schedule == "linear" and config.checkpoint_keep == 2
-    descriptions = config_cli.field_descriptions()
+    descriptions = config_fields.field_descriptions()
     assert "cosine" in descriptions["train.schedule"] and "constant" in descriptions["train.schedule"]
     assert "kept per run" in descriptions["checkpoint_keep"]
     help_text = config_cli.config_fields_help()
@@ -78,25 +78,19 @@ def test_a_resumed_run_may_keep_more_checkpoints_but_not_change_its_schedule(tmp
 
     stored = read(one_run())
     (run,) = stored.runs.runs()
-    start = resumption.RunStart(
-        run, stored.groups[0], finished=False, stored_config=resumption.comparable_stored(stored.record)
-    )
-    kept, rescheduled = one_run(checkpoint_keep=5), one_run(train__schedule="cosine")
-    resumption.refuse_changed_config(read(kept).record, tmp_path, [start])  # no error
+    stored_record = {**stored.record, "run": stored.groups[0].plan()}
+    start = resumption.RunStart(run, stored.groups[0], finished=False, stored_config=stored_record)
+    kept, rescheduled = read(one_run(checkpoint_keep=5)), read(one_run(train__schedule="cosine"))
+    resumption.refuse_changed_config(kept.record, kept.settings, tmp_path, [start])  # no error
     with pytest.raises(ValueError, match="train.schedule 'linear' -> 'cosine'"):
-        resumption.refuse_changed_config(read(rescheduled).record, tmp_path, [start])
+        resumption.refuse_changed_config(rescheduled.record, rescheduled.settings, tmp_path, [start])
 
     # A run stored before the field existed resumes at its default, and only there.
     older = {**start.stored_config, "train": {k: v for k, v in start.stored_config["train"].items() if k != "schedule"}}
-    resumption.refuse_changed_config(
-        read(kept).record, tmp_path, [resumption.RunStart(run, stored.groups[0], finished=False, stored_config=older)]
-    )
-    with pytest.raises(ValueError, match="train.schedule None -> 'cosine'"):
-        resumption.refuse_changed_config(
-            read(rescheduled).record,
-            tmp_path,
-            [resumption.RunStart(run, stored.groups[0], finished=False, stored_config=older)],
-        )
+    older_start = resumption.RunStart(run, stored.groups[0], finished=False, stored_config=older)
+    resumption.refuse_changed_config(kept.record, kept.settings, tmp_path, [older_start])
+    with pytest.raises(ValueError, match="train.schedule 'linear' -> 'cosine'"):
+        resumption.refuse_changed_config(rescheduled.record, rescheduled.settings, tmp_path, [older_start])
 
 
 def test_a_checkpointer_keeps_the_newest_max_to_keep(tmp_path):

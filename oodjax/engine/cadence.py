@@ -4,9 +4,13 @@ and the run groups the job's runs train in, each with the cadence and optimizer 
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
+import fractions
+import math
+from typing import TYPE_CHECKING, Any
 
+from analysis import schema
 from oodjax.data.testsets import HUB_ID
+from oodjax.settings import setting
 from oodjax.usage_errors import ConfigError
 
 if TYPE_CHECKING:
@@ -19,11 +23,22 @@ class CadenceSettings:
     """When a job's runs are evaluated, checkpointed and logged, as the config says it; ``build`` gives the
     ``Cadence`` of a run length."""
 
-    eval_every: int = 25  # step 0, every eval_every steps and the last step are evaluated
-    eval_points: int = 0  # if > 0 instead: step 0 and this many steps spread over total_steps (all of fewer)
-    checkpoint_every: int = 100  # and the last step
-    checkpoint_keep: int = 2  # the newest checkpoints kept per run
-    log_every: int = 10
+    # Fixed steps between evaluations (step 0 and the last step always);
+    # 0 = eval.points. With train.epochs, one that would leave a run fewer
+    # than 10 evaluations, step 0's among them, is refused.
+    eval_every: int = setting(0, path="eval.every", resumable=True)
+    # Evaluations after step 0 per run, unless eval.every is set, spread
+    # evenly over the run's own steps (floor(k x steps / points), k =
+    # 1..points: the last is its final step; every step of a shorter run), so
+    # runs of every length (train.epochs) get as many: every 25 steps of 500.
+    eval_points: int = setting(20, path="eval.points", resumable=True)
+    checkpoint_every: int = setting(100, path="checkpoint_every")  # steps between checkpoints (and at the end)
+    # Checkpoints kept per run (<run_dir>/checkpoints/), the newest; older ones
+    # are deleted as new ones are written. At least 1; 2 keeps one to fall
+    # back on should the newest be damaged. May change when a run resumes.
+    checkpoint_keep: int = setting(2, path="checkpoint_keep", resumable=True)
+    # steps between loss lines in the log, the event log and the trackers
+    log_every: int = setting(10, path="log_every", resumable=True)
 
     def __post_init__(self) -> None:
         # train.steps >= 1 is the optimizer's check (optimizer.Optimizer), the piece whose schedule spans it.
@@ -59,7 +74,7 @@ class Cadence(CadenceSettings):
         (every step when P >= T). A zero-step run (``oodjax.evaluate``): step 0 alone."""
         if step in (0, self.total_steps):
             return True
-        if self.eval_points:
+        if not self.eval_every:
             k = -(-step * self.eval_points // self.total_steps)  # the one k whose floor(k T / P) may be step
             return k * self.total_steps // self.eval_points == step
         return step % self.eval_every == 0
@@ -79,18 +94,46 @@ class Cadence(CadenceSettings):
 
 @dataclasses.dataclass(frozen=True)
 class ExportSettings:
-    """Whether a job writes its runs' adapters in PEFT format (<run_dir>/adapter/), when, and where it pushes
-    them."""
+    """Whether a job writes its runs' adapters in PEFT format (adapter_config.json and adapter_model.safetensors,
+    for `peft.PeftModel.from_pretrained`), when, and where it pushes them."""
 
-    peft: bool = False  # when training ends
-    every_checkpoint: bool = False  # also at every checkpoint
-    hub_repo: str | None = None  # a hub repo the exports are pushed to, a folder per run
+    # Write each run's adapters to <run_dir>/adapter/ when training ends.
+    peft: bool = setting(False, path="export.peft", resumable=True)
+    # Also rewrite them at every checkpoint (checkpoint_every steps).
+    every_checkpoint: bool = setting(False, path="export.every_checkpoint", resumable=True)
+    # A Hugging Face hub repo id ("user/name"): each export is also pushed
+    # there, one folder per run (named as the run); needs the hub (not
+    # HF_HUB_OFFLINE) and a token with write access. Empty = no push.
+    hub_repo: str | None = setting(None, path="export.hub_repo", resumable=True)
 
     def __post_init__(self) -> None:
         if (self.every_checkpoint or self.hub_repo) and not self.peft:
             raise ConfigError("export.every_checkpoint and export.hub_repo need export.peft=True")
         if self.hub_repo and not HUB_ID.fullmatch(self.hub_repo):
             raise ConfigError(f"export.hub_repo {self.hub_repo!r} is not a hub repo id (user/name)")
+
+
+@dataclasses.dataclass(frozen=True)
+class RunLength:
+    """How many optimizer steps each run trains: a fixed number, or passes over its own few-shot set."""
+
+    steps: int = setting(500, path="train.steps", resumable=True)  # optimizer steps per run (unless train.epochs)
+    # Passes over each run's few-shot set: a run trains ceil(epochs x shots /
+    # batch_size) steps, so runs of more shots train longer (runs of one length
+    # train together, each length after the other, on one loaded model).
+    # 0 = every run trains train.steps.
+    epochs: float = setting(0.0, path="train.epochs", resumable=True)
+
+    def __post_init__(self) -> None:
+        if self.epochs < 0:
+            raise ConfigError(f"train.epochs must be >= 0 (0: train.steps), got {self.epochs}")
+
+    def total_steps(self, shots: int, batch_size: int) -> int:
+        """train.steps, or ceil(epochs x shots / batch_size), epochs read as the decimal it was written as (so
+        0.1 x 30 / 3 is 1 step, not 2)."""
+        if not self.epochs:
+            return self.steps
+        return math.ceil(fractions.Fraction(str(self.epochs)) * shots / batch_size)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,3 +147,14 @@ class RunGroup:
     runs: tuple[Run, ...]
     optimizer: Optimizer | None  # built for total_steps (``OptimizerSettings.build``); None: zero steps
     cadence: Cadence  # built for total_steps (``CadenceSettings.build``)
+
+    def plan(self) -> dict[str, Any]:
+        """What the runs' length resolves to: stored in each run's section, and what a resumed run is compared
+        by, whichever settings (train.epochs or .steps, a warm-up ratio or steps, eval.points or .every) gave it."""
+        warmup = self.optimizer.warmup_steps if self.optimizer is not None else 0
+        evaluated = self.cadence.evaluated_steps()
+        return {
+            schema.RUN_STEPS: self.total_steps,
+            schema.RUN_WARMUP_STEPS: warmup,
+            schema.RUN_EVALUATED_STEPS: evaluated,
+        }

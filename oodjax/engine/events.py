@@ -19,6 +19,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from oodjax.settings import setting
 from oodjax.storage import write_atomic
 from oodjax.usage_errors import ConfigError
 
@@ -29,17 +30,21 @@ WANDB_MODES = ("online", "offline", "disabled")
 
 @dataclasses.dataclass(frozen=True)
 class WandbSettings:
-    """Where a run goes in Weights & Biases: each run is its own W&B run, named as the run.
+    """Where a run goes in Weights & Biases: each run is its own W&B run, named as the run, streaming the mean
+    training loss and gradient norm (global, before clipping) since the last line, the learning rate,
+    examples/s, and every accuracy, beside each run's events.jsonl and at the same steps."""
 
-    ``group`` gathers the runs of one config (seeds x shots) on the dashboard;
-    ``mode`` None leaves it to wandb (the WANDB_MODE variable, else online).
-    """
-
-    project: str
-    entity: str | None = None
-    group: str | None = None
-    tags: tuple[str, ...] = ()
-    mode: str | None = None
+    enabled: bool = setting(False, path="wandb.enabled", resumable=True)  # also stream metrics to Weights & Biases
+    project: str = setting("oodjax", path="wandb.project", resumable=True)  # W&B project the runs are logged to
+    # W&B team or user; empty = your default entity
+    entity: str | None = setting(None, path="wandb.entity", resumable=True)
+    # Each run is its own W&B run named as the run; the group gathers a
+    # config's runs (empty = "<model>_<train_set>").
+    group: str | None = setting(None, path="wandb.group", resumable=True)
+    tags: tuple[str, ...] = setting((), path="wandb.tags", resumable=True)  # W&B tags of every run (strings)
+    # "online", "offline" (sync later with `wandb sync`) or "disabled";
+    # empty = wandb's default (the WANDB_MODE variable, else online).
+    mode: str | None = setting(None, path="wandb.mode", resumable=True)
 
     def __post_init__(self) -> None:
         if self.mode and self.mode not in WANDB_MODES:
@@ -51,7 +56,10 @@ class TrackerSettings:
     """Where a job's metrics stream besides each run's events.jsonl: W&B (None: not) and TensorBoard."""
 
     wandb: WandbSettings | None = None
-    tensorboard: bool = False
+    # Also write TensorBoard event files to <run_dir>/tensorboard/
+    # (`tensorboard --logdir <output_dir>` shows every run; the viewer is the
+    # `tensorboard` extra, `pip install ".[tensorboard]"`).
+    tensorboard: bool = setting(False, path="tensorboard.enabled", resumable=True)
 
 
 class EventLog:
@@ -79,8 +87,9 @@ class EventLog:
         if wandb is not None:
             import wandb as wandb_lib
 
+            where = {key: value for key, value in dataclasses.asdict(wandb).items() if key != "enabled"}
             self._wandb_run = wandb_lib.init(
-                **dataclasses.asdict(wandb) | {"tags": list(wandb.tags) or None},
+                **where | {"tags": list(wandb.tags) or None},
                 name=run_name,
                 config=dict(config),
                 dir=str(run_dir),

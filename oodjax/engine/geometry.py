@@ -22,6 +22,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from oodjax.data import (
+    DEFAULT_MAX_LENGTH,
     StepLayout,
     TokenizedSet,
     bucket_lengths,
@@ -31,6 +32,7 @@ from oodjax.data import (
     replay_rows,
 )
 from oodjax.engine import sharding
+from oodjax.settings import setting
 from oodjax.usage_errors import ConfigError
 
 
@@ -40,13 +42,33 @@ class BatchSettings:
     eval.batch_size, row_lengths): ``batch_geometry`` and ``eval_geometry`` work the shapes out from them, the
     former for a run length."""
 
-    batch_size: int  # examples per optimizer step, per run
-    grad_accum: int  # micro-batches per optimizer step
-    pack: bool  # all runs' prompts packed into shared rows, else one prompt a row
-    max_length: int  # the longest training and evaluation row
-    eval_batch_size: int  # evaluation rows of max_length a batch (a token budget)
-    buckets: tuple[int, ...] | None = None  # None: bucket_lengths' default
-    eval_row_lengths: tuple[int, ...] | None = None  # None: eval_row_lengths' default
+    batch_size: int = setting(16, path="train.batch_size")  # examples per optimizer step, per run
+    # Micro-batches per optimizer step (gradients accumulated inside the
+    # jitted step); must divide batch_size. Every run's prompts of a step are
+    # spread over them, so more micro-batches hold fewer tokens at once: the
+    # memory knob. The update is the same.
+    grad_accum: int = setting(1, path="train.grad_accum")
+    # Pack all runs' prompts of a step into the fewest rows per device per
+    # micro-batch of at most data.max_length tokens, a row mixing runs (each
+    # token adapted by its own run's adapters), balanced over the rows, so
+    # little is padding and little attention crosses prompts. Off: one
+    # prompt a row, each run's micro-batch a grad_accum-th of its batch.
+    # Same examples per step and the same update either way, up to dropout
+    # masks: they are keyed by each prompt's run, place in its run's batch
+    # and token position, the same within a layout whatever trains beside it.
+    pack: bool = setting(True, path="train.pack")
+    max_length: int = DEFAULT_MAX_LENGTH  # the longest training and evaluation row (data.max_length)
+    # Evaluation batches hold about batch_size x max_length tokens, in rows of
+    # one of row_lengths, each holding one or two prompts (little padding,
+    # little attention between prompts; one compiled shape per row length).
+    eval_batch_size: int = setting(32, path="eval.batch_size")
+    # Static sequence lengths a training micro-batch is cut to (a branch of the
+    # train step each); empty = from 64, four per doubling (64, 80, 96, 112,
+    # 128, 160, ...) up to max_length. Evaluation rows: eval.row_lengths.
+    buckets: tuple[int, ...] | None = setting(None, path="data.buckets")
+    # Lengths of evaluation rows; empty = 32 and 48 times the powers of two
+    # (32, 48, 64, 96, 128, ...) up to data.max_length.
+    eval_row_lengths: tuple[int, ...] | None = setting(None, path="eval.row_lengths")
 
     def __post_init__(self) -> None:
         positive = {

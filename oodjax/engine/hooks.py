@@ -28,7 +28,7 @@ from oodjax.engine.evaluation import evaluate, refuse_non_finite_model
 from oodjax.engine.events import EventLog
 from oodjax.engine.preemption import Preempted, StopSignals
 from oodjax.engine.results import ADAPTER_DIR, Run, RunResults
-from oodjax.engine.resumption import RunStart, comparable_stored
+from oodjax.engine.resumption import RunStart
 from oodjax.engine.run_data import RunsData
 from oodjax.models.lora import adds_nothing, export_peft
 
@@ -300,11 +300,12 @@ class Checkpoints:
             self.group.clock.restart()
 
     def save(self, step: int, state: steps.TrainState, *, evaluation_pending: bool = False) -> None:
-        comparable, data = comparable_stored(self.group.job.record), self.data.train_stream.get_state()
+        job, group, data = self.group.job, self.group, self.data.train_stream.get_state()
         run_states = checkpoints.split_runs(state)
-        for r, (checkpointer, run_state) in enumerate(zip(self.group.checkpointers, run_states, strict=True)):
+        runs = zip(group.runs, group.checkpointers, run_states, strict=True)
+        for r, (run, checkpointer, run_state) in enumerate(runs):
             loop_state = {
-                "config": comparable,
+                "config": run_record(job, run, job.model.name, **group.plan.plan()),
                 "loss_sum": float(self.losses.sum[r]),
                 "loss_steps": self.losses.steps,
                 "data": data,

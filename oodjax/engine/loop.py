@@ -70,7 +70,7 @@ def train(job: Job) -> list[Run]:
         group_of = {run: group for group in job.groups for run in group.runs}
         starts = [read_start(group_of[run], run) for run in runs]
         # before anything is written (the locks' new folders go with them)
-        refuse_changed_config(job.record, output_dir, starts)
+        refuse_changed_config(job.record, job.settings, output_dir, starts)
         where = [start.describe() for start in starts]
         logging.info("%s", console.by_run(f"{len(runs)} runs in {output_dir}", runs, where))
         to_train = [start for start in starts if not start.finished]
@@ -167,7 +167,7 @@ class _Loop:
             prepared.data.train_stream.set_state(starts[0].checkpoint.loop_state["data"])  # the runs stand at one step
             for start in starts:  # the restored slices now live in the stacked state
                 start.checkpoint = dataclasses.replace(start.checkpoint, state=None)
-        length = {schema.RUN_STEPS: plan.total_steps}  # in each run's section
+        length = plan.plan()  # in each run's section
         kept_through = starts[0].step if starts[0].checkpoint is not None else -1  # the redone steps' lines go
         events = [
             EventLog(

@@ -9,6 +9,7 @@ import math
 
 import optax
 
+from oodjax.settings import setting
 from oodjax.usage_errors import ConfigError
 
 SCHEDULES = ("linear", "cosine", "constant")
@@ -18,12 +19,23 @@ SCHEDULES = ("linear", "cosine", "constant")
 class OptimizerSettings:
     """A job's optimizer, built for a run length (``build``): its schedule spans the runs it trains."""
 
-    learning_rate: float  # peak, after warm-up
-    warmup_steps: int = 0  # a fixed warm-up; 0: warmup_ratio of each run's steps
-    warmup_ratio: float = 0.0
-    weight_decay: float = 0.0
-    max_grad_norm: float | None = None  # None: no clipping
-    schedule: str = "linear"  # after warm-up: one of SCHEDULES
+    learning_rate: float = setting(1e-4, path="train.learning_rate")  # peak, after warm-up
+    # A fixed linear warm-up from 0 to the peak, in steps, then
+    # train.schedule; 0 = train.warmup_ratio (both 0: no warm-up). With
+    # train.epochs, one that would take more than a quarter of a run is
+    # refused: a ratio follows each run's own length.
+    warmup_steps: int = setting(0, path="train.warmup_steps", resumable=True)
+    # The warm-up as a share of each run's own steps, rounded up
+    # (transformers' warmup_ratio), unless train.warmup_steps is set: 0.1 is
+    # DL2024's (docs/protocol.md), 50 steps of 500.
+    warmup_ratio: float = setting(0.1, path="train.warmup_ratio", resumable=True)
+    # The learning rate after warm-up, to train.steps (optax's schedules, as
+    # transformers' get_*_schedule_with_warmup): "linear" decays linearly to
+    # 0 (the study's), "cosine" follows a half cosine to 0, "constant" stays
+    # at the peak. A run resumes only with the schedule it started with.
+    schedule: str = setting("linear", path="train.schedule")
+    weight_decay: float = setting(0.0, path="train.weight_decay")  # AdamW decoupled weight decay
+    max_grad_norm: float = setting(1.0, path="train.max_grad_norm")  # global-norm clipping; 0 = off
 
     def __post_init__(self) -> None:
         if not self.learning_rate > 0:  # a negative one climbs the loss (and zero trains nothing)
@@ -79,7 +91,7 @@ class Optimizer:
 
     @functools.cached_property
     def transformation(self) -> optax.GradientTransformation:
-        """torch's AdamW defaults after global-norm clipping (none when ``max_grad_norm`` is None or 0)."""
+        """torch's AdamW defaults after global-norm clipping (none when ``max_grad_norm`` is 0)."""
         settings = self.settings
         adamw = optax.adamw(self.learning_rate_schedule, b1=0.9, b2=0.999, eps=1e-8, weight_decay=settings.weight_decay)
         if not settings.max_grad_norm:
@@ -92,9 +104,9 @@ def make_optimizer(
     total_steps: int,
     warmup_steps: int,
     weight_decay: float,
-    max_grad_norm: float | None,
+    max_grad_norm: float,
     schedule: str = "linear",
 ) -> optax.GradientTransformation:
     """``Optimizer.transformation`` of these settings."""
-    settings = OptimizerSettings(learning_rate, warmup_steps, 0.0, weight_decay, max_grad_norm, schedule)
+    settings = OptimizerSettings(learning_rate, warmup_steps, 0.0, schedule, weight_decay, max_grad_norm)
     return settings.build(total_steps).transformation

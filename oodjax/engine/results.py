@@ -33,6 +33,7 @@ from absl import logging
 
 from analysis import schema
 from oodjax import versions as oodjax_versions
+from oodjax.settings import setting
 from oodjax.storage import write_atomic, write_npz_atomic
 from oodjax.usage_errors import ConfigError, DamagedInputError
 
@@ -76,12 +77,25 @@ class RunPlan:
     """Which runs a job is (its runs section, the model's name, the training set) and where they go."""
 
     model: str  # the model's name in run names (``oodjax.models.ModelSettings.name``)
-    train_set: str
-    seeds: tuple[int, ...]
-    shots: tuple[int, ...]
-    output_dir: pathlib.Path
-    skip_locked: bool = False  # runs another job holds are left out, not an error
-    key_source: str = "seed"  # KEY_SOURCES: what a run's adapter and dropout keys come from
+    train_set: str  # data.train_set
+    # A run's seed draws its few-shot set, its data order, its adapter
+    # initialisation and its dropout.
+    seeds: tuple[int, ...] = setting((0, 42, 99), path="runs.seeds", resumable=True)
+    # Sizes of the few-shot training sets (label-balanced draws from the pool).
+    shots: tuple[int, ...] = setting((32, 64, 128), path="runs.shots", resumable=True)
+    # Root of the results: one sub-directory per run, <output_dir>/<run name>/,
+    # holding its metrics.npz, events.jsonl and its own checkpoints/.
+    output_dir: pathlib.Path = setting(pathlib.Path("results"), path="output_dir", resumable=True)
+    # What a run's LoRA initialisation and dropout keys come from: "seed", the
+    # study's way (a seed's runs of every shot count and training set start
+    # alike, so their results are correlated), or "seed_shots_train_set"
+    # (each run its own keys; a departure from the study, for new sweeps).
+    key_source: str = setting("seed", path="runs.key_source")
+    # A job locks each of its runs (<run_dir>/run.lock) while it trains or
+    # evaluates them. A run locked by another live job stops this one before
+    # it writes anything, naming the run and that job; True leaves such runs
+    # out (with a warning) and goes on with the others.
+    skip_locked: bool = setting(False, path="runs.skip_locked", resumable=True)
 
     def __post_init__(self) -> None:
         if self.key_source not in KEY_SOURCES:
@@ -105,11 +119,6 @@ class RunPlan:
         pairs = list(itertools.product(self.seeds, self.shots))
         names = [run_name(self.model, self.train_set, seed, shots) for seed, shots in pairs]
         return [Run(seed, shots, name, self.output_dir / name) for (seed, shots), name in zip(pairs, names)]
-
-
-def model_name(name: str, path: str, model_type: str) -> str:
-    """A model's name in run names: model.name, else the checkpoint folder's name, else "<model_type>-random"."""
-    return name or (pathlib.Path(path.rstrip("/")).name if path else f"{model_type}-random")
 
 
 def run_name(model: str, train_set: str, seed: int, shots: int) -> str:

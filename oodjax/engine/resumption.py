@@ -2,14 +2,16 @@
 
 Runs are the unit of resumption: each is finished (skipped), part-way
 (resumed from its newest intact checkpoint) or new. A stored run whose
-config differs from the job's beyond ``RESUMABLE_CHANGES`` and the runs
-section is refused before anything is created.
+resolved plan (steps, warm-up, evaluated steps) or a setting that is not
+declared resumable differs from the job's is refused before anything is
+created.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import json
 import pathlib
 from collections.abc import Mapping, Sequence
@@ -20,18 +22,16 @@ from absl import logging
 from jax.experimental import multihost_utils
 
 from analysis import schema
-from oodjax import config_fields
 from oodjax.engine import checkpoints, results
-from oodjax.engine.cadence import RunGroup
+from oodjax.engine.cadence import CadenceSettings, RunGroup, RunLength
 from oodjax.engine.distributed import is_primary
 from oodjax.engine.optimizer import warmup_steps
 from oodjax.engine.results import Run
+from oodjax.settings import Declared
 from oodjax.usage_errors import ConfigError
 
-# Config fields a resumed run may change: they do not affect its results. The runs section may change
-# too: it says which runs a job trains, not what one is.
-RESUMABLE_CHANGES = ("output_dir", "log_every", "wandb", "tensorboard", "export", "checkpoint_keep")
-JOB_SECTIONS = ("runs", schema.RUN_SECTION)
+# A run's resolved plan in its run section (``RunGroup.plan``).
+PLAN = (schema.RUN_STEPS, schema.RUN_WARMUP_STEPS, schema.RUN_EVALUATED_STEPS)
 
 
 @dataclasses.dataclass
@@ -41,7 +41,7 @@ class RunStart:
     run: Run
     group: RunGroup  # the job's runs of its length
     finished: bool  # its metrics.npz holds the evaluation at its last step
-    stored_config: dict[str, Any] | None  # comparable config it was trained with (None: new)
+    stored_config: Mapping[str, Any] | None  # the run's record it was trained with (None: new)
     checkpoint: checkpoints.Restored | None = None  # the one it resumes from (None: it starts at 0)
 
     @property
@@ -71,19 +71,19 @@ def read_start(group: RunGroup, run: Run) -> RunStart:
             "start the run over"
         ) from error
     if progress is not None and progress.finished(group.total_steps):
-        return RunStart(run, group, finished=True, stored_config=comparable_stored(progress.config))
+        return RunStart(run, group, finished=True, stored_config=progress.config)
     newest = checkpoints.restore_newest(run.directory, None, warn=False)  # its config; the arrays come later
-    stored = comparable_stored(newest.loop_state["config"]) if newest is not None else None  # as this version compares
+    stored = newest.loop_state["config"] if newest is not None else None
     return RunStart(run, group, finished=False, stored_config=stored, checkpoint=newest)
 
 
-def refuse_changed_config(record: Mapping[str, Any], output_dir: pathlib.Path, starts: Sequence[RunStart]) -> None:
-    """A ConfigError naming every stored run whose config differs from ``record`` in a field that matters."""
-    current = comparable_stored(record)
-    defaults = comparable_stored(json.loads(config_fields.get_config().to_json()))
+def refuse_changed_config(
+    record: Mapping[str, Any], settings: Mapping[str, Declared], output_dir: pathlib.Path, starts: Sequence[RunStart]
+) -> None:
+    """A ConfigError naming every stored run whose plan or non-resumable settings differ from the job's."""
     differing: dict[str, list[str]] = collections.defaultdict(list)
     for start in starts:
-        if start.stored_config is not None and (fields := differing_fields(start.stored_config, current, defaults)):
+        if start.stored_config is not None and (fields := changes(start, record, settings)):
             differing["; ".join(fields)].append(start.run.name)
     if differing:
         details = " | ".join(f"{', '.join(names)}: {fields}" for fields, names in differing.items())
@@ -93,23 +93,40 @@ def refuse_changed_config(record: Mapping[str, Any], output_dir: pathlib.Path, s
         )
 
 
-def differing_fields(
-    stored: dict[str, Any], current: dict[str, Any], defaults: dict[str, Any], prefix: str = ""
-) -> list[str]:
-    """``"section.field stored -> now"`` for every leaf field that differs between two config dicts.
-
-    A field the stored config lacks is no difference at its default: it means what the version without it did.
-    """
-    fields = []
-    for key in sorted({*stored, *current}):
-        old, new = stored.get(key), current.get(key)
-        if key not in stored and key in defaults and new == defaults[key]:
+def changes(start: RunStart, record: Mapping[str, Any], settings: Mapping[str, Declared]) -> list[str]:
+    """``"field stored -> now"`` for the run's plan and each setting not declared resumable that differs between
+    its stored record and the job's ``record``. A field the stored record lacks is at its default (it means
+    what the version without it did); a section it lacks (a checkpoint's of an earlier version, which left the
+    resumable ones out) is not compared."""
+    assert start.stored_config is not None  # a stored run
+    stored, now = _stored_plan(start.stored_config, start.run), start.group.plan()
+    fields = [f"{schema.RUN_SECTION}.{key} {stored[key]!r} -> {now[key]!r}" for key in PLAN if stored[key] != now[key]]
+    for path, setting in settings.items():
+        section, _, key = path.rpartition(".")
+        holder = start.stored_config.get(section) if section else start.stored_config
+        if setting.resumable or not isinstance(holder, Mapping):
             continue
-        if isinstance(old, dict) and isinstance(new, dict):
-            fields += differing_fields(old, new, defaults.get(key) or {}, f"{prefix}{key}.")
-        elif old != new:
-            fields.append(f"{prefix}{key} {old!r} -> {new!r}")
+        old = holder.get(key, json.loads(json.dumps(setting.config_default)))
+        if old != (new := functools.reduce(lambda node, name: node[name], path.split("."), record)):
+            fields.append(f"{path} {old!r} -> {new!r}")
     return fields
+
+
+def _stored_plan(stored: Mapping[str, Any], run: Run) -> dict[str, Any]:
+    """The plan a stored run's section holds, or for a run written before runs stored it, the plan its train and
+    eval sections resolve to, as the version that wrote it resolved them."""
+    section = stored.get(schema.RUN_SECTION) or {}
+    if all(key in section for key in PLAN):
+        return {key: section[key] for key in PLAN}
+    train, evaluation = stored["train"], stored["eval"]
+    length = RunLength(train["steps"], train.get("epochs", 0.0))
+    total = section.get(schema.RUN_STEPS) or length.total_steps(run.shots, train["batch_size"])
+    cadence = CadenceSettings(eval_every=evaluation["every"], eval_points=evaluation.get("points", 0)).build(total)
+    return {
+        schema.RUN_STEPS: total,
+        schema.RUN_WARMUP_STEPS: warmup_steps(total, train["warmup_steps"], train.get("warmup_ratio", 0.0)),
+        schema.RUN_EVALUATED_STEPS: cadence.evaluated_steps(),
+    }
 
 
 def warn_of_shared_checkpoints(output_dir: pathlib.Path) -> None:
@@ -133,30 +150,3 @@ def set_aside_damaged(starts: Sequence[RunStart]) -> None:
                 logging.warning("%s: set aside the damaged checkpoint as %s", start.run.name, aside)
     if jax.process_count() > 1:
         multihost_utils.sync_global_devices("oodjax: damaged checkpoints set aside")
-
-
-def comparable_stored(config_data: Mapping[str, Any]) -> dict[str, Any]:
-    """A stored config without what a resumption may change, its warm-up and evaluations as they resolve."""
-    comparable = {key: value for key, value in config_data.items() if key not in (*RESUMABLE_CHANGES, *JOB_SECTIONS)}
-    if isinstance(comparable.get("train"), dict) and isinstance(comparable.get("eval"), dict):
-        comparable["train"], comparable["eval"] = _resolved_schedule(comparable["train"], comparable["eval"])
-    return comparable
-
-
-def _resolved_schedule(train: dict[str, Any], evaluation: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The train and eval sections with a ratio or point count written as the fixed steps it comes to where
-    every run has train.steps (no train.epochs), and a setting a fixed one overrides cleared: so a run stored
-    with warmup_steps 50 and eval.every 25 of 500 steps is the same run as one of warmup_ratio 0.1 and 20
-    eval.points, as config_read resolves them."""
-    train, evaluation = dict(train), dict(evaluation)
-    steps, per_run_length = train.get("steps") or 0, bool(train.get("epochs"))
-    if train.get("warmup_steps"):
-        train["warmup_ratio"] = 0.0
-    elif train.get("warmup_ratio") and not per_run_length:
-        train["warmup_steps"], train["warmup_ratio"] = warmup_steps(steps, 0, train["warmup_ratio"]), 0.0
-    points = evaluation.get("points") or 0
-    if evaluation.get("every"):
-        evaluation["points"] = 0
-    elif points and not per_run_length and steps % points == 0:  # floor(k T / P) is every T / P steps
-        evaluation["every"], evaluation["points"] = steps // points, 0
-    return train, evaluation

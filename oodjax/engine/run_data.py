@@ -12,6 +12,7 @@ result can be joined back to its example.
 from __future__ import annotations
 
 import dataclasses
+import pathlib
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -22,7 +23,12 @@ import numpy as np
 from absl import logging
 from transformers import PreTrainedTokenizerBase
 
+from analysis import schema
 from oodjax.data import (
+    DEFAULT_ANSWERS,
+    DEFAULT_MAX_LENGTH,
+    DEFAULT_TEMPLATE,
+    TESTSETS,
     InContextSet,
     TestsetSpec,
     TokenizedSet,
@@ -36,15 +42,35 @@ from oodjax.data import (
     training_pool,
 )
 from oodjax.data.prompts import check_template
-from oodjax.data.testsets import Neutral, testset_spec, training_sets
+from oodjax.data.testsets import Neutral, testset_spec, testset_table, training_sets
 from oodjax.engine.evaluation import EvalPool
 from oodjax.engine.geometry import BatchGeometry
 from oodjax.engine.steps import micro_batch_branches
-from oodjax.usage_errors import ConfigError
+from oodjax.settings import setting
+from oodjax.usage_errors import ConfigError, MissingInputError
 
 # The column ``capped_testsets`` and ``few_shot_datasets`` give their datasets: each example's row in the dataset as
 # loaded (``load_testset``'s split before any cap; ``training_pool``'s pool), which the caps and draws carry along.
 DATASET_INDEX = "dataset_index"
+
+
+def _declared_testsets(extra: Mapping[str, Any], file: str | None) -> dict[str, TestsetSpec]:
+    """The built-in and declared testsets (``testset_table``); a bad declaration is a ``ConfigError`` naming it
+    and its field, a missing file a ``MissingInputError``."""
+    if not isinstance(extra, Mapping):
+        raise ConfigError(f"data.extra_testsets must be a dict of testset declarations, got {extra!r}")
+    if file and not pathlib.Path(file).expanduser().is_file():
+        raise MissingInputError(f"data.extra_testsets_file {file!r} is not a file")
+    try:
+        table = testset_table(dict(extra), file)
+    except ValueError as error:  # the message names the declaration and its field
+        raise ConfigError(str(error)) from error
+    if schema.TRAIN_TESTSET in table:
+        raise ConfigError(
+            f"{table[schema.TRAIN_TESTSET].origin}: {schema.TRAIN_TESTSET!r} is the results' name for each run's "
+            "own training set; name the testset otherwise"
+        )
+    return table
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,21 +78,63 @@ class DataSettings:
     """What a job's data is (its data section, resolved): where the few-shot pool and the testsets come from,
     how prompts are made, and which testsets are evaluated with what cap."""
 
-    train_set: str  # the testset the few-shot sets are drawn from, in-domain in the results
-    testsets: tuple[str, ...]  # evaluated, in order
-    table: Mapping[str, TestsetSpec]  # every testset a name can mean: built-in and declared (testset_table)
-    template: str
-    answers: tuple[str, str]  # (entailment, not entailment) answer words
-    max_length: int  # prompts longer are truncated inside the premise
-    pool_split: str | None = None  # None: the data layer's offline pool
-    data_dir: str | None = None  # None: $OODJAX_DATA_DIR, else the hub
-    eval_cap: int = 0  # 0: the full split
-    cap_in_domain: bool = False  # the in-domain testset (train_set) capped too
-    eval_seed: int = 0
-    neutral: Neutral = "drop"
-    cache_dir: str | None = None  # None: $OODJAX_CACHE_DIR, else ~/.cache/oodjax
+    # Testset whose examples the few-shot training sets are drawn from, and
+    # which counts as in-domain in the results ("mnli" or "snli").
+    train_set: str = setting("mnli", path="data.train_set")
+    # Split of `train_set` the few-shot sets are drawn from; empty = the data
+    # layer's offline pool (MNLI validation_mismatched, SNLI validation: in the
+    # shared data, for the demo, tests and laptop configs). The study configs
+    # set `train`, as the study did (configs/models.py, docs/protocol.md).
+    pool_split: str | None = setting(None, path="data.pool_split")
+    # Local mirror laid out as <hub_id>/<config>/<split>.jsonl; empty =
+    # $OODJAX_DATA_DIR, or the Hugging Face hub when that is unset. A split
+    # missing from the mirror comes from the hub, unless it is offline.
+    data_dir: str | None = setting(None, path="data.data_dir")
+    # Testsets evaluated at step 0 and through each run (eval.points or
+    # eval.every; the training set is evaluated too, always): built-in or
+    # declared ones.
+    testsets: tuple[str, ...] = setting(tuple(TESTSETS), path="data.testsets")
+    # Testsets declared here rather than in code, name -> fields: source (a
+    # hub id, or a local .jsonl/.parquet/.csv file), config (hub config,
+    # optional), split (hub sources), premise, hypothesis, label (column
+    # names), entailment, not_entailment (lists of label values), neutral
+    # (values handled as data.neutral says), unlabelled (values always
+    # dropped), cap (replaces eval_cap). A built-in's name overrides the
+    # fields given, e.g. {'anli': {'split': 'test_r1'}}. Assign the whole
+    # dict in a config file. See docs/data.md.
+    extra_testsets: Mapping[str, Any] = setting({}, path="data.extra_testsets")
+    # A JSON or YAML file of more such declarations (name -> fields); relative
+    # source files in it are relative to its folder. Empty = none.
+    extra_testsets_file: str | None = setting(None, path="data.extra_testsets_file")
+    # Cap each testset to this many examples (stratified by label, seeded by
+    # `eval_seed`) so dense evaluation stays affordable; 0 = the full split.
+    # The in-domain testset (data.train_set) only with cap_in_domain.
+    eval_cap: int = setting(0, path="data.eval_cap")
+    # Also cap the in-domain testset (by eval_cap, or its own declared cap).
+    # Off: it is evaluated whole, since the partial correlations control for
+    # its accuracy, and a noisy covariate biases them upward (by about +0.09
+    # at a cap of 2,000, +0.28 at 500 in a simulation: docs/analysis.md).
+    cap_in_domain: bool = setting(False, path="data.cap_in_domain")
+    eval_seed: int = setting(0, path="data.eval_seed")  # seed of the `eval_cap` subsets
+    # Prompt template; the model scores the next token (data.answers).
+    template: str = setting(DEFAULT_TEMPLATE, path="data.template")
+    # The answer words (yes, no) whose next-token logits are read: entailment
+    # is the first. Each must be one token of the model's tokenizer, leading
+    # space included.
+    answers: tuple[str, str] = setting(DEFAULT_ANSWERS, path="data.answers")
+    # Prompts longer than this are truncated inside the premise.
+    max_length: int = setting(DEFAULT_MAX_LENGTH, path="data.max_length")
+    # Neutral examples of three-way testsets: "drop" them, or count them as
+    # "not_entailment".
+    neutral: Neutral = setting("drop", path="data.neutral")
+    # Where tokenised testsets are cached; empty = $OODJAX_CACHE_DIR, else
+    # ~/.cache/oodjax.
+    cache_dir: str | None = setting(None, path="data.cache_dir")
+    # every testset a name can mean: the built-in ones and those declared (testset_table)
+    table: Mapping[str, TestsetSpec] = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "table", _declared_testsets(self.extra_testsets, self.extra_testsets_file))
         if not self.testsets:
             raise ConfigError("data.testsets is empty: name the testsets to evaluate (at least data.train_set)")
         for name in self.testsets:

@@ -23,6 +23,7 @@ from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from oodjax.models.partitioning import LOGICAL_AXIS_RULES, logical_to_spec
+from oodjax.settings import setting
 from oodjax.usage_errors import ConfigError
 
 MESH_AXES = ("data", "fsdp", "tensor")
@@ -34,9 +35,10 @@ class MeshShape:
     """The mesh a job asks for; one size may be -1, "whatever the others leave", which ``sizes`` resolves
     for the engine, the estimator and the preflight alike."""
 
-    data: int = 1
-    fsdp: int = 1
-    tensor: int = 1
+    data: int = setting(-1, path="mesh.data")  # data parallel: each holds the whole (frozen) model
+    # fully sharded data parallel: splits the batch and the parameters
+    fsdp: int = setting(1, path="mesh.fsdp")
+    tensor: int = setting(1, path="mesh.tensor")  # tensor parallel: splits each layer's matrices
 
     def __post_init__(self) -> None:
         sizes = dataclasses.astuple(self)

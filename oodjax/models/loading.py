@@ -43,6 +43,7 @@ from oodjax.models.lora import LoRAConfig, apply_lora
 from oodjax.models.olmo2 import Olmo2ForCausalLM
 from oodjax.models.opt import OPTForCausalLM
 from oodjax.models.partitioning import param_sharding
+from oodjax.settings import setting
 from oodjax.usage_errors import ConfigError, DamagedInputError, MissingInputError, NotFetchedError
 
 # config.json's model_type -> the class that ports it (its ``config_class`` reads the config).
@@ -287,17 +288,46 @@ DTYPES = ("float32", "bfloat16", "float16")  # a job's model.dtype and model.com
 class ModelSettings:
     """The frozen base a job uses (its model section and tokenizer, resolved)."""
 
-    name: str  # in run names: model.name, else the checkpoint's last path component, else "<model_type>-random"
-    tokenizer: str  # tokenizer directory or hub id: `tokenizer`, else the checkpoint's
-    path: str | None = None  # checkpoint directory or hub id; None: a random model of hf_config
-    hf_config: Mapping[str, Any] = dataclasses.field(default_factory=dict)
-    init_seed: int = 0  # of the random model
-    dtype: str = "bfloat16"  # of the frozen base's weights
-    compute_dtype: str | None = None  # the passes' dtype; None: dtype
-    remat: str = "none"  # REMAT_POLICIES
-    attention: str = "auto"  # flash_attention.IMPLEMENTATIONS
+    # Local checkpoint directory (config.json + safetensors) or a hub id.
+    # Leave empty to build a randomly initialised model from `hf_config`.
+    path: str | None = setting(None, path="model.path")
+    # A transformers-style config (model_type, hidden_size, ...) for a random
+    # model; used only when `path` is empty (demo, tests, benchmarks).
+    hf_config: Mapping[str, Any] = setting({}, path="model.hf_config")
+    # Seed of the random initialisation from `hf_config`.
+    init_seed: int = setting(0, path="model.init_seed")
+    # Short model name used in run directory names; empty = derived from
+    # `path` (its last component) or from `hf_config.model_type`.
+    name: str = setting("", path="model.name")
+    # dtype of the frozen base weights: "bfloat16" for real runs, "float32"
+    # for exact tests. LoRA adapters and optimizer state are always float32.
+    dtype: str = setting("bfloat16", path="model.dtype")
+    # dtype the forward and backward passes compute in (base and adapters cast
+    # to it inside the step); empty = the base's dtype. "bfloat16" with a
+    # float32 base is mixed precision.
+    compute_dtype: str | None = setting(None, path="model.compute_dtype")
+    # Rematerialisation policy of each (scanned) decoder layer: what it keeps
+    # for the backward pass, the rest recomputed (oodjax.models.REMAT_POLICIES).
+    # "none" keeps everything (fastest, most memory); "full" keeps only the
+    # layer's input; "save_dots" keeps the matmul outputs; "save_dots_except_mlp"
+    # keeps them but for the MLP's, the largest.
+    remat: str = setting("none", path="model.remat")
+    # Attention implementation (oodjax.models.flash_attention): "auto" = the
+    # fused kernel of the platform (cuDNN's on GPU where it applies, else
+    # XLA's; splash on TPU), XLA's on CPU; or "xla", "cudnn", "splash" by
+    # name, or "pallas_gpu" (Triton; its backward is unverified on sm80+).
+    # Sliding windows and soft caps always take XLA's path.
+    attention: str = setting("auto", path="model.attention")
+    # Tokenizer directory or hub id; empty = the same as `model.path`.
+    tokenizer: str = setting("", path="tokenizer")
 
     def __post_init__(self) -> None:
+        # In run names: model.name, else the checkpoint folder's name, else "<model_type>-random".
+        named = (
+            pathlib.Path(self.path.rstrip("/")).name if self.path else f"{self.hf_config.get('model_type', '')}-random"
+        )
+        object.__setattr__(self, "name", self.name or named)
+        object.__setattr__(self, "tokenizer", self.tokenizer or self.path or "")
         if bool(self.path) == bool(self.hf_config):
             raise ConfigError(
                 "set exactly one of model.path (a checkpoint) and model.hf_config (a random model); "

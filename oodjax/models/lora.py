@@ -27,6 +27,7 @@ from flax import nnx
 from jax.extend.random import threefry2x32_p
 
 from oodjax.models.layers import STACKED, Linear, per_layer_paths, recomputed_in_backward
+from oodjax.settings import setting
 from oodjax.usage_errors import ConfigError, DamagedInputError, MissingInputError
 
 
@@ -53,10 +54,13 @@ class LoRAConfig:
     None means the model's attention projections (``ATTENTION_PROJECTIONS`` it has).
     """
 
-    rank: int = 8
-    alpha: float = 32.0
-    dropout: float = 0.1
-    targets: tuple[str, ...] | None = None
+    rank: int = setting(8, path="lora.rank")  # inner dimension of each adapter (B @ A)
+    alpha: float = setting(32.0, path="lora.alpha")  # the adapter output is scaled by alpha / rank
+    dropout: float = setting(0.1, path="lora.dropout")  # dropout on the adapter input, training only
+    # Names of the linear layers that get adapters (e.g. ("q_proj", "v_proj"));
+    # empty = the model's attention projections q/k/v and the output
+    # projection (OPT's out_proj, OLMo2/Llama's o_proj).
+    targets: tuple[str, ...] | None = setting(None, path="lora.targets")
 
     def __post_init__(self) -> None:
         if not (isinstance(self.rank, int) and self.rank > 0):
@@ -72,12 +76,6 @@ class LoRAConfig:
                     f"LoRAConfig.targets must be a non-empty sequence of layer names, got {self.targets!r}"
                 )
             object.__setattr__(self, "targets", tuple(self.targets))
-
-    @classmethod
-    def from_config(cls, lora: Any) -> LoRAConfig:
-        """The adapters a config's ``lora`` section describes (rank, alpha, dropout, targets; () = the default
-        targets): the one reading of that section, which the config checks use to refuse a bad one early."""
-        return cls(rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout, targets=tuple(lora.targets) or None)
 
     @property
     def scale(self) -> float:
