@@ -98,8 +98,8 @@ VERBATIM_LIST_ITEMS = ("data.answers",)
 def settings() -> dict[str, Declared]:
     """Config path -> its declaration, in ``LAYOUT``'s order."""
     found = {setting.path: setting for piece in PIECES for setting in declared(piece)}
-    place = {name: n for n, name in enumerate(LAYOUT)}
-    return dict(sorted(found.items(), key=lambda item: place[item[0].split(".")[0]]))
+    place = {name: n for n, name in enumerate(LAYOUT)}  # a top-level field LAYOUT does not name: last
+    return dict(sorted(found.items(), key=lambda item: place.get(item[0].split(".")[0], len(place))))
 
 
 def list_item_types() -> dict[str, type]:

@@ -136,6 +136,8 @@ def test_wandb_and_tensorboard_get_every_event_of_every_run(tmp_path, gpt2_token
             "seed": run.seed,
             "shots": 8,
             "steps": 4,
+            "warmup_steps": 1,  # the plan its length resolves to
+            "evaluated_steps": [0, 2, 4],
             "train_set": "mnli",
         }
         assert wandb_config["train"]["steps"] == 4
