@@ -93,6 +93,4 @@ def write_atomic(path: str | pathlib.Path, write: Callable[[BinaryIO], object], 
 
 def write_npz_atomic(path: str | pathlib.Path, arrays: Mapping[str, np.ndarray]) -> None:
     path = pathlib.Path(path)
-    write_atomic(
-        path, lambda file: np.savez(file, allow_pickle=True, **arrays), intact=f"the previous {path.name} is intact"
-    )
+    write_atomic(path, lambda f: np.savez(f, allow_pickle=True, **arrays), intact=f"the previous {path.name} is intact")

@@ -28,14 +28,11 @@ from collections.abc import Mapping, Sequence
 
 import grain
 import numpy as np
-import numpy.typing as npt
 
 from oodjax.data.packing import pair_rows
 from oodjax.data.prompts import TokenizedSet
 
 Batch = dict[str, np.ndarray]
-# Per lane, its packed rows in order: (set, row of the set) per prompt.
-_LanesRows = list[list[list[tuple[int, int]]]]
 SEQUENCE_KEYS = ("input_ids", "segment_ids")  # [..., S]: a batch's other arrays are per prompt slot
 EVAL_KEYS = (*SEQUENCE_KEYS, "answer_pos", "label", "valid")  # what evaluation gives the eval step
 TRAIN_ONLY_KEYS = ("run", "example")  # what a training step adds per prompt slot
@@ -139,7 +136,7 @@ def eval_batches(
     batch_tokens: int,
     row_multiple: int = 1,
     pad_id: int = 0,
-    lanes: Sequence[npt.ArrayLike] | None = None,
+    lanes: Sequence[Sequence[int] | np.ndarray] | None = None,
     row_lengths: Sequence[int] | None = None,
     layout: Mapping[int, tuple[int, int]] | None = None,
 ) -> grain.MapDataset:
@@ -166,7 +163,7 @@ def eval_batches(
     lengths = tuple(sorted(layout)) if layout else eval_row_lengths(tokenized.max_length, row_lengths)
     # Per row length, each lane's packed rows in packing order, as packed_rows_batch takes them: (0, row of
     # ``tokenized``) per prompt.
-    by_length: dict[int, _LanesRows] = {length: [[] for _ in lane_rows] for length in lengths}
+    by_length: dict[int, list[list[list[tuple[int, int]]]]] = {length: [[] for _ in lane_rows] for length in lengths}
     for lane, rows in enumerate(lane_rows):
         for length, members in pair_rows(tokenized.lengths[rows], lengths):
             if layout and len(members) > layout[length][1]:
@@ -175,7 +172,7 @@ def eval_batches(
                 split = [(length, members)]
             for row_length, row_members in split:
                 by_length[row_length][lane].append([(0, i) for i in rows[row_members].tolist()])
-    plan: list[tuple[int, int, _LanesRows]] = []
+    plan: list[tuple[int, int, list[list[list[tuple[int, int]]]]]] = []
     for length, packed in by_length.items():
         most_rows = max(len(rows) for rows in packed)
         if not most_rows:
@@ -191,7 +188,7 @@ def eval_batches(
             chunks = [lane[first : first + size] for lane in packed]
             plan.append((length, prompts_per_row, [chunk + [[]] * (size - len(chunk)) for chunk in chunks]))
 
-    def batch(entry: tuple[int, int, _LanesRows]) -> Batch:
+    def batch(entry: tuple[int, int, list[list[list[tuple[int, int]]]]]) -> Batch:
         length, prompts_per_row, chunks = entry
         per_lane = [packed_rows_batch([tokenized], chunk, prompts_per_row, length, pad_id=pad_id) for chunk in chunks]
         if lanes is None:
@@ -212,13 +209,13 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def row_positions(rows: npt.ArrayLike, size: int) -> tuple[np.ndarray, np.ndarray]:
+def row_positions(rows: Sequence[int] | np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray]:
     """``rows`` as a flat int array, and those outside [0, size), for the caller's error message."""
     flat = np.asarray(rows, dtype=np.int64).reshape(-1)
     return flat, flat[(flat < 0) | (flat >= size)]
 
 
-def _lane_rows(tokenized: TokenizedSet, rows: npt.ArrayLike, lane: int) -> np.ndarray:
+def _lane_rows(tokenized: TokenizedSet, rows: Sequence[int] | np.ndarray, lane: int) -> np.ndarray:
     positions, outside = row_positions(rows, len(tokenized))
     if outside.size:
         raise ValueError(f"lane {lane} names rows outside [0, {len(tokenized)}): {outside[:5].tolist()}")

@@ -244,11 +244,10 @@ def declared_testset(
         if value is not None and not isinstance(value, str):
             raise problem(field, f"must be a string, got {value!r} ({type(value).__name__})")
     source, config, split = _location(strings, set(fields), base_dir, problem)
-    columns: dict[str, str] = {}
-    for field in ("premise", "hypothesis", "label"):
-        if not (column := strings[field]):
+    columns = {field: strings[field] or "" for field in ("premise", "hypothesis", "label")}
+    for field, column in columns.items():
+        if not column:
             raise problem(field, "must name a column, got an empty string")
-        columns[field] = column
     if len(set(columns.values())) < 3:
         raise problem("label", f"premise, hypothesis and label must be three different columns, got {columns}")
     values = {field: _label_values(merged.get(field), field, problem) for field in _LABEL_FIELDS}

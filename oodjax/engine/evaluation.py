@@ -21,7 +21,6 @@ from collections.abc import Callable, Mapping, Sequence
 
 import jax
 import numpy as np
-from flax import nnx
 
 from oodjax.data import EVAL_KEYS, Batch, TokenizedSet, batch_layout, eval_batches, prompt_lengths
 from oodjax.usage_errors import UsageError
@@ -157,8 +156,8 @@ def _concatenate(parts: Sequence[TokenizedSet]) -> TokenizedSet:
 
 def evaluate(
     eval_step: Callable[..., jax.Array],
-    base_state: nnx.State,
-    lora: nnx.State,
+    base_state: object,
+    lora: object,
     pool: EvalPool,
     *,
     place: Callable[[Batch], Batch],

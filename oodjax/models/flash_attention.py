@@ -290,34 +290,24 @@ def _keeping_residuals(run: Callable[..., jax.Array]) -> Callable[..., jax.Array
     return call
 
 
-def _cudnn(
-    query: Array, key: Array, value: Array, bias: Array, *, block: int, scale: float, interpret: bool
-) -> jax.Array:
+def _cudnn(q: Array, k: Array, v: Array, bias: Array, *, block: int, scale: float, interpret: bool) -> Array:
     """cuDNN's fused attention: grouped-query heads as they are, the segments as a bias [B, 1, T, T]
     (``_mask_input``; padding attends to padding, so no row is fully masked)."""
     del block, interpret
-    return jax.nn.dot_product_attention(
-        query, key, value, bias=bias, scale=scale, is_causal=True, implementation="cudnn"
-    )
+    return jax.nn.dot_product_attention(q, k, v, bias=bias, scale=scale, is_causal=True, implementation="cudnn")
 
 
-def _pallas_gpu(
-    query: Array, key: Array, value: Array, segment_ids: Array, *, block: int, scale: float, interpret: bool
-) -> jax.Array:
+def _pallas_gpu(q: Array, k: Array, v: Array, segments: Array, *, block: int, scale: float, interpret: bool) -> Array:
     sizes = gpu_attention.BlockSizes(
         block_q=block, block_k=block, block_q_dkv=32, block_kv_dkv=32, block_q_dq=32, block_kv_dq=32
     )
-    return gpu_attention.mha(
-        query, key, value, segment_ids, sm_scale=scale, causal=True, block_sizes=sizes, interpret=interpret
-    )
+    return gpu_attention.mha(q, k, v, segments, sm_scale=scale, causal=True, block_sizes=sizes, interpret=interpret)
 
 
-def _splash(
-    query: Array, key: Array, value: Array, segment_ids: Array, *, block: int, scale: float, interpret: bool
-) -> jax.Array:
+def _splash(q: Array, k: Array, v: Array, segments: Array, *, block: int, scale: float, interpret: bool) -> Array:
     """Splash per row of [B, heads, T, D], the query already scaled; K/V may have fewer heads."""
     del scale
-    heads, length = query.shape[1], query.shape[2]
+    heads, length = q.shape[1], q.shape[2]
     mask = splash_mask.MultiHeadMask([splash_mask.CausalMask((length, length)) for _ in range(heads)])
     # Every block size, forward and backward, is the one block.
     sizes: dict[str, Any] = {
@@ -326,7 +316,7 @@ def _splash(
     blocks = splash.BlockSizes(**sizes)
     kernel = splash.make_splash_mha(mask, block_sizes=blocks, head_shards=1, q_seq_shards=1, interpret=interpret)
     per_row = lambda q, k, v, s: kernel(q, k, v, splash.SegmentIds(q=s, kv=s))  # noqa: E731
-    return jax.vmap(per_row)(query, key, value, segment_ids)
+    return jax.vmap(per_row)(q, k, v, segments)
 
 
 _KERNELS = {"cudnn": _cudnn, "pallas_gpu": _pallas_gpu, "splash": _splash}
