@@ -7,6 +7,7 @@ parsed as far as they need (computations, instruction types, replica groups, loo
 import collections
 import functools
 import re
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -100,7 +101,7 @@ def kernels(hlo_text: str) -> int:
 
 # The share of the buffer a device passes to a collective that it sends, ring algorithm, n devices in its group
 # (``communication``).
-_RING_SHARE = {
+_RING_SHARE: dict[str, Callable[[int], float]] = {
     "all-gather": lambda n: n - 1,
     "reduce-scatter": lambda n: (n - 1) / n,
     "all-to-all": lambda n: (n - 1) / n,
@@ -111,7 +112,7 @@ _COMPUTATION = re.compile(r"^(?P<entry>ENTRY\s+)?%?(?P<name>[\w.\-]+)\s*\(.*->.*
 _TRIP_COUNT = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"')
 
 
-def _collective(instruction: re.Match) -> str | None:
+def _collective(instruction: re.Match[str]) -> str | None:
     """The collective an instruction starts (an async one at its -start), else None."""
     op = instruction["op"].removesuffix("-start")
     return op if op in COLLECTIVES else None
@@ -128,10 +129,10 @@ class _HloModule:
     the values they define and its device count."""
 
     def __init__(self, hlo_text: str):
-        self.computations: dict[str, list[re.Match]] = {}
+        self.computations: dict[str, list[re.Match[str]]] = {}
         self.entry = ""
         lines = hlo_text.splitlines()
-        current: list[re.Match] | None = None
+        current: list[re.Match[str]] | None = None
         for line in lines:
             header = _COMPUTATION.match(line) if current is None else None
             if header:
@@ -148,10 +149,10 @@ class _HloModule:
         replicas = re.search(r"\breplica_count=(\d+)", hlo_text)
         self.devices = (int(partitions[1]) if partitions else 1) * (int(replicas[1]) if replicas else 1)
 
-    def instructions(self) -> list[re.Match]:
+    def instructions(self) -> list[re.Match[str]]:
         return [instruction for computation in self.computations.values() for instruction in computation]
 
-    def operand_bytes(self, instruction: re.Match) -> list[int]:
+    def operand_bytes(self, instruction: re.Match[str]) -> list[int]:
         """Each operand's bytes (a tuple operand's summed)."""
         operands = [self.types.get(name, "") for name in re.findall(r"%([\w.\-]+)", instruction["operands"])]
         if not any(operands):  # operands printed with their types

@@ -70,7 +70,7 @@ def reporting_full_disk(path: str | pathlib.Path, intact: Callable[[], str]) -> 
         raise NoSpaceError(path, intact()) from error
 
 
-def write_atomic(path: str | pathlib.Path, write: Callable[[BinaryIO], None], *, intact: str) -> None:
+def write_atomic(path: str | pathlib.Path, write: Callable[[BinaryIO], object], *, intact: str) -> None:
     """Writes `path` through `write(file)` so that it is always either what it was (or absent) or complete.
 
     Not `tempfile`: its 0600 mode would survive the rename; this one is 0666 less the umask, as `open`'s.
@@ -93,4 +93,4 @@ def write_atomic(path: str | pathlib.Path, write: Callable[[BinaryIO], None], *,
 
 def write_npz_atomic(path: str | pathlib.Path, arrays: Mapping[str, np.ndarray]) -> None:
     path = pathlib.Path(path)
-    write_atomic(path, lambda file: np.savez(file, **arrays), intact=f"the previous {path.name} is intact")
+    write_atomic(path, lambda f: np.savez(f, allow_pickle=True, **arrays), intact=f"the previous {path.name} is intact")

@@ -48,9 +48,9 @@ def running() -> dict[str, str | None]:
     no CUDA plugin, or CUDA from the system)."""
     import flax
     import jax
-    import jaxlib
+    from jaxlib.version import __version__ as jaxlib_version
 
-    found: dict[str, str | None] = {"jax": jax.__version__, "jaxlib": jaxlib.__version__, "flax": flax.__version__}
+    found: dict[str, str | None] = {"jax": jax.__version__, "jaxlib": jaxlib_version, "flax": flax.__version__}
     found["cuda"] = found["cudnn"] = None
     for major in ("13", "12"):
         if importlib.util.find_spec(f"jax_cuda{major}_plugin") is None:

@@ -124,7 +124,7 @@ def prompt_lengths(batch: Batch) -> np.ndarray:
     """Each prompt's token count in ``answer_pos``'s shape, 0 on invalid prompts: a packed row's prompts lie
     one after another, so each begins after the previous one's answer."""
     answer_pos = np.asarray(batch["answer_pos"], dtype=np.int64)
-    previous = -1
+    previous: int | np.ndarray = -1
     if answer_pos.ndim == np.ndim(batch["input_ids"]):  # a prompt-slot axis: packed rows
         previous = np.concatenate([np.full((*answer_pos.shape[:-1], 1), -1), answer_pos[..., :-1]], axis=-1)
     return np.where(batch["valid"], answer_pos - previous, 0)
@@ -136,7 +136,7 @@ def eval_batches(
     batch_tokens: int,
     row_multiple: int = 1,
     pad_id: int = 0,
-    lanes: Sequence[Sequence[int]] | None = None,
+    lanes: Sequence[Sequence[int] | np.ndarray] | None = None,
     row_lengths: Sequence[int] | None = None,
     layout: Mapping[int, tuple[int, int]] | None = None,
 ) -> grain.MapDataset:
@@ -172,21 +172,21 @@ def eval_batches(
                 split = [(length, members)]
             for row_length, row_members in split:
                 by_length[row_length][lane].append([(0, i) for i in rows[row_members].tolist()])
-    plan = []
+    plan: list[tuple[int, int, list[list[list[tuple[int, int]]]]]] = []
     for length, packed in by_length.items():
         most_rows = max(len(rows) for rows in packed)
         if not most_rows:
             continue
         if layout:
-            rows, prompts_per_row = layout[length]
+            size, prompts_per_row = layout[length]
         else:
             prompts_per_row = max(len(row) for rows in packed for row in rows)
-            rows = max(row_multiple, batch_tokens // length // row_multiple * row_multiple)
-            per_batch = _ceil_div(most_rows, _ceil_div(most_rows, rows))  # the fewest batches of at most `rows`, evened
-            rows = min(rows, _ceil_div(per_batch, row_multiple) * row_multiple)
-        for first in range(0, most_rows, rows):
-            chunks = [lane[first : first + rows] for lane in packed]
-            plan.append((length, prompts_per_row, [chunk + [[]] * (rows - len(chunk)) for chunk in chunks]))
+            size = max(row_multiple, batch_tokens // length // row_multiple * row_multiple)
+            per_batch = _ceil_div(most_rows, _ceil_div(most_rows, size))  # the fewest batches of at most `size`, evened
+            size = min(size, _ceil_div(per_batch, row_multiple) * row_multiple)
+        for first in range(0, most_rows, size):
+            chunks = [lane[first : first + size] for lane in packed]
+            plan.append((length, prompts_per_row, [chunk + [[]] * (size - len(chunk)) for chunk in chunks]))
 
     def batch(entry: tuple[int, int, list[list[list[tuple[int, int]]]]]) -> Batch:
         length, prompts_per_row, chunks = entry
@@ -209,14 +209,14 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def row_positions(rows: Sequence[int], size: int) -> tuple[np.ndarray, np.ndarray]:
+def row_positions(rows: Sequence[int] | np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray]:
     """``rows`` as a flat int array, and those outside [0, size), for the caller's error message."""
-    rows = np.asarray(rows, dtype=np.int64).reshape(-1)
-    return rows, rows[(rows < 0) | (rows >= size)]
+    flat = np.asarray(rows, dtype=np.int64).reshape(-1)
+    return flat, flat[(flat < 0) | (flat >= size)]
 
 
-def _lane_rows(tokenized: TokenizedSet, rows: Sequence[int], lane: int) -> np.ndarray:
-    rows, outside = row_positions(rows, len(tokenized))
+def _lane_rows(tokenized: TokenizedSet, rows: Sequence[int] | np.ndarray, lane: int) -> np.ndarray:
+    positions, outside = row_positions(rows, len(tokenized))
     if outside.size:
         raise ValueError(f"lane {lane} names rows outside [0, {len(tokenized)}): {outside[:5].tolist()}")
-    return rows
+    return positions

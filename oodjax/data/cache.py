@@ -35,7 +35,7 @@ def cached_arrays(
     key_parts: Iterable[str | bytes],
     compute: Callable[[], dict[str, np.ndarray]],
     *,
-    cache_dir: str | os.PathLike | None,
+    cache_dir: str | os.PathLike[str] | None,
     use_cache: bool,
 ) -> dict[str, np.ndarray]:
     """`compute()`'s arrays, stored under `<cache_dir>/<folder>/<content key>.npz` and read from there once stored.

@@ -42,7 +42,7 @@ def tokenize_in_context(
     answers: Sequence[str],
     max_length: int,
     zero_shot: TokenizedSet,
-    cache_dir: str | os.PathLike | None = None,
+    cache_dir: str | os.PathLike[str] | None = None,
     use_cache: bool = True,
 ) -> InContextSet:
     """Every prompt of ``test_ds`` preceded by as many of ``demonstrations_ds``'s examples as fit, nearest last.

@@ -42,7 +42,7 @@ def pair_rows(
         waiting[int(lengths[item])].append(item)
     available = sorted(waiting)
 
-    def longest_fitting(room: int, taken: collections.Counter) -> int | None:
+    def longest_fitting(room: int, taken: collections.Counter[int]) -> int | None:
         """The longest remaining length of at most ``room`` tokens, not counting the ``taken`` ones."""
         position = bisect.bisect_right(available, room) - 1
         while position >= 0 and taken[available[position]] >= len(waiting[available[position]]):
@@ -63,13 +63,14 @@ def pair_rows(
             if row_length < first:
                 continue
             taken = collections.Counter({first: 1})
-            filling, room = [], row_length - first
+            filling, room = list[int](), row_length - first
             while len(filling) + 1 < prompts_per_row and (fit := longest_fitting(room, taken)) is not None:
                 filling.append(fit)
                 taken[fit] += 1
                 room -= fit
             if best is None or (row_length - room) * best[1] > best[0] * row_length:  # a fuller row
                 best = (row_length - room, row_length, filling)
+        assert best is not None  # the longest row holds any prompt (checked above)
         _, row_length, filling = best
         rows.append((int(row_length), [take(length) for length in [first, *filling]]))
     return rows
@@ -78,7 +79,7 @@ def pair_rows(
 def balance_rows(lengths: np.ndarray, *, num_rows: int, row_length: int, prompts_per_row: int) -> list[list[int]]:
     """Indices of ``lengths`` in ``num_rows`` rows: longest first, each to the least-filled row with room."""
     lengths = np.asarray(lengths, dtype=np.int64)
-    load, members = [0] * num_rows, [[] for _ in range(num_rows)]
+    load, members = [0] * num_rows, [list[int]() for _ in range(num_rows)]
     for item in np.argsort(-lengths, kind="stable").tolist():
         need = int(lengths[item])
         room = [row for row, filled in enumerate(load) if filled + need <= row_length]

@@ -73,7 +73,7 @@ def format_prompt(premise: str, hypothesis: str, template: str = DEFAULT_TEMPLAT
     return template.format(premise=premise, hypothesis=hypothesis)
 
 
-def load_tokenizer(source: str | os.PathLike) -> PreTrainedTokenizerBase:
+def load_tokenizer(source: str | os.PathLike[str]) -> PreTrainedTokenizerBase:
     """The tokenizer in a local directory or under a hub id; transformers' errors for a damaged one name no file."""
     try:
         return AutoTokenizer.from_pretrained(str(source))
@@ -116,7 +116,7 @@ def tokenize_testset(
     *,
     template: str = DEFAULT_TEMPLATE,
     max_length: int = DEFAULT_MAX_LENGTH,
-    cache_dir: str | os.PathLike | None = None,
+    cache_dir: str | os.PathLike[str] | None = None,
     use_cache: bool = True,
 ) -> TokenizedSet:
     """Tokenise every example of a binary NLI dataset, truncating inside premises only; cached, keyed by the

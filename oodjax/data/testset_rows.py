@@ -13,6 +13,7 @@ import json
 import os
 import pathlib
 from collections.abc import Iterator, Mapping
+from typing import Any
 
 import datasets
 import pyarrow
@@ -40,13 +41,14 @@ FEATURES = datasets.Features(
     hypothesis=datasets.Value("string"),
     label=datasets.ClassLabel(names=["entailment", "not_entailment"]),
 )
+_Row = dict[str, Any]  # a text file's row by column, as its JSON or CSV reader gives it
 
 
 def load_testset(
     name: str,
     *,
     split: str | None = None,
-    data_dir: str | os.PathLike | None = None,
+    data_dir: str | os.PathLike[str] | None = None,
     neutral: Neutral = "drop",
     table: Mapping[str, TestsetSpec] = TESTSETS,
 ) -> datasets.Dataset:
@@ -77,7 +79,7 @@ def training_pool(
     name: str,
     *,
     split: str | None = None,
-    data_dir: str | os.PathLike | None = None,
+    data_dir: str | os.PathLike[str] | None = None,
 ) -> datasets.Dataset:
     """The pool few-shot training sets of `name` are drawn from, as the built-in table has it: declarations
     change what is evaluated, never what is trained on. The default pool split is disjoint from the
@@ -90,14 +92,14 @@ class _RawSplit:
     """One source split's three columns; `lines[i]` is row i's line in a text file (None: a table)."""
 
     source: str
-    columns: dict[str, list]
+    columns: dict[str, list[Any]]
     lines: list[int] | None = None
 
     def locate(self, row: int) -> str:
         return f"{self.source} line {self.lines[row]}" if self.lines is not None else f"{self.source} row {row}"
 
     @classmethod
-    def of_lines(cls, path: pathlib.Path, columns: tuple[str, ...], rows: Iterator[tuple[int, dict]]) -> _RawSplit:
+    def of_lines(cls, path: pathlib.Path, columns: tuple[str, ...], rows: Iterator[tuple[int, _Row]]) -> _RawSplit:
         """The split of a text file's (line, row) pairs."""
         numbered = list(rows)
         values = {column: [row[column] for _, row in numbered] for column in columns}
@@ -142,7 +144,7 @@ def _local_file(spec: TestsetSpec, split: str, root: pathlib.Path | None) -> pat
         return None
 
 
-def _read_jsonl(path: pathlib.Path, columns: tuple[str, ...]) -> Iterator[tuple[int, dict]]:
+def _read_jsonl(path: pathlib.Path, columns: tuple[str, ...]) -> Iterator[tuple[int, _Row]]:
     """Every row of a JSON-lines file and its line; not through `datasets`, whose errors name no line and which
     reads a missing column as null."""
     with path.open("rb") as f:
@@ -163,7 +165,7 @@ def _read_jsonl(path: pathlib.Path, columns: tuple[str, ...]) -> Iterator[tuple[
             yield number, row
 
 
-def _read_csv(path: pathlib.Path, columns: tuple[str, ...]) -> Iterator[tuple[int, dict]]:
+def _read_csv(path: pathlib.Path, columns: tuple[str, ...]) -> Iterator[tuple[int, _Row]]:
     """Every row of a CSV file with a header line, as text, and its first line; not through pandas, which reads
     a premise "NA" as missing and names no line in its errors."""
     try:

@@ -179,7 +179,7 @@ def is_source_file(source: str) -> bool:
 
 def testset_table(
     declared: Mapping[str, Mapping[str, Any]] | None = None,
-    declared_file: str | os.PathLike | None = None,
+    declared_file: str | os.PathLike[str] | None = None,
 ) -> dict[str, TestsetSpec]:
     """The built-in table with the declared testsets added or overriding built-ins (docs/data.md).
 
@@ -190,7 +190,9 @@ def testset_table(
     the field.
     """
     origin = "data.extra_testsets"
-    declarations = [(name, fields, f"{origin}[{name!r}]", None) for name, fields in (declared or {}).items()]
+    declarations: list[tuple[str, Mapping[str, Any], str, pathlib.Path | None]] = [
+        (name, fields, f"{origin}[{name!r}]", None) for name, fields in (declared or {}).items()
+    ]
     if declared_file is not None:
         path = pathlib.Path(declared_file).expanduser()
         in_file = read_declarations(path)
@@ -242,7 +244,7 @@ def declared_testset(
         if value is not None and not isinstance(value, str):
             raise problem(field, f"must be a string, got {value!r} ({type(value).__name__})")
     source, config, split = _location(strings, set(fields), base_dir, problem)
-    columns = {field: strings[field] for field in ("premise", "hypothesis", "label")}
+    columns = {field: strings[field] or "" for field in ("premise", "hypothesis", "label")}
     for field, column in columns.items():
         if not column:
             raise problem(field, "must name a column, got an empty string")
@@ -279,6 +281,7 @@ def _location(
 ) -> tuple[str, str, str]:
     """(source, config, split) of a declaration; `given` are the fields it sets itself (not inherited)."""
     source = strings["source"]
+    assert source is not None  # a required field (declared_testset checked)
     formats = ", ".join("." + fmt for fmt in SOURCE_FILE_FORMATS)
     path = pathlib.Path(source).expanduser()
     if base_dir is not None and not path.is_absolute():
@@ -297,7 +300,7 @@ def _location(
     return source, strings["config"] or "", strings["split"]
 
 
-def read_declarations(path: str | os.PathLike) -> dict[str, dict[str, Any]]:
+def read_declarations(path: str | os.PathLike[str]) -> dict[str, dict[str, Any]]:
     """The testset declarations in a JSON or YAML file; a key given twice is an error, which both parsers
     would silently resolve to the last."""
     path = pathlib.Path(path)
@@ -332,7 +335,7 @@ def _unique_keys(pairs: list[tuple[str, Any]], path: pathlib.Path) -> dict[str, 
 def _unique_key_loader(path: pathlib.Path) -> type[yaml.SafeLoader]:
 
     class Loader(yaml.SafeLoader):
-        def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[object, object]:
             seen = set()
             for key_node, _ in node.value:
                 key = self.construct_object(key_node, deep=deep)
@@ -423,10 +426,10 @@ def hub_source_name(spec: TestsetSpec, split: str) -> str:
 
 def hub_split(spec: TestsetSpec, split: str) -> datasets.Dataset:
     """One source split of a hub testset, every column, as the hub publishes it (and ``launch.fetch`` mirrors)."""
-    if spec.hub_data_files is not None:
-        arguments, keywords = ("parquet",), {"data_files": spec.hub_data_files.format(split=split), "split": "train"}
-    else:
+    if spec.hub_data_files is None:
         arguments, keywords = (spec.source, *([spec.config] if spec.config else [])), {"split": split}
+    else:
+        arguments, keywords = ("parquet",), {"data_files": spec.hub_data_files.format(split=split), "split": "train"}
     try:
         return datasets.load_dataset(*arguments, **keywords)
     except ConnectionError as error:  # datasets' word for an unreachable or offline hub

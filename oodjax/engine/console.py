@@ -91,9 +91,9 @@ class CompileClock:
     def __init__(self) -> None:
         self.seconds = 0.0
 
-    def _listen(self, event: str, duration: float, **kwargs: object) -> None:
+    def _listen(self, event: str, duration_secs: float, **kwargs: str | int) -> None:
         if event in _COMPILE_EVENTS:
-            self.seconds += duration
+            self.seconds += duration_secs
 
     def __enter__(self) -> CompileClock:
         jax.monitoring.register_event_duration_secs_listener(self._listen)

@@ -29,14 +29,14 @@ import subprocess
 import sys
 import threading
 from collections.abc import Mapping
-from typing import Literal
+from typing import Literal, TypedDict, Unpack
 
 import jax
 
 from oodjax import usage_errors
 
 ProcessesPer = Literal["per_node", "per_device"]
-PROCESSES_PER = ("per_node", "per_device")
+PROCESSES_PER: tuple[ProcessesPer, ...] = ("per_node", "per_device")
 # Coordinator ports: SLURM jobs pick one from the job id so that two jobs
 # sharing a first node do not collide; TPU pods use JAX's usual 8476.
 SLURM_PORT_BASE, SLURM_PORT_RANGE = 61440, 4096
@@ -76,24 +76,33 @@ def detect_layout(
 ) -> ProcessLayout | None:
     """The layout of this process, or None when it is the only one; arguments take precedence over variables."""
     env = os.environ if env is None else env
-    processes_per = processes_per or env.get("OODJAX_PROCESSES_PER") or None
-    if processes_per is not None and processes_per not in PROCESSES_PER:
-        raise LayoutError(f"processes_per (OODJAX_PROCESSES_PER) must be one of {PROCESSES_PER}, got {processes_per!r}")
+    per = processes_per or env.get("OODJAX_PROCESSES_PER") or None
+    if per is not None and per not in PROCESSES_PER:
+        raise LayoutError(f"processes_per (OODJAX_PROCESSES_PER) must be one of {PROCESSES_PER}, got {per!r}")
     layout = _explicit_layout(env, coordinator_address, num_processes, process_id)
     if layout is None and "SLURM_JOB_ID" in env and "SLURM_PROCID" in env:
-        layout = _slurm_layout(env, processes_per)
+        layout = _slurm_layout(env, per)
     elif layout is None and "TPU_WORKER_HOSTNAMES" in env:
-        layout = _tpu_layout(env, processes_per)
+        layout = _tpu_layout(env, per)
     return layout if layout is not None and layout.num_processes > 1 else None
 
 
-def initialize(env: Mapping[str, str] | None = None, **explicit: str | int | None) -> ProcessLayout | None:
+class ExplicitLayout(TypedDict, total=False):
+    """``detect_layout``'s arguments, which ``initialize`` passes on."""
+
+    processes_per: ProcessesPer | None
+    coordinator_address: str | None
+    num_processes: int | None
+    process_id: int | None
+
+
+def initialize(env: Mapping[str, str] | None = None, **explicit: Unpack[ExplicitLayout]) -> ProcessLayout | None:
     """Starts JAX's multi-controller runtime (before any device use), its own detection off; None: one process."""
     env = os.environ if env is None else env
-    layout = detect_layout(env, **explicit)  # type: ignore[arg-type]
+    layout = detect_layout(env, **explicit)
     if layout is None:
         return None
-    check_host_address(layout, jax.config.jax_platforms or env.get("JAX_PLATFORMS", ""))
+    check_host_address(layout, jax.config.values["jax_platforms"] or env.get("JAX_PLATFORMS", ""))
     timeout = _seconds(env, "OODJAX_COORDINATOR_TIMEOUT", COORDINATOR_TIMEOUT_S)
     # XLA's SIGTERM handler would swallow a SIGTERM that comes before ``oodjax.engine.preemption``'s are in place.
     jax.config.update("jax_enable_preemption_service", False)
@@ -310,22 +319,22 @@ def _require(env: Mapping[str, str], name: str) -> str:
     return env[name]
 
 
-def _positive_int(name: str, value: object) -> int:
+def _positive_int(name: str, value: str | int | None) -> int:
     number = _integer(name, value)
     if number < 1:
         raise LayoutError(f"{name} must be at least 1, got {number}")
     return number
 
 
-def _process_index(name: str, value: object, count: int) -> int:
+def _process_index(name: str, value: str | int | None, count: int) -> int:
     index = _integer(name, value)
     if not 0 <= index < count:
         raise LayoutError(f"{name}={index} is outside 0..{count - 1}")
     return index
 
 
-def _integer(name: str, value: object) -> int:
+def _integer(name: str, value: str | int | None) -> int:
     try:
-        return int(value)  # type: ignore[call-overload]
-    except (TypeError, ValueError):
+        return int("" if value is None else value)  # None (not given) fails as a non-number does
+    except ValueError:
         raise LayoutError(f"{name} must be an integer, got {value!r}") from None

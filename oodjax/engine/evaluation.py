@@ -156,8 +156,8 @@ def _concatenate(parts: Sequence[TokenizedSet]) -> TokenizedSet:
 
 def evaluate(
     eval_step: Callable[..., jax.Array],
-    base_state,
-    lora,
+    base_state: object,
+    lora: object,
     pool: EvalPool,
     *,
     place: Callable[[Batch], Batch],

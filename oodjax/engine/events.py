@@ -17,7 +17,7 @@ import pathlib
 import secrets
 import time
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
 
 from oodjax.settings import setting
 from oodjax.storage import write_atomic
@@ -25,7 +25,7 @@ from oodjax.usage_errors import ConfigError
 
 EVENTS_FILE = "events.jsonl"
 TENSORBOARD_DIR = "tensorboard"  # <run_dir>/tensorboard/: the run's TensorBoard event files
-WANDB_MODES = ("online", "offline", "disabled")
+WANDB_MODES: tuple[Literal["online", "offline", "disabled"], ...] = ("online", "offline", "disabled")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,7 +172,9 @@ def setup_wandb(mode: str) -> str:
     mode its runs will have. Only a process's first setup decides what W&B prints, so the config checks call it."""
     import wandb
 
-    return wandb.setup(wandb.Settings(show_info=False, **({"mode": mode} if mode else {}))).settings.mode
+    # ``mode``: empty, or one of WANDB_MODES (as WandbSettings checks it)
+    settings = wandb.Settings(show_info=False, mode=mode) if mode in WANDB_MODES else wandb.Settings(show_info=False)
+    return wandb.setup(settings).settings.mode
 
 
 def installed(module: str) -> bool:

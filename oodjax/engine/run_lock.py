@@ -197,7 +197,7 @@ def locked_runs(runs: Sequence[RunT], *, skip_locked: bool) -> Iterator[list[Run
         held = _agreed(np.array([index not in holders for index in range(len(runs))], dtype=bool))
         locked = [run for run, run_held in zip(runs, held) if not run_held]
         if locked:
-            message = _locked_message(locked, [holders.get(index) for index in np.flatnonzero(~held)])
+            message = _locked_message(locked, [holders.get(index) for index in np.flatnonzero(~held).tolist()])
             if not skip_locked:
                 raise RunLockedError(
                     f"{message}; wait for that job to end (a lock whose heartbeat stops for "

@@ -27,7 +27,7 @@ from oodjax.settings import setting
 from oodjax.usage_errors import ConfigError
 
 MESH_AXES = ("data", "fsdp", "tensor")
-BATCH_AXES: tuple[str, ...] = tuple(dict(LOGICAL_AXIS_RULES)["batch"])
+BATCH_AXES: tuple[str, ...] = tuple(dict(LOGICAL_AXIS_RULES)["batch"] or ())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,11 +59,11 @@ class MeshShape:
             )
         return dict(zip(MESH_AXES, sizes))
 
-    def make(self, devices: list | None = None) -> Mesh:
+    def make(self, devices: list[jax.Device] | None = None) -> Mesh:
         return make_mesh(self.data, self.fsdp, self.tensor, devices=devices)
 
 
-def make_mesh(data: int = 1, fsdp: int = 1, tensor: int = 1, *, devices: list | None = None) -> Mesh:
+def make_mesh(data: int = 1, fsdp: int = 1, tensor: int = 1, *, devices: list[jax.Device] | None = None) -> Mesh:
     """A mesh of ``devices`` (default: all), sized by ``MeshShape``."""
     devices = list(jax.devices()) if devices is None else list(devices)
     sizes = MeshShape(data, fsdp, tensor).sizes(len(devices))

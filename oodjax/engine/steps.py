@@ -24,21 +24,21 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from jax.typing import DTypeLike
 
 from oodjax.data import SEQUENCE_KEYS, TRAIN_ONLY_KEYS
 from oodjax.engine import sharding
 from oodjax.engine.geometry import BatchGeometry
 from oodjax.engine.optimizer import Optimizer
 from oodjax.engine.optimizer import make_optimizer as make_optimizer  # the benchmarks' name for it
-from oodjax.models.layers import STACKED, segment_positions
+from oodjax.models.layers import STACKED, CausalLM, segment_positions
 from oodjax.models.lora import LoRAConfig, adapter_tokens, apply_lora
 from oodjax.models.partitioning import param_shardings
 
 Batch = Mapping[str, Any]
 
 
-@flax.struct.dataclass
-class TrainState:
+class TrainState(flax.struct.PyTreeNode):
     """Everything that differs between runs, each leaf with a leading run axis [R, ...].
 
     ``rng`` holds raw uint32 key data [R, 2] (not typed keys) so checkpoints can
@@ -82,7 +82,8 @@ def attach_runs(
         apply_lora(model, lora_cfg, rngs=rngs)
         loras.append(nnx.state(model, nnx.LoRAParam))
         keys.append(jax.random.key_data(rngs.dropout()))
-    graphdef, _, base_state = nnx.split(model, nnx.LoRAParam, ...)
+    graphdef, _, *rest = nnx.split(model, nnx.LoRAParam, ...)
+    (base_state,) = rest  # the state of ``...``: all but the adapters
     lora = jax.tree.map(lambda *xs: jnp.stack(xs), *loras)
     state = TrainState(
         lora=lora,
@@ -118,14 +119,14 @@ def abstract_attach_runs(
     return graphdefs[0], base_state, state
 
 
-def _cast_floats(tree: Any, dtype: jnp.dtype | None) -> Any:
+def _cast_floats(tree: Any, dtype: DTypeLike | None) -> Any:
     """Casts the floating-point leaves of ``tree`` (not keys or integers) to ``dtype``; None keeps them."""
     if dtype is None:
         return tree
     return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
 
 
-def answer_hidden(model: nnx.Module, batch: Batch) -> jax.Array:
+def answer_hidden(model: CausalLM, batch: Batch) -> jax.Array:
     """The final hidden state at each prompt's answer position: [B, H'] or [B, P, H'] (P packed prompt slots).
 
     The gather stays within each row, so a batch split over devices by rows gathers on each device alone.
@@ -137,14 +138,14 @@ def answer_hidden(model: nnx.Module, batch: Batch) -> jax.Array:
     return picked.reshape(*positions.shape, hidden.shape[-1])
 
 
-def answer_losses(model: nnx.Module, batch: Batch, yes_id: int, no_id: int) -> jax.Array:
+def answer_losses(model: CausalLM, batch: Batch, yes_id: int, no_id: int) -> jax.Array:
     """Each prompt's full-vocabulary cross-entropy (target " Yes" for label 0, " No" otherwise), unmasked."""
     logits = model.head_logits(answer_hidden(model, batch), model.head_kernel())
     targets = jnp.where(batch["label"] == 0, yes_id, no_id)
     return optax.softmax_cross_entropy_with_integer_labels(logits, targets)
 
 
-def eval_margins(model: nnx.Module, batch: Batch, yes_id: int, no_id: int) -> jax.Array:
+def eval_margins(model: CausalLM, batch: Batch, yes_id: int, no_id: int) -> jax.Array:
     """logit(Yes) - logit(No) at the answer positions, from the two head columns only."""
     head = jnp.take(model.head_kernel(), np.asarray([yes_id, no_id], np.int32), axis=1)
     logits = model.head_logits(answer_hidden(model, batch), head)
@@ -174,7 +175,7 @@ def micro_batch_loss(
     graphdef: nnx.GraphDef,
     yes_id: int,
     no_id: int,
-    compute_dtype: jnp.dtype | None,
+    compute_dtype: DTypeLike | None,
 ) -> tuple[jax.Array, jax.Array]:
     """The function differentiated: the runs' answer losses weighted by ``run_weights`` [R], summed; and each
     run's unweighted sum [R].
@@ -230,7 +231,7 @@ def step_loss(
     graphdef: nnx.GraphDef,
     yes_id: int,
     no_id: int,
-    compute_dtype: jnp.dtype | None,
+    compute_dtype: DTypeLike | None,
 ) -> tuple[Callable[..., tuple[jax.Array, jax.Array]], tuple[Any, ...]]:
     """What ``train_step`` differentiates on each micro-batch, and its arguments but the micro-batch: (loss,
     (adapters [layers, R, ...], base in ``compute_dtype``, run keys, run weights)). ``launch.costs`` traces the
@@ -284,7 +285,7 @@ def train_step(
     yes_id: int,
     no_id: int,
     geometry: BatchGeometry,
-    compute_dtype: jnp.dtype | None,
+    compute_dtype: DTypeLike | None,
 ) -> tuple[TrainState, dict[str, jax.Array]]:
     """One optimizer step of every run (``make_train_step`` documents it; this is the function it jits)."""
     micro_batches, rows = geometry.train_rows_shape
@@ -297,7 +298,9 @@ def train_step(
         functools.partial(micro_batch_grads, length=length, loss=loss) for length in geometry.micro_batch_lengths
     ]
 
-    def accumulate(carry, xs):
+    def accumulate(
+        carry: tuple[nnx.State, jax.Array], xs: tuple[Batch, jax.Array]
+    ) -> tuple[tuple[nnx.State, jax.Array], None]:
         grads, loss_sums = carry
         micro, branch = xs
         (_, per_run), g = jax.lax.switch(branch, branches, lora, base_state, micro, run_keys, run_weights)
@@ -325,7 +328,7 @@ def eval_step(
     graphdef: nnx.GraphDef,
     yes_id: int,
     no_id: int,
-    compute_dtype: jnp.dtype | None,
+    compute_dtype: DTypeLike | None,
 ) -> jax.Array:
     """Every run's margins on ``batch``, as one batch [B * R, S], row-major so it splits over devices as B does."""
     num_runs = jax.tree.leaves(lora)[0].shape[0]
@@ -382,7 +385,7 @@ def make_train_step(
     mesh: jax.sharding.Mesh | None = None,
     base_state: nnx.State | None = None,
     state: TrainState | None = None,
-    compute_dtype: jnp.dtype | None = None,
+    compute_dtype: DTypeLike | None = None,
 ) -> Callable[[nnx.State, TrainState, Batch], tuple[TrainState, dict[str, jax.Array]]]:
     """One jitted optimizer step for all runs: ``(base_state, state, batch) -> (state, {"loss": [R],
     "grad_norm": [R]})``; ``state`` is donated.
@@ -427,7 +430,7 @@ def make_eval_step(
     no_id: int,
     *,
     mesh: jax.sharding.Mesh | None = None,
-    compute_dtype: jnp.dtype | None = None,
+    compute_dtype: DTypeLike | None = None,
 ) -> Callable[[nnx.State, nnx.State, Batch], jax.Array]:
     """Jitted ``eval_step(base_state, lora, batch) -> margins [R, B(, P)]`` (float32), dropout off.
 

@@ -46,7 +46,7 @@ class DecoderConfig:
     attention: str = "auto"  # a name of flash_attention.IMPLEMENTATIONS: the attention kernel
     layer_windows: tuple[int | None, ...] = ()  # each layer's sliding window; None (or none given) = full attention
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         check_remat(self.remat)
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(

@@ -28,12 +28,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from absl import logging
+from jax import Array
 from jax.ad_checkpoint import checkpoint_name
 from jax.experimental.pallas.ops.gpu import attention as gpu_attention
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
@@ -109,11 +110,11 @@ def cudnn_unsupported(query: jax.Array, key: jax.Array) -> str | None:
     """Why cuDNN's fused attention does not take these shapes here (None when it does), by JAX's own checks."""
     if query.dtype not in (jnp.bfloat16, jnp.float16):
         return f"cuDNN takes bf16/fp16, not {query.dtype}"
-    query, key = (jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (query, key))
+    shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (query, key)]
     bias = jax.ShapeDtypeStruct((query.shape[0], 1, query.shape[1], key.shape[1]), query.dtype)
     attend = functools.partial(_cudnn, block=2, scale=1.0, interpret=False)
     try:
-        jax.eval_shape(lambda q, k, b: jax.vjp(lambda q: attend(q, k, k, b), q)[0], query, key, bias)
+        jax.eval_shape(lambda q, k, b: jax.vjp(lambda q: attend(q, k, k, b), q)[0], *shapes, bias)
     except (NotImplementedError, RuntimeError) as error:
         return str(error)
     return None
@@ -250,7 +251,11 @@ def _repeat_heads(x: jax.Array, heads: int) -> jax.Array:
     return jnp.repeat(x, groups, axis=2) if groups > 1 else x
 
 
-def _keeping_residuals(run):
+# A kernel's backward pass: the cotangents of its (query, key, value) from the output's.
+_Vjp = Callable[[jax.Array], tuple[jax.Array, ...]]
+
+
+def _keeping_residuals(run: Callable[..., jax.Array]) -> Callable[..., jax.Array]:
     """``run`` with the residuals its forward pass computes named ``ATTENTION_OUTPUT``.
 
     A fused kernel's residuals are unnamed values inside its ``custom_vjp``, so a remat policy could not keep
@@ -259,10 +264,10 @@ def _keeping_residuals(run):
     """
 
     @jax.custom_vjp
-    def call(query, key, value, segment_ids):
+    def call(query: jax.Array, key: jax.Array, value: jax.Array, segment_ids: jax.Array) -> jax.Array:
         return run(query, key, value, segment_ids)
 
-    def forward(query, key, value, segment_ids):
+    def forward(query: jax.Array, key: jax.Array, value: jax.Array, segment_ids: jax.Array) -> tuple[jax.Array, _Vjp]:
         out, vjp = jax.vjp(lambda q, k, v: run(q, k, v, segment_ids), query, key, value)
         leaves, tree = jax.tree.flatten(vjp)
         arguments = (query, key, value, segment_ids)
@@ -278,35 +283,31 @@ def _keeping_residuals(run):
             out = checkpoint_name(out, ATTENTION_OUTPUT)
         return out, jax.tree.unflatten(tree, named)
 
-    def backward(vjp, cotangent):
+    def backward(vjp: _Vjp, cotangent: jax.Array) -> tuple[jax.Array | None, ...]:
         return (*vjp(cotangent), None)
 
     call.defvjp(forward, backward)
     return call
 
 
-def _cudnn(query, key, value, bias, *, block: int, scale: float, interpret: bool) -> jax.Array:
+def _cudnn(q: Array, k: Array, v: Array, bias: Array, *, block: int, scale: float, interpret: bool) -> Array:
     """cuDNN's fused attention: grouped-query heads as they are, the segments as a bias [B, 1, T, T]
     (``_mask_input``; padding attends to padding, so no row is fully masked)."""
     del block, interpret
-    return jax.nn.dot_product_attention(
-        query, key, value, bias=bias, scale=scale, is_causal=True, implementation="cudnn"
-    )
+    return jax.nn.dot_product_attention(q, k, v, bias=bias, scale=scale, is_causal=True, implementation="cudnn")
 
 
-def _pallas_gpu(query, key, value, segment_ids, *, block: int, scale: float, interpret: bool) -> jax.Array:
+def _pallas_gpu(q: Array, k: Array, v: Array, segments: Array, *, block: int, scale: float, interpret: bool) -> Array:
     sizes = gpu_attention.BlockSizes(
         block_q=block, block_k=block, block_q_dkv=32, block_kv_dkv=32, block_q_dq=32, block_kv_dq=32
     )
-    return gpu_attention.mha(
-        query, key, value, segment_ids, sm_scale=scale, causal=True, block_sizes=sizes, interpret=interpret
-    )
+    return gpu_attention.mha(q, k, v, segments, sm_scale=scale, causal=True, block_sizes=sizes, interpret=interpret)
 
 
-def _splash(query, key, value, segment_ids, *, block: int, scale: float, interpret: bool) -> jax.Array:
+def _splash(q: Array, k: Array, v: Array, segments: Array, *, block: int, scale: float, interpret: bool) -> Array:
     """Splash per row of [B, heads, T, D], the query already scaled; K/V may have fewer heads."""
     del scale
-    heads, length = query.shape[1], query.shape[2]
+    heads, length = q.shape[1], q.shape[2]
     mask = splash_mask.MultiHeadMask([splash_mask.CausalMask((length, length)) for _ in range(heads)])
     # Every block size, forward and backward, is the one block.
     sizes: dict[str, Any] = {
@@ -315,7 +316,7 @@ def _splash(query, key, value, segment_ids, *, block: int, scale: float, interpr
     blocks = splash.BlockSizes(**sizes)
     kernel = splash.make_splash_mha(mask, block_sizes=blocks, head_shards=1, q_seq_shards=1, interpret=interpret)
     per_row = lambda q, k, v, s: kernel(q, k, v, splash.SegmentIds(q=s, kv=s))  # noqa: E731
-    return jax.vmap(per_row)(query, key, value, segment_ids)
+    return jax.vmap(per_row)(q, k, v, segments)
 
 
 _KERNELS = {"cudnn": _cudnn, "pallas_gpu": _pallas_gpu, "splash": _splash}

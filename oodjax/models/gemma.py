@@ -33,7 +33,7 @@ _SHARED_DEFAULTS = dict(
     pad_token_id=0,
     tie_word_embeddings=True,
 )
-_DEFAULTS = {
+_DEFAULTS: dict[str, dict[str, Any]] = {  # config.json values, as ``raw``'s
     "gemma2": dict(_SHARED_DEFAULTS, vocab_size=256000, final_logit_softcapping=30.0, attn_logit_softcapping=50.0),
     "gemma3_text": dict(_SHARED_DEFAULTS, vocab_size=262208, final_logit_softcapping=None, attn_logit_softcapping=None),
 }
@@ -133,10 +133,10 @@ class GemmaDecoderLayer(nnx.Module):
             rngs=rngs,
         )
         self.mlp = GatedMLP(config, use_bias=False, dtype=dtype, rngs=rngs)
-        self.input_layernorm = RMSNorm(config.hidden_size, dtype=dtype, **norm)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, dtype=dtype, **norm)
-        self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, dtype=dtype, **norm)
-        self.post_feedforward_layernorm = RMSNorm(config.hidden_size, dtype=dtype, **norm)
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype, **_NORM)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype, **_NORM)
+        self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype, **_NORM)
+        self.post_feedforward_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype, **_NORM)
 
     def __call__(
         self,

@@ -88,7 +88,7 @@ class TensorFile:
         self.size = os.fstat(self._file.fileno()).st_size
         self.tensors: dict[str, _Stored] = {}
 
-    def _read_into(self, buffer: bytearray | np.ndarray, offset: int, what: str) -> None:
+    def _read_into(self, buffer: bytearray | memoryview, offset: int, what: str) -> None:
         """Fill ``buffer`` from byte ``offset``; a single read may stop short, so read until it is full."""
         self._file.seek(offset)
         view, done = memoryview(buffer), 0
@@ -105,7 +105,7 @@ class TensorFile:
         first, last = sorted((rows[0], rows[-1])) if rows else (0, -1)
         block = np.empty((last + 1 - first, *stored.shape[1:]), stored.dtype)
         row_bytes = math.prod(stored.shape[1:]) * stored.dtype.itemsize
-        self._read_into(block.reshape(-1).view(np.uint8), stored.offset + first * row_bytes, f"tensor {name!r}")
+        self._read_into(block.reshape(-1).view(np.uint8).data, stored.offset + first * row_bytes, f"tensor {name!r}")
         # The rows are read in file order; a negative step starts from the last of them.
         return block[(slice(None, None, rows.step), *index[1:])]
 

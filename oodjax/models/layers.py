@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
-from typing import Any
+from typing import Any, Protocol, overload
 
 import jax
 import jax.numpy as jnp
@@ -29,6 +29,8 @@ from oodjax.models.rope import apply_rope
 Axes = tuple[str | None, ...]
 # What a ``Decoder``'s layers get besides the hidden states: the RoPE tables, and ``run_layers``' ``per_layer``.
 LayerInputs = tuple[tuple[Any, ...], dict[str, jax.Array]]
+# A decoder's output: the final hidden states, or with ``all_layers`` every layer's input and them.
+HiddenStates = jax.Array | tuple[jax.Array, ...]
 
 # Hugging Face initialises weights with normal(0, initializer_range=0.02).
 _INIT_STD = 0.02
@@ -95,7 +97,7 @@ def activation(name: str) -> Callable[[jax.Array], jax.Array]:
     return ACTIVATIONS[name]
 
 
-def _param(value: jax.Array, axes: Axes) -> nnx.Param:
+def _param(value: jax.Array, axes: Axes) -> nnx.Param[jax.Array]:
     return nnx.Param(value, out_sharding=axes, eager_sharding=False)
 
 
@@ -120,7 +122,7 @@ class Linear(nnx.Module):
         kernel = _INIT_STD * jax.random.normal(rngs.params(), (in_features, out_features), jnp.float32)
         self.kernel = _param(kernel.astype(dtype), axes)
         self.bias = nnx.data(_param(jnp.zeros((out_features,), dtype), (axes[1],)) if use_bias else None)
-        self.lora = nnx.data(None)
+        self.lora: Callable[[jax.Array], jax.Array] | None = nnx.data(None)
         self.saved_as = saved_as
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -152,7 +154,7 @@ class LayerNorm(nnx.Module):
         self.bias = nnx.data(_param(jnp.zeros((features,), dtype), ("norm",)) if elementwise_affine else None)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        affine = () if self.scale is None else (self.scale[...], self.bias[...])
+        affine = () if self.scale is None or self.bias is None else (self.scale[...], self.bias[...])
         return recomputed_in_backward(self._normalise)(x, *affine)
 
     def _normalise(self, x: jax.Array, *affine: jax.Array) -> jax.Array:
@@ -203,13 +205,13 @@ class GatedMLP(nnx.Module):
         width, inner = config.hidden_size, config.intermediate_size
         self.act_fn = activation(config.hidden_act)
         self.fused = fused
-        linear = dict(use_bias=use_bias, dtype=dtype, rngs=rngs, saved_as=MLP_PROJECTION)
+        linear = functools.partial(Linear, use_bias=use_bias, dtype=dtype, rngs=rngs, saved_as=MLP_PROJECTION)
         if fused:
-            self.gate_up_proj = Linear(width, 2 * inner, axes=("embed", "mlp"), **linear)
+            self.gate_up_proj = linear(width, 2 * inner, axes=("embed", "mlp"))
         else:
-            self.gate_proj = Linear(width, inner, axes=("embed", "mlp"), **linear)
-            self.up_proj = Linear(width, inner, axes=("embed", "mlp"), **linear)
-        self.down_proj = Linear(inner, width, axes=("mlp", "embed"), **linear)
+            self.gate_proj = linear(width, inner, axes=("embed", "mlp"))
+            self.up_proj = linear(width, inner, axes=("embed", "mlp"))
+        self.down_proj = linear(inner, width, axes=("mlp", "embed"))
 
     def __call__(self, x: jax.Array) -> jax.Array:
         if self.fused:
@@ -275,14 +277,14 @@ class Attention(nnx.Module):
         self.scale = config.head_dim**-0.5 if scale is None else scale
         self.softcap, self.fused, self.norm_per_head = softcap, fused, norm_per_head
         self.implementation = config.attention
-        linear = dict(use_bias=qkv_bias, dtype=dtype, rngs=rngs, saved_as=ATTENTION_PROJECTION)
+        linear = functools.partial(Linear, use_bias=qkv_bias, dtype=dtype, rngs=rngs, saved_as=ATTENTION_PROJECTION)
         if fused:
-            self.qkv_proj = Linear(width, self.q_width + 2 * self.kv_width, axes=("embed", "heads"), **linear)
+            self.qkv_proj = linear(width, self.q_width + 2 * self.kv_width, axes=("embed", "heads"))
         else:
-            self.q_proj = Linear(width, self.q_width, axes=("embed", "heads"), **linear)
-            self.k_proj = Linear(width, self.kv_width, axes=("embed", "kv_heads"), **linear)
-            self.v_proj = Linear(width, self.kv_width, axes=("embed", "kv_heads"), **linear)
-        self.o_proj = Linear(self.q_width, width, axes=("heads", "embed"), **{**linear, "use_bias": o_bias})
+            self.q_proj = linear(width, self.q_width, axes=("embed", "heads"))
+            self.k_proj = linear(width, self.kv_width, axes=("embed", "kv_heads"))
+            self.v_proj = linear(width, self.kv_width, axes=("embed", "kv_heads"))
+        self.o_proj = linear(self.q_width, width, axes=("heads", "embed"), use_bias=o_bias)
         q_norm, k_norm = (config.head_dim,) * 2 if norm_per_head else (self.q_width, self.kv_width)
         self.q_norm = nnx.data(None if qk_norm is None else RMSNorm(q_norm, dtype=dtype, **qk_norm))
         self.k_norm = nnx.data(None if qk_norm is None else RMSNorm(k_norm, dtype=dtype, **qk_norm))
@@ -304,11 +306,11 @@ class Attention(nnx.Module):
             query, key, value = jnp.split(self.qkv_proj(x), [self.q_width, self.q_width + self.kv_width], axis=-1)
         else:
             query, key, value = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        if self.q_norm is not None and not self.norm_per_head:
+        if self.q_norm is not None and self.k_norm is not None and not self.norm_per_head:
             query, key = self.q_norm(query), self.k_norm(key)
         heads = (batch, seq, -1, self.head_dim)
         query, key, value = query.reshape(heads), key.reshape(heads), value.reshape(heads)
-        if self.q_norm is not None and self.norm_per_head:
+        if self.q_norm is not None and self.k_norm is not None and self.norm_per_head:
             query, key = self.q_norm(query), self.k_norm(key)
         rotated = apply_rope(query, cos, sin), apply_rope(key, cos, sin)
         if use_rope is not None:
@@ -371,12 +373,12 @@ def run_layers(
     dropout), so layers draw independent masks and the pass stays a function
     of the stream's key alone.
     """
-    graphdef, params, shared = nnx.split(layers, nnx.Param, ...)
+    graphdef, params, *shared = nnx.split(layers, nnx.Param, ...)
     num_layers = jax.tree.leaves(params)[0].shape[0]
 
-    def body(carry: jax.Array, xs: tuple[Any, jax.Array, dict[str, jax.Array]]):
+    def body(carry: jax.Array, xs: tuple[Any, jax.Array, dict[str, jax.Array]]) -> tuple[jax.Array, jax.Array | None]:
         layer_params, index, extra = xs
-        layer = nnx.merge(graphdef, layer_params, shared, copy=True)
+        layer = nnx.merge(graphdef, layer_params, *shared, copy=True)
         keys = nnx.state(layer, nnx.RngKey)
         nnx.update(layer, jax.tree.map(lambda key: jax.random.fold_in(key, index), keys))
         out = constrain(layer(carry, *args, **extra), HIDDEN)
@@ -385,7 +387,7 @@ def run_layers(
     if remat != "none":  # a name its DecoderConfig checked
         body = jax.checkpoint(body, policy=REMAT_POLICIES[remat], prevent_cse=False)
     hidden, inputs = jax.lax.scan(body, constrain(hidden, HIDDEN), (params, jnp.arange(num_layers), per_layer or {}))
-    return hidden, (list(inputs) if all_layers else [])
+    return hidden, ([] if inputs is None else list(inputs))
 
 
 class Decoder(nnx.Module):
@@ -398,7 +400,7 @@ class Decoder(nnx.Module):
     """
 
     layer_class: Any
-    norm_options: Mapping[str, Any] = MappingProxyType({})
+    norm_options: Mapping[str, bool] = MappingProxyType({})
 
     def __init__(self, config: Any, *, dtype: jnp.dtype, rngs: nnx.Rngs):
         self.config = config
@@ -418,7 +420,7 @@ class Decoder(nnx.Module):
         """The (cos, sin) tables of ``positions`` every layer gets, and ``run_layers``' ``per_layer``."""
         raise NotImplementedError
 
-    def __call__(self, input_ids: jax.Array, segment_ids: jax.Array, *, all_layers: bool):
+    def __call__(self, input_ids: jax.Array, segment_ids: jax.Array, *, all_layers: bool) -> HiddenStates:
         positions = segment_positions(segment_ids)
         hidden = self.embed(input_ids)
         tables, per_layer = self.layer_inputs(positions, hidden.dtype)
@@ -436,6 +438,14 @@ class Decoder(nnx.Module):
         return (*layer_inputs, hidden) if all_layers else hidden
 
 
+class DecoderStack(Protocol):
+    """What ``CausalLM`` uses of its decoder: a ``Decoder``, or OPT's."""
+
+    embed_tokens: Embed
+
+    def __call__(self, input_ids: jax.Array, segment_ids: jax.Array, *, all_layers: bool) -> HiddenStates: ...
+
+
 class CausalLM(nnx.Module):
     """What every family shares on top of its decoder: the entry points and the output head.
 
@@ -445,24 +455,29 @@ class CausalLM(nnx.Module):
     """
 
     config_class: Any
-    model_class: Any
+    model_class: Callable[..., nnx.Module]
     head_width = "hidden_size"
 
     def __init__(self, config: Any, *, dtype: jnp.dtype, rngs: nnx.Rngs):
         self.config = config
         self.model = self.model_class(config, dtype=dtype, rngs=rngs)
         width, vocab = getattr(config, self.head_width), config.vocab_size
-        linear = dict(use_bias=False, axes=("embed", "vocab"), dtype=dtype, rngs=rngs)
-        head = None if config.tie_word_embeddings else Linear(width, vocab, **linear)
+        linear = functools.partial(Linear, use_bias=False, axes=("embed", "vocab"), dtype=dtype, rngs=rngs)
+        head = None if config.tie_word_embeddings else linear(width, vocab)
         self.lm_head = nnx.data(head)  # None: the head reuses the input embedding
 
-    def decoder(self) -> nnx.Module:
+    def decoder(self) -> DecoderStack:
+        assert isinstance(self.model, Decoder)  # every family's ``model`` but OPT's, whose ``decoder`` is its own
         return self.model
 
     def input_embeddings(self) -> Embed:
         return self.decoder().embed_tokens
 
-    def hidden_states(self, input_ids: jax.Array, segment_ids: jax.Array, *, all_layers: bool = False):
+    @overload
+    def hidden_states(self, input_ids: jax.Array, segment_ids: jax.Array) -> jax.Array: ...
+    @overload
+    def hidden_states(self, input_ids: jax.Array, segment_ids: jax.Array, *, all_layers: bool) -> HiddenStates: ...
+    def hidden_states(self, input_ids: jax.Array, segment_ids: jax.Array, *, all_layers: bool = False) -> HiddenStates:
         """Final hidden states [B, S, H']; with ``all_layers``, HF's ``output_hidden_states`` tuple instead."""
         if input_ids.ndim != 2 or segment_ids.shape != input_ids.shape:  # static shapes: checked once, when traced
             raise ValueError(
@@ -472,7 +487,7 @@ class CausalLM(nnx.Module):
 
     def head_kernel(self) -> jax.Array:
         """[H', vocab]: logits are ``head_logits(hidden_states, head_kernel())``; the embedding's transpose if tied."""
-        if self.config.tie_word_embeddings:
+        if self.lm_head is None:  # tied
             return self.input_embeddings().embedding[...].T
         return self.lm_head.kernel[...]
 

@@ -37,7 +37,7 @@ _DEFAULT_KEYS = (
     "rope_theta",
     "rms_norm_eps",
 )
-_DEFAULTS = {
+_DEFAULTS: dict[str, dict[str, Any]] = {  # config.json values, as ``raw``'s
     model_type: dict(zip(_DEFAULT_KEYS, values, strict=True))
     for model_type, values in {
         "llama": (32000, 4096, 11008, 32, 32, None, None, False, 10_000.0, 1e-6),

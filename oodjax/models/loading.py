@@ -92,10 +92,10 @@ def from_config(
     config: Mapping[str, Any], *, dtype: Any = "float32", seed: int = 0, remat: str = "none", attention: str = "auto"
 ) -> CausalLM:
     """A randomly initialised model (HF's normal(0, 0.02) init) from a config.json dict; no checkpoint needed."""
-    config, dtype = config_from_dict(config, remat=remat, attention=attention), _float_dtype(dtype)
-    graphdef, _ = nnx.split(nnx.eval_shape(lambda: _build(config, dtype, 0)))
+    decoder, dtype = config_from_dict(config, remat=remat, attention=attention), _float_dtype(dtype)
+    graphdef, _ = nnx.split(nnx.eval_shape(lambda: _build(decoder, dtype, 0)))
     # Parameters depend on neither remat nor attention, so every choice shares one compiled initialiser.
-    state = _initial_state(dataclasses.replace(config, remat="none", attention="auto"), dtype, jax.random.key(seed))
+    state = _initial_state(dataclasses.replace(decoder, remat="none", attention="auto"), dtype, jax.random.key(seed))
     return nnx.merge(graphdef, state)
 
 
@@ -108,10 +108,10 @@ def abstract_model(
     lora: LoRAConfig | None = None,
 ) -> CausalLM:
     """The model of a config.json dict with ``jax.ShapeDtypeStruct`` parameters (with ``lora``, its adapters)."""
-    config, dtype = config_from_dict(config, remat=remat, attention=attention), _float_dtype(dtype)
+    decoder, dtype = config_from_dict(config, remat=remat, attention=attention), _float_dtype(dtype)
     if lora is None:
-        return nnx.eval_shape(lambda: _build(config, dtype, 0))
-    return nnx.eval_shape(lambda: apply_lora(_build(config, dtype, 0), lora, rngs=nnx.Rngs(0)))
+        return nnx.eval_shape(lambda: _build(decoder, dtype, 0))
+    return nnx.eval_shape(lambda: apply_lora(_build(decoder, dtype, 0), lora, rngs=nnx.Rngs(0)))
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
@@ -252,8 +252,9 @@ def _match(model: CausalLM, checkpoint: Checkpoint, directory: pathlib.Path) -> 
 Bounds = tuple[tuple[int, int], ...]
 
 
-def _bounds(index: tuple[slice, ...], shape: tuple[int, ...]) -> Bounds:
+def _bounds(index: tuple[slice, ...] | None, shape: tuple[int, ...]) -> Bounds:
     """A device's block as (start, stop) per dimension (shardings give unit-step slices)."""
+    assert index is not None  # jax's type allows None, but the shardings here index every device
     return tuple(s.indices(size)[:2] for s, size in zip(index, shape, strict=True))
 
 

@@ -16,8 +16,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import pathlib
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Hashable, Sequence
+from typing import Any, Final, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -84,7 +84,7 @@ class LoRAConfig:
 
 # Dropout masks draw 16-bit uniforms, four per threefry2x32 hash: a rate is realised within 2**-17, where
 # 8 bits would realise 0.1 as 0.1016. (Philox fails to compile on a sharded array.)
-DROPOUT_BITS = 16
+DROPOUT_BITS: Final = 16
 _UNIFORMS_PER_HASH = 64 // DROPOUT_BITS
 
 
@@ -133,7 +133,7 @@ def _dropped_out(x: jax.Array, keep: jax.Array | None, rate: float) -> jax.Array
     return jnp.where(keep, x / realised_keep, 0)
 
 
-class TokenIdentity(nnx.Variable):
+class TokenIdentity(nnx.Variable[jax.Array]):
     """Per-token facts the train step gives the adapters (``AdapterTokens.set``); not a parameter."""
 
 
@@ -170,26 +170,26 @@ class AdapterTokens(nnx.Module):
                     f"adapters of {num_runs} runs need each token's run (AdapterTokens.set, as the train step does)"
                 )
             return jnp.ones((*shape, 1), jnp.float32)
-        self._check(shape)
+        self._check(self.runs, shape)
         return jax.nn.one_hot(self.runs[...], num_runs, dtype=jnp.float32)
 
     def keep_mask(self, shape: tuple[int, ...], rate: float) -> jax.Array:
         """The next dropout mask for activations of ``shape`` [..., width]: each token's run key, hashed with the
         stream's next draw, keys ``dropout_keep_mask`` at the token's counter."""
-        if self.runs is None:
+        if self.runs is None or self.counters is None or self.run_keys is None:
             raise ValueError(
                 "LoRA dropout needs each token's run and identity (AdapterTokens.set, as the train step does); "
                 "evaluation turns dropout off (nnx.view(model, deterministic=True))"
             )
-        self._check(shape[:-1])
+        self._check(self.runs, shape[:-1])
         draw = jax.random.key_data(self.stream.dropout())
         run_keys = jnp.stack(_threefry(self.run_keys[...], (draw[0], draw[1])), axis=-1)  # [R, 2]
         return dropout_keep_mask(run_keys[self.runs[...]], self.counters[...], shape[-1], rate)
 
-    def _check(self, shape: tuple[int, ...]) -> None:
-        if tuple(self.runs[...].shape) != tuple(shape):
+    def _check(self, runs: TokenIdentity, shape: tuple[int, ...]) -> None:
+        if tuple(runs[...].shape) != tuple(shape):
             raise ValueError(
-                f"adapter input of leading shape {tuple(shape)}; the tokens set are {tuple(self.runs[...].shape)}"
+                f"adapter input of leading shape {tuple(shape)}; the tokens set are {tuple(runs[...].shape)}"
             )
 
 
@@ -248,7 +248,7 @@ class LoRA(nnx.Module):
         scale: float,
         dropout: float,
         tokens: AdapterTokens,
-        kernel_axes: tuple | None,
+        kernel_axes: tuple[str | None, ...] | None,
         rngs: nnx.Rngs,
     ):
         *lead, in_features, out_features = kernel_shape
@@ -277,12 +277,15 @@ def adds_nothing(lora: nnx.State) -> bool:
     return bool(factors) and all(bool(jnp.all(factor == 0)) for factor in factors)
 
 
-def adapter_tokens(model: nnx.Module) -> AdapterTokens | None:
-    """The ``AdapterTokens`` the adapters of ``model`` share; None without adapters."""
-    return next((module for _, module in nnx.iter_modules(model) if isinstance(module, AdapterTokens)), None)
+def adapter_tokens(model: nnx.Module) -> AdapterTokens:
+    """The ``AdapterTokens`` the adapters of ``model`` share (``apply_lora`` attaches them)."""
+    for _, module in nnx.iter_modules(model):
+        if isinstance(module, AdapterTokens):
+            return module
+    raise ValueError("the model has no LoRA adapters (apply_lora attaches them)")
 
 
-def find_targets(model: nnx.Module, targets: Sequence[str] | None) -> list[tuple[tuple, Linear]]:
+def find_targets(model: nnx.Module, targets: Sequence[str] | None) -> list[tuple[tuple[Hashable, ...], Linear]]:
     """The (path, Linear) pairs an adapter goes on, in module order; a target matching no layer (a typo, or
     OPT's ``out_proj`` vs Llama's ``o_proj``) fails rather than silently training fewer adapters."""
     linears = [(path, m) for path, m in nnx.iter_modules(model) if isinstance(m, Linear)]
@@ -303,12 +306,15 @@ def find_targets(model: nnx.Module, targets: Sequence[str] | None) -> list[tuple
     return [(path, m) for path, m in linears if path[-1] in names]
 
 
-def _kernel_axes(linear: Linear) -> tuple | None:
+def _kernel_axes(linear: Linear) -> tuple[str | None, ...] | None:
     axes = linear.kernel.get_metadata().get("out_sharding")
     return tuple(axes) if axes else None
 
 
-def apply_lora(model: nnx.Module, cfg: LoRAConfig, *, rngs: nnx.Rngs) -> nnx.Module:
+_Model = TypeVar("_Model", bound=nnx.Module)
+
+
+def apply_lora(model: _Model, cfg: LoRAConfig, *, rngs: nnx.Rngs) -> _Model:
     """Attaches fresh adapters (replacing any) to the target layers, in place; returns the model.
 
     A's are drawn in module order, so a seed gives the same adapters whether a run trains alone or with others.

@@ -60,8 +60,8 @@ class Olmo2DecoderLayer(nnx.Module):
             config, qkv_bias=bias, o_bias=bias, qk_norm=norm, norm_per_head=False, dtype=dtype, rngs=rngs
         )
         self.mlp = GatedMLP(config, use_bias=False, dtype=dtype, rngs=rngs)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, dtype=dtype, **norm)
-        self.post_feedforward_layernorm = RMSNorm(config.hidden_size, dtype=dtype, **norm)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype, **_NORM)
+        self.post_feedforward_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype, **_NORM)
 
     def __call__(self, hidden: jax.Array, *inputs: jax.Array) -> jax.Array:
         hidden = hidden + self.post_attention_layernorm(self.self_attn(hidden, *inputs))

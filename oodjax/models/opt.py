@@ -11,6 +11,7 @@ several prompts into a row does not shift them.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -19,21 +20,22 @@ import jax.numpy as jnp
 from flax import nnx
 
 from oodjax.models.config import DecoderConfig, hf_value
+from oodjax.models.flash_attention import attention
 from oodjax.models.layers import (
     ATTENTION_PROJECTION,
-    MLP_HIDDEN,
     MLP_PROJECTION,
     CausalLM,
+    DecoderStack,
     Embed,
+    HiddenStates,
     LayerNorm,
     Linear,
     activation,
-    attention,
     run_layers,
     segment_positions,
     stacked_layers,
 )
-from oodjax.models.partitioning import HIDDEN, constrain
+from oodjax.models.partitioning import HIDDEN, MLP_HIDDEN, constrain
 
 # OPT's learned position table has two extra rows (a fairseq legacy).
 POSITION_OFFSET = 2
@@ -78,16 +80,20 @@ class OPTConfig(DecoderConfig):
         )
 
 
+def _layer_norm(config: OPTConfig, dtype: jnp.dtype) -> LayerNorm:
+    return LayerNorm(config.hidden_size, eps=1e-5, elementwise_affine=config.layer_norm_elementwise_affine, dtype=dtype)
+
+
 class OPTAttention(nnx.Module):
     def __init__(self, config: OPTConfig, *, dtype: jnp.dtype, rngs: nnx.Rngs):
         width, bias = config.hidden_size, config.enable_bias
         self.num_heads, self.head_dim = config.num_attention_heads, config.head_dim
         self.implementation = config.attention
-        linear = dict(use_bias=bias, dtype=dtype, rngs=rngs, saved_as=ATTENTION_PROJECTION)
-        self.q_proj = Linear(width, width, axes=("embed", "heads"), **linear)
-        self.k_proj = Linear(width, width, axes=("embed", "heads"), **linear)
-        self.v_proj = Linear(width, width, axes=("embed", "heads"), **linear)
-        self.out_proj = Linear(width, width, axes=("heads", "embed"), **linear)
+        linear = functools.partial(Linear, width, width, dtype=dtype, rngs=rngs, saved_as=ATTENTION_PROJECTION)
+        self.q_proj = linear(axes=("embed", "heads"), use_bias=bias)
+        self.k_proj = linear(axes=("embed", "heads"), use_bias=bias)
+        self.v_proj = linear(axes=("embed", "heads"), use_bias=bias)
+        self.out_proj = linear(axes=("heads", "embed"), use_bias=bias)
 
     def __call__(self, x: jax.Array, segment_ids: jax.Array) -> jax.Array:
         batch, seq, _ = x.shape
@@ -103,15 +109,14 @@ class OPTAttention(nnx.Module):
 class OPTDecoderLayer(nnx.Module):
     def __init__(self, config: OPTConfig, *, dtype: jnp.dtype, rngs: nnx.Rngs):
         width, bias = config.hidden_size, config.enable_bias
-        norm = dict(eps=1e-5, elementwise_affine=config.layer_norm_elementwise_affine, dtype=dtype)
         self.norm_before = config.do_layer_norm_before
         self.act_fn = activation(config.activation_function)
         self.self_attn = OPTAttention(config, dtype=dtype, rngs=rngs)
-        self.self_attn_layer_norm = LayerNorm(width, **norm)
-        linear = dict(use_bias=bias, dtype=dtype, rngs=rngs, saved_as=MLP_PROJECTION)
-        self.fc1 = Linear(width, config.ffn_dim, axes=("embed", "mlp"), **linear)
-        self.fc2 = Linear(config.ffn_dim, width, axes=("mlp", "embed"), **linear)
-        self.final_layer_norm = LayerNorm(width, **norm)
+        self.self_attn_layer_norm = _layer_norm(config, dtype)
+        linear = functools.partial(Linear, use_bias=bias, dtype=dtype, rngs=rngs, saved_as=MLP_PROJECTION)
+        self.fc1 = linear(width, config.ffn_dim, axes=("embed", "mlp"))
+        self.fc2 = linear(config.ffn_dim, width, axes=("mlp", "embed"))
+        self.final_layer_norm = _layer_norm(config, dtype)
 
     def __call__(self, hidden: jax.Array, segment_ids: jax.Array) -> jax.Array:
         hidden = self._residual(hidden, self.self_attn_layer_norm, lambda h: self.self_attn(h, segment_ids))
@@ -136,17 +141,16 @@ class OPTDecoder(nnx.Module):
             config.max_position_embeddings + POSITION_OFFSET, width, axes=("positions", "embed"), dtype=dtype, rngs=rngs
         )
         projected = proj != width
-        linear = dict(use_bias=False, dtype=dtype, rngs=rngs)
-        self.project_in = nnx.data(Linear(proj, width, axes=("word_embed", "embed"), **linear) if projected else None)
-        self.project_out = nnx.data(Linear(width, proj, axes=("embed", "word_embed"), **linear) if projected else None)
+        linear = functools.partial(Linear, use_bias=False, dtype=dtype, rngs=rngs)
+        self.project_in = nnx.data(linear(proj, width, axes=("word_embed", "embed")) if projected else None)
+        self.project_out = nnx.data(linear(width, proj, axes=("embed", "word_embed")) if projected else None)
         has_final_norm = config.do_layer_norm_before and not config.remove_final_layer_norm
-        norm = dict(eps=1e-5, elementwise_affine=config.layer_norm_elementwise_affine, dtype=dtype)
-        self.final_layer_norm = nnx.data(LayerNorm(width, **norm) if has_final_norm else None)
+        self.final_layer_norm = nnx.data(_layer_norm(config, dtype) if has_final_norm else None)
         self.layers = stacked_layers(
             lambda rngs: OPTDecoderLayer(config, dtype=dtype, rngs=rngs), config.num_hidden_layers, rngs
         )
 
-    def __call__(self, input_ids: jax.Array, segment_ids: jax.Array, *, all_layers: bool):
+    def __call__(self, input_ids: jax.Array, segment_ids: jax.Array, *, all_layers: bool) -> HiddenStates:
         mask = segment_ids.astype(jnp.int32)
         positions = segment_positions(mask) + POSITION_OFFSET
         hidden = self.embed_tokens(input_ids)
@@ -173,5 +177,6 @@ class OPTForCausalLM(CausalLM):
     model_class = OPTModel
     head_width = "word_embed_proj_dim"
 
-    def decoder(self) -> nnx.Module:
+    def decoder(self) -> DecoderStack:
+        assert isinstance(self.model, OPTModel)  # model_class
         return self.model.decoder

@@ -57,7 +57,7 @@ def logical_to_spec(
     """
     rules = dict(LOGICAL_AXIS_RULES)
     used: set[str] = set()
-    spec = []
+    spec: list[str | tuple[str, ...] | None] = []
     for name, size in zip(logical_axes, shape, strict=True):
         if name is not None and name not in rules:
             raise ValueError(f"logical axis {name!r} has no rule in LOGICAL_AXIS_RULES ({sorted(rules)})")

@@ -111,6 +111,7 @@ def rope_frequencies(rope: RopeConfig, head_dim: int, seq_len: int | None = None
 def _llama3_inv_freq(rope: RopeConfig, inv_freq: np.ndarray) -> np.ndarray:
     factor, low, high = rope.factor, rope.low_freq_factor, rope.high_freq_factor
     old_context = rope.original_max_position_embeddings
+    assert factor is not None and low is not None and high is not None and old_context is not None  # from_hf's
     low_freq_wavelen, high_freq_wavelen = old_context / low, old_context / high
     wavelen = np.float32(2 * math.pi) / inv_freq
     scaled = np.where(wavelen > low_freq_wavelen, inv_freq / np.float32(factor), inv_freq)
@@ -122,6 +123,7 @@ def _llama3_inv_freq(rope: RopeConfig, inv_freq: np.ndarray) -> np.ndarray:
 
 def _yarn_inv_freq(rope: RopeConfig, head_dim: int, pos_freqs: np.ndarray) -> tuple[np.ndarray, float]:
     factor, base, original = rope.factor, rope.theta, rope.original_max_position_embeddings
+    assert factor is not None and original is not None  # from_hf sets both for yarn
 
     def mscale(scale: float, m: float = 1.0) -> float:
         return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
@@ -151,11 +153,13 @@ def _yarn_inv_freq(rope: RopeConfig, head_dim: int, pos_freqs: np.ndarray) -> tu
 
 
 def _longrope_inv_freq(rope: RopeConfig, pos_freqs: np.ndarray, seq_len: int | None) -> tuple[np.ndarray, float]:
-    original = rope.original_max_position_embeddings
+    original, factor = rope.original_max_position_embeddings, rope.factor
+    short, long = rope.short_factor, rope.long_factor
+    assert original is not None and factor is not None and short is not None and long is not None  # from_hf's
     attention_factor = rope.attention_factor
     if attention_factor is None:
-        attention_factor = 1.0 if rope.factor <= 1 else math.sqrt(1 + math.log(rope.factor) / math.log(original))
-    factors = rope.long_factor if seq_len and seq_len > original else rope.short_factor
+        attention_factor = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
+    factors = long if seq_len and seq_len > original else short
     if len(factors) != len(pos_freqs):
         raise ValueError(f"config.json: longrope has {len(factors)} factors, not head_dim / 2 = {len(pos_freqs)}")
     return np.float32(1.0) / (np.asarray(factors, np.float32) * pos_freqs), attention_factor
