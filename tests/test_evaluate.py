@@ -83,6 +83,8 @@ def test_the_jobs_results_json_has_its_accuracies_and_timings(trained):
             "seed": run.seed,
             "shots": 8,
             "steps": 4,
+            "warmup_steps": 1,  # the plan its length resolves to
+            "evaluated_steps": [0, 2, 4],
         }
         assert summary[schema.RESULTS_STEPS] == steps == [0, 2, 4]
         for column, name in enumerate(testsets):
