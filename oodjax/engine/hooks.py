@@ -43,26 +43,17 @@ class NonFiniteLossError(FloatingPointError):
     """A training loss became NaN or infinite; the runs stop, their last good checkpoint kept."""
 
 
-@dataclasses.dataclass(frozen=True)
-class Exporter:
-    """What exporting a run's adapters takes: the export settings, the adapters' LoRA config and the base model
-    their PEFT config names."""
-
-    settings: ExportSettings
-    lora: LoRAConfig
-    base_model: str
-
-
-def export_adapters(exporter: Exporter, run: Run, adapters: nnx.State, step: int) -> None:
-    """Writes one run's adapters to <run_dir>/adapter/ in PEFT format and pushes them to the hub; every process
-    takes part in gathering them, only the primary writes."""
+def export_adapters(
+    settings: ExportSettings, lora: LoRAConfig, base_model: str, run: Run, adapters: nnx.State, step: int
+) -> None:
+    """Writes one run's adapters (of ``lora``, on ``base_model``) to <run_dir>/adapter/ in PEFT format and
+    pushes them to the hub; every process takes part in gathering them, only the primary writes."""
     adapters = multihost_utils.process_allgather(adapters, tiled=True)
     if not is_primary():
         return
-    directory = run.directory / ADAPTER_DIR
-    folder = export_peft(adapters, exporter.lora, directory, base_model_name_or_path=exporter.base_model)
+    folder = export_peft(adapters, lora, run.directory / ADAPTER_DIR, base_model_name_or_path=base_model)
     logging.info("%s: adapters at step %d (PEFT format) written to %s", run.name, step, folder)
-    if hub_repo := exporter.settings.hub_repo:
+    if hub_repo := settings.hub_repo:
         huggingface_hub.create_repo(hub_repo, exist_ok=True)
         huggingface_hub.upload_folder(
             repo_id=hub_repo,
@@ -221,9 +212,9 @@ class Evaluation(Hook):
     each run's own training set, or what ``oodjax.evaluate`` asks) and rewrites each metrics.npz
     (``RunResults``), its config ``records[r]``, scoring ``in_domain`` as the in-domain set.
 
-    Runs with no ``losses`` train nothing (their train_loss is NaN), and with no training ``clock`` their train
-    seconds are NaN. ``pending`` says where runs resumed from a checkpoint stand: whether the evaluation of
-    the step they start from is still to do; None: new runs."""
+    Runs with no ``losses`` train nothing: their train_loss and train seconds are NaN; runs that train have
+    their clock and event logs from the losses' group. ``pending`` says where runs resumed from a checkpoint
+    stand: whether the evaluation of the step they start from is still to do; None: new runs."""
 
     def __init__(
         self,
@@ -235,13 +226,13 @@ class Evaluation(Hook):
         in_domain: str,
         *,
         losses: TrainLosses | None = None,
-        clock: Clock | None = None,
-        events: Sequence[EventLog] = (),
         pending: bool | None = None,
     ):
         """``model`` is what a first evaluation with no finite output names."""
         self.prepared, self.runs, self.cadence, self.model = prepared, runs, cadence, model
-        self.losses, self.clock, self.events, self.pending = losses, clock, events, pending
+        self.losses, self.pending = losses, pending
+        self.clock = None if losses is None else losses.group.clock
+        self.events: Sequence[EventLog] = () if losses is None else losses.group.events
         self.compiled = False
         data = prepared.data
         self.results = [
@@ -356,15 +347,15 @@ class Export(Hook):
     step's checkpoint, or at every checkpoint with export.every_checkpoint; runs resumed at their last step
     (stopped before its evaluation) at once."""
 
-    def __init__(self, group: Shared, exporter: Exporter):
-        self.group, self.exporter = group, exporter
+    def __init__(self, group: Shared, settings: ExportSettings, lora: LoRAConfig, base_model: str):
+        self.group, self.settings, self.lora, self.base_model = group, settings, lora, base_model
 
     def begin(self, step: int, state: steps.TrainState) -> None:
-        if step == self.group.cadence.total_steps and self.exporter.settings.peft:
+        if step == self.group.cadence.total_steps and self.settings.peft:
             self.export(step, state)
 
     def __call__(self, info: StepInfo) -> None:
-        cadence, export = self.group.cadence, self.exporter.settings
+        cadence, export = self.group.cadence, self.settings
         last_or_every = info.step == cadence.total_steps or export.every_checkpoint
         if export.peft and cadence.checkpoint_due(info.step) and last_or_every:
             self.export(info.step, info.state)
@@ -372,7 +363,8 @@ class Export(Hook):
 
     def export(self, step: int, state: steps.TrainState) -> None:
         for r, run in enumerate(self.group.runs):
-            export_adapters(self.exporter, run, steps.select_run(state.lora, r), step)
+            adapters = steps.select_run(state.lora, r)
+            export_adapters(self.settings, self.lora, self.base_model, run, adapters, step)
 
 
 class Stopping(Hook):

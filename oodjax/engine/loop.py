@@ -39,7 +39,6 @@ from oodjax.engine.hooks import (
     Clock,
     Evaluation,
     Export,
-    Exporter,
     Hook,
     NonFiniteLossError,
     StepInfo,
@@ -119,12 +118,9 @@ def _export_finished(job: Job, start: RunStart) -> None:
             total_steps,
         )
         return
-    hooks.export_adapters(_exporter(job), start.run, restored.state.lora, restored.step)
+    adapters = restored.state.lora
+    hooks.export_adapters(job.export, job.lora, job.model.source, start.run, adapters, restored.step)
     start.checkpoint = dataclasses.replace(restored, state=None)  # its memory goes
-
-
-def _exporter(job: Job) -> Exporter:
-    return Exporter(job.export, job.lora, job.model.source)
 
 
 def _summary(job: Job, starts: Sequence[RunStart]) -> None:
@@ -268,20 +264,12 @@ class _Loop(Trainer):
         super().__init__(prepared, state, starts[0].step, plan.total_steps, clock=group.clock, stopping=stopping)
         records = [hooks.run_record(job.record, run, job.model.name, **length) for run in runs]
         pending = starts[0].evaluation_pending if restored else None
+        source, in_domain = job.model.source, job.data.train_set
         evaluation = Evaluation(
-            prepared,
-            runs,
-            plan.cadence,
-            records,
-            job.model.source,
-            job.data.train_set,
-            losses=losses,
-            clock=group.clock,
-            events=events,
-            pending=pending,
+            prepared, runs, plan.cadence, records, source, in_domain, losses=losses, pending=pending
         )
         # After each step, in this order: the losses' check and log line, a stop, evaluation, checkpoint, export.
-        for hook in (losses, stopping, evaluation, saves, Export(group, _exporter(job))):
+        for hook in (losses, stopping, evaluation, saves, Export(group, job.export, job.lora, source)):
             self.add_hook(hook)
 
     def run(self) -> None:
