@@ -57,8 +57,8 @@ def errors(
     real = np.asarray(segments != 0)
     out, ref = np.asarray(jax.jit(fused)(q, k, v, segments)), np.asarray(jax.jit(reference)(q, k, v, segments))
     output_error = np.abs(out - ref)[real].max() / np.abs(ref[real]).max()
-    grad = jax.jit(jax.grad(lambda *x: loss(fused, *x, segments), argnums=(0, 1, 2)))
-    grad_ref = jax.jit(jax.grad(lambda *x: loss(reference, *x, segments), argnums=(0, 1, 2)))
+    grad = jax.jit(jax.grad(lambda q, k, v: loss(fused, q, k, v, segments), argnums=(0, 1, 2)))
+    grad_ref = jax.jit(jax.grad(lambda q, k, v: loss(reference, q, k, v, segments), argnums=(0, 1, 2)))
     gradient_error = max(
         float(np.abs(np.asarray(a, np.float32) - np.asarray(b, np.float32)).max() / np.abs(np.asarray(b)).max())
         for a, b in zip(grad(q, k, v), grad_ref(q, k, v))

@@ -104,6 +104,7 @@ def _messages(mode: DeviceMode, phases: list[str]) -> Iterator[dict[str, Any]]:
     come; its stderr is this process's."""
     command = [sys.executable, "-m", "benchmarks.case_device", json.dumps(dataclasses.asdict(mode)), *phases]
     with subprocess.Popen(command, cwd=harness.ROOT, stdout=subprocess.PIPE, text=True) as process:
+        assert process.stdout is not None  # piped
         yield from map(json.loads, process.stdout)
     if process.returncode:
         raise SystemExit(f"--device gpu: the process of the phases {phases} exited with status {process.returncode}")

@@ -42,7 +42,7 @@ def contender(name: str, *, mode: str, checkpoint: str) -> tuple[Callable[[], li
 
         engine = checkpoint_engine(checkpoint, total_steps=total_steps, **answers)
         geometry = train_geometry(tokenized, [[rows] for rows in steps], bucket_lengths(settings.MAX_LENGTH))
-        compiled = []
+        compiled: list[bool] = []
 
         def step(rows: np.ndarray) -> float:
             if not compiled:  # the warm-up compiles the step (a branch per bucket)

@@ -111,12 +111,17 @@ def layouts(mode: settings.DeviceMode, device_kind: str) -> Iterator[tuple[setti
     one_device, lora = {"data": 1, "fsdp": 1, "tensor": 1}, oodjax_contenders.lora_config()
     for grad_accum in (n for n in (1, 2, 4, 8, 16) if settings.TRAIN_BATCH % n == 0):
         geometry = train_geometry(workload.train_set, batches, grad_accum=grad_accum, row_length=DEFAULT_MAX_LENGTH)
-        shape = dict(
-            runs=len(seeds), rows=geometry.rows, seq_len=geometry.seq_len, prompts_per_row=geometry.prompts_per_row
-        )
         for remat in ("none", "save_dots", "full"):
             per_device = costs.train_memory_per_device(
-                mode.model, lora, dtype="bfloat16", remat=remat, mesh=one_device, **shape
+                mode.model,
+                lora,
+                dtype="bfloat16",
+                remat=remat,
+                mesh=one_device,
+                runs=len(seeds),
+                rows=geometry.rows,
+                seq_len=geometry.seq_len,
+                prompts_per_row=geometry.prompts_per_row,
             )
             memory = per_device.total
             if memory <= HEADROOM * usable:

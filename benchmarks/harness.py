@@ -142,10 +142,12 @@ class Worker:
             self.process = subprocess.Popen(
                 command, cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, text=True
             )
+        assert self.process.stdin is not None and self.process.stdout is not None  # both piped
+        self.stdin, self.stdout = self.process.stdin, self.process.stdout
 
     def receive(self) -> dict[str, Any]:
         """The process's next answer: what it built (first), then one call's measurements."""
-        line = self.process.stdout.readline()
+        line = self.stdout.readline()
         if not line:
             code = self.process.wait()
             tail = self.log.read_text()[-3000:]
@@ -154,21 +156,21 @@ class Worker:
 
     def call(self) -> dict[str, Any]:
         try:
-            self.process.stdin.write("call\n")
-            self.process.stdin.flush()
+            self.stdin.write("call\n")
+            self.stdin.flush()
         except BrokenPipeError:
             pass  # the process has exited: receive says how
         return self.receive()
 
     def close(self) -> None:
         """Ends the process (it stops when its stdin closes; killed if it has not within a minute)."""
-        self.process.stdin.close()
+        self.stdin.close()
         try:
             self.process.wait(timeout=60)
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait()
-        self.process.stdout.close()
+        self.stdout.close()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -156,8 +156,7 @@ def _run_in_stream_order(tokenized: TokenizedSet, rows: np.ndarray) -> Tokenized
 
 
 def lora_config() -> LoRAConfig:
-    lora = settings.LORA
-    return LoRAConfig(rank=lora["rank"], alpha=lora["alpha"], dropout=lora["dropout"], targets=lora["targets"])
+    return LoRAConfig(**settings.LORA)
 
 
 def build_engine(

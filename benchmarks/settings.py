@@ -9,7 +9,7 @@ only shows that every case's code runs (CI).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, TypedDict
 
 # HuggingFaceTB/SmolLM2-135M's config.json (the architecture; weights are random).
 SMOLLM2_135M: dict[str, Any] = dict(
@@ -90,7 +90,18 @@ TRAIN_BATCH = 16
 # oodjax's micro-batches per step, with train.pack on (one device): two halve a micro-batch's working set
 # (this machine's cores are shared with PyTorch's contenders) yet keep the matmuls larger than eight would.
 TRAIN_GRAD_ACCUM = 2
-LORA = dict(rank=8, alpha=32.0, dropout=0.1, targets=("q_proj", "k_proj", "v_proj", "o_proj"))
+
+
+class LoraSettings(TypedDict):
+    """The adapters every contender trains (peft's LoraConfig and oodjax's LoRAConfig from the same values)."""
+
+    rank: int
+    alpha: float
+    dropout: float
+    targets: tuple[str, ...]
+
+
+LORA = LoraSettings(rank=8, alpha=32.0, dropout=0.1, targets=("q_proj", "k_proj", "v_proj", "o_proj"))
 LEARNING_RATE = 1e-4
 MAX_GRAD_NORM = 1.0
 

@@ -56,7 +56,7 @@ def attach_lora(model: transformers.PreTrainedModel, *, seed: int) -> peft.PeftM
 
 
 def padded(
-    tokenized: TokenizedSet, rows: Sequence[int], seq_len: int | None, device: torch.device | str = "cpu"
+    tokenized: TokenizedSet, rows: Sequence[int] | np.ndarray, seq_len: int | None, device: torch.device | str = "cpu"
 ) -> dict[str, torch.Tensor]:
     """Right-padded input_ids / attention_mask for ``rows`` (to ``seq_len``, or to the longest row), on ``device``."""
     index = np.asarray(rows)

@@ -163,13 +163,15 @@ def compile_step(
         hlo_dir.mkdir(parents=True, exist_ok=True)
         (hlo_dir / f"{name}_step.hlo.txt").write_text(text)
     stats = compiled.memory_analysis()
-    sizes = [stats.argument_size_in_bytes, stats.output_size_in_bytes, stats.temp_size_in_bytes]
+    argument, output, temp = (
+        int(size) for size in (stats.argument_size_in_bytes, stats.output_size_in_bytes, stats.temp_size_in_bytes)
+    )
     alias = int(stats.alias_size_in_bytes)
     moved = hlo.communication(text)
     return CompiledStep(
         lower_s=lowered_at - start,
         compile_s=compiled_at - lowered_at,
-        memory_bytes=CompiledMemory(*map(int, sizes), alias, total=int(sum(sizes)) - alias),
+        memory_bytes=CompiledMemory(argument, output, temp, alias, total=argument + output + temp - alias),
         collectives=hlo.collectives(text),
         communication=Communication(**moved, seconds=moved["bytes"] / interconnect_bytes_per_s),
         kernels=hlo.kernels(text),

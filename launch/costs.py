@@ -1,6 +1,6 @@
 """Parameter counts, memory and FLOPs of a decoder LM from its config.json numbers, without allocating it.
 
-Everything is read from our NNX port built abstractly (`abstract_model`), so the figures cannot drift from
+Everything is read from our NNX port built abstractly (`architecture_model`), so the figures cannot drift from
 what the engine trains; the memory the backward pass keeps is JAX's own list of the train step loss's residuals.
 """
 
@@ -112,7 +112,7 @@ def dimensions(architecture: Mapping[str, Any]) -> Dimensions:
 
 @functools.cache
 def _dimensions(architecture: str) -> Dimensions:
-    model = abstract_model(json.loads(architecture))
+    model = architecture_model(json.loads(architecture))
     weights: collections.Counter[str] = collections.Counter()
     for _, linear in nnx.iter_modules(model):
         if isinstance(linear, Linear) and linear.saved_as:
@@ -129,14 +129,14 @@ def _dimensions(architecture: str) -> Dimensions:
     )
 
 
-def abstract_model(
+def architecture_model(
     architecture: Mapping[str, Any],
     *,
     dtype: str = "float32",
     remat: str = "none",
     layers: int | None = None,
     lora: LoRAConfig | None = None,
-) -> nnx.Module:
+) -> models.CausalLM:
     """Our port of these numbers (`models.abstract_model`), unspecified fields at transformers' defaults, as a
     checkpoint with this config.json loads; `layers` overrides the depth, `lora` attaches one run's adapters."""
     if layers is not None:
@@ -151,7 +151,7 @@ def _count(model: nnx.Module, kind: type[nnx.Variable]) -> int:
 
 def parameter_count(architecture: Mapping[str, Any]) -> int:
     """Parameters of the model of these numbers (tied weights once), as transformers counts them."""
-    return _count(abstract_model(architecture), nnx.Param)
+    return _count(architecture_model(architecture), nnx.Param)
 
 
 def lora_parameter_count(architecture: Mapping[str, Any], rank: int, targets: Sequence[str] | None = None) -> int:
@@ -162,7 +162,7 @@ def lora_parameter_count(architecture: Mapping[str, Any], rank: int, targets: Se
 
 @functools.cache
 def _lora_parameter_count(architecture: str, lora: LoRAConfig) -> int:
-    return _count(abstract_model(json.loads(architecture), lora=lora), nnx.LoRAParam)
+    return _count(architecture_model(json.loads(architecture), lora=lora), nnx.LoRAParam)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -362,7 +362,7 @@ def _measure(architecture: str, lora: LoRAConfig, *, dtype: str, remat: str, **s
     whole = abstract_mesh(dict(data=1, fsdp=1, tensor=1))
     saved, weights = {}, {}
     for layers in (1, 2):
-        make = functools.partial(abstract_model, json.loads(architecture), dtype=dtype, remat=remat, layers=layers)
+        make = functools.partial(architecture_model, json.loads(architecture), dtype=dtype, remat=remat, layers=layers)
         for rows in (1, 2):
             saved[layers, rows] = saved_activation_bytes(make, lora, rows=rows, **shape)
         weights[layers] = bytes_per_device(nnx.state(make(), nnx.Param), whole)
@@ -401,7 +401,7 @@ def train_memory_per_device(
     if rows % shards:
         raise ValueError(f"a micro-batch of {rows} rows does not split over data x fsdp = {shards} devices")
     devices = abstract_mesh(mesh)
-    model = abstract_model(architecture, dtype=dtype, remat=remat, lora=lora)
+    model = architecture_model(architecture, dtype=dtype, remat=remat, lora=lora)
     adapters = bytes_per_device(nnx.state(model, nnx.LoRAParam), devices, leading=runs)
     layers = full_config(architecture).num_hidden_layers
     shape = dict(

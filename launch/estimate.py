@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import math
 import sys
 from collections.abc import Mapping, Sequence
@@ -95,7 +96,7 @@ def train_memory(
     )
 
 
-def train_step_flops(job: Job, arch: Mapping[str, Any], geometry: BatchGeometry) -> float:
+def train_flops(job: Job, arch: Mapping[str, Any], geometry: BatchGeometry) -> float:
     """FLOPs of one optimizer step of the runs laid out as ``geometry`` (the job's, or a run group's)."""
     return costs.train_step_flops(
         costs.dimensions(arch),
@@ -106,6 +107,12 @@ def train_step_flops(job: Job, arch: Mapping[str, Any], geometry: BatchGeometry)
         lora_parameters=costs.lora_parameter_count(arch, job.lora.rank, job.lora.targets),
         remat=job.model.remat,
     )
+
+
+def eval_flops(job: Job, arch: Mapping[str, Any], runs: int, rows: Mapping[int, int]) -> float:
+    """FLOPs of scoring ``rows`` (row length -> rows), each through all ``runs`` runs' adapters."""
+    adapters = runs * costs.lora_parameter_count(arch, job.lora.rank, job.lora.targets)
+    return costs.eval_flops(costs.dimensions(arch), rows, adapters)
 
 
 def estimate(
@@ -121,13 +128,11 @@ def estimate(
     `seq_len` tokens where given (to set the estimate beside a preflight's compile)."""
     mesh = job.mesh.sizes(target.devices)
     arch = costs.architecture_of(job.model, layers)
-    dims = costs.dimensions(arch)
     runs = len(job.runs.runs())
-    adapters = runs * costs.lora_parameter_count(arch, job.lora.rank, job.lora.targets)  # every row goes through
+    scoring = functools.partial(eval_flops, job, arch, runs)  # every row through all runs' adapters
     if isinstance(prompts, RealPrompts):
         geometry, samples = prompts.geometry, prompts.samples
-        evaluation = costs.eval_flops(dims, prompts.eval_rows, adapters)
-        first_evaluation = costs.eval_flops(dims, prompts.first_eval_rows, adapters)
+        evaluation, first_evaluation = scoring(prompts.eval_rows), scoring(prompts.first_eval_rows)
     else:
         length = job.batches.max_length if prompts.length is None else prompts.length
         prompts = dataclasses.replace(prompts, length=length)
@@ -138,13 +143,13 @@ def estimate(
             examples = count_eval_examples(job.data, samples)
         # Each run is also evaluated on its own few-shot training set; at step 0 the testsets once for all runs.
         training_sets = len(job.runs.seeds) * sum(job.runs.shots)
-        own = costs.eval_flops(dims, {length: training_sets}, adapters)
-        evaluation = own + costs.eval_flops(dims, {length: runs * examples}, adapters)
-        first_evaluation = own + costs.eval_flops(dims, {length: examples}, adapters)
+        own = scoring({length: training_sets})
+        evaluation = own + scoring({length: runs * examples})
+        first_evaluation = own + scoring({length: examples})
     if seq_len:
         geometry = dataclasses.replace(geometry, seq_len=seq_len)
     memory = train_memory(job, arch, mesh, geometry, target.platform or target.device.platform)
-    step = train_step_flops(job, arch, geometry)
+    step = train_flops(job, arch, geometry)
     # Each run's own length (train.epochs); a step or an evaluation above is every run's, so each run costs a
     # share of it. Each length's runs train apart and begin with one step-0 evaluation of their own.
     steps_per_run = sum(len(group.runs) * group.total_steps for group in job.groups) / runs

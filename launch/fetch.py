@@ -195,6 +195,7 @@ def plan(configs: Configs, root: pathlib.Path) -> list[Item]:
     """What the configs' jobs read, each item once, in config order."""
     checkpoints: dict[str, RepoFiles] = {}
     tokenizers: dict[str, RepoFiles] = {}
+    answers: dict[str, Tokenizer] = {}
     splits: dict[tuple[str, str, str], TestsetSplit] = {}
     for path, job in configs:
         if job.model.path:
@@ -202,9 +203,10 @@ def plan(configs: Configs, root: pathlib.Path) -> list[Item]:
         source = job.model.tokenizer
         if not source:
             raise ConfigError(f"{path}: tokenizer is empty and model.path names no checkpoint to take it from")
-        tokenizer = tokenizers.setdefault(source, RepoFiles(Tokenizer(), _source(path, "tokenizer", source)))
-        if job.data.answers not in tokenizer.what.answers:
-            tokenizer.what.answers.append(job.data.answers)
+        what = answers.setdefault(source, Tokenizer())  # one per tokenizer, every config's answer words
+        tokenizers.setdefault(source, RepoFiles(what, _source(path, "tokenizer", source)))
+        if job.data.answers not in what.answers:
+            what.answers.append(job.data.answers)
         for spec, split, name, check in _testset_reads(job, root):
             item = splits.setdefault((spec.source, spec.config, split), TestsetSplit(spec, split, root))
             item.checks.setdefault(name, check)
@@ -364,8 +366,9 @@ def _names(files: list[str]) -> str:
 
 
 def _total(sizes: Iterable[int | None]) -> int | None:
-    sizes = list(sizes)
-    return None if None in sizes else sum(sizes)
+    listed = list(sizes)
+    known = [size for size in listed if size is not None]
+    return sum(known) if len(known) == len(listed) else None
 
 
 def _bytes(size: int | None) -> str:

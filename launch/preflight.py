@@ -25,9 +25,10 @@ over nodes (`--node_devices`, `--network_gb_s`) is set against one node.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import pathlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -53,13 +54,6 @@ ESTIMATE_UTILISATION = 0.4
 # Training steps of the real streams replayed for the token share and host time, at most the job's own: its
 # layout is made for those, and a step after them need not fit it.
 DATA_STEPS = 200
-DATA_FIGURES = (
-    "train_real_token_share",
-    "host_batch_ms",
-    "eval_real_token_share",
-    "eval_attention_waste",
-    "replayed_steps",
-)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,17 +183,16 @@ def preflight(
     platform = available[0].platform
     mesh = job.mesh.sizes(devices)
 
-    def estimate_bytes(arch: dict[str, Any], platform: str) -> int:
+    def estimate_bytes(arch: Mapping[str, Any], platform: str) -> int:
         return int(estimator.train_memory(job, arch, mesh, geometry, platform).total)
 
+    scoring = functools.partial(estimator.eval_flops, job, arch, geometry.runs)  # the estimate's, for this group
     full, full_model = costs.architecture_of(job.model), None
     if int(arch["num_hidden_layers"]) != int(full["num_hidden_layers"]):
         full_model = FullModel(int(full["num_hidden_layers"]), estimate_bytes(full, device.platform))
     lanes, eval_rows, eval_row_length = longest_rows["input_ids"].shape
-    dims = costs.dimensions(arch)
-    adapters = geometry.runs * costs.lora_parameter_count(arch, job.lora.rank, job.lora.targets)
-    train_step_flops = estimator.train_step_flops(job, arch, geometry)
-    eval_step_flops = costs.eval_flops(dims, {eval_row_length: lanes * eval_rows}, adapters)
+    train_step_flops = estimator.train_flops(job, arch, geometry)
+    eval_step_flops = scoring({eval_row_length: lanes * eval_rows})
     usable, source = usable_memory(device)
     compute_flops = devices * device.peak_flops * ESTIMATE_UTILISATION
     # The job's parts: (how often, compute seconds, bytes a device its collectives move), an evaluation's
@@ -209,7 +202,7 @@ def preflight(
         *(
             (
                 count,
-                costs.eval_flops(dims, rows_by_length(pool), adapters) / compute_flops,
+                scoring(rows_by_length(pool)) / compute_flops,
                 evaluation.communication.bytes * len(pool.batches),
             )
             for count, pool in ((len(group.cadence.evaluated_steps()) - 1, data.eval_pool), (1, data.first_eval_pool))
@@ -282,7 +275,8 @@ def over_nodes(
     ``parts``: (how often, compute seconds, bytes its collectives move a device). Compute and communication
     are added, not overlapped. Only a data-parallel mesh is compared: on one node its step is the same.
     """
-    if node_devices is None or devices <= node_devices:
+    network = device.network_bytes_per_s
+    if node_devices is None or devices <= node_devices or network is None:
         return None
     mesh = job.mesh.sizes(devices)
     data_parallel = mesh["fsdp"] == mesh["tensor"] == 1
@@ -290,14 +284,12 @@ def over_nodes(
     if data_parallel:
         scale = devices / node_devices
         job_s = {
-            "over_nodes": sum(n * (compute + moved / device.network_bytes_per_s) for n, compute, moved in parts),
+            "over_nodes": sum(n * (compute + moved / network) for n, compute, moved in parts),
             "one_node": sum(
                 n * (compute * scale + moved / device.interconnect_bytes_per_s) for n, compute, moved in parts
             ),
         }
-    return Nodes(
-        -(-devices // node_devices), node_devices, device.network, device.network_bytes_per_s, data_parallel, job_s
-    )
+    return Nodes(-(-devices // node_devices), node_devices, device.network, network, data_parallel, job_s)
 
 
 def describe(report: Report) -> str:

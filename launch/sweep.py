@@ -23,6 +23,8 @@ import sys
 import time
 from collections.abc import Sequence
 
+from ml_collections import config_dict
+
 from launch.config_files import config_stem, experiment_config_paths, load_config
 from oodjax import config_cli, config_read, usage_errors
 from oodjax.engine import results, run_lock
@@ -34,7 +36,9 @@ LAUNCH_DIR = pathlib.Path(__file__).resolve().parent
 
 
 @dataclasses.dataclass(frozen=True)
-class Job:
+class SweepJob:
+    """One job of a sweep: a config's runs of these seeds and shots, in their own output directory."""
+
     name: str
     config_path: str
     seeds: tuple[int, ...]
@@ -80,7 +84,7 @@ def plan_jobs(
     *,
     per_run: bool,
     config_overrides: Sequence[str] = (),
-) -> list[Job]:
+) -> list[SweepJob]:
     """The sweep's jobs, named after their config file (and run, with --per_run); None takes the config's own.
 
     An ``output_dir`` given is a root holding one directory per job.
@@ -99,18 +103,18 @@ def plan_jobs(
         )
         for name, job_seeds, job_shots in grids:
             directory = config.output_dir if output_dir is None else str(pathlib.Path(output_dir) / name)
-            jobs.append(Job(name, path, job_seeds, job_shots, directory, extra))
+            jobs.append(SweepJob(name, path, job_seeds, job_shots, directory, extra))
     return jobs
 
 
-def _load(path: str, config_overrides: Sequence[str]):
+def _load(path: str, config_overrides: Sequence[str]) -> config_dict.ConfigDict:
     """The config file with the sweep's overrides applied (a bad one is a usage error, one line)."""
     config = load_config(path)
     config_cli.apply_overrides(config, config_overrides)
     return config
 
 
-def job_plan(job: Job) -> config_read.Job:
+def job_plan(job: SweepJob) -> config_read.Job:
     """The job as its process will read it (``oodjax.config_read.read``)."""
     config = _load(job.config_path, job.config_overrides)
     config.runs.seeds = job.seeds
@@ -136,7 +140,7 @@ def run_finished(run: Run, final_step: int, output_dir: str | None) -> bool:
     return False
 
 
-def unfinished_jobs(job: Job, output_dir: str | None) -> list[Job]:
+def unfinished_jobs(job: SweepJob, output_dir: str | None) -> list[SweepJob]:
     """Jobs for `job`'s unfinished runs: one per seeds x shots grid they form."""
     plan = job_plan(job)
     shots_by_seed: dict[int, list[int]] = {}
@@ -158,7 +162,7 @@ def unfinished_jobs(job: Job, output_dir: str | None) -> list[Job]:
     ]
 
 
-def busy_runs(job: Job, queued: set[str]) -> str | None:
+def busy_runs(job: SweepJob, queued: set[str]) -> str | None:
     """Why the job must not be submitted now (SLURM lists it in ``queued``, or a run is locked), or None."""
     if _tag(job) in queued:
         return f"a job in {job.output_dir} is queued or running"
@@ -177,11 +181,11 @@ def queued_jobs() -> set[str]:
     return {line.strip() for line in listed.stdout.splitlines() if line.strip().startswith(QUEUED_TAG)}
 
 
-def _tag(job: Job) -> str:
+def _tag(job: SweepJob) -> str:
     return QUEUED_TAG + str(pathlib.Path(job.output_dir).resolve())
 
 
-def command(job: Job, backend: str, *, nodes: int, sbatch_options: Sequence[str] = ()) -> list[str]:
+def command(job: SweepJob, backend: str, *, nodes: int, sbatch_options: Sequence[str] = ()) -> list[str]:
     """The command that starts the job on the backend."""
     if backend == "local":
         return [sys.executable, "-m", "oodjax.main", f"--config={job.config_path}", *job.overrides()]
@@ -357,11 +361,12 @@ def time_limit_seconds(text: str) -> int:
     match = re.fullmatch(r"(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?", text.strip())
     if match is None:
         raise ValueError(f"--time={text}: not a SLURM time (minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS)")
-    days, first, second, third = (int(group) if group else None for group in match.groups())
+    first = int(match.group(2))  # the one number always there
+    days, second, third = (int(group) if group else None for group in match.group(1, 3, 4))
     if days is not None:  # D-HH[:MM[:SS]]
         return ((days * 24 + first) * 60 + (second or 0)) * 60 + (third or 0)
-    if third is not None:  # HH:MM:SS
-        return (first * 60 + second) * 60 + third
+    if third is not None:  # HH:MM:SS (a third number follows a second)
+        return (first * 60 + (second or 0)) * 60 + third
     if second is not None:  # MM:SS
         return first * 60 + second
     return first * 60  # minutes

@@ -38,7 +38,6 @@ run) is refused with one line, nothing written.
 from __future__ import annotations
 
 import dataclasses
-import math
 import pathlib
 from collections.abc import Sequence
 from typing import Any
@@ -52,9 +51,9 @@ from oodjax.config_checks import check_config
 from oodjax.config_read import Job
 from oodjax.engine import hooks, results, run_lock
 from oodjax.engine.cadence import RunGroup
+from oodjax.engine.loop import Trainer
 from oodjax.engine.results import Run
-from oodjax.engine.resumption import RunStart
-from oodjax.engine.setup import prepare, start_process
+from oodjax.engine.setup import prepare_evaluation, start_process
 from oodjax.models.lora import LoRAConfig, read_peft
 from oodjax.usage_errors import ConfigError
 
@@ -118,19 +117,21 @@ def evaluate_job(job: Job) -> list[EvaluatedRun]:
 
 
 def _evaluate_runs(job: Job, todo: list[EvaluatedRun]) -> None:
-    """Evaluates ``todo`` together on one copy of the base, as a zero-step run: the evaluation hook once, at
-    step 0, writing each run's metrics.npz."""
+    """Evaluates ``todo`` together on one copy of the base, as a zero-step run: a trainer of no steps with the
+    evaluation hook alone, which evaluates step 0 and writes each run's metrics.npz."""
     adapters = [(run.adapter, read_peft(run.adapter)) for run in todo if run.adapter is not None]
     lora = _shared_adapter_config([peft for _, peft in adapters], [folder for folder, _ in adapters])
     mesh = job.mesh.make()
     group = RunGroup(total_steps=0, runs=tuple(todo), optimizer=None, cadence=job.cadence.build(0))
     loaded = [(str(folder), tensors) for folder, (_, tensors) in adapters]
-    prepared = prepare(job, group, mesh, job.model.load(mesh), lora=lora, adapters=loaded)
-    start = [RunStart(run, group, finished=False, stored_config=None) for run in todo]
-    shared = hooks.Shared(job, group, start, events=[], checkpointers=[], clock=hooks.Clock(math.nan))
-    records = [hooks.run_record(job, run, run.model, **{schema.RUN_EVALUATED: _evaluated(job, run)}) for run in todo]
+    prepared = prepare_evaluation(job, group, mesh, job.model.load(mesh), lora, loaded)
+    records = [
+        hooks.run_record(job.record, run, run.model, **{schema.RUN_EVALUATED: _evaluated(job, run)}) for run in todo
+    ]
     model = f"{job.model.source} with its adapters" if adapters else job.model.source
-    hooks.Evaluation(shared, prepared, None, records, model).begin(prepared.state)
+    trainer = Trainer(prepared, prepared.state, start=0, total_steps=0)
+    trainer.add_hook(hooks.Evaluation(prepared, todo, group.cadence, records, model, job.data.train_set))
+    trainer.run()
     logging.info("done: %d runs evaluated; results in %s", len(todo), job.runs.output_dir)
 
 
@@ -149,9 +150,9 @@ def _shared_adapter_config(adapters: Sequence[tuple[LoRAConfig, Any]], folders: 
     for (cfg, _), folder in zip(adapters, folders, strict=True):
         if (cfg.rank, cfg.alpha, cfg.targets) != (first.rank, first.alpha, first.targets):
             raise ConfigError(
-                f"model.adapters: {folder} has rank {cfg.rank}, alpha {cfg.alpha}, targets {list(cfg.targets)} but "
-                f"{folders[0]} has rank {first.rank}, alpha {first.alpha}, targets {list(first.targets)}; adapters "
-                "evaluated together must agree (evaluate the others in a call of their own)"
+                f"model.adapters: {folder} has rank {cfg.rank}, alpha {cfg.alpha}, targets {list(cfg.targets or ())} "
+                f"but {folders[0]} has rank {first.rank}, alpha {first.alpha}, targets {list(first.targets or ())}; "
+                "adapters evaluated together must agree (evaluate the others in a call of their own)"
             )
     return dataclasses.replace(first, dropout=0.0)
 

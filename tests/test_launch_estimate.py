@@ -271,7 +271,7 @@ def test_xlas_flop_count_of_the_real_steps_checks_the_formulas():
     )
     runs, rows, seq_len, optimizer = 2, 4, 64, optax.adamw(1e-3)
     graphdef, base, state = steps.abstract_attach_runs(
-        functools.partial(costs.abstract_model, arch), range(runs), LoRAConfig(rank=8), optimizer
+        functools.partial(costs.architecture_model, arch), range(runs), LoRAConfig(rank=8), optimizer
     )
     geometry = BatchGeometry(runs=runs, batch_size=rows // runs, grad_accum=1, seq_len=seq_len)
     train_batch = costs.abstract_batch((1, rows, seq_len), (1, rows, 1), TRAIN_KEYS)
@@ -341,7 +341,7 @@ def test_saved_activations_equal_the_vjps_residuals(remat):
     # vjp's leaves are what it keeps; the step's own arguments (base, adapters, batch) are not activations.
     arguments = {id(leaf) for leaf in jax.tree.leaves((lora, base, micro, run_keys, run_weights))}
     kept = sum(leaf.nbytes for leaf in jax.tree.leaves(vjp) if id(leaf) not in arguments)
-    make = functools.partial(costs.abstract_model, architecture, remat=remat)
+    make = functools.partial(costs.architecture_model, architecture, remat=remat)
     measured = costs.saved_activation_bytes(
         make, LoRAConfig(rank=4), runs=runs, rows=rows, seq_len=seq_len, prompts_per_row=slots
     )

@@ -160,7 +160,7 @@ def evaluate(
     lora: object,
     pool: EvalPool,
     *,
-    place: Callable[[Batch], Batch],
+    place: Callable[[Batch], Mapping[str, jax.Array]],
 ) -> list[dict[str, np.ndarray]]:
     """Run r's margins (float32) on each set it scores, in the set's row order: ``[{name: [N]}] * R``.
 

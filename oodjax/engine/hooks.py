@@ -1,7 +1,7 @@
 """The trainer's hooks: each step's ``StepInfo`` goes to objects that keep their own state and apply their
-own rule of ``cadence.Cadence``: the losses' check and log, a stop, evaluation, checkpoint, export.
-``oodjax.engine.loop`` registers them for a group of runs; ``oodjax.evaluate`` runs the evaluation alone, once
-at step 0."""
+own rule of ``cadence.Cadence``: the losses' check and log, a stop, evaluation, checkpoint, export. Each takes
+the pieces it uses, not the job: ``oodjax.engine.loop`` registers them all on a group's trainer (``add_hook``),
+``oodjax.evaluate`` the evaluation alone, for a zero-step run evaluated once at step 0."""
 
 from __future__ import annotations
 
@@ -9,10 +9,13 @@ import collections
 import contextlib
 import dataclasses
 import functools
+import math
+import pathlib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
+import grain
 import huggingface_hub
 import jax
 import numpy as np
@@ -29,12 +32,10 @@ from oodjax.engine.events import EventLog
 from oodjax.engine.preemption import Preempted, StopSignals
 from oodjax.engine.results import ADAPTER_DIR, Run, RunResults
 from oodjax.engine.resumption import RunStart
-from oodjax.engine.run_data import RunsData
-from oodjax.models.lora import adds_nothing, export_peft
+from oodjax.models.lora import LoRAConfig, adds_nothing, export_peft
 
 if TYPE_CHECKING:
-    from oodjax.config_read import Job
-    from oodjax.engine.cadence import Cadence, RunGroup
+    from oodjax.engine.cadence import Cadence, ExportSettings, RunGroup
     from oodjax.engine.setup import Prepared
 
 
@@ -42,28 +43,31 @@ class NonFiniteLossError(FloatingPointError):
     """A training loss became NaN or infinite; the runs stop, their last good checkpoint kept."""
 
 
-def export_adapters(job: Job, run: Run, adapters: nnx.State, step: int) -> None:
-    """Writes one run's adapters to <run_dir>/adapter/ in PEFT format and pushes them to the hub; every process
-    takes part in gathering them, only the primary writes."""
+def export_adapters(
+    settings: ExportSettings, lora: LoRAConfig, base_model: str, run: Run, adapters: nnx.State, step: int
+) -> None:
+    """Writes one run's adapters (of ``lora``, on ``base_model``) to <run_dir>/adapter/ in PEFT format and
+    pushes them to the hub; every process takes part in gathering them, only the primary writes."""
     adapters = multihost_utils.process_allgather(adapters, tiled=True)
     if not is_primary():
         return
-    folder = export_peft(adapters, job.lora, run.directory / ADAPTER_DIR, base_model_name_or_path=job.model.source)
+    folder = export_peft(adapters, lora, run.directory / ADAPTER_DIR, base_model_name_or_path=base_model)
     logging.info("%s: adapters at step %d (PEFT format) written to %s", run.name, step, folder)
-    if job.export.hub_repo:
-        huggingface_hub.create_repo(job.export.hub_repo, exist_ok=True)
+    if hub_repo := settings.hub_repo:
+        huggingface_hub.create_repo(hub_repo, exist_ok=True)
         huggingface_hub.upload_folder(
-            repo_id=job.export.hub_repo,
+            repo_id=hub_repo,
             folder_path=folder,
             path_in_repo=run.name,
             commit_message=f"{run.name}: adapters at step {step}",
         )
 
 
-def run_record(job: Job, run: Run, model: str, **more: Any) -> dict[str, Any]:
-    """The job's record with the run's own section (its metrics.npz's): its model, seed and shots, then ``more``."""
+def run_record(record: Mapping[str, Any], run: Run, model: str, **more: Any) -> dict[str, Any]:
+    """The job's ``record`` with the run's own section (its metrics.npz's): its model, seed and shots, then
+    ``more``."""
     section = {schema.RUN_MODEL: model, schema.RUN_SEED: run.seed, schema.RUN_SHOTS: run.shots, **more}
-    return dict(job.record, **{schema.RUN_SECTION: section})
+    return dict(record, **{schema.RUN_SECTION: section})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,13 +79,23 @@ class StepInfo:
     metrics: dict[str, jax.Array]
 
 
+class Hook:
+    """What a trainer calls (``oodjax.engine.loop.Trainer.add_hook``): ``begin`` once, at the step it starts
+    from, before any step is trained; then the hook itself with each trained step's ``StepInfo``."""
+
+    def begin(self, step: int, state: steps.TrainState) -> None:
+        """Nothing, unless a hook has work before the first step."""
+
+    def __call__(self, info: StepInfo) -> None:
+        raise NotImplementedError
+
+
 class Clock:
     """The training clock: steps and seconds of training alone (no compiling, evaluating or checkpointing), and
-    the progress bar whose timer it resumes. A zero-step run's (``oodjax.evaluate``) starts at NaN: nothing
-    trained is measured."""
+    the progress bar whose timer it resumes."""
 
-    def __init__(self, seconds: float = 0.0) -> None:
-        self.seconds, self.steps = seconds, 0
+    def __init__(self) -> None:
+        self.seconds, self.steps = 0.0, 0
         self.bar: tqdm | None = None
         self.restart()
 
@@ -103,15 +117,16 @@ class Clock:
 
 @dataclasses.dataclass(frozen=True)
 class Shared:
-    """What the hooks of one group share and none owns: the job, the runs' group (of their length), their
-    starts, event logs (the primary's; only it writes) and checkpointers, and the training clock."""
+    """What the training hooks of one group share and none owns: the runs' group (of their length), their
+    starts, event logs (the primary's; only it writes) and checkpointers, the training clock, and the job's
+    output_dir (that its messages name)."""
 
-    job: Job
     plan: RunGroup
     starts: Sequence[RunStart]
     events: Sequence[EventLog]
     checkpointers: Sequence[checkpoints.RunCheckpointer]
     clock: Clock
+    output_dir: pathlib.Path
 
     @property
     def runs(self) -> list[Run]:
@@ -122,19 +137,20 @@ class Shared:
         return self.plan.cadence
 
 
-class TrainLosses:
+class TrainLosses(Hook):
     """Hook: keeps each step's metrics on device until the cadence waits for them (``Cadence.syncs``), then
-    fetches them, stops at a non-finite loss, and logs the window; sums each run's loss since the last
-    evaluation (its train_loss, which checkpoints keep)."""
+    fetches them, stops at a non-finite loss, and logs the window (throughput of ``batch_size`` examples a run
+    a step); sums each run's loss since the last evaluation (its train_loss, which checkpoints keep)."""
 
-    def __init__(self, group: Shared):
-        self.group = group
+    def __init__(self, group: Shared, batch_size: int):
+        self.group, self.batch_size = group, batch_size
         self.pending: list[tuple[int, dict[str, jax.Array]]] = []  # not yet fetched
         self.window: list[dict[str, np.ndarray]] = []  # fetched since the last log line
         self.sum, self.steps = np.zeros(len(group.starts)), 0
-        if (restored := group.starts[0].checkpoint) is not None:
-            self.sum = np.array([start.checkpoint.loop_state["loss_sum"] for start in group.starts])
-            self.steps = restored.loop_state["loss_steps"]
+        restored = [start.checkpoint for start in group.starts if start.checkpoint is not None]
+        if restored:  # the runs stand at one step, all restored or none
+            self.sum = np.array([checkpoint.loop_state["loss_sum"] for checkpoint in restored])
+            self.steps = restored[0].loop_state["loss_steps"]
 
     def __call__(self, info: StepInfo) -> None:
         self.pending.append((info.step, info.metrics))
@@ -143,8 +159,8 @@ class TrainLosses:
 
     def check(self) -> None:
         """Fetches the pending step metrics; stops at the first non-finite loss, naming its step."""
-        for step, metrics in self.pending:
-            metrics = {key: np.asarray(value, dtype=np.float64) for key, value in jax.device_get(metrics).items()}
+        for step, on_device in self.pending:
+            metrics = {key: np.asarray(value, dtype=np.float64) for key, value in jax.device_get(on_device).items()}
             if not np.isfinite(values := metrics["loss"]).all():
                 runs = zip(self.group.runs, values)
                 bad = ", ".join(f"{run.name}={value}" for run, value in runs if not np.isfinite(value))
@@ -153,7 +169,7 @@ class TrainLosses:
                 raise NonFiniteLossError(
                     f"non-finite training loss at step {step} ({bad}); stopped. The runs' last good checkpoints are "
                     f"at step {self.group.checkpointers[0].latest_step()} (<run_dir>/{checkpoints.CHECKPOINT_DIR}/ "
-                    f"under {self.group.job.runs.output_dir}); metrics.npz holds every evaluation up to it"
+                    f"under {self.group.output_dir}); metrics.npz holds every evaluation up to it"
                 )
             self.sum, self.steps = self.sum + values, self.steps + 1
             self.window.append(metrics)
@@ -172,7 +188,7 @@ class TrainLosses:
         line = f"step {step}/{plan.total_steps}: lr {learning_rate:.3g}"
         window, seconds = clock.lap()
         if window:
-            rate = len(self.group.starts) * self.group.job.batches.batch_size * window / seconds
+            rate = len(self.group.starts) * self.batch_size * window / seconds
             eta = clock.seconds / clock.steps * (plan.total_steps - step)
             metrics["train/examples_per_s"] = rate
             line += f", {rate:.1f} examples/s, training ETA {console.duration(eta)}"
@@ -191,21 +207,32 @@ class TrainLosses:
         return mean
 
 
-class Evaluation:
-    """Hook: at the cadence's evaluation steps, evaluates every run on every set of its pool (the testsets and
-    its own training set, or what ``oodjax.evaluate`` asks) and rewrites each metrics.npz (``RunResults``), its
-    config ``records[r]``. A run with no ``losses`` trains nothing: its train_loss is NaN."""
+class Evaluation(Hook):
+    """Hook: at the cadence's evaluation steps, evaluates ``runs`` on every set of their pool (the testsets and
+    each run's own training set, or what ``oodjax.evaluate`` asks) and rewrites each metrics.npz
+    (``RunResults``), its config ``records[r]``, scoring ``in_domain`` as the in-domain set.
+
+    Runs with no ``losses`` train nothing: their train_loss and train seconds are NaN; runs that train have
+    their clock and event logs from the losses' group. ``pending`` says where runs resumed from a checkpoint
+    stand: whether the evaluation of the step they start from is still to do; None: new runs."""
 
     def __init__(
         self,
-        group: Shared,
         prepared: Prepared,
-        losses: TrainLosses | None,
+        runs: Sequence[Run],
+        cadence: Cadence,
         records: Sequence[dict[str, Any]],
         model: str,
+        in_domain: str,
+        *,
+        losses: TrainLosses | None = None,
+        pending: bool | None = None,
     ):
         """``model`` is what a first evaluation with no finite output names."""
-        self.group, self.prepared, self.losses, self.model = group, prepared, losses, model
+        self.prepared, self.runs, self.cadence, self.model = prepared, runs, cadence, model
+        self.losses, self.pending = losses, pending
+        self.clock = None if losses is None else losses.group.clock
+        self.events: Sequence[EventLog] = () if losses is None else losses.group.events
         self.compiled = False
         data = prepared.data
         self.results = [
@@ -213,30 +240,30 @@ class Evaluation:
                 run.directory,
                 labels=data.eval_pool.labels_of(r),
                 dataset_index=data.dataset_index[r],
-                in_domain=group.job.data.train_set,
+                in_domain=in_domain,
                 config=record,
             )
-            for r, (run, record) in enumerate(zip(group.runs, records, strict=True))
+            for r, (run, record) in enumerate(zip(runs, records, strict=True))
         ]
 
     def __call__(self, info: StepInfo) -> None:
-        if self.group.cadence.evaluation_due(info.step):
+        if self.cadence.evaluation_due(info.step):
             self.evaluate(info.step, info.state)
-            self.group.clock.restart()
+            if self.clock is not None:
+                self.clock.restart()
 
-    def begin(self, state: steps.TrainState) -> None:
-        """Evaluates step 0 of new runs; reloads resumed runs' evaluations up to their step from their
+    def begin(self, step: int, state: steps.TrainState) -> None:
+        """Evaluates step 0 of new runs; reloads resumed runs' evaluations up to their ``step`` from their
         metrics.npz, then does that step's evaluation if they were stopped before it."""
-        first = self.group.starts[0]
-        if first.checkpoint is None:
+        if self.pending is None:
             return self.evaluate(0, state)
-        evaluated = [step for step in self.group.cadence.evaluated_steps() if step <= first.step]
-        if first.evaluation_pending:
-            evaluated.remove(first.step)
+        evaluated = [done for done in self.cadence.evaluated_steps() if done <= step]
+        if self.pending:
+            evaluated.remove(step)
         for run_results in self.results:
-            run_results.resume(first.step, evaluated)
-        if first.evaluation_pending:
-            self.evaluate(first.step, state)
+            run_results.resume(step, evaluated)
+        if self.pending:
+            self.evaluate(step, state)
 
     def evaluate(self, step: int, state: steps.TrainState) -> None:
         start, primary = time.perf_counter(), is_primary()
@@ -255,7 +282,7 @@ class Evaluation:
         once = ", each example once for all runs: no adapter adds anything yet" if pool.interchangeable else ""
         seconds = time.perf_counter() - start
         logging.info("evaluated step %d (%d batches%s) in %.1f s", step, len(pool.batches), once, seconds)
-        runs, clock = len(self.results), self.group.clock.seconds
+        runs, clock = len(self.results), math.nan if self.clock is None else self.clock.seconds
         train_loss = self.losses.since_evaluation() if self.losses is not None else np.full(runs, np.nan)
         accuracies = [
             run_results.add(step, margins[r], train_loss[r], train_clock=clock, evaluation_seconds=seconds)
@@ -266,9 +293,9 @@ class Evaluation:
         if primary:
             for run_results in self.results:
                 run_results.write()
-        for events, run_accuracies in zip(self.group.events, accuracies):  # the primary's (none: no event log)
+        for events, run_accuracies in zip(self.events, accuracies):  # the primary's (none: no event log)
             events.log(step, {f"accuracy/{name}": value for name, value in run_accuracies.items()})
-        for run, run_accuracies in zip(self.group.runs, accuracies):
+        for run, run_accuracies in zip(self.runs, accuracies):
             summary = ", ".join(f"{name} {value:.3f}" for name, value in run_accuracies.items())
             logging.info("step %d, %s: %s", step, run.name, summary)
 
@@ -287,12 +314,15 @@ class Evaluation:
         return counted
 
 
-class Checkpoints:
+class Checkpoints(Hook):
     """Hook: at the cadence's checkpoint steps, saves each run's slice of the state and its loop state (the
-    data stream's, its loss sum) in the run's own folder."""
+    training ``stream``'s, its loss sum, its ``records``' record, which resumption compares) in the run's own
+    folder."""
 
-    def __init__(self, group: Shared, data: RunsData, losses: TrainLosses):
-        self.group, self.data, self.losses = group, data, losses
+    def __init__(
+        self, group: Shared, stream: grain.DatasetIterator, losses: TrainLosses, records: Sequence[Mapping[str, Any]]
+    ):
+        self.group, self.stream, self.losses, self.records = group, stream, losses, records
 
     def __call__(self, info: StepInfo) -> None:
         if self.group.cadence.checkpoint_due(info.step):
@@ -300,12 +330,10 @@ class Checkpoints:
             self.group.clock.restart()
 
     def save(self, step: int, state: steps.TrainState, *, evaluation_pending: bool = False) -> None:
-        job, group, data = self.group.job, self.group, self.data.train_stream.get_state()
-        run_states = checkpoints.split_runs(state)
-        runs = zip(group.runs, group.checkpointers, run_states, strict=True)
-        for r, (run, checkpointer, run_state) in enumerate(runs):
+        data, run_states = self.stream.get_state(), checkpoints.split_runs(state)
+        for r, (checkpointer, run_state) in enumerate(zip(self.group.checkpointers, run_states, strict=True)):
             loop_state = {
-                "config": run_record(job, run, job.model.name, **group.plan.plan()),
+                "config": self.records[r],
                 "loss_sum": float(self.losses.sum[r]),
                 "loss_steps": self.losses.steps,
                 "data": data,
@@ -314,15 +342,20 @@ class Checkpoints:
             checkpointer.save(step, run_state, loop_state)
 
 
-class Export:
+class Export(Hook):
     """Hook: with export.peft, writes each run's adapters to <run_dir>/adapter/ in PEFT format at the last
-    step's checkpoint, or at every checkpoint with export.every_checkpoint."""
+    step's checkpoint, or at every checkpoint with export.every_checkpoint; runs resumed at their last step
+    (stopped before its evaluation) at once."""
 
-    def __init__(self, group: Shared):
-        self.group = group
+    def __init__(self, group: Shared, settings: ExportSettings, lora: LoRAConfig, base_model: str):
+        self.group, self.settings, self.lora, self.base_model = group, settings, lora, base_model
+
+    def begin(self, step: int, state: steps.TrainState) -> None:
+        if step == self.group.cadence.total_steps and self.settings.peft:
+            self.export(step, state)
 
     def __call__(self, info: StepInfo) -> None:
-        cadence, export = self.group.cadence, self.group.job.export
+        cadence, export = self.group.cadence, self.settings
         last_or_every = info.step == cadence.total_steps or export.every_checkpoint
         if export.peft and cadence.checkpoint_due(info.step) and last_or_every:
             self.export(info.step, info.state)
@@ -330,10 +363,11 @@ class Export:
 
     def export(self, step: int, state: steps.TrainState) -> None:
         for r, run in enumerate(self.group.runs):
-            export_adapters(self.group.job, run, steps.select_run(state.lora, r), step)
+            adapters = steps.select_run(state.lora, r)
+            export_adapters(self.settings, self.lora, self.base_model, run, adapters, step)
 
 
-class Stopping:
+class Stopping(Hook):
     """Hook: on a stop signal (agreed across processes at the steps the cadence waits for anyway), checkpoints
     every run at the step unless it already is, waits until that is on disk everywhere, and raises
     ``Preempted``. Registered after the losses' log (the resumed run keeps the lines up to its checkpoint) and
@@ -354,7 +388,7 @@ class Stopping:
         for checkpointer in self.group.checkpointers:
             checkpointer.wait()
         signal_name = self.stop.received or "a signal to another process"
-        where = f"<run_dir>/{checkpoints.CHECKPOINT_DIR}/{step} under {self.group.job.runs.output_dir}"
+        where = f"<run_dir>/{checkpoints.CHECKPOINT_DIR}/{step} under {self.group.output_dir}"
         left = ", its evaluation left for the resumed run" if evaluation_pending else ""
         runs = len(self.group.starts)
         message = f"the checkpoints of {runs} runs at step {step} are saved ({where}){left}; rerun the same command"

@@ -1,10 +1,10 @@
 """The run loop: train a config's runs, evaluate them as they go, keep everything, resume run by run.
 
 `train(job)` loads the model once, attaches one set of adapters per run
-(seeds x shots), and trains them step by step (``_Loop``), each step handed
-to hooks (``oodjax.engine.hooks``) that keep their own state and apply their
-own rule of ``cadence.Cadence``: the losses' check and log, a stop,
-evaluation, checkpoint, export.
+(seeds x shots), and trains them step by step (a ``Trainer``), each step
+handed to the hooks added to it (``oodjax.engine.hooks``), which keep their
+own state and apply their own rule of ``cadence.Cadence``: the losses' check
+and log, a stop, evaluation, checkpoint, export.
 
 Runs are the unit of resumption (``oodjax.engine.resumption``). Runs train
 in lockstep, so the unfinished ones are trained in groups of one length
@@ -21,7 +21,7 @@ import collections
 import contextlib
 import dataclasses
 import itertools
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
 import jax
@@ -36,8 +36,10 @@ from oodjax.engine.distributed import is_primary, lost_peer
 from oodjax.engine.events import EventLog
 from oodjax.engine.hooks import (
     Checkpoints,
+    Clock,
     Evaluation,
     Export,
+    Hook,
     NonFiniteLossError,
     StepInfo,
     Stopping,
@@ -52,9 +54,9 @@ from oodjax.engine.resumption import (
     set_aside_damaged,
     warn_of_shared_checkpoints,
 )
-from oodjax.engine.setup import prepare
+from oodjax.engine.setup import Prepared, PreparedTraining, prepare_training
 
-__all__ = ["NonFiniteLossError", "train"]  # what a caller of train catches, and train
+__all__ = ["NonFiniteLossError", "Trainer", "train"]  # what a caller of train catches, the trainer, and train
 
 if TYPE_CHECKING:
     from oodjax.config_read import Job
@@ -89,9 +91,9 @@ def _train_runs(job: Job, to_train: list[RunStart], to_export: list[RunStart], s
     mesh = job.mesh.make()
     model = job.model.load(mesh)
     resumed = [start for start in to_train if start.checkpoint is not None] + to_export
-    if resumed:
-        optimizer = resumed[0].group.optimizer.transformation  # its state's structure is every length's
-        _, _, one_run = steps.attach_runs(model, [0], job.lora, optimizer, mesh=mesh)
+    if resumed and (optimizer := resumed[0].group.optimizer) is not None:  # groups that train have one
+        # its state's structure is every length's
+        _, _, one_run = steps.attach_runs(model, [0], job.lora, optimizer.transformation, mesh=mesh)
         target = checkpoints.run_target(one_run)
         del one_run
         for start in resumed:
@@ -109,14 +111,15 @@ def _train_runs(job: Job, to_train: list[RunStart], to_export: list[RunStart], s
 def _export_finished(job: Job, start: RunStart) -> None:
     """A finished run rerun with export.peft: its final checkpoint's adapters, exported."""
     restored, total_steps = start.checkpoint, start.group.total_steps
-    if restored is None or restored.step != total_steps:
+    if restored is None or restored.state is None or restored.step != total_steps:
         logging.warning(
             "%s: cannot export its adapters: it has no intact checkpoint at its last step %d",
             start.run.name,
             total_steps,
         )
         return
-    hooks.export_adapters(job, start.run, restored.state.lora, restored.step)
+    adapters = restored.state.lora
+    hooks.export_adapters(job.export, job.lora, job.model.source, start.run, adapters, restored.step)
     start.checkpoint = dataclasses.replace(restored, state=None)  # its memory goes
 
 
@@ -146,87 +149,48 @@ def _summary(job: Job, starts: Sequence[RunStart]) -> None:
     logging.info("done: %d runs; results in %s`python -m analysis %s --out DIR` analyses them)", len(runs), where, out)
 
 
-class _Loop:
-    """The trainer of one group of runs that stand at one step: a stepper (``_steps``) whose every step's
-    ``StepInfo`` goes to the hooks in the order registered (``hooks``)."""
+class Trainer:
+    """Steps a prepared group of runs from ``start`` to ``total_steps``: first each hook's ``begin``, then
+    every step's ``StepInfo`` to the hooks in the order added (``add_hook``). A group of zero steps
+    (``oodjax.evaluate``) only begins; one that trains is ``PreparedTraining``, and with ``stopping`` its
+    stop signals are taken at every step, and before the first."""
 
     def __init__(
-        self, job: Job, mesh: jax.sharding.Mesh, model: models.CausalLM, starts: Sequence[RunStart], stop: StopSignals
+        self,
+        prepared: Prepared,
+        state: steps.TrainState,
+        start: int,
+        total_steps: int,
+        *,
+        clock: Clock | None = None,
+        stopping: Stopping | None = None,
     ):
-        """Sets up the runs that stand at one step, from their checkpoints (or from scratch at step 0); they are
-        of one length, their group's."""
-        runs = [start.run for start in starts]
-        plan = dataclasses.replace(starts[0].group, runs=tuple(runs))  # those of its runs that stand here
-        logging.info(
-            "training %d runs from step %d: %s", len(runs), starts[0].step, ", ".join(run.name for run in runs)
-        )
-        self.prepared = prepared = prepare(job, plan, mesh, model)
-        self.state, self.stop = prepared.state, stop
-        if starts[0].checkpoint is not None:
-            self.state = checkpoints.stack_runs([start.checkpoint.state for start in starts], like=self.state)
-            prepared.data.train_stream.set_state(starts[0].checkpoint.loop_state["data"])  # the runs stand at one step
-            for start in starts:  # the restored slices now live in the stacked state
-                start.checkpoint = dataclasses.replace(start.checkpoint, state=None)
-        length = plan.plan()  # in each run's section
-        kept_through = starts[0].step if starts[0].checkpoint is not None else -1  # the redone steps' lines go
-        events = [
-            EventLog(
-                run.directory,
-                run_name=run.name,
-                kept_through=kept_through,
-                wandb=job.trackers.wandb,
-                tensorboard=job.trackers.tensorboard,
-                # its training set too, for W&B's filters
-                config=hooks.run_record(job, run, job.model.name, **length, train_set=job.data.train_set),
-            )
-            for run in (runs if is_primary() else [])  # only process 0 writes results and event logs
-        ]
-        if events and (wandb_destination := events[0].wandb_destination()) is not None:
-            logging.info("%s", wandb_destination)  # once, in place of W&B's banner and footer per run
-        keep = plan.cadence.checkpoint_keep
-        checkpointers = [checkpoints.RunCheckpointer(run.directory, name=run.name, max_to_keep=keep) for run in runs]
-        self.group = group = hooks.Shared(job, plan, starts, events, checkpointers, hooks.Clock())
-        losses = TrainLosses(group)
-        saves = Checkpoints(group, prepared.data, losses)
-        records = [hooks.run_record(job, run, job.model.name, **length) for run in runs]
-        self.evaluation = Evaluation(group, prepared, losses, records, job.model.source)
-        self.export, self.stopping = Export(group), Stopping(group, stop, losses, saves)
-        # After each step, in this order: the losses' check and log line, a stop, evaluation, checkpoint, export.
-        self.hooks: list[Callable[[StepInfo], None]] = [losses, self.stopping, self.evaluation, saves, self.export]
+        self.prepared, self.state, self.start, self.total_steps = prepared, state, start, total_steps
+        self.clock, self.stopping = clock or Clock(), stopping
+        self.hooks: list[Hook] = []
+
+    def add_hook(self, hook: Hook) -> None:
+        """Adds ``hook``, called after those added before it."""
+        self.hooks.append(hook)
 
     def run(self) -> None:
-        with contextlib.ExitStack() as closing:  # every one closed, whatever fails
-            for events in self.group.events:
-                closing.callback(events.close)
-            closing.push(self._close_checkpointers)
-            with console.logs_above_bars():
-                self.evaluation.begin(self.state)
-                start = self.group.starts[0].step
-                if start < self.group.plan.total_steps:
-                    self._train(start)
-                elif self.group.job.export.peft:  # stopped at the last step before its evaluation, now done
-                    self.export.export(start, self.state)
-
-    def _close_checkpointers(self, _kind: object, error: BaseException | None, _traceback: object) -> None:
-        """Waits for the pending saves and closes, unless a collective lost another host's process: the
-        saves' barriers would wait for it until JAX's heartbeat timeout aborts this process with a dump."""
-        if error is not None and lost_peer(error) is not None:
-            return
-        with contextlib.ExitStack() as closing:
-            for checkpointer in self.group.checkpointers:
-                closing.callback(checkpointer.close)
+        for hook in self.hooks:
+            hook.begin(self.start, self.state)
+        if self.start < self.total_steps:
+            self._train(self.start)
 
     def _train(self, start: int) -> None:
         """Steps start+1 .. total through the hooks. The first step, which compiles, runs before the bar and
         the training clock start, so neither the ETA nor examples/s counts its compilation."""
-        if self.stop.agreed():  # a signal while loading, compiling or evaluating
+        # a signal while loading, compiling or evaluating
+        if self.stopping is not None and self.stopping.stop.agreed():
             self.stopping.stop_at(start, self.state, evaluation_pending=False)
-        stepper, clock = self._steps(start), self.group.clock
+        stepper, clock = self._steps(start), self.clock
         with console.first_call("train step"):
             first = next(stepper)
             jax.block_until_ready(first.metrics)
         clock.restart()
-        total = self.group.plan.total_steps
+        total = self.total_steps
         with console.bar(total=total, initial=first.step, desc="train", unit="step", enabled=is_primary()) as bar:
             clock.bar = bar
             for info in itertools.chain([first], stepper):
@@ -239,11 +203,88 @@ class _Loop:
     def _steps(self, start: int) -> Iterator[StepInfo]:
         """The stepper: trains steps start+1 .. total, each when asked for."""
         prepared = self.prepared
-        for step in range(start + 1, self.group.plan.total_steps + 1):
-            batch = next(prepared.data.train_stream)  # this process's rows of the global micro-batches
+        assert isinstance(prepared, PreparedTraining)  # a group that trains steps
+        for step in range(start + 1, self.total_steps + 1):
+            batch = next(prepared.train_stream)  # this process's rows of the global micro-batches
             batch = {key: batch[key] for key in TRAIN_KEYS}
             batch = sharding.shard_process_batch(batch, prepared.mesh, batch_axis=1, num_rows=prepared.geometry.rows)
             self.state, metrics = prepared.train_step(prepared.base_state, self.state, batch)
-            self.group.clock.window += 1
-            self.stop.step_trained(step)
+            self.clock.window += 1
+            if self.stopping is not None:
+                self.stopping.stop.step_trained(step)
             yield StepInfo(step, self.state, metrics)
+
+
+class _Loop(Trainer):
+    """The trainer of one group of runs of the job that stand at one step, with the job's hooks: the losses'
+    check and log, a stop, evaluation, checkpoint, export (``hooks``); it closes the runs' event logs and
+    checkpointers, whatever fails."""
+
+    def __init__(
+        self, job: Job, mesh: jax.sharding.Mesh, model: models.CausalLM, starts: Sequence[RunStart], stop: StopSignals
+    ):
+        """Sets up the runs that stand at one step, from their checkpoints (or from scratch at step 0); they are
+        of one length, their group's."""
+        runs = [start.run for start in starts]
+        plan = dataclasses.replace(starts[0].group, runs=tuple(runs))  # those of its runs that stand here
+        logging.info(
+            "training %d runs from step %d: %s", len(runs), starts[0].step, ", ".join(run.name for run in runs)
+        )
+        prepared = prepare_training(job, plan, mesh, model)
+        state, restored = prepared.state, [start.checkpoint for start in starts if start.checkpoint is not None]
+        if restored:  # the runs stand at one step, all restored or none
+            states = [checkpoint.state for checkpoint in restored if checkpoint.state is not None]  # all, restored
+            state = checkpoints.stack_runs(states, like=state)
+            prepared.train_stream.set_state(restored[0].loop_state["data"])
+            for start in starts:  # the restored slices now live in the stacked state
+                if start.checkpoint is not None:
+                    start.checkpoint = dataclasses.replace(start.checkpoint, state=None)
+        length = plan.plan()  # in each run's section
+        kept_through = starts[0].step if restored else -1  # the redone steps' lines go
+        events = [
+            EventLog(
+                run.directory,
+                run_name=run.name,
+                kept_through=kept_through,
+                wandb=job.trackers.wandb,
+                tensorboard=job.trackers.tensorboard,
+                # its training set too, for W&B's filters
+                config=hooks.run_record(job.record, run, job.model.name, **length, train_set=job.data.train_set),
+            )
+            for run in (runs if is_primary() else [])  # only process 0 writes results and event logs
+        ]
+        if events and (wandb_destination := events[0].wandb_destination()) is not None:
+            logging.info("%s", wandb_destination)  # once, in place of W&B's banner and footer per run
+        keep = plan.cadence.checkpoint_keep
+        checkpointers = [checkpoints.RunCheckpointer(run.directory, name=run.name, max_to_keep=keep) for run in runs]
+        self.group = group = hooks.Shared(plan, starts, events, checkpointers, Clock(), job.runs.output_dir)
+        losses = TrainLosses(group, job.batches.batch_size)
+        records = [hooks.run_record(job.record, run, job.model.name, **length) for run in runs]
+        saves = Checkpoints(group, prepared.train_stream, losses, records)
+        stopping = Stopping(group, stop, losses, saves)
+        super().__init__(prepared, state, starts[0].step, plan.total_steps, clock=group.clock, stopping=stopping)
+        pending = starts[0].evaluation_pending if restored else None
+        source, in_domain = job.model.source, job.data.train_set
+        evaluation = Evaluation(
+            prepared, runs, plan.cadence, records, source, in_domain, losses=losses, pending=pending
+        )
+        # After each step, in this order: the losses' check and log line, a stop, evaluation, checkpoint, export.
+        for hook in (losses, stopping, evaluation, saves, Export(group, job.export, job.lora, source)):
+            self.add_hook(hook)
+
+    def run(self) -> None:
+        with contextlib.ExitStack() as closing:  # every one closed, whatever fails
+            for events in self.group.events:
+                closing.callback(events.close)
+            closing.push(self._close_checkpointers)
+            with console.logs_above_bars():
+                super().run()
+
+    def _close_checkpointers(self, _kind: object, error: BaseException | None, _traceback: object) -> None:
+        """Waits for the pending saves and closes, unless a collective lost another host's process: the
+        saves' barriers would wait for it until JAX's heartbeat timeout aborts this process with a dump."""
+        if error is not None and lost_peer(error) is not None:
+            return
+        with contextlib.ExitStack() as closing:
+            for checkpointer in self.group.checkpointers:
+                closing.callback(checkpointer.close)

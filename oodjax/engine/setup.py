@@ -1,11 +1,13 @@
-"""A run group made ready to run: ``prepare`` gives its model split into base and adapters, its compiled steps
-and its data, for the loop and ``oodjax.evaluate`` (a zero-step run: evaluated once, at step 0); ``set_up``, its
-data alone, is also what the preflight and the estimate lay out, so what they lay out is what a job lays out.
+"""A run group made ready to run: its model split into base and adapters, its compiled steps and its data, by
+``prepare_training`` for the loop or ``prepare_evaluation`` for ``oodjax.evaluate`` (a zero-step run: evaluated
+once, at step 0), over one attach step; ``set_up``, its data alone, is also what the preflight and the estimate
+lay out, so what they lay out is what a job lays out.
 ``start_process`` is what the entry points that compute (``oodjax.main``, ``oodjax.evaluate``) do first."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging as python_logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -23,7 +25,7 @@ from transformers import PreTrainedTokenizerBase
 
 from analysis import schema
 from oodjax import versions
-from oodjax.data import TRAIN_PREFETCH, answer_token_ids, load_tokenizer, train_steps
+from oodjax.data import TRAIN_PREFETCH, TokenizedSet, answer_token_ids, load_tokenizer, train_steps
 from oodjax.engine import distributed, sharding, steps
 from oodjax.engine.evaluation import make_eval_pool
 from oodjax.engine.geometry import BatchGeometry, EvalGeometry, batch_geometry, eval_geometry
@@ -95,8 +97,8 @@ def set_up(
 
 
 def _runs_data(
-    shared: Mapping[str, IndexedSet],
-    own: Sequence[Mapping[str, IndexedSet]],
+    shared: Mapping[str, TokenizedSet],
+    own: Sequence[Mapping[str, TokenizedSet]],
     index: Sequence[dict[str, np.ndarray]],
     layout: EvalGeometry,
     tokenizer: PreTrainedTokenizerBase,
@@ -104,62 +106,82 @@ def _runs_data(
 ) -> RunsData:
     """The pool of the sets every run scores and each run's own, in ``layout``'s batches. Runs that train also
     get step 0's pool (``make_eval_pool``'s ``like``); a zero-step run's adapters may be loaded, so it has one."""
-    batches = dict(
+    batches = functools.partial(
+        make_eval_pool,
+        shared,
+        own,
         batch_tokens=layout.batch_tokens,
         row_multiple=layout.batch_shards,
         row_lengths=layout.row_lengths,
         pad_id=pad_id(tokenizer),
     )
-    pool = make_eval_pool(shared, own, **batches)
-    first = pool if train_stream is None else make_eval_pool(shared, own, like=pool, **batches)
+    pool = batches()
+    first = pool if train_stream is None else batches(like=pool)
     return RunsData(pool, first_eval_pool=first, train_stream=train_stream, dataset_index=tuple(index))
 
 
 @dataclasses.dataclass(frozen=True)
 class Prepared:
-    """A run group ready to run: the model split into its frozen base and the runs' stacked adapters
-    (``TrainState``), its compiled steps and its data."""
+    """Runs ready to evaluate: the model split into its frozen base and the runs' stacked adapters
+    (``TrainState``), its compiled eval step and its data."""
 
     base_state: nnx.State
     state: steps.TrainState  # the runs' adapters, optimizer state and dropout keys
-    train_step: Callable[..., Any] | None  # None: a zero-step run
     eval_step: Callable[..., Any]
     data: RunsData
-    geometry: BatchGeometry | None  # the training batches' (None: a zero-step run)
     mesh: Mesh
 
 
-def prepare(
+@dataclasses.dataclass(frozen=True)
+class PreparedTraining(Prepared):
+    """A run group ready to train: ``Prepared`` with its train step, its batches' geometry and their stream."""
+
+    train_step: Callable[..., Any]
+    geometry: BatchGeometry
+    train_stream: grain.DatasetIterator  # this process's rows of the training steps (``data.train_stream``)
+
+
+def _attach(
+    job: Job, group: RunGroup, mesh: Mesh, model: nnx.Module, lora: LoRAConfig, optimizer: optax.GradientTransformation
+) -> tuple[nnx.GraphDef, nnx.State, steps.TrainState]:
+    """What both ways share: ``group``'s adapters attached to ``model`` (in place) from each run's keys
+    (``RunPlan.key_seed``), ``optimizer``'s state beside them."""
+    seeds = [job.runs.key_seed(run) for run in group.runs]
+    return steps.attach_runs(model, seeds, lora, optimizer, mesh=mesh)
+
+
+def prepare_training(job: Job, group: RunGroup, mesh: Mesh, model: nnx.Module) -> PreparedTraining:
+    """``group`` on ``mesh``, ready to train: its few-shot sets' training stream and an evaluation pool of each
+    run's own set beside the testsets."""
+    assert group.optimizer is not None  # only a zero-step group has none
+    graphdef, base_state, state = _attach(job, group, mesh, model, job.lora, group.optimizer.transformation)
+    setup = set_up(job, mesh, group.runs, group.total_steps)
+    assert setup.data is not None and setup.data.train_stream is not None  # set_up's testsets, with training
+    train_step, eval_step = steps.make_steps(
+        group.optimizer, job.model.compute_dtype, setup.geometry, graphdef, base_state, state, *setup.answer_ids, mesh
+    )
+    return PreparedTraining(
+        base_state, state, eval_step, setup.data, mesh, train_step, setup.geometry, setup.data.train_stream
+    )
+
+
+def prepare_evaluation(
     job: Job,
     group: RunGroup,
     mesh: Mesh,
     model: nnx.Module,
-    *,
-    lora: LoRAConfig | None = None,
-    adapters: Sequence[tuple[str, Mapping[str, Any]]] = (),
+    lora: LoRAConfig,
+    adapters: Sequence[tuple[str, dict[str, np.ndarray]]] = (),
 ) -> Prepared:
-    """``group`` on ``mesh``, its adapters attached to ``model`` (in place; ``lora``, default the job's) from
-    each run's keys (``RunPlan.key_seed``), or loaded from ``adapters`` ((folder, PEFT tensors) a run).
-
-    A group of runs that train gets its few-shot sets' training stream and evaluation pool (each run's own
-    set beside the testsets). A zero-step run (``oodjax.evaluate``) trains nothing: its pool is the testsets,
-    or with eval.in_context each run's copy of them preceded by its few-shot set's demonstrations.
-    """
-    seeds, optimizer = [job.runs.key_seed(run) for run in group.runs], group.optimizer
-    transformation = optimizer.transformation if optimizer is not None else optax.identity()  # zero steps: no state
-    graphdef, base_state, state = steps.attach_runs(model, seeds, lora or job.lora, transformation, mesh=mesh)
+    """A zero-step ``group`` (``oodjax.evaluate``) on ``mesh``, adapters of ``lora`` attached to ``model`` (in
+    place), or loaded from ``adapters`` ((folder, PEFT tensors) a run). Its pool is the testsets, or with
+    eval.in_context each run's copy of them preceded by its few-shot set's demonstrations."""
+    graphdef, base_state, state = _attach(job, group, mesh, model, lora, optax.identity())  # no optimizer state
     if adapters:
         template = nnx.state(model, nnx.LoRAParam)
         loaded = [lora_from_peft(template, tensors, source=folder) for folder, tensors in adapters]
         stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *loaded)
-        state = state.replace(lora=sharding.place(stacked, sharding.runs_shardings(stacked, mesh)))
-    compute_dtype = job.model.compute_dtype
-    if optimizer is not None:
-        setup = set_up(job, mesh, group.runs, group.total_steps)
-        train_step, eval_step = steps.make_steps(
-            optimizer, compute_dtype, setup.geometry, graphdef, base_state, state, *setup.answer_ids, mesh
-        )
-        return Prepared(base_state, state, train_step, eval_step, setup.data, setup.geometry, mesh)
+        state = dataclasses.replace(state, lora=sharding.place(stacked, sharding.runs_shardings(stacked, mesh)))
     tokenizer = load_tokenizer(job.model.tokenizer)
     if job.in_context:  # each run scores its own in-context copy of the testsets
         shared: Mapping[str, IndexedSet] = {}
@@ -170,8 +192,9 @@ def prepare(
     layout = eval_geometry(job.batches, sharding.batch_shards(mesh))
     data = _runs_data(shared, own, [index] * len(group.runs), layout, tokenizer, None)
     answers = answer_token_ids(tokenizer, job.data.answers)
+    compute_dtype = jnp.dtype(job.model.compute_dtype) if job.model.compute_dtype else None
     eval_step = steps.make_eval_step(graphdef, *answers, mesh=mesh, compute_dtype=compute_dtype)
-    return Prepared(base_state, state, None, eval_step, data, None, mesh)
+    return Prepared(base_state, state, eval_step, data, mesh)
 
 
 class _QuietCheckpointing(python_logging.Filter):
