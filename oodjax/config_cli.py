@@ -216,7 +216,7 @@ def config_fields_help(config: config_dict.ConfigDict | None = None) -> str:
         shown = "shown with --config's values, (base: X) where configs/base.py's default X differs"
     lines = [f"config fields (--{CONFIG_FLAG}.<field>=<value> sets one; {shown}):"]
     for path, description in config_fields.field_descriptions().items():
-        if path in _sections():
+        if path in config_fields.sections():
             lines += ["", f"[{path}]", *_wrapped(description, indent="  ")]
             continue
         if "." not in path:
@@ -233,7 +233,7 @@ def describe_config(config: config_dict.ConfigDict) -> str:
     `--config.<field>=` takes it."""
     sections: dict[str, list[str]] = {"": []}
     for path in config_fields.field_descriptions():
-        if path not in _sections():
+        if path not in config_fields.sections():
             section, _, field = path.rpartition(".")
             sections.setdefault(section, []).append(f"{field}={_display(config_fields.value_at(config, path))}")
     lines = []
@@ -335,7 +335,7 @@ def _parse_value(field: str, current: Any, text: str | None, *, negated: bool, a
     if isinstance(current, tuple):
         return _parse_list(field, text, argument)
     if isinstance(current, config_dict.ConfigDict):
-        if field in _sections():
+        if field in config_fields.sections():
             raise error(f"no value: it is a section; set its fields one by one (--{CONFIG_FLAG}.{field}.<field>=...)")
         value = _literal(text) if text.strip() else {}
         if not isinstance(value, dict):
@@ -404,12 +404,6 @@ def _is_a(item: Any, kind: type) -> bool:
     if isinstance(item, bool):
         return False
     return isinstance(item, (int, float)) if kind is float else isinstance(item, kind)
-
-
-@functools.cache
-def _sections() -> frozenset[str]:
-    """The config's sections (model, train, ...), unlike `model.hf_config`, a value that is a ConfigDict."""
-    return frozenset(section for section, meaning in config_fields.LAYOUT.items() if meaning is not None)
 
 
 def _display(value: Any) -> str:

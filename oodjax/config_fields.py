@@ -66,25 +66,17 @@ PIECES = (
 )
 
 
-# The config's sections and top-level fields in the order the help and a job's log show them, each section's
-# meaning beside it; within a section, its fields in their pieces' order.
-LAYOUT = {
-    "model": "",
-    "tokenizer": None,
-    "lora": "",
-    "data": "",
+# The order the help and a job's log show the config's sections and top-level fields in (one no piece names
+# here comes last); within a section, its fields in their pieces' order.
+LAYOUT = ("model", "tokenizer", "lora", "data", "runs", "train", "eval", "mesh", "output_dir", "checkpoint_every")
+LAYOUT += ("checkpoint_keep", "log_every", "wandb", "tensorboard", "export")
+# What a section is, where its fields do not say it.
+SECTION_MEANINGS = {
     "runs": "Every (seed, shots) pair is one run; all of them train together on one copy of the frozen base.",
-    "train": "",
-    "eval": "",
     "mesh": "Device mesh axis sizes; -1 = all remaining devices. The batch is split over data x fsdp; parameters "
     "over fsdp and tensor by the logical rules.",
-    "output_dir": None,
-    "checkpoint_every": None,
-    "checkpoint_keep": None,
-    "log_every": None,
     "wandb": "Live metrics, beside each run's events.jsonl and at the same steps: the mean training loss and "
     "gradient norm (global, before clipping) since the last line, the learning rate, examples/s, and every accuracy.",
-    "tensorboard": "",
     "export": "The trained adapters in PEFT format (adapter_config.json and adapter_model.safetensors), for "
     "`peft.PeftModel.from_pretrained`.",
 }
@@ -108,32 +100,35 @@ def list_item_types() -> dict[str, type]:
     return {path: kind for path, setting in settings().items() if (kind := setting.item_type) is not None}
 
 
+def sections() -> list[str]:
+    """The config's sections (model, train, ...), in order, unlike `model.hf_config`, a value that is a dict."""
+    return list(dict.fromkeys(path.split(".")[0] for path in settings() if "." in path))
+
+
 def get_config() -> config_dict.ConfigDict:
     config = config_dict.ConfigDict()
-    for section, meaning in LAYOUT.items():
-        if meaning is not None:
-            config[section] = config_dict.ConfigDict()
     for path, declaration in settings().items():
         section, _, key = path.rpartition(".")
+        if section and section not in config:
+            config[section] = config_dict.ConfigDict()
         value = declaration.config_default
-        value = config_dict.ConfigDict(value) if isinstance(value, dict) else value
-        (config[section] if section else config)[key] = value
+        (config[section] if section else config)[key] = (
+            config_dict.ConfigDict(value) if isinstance(value, dict) else value
+        )
     config.lock()
     return config
 
 
 @functools.cache
 def field_descriptions() -> dict[str, str]:
-    """Field path -> its meaning: a section's from ``LAYOUT``, a setting's from the comment lines right above its
-    declaration, then any after it on its line. Read from the source, so a meaning is written once, beside its
-    default."""
+    """Field path -> its meaning: a section's from ``SECTION_MEANINGS``, a setting's from the comment lines right
+    above its declaration, then any after it on its line. Read from the source, so a meaning is written once,
+    beside its default."""
     descriptions: dict[str, str] = {}
-    for section, meaning in LAYOUT.items():
-        if meaning is not None:
-            descriptions[section] = meaning
-        for path, declaration in settings().items():
-            if path.split(".")[0] == section:
-                descriptions[path] = _comment(declaration)
+    for path, declaration in settings().items():
+        if "." in path:
+            descriptions.setdefault(path.split(".")[0], SECTION_MEANINGS.get(path.split(".")[0], ""))
+        descriptions[path] = _comment(declaration)
     return descriptions
 
 
