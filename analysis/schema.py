@@ -108,6 +108,7 @@ RUN_SHOTS = "shots"
 RUN_STEPS = "steps"
 RUN_WARMUP_STEPS = "warmup_steps"
 RUN_EVALUATED_STEPS = "evaluated_steps"
+RUN_PLAN = (RUN_STEPS, RUN_WARMUP_STEPS, RUN_EVALUATED_STEPS)  # what a resumed run is compared by
 # Runs written by `python -m oodjax.evaluate` (one evaluation, at step 0, no
 # training) say so in their run section: RUN_EVALUATED is one of
 # EVALUATED_KINDS. A trained run has no such field. (Files written before the

@@ -68,8 +68,8 @@ PIECES = (
 
 # The order the help and a job's log show the config's sections and top-level fields in (one no piece names
 # here comes last); within a section, its fields in their pieces' order.
-LAYOUT = ("model", "tokenizer", "lora", "data", "runs", "train", "eval", "mesh", "output_dir", "checkpoint_every")
-LAYOUT += ("checkpoint_keep", "log_every", "wandb", "tensorboard", "export")
+LAYOUT = "model tokenizer lora data runs train eval mesh output_dir checkpoint_every checkpoint_keep log_every".split()
+LAYOUT += ["wandb", "tensorboard", "export"]
 # What a section is, where its fields do not say it.
 SECTION_MEANINGS = {
     "runs": "Every (seed, shots) pair is one run; all of them train together on one copy of the frozen base.",

@@ -152,9 +152,4 @@ class RunGroup:
         """What the runs' length resolves to: stored in each run's section, and what a resumed run is compared
         by, whichever settings (train.epochs or .steps, a warm-up ratio or steps, eval.points or .every) gave it."""
         warmup = self.optimizer.warmup_steps if self.optimizer is not None else 0
-        evaluated = self.cadence.evaluated_steps()
-        return {
-            schema.RUN_STEPS: self.total_steps,
-            schema.RUN_WARMUP_STEPS: warmup,
-            schema.RUN_EVALUATED_STEPS: evaluated,
-        }
+        return dict(zip(schema.RUN_PLAN, (self.total_steps, warmup, self.cadence.evaluated_steps())))

@@ -30,9 +30,6 @@ from oodjax.engine.results import Run
 from oodjax.settings import Declared
 from oodjax.usage_errors import ConfigError
 
-# A run's resolved plan in its run section (``RunGroup.plan``).
-PLAN = (schema.RUN_STEPS, schema.RUN_WARMUP_STEPS, schema.RUN_EVALUATED_STEPS)
-
 
 @dataclasses.dataclass
 class RunStart:
@@ -100,7 +97,11 @@ def changes(start: RunStart, record: Mapping[str, Any], settings: Mapping[str, D
     resumable ones out) is not compared."""
     assert start.stored_config is not None  # a stored run
     stored, now = _stored_plan(start.stored_config, start.run), start.group.plan()
-    fields = [f"{schema.RUN_SECTION}.{key} {stored[key]!r} -> {now[key]!r}" for key in PLAN if stored[key] != now[key]]
+    fields = [
+        f"{schema.RUN_SECTION}.{key} {stored[key]!r} -> {now[key]!r}"
+        for key in schema.RUN_PLAN
+        if stored[key] != now[key]
+    ]
     for path, setting in settings.items():
         section, _, key = path.rpartition(".")
         holder = start.stored_config.get(section) if section else start.stored_config
@@ -116,17 +117,14 @@ def _stored_plan(stored: Mapping[str, Any], run: Run) -> dict[str, Any]:
     """The plan a stored run's section holds, or for a run written before runs stored it, the plan its train and
     eval sections resolve to, as the version that wrote it resolved them."""
     section = stored.get(schema.RUN_SECTION) or {}
-    if all(key in section for key in PLAN):
-        return {key: section[key] for key in PLAN}
+    if all(key in section for key in schema.RUN_PLAN):
+        return {key: section[key] for key in schema.RUN_PLAN}
     train, evaluation = stored["train"], stored["eval"]
     length = RunLength(train["steps"], train.get("epochs", 0.0))
     total = section.get(schema.RUN_STEPS) or length.total_steps(run.shots, train["batch_size"])
     cadence = CadenceSettings(eval_every=evaluation["every"], eval_points=evaluation.get("points", 0)).build(total)
-    return {
-        schema.RUN_STEPS: total,
-        schema.RUN_WARMUP_STEPS: warmup_steps(total, train["warmup_steps"], train.get("warmup_ratio", 0.0)),
-        schema.RUN_EVALUATED_STEPS: cadence.evaluated_steps(),
-    }
+    warmup = warmup_steps(total, train["warmup_steps"], train.get("warmup_ratio", 0.0))
+    return dict(zip(schema.RUN_PLAN, (total, warmup, cadence.evaluated_steps())))
 
 
 def warn_of_shared_checkpoints(output_dir: pathlib.Path) -> None:
