@@ -72,7 +72,7 @@ def logical_to_spec(
     return PartitionSpec(*spec)
 
 
-def check_mesh(mesh: Mesh) -> None:
+def check_mesh(mesh: Mesh | AbstractMesh) -> None:
     """Refuses Explicit mesh axes (``jax.make_mesh``'s default): the models rely on GSPMD, which needs Auto."""
     explicit = [name for name, kind in zip(mesh.axis_names, mesh.axis_types) if kind != AxisType.Auto]
     if explicit:
@@ -82,7 +82,7 @@ def check_mesh(mesh: Mesh) -> None:
         )
 
 
-def param_sharding(variable: nnx.Variable, mesh: Mesh) -> NamedSharding:
+def param_sharding(variable: nnx.Variable, mesh: Mesh | AbstractMesh) -> NamedSharding:
     """Where one (possibly abstract) parameter lives on ``mesh``; unannotated ones are replicated."""
     check_mesh(mesh)
     logical_axes = variable.get_metadata().get("out_sharding")
