@@ -178,8 +178,7 @@ def is_source_file(source: str) -> bool:
 
 
 def testset_table(
-    declared: Mapping[str, Mapping[str, Any]] | None = None,
-    declared_file: str | os.PathLike[str] | None = None,
+    declared: Mapping[str, Mapping[str, Any]] | None = None, declared_file: str | os.PathLike[str] | None = None
 ) -> dict[str, TestsetSpec]:
     """The built-in table with the declared testsets added or overriding built-ins (docs/data.md).
 

@@ -86,10 +86,7 @@ def attach_runs(
     (base_state,) = rest  # the state of ``...``: all but the adapters
     lora = jax.tree.map(lambda *xs: jnp.stack(xs), *loras)
     state = TrainState(
-        lora=lora,
-        opt_state=jax.vmap(optimizer.init)(lora),
-        rng=jnp.stack(keys),
-        step=jnp.zeros((), jnp.int32),
+        lora=lora, opt_state=jax.vmap(optimizer.init)(lora), rng=jnp.stack(keys), step=jnp.zeros((), jnp.int32)
     )
     if mesh is not None:
         base_state = sharding.place(base_state, param_shardings(base_state, mesh))

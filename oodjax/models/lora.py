@@ -360,11 +360,7 @@ def peft_tensors(lora: nnx.State) -> dict[str, np.ndarray]:
 
 
 def export_peft(
-    lora: nnx.State,
-    cfg: LoRAConfig,
-    path: str | pathlib.Path,
-    *,
-    base_model_name_or_path: str,
+    lora: nnx.State, cfg: LoRAConfig, path: str | pathlib.Path, *, base_model_name_or_path: str
 ) -> pathlib.Path:
     """Writes adapter_config.json + adapter_model.safetensors that ``PeftModel.from_pretrained`` loads."""
     tensors = peft_tensors(lora)
