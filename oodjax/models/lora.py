@@ -34,10 +34,8 @@ from oodjax.usage_errors import ConfigError, DamagedInputError, MissingInputErro
 def _peft_a_init(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     """peft's default A init, kaiming_uniform_(a=sqrt(5)) on its [rank, in] weight: bound = sqrt(6 / ((1 + a^2)
     * fan_in)) = 1 / sqrt(fan_in), i.e. variance scale 1/3; leading axes (the stacked layers) are batch axes."""
-    batch_axis = tuple(range(len(shape) - 2))
-    return nnx.initializers.variance_scaling(1.0 / 3.0, "fan_in", "uniform", batch_axis=batch_axis)(
-        key, shape, jnp.float32
-    )
+    init = nnx.initializers.variance_scaling(1.0 / 3.0, "fan_in", "uniform", batch_axis=tuple(range(len(shape) - 2)))
+    return init(key, shape, jnp.float32)
 
 
 # Attention projections adapted by default: q/k/v and the output projection,
