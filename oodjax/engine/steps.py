@@ -435,9 +435,7 @@ def make_eval_step(
     compiles once per batch shape.
     """
     step = functools.partial(eval_step, graphdef=graphdef, yes_id=yes_id, no_id=no_id, compute_dtype=compute_dtype)
-    if mesh is None:
-        return jax.jit(step)
-    return MeshStep(jax.jit(step, out_shardings=sharding.replicated(mesh)), mesh)
+    return jax.jit(step) if mesh is None else MeshStep(jax.jit(step, out_shardings=sharding.replicated(mesh)), mesh)
 
 
 def make_steps(

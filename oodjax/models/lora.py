@@ -197,9 +197,7 @@ class LoRADropout(nnx.Dropout):
 
     def keep_mask(self, shape: tuple[int, ...], *, tokens: AdapterTokens) -> jax.Array | None:
         """The next mask of ``tokens``' stream for an input of ``shape``; None when dropout is off."""
-        if self.rate == 0.0 or self.deterministic:
-            return None
-        return tokens.keep_mask(shape, self.rate)
+        return None if self.rate == 0.0 or self.deterministic else tokens.keep_mask(shape, self.rate)
 
     def __call__(self, inputs: jax.Array, *, tokens: AdapterTokens) -> jax.Array:  # type: ignore[override]
         """``inputs`` with the next mask applied (kept ones scaled as ``_dropped_out`` says), as they are when off."""
