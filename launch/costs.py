@@ -248,9 +248,7 @@ def stored_itemsize(dtype: Any, platform: str) -> int:
     if platform not in PLATFORMS:
         raise ValueError(f"unknown platform {platform!r}; known: {PLATFORMS}")
     dtype = jnp.dtype(dtype) if isinstance(dtype, str) else dtype  # not PRNG key dtypes: jnp.dtype refuses them
-    if platform == "cpu" and jnp.issubdtype(dtype, jnp.floating):
-        return max(dtype.itemsize, 4)
-    return dtype.itemsize
+    return max(dtype.itemsize, 4) if platform == "cpu" and jnp.issubdtype(dtype, jnp.floating) else dtype.itemsize
 
 
 def bytes_per_device(state: nnx.State, mesh: AbstractMesh, *, leading: int = 1) -> int:

@@ -48,20 +48,9 @@ from oodjax.usage_errors import FETCH_COMMAND, ConfigError, MissingInputError, U
 
 # A repo's top-level files AutoTokenizer may read; config.json names the class where tokenizer_config.json does not.
 TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "vocab.json",
-    "vocab.txt",
-    "merges.txt",
-    "tokenizer.model",
-    "spiece.model",
-    "*.tiktoken",
-    "chat_template.jinja",
-    "chat_template.json",
-    "config.json",
-)
+    "tokenizer.json tokenizer_config.json special_tokens_map.json added_tokens.json vocab.json vocab.txt merges.txt "
+    "tokenizer.model spiece.model *.tiktoken chat_template.jinja chat_template.json config.json"
+).split()
 Configs = Sequence[tuple[str, Job]]  # (config file, its config read into a job)
 UNREACHABLE = "could not reach the hub"
 
@@ -133,11 +122,8 @@ class RepoFiles:
         info = huggingface_hub.HfApi().model_info(self.source, files_metadata=True)
         sizes = {sibling.rfilename: sibling.size for sibling in info.siblings or ()}
         self.files = self.what.choose(list(sizes))
-        missing = [
-            name
-            for name in self.files
-            if not isinstance(huggingface_hub.try_to_load_from_cache(self.source, name, revision=info.sha), str)
-        ]
+        cached = [huggingface_hub.try_to_load_from_cache(self.source, name, revision=info.sha) for name in self.files]
+        missing = [name for name, path in zip(self.files, cached) if not isinstance(path, str)]
         return Look(not missing, _names(missing or self.files), _total(sizes[name] for name in missing))
 
     def download(self) -> None:

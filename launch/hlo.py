@@ -66,10 +66,8 @@ def communication(hlo_text: str) -> dict[str, Any]:
                 body = traffic(_called(line, "body")[0]) + traffic(_called(line, "condition")[0])
                 total.update({op: count * (int(trips[1]) if trips else 1) for op, count in body.items()})
             elif instruction["op"] == "conditional":
-                branches = _called(line, "branch_computations") or [
-                    *_called(line, "true_computation"),
-                    *_called(line, "false_computation"),
-                ]
+                pair = _called(line, "true_computation") + _called(line, "false_computation")
+                branches = _called(line, "branch_computations") or pair
                 total.update(max((traffic(branch) for branch in branches), key=lambda t: sum(t.values())))
             elif not instruction["op"].endswith(("-update", "-done")):  # an async op's computation runs once
                 for attribute in ("calls", "to_apply", "called_computations"):

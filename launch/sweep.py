@@ -60,14 +60,10 @@ class SweepJob:
         ]
 
 
-# The sbatch options the sweep passes through: its flag -> sbatch's.
+# The sbatch options the sweep passes through: its flag -> sbatch's (the same name, dashed).
 SBATCH_OPTIONS = {
-    "partition": "--partition",
-    "time": "--time",
-    "account": "--account",
-    "qos": "--qos",
-    "gpus_per_node": "--gpus-per-node",
-    "cpus_per_task": "--cpus-per-task",
+    flag: "--" + flag.replace("_", "-")
+    for flag in ("partition", "time", "account", "qos", "gpus_per_node", "cpus_per_task")
 }
 # The time-limit warning's lead (SIGUSR1 to the batch shell, which checkpoints and requeues): a quarter of
 # --time, at most launch/slurm.sbatch's own 10 minutes, at least SLURM's resolution of a minute.

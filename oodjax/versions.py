@@ -65,11 +65,8 @@ def running() -> dict[str, str | None]:
 def differences(found: dict[str, str | None], pinned: dict[str, str]) -> list[str]:
     differ = []
     for name, version in found.items():
-        pin = pinned.get(name)
-        if version is None or pin is None:
-            continue
-        parts = _COMPARED_PARTS.get(name)
-        if version.split(".")[:parts] != pin.split(".")[:parts]:
+        pin, parts = pinned.get(name), _COMPARED_PARTS.get(name)
+        if version is not None and pin is not None and version.split(".")[:parts] != pin.split(".")[:parts]:
             differ.append(f"{name} {version} (pinned {pin})")
     return differ
 

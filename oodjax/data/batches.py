@@ -191,9 +191,7 @@ def eval_batches(
     def batch(entry: tuple[int, int, list[list[list[tuple[int, int]]]]]) -> Batch:
         length, prompts_per_row, chunks = entry
         per_lane = [packed_rows_batch([tokenized], chunk, prompts_per_row, length, pad_id=pad_id) for chunk in chunks]
-        if lanes is None:
-            return per_lane[0]
-        return {key: np.stack([b[key] for b in per_lane]) for key in per_lane[0]}
+        return per_lane[0] if lanes is None else {key: np.stack([b[key] for b in per_lane]) for key in per_lane[0]}
 
     return grain.MapDataset.source(plan).map(batch)
 

@@ -76,10 +76,7 @@ def load_testset(
 
 
 def training_pool(
-    name: str,
-    *,
-    split: str | None = None,
-    data_dir: str | os.PathLike[str] | None = None,
+    name: str, *, split: str | None = None, data_dir: str | os.PathLike[str] | None = None
 ) -> datasets.Dataset:
     """The pool few-shot training sets of `name` are drawn from, as the built-in table has it: declarations
     change what is evaluated, never what is trained on. The default pool split is disjoint from the

@@ -88,71 +88,44 @@ class TestsetSpec:
 
 # The label ids of SNLI, MNLI and ANLI: entailment, neutral, contradiction; -1 where no gold label was agreed.
 _THREE_WAY: dict[str, Any] = dict(labels={0: ENTAILMENT, 2: NOT_ENTAILMENT}, neutral=(1,), unlabelled=(-1,))
+# Each built-in: (source, config, split, premise column, hypothesis column), then its labels and sizes.
 TESTSETS: Mapping[str, TestsetSpec] = {
     "snli": TestsetSpec(
-        "stanfordnlp/snli",
-        "plain_text",
-        "test",
-        "premise",
-        "hypothesis",
+        *("stanfordnlp/snli", "plain_text", "test", "premise", "hypothesis"),
         **_THREE_WAY,
         pool_split="validation",
         hub_rows={"test": 10_000, "validation": 10_000},
     ),
     "mnli": TestsetSpec(
-        "nyu-mll/glue",
-        "mnli",
-        "validation_matched",
-        "premise",
-        "hypothesis",
+        *("nyu-mll/glue", "mnli", "validation_matched", "premise", "hypothesis"),
         **_THREE_WAY,
         pool_split="validation_mismatched",
         hub_rows={"validation_matched": 9_815, "validation_mismatched": 9_832},
     ),
     "scitail": TestsetSpec(
-        "allenai/scitail",
-        "tsv_format",
-        "test",
-        "premise",
-        "hypothesis",
+        *("allenai/scitail", "tsv_format", "test", "premise", "hypothesis"),
         labels={"entails": ENTAILMENT, "neutral": NOT_ENTAILMENT},
         hub_rows={"test": 2_126},
     ),
     "rte": TestsetSpec(
-        "nyu-mll/glue",
-        "rte",
-        "train",
-        "sentence1",
-        "sentence2",
+        *("nyu-mll/glue", "rte", "train", "sentence1", "sentence2"),
         labels={0: ENTAILMENT, 1: NOT_ENTAILMENT},
         unlabelled=(-1,),
         hub_rows={"train": 2_490, "validation": 277},
     ),
     "wnli": TestsetSpec(
-        "nyu-mll/glue",
-        "wnli",
-        "train",
-        "sentence1",
-        "sentence2",
+        *("nyu-mll/glue", "wnli", "train", "sentence1", "sentence2"),
         labels={1: ENTAILMENT, 0: NOT_ENTAILMENT},
         unlabelled=(-1,),
         hub_rows={"train": 635, "validation": 71},
     ),
     "paws": TestsetSpec(
-        "google-research-datasets/paws",
-        "labeled_final",
-        "test",
-        "sentence1",
-        "sentence2",
+        *("google-research-datasets/paws", "labeled_final", "test", "sentence1", "sentence2"),
         labels={1: ENTAILMENT, 0: NOT_ENTAILMENT},
         hub_rows={"test": 8_000},
     ),
     "hans": TestsetSpec(
-        "jhu-cogsci/hans",
-        "plain_text",
-        "validation",
-        "premise",
-        "hypothesis",
+        *("jhu-cogsci/hans", "plain_text", "validation", "premise", "hypothesis"),
         labels={0: ENTAILMENT, 1: NOT_ENTAILMENT},
         # The hub repo only has a loading script, which current `datasets` refuses
         # to run; the hub's own parquet export of it holds the same rows.
@@ -160,11 +133,7 @@ TESTSETS: Mapping[str, TestsetSpec] = {
         hub_rows={"validation": 30_000},
     ),
     "anli": TestsetSpec(
-        "facebook/anli",
-        "plain_text",
-        "test_r3",
-        "premise",
-        "hypothesis",
+        *("facebook/anli", "plain_text", "test_r3", "premise", "hypothesis"),
         **_THREE_WAY,
         split_groups={"test_all": ("test_r1", "test_r2", "test_r3")},
         hub_rows={"test_r1": 1_000, "test_r2": 1_000, "test_r3": 1_200},
@@ -178,8 +147,7 @@ def is_source_file(source: str) -> bool:
 
 
 def testset_table(
-    declared: Mapping[str, Mapping[str, Any]] | None = None,
-    declared_file: str | os.PathLike[str] | None = None,
+    declared: Mapping[str, Mapping[str, Any]] | None = None, declared_file: str | os.PathLike[str] | None = None
 ) -> dict[str, TestsetSpec]:
     """The built-in table with the declared testsets added or overriding built-ins (docs/data.md).
 

@@ -178,10 +178,7 @@ def is_primary() -> bool:
 
 
 def _explicit_layout(
-    env: Mapping[str, str],
-    coordinator_address: str | None,
-    num_processes: int | None,
-    process_id: int | None,
+    env: Mapping[str, str], coordinator_address: str | None, num_processes: int | None, process_id: int | None
 ) -> ProcessLayout | None:
     values = {
         "OODJAX_COORDINATOR_ADDRESS": coordinator_address or env.get("OODJAX_COORDINATOR_ADDRESS"),

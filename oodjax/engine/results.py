@@ -44,18 +44,8 @@ ADAPTER_DIR = "adapter"  # <run_dir>/adapter/: the run's adapters in PEFT format
 
 # The distributions whose versions results.json records (the engine's stack; None for one not installed).
 RECORDED_DISTRIBUTIONS = (
-    "oodjax",
-    "jax",
-    "jaxlib",
-    "flax",
-    "optax",
-    "orbax-checkpoint",
-    "numpy",
-    "transformers",
-    "tokenizers",
-    "datasets",
-    "grain",
-)
+    "oodjax jax jaxlib flax optax orbax-checkpoint numpy transformers tokenizers datasets grain"
+).split()
 
 
 # runs.key_source: keys from the seed alone (the study), or from (seed, shots, training set).

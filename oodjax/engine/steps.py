@@ -86,10 +86,7 @@ def attach_runs(
     (base_state,) = rest  # the state of ``...``: all but the adapters
     lora = jax.tree.map(lambda *xs: jnp.stack(xs), *loras)
     state = TrainState(
-        lora=lora,
-        opt_state=jax.vmap(optimizer.init)(lora),
-        rng=jnp.stack(keys),
-        step=jnp.zeros((), jnp.int32),
+        lora=lora, opt_state=jax.vmap(optimizer.init)(lora), rng=jnp.stack(keys), step=jnp.zeros((), jnp.int32)
     )
     if mesh is not None:
         base_state = sharding.place(base_state, param_shardings(base_state, mesh))
@@ -438,9 +435,7 @@ def make_eval_step(
     compiles once per batch shape.
     """
     step = functools.partial(eval_step, graphdef=graphdef, yes_id=yes_id, no_id=no_id, compute_dtype=compute_dtype)
-    if mesh is None:
-        return jax.jit(step)
-    return MeshStep(jax.jit(step, out_shardings=sharding.replicated(mesh)), mesh)
+    return jax.jit(step) if mesh is None else MeshStep(jax.jit(step, out_shardings=sharding.replicated(mesh)), mesh)
 
 
 def make_steps(

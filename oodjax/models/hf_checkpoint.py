@@ -98,6 +98,13 @@ class TensorFile:
                 raise DamagedInputError(f"{self.path} ends inside {what}: the file is truncated")
             done += count
 
+    def _check_end(self, what: str, end: int) -> None:
+        """``what`` ends at byte ``end``: within the file, or the file is truncated."""
+        if end > self.size:
+            raise DamagedInputError(
+                f"{what} ends at byte {end}, but the file has {self.size} bytes: the file is truncated"
+            )
+
     def read(self, name: str, index: Index) -> np.ndarray:
         """``tensor[index]``, reading from disk only the rows between the first and last ones ``index`` selects."""
         stored = self.tensors[name]
@@ -153,11 +160,7 @@ class SafetensorsFile(TensorFile):
                 f"{name!r} in {self.path} has a corrupt safetensors header entry: {code} {list(shape)} "
                 f"cannot occupy bytes {begin}..{end}"
             )
-        if data_start + end > self.size:
-            raise DamagedInputError(
-                f"{name!r} in {self.path} ends at byte {data_start + end}, but the file has {self.size} bytes: "
-                "the file is truncated"
-            )
+        self._check_end(f"{name!r} in {self.path}", data_start + end)
         return _Stored(dtype, shape, data_start + begin)
 
 
@@ -245,11 +248,7 @@ class PickleFile(TensorFile):
                 raise DamagedInputError(f"{self.path} has a corrupt zip header for {member.filename} ({users})")
             start = member.header_offset + _ZIP_LOCAL_HEADER + int.from_bytes(header[26:28], "little")
             start += int.from_bytes(header[28:30], "little")
-            if start + member.file_size > self.size:
-                raise DamagedInputError(
-                    f"{self.path}: the storage of {users} ends at byte {start + member.file_size}, but the file "
-                    f"has {self.size} bytes: the file is truncated"
-                )
+            self._check_end(f"{self.path}: the storage of {users}", start + member.file_size)
             data_offsets[key] = start
         return state, data_offsets
 
@@ -287,11 +286,7 @@ class PickleFile(TensorFile):
                     f"its persistent id says {storage.numel}"
                 )
             data_offsets[key], position = position + 8, position + 8 + storage.numel * storage.dtype.itemsize
-            if position > self.size:
-                raise DamagedInputError(
-                    f"{self.path}: the storage of {users} ends at byte {position}, but the file has {self.size} "
-                    "bytes: the file is truncated"
-                )
+            self._check_end(f"{self.path}: the storage of {users}", position)
         return state, data_offsets
 
 

@@ -242,9 +242,8 @@ def scanned_windows(layer_windows: Sequence[int | None]) -> dict[str, jax.Array]
     layers at ``FULL_ATTENTION``; none when no layer slides, so a model without windows builds no window mask."""
     if all(window is None for window in layer_windows):
         return {}
-    return {
-        "window": jnp.asarray([FULL_ATTENTION if window is None else window for window in layer_windows], jnp.int32)
-    }
+    windows = [FULL_ATTENTION if window is None else window for window in layer_windows]
+    return {"window": jnp.asarray(windows, jnp.int32)}
 
 
 class Attention(nnx.Module):

@@ -26,17 +26,9 @@ from oodjax.models.rope import RopeConfig, rope_cos_sin
 
 # transformers' LlamaConfig / SmolLM3Config defaults for keys a config.json may omit.
 _DEFAULT_KEYS = (
-    "vocab_size",
-    "hidden_size",
-    "intermediate_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "pad_token_id",
-    "tie_word_embeddings",
-    "rope_theta",
-    "rms_norm_eps",
-)
+    "vocab_size hidden_size intermediate_size num_hidden_layers num_attention_heads num_key_value_heads pad_token_id "
+    "tie_word_embeddings rope_theta rms_norm_eps"
+).split()
 _DEFAULTS: dict[str, dict[str, Any]] = {  # config.json values, as ``raw``'s
     model_type: dict(zip(_DEFAULT_KEYS, values, strict=True))
     for model_type, values in {

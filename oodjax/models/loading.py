@@ -29,14 +29,7 @@ from jax.sharding import Mesh, Sharding, SingleDeviceSharding
 from oodjax.models.config import DecoderConfig
 from oodjax.models.flash_attention import IMPLEMENTATIONS
 from oodjax.models.gemma import GemmaForCausalLM
-from oodjax.models.hf_checkpoint import (
-    CONFIG,
-    Checkpoint,
-    files_to_download,
-    open_checkpoint,
-    read_json,
-    weight_map,
-)
+from oodjax.models.hf_checkpoint import CONFIG, Checkpoint, files_to_download, open_checkpoint, read_json, weight_map
 from oodjax.models.layers import STACKED, CausalLM, check_remat, per_layer_paths
 from oodjax.models.llama import LlamaForCausalLM
 from oodjax.models.lora import LoRAConfig, apply_lora

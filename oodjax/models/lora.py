@@ -34,10 +34,8 @@ from oodjax.usage_errors import ConfigError, DamagedInputError, MissingInputErro
 def _peft_a_init(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     """peft's default A init, kaiming_uniform_(a=sqrt(5)) on its [rank, in] weight: bound = sqrt(6 / ((1 + a^2)
     * fan_in)) = 1 / sqrt(fan_in), i.e. variance scale 1/3; leading axes (the stacked layers) are batch axes."""
-    batch_axis = tuple(range(len(shape) - 2))
-    return nnx.initializers.variance_scaling(1.0 / 3.0, "fan_in", "uniform", batch_axis=batch_axis)(
-        key, shape, jnp.float32
-    )
+    init = nnx.initializers.variance_scaling(1.0 / 3.0, "fan_in", "uniform", batch_axis=tuple(range(len(shape) - 2)))
+    return init(key, shape, jnp.float32)
 
 
 # Attention projections adapted by default: q/k/v and the output projection,
@@ -199,9 +197,7 @@ class LoRADropout(nnx.Dropout):
 
     def keep_mask(self, shape: tuple[int, ...], *, tokens: AdapterTokens) -> jax.Array | None:
         """The next mask of ``tokens``' stream for an input of ``shape``; None when dropout is off."""
-        if self.rate == 0.0 or self.deterministic:
-            return None
-        return tokens.keep_mask(shape, self.rate)
+        return None if self.rate == 0.0 or self.deterministic else tokens.keep_mask(shape, self.rate)
 
     def __call__(self, inputs: jax.Array, *, tokens: AdapterTokens) -> jax.Array:  # type: ignore[override]
         """``inputs`` with the next mask applied (kept ones scaled as ``_dropped_out`` says), as they are when off."""
@@ -360,11 +356,7 @@ def peft_tensors(lora: nnx.State) -> dict[str, np.ndarray]:
 
 
 def export_peft(
-    lora: nnx.State,
-    cfg: LoRAConfig,
-    path: str | pathlib.Path,
-    *,
-    base_model_name_or_path: str,
+    lora: nnx.State, cfg: LoRAConfig, path: str | pathlib.Path, *, base_model_name_or_path: str
 ) -> pathlib.Path:
     """Writes adapter_config.json + adapter_model.safetensors that ``PeftModel.from_pretrained`` loads."""
     tensors = peft_tensors(lora)

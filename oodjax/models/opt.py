@@ -127,9 +127,7 @@ class OPTDecoderLayer(nnx.Module):
 
     def _residual(self, hidden: jax.Array, norm: LayerNorm, branch: Callable[[jax.Array], jax.Array]) -> jax.Array:
         """``hidden + branch(...)``, normed before the branch (pre-LN) or after the sum (opt-350m)."""
-        if self.norm_before:
-            return hidden + branch(norm(hidden))
-        return norm(hidden + branch(hidden))
+        return hidden + branch(norm(hidden)) if self.norm_before else norm(hidden + branch(hidden))
 
 
 class OPTDecoder(nnx.Module):

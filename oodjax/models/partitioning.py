@@ -94,9 +94,7 @@ def param_sharding(variable: nnx.Variable, mesh: Mesh | AbstractMesh) -> NamedSh
 def param_shardings(abstract_state: Any, mesh: Mesh) -> Any:
     """``abstract_state`` with each value replaced by its NamedSharding."""
     return jax.tree.map(
-        lambda v: v.replace(param_sharding(v, mesh)),
-        abstract_state,
-        is_leaf=lambda x: isinstance(x, nnx.Variable),
+        lambda v: v.replace(param_sharding(v, mesh)), abstract_state, is_leaf=lambda x: isinstance(x, nnx.Variable)
     )
 
 

@@ -16,6 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
+# The RoPE parameters read as the config gives them (None where it has none).
+_AS_GIVEN = "low_freq_factor high_freq_factor beta_fast beta_slow attention_factor mscale mscale_all_dim".split()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,17 +72,11 @@ class RopeConfig:
             rope_type=rope_type,
             theta=float(params.get("rope_theta", raw.get("rope_theta", default_theta))),
             factor=factor,
-            low_freq_factor=params.get("low_freq_factor"),
-            high_freq_factor=params.get("high_freq_factor"),
             original_max_position_embeddings=original,
-            beta_fast=params.get("beta_fast"),
-            beta_slow=params.get("beta_slow"),
-            attention_factor=params.get("attention_factor"),
-            mscale=params.get("mscale"),
-            mscale_all_dim=params.get("mscale_all_dim"),
             truncate=params.get("truncate", True),
             short_factor=_factors(params.get("short_factor")),
             long_factor=_factors(params.get("long_factor")),
+            **{key: params.get(key) for key in _AS_GIVEN},
         )
 
 
@@ -129,11 +125,10 @@ def _yarn_inv_freq(rope: RopeConfig, head_dim: int, pos_freqs: np.ndarray) -> tu
         return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
 
     attention_factor = rope.attention_factor
-    if attention_factor is None:
-        if rope.mscale and rope.mscale_all_dim:
-            attention_factor = float(mscale(factor, rope.mscale) / mscale(factor, rope.mscale_all_dim))
-        else:
-            attention_factor = mscale(factor)
+    if attention_factor is None and rope.mscale and rope.mscale_all_dim:
+        attention_factor = float(mscale(factor, rope.mscale) / mscale(factor, rope.mscale_all_dim))
+    elif attention_factor is None:
+        attention_factor = mscale(factor)
 
     def correction_dim(num_rotations: float) -> float:
         return (head_dim * math.log(original / (num_rotations * 2 * math.pi))) / (2 * math.log(base))
