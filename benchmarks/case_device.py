@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import flops, harness, settings
-from benchmarks.oodjax_contenders import EVAL_SET, Engine, build_engine, lora_config, train_geometry
+from benchmarks.oodjax_contenders import EVAL_SET, TrainingEngine, contender_job, train_geometry, training_engine
 from benchmarks.settings import DeviceMode
 from benchmarks.workload import mode_workload, run_orders
 from launch.devices import DEVICES, Device
@@ -140,23 +140,21 @@ def inputs(mode: DeviceMode) -> tuple[Any, list[int], list[list[np.ndarray]], di
 
 def oodjax_phase(
     mode: DeviceMode, workload: Any, seeds: list[int], batches: list[list[np.ndarray]], answers: dict[str, int]
-) -> tuple[dict[str, Any], Engine, EvalPool]:
+) -> tuple[dict[str, Any], TrainingEngine, EvalPool]:
     """oodjax's runs in one process, timed: the result ``assemble`` reads (timings, peak device memory, the
     device, the train step's layout), and the trained engine and its pool for the agreement."""
-    engine = build_engine(
-        lambda mesh: models.from_config(mode.model, dtype="bfloat16", seed=0, remat=mode.remat),
-        seeds=seeds,
-        total_steps=len(batches),
-        **answers,
-    )
     tokenized, device = workload.train_set, jax.devices()[0]
+    job = contender_job(
+        mode.model, seeds=seeds, shots=mode.train_shots, total_steps=len(batches), dtype="bfloat16", remat=mode.remat
+    )
     geometry = train_geometry(tokenized, batches, grad_accum=mode.grad_accum, row_length=DEFAULT_MAX_LENGTH)
+    engine = training_engine(job, (answers["yes_id"], answers["no_id"]), geometry)
     pool = engine.eval_pool(workload.eval_set, batch_tokens=mode.eval_batch_rows * settings.MAX_LENGTH)
     timing = _timings(
-        lambda step: engine.train(geometry, tokenized, batches[step]),
+        lambda step: engine.train(tokenized, batches[step]),
         lambda: engine.margins(pool),
         mode,
-        warm=lambda: engine.compile_train(geometry, tokenized, batches[0]),
+        warm=lambda: engine.compile_train(tokenized, batches[0]),
     )
     result = {
         "timing": {phase: dataclasses.asdict(t) for phase, t in timing.items()},
@@ -255,7 +253,7 @@ def _timing(fields: dict[str, Any]) -> harness.Timing:
 
 
 def _agreement(
-    mode: DeviceMode, engine: Engine, workload: Any, seeds: list[int], answers: dict[str, int], pool: EvalPool
+    mode: DeviceMode, engine: TrainingEngine, workload: Any, seeds: list[int], answers: dict[str, int], pool: EvalPool
 ) -> dict[str, float]:
     """The largest margin difference of the engine's attention, XLA's in bf16, and the fused path on the first
     run alone (as a one-run job or ``oodjax.evaluate`` of one adapter runs it), each against XLA's in float32:
@@ -266,7 +264,7 @@ def _agreement(
         graphdef, _, _ = steps.abstract_attach_runs(
             lambda: models.abstract_model(mode.model, dtype=dtype, remat=mode.remat, attention=attention),
             run_seeds,
-            lora_config(),
+            engine.job.lora,
             steps.make_optimizer(settings.LEARNING_RATE, 1, 1, 0.0, None),
         )
         eval_step = steps.make_eval_step(graphdef, answers["yes_id"], answers["no_id"], mesh=engine.mesh)

@@ -35,9 +35,10 @@ def contender(name: str, *, mode: str, checkpoint: str) -> tuple[Callable[[], li
     tokenized = workload.eval_set
     rows = _examples(sizes, name, len(tokenized))
     if name == "oodjax":
-        from benchmarks.oodjax_contenders import EVAL_SET, checkpoint_engine
+        from benchmarks.oodjax_contenders import EVAL_SET, contender_job, evaluation_engine
 
-        engine = checkpoint_engine(checkpoint, total_steps=1, yes_id=workload.yes_id, no_id=workload.no_id)
+        job = contender_job(checkpoint, seeds=[0], shots=sizes.train_shots, total_steps=1, dtype="float32")
+        engine = evaluation_engine(job, (workload.yes_id, workload.no_id))
         pool = engine.eval_pool(tokenized, batch_tokens=_batch_tokens(sizes))
         padded_tokens = sum(int(batch["input_ids"].size) for batch in pool.batches)
         return (lambda: engine.margins(pool)[0][EVAL_SET].tolist()), {"padded_tokens": padded_tokens}

@@ -38,20 +38,21 @@ def contender(name: str, *, mode: str, checkpoint: str) -> tuple[Callable[[], li
     total_steps = (sizes.warmup + sizes.repeats) * len(steps)  # every call the process will make, for the schedule
     answers = dict(yes_id=workload.yes_id, no_id=workload.no_id)
     if name == "oodjax":
-        from benchmarks.oodjax_contenders import Engine, checkpoint_engine, train_geometry
+        from benchmarks.oodjax_contenders import contender_job, train_geometry, training_engine
 
-        engine = checkpoint_engine(checkpoint, total_steps=total_steps, **answers)
+        job = contender_job(checkpoint, seeds=[0], shots=sizes.train_shots, total_steps=total_steps, dtype="float32")
         geometry = train_geometry(tokenized, [[rows] for rows in steps], bucket_lengths(settings.MAX_LENGTH))
+        engine = training_engine(job, (workload.yes_id, workload.no_id), geometry)
         compiled: list[bool] = []
 
         def step(rows: np.ndarray) -> float:
             if not compiled:  # the warm-up compiles the step (a branch per bucket)
-                engine.compile_train(geometry, tokenized, [rows])
+                engine.compile_train(tokenized, [rows])
                 compiled.append(True)
-            return float(engine.train(geometry, tokenized, [rows])[0])
+            return float(engine.train(tokenized, [rows])[0])
 
         real_tokens = sum(int(tokenized.lengths[rows].sum()) for rows in steps)
-        computed = sum(_computed_tokens(Engine.train_batch(geometry, tokenized, [rows]), geometry) for rows in steps)
+        computed = sum(_computed_tokens(engine.train_batch(tokenized, [rows]), geometry) for rows in steps)
         built = {
             "rows": geometry.rows,
             "lengths": list(geometry.micro_batch_lengths),

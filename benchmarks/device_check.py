@@ -100,15 +100,16 @@ def demo_check(runs: int, workdir: pathlib.Path, smoke: bool) -> tuple[str, bool
 def layouts(mode: settings.DeviceMode, device_kind: str) -> Iterator[tuple[settings.DeviceMode, str]]:
     """``mode`` with each remat policy and micro-batches whose estimated training memory fits the device with
     ``HEADROOM``, fewest micro-batches then least recomputation first, with the estimate in words."""
-    from benchmarks import case_device, oodjax_contenders
+    from benchmarks import case_device
     from benchmarks.oodjax_contenders import train_geometry
     from launch import costs, devices
     from oodjax.data import DEFAULT_MAX_LENGTH
+    from oodjax.models.lora import LoRAConfig
 
     device = case_device.device_of(device_kind) or devices.DEVICES["h100"]
     usable, _ = devices.usable_memory(device)
     workload, seeds, batches, _ = case_device.inputs(mode)
-    one_device, lora = {"data": 1, "fsdp": 1, "tensor": 1}, oodjax_contenders.lora_config()
+    one_device, lora = {"data": 1, "fsdp": 1, "tensor": 1}, LoRAConfig(**settings.LORA)
     for grad_accum in (n for n in (1, 2, 4, 8, 16) if settings.TRAIN_BATCH % n == 0):
         geometry = train_geometry(workload.train_set, batches, grad_accum=grad_accum, row_length=DEFAULT_MAX_LENGTH)
         for remat in ("none", "save_dots", "full"):

@@ -1,8 +1,9 @@
 """The oodjax side: the engine's own jitted steps and evaluation, as the run loop calls them.
 
-As in the loop, everything lives on a device mesh (here of the one CPU
-device), training steps are laid out by ``oodjax.data.train_steps`` and
-batches are placed with the engine's ``shard_batch``.
+The contenders are jobs read from a config (``contender_job``), set up by the
+engine's ``setup`` as the loop sets a run group up, on a device mesh (here of
+one device); the case chooses each step's rows, laid out by
+``oodjax.data.train_steps`` and placed with the engine's ``shard_batch``.
 """
 
 from __future__ import annotations
@@ -13,9 +14,11 @@ from typing import Any
 
 import jax
 import numpy as np
-from flax import nnx
+from ml_collections import config_dict
 
-from benchmarks import settings
+from benchmarks import grid_config, settings
+from oodjax import config_read
+from oodjax.config_read import Job
 from oodjax.data import (
     TRAIN_KEYS,
     TokenizedSet,
@@ -26,10 +29,9 @@ from oodjax.data import (
     stream_examples,
     train_steps,
 )
-from oodjax.engine import sharding, steps
+from oodjax.engine import setup, sharding, steps
 from oodjax.engine.evaluation import EvalPool, evaluate, make_eval_pool
 from oodjax.engine.geometry import BatchGeometry
-from oodjax.models.lora import LoRAConfig
 
 EVAL_SET = "testsets"  # the name of the one set the evaluation case's pool holds
 STREAM_SEED = 0  # the seed of every run's training stream (its order is the batch's own: ``_in_stream_order``)
@@ -37,14 +39,13 @@ STREAM_SEED = 0  # the seed of every run's training stream (its order is the bat
 
 @dataclasses.dataclass
 class Engine:
-    """One frozen base with R runs' adapters, and the compiled steps over them."""
+    """A job's frozen base with its R runs' adapters, and its compiled eval step."""
 
+    job: Job
     mesh: jax.sharding.Mesh
     base_state: Any
     runs: steps.TrainState
     eval_step: Callable[..., jax.Array]
-    make_train_step: Callable[[BatchGeometry, steps.TrainState], Any]  # steps.make_train_step for a geometry
-    made: dict[BatchGeometry, Any] = dataclasses.field(default_factory=dict)  # train steps, by geometry
 
     def margins(self, pool: EvalPool) -> list[dict[str, np.ndarray]]:
         """Each run's margins per set, through the engine's ``evaluate`` (all batches dispatched, then fetched)."""
@@ -56,49 +57,47 @@ class Engine:
             place=lambda batch: sharding.shard_batch(batch, self.mesh, batch_axis=1),
         )
 
-    def train(self, geometry: BatchGeometry, tokenized: TokenizedSet, rows: Sequence[np.ndarray]) -> np.ndarray:
-        """One optimizer step; ``rows[r]`` are run r's examples, laid out as the loop lays a step out."""
-        step = self.train_step(geometry)
-        self.runs, metrics = step(self.base_state, self.runs, self._placed(self.train_batch(geometry, tokenized, rows)))
-        return np.asarray(jax.device_get(metrics["loss"]))
-
     def eval_pool(self, tokenized: TokenizedSet, *, batch_tokens: int, runs: int | None = None) -> EvalPool:
         """The loop's evaluation pool of ``tokenized`` as one set (``EVAL_SET``) every run scores, built once; for
         the engine's runs, or for the first ``runs`` of them."""
         runs = self.runs.num_runs if runs is None else runs
         return make_eval_pool({EVAL_SET: tokenized}, [{}] * runs, batch_tokens=batch_tokens)
 
-    def compile_train(self, geometry: BatchGeometry, tokenized: TokenizedSet, rows: Sequence[np.ndarray]) -> None:
+
+@dataclasses.dataclass
+class TrainingEngine(Engine):
+    """``Engine`` with the train step of its steps' layout."""
+
+    train_step: Any
+    geometry: BatchGeometry
+
+    def train(self, tokenized: TokenizedSet, rows: Sequence[np.ndarray]) -> np.ndarray:
+        """One optimizer step; ``rows[r]`` are run r's examples, laid out as the loop lays a step out."""
+        self.runs, metrics = self.train_step(self.base_state, self.runs, self._placed(tokenized, rows))
+        return np.asarray(jax.device_get(metrics["loss"]))
+
+    def compile_train(self, tokenized: TokenizedSet, rows: Sequence[np.ndarray]) -> None:
         """Compiles the train step without taking a step: a timed step must not compile, so the warm-up
         compiles it ahead (and is charged)."""
-        batch = self._placed(self.train_batch(geometry, tokenized, rows))
-        self.train_step(geometry).lower(self.base_state, self.runs, batch).compile()
+        self.train_step.lower(self.base_state, self.runs, self._placed(tokenized, rows)).compile()
 
-    def train_step(self, geometry: BatchGeometry) -> Any:
-        """The jitted train step of ``geometry``, made once."""
-        if geometry not in self.made:
-            self.made[geometry] = self.make_train_step(geometry, self.runs)
-        return self.made[geometry]
-
-    @staticmethod
-    def train_batch(
-        geometry: BatchGeometry, tokenized: TokenizedSet, rows: Sequence[np.ndarray]
-    ) -> dict[str, np.ndarray]:
+    def train_batch(self, tokenized: TokenizedSet, rows: Sequence[np.ndarray]) -> dict[str, np.ndarray]:
         """The host step [grad_accum, rows, ...] as the loop's stream gives it (``oodjax.data.train_steps``):
         all runs' prompts packed in ``geometry``'s rows, run r's being ``rows[r]``, in that order."""
         stream = train_steps(
             _in_stream_order(tokenized, rows),
             [STREAM_SEED] * len(rows),
             batch_size=settings.TRAIN_BATCH,
-            layout=geometry.layout,
-            seq_len=geometry.seq_len,
-            prompts_per_row=geometry.prompts_per_row,
+            layout=self.geometry.layout,
+            seq_len=self.geometry.seq_len,
+            prompts_per_row=self.geometry.prompts_per_row,
             prefetch=0,
         )
         return next(stream)
 
-    def _placed(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
-        """What the train step reads of a step, split over the rows (the loop's ``_next_batch``)."""
+    def _placed(self, tokenized: TokenizedSet, rows: Sequence[np.ndarray]) -> dict[str, jax.Array]:
+        """What the train step reads of ``train_batch``, split over the rows (the loop's ``_next_batch``)."""
+        batch = self.train_batch(tokenized, rows)
         return sharding.shard_batch({key: batch[key] for key in TRAIN_KEYS}, self.mesh, batch_axis=1)
 
 
@@ -155,51 +154,33 @@ def _run_in_stream_order(tokenized: TokenizedSet, rows: np.ndarray) -> Tokenized
     )
 
 
-def lora_config() -> LoRAConfig:
-    return LoRAConfig(**settings.LORA)
+def contender_job(
+    model: str | dict[str, Any], *, seeds: Sequence[int], shots: int, total_steps: int, dtype: str, remat: str = "none"
+) -> Job:
+    """The contenders' runs read as ``oodjax.main`` reads a job: the grid's settings (``engine_config``) for
+    ``model`` (a checkpoint folder or a random model's config) and one run per seed, ``settings.LORA``'s adapters."""
+    config = grid_config.engine_config(seeds=tuple(seeds), shots=(shots,), steps=total_steps)
+    if isinstance(model, str):
+        config.model.path = model
+    else:
+        with config.unlocked():
+            config.model.hf_config = config_dict.ConfigDict(model)
+    config.model.dtype, config.model.remat = dtype, remat
+    config.lora.update(settings.LORA)
+    return config_read.read(config)
 
 
-def build_engine(
-    model: Callable[[jax.sharding.Mesh], nnx.Module],
-    *,
-    seeds: Sequence[int],
-    total_steps: int,
-    yes_id: int,
-    no_id: int,
-) -> Engine:
-    """``model(mesh)`` (a checkpoint loaded by ``load_pretrained``, or a random model) on the first device, one
-    adapter per seed, the steps made by steps.py (the train step once its geometry is known:
-    ``Engine.train_step``)."""
+def evaluation_engine(job: Job, answer_ids: tuple[int, int]) -> Engine:
+    """``job``'s runs on the first device, its model loaded and set up as a job's (``setup.attach_evaluation``)."""
     mesh = sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1])
-    model = model(mesh)
-    optimizer = steps.make_optimizer(
-        settings.LEARNING_RATE,
-        total_steps,
-        settings.warmup_steps(total_steps),
-        weight_decay=0.0,
-        max_grad_norm=settings.MAX_GRAD_NORM,
+    attached = setup.attach_evaluation(job, job.groups[0], mesh, job.model.load(mesh), job.lora, answer_ids)
+    return Engine(job, mesh, *attached)
+
+
+def training_engine(job: Job, answer_ids: tuple[int, int], geometry: BatchGeometry) -> TrainingEngine:
+    """``job``'s runs on the first device, set up as the loop sets them up (``setup.attach_training``)."""
+    mesh = sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1])
+    base_state, runs, train_step, eval_step = setup.attach_training(
+        job, job.groups[0], mesh, job.model.load(mesh), geometry, answer_ids
     )
-    graphdef, base_state, runs = steps.attach_runs(model, list(seeds), lora_config(), optimizer, mesh=mesh)
-
-    def make_train_step(geometry: BatchGeometry, runs: steps.TrainState) -> Any:
-        return steps.make_train_step(
-            graphdef, optimizer, yes_id, no_id, geometry, mesh=mesh, base_state=base_state, state=runs
-        )
-
-    return Engine(
-        mesh=mesh,
-        base_state=base_state,
-        runs=runs,
-        eval_step=steps.make_eval_step(graphdef, yes_id, no_id, mesh=mesh),
-        make_train_step=make_train_step,
-    )
-
-
-def checkpoint_engine(checkpoint: str, *, total_steps: int, yes_id: int, no_id: int) -> Engine:
-    """One run (seed 0) on the CPU cases' float32 checkpoint, as their oodjax contenders score and train it."""
-    from oodjax import models
-
-    def load(mesh: jax.sharding.Mesh) -> nnx.Module:
-        return models.load_pretrained(checkpoint, dtype="float32", mesh=mesh)
-
-    return build_engine(load, seeds=[0], total_steps=total_steps, yes_id=yes_id, no_id=no_id)
+    return TrainingEngine(job, mesh, base_state, runs, eval_step, train_step, geometry)

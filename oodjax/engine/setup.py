@@ -1,7 +1,7 @@
 """A run group made ready to run: its model split into base and adapters, its compiled steps and its data, by
 ``prepare_training`` for the loop or ``prepare_evaluation`` for ``oodjax.evaluate`` (a zero-step run: evaluated
-once, at step 0), over one attach step; ``set_up``, its data alone, is also what the preflight and the estimate
-lay out, so what they lay out is what a job lays out.
+once, at step 0), over one attach step (``attach_training``, ``attach_evaluation``); ``set_up``, its data alone, is
+also what the preflight and the estimate lay out, so what they lay out is what a job lays out.
 ``start_process`` is what the entry points that compute (``oodjax.main``, ``oodjax.evaluate``) do first."""
 
 from __future__ import annotations
@@ -153,16 +153,24 @@ def _attach(
 def prepare_training(job: Job, group: RunGroup, mesh: Mesh, model: nnx.Module) -> PreparedTraining:
     """``group`` on ``mesh``, ready to train: its few-shot sets' training stream and an evaluation pool of each
     run's own set beside the testsets."""
+    setup = set_up(job, mesh, group.runs, group.total_steps)
+    data = setup.data
+    assert data is not None and data.train_stream is not None  # set_up's testsets, with training
+    base_state, state, train, evaluate = attach_training(job, group, mesh, model, setup.geometry, setup.answer_ids)
+    return PreparedTraining(base_state, state, evaluate, data, mesh, train, setup.geometry, data.train_stream)
+
+
+def attach_training(
+    job: Job, group: RunGroup, mesh: Mesh, model: nnx.Module, geometry: BatchGeometry, answer_ids: tuple[int, int]
+) -> tuple[nnx.State, steps.TrainState, Callable[..., Any], Callable[..., Any]]:
+    """``group`` attached (``_attach``) and its (train, eval) steps made for ``geometry``: also the benchmarks'
+    contenders' set-up, whose steps hold rows they choose (laid out by them)."""
     assert group.optimizer is not None  # only a zero-step group has none
     graphdef, base_state, state = _attach(job, group, mesh, model, job.lora, group.optimizer.transformation)
-    setup = set_up(job, mesh, group.runs, group.total_steps)
-    assert setup.data is not None and setup.data.train_stream is not None  # set_up's testsets, with training
     train_step, eval_step = steps.make_steps(
-        group.optimizer, job.model.compute_dtype, setup.geometry, graphdef, base_state, state, *setup.answer_ids, mesh
+        group.optimizer, job.model.compute_dtype, geometry, graphdef, base_state, state, *answer_ids, mesh
     )
-    return PreparedTraining(
-        base_state, state, eval_step, setup.data, mesh, train_step, setup.geometry, setup.data.train_stream
-    )
+    return base_state, state, train_step, eval_step
 
 
 def prepare_evaluation(
@@ -176,13 +184,14 @@ def prepare_evaluation(
     """A zero-step ``group`` (``oodjax.evaluate``) on ``mesh``, adapters of ``lora`` attached to ``model`` (in
     place), or loaded from ``adapters`` ((folder, PEFT tensors) a run). Its pool is the testsets, or with
     eval.in_context each run's copy of them preceded by its few-shot set's demonstrations."""
-    graphdef, base_state, state = _attach(job, group, mesh, model, lora, optax.identity())  # no optimizer state
+    tokenizer = load_tokenizer(job.model.tokenizer)
+    answers = answer_token_ids(tokenizer, job.data.answers)
+    base_state, state, eval_step = attach_evaluation(job, group, mesh, model, lora, answers)
     if adapters:
         template = nnx.state(model, nnx.LoRAParam)
         loaded = [lora_from_peft(template, tensors, source=folder) for folder, tensors in adapters]
         stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *loaded)
         state = dataclasses.replace(state, lora=sharding.place(stacked, sharding.runs_shardings(stacked, mesh)))
-    tokenizer = load_tokenizer(job.model.tokenizer)
     if job.in_context:  # each run scores its own in-context copy of the testsets
         shared: Mapping[str, IndexedSet] = {}
         index, own = in_context_sets(job.data, tokenizer, [(run.seed, run.shots) for run in group.runs])
@@ -191,10 +200,17 @@ def prepare_evaluation(
         index = dataset_indices(shared)
     layout = eval_geometry(job.batches, sharding.batch_shards(mesh))
     data = _runs_data(shared, own, [index] * len(group.runs), layout, tokenizer, None)
-    answers = answer_token_ids(tokenizer, job.data.answers)
-    compute_dtype = jnp.dtype(job.model.compute_dtype) if job.model.compute_dtype else None
-    eval_step = steps.make_eval_step(graphdef, *answers, mesh=mesh, compute_dtype=compute_dtype)
     return Prepared(base_state, state, eval_step, data, mesh)
+
+
+def attach_evaluation(
+    job: Job, group: RunGroup, mesh: Mesh, model: nnx.Module, lora: LoRAConfig, answer_ids: tuple[int, int]
+) -> tuple[nnx.State, steps.TrainState, Callable[..., Any]]:
+    """``group``'s adapters of ``lora`` attached (``_attach``, no optimizer state) and its eval step: also the
+    benchmarks' evaluation contender's, which scores a pool of its own."""
+    graphdef, base_state, state = _attach(job, group, mesh, model, lora, optax.identity())
+    compute_dtype = jnp.dtype(job.model.compute_dtype) if job.model.compute_dtype else None
+    return base_state, state, steps.make_eval_step(graphdef, *answer_ids, mesh=mesh, compute_dtype=compute_dtype)
 
 
 class _QuietCheckpointing(python_logging.Filter):
