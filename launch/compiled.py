@@ -116,16 +116,8 @@ def abstract_steps(job: Job, *, devices: Sequence[jax.Device], layers: int | Non
     )
     base_in = _with_shardings(base, param_shardings(base, mesh))
     runs_in = _with_shardings(state, sharding.runs_shardings(state, mesh))
-    return AbstractSteps(
-        train_step,
-        eval_step,
-        (base_in, runs_in, train_batch(geometry, mesh)),
-        (base_in, runs_in.lora, eval_batch),
-        geometry,
-        data,
-        arch,
-        longest_rows,
-    )
+    train_args, eval_args = (base_in, runs_in, train_batch(geometry, mesh)), (base_in, runs_in.lora, eval_batch)
+    return AbstractSteps(train_step, eval_step, train_args, eval_args, geometry, data, arch, longest_rows)
 
 
 def train_batch(geometry: BatchGeometry, mesh: jax.sharding.Mesh) -> dict[str, jax.ShapeDtypeStruct]:

@@ -200,11 +200,7 @@ def preflight(
     parts = [
         (group.total_steps, train_step_flops / compute_flops, train.communication.bytes),
         *(
-            (
-                count,
-                scoring(rows_by_length(pool)) / compute_flops,
-                evaluation.communication.bytes * len(pool.batches),
-            )
+            (count, scoring(rows_by_length(pool)) / compute_flops, evaluation.communication.bytes * len(pool.batches))
             for count, pool in ((len(group.cadence.evaluated_steps()) - 1, data.eval_pool), (1, data.first_eval_pool))
         ),
     ]
@@ -263,11 +259,7 @@ def given_network(device: Device, gb_s: float) -> Device:
 
 
 def over_nodes(
-    job: Job,
-    device: Device,
-    devices: int,
-    node_devices: int | None,
-    parts: Sequence[tuple[int, float, float]],
+    job: Job, device: Device, devices: int, node_devices: int | None, parts: Sequence[tuple[int, float, float]]
 ) -> Nodes | None:
     """A job on ``devices`` devices, ``node_devices`` a node, against the same job on one node (None on one node,
     or where the device has no nodes: a TPU slice's ICI joins its hosts).

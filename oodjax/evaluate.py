@@ -130,7 +130,7 @@ def _evaluate_runs(job: Job, todo: list[EvaluatedRun]) -> None:
     ]
     model = f"{job.model.source} with its adapters" if adapters else job.model.source
     trainer = Trainer(prepared, prepared.state, start=0, total_steps=0)
-    trainer.add_hook(hooks.Evaluation(prepared, todo, group.cadence, records, model, job.data.train_set))
+    trainer.add_hook(hooks.Evaluation(prepared, group, records, model, job.data.train_set))
     trainer.run()
     logging.info("done: %d runs evaluated; results in %s", len(todo), job.runs.output_dir)
 

@@ -208,8 +208,8 @@ class TrainLosses(Hook):
 
 
 class Evaluation(Hook):
-    """Hook: at the cadence's evaluation steps, evaluates ``runs`` on every set of their pool (the testsets and
-    each run's own training set, or what ``oodjax.evaluate`` asks) and rewrites each metrics.npz
+    """Hook: at the cadence's evaluation steps, evaluates the ``plan``'s runs on every set of their pool (the
+    testsets and each run's own training set, or what ``oodjax.evaluate`` asks) and rewrites each metrics.npz
     (``RunResults``), its config ``records[r]``, scoring ``in_domain`` as the in-domain set.
 
     Runs with no ``losses`` train nothing: their train_loss and train seconds are NaN; runs that train have
@@ -219,8 +219,7 @@ class Evaluation(Hook):
     def __init__(
         self,
         prepared: Prepared,
-        runs: Sequence[Run],
-        cadence: Cadence,
+        plan: RunGroup,
         records: Sequence[dict[str, Any]],
         model: str,
         in_domain: str,
@@ -229,7 +228,7 @@ class Evaluation(Hook):
         pending: bool | None = None,
     ):
         """``model`` is what a first evaluation with no finite output names."""
-        self.prepared, self.runs, self.cadence, self.model = prepared, runs, cadence, model
+        self.prepared, self.runs, self.cadence, self.model = prepared, plan.runs, plan.cadence, model
         self.losses, self.pending = losses, pending
         self.clock = None if losses is None else losses.group.clock
         self.events: Sequence[EventLog] = () if losses is None else losses.group.events
@@ -243,7 +242,7 @@ class Evaluation(Hook):
                 in_domain=in_domain,
                 config=record,
             )
-            for r, (run, record) in enumerate(zip(runs, records, strict=True))
+            for r, (run, record) in enumerate(zip(plan.runs, records, strict=True))
         ]
 
     def __call__(self, info: StepInfo) -> None:

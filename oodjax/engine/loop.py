@@ -31,29 +31,13 @@ from absl import logging
 from analysis import schema
 from oodjax import models
 from oodjax.data import TRAIN_KEYS
-from oodjax.engine import checkpoints, console, hooks, run_lock, sharding, steps
+from oodjax.engine import checkpoints, console, hooks, resumption, run_lock, sharding, steps
 from oodjax.engine.distributed import is_primary, lost_peer
 from oodjax.engine.events import EventLog
-from oodjax.engine.hooks import (
-    Checkpoints,
-    Clock,
-    Evaluation,
-    Export,
-    Hook,
-    NonFiniteLossError,
-    StepInfo,
-    Stopping,
-    TrainLosses,
-)
+from oodjax.engine.hooks import Checkpoints, Clock, Evaluation, Hook, NonFiniteLossError, StepInfo, Stopping
 from oodjax.engine.preemption import StopSignals
 from oodjax.engine.results import Run
-from oodjax.engine.resumption import (
-    RunStart,
-    read_start,
-    refuse_changed_config,
-    set_aside_damaged,
-    warn_of_shared_checkpoints,
-)
+from oodjax.engine.resumption import RunStart, read_start, refuse_changed_config, set_aside_damaged
 from oodjax.engine.setup import Prepared, PreparedTraining, prepare_training
 
 __all__ = ["NonFiniteLossError", "Trainer", "train"]  # what a caller of train catches, the trainer, and train
@@ -68,7 +52,7 @@ def train(job: Job) -> list[Run]:
     with run_lock.locked_runs(job.runs.runs(), skip_locked=job.runs.skip_locked) as runs:
         job.log_config()
         output_dir = job.runs.output_dir
-        warn_of_shared_checkpoints(output_dir)
+        resumption.warn_of_shared_checkpoints(output_dir)
         group_of = {run: group for group in job.groups for run in group.runs}
         starts = [read_start(group_of[run], run) for run in runs]
         # before anything is written (the locks' new folders go with them)
@@ -152,21 +136,13 @@ def _summary(job: Job, starts: Sequence[RunStart]) -> None:
 class Trainer:
     """Steps a prepared group of runs from ``start`` to ``total_steps``: first each hook's ``begin``, then
     every step's ``StepInfo`` to the hooks in the order added (``add_hook``). A group of zero steps
-    (``oodjax.evaluate``) only begins; one that trains is ``PreparedTraining``, and with ``stopping`` its
-    stop signals are taken at every step, and before the first."""
+    (``oodjax.evaluate``) only begins; one that trains is ``PreparedTraining``, and with a ``stopping`` hook
+    (set by a subclass) its stop signals are taken at every step, and before the first."""
 
-    def __init__(
-        self,
-        prepared: Prepared,
-        state: steps.TrainState,
-        start: int,
-        total_steps: int,
-        *,
-        clock: Clock | None = None,
-        stopping: Stopping | None = None,
-    ):
+    def __init__(self, prepared: Prepared, state: steps.TrainState, start: int, total_steps: int):
         self.prepared, self.state, self.start, self.total_steps = prepared, state, start, total_steps
-        self.clock, self.stopping = clock or Clock(), stopping
+        self.clock = Clock()
+        self.stopping: Stopping | None = None
         self.hooks: list[Hook] = []
 
     def add_hook(self, hook: Hook) -> None:
@@ -257,19 +233,17 @@ class _Loop(Trainer):
             logging.info("%s", wandb_destination)  # once, in place of W&B's banner and footer per run
         keep = plan.cadence.checkpoint_keep
         checkpointers = [checkpoints.RunCheckpointer(run.directory, name=run.name, max_to_keep=keep) for run in runs]
-        self.group = group = hooks.Shared(plan, starts, events, checkpointers, Clock(), job.runs.output_dir)
-        losses = TrainLosses(group, job.batches.batch_size)
+        super().__init__(prepared, state, starts[0].step, plan.total_steps)
+        self.group = group = hooks.Shared(plan, starts, events, checkpointers, self.clock, job.runs.output_dir)
+        losses = hooks.TrainLosses(group, job.batches.batch_size)
         records = [hooks.run_record(job.record, run, job.model.name, **length) for run in runs]
         saves = Checkpoints(group, prepared.train_stream, losses, records)
-        stopping = Stopping(group, stop, losses, saves)
-        super().__init__(prepared, state, starts[0].step, plan.total_steps, clock=group.clock, stopping=stopping)
+        self.stopping = stopping = Stopping(group, stop, losses, saves)
         pending = starts[0].evaluation_pending if restored else None
         source, in_domain = job.model.source, job.data.train_set
-        evaluation = Evaluation(
-            prepared, runs, plan.cadence, records, source, in_domain, losses=losses, pending=pending
-        )
+        evaluation = Evaluation(prepared, plan, records, source, in_domain, losses=losses, pending=pending)
         # After each step, in this order: the losses' check and log line, a stop, evaluation, checkpoint, export.
-        for hook in (losses, stopping, evaluation, saves, Export(group, job.export, job.lora, source)):
+        for hook in (losses, stopping, evaluation, saves, hooks.Export(group, job.export, job.lora, source)):
             self.add_hook(hook)
 
     def run(self) -> None:
